@@ -1,0 +1,186 @@
+"""A small blocking dmq client for scripts, tests, the admin CLI and benchmarks.
+
+One socket, no threads: calls write frames and read until the awaited reply
+arrives, keeping pushes that arrive meanwhile for ``receive``. The full,
+thread-safe client with resend and notify queues is ``dmq_client.MqClient``;
+both drive the same sans-IO codec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections import deque
+from typing import Iterable
+
+from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode
+
+__all__ = ["BlockingClient", "ClientError"]
+
+
+class ClientError(Exception):
+    """The connection failed, timed out or the server sent a PROTOCOL_ERROR."""
+
+
+class BlockingClient:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 4150,
+        *,
+        producer: str | None = None,
+        timeout: float = 10.0,
+    ):
+        self.producer = producer or f"blocking-{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self.timeout = timeout
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._decoder = FrameDecoder()
+        self._pushes: deque[Frame] = deque()
+        self._replies: deque[Frame] = deque()
+        self._other: deque[Frame] = deque()
+        self._sessions = itertools.count(int(time.time() * 1000) << 16)
+        self._sock.sendall(MAGIC)
+
+    # -- plumbing ---------------------------------------------------------
+    def write(self, *frames: Frame) -> None:
+        try:
+            self._sock.sendall(b"".join(encode(f) for f in frames))
+        except OSError as exc:
+            raise ClientError(f"send failed: {exc}") from exc
+
+    def write_raw(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def _read_more(self, deadline: float) -> bool:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._sock.settimeout(remaining)
+        try:
+            data = self._sock.recv(1 << 16)
+        except socket.timeout:
+            return False
+        except OSError as exc:
+            raise ClientError(f"receive failed: {exc}") from exc
+        if not data:
+            raise ClientError("connection closed by server")
+        for frame in self._decoder.feed(data):
+            if frame.command == Command.CONSUMER_PUSH:
+                self._pushes.append(frame)
+            elif frame.command in SEND_REPLIES or frame.command in SUBSCRIBE_REPLIES:
+                self._replies.append(frame)
+            else:
+                self._other.append(frame)
+        return True
+
+    def next_frame(self, timeout: float | None = None) -> Frame | None:
+        """The next non-push, non-reply frame (heartbeat, health, reboot, error)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not self._other:
+            if not self._read_more(deadline):
+                return None
+        return self._other.popleft()
+
+    def _await_reply(self, match, timeout: float | None) -> Frame:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            for i, frame in enumerate(self._replies):
+                if match(frame):
+                    del self._replies[i]
+                    return frame
+            for frame in self._other:
+                if frame.command == Command.PROTOCOL_ERROR:
+                    raise ClientError(f"server closed the connection: {frame.status}")
+            if not self._read_more(deadline):
+                raise ClientError("timed out waiting for the server's reply")
+
+    # -- producing --------------------------------------------------------
+    def next_session_id(self) -> int:
+        return next(self._sessions)
+
+    def send_frame(self, topic: str, body: bytes, session_id: int | None = None, *, resend: bool = False) -> Frame:
+        return Frame(
+            Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
+            session_id=self.next_session_id() if session_id is None else session_id,
+            topic=topic,
+            producer=self.producer,
+            timestamp_ms=int(time.time() * 1000),
+            body=body,
+        )
+
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        session_id: int | None = None,
+        *,
+        resend: bool = False,
+        timeout: float | None = None,
+    ) -> Frame:
+        """Send one message and wait for its reply frame (any SEND_* command)."""
+        frame = self.send_frame(topic, body, session_id, resend=resend)
+        self.write(frame)
+        return self._await_reply(
+            lambda f: f.command in SEND_REPLIES and f.session_id == frame.session_id, timeout
+        )
+
+    def send_many(self, topic: str, bodies: Iterable[bytes], window: int = 256) -> list[Frame]:
+        """Pipelined sends with at most ``window`` unanswered; replies in send order."""
+        pending: dict[int, int] = {}
+        replies: list[Frame | None] = []
+        for body in bodies:
+            while len(pending) >= window:
+                self._collect(pending, replies)
+            frame = self.send_frame(topic, body)
+            pending[frame.session_id] = len(replies)
+            replies.append(None)
+            self.write(frame)
+        while pending:
+            self._collect(pending, replies)
+        return replies  # type: ignore[return-value]
+
+    def _collect(self, pending: dict[int, int], replies: list) -> None:
+        reply = self._await_reply(lambda f: f.command in SEND_REPLIES and f.session_id in pending, None)
+        replies[pending.pop(reply.session_id)] = reply
+
+    # -- consuming --------------------------------------------------------
+    def subscribe(self, topic: str, channel: str, credit: int = 0, timeout: float | None = None) -> Frame:
+        sid = self.next_session_id()
+        self.write(Frame(Command.UP_SUBSCRIBE, session_id=sid, topic=topic, channel=channel, credit=credit))
+        return self._await_reply(
+            lambda f: f.command in SUBSCRIBE_REPLIES and f.session_id == sid, timeout
+        )
+
+    def credit(self, topic: str, channel: str, credit: int) -> None:
+        self.write(Frame(Command.UP_CREDIT, topic=topic, channel=channel, credit=credit))
+
+    def receive(self, timeout: float | None = None) -> Frame | None:
+        """The next pushed message, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not self._pushes:
+            if not self._read_more(deadline):
+                return None
+        return self._pushes.popleft()
+
+    def ack(self, push: Frame) -> None:
+        self.write(
+            Frame(Command.UP_CONSUMER_ACK, topic=push.topic, channel=push.channel, message_id=push.message_id)
+        )
+
+    def heartbeat(self) -> None:
+        self.write(Frame(Command.UP_HEARTBEAT))
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "BlockingClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

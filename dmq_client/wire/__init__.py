@@ -1,0 +1,34 @@
+"""The dmq wire protocol, sans-IO: frames, the codec and the name rules.
+
+Imports nothing from Twisted, psycopg or socket, so it serves the server, the
+blocking client and the client library alike.
+"""
+
+from .codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, FrameError, encode
+from .frames import (
+    DOWNSTREAM,
+    MAGIC,
+    SEND_REPLIES,
+    SUBSCRIBE_REPLIES,
+    UPSTREAM,
+    Command,
+    Frame,
+    MessageType,
+    valid_name,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "DOWNSTREAM",
+    "MAGIC",
+    "SEND_REPLIES",
+    "SUBSCRIBE_REPLIES",
+    "UPSTREAM",
+    "Command",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "MessageType",
+    "encode",
+    "valid_name",
+]

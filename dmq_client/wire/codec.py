@@ -1,0 +1,262 @@
+"""Sans-IO codec for dmq frames: bytes in, frames out; frames in, bytes out.
+
+No sockets, Twisted or database code here, so the server's Twisted adapter, the
+blocking test client and the full client library all drive the same parser.
+
+Frame layout (all integers big-endian)::
+
+    0        4     5      6          8        12          20           28            36        44
+    +--------+-----+------+----------+--------+-----------+------------+-------------+---------+
+    | size   | cmd | type | attempts | credit | session   | message_id | timestamp   | due     |
+    | u32    | u8  | u8   | u16      | u32    | i64       | i64        | i64 (ms)    | i64 (ms)|
+    +--------+-----+------+----------+--------+-----------+------------+-------------+---------+
+    | topic_len u8 | topic | channel_len u8 | channel | producer_len u8 | producer |
+    | status_len u16 | status (UTF-8) | body (the rest of the frame) |
+
+``size`` counts every byte after itself, so a frame is ``4 + size`` bytes.
+Names are ASCII; the status is UTF-8. A frame larger than the decoder's
+``max_frame_size`` is refused as soon as its size field is read, before its
+bytes are buffered, so a hostile peer cannot make the reader allocate.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .frames import (
+    STATUS_MAX_LENGTH,
+    Command,
+    Frame,
+    MessageType,
+)
+
+__all__ = [
+    "FrameError",
+    "FrameDecoder",
+    "encode",
+    "HEADER_SIZE",
+    "MIN_FRAME_SIZE",
+    "DEFAULT_MAX_FRAME_SIZE",
+    "frame_overhead",
+]
+
+_SIZE = struct.Struct(">I")
+_FIXED = struct.Struct(">BBHIqqqq")
+_U16 = struct.Struct(">H")
+
+#: Bytes of the size prefix plus the fixed part.
+HEADER_SIZE = _SIZE.size + _FIXED.size
+#: Smallest valid value of the size field: fixed part and four empty strings.
+MIN_FRAME_SIZE = _FIXED.size + 1 + 1 + 1 + 2
+#: Default bound on the size field: a 1 MiB body plus room for names and status.
+DEFAULT_MAX_FRAME_SIZE = 1024 * 1024 + MIN_FRAME_SIZE + 3 * 255 + STATUS_MAX_LENGTH
+
+_I64_MIN = -(2**63)
+_I64_MAX = 2**63 - 1
+_COMMANDS = {int(c): c for c in Command}
+_MSG_TYPES = {int(t): t for t in MessageType}
+
+
+class FrameError(Exception):
+    """The byte stream is not a valid dmq frame sequence.
+
+    ``code`` is a stable machine-readable reason (E_BAD_FRAME, E_FRAME_TOO_LARGE,
+    E_BAD_COMMAND, E_BAD_MSG_TYPE, E_BAD_ENCODING, E_INVALID). After it is raised
+    the stream has lost framing and the connection should be closed.
+    """
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code} {message}")
+        self.code = code
+        self.message = message
+
+
+def frame_overhead(frame: Frame) -> int:
+    """Bytes a frame takes on the wire besides its body."""
+    return (
+        MIN_FRAME_SIZE
+        + _SIZE.size
+        + len(frame.topic)
+        + len(frame.channel)
+        + len(frame.producer)
+        + len(_status_bytes(frame.status))
+    )
+
+
+def _status_bytes(status: str) -> bytes:
+    """The status as sent: UTF-8, cut to STATUS_MAX_LENGTH bytes on a character boundary."""
+    try:
+        raw = status.encode("utf-8")
+    except UnicodeEncodeError:
+        # lone surrogates (e.g. from surrogateescape) have no UTF-8 form
+        raise FrameError("E_INVALID", "status is not valid Unicode text") from None
+    if len(raw) > STATUS_MAX_LENGTH:
+        # never split a UTF-8 sequence when truncating a long description
+        raw = raw[:STATUS_MAX_LENGTH].decode("utf-8", "ignore").encode("utf-8")
+    return raw
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or not low <= value <= high:
+        raise FrameError("E_INVALID", f"{name} {value!r} is not an integer in {low}..{high}")
+
+
+def _short_str(value: str, what: str, limit: int) -> bytes:
+    try:
+        raw = value.encode("ascii")
+    except UnicodeEncodeError:
+        raise FrameError("E_INVALID", f"{what} must be ASCII") from None
+    if len(raw) > limit:
+        raise FrameError("E_INVALID", f"{what} longer than {limit} bytes")
+    return bytes((len(raw),)) + raw
+
+
+def encode(frame: Frame) -> bytes:
+    """Serialise one frame. Raises FrameError (E_INVALID) for values the layout cannot
+    hold and for command or message type codes the decoder would refuse.
+
+    A status longer than STATUS_MAX_LENGTH bytes is truncated, not refused: it is a
+    human-readable description.
+    """
+    if _COMMANDS.get(frame.command) is None:
+        raise FrameError("E_INVALID", f"unknown command {frame.command!r}")
+    if _MSG_TYPES.get(frame.msg_type) is None:
+        raise FrameError("E_INVALID", f"unknown message type {frame.msg_type!r}")
+    for name in ("session_id", "message_id", "timestamp_ms", "due_ms"):
+        _check_int(name, getattr(frame, name), _I64_MIN, _I64_MAX)
+    _check_int("attempts", frame.attempts, 0, 0xFFFF)
+    _check_int("credit", frame.credit, 0, 0xFFFFFFFF)
+    status = _status_bytes(frame.status)
+    parts = [
+        _FIXED.pack(
+            int(frame.command),
+            int(frame.msg_type),
+            frame.attempts,
+            frame.credit,
+            frame.session_id,
+            frame.message_id,
+            frame.timestamp_ms,
+            frame.due_ms,
+        ),
+        # The layout holds up to 255 bytes; the name rules (valid_name) are the
+        # server's to enforce, so it can answer with a specific error.
+        _short_str(frame.topic, "topic", 255),
+        _short_str(frame.channel, "channel", 255),
+        _short_str(frame.producer, "producer", 255),
+        _U16.pack(len(status)),
+        status,
+        bytes(frame.body),
+    ]
+    payload = b"".join(parts)
+    if len(payload) > 0xFFFFFFFF:
+        raise FrameError("E_INVALID", f"frame of {len(payload)} bytes does not fit the size field")
+    return _SIZE.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` any chunking of the stream, get whole frames.
+
+    The buffer never holds more than one incomplete frame, bounded by
+    ``max_frame_size``. Once a FrameError has been raised the decoder refuses
+    further input, because the stream cannot be resynchronised.
+    """
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        if max_frame_size < MIN_FRAME_SIZE:
+            raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
+        self.max_frame_size = max_frame_size
+        self._buffer = bytearray()
+        self._failed: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a whole frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._failed is not None:
+            # a fresh exception each time: re-raising the stored one would grow its
+            # traceback with every call
+            raise FrameError(self._failed.code, self._failed.message)
+        self._buffer += data
+        frames: list[Frame] = []
+        buf = self._buffer
+        offset = 0
+        try:
+            while len(buf) - offset >= _SIZE.size:
+                (size,) = _SIZE.unpack_from(buf, offset)
+                if size > self.max_frame_size:
+                    raise FrameError(
+                        "E_FRAME_TOO_LARGE",
+                        f"frame of {size} bytes exceeds the limit of {self.max_frame_size}",
+                    )
+                if size < MIN_FRAME_SIZE:
+                    raise FrameError(
+                        "E_BAD_FRAME", f"frame of {size} bytes is shorter than {MIN_FRAME_SIZE}"
+                    )
+                end = offset + _SIZE.size + size
+                if len(buf) < end:
+                    break
+                frames.append(_decode_payload(memoryview(buf)[offset + _SIZE.size : end]))
+                offset = end
+        except FrameError as exc:
+            self._failed = exc
+            self._buffer = bytearray()
+            raise
+        if offset:
+            del buf[:offset]
+        return frames
+
+
+def _read_str(view: memoryview, pos: int, length_size: int, what: str) -> tuple[str, int]:
+    if length_size == 1:
+        if pos + 1 > len(view):
+            raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
+        length = view[pos]
+        pos += 1
+    else:
+        if pos + 2 > len(view):
+            raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
+        (length,) = _U16.unpack_from(view, pos)
+        pos += 2
+    end = pos + length
+    if end > len(view):
+        raise FrameError("E_BAD_FRAME", f"{what} length {length} runs past the end of the frame")
+    raw = bytes(view[pos:end])
+    try:
+        text = raw.decode("utf-8" if what == "status" else "ascii")
+    except UnicodeDecodeError:
+        raise FrameError("E_BAD_ENCODING", f"{what} is not valid text") from None
+    return text, end
+
+
+def _decode_payload(view: memoryview) -> Frame:
+    cmd, mtype, attempts, credit, session_id, message_id, timestamp_ms, due_ms = (
+        _FIXED.unpack_from(view, 0)
+    )
+    command = _COMMANDS.get(cmd)
+    if command is None:
+        raise FrameError("E_BAD_COMMAND", f"unknown command code {cmd}")
+    msg_type = _MSG_TYPES.get(mtype)
+    if msg_type is None:
+        raise FrameError("E_BAD_MSG_TYPE", f"unknown message type {mtype}")
+    pos = _FIXED.size
+    topic, pos = _read_str(view, pos, 1, "topic")
+    channel, pos = _read_str(view, pos, 1, "channel")
+    producer, pos = _read_str(view, pos, 1, "producer")
+    status, pos = _read_str(view, pos, 2, "status")
+    return Frame(
+        command=command,
+        session_id=session_id,
+        message_id=message_id,
+        topic=topic,
+        channel=channel,
+        producer=producer,
+        msg_type=msg_type,
+        due_ms=due_ms,
+        timestamp_ms=timestamp_ms,
+        attempts=attempts,
+        credit=credit,
+        status=status,
+        body=bytes(view[pos:]),
+    )

@@ -1,0 +1,131 @@
+"""The frames of the dmq wire protocol: what travels, not how.
+
+One frame type (``Frame``) carries every command, like DMQ's ``MqBody``: a command
+code plus the fields that command uses. Keeping a single shape makes the codec
+small, lets the client and server share it, and makes every frame round-trip
+through the same code path (which is what the property tests check).
+``docs/protocol.md`` is the normative description of each command.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "MAGIC",
+    "Command",
+    "MessageType",
+    "Frame",
+    "UPSTREAM",
+    "DOWNSTREAM",
+    "SEND_REPLIES",
+    "SUBSCRIBE_REPLIES",
+    "valid_name",
+    "NAME_MAX_LENGTH",
+    "PRODUCER_MAX_LENGTH",
+    "STATUS_MAX_LENGTH",
+]
+
+#: Sent once by the client as the first four bytes of a connection. The server
+#: sniffs these bytes to choose the protocol (NSQ clients send ``b"  V2"``).
+MAGIC = b"DMQ1"
+
+NAME_MAX_LENGTH = 64
+PRODUCER_MAX_LENGTH = 64
+STATUS_MAX_LENGTH = 4096
+
+_NAME_RE = re.compile(r"^[.a-zA-Z0-9_-]+(#ephemeral)?$")
+
+
+def valid_name(name: str) -> bool:
+    """Topic and channel names follow NSQ's rule so both protocols share them."""
+    # fullmatch, not match: Python's ``$`` also matches before a trailing newline,
+    # which would accept "orders\n" (Go's ``$``, which NSQ uses, does not).
+    return 1 <= len(name) <= NAME_MAX_LENGTH and _NAME_RE.fullmatch(name) is not None
+
+
+class Command(enum.IntEnum):
+    """Command codes. Upstream (client to server) codes are below 32."""
+
+    # client -> server
+    UP_SUBSCRIBE = 1
+    UP_PRODUCER_SEND = 2
+    UP_CONSUMER_ACK = 3
+    UP_PRODUCER_RESEND = 4
+    UP_CREDIT = 5
+    UP_HEARTBEAT = 6
+    # server -> client
+    SUBSCRIBE_ACK = 32
+    SEND_SUCCESS_ACK = 33
+    SEND_NO_TOPIC_ACK = 34
+    SUBSCRIBE_NO_TOPIC_ACK = 35
+    SUBSCRIBE_NO_CLIENT_ID_ACK = 36
+    SEND_SERVER_ERROR = 37
+    SUBSCRIBE_SERVER_ERROR = 38
+    SEND_EXCEED_LIMIT_ACK = 39
+    CONSUMER_PUSH = 40
+    SERVER_REBOOT = 41
+    SERVER_HEALTH = 42
+    SERVER_HEARTBEAT = 43
+    SEND_INVALID_ACK = 44
+    SUBSCRIBE_INVALID_ACK = 45
+    PROTOCOL_ERROR = 46
+
+
+UPSTREAM = frozenset(c for c in Command if c < 32)
+DOWNSTREAM = frozenset(c for c in Command if c >= 32)
+
+#: Replies a producer can get to a send or resend; each carries its session id.
+SEND_REPLIES = frozenset(
+    {
+        Command.SEND_SUCCESS_ACK,
+        Command.SEND_NO_TOPIC_ACK,
+        Command.SEND_SERVER_ERROR,
+        Command.SEND_EXCEED_LIMIT_ACK,
+        Command.SEND_INVALID_ACK,
+    }
+)
+
+#: Replies a consumer can get to a subscribe.
+SUBSCRIBE_REPLIES = frozenset(
+    {
+        Command.SUBSCRIBE_ACK,
+        Command.SUBSCRIBE_NO_TOPIC_ACK,
+        Command.SUBSCRIBE_NO_CLIENT_ID_ACK,
+        Command.SUBSCRIBE_SERVER_ERROR,
+        Command.SUBSCRIBE_INVALID_ACK,
+    }
+)
+
+
+class MessageType(enum.IntEnum):
+    """RELIABLE is stored and pushed at once; DELAY waits for ``due_ms``."""
+
+    RELIABLE = 0
+    DELAY = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One protocol frame. Fields a command does not use keep their defaults.
+
+    Times are integer milliseconds since the Unix epoch. ``credit`` is the
+    consumer's window of unacknowledged pushes (UP_SUBSCRIBE, UP_CREDIT) or the
+    heartbeat interval in milliseconds (UP_HEARTBEAT, SERVER_HEARTBEAT).
+    """
+
+    command: Command
+    session_id: int = 0
+    message_id: int = 0
+    topic: str = ""
+    channel: str = ""
+    producer: str = ""
+    msg_type: MessageType = MessageType.RELIABLE
+    due_ms: int = 0
+    timestamp_ms: int = 0
+    attempts: int = 0
+    credit: int = 0
+    status: str = ""
+    body: bytes = field(default=b"", repr=False)

@@ -1,0 +1,276 @@
+"""A channel (consumer group) of a reliable topic: memory window, in flight, redelivery.
+
+PostgreSQL holds every unacknowledged copy; the channel holds only a window of
+them (``mem_queue_size``) plus what is in flight, so a backlog of millions costs
+the server no memory. When the window runs low and the database may hold more
+(``backlog``), the channel asks its loader for rows after ``cursor``.
+
+Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
+``push(delivery)``. Time comes from an injected clock (``seconds()``), and
+deadlines sit in one heap scanned by the broker, never one timer per message.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+__all__ = ["Message", "Delivery", "Consumer", "Channel"]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    message_id: int
+    topic: str
+    producer: str
+    session_id: int
+    published_ms: int
+    body: bytes = field(repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One channel's copy of a message, while the server holds it in memory."""
+
+    message: Message
+    attempts: int = 0
+    first_delivered_ms: int = 0
+    consumer: Any = None
+    deadline: float = 0.0
+    epoch: int = 0  # bumped on every (re)push so stale heap entries are ignored
+
+
+class Consumer(Protocol):
+    credit: int
+    in_flight: int
+
+    def push(self, channel: "Channel", delivery: Delivery) -> None: ...
+
+
+class Channel:
+    def __init__(
+        self,
+        topic: str,
+        name: str,
+        *,
+        clock: Any,
+        msg_timeout: float,
+        mem_queue_size: int,
+        load: Callable[["Channel", int, int], None],
+        on_ack: Callable[["Channel", Delivery, int], None],
+    ):
+        self.topic = topic
+        self.name = name
+        self.clock = clock
+        self.msg_timeout = msg_timeout
+        self.mem_queue_size = mem_queue_size
+        self._load = load
+        self._on_ack = on_ack
+        self.ready: deque[Delivery] = deque()
+        self.in_flight: dict[int, Delivery] = {}
+        self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
+        self.consumers: deque[Consumer] = deque()
+        self._deadlines: list[tuple[float, int, int]] = []
+        # Start assuming the database holds copies we have not seen (restart, takeover).
+        self.backlog = True
+        self.cursor = 0
+        self.loading = False
+        self._arrived_while_loading: list[Delivery] = []
+        self.closed = False
+        # counters for /stats
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self.ack_count = 0
+
+    # -- arrivals ---------------------------------------------------------
+    def add(self, message: Message) -> None:
+        """A freshly committed copy for this channel."""
+        if self.closed or message.message_id in self.known:
+            return
+        self.message_count += 1
+        delivery = Delivery(message)
+        if self.loading:
+            self._arrived_while_loading.append(delivery)
+            return
+        if self.backlog or len(self.ready) >= self.mem_queue_size:
+            # leave it in PostgreSQL; the next load picks it up in id order
+            self.backlog = True
+            self._maybe_load()
+            return
+        self._enqueue(delivery)
+        self.pump()
+
+    def _enqueue(self, delivery: Delivery) -> None:
+        self.known.add(delivery.message.message_id)
+        self.ready.append(delivery)
+
+    # -- loading the backlog ---------------------------------------------
+    def _maybe_load(self) -> None:
+        if (
+            self.backlog
+            and not self.loading
+            and not self.closed
+            and self.consumers
+            and len(self.ready) < self.mem_queue_size // 2 + 1
+        ):
+            self.loading = True
+            self._load(self, self.cursor, self.mem_queue_size - len(self.ready))
+
+    def loaded(self, rows: Iterable[Any], limit: int) -> None:
+        """Loader callback: rows are BacklogRow-like, in id order."""
+        self.loading = False
+        count = 0
+        for row in rows:
+            count += 1
+            self.cursor = max(self.cursor, row.message_id)
+            if row.message_id in self.known:
+                continue
+            message = Message(
+                row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
+            )
+            self._enqueue(Delivery(message, attempts=row.attempts))
+        if count < limit:
+            # the table had nothing more when we looked; later arrivals were kept aside
+            self.backlog = False
+        arrived, self._arrived_while_loading = self._arrived_while_loading, []
+        for delivery in arrived:
+            mid = delivery.message.message_id
+            if mid in self.known:
+                continue
+            if self.backlog or len(self.ready) >= self.mem_queue_size:
+                self.backlog = True
+            else:
+                self._enqueue(delivery)
+        self.pump()
+
+    def load_failed(self) -> None:
+        """Loader callback on a storage error: keep the backlog flag, retry later."""
+        self.loading = False
+        self.backlog = True
+        self._arrived_while_loading.clear()
+
+    # -- consumers --------------------------------------------------------
+    def subscribe(self, consumer: Consumer) -> None:
+        if consumer not in self.consumers:
+            self.consumers.append(consumer)
+        self._maybe_load()
+        self.pump()
+
+    def unsubscribe(self, consumer: Consumer) -> None:
+        """Take a consumer away; its unacknowledged copies go back to the front."""
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            pass
+        mine = [d for d in self.in_flight.values() if d.consumer is consumer]
+        mine.sort(key=lambda d: d.message.message_id, reverse=True)
+        for delivery in mine:
+            self._requeue(delivery)
+        self.pump()
+
+    def pump(self) -> None:
+        """Push ready copies to consumers with free credit, round robin."""
+        consumers = self.consumers
+        while self.ready and consumers:
+            for _ in range(len(consumers)):
+                consumer = consumers[0]
+                consumers.rotate(-1)
+                if consumer.in_flight < consumer.credit:
+                    break
+            else:
+                break  # nobody has credit
+            delivery = self.ready.popleft()
+            self._start_flight(delivery, consumer)
+        self._maybe_load()
+
+    def _start_flight(self, delivery: Delivery, consumer: Consumer) -> None:
+        now = self.clock.seconds()
+        delivery.attempts += 1
+        if not delivery.first_delivered_ms:
+            delivery.first_delivered_ms = int(now * 1000)
+        delivery.consumer = consumer
+        delivery.deadline = now + self.msg_timeout
+        delivery.epoch += 1
+        self.in_flight[delivery.message.message_id] = delivery
+        heapq.heappush(self._deadlines, (delivery.deadline, delivery.message.message_id, delivery.epoch))
+        consumer.in_flight += 1
+        consumer.push(self, delivery)
+
+    def _requeue(self, delivery: Delivery) -> None:
+        mid = delivery.message.message_id
+        if self.in_flight.pop(mid, None) is None:
+            return
+        if delivery.consumer is not None:
+            delivery.consumer.in_flight -= 1
+        delivery.consumer = None
+        self.requeue_count += 1
+        self.ready.appendleft(delivery)
+
+    # -- acks and timeouts -----------------------------------------------
+    def ack(self, message_id: int) -> bool:
+        delivery = self.in_flight.pop(message_id, None)
+        if delivery is None:
+            return False
+        if delivery.consumer is not None:
+            delivery.consumer.in_flight -= 1
+            delivery.consumer = None
+        self.ack_count += 1
+        # stays in `known` until the durable ack commits, so a load cannot resurrect it
+        self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
+        self.pump()
+        return True
+
+    def ack_durable(self, message_ids: Iterable[int]) -> None:
+        for mid in message_ids:
+            if mid not in self.in_flight:
+                self.known.discard(mid)
+
+    def ack_not_durable(self, message_ids: Iterable[int]) -> None:
+        """The durable ack failed for good: forget them so they may be loaded again."""
+        self.ack_durable(message_ids)
+
+    def scan(self, now: float) -> int:
+        """Requeue copies whose deadline passed; returns how many."""
+        expired = 0
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, mid, epoch = heapq.heappop(heap)
+            delivery = self.in_flight.get(mid)
+            if delivery is None or delivery.epoch != epoch:
+                continue
+            expired += 1
+            self.timeout_count += 1
+            self._requeue(delivery)
+        if expired:
+            self.pump()
+        return expired
+
+    def close(self) -> list[Consumer]:
+        """The channel was unregistered: drop memory, return its consumers."""
+        self.closed = True
+        consumers = list(self.consumers)
+        for delivery in self.in_flight.values():
+            if delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+        self.consumers.clear()
+        self.ready.clear()
+        self.in_flight.clear()
+        self.known.clear()
+        self._deadlines.clear()
+        return consumers
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "channel_name": self.name,
+            "depth": len(self.ready),
+            "in_flight_count": len(self.in_flight),
+            "backlog_pending": self.backlog,
+            "message_count": self.message_count,
+            "requeue_count": self.requeue_count,
+            "timeout_count": self.timeout_count,
+            "ack_count": self.ack_count,
+            "clients": len(self.consumers),
+        }

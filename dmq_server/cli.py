@@ -1,0 +1,240 @@
+"""``dmq``: the admin command line (topics, channels, stats, migrations).
+
+It talks to PostgreSQL directly (``--pg-dsn``, or the embedded PostgreSQL under
+``--data-path``, started for the command and stopped again if it was not
+running), so it works whether or not a server is up. Exit status: 0 on
+success, 1 on a refused operation (unknown name, duplicate, invalid name),
+2 on bad usage, 3 when the database cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def _database(args: argparse.Namespace) -> Iterator[Any]:
+    from .store import StorageError, connect, migrate
+
+    embedded = None
+    started_here = False
+    dsn = args.pg_dsn
+    try:
+        if not dsn:
+            from .embedded_pg import EmbeddedPostgres, EmbeddedPostgresError
+
+            data_dir = Path(args.data_path).resolve()
+            if not (data_dir / "pg").exists():
+                raise CliError(
+                    f"no dmq data under {data_dir}: start dmq-server there first, or pass --pg-dsn",
+                    3,
+                )
+            embedded = EmbeddedPostgres(data_dir)
+            started_here = not embedded.is_running()
+            try:
+                dsn = embedded.start()
+            except EmbeddedPostgresError as exc:
+                raise CliError(f"cannot start the embedded PostgreSQL: {exc}", 3) from exc
+        try:
+            migrate(dsn)
+            conn = connect(dsn, autocommit=True)
+        except StorageError as exc:
+            raise CliError(str(exc), 3) from exc
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        if embedded is not None and started_here:
+            embedded.stop()
+
+
+def _duration_ms(text: str) -> int:
+    from .options import parse_duration
+
+    try:
+        return int(parse_duration(text) * 1000)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+
+
+def _topic_dict(row: Any) -> dict:
+    return {
+        "name": row.name,
+        "store": row.store,
+        "msg_timeout_ms": row.msg_timeout_ms,
+        "rate_limit": row.rate_limit,
+        "ttl_ms": row.ttl_ms,
+        "max_attempts": row.max_attempts,
+        "channels": list(row.channels),
+    }
+
+
+def cmd_topic(args: argparse.Namespace) -> None:
+    import registry
+
+    with _database(args) as conn:
+        try:
+            if args.action == "create":
+                registry.create_topic(
+                    conn,
+                    args.name,
+                    store=args.store,
+                    msg_timeout_ms=_duration_ms(args.msg_timeout),
+                )
+                print(f"created topic {args.name}")
+            elif args.action == "delete":
+                registry.delete_topic(conn, args.name)
+                print(f"deleted topic {args.name}")
+            elif args.action == "list":
+                rows = registry.topics(conn)
+                if args.json:
+                    print(json.dumps([_topic_dict(r) for r in rows], indent=2))
+                else:
+                    for row in rows:
+                        print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}")
+            elif args.action == "show":
+                print(json.dumps(_topic_dict(registry.get_topic(conn, args.name)), indent=2))
+        except registry.RegistryError as exc:
+            raise CliError(str(exc)) from exc
+
+
+def cmd_channel(args: argparse.Namespace) -> None:
+    import registry
+
+    with _database(args) as conn:
+        try:
+            if args.action == "add":
+                registry.add_channel(conn, args.topic, args.name)
+                print(f"added channel {args.name} to topic {args.topic}")
+            else:
+                registry.remove_channel(conn, args.topic, args.name)
+                print(f"removed channel {args.name} from topic {args.topic}")
+        except registry.RegistryError as exc:
+            raise CliError(str(exc)) from exc
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    from dmq_sql import queries
+
+    with _database(args) as conn:
+        counts = conn.execute(queries["table_counts"]).fetchone()
+        depths = conn.execute(queries["channel_depths"]).fetchall()
+    stored = {
+        "messages": counts[0],
+        "deliveries_pending": counts[1],
+        "delivery_log": counts[2],
+        "dead_letters": counts[3],
+        "channels": [{"topic": t, "channel": c, "stored_depth": d} for t, c, d in depths],
+    }
+    live = None
+    try:
+        with urllib.request.urlopen(f"http://{args.http_address}/stats", timeout=2) as resp:
+            live = json.load(resp)
+    except (OSError, ValueError):
+        live = None
+    if args.json:
+        print(json.dumps({"stored": stored, "server": live}, indent=2))
+        return
+    print(
+        f"stored: {stored['messages']} messages, {stored['deliveries_pending']} unacknowledged "
+        f"deliveries, {stored['delivery_log']} delivery log rows, {stored['dead_letters']} dead letters"
+    )
+    for ch in stored["channels"]:
+        print(f"  {ch['topic']}/{ch['channel']}: {ch['stored_depth']} waiting")
+    if live is None:
+        print(f"server: not reachable at http://{args.http_address}/stats")
+    else:
+        print(f"server {live['node_id']}: health {live['health']}, published {live['published']}")
+        for topic in live["topics"]:
+            for ch in topic["channels"]:
+                print(
+                    f"  {topic['topic_name']}/{ch['channel_name']}: {ch['clients']} consumers, "
+                    f"{ch['in_flight_count']} in flight, {ch['depth']} ready in memory"
+                )
+
+
+def cmd_db(args: argparse.Namespace) -> None:
+    from .store import schema_version
+
+    # _database applies pending migrations before handing out the connection
+    with _database(args) as conn:
+        version = schema_version(conn)
+    print(f"schema is at version {version}" if args.action == "migrate" else version)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dmq", description="dmq admin command line")
+    parser.add_argument("--pg-dsn", default=os.environ.get("DMQ_PG_DSN", ""), help="PostgreSQL DSN (env DMQ_PG_DSN)")
+    parser.add_argument(
+        "--data-path",
+        default=os.environ.get("DMQ_DATA_PATH", "./dmq-data"),
+        help="data directory of an embedded-PostgreSQL dmq (env DMQ_DATA_PATH)",
+    )
+    parser.add_argument(
+        "--http-address",
+        default=os.environ.get("DMQ_HTTP_ADDRESS", "127.0.0.1:4151"),
+        help="a server's HTTP address, for live stats",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    topic = sub.add_parser("topic", help="manage topics")
+    tsub = topic.add_subparsers(dest="action", required=True)
+    create = tsub.add_parser("create", help="register a topic")
+    create.add_argument("name")
+    create.add_argument("--msg-timeout", default="60s", help="redelivery timeout (default 60s)")
+    create.add_argument("--store", default="reliable", choices=["reliable", "fast"])
+    for action in ("delete", "show"):
+        p = tsub.add_parser(action, help=f"{action} a topic")
+        p.add_argument("name")
+    lst = tsub.add_parser("list", help="list topics")
+    lst.add_argument("--json", action="store_true")
+    topic.set_defaults(func=cmd_topic)
+
+    channel = sub.add_parser("channel", help="manage a topic's channels (consumer groups)")
+    csub = channel.add_subparsers(dest="action", required=True)
+    for action in ("add", "remove"):
+        p = csub.add_parser(action, help=f"{action} a channel")
+        p.add_argument("topic")
+        p.add_argument("name")
+    channel.set_defaults(func=cmd_channel)
+
+    stats = sub.add_parser("stats", help="stored and live statistics")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(func=cmd_stats)
+
+    db = sub.add_parser("db", help="schema management")
+    dsub = db.add_subparsers(dest="action", required=True)
+    dsub.add_parser("migrate", help="apply pending migrations")
+    dsub.add_parser("version", help="print the schema version")
+    db.set_defaults(func=cmd_db)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except CliError as exc:
+        print(f"dmq: {exc}", file=sys.stderr)
+        return exc.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

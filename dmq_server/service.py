@@ -1,0 +1,171 @@
+"""The server as a Twisted service: started in order, stopped in reverse.
+
+Start: storage (embedded PostgreSQL if no DSN, migrations, DB workers) →
+broker (registry cache, scanners) → listeners (TCP, HTTP). Stop: tell clients
+SERVER_REBOOT, stop listening, commit and answer every queued send, make
+acknowledgements durable, close connections, stop the workers and the
+embedded PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
+
+from dmq_client.wire import MAGIC
+
+from .broker import Broker
+from .dmq_protocol import DmqConnection
+from .http_api import VERSION, make_site
+from .listener import PortFactory
+from .options import Options
+from .store import DbWorker, migrate, ping
+
+__all__ = ["DmqServer", "DmqService", "make_service"]
+
+log = Logger()
+
+WORKER_ROLES = ("writer", "acker", "loader", "admin", "health")
+
+
+def _endpoint(reactor: Any, host: str, port: int) -> Any:
+    if ":" in host:
+        return TCP6ServerEndpoint(reactor, port, interface=host)
+    return TCP4ServerEndpoint(reactor, port, interface=host, backlog=511)
+
+
+class DmqServer:
+    def __init__(self, options: Options, reactor: Any):
+        self.options = options
+        self.reactor = reactor
+        self.dsn = options.pg_dsn
+        self.embedded: Any = None
+        self.workers: dict[str, DbWorker] = {}
+        self.broker: Broker | None = None
+        self.connections: set[DmqConnection] = set()
+        self.tcp_port: Any = None
+        self.http_port: Any = None
+        host, port = options.tcp_endpoint
+        self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
+
+    @defer.inlineCallbacks
+    def start(self) -> Any:
+        options = self.options
+        if not self.dsn:
+            from .embedded_pg import EmbeddedPostgres
+
+            data_dir = options.data_dir
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self.embedded = EmbeddedPostgres(data_dir)
+            self.dsn = yield deferToThread(self.embedded.start)
+        applied = yield deferToThread(migrate, self.dsn)
+        if applied:
+            log.info("applied schema migrations {versions}", versions=applied)
+        for role in WORKER_ROLES:
+            worker = DbWorker(self.reactor, self.dsn, role)
+            worker.start()
+            self.workers[role] = worker
+        self.broker = Broker(options, self.reactor, self.workers, self.node_id)
+        self.broker.health_listeners.append(self._health_changed)
+        yield self.broker.start()
+
+        def make_dmq(transport: Any) -> DmqConnection:
+            return DmqConnection(transport, self.broker, self.reactor, self.connections)
+
+        factory = PortFactory(self.reactor, {MAGIC: make_dmq})
+        host, port = options.tcp_endpoint
+        self.tcp_port = yield _endpoint(self.reactor, host, port).listen(factory)
+        host, port = options.http_endpoint
+        site = make_site(self._ping, self.broker.stats, self.info)
+        self.http_port = yield _endpoint(self.reactor, host, port).listen(site)
+        log.info("dmq node {node} ready", node=self.node_id)
+        return self
+
+    @property
+    def tcp_address(self) -> tuple[str, int]:
+        addr = self.tcp_port.getHost()
+        return addr.host, addr.port
+
+    @property
+    def http_address(self) -> tuple[str, int]:
+        addr = self.http_port.getHost()
+        return addr.host, addr.port
+
+    def info(self) -> dict:
+        tcp_host, tcp_port = self.tcp_address
+        http_host, http_port = self.http_address
+        return {
+            "version": VERSION,
+            "node_id": self.node_id,
+            "tcp_address": f"{tcp_host}:{tcp_port}",
+            "http_address": f"{http_host}:{http_port}",
+            "tcp_port": tcp_port,
+            "http_port": http_port,
+            "start_time": int(self.broker.started_at) if self.broker else 0,
+            "data_path": str(self.options.data_dir),
+            "embedded_postgres": self.embedded is not None,
+        }
+
+    def _ping(self) -> Any:
+        d = self.workers["health"].run(ping)
+        d.addTimeout(5, self.reactor)
+        return d
+
+    def _health_changed(self, ok: bool) -> None:
+        for conn in list(self.connections):
+            conn.health_changed(ok)
+
+    @defer.inlineCallbacks
+    def stop(self) -> Any:
+        log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
+        for conn in list(self.connections):
+            conn.reboot()
+        if self.tcp_port is not None:
+            yield self.tcp_port.stopListening()
+        if self.broker is not None:
+            done = self.broker.stop()
+            done.addTimeout(self.options.shutdown_timeout, self.reactor)
+            try:
+                yield done
+            except defer.TimeoutError:
+                log.error("shutdown timed out waiting for batches to commit")
+        for conn in list(self.connections):
+            conn.close()
+        if self.http_port is not None:
+            yield self.http_port.stopListening()
+        for worker in self.workers.values():
+            worker.stop()
+        if self.embedded is not None:
+            yield deferToThread(self.embedded.stop)
+        log.info("dmq node {node} stopped", node=self.node_id)
+
+
+class DmqService(Service):
+    """Adapts DmqServer to twisted.application (``twistd``-style trees)."""
+
+    def __init__(self, options: Options, reactor: Any):
+        self.server = DmqServer(options, reactor)
+        self.ready: defer.Deferred = defer.Deferred()
+
+    def startService(self) -> None:
+        super().startService()
+        self.server.start().chainDeferred(self.ready)
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return self.server.stop()
+
+
+def make_service(options: Options, reactor: Any | None = None) -> DmqService:
+    if reactor is None:
+        from twisted.internet import reactor as default_reactor
+
+        reactor = default_reactor
+    return DmqService(options, reactor)

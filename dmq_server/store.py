@@ -1,0 +1,290 @@
+"""The PostgreSQL store: the only module that imports psycopg.
+
+Each role (group-commit writer, ack flusher, backlog loader, admin) gets its
+own ``DbWorker``: one thread holding one connection. Work for a role runs in
+order on its thread, so the reactor never blocks on the database and a slow
+backlog scan never delays a commit. A broken connection is dropped and
+re-opened on the next call, so the server recovers from a PostgreSQL restart
+without restarting itself. Errors leave this module as ``StorageError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import psycopg
+from twisted.internet.defer import Deferred
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from dmq_sql import migrations, queries
+
+__all__ = [
+    "StorageError",
+    "DbWorker",
+    "TopicRow",
+    "StoredMessage",
+    "NewMessage",
+    "BacklogRow",
+    "AckRow",
+    "migrate",
+    "connect",
+    "list_topics",
+    "insert_messages",
+    "ack_deliveries",
+    "load_backlog",
+    "sweep_messages",
+]
+
+T = TypeVar("T")
+log = Logger()
+
+
+class StorageError(Exception):
+    """PostgreSQL could not do what was asked; the message says what failed."""
+
+
+def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5) -> psycopg.Connection:
+    """A connection with the settings dmq relies on (durable commits, UTC)."""
+    try:
+        conn = psycopg.connect(
+            dsn,
+            autocommit=autocommit,
+            connect_timeout=connect_timeout,
+            options="-c synchronous_commit=on -c TimeZone=UTC",
+            application_name="dmq",
+        )
+    except psycopg.Error as exc:
+        raise StorageError(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+    return conn
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else exc.__class__.__name__
+
+
+class DbWorker:
+    """One thread, one connection, calls run in submission order."""
+
+    def __init__(self, reactor: Any, dsn: str, name: str):
+        self._reactor = reactor
+        self._dsn = dsn
+        self.name = name
+        self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"dmq-db-{name}")
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._pool.start()
+
+    def stop(self) -> None:
+        self._pool.stop()
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # closing a dead connection may fail; nothing to do
+                pass
+            self._conn = None
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred:
+        """Run ``fn(conn, *args)`` in a transaction on this worker's thread."""
+        return deferToThreadPool(self._reactor, self._pool, self._call, fn, args, kwargs)
+
+    def _call(self, fn: Callable[..., T], args: Sequence[Any], kwargs: dict) -> T:
+        with self._lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = connect(self._dsn)
+            conn = self._conn
+            try:
+                with conn.transaction():
+                    return fn(conn, *args, **kwargs)
+            except StorageError:
+                self._drop_if_broken(conn)
+                raise
+            except psycopg.Error as exc:
+                self._drop_if_broken(conn)
+                raise StorageError(f"{self.name}: {_describe(exc)}") from exc
+
+    def _drop_if_broken(self, conn: psycopg.Connection) -> None:
+        if conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.UNKNOWN:
+            try:
+                conn.close()
+            finally:
+                self._conn = None
+
+
+# -- schema ---------------------------------------------------------------
+
+
+def migrate(dsn: str) -> list[int]:
+    """Apply every migration not yet recorded; returns the versions applied now."""
+    applied_now: list[int] = []
+    with connect(dsn) as conn:
+        try:
+            with conn.transaction():
+                conn.execute(queries["create_schema_version"])
+            with conn.transaction():
+                conn.execute(queries["lock_migrations"])
+                done = {row[0] for row in conn.execute(queries["schema_versions"])}
+                for version, description, sql in migrations():
+                    if version in done:
+                        continue
+                    conn.execute(sql)
+                    conn.execute(
+                        queries["record_migration"],
+                        {"version": version, "description": description},
+                    )
+                    applied_now.append(version)
+        except psycopg.Error as exc:
+            raise StorageError(f"migration failed: {_describe(exc)}") from exc
+    return applied_now
+
+
+def schema_version(conn: psycopg.Connection) -> int:
+    rows = conn.execute(queries["schema_versions"]).fetchall()
+    return rows[-1][0] if rows else 0
+
+
+# -- registry -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRow:
+    name: str
+    store: str
+    msg_timeout_ms: int
+    rate_limit: int | None
+    ttl_ms: int | None
+    max_attempts: int | None
+    channels: tuple[str, ...]
+
+
+def list_topics(conn: psycopg.Connection) -> list[TopicRow]:
+    return [
+        TopicRow(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]))
+        for r in conn.execute(queries["list_topics"])
+    ]
+
+
+def ping(conn: psycopg.Connection) -> bool:
+    return conn.execute(queries["ping"]).fetchone()[0] == 1
+
+
+# -- messages -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewMessage:
+    """A validated send waiting for the group commit."""
+
+    topic: str
+    producer: str
+    session_id: int
+    produced_ms: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """What the commit made of a NewMessage. ``duplicate``: it was stored before."""
+
+    message_id: int
+    published_ms: int
+    channels: tuple[str, ...]
+    duplicate: bool
+
+
+def insert_messages(
+    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str
+) -> list[StoredMessage]:
+    """Store a batch and its deliveries in the caller's transaction."""
+    rows = conn.execute(
+        queries["insert_messages"],
+        {
+            "topics": [m.topic for m in batch],
+            "producers": [m.producer for m in batch],
+            "session_ids": [m.session_id for m in batch],
+            "produced_ms": [m.produced_ms for m in batch],
+            "bodies": [m.body for m in batch],
+            "node_id": node_id,
+        },
+    ).fetchall()
+    fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
+    missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
+    if missing:
+        found = conn.execute(
+            queries["find_messages"],
+            {
+                "producers": [m.producer for m in missing],
+                "session_ids": [m.session_id for m in missing],
+            },
+        ).fetchall()
+        for r in found:
+            fresh.setdefault((r[1], r[2]), StoredMessage(r[0], r[3], (), True))
+    results = []
+    seen: set[tuple[str, int]] = set()
+    for m in batch:
+        key = (m.producer, m.session_id)
+        stored = fresh.get(key)
+        if stored is None:
+            raise StorageError(f"message {key} neither stored nor found")
+        if key in seen and not stored.duplicate:
+            # the same pair twice in one batch: the second is a resend
+            stored = StoredMessage(stored.message_id, stored.published_ms, (), True)
+        seen.add(key)
+        results.append(stored)
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class AckRow:
+    topic: str
+    channel: str
+    message_id: int
+    first_ms: int
+    acked_ms: int
+    attempts: int
+
+
+def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
+    cur = conn.execute(
+        queries["ack_deliveries"],
+        {
+            "topics": [a.topic for a in acks],
+            "channels": [a.channel for a in acks],
+            "message_ids": [a.message_id for a in acks],
+            "first_ms": [a.first_ms for a in acks],
+            "acked_ms": [a.acked_ms for a in acks],
+            "attempts": [a.attempts for a in acks],
+        },
+    )
+    return cur.rowcount
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogRow:
+    message_id: int
+    producer: str
+    session_id: int
+    published_ms: int
+    body: bytes
+    attempts: int
+
+
+def load_backlog(
+    conn: psycopg.Connection, topic: str, channel: str, after: int, limit: int
+) -> list[BacklogRow]:
+    rows = conn.execute(
+        queries["load_backlog"],
+        {"topic": topic, "channel": channel, "after": after, "limit": limit},
+    ).fetchall()
+    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
+
+
+def sweep_messages(conn: psycopg.Connection, retention_s: float, limit: int) -> int:
+    cur = conn.execute(queries["sweep_messages"], {"retention_s": retention_s, "limit": limit})
+    return cur.rowcount
