@@ -170,6 +170,22 @@ class BlockingClient:
             Frame(Command.UP_CONSUMER_ACK, topic=push.topic, channel=push.channel, message_id=push.message_id)
         )
 
+    def drain(self, timeout: float = 5.0) -> list[Frame]:
+        """Read until the server closes the connection (or ``timeout``); every frame
+        received and not yet consumed, in arrival order within each kind:
+        replies, then pushes, then other frames."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._read_more(deadline):
+                pass
+        except ClientError:
+            pass  # closed by the server: what we wanted
+        frames = list(self._replies) + list(self._pushes) + list(self._other)
+        self._replies.clear()
+        self._pushes.clear()
+        self._other.clear()
+        return frames
+
     def heartbeat(self) -> None:
         self.write(Frame(Command.UP_HEARTBEAT))
 

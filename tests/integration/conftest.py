@@ -1,0 +1,37 @@
+"""Fixtures for integration tests: a real dmq-server subprocess on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from .support import ServerProcess
+
+
+@pytest.fixture
+def make_server(pg_dsn, tmp_path):
+    """Factory: ``make_server(**flags)`` starts a dmq-server on the test's database."""
+    servers: list[ServerProcess] = []
+
+    def make(dsn: str | None = None, start: bool = True, **flags: str) -> ServerProcess:
+        server = ServerProcess(dsn or pg_dsn, tmp_path, **flags)
+        servers.append(server)
+        return server.start() if start else server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def topic(pg_dsn):
+    """A registered topic ``orders`` with channel ``billing``."""
+    from dmq_server.store import connect, migrate
+    import registry
+
+    migrate(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders", msg_timeout_ms=60000)
+        registry.add_channel(conn, "orders", "billing")
+    return "orders"
+
+

@@ -1,0 +1,147 @@
+"""Helpers that run the real dmq server as a subprocess against real PostgreSQL.
+
+A subprocess (not an in-process reactor) because the tests kill it with
+SIGKILL, stop it with SIGTERM and restart it, exactly as an operator would.
+Readiness is an event (``/ping`` answering OK), polled with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psycopg
+
+from dmq_client.blocking import BlockingClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class ServerProcess:
+    """A dmq-server subprocess with fixed ports, so a restart keeps its address."""
+
+    def __init__(self, dsn: str, log_dir: Path, **flags: str):
+        self.dsn = dsn
+        self.tcp_port = free_port()
+        self.http_port = free_port()
+        self.flags = flags
+        self.log_path = log_dir / f"dmq-server-{self.tcp_port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def args(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "dmq_server.main",
+            "--pg-dsn",
+            self.dsn,
+            "--tcp-address",
+            f"127.0.0.1:{self.tcp_port}",
+            "--http-address",
+            f"127.0.0.1:{self.http_port}",
+        ]
+        for name, value in self.flags.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        return args
+
+    def start(self, timeout: float = 30.0) -> "ServerProcess":
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dmq-server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status, _ = http_get(self.http + "/ping", timeout=1)
+                if status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"dmq-server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs, like a crash or a power cut."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def client(self, **kwargs) -> BlockingClient:
+        return BlockingClient("127.0.0.1", self.tcp_port, **kwargs)
+
+
+def run_cli(dsn: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", dsn, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def db_rows(dsn: str, sql: str, *params) -> list[tuple]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """Poll an observable condition with a deadline (the event has no push notification)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(interval)
+
+
