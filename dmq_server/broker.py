@@ -54,7 +54,7 @@ class SubscribeRejected(Exception):
         self.description = description
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Published:
     message_id: int
     duplicate: bool
@@ -71,9 +71,8 @@ class Broker:
         self.healthy = True
         self.health_detail = ""
         self.health_listeners: list[Callable[[bool], None]] = []
-        self.writer = GroupCommitWriter(
-            workers["writer"], node_id, options.commit_batch_size, self._set_health
-        )
+        writers = [w for role, w in sorted(workers.items()) if role.startswith("writer")]
+        self.writer = GroupCommitWriter(writers, node_id, options.commit_batch_size, self._set_health)
         self.acker = AckBatcher(
             workers["acker"],
             clock,
@@ -190,49 +189,97 @@ class Broker:
         return self.refresh_registry().addCallback(lambda _: check())
 
     # -- publishing -------------------------------------------------------
+    def check_publish(self, topic: str, producer: str, session_id: int, body: bytes) -> None:
+        """Raise PublishRejected("invalid") for a send that breaks a rule."""
+        if not valid_name(topic):
+            raise PublishRejected("invalid", f"E_BAD_TOPIC topic name {topic!r} is not valid")
+        if not producer or len(producer) > 64:
+            raise PublishRejected("invalid", "E_INVALID producer id must be 1..64 characters")
+        if session_id < 0:
+            raise PublishRejected("invalid", f"E_INVALID session id {session_id} is negative")
+        if len(body) > self.options.max_msg_size:
+            raise PublishRejected(
+                "invalid",
+                f"E_BAD_BODY message too big {len(body)} > {self.options.max_msg_size}",
+            )
+
     def publish(
         self, topic: str, producer: str, session_id: int, body: bytes, produced_ms: int = 0
     ) -> Deferred:
         """Deferred firing with Published after commit; PublishRejected or StorageError."""
-        if not valid_name(topic):
-            return fail(PublishRejected("invalid", f"E_BAD_TOPIC topic name {topic!r} is not valid"))
-        if not producer or len(producer) > 64:
-            return fail(PublishRejected("invalid", "E_INVALID producer id must be 1..64 characters"))
-        if session_id < 0:
-            return fail(PublishRejected("invalid", f"E_INVALID session id {session_id} is negative"))
-        if len(body) > self.options.max_msg_size:
-            return fail(
-                PublishRejected(
-                    "invalid",
-                    f"E_BAD_BODY message too big {len(body)} > {self.options.max_msg_size}",
-                )
-            )
+        d: Deferred = Deferred()
 
-        def has_channels() -> bool:
+        def done(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                d.errback(outcome)
+            else:
+                d.callback(outcome)
+
+        self.publish_cb(topic, producer, session_id, body, produced_ms, done)
+        return d
+
+    def publish_cb(
+        self,
+        topic: str,
+        producer: str,
+        session_id: int,
+        body: bytes,
+        produced_ms: int,
+        done: Callable[[Any], None],
+    ) -> None:
+        """The send path without Deferreds: ``done`` gets Published, or the exception
+        (PublishRejected, StorageError, ShuttingDown). Called once per message, so the
+        common case (topic cached) is a few dict lookups and one queue append."""
+        try:
+            self.check_publish(topic, producer, session_id, body)
+        except PublishRejected as exc:
+            done(exc)
+            return
+        row = self.topics.get(topic)
+        if row is not None and row.channels:
+            self._stage(topic, producer, session_id, body, produced_ms, done)
+            return
+
+        def refreshed(_: Any) -> None:
             row = self.topics.get(topic)
-            return row is not None and bool(row.channels)
-
-        def stage(known: bool) -> Deferred:
-            if not known:
-                raise PublishRejected(
-                    "no_topic", f"E_NO_TOPIC topic {topic!r} is not registered or has no channel"
+            if row is None or not row.channels:
+                done(
+                    PublishRejected(
+                        "no_topic", f"E_NO_TOPIC topic {topic!r} is not registered or has no channel"
+                    )
                 )
-            return self.writer.submit(NewMessage(topic, producer, session_id, produced_ms, body))
+            else:
+                self._stage(topic, producer, session_id, body, produced_ms, done)
 
-        def committed(stored: StoredMessage) -> Published:
+        self.refresh_registry().addCallback(refreshed)
+
+    def _stage(
+        self,
+        topic: str,
+        producer: str,
+        session_id: int,
+        body: bytes,
+        produced_ms: int,
+        done: Callable[[Any], None],
+    ) -> None:
+        def committed(stored: Any) -> None:
+            if isinstance(stored, BaseException):
+                done(stored)
+                return
             if not stored.duplicate:
                 self.publish_count += 1
                 message = Message(
                     stored.message_id, topic, producer, session_id, stored.published_ms, body
                 )
+                channels = self.channels
                 for name in stored.channels:
-                    self._channel(topic, name).add(message)
-            return Published(stored.message_id, stored.duplicate)
+                    channel = channels.get((topic, name))
+                    if channel is None:
+                        channel = self._channel(topic, name)
+                    channel.add(message)
+            done(Published(stored.message_id, stored.duplicate))
 
-        d = self._with_fresh_registry(has_channels)
-        d.addCallback(stage)
-        d.addCallback(committed)
-        return d
+        self.writer.submit_cb(NewMessage(topic, producer, session_id, produced_ms, body), committed)
 
     # -- subscribing ------------------------------------------------------
     def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred:

@@ -20,8 +20,10 @@ from typing import Any, Callable, Iterable, Protocol
 __all__ = ["Message", "Delivery", "Consumer", "Channel"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Message:
+    """A stored message as the broker holds it (not frozen: built once per send)."""
+
     message_id: int
     topic: str
     producer: str
@@ -87,7 +89,13 @@ class Channel:
 
     # -- arrivals ---------------------------------------------------------
     def add(self, message: Message) -> None:
-        """A freshly committed copy for this channel."""
+        """A freshly committed copy for this channel.
+
+        Kept in memory if there is room and nothing older waits in PostgreSQL;
+        otherwise left to the next load. A copy whose id is at or below the load
+        cursor is always kept: its commit overtook no scan (concurrent writers
+        can commit ids out of order), so no later load would find it.
+        """
         if self.closed or message.message_id in self.known:
             return
         self.message_count += 1
@@ -95,13 +103,15 @@ class Channel:
         if self.loading:
             self._arrived_while_loading.append(delivery)
             return
-        if self.backlog or len(self.ready) >= self.mem_queue_size:
-            # leave it in PostgreSQL; the next load picks it up in id order
-            self.backlog = True
-            self._maybe_load()
+        if message.message_id <= self.cursor or (
+            not self.backlog and len(self.ready) < self.mem_queue_size
+        ):
+            self._enqueue(delivery)
+            self.pump()
             return
-        self._enqueue(delivery)
-        self.pump()
+        # leave it in PostgreSQL; the next load picks it up in id order
+        self.backlog = True
+        self._maybe_load()
 
     def _enqueue(self, delivery: Delivery) -> None:
         self.known.add(delivery.message.message_id)
@@ -140,10 +150,10 @@ class Channel:
             mid = delivery.message.message_id
             if mid in self.known:
                 continue
-            if self.backlog or len(self.ready) >= self.mem_queue_size:
-                self.backlog = True
-            else:
+            if mid <= self.cursor or (not self.backlog and len(self.ready) < self.mem_queue_size):
                 self._enqueue(delivery)
+            else:
+                self.backlog = True
         self.pump()
 
     def load_failed(self) -> None:

@@ -162,24 +162,26 @@ class DmqConnection:
             reply(Command.SEND_INVALID_ACK, status="E_UNSUPPORTED delay messages are not enabled on this server")
             return
 
-        def ok(result: Published) -> None:
-            reply(Command.SEND_SUCCESS_ACK, result.message_id, "duplicate" if result.duplicate else "")
-
-        def failed(failure: Any) -> None:
-            error = failure.value
-            if isinstance(error, PublishRejected):
-                reply(_SEND_REJECT[error.reason], status=error.description)
-            elif isinstance(error, ShuttingDown):
+        def done(outcome: Any) -> None:
+            if isinstance(outcome, Published):
+                reply(
+                    Command.SEND_SUCCESS_ACK,
+                    outcome.message_id,
+                    "duplicate" if outcome.duplicate else "",
+                )
+            elif isinstance(outcome, PublishRejected):
+                reply(_SEND_REJECT[outcome.reason], status=outcome.description)
+            elif isinstance(outcome, ShuttingDown):
                 reply(Command.SEND_SERVER_ERROR, status="E_SHUTTING_DOWN server is restarting, send elsewhere")
-            elif isinstance(error, StorageError):
-                reply(Command.SEND_SERVER_ERROR, status=f"E_STORAGE {error}")
+            elif isinstance(outcome, StorageError):
+                reply(Command.SEND_SERVER_ERROR, status=f"E_STORAGE {outcome}")
             else:
-                log.failure("send failed", failure)
-                reply(Command.SEND_SERVER_ERROR, status=f"E_INTERNAL {error!r}")
+                log.error("send failed: {error!r}", error=outcome)
+                reply(Command.SEND_SERVER_ERROR, status=f"E_INTERNAL {outcome!r}")
 
-        self.broker.publish(
-            frame.topic, frame.producer, frame.session_id, frame.body, frame.timestamp_ms
-        ).addCallbacks(ok, failed)
+        self.broker.publish_cb(
+            frame.topic, frame.producer, frame.session_id, frame.body, frame.timestamp_ms, done
+        )
 
     def _subscribe(self, frame: Frame) -> None:
         options = self.broker.options

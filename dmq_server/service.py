@@ -32,7 +32,7 @@ __all__ = ["DmqServer", "DmqService", "make_service"]
 
 log = Logger()
 
-WORKER_ROLES = ("writer", "acker", "loader", "admin", "health")
+WORKER_ROLES = ("acker", "loader", "admin", "health")
 
 
 def _endpoint(reactor: Any, host: str, port: int) -> Any:
@@ -68,7 +68,8 @@ class DmqServer:
         applied = yield deferToThread(migrate, self.dsn)
         if applied:
             log.info("applied schema migrations {versions}", versions=applied)
-        for role in WORKER_ROLES:
+        writers = [f"writer{i}" for i in range(getattr(options, "commit_writers", 2))]
+        for role in (*writers, *WORKER_ROLES):
             worker = DbWorker(self.reactor, self.dsn, role)
             worker.start()
             self.workers[role] = worker

@@ -188,7 +188,7 @@ class NewMessage:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StoredMessage:
     """What the commit made of a NewMessage. ``duplicate``: it was stored before."""
 

@@ -13,7 +13,7 @@ redelivery after a restart.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
@@ -30,19 +30,26 @@ class ShuttingDown(Exception):
 
 
 class GroupCommitWriter:
+    """Group commit over one or more writer connections.
+
+    With several workers, batches commit concurrently (PostgreSQL merges their
+    WAL flushes), so message ids may commit slightly out of order; the channel
+    copes with that (see ``Channel.add``).
+    """
+
     def __init__(
         self,
-        worker: DbWorker,
+        workers: DbWorker | Sequence[DbWorker],
         node_id: str,
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
     ):
-        self._worker = worker
+        self._free: list[DbWorker] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
+        self._worker_count = len(self._free)
         self._node_id = node_id
         self._max_batch = max_batch
         self._on_health = on_health
-        self._queue: list[tuple[NewMessage, Deferred]] = []
-        self._busy = False
+        self._queue: list[tuple[NewMessage, Callable[[Any], None]]] = []
         self._closing = False
         self._idle_waiters: list[Deferred] = []
         self.batches = 0
@@ -52,48 +59,78 @@ class GroupCommitWriter:
     def pending(self) -> int:
         return len(self._queue)
 
+    @property
+    def _busy(self) -> bool:
+        return len(self._free) < self._worker_count
+
     def submit(self, message: NewMessage) -> Deferred:
         """Deferred firing with a StoredMessage once committed, or a StorageError."""
-        if self._closing:
-            from twisted.internet.defer import fail
-
-            return fail(ShuttingDown("server is shutting down"))
         d: Deferred = Deferred()
-        self._queue.append((message, d))
-        self._kick()
+
+        def done(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                d.errback(outcome)
+            else:
+                d.callback(outcome)
+
+        self.submit_cb(message, done)
         return d
 
-    def _kick(self) -> None:
-        if self._busy or not self._queue:
-            if not self._busy and not self._queue:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for w in waiters:
-                    w.callback(None)
+    def submit_cb(self, message: NewMessage, done: Callable[[Any], None]) -> None:
+        """Like submit, without a Deferred per message (the send hot path):
+        ``done`` gets the StoredMessage, or the exception."""
+        if self._closing:
+            done(ShuttingDown("server is shutting down"))
             return
-        batch = self._queue[: self._max_batch]
-        del self._queue[: self._max_batch]
-        self._busy = True
-        d = self._worker.run(insert_messages, [m for m, _ in batch], self._node_id)
-        d.addCallbacks(self._committed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
+        self._queue.append((message, done))
+        if self._free:
+            self._kick()
 
-    def _committed(self, results: list, batch: list) -> None:
-        self._busy = False
+    def _kick(self) -> None:
+        while self._free and self._queue:
+            worker = self._free.pop()
+            batch = self._queue[: self._max_batch]
+            del self._queue[: self._max_batch]
+            d = worker.run(insert_messages, [m for m, _ in batch], self._node_id)
+            d.addCallbacks(
+                self._committed,
+                self._failed,
+                callbackArgs=(batch, worker),
+                errbackArgs=(batch, worker),
+            )
+        if not self._busy and not self._queue:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                w.callback(None)
+
+    def _committed(self, results: list, batch: list, worker: DbWorker) -> None:
+        self._free.append(worker)
         self.batches += 1
         self.messages += len(batch)
         self._on_health(True, "")
-        for (_, d), stored in zip(batch, results):
-            d.callback(stored)
-        self._kick()
+        # Start the next transaction before answering this batch, so PostgreSQL
+        # works on it while the reactor writes the acknowledgements.
+        if self._queue:
+            self._kick()
+        for (_, done), stored in zip(batch, results):
+            try:
+                done(stored)
+            except Exception:
+                log.failure("send completion failed")
+        self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Any, batch: list) -> None:
-        self._busy = False
+    def _failed(self, failure: Any, batch: list, worker: DbWorker) -> None:
+        self._free.append(worker)
         error = failure.value
         if not isinstance(error, StorageError):
             log.failure("unexpected error in group commit", failure)
             error = StorageError(f"internal error: {error!r}")
         self._on_health(False, str(error))
-        for _, d in batch:
-            d.errback(StorageError(str(error)))
+        for _, done in batch:
+            try:
+                done(StorageError(str(error)))
+            except Exception:
+                log.failure("send completion failed")
         self._kick()
 
     def close(self) -> Deferred:

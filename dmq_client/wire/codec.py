@@ -117,7 +117,64 @@ def encode(frame: Frame) -> bytes:
 
     A status longer than STATUS_MAX_LENGTH bytes is truncated, not refused: it is a
     human-readable description.
+
+    This runs once per message on the server's hot path, so the common case is one
+    struct call and three ASCII encodes; the detailed checks run only to explain a
+    failure.
     """
+    try:
+        fixed = _FIXED.pack(
+            frame.command,
+            frame.msg_type,
+            frame.attempts,
+            frame.credit,
+            frame.session_id,
+            frame.message_id,
+            frame.timestamp_ms,
+            frame.due_ms,
+        )
+        topic = frame.topic.encode("ascii")
+        channel = frame.channel.encode("ascii")
+        producer = frame.producer.encode("ascii")
+    except (struct.error, UnicodeEncodeError, AttributeError, TypeError):
+        _explain_encode_failure(frame)
+        raise  # _explain_encode_failure always raises; kept for type checkers
+    if frame.command not in _COMMANDS:
+        raise FrameError("E_INVALID", f"unknown command {frame.command!r}")
+    if frame.msg_type not in _MSG_TYPES:
+        raise FrameError("E_INVALID", f"unknown message type {frame.msg_type!r}")
+    # The layout holds up to 255 bytes; the name rules (valid_name) are the
+    # server's to enforce, so it can answer with a specific error.
+    for what, raw in (("topic", topic), ("channel", channel), ("producer", producer)):
+        if len(raw) > 255:
+            raise FrameError("E_INVALID", f"{what} longer than 255 bytes")
+    status = _status_bytes(frame.status) if frame.status else b""
+    body = frame.body
+    size = MIN_FRAME_SIZE + len(topic) + len(channel) + len(producer) + len(status) + len(body)
+    if size > 0xFFFFFFFF:
+        raise FrameError("E_INVALID", f"frame of {size} bytes does not fit the size field")
+    return b"".join(
+        (
+            _SIZE.pack(size),
+            fixed,
+            _LEN1[len(topic)],
+            topic,
+            _LEN1[len(channel)],
+            channel,
+            _LEN1[len(producer)],
+            producer,
+            _U16.pack(len(status)),
+            status,
+            body,
+        )
+    )
+
+
+_LEN1 = [bytes((n,)) for n in range(256)]
+
+
+def _explain_encode_failure(frame: Frame) -> None:
+    """Raise the FrameError that says which field the layout cannot hold."""
     if _COMMANDS.get(frame.command) is None:
         raise FrameError("E_INVALID", f"unknown command {frame.command!r}")
     if _MSG_TYPES.get(frame.msg_type) is None:
@@ -126,31 +183,9 @@ def encode(frame: Frame) -> bytes:
         _check_int(name, getattr(frame, name), _I64_MIN, _I64_MAX)
     _check_int("attempts", frame.attempts, 0, 0xFFFF)
     _check_int("credit", frame.credit, 0, 0xFFFFFFFF)
-    status = _status_bytes(frame.status)
-    parts = [
-        _FIXED.pack(
-            int(frame.command),
-            int(frame.msg_type),
-            frame.attempts,
-            frame.credit,
-            frame.session_id,
-            frame.message_id,
-            frame.timestamp_ms,
-            frame.due_ms,
-        ),
-        # The layout holds up to 255 bytes; the name rules (valid_name) are the
-        # server's to enforce, so it can answer with a specific error.
-        _short_str(frame.topic, "topic", 255),
-        _short_str(frame.channel, "channel", 255),
-        _short_str(frame.producer, "producer", 255),
-        _U16.pack(len(status)),
-        status,
-        bytes(frame.body),
-    ]
-    payload = b"".join(parts)
-    if len(payload) > 0xFFFFFFFF:
-        raise FrameError("E_INVALID", f"frame of {len(payload)} bytes does not fit the size field")
-    return _SIZE.pack(len(payload)) + payload
+    for what in ("topic", "channel", "producer"):
+        _short_str(getattr(frame, what), what, 255)
+    raise FrameError("E_INVALID", "frame cannot be encoded")
 
 
 class FrameDecoder:
@@ -197,7 +232,7 @@ class FrameDecoder:
                 end = offset + _SIZE.size + size
                 if len(buf) < end:
                     break
-                frames.append(_decode_payload(memoryview(buf)[offset + _SIZE.size : end]))
+                frames.append(_decode_payload(bytes(buf[offset + _SIZE.size : end])))
                 offset = end
         except FrameError as exc:
             self._failed = exc
@@ -208,31 +243,11 @@ class FrameDecoder:
         return frames
 
 
-def _read_str(view: memoryview, pos: int, length_size: int, what: str) -> tuple[str, int]:
-    if length_size == 1:
-        if pos + 1 > len(view):
-            raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
-        length = view[pos]
-        pos += 1
-    else:
-        if pos + 2 > len(view):
-            raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
-        (length,) = _U16.unpack_from(view, pos)
-        pos += 2
-    end = pos + length
-    if end > len(view):
-        raise FrameError("E_BAD_FRAME", f"{what} length {length} runs past the end of the frame")
-    raw = bytes(view[pos:end])
-    try:
-        text = raw.decode("utf-8" if what == "status" else "ascii")
-    except UnicodeDecodeError:
-        raise FrameError("E_BAD_ENCODING", f"{what} is not valid text") from None
-    return text, end
-
-
-def _decode_payload(view: memoryview) -> Frame:
+def _decode_payload(payload: bytes) -> Frame:
+    """Decode one frame's bytes (after the size field). Checks every length against
+    the frame's end, so a lying length field is an error, never an over-read."""
     cmd, mtype, attempts, credit, session_id, message_id, timestamp_ms, due_ms = (
-        _FIXED.unpack_from(view, 0)
+        _FIXED.unpack_from(payload, 0)
     )
     command = _COMMANDS.get(cmd)
     if command is None:
@@ -240,23 +255,42 @@ def _decode_payload(view: memoryview) -> Frame:
     msg_type = _MSG_TYPES.get(mtype)
     if msg_type is None:
         raise FrameError("E_BAD_MSG_TYPE", f"unknown message type {mtype}")
+    n = len(payload)
     pos = _FIXED.size
-    topic, pos = _read_str(view, pos, 1, "topic")
-    channel, pos = _read_str(view, pos, 1, "channel")
-    producer, pos = _read_str(view, pos, 1, "producer")
-    status, pos = _read_str(view, pos, 2, "status")
+    texts = []
+    for what in ("topic", "channel", "producer", "status"):
+        if what == "status":
+            if pos + 2 > n:
+                raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
+            length = (payload[pos] << 8) | payload[pos + 1]
+            pos += 2
+        else:
+            if pos + 1 > n:
+                raise FrameError("E_BAD_FRAME", f"frame ends inside the {what} length")
+            length = payload[pos]
+            pos += 1
+        end = pos + length
+        if end > n:
+            raise FrameError(
+                "E_BAD_FRAME", f"{what} length {length} runs past the end of the frame"
+            )
+        try:
+            texts.append(payload[pos:end].decode("utf-8" if what == "status" else "ascii"))
+        except UnicodeDecodeError:
+            raise FrameError("E_BAD_ENCODING", f"{what} is not valid text") from None
+        pos = end
     return Frame(
-        command=command,
-        session_id=session_id,
-        message_id=message_id,
-        topic=topic,
-        channel=channel,
-        producer=producer,
-        msg_type=msg_type,
-        due_ms=due_ms,
-        timestamp_ms=timestamp_ms,
-        attempts=attempts,
-        credit=credit,
-        status=status,
-        body=bytes(view[pos:]),
+        command,
+        session_id,
+        message_id,
+        texts[0],
+        texts[1],
+        texts[2],
+        msg_type,
+        due_ms,
+        timestamp_ms,
+        attempts,
+        credit,
+        texts[3],
+        payload[pos:],
     )

@@ -107,13 +107,17 @@ class MessageType(enum.IntEnum):
     DELAY = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Frame:
     """One protocol frame. Fields a command does not use keep their defaults.
 
     Times are integer milliseconds since the Unix epoch. ``credit`` is the
     consumer's window of unacknowledged pushes (UP_SUBSCRIBE, UP_CREDIT) or the
     heartbeat interval in milliseconds (UP_HEARTBEAT, SERVER_HEARTBEAT).
+
+    Treat frames as values. The class is not frozen only because a frozen
+    dataclass's ``__init__`` costs several times more, and one is built for
+    every message on the hot path.
     """
 
     command: Command

@@ -42,7 +42,6 @@ CREATE TABLE dmq_delivery (
     owner               text NOT NULL DEFAULT '',           -- node delivering it (takeover)
     PRIMARY KEY (topic, channel, message_id)
 );
-CREATE INDEX dmq_delivery_message_idx ON dmq_delivery (message_id);
 
 -- Compact history of acknowledged deliveries, for the data pipeline.
 CREATE TABLE dmq_delivery_log (

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Install dmq into a virtualenv at <repo>/.venv; idempotent, quiet unless something fails.
+#
+#   bash deploy/setup.sh          # runtime: dmq + the embedded extra (pgserver's PostgreSQL)
+#   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, ...)
+#
+# Why a script: README's two commands (deploy/quickstart.sh and .ci/test) must work
+# on a fresh Debian machine, so everything dmq needs is installed here and nowhere
+# by hand.  PostgreSQL itself comes from the pgserver PyPI package, so apt is only
+# used when Python's venv module is missing.  A stamp in .venv records what was
+# installed for which pyproject.toml, so a second run costs well under a second.
+set -Eeuo pipefail
+
+trap 'echo "deploy/setup.sh: failed (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
+
+usage() { echo "usage: bash deploy/setup.sh [--dev]" >&2; exit 2; }
+
+extras="embedded"
+for arg in "$@"; do
+    case "$arg" in
+        --dev) extras="dev,embedded" ;;
+        -h|--help) usage ;;
+        *) echo "deploy/setup.sh: unknown argument: $arg" >&2; usage ;;
+    esac
+done
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+venv="$repo/.venv"
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+
+apt_updated=0
+apt_install() {
+    # Install Debian packages, running `apt-get update` once first; root or sudo only.
+    local sudo=()
+    if [ "$(id -u)" -ne 0 ]; then
+        if command -v sudo >/dev/null 2>&1; then
+            sudo=(sudo -n)
+        else
+            echo "deploy/setup.sh: please install these Debian packages as root: $*" >&2
+            return 1
+        fi
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "deploy/setup.sh: no apt-get here; please install: $*" >&2
+        return 1
+    fi
+    if [ "$apt_updated" -eq 0 ]; then
+        "${sudo[@]}" apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# 1. A Python >= 3.11 (pyproject's requires-python).
+python="${PYTHON:-python3}"
+if ! command -v "$python" >/dev/null 2>&1; then
+    apt_install python3 python3-venv
+fi
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "deploy/setup.sh: $python is $("$python" -V 2>&1); dmq needs Python >= 3.11 (set PYTHON=...)" >&2
+    exit 1
+fi
+
+# 2. The virtualenv (recreated if it is missing or broken, e.g. its Python was removed).
+if ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
+    rm -rf "$venv"
+    if ! "$python" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+        # Debian splits venv/ensurepip out of its python3 package.
+        ver="$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+        apt_install "python${ver}-venv" || apt_install python3-venv
+    fi
+    "$python" -m venv "$venv"
+fi
+
+# 3. dmq itself, editable, with its extras; skipped when the stamp says it is done.
+stamp_file="$venv/.dmq-setup-stamp"
+fingerprint="$( { cat pyproject.toml; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
+done_before="$(cat "$stamp_file" 2>/dev/null || true)"
+if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded" ]; then
+    exit 0
+fi
+rm -f "$stamp_file"
+"$venv/bin/python" -m pip install -qq --upgrade pip
+"$venv/bin/python" -m pip install -qq -e ".[$extras]"
+echo "$fingerprint $extras" > "$stamp_file"

@@ -1,0 +1,93 @@
+"""Shared pytest fixtures: real PostgreSQL servers, no mocks.
+
+Why real servers: dmq's guarantees (a message acknowledged is a message stored)
+live in PostgreSQL transactions, so tests must exercise the real thing.  One
+embedded server is shared by the whole session (starting one costs ~1-2 s) and
+every test gets its own empty database on it; tests that stop or kill
+PostgreSQL get a private server so they cannot disturb the others.
+
+The server data lives in ``tempfile.mkdtemp`` directories (mode 755), not in
+pytest's ``tmp_path``: when the tests run as root, PostgreSQL runs as an
+unprivileged user that cannot enter pytest's ``/tmp/pytest-of-root`` (mode 700).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from dmq_server.embedded_pg import EmbeddedPostgres
+
+
+def _make_pg_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="dmq-test-pg-"))
+    path.chmod(0o755)  # the PostgreSQL user must be able to enter it when we are root
+    return path
+
+
+def _dispose(pg: EmbeddedPostgres, path: Path) -> None:
+    try:
+        pg.stop(mode="immediate")
+    finally:
+        if pg.is_running():  # stop failed: never leave a server behind
+            pg.kill()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scrub_dmq_env() -> Iterator[None]:
+    """Remove ``DMQ_*`` variables (except DMQ_PG_BINDIR) so a developer's shell
+    configuration cannot change what the tests see; restore them afterwards."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("DMQ_") and k != "DMQ_PG_BINDIR"}
+    for key in saved:
+        del os.environ[key]
+    yield
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def pg_server(_scrub_dmq_env: None) -> Iterator[EmbeddedPostgres]:
+    """One embedded PostgreSQL for the whole session, removed at the end."""
+    path = _make_pg_dir()
+    pg = EmbeddedPostgres(path)
+    try:
+        pg.start()
+        yield pg
+    finally:
+        _dispose(pg, path)
+
+
+@pytest.fixture
+def pg_dsn(pg_server: EmbeddedPostgres) -> Iterator[str]:
+    """The DSN of a fresh, empty database that is dropped after the test."""
+    name = f"test_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield pg_server.dsn_for(name)
+    finally:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_private(_scrub_dmq_env: None) -> Iterator[EmbeddedPostgres]:
+    """A private, already started EmbeddedPostgres for tests that stop or kill it.
+
+    ``pg_private.dsn`` is ready to use; ``start()`` again is harmless (it
+    returns the same DSN).  It is stopped and its directory removed afterwards.
+    """
+    path = _make_pg_dir()
+    pg = EmbeddedPostgres(path)
+    try:
+        pg.start()
+        yield pg
+    finally:
+        _dispose(pg, path)
