@@ -240,7 +240,7 @@ def insert_messages(
     return results
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AckRow:
     topic: str
     channel: str
@@ -265,7 +265,7 @@ def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
     return cur.rowcount
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BacklogRow:
     message_id: int
     producer: str

@@ -120,13 +120,6 @@ WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after
 ORDER BY d.message_id
 LIMIT %(limit)s;
 
--- name: record_attempts
--- Persist delivery attempt counts (batched), so they survive a restart.
-UPDATE dmq_delivery d SET attempts = greatest(d.attempts, u.attempts)
-FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
-            %(attempts)b::integer[]) AS u(topic, channel, message_id, attempts)
-WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id;
-
 -- name: sweep_messages
 -- Remove fully acknowledged messages older than the retention window (bounded batch).
 DELETE FROM dmq_message
