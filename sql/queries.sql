@@ -71,17 +71,21 @@ WITH input AS (
     FROM input ORDER BY producer, session_id  -- one lock order: concurrent writers cannot deadlock
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id, topic, producer, session_id, published_at
+), channels AS (
+    -- the same snapshot as the insert below, so this is exactly the set that got rows
+    SELECT c.topic, array_agg(c.name ORDER BY c.name) AS names
+    FROM dmq_channel c
+    WHERE c.topic IN (SELECT DISTINCT topic FROM input)
+    GROUP BY c.topic
 ), deliveries AS (
     INSERT INTO dmq_delivery (topic, channel, message_id, owner)
-    SELECT c.topic, c.name, ins.id, %(node_id)s
-    FROM ins JOIN dmq_channel c ON c.topic = ins.topic
-    RETURNING message_id, channel
+    SELECT ins.topic, unnest(ch.names), ins.id, %(node_id)s
+    FROM ins JOIN channels ch ON ch.topic = ins.topic
 )
 SELECT ins.id, ins.producer, ins.session_id,
        (extract(epoch FROM ins.published_at) * 1000)::bigint AS published_ms,
-       coalesce(d.channels, '{}') AS channels
-FROM ins LEFT JOIN (SELECT message_id, array_agg(channel) AS channels
-                    FROM deliveries GROUP BY message_id) d ON d.message_id = ins.id;
+       coalesce(ch.names, '{}') AS channels
+FROM ins LEFT JOIN channels ch ON ch.topic = ins.topic;
 
 -- name: find_messages
 -- The stored rows for resent (producer, session_id) pairs.
