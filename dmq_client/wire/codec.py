@@ -145,9 +145,8 @@ def encode(frame: Frame) -> bytes:
         raise FrameError("E_INVALID", f"unknown message type {frame.msg_type!r}")
     # The layout holds up to 255 bytes; the name rules (valid_name) are the
     # server's to enforce, so it can answer with a specific error.
-    for what, raw in (("topic", topic), ("channel", channel), ("producer", producer)):
-        if len(raw) > 255:
-            raise FrameError("E_INVALID", f"{what} longer than 255 bytes")
+    if len(topic) > 255 or len(channel) > 255 or len(producer) > 255:
+        _explain_encode_failure(frame)
     status = _status_bytes(frame.status) if frame.status else b""
     body = frame.body
     size = MIN_FRAME_SIZE + len(topic) + len(channel) + len(producer) + len(status) + len(body)
@@ -243,7 +242,7 @@ class FrameDecoder:
         return frames
 
 
-def _decode_payload(payload: bytes) -> Frame:
+def _decode_payload_checked(payload: bytes) -> Frame:
     """Decode one frame's bytes (after the size field). Checks every length against
     the frame's end, so a lying length field is an error, never an over-read."""
     cmd, mtype, attempts, credit, session_id, message_id, timestamp_ms, due_ms = (
@@ -294,3 +293,48 @@ def _decode_payload(payload: bytes) -> Frame:
         texts[3],
         payload[pos:],
     )
+
+
+_unpack_fixed = _FIXED.unpack_from
+_FIXED_SIZE = _FIXED.size
+
+
+def _decode_payload(payload: bytes) -> Frame:
+    """Hot-path decoder: straight-line reads, and on anything unusual the checked
+    decoder above runs instead to raise the precise FrameError."""
+    try:
+        cmd, mtype, attempts, credit, session_id, message_id, timestamp_ms, due_ms = _unpack_fixed(
+            payload, 0
+        )
+        n = len(payload)
+        p = _FIXED_SIZE + 1
+        e = p + payload[p - 1]
+        topic = payload[p:e].decode("ascii")
+        p = e + 1
+        e = p + payload[p - 1]
+        channel = payload[p:e].decode("ascii")
+        p = e + 1
+        e = p + payload[p - 1]
+        producer = payload[p:e].decode("ascii")
+        p = e + 2
+        e = p + ((payload[p - 2] << 8) | payload[p - 1])
+        if e > n:
+            raise IndexError
+        status = payload[p:e].decode("utf-8") if e > p else ""
+        return Frame(
+            _COMMANDS[cmd],
+            session_id,
+            message_id,
+            topic,
+            channel,
+            producer,
+            _MSG_TYPES[mtype],
+            due_ms,
+            timestamp_ms,
+            attempts,
+            credit,
+            status,
+            payload[e:],
+        )
+    except (IndexError, KeyError, UnicodeDecodeError):
+        return _decode_payload_checked(payload)
