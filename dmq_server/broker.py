@@ -15,6 +15,7 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_client.wire import valid_name
 
@@ -80,7 +81,7 @@ class Broker:
             options.ack_flush_interval,
             self._acks_done,
         )
-        self._refreshing: Deferred | None = None
+        self._refresh_waiters: list[Deferred] | None = None
         self._loops: list[LoopingCall] = []
         self.started_at = time.time()
         self.publish_count = 0
@@ -125,28 +126,35 @@ class Broker:
 
     # -- registry cache ---------------------------------------------------
     def refresh_registry(self) -> Deferred:
-        """Re-read topics and channels; concurrent callers share one query."""
-        if self._refreshing is not None:
-            waiter: Deferred = Deferred()
-            self._refreshing.addBoth(lambda r: (waiter.callback(None), r)[1])
+        """Re-read topics and channels; fails with StorageError if PostgreSQL does.
+
+        Concurrent callers share one query: each gets its own Deferred with the
+        shared outcome.
+        """
+        waiter: Deferred = Deferred()
+        if self._refresh_waiters is not None:
+            self._refresh_waiters.append(waiter)
             return waiter
+        self._refresh_waiters = [waiter]
         d = self._workers["admin"].run(list_topics)
-        self._refreshing = d
 
-        def apply(rows: list[TopicRow]) -> None:
-            self._refreshing = None
-            self._apply_registry(rows)
+        def finish(outcome: Any) -> None:
+            waiters, self._refresh_waiters = self._refresh_waiters or [], None
+            if isinstance(outcome, Failure):
+                self._set_health(False, str(outcome.value))
+            else:
+                self._apply_registry(outcome)
+            for w in waiters:
+                if isinstance(outcome, Failure):
+                    w.errback(outcome)
+                else:
+                    w.callback(None)
 
-        def failed(failure: Any) -> None:
-            self._refreshing = None
-            self._set_health(False, str(failure.value))
-            failure.trap(StorageError)
-
-        d.addCallbacks(apply, failed)
-        return d
+        d.addBoth(finish)
+        return waiter
 
     def _refresh_quietly(self) -> None:
-        self.refresh_registry()
+        self.refresh_registry().addErrback(lambda f: f.trap(StorageError))
 
     def _apply_registry(self, rows: list[TopicRow]) -> None:
         self.topics = {row.name: row for row in rows if row.store == "reliable"}
@@ -251,7 +259,7 @@ class Broker:
             else:
                 self._stage(topic, producer, session_id, body, produced_ms, done)
 
-        self.refresh_registry().addCallback(refreshed)
+        self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
 
     def _stage(
         self,

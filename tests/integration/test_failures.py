@@ -94,6 +94,9 @@ def test_postgres_stopped_while_sending_gives_errors_not_false_acks(make_server,
         assert Command.SEND_SERVER_ERROR in outcomes
         status, body = http_get(server.http + "/ping")
         assert status == 500 and "database unreachable" in body
+        # an uncached topic cannot be checked either: a server error, not "no such topic"
+        unknown = producer.send("not-cached", b"x", timeout=15)
+        assert unknown.command == Command.SEND_SERVER_ERROR, unknown
 
         pg_private.start()
         wait_for(lambda: http_get(server.http + "/ping")[0] == 200, timeout=30)
