@@ -106,6 +106,10 @@ class Channel:
         if message.message_id <= self.cursor or (
             not self.backlog and len(self.ready) < self.mem_queue_size
         ):
+            if not self.backlog:
+                # Nothing older waits in PostgreSQL, so the cursor may move past this
+                # copy: a later load must not find it again after its ack is durable.
+                self.cursor = max(self.cursor, message.message_id)
             self._enqueue(delivery)
             self.pump()
             return
@@ -157,10 +161,17 @@ class Channel:
         self.pump()
 
     def load_failed(self) -> None:
-        """Loader callback on a storage error: keep the backlog flag, retry later."""
+        """Loader callback on a storage error: keep the backlog flag, retry later.
+
+        Copies that arrived during the failed load and sit at or below the cursor
+        are kept: a later load starts after the cursor and would never see them.
+        """
         self.loading = False
         self.backlog = True
-        self._arrived_while_loading.clear()
+        arrived, self._arrived_while_loading = self._arrived_while_loading, []
+        for delivery in arrived:
+            if delivery.message.message_id <= self.cursor and delivery.message.message_id not in self.known:
+                self._enqueue(delivery)
 
     # -- consumers --------------------------------------------------------
     def subscribe(self, consumer: Consumer) -> None:
@@ -257,6 +268,45 @@ class Channel:
         if expired:
             self.pump()
         return expired
+
+    # -- per-copy controls for NSQ clients (FIN ownership, REQ, TOUCH) -----
+    def owner_error(self, message_id: int, consumer: Consumer) -> str | None:
+        """None if ``consumer`` holds ``message_id`` in flight, else nsqd's reason."""
+        delivery = self.in_flight.get(message_id)
+        if delivery is None:
+            return "ID not in flight"
+        if delivery.consumer is not consumer:
+            return "client does not own message"
+        return None
+
+    def requeue(self, message_id: int, consumer: Consumer, delay: float = 0.0) -> str | None:
+        """Give a copy back: ready again at once, or after ``delay`` seconds. A delayed
+        copy stays in ``in_flight`` with no consumer until the scan requeues it."""
+        error = self.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        delivery = self.in_flight[message_id]
+        if delay <= 0:
+            self._requeue(delivery)
+        else:
+            consumer.in_flight -= 1
+            delivery.consumer = None
+            self._reset_deadline(delivery, self.clock.seconds() + delay)
+        self.pump()
+        return None
+
+    def touch(self, message_id: int, consumer: Consumer) -> str | None:
+        """Restart the copy's message timeout."""
+        error = self.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        self._reset_deadline(self.in_flight[message_id], self.clock.seconds() + self.msg_timeout)
+        return None
+
+    def _reset_deadline(self, delivery: Delivery, deadline: float) -> None:
+        delivery.deadline = deadline
+        delivery.epoch += 1
+        heapq.heappush(self._deadlines, (deadline, delivery.message.message_id, delivery.epoch))
 
     def close(self) -> list[Consumer]:
         """The channel was unregistered: drop memory, return its consumers."""

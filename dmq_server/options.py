@@ -1,41 +1,106 @@
 """Every server setting, in one dataclass with documented defaults.
 
 The command-line flags (nsqd's names where the two overlap), the ``DMQ_*``
-environment variables and ``deploy/dmq.conf.example`` are all generated from
-the fields below, so a setting cannot exist in one place and not the others.
-Precedence: flag > environment > default.
+environment variables, the TOML config file and ``deploy/dmq.conf.example`` are
+all generated from the fields below, so a setting cannot exist in one place and
+not the others. Precedence: flag > environment > config file > default.
+
+The config file is named by ``--config PATH`` or ``DMQ_CONFIG``. It is TOML whose
+keys are the field names (``mem_queue_size = 20000``); durations are strings such
+as ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or plain numbers of seconds. An
+unknown key or a bad value is an error that names the file and the key.
+
+The commented example config is rendered from the fields' metadata::
+
+    python -m dmq_server.options --example > deploy/dmq.conf.example
+
+Run that after adding or changing a field; ``tests/unit/test_options.py`` fails
+while the committed example differs from what the dataclass renders.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
+import math
 import os
+import sys
+import textwrap
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Options", "parse_duration", "parse_address", "build_parser", "options_from_args"]
+__all__ = [
+    "Options",
+    "ConfigError",
+    "parse_duration",
+    "format_duration",
+    "parse_address",
+    "build_parser",
+    "options_from_args",
+    "load_config",
+    "parse_config",
+    "render_example",
+    "flag_name",
+    "env_name",
+]
+
+CONFIG_ENV = "DMQ_CONFIG"
+LOG_LEVELS = ("debug", "info", "warn", "error")
+
+
+class ConfigError(ValueError):
+    """A setting from a flag, a variable or the config file that cannot be used."""
 
 
 def parse_duration(text: str | float | int) -> float:
     """Seconds from ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a bare number of seconds."""
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)")
     if isinstance(text, (int, float)):
-        return float(text)
-    value = text.strip().lower()
-    for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
-        if value.endswith(suffix):
-            number = value[: -len(suffix)]
-            break
+        seconds = float(text)
     else:
-        number, scale = value, 1.0
-    try:
-        seconds = float(number) * scale
-    except ValueError:
-        raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)") from None
+        value = text.strip().lower()
+        for suffix in ("ms", "s", "m", "h"):
+            if value.endswith(suffix):
+                number = value[: -len(suffix)]
+                break
+        else:
+            number, suffix = value, "s"
+        try:
+            amount = float(number)
+        except ValueError:
+            raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)") from None
+        # dividing (not multiplying by 0.001) keeps whole milliseconds exact
+        seconds = amount / 1000 if suffix == "ms" else amount * _UNIT_SECONDS[suffix]
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {text!r} must be finite")
     if seconds < 0:
         raise ValueError(f"duration {text!r} must not be negative")
-    return seconds
+    return seconds + 0.0  # no "-0.0"
+
+
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest of ``"2h"``, ``"5m"``, ``"30s"``, ``"250ms"`` that parses back exactly."""
+    if seconds == 0:
+        return "0s"
+    for unit, size in _UNIT_SECONDS.items():
+        count = seconds / size
+        if count >= 1 and count.is_integer():
+            candidate = f"{int(count)}{unit}"
+            if parse_duration(candidate) == seconds:
+                return candidate
+    millis = round(seconds * 1000)
+    candidate = f"{millis}ms"
+    if parse_duration(candidate) == seconds:
+        return candidate
+    return f"{seconds!r}s"
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -52,7 +117,8 @@ def _opt(default: Any, help: str, *, kind: str = "str", flag: str | None = None)
 
 @dataclass(frozen=True)
 class Options:
-    """dmq server options. Field names map to ``--flag-name`` and ``DMQ_FIELD_NAME``."""
+    """dmq server options. Field names map to ``--flag-name``, ``DMQ_FIELD_NAME`` and
+    the config file key ``field_name``."""
 
     data_path: str = _opt("./dmq-data", "directory for the embedded PostgreSQL and local state")
     tcp_address: str = _opt("127.0.0.1:4150", "HOST:PORT for the TCP protocols (dmq, later NSQ)")
@@ -81,6 +147,9 @@ class Options:
     )
     commit_batch_size: int = _opt(
         2000, "most messages stored in one group-commit transaction", kind="int"
+    )
+    commit_writers: int = _opt(
+        2, "group-commit transactions in progress at once, each on its own connection", kind="int"
     )
     ack_batch_size: int = _opt(5000, "most acknowledgements made durable in one transaction", kind="int")
     ack_flush_interval: float = _opt(
@@ -122,70 +191,236 @@ class Options:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> "Options":
-        """Fail early, with the option's flag name, on values the server cannot use."""
-        parse_address(self.tcp_address)
-        parse_address(self.http_address)
+        """Fail early, naming the flag and config key, on values the server cannot use."""
+        for name in ("tcp_address", "http_address"):
+            try:
+                parse_address(getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(f"{_names(name)}: {exc}") from None
         checks = [
-            ("max_msg_size", self.max_msg_size >= 1),
-            ("msg_timeout", self.msg_timeout > 0),
-            ("heartbeat_interval", self.heartbeat_interval > 0),
-            ("default_credit", 1 <= self.default_credit <= self.max_credit),
-            ("mem_queue_size", self.mem_queue_size >= 1),
-            ("commit_batch_size", self.commit_batch_size >= 1),
-            ("ack_batch_size", self.ack_batch_size >= 1),
-            ("scan_interval", self.scan_interval > 0),
+            ("max_msg_size", self.max_msg_size >= 1, "must be at least 1"),
+            ("msg_timeout", self.msg_timeout > 0, "must be more than 0"),
+            ("heartbeat_interval", self.heartbeat_interval > 0, "must be more than 0"),
+            ("max_credit", self.max_credit >= 1, "must be at least 1"),
+            ("default_credit", 1 <= self.default_credit <= self.max_credit, "must be 1..max_credit"),
+            ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1"),
+            ("commit_batch_size", self.commit_batch_size >= 1, "must be at least 1"),
+            ("commit_writers", self.commit_writers >= 1, "must be at least 1"),
+            ("ack_batch_size", self.ack_batch_size >= 1, "must be at least 1"),
+            ("registry_refresh", self.registry_refresh > 0, "must be more than 0"),
+            ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),
+            ("scan_interval", self.scan_interval > 0, "must be more than 0"),
+            ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
         ]
-        for name, ok in checks:
+        for name, ok, rule in checks:
             if not ok:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag}: invalid value {getattr(self, name)!r}")
+                raise ConfigError(f"{_names(name)}: invalid value {getattr(self, name)!r} ({rule})")
         return self
 
 
-def _convert(kind: str, raw: Any) -> Any:
+# -- names -------------------------------------------------------------------
+_FIELDS = {f.name: f for f in dataclasses.fields(Options)}
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a field: ``--mem-queue-size``."""
+    return _FIELDS[name].metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a field: ``DMQ_MEM_QUEUE_SIZE``."""
+    return "DMQ_" + name.upper()
+
+
+def _names(name: str) -> str:
+    return f"{flag_name(name)} (config key {name})"
+
+
+# -- converting raw values -------------------------------------------------------
+def _from_text(kind: str, raw: str) -> Any:
+    """A value given as text (flag or environment variable)."""
     if kind == "int":
-        return int(raw)
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
     if kind == "duration":
         return parse_duration(raw)
-    return str(raw)
+    return raw
+
+
+def _from_toml(kind: str, raw: Any) -> Any:
+    """A value as TOML parsed it; strings are not numbers and numbers are not strings."""
+    if kind == "int":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected an integer, got {raw!r}")
+    if kind == "duration":
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return parse_duration(raw)
+        raise ValueError(f"expected a duration such as \"30s\" or a number of seconds, got {raw!r}")
+    if isinstance(raw, str):
+        return raw
+    raise ValueError(f"expected a string, got {raw!r}")
+
+
+# -- the config file -------------------------------------------------------------
+def parse_config(text: str, source: str = "<config>") -> dict[str, Any]:
+    """Field values from TOML text; ``source`` names the file in error messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        f = _FIELDS.get(key)
+        if f is None:
+            raise ConfigError(f"{source}: unknown key {key!r}{_did_you_mean(key)}")
+        try:
+            values[key] = _from_toml(f.metadata["kind"], raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    return values
+
+
+def _did_you_mean(key: str) -> str:
+    candidate = key.strip().replace("-", "_").lower()
+    if candidate in _FIELDS:
+        return f" (did you mean {candidate!r}?)"
+    close = difflib.get_close_matches(candidate, list(_FIELDS), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Field values from the TOML file at ``path``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{path}: cannot read config file: {reason}") from None
+    return parse_config(text, str(path))
+
+
+# -- flags, environment, file, defaults --------------------------------------------
+def _default_text(f: dataclasses.Field) -> str:
+    if f.metadata["kind"] == "duration":
+        return format_duration(f.default)
+    return repr(f.default) if f.metadata["kind"] == "str" else str(f.default)
+
+
+_METAVARS = {"int": "N", "duration": "DURATION"}
 
 
 def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="dmq: a reliable message server (PostgreSQL-durable).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="dmq: a reliable message server (PostgreSQL-durable). "
+        "Settings come from flags, then DMQ_* environment variables, then the --config file, "
+        "then the defaults shown.",
+    )
+    parser.add_argument(
+        "--config",
+        dest="config",
+        default=None,
+        metavar="PATH",
+        help=f"TOML file of settings, keys named like the options below with underscores "
+        f"(env {CONFIG_ENV}; example: deploy/dmq.conf.example)",
     )
     for f in dataclasses.fields(Options):
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        env = "DMQ_" + f.name.upper()
+        help_text = f"{f.metadata['help']} (env {env_name(f.name)}; default {_default_text(f)})"
         parser.add_argument(
-            flag,
+            flag_name(f.name),
             dest=f.name,
             default=None,
-            help=f"{f.metadata['help']} (env {env}; default {f.default!r})",
+            metavar=_METAVARS.get(f.metadata["kind"]),
+            help=help_text.replace("%", "%%"),
         )
     return parser
+
+
+def _resolve(
+    flags: Mapping[str, str | None], environ: Mapping[str, str], file_values: Mapping[str, Any]
+) -> Options:
+    values: dict[str, Any] = dict(file_values)
+    for f in dataclasses.fields(Options):
+        for raw, source in (
+            (flags.get(f.name), flag_name(f.name)),
+            (environ.get(env_name(f.name)), env_name(f.name)),
+        ):
+            if raw is not None:
+                try:
+                    values[f.name] = _from_text(f.metadata["kind"], raw)
+                except ValueError as exc:
+                    raise ConfigError(f"{source}: {exc}") from None
+                break
+    return Options(**values).validate()
 
 
 def options_from_args(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Options:
-    """Options from flags, then ``DMQ_*`` variables, then defaults."""
+    """Options from flags, then ``DMQ_*`` variables, then the config file, then defaults."""
     environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(Options):
-        raw = getattr(args, f.name)
-        if raw is None:
-            raw = environ.get("DMQ_" + f.name.upper())
-        if raw is not None:
-            try:
-                values[f.name] = _convert(f.metadata["kind"], raw)
-            except ValueError as exc:
-                flag = "--" + f.name.replace("_", "-")
-                raise SystemExit(f"dmq-server: {flag}: {exc}") from None
+    args = vars(build_parser().parse_args(argv))
+    config = args.pop("config") or environ.get(CONFIG_ENV) or None
     try:
-        return Options(**values).validate()
+        file_values = load_config(config) if config else {}
+        return _resolve(args, environ, file_values)
     except ValueError as exc:
         raise SystemExit(f"dmq-server: {exc}") from None
+
+
+# -- the example config ---------------------------------------------------------
+_EXAMPLE_HEADER = """\
+# dmq server configuration (TOML).
+#
+# Use it with `dmq-server --config PATH` or DMQ_CONFIG=PATH. Every key is optional;
+# each one below is commented out and shows its default. Precedence: command-line
+# flag > DMQ_* environment variable > this file > default. Durations are strings
+# such as "250ms", "30s", "5m", "1h", or numbers of seconds. Relative paths are
+# relative to the server's working directory.
+#
+# Generated from dmq_server/options.py; do not edit by hand. Regenerate with
+#   python -m dmq_server.options --example > deploy/dmq.conf.example
+"""
+
+
+def _toml_value(f: dataclasses.Field) -> str:
+    kind, value = f.metadata["kind"], f.default
+    if kind == "int":
+        return str(value)
+    if kind == "duration":
+        value = format_duration(value)
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def render_example() -> str:
+    """The commented example config file, one block per field, defaults commented out."""
+    blocks = [_EXAMPLE_HEADER]
+    for f in dataclasses.fields(Options):
+        lines = textwrap.wrap(f.metadata["help"], width=86)
+        lines.append(f"flag {flag_name(f.name)}, env {env_name(f.name)}")
+        block = "".join(f"# {line}\n" for line in lines)
+        blocks.append(f"{block}# {f.name} = {_toml_value(f)}\n")
+    return "\n".join(blocks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dmq_server.options --example``: print the example config."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dmq_server.options",
+        description="Tools for dmq server settings.",
+    )
+    parser.add_argument(
+        "--example", action="store_true", help="print the commented example config file"
+    )
+    args = parser.parse_args(argv)
+    if not args.example:
+        parser.print_usage(sys.stderr)
+        return 2
+    sys.stdout.write(render_example())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -170,9 +170,11 @@ class AckBatcher:
 
     def add(self, row: AckRow) -> None:
         self._queue.append(row)
+        if self._busy or self._retry_delay:
+            return  # the batch in flight, or the timed retry, takes these next
         if len(self._queue) >= self._max_batch:
             self._flush()
-        elif self._timer is None and not self._busy:
+        elif self._timer is None:
             self._timer = self._clock.callLater(self._flush_interval, self._flush)
 
     def _flush(self) -> None:

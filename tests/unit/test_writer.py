@@ -1,0 +1,489 @@
+"""Unit tests of ``dmq_server.writer``: group commit of sends, batched durable acks.
+
+The database is a fake ``DbWorker`` whose ``run(fn, *args)`` returns a Deferred
+the test fires by hand, so each test decides exactly when a "transaction"
+commits or fails and can look at what is queued in between. Time is a
+``task.Clock``; nothing sleeps and nothing touches PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
+
+from dmq_server.store import AckRow, NewMessage, StorageError, StoredMessage, ack_deliveries, insert_messages
+from dmq_server.writer import AckBatcher, GroupCommitWriter, ShuttingDown
+
+
+# -- fakes ----------------------------------------------------------------
+@dataclass
+class Call:
+    """One ``run`` on the fake worker: a transaction the test completes by hand."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    deferred: Deferred
+
+    @property
+    def batch(self) -> list[Any]:
+        return list(self.args[0])
+
+    def commit(self, result: Any = None) -> None:
+        self.deferred.callback(result)
+
+    def fail(self, error: BaseException) -> None:
+        self.deferred.errback(Failure(error))
+
+
+class FakeDbWorker:
+    """Stands in for ``store.DbWorker``: records calls, never runs them."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Deferred:
+        call = Call(fn, args, Deferred())
+        self.calls.append(call)
+        return call.deferred
+
+    @property
+    def last(self) -> Call:
+        return self.calls[-1]
+
+
+class Outcome:
+    """Records how a Deferred fired (result or failure) without leaving errors unhandled."""
+
+    def __init__(self, d: Deferred):
+        self.fired = False
+        self.result: Any = None
+        self.failure: Failure | None = None
+        d.addCallbacks(self._ok, self._failed)
+
+    def _ok(self, result: Any) -> None:
+        self.fired, self.result = True, result
+
+    def _failed(self, failure: Failure) -> None:
+        self.fired, self.failure = True, failure
+
+
+def new_message(session_id: int) -> NewMessage:
+    return NewMessage("orders", "producer-1", session_id, 0, b"body-%d" % session_id)
+
+
+def stored_for(call: Call, first_id: int = 100) -> list[StoredMessage]:
+    """What insert_messages would return for a call's batch."""
+    return [
+        StoredMessage(first_id + i, 5_000, ("billing",), False) for i, _ in enumerate(call.batch)
+    ]
+
+
+def session_ids(call: Call) -> list[int]:
+    return [m.session_id for m in call.batch]
+
+
+def make_writer(max_batch: int = 100) -> tuple[GroupCommitWriter, FakeDbWorker, list[tuple[bool, str]]]:
+    worker = FakeDbWorker()
+    health: list[tuple[bool, str]] = []
+    writer = GroupCommitWriter(worker, "node-1", max_batch, lambda ok, why: health.append((ok, why)))
+    return writer, worker, health
+
+
+# -- GroupCommitWriter ------------------------------------------------------
+def test_first_send_starts_a_transaction_at_once() -> None:
+    """An idle writer does not wait to fill a batch: one send, one transaction right away."""
+    writer, worker, _ = make_writer()
+    writer.submit(new_message(1))
+    (call,) = worker.calls
+    assert call.fn is insert_messages
+    assert session_ids(call) == [1]
+    assert call.args[1] == "node-1"
+
+
+def test_sends_queued_during_a_commit_go_together_in_the_next_batch() -> None:
+    """Group commit: whatever queues while one transaction runs is stored by the next one."""
+    writer, worker, _ = make_writer()
+    writer.submit(new_message(1))
+    for sid in (2, 3, 4):
+        writer.submit(new_message(sid))
+    assert len(worker.calls) == 1 and writer.pending == 3
+    worker.calls[0].commit(stored_for(worker.calls[0]))
+    assert len(worker.calls) == 2
+    assert session_ids(worker.calls[1]) == [2, 3, 4]
+    assert writer.pending == 0
+
+
+def test_max_batch_size_is_respected() -> None:
+    """No transaction carries more than max_batch messages; the rest follow, in order."""
+    writer, worker, _ = make_writer(max_batch=3)
+    for sid in range(1, 9):
+        writer.submit(new_message(sid))
+    while len(worker.calls) < 4:
+        worker.last.commit(stored_for(worker.last))
+    assert [session_ids(c) for c in worker.calls] == [[1], [2, 3, 4], [5, 6, 7], [8]]
+    worker.last.commit(stored_for(worker.last))
+    assert len(worker.calls) == 4  # nothing left: no empty transaction
+    assert (writer.batches, writer.messages) == (4, 8)
+
+
+def test_each_send_fires_only_after_its_own_batch_commits() -> None:
+    """A producer hears "stored" only when the transaction holding its message committed,
+    and gets that message's own StoredMessage."""
+    writer, worker, _ = make_writer()
+    first = Outcome(writer.submit(new_message(1)))
+    second = Outcome(writer.submit(new_message(2)))
+    third = Outcome(writer.submit(new_message(3)))
+    assert not (first.fired or second.fired or third.fired)
+
+    worker.calls[0].commit(stored_for(worker.calls[0], first_id=10))
+    assert first.result == StoredMessage(10, 5_000, ("billing",), False)
+    assert not second.fired and not third.fired
+
+    worker.calls[1].commit(stored_for(worker.calls[1], first_id=20))
+    assert second.result.message_id == 20
+    assert third.result.message_id == 21
+
+
+def test_failed_batch_errbacks_exactly_its_sends_and_the_next_batch_runs() -> None:
+    """A StorageError fails the sends of that transaction only, with a StorageError each;
+    sends queued behind it go in the next transaction, and health follows the outcome."""
+    writer, worker, health = make_writer()
+    first = Outcome(writer.submit(new_message(1)))
+    second = Outcome(writer.submit(new_message(2)))
+    third = Outcome(writer.submit(new_message(3)))
+    worker.calls[0].commit(stored_for(worker.calls[0]))
+    fourth = Outcome(writer.submit(new_message(4)))
+
+    worker.calls[1].fail(StorageError("writer: disk full"))
+    for failed in (second, third):
+        assert failed.failure is not None
+        assert failed.failure.check(StorageError)
+        assert "disk full" in str(failed.failure.value)
+    assert first.failure is None and first.fired
+    assert not fourth.fired
+    assert health == [(True, ""), (False, "writer: disk full")]
+
+    assert session_ids(worker.last) == [4]
+    worker.last.commit(stored_for(worker.last))
+    assert fourth.result is not None
+    assert health[-1] == (True, "")
+    assert (writer.batches, writer.messages) == (2, 2)
+
+
+def test_unexpected_error_becomes_a_storage_error_and_is_logged() -> None:
+    """A bug below the writer (not a StorageError) still answers every send of the batch
+    with a StorageError, and is logged with its traceback."""
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        writer, worker, health = make_writer()
+        send = Outcome(writer.submit(new_message(1)))
+        worker.last.fail(KeyError("oops"))
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert send.failure is not None and send.failure.check(StorageError)
+    assert "internal error" in str(send.failure.value)
+    assert health == [(False, "internal error: KeyError('oops')")]
+    assert any(e.get("log_failure") is not None for e in events)
+
+
+def test_close_when_idle_fires_at_once_and_refuses_new_sends() -> None:
+    """close() on an idle writer is done immediately; later sends fail with ShuttingDown
+    without touching the database."""
+    writer, worker, _ = make_writer()
+    closed = Outcome(writer.close())
+    assert closed.fired and closed.failure is None
+    refused = Outcome(writer.submit(new_message(1)))
+    assert refused.failure is not None and refused.failure.check(ShuttingDown)
+    assert worker.calls == []
+
+
+def test_close_fires_once_everything_queued_is_answered() -> None:
+    """close() while busy refuses new sends at once but fires only after the running
+    transaction and the queued ones have all been answered, failures included."""
+    writer, worker, _ = make_writer(max_batch=2)
+    sends = [Outcome(writer.submit(new_message(sid))) for sid in range(1, 5)]
+    closed = Outcome(writer.close())
+    late = Outcome(writer.submit(new_message(99)))
+    assert late.failure is not None and late.failure.check(ShuttingDown)
+    assert not closed.fired
+
+    worker.last.commit(stored_for(worker.last))  # [1]
+    assert not closed.fired
+    worker.last.fail(StorageError("connection lost"))  # [2, 3]
+    assert not closed.fired
+    worker.last.commit(stored_for(worker.last))  # [4]
+    assert closed.fired and closed.failure is None
+    assert [s.fired for s in sends] == [True] * 4
+    assert all(session_ids(c) != [99] for c in worker.calls)
+
+
+def test_next_transaction_starts_before_the_committed_batch_is_answered() -> None:
+    """While the reactor writes acknowledgements for one batch, PostgreSQL already works
+    on the next: the queued sends are handed to the worker before any reply goes out."""
+    writer, worker, _ = make_writer()
+    calls_seen_by_first: list[int] = []
+    writer.submit(new_message(1)).addCallback(lambda _: calls_seen_by_first.append(len(worker.calls)))
+    writer.submit(new_message(2))
+    worker.calls[0].commit(stored_for(worker.calls[0]))
+    assert calls_seen_by_first == [2]
+
+
+def test_submit_cb_reports_the_stored_message_or_the_exception() -> None:
+    """The Deferred-free hot path calls ``done`` with the StoredMessage, the StorageError,
+    or ShuttingDown once closed."""
+    writer, worker, _ = make_writer()
+    outcomes: list[object] = []
+    writer.submit_cb(new_message(1), outcomes.append)
+    writer.submit_cb(new_message(2), outcomes.append)
+    worker.last.commit(stored_for(worker.last, first_id=7))
+    worker.last.fail(StorageError("gone"))
+    writer.close()
+    writer.submit_cb(new_message(3), outcomes.append)
+    assert outcomes[0] == StoredMessage(7, 5_000, ("billing",), False)
+    assert isinstance(outcomes[1], StorageError) and "gone" in str(outcomes[1])
+    assert isinstance(outcomes[2], ShuttingDown)
+
+
+def test_a_failing_completion_does_not_starve_the_rest_of_the_batch() -> None:
+    """If one sender's completion raises, it is logged and the other senders of the same
+    batch are still answered; the writer keeps going."""
+    events: list[dict] = []
+    writer, worker, _ = make_writer()
+    answered: list[int] = []
+
+    def explode(outcome: object) -> None:
+        raise RuntimeError("client went away badly")
+
+    writer.submit_cb(new_message(1), lambda o: answered.append(1))
+    writer.submit_cb(new_message(2), explode)
+    writer.submit_cb(new_message(3), lambda o: answered.append(3))
+    globalLogPublisher.addObserver(events.append)
+    try:
+        worker.last.commit(stored_for(worker.last))
+        worker.last.commit(stored_for(worker.last))
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert answered == [1, 3]
+    assert any(e.get("log_failure") is not None for e in events)
+    writer.submit_cb(new_message(4), lambda o: answered.append(4))
+    worker.last.commit(stored_for(worker.last))
+    assert answered == [1, 3, 4]
+
+
+def make_writers(count: int, max_batch: int = 100) -> tuple[GroupCommitWriter, list[FakeDbWorker]]:
+    workers = [FakeDbWorker() for _ in range(count)]
+    return GroupCommitWriter(workers, "node-1", max_batch), workers
+
+
+def test_several_workers_run_batches_concurrently() -> None:
+    """With two writer connections, two transactions run at once; sends arriving while
+    both are busy wait and go together to whichever worker frees up first."""
+    writer, (w1, w2) = make_writers(2)
+    writer.submit(new_message(1))
+    writer.submit(new_message(2))
+    busy = [w for w in (w1, w2) if w.calls]
+    assert len(busy) == 2, "the second send should start on the idle worker"
+    for sid in (3, 4, 5):
+        writer.submit(new_message(sid))
+    assert writer.pending == 3
+    first_done = w2 if session_ids(w2.calls[0]) == [2] else w1
+    first_done.last.commit(stored_for(first_done.last))
+    assert session_ids(first_done.last) == [3, 4, 5]
+    assert writer.pending == 0
+
+
+def test_out_of_order_commits_answer_only_their_own_sends() -> None:
+    """The later transaction may commit first; it answers its sends and only those."""
+    writer, (w1, w2) = make_writers(2)
+    first = Outcome(writer.submit(new_message(1)))
+    second = Outcome(writer.submit(new_message(2)))
+    early, late = (w1, w2) if session_ids(w1.calls[0]) == [2] else (w2, w1)
+    early.last.commit(stored_for(early.last, first_id=20))
+    assert second.result.message_id == 20 and not first.fired
+    late.last.fail(StorageError("serialization failure"))
+    assert first.failure is not None and first.failure.check(StorageError)
+
+
+def test_close_waits_for_every_worker() -> None:
+    """close() fires only when no worker has a transaction left."""
+    writer, (w1, w2) = make_writers(2)
+    writer.submit(new_message(1))
+    writer.submit(new_message(2))
+    closed = Outcome(writer.close())
+    w1.last.commit(stored_for(w1.last))
+    assert not closed.fired
+    w2.last.commit(stored_for(w2.last))
+    assert closed.fired
+
+
+# -- AckBatcher ---------------------------------------------------------------
+def ack_row(message_id: int) -> AckRow:
+    return AckRow("orders", "billing", message_id, 1_000, 2_000, 1)
+
+
+def make_acker(
+    max_batch: int = 3, interval: float = 0.01
+) -> tuple[AckBatcher, FakeDbWorker, Clock, list[tuple[list[int], bool]]]:
+    worker = FakeDbWorker()
+    clock = Clock()
+    done: list[tuple[list[int], bool]] = []
+    acker = AckBatcher(
+        worker, clock, max_batch, interval, lambda rows, ok: done.append(([r.message_id for r in rows], ok))
+    )
+    return acker, worker, clock, done
+
+
+def ack_ids(call: Call) -> list[int]:
+    return [row.message_id for row in call.batch]
+
+
+def test_acks_wait_for_the_flush_interval() -> None:
+    """A few acks are held for the flush interval, then made durable in one transaction."""
+    acker, worker, clock, done = make_acker(max_batch=10, interval=0.01)
+    acker.add(ack_row(1))
+    clock.advance(0.005)
+    acker.add(ack_row(2))
+    assert worker.calls == [] and acker.pending == 2
+    clock.advance(0.005)
+    (call,) = worker.calls
+    assert call.fn is ack_deliveries
+    assert ack_ids(call) == [1, 2]
+    call.commit(2)
+    assert done == [([1, 2], True)]
+    assert acker.acked == 2 and acker.pending == 0
+
+
+def test_a_full_batch_flushes_without_waiting() -> None:
+    """Reaching max_batch flushes at once; the interval timer is then not needed."""
+    acker, worker, clock, done = make_acker(max_batch=3)
+    for mid in (1, 2, 3):
+        acker.add(ack_row(mid))
+    assert [ack_ids(c) for c in worker.calls] == [[1, 2, 3]]
+    worker.last.commit(3)
+    clock.advance(1.0)
+    assert len(worker.calls) == 1
+    assert done == [([1, 2, 3], True)]
+    assert clock.getDelayedCalls() == []
+
+
+def test_acks_arriving_during_a_flush_follow_in_the_next_batch() -> None:
+    """One ack transaction at a time: acks that arrive meanwhile (even a full batch's
+    worth) go in later transactions, none over max_batch, none lost."""
+    acker, worker, clock, done = make_acker(max_batch=2)
+    for mid in range(1, 8):
+        acker.add(ack_row(mid))
+    assert [ack_ids(c) for c in worker.calls] == [[1, 2]]
+    while True:
+        calls = len(worker.calls)
+        worker.last.commit(None)
+        clock.advance(1.0)
+        if len(worker.calls) == calls:
+            break
+    assert [ack_ids(c) for c in worker.calls] == [[1, 2], [3, 4], [5, 6], [7]]
+    assert [ids for ids, _ in done] == [[1, 2], [3, 4], [5, 6], [7]]
+    assert acker.acked == 7
+
+
+def test_failed_batch_is_retried_after_a_growing_backoff_without_losing_rows() -> None:
+    """A failed ack transaction is retried after 0.1 s, then 0.2 s, ..., with its rows
+    first and newer acks behind them; the consumer already moved on, so nothing is dropped."""
+    acker, worker, clock, done = make_acker(max_batch=5, interval=0.01)
+    for mid in (1, 2, 3):
+        acker.add(ack_row(mid))
+    clock.advance(0.01)
+    assert ack_ids(worker.last) == [1, 2, 3]
+    worker.last.fail(StorageError("acker: server closed the connection"))
+    acker.add(ack_row(4))
+    assert acker.pending == 4 and done == []
+
+    clock.advance(0.099)
+    assert len(worker.calls) == 1
+    clock.advance(0.001)
+    assert len(worker.calls) == 2 and ack_ids(worker.last) == [1, 2, 3, 4]
+
+    worker.last.fail(StorageError("acker: still down"))
+    clock.advance(0.199)
+    assert len(worker.calls) == 2
+    clock.advance(0.001)
+    assert ack_ids(worker.last) == [1, 2, 3, 4]
+
+    worker.last.commit(4)
+    assert done == [([1, 2, 3, 4], True)]
+    assert acker.acked == 4 and acker.pending == 0
+    assert len(worker.calls) == 3
+
+
+def test_backoff_is_capped_at_five_seconds() -> None:
+    """However long PostgreSQL stays down, retries come at least every 5 s."""
+    acker, worker, clock, _ = make_acker(max_batch=1)
+    acker.add(ack_row(1))
+    for _ in range(12):
+        worker.last.fail(StorageError("down"))
+        calls = len(worker.calls)
+        clock.advance(5.0)
+        assert len(worker.calls) == calls + 1
+
+
+def test_backoff_resets_after_a_success() -> None:
+    """After a successful flush, the next failure waits the initial 0.1 s again."""
+    acker, worker, clock, _ = make_acker(max_batch=1)
+    acker.add(ack_row(1))
+    worker.last.fail(StorageError("down"))
+    clock.advance(0.1)
+    worker.last.fail(StorageError("down"))
+    clock.advance(0.2)
+    worker.last.commit(1)
+    acker.add(ack_row(2))
+    worker.last.fail(StorageError("down again"))
+    calls = len(worker.calls)
+    clock.advance(0.1)
+    assert len(worker.calls) == calls + 1 and ack_ids(worker.last) == [2]
+
+
+def test_drain_when_idle_fires_at_once() -> None:
+    """Nothing queued, nothing running: drain() is already done."""
+    acker, worker, _, _ = make_acker()
+    drained = Outcome(acker.drain())
+    assert drained.fired and worker.calls == []
+
+
+def test_drain_flushes_now_and_fires_when_all_acks_are_durable() -> None:
+    """drain() does not wait for the interval, and fires only when every queued ack,
+    including ones whose first attempt failed, has committed."""
+    acker, worker, clock, done = make_acker(max_batch=2, interval=10.0)
+    acker.add(ack_row(1))
+    drained = Outcome(acker.drain())
+    assert ack_ids(worker.last) == [1]
+    acker.add(ack_row(2))
+    acker.add(ack_row(3))
+    worker.last.fail(StorageError("down"))
+    assert not drained.fired
+    clock.advance(0.1)
+    assert ack_ids(worker.last) == [1, 2]
+    worker.last.commit(2)
+    assert not drained.fired
+    assert ack_ids(worker.last) == [3]
+    worker.last.commit(1)
+    assert drained.fired
+    assert [ids for ids, _ in done] == [[1, 2], [3]]
+
+
+def test_new_acks_do_not_cut_the_retry_backoff_short() -> None:
+    """With PostgreSQL down, acks keep arriving. The retry must still wait for its
+    backoff instead of being triggered by every add() once max_batch rows are queued."""
+    acker, worker, clock, _ = make_acker(max_batch=2)
+    acker.add(ack_row(1))
+    acker.add(ack_row(2))
+    worker.last.fail(StorageError("down"))
+    acker.add(ack_row(3))  # 3 queued >= max_batch
+    acker.add(ack_row(4))
+    assert len(worker.calls) == 1, "retried before the backoff elapsed"
+    clock.advance(0.1)
+    assert len(worker.calls) == 2
