@@ -239,6 +239,11 @@ class Channel:
             delivery.consumer.in_flight -= 1
             delivery.consumer = None
         self.ack_count += 1
+        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
+            # acked copies leave stale heap entries behind; rebuild before they pile up
+            # (push rate x message timeout of them otherwise)
+            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
+            heapq.heapify(self._deadlines)
         # stays in `known` until the durable ack commits, so a load cannot resurrect it
         self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
         self.pump()
@@ -255,19 +260,21 @@ class Channel:
 
     def scan(self, now: float) -> int:
         """Requeue copies whose deadline passed; returns how many."""
-        expired = 0
+        expired: list[Delivery] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, mid, epoch = heapq.heappop(heap)
             delivery = self.in_flight.get(mid)
             if delivery is None or delivery.epoch != epoch:
                 continue
-            expired += 1
+            expired.append(delivery)
+        # back to the front, earliest deadline first
+        for delivery in reversed(expired):
             self.timeout_count += 1
             self._requeue(delivery)
         if expired:
             self.pump()
-        return expired
+        return len(expired)
 
     # -- per-copy controls for NSQ clients (FIN ownership, REQ, TOUCH) -----
     def owner_error(self, message_id: int, consumer: Consumer) -> str | None:

@@ -899,3 +899,30 @@ def test_every_stored_message_is_delivered_exactly_once(
     assert world.delivered() == sorted(world.committed)
     assert world.db == set()
     assert world.channel.ready == deque() and world.channel.in_flight == {}
+
+
+def test_deadline_heap_stays_bounded_by_what_is_in_flight() -> None:
+    """Acked copies leave stale deadline entries; the heap is rebuilt before it grows with
+    the push rate times the message timeout."""
+    h = Harness(mem_queue_size=100_000)
+    a = FakeConsumer("a", credit=10)
+    channel = h.start(a)
+    for mid in range(1, 20_001):
+        channel.add(message(mid))
+        channel.ack(mid)
+    assert len(channel.in_flight) == 0
+    assert len(channel._deadlines) <= 4 * 10 + 1024
+
+
+def test_expired_copies_return_to_the_front_in_deadline_order() -> None:
+    """Several copies timing out in one scan are redelivered oldest deadline first."""
+    h = Harness()
+    a = FakeConsumer("a", credit=3)
+    channel = h.start(a)
+    for mid in (1, 2, 3):
+        channel.add(message(mid))
+        h.clock.advance(1)
+    a.credit = 0
+    h.clock.advance(channel.msg_timeout)
+    assert channel.scan(h.clock.seconds()) == 3
+    assert ready_ids(channel) == [1, 2, 3]
