@@ -2,7 +2,9 @@
 # Install dmq into a virtualenv at <repo>/.venv; idempotent, quiet unless something fails.
 #
 #   bash deploy/setup.sh          # runtime: dmq + the embedded extra (pgserver's PostgreSQL)
-#   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, ...)
+#   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, NSQ clients),
+#                                 # the pipeline (PySpark) and the Debian packages the
+#                                 # tests use: a Java runtime and the PostgreSQL JDBC jar
 #
 # Why a script: README's two commands (deploy/quickstart.sh and .ci/test) must work
 # on a fresh Debian machine, so everything dmq needs is installed here and nowhere
@@ -18,7 +20,7 @@ usage() { echo "usage: bash deploy/setup.sh [--dev]" >&2; exit 2; }
 extras="embedded"
 for arg in "$@"; do
     case "$arg" in
-        --dev) extras="dev,embedded" ;;
+        --dev) extras="dev,embedded,pipeline" ;;
         -h|--help) usage ;;
         *) echo "deploy/setup.sh: unknown argument: $arg" >&2; usage ;;
     esac
@@ -73,11 +75,21 @@ if ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
     "$python" -m venv "$venv"
 fi
 
-# 3. dmq itself, editable, with its extras; skipped when the stamp says it is done.
+# 3. System packages the test suite uses (checked every run: they live outside .venv).
+if [ "$extras" != "embedded" ]; then
+    missing=()
+    command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
+    [ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        apt_install "${missing[@]}"
+    fi
+fi
+
+# 4. dmq itself, editable, with its extras; skipped when the stamp says it is done.
 stamp_file="$venv/.dmq-setup-stamp"
 fingerprint="$( { cat pyproject.toml; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
 done_before="$(cat "$stamp_file" 2>/dev/null || true)"
-if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded" ]; then
+if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded,pipeline" ]; then
     exit 0
 fi
 rm -f "$stamp_file"

@@ -313,7 +313,12 @@ class Channel:
     def _reset_deadline(self, delivery: Delivery, deadline: float) -> None:
         delivery.deadline = deadline
         delivery.epoch += 1
-        heapq.heappush(self._deadlines, (deadline, delivery.message.message_id, delivery.epoch))
+        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
+            # every TOUCH leaves a stale entry; rebuild (as ack does) before they pile up
+            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
+            heapq.heapify(self._deadlines)
+        else:
+            heapq.heappush(self._deadlines, (deadline, delivery.message.message_id, delivery.epoch))
 
     def close(self) -> list[Consumer]:
         """The channel was unregistered: drop memory, return its consumers."""

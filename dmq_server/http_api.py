@@ -73,9 +73,14 @@ class Info(Resource):
 
 
 class Root(Resource):
+    #: answers unknown paths when set (the NSQ API wants nsqd's JSON 404)
+    not_found: Resource | None = None
+
     def getChild(self, path: bytes, request: Any) -> Resource:
         if path == b"":
             return self
+        if self.not_found is not None:
+            return self.not_found
         return super().getChild(path, request)
 
     def render_GET(self, request: Any) -> bytes:

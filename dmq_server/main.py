@@ -45,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  node id      {server.node_id}",
             f"  data path    {options.data_dir}",
             f"  PostgreSQL   {server.dsn}" + ("  (embedded)" if server.embedded else ""),
-            f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol)",
-            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info)",
+            f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
+            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs)",
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)
             + " topic create NAME; dmq channel add NAME CHANNEL",

@@ -121,8 +121,10 @@ class Options:
     the config file key ``field_name``."""
 
     data_path: str = _opt("./dmq-data", "directory for the embedded PostgreSQL and local state")
-    tcp_address: str = _opt("127.0.0.1:4150", "HOST:PORT for the TCP protocols (dmq, later NSQ)")
-    http_address: str = _opt("127.0.0.1:4151", "HOST:PORT for the HTTP API (/ping, /stats)")
+    tcp_address: str = _opt("127.0.0.1:4150", "HOST:PORT for the TCP protocols (dmq and NSQ)")
+    http_address: str = _opt(
+        "127.0.0.1:4151", "HOST:PORT for the HTTP API (/ping, /stats, nsqd and lookup APIs)"
+    )
     pg_dsn: str = _opt(
         "", "PostgreSQL DSN; empty starts a private PostgreSQL under --data-path"
     )
@@ -173,6 +175,32 @@ class Options:
         30.0, "longest a graceful shutdown waits for batches to commit", kind="duration"
     )
     log_level: str = _opt("info", "debug, info, warn or error")
+    # -- the NSQ protocol and the fast store (nsqd's names and defaults) ----------
+    max_msg_timeout: float = _opt(
+        900.0, "longest message timeout an NSQ client may ask for (IDENTIFY, TOUCH)", kind="duration"
+    )
+    max_req_timeout: float = _opt(
+        3600.0, "longest delay of an NSQ REQ or DPUB (and /pub?defer)", kind="duration"
+    )
+    max_body_size: int = _opt(5242880, "largest body of an NSQ MPUB or /mpub, in bytes", kind="int")
+    max_rdy_count: int = _opt(2500, "largest RDY count an NSQ client may send", kind="int")
+    max_channel_consumers: int = _opt(
+        0, "most consumers on one fast channel (0 = unlimited)", kind="int"
+    )
+    sync_every: int = _opt(
+        2500, "fast store disk queues fsync after this many writes and reads", kind="int"
+    )
+    sync_timeout: float = _opt(
+        2.0, "fast store disk queues fsync at least this often when busy", kind="duration"
+    )
+    max_bytes_per_file: int = _opt(
+        104857600, "size at which a fast store disk-queue file rolls over", kind="int"
+    )
+    broadcast_address: str = _opt(
+        "", "address announced to NSQ clients by the lookup API; empty means the host name"
+    )
+    deflate: bool = _opt(True, "allow NSQ clients to negotiate deflate compression", kind="bool")
+    max_deflate_level: int = _opt(6, "highest deflate level an NSQ client may ask for", kind="int")
 
     # -- derived helpers -------------------------------------------------
     @property
@@ -246,6 +274,13 @@ def _from_text(kind: str, raw: str) -> Any:
             raise ValueError(f"expected an integer, got {raw!r}") from None
     if kind == "duration":
         return parse_duration(raw)
+    if kind == "bool":
+        value = raw.strip().lower()
+        if value in ("true", "1", "yes", "on"):
+            return True
+        if value in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
     return raw
 
 
@@ -259,6 +294,10 @@ def _from_toml(kind: str, raw: Any) -> Any:
         if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
             return parse_duration(raw)
         raise ValueError(f"expected a duration such as \"30s\" or a number of seconds, got {raw!r}")
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected true or false, got {raw!r}")
     if isinstance(raw, str):
         return raw
     raise ValueError(f"expected a string, got {raw!r}")
@@ -305,10 +344,12 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _default_text(f: dataclasses.Field) -> str:
     if f.metadata["kind"] == "duration":
         return format_duration(f.default)
+    if f.metadata["kind"] == "bool":
+        return "true" if f.default else "false"
     return repr(f.default) if f.metadata["kind"] == "str" else str(f.default)
 
 
-_METAVARS = {"int": "N", "duration": "DURATION"}
+_METAVARS = {"int": "N", "duration": "DURATION", "bool": "BOOL"}
 
 
 def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
@@ -389,6 +430,8 @@ def _toml_value(f: dataclasses.Field) -> str:
     kind, value = f.metadata["kind"], f.default
     if kind == "int":
         return str(value)
+    if kind == "bool":
+        return "true" if value else "false"
     if kind == "duration":
         value = format_duration(value)
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string

@@ -24,7 +24,11 @@ from dmq_client.wire import MAGIC
 from .broker import Broker
 from .dmq_protocol import DmqConnection
 from .http_api import VERSION, make_site
-from .listener import PortFactory
+from .listener import NSQ_MAGIC, PortFactory
+from .nsq.context import NsqContext
+from .nsq.http import install as install_nsq_http
+from .nsq.nsqd import FastStore
+from .nsq.protocol_v2 import NsqConnection
 from .options import Options
 from .store import DbWorker, migrate, ping
 
@@ -50,6 +54,8 @@ class DmqServer:
         self.workers: dict[str, DbWorker] = {}
         self.broker: Broker | None = None
         self.connections: set[DmqConnection] = set()
+        self.fast_store: FastStore | None = None
+        self.nsq: NsqContext | None = None
         self.tcp_port: Any = None
         self.http_port: Any = None
         host, port = options.tcp_endpoint
@@ -77,14 +83,23 @@ class DmqServer:
         self.broker.health_listeners.append(self._health_changed)
         yield self.broker.start()
 
+        # NSQ's fast store: topics not registered as reliable, nsqd semantics
+        self.fast_store = FastStore.from_options(options, self.reactor, options.data_dir / "nsq")
+        self.fast_store.start()
+        self.nsq = NsqContext(self.fast_store, self.broker, options, self.reactor)
+
         def make_dmq(transport: Any) -> DmqConnection:
             return DmqConnection(transport, self.broker, self.reactor, self.connections)
 
-        factory = PortFactory(self.reactor, {MAGIC: make_dmq})
+        def make_nsq(transport: Any) -> NsqConnection:
+            return NsqConnection(transport, self.nsq)
+
+        factory = PortFactory(self.reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq})
         host, port = options.tcp_endpoint
         self.tcp_port = yield _endpoint(self.reactor, host, port).listen(factory)
         host, port = options.http_endpoint
         site = make_site(self._ping, self.broker.stats, self.info)
+        install_nsq_http(site.resource, self)
         self.http_port = yield _endpoint(self.reactor, host, port).listen(site)
         log.info("dmq node {node} ready", node=self.node_id)
         return self
@@ -139,8 +154,13 @@ class DmqServer:
                 log.error("shutdown timed out waiting for batches to commit")
         for conn in list(self.connections):
             conn.close()
+        if self.nsq is not None:
+            for nsq_conn in list(self.nsq.connections):
+                nsq_conn.close()
         if self.http_port is not None:
             yield self.http_port.stopListening()
+        if self.fast_store is not None:
+            self.fast_store.close()  # memory, in-flight and deferred messages go to disk
         for worker in self.workers.values():
             worker.stop()
         if self.embedded is not None:

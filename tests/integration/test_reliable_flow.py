@@ -188,8 +188,14 @@ def test_garbage_closes_only_the_offending_connection(make_server, topic):
         bad_magic = raw(b"HTTP/1.1 GET /\r\n")
         assert bad_magic[0].command == Command.PROTOCOL_ERROR
         assert bad_magic[0].status.startswith("E_BAD_PROTOCOL")
-        nsq = raw(b"  V2")
-        assert "NSQ" in nsq[0].status
+        # NSQ's magic reaches the NSQ protocol: a bad command gets nsqd's error frame
+        nsq = socket.create_connection(("127.0.0.1", server.tcp_port), timeout=5)
+        nsq.sendall(b"  V2BAD\n")
+        reply = b""
+        while chunk := nsq.recv(65536):
+            reply += chunk
+        nsq.close()
+        assert reply == b"\x00\x00\x00\x21\x00\x00\x00\x01E_INVALID invalid command BAD"
         garbage = raw(b"DMQ1" + b"\x00\x00\x00\x40" + b"\xff" * 64)
         assert garbage[-1].command == Command.PROTOCOL_ERROR
         assert garbage[-1].status.startswith("E_BAD_COMMAND")

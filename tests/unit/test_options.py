@@ -131,8 +131,8 @@ def test_every_field_is_documented_and_typed(f: dataclasses.Field) -> None:
     flags, the environment, the file and the example are all generated from them."""
     assert f.metadata["help"].strip(), f"{f.name} has no help text"
     kind = f.metadata["kind"]
-    assert kind in {"str", "int", "duration"}
-    expected_type = {"str": str, "int": int, "duration": float}[kind]
+    assert kind in {"str", "int", "duration", "bool"}
+    expected_type = {"str": str, "int": int, "duration": float, "bool": bool}[kind]
     assert type(f.default) is expected_type, f"{f.name}: default {f.default!r} is not {kind}"
 
 
@@ -373,3 +373,19 @@ def test_duration_defaults_are_finite_and_positive() -> None:
     for f in FIELDS:
         if f.metadata["kind"] == "duration":
             assert math.isfinite(f.default) and f.default > 0
+
+
+@pytest.mark.parametrize(
+    "raw, expected", [("true", True), ("1", True), ("on", True), ("false", False), ("0", False), ("OFF", False)]
+)
+def test_boolean_settings_from_flags_and_environment(raw: str, expected: bool) -> None:
+    """Boolean options accept the usual spellings from flags and the environment."""
+    assert options_from_args(["--deflate", raw], environ={}).deflate is expected
+    assert options_from_args([], environ={"DMQ_DEFLATE": raw}).deflate is expected
+
+
+def test_boolean_setting_rejects_other_words() -> None:
+    """A boolean option given something else is an error naming the flag."""
+    with pytest.raises(SystemExit) as info:
+        options_from_args(["--deflate", "maybe"], environ={})
+    assert "--deflate" in str(info.value)

@@ -1,0 +1,478 @@
+"""The V2 adapter on a StringTransport with task.Clock: nsqd's replies, errors, order, timers."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from types import SimpleNamespace
+
+import pytest
+from twisted.internet.defer import fail, succeed
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from dmq_server.broker import Published, PublishRejected, SubscribeRejected
+from dmq_server.channel import Channel as ReliableChannel
+from dmq_server.channel import Message as ReliableMessage
+from dmq_server.nsq.nsqd import FastStore
+from dmq_server.nsq.context import NsqContext
+from dmq_server.nsq.protocol_v2 import NsqConnection
+from dmq_server.nsq.wire import (
+    FRAME_ERROR,
+    FRAME_MESSAGE,
+    FRAME_RESPONSE,
+    FrameReader,
+    decode_message,
+    encode_command,
+    mpub_body,
+)
+from tests.unit.test_nsq_store import MemoryBackend
+
+
+class FakeBroker:
+    """The broker's surface the adapter uses, over real reliable Channel objects."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.topics: dict[str, object] = {}
+        self.channels: dict[tuple[str, str], ReliableChannel] = {}
+        self.published: list = []
+        self.acked: list = []
+        self.refreshes = 0
+
+    def register(self, topic, channel):
+        self.topics[topic] = SimpleNamespace(channels=(channel,))
+        ch = ReliableChannel(
+            topic,
+            channel,
+            clock=self.clock,
+            msg_timeout=30.0,
+            mem_queue_size=100,
+            load=lambda c, after, limit: c.loaded([], limit),
+            on_ack=lambda c, d, ms: self.acked.append(d.message.message_id),
+        )
+        self.channels[(topic, channel)] = ch
+        return ch
+
+    def refresh_registry(self):
+        self.refreshes += 1
+        return succeed(None)
+
+    def publish_cb(self, topic, producer, session_id, body, produced_ms, done):
+        self.published.append((topic, producer, session_id, body, done))
+
+    def subscribe(self, topic, channel, consumer):
+        ch = self.channels.get((topic, channel))
+        if ch is None:
+            return fail(SubscribeRejected("no_channel", f"E_NO_CHANNEL channel {channel!r} is not registered"))
+        ch.subscribe(consumer)
+        return succeed(ch)
+
+    def unsubscribe(self, channel, consumer):
+        channel.unsubscribe(consumer)
+
+    def ack(self, topic, channel, message_id):
+        return self.channels[(topic, channel)].ack(message_id)
+
+
+class Peer:
+    """One client connection: bytes in through the adapter, frames out of the transport."""
+
+    def __init__(self, ctx):
+        self.transport = StringTransport()
+        self.conn = NsqConnection(self.transport, ctx)
+        self.reader = FrameReader()
+
+    def send(self, data: bytes):
+        self.conn.data_received(data)
+        return self
+
+    def frames(self):
+        out = self.reader.feed(self.transport.value())
+        self.transport.clear()
+        return out
+
+    def texts(self):
+        return [(t, d) for t, d in self.frames()]
+
+    @property
+    def closed(self):
+        return self.transport.disconnecting
+
+
+@pytest.fixture
+def env():
+    clock = Clock()
+    store = FastStore(clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
+    store.start()
+    broker = FakeBroker(clock)
+    options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
+    ctx = NsqContext(store, broker, options, clock)
+    return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, peer=lambda: Peer(ctx))
+
+
+OK = (FRAME_RESPONSE, b"OK")
+
+
+def err(text: str):
+    return (FRAME_ERROR, text.encode())
+
+
+def identify(**fields) -> bytes:
+    return encode_command(b"IDENTIFY", body=json.dumps(fields).encode())
+
+
+# -- IDENTIFY / AUTH / bad commands -------------------------------------------------------
+def test_identify_with_feature_negotiation_replies_json_in_nsqd_key_order(env):
+    """The JSON carries every field clients read, in Go's order; TLS and snappy are declined."""
+    p = env.peer().send(identify(feature_negotiation=True, snappy=True, tls_v1=True, msg_timeout=5000))
+    ((kind, data),) = p.frames()
+    assert kind == FRAME_RESPONSE
+    reply = json.loads(data)
+    assert list(reply) == [
+        "max_rdy_count", "version", "max_msg_timeout", "msg_timeout", "tls_v1", "deflate",
+        "deflate_level", "max_deflate_level", "snappy", "sample_rate", "auth_required",
+        "output_buffer_size", "output_buffer_timeout", "topology_region", "topology_zone",
+    ]
+    assert reply["max_rdy_count"] == 2500 and reply["version"] == "1.3.0"
+    assert reply["msg_timeout"] == 5000 and reply["max_msg_timeout"] == 900000
+    assert (reply["tls_v1"], reply["snappy"], reply["deflate"], reply["auth_required"]) == (False,) * 4
+    assert (reply["deflate_level"], reply["max_deflate_level"]) == (6, 6)
+
+
+def test_deflate_upgrade_compresses_both_directions(env):
+    """deflate: the JSON reply is plain, then everything is raw DEFLATE (sync-flushed),
+    starting with an OK; the client's commands are inflated."""
+    p = env.peer().send(identify(feature_negotiation=True, deflate=True, deflate_level=9))
+    raw = p.transport.value()
+    p.transport.clear()
+    ((kind, data),) = p.reader.feed(raw[: 8 + len(raw[8:].split(b"}")[0]) + 1])
+    reply = json.loads(data)
+    assert reply["deflate"] is True and reply["deflate_level"] == 6  # capped at max
+    inflate = zlib.decompressobj(-15)
+    rest = raw[8 + len(data):]
+    assert FrameReader().feed(inflate.decompress(rest)) == [OK]
+    deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
+    p.send(deflate.compress(encode_command(b"PUB", b"z", body=b"squeezed")) + deflate.flush(zlib.Z_SYNC_FLUSH))
+    assert FrameReader().feed(inflate.decompress(p.transport.value())) == [OK]
+    assert [m.body for m in env.store.topics["z"].memory] == [b"squeezed"]
+    assert p.conn.stats()["deflate"] is True
+
+
+def test_identify_without_negotiation_is_plain_ok(env):
+    """feature_negotiation false (or absent) gets a plain OK."""
+    assert env.peer().send(identify(client_id="x")).frames() == [OK]
+
+
+@pytest.mark.parametrize(
+    "fields,text",
+    [
+        ({"heartbeat_interval": 999}, "E_BAD_BODY IDENTIFY heartbeat interval (999) is invalid"),
+        ({"heartbeat_interval": 60001}, "E_BAD_BODY IDENTIFY heartbeat interval (60001) is invalid"),
+        ({"output_buffer_timeout": 10}, "E_BAD_BODY IDENTIFY output buffer timeout (10) is invalid"),
+        ({"output_buffer_size": 63}, "E_BAD_BODY IDENTIFY output buffer size (63) is invalid"),
+        ({"sample_rate": 100}, "E_BAD_BODY IDENTIFY sample rate (100) is invalid"),
+        ({"msg_timeout": 999}, "E_BAD_BODY IDENTIFY msg timeout (999) is invalid"),
+        ({"heartbeat_interval": "30"}, "E_BAD_BODY IDENTIFY failed to decode JSON body"),
+        ({"feature_negotiation": 1}, "E_BAD_BODY IDENTIFY failed to decode JSON body"),
+    ],
+)
+def test_identify_validation_is_fatal_with_nsqd_texts(env, fields, text):
+    """Each invalid IDENTIFY field gets nsqd's message and closes the connection."""
+    p = env.peer().send(identify(**fields))
+    assert p.frames() == [err(text)] and p.closed
+
+
+def test_identify_bad_json_and_wrong_state(env):
+    """Undecodable JSON is E_BAD_BODY; IDENTIFY after SUB is E_INVALID before the body."""
+    p = env.peer().send(encode_command(b"IDENTIFY", body=b"{nope"))
+    assert p.frames() == [err("E_BAD_BODY IDENTIFY failed to decode JSON body")]
+    q = env.peer().send(b"SUB t c\nIDENTIFY\n")
+    assert q.frames() == [OK, err("E_INVALID cannot IDENTIFY in current state")] and q.closed
+
+
+def test_auth_is_disabled(env):
+    """AUTH answers E_AUTH_DISABLED (fatal) since dmq has no auth server configured."""
+    p = env.peer().send(encode_command(b"AUTH", body=b"secret"))
+    assert p.frames() == [err("E_AUTH_DISABLED AUTH disabled")] and p.closed
+
+
+def test_invalid_and_empty_commands_are_fatal(env):
+    """Unknown verbs and empty lines get 'E_INVALID invalid command <x>' and close."""
+    p = env.peer().send(b"FOO bar\n")
+    assert p.frames() == [err("E_INVALID invalid command FOO")] and p.closed
+    q = env.peer().send(b"\n")
+    assert q.frames() == [err("E_INVALID invalid command ")]
+
+
+def test_commands_after_a_fatal_error_are_ignored(env):
+    """Nothing after the fatal command runs (nsqd stops reading)."""
+    p = env.peer().send(b"NOP\nBAD\n" + encode_command(b"PUB", b"t", body=b"x"))
+    assert p.frames() == [err("E_INVALID invalid command BAD")]
+    assert "t" not in env.store.topics
+
+
+def test_overlong_line_closes_without_a_frame(env):
+    """A command line over 16 KiB closes the connection with no error frame."""
+    p = env.peer().send(b"X" * 20000)
+    assert p.frames() == [] and p.closed
+
+
+# -- publishing ---------------------------------------------------------------------------
+def test_pub_mpub_dpub_answer_ok_and_create_the_topic(env):
+    """PUB, MPUB and DPUB each get one OK and create a fast topic on demand."""
+    p = env.peer().send(
+        encode_command(b"PUB", b"t", body=b"a")
+        + encode_command(b"MPUB", b"t", body=mpub_body([b"b", b"c"]))
+        + encode_command(b"DPUB", b"t", b"1000", body=b"d")
+    )
+    assert p.frames() == [OK, OK, OK]
+    topic = env.store.topics["t"]
+    assert topic.message_count == 4 and [m.body for m in topic.memory] == [b"a", b"b", b"c", b"d"]
+    assert topic.memory[3].deferred == 1.0
+    assert p.conn.stats()["pub_counts"] == [{"topic": "t", "count": 4}]
+
+
+def test_pub_errors_have_nsqd_texts(env):
+    """Bad topic names, missing params and bad DPUB timeouts are fatal with nsqd's texts."""
+    cases = [
+        (b"PUB bad!name\n", 'E_BAD_TOPIC PUB topic name "bad!name" is not valid'),
+        (b"PUB\n", "E_INVALID PUB insufficient number of parameters"),
+        (b"MPUB a*b\n", 'E_BAD_TOPIC E_BAD_TOPIC MPUB topic name "a*b" is not valid'),
+        (b"DPUB t\n", "E_INVALID DPUB insufficient number of parameters"),
+        (b"DPUB t -1\n", "E_INVALID DPUB could not parse timeout -1"),
+        (b"DPUB t 3600001\n", "E_INVALID DPUB timeout 3600001 out of range 0-3600000"),
+        (b"PUB t\n" + struct.pack(">i", 1025), "E_BAD_MESSAGE PUB message too big 1025 > 1024"),
+    ]
+    for data, text in cases:
+        p = env.peer().send(data)
+        assert p.frames() == [err(text)], data
+        assert p.closed
+
+
+# -- consuming ----------------------------------------------------------------------------
+def test_sub_rdy_delivers_message_frames_and_fin(env):
+    """SUB then RDY: messages arrive as nsqd frames with attempts 1; FIN completes them."""
+    producer = env.peer().send(encode_command(b"PUB", b"t", body=b"hello"))
+    assert producer.frames() == [OK]
+    consumer = env.peer().send(b"SUB t c\nRDY 1\n")
+    frames = consumer.frames()
+    assert frames[0] == OK and frames[1][0] == FRAME_MESSAGE
+    ts, attempts, mid, body = decode_message(frames[1][1])
+    assert (attempts, body, len(mid)) == (1, b"hello", 16)
+    assert abs(ts / 1e9 - env.clock.seconds()) < 1
+    consumer.send(b"FIN " + mid + b"\n")
+    assert consumer.frames() == []
+    assert env.store.topics["t"].channels["c"].in_flight == {}
+
+
+def test_fin_failures_are_not_fatal(env):
+    """E_FIN_FAILED/E_REQ_FAILED/E_TOUCH_FAILED keep the connection open."""
+    p = env.peer().send(b"SUB t c\n")
+    p.frames()
+    p.send(b"FIN 0123456789abcdef\nREQ 0123456789abcdef 0\nTOUCH 0123456789abcdef\nNOP\n")
+    assert p.frames() == [
+        err("E_FIN_FAILED FIN 0123456789abcdef failed ID not in flight"),
+        err("E_REQ_FAILED REQ 0123456789abcdef failed ID not in flight"),
+        err("E_TOUCH_FAILED TOUCH 0123456789abcdef failed ID not in flight"),
+    ]
+    assert not p.closed
+    p.send(encode_command(b"PUB", b"t", body=b"x"))
+    assert p.frames() == [OK]
+
+
+def test_state_and_parameter_errors_for_consumer_commands(env):
+    """RDY/FIN/CLS before SUB, short ids and bad counts are fatal E_INVALID."""
+    cases = [
+        (b"RDY 1\n", "E_INVALID cannot RDY in current state"),
+        (b"FIN 0123456789abcdef\n", "E_INVALID cannot FIN in current state"),
+        (b"CLS\n", "E_INVALID cannot CLS in current state"),
+        (b"SUB t c\nFIN abc\n", "E_INVALID invalid message ID"),
+        (b"SUB t c\nFIN\n", "E_INVALID FIN insufficient number of params"),
+        (b"SUB t c\nREQ 0123456789abcdef\n", "E_INVALID REQ insufficient number of params"),
+        (b"SUB t c\nREQ 0123456789abcdef x\n", "E_INVALID REQ could not parse timeout x"),
+        (b"SUB t c\nRDY 2501\n", "E_INVALID RDY count 2501 out of range 0-2500"),
+        (b"SUB t c\nRDY -1\n", "E_INVALID RDY could not parse count -1"),
+        (b"SUB t\n", "E_INVALID SUB insufficient number of parameters"),
+        (b"SUB t c!\n", 'E_BAD_CHANNEL SUB channel name "c!" is not valid'),
+        (b"SUB t c\nSUB t c\n", "E_INVALID cannot SUB in current state"),
+    ]
+    for data, text in cases:
+        p = env.peer().send(data)
+        frames = [f for f in p.frames() if f != OK]
+        assert frames == [err(text)], data
+        assert p.closed
+
+
+def test_rdy_window_and_req_touch(env):
+    """RDY 2 keeps two in flight; REQ redelivers with attempts+1; TOUCH keeps it alive."""
+    env.peer().send(encode_command(b"MPUB", b"t", body=mpub_body([b"1", b"2", b"3"])))
+    c = env.peer().send(identify(msg_timeout=10000) + b"SUB t c\nRDY 2\n")
+    msgs = [decode_message(d) for t, d in c.frames() if t == FRAME_MESSAGE]
+    assert [m[3] for m in msgs] == [b"1", b"2"]
+    c.send(b"REQ " + msgs[0][2] + b" 0\n")
+    again = [decode_message(d) for t, d in c.frames() if t == FRAME_MESSAGE]
+    assert len(again) == 1  # one slot freed, one message in
+    env.clock.advance(9)
+    c.send(b"TOUCH " + msgs[1][2] + b"\nTOUCH " + again[0][2] + b"\n")
+    env.clock.advance(9)
+    assert [t for t, _ in c.frames() if t == FRAME_MESSAGE] == []  # touched: not timed out
+    env.clock.advance(2)
+    redelivered = [decode_message(d) for t, d in c.frames() if t == FRAME_MESSAGE]
+    assert redelivered and all(m[1] == 2 for m in redelivered)
+
+
+def test_req_timeout_is_clamped_not_refused(env):
+    """REQ beyond --max-req-timeout is clamped to it (nsqd logs, does not fail)."""
+    env.peer().send(encode_command(b"PUB", b"t", body=b"x"))
+    c = env.peer().send(b"SUB t c\nRDY 1\n")
+    mid = decode_message(c.frames()[1][1])[2]
+    c.send(b"REQ " + mid + b" 99999999999\n")
+    assert c.frames() == [] and not c.closed
+    ch = env.store.topics["t"].channels["c"]
+    assert ch.deferred[mid].pri == pytest.approx(env.clock.seconds() + 3600)
+
+
+def test_cls_answers_close_wait_and_stops_delivery(env):
+    """CLS: CLOSE_WAIT, RDY is ignored afterwards, FIN still works, socket stays open."""
+    env.peer().send(encode_command(b"MPUB", b"t", body=mpub_body([b"1", b"2"])))
+    c = env.peer().send(b"SUB t c\nRDY 1\n")
+    mid = decode_message(c.frames()[1][1])[2]
+    c.send(b"CLS\nRDY 5\nFIN " + mid + b"\n")
+    assert c.frames() == [(FRAME_RESPONSE, b"CLOSE_WAIT")]
+    assert not c.closed
+
+
+def test_ephemeral_channel_goes_with_its_last_client(env):
+    """A #ephemeral channel is deleted when its last consumer disconnects."""
+    c = env.peer().send(b"SUB t c#ephemeral\n")
+    assert "c#ephemeral" in env.store.topics["t"].channels
+    c.conn.connection_lost()
+    assert "c#ephemeral" not in env.store.topics["t"].channels
+
+
+def test_deleting_a_channel_closes_its_consumers(env):
+    """Channel delete (HTTP admin) closes subscribed connections, as nsqd does."""
+    c = env.peer().send(b"SUB t c\n")
+    env.store.topics["t"].delete_channel("c")
+    assert c.closed
+
+
+# -- heartbeats ---------------------------------------------------------------------------
+def test_heartbeats_to_producers_and_close_after_two_silent_intervals(env):
+    """Every interval a _heartbeat_ goes out, also to un-SUBed connections; silence for
+    two intervals closes; any command (NOP) resets the deadline."""
+    p = env.peer().send(identify(heartbeat_interval=1000))
+    p.frames()
+    env.clock.advance(1.0)
+    assert p.frames() == [(FRAME_RESPONSE, b"_heartbeat_")]
+    p.send(b"NOP\n")
+    env.clock.advance(1.9)
+    assert not p.closed
+    env.clock.advance(0.2)
+    assert p.closed
+
+
+def test_heartbeats_disabled_refuse_sub(env):
+    """heartbeat_interval -1 disables heartbeats and deadlines; SUB is then refused."""
+    p = env.peer().send(identify(heartbeat_interval=-1))
+    env.clock.advance(120)
+    assert p.frames() == [OK] and not p.closed
+    p.send(b"SUB t c\n")
+    assert p.frames() == [err("E_INVALID cannot SUB with heartbeats disabled")]
+
+
+# -- response order and the reliable bridge ----------------------------------------------
+def test_responses_keep_command_order_while_a_reliable_pub_commits(env):
+    """An OK waiting for a PostgreSQL commit holds back later replies (even a fatal
+    error's), never reorders them."""
+    env.broker.register("orders", "billing")
+    p = env.peer().send(
+        encode_command(b"PUB", b"orders", body=b"durable")
+        + encode_command(b"PUB", b"fast", body=b"quick")
+        + b"BAD\n"
+    )
+    assert p.frames() == []
+    ((topic, producer, session_id, body, done),) = env.broker.published
+    assert (topic, body) == ("orders", b"durable") and producer.startswith("nsq:")
+    assert session_id > 0
+    assert env.store.topics["fast"].message_count == 1  # later commands did run
+    assert not p.closed  # the fatal error waits its turn too
+    done(Published(42, False))
+    assert p.frames() == [OK, OK, err("E_INVALID invalid command BAD")]
+    assert p.closed
+
+
+def test_reliable_publish_failure_is_a_non_fatal_error(env):
+    """A refused reliable publish answers E_PUB_FAILED and the connection goes on."""
+    env.broker.register("orders", "billing")
+    p = env.peer().send(encode_command(b"MPUB", b"orders", body=mpub_body([b"a", b"b"])))
+    (_, _, _, _, done1), (_, _, _, _, done2) = env.broker.published
+    done1(Published(1, False))
+    done2(PublishRejected("no_topic", "E_NO_TOPIC topic 'orders' has no channel"))
+    assert p.frames() == [err("E_MPUB_FAILED MPUB failed E_NO_TOPIC topic 'orders' has no channel")]
+    assert not p.closed
+
+
+def test_new_topic_names_refresh_the_registry_once(env):
+    """A name neither store knows triggers a registry refresh; known names do not."""
+    p = env.peer().send(encode_command(b"PUB", b"n", body=b"1"))
+    assert env.broker.refreshes == 1
+    p.send(encode_command(b"PUB", b"n", body=b"2"))
+    assert env.broker.refreshes == 1 and p.frames() == [OK, OK]
+
+
+def test_sub_on_reliable_channel_pushes_hex_ids_and_fin_acks(env):
+    """SUB on a registered channel gets broker deliveries: 16-hex ids, ns timestamps; FIN is
+    Broker.ack; REQ redelivers; another connection cannot FIN it."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 5\n")
+    assert c.frames() == [OK]
+    ch.add(ReliableMessage(0x1234, "orders", "p", 7, 1_700_000_000_000, b"stored"))
+    ((kind, data),) = c.frames()
+    ts, attempts, mid, body = decode_message(data)
+    assert (kind, mid, ts, attempts, body) == (FRAME_MESSAGE, b"0000000000001234", 1_700_000_000_000 * 10**6, 1, b"stored")
+    c.send(b"REQ " + mid + b" 0\n")
+    ((_, again),) = c.frames()
+    assert decode_message(again)[1] == 2
+    other = env.peer().send(b"SUB orders billing\n")
+    other.frames()
+    other.send(b"FIN " + mid + b"\n")
+    assert other.frames() == [err("E_FIN_FAILED FIN 0000000000001234 failed client does not own message")]
+    c.send(b"FIN " + mid + b"\n")
+    assert c.frames() == [] and env.broker.acked == [0x1234]
+
+
+def test_reliable_req_with_delay_and_touch(env):
+    """REQ with a delay holds a reliable copy back until due; TOUCH restarts its timeout."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 1\n")
+    c.frames()
+    ch.add(ReliableMessage(9, "orders", "p", 1, 0, b"x"))
+    mid = decode_message(c.frames()[0][1])[2]
+    assert c.send(b"TOUCH " + mid + b"\n").frames() == []
+    c.send(b"REQ " + mid + b" 5000\n")
+    ch.scan(env.clock.seconds() + 4)
+    assert c.frames() == []
+    ch.scan(env.clock.seconds() + 5)
+    ((_, data),) = c.frames()
+    assert decode_message(data)[1] == 2
+
+
+def test_sub_on_unregistered_reliable_channel_is_sub_failed(env):
+    """A reliable topic's unregistered channel is refused with E_SUB_FAILED (fatal)."""
+    env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders other\nRDY 1\n")
+    frames = c.frames()
+    assert frames == [err("E_SUB_FAILED SUB failed E_NO_CHANNEL channel 'other' is not registered")]
+    assert c.closed
+
+
+def test_reliable_consumer_disconnect_requeues_at_once(env):
+    """dmq's broker gives a gone consumer's reliable copies back immediately (not after timeout)."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 1\n")
+    ch.add(ReliableMessage(5, "orders", "p", 1, 0, b"x"))
+    c.conn.connection_lost()
+    assert len(ch.ready) == 1 and not ch.in_flight
