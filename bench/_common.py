@@ -1,0 +1,251 @@
+"""Shared helpers of the benchmark: ports, percentiles, /proc sampling, tables.
+
+Only the standard library: the figures come from /proc (CPU seconds, RSS) and
+from timestamps taken by the load generators themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from typing import Iterable, Sequence
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- percentiles
+
+
+def percentiles(values: Iterable[float], points: Sequence[float] = (50, 99, 99.9)) -> dict:
+    """Nearest-rank percentiles of ``values`` (seconds) as milliseconds, plus count/mean/max."""
+    data = sorted(values)
+    out: dict = {"count": len(data)}
+    if not data:
+        for p in points:
+            out[_pname(p)] = None
+        out["mean"] = out["max"] = None
+        return out
+    n = len(data)
+    for p in points:
+        rank = max(1, math.ceil(p / 100.0 * n))
+        out[_pname(p)] = round(data[rank - 1] * 1000.0, 3)
+    out["mean"] = round(sum(data) / n * 1000.0, 3)
+    out["max"] = round(data[-1] * 1000.0, 3)
+    return out
+
+
+def _pname(p: float) -> str:
+    return "p" + (str(p).replace(".", "_") if p != int(p) else str(int(p)))
+
+
+def fmt_lat(stats: dict) -> str:
+    """``p50 / p99 / p99.9`` in ms from a percentiles() dict."""
+    if not stats or not stats.get("count"):
+        return "n/a (no samples)"
+    return f"{stats['p50']:.2f} / {stats['p99']:.2f} / {stats['p99_9']:.2f}"
+
+
+# ---------------------------------------------------------------- /proc
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # fields after "(comm)": state ppid pgrp session tty tpgid flags minflt cminflt
+    # majflt cmajflt utime stime cutime cstime ...
+    return text.rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int, with_children: bool = False) -> float:
+    """User+system CPU seconds of a process (all its threads); optionally plus reaped children."""
+    f = _stat_fields(pid)
+    if f is None:
+        return 0.0
+    ticks = int(f[11]) + int(f[12])
+    if with_children:
+        ticks += int(f[13]) + int(f[14])
+    return ticks / _CLK_TCK
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(process time, interrupt time) in CPU seconds over all cores, from /proc/stat.
+
+    Process time is user+nice+system, the same clock as the per-process figures.
+    Interrupt time (irq+softirq) is mostly loopback TCP work caused by the
+    benchmark's own traffic; the kernel does not charge it to any process.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0, 0.0
+    # cpu user nice system idle iowait irq softirq steal guest guest_nice
+    v = [int(x) for x in fields[1:]]
+    return (v[0] + v[1] + v[2]) / _CLK_TCK, (v[5] + v[6]) / _CLK_TCK
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU of ``root`` (plus children it reaped) and of its live direct children.
+
+    Right for PostgreSQL: backends are direct children of the postmaster, and a
+    backend that exited has its time added to the postmaster's cutime/cstime.
+    """
+    total = cpu_seconds(root, with_children=True)
+    for pid in _all_pids():
+        f = _stat_fields(pid)
+        if f is not None and pid != root and int(f[1]) == root:
+            total += cpu_seconds(pid, with_children=True)
+    return total
+
+
+def descendants(root: int) -> list[int]:
+    """Live processes below ``root`` (children, grandchildren, ...), by parent pid."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        f = _stat_fields(pid)
+        if f is not None:
+            children.setdefault(int(f[1]), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def family_cpu_seconds(root: int) -> float:
+    """CPU of ``root`` and all its live descendants, plus what each of them reaped."""
+    return sum(cpu_seconds(pid, with_children=True) for pid in [root, *descendants(root)])
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process in kB; (0, 0) if it is gone."""
+    rss = hwm = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1])
+    except OSError:
+        pass
+    return rss, hwm
+
+
+class RssSampler:
+    """Samples a process's VmRSS/VmHWM every ``interval`` seconds on a thread."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        self.pid = pid
+        self.interval = interval
+        self.samples: list[tuple[float, int, int]] = []  # (time.time(), rss_kb, hwm_kb)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, hwm = memory_kb(self.pid)
+            if rss:
+                self.samples.append((time.time(), rss, hwm))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def window(self, start: float, end: float) -> dict:
+        """Max RSS and last HWM (MB) of samples between two time.time() stamps."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return {"max_rss_mb": None, "hwm_mb": None, "samples": 0}
+        return {
+            "max_rss_mb": round(max(s[1] for s in inside) / 1024.0, 1),
+            "hwm_mb": round(max(s[2] for s in inside) / 1024.0, 1),
+            "samples": len(inside),
+        }
+
+
+# ---------------------------------------------------------------- machine
+
+
+def machine_info() -> dict:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_kb = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_kb = int(line.split()[1])
+                    break
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "mem_total_gb": round(mem_kb / 1024 / 1024, 1),
+        "kernel": os.uname().release,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def fmt_int(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """A titled two-column block: figure label, value."""
+    width = max((len(label) for label, _ in rows), default=10)
+    print()
+    print(f"== {title} ==")
+    for label, value in rows:
+        print(f"  {label.ljust(width)}  {value}")
+    print(flush=True)
+
+
+def print_grid(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    print()
+    print(f"== {title} ==")
+    line = "  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("  " + "  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    print(flush=True)

@@ -1,0 +1,415 @@
+"""dmq load generators: producer and consumer processes on raw sockets.
+
+Everything shares two cores with the server and PostgreSQL, so the generators
+do as little as possible per message: each producer encodes one template frame
+with the wire codec, then only splices in the session id and timestamps; frames
+go out in one ``sendall`` per window refill; replies and pushes are read in
+large ``recv`` calls and scanned in place for the few fields needed (command,
+session id, message id, the body's first 8 bytes). The templates are checked
+against the codec's decoder at start, so a layout change fails loudly instead
+of measuring garbage.
+
+Each worker runs in its own process (multiprocessing, fork), connects and
+reports ready, waits for the common start event, runs, and puts a result dict
+on the result queue: counts, wall-clock start/end (time.time()), its own CPU
+seconds, and latencies in seconds as raw ``array('d')`` bytes.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+from array import array
+from typing import Any
+
+from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
+
+U32 = struct.Struct(">I")
+U16 = struct.Struct(">H")
+I64 = struct.Struct(">q")
+
+# offsets inside an encoded frame (see dmq_client/wire/codec.py)
+OFF_CMD = 4
+OFF_SESSION = 12
+OFF_MESSAGE_ID = 20
+OFF_TIMESTAMP = 28
+OFF_TOPIC_LEN = 44
+
+C_SEND_SUCCESS = int(Command.SEND_SUCCESS_ACK)
+C_PUSH = int(Command.CONSUMER_PUSH)
+C_SUB_ACK = int(Command.SUBSCRIBE_ACK)
+C_PROTOCOL_ERROR = int(Command.PROTOCOL_ERROR)
+SEND_FAILURES = {
+    int(Command.SEND_NO_TOPIC_ACK),
+    int(Command.SEND_SERVER_ERROR),
+    int(Command.SEND_EXCEED_LIMIT_ACK),
+    int(Command.SEND_INVALID_ACK),
+}
+SUB_FAILURES = {
+    int(Command.SUBSCRIBE_NO_TOPIC_ACK),
+    int(Command.SUBSCRIBE_NO_CLIENT_ID_ACK),
+    int(Command.SUBSCRIBE_SERVER_ERROR),
+    int(Command.SUBSCRIBE_INVALID_ACK),
+}
+
+RECV_SIZE = 1 << 20
+
+
+class SendTemplate:
+    """An encoded UP_PRODUCER_SEND split around the bytes that change per message."""
+
+    def __init__(self, topic: str, producer: str, body_size: int):
+        if body_size < 8:
+            raise ValueError("bodies carry an 8-byte send time; body_size must be >= 8")
+        raw = encode(
+            Frame(Command.UP_PRODUCER_SEND, session_id=0, topic=topic, producer=producer, body=b"\x00" * body_size)
+        )
+        body_off = len(raw) - body_size
+        self.head = raw[:OFF_SESSION]
+        self.between_ts = raw[OFF_SESSION + 8 : OFF_TIMESTAMP]
+        self.before_body = raw[OFF_TIMESTAMP + 8 : body_off]
+        self.body_rest = raw[body_off + 8 :]
+        # self-check against the codec
+        probe = self.frame(12345, 1_700_000_000_000, 1_700_000_000_000_000_000)
+        (frame,) = FrameDecoder().feed(probe)
+        assert frame.command == Command.UP_PRODUCER_SEND and frame.session_id == 12345
+        assert frame.topic == topic and frame.producer == producer and frame.timestamp_ms == 1_700_000_000_000
+        assert len(frame.body) == body_size and I64.unpack_from(frame.body, 0)[0] == 1_700_000_000_000_000_000
+
+    def suffix(self, now_ms: int, now_ns: int) -> bytes:
+        """Everything after the session id, for messages sent at this moment."""
+        return self.between_ts + I64.pack(now_ms) + self.before_body + I64.pack(now_ns) + self.body_rest
+
+    def frame(self, session_id: int, now_ms: int, now_ns: int) -> bytes:
+        return self.head + I64.pack(session_id) + self.suffix(now_ms, now_ns)
+
+
+class AckTemplate:
+    def __init__(self, topic: str, channel: str):
+        raw = encode(Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=0))
+        self.head = raw[:OFF_MESSAGE_ID]
+        self.tail = raw[OFF_MESSAGE_ID + 8 :]
+        (frame,) = FrameDecoder().feed(self.head + I64.pack(77) + self.tail)
+        assert frame.command == Command.UP_CONSUMER_ACK and frame.message_id == 77
+        assert frame.topic == topic and frame.channel == channel
+
+
+def _status_of(buf: bytes | bytearray, pos: int, end: int) -> str:
+    """Decode one whole frame with the real codec (for error replies only)."""
+    try:
+        (frame,) = FrameDecoder().feed(bytes(buf[pos:end]))
+        return f"{frame.command.name} {frame.status}"
+    except Exception as exc:  # noqa: BLE001
+        return f"undecodable frame: {exc}"
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 21)
+    sock.sendall(MAGIC)
+    return sock
+
+
+# ---------------------------------------------------------------- producer
+
+
+def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
+    """One producer connection.
+
+    cfg: host, port, topic, n (messages for this producer), window, body_size,
+    rate (msgs/s for this producer, 0 = as fast as the window allows),
+    timeout (seconds after start), producer (name).
+    """
+    result: dict = {"index": index, "role": "producer", "error": None}
+    try:
+        _producer(cfg, index, ready_q, start_evt, result)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            ready_q.put(("failed", index, result["error"]))
+        except Exception:  # noqa: BLE001
+            pass
+    result["cpu_s"] = time.process_time()
+    result_q.put(result)
+
+
+def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
+    n = cfg["n"]
+    window = cfg["window"]
+    rate = float(cfg.get("rate") or 0.0)
+    tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"])
+    head = tmpl.head
+    pack = I64.pack
+    u32_from = U32.unpack_from
+    i64_from = I64.unpack_from
+    perf = time.perf_counter
+
+    sock = _connect(cfg["host"], cfg["port"])
+    ready_q.put(("ready", index, None))
+    if not start_evt.wait(120):
+        raise RuntimeError("start signal never came")
+    sock.settimeout(None)
+
+    sent_at = array("d", bytes(8 * n))
+    lat = array("d")
+    ack_at = array("d")  # seconds after this producer's start, parallel to lat
+    sid0 = 1  # session ids 1..n (must be >= 0)
+    next_seq = 0
+    acked = 0
+    failed = 0
+    first_error = None
+    window_full = 0  # paced mode: times a due send had to wait for the window
+    buf = bytearray()
+    t_start = time.time()
+    p_start = perf()
+    deadline = p_start + cfg["timeout"]
+
+    while acked + failed < n:
+        now = perf()
+        if now > deadline:
+            raise TimeoutError(f"only {acked + failed} of {n} sends answered within {cfg['timeout']}s")
+        outstanding = next_seq - acked - failed
+        if rate:
+            due = min(n, int((now - p_start) * rate) + 1)
+            k = min(due - next_seq, window - outstanding)
+            if due > next_seq and k <= 0:
+                window_full += 1
+        else:
+            k = min(n - next_seq, window - outstanding)
+        if k > 0:
+            suffix = tmpl.suffix(int(time.time() * 1000), time.time_ns())
+            parts = []
+            append = parts.append
+            for sid in range(next_seq + sid0, next_seq + sid0 + k):
+                append(head)
+                append(pack(sid))
+                append(suffix)
+            data = b"".join(parts)
+            t_write = perf()
+            for seq in range(next_seq, next_seq + k):
+                sent_at[seq] = t_write
+            sock.sendall(data)
+            next_seq += k
+        if rate:
+            # sleep until the next send is due or a reply arrives
+            outstanding = next_seq - acked - failed
+            if next_seq < n and outstanding < window:
+                wait = max(0.0, p_start + next_seq / rate - perf())
+            else:
+                wait = 1.0
+            if wait > 0 or outstanding:
+                readable, _, _ = select.select([sock], [], [], wait)
+                if not readable:
+                    continue
+            else:
+                continue
+        data = sock.recv(RECV_SIZE)
+        if not data:
+            raise ConnectionError("server closed the connection")
+        now = perf()
+        buf += data
+        pos = 0
+        blen = len(buf)
+        while blen - pos >= 4:
+            end = pos + 4 + u32_from(buf, pos)[0]
+            if end > blen:
+                break
+            cmd = buf[pos + OFF_CMD]
+            if cmd == C_SEND_SUCCESS:
+                seq = i64_from(buf, pos + OFF_SESSION)[0] - sid0
+                lat.append(now - sent_at[seq])
+                ack_at.append(now - p_start)
+                acked += 1
+            elif cmd in SEND_FAILURES:
+                failed += 1
+                if first_error is None:
+                    first_error = _status_of(buf, pos, end)
+            elif cmd == C_PROTOCOL_ERROR:
+                raise ConnectionError(_status_of(buf, pos, end))
+            pos = end
+        if pos:
+            del buf[:pos]
+    t_end = time.time()
+    sock.close()
+    result.update(
+        sent=next_seq,
+        acked=acked,
+        failed=failed,
+        first_error=first_error,
+        window_full=window_full,
+        t_start=t_start,
+        t_end=t_end,
+        lat=lat.tobytes(),
+        ack_at=ack_at.tobytes(),
+    )
+
+
+# ---------------------------------------------------------------- consumer
+
+
+def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
+    """One consumer subscription.
+
+    cfg: host, port, topic, channel, credit, expected (unique messages to wait
+    for, 0 = no target), timeout (seconds after start), phases: list of
+    (seconds or None, ack: bool); None = until ``expected`` is reached.
+    Records publish->delivery latency from the body's first 8 bytes
+    (producer time.time_ns()) when cfg["latency"].
+    """
+    result: dict = {"index": index, "role": "consumer", "error": None}
+    try:
+        _consumer(cfg, index, ready_q, start_evt, result)
+    except Exception as exc:  # noqa: BLE001
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            ready_q.put(("failed", index, result["error"]))
+        except Exception:  # noqa: BLE001
+            pass
+    result["cpu_s"] = time.process_time()
+    result_q.put(result)
+
+
+def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
+    topic, channel = cfg["topic"], cfg["channel"]
+    acks = AckTemplate(topic, channel)
+    ack_head, ack_tail = acks.head, acks.tail
+    pack = I64.pack
+    u32_from = U32.unpack_from
+    u16_from = U16.unpack_from
+    i64_from = I64.unpack_from
+    want_latency = cfg.get("latency", True)
+    expected = cfg.get("expected", 0)
+
+    sock = _connect(cfg["host"], cfg["port"])
+    sock.sendall(
+        encode(Frame(Command.UP_SUBSCRIBE, session_id=1, topic=topic, channel=channel, credit=cfg["credit"]))
+    )
+    pending = b""
+    subscribed = False
+    while not subscribed:  # read frame by frame until SUBSCRIBE_ACK; keep what follows
+        data = sock.recv(RECV_SIZE)
+        if not data:
+            raise ConnectionError("server closed the connection before SUBSCRIBE_ACK")
+        # pushes may follow the ack in the same read: keep them
+        chunk = pending + data
+        pos = 0
+        while len(chunk) - pos >= 4:
+            end = pos + 4 + u32_from(chunk, pos)[0]
+            if end > len(chunk):
+                break
+            cmd = chunk[pos + OFF_CMD]
+            if not subscribed:
+                if cmd == C_SUB_ACK:
+                    subscribed = True
+                    pos = end
+                    break
+                if cmd in SUB_FAILURES or cmd == C_PROTOCOL_ERROR:
+                    raise ConnectionError(f"subscribe refused: {_status_of(chunk, pos, end)}")
+            pos = end
+        pending = chunk[pos:]
+    ready_q.put(("ready", index, None))
+    if not start_evt.wait(120):
+        raise RuntimeError("start signal never came")
+
+    buf = bytearray(pending)
+    seen: set[int] = set()
+    lat = array("d")
+    received = 0
+    acked = 0
+    duplicates = 0
+    t_start = time.time()
+    t_first = t_last = 0.0
+    overall_deadline = time.monotonic() + cfg["timeout"]
+    phase_log = []
+    held: list[int] = []  # received, not yet acknowledged (no-ack phases)
+    for seconds, do_ack in cfg.get("phases") or [(None, True)]:
+        phase_start = time.time()
+        phase_received = phase_acked = 0
+        phase_deadline = overall_deadline if seconds is None else min(overall_deadline, time.monotonic() + seconds)
+        if do_ack and held:
+            sock.sendall(b"".join(ack_head + pack(mid) + ack_tail for mid in held))
+            acked += len(held)
+            phase_acked += len(held)
+            held = []
+            t_last = time.time()
+        while True:
+            if seconds is None and expected and len(seen) >= expected:
+                break
+            remaining = phase_deadline - time.monotonic()
+            if remaining <= 0:
+                if seconds is None:
+                    raise TimeoutError(f"received {len(seen)} of {expected} messages within {cfg['timeout']}s")
+                break
+            readable, _, _ = select.select([sock], [], [], min(remaining, 0.5))
+            if not readable:
+                continue
+            data = sock.recv(RECV_SIZE)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            now_ns = time.time_ns()
+            buf += data
+            pos = 0
+            blen = len(buf)
+            ids = []
+            while blen - pos >= 4:
+                end = pos + 4 + u32_from(buf, pos)[0]
+                if end > blen:
+                    break
+                cmd = buf[pos + OFF_CMD]
+                if cmd == C_PUSH:
+                    mid = i64_from(buf, pos + OFF_MESSAGE_ID)[0]
+                    ids.append(mid)
+                    if mid in seen:
+                        duplicates += 1
+                    else:
+                        seen.add(mid)
+                        if want_latency:
+                            p = pos + OFF_TOPIC_LEN
+                            p += 1 + buf[p]  # topic
+                            p += 1 + buf[p]  # channel
+                            p += 1 + buf[p]  # producer
+                            p += 2 + u16_from(buf, p)[0]  # status
+                            if end - p >= 8:
+                                lat.append((now_ns - i64_from(buf, p)[0]) / 1e9)
+                elif cmd == C_PROTOCOL_ERROR:
+                    raise ConnectionError(_status_of(buf, pos, end))
+                pos = end
+            if pos:
+                del buf[:pos]
+            if ids:
+                if not t_first:
+                    t_first = time.time()
+                received += len(ids)
+                phase_received += len(ids)
+                if do_ack:
+                    sock.sendall(b"".join(ack_head + pack(mid) + ack_tail for mid in ids))
+                    acked += len(ids)
+                    phase_acked += len(ids)
+                    t_last = time.time()
+                else:
+                    held.extend(ids)
+        phase_log.append(
+            {
+                "ack": do_ack,
+                "t_start": phase_start,
+                "t_end": time.time(),
+                "received": phase_received,
+                "acked": phase_acked,
+            }
+        )
+    sock.close()
+    result.update(
+        received=received,
+        unique=len(seen),
+        duplicates=duplicates,
+        acked=acked,
+        t_start=t_start,
+        t_first=t_first,
+        t_last=t_last,
+        phases=phase_log,
+        lat=lat.tobytes(),
+    )

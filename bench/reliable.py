@@ -1,0 +1,1346 @@
+#!/usr/bin/env python3
+"""dmq reliable-path benchmark, side by side with PostgreSQL's own ceiling and RabbitMQ.
+
+One command runs every scenario on 127.0.0.1 and prints a table per scenario
+and a summary against the targets:
+
+    python bench/reliable.py            # full run (under ~10 minutes)
+    python bench/reliable.py --quick    # smaller counts, same scenarios (~3 minutes)
+    python bench/reliable.py --json results.json
+
+Scenarios (see docs/benchmarks.md for what each figure means):
+  publish  dmq: P producers, W unanswered sends each, N messages; acked msgs/s, publish->ack latency
+  e2e1     dmq: producers + 1 consumer on 1 channel at the same time; delivered+acked msgs/s
+  e2e4     dmq: the same with 4 channels (4 consumers); per channel and total
+  steady   dmq: paced producers at --rate msgs/s for --steady-seconds; publish->ack latency
+  ceiling  PostgreSQL alone: the server's insert_messages statement, batches of 100, one connection
+  backlog  dmq: server RSS with 1,000,000 stored unacknowledged messages, consumer without and with acks
+  rabbit   RabbitMQ (durable queue, persistent messages, publisher confirms): publish and end to end
+
+Everything it starts (PostgreSQL, dmq-server, RabbitMQ and its epmd, load
+generator processes) it stops, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from array import array
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _dmq_load  # noqa: E402
+from _common import (  # noqa: E402
+    RssSampler,
+    cpu_seconds,
+    fmt_int,
+    fmt_lat,
+    free_port,
+    machine_busy_seconds,
+    machine_info,
+    memory_kb,
+    percentiles,
+    print_grid,
+    print_table,
+    tree_cpu_seconds,
+)
+from _pg import PrivatePostgres  # noqa: E402
+
+CTX = mp.get_context("fork")
+ALL_SCENARIOS = ("publish", "e2e1", "e2e4", "steady", "ceiling", "backlog", "rabbit")
+
+TARGETS = {
+    "publish_msgs_s": 20_000,
+    "e2e1_msgs_s": 10_000,
+    "steady_p99_ms": 25.0,
+    "backlog_rss_mb": 200.0,
+}
+
+
+# ====================================================================== processes
+
+
+def run_workers(
+    workers: list[tuple[Callable, dict]],
+    probes: dict[str, Callable[[], float]],
+    ready_timeout: float = 60,
+    result_timeout: float = 600,
+) -> dict:
+    """Start worker processes, wait until all are connected, release them together.
+
+    Returns {"t0", "t_done", "results" (by index), "cpu" (probe deltas, seconds), "wall"}.
+    """
+    ready_q = CTX.Queue()
+    result_q = CTX.Queue()
+    start_evt = CTX.Event()
+    procs = []
+    for index, (target, cfg) in enumerate(workers):
+        proc = CTX.Process(target=target, args=(cfg, index, ready_q, start_evt, result_q), daemon=True)
+        proc.start()
+        procs.append(proc)
+    results: dict[int, dict] = {}
+    try:
+        ready = 0
+        deadline = time.monotonic() + ready_timeout
+        while ready < len(procs):
+            try:
+                kind, index, detail = ready_q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - queue.Empty
+                raise RuntimeError(f"only {ready} of {len(procs)} load generators connected in {ready_timeout}s")
+            if kind == "failed":
+                raise RuntimeError(f"load generator {index} failed before the start: {detail}")
+            ready += 1
+        before = {name: probe() for name, probe in probes.items()}
+        busy_before = machine_busy_seconds()
+        t0 = time.time()
+        start_evt.set()
+        deadline = time.monotonic() + result_timeout
+        while len(results) < len(procs):
+            try:
+                result = result_q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                raise RuntimeError(f"only {len(results)} of {len(procs)} load generators finished in time")
+            results[result["index"]] = result
+        t_done = time.time()
+        after = {name: probe() for name, probe in probes.items()}
+        busy_after = machine_busy_seconds()
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    errors = [f"{r['role']} {i}: {r['error']}" for i, r in sorted(results.items()) if r.get("error")]
+    if errors:
+        raise RuntimeError("load generator errors: " + "; ".join(errors))
+    cpu = {name: round(after[name] - before[name], 2) for name in probes}
+    for role in ("producer", "consumer"):
+        mine = [r.get("cpu_s", 0.0) for r in results.values() if r["role"] == role]
+        if len(mine) == 1:
+            cpu[role] = round(mine[0], 2)
+        elif mine:
+            cpu[f"{role}s"] = round(sum(mine), 2)
+            if role == "consumer":
+                cpu["busiest consumer"] = round(max(mine), 2)
+    if probes:
+        ours = sum(v for k, v in cpu.items() if k != "busiest consumer")
+        # everything else on the machine (other users' jobs, this script): context for the figures
+        cpu["other processes"] = round(max(0.0, (busy_after[0] - busy_before[0]) - ours), 2)
+        cpu["kernel irq/softirq"] = round(busy_after[1] - busy_before[1], 2)
+    return {"t0": t0, "t_done": t_done, "wall": t_done - t0, "results": results, "cpu": cpu}
+
+
+def latencies(results: list[dict]) -> array:
+    out = array("d")
+    for r in results:
+        out.frombytes(r["lat"])
+    return out
+
+
+def timeline(results: list[dict], t0: float) -> list[dict]:
+    """Per-second publish->ack percentiles (by ack time since the common start)."""
+    buckets: dict[int, list[float]] = {}
+    for r in results:
+        lat = array("d", r["lat"])
+        at = array("d", r["ack_at"])
+        shift = r["t_start"] - t0
+        for latency, when in zip(lat, at):
+            buckets.setdefault(int(when + shift), []).append(latency)
+    out = []
+    for second in sorted(buckets):
+        p = percentiles(buckets[second], (50, 99))
+        out.append({"second": second, "acks": p["count"], "p50": p["p50"], "p99": p["p99"], "max": p["max"]})
+    return out
+
+
+def writer_delta(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """Group-commit figures from the server's /stats between two snapshots."""
+    try:
+        b, a = before["writer"], after["writer"]
+        batches = a["batches"] - b["batches"]
+        messages = a["messages"] - b["messages"]
+    except (TypeError, KeyError):
+        return None
+    return {
+        "commits": batches,
+        "messages": messages,
+        "mean_batch": round(messages / batches, 1) if batches else None,
+        "commits_s": round(batches / wall, 1) if wall > 0 else None,
+    }
+
+
+def writer_line(w: dict | None) -> str:
+    if not w or not w["commits"]:
+        return "n/a"
+    return f"{w['commits']:,} transactions, {w['mean_batch']} messages each on average, {w['commits_s']} commits/s"
+
+
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def per_message_us(cpu: dict, messages: int) -> dict:
+    """CPU microseconds per message of the server and of PostgreSQL (load-independent cost)."""
+    out = {}
+    for name in ("dmq-server", "PostgreSQL", "RabbitMQ"):
+        if name in cpu and messages:
+            out[name] = round(cpu[name] / messages * 1e6, 1)
+    return out
+
+
+def per_message_line(us: dict) -> str:
+    return ", ".join(f"{name} {value:.0f} us" for name, value in us.items()) or "n/a"
+
+
+def cpu_line(cpu: dict, wall: float) -> str:
+    cells = []
+    for name, seconds in cpu.items():
+        pct = 100.0 * seconds / wall if wall > 0 else 0.0
+        cells.append(f"{name} {seconds:.1f} s ({pct:.0f}% of a core)")
+    return ", ".join(cells) + f"; wall {wall:.1f} s on {os.cpu_count()} cores"
+
+
+# ====================================================================== dmq server
+
+
+class DmqServer:
+    def __init__(self, dsn: str, workdir: Path, extra_args: list[str], log_level: str = "info",
+                 server_cmd: str = ""):
+        self.log_level = log_level
+        self.server_cmd = server_cmd
+        self.dsn = dsn
+        self.workdir = workdir
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        self.tcp_port = 0
+        self.http_port = 0
+        self.log_path = workdir / "dmq-server.log"
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        script = Path(sys.executable).parent / "dmq-server"
+        if self.server_cmd:
+            base = shlex.split(self.server_cmd)
+        elif script.exists():
+            base = [str(script)]
+        elif shutil.which("dmq-server"):
+            base = [shutil.which("dmq-server")]
+        else:
+            base = [sys.executable, "-m", "dmq_server.main"]
+        return base + [
+            "--pg-dsn", self.dsn,
+            "--tcp-address", f"127.0.0.1:{self.tcp_port}",
+            "--http-address", f"127.0.0.1:{self.http_port}",
+            "--data-path", str(self.workdir / "server-data"),
+            "--log-level", self.log_level,
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 60) -> None:
+        self.tcp_port, self.http_port = free_port(), free_port()
+        log = open(self.log_path, "ab")
+        self.starts += 1
+        log.write(f"\n---- start {self.starts} ----\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, cwd=str(self.workdir),
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dmq-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ping", timeout=2) as resp:
+                    body = resp.read()
+                    if resp.status == 200 and body.strip() == b"OK":
+                        return
+                    last = body
+            except OSError as exc:
+                last = exc
+            time.sleep(0.1)
+        raise RuntimeError(f"dmq-server did not answer /ping with OK within {timeout}s ({last}):\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid) if self.proc is not None else 0.0
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ping", timeout=3) as resp:
+                return resp.status == 200 and resp.read().strip() == b"OK"
+        except OSError:
+            return False
+
+    def stats(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/stats", timeout=5) as resp:
+                return json.load(resp)
+        except (OSError, ValueError):
+            return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                print("  dmq-server did not stop within {timeout}s of SIGTERM; killing it")
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+
+# ====================================================================== profiling (optional)
+
+
+class Profiler:
+    """py-spy record on the server during a scenario, summarised as top frames."""
+
+    def __init__(self, outdir: Path | None, gil: bool = False, native: bool = False):
+        self.outdir = outdir
+        self.gil = gil
+        self.native = native
+        self.proc: subprocess.Popen | None = None
+        self.path: Path | None = None
+
+    def start(self, pid: int, name: str) -> None:
+        if self.outdir is None:
+            return
+        pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not os.path.exists(pyspy):
+            print("  (--profile: py-spy not found; pip install py-spy)")
+            self.outdir = None
+            return
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.outdir / f"{name}.folded.txt"
+        self.proc = subprocess.Popen(
+            [pyspy, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--threads",
+             "--output", str(self.path), *(["--gil"] if self.gil else []),
+             *(["--native"] if self.native else [])],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)  # let it attach before the load starts
+
+    def stop(self) -> dict | None:
+        if self.proc is None or self.path is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        return summarise_profile(self.path)
+
+
+IDLE_LEAVES = ("Condition.wait", "Queue.get", "EPollReactor.doPoll", "Event.wait", "Thread.join",
+               "_worker (concurrent", "select (selectors")
+PG_WAIT_LEAF = "Connection.wait (psycopg/"
+
+
+def summarise_profile(path: Path, top: int = 15) -> dict | None:
+    """Per-thread busy/idle shares and the top busy frames from py-spy's raw (folded) output.
+
+    A sample is *idle* when its innermost frame is a wait (epoll in the reactor,
+    a thread pool's queue), *waiting for PostgreSQL* when it is psycopg's
+    ``Connection.wait``, else *busy* (running Python or C code, or waiting for the GIL).
+    """
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    threads: dict[str, dict[str, int]] = {}
+    self_counts: dict[str, int] = {}
+    incl_counts: dict[str, int] = {}
+    busy_total = 0
+    total = 0
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        parts = stack.split(";")
+        thread = parts[0].split(": ", 1)[-1] if parts[0].startswith("thread ") else "?"
+        thread = thread.rstrip("0123456789").rstrip("-")
+        frames = parts[1:] if parts[0].startswith("thread ") else parts
+        if not frames:
+            continue
+        total += n
+        leaf = frames[-1]
+        t = threads.setdefault(thread, {"samples": 0, "idle": 0, "pg_wait": 0, "busy": 0})
+        t["samples"] += n
+        if any(leaf.startswith(idle) for idle in IDLE_LEAVES):
+            t["idle"] += n
+            continue
+        if leaf.startswith(PG_WAIT_LEAF):
+            t["pg_wait"] += n
+            continue
+        t["busy"] += n
+        busy_total += n
+        self_counts[leaf] = self_counts.get(leaf, 0) + n
+        for frame in set(frames):
+            incl_counts[frame] = incl_counts.get(frame, 0) + n
+    if not total:
+        return None
+
+    def rank(counts: dict[str, int]) -> list[tuple[str, float]]:
+        ordered = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return [(f, round(100.0 * c / max(1, busy_total), 1)) for f, c in ordered]
+
+    return {
+        "file": str(path),
+        "samples": total,
+        "busy_samples": busy_total,
+        "threads": threads,
+        "self": rank(self_counts),
+        "inclusive": rank(incl_counts),
+    }
+
+
+def print_profile(title: str, prof: dict | None, gil: bool = False) -> None:
+    if not prof:
+        return
+    total = max(1, prof["samples"])
+    if gil:
+        print(f"  py-spy --gil on dmq-server during {title} ({prof['file']}): which thread holds the GIL")
+        for name, t in sorted(prof["threads"].items(), key=lambda kv: -kv[1]["samples"]):
+            print(f"    {name[:40]:40s} {100 * t['samples'] / total:5.1f}% of GIL-holding samples")
+    else:
+        print(f"  py-spy on dmq-server during {title} ({prof['file']}); per thread, share of its samples:")
+        for name, t in sorted(prof["threads"].items(), key=lambda kv: -kv[1]["busy"]):
+            n = max(1, t["samples"])
+            print(f"    {name[:40]:40s} busy (running or waiting for the GIL) {100 * t['busy'] / n:5.1f}%  "
+                  f"in psycopg waiting for PostgreSQL {100 * t['pg_wait'] / n:5.1f}%  idle {100 * t['idle'] / n:5.1f}%")
+    print("  top self time, share of busy samples (all threads):")
+    for frame, pct in prof["self"]:
+        print(f"    {pct:5.1f}%  {frame}")
+    print("  top inclusive time, share of busy samples:")
+    for frame, pct in prof["inclusive"]:
+        print(f"    {pct:5.1f}%  {frame}")
+    print(flush=True)
+
+
+# ====================================================================== the benchmark
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="dmq-bench-"))
+        os.chmod(self.work, 0o755)  # PostgreSQL's own user must reach its data directory below
+        self.pg: PrivatePostgres | None = None
+        self.server: DmqServer | None = None
+        self.results: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+        self.profiler = Profiler(Path(args.profile) if args.profile else None, gil=args.profile_gil,
+                                 native=args.profile_native)
+        self.sampler: RssSampler | None = None
+
+    # -- setup ---------------------------------------------------------------
+    def pg_probe(self) -> float:
+        pid = self.pg.postmaster_pid() if self.pg else None
+        return tree_cpu_seconds(pid) if pid else 0.0
+
+    def probes(self) -> dict[str, Callable[[], float]]:
+        return {"dmq-server": self.server.cpu, "PostgreSQL": self.pg_probe}
+
+    def connect(self):
+        from dmq_server.store import connect
+
+        return connect(self.pg.dsn, autocommit=True)
+
+    def create_topic(self, topic: str, channels: list[str]) -> None:
+        import registry
+
+        conn = self.connect()
+        try:
+            registry.create_topic(conn, topic)
+            for channel in channels:
+                registry.add_channel(conn, topic, channel)
+        finally:
+            conn.close()
+
+    def start_server(self) -> None:
+        self.server.start()
+        self.sampler = RssSampler(self.server.pid, 0.1).start()
+
+    def stop_server(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
+        if self.server is not None:
+            self.server.stop()
+
+    # -- dmq scenarios -------------------------------------------------------
+    def producer_cfgs(self, topic: str, n: int, rate: float = 0.0, tag: str = "") -> list[tuple[Callable, dict]]:
+        a = self.args
+        out = []
+        for i, count in enumerate(split(n, a.producers)):
+            out.append(
+                (
+                    _dmq_load.producer_main,
+                    {
+                        "host": "127.0.0.1",
+                        "port": self.server.tcp_port,
+                        "topic": topic,
+                        "producer": f"bench-{os.getpid()}-{topic}{tag}-p{i}",
+                        "n": count,
+                        "window": a.window,
+                        "body_size": a.body_size,
+                        "rate": rate / a.producers if rate else 0.0,
+                        "timeout": a.timeout,
+                    },
+                )
+            )
+        return out
+
+    def warm_up(self) -> None:
+        self.create_topic("bench_warmup", ["c1"])
+        run_workers(self.producer_cfgs("bench_warmup", min(4000, self.args.messages)), {})
+
+    def scenario_publish(self) -> dict:
+        a = self.args
+        self.create_topic("bench", ["c1"])
+        if self.profiler.outdir:
+            self.profiler.start(self.server.pid, "publish")
+        t_before = time.time()
+        stats_before = self.server.stats()
+        run = run_workers(self.producer_cfgs("bench", a.messages), self.probes(), result_timeout=a.timeout + 60)
+        stats_after = self.server.stats()
+        prof = self.profiler.stop()
+        prods = list(run["results"].values())
+        acked = sum(r["acked"] for r in prods)
+        failed = sum(r["failed"] for r in prods)
+        t_end = max(r["t_end"] for r in prods)
+        elapsed = t_end - run["t0"]
+        lat = percentiles(latencies(prods))
+        res = {
+            "producers": a.producers,
+            "window": a.window,
+            "body_size": a.body_size,
+            "messages": a.messages,
+            "acked": acked,
+            "failed": failed,
+            "first_error": next((r["first_error"] for r in prods if r.get("first_error")), None),
+            "elapsed_s": round(elapsed, 3),
+            "acked_msgs_s": round(acked / elapsed, 1),
+            "publish_ack_latency_ms": lat,
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], acked),
+            "group_commit": writer_delta(stats_before, stats_after, elapsed),
+            "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+            "profile": prof,
+        }
+        rows = [
+            ("acknowledged messages", f"{acked:,} of {a.messages:,} (failed replies: {failed})"),
+            ("acknowledged msgs/s", fmt_int(res["acked_msgs_s"])),
+            ("publish->ack latency p50 / p99 / p99.9 (ms)", fmt_lat(lat)),
+            ("publish->ack latency mean / max (ms)", f"{lat['mean']} / {lat['max']}"),
+            ("server group commits", writer_line(res["group_commit"])),
+            ("CPU seconds", cpu_line(run["cpu"], elapsed)),
+            ("CPU per acked message", per_message_line(res["cpu_us_per_message"])),
+        ]
+        if res["server_rss"]:
+            rows.append(("dmq-server max RSS (MB)", str(res["server_rss"]["max_rss_mb"])))
+        if res["first_error"]:
+            rows.append(("first error reply", res["first_error"]))
+        print_table(
+            f"dmq publish: {a.producers} producers x window {a.window}, {a.body_size}-byte bodies, "
+            f"{a.messages:,} messages",
+            rows,
+        )
+        print_profile("publish", prof, a.profile_gil)
+        return res
+
+    def scenario_e2e(self, channels: int) -> dict:
+        a = self.args
+        topic = f"bench_e2e{channels}"
+        names = [f"c{i + 1}" for i in range(channels)]
+        self.create_topic(topic, names)
+        n = a.e2e_messages
+        consumers = [
+            (
+                _dmq_load.consumer_main,
+                {
+                    "host": "127.0.0.1",
+                    "port": self.server.tcp_port,
+                    "topic": topic,
+                    "channel": name,
+                    "credit": a.credit,
+                    "expected": n,
+                    "timeout": a.timeout,
+                    "latency": True,
+                },
+            )
+            for name in names
+        ]
+        if self.profiler.outdir:
+            self.profiler.start(self.server.pid, f"e2e{channels}")
+        t_before = time.time()
+        stats_before = self.server.stats()
+        run = run_workers(
+            consumers + self.producer_cfgs(topic, n), self.probes(), result_timeout=a.timeout + 60
+        )
+        stats_after = self.server.stats()
+        prof = self.profiler.stop()
+        results = [run["results"][i] for i in range(len(run["results"]))]
+        cons, prods = results[:channels], results[channels:]
+        t0 = run["t0"]
+        per_channel = []
+        for name, r in zip(names, cons):
+            elapsed = r["t_last"] - t0
+            per_channel.append(
+                {
+                    "channel": name,
+                    "delivered_acked": r["unique"],
+                    "duplicates": r["duplicates"],
+                    "elapsed_s": round(elapsed, 3),
+                    "msgs_s": round(r["unique"] / elapsed, 1),
+                    "latency_ms": percentiles(array("d", r["lat"])),
+                }
+            )
+        total_delivered = sum(c["delivered_acked"] for c in per_channel)
+        elapsed_all = max(r["t_last"] for r in cons) - t0
+        published = sum(r["acked"] for r in prods)
+        pub_elapsed = max(r["t_end"] for r in prods) - t0
+        lat_all = percentiles(latencies(cons))
+        ack_lat = percentiles(latencies(prods))
+        res = {
+            "channels": channels,
+            "messages": n,
+            "credit": a.credit,
+            "published_acked": published,
+            "publish_msgs_s": round(published / pub_elapsed, 1),
+            "per_channel": per_channel,
+            "total_delivered_acked": total_delivered,
+            "elapsed_s": round(elapsed_all, 3),
+            "total_msgs_s": round(total_delivered / elapsed_all, 1),
+            "per_channel_msgs_s_min": min(c["msgs_s"] for c in per_channel),
+            "publish_delivery_latency_ms": lat_all,
+            "publish_ack_latency_ms": ack_lat,
+            "group_commit": writer_delta(stats_before, stats_after, pub_elapsed),
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], published),
+            "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+            "profile": prof,
+        }
+        rows = [
+            ("published and acknowledged to producers", f"{published:,} at {fmt_int(res['publish_msgs_s'])} msgs/s"),
+        ]
+        for c in per_channel:
+            rows.append(
+                (
+                    f"channel {c['channel']}: delivered+acked msgs/s",
+                    f"{fmt_int(c['msgs_s'])}  ({c['delivered_acked']:,} in {c['elapsed_s']:.1f} s, "
+                    f"{c['duplicates']} redelivered)",
+                )
+            )
+        rows += [
+            ("total delivered+acked msgs/s (all channels)", fmt_int(res["total_msgs_s"])),
+            ("publish->delivery latency p50 / p99 / p99.9 (ms)", fmt_lat(lat_all)),
+            ("publish->ack latency p50 / p99 / p99.9 (ms)", fmt_lat(ack_lat)),
+            ("server group commits", writer_line(res["group_commit"])),
+            ("CPU seconds", cpu_line(run["cpu"], elapsed_all)),
+            ("CPU per published message (all its deliveries and acks included)",
+             per_message_line(res["cpu_us_per_message"])),
+        ]
+        if res["server_rss"]:
+            rows.append(("dmq-server max RSS (MB)", str(res["server_rss"]["max_rss_mb"])))
+        print_table(
+            f"dmq end to end, {channels} channel{'s' if channels > 1 else ''}: {a.producers} producers x window "
+            f"{a.window} + {channels} consumer{'s' if channels > 1 else ''} (credit {a.credit}), {n:,} messages",
+            rows,
+        )
+        print_profile(f"e2e{channels}", prof, a.profile_gil)
+        return res
+
+    def scenario_steady(self) -> dict:
+        a = self.args
+        topic = "bench_steady"
+        self.create_topic(topic, ["c1"])
+        n = int(a.rate * a.steady_seconds)
+        t_before = time.time()
+        stats_before = self.server.stats()
+        run = run_workers(
+            self.producer_cfgs(topic, n, rate=a.rate), self.probes(), result_timeout=a.steady_seconds + a.timeout
+        )
+        stats_after = self.server.stats()
+        prods = list(run["results"].values())
+        acked = sum(r["acked"] for r in prods)
+        elapsed = max(r["t_end"] for r in prods) - run["t0"]
+        lat = percentiles(latencies(prods))
+        blocked = sum(r["window_full"] for r in prods)
+        per_second = timeline(prods, run["t0"])
+        over = [b for b in per_second if b["p99"] is not None and b["p99"] > TARGETS["steady_p99_ms"]]
+        worst = sorted(per_second, key=lambda b: -(b["max"] or 0))[:3]
+        res = {
+            "offered_rate": a.rate,
+            "seconds": a.steady_seconds,
+            "messages": n,
+            "acked": acked,
+            "failed": sum(r["failed"] for r in prods),
+            "achieved_msgs_s": round(acked / elapsed, 1),
+            "window_full_events": blocked,
+            "publish_ack_latency_ms": lat,
+            "per_second": per_second,
+            "group_commit": writer_delta(stats_before, stats_after, elapsed),
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], acked),
+            "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+        }
+        rows = [
+            ("offered / achieved msgs/s", f"{fmt_int(a.rate)} / {fmt_int(res['achieved_msgs_s'])}"),
+            ("acknowledged messages", f"{acked:,} of {n:,}"),
+            ("publish->ack latency p50 / p99 / p99.9 (ms)", fmt_lat(lat)),
+            ("publish->ack latency mean / max (ms)", f"{lat['mean']} / {lat['max']}"),
+            ("sends delayed by a full window", str(blocked)),
+            (f"seconds with p99 > {TARGETS['steady_p99_ms']:g} ms", f"{len(over)} of {len(per_second)}"),
+            ("worst seconds (second: acks, p99, max ms)",
+             "; ".join(f"{b['second']}: {b['acks']}, {b['p99']:.1f}, {b['max']:.1f}" for b in worst)),
+            ("server group commits", writer_line(res["group_commit"])),
+            ("CPU seconds", cpu_line(run["cpu"], elapsed)),
+            ("CPU per acked message", per_message_line(res["cpu_us_per_message"])),
+        ]
+        print_table(
+            f"dmq steady load: {fmt_int(a.rate)} msgs/s offered by {a.producers} paced producers for "
+            f"{a.steady_seconds:g} s",
+            rows,
+        )
+        return res
+
+    # -- PostgreSQL ceiling --------------------------------------------------
+    def scenario_ceiling(self) -> dict:
+        import psycopg
+
+        from dmq_sql import queries
+
+        a = self.args
+        topic = "bench_pg"
+        self.create_topic(topic, ["c1"])
+        body = b"\x00" * a.body_size
+        conn = psycopg.connect(self.pg.dsn, options="-c synchronous_commit=on")
+        assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+        sql = queries["insert_messages"]
+        backend = conn.info.backend_pid  # CPU of exactly this session, not autovacuum's
+        seq = [0]
+
+        def batch_params(size: int, producer: str) -> dict:
+            start = seq[0]
+            seq[0] += size
+            return {
+                "topics": [topic] * size,
+                "producers": [producer] * size,
+                "session_ids": list(range(start + 1, start + size + 1)),
+                "produced_ms": [int(time.time() * 1000)] * size,
+                "bodies": [body] * size,
+                "node_id": "bench-ceiling",
+            }
+
+        def measure(batch: int, seconds: float) -> dict:
+            producer = f"bench-ceiling-{batch}"
+            seq[0] = 0
+            pg_before = self.pg_probe()
+            backend_before = cpu_seconds(backend)
+            messages = commits = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                conn.execute(sql, batch_params(batch, producer)).fetchall()
+                conn.commit()
+                messages += batch
+                commits += 1
+            elapsed = time.perf_counter() - t0
+            result = {
+                "batch": batch,
+                "seconds": round(elapsed, 2),
+                "messages": messages,
+                "commits": commits,
+                "msgs_s": round(messages / elapsed, 1),
+                "rows_s": round(2 * messages / elapsed, 1),  # message row + 1 delivery row
+                "commits_s": round(commits / elapsed, 1),
+                "postgres_cpu_s": round(self.pg_probe() - pg_before, 2),
+                "backend_cpu_s": round(cpu_seconds(backend) - backend_before, 2),
+            }
+            result["backend_us_per_message"] = round(result["backend_cpu_s"] / messages * 1e6, 1)
+            return result
+
+        try:
+            measure(100, 0.5)  # warm up
+            runs = [measure(100, a.ceiling_seconds), measure(1000, a.ceiling_seconds / 2), measure(1, a.single_seconds)]
+        finally:
+            conn.close()
+        res = {"runs": runs, "channels": 1, "synchronous_commit": "on"}
+        rows = []
+        for r in runs:
+            label = "single-message transactions" if r["batch"] == 1 else f"batches of {r['batch']}"
+            rows.append(
+                (
+                    f"{label}: messages/s (rows/s = x2)",
+                    f"{fmt_int(r['msgs_s'])}  ({fmt_int(r['rows_s'])} rows/s, {fmt_int(r['commits_s'])} commits/s, "
+                    f"backend CPU {r['backend_cpu_s']:.1f} s in {r['seconds']:.1f} s = "
+                    f"{r['backend_us_per_message']:.0f} us per message; all PostgreSQL processes "
+                    f"{r['postgres_cpu_s']:.1f} s)",
+                )
+            )
+        print_table(
+            "PostgreSQL ceiling: insert_messages from one psycopg connection, synchronous_commit=on, "
+            "commit per batch, 1 channel",
+            rows,
+        )
+        return res
+
+    # -- backlog memory ------------------------------------------------------
+    def scenario_backlog(self) -> dict:
+        import registry
+
+        a = self.args
+        n = a.backlog_messages
+        topic = "bench_backlog"
+        self.stop_server()
+        conn = self.connect()
+        try:
+            # other bench topics' unacknowledged copies would blur the figure
+            for row in registry.topics(conn):
+                if row.name.startswith("bench") and row.name != topic:
+                    registry.delete_topic(conn, row.name)
+            registry.create_topic(conn, topic)
+            registry.add_channel(conn, topic, "c1")
+            t = time.perf_counter()
+            conn.execute(
+                "INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, body) "
+                "SELECT %s, 'bench-backlog-filler', g, now(), 'bench-fill', convert_to(repeat('x', %s), 'UTF8') "
+                "FROM generate_series(1, %s) AS g",
+                (topic, a.body_size, n),
+            )
+            conn.execute(
+                "INSERT INTO dmq_delivery (topic, channel, message_id) "
+                "SELECT topic, 'c1', id FROM dmq_message WHERE topic = %s",
+                (topic,),
+            )
+            conn.execute("ANALYZE dmq_message")
+            conn.execute("ANALYZE dmq_delivery")
+            fill_s = time.perf_counter() - t
+            stored = conn.execute(
+                "SELECT count(*) FROM dmq_delivery WHERE topic = %s AND channel = 'c1'", (topic,)
+            ).fetchone()[0]
+        finally:
+            conn.close()
+        print(f"  backlog: {stored:,} stored unacknowledged copies written by SQL in {fill_s:.1f} s; "
+              "starting dmq-server", flush=True)
+        self.start_server()
+        time.sleep(2.0)
+        idle_rss, idle_hwm = memory_kb(self.server.pid)
+        cfg = {
+            "host": "127.0.0.1",
+            "port": self.server.tcp_port,
+            "topic": topic,
+            "channel": "c1",
+            "credit": a.credit,
+            "expected": 0,
+            "timeout": a.backlog_noack_seconds + a.backlog_ack_seconds + 60,
+            "latency": False,
+            "phases": [(a.backlog_noack_seconds, False), (a.backlog_ack_seconds, True)],
+        }
+        run = run_workers([(_dmq_load.consumer_main, cfg)], self.probes(), result_timeout=cfg["timeout"] + 30)
+        time.sleep(0.3)
+        r = run["results"][0]
+        noack, ack = r["phases"]
+        end_rss, end_hwm = memory_kb(self.server.pid)
+        w_noack = self.sampler.window(noack["t_start"], noack["t_end"])
+        w_ack = self.sampler.window(ack["t_start"], ack["t_end"] + 0.3)
+        w_all = self.sampler.window(0, time.time())
+        stats = self.server.stats()
+        res = {
+            "stored_unacked": stored,
+            "fill_seconds": round(fill_s, 1),
+            "idle_rss_mb": round(idle_rss / 1024, 1),
+            "noack_phase": {"seconds": a.backlog_noack_seconds, "received": noack["received"], **w_noack},
+            "ack_phase": {
+                "seconds": a.backlog_ack_seconds,
+                "received": ack["received"],
+                "acked": ack["acked"],
+                "drain_msgs_s": round(ack["acked"] / max(0.001, ack["t_end"] - ack["t_start"]), 1),
+                **w_ack,
+            },
+            "max_rss_mb": w_all["max_rss_mb"],
+            "vm_hwm_mb": round(end_hwm / 1024, 1),
+            "cpu_s": run["cpu"],
+            "server_stats_channel": _channel_stats(stats, topic, "c1"),
+        }
+        rows = [
+            ("stored, unacknowledged messages (1 channel)", f"{stored:,}"),
+            ("dmq-server RSS 2 s after start, no consumer (MB)", str(res["idle_rss_mb"])),
+            (
+                f"subscribed (credit {a.credit}), not acking, {a.backlog_noack_seconds:g} s",
+                f"received {noack['received']:,}; max RSS {w_noack['max_rss_mb']} MB",
+            ),
+            (
+                f"subscribed and acking, {a.backlog_ack_seconds:g} s",
+                f"received {ack['received']:,}, acked {ack['acked']:,} ({fmt_int(res['ack_phase']['drain_msgs_s'])} "
+                f"msgs/s); max RSS {w_ack['max_rss_mb']} MB",
+            ),
+            ("dmq-server max RSS over the scenario (MB)", str(res["max_rss_mb"])),
+            ("dmq-server VmHWM (peak RSS since start, MB)", str(res["vm_hwm_mb"])),
+            ("CPU seconds", cpu_line(run["cpu"], run["wall"])),
+        ]
+        print_table(f"dmq backlog memory: {stored:,} stored unacknowledged messages", rows)
+        self.stop_server()
+        return res
+
+    # -- RabbitMQ ------------------------------------------------------------
+    def scenario_rabbit(self) -> dict:
+        import _rabbit
+
+        a = self.args
+        script = _rabbit.ensure_installed(log=lambda m: print(m, flush=True))
+        version = _rabbit.installed_version()
+        rabbit = _rabbit.RabbitInstance()
+        res: dict = {"version": version}
+        try:
+            t = time.monotonic()
+            rabbit.start(script)
+            print(f"  RabbitMQ {version} up on 127.0.0.1:{rabbit.port} in {time.monotonic() - t:.1f} s "
+                  f"(node {rabbit.nodename})", flush=True)
+            probes = {"RabbitMQ": rabbit.cpu_seconds}
+
+            def producers(queue: str, n: int) -> list:
+                return [
+                    (
+                        _rabbit.producer_main,
+                        {"port": rabbit.port, "queue": queue, "n": count, "window": a.window,
+                         "body_size": a.body_size, "timeout": a.timeout},
+                    )
+                    for count in split(n, a.producers)
+                ]
+
+            # warm-up, then publish only
+            _rabbit.declare_queue(rabbit.port, "bench_warmup")
+            run_workers(producers("bench_warmup", min(4000, a.messages)), {})
+            _rabbit.declare_queue(rabbit.port, "bench")
+            run = run_workers(producers("bench", a.messages), probes, result_timeout=a.timeout + 60)
+            prods = list(run["results"].values())
+            acked = sum(r["acked"] for r in prods)
+            elapsed = max(r["t_end"] for r in prods) - run["t0"]
+            lat = percentiles(latencies(prods))
+            res["publish"] = {
+                "messages": a.messages,
+                "confirmed": acked,
+                "nacked": sum(r["failed"] for r in prods),
+                "elapsed_s": round(elapsed, 3),
+                "confirmed_msgs_s": round(acked / elapsed, 1),
+                "publish_confirm_latency_ms": lat,
+                "cpu_s": run["cpu"],
+                "cpu_us_per_message": per_message_us(run["cpu"], acked),
+            }
+            print_table(
+                f"RabbitMQ publish: {a.producers} producers x {a.window} unconfirmed, durable queue, persistent "
+                f"{a.body_size}-byte messages, publisher confirms, {a.messages:,} messages",
+                [
+                    ("confirmed messages", f"{acked:,} of {a.messages:,} (nacked: {res['publish']['nacked']})"),
+                    ("confirmed msgs/s", fmt_int(res["publish"]["confirmed_msgs_s"])),
+                    ("publish->confirm latency p50 / p99 / p99.9 (ms)", fmt_lat(lat)),
+                    ("publish->confirm latency mean / max (ms)", f"{lat['mean']} / {lat['max']}"),
+                    ("CPU seconds", cpu_line(run["cpu"], elapsed)),
+                    ("CPU per confirmed message", per_message_line(res["publish"]["cpu_us_per_message"])),
+                ],
+            )
+
+            # end to end: one consumer, manual acks (the publish run's messages stay in their queue,
+            # as dmq's stay in their topic)
+            n = a.e2e_messages
+            _rabbit.declare_queue(rabbit.port, "bench_e2e")
+            consumer = (
+                _rabbit.consumer_main,
+                {"port": rabbit.port, "queue": "bench_e2e", "prefetch": a.credit, "expected": n,
+                 "timeout": a.timeout},
+            )
+            run = run_workers([consumer] + producers("bench_e2e", n), probes, result_timeout=a.timeout + 60)
+            results = [run["results"][i] for i in range(len(run["results"]))]
+            cons, prods = results[0], results[1:]
+            elapsed = cons["t_last"] - run["t0"]
+            pub_elapsed = max(r["t_end"] for r in prods) - run["t0"]
+            published = sum(r["acked"] for r in prods)
+            lat_d = percentiles(array("d", cons["lat"]))
+            lat_c = percentiles(latencies(prods))
+            res["e2e"] = {
+                "messages": n,
+                "prefetch": a.credit,
+                "published_confirmed": published,
+                "publish_msgs_s": round(published / pub_elapsed, 1),
+                "delivered_acked": cons["received"],
+                "redelivered": cons["duplicates"],
+                "elapsed_s": round(elapsed, 3),
+                "msgs_s": round(cons["received"] / elapsed, 1),
+                "publish_delivery_latency_ms": lat_d,
+                "publish_confirm_latency_ms": lat_c,
+                "cpu_s": run["cpu"],
+                "cpu_us_per_message": per_message_us(run["cpu"], published),
+            }
+            print_table(
+                f"RabbitMQ end to end: {a.producers} producers + 1 consumer (manual acks, prefetch {a.credit}), "
+                f"{n:,} messages",
+                [
+                    ("published and confirmed", f"{published:,} at {fmt_int(res['e2e']['publish_msgs_s'])} msgs/s"),
+                    ("delivered+acked msgs/s", f"{fmt_int(res['e2e']['msgs_s'])}  ({cons['received']:,} in "
+                                                f"{elapsed:.1f} s)"),
+                    ("publish->delivery latency p50 / p99 / p99.9 (ms)", fmt_lat(lat_d)),
+                    ("publish->confirm latency p50 / p99 / p99.9 (ms)", fmt_lat(lat_c)),
+                    ("CPU seconds", cpu_line(run["cpu"], elapsed)),
+                    ("CPU per published message", per_message_line(res["e2e"]["cpu_us_per_message"])),
+                ],
+            )
+        finally:
+            rabbit.stop()
+        return res
+
+    # -- driver --------------------------------------------------------------
+    def run(self) -> int:
+        a = self.args
+        wanted = [s for s in ALL_SCENARIOS if s in a.scenarios]
+        info = machine_info()
+        self.results["meta"] = {
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": info,
+            "python": sys.version.split()[0],
+            "settings": {k: v for k, v in vars(a).items() if k not in ("json",)},
+        }
+        print(f"dmq reliable benchmark  {self.results['meta']['date_utc']} UTC")
+        print(f"  machine: {info['nproc']} cores, {info['cpu_model']}, {info['mem_total_gb']} GB RAM, "
+              f"Linux {info['kernel']}, Python {self.results['meta']['python']}")
+        print(f"  scenarios: {', '.join(wanted)}{'  (--quick)' if a.quick else ''}", flush=True)
+        try:
+            dmq_scenarios = [s for s in wanted if s != "rabbit"]
+            if dmq_scenarios:
+                self.pg = PrivatePostgres(str(self.work / "pg"))
+                dsn = self.pg.start()
+                from dmq_server.store import migrate
+
+                migrate(dsn)
+                self.results["meta"]["postgresql"] = f"{self.pg.version()} ({self.pg.kind})"
+                print(f"  PostgreSQL {self.results['meta']['postgresql']} at {dsn}", flush=True)
+                self.server = DmqServer(dsn, self.work, a.server_arg or [], a.server_log_level, a.server_cmd)
+                live = ("publish", "e2e1", "e2e4", "steady")
+                server_up = False
+                if any(s in wanted for s in live):
+                    try:
+                        self.start_server()
+                        server_up = True
+                    except Exception as exc:  # noqa: BLE001 - the other scenarios can still run
+                        self.errors["dmq-server"] = f"did not start: {exc}"
+                        print(f"\n!! dmq-server did not start; skipping {', '.join(s for s in live if s in wanted)}:"
+                              f"\n{exc}", flush=True)
+                        self.stop_server()
+                if server_up:
+                    print(f"  dmq-server pid {self.server.pid} on 127.0.0.1:{self.server.tcp_port} "
+                          f"(http {self.server.http_port}); warming up", flush=True)
+                    self._guarded("warmup", lambda: (self.warm_up(), {"ok": True})[1])
+                for name, fn in (
+                    ("publish", self.scenario_publish),
+                    ("e2e1", lambda: self.scenario_e2e(1)),
+                    ("e2e4", lambda: self.scenario_e2e(4)),
+                    ("steady", self.scenario_steady),
+                    ("ceiling", self.scenario_ceiling),
+                    ("backlog", self.scenario_backlog),
+                ):
+                    if name not in wanted:
+                        continue
+                    if name in live and not server_up:
+                        self.results[name] = {"error": "skipped: dmq-server did not start"}
+                        continue
+                    self._guarded(name, fn)
+                self.stop_server()
+                self.pg.stop()
+                self.pg = None
+            if "rabbit" in wanted:
+                self._guarded("rabbit", self.scenario_rabbit)
+        finally:
+            self.cleanup()
+        self.summary()
+        if a.json:
+            Path(a.json).write_text(json.dumps(self.results, indent=2, default=str) + "\n")
+            print(f"results written to {a.json}")
+        if a.markdown:
+            import _report
+
+            Path(a.markdown).write_text(_report.render(self.results))
+            print(f"markdown tables written to {a.markdown}")
+        return 1 if self.errors else 0
+
+    def wait_for_quiet(self, name: str) -> None:
+        """--wait-idle: on a shared machine, start a scenario when nothing else is running."""
+        limit = self.args.wait_idle
+        if not limit:
+            return
+        t0 = time.monotonic()
+        while True:
+            before = machine_busy_seconds()[0]
+            time.sleep(2.0)
+            busy = (machine_busy_seconds()[0] - before) / 2.0  # cores busy
+            if busy < 0.15:
+                waited = time.monotonic() - t0
+                if waited > 3:
+                    print(f"  (waited {waited:.0f} s for the machine to be idle before {name})", flush=True)
+                return
+            if time.monotonic() - t0 > limit:
+                print(f"  (machine still busy ({100 * busy:.0f}% of a core) after {limit:g} s; running {name} anyway)",
+                      flush=True)
+                return
+
+    def _guarded(self, name: str, fn: Callable[[], dict]) -> None:
+        self.wait_for_quiet(name)
+        try:
+            self.results[name] = fn()
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - keep going with the other scenarios
+            self.errors[name] = f"{type(exc).__name__}: {exc}"
+            self.results[name] = {"error": self.errors[name]}
+            print(f"\n!! scenario {name} failed: {self.errors[name]}")
+            traceback.print_exc()
+            if self.server is not None and self.server.proc is not None:
+                time.sleep(1.0)
+                print("  dmq-server log tail:\n" + self.server.log_tail())
+                if not self.server.healthy():
+                    code = self.server.proc.poll()
+                    print(f"  dmq-server is gone or not answering /ping (exit status {code}); restarting it "
+                          "for the remaining scenarios")
+                    self.results.setdefault("server_restarts", []).append({"after": name, "status": code})
+                    self.stop_server()
+                    try:
+                        self.start_server()
+                    except Exception as exc2:  # noqa: BLE001
+                        print(f"  restart failed: {exc2}")
+
+    def cleanup(self) -> None:
+        try:
+            self.profiler.stop()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.stop_server()
+        finally:
+            try:
+                if self.pg is not None:
+                    self.pg.stop()
+            finally:
+                if self.args.keep_logs:
+                    print(f"  logs kept in {self.work}")
+                else:
+                    shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- summary -------------------------------------------------------------
+    def summary(self) -> None:
+        r = self.results
+        a = self.args
+
+        def get(*path: str) -> Any:
+            node: Any = r
+            for key in path:
+                if not isinstance(node, dict) or key not in node:
+                    return None
+                node = node[key]
+            return node
+
+        rows = []
+
+        def verdict(ok: bool | None) -> str:
+            return "n/a" if ok is None else ("MET" if ok else "MISSED")
+
+        pub = get("publish", "acked_msgs_s")
+        rows.append(
+            ["dmq publish: acked msgs/s", fmt_int(pub), f">= {TARGETS['publish_msgs_s']:,}",
+             verdict(None if pub is None else pub >= TARGETS["publish_msgs_s"])]
+        )
+        rab = get("rabbit", "publish", "confirmed_msgs_s")
+        rows.append(
+            ["RabbitMQ publish: confirmed msgs/s (same run)", fmt_int(rab), "dmq above it",
+             verdict(None if pub is None or rab is None else pub > rab)]
+        )
+        e1 = get("e2e1", "total_msgs_s")
+        rows.append(
+            ["dmq end to end, 1 channel: delivered+acked msgs/s", fmt_int(e1), f">= {TARGETS['e2e1_msgs_s']:,}",
+             verdict(None if e1 is None else e1 >= TARGETS["e2e1_msgs_s"])]
+        )
+        e4 = get("e2e4", "total_msgs_s")
+        e4min = get("e2e4", "per_channel_msgs_s_min")
+        rows.append(
+            ["dmq end to end, 4 channels: total (slowest channel)",
+             f"{fmt_int(e4)} ({fmt_int(e4min)})" if e4 is not None else "n/a", "-", "-"]
+        )
+        re2e = get("rabbit", "e2e", "msgs_s")
+        rows.append(["RabbitMQ end to end, 1 consumer: msgs/s", fmt_int(re2e), "-", "-"])
+        p99 = get("steady", "publish_ack_latency_ms", "p99")
+        rows.append(
+            [f"dmq publish->ack p99 at {fmt_int(a.rate)} msgs/s offered (ms)",
+             "n/a" if p99 is None else f"{p99:.2f}", f"<= {TARGETS['steady_p99_ms']:g}",
+             verdict(None if p99 is None else p99 <= TARGETS["steady_p99_ms"])]
+        )
+        rss = get("backlog", "max_rss_mb")
+        hwm = get("backlog", "vm_hwm_mb")
+        stored = get("backlog", "stored_unacked")
+        peak = None if rss is None else max(rss, hwm or 0)
+        rows.append(
+            [f"dmq-server peak RSS, {fmt_int(stored)} stored unacked (MB)", "n/a" if peak is None else f"{peak:.1f}",
+             f"< {TARGETS['backlog_rss_mb']:g}" + (" (at 1,000,000)" if stored and stored < 1_000_000 else ""),
+             verdict(None if peak is None else peak < TARGETS["backlog_rss_mb"])]
+        )
+        ceil = get("ceiling", "runs")
+        if ceil:
+            rows.append(["PostgreSQL alone, batches of 100: msgs/s", fmt_int(ceil[0]["msgs_s"]), "-", "-"])
+            rows.append(["PostgreSQL alone, 1 message per commit: msgs/s", fmt_int(ceil[-1]["msgs_s"]), "-", "-"])
+        print_grid("summary (targets from the issue)", ["figure", "measured", "target", "verdict"], rows)
+        background = background_load(r)
+        if background is not None:
+            r["background_other_processes_pct_of_core"] = background
+            print(f"  background: other processes on this machine (not part of the benchmark) used on average "
+                  f"{background:.0f}% of one core during the load scenarios (of {100 * (os.cpu_count() or 1)}%"
+                  f" available);{' the figures are lower than on an idle machine.' if background > 20 else ''}")
+        if a.quick:
+            print("  --quick: smaller counts; the targets are meant for the full run.")
+        for name, err in self.errors.items():
+            print(f"  scenario {name} FAILED: {err}")
+        r["summary"] = [dict(zip(["figure", "measured", "target", "verdict"], row)) for row in rows]
+        r["errors"] = self.errors
+
+
+def background_load(results: dict) -> float | None:
+    """Mean share of one core used by processes outside the benchmark during the scenarios."""
+    shares = []
+    for key, wall_key in (("publish", "elapsed_s"), ("e2e1", "elapsed_s"), ("e2e4", "elapsed_s"),
+                          ("steady", "seconds"), ("rabbit.publish", "elapsed_s"), ("rabbit.e2e", "elapsed_s")):
+        node: Any = results
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and "cpu_s" in node and node.get(wall_key):
+            other = node["cpu_s"].get("other processes")
+            if other is not None:
+                shares.append(100.0 * other / node[wall_key])
+    return round(sum(shares) / len(shares), 1) if shares else None
+
+
+def _channel_stats(stats: dict | None, topic: str, channel: str) -> dict | None:
+    if not stats:
+        return None
+    for t in stats.get("topics", []):
+        if t.get("topic_name") == topic:
+            for c in t.get("channels", []):
+                if c.get("channel_name") == channel:
+                    return c
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="dmq reliable-path benchmark, side by side with PostgreSQL alone and RabbitMQ.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="smaller counts and shorter phases (about 3 minutes)")
+    p.add_argument("--messages", type=int, help="messages in the publish scenarios (default 200000, quick 30000)")
+    p.add_argument("--e2e-messages", type=int, help="messages in the end-to-end scenarios (default 100000, quick 20000)")
+    p.add_argument("--producers", type=int, default=4, help="producer processes, one connection each")
+    p.add_argument("--window", type=int, default=256, help="unanswered sends per producer")
+    p.add_argument("--body-size", type=int, default=200, help="message body bytes")
+    p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
+    p.add_argument("--rate", type=float, default=5000, help="offered msgs/s in the steady-load scenario")
+    p.add_argument("--steady-seconds", type=float, help="length of the steady-load scenario (default 20, quick 8)")
+    p.add_argument("--backlog-messages", type=int, help="stored messages for the backlog scenario "
+                                                        "(default 1000000, quick 200000)")
+    p.add_argument("--backlog-noack-seconds", type=float, help="backlog: seconds consuming without acks (default 5)")
+    p.add_argument("--backlog-ack-seconds", type=float, help="backlog: seconds consuming with acks (default 10)")
+    p.add_argument("--skip-backlog", action="store_true", help="skip the backlog-memory scenario")
+    p.add_argument("--skip-rabbit", action="store_true", help="skip RabbitMQ")
+    p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
+                   help="comma-separated subset of: " + ", ".join(ALL_SCENARIOS))
+    p.add_argument("--timeout", type=float, default=300, help="seconds a scenario may take before it fails")
+    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                   help="before each scenario, wait up to SECONDS for the machine to be idle (shared machines)")
+    p.add_argument("--server-cmd", default="", metavar="CMD",
+                   help="command that starts the server instead of dmq-server (e.g. a wrapper script); "
+                        "the usual flags are appended")
+    p.add_argument("--server-arg", action="append", metavar="ARG",
+                   help="extra dmq-server argument (repeatable), e.g. --server-arg=--commit-batch-size=500")
+    p.add_argument("--server-log-level", default="info", help="dmq-server --log-level (its log is in the temp "
+                                                               "directory; see --keep-logs)")
+    p.add_argument("--profile", metavar="DIR", help="run py-spy on dmq-server during publish/e2e, write folded "
+                                                     "stacks to DIR and print the top frames")
+    p.add_argument("--profile-gil", action="store_true", help="with --profile: sample only the thread holding "
+                                                               "the GIL (where the server's Python CPU goes)")
+    p.add_argument("--profile-native", action="store_true", help="with --profile: include native (C) frames")
+    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="also write the results as markdown tables "
+                                                       "(the format of docs/benchmarks.md)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with the server logs")
+    a = p.parse_args(argv)
+    q = a.quick
+    a.messages = a.messages or (30_000 if q else 200_000)
+    a.e2e_messages = a.e2e_messages or (20_000 if q else 100_000)
+    a.steady_seconds = a.steady_seconds or (8.0 if q else 20.0)
+    a.backlog_messages = a.backlog_messages or (200_000 if q else 1_000_000)
+    a.backlog_noack_seconds = a.backlog_noack_seconds or (3.0 if q else 5.0)
+    a.backlog_ack_seconds = a.backlog_ack_seconds or (4.0 if q else 10.0)
+    a.ceiling_seconds = 2.0 if q else 5.0
+    a.single_seconds = 1.5 if q else 3.0
+    scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    unknown = [s for s in scenarios if s not in ALL_SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; choose from {', '.join(ALL_SCENARIOS)}")
+    if a.skip_backlog:
+        scenarios = [s for s in scenarios if s != "backlog"]
+    if a.skip_rabbit:
+        scenarios = [s for s in scenarios if s != "rabbit"]
+    a.scenarios = scenarios
+    if a.body_size < 8:
+        p.error("--body-size must be at least 8 (the body carries the send time)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return bench.run()
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything started has been stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
