@@ -199,7 +199,7 @@ class Broker:
     # -- publishing -------------------------------------------------------
     def check_publish(self, topic: str, producer: str, session_id: int, body: bytes) -> None:
         """Raise PublishRejected("invalid") for a send that breaks a rule."""
-        if not valid_name(topic):
+        if topic not in self.topics and not valid_name(topic):  # registered names are valid
             raise PublishRejected("invalid", f"E_BAD_TOPIC topic name {topic!r} is not valid")
         if not producer or len(producer) > 64:
             raise PublishRejected("invalid", "E_INVALID producer id must be 1..64 characters")
