@@ -1,0 +1,142 @@
+"""Every client setting, in one frozen dataclass with documented defaults.
+
+The defaults are DMQ's (3 resends 30 s apart, checked every second, 64 KiB
+bodies) and suit a service in production; tests shorten the times. Servers are
+a fixed list today; registry discovery (ZooKeeper) will arrive as further
+fields of this same class, so code that builds an ``MqConfig`` keeps working.
+
+``docs/client.md`` has the configuration reference; it is the same text as the
+``help`` metadata below, which a test keeps in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MqConfig", "parse_server"]
+
+
+def parse_server(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``":PORT"`` means 127.0.0.1; ``[::1]:PORT`` for IPv6)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"invalid server address {text!r}, expected HOST:PORT")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+def _opt(default: Any, help: str) -> Any:
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class MqConfig:
+    """Settings of one ``MqClient``. Times are in seconds."""
+
+    servers: tuple[str, ...] = _opt(
+        ("127.0.0.1:4150",), "dmq servers as HOST:PORT; the client connects to every one"
+    )
+    producer_id: str = _opt(
+        "", "stable producer id (1-64 ASCII); empty derives one from host name and process id"
+    )
+    send_queue_size: int = _opt(
+        10000, "messages accepted but not yet written; a send beyond this gets QUEUE_FULL at once"
+    )
+    max_in_flight: int = _opt(
+        10000, "messages written and awaiting a reply (the resend map); the send runner waits for room"
+    )
+    max_body_size: int = _opt(65536, "largest body the client accepts, in bytes (DMQ: 64 KiB)")
+    resend_interval: float = _opt(30.0, "time without a reply before a message is resent")
+    resend_tries: int = _opt(3, "resends before OUT_OF_RETRY (each with UP_PRODUCER_RESEND)")
+    resend_check_interval: float = _opt(1.0, "how often the resend runner scans the resend map")
+    route_wait: float = _opt(
+        5.0, "how long a send waits for a usable server connection before SOCKET_ERROR"
+    )
+    connect_timeout: float = _opt(5.0, "TCP connect plus the server's SERVER_HEALTH greeting")
+    write_timeout: float = _opt(10.0, "longest a blocked socket write may take before the connection is dropped")
+    heartbeat_interval: float = _opt(
+        10.0, "UP_HEARTBEAT when nothing was written for this long (capped at half the server's interval)"
+    )
+    server_silence_timeout: float = _opt(
+        60.0, "drop a connection silent this long until the server announces its heartbeat interval (then 2x that)"
+    )
+    reconnect_backoff: float = _opt(0.1, "first delay before reconnecting; doubles per failure")
+    reconnect_backoff_max: float = _opt(10.0, "longest delay between reconnect attempts")
+    send_batch_size: int = _opt(256, "most frames the send runner writes in one socket write")
+    handler_threads: int = _opt(4, "threads calling handlers' on_message")
+    default_credit: int = _opt(100, "unacknowledged pushes per subscription and server (subscribe credit)")
+    subscribe_timeout: float = _opt(10.0, "how long subscribe() waits for the servers' answers")
+    dedup_max_entries: int = _opt(50000, "pushes remembered for duplicate suppression (size bound)")
+    dedup_max_age: float = _opt(600.0, "how long a push is remembered for duplicate suppression (age bound)")
+    close_timeout: float = _opt(
+        10.0, "how long close() waits for queued and unanswered sends before reporting them CLIENT_CLOSED"
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, str):
+            object.__setattr__(self, "servers", tuple(s for s in self.servers.split(",") if s.strip()))
+        else:
+            object.__setattr__(self, "servers", tuple(self.servers))
+        self.validate()
+
+    def validate(self) -> "MqConfig":
+        """Fail at construction, naming the field, rather than misbehave later."""
+        if not self.servers:
+            raise ValueError("servers: at least one HOST:PORT is required")
+        for server in self.servers:
+            try:
+                parse_server(server)
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"servers: {exc}") from None
+        if self.producer_id and (len(self.producer_id) > 64 or not self.producer_id.isascii()):
+            raise ValueError("producer_id: must be 1-64 ASCII characters")
+        positive_ints = (
+            "send_queue_size",
+            "max_in_flight",
+            "max_body_size",
+            "send_batch_size",
+            "handler_threads",
+            "default_credit",
+            "dedup_max_entries",
+        )
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, not {value!r}")
+        if not isinstance(self.resend_tries, int) or self.resend_tries < 0:
+            raise ValueError(f"resend_tries: must be an integer >= 0, not {self.resend_tries!r}")
+        positive_times = (
+            "resend_interval",
+            "resend_check_interval",
+            "connect_timeout",
+            "write_timeout",
+            "heartbeat_interval",
+            "server_silence_timeout",
+            "reconnect_backoff",
+            "reconnect_backoff_max",
+            "dedup_max_age",
+        )
+        for name in positive_times:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, not {value!r}")
+        for name in ("route_wait", "subscribe_timeout", "close_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: must be >= 0 seconds, not {value!r}")
+        return self
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [parse_server(s) for s in self.servers]
+
+    def replace(self, **changes: Any) -> "MqConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def reference(cls) -> list[tuple[str, Any, str]]:
+        """(name, default, help) of every setting, for the docs."""
+        return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]

@@ -1,0 +1,293 @@
+"""The consumer side of the client: subscriptions, the receive queue, handler threads.
+
+DMQ's consumer (seeds/003, section 4): pushes go into a receive queue, handler
+threads take them off and call the subscription's handler, and the message
+is acknowledged after the handler returns (auto-ack) or when the handler
+calls ``ack()``. Until then the server counts it against the subscription's
+credit and redelivers it after the topic's message timeout.
+
+A subscription is made on every connected server (each server pushes the
+messages sent through it and its share of the stored backlog) and made
+again whenever a connection is re-established, so a consumer needs nothing
+but ``subscribe`` once. Duplicates (redeliveries after a timeout, a
+reconnect or a crash) are filtered by ``DedupWindow`` before they reach the
+queue.
+
+The receive queue needs no bound of its own: the server never has more than
+``credit`` unacknowledged pushes out per subscription and server, so it
+holds at most the sum of those.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import CancelledError, Future
+from typing import Any, Callable
+
+from .config import MqConfig
+from .connection import ConnectionUnavailable, ServerConnection
+from .dedup import Admit, DedupWindow
+from .message import ReceivedMessage
+from .routing import ServerPool
+from .wire import Command, Frame, encode, valid_name
+
+__all__ = ["Consumer", "SubscribeError", "Subscription"]
+
+log = logging.getLogger(__name__)
+
+_REFUSALS = {
+    Command.SUBSCRIBE_NO_TOPIC_ACK: "no_topic",
+    Command.SUBSCRIBE_NO_CLIENT_ID_ACK: "no_channel",
+    Command.SUBSCRIBE_SERVER_ERROR: "server_error",
+    Command.SUBSCRIBE_INVALID_ACK: "invalid",
+}
+
+
+class SubscribeError(Exception):
+    """A server refused a subscription. ``reason`` is one of ``no_topic``,
+    ``no_channel`` (the channel, DMQ's client id, is not registered on the
+    topic), ``server_error`` or ``invalid``; ``description`` is the server's."""
+
+    def __init__(self, topic: str, channel: str, reason: str, description: str, server: str):
+        super().__init__(f"subscribe {topic}/{channel} refused by {server}: {reason}: {description}")
+        self.topic = topic
+        self.channel = channel
+        self.reason = reason
+        self.description = description
+        self.server = server
+
+
+class Subscription:
+    """One ``(topic, channel)`` this client consumes, with its handler."""
+
+    def __init__(self, topic: str, channel: str, handler: Any, auto_ack: bool, credit: int):
+        on_message = getattr(handler, "on_message", None)
+        if on_message is None:
+            if not callable(handler):
+                raise TypeError("handler must have an on_message(message) method or be callable")
+            on_message = handler
+        self.topic = topic
+        self.channel = channel
+        self.handler = handler
+        self.auto_ack = auto_ack
+        self.credit = credit
+        self.deliver: Callable[[ReceivedMessage], Any] = on_message
+        self.error: SubscribeError | None = None  # the last refusal, e.g. after a resubscribe
+        self.received = 0
+        self.suppressed = 0
+
+    def __repr__(self) -> str:
+        return f"Subscription({self.topic}/{self.channel}, auto_ack={self.auto_ack}, credit={self.credit})"
+
+
+class Consumer:
+    def __init__(self, config: MqConfig, pool: ServerPool, clock: Callable[[], float] = time.monotonic):
+        """``clock`` (monotonic seconds) ages the dedup window."""
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.dedup = DedupWindow(config.dedup_max_entries, config.dedup_max_age)
+        self.subscriptions: dict[tuple[str, str], Subscription] = {}
+        self._lock = threading.Lock()
+        self._waiters: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count(1)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=self._handle_loop, name=f"dmq-handler-{i}", daemon=True)
+            for i in range(config.handler_threads)
+        ]
+        self._started = False
+
+    def start(self) -> None:
+        self._started = True
+        for thread in self._threads:
+            thread.start()
+
+    # -- subscribing ------------------------------------------------------------
+    def subscribe(
+        self,
+        topic: str,
+        channel: str,
+        handler: Any,
+        *,
+        auto_ack: bool = True,
+        credit: int | None = None,
+        timeout: float | None = None,
+    ) -> Subscription:
+        for what, name in (("topic", topic), ("channel", channel)):
+            if not isinstance(name, str) or not valid_name(name):
+                raise ValueError(f"{what} name {name!r} is not valid")
+        credit = self.config.default_credit if credit is None else credit
+        if not isinstance(credit, int) or credit < 1:
+            raise ValueError(f"credit must be a positive integer, not {credit!r}")
+        if self._closing:
+            raise RuntimeError("the client is closed")
+        sub = Subscription(topic, channel, handler, auto_ack, credit)
+        with self._lock:
+            if (topic, channel) in self.subscriptions:
+                raise ValueError(f"already subscribed to {topic}/{channel}")
+            self.subscriptions[(topic, channel)] = sub
+        waits = [(conn, self._send_subscribe(conn, sub)) for conn in self.pool if conn.connected]
+        deadline = time.monotonic() + (self.config.subscribe_timeout if timeout is None else timeout)
+        refusal = None
+        accepted = []
+        for conn, future in waits:
+            if future is None:
+                continue
+            try:
+                reply = future.result(max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, CancelledError):  # CancelledError: the connection dropped
+                log.warning("no answer from %s to subscribe %s/%s yet", conn.name, topic, channel)
+                continue
+            if reply.command == Command.SUBSCRIBE_ACK:
+                accepted.append(conn)
+            elif refusal is None:
+                refusal = SubscribeError(topic, channel, _REFUSALS[reply.command], reply.status, conn.name)
+        if refusal is not None:
+            with self._lock:
+                self.subscriptions.pop((topic, channel), None)
+            for conn in accepted:  # pause it where it was accepted: the protocol has no unsubscribe
+                self._write(conn, Frame(Command.UP_CREDIT, topic=topic, channel=channel, credit=0))
+            raise refusal
+        return sub
+
+    def _send_subscribe(self, conn: ServerConnection, sub: Subscription) -> Future | None:
+        sid = next(self._ids)
+        future: Future = Future()
+        with self._lock:
+            self._waiters[sid] = (conn.name, future)
+        frame = Frame(Command.UP_SUBSCRIBE, session_id=sid, topic=sub.topic, channel=sub.channel, credit=sub.credit)
+        if not self._write(conn, frame):
+            with self._lock:
+                self._waiters.pop(sid, None)
+            return None
+        return future
+
+    def connection_ready(self, conn: ServerConnection) -> None:
+        """(Re)subscribe everything on a fresh connection; answers are only logged."""
+        for sub in list(self.subscriptions.values()):
+            self._send_subscribe(conn, sub)
+
+    def subscribe_replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
+        for frame in frames:
+            with self._lock:
+                waiter = self._waiters.pop(frame.session_id, None)
+            if waiter is not None:
+                waiter[1].set_result(frame)
+            sub = self.subscriptions.get((frame.topic, frame.channel))
+            if frame.command == Command.SUBSCRIBE_ACK:
+                log.info("subscribed to %s/%s on %s", frame.topic, frame.channel, conn.name)
+                if sub is not None:
+                    sub.error = None
+            else:
+                error = SubscribeError(frame.topic, frame.channel, _REFUSALS[frame.command], frame.status, conn.name)
+                log.error("%s", error)
+                if sub is not None:
+                    sub.error = error
+
+    def connection_lost(self, conn: ServerConnection) -> None:
+        """Pending subscribe answers from ``conn`` will never come."""
+        with self._lock:
+            lost = [sid for sid, (name, _) in self._waiters.items() if name == conn.name]
+            waiters = [self._waiters.pop(sid) for sid in lost]
+        for _, future in waiters:
+            future.cancel()
+
+    # -- receiving --------------------------------------------------------------
+    def pushes(self, conn: ServerConnection, frames: list[Frame]) -> None:
+        """CONSUMER_PUSH frames read by ``conn``'s reader thread."""
+        if self._closing:
+            return  # not acked: the server delivers them again, to us or another consumer
+        now = self.clock()
+        dedup = self.dedup
+        for frame in frames:
+            sub = self.subscriptions.get((frame.topic, frame.channel))
+            if sub is None:
+                log.warning("push for %s/%s without a subscription; ignored", frame.topic, frame.channel)
+                continue
+            key = dedup.key(frame.producer, frame.session_id, frame.channel)
+            verdict = dedup.admit(key, now)
+            if verdict is Admit.NEW:
+                message = ReceivedMessage(
+                    topic=frame.topic,
+                    channel=frame.channel,
+                    message_id=frame.message_id,
+                    session_id=frame.session_id,
+                    producer=frame.producer,
+                    body=frame.body,
+                    timestamp_ms=frame.timestamp_ms,
+                    attempts=frame.attempts,
+                    server=conn.name,
+                    acker=self._ack,
+                )
+                sub.received += 1
+                self._queue.put((sub, message, key))
+                continue
+            sub.suppressed += 1
+            log.debug("duplicate push %s/%s session %d from %s (%s)",
+                      frame.topic, frame.channel, frame.session_id, conn.name, verdict.value)
+            if verdict is Admit.DUPLICATE_ACKED:
+                self._write(conn, _ack_frame(frame.topic, frame.channel, frame.message_id))
+
+    def _handle_loop(self) -> None:
+        get = self._queue.get
+        while True:
+            entry = get()
+            if entry is None:
+                return
+            sub, message, key = entry
+            try:
+                sub.deliver(message)
+            except Exception:
+                log.exception("handler of %s/%s raised on %r; it will be redelivered", sub.topic, sub.channel, message)
+                if not message.acked:
+                    self.dedup.forget(key)
+                continue
+            if sub.auto_ack:
+                message.ack()
+
+    def _ack(self, message: ReceivedMessage) -> None:
+        self.dedup.acked(self.dedup.key(message.producer, message.session_id, message.channel))
+        conn = self.pool.get(message.server)
+        if conn is None or not self._write(conn, _ack_frame(message.topic, message.channel, message.message_id)):
+            log.debug("ack of %r not sent (no connection); the server will redeliver it", message)
+
+    def _write(self, conn: ServerConnection, frame: Frame) -> bool:
+        try:
+            conn.write(encode(frame))
+            return True
+        except ConnectionUnavailable:
+            return False
+
+    # -- closing ------------------------------------------------------------------
+    def close(self, timeout: float) -> None:
+        """Drop what is queued (unacked: redelivered), let running handlers finish."""
+        self._closing = True
+        dropped = 0
+        while True:
+            try:
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if entry is not None:
+                dropped += 1
+        if dropped:
+            log.info("closing: %d received messages left unhandled (the server will redeliver them)", dropped)
+        if not self._started:
+            return
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in self._threads:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _ack_frame(topic: str, channel: str, message_id: int) -> Frame:
+    return Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=message_id)

@@ -1,0 +1,225 @@
+"""What a producer sends, what it hears back, and what a consumer receives.
+
+``Message`` is the caller's value; ``SendResult`` is the single answer every
+send gets (through its callback and its future), with a ``Status`` for each
+outcome DMQ's Java client distinguishes. ``ReceivedMessage`` is a push handed
+to a handler, with ``ack()`` for consumers that acknowledge by hand.
+
+Keeping one result type with a status (rather than an exception per outcome)
+is DMQ's shape: callbacks run on the notify thread, where raising would help
+nobody, and a web handler can branch on ``result.status`` in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable
+
+from .wire import MessageType
+
+__all__ = [
+    "Message",
+    "MessageType",
+    "ReceivedMessage",
+    "SendError",
+    "SendResult",
+    "Status",
+]
+
+
+class Status(str, enum.Enum):
+    """The outcome of one send. Exactly one reaches the callback of every send.
+
+    ``SOCKET_ERROR`` and ``OUT_OF_RETRY`` differ in what the caller may assume:
+    a SOCKET_ERROR message was never written to any server, so it is certainly
+    not stored and may be sent again as a new message; an OUT_OF_RETRY message
+    was written at least once without a reply, so it may or may not be stored
+    (resending it with the same session id is safe: the server deduplicates).
+    """
+
+    SUCCESS = "success"
+    """Stored durably by the server; ``message_id`` is set."""
+    NO_TOPIC = "no_topic"
+    """The topic is not registered or has no channel (SEND_NO_TOPIC_ACK)."""
+    SERVER_ERROR = "server_error"
+    """The server failed to store it, e.g. PostgreSQL down (SEND_SERVER_ERROR)."""
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    """The topic's rate limit refused it (SEND_EXCEED_LIMIT_ACK)."""
+    SOCKET_ERROR = "socket_error"
+    """No server connection could take it within ``route_wait``; never written."""
+    OUT_OF_RETRY = "out_of_retry"
+    """Written, but no reply after ``resend_tries`` resends; outcome unknown."""
+    INVALID_MESSAGE = "invalid_message"
+    """Refused by the client's checks or the server's (SEND_INVALID_ACK)."""
+    QUEUE_FULL = "queue_full"
+    """The bounded send queue had no room; refused at once, never written."""
+    CLIENT_CLOSED = "client_closed"
+    """The client was closing or closed before the message got an answer."""
+
+    @property
+    def ok(self) -> bool:
+        return self is Status.SUCCESS
+
+
+class SendError(Exception):
+    """Raised by ``SendResult.raise_for_status`` for any status but SUCCESS."""
+
+    def __init__(self, result: "SendResult"):
+        super().__init__(f"{result.status.value}: {result.description}" if result.description else result.status.value)
+        self.result = result
+        self.status = result.status
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """A message to send. ``body`` is bytes (a ``str`` is encoded as UTF-8).
+
+    ``session_id`` identifies the message for this producer; leave it ``None``
+    to have the client generate one (monotonic, see ``dmq_client.session``), or
+    set your own (for example a database key) to make a send idempotent across
+    producer restarts: the server answers a resend of a stored
+    ``(producer, session_id)`` with the original message id.
+
+    A DELAY message carries ``due_ms`` (epoch milliseconds); build one with
+    ``Message.delayed``.
+    """
+
+    topic: str
+    body: bytes = field(repr=False)
+    session_id: int | None = None
+    msg_type: MessageType = MessageType.RELIABLE
+    due_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.body, str):
+            self.body = self.body.encode("utf-8")
+        elif isinstance(self.body, (bytearray, memoryview)):
+            self.body = bytes(self.body)
+
+    @classmethod
+    def delayed(
+        cls,
+        topic: str,
+        body: bytes | str,
+        *,
+        delay: float | None = None,
+        due: datetime | float | None = None,
+        session_id: int | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> "Message":
+        """A DELAY message due ``delay`` seconds from now, or at ``due`` (an aware
+        ``datetime`` or epoch seconds). Exactly one of the two must be given."""
+        if (delay is None) == (due is None):
+            raise ValueError("give exactly one of delay= or due=")
+        if delay is not None:
+            due_s = wall_clock() + delay
+        elif isinstance(due, datetime):
+            due_s = due.timestamp()
+        else:
+            due_s = float(due)  # type: ignore[arg-type]
+        return cls(topic, body, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000))
+
+
+@dataclass(slots=True, eq=False)
+class SendResult:
+    """The one answer to one send.
+
+    ``description`` explains any status but SUCCESS (the server's own text when
+    the server answered). ``duplicate`` is true when the server recognised a
+    resend of a message it had already stored (same ``message_id``).
+    ``attempts`` counts the writes made (first send plus resends).
+    """
+
+    status: Status
+    message: Message
+    session_id: int | None = None
+    message_id: int | None = None
+    description: str = ""
+    server: str | None = None
+    duplicate: bool = False
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.SUCCESS
+
+    def raise_for_status(self) -> "SendResult":
+        """Return self if SUCCESS, else raise ``SendError``."""
+        if self.status is not Status.SUCCESS:
+            raise SendError(self)
+        return self
+
+
+class ReceivedMessage:
+    """A pushed message, handed to a handler's ``on_message``.
+
+    ``ack()`` acknowledges it to the server that pushed it. With
+    ``auto_ack=True`` (the default) the client acks after ``on_message``
+    returns, and calling ``ack()`` yourself is harmless. With auto-ack off the
+    handler (or any thread, later) must call ``ack()``; until then the message
+    counts against the subscription's credit, and the server delivers it again
+    after the topic's message timeout.
+    """
+
+    __slots__ = (
+        "topic",
+        "channel",
+        "message_id",
+        "session_id",
+        "producer",
+        "body",
+        "timestamp_ms",
+        "attempts",
+        "server",
+        "_acker",
+        "_acked",
+    )
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        channel: str,
+        message_id: int,
+        session_id: int,
+        producer: str,
+        body: bytes,
+        timestamp_ms: int,
+        attempts: int,
+        server: str,
+        acker: Callable[["ReceivedMessage"], Any],
+    ):
+        self.topic = topic
+        self.channel = channel
+        self.message_id = message_id
+        self.session_id = session_id
+        self.producer = producer
+        self.body = body
+        self.timestamp_ms = timestamp_ms
+        self.attempts = attempts
+        self.server = server
+        self._acker = acker
+        self._acked = False
+
+    @property
+    def acked(self) -> bool:
+        return self._acked
+
+    def ack(self) -> None:
+        """Acknowledge this message (idempotent; thread-safe; a no-op after close)."""
+        if not self._acked:
+            self._acked = True
+            self._acker(self)
+
+    def text(self, encoding: str = "utf-8") -> str:
+        return self.body.decode(encoding)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReceivedMessage(topic={self.topic!r}, channel={self.channel!r}, "
+            f"message_id={self.message_id}, session_id={self.session_id}, "
+            f"producer={self.producer!r}, attempts={self.attempts}, len={len(self.body)})"
+        )

@@ -1,0 +1,83 @@
+"""``PendingSend``: the client's record of one accepted send, from ``send()`` to its result.
+
+One object travels the whole way (send queue, resend map, notify queue), like
+DMQ's ``WinData``: it holds the message, the session id, where and when it was
+last written, how many writes it has had, and the callback and future that
+receive its single ``SendResult``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .future import SendFuture
+from .message import Message, SendResult
+
+__all__ = ["PendingSend"]
+
+
+class PendingSend:
+    __slots__ = (
+        "message",
+        "session_id",
+        "producer",
+        "timestamp_ms",
+        "callback",
+        "future",
+        "attempts",
+        "resends",
+        "last_attempt",
+        "server",
+        "result",
+        "resend",
+        "_settled",
+    )
+
+    def __init__(
+        self,
+        message: Message,
+        session_id: int,
+        producer: str,
+        timestamp_ms: int,
+        callback: Any = None,
+        future: "SendFuture[SendResult] | None" = None,
+        resend: bool = False,
+    ):
+        self.message = message
+        self.session_id = session_id
+        self.producer = producer
+        self.timestamp_ms = timestamp_ms
+        self.callback = callback
+        self.future: SendFuture[SendResult] = future if future is not None else SendFuture()
+        self.attempts = 0  # writes made: first send, resends and failover writes
+        self.resends = 0  # resends by the resend runner: the budget is resend_tries
+        self.last_attempt = 0.0  # clock() of the last write (or failed try)
+        self.server: str | None = None  # where it was last written
+        self.result: SendResult | None = None
+        self.resend = resend  # a caller's retry of an earlier send: written as UP_PRODUCER_RESEND
+        self._settled = False
+
+    def settle(self) -> bool:
+        """True exactly once: the caller that gets True delivers the result.
+
+        Several paths can end a send (a reply, the resend runner giving up,
+        close); this makes "exactly one callback" a property of the object, not
+        of careful ordering between threads.
+        """
+        with _settle_lock:
+            if self._settled:
+                return False
+            self._settled = True
+            return True
+
+    def __repr__(self) -> str:
+        return (
+            f"PendingSend(topic={self.message.topic!r}, session_id={self.session_id}, "
+            f"attempts={self.attempts}, server={self.server!r})"
+        )
+
+
+# One lock for all sends: settling holds it for two instructions, and a lock
+# per send would cost ~100 bytes and an allocation on the hot path.
+_settle_lock = threading.Lock()

@@ -1,0 +1,359 @@
+"""The producer side of the client: send queue, send runner, resend runner, replies.
+
+The flow is DMQ's (seeds/003, section 2):
+
+1. ``send`` checks the message; an invalid one goes straight to the notify
+   queue (INVALID_MESSAGE), and so does one the bounded send queue has no
+   room for (QUEUE_FULL): ``send`` never blocks.
+2. The send runner takes batches from the queue, routes each message by topic
+   to a server (waiting up to ``route_wait`` for one; SOCKET_ERROR if none),
+   records it in the resend map *before* writing (so a fast reply always
+   finds it) and writes the batch for a server in one socket write.
+3. A reply removes the message from the resend map and queues its result
+   for the notify runner, which calls the callback and completes the future.
+4. The resend runner wakes every ``resend_check_interval`` and resends, with
+   UP_PRODUCER_RESEND, whatever has waited ``resend_interval`` for a reply,
+   up to ``resend_tries`` times; then OUT_OF_RETRY.
+5. When a server connection fails, or the server answers that it is shutting
+   down, the messages waiting on it are written at once to another server
+   (as resends: the server deduplicates by producer and session id, and all
+   nodes share one store). Such a failover write uses up no try.
+
+Every accepted message ends in exactly one result: ``PendingSend.settle``
+lets only the first of the competing paths (reply, give-up, close) report.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+from .config import MqConfig
+from .connection import ConnectionUnavailable, ServerConnection
+from .future import SendFuture
+from .message import Message, SendResult, Status
+from .notify import NotifyRunner
+from .pending import PendingSend
+from .resend import ResendMap
+from .routing import ServerPool
+from .send_queue import MemorySendQueue, Put, SendQueue
+from .session import SESSION_ID_MAX, SessionIdGenerator, default_producer_id
+from .wire import Command, Frame, MessageType, encode, valid_name
+
+__all__ = ["Producer"]
+
+log = logging.getLogger(__name__)
+
+_REPLY_STATUS = {
+    Command.SEND_SUCCESS_ACK: Status.SUCCESS,
+    Command.SEND_NO_TOPIC_ACK: Status.NO_TOPIC,
+    Command.SEND_SERVER_ERROR: Status.SERVER_ERROR,
+    Command.SEND_EXCEED_LIMIT_ACK: Status.RATE_LIMIT_EXCEEDED,
+    Command.SEND_INVALID_ACK: Status.INVALID_MESSAGE,
+}
+_SHUTTING_DOWN = "E_SHUTTING_DOWN"
+_SEND = Command.UP_PRODUCER_SEND
+_RESEND = Command.UP_PRODUCER_RESEND
+
+
+class Producer:
+    def __init__(
+        self,
+        config: MqConfig,
+        pool: ServerPool,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        send_queue: SendQueue | None = None,
+    ):
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.producer_id = config.producer_id or default_producer_id()
+        self.next_session_id = SessionIdGenerator(wall_clock)
+        self.queue: SendQueue = send_queue if send_queue is not None else MemorySendQueue(config.send_queue_size)
+        self.resends = ResendMap(config.max_in_flight, config.resend_interval, config.resend_tries)
+        self.notify = NotifyRunner(self._delivered)
+        self._outstanding = 0
+        self._idle = threading.Condition(threading.Lock())
+        self._closing = False
+        self._stop = threading.Event()
+        self._send_thread = threading.Thread(target=self._send_loop, name="dmq-send", daemon=True)
+        self._resend_thread = threading.Thread(target=self._resend_loop, name="dmq-resend", daemon=True)
+
+    def start(self) -> None:
+        self.notify.start()
+        self._send_thread.start()
+        self._resend_thread.start()
+
+    @property
+    def outstanding(self) -> int:
+        """Sends accepted whose result has not been delivered yet."""
+        return self._outstanding
+
+    # -- the caller's side ----------------------------------------------------
+    def send(self, message: Message, callback: Any = None, *, resend: bool = False) -> "SendFuture[SendResult]":
+        if not isinstance(message, Message):
+            raise TypeError(f"send() takes a dmq_client.Message, not {type(message).__name__}")
+        sid = message.session_id
+        item = PendingSend(
+            message,
+            self.next_session_id() if sid is None else sid,
+            self.producer_id,
+            int(self.wall_clock() * 1000),
+            callback,
+            resend=resend,
+        )
+        with self._idle:
+            self._outstanding += 1
+        problem = self._check(message)
+        if problem:
+            self._finish(item, Status.INVALID_MESSAGE, problem)
+            return item.future
+        put = self.queue.put(item)
+        if put is not Put.ACCEPTED:
+            if put is Put.FULL:
+                self._finish(item, Status.QUEUE_FULL, f"send queue full ({self.config.send_queue_size} messages)")
+            else:
+                self._finish(item, Status.CLIENT_CLOSED, "the client is closed")
+        return item.future
+
+    def _check(self, message: Message) -> str:
+        """Why the message cannot be sent, or ''."""
+        if not isinstance(message.topic, str) or not valid_name(message.topic):
+            return f"E_BAD_TOPIC topic name {message.topic!r} is not valid"
+        if not isinstance(message.body, bytes):
+            return f"E_BAD_BODY body must be bytes or str, not {type(message.body).__name__}"
+        if len(message.body) > self.config.max_body_size:
+            return f"E_BAD_BODY body of {len(message.body)} bytes exceeds max_body_size {self.config.max_body_size}"
+        sid = message.session_id
+        if sid is not None and (not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid <= SESSION_ID_MAX):
+            return f"E_INVALID session id {sid!r} is not an integer in 0..{SESSION_ID_MAX}"
+        if message.msg_type == MessageType.DELAY:
+            if not isinstance(message.due_ms, int) or message.due_ms <= 0:
+                return f"E_INVALID a DELAY message needs a due time, not {message.due_ms!r}"
+        elif message.msg_type != MessageType.RELIABLE:
+            return f"E_INVALID unknown message type {message.msg_type!r}"
+        return ""
+
+    def _frame(self, item: PendingSend, command: Command) -> bytes:
+        m = item.message
+        return encode(
+            Frame(
+                command,
+                session_id=item.session_id,
+                topic=m.topic,
+                producer=item.producer,
+                msg_type=m.msg_type,
+                due_ms=m.due_ms,
+                timestamp_ms=item.timestamp_ms,
+                body=m.body,
+            )
+        )
+
+    # -- results ----------------------------------------------------------------
+    def _finish(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> None:
+        if item.settle():
+            item.result = SendResult(
+                status, item.message, item.session_id, description=description,
+                server=item.server, attempts=item.attempts, **fields,
+            )
+            self.notify.put(item)
+
+    def _delivered(self, item: PendingSend) -> None:
+        """The notify runner delivered ``item``'s result."""
+        self.queue.task_done(item)
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Block until every accepted send has had its result delivered."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
+    # -- the send runner --------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            batch = self.queue.get_batch(self.config.send_batch_size, None)
+            if not batch:
+                if self._closing or self._stop.is_set():
+                    break
+                continue
+            try:
+                self._send_batch(batch)
+            except Exception as exc:  # a bug, not a network failure: report it, keep running
+                log.exception("dmq send runner failed on a batch")
+                for item in batch:
+                    if item.session_id not in self.resends:
+                        self._finish(item, Status.SOCKET_ERROR, f"internal error before the write: {exc!r}")
+        self._abort(self.queue.drain(), "the client closed before the message was written")
+
+    def _send_batch(self, batch: list[PendingSend]) -> None:
+        groups: dict[ServerConnection, list[PendingSend]] = defaultdict(list)
+        self.resends.wait_for_room(len(batch))
+        route_deadline = None  # one route_wait per batch, not per message, during an outage
+        for item in batch:
+            if self._stop.is_set():
+                self._finish(item, Status.CLIENT_CLOSED, "the client closed before the message was written")
+                continue
+            conn = self.pool.pick(item.message.topic)
+            if conn is None:
+                if route_deadline is None:
+                    route_deadline = time.monotonic() + self.config.route_wait
+                wait = max(0.0, route_deadline - time.monotonic())
+                conn = self.pool.wait_pick(item.message.topic, wait, self._stop)
+            if conn is None:
+                if self._stop.is_set():
+                    self._finish(item, Status.CLIENT_CLOSED, "the client closed before the message was written")
+                else:
+                    self._finish(
+                        item, Status.SOCKET_ERROR,
+                        f"no usable connection to any of {len(self.pool)} servers within {self.config.route_wait}s",
+                    )
+                continue
+            groups[conn].append(item)
+        for conn, items in groups.items():
+            refused = self.resends.add_many(items, conn.name, self.clock())
+            if refused:
+                for item in refused:
+                    why = f"E_INVALID session id {item.session_id} is already awaiting a reply"
+                    self._finish(item, Status.INVALID_MESSAGE, why)
+                items = [i for i in items if i not in refused]
+                if not items:
+                    continue
+            try:
+                conn.write(b"".join([self._frame(i, _RESEND if i.resend else _SEND) for i in items]))
+            except ConnectionUnavailable as exc:
+                log.info("%s; failing over %d sends", exc, len(items))
+                self._fail_over(conn, items)
+
+    # -- the resend runner ------------------------------------------------------
+    def _resend_loop(self) -> None:
+        while not self._stop.wait(self.config.resend_check_interval):
+            try:
+                self.check_resends()
+            except Exception:
+                log.exception("dmq resend runner failed; continuing")
+
+    def check_resends(self, now: float | None = None) -> None:
+        """One pass of the resend runner (tests call it with an injected clock)."""
+        resend, expired = self.resends.due(self.clock() if now is None else now)
+        for item in expired:
+            self._finish(
+                item, Status.OUT_OF_RETRY,
+                f"no reply after {item.attempts} writes ({self.config.resend_tries} resends, "
+                f"{self.config.resend_interval}s apart); the message may or may not be stored",
+            )
+        by_conn: dict[ServerConnection, list[PendingSend]] = defaultdict(list)
+        for item in resend:
+            conn = self.pool.pick(item.message.topic)
+            if conn is None:
+                log.debug("resend %d of %r: no usable server", item.resends, item)
+                continue
+            item.server = conn.name
+            by_conn[conn].append(item)
+        for conn, items in by_conn.items():
+            log.info("resending %d messages to %s", len(items), conn.name)
+            self._write_resends(conn, items)
+
+    def _write_resends(self, conn: ServerConnection, items: list[PendingSend]) -> bool:
+        try:
+            conn.write(b"".join([self._frame(i, Command.UP_PRODUCER_RESEND) for i in items]))
+            return True
+        except ConnectionUnavailable as exc:
+            log.info("resend failed: %s", exc)
+            return False
+
+    # -- failover -----------------------------------------------------------------
+    def connection_lost(self, conn: ServerConnection) -> None:
+        """Fail over the sends that were waiting for ``conn``'s replies."""
+        items = self.resends.on_server(conn.name)
+        if items:
+            self._fail_over(conn, items)
+
+    def _fail_over(self, failed: ServerConnection, items: Iterable[PendingSend]) -> None:
+        now = self.clock()
+        by_conn: dict[ServerConnection, list[PendingSend]] = defaultdict(list)
+        for item in items:
+            other = self.pool.pick(item.message.topic, exclude=(failed.name,))
+            if other is None:
+                continue  # the resend runner retries it on schedule
+            self.resends.rewritten(item, other.name, now)
+            by_conn[other].append(item)
+        for conn, moved in by_conn.items():
+            log.info("failing over %d sends from %s to %s", len(moved), failed.name, conn.name)
+            self._write_resends(conn, moved)
+
+    # -- replies ------------------------------------------------------------------
+    def replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
+        """SEND_* replies read by ``conn``'s reader thread."""
+        answered: dict[int, Frame] = {}
+        shutting: list[PendingSend] = []
+        for frame in frames:
+            if frame.command == Command.SEND_SERVER_ERROR and frame.status.startswith(_SHUTTING_DOWN):
+                conn.mark_rebooting()
+                item = self.resends.get(frame.session_id)
+                if item is not None:
+                    shutting.append(item)
+                continue
+            answered[frame.session_id] = frame
+        if shutting:
+            self._fail_over(conn, shutting)
+        if not answered:
+            return
+        done = []
+        for item in self.resends.pop_many(answered):
+            frame = answered[item.session_id]
+            status = _REPLY_STATUS[frame.command]
+            if status is Status.SERVER_ERROR and frame.status.startswith("E_STORAGE"):
+                conn.mark_unhealthy(frame.status)
+            if item.settle():
+                item.result = SendResult(
+                    status,
+                    item.message,
+                    item.session_id,
+                    message_id=frame.message_id if status is Status.SUCCESS else None,
+                    description=frame.status if status is not Status.SUCCESS else "",
+                    server=conn.name,
+                    duplicate=status is Status.SUCCESS and frame.status == "duplicate",
+                    attempts=item.attempts,
+                )
+                done.append(item)
+        self.notify.put_many(done)
+
+    # -- closing ------------------------------------------------------------------
+    def close(self, timeout: float) -> None:
+        """Stop accepting; wait up to ``timeout`` for every result; report the
+        rest CLIENT_CLOSED; stop the send and resend runners. The notify runner
+        keeps going until ``stop_notify`` (results produced later, e.g. by a
+        handler sending during close, are delivered too)."""
+        self._closing = True
+        self.queue.close()
+        if threading.current_thread() is self.notify.thread:
+            timeout = 0  # called from a callback: results wait behind this very call
+        self.wait_idle(timeout)
+        self._stop.set()
+        self.pool.close()
+        self._abort(self.resends.drain(), "the client closed before the server answered; "
+                    "the message may or may not be stored")
+        if threading.current_thread() is not self._send_thread:
+            self._send_thread.join(max(timeout, self.config.write_timeout) + 1)
+        self._abort(self.queue.drain(), "the client closed before the message was written")
+        self._abort(self.resends.drain(), "the client closed before the server answered; "
+                    "the message may or may not be stored")
+        if threading.current_thread() is not self._resend_thread:
+            self._resend_thread.join(5)
+
+    def stop_notify(self, timeout: float) -> bool:
+        """Deliver every queued result, then end the notify runner."""
+        return self.notify.stop(timeout)
+
+    def _abort(self, items: list[PendingSend], why: str) -> None:
+        for item in items:
+            self._finish(item, Status.CLIENT_CLOSED, why)

@@ -1,0 +1,157 @@
+"""The resend map: sends written to a server and not yet answered.
+
+DMQ's ``resendMap`` keyed by session id. A message enters when it is first
+written and leaves when a reply arrives, or when it has had ``tries`` resends,
+``interval`` apart, and still no reply (OUT_OF_RETRY). With the defaults a
+message is written at t, resent at t+30, t+60 and t+90 s, and reported
+OUT_OF_RETRY at t+120 s: every write, the last included, gets a full interval
+to be answered.
+
+The map does no IO and reads no clock: callers pass ``now`` (from the client's
+injectable monotonic clock), so the schedule is unit-tested without sleeping.
+Entries are kept in the order of their last write, so finding the due ones
+costs only the due ones, not a scan of the whole map every second.
+
+Memory is bounded by ``capacity`` (``MqConfig.max_in_flight``): the send
+runner waits in ``wait_for_room`` before it writes a new message, which backs
+up into the bounded send queue and, from there, QUEUE_FULL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Iterable
+
+from .pending import PendingSend
+
+__all__ = ["ResendMap"]
+
+
+class ResendMap:
+    def __init__(self, capacity: int, interval: float, tries: int):
+        self.capacity = capacity
+        self.interval = interval
+        self.tries = tries
+        self._items: OrderedDict[int, PendingSend] = OrderedDict()
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, session_id: int) -> bool:
+        return session_id in self._items
+
+    def wait_for_room(self, n: int = 1, timeout: float | None = None) -> bool:
+        """Block until ``n`` more entries fit under ``capacity`` (or timeout)."""
+        limit = self.capacity - min(n, self.capacity)
+        with self._room:
+            if len(self._items) <= limit:
+                return True
+            return self._room.wait_for(lambda: len(self._items) <= limit, timeout)
+
+    def add(self, item: PendingSend, server: str, now: float) -> bool:
+        """Record the first write of ``item`` to ``server``. False if a send with
+        the same session id is already awaiting its reply (caller-chosen ids)."""
+        with self._lock:
+            if item.session_id in self._items:
+                return False
+            item.attempts += 1
+            item.last_attempt = now
+            item.server = server
+            self._items[item.session_id] = item
+            return True
+
+    def add_many(self, items: list[PendingSend], server: str, now: float) -> list[PendingSend]:
+        """``add`` for a batch under one lock; returns the items refused because
+        their session id is already awaiting a reply."""
+        refused = []
+        with self._lock:
+            entries = self._items
+            for item in items:
+                if item.session_id in entries:
+                    refused.append(item)
+                    continue
+                item.attempts += 1
+                item.last_attempt = now
+                item.server = server
+                entries[item.session_id] = item
+        return refused
+
+    def get(self, session_id: int) -> PendingSend | None:
+        return self._items.get(session_id)
+
+    def rewritten(self, item: PendingSend, server: str, now: float) -> None:
+        """A failover write of ``item`` to another server: a fresh interval to be
+        answered, but no try used up (the first server failed, not the message)."""
+        with self._lock:
+            if self._items.get(item.session_id) is item:
+                item.attempts += 1
+                item.last_attempt = now
+                item.server = server
+                self._items.move_to_end(item.session_id)
+
+    def pop(self, session_id: int) -> PendingSend | None:
+        """Remove and return the entry a reply answers (None if already gone)."""
+        with self._lock:
+            item = self._items.pop(session_id, None)
+            if item is not None:
+                self._room.notify_all()
+            return item
+
+    def pop_many(self, session_ids: Iterable[int]) -> list[PendingSend]:
+        """``pop`` for a batch of replies under one lock acquisition."""
+        found = []
+        with self._lock:
+            pop = self._items.pop
+            for sid in session_ids:
+                item = pop(sid, None)
+                if item is not None:
+                    found.append(item)
+            if found:
+                self._room.notify_all()
+        return found
+
+    def due(self, now: float) -> tuple[list[PendingSend], list[PendingSend]]:
+        """Entries whose last write is ``interval`` old: ``(resend, expired)``.
+
+        A resend entry is marked as written now (its ``resends`` and
+        ``attempts`` incremented) before it is returned, so a failed resend
+        (no server reachable) still uses up its try, and the give-up time
+        stays on schedule however long the servers are away. Expired entries
+        are removed; the caller reports them OUT_OF_RETRY.
+        """
+        resend: list[PendingSend] = []
+        expired: list[PendingSend] = []
+        with self._lock:
+            items = self._items
+            while items:
+                sid, item = next(iter(items.items()))
+                if now - item.last_attempt < self.interval:
+                    break
+                if item.resends >= self.tries:
+                    del items[sid]
+                    expired.append(item)
+                else:
+                    item.resends += 1
+                    item.attempts += 1
+                    item.last_attempt = now
+                    items.move_to_end(sid)
+                    resend.append(item)
+            if expired:
+                self._room.notify_all()
+        return resend, expired
+
+    def on_server(self, server: str) -> list[PendingSend]:
+        """Entries last written to ``server`` (to fail them over when it goes)."""
+        with self._lock:
+            return [item for item in self._items.values() if item.server == server]
+
+    def drain(self) -> list[PendingSend]:
+        """Remove and return every entry (used when closing)."""
+        with self._lock:
+            items = list(self._items.values())
+            self._items.clear()
+            self._room.notify_all()
+            return items
