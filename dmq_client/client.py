@@ -73,7 +73,20 @@ class MqClient:
         self._close_lock = threading.Lock()
         self._closed = False
         listener = _Dispatch(self._producer, self._consumer, self.pool)
-        for address in self.config.addresses:
+        self._listener = listener
+        addresses = self.config.addresses
+        self.discovery: Any = None  # dmq_client.discovery.ZkDiscovery with config.zk
+        if self.config.zk:
+            from .discovery import ZkDiscovery  # imports kazoo: only when configured
+
+            self.discovery = ZkDiscovery(
+                self.config.zk,
+                self._servers_changed,
+                session_timeout=self.config.zk_session_timeout,
+                refresh_interval=self.config.zk_refresh_interval,
+            )
+            addresses = self.discovery.start(self.config.connect_timeout)
+        for address in addresses:
             self.pool.add(ServerConnection(address, self.config, listener))
         self._producer.start()
         self._consumer.start()
@@ -82,6 +95,8 @@ class MqClient:
         deadline = time.monotonic() + self.config.connect_timeout
         for conn in self.pool:
             conn.first_attempt.wait(max(0.0, deadline - time.monotonic()))
+        if self.discovery is not None:
+            self.discovery.watch()
 
     # -- producing ----------------------------------------------------------------
     @property
@@ -95,6 +110,8 @@ class MqClient:
         the same result first, on the notify thread. Every send gets exactly
         one result, whatever happens: see ``Status``.
         """
+        if self.discovery is not None:
+            self.discovery.use_topic(message.topic)
         return self._producer.send(message, callback)
 
     def resend(self, result: SendResult, callback: Any = None) -> "SendFuture[SendResult]":
@@ -139,9 +156,33 @@ class MqClient:
         (unknown topic, unregistered channel). The subscription is renewed
         on every reconnect.
         """
+        if self.discovery is not None:
+            self.discovery.use_topic(topic)
         return self._consumer.subscribe(
             topic, channel, handler, auto_ack=auto_ack, credit=credit, timeout=timeout
         )
+
+    def _servers_changed(self, addresses: list[tuple[str, int]]) -> None:
+        """Discovery's thread: connect to servers that joined, close those that left
+        (their unanswered sends fail over). An empty list changes nothing: a registry
+        momentarily without nodes must not cut every connection."""
+        if not addresses:
+            return
+        wanted = {f"{host}:{port}": (host, port) for host, port in addresses}
+        with self._close_lock:
+            if self._closed:
+                return
+            for name, address in wanted.items():
+                if self.pool.get(name) is None:
+                    conn = ServerConnection(address, self.config, self._listener)
+                    self.pool.add(conn)
+                    conn.start()
+            gone = [conn for conn in self.pool if conn.name not in wanted]
+            for conn in gone:
+                self.pool.remove(conn.name)
+        for conn in gone:
+            log.info("dmq server %s left the cluster; disconnecting", conn.name)
+            conn.close(5.0)
 
     # -- state ----------------------------------------------------------------------
     def wait_connected(self, timeout: float) -> bool:
@@ -168,6 +209,7 @@ class MqClient:
                 {"topic": s.topic, "channel": s.channel, "received": s.received, "suppressed": s.suppressed}
                 for s in list(self._consumer.subscriptions.values())
             ],
+            "discovery": self.discovery.stats() if self.discovery is not None else None,
         }
 
     # -- closing ----------------------------------------------------------------------
@@ -187,11 +229,14 @@ class MqClient:
                 return
             self._closed = True
         timeout = self.config.close_timeout if timeout is None else timeout
+        if self.discovery is not None:
+            self.discovery.close()
         self._producer.close(timeout)
         self._consumer.close(max(timeout, 1.0))
         for conn in self.pool:
             conn.close(5.0)
         self._producer.stop_notify(max(timeout, 1.0))
+        self._producer.release_queue()
 
     def __enter__(self) -> "MqClient":
         return self

@@ -12,6 +12,7 @@ fields of this same class, so code that builds an ``MqConfig`` keeps working.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,17 +75,45 @@ class MqConfig:
     close_timeout: float = _opt(
         10.0, "how long close() waits for queued and unanswered sends before reporting them CLIENT_CLOSED"
     )
+    journal_path: str | None = _opt(
+        None, "directory of the producer journal (created if missing); None = off, accepted sends live in memory only"
+    )
+    journal_sync_every: int = _opt(
+        1, "fsync the journal every this many sends; 1 = send() returns only once its message is on disk"
+    )
+    journal_sync_interval: float = _opt(
+        1.0, "longest an unsynced send or finished result waits for the journal's fsync"
+    )
+    recovered_callback: Any = _opt(
+        None, "gets the results of messages recovered from the journal at start; None = they are only logged"
+    )
+    zk: str = _opt(
+        "", "ZooKeeper HOST:PORT[,...][/chroot] of a dmq cluster: servers are discovered there and `servers` is ignored"
+    )
+    zk_session_timeout: float = _opt(10.0, "the client's ZooKeeper session timeout (discovery only)")
+    zk_refresh_interval: float = _opt(
+        3600.0, "full re-read of the registry besides its watches (DMQ: every hour)"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
             object.__setattr__(self, "servers", tuple(s for s in self.servers.split(",") if s.strip()))
         else:
             object.__setattr__(self, "servers", tuple(self.servers))
+        if self.journal_path is not None and isinstance(self.journal_path, os.PathLike):
+            object.__setattr__(self, "journal_path", os.fspath(self.journal_path))
         self.validate()
 
     def validate(self) -> "MqConfig":
         """Fail at construction, naming the field, rather than misbehave later."""
-        if not self.servers:
+        if self.zk:
+            from registry.paths import parse_address as parse_zk_address
+
+            try:
+                parse_zk_address(self.zk)
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"zk: {exc}") from None
+        elif not self.servers:
             raise ValueError("servers: at least one HOST:PORT is required")
         for server in self.servers:
             try:
@@ -109,6 +138,8 @@ class MqConfig:
         if not isinstance(self.resend_tries, int) or self.resend_tries < 0:
             raise ValueError(f"resend_tries: must be an integer >= 0, not {self.resend_tries!r}")
         positive_times = (
+            "zk_session_timeout",
+            "zk_refresh_interval",
             "resend_interval",
             "resend_check_interval",
             "connect_timeout",
@@ -123,6 +154,17 @@ class MqConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, not {value!r}")
+        if self.journal_path is not None and (not isinstance(self.journal_path, str) or not self.journal_path):
+            raise ValueError(f"journal_path: must be a directory path or None, not {self.journal_path!r}")
+        if not isinstance(self.journal_sync_every, int) or self.journal_sync_every < 1:
+            raise ValueError(f"journal_sync_every: must be a positive integer, not {self.journal_sync_every!r}")
+        if not isinstance(self.journal_sync_interval, (int, float)) or self.journal_sync_interval <= 0:
+            raise ValueError(
+                f"journal_sync_interval: must be a positive number of seconds, not {self.journal_sync_interval!r}"
+            )
+        callback = self.recovered_callback
+        if callback is not None and not (callable(callback) or callable(getattr(callback, "on_result", None))):
+            raise ValueError("recovered_callback: must be None, a callable or an object with on_result(result)")
         for name in ("route_wait", "subscribe_timeout", "close_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:

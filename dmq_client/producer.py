@@ -73,12 +73,24 @@ class Producer:
         self.pool = pool
         self.clock = clock
         self.wall_clock = wall_clock
-        self.producer_id = config.producer_id or default_producer_id()
+        self._owns_queue = send_queue is None
+        if send_queue is None:
+            if config.journal_path is not None:
+                from .journal import JournalSendQueue  # only loaded when the journal is on
+
+                send_queue = JournalSendQueue.from_config(config)
+            else:
+                send_queue = MemorySendQueue(config.send_queue_size)
+        self.queue: SendQueue = send_queue
+        # a journal keeps the producer id across restarts (its replays carry their own)
+        self.producer_id = getattr(send_queue, "producer_id", None) or config.producer_id or default_producer_id()
         self.next_session_id = SessionIdGenerator(wall_clock)
-        self.queue: SendQueue = send_queue if send_queue is not None else MemorySendQueue(config.send_queue_size)
+        self._kept = ""  # added to CLIENT_CLOSED descriptions when the queue keeps those messages
+        if getattr(send_queue, "keeps_unfinished", False):
+            self._kept = " (kept in the producer journal: sent again when it is next opened)"
         self.resends = ResendMap(config.max_in_flight, config.resend_interval, config.resend_tries)
         self.notify = NotifyRunner(self._delivered)
-        self._outstanding = 0
+        self._outstanding = len(self.queue)  # a journal's recovered messages are outstanding
         self._idle = threading.Condition(threading.Lock())
         self._closing = False
         self._stop = threading.Event()
@@ -118,6 +130,9 @@ class Producer:
         if put is not Put.ACCEPTED:
             if put is Put.FULL:
                 self._finish(item, Status.QUEUE_FULL, f"send queue full ({self.config.send_queue_size} messages)")
+            elif put is Put.FAILED:
+                why = getattr(self.queue, "last_error", "") or "E_JOURNAL the send queue could not store the message"
+                self._finish(item, Status.QUEUE_FULL, why)
             else:
                 self._finish(item, Status.CLIENT_CLOSED, "the client is closed")
         return item.future
@@ -200,7 +215,8 @@ class Producer:
         route_deadline = None  # one route_wait per batch, not per message, during an outage
         for item in batch:
             if self._stop.is_set():
-                self._finish(item, Status.CLIENT_CLOSED, "the client closed before the message was written")
+                why = "the client closed before the message was written" + self._kept
+                self._finish(item, Status.CLIENT_CLOSED, why)
                 continue
             conn = self.pool.pick(item.message.topic)
             if conn is None:
@@ -210,7 +226,8 @@ class Producer:
                 conn = self.pool.wait_pick(item.message.topic, wait, self._stop)
             if conn is None:
                 if self._stop.is_set():
-                    self._finish(item, Status.CLIENT_CLOSED, "the client closed before the message was written")
+                    why = "the client closed before the message was written" + self._kept
+                    self._finish(item, Status.CLIENT_CLOSED, why)
                 else:
                     self._finish(
                         item, Status.SOCKET_ERROR,
@@ -354,6 +371,12 @@ class Producer:
         """Deliver every queued result, then end the notify runner."""
         return self.notify.stop(timeout)
 
+    def release_queue(self) -> None:
+        """Close the files of a journal this producer opened (after the last result)."""
+        shutdown = getattr(self.queue, "shutdown", None)
+        if self._owns_queue and shutdown is not None:
+            shutdown()
+
     def _abort(self, items: list[PendingSend], why: str) -> None:
         for item in items:
-            self._finish(item, Status.CLIENT_CLOSED, why)
+            self._finish(item, Status.CLIENT_CLOSED, why + self._kept)

@@ -1,12 +1,12 @@
 """The send queue: accepted messages waiting for the send runner.
 
 ``SendQueue`` is the contract, small on purpose so a producer journal can sit
-behind it later (DMQ's weak spot: a producer crash loses what its memory queue
-held). A journal implementation would write an item in ``put`` before
-answering ACCEPTED, and forget it in ``task_done``, which the client calls
-only once the item's result has been delivered, so an item stays journaled
-across the whole send, resend and notify path, not just while queued.
-``MemorySendQueue`` is today's only implementation.
+behind it (DMQ's weak spot: a producer crash loses what its memory queue
+held). ``MemorySendQueue`` is the default. ``dmq_client.journal.JournalSendQueue``
+(``MqConfig.journal_path``) writes an item in ``put`` before answering
+ACCEPTED and forgets it in ``task_done``, which the client calls only once the
+item's result has been delivered, so an item stays journaled across the whole
+send, resend and notify path, not just while queued.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Put(enum.Enum):
     ACCEPTED = "accepted"
     FULL = "full"
     CLOSED = "closed"
+    FAILED = "failed"  # could not be stored (a journal's write failed); ``last_error`` says why
 
 
 class SendQueue(Protocol):

@@ -1,0 +1,297 @@
+"""The producer journal against a real dmq-server: ``kill -9`` of a producer process loses nothing.
+
+The producer runs as a separate process (``PRODUCER`` below, written to the test's
+directory) with ``MqConfig.journal_path`` set. It accepts N sends while the server
+is stopped or frozen, says so on stdout, and is killed with SIGKILL: no shutdown
+code runs. A second producer process opens the same journal, replays the N
+messages, and a real consumer must receive each of them exactly once, with the
+database holding each once. Every wait is on a line from the child, a future, an
+event or a database condition, with a deadline; never a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dmq_client import Message, MqClient, MqConfig, SendResult, Status
+from dmq_client.journal import JournalSendQueue
+
+from .support import REPO, db_rows, wait_for
+
+pytestmark = pytest.mark.integration
+
+WAIT = 60.0
+COUNT = 200
+
+PRODUCER = r'''
+"""A producer process for tests/integration/test_client_journal.py.
+
+send MODE:    open the client with the journal, print READY, wait for "go" on stdin,
+              send N messages, print ACCEPTED with the session ids once every send()
+              returned (with MODE=frozen: once all N are written and unanswered), then
+              wait for stdin to close (the test kills it first).
+recover MODE: open the client on the same journal; the recovered messages are sent again
+              and their results reach recovered_callback; flush, print RESULTS, close.
+"""
+import json
+import sys
+import threading
+import time
+
+from dmq_client import Message, MqClient, MqConfig
+
+servers, journal, action = sys.argv[1], sys.argv[2], sys.argv[3]
+settings = dict(servers=servers, journal_path=journal, route_wait=600.0, resend_interval=600.0,
+                connect_timeout=5.0, reconnect_backoff=0.05, reconnect_backoff_max=0.2, close_timeout=10.0)
+
+if action == "send":
+    mode, count = sys.argv[4], int(sys.argv[5])
+    client = MqClient(MqConfig(**settings))
+    print("READY", client.producer_id, flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    futures = [client.send(Message("orders", f"order {i}")) for i in range(count)]
+    if mode == "frozen":  # written to the frozen server's socket, none answered
+        deadline = time.monotonic() + 60
+        while client.stats()["in_flight"] < count and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert client.stats()["in_flight"] == count, client.stats()
+    assert not any(f.done() for f in futures)
+    stats = client.stats()
+    print("ACCEPTED", json.dumps({"producer": client.producer_id, "stats": stats}), flush=True)
+    sys.stdin.read()
+else:
+    results = []
+    lock = threading.Lock()
+
+    def recovered(result):
+        with lock:
+            results.append(result)
+
+    client = MqClient(MqConfig(**settings, recovered_callback=recovered))
+    assert client.flush(120), client.stats()  # flush waits for the recovered messages too
+    client.close()
+    print("RESULTS", json.dumps({
+        "producer": client.producer_id,
+        "results": [[r.status.value, r.session_id, r.message.body.decode(), r.duplicate, r.message_id]
+                    for r in results],
+    }), flush=True)
+'''
+
+
+class Child:
+    """A producer subprocess whose stdout lines are read by a thread, so that waiting for
+    a line has a deadline."""
+
+    def __init__(self, script: Path, log: Path, *args: str):
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), *args], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(log, "ab"), text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(self, word: str, timeout: float = WAIT) -> str:
+        """The rest of the next line starting with ``word``."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no {word} line within {timeout}s:\n{self.log.read_text()[-3000:]}") from None
+        if line is None or not line.startswith(word):
+            raise AssertionError(f"expected {word}, got {line!r}:\n{self.log.read_text()[-3000:]}")
+        return line[len(word):].strip()
+
+    def tell(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        assert self.proc.returncode == -signal.SIGKILL
+
+    def finish(self, timeout: float = WAIT * 2) -> int:
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Inbox:
+    """A consumer handler counting every call per (producer, session id) and body."""
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.calls: Counter = Counter()
+        self.bodies: Counter = Counter()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def on_message(self, message) -> None:
+        with self.lock:
+            self.calls[(message.producer, message.session_id)] += 1
+            self.bodies[message.body.decode()] += 1
+            if len(self.calls) >= self.expected:
+                self.done.set()
+
+
+@pytest.fixture
+def producer_script(tmp_path) -> Path:
+    script = tmp_path / "journal_producer.py"
+    script.write_text(PRODUCER)
+    return script
+
+
+@pytest.fixture
+def children():
+    made: list[Child] = []
+    yield made
+    for child in made:
+        child.stop()
+
+
+def client_config(server, **overrides) -> MqConfig:
+    settings = dict(
+        servers=(f"127.0.0.1:{server.tcp_port}",), resend_interval=0.5, resend_tries=20,
+        resend_check_interval=0.05, route_wait=10.0, reconnect_backoff=0.05, reconnect_backoff_max=0.3,
+    )
+    settings.update(overrides)
+    return MqConfig(**settings)
+
+
+def crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, *, frozen: bool) -> None:
+    """The scenario both kill -9 tests share; ``frozen`` picks how the server is unavailable."""
+    journal = tmp_path / "journal"
+    servers = f"127.0.0.1:{server.tcp_port}"
+    first = Child(producer_script, tmp_path / "producer-1.log", servers, str(journal), "send",
+                  "frozen" if frozen else "stopped", str(COUNT))
+    children.append(first)
+    producer_id = first.expect("READY")
+    if frozen:
+        server.proc.send_signal(signal.SIGSTOP)
+    first.tell("go")
+    accepted = json.loads(first.expect("ACCEPTED"))
+    assert accepted["producer"] == producer_id
+    assert accepted["stats"]["outstanding"] == COUNT
+    first.kill9()  # with N messages accepted and none answered
+
+    if frozen:
+        server.proc.send_signal(signal.SIGCONT)
+    else:
+        server.start()
+    inbox = Inbox(COUNT)
+    with MqClient(client_config(server)) as consumer:
+        subscription = consumer.subscribe("orders", "billing", inbox)
+        second = Child(producer_script, tmp_path / "producer-2.log", servers, str(journal), "recover")
+        children.append(second)
+        report = json.loads(second.expect("RESULTS", timeout=WAIT * 2))
+        assert second.finish() == 0
+        assert inbox.done.wait(WAIT), f"{len(inbox.calls)}/{COUNT} messages arrived"
+        # every delivery acked: no copy of any message can still come
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
+        assert subscription.suppressed == 0  # the server pushed no duplicate either
+
+    assert report["producer"] == producer_id  # the journal kept the producer id
+    results = report["results"]
+    assert Counter(status for status, *_ in results) == {Status.SUCCESS.value: COUNT}
+    assert sorted(body for _, _, body, _, _ in results) == sorted(f"order {i}" for i in range(COUNT))
+    assert inbox.bodies == Counter({f"order {i}": 1 for i in range(COUNT)})
+    assert set(inbox.calls) == {(producer_id, sid) for _, sid, _, _, _ in results}
+    assert max(inbox.calls.values()) == 1
+    stored = db_rows(pg_dsn, "SELECT producer, count(*), count(DISTINCT session_id) FROM dmq_message GROUP BY 1")
+    assert stored == [(producer_id, COUNT, COUNT)]
+    ids = dict(db_rows(pg_dsn, "SELECT session_id, id FROM dmq_message"))
+    assert {sid: message_id for _, sid, _, _, message_id in results} == ids  # duplicates name the stored row
+    with JournalSendQueue(journal, ticker=False) as reopened:  # everything finished: nothing left
+        assert reopened.recovered == 0
+
+
+def test_kill_9_with_the_server_stopped_delivers_every_accepted_message_once(
+    make_server, topic, pg_dsn, producer_script, tmp_path, children
+):
+    """Producer journal: the server is down, a producer process accepts N sends (each
+    fsynced before send() returned) and is killed with SIGKILL. The server starts, a new
+    producer process opens the same journal, sends them again under the same producer id,
+    and the consumer receives each of the N messages exactly once."""
+    server = make_server(start=False)
+    crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, frozen=False)
+
+
+def test_kill_9_with_sends_written_to_a_frozen_server_delivers_each_once(
+    make_server, topic, pg_dsn, producer_script, tmp_path, children
+):
+    """Producer journal: the server is frozen (SIGSTOP), so the N sends are written to its
+    socket and unanswered when the producer is killed with SIGKILL; the server may still
+    store what it had read. The new producer's replays are resends of the same
+    (producer, session id) pairs, so whatever the old process got stored is answered as a
+    duplicate (on Linux the server reads what was in its socket buffer, so in practice
+    every replay is a duplicate): each message is stored and delivered exactly once."""
+    server = make_server()
+    crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, frozen=True)
+
+
+def test_clean_close_with_the_journal_leaves_nothing_to_replay(make_server, topic, pg_dsn, tmp_path):
+    """Every send answered, then close(): the journal is empty, so a new client on it sends
+    nothing, its recovered_callback is never called, and the server stores each message once."""
+    server = make_server()
+    journal = tmp_path / "journal"
+    with MqClient(client_config(server, journal_path=str(journal))) as client:
+        futures = [client.send(Message("orders", f"clean {i}")) for i in range(50)]
+        assert all(f.result(WAIT).ok for f in futures)
+        producer_id = client.producer_id
+    replayed: list[SendResult] = []
+    with MqClient(client_config(server, journal_path=str(journal), recovered_callback=replayed.append)) as client:
+        assert client.producer_id == producer_id
+        assert client.stats()["outstanding"] == 0
+        assert client.flush(WAIT)
+    assert replayed == []
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(50,)]
+    with JournalSendQueue(journal, ticker=False) as reopened:
+        assert reopened.recovered == 0
+
+
+def test_close_while_the_server_is_down_keeps_the_messages_for_the_next_client(
+    make_server, topic, pg_dsn, tmp_path
+):
+    """A clean close that cannot get answers (server stopped) reports CLIENT_CLOSED with
+    "kept in the producer journal"; the next client, with the server back, sends them and
+    reports SUCCESS to recovered_callback."""
+    server = make_server(start=False)
+    journal = tmp_path / "journal"
+    with MqClient(client_config(server, journal_path=str(journal), route_wait=600)) as client:
+        futures = [client.send(Message("orders", f"kept {i}")) for i in range(5)]
+        client.close(timeout=0.2)
+    closed = [f.result(WAIT) for f in futures]
+    assert all(r.status is Status.CLIENT_CLOSED and "kept in the producer journal" in r.description
+               for r in closed)
+    server.start()
+    replayed: list[SendResult] = []
+    all_in = threading.Event()
+
+    def recovered(result: SendResult) -> None:
+        replayed.append(result)
+        if len(replayed) == 5:
+            all_in.set()
+
+    with MqClient(client_config(server, journal_path=str(journal), recovered_callback=recovered)) as client:
+        assert all_in.wait(WAIT)
+    assert sorted((r.session_id, r.status) for r in replayed) == sorted((r.session_id, Status.SUCCESS) for r in closed)
+    assert db_rows(pg_dsn, "SELECT body FROM dmq_message ORDER BY body") == [(f"kept {i}".encode(),) for i in range(5)]
