@@ -4,7 +4,8 @@
 #   bash deploy/setup.sh          # runtime: dmq + the embedded extra (pgserver's PostgreSQL)
 #   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, NSQ clients),
 #                                 # the pipeline (PySpark) and the Debian packages the
-#                                 # tests use: a Java runtime and the PostgreSQL JDBC jar
+#                                 # tests use: a Java runtime, the PostgreSQL JDBC jar
+#                                 # and ZooKeeper
 #
 # Why a script: README's two commands (deploy/quickstart.sh and .ci/test) must work
 # on a fresh Debian machine, so everything dmq needs is installed here and nowhere
@@ -80,6 +81,8 @@ if [ "$extras" != "embedded" ]; then
     missing=()
     command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
     [ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
+    # ZooKeeper 3.8 for the cluster tests (tests/zk start it from its jars, standalone)
+    [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi

@@ -20,6 +20,9 @@ from twisted.python.failure import Failure
 from dmq_client.wire import valid_name
 
 from .channel import Channel, Delivery, Message
+from .deadletters import DeadLetterSink, NewDeadLetter
+from .delay import MovedMessage, NewDelayed, insert_delayed
+from .limits import RateLimiter
 from .options import Options
 from .store import (
     AckRow,
@@ -44,7 +47,7 @@ class PublishRejected(Exception):
 
     def __init__(self, reason: str, description: str):
         super().__init__(description)
-        self.reason = reason  # "invalid" | "no_topic"
+        self.reason = reason  # "invalid" | "no_topic" | "rate_limited"
         self.description = description
 
 
@@ -62,10 +65,25 @@ class Published:
 
 
 class Broker:
-    def __init__(self, options: Options, clock: Any, workers: dict[str, DbWorker], node_id: str):
+    def __init__(
+        self,
+        options: Options,
+        clock: Any,
+        workers: dict[str, DbWorker],
+        node_id: str,
+        fetch_topics: Callable[[], Deferred] | None = None,
+    ):
         self.options = options
         self.clock = clock
         self.node_id = node_id
+        # where topics come from: PostgreSQL by default; a cluster passes ZooKeeper's
+        # reader (dmq_server.cluster), which also mirrors them into PostgreSQL
+        self._fetch_topics = fetch_topics or (lambda: self._workers["admin"].run(list_topics))
+        # cluster: load only the copies this node owns; deliver nothing while paused
+        # (not registered, or the registry session is in doubt); see dmq_server.cluster
+        self.load_owner: str | None = None
+        self.paused = False
+        self._refresh_next: list[Deferred] = []
         self._workers = workers
         self.topics: dict[str, TopicRow] = {}
         self.channels: dict[tuple[str, str], Channel] = {}
@@ -81,6 +99,24 @@ class Broker:
             options.ack_flush_interval,
             self._acks_done,
         )
+        # delayed sends, rate limits, dead letters (delay/limits/deadletters modules)
+        self.limits = RateLimiter(clock)
+        self.dead_letters = DeadLetterSink(
+            workers.get("deadletter") or workers["admin"],
+            clock,
+            node_id,
+            lambda topic, name: self.channels.get((topic, name)),
+        )
+        delay_db = workers.get("delay-writer")
+        self.delay_writer = GroupCommitWriter(
+            [delay_db] if delay_db is not None else writers,
+            node_id,
+            options.commit_batch_size,
+            self._set_health,
+            insert=insert_delayed,
+        )
+        self.delays: Any = None  # the DelayScheduler, attached by the service
+        self.delayed_count = 0
         self._refresh_waiters: list[Deferred] | None = None
         self._loops: list[LoopingCall] = []
         self.started_at = time.time()
@@ -109,6 +145,8 @@ class Broker:
             if loop.running:
                 loop.stop()
         d = self.writer.close()
+        d.addCallback(lambda _: self.delay_writer.close())
+        d.addCallback(lambda _: self.dead_letters.close())
         d.addCallback(lambda _: self.acker.drain())
         return d
 
@@ -125,18 +163,19 @@ class Broker:
                 listener(ok)
 
     # -- registry cache ---------------------------------------------------
-    def refresh_registry(self) -> Deferred:
+    def refresh_registry(self, fresh: bool = False) -> Deferred:
         """Re-read topics and channels; fails with StorageError if PostgreSQL does.
 
         Concurrent callers share one query: each gets its own Deferred with the
-        shared outcome.
+        shared outcome. A ``fresh`` caller (a registry watch fired) needs a read that
+        starts after its call, so it waits for the next query, not one under way.
         """
         waiter: Deferred = Deferred()
         if self._refresh_waiters is not None:
-            self._refresh_waiters.append(waiter)
+            (self._refresh_next if fresh else self._refresh_waiters).append(waiter)
             return waiter
         self._refresh_waiters = [waiter]
-        d = self._workers["admin"].run(list_topics)
+        d = self._fetch_topics()
 
         def finish(outcome: Any) -> None:
             waiters, self._refresh_waiters = self._refresh_waiters or [], None
@@ -149,6 +188,9 @@ class Broker:
                     w.errback(outcome)
                 else:
                     w.callback(None)
+            following, self._refresh_next = self._refresh_next, []
+            if following:
+                self.refresh_registry().addBoth(lambda result: _fire_all(following, result))
 
         d.addBoth(finish)
         return waiter
@@ -172,6 +214,8 @@ class Broker:
                 self._channel(*key)
             else:
                 self.channels[key].msg_timeout = self.topics[key[0]].msg_timeout_ms / 1000.0
+                self.channels[key].max_attempts = self.topics[key[0]].max_attempts
+        self.limits.forget({t.name for t in self.topics.values() if t.rate_limit})
 
     def _channel(self, topic: str, name: str) -> Channel:
         channel = self.channels.get((topic, name))
@@ -186,7 +230,11 @@ class Broker:
                 mem_queue_size=self.options.mem_queue_size,
                 load=self._load,
                 on_ack=self._on_ack,
+                max_attempts=row.max_attempts if row else None,
+                on_attempt=self.dead_letters.on_attempt,
+                on_exhausted=self.dead_letters.on_exhausted,
             )
+            channel.paused = self.paused
             self.channels[(topic, name)] = channel
         return channel
 
@@ -234,18 +282,23 @@ class Broker:
         body: bytes,
         produced_ms: int,
         done: Callable[[Any], None],
+        due_ms: int | None = None,
     ) -> None:
         """The send path without Deferreds: ``done`` gets Published, or the exception
         (PublishRejected, StorageError, ShuttingDown). Called once per message, so the
-        common case (topic cached) is a few dict lookups and one queue append."""
+        common case (topic cached) is a few dict lookups and one queue append.
+        With ``due_ms`` the message is delayed: stored in the delay table, and
+        ``Published.message_id`` is the delay entry's id."""
         try:
             self.check_publish(topic, producer, session_id, body)
+            if due_ms is not None:
+                self.check_delay(due_ms)
         except PublishRejected as exc:
             done(exc)
             return
         row = self.topics.get(topic)
         if row is not None and row.channels:
-            self._stage(topic, producer, session_id, body, produced_ms, done)
+            self._admit(row, producer, session_id, body, produced_ms, done, due_ms)
             return
 
         def refreshed(_: Any) -> None:
@@ -257,9 +310,98 @@ class Broker:
                     )
                 )
             else:
-                self._stage(topic, producer, session_id, body, produced_ms, done)
+                self._admit(row, producer, session_id, body, produced_ms, done, due_ms)
 
         self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
+
+    def check_delay(self, due_ms: int) -> None:
+        if due_ms <= 0:
+            raise PublishRejected("invalid", "E_INVALID a DELAY message needs due_ms (Unix ms) above 0")
+        limit_ms = int((self.clock.seconds() + self.options.max_delay) * 1000)
+        if due_ms > limit_ms:
+            raise PublishRejected(
+                "invalid",
+                f"E_INVALID due_ms {due_ms} is more than --max-delay "
+                f"({self.options.max_delay:g}s) ahead",
+            )
+
+    def _admit(
+        self,
+        row: TopicRow,
+        producer: str,
+        session_id: int,
+        body: bytes,
+        produced_ms: int,
+        done: Callable[[Any], None],
+        due_ms: int | None,
+    ) -> None:
+        """Rate limit, then store (delayed or not)."""
+        if row.rate_limit and not self.limits.allow(row.name, row.rate_limit):
+            self._rate_limited(row, producer, session_id, body, produced_ms, done)
+        elif due_ms is None:
+            self._stage(row.name, producer, session_id, body, produced_ms, done)
+        else:
+            self._stage_delayed(row.name, producer, session_id, body, produced_ms, due_ms, done)
+
+    def _rate_limited(
+        self, row: TopicRow, producer: str, session_id: int, body: bytes, produced_ms: int, done: Callable
+    ) -> None:
+        """Record the refused send as a dead letter, then refuse it."""
+        why = f"E_RATE_LIMITED topic {row.name!r} accepts at most {row.rate_limit} messages per second"
+
+        def recorded(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                log.warn("rate-limited send not recorded as a dead letter: {why}", why=outcome)
+                done(PublishRejected("rate_limited", f"{why} (dead letter not recorded: {outcome})"))
+            else:
+                done(PublishRejected("rate_limited", f"{why}; recorded as dead letter {outcome}"))
+
+        letter = NewDeadLetter(
+            "rate_limited", row.name, producer, session_id, body,
+            detail=f"over the topic's rate limit of {row.rate_limit}/s",
+            published_ms=produced_ms,
+        )
+        self.dead_letters.record(letter, recorded)
+
+    def _stage_delayed(
+        self,
+        topic: str,
+        producer: str,
+        session_id: int,
+        body: bytes,
+        produced_ms: int,
+        due_ms: int,
+        done: Callable[[Any], None],
+    ) -> None:
+        delays = self.delays
+        fragment = delays.pick_fragment() if delays is not None else 1
+
+        def committed(stored: Any) -> None:
+            if isinstance(stored, BaseException):
+                done(stored)
+                return
+            if not stored.duplicate:
+                self.delayed_count += 1
+                if delays is not None:
+                    delays.notify([stored])
+            done(Published(stored.message_id, stored.duplicate))
+
+        item = NewDelayed(topic, producer, session_id, produced_ms, due_ms, fragment, body)
+        self.delay_writer.submit_cb(item, committed)
+
+    def deliver_moved(self, messages: list[MovedMessage]) -> None:
+        """Delayed (or replayed) messages now stored with their deliveries: push them."""
+        channels = self.channels
+        for moved in messages:
+            message = Message(
+                moved.message_id, moved.topic, moved.producer, moved.session_id,
+                moved.published_ms, moved.body,
+            )
+            for name in moved.channels:
+                channel = channels.get((moved.topic, name))
+                if channel is None:
+                    channel = self._channel(moved.topic, name)
+                channel.add(message)
 
     def _stage(
         self,
@@ -348,7 +490,9 @@ class Broker:
 
     # -- backlog ----------------------------------------------------------
     def _load(self, channel: Channel, after: int, limit: int) -> None:
-        d = self._workers["loader"].run(load_backlog, channel.topic, channel.name, after, limit)
+        d = self._workers["loader"].run(
+            load_backlog, channel.topic, channel.name, after, limit, self.load_owner
+        )
 
         def loaded(rows: list) -> None:
             if not channel.closed:
@@ -404,5 +548,16 @@ class Broker:
                 "messages": self.writer.messages,
             },
             "acks": {"pending": self.acker.pending, "durable": self.acker.acked},
+            "delayed": self.delayed_count,
+            "rate_limited": self.limits.refused,
+            "dead_letters": self.dead_letters.stats(),
             "topics": topics,
         }
+
+
+def _fire_all(waiters: list[Deferred], outcome: Any) -> None:
+    for w in waiters:
+        if isinstance(outcome, Failure):
+            w.errback(outcome)
+        else:
+            w.callback(None)

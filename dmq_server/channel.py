@@ -62,6 +62,9 @@ class Channel:
         mem_queue_size: int,
         load: Callable[["Channel", int, int], None],
         on_ack: Callable[["Channel", Delivery, int], None],
+        max_attempts: int | None = None,
+        on_attempt: Callable[["Channel", Delivery], None] | None = None,
+        on_exhausted: Callable[["Channel", Delivery], None] | None = None,
     ):
         self.topic = topic
         self.name = name
@@ -70,6 +73,13 @@ class Channel:
         self.mem_queue_size = mem_queue_size
         self._load = load
         self._on_ack = on_ack
+        # the topic's max delivery attempts (None = unlimited): a copy that comes back
+        # after that many goes to ``on_exhausted`` (a dead letter) instead of a consumer;
+        # ``on_attempt`` records redeliveries so the count survives a restart
+        self.max_attempts = max_attempts
+        self._on_attempt = on_attempt
+        self._on_exhausted = on_exhausted
+        self.exhausted_count = 0
         self.ready: deque[Delivery] = deque()
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
@@ -80,7 +90,14 @@ class Channel:
         self.cursor = 0
         self.loading = False
         self._arrived_while_loading: list[Delivery] = []
+        self._dropped_while_loading: set[int] = set()  # expired during a load: keep them out
         self.closed = False
+        # cluster (dmq_server.cluster): no pushes or loads while paused; a load that
+        # was out during forget() is stale, one out during rescan() is followed by a
+        # scan from the start
+        self.paused = False
+        self._load_stale = False
+        self._rescan_pending = False
         # counters for /stats
         self.message_count = 0
         self.requeue_count = 0
@@ -127,6 +144,7 @@ class Channel:
             self.backlog
             and not self.loading
             and not self.closed
+            and not self.paused
             and self.consumers
             and len(self.ready) < self.mem_queue_size // 2 + 1
         ):
@@ -136,11 +154,17 @@ class Channel:
     def loaded(self, rows: Iterable[Any], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order."""
         self.loading = False
+        dropped, self._dropped_while_loading = self._dropped_while_loading, set()
+        if self._load_stale:
+            self._load_stale = False
+            self._restart_from_database()
+            self.pump()
+            return
         count = 0
         for row in rows:
             count += 1
             self.cursor = max(self.cursor, row.message_id)
-            if row.message_id in self.known:
+            if row.message_id in self.known or row.message_id in dropped:
                 continue
             message = Message(
                 row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
@@ -158,6 +182,10 @@ class Channel:
                 self._enqueue(delivery)
             else:
                 self.backlog = True
+        if self._rescan_pending:
+            self._rescan_pending = False
+            self.cursor = 0
+            self.backlog = True
         self.pump()
 
     def load_failed(self) -> None:
@@ -168,10 +196,59 @@ class Channel:
         """
         self.loading = False
         self.backlog = True
+        self._dropped_while_loading = set()
+        if self._load_stale:
+            self._load_stale = False
+            self._restart_from_database()
+            return
         arrived, self._arrived_while_loading = self._arrived_while_loading, []
         for delivery in arrived:
             if delivery.message.message_id <= self.cursor and delivery.message.message_id not in self.known:
                 self._enqueue(delivery)
+        if self._rescan_pending:
+            self._rescan_pending = False
+            self.cursor = 0
+
+    # -- cluster: ownership changes (dmq_server.cluster, dmq_server.takeover) ----------
+    def rescan(self) -> None:
+        """Copies this channel has not seen may now sit below the cursor (a takeover
+        gave this node another node's copies): the next load starts from the first id.
+        Copies already held are skipped by ``known``."""
+        if self.loading:
+            self._rescan_pending = True
+            return
+        self.cursor = 0
+        self.backlog = True
+        self._maybe_load()
+
+    def forget(self) -> None:
+        """Drop every copy held in memory and start again from PostgreSQL.
+
+        For a node that may no longer own what it holds (its registry session was
+        lost, so a takeover may have moved its copies to another node): nothing held
+        is pushed again; the next loads bring back what this node still owns.
+        Consumers' credit is freed; an ack for a dropped copy is refused, and the
+        copy is delivered again by whoever owns it (at least once).
+        """
+        for delivery in self.in_flight.values():
+            if delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+                delivery.consumer = None
+        held = {d.message.message_id for d in self.ready}
+        held.update(self.in_flight)
+        self.known -= held  # what stays: acks and dead letters still being made durable
+        self.ready.clear()
+        self.in_flight.clear()
+        self._deadlines.clear()
+        if self.loading:
+            self._load_stale = True
+        self._restart_from_database()
+
+    def _restart_from_database(self) -> None:
+        self._rescan_pending = False
+        self._arrived_while_loading = []  # stored and owned here: the next load finds them
+        self.cursor = 0
+        self.backlog = True
 
     # -- consumers --------------------------------------------------------
     def subscribe(self, consumer: Consumer) -> None:
@@ -194,6 +271,8 @@ class Channel:
 
     def pump(self) -> None:
         """Push ready copies to consumers with free credit, round robin."""
+        if self.paused:
+            return
         consumers = self.consumers
         while self.ready and consumers:
             for _ in range(len(consumers)):
@@ -204,6 +283,15 @@ class Channel:
             else:
                 break  # nobody has credit
             delivery = self.ready.popleft()
+            if (
+                self.max_attempts is not None
+                and delivery.attempts >= self.max_attempts
+                and self._on_exhausted is not None
+            ):
+                # stays in `known` until its dead letter commits (see ack_durable)
+                self.exhausted_count += 1
+                self._on_exhausted(self, delivery)
+                continue
             self._start_flight(delivery, consumer)
         self._maybe_load()
 
@@ -215,6 +303,8 @@ class Channel:
         delivery.consumer = consumer
         delivery.deadline = now + self.msg_timeout
         delivery.epoch += 1
+        if self._on_attempt is not None and (delivery.attempts > 1 or self.max_attempts is not None):
+            self._on_attempt(self, delivery)
         self.in_flight[delivery.message.message_id] = delivery
         heapq.heappush(self._deadlines, (delivery.deadline, delivery.message.message_id, delivery.epoch))
         consumer.in_flight += 1
@@ -253,6 +343,29 @@ class Channel:
         for mid in message_ids:
             if mid not in self.in_flight:
                 self.known.discard(mid)
+
+    def drop(self, message_ids: Iterable[int]) -> int:
+        """Forget copies whose delivery rows are gone (expired into dead letters):
+        out of ready and in flight, their consumers' credit freed. Returns how many
+        were held."""
+        gone = set(message_ids)
+        if self.loading:  # the load's snapshot may predate the delete: keep them out
+            self._dropped_while_loading |= gone
+            self._arrived_while_loading = [
+                d for d in self._arrived_while_loading if d.message.message_id not in gone
+            ]
+        ids = {mid for mid in gone if mid in self.known}
+        if not ids:
+            return 0
+        for mid in ids:
+            delivery = self.in_flight.pop(mid, None)
+            if delivery is not None and delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+                delivery.consumer = None
+            self.known.discard(mid)
+        self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
+        self.pump()
+        return len(ids)
 
     def ack_not_durable(self, message_ids: Iterable[int]) -> None:
         """The durable ack failed for good: forget them so they may be loaded again."""
@@ -344,5 +457,6 @@ class Channel:
             "requeue_count": self.requeue_count,
             "timeout_count": self.timeout_count,
             "ack_count": self.ack_count,
+            "exhausted_count": self.exhausted_count,
             "clients": len(self.consumers),
         }

@@ -85,45 +85,89 @@ def _topic_dict(row: Any) -> dict:
     }
 
 
+@contextmanager
+def _registry(args: argparse.Namespace) -> Iterator[Any]:
+    """The registry the topic and channel commands manage: ZooKeeper with --zk (a
+    cluster; every node mirrors it into its PostgreSQL within moments), else the
+    PostgreSQL tables of a single node."""
+    if args.zk:
+        from registry.model import RegistryError
+        from registry.zk import ZkRegistry, connect
+
+        try:
+            client = connect(args.zk, timeout=args.zk_timeout)
+        except (RegistryError, ValueError) as exc:
+            raise CliError(str(exc), 3) from exc
+        zk_registry = ZkRegistry(client)
+        try:
+            yield zk_registry
+        finally:
+            zk_registry.close()
+        return
+    from registry.pg import PgRegistry
+
+    with _database(args) as conn:
+        yield PgRegistry(conn)
+
+
 def cmd_topic(args: argparse.Namespace) -> None:
     import registry
 
-    with _database(args) as conn:
+    with _registry(args) as reg:
         try:
             if args.action == "create":
-                registry.create_topic(
-                    conn,
+                reg.create_topic(
                     args.name,
                     store=args.store,
                     msg_timeout_ms=_duration_ms(args.msg_timeout),
+                    **_limits(args),
                 )
                 print(f"created topic {args.name}")
             elif args.action == "delete":
-                registry.delete_topic(conn, args.name)
+                reg.delete_topic(args.name)
                 print(f"deleted topic {args.name}")
             elif args.action == "list":
-                rows = registry.topics(conn)
+                rows = reg.topics()
                 if args.json:
                     print(json.dumps([_topic_dict(r) for r in rows], indent=2))
                 else:
                     for row in rows:
                         print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}")
             elif args.action == "show":
-                print(json.dumps(_topic_dict(registry.get_topic(conn, args.name)), indent=2))
+                print(json.dumps(_topic_dict(reg.get_topic(args.name)), indent=2))
         except registry.RegistryError as exc:
             raise CliError(str(exc)) from exc
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    """--rate-limit, --ttl and --max-attempts of `topic create` (omitted: none)."""
+    limits: dict = {}
+    if args.rate_limit is not None:
+        if args.rate_limit < 1:
+            raise CliError("--rate-limit must be at least 1 message per second", 2)
+        limits["rate_limit"] = args.rate_limit
+    if args.ttl is not None:
+        ttl_ms = _duration_ms(args.ttl)
+        if ttl_ms < 1:
+            raise CliError("--ttl must be at least 1ms", 2)
+        limits["ttl_ms"] = ttl_ms
+    if args.max_attempts is not None:
+        if args.max_attempts < 1:
+            raise CliError("--max-attempts must be at least 1", 2)
+        limits["max_attempts"] = args.max_attempts
+    return limits
 
 
 def cmd_channel(args: argparse.Namespace) -> None:
     import registry
 
-    with _database(args) as conn:
+    with _registry(args) as reg:
         try:
             if args.action == "add":
-                registry.add_channel(conn, args.topic, args.name)
+                reg.add_channel(args.topic, args.name)
                 print(f"added channel {args.name} to topic {args.topic}")
             else:
-                registry.remove_channel(conn, args.topic, args.name)
+                reg.remove_channel(args.topic, args.name)
                 print(f"removed channel {args.name} from topic {args.topic}")
         except registry.RegistryError as exc:
             raise CliError(str(exc)) from exc
@@ -178,6 +222,35 @@ def cmd_db(args: argparse.Namespace) -> None:
     print(f"schema is at version {version}" if args.action == "migrate" else version)
 
 
+def cmd_node(args: argparse.Namespace) -> None:
+    """Live nodes of a cluster (ZooKeeper's /dmq/node)."""
+    if not args.zk:
+        raise CliError("node list needs --zk (a single node registers nowhere)", 2)
+    import time
+
+    with _registry(args) as reg:
+        nodes = reg.nodes()
+    if args.json:
+        print(json.dumps([_node_dict(n) for n in nodes], indent=2))
+        return
+    for node in nodes:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(node.start_time))
+        print(f"{node.node_id}\ttcp {node.tcp_address}\thttp {node.http_address}\tstarted {started}")
+
+
+def _node_dict(node: Any) -> dict:
+    return {
+        "node_id": node.node_id,
+        "host": node.host,
+        "tcp_port": node.tcp_port,
+        "http_port": node.http_port,
+        "version": node.version,
+        "start_time": node.start_time,
+        "last_heartbeat": node.last_heartbeat,
+        "fast_topics": {k: list(v) for k, v in node.fast_topics.items()},
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dmq", description="dmq admin command line")
     parser.add_argument("--pg-dsn", default=os.environ.get("DMQ_PG_DSN", ""), help="PostgreSQL DSN (env DMQ_PG_DSN)")
@@ -191,7 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DMQ_HTTP_ADDRESS", "127.0.0.1:4151"),
         help="a server's HTTP address, for live stats",
     )
+    parser.add_argument(
+        "--zk",
+        default=os.environ.get("DMQ_ZK", ""),
+        help="ZooKeeper HOST:PORT[,...][/chroot] of a cluster: topic, channel and node "
+        "commands use its registry (env DMQ_ZK)",
+    )
+    parser.add_argument(
+        "--zk-timeout", type=float, default=10.0, help="seconds to wait for ZooKeeper (default 10)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    node = sub.add_parser("node", help="cluster nodes (needs --zk)")
+    nsub = node.add_subparsers(dest="action", required=True)
+    nodes = nsub.add_parser("list", help="list live nodes")
+    nodes.add_argument("--json", action="store_true")
+    node.set_defaults(func=cmd_node)
 
     topic = sub.add_parser("topic", help="manage topics")
     tsub = topic.add_subparsers(dest="action", required=True)
@@ -199,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     create.add_argument("--msg-timeout", default="60s", help="redelivery timeout (default 60s)")
     create.add_argument("--store", default="reliable", choices=["reliable", "fast"])
+    create.add_argument("--rate-limit", type=int, default=None, metavar="N",
+                        help="most sends per second per node; more are refused and dead-lettered")
+    create.add_argument("--ttl", default=None, metavar="DURATION",
+                        help="copies not acknowledged within this become dead letters (expired)")
+    create.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                        help="deliveries per copy before it becomes a dead letter (default unlimited)")
     for action in ("delete", "show"):
         p = tsub.add_parser(action, help=f"{action} a topic")
         p.add_argument("name")
@@ -217,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="stored and live statistics")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=cmd_stats)
+
+    from .cli_admin import add_admin_commands
+
+    add_admin_commands(sub)
 
     db = sub.add_parser("db", help="schema management")
     dsub = db.add_subparsers(dest="action", required=True)
@@ -237,4 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, so `python -m dmq_server.cli` and the `dmq` script
+    # share one CliError class with the command modules (cli_admin)
+    from dmq_server.cli import main as _main
+
+    sys.exit(_main())

@@ -25,7 +25,11 @@ __all__ = ["DmqConnection", "Subscription"]
 
 log = Logger()
 
-_SEND_REJECT = {"invalid": Command.SEND_INVALID_ACK, "no_topic": Command.SEND_NO_TOPIC_ACK}
+_SEND_REJECT = {
+    "invalid": Command.SEND_INVALID_ACK,
+    "no_topic": Command.SEND_NO_TOPIC_ACK,
+    "rate_limited": Command.SEND_EXCEED_LIMIT_ACK,
+}
 _SUB_REJECT = {
     "invalid": Command.SUBSCRIBE_INVALID_ACK,
     "no_topic": Command.SUBSCRIBE_NO_TOPIC_ACK,
@@ -158,10 +162,6 @@ class DmqConnection:
                 )
             )
 
-        if frame.msg_type == MessageType.DELAY:
-            reply(Command.SEND_INVALID_ACK, status="E_UNSUPPORTED delay messages are not enabled on this server")
-            return
-
         def done(outcome: Any) -> None:
             if isinstance(outcome, Published):
                 reply(
@@ -180,7 +180,13 @@ class DmqConnection:
                 reply(Command.SEND_SERVER_ERROR, status=f"E_INTERNAL {outcome!r}")
 
         self.broker.publish_cb(
-            frame.topic, frame.producer, frame.session_id, frame.body, frame.timestamp_ms, done
+            frame.topic,
+            frame.producer,
+            frame.session_id,
+            frame.body,
+            frame.timestamp_ms,
+            done,
+            frame.due_ms if frame.msg_type == MessageType.DELAY else None,
         )
 
     def _subscribe(self, frame: Frame) -> None:

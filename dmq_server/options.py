@@ -201,6 +201,70 @@ class Options:
     )
     deflate: bool = _opt(True, "allow NSQ clients to negotiate deflate compression", kind="bool")
     max_deflate_level: int = _opt(6, "highest deflate level an NSQ client may ask for", kind="int")
+    # -- delayed messages, limits, dead letters, admin ------------------------------
+    delay_fragments: int = _opt(
+        8, "fragments delayed messages are spread over (each gets a random one, 1..N)", kind="int"
+    )
+    delay_workers: int = _opt(
+        2,
+        "delay workers on this node; each serves a contiguous run of the node's fragments",
+        kind="int",
+    )
+    delay_poll_interval: float = _opt(
+        1.0,
+        "how often a delay worker reads the due times of the next window (held on timers)",
+        kind="duration",
+    )
+    delay_tick: float = _opt(
+        0.01, "shortest gap between two moves of due messages by one delay worker", kind="duration"
+    )
+    delay_batch_size: int = _opt(
+        2000, "most delayed messages moved into the reliable flow in one transaction", kind="int"
+    )
+    max_delay: float = _opt(
+        2592000.0, "longest a DELAY message may wait (due_ms at most this far ahead)", kind="duration"
+    )
+    expiry_interval: float = _opt(
+        1.0,
+        "how often copies not acknowledged within their topic's time to live become dead letters",
+        kind="duration",
+    )
+    admin_address: str = _opt(
+        "127.0.0.1:4152", "HOST:PORT of the line-based admin console (telnet, nc); empty disables it"
+    )
+    admin_token: str = _opt(
+        "",
+        "token the admin console and the HTTP admin API require (always when set; without one "
+        "they refuse everything when listening on a non-loopback address)",
+    )
+    # -- cluster: ZooKeeper registry, heartbeat, takeover ---------------------------
+    zk: str = _opt(
+        "",
+        "ZooKeeper ensemble HOST:PORT[,HOST:PORT...][/chroot] holding the cluster registry; "
+        "empty runs a single node with its registry in PostgreSQL",
+    )
+    zk_session_timeout: float = _opt(
+        10.0,
+        "ZooKeeper session timeout: a node silent this long is gone and its messages are taken over",
+        kind="duration",
+    )
+    zk_connect_timeout: float = _opt(
+        30.0,
+        "how long the server retries ZooKeeper at start before it exits with an error",
+        kind="duration",
+    )
+    node_heartbeat: float = _opt(
+        30.0, "how often this node refreshes its registration (last heartbeat) in ZooKeeper", kind="duration"
+    )
+    zk_refresh: float = _opt(
+        60.0,
+        "full re-read of the ZooKeeper registry and check for departed nodes' messages "
+        "(watches apply changes at once; this is the safety net)",
+        kind="duration",
+    )
+    takeover_batch_size: int = _opt(
+        5000, "most of a departed node's messages claimed in one transaction", kind="int"
+    )
 
     # -- derived helpers -------------------------------------------------
     @property
@@ -212,6 +276,10 @@ class Options:
         return parse_address(self.http_address)
 
     @property
+    def admin_endpoint(self) -> tuple[str, int] | None:
+        return parse_address(self.admin_address) if self.admin_address else None
+
+    @property
     def data_dir(self) -> Path:
         return Path(self.data_path).resolve()
 
@@ -220,11 +288,19 @@ class Options:
 
     def validate(self) -> "Options":
         """Fail early, naming the flag and config key, on values the server cannot use."""
-        for name in ("tcp_address", "http_address"):
+        names = ("tcp_address", "http_address") + (("admin_address",) if self.admin_address else ())
+        for name in names:
             try:
                 parse_address(getattr(self, name))
             except ValueError as exc:
                 raise ConfigError(f"{_names(name)}: {exc}") from None
+        if self.zk:
+            from registry.paths import parse_address as parse_zk_address
+
+            try:
+                parse_zk_address(self.zk)
+            except ValueError as exc:
+                raise ConfigError(f"{_names('zk')}: {exc}") from None
         checks = [
             ("max_msg_size", self.max_msg_size >= 1, "must be at least 1"),
             ("msg_timeout", self.msg_timeout > 0, "must be more than 0"),
@@ -239,6 +315,17 @@ class Options:
             ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),
             ("scan_interval", self.scan_interval > 0, "must be more than 0"),
             ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
+            ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),
+            ("delay_workers", self.delay_workers >= 1, "must be at least 1"),
+            ("delay_poll_interval", self.delay_poll_interval > 0, "must be more than 0"),
+            ("delay_batch_size", self.delay_batch_size >= 1, "must be at least 1"),
+            ("max_delay", self.max_delay > 0, "must be more than 0"),
+            ("expiry_interval", self.expiry_interval > 0, "must be more than 0"),
+            ("zk_session_timeout", self.zk_session_timeout >= 1, "must be at least 1s"),
+            ("zk_connect_timeout", self.zk_connect_timeout > 0, "must be more than 0"),
+            ("node_heartbeat", self.node_heartbeat > 0, "must be more than 0"),
+            ("zk_refresh", self.zk_refresh > 0, "must be more than 0"),
+            ("takeover_batch_size", self.takeover_batch_size >= 1, "must be at least 1"),
         ]
         for name, ok, rule in checks:
             if not ok:

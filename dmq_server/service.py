@@ -30,6 +30,7 @@ from .nsq.http import install as install_nsq_http
 from .nsq.nsqd import FastStore
 from .nsq.protocol_v2 import NsqConnection
 from .options import Options
+from .scheduling import Extras, worker_roles
 from .store import DbWorker, migrate, ping
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
@@ -58,6 +59,9 @@ class DmqServer:
         self.nsq: NsqContext | None = None
         self.tcp_port: Any = None
         self.http_port: Any = None
+        self.extras: Extras | None = None  # delay scheduler, expiry, admin API and console
+        self.cluster: Any = None  # dmq_server.cluster.ClusterNode with --zk
+        self.delays: Any = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -75,13 +79,26 @@ class DmqServer:
         if applied:
             log.info("applied schema migrations {versions}", versions=applied)
         writers = [f"writer{i}" for i in range(getattr(options, "commit_writers", 2))]
-        for role in (*writers, *WORKER_ROLES):
+        for role in (*writers, *WORKER_ROLES, *worker_roles(options)):
             worker = DbWorker(self.reactor, self.dsn, role)
             worker.start()
             self.workers[role] = worker
-        self.broker = Broker(options, self.reactor, self.workers, self.node_id)
+        fetch_topics, broker_options = None, options
+        if options.zk:
+            # registry in ZooKeeper (mirrored into PostgreSQL); see dmq_server.cluster
+            from .cluster import ClusterNode
+
+            self.cluster = ClusterNode(options, self.reactor, self.node_id, self.dsn, self.workers["admin"])
+            yield self.cluster.connect()
+            fetch_topics = self.cluster.fetch_topics
+            broker_options = options.replace(registry_refresh=options.zk_refresh)
+        self.broker = Broker(broker_options, self.reactor, self.workers, self.node_id, fetch_topics)
+        if self.cluster is not None:
+            self.cluster.attach(self.broker, self._fast_topics)
         self.broker.health_listeners.append(self._health_changed)
         yield self.broker.start()
+        self.extras = Extras(self)
+        self.extras.start_scheduler()
 
         # NSQ's fast store: topics not registered as reliable, nsqd semantics
         self.fast_store = FastStore.from_options(options, self.reactor, options.data_dir / "nsq")
@@ -100,7 +117,12 @@ class DmqServer:
         host, port = options.http_endpoint
         site = make_site(self._ping, self.broker.stats, self.info)
         install_nsq_http(site.resource, self)
+        self.extras.install_http(site.resource)
         self.http_port = yield _endpoint(self.reactor, host, port).listen(site)
+        yield self.extras.listen()
+        if self.cluster is not None:
+            # announced (and delivering) only now that the ports are known
+            yield self.cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
         log.info("dmq node {node} ready", node=self.node_id)
         return self
 
@@ -127,7 +149,21 @@ class DmqServer:
             "start_time": int(self.broker.started_at) if self.broker else 0,
             "data_path": str(self.options.data_dir),
             "embedded_postgres": self.embedded is not None,
+            "cluster": self.cluster.stats() if self.cluster is not None else None,
         }
+
+    def _broadcast_host(self) -> str:
+        """The host other nodes and clients reach this node at."""
+        if self.options.broadcast_address:
+            return self.options.broadcast_address
+        host = self.tcp_address[0]
+        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+
+    def _fast_topics(self) -> dict[str, tuple[str, ...]]:
+        """This node's NSQ fast topics and their channels (announced for cluster lookups)."""
+        if self.fast_store is None:
+            return {}
+        return {name: tuple(sorted(t.channels)) for name, t in self.fast_store.topics.items()}
 
     def _ping(self) -> Any:
         d = self.workers["health"].run(ping)
@@ -141,6 +177,9 @@ class DmqServer:
     @defer.inlineCallbacks
     def stop(self) -> Any:
         log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
+        if self.extras is not None:
+            yield self.extras.stop_scheduler()
+            yield self.extras.stop_listening()
         for conn in list(self.connections):
             conn.reboot()
         if self.tcp_port is not None:
@@ -157,6 +196,8 @@ class DmqServer:
         if self.nsq is not None:
             for nsq_conn in list(self.nsq.connections):
                 nsq_conn.close()
+        if self.cluster is not None:
+            yield self.cluster.stop()  # leave: other nodes take over what is still stored
         if self.http_port is not None:
             yield self.http_port.stopListening()
         if self.fast_store is not None:

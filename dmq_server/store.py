@@ -276,12 +276,20 @@ class BacklogRow:
 
 
 def load_backlog(
-    conn: psycopg.Connection, topic: str, channel: str, after: int, limit: int
+    conn: psycopg.Connection,
+    topic: str,
+    channel: str,
+    after: int,
+    limit: int,
+    owner: str | None = None,
 ) -> list[BacklogRow]:
-    rows = conn.execute(
-        queries["load_backlog"],
-        {"topic": topic, "channel": channel, "after": after, "limit": limit},
-    ).fetchall()
+    """A channel's stored copies after ``after``; in a cluster (``owner`` set) only the
+    copies that node owns."""
+    params = {"topic": topic, "channel": channel, "after": after, "limit": limit}
+    if owner is None:
+        rows = conn.execute(queries["load_backlog"], params).fetchall()
+    else:
+        rows = conn.execute(queries["load_owned_backlog"], dict(params, owner=owner)).fetchall()
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
 
 

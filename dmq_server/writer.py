@@ -43,7 +43,11 @@ class GroupCommitWriter:
         node_id: str,
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
+        insert: Callable[..., list] = insert_messages,
     ):
+        # ``insert(conn, batch, node_id) -> one result per item``: insert_messages for
+        # sends; the delay table and dead letters reuse the same group commit.
+        self._insert = insert
         self._free: list[DbWorker] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
         self._worker_count = len(self._free)
         self._node_id = node_id
@@ -91,7 +95,7 @@ class GroupCommitWriter:
             worker = self._free.pop()
             batch = self._queue[: self._max_batch]
             del self._queue[: self._max_batch]
-            d = worker.run(insert_messages, [m for m, _ in batch], self._node_id)
+            d = worker.run(self._insert, [m for m, _ in batch], self._node_id)
             d.addCallbacks(
                 self._committed,
                 self._failed,

@@ -1,25 +1,48 @@
 """The registry of topics, their channels (subscriptions) and live nodes.
 
-Single-node dmq keeps it in PostgreSQL (``registry.pg``); the ZooKeeper
-implementation arrives with the cluster work behind the same operations.
+One interface (``registry.interface.Registry``), two implementations:
+``registry.pg`` (PostgreSQL tables; the single-node default) and ``registry.zk``
+(ZooKeeper through kazoo; what a cluster uses). ``registry.paths`` is the znode
+layout, ``registry.model`` the data, ``registry.bridge`` the one way from kazoo's
+threads into the Twisted reactor, and ``membership``, ``watcher`` and
+``takeover_lock`` the ZooKeeper recipes, one class each.
+
+The names below are imported on first use, so reading ``registry.paths`` (as the
+client library does) pulls in neither psycopg, Twisted nor kazoo. The module-level
+functions (``create_topic(conn, ...)``) are the PostgreSQL registry's.
 """
 
-from .pg import (
-    RegistryError,
-    add_channel,
-    create_topic,
-    delete_topic,
-    get_topic,
-    remove_channel,
-    topics,
-)
+from __future__ import annotations
 
-__all__ = [
-    "RegistryError",
-    "add_channel",
-    "create_topic",
-    "delete_topic",
-    "get_topic",
-    "remove_channel",
-    "topics",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "RegistryError": "model",
+    "TopicSpec": "model",
+    "NodeInfo": "model",
+    "Registry": "interface",
+    "PgRegistry": "pg",
+    "ZkRegistry": "zk",
+    "topics": "pg",
+    "get_topic": "pg",
+    "create_topic": "pg",
+    "delete_topic": "pg",
+    "add_channel": "pg",
+    "remove_channel": "pg",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

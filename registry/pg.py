@@ -1,19 +1,29 @@
 """The single-node registry, kept in PostgreSQL tables (``dmq_topic``, ``dmq_channel``).
 
-Each operation takes an open connection from ``dmq_server.store.connect`` and
-runs in its own transaction; errors are ``RegistryError`` with a message an
-operator can act on (unknown name, duplicate, invalid name).
+``PgRegistry(conn)`` implements ``registry.interface.Registry``; the module-level
+functions (``create_topic(conn, ...)`` and so on) are the same operations for
+callers holding a connection. Each takes an open connection from
+``dmq_server.store.connect`` and runs in its own transaction.
+
+``mirror_topics(conn, specs)`` is the other direction in a cluster: ZooKeeper holds
+the registry, and every node copies what it sees there into these tables, because
+the group commit (``insert_messages``) reads ``dmq_channel`` to decide which
+channels get a delivery row. It runs in the caller's transaction, serialised
+between nodes by an advisory lock, and is idempotent.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-from dmq_client.wire import valid_name
 from dmq_server.store import TopicRow, list_topics
 from dmq_sql import queries
 
+from .interface import Registry, check_name, check_settings
+from .model import NodeInfo, RegistryError
+
 __all__ = [
+    "PgRegistry",
     "RegistryError",
     "topics",
     "get_topic",
@@ -21,19 +31,8 @@ __all__ = [
     "delete_topic",
     "add_channel",
     "remove_channel",
+    "mirror_topics",
 ]
-
-
-class RegistryError(Exception):
-    """A registry operation was refused; the message says why."""
-
-
-def _check(kind: str, name: str) -> None:
-    if not valid_name(name):
-        raise RegistryError(
-            f"invalid {kind} name {name!r}: use 1-64 characters from [.a-zA-Z0-9_-], "
-            "optionally ending in #ephemeral"
-        )
 
 
 def topics(conn: Any) -> list[TopicRow]:
@@ -58,11 +57,8 @@ def create_topic(
     ttl_ms: int | None = None,
     max_attempts: int | None = None,
 ) -> None:
-    _check("topic", name)
-    if store not in ("reliable", "fast"):
-        raise RegistryError(f"invalid store {store!r}: use reliable or fast")
-    if msg_timeout_ms <= 0:
-        raise RegistryError("message timeout must be positive")
+    check_name("topic", name)
+    check_settings(store, msg_timeout_ms)
     with conn.transaction():
         row = conn.execute(
             queries["create_topic"],
@@ -80,7 +76,7 @@ def create_topic(
 
 
 def delete_topic(conn: Any, name: str) -> None:
-    _check("topic", name)
+    check_name("topic", name)
     with conn.transaction():
         row = conn.execute(queries["delete_topic"], {"name": name}).fetchone()
     if row is None:
@@ -88,8 +84,8 @@ def delete_topic(conn: Any, name: str) -> None:
 
 
 def add_channel(conn: Any, topic: str, name: str) -> None:
-    _check("topic", topic)
-    _check("channel", name)
+    check_name("topic", topic)
+    check_name("channel", name)
     get_topic(conn, topic)
     with conn.transaction():
         row = conn.execute(queries["add_channel"], {"topic": topic, "name": name}).fetchone()
@@ -98,10 +94,88 @@ def add_channel(conn: Any, topic: str, name: str) -> None:
 
 
 def remove_channel(conn: Any, topic: str, name: str) -> None:
-    _check("topic", topic)
-    _check("channel", name)
+    check_name("topic", topic)
+    check_name("channel", name)
     get_topic(conn, topic)
     with conn.transaction():
         row = conn.execute(queries["remove_channel"], {"topic": topic, "name": name}).fetchone()
     if row is None:
         raise RegistryError(f"no channel {name!r} on topic {topic!r}")
+
+
+def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
+    """Make ``dmq_topic``/``dmq_channel`` equal to ``specs`` (ZooKeeper's view).
+
+    Returns whether anything changed. A topic or channel that disappears takes its
+    undelivered copies with it, exactly as ``dmq topic delete`` does on one node.
+    """
+    conn.execute(queries["lock_registry_mirror"])
+    current = {row.name: row for row in list_topics(conn)}
+    wanted = {spec.name: spec for spec in specs}
+    changed = False
+    for name in sorted(set(current) - set(wanted)):
+        conn.execute(queries["delete_topic"], {"name": name})
+        changed = True
+    for name, spec in sorted(wanted.items()):
+        row = current.get(name)
+        settings = (spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts)
+        if row is None or settings != (
+            row.store,
+            row.msg_timeout_ms,
+            row.rate_limit,
+            row.ttl_ms,
+            row.max_attempts,
+        ):
+            conn.execute(
+                queries["upsert_topic"],
+                {
+                    "name": name,
+                    "store": spec.store,
+                    "msg_timeout_ms": spec.msg_timeout_ms,
+                    "rate_limit": spec.rate_limit,
+                    "ttl_ms": spec.ttl_ms,
+                    "max_attempts": spec.max_attempts,
+                },
+            )
+            changed = True
+        have = set(row.channels) if row is not None else set()
+        for channel in sorted(set(spec.channels) - have):
+            conn.execute(queries["add_channel"], {"topic": name, "name": channel})
+            changed = True
+        for channel in sorted(have - set(spec.channels)):
+            conn.execute(queries["remove_channel"], {"topic": name, "name": channel})
+            changed = True
+    return changed
+
+
+class PgRegistry(Registry):
+    """The Registry interface over one PostgreSQL connection (autocommit)."""
+
+    def __init__(self, conn: Any, local_node: NodeInfo | None = None):
+        self.conn = conn
+        self._local = local_node
+
+    def topics(self) -> list[TopicRow]:
+        return topics(self.conn)
+
+    def get_topic(self, name: str) -> TopicRow:
+        return get_topic(self.conn, name)
+
+    def create_topic(self, name: str, **settings: Any) -> None:
+        create_topic(self.conn, name, **settings)
+
+    def delete_topic(self, name: str) -> None:
+        delete_topic(self.conn, name)
+
+    def add_channel(self, topic: str, name: str) -> None:
+        add_channel(self.conn, topic, name)
+
+    def remove_channel(self, topic: str, name: str) -> None:
+        remove_channel(self.conn, topic, name)
+
+    def nodes(self) -> list[NodeInfo]:
+        """A single node does not register anywhere: only itself, if it said who it is."""
+        return [self._local] if self._local is not None else []
+
+    def close(self) -> None:
+        self.conn.close()

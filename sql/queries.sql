@@ -148,3 +148,348 @@ SELECT (SELECT count(*) FROM dmq_message) AS messages,
        (SELECT count(*) FROM dmq_delivery) AS deliveries,
        (SELECT count(*) FROM dmq_delivery_log) AS delivery_log,
        (SELECT count(*) FROM dmq_dead_letter) AS dead_letters;
+
+-- ---------------------------------------------------------------------------
+-- Delayed messages, dead letters, limits and admin (schema version 3)
+-- ---------------------------------------------------------------------------
+
+-- name: insert_delayed
+-- Store a batch of delayed messages; a (producer, session_id) already stored here
+-- or in dmq_message is skipped (a resend) and looked up by find_delayed.
+WITH input AS (
+    SELECT * FROM unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[],
+                         %(produced_ms)b::bigint[], %(due_ms)b::bigint[], %(fragments)b::integer[],
+                         %(bodies)b::bytea[])
+             AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body)
+)
+INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body)
+SELECT i.fragment, i.due_ms, i.topic, i.producer, i.session_id, i.produced_ms, %(node_id)s, i.body
+FROM input i
+WHERE NOT EXISTS (SELECT 1 FROM dmq_message m
+                  WHERE m.producer = i.producer AND m.session_id = i.session_id)
+ORDER BY i.producer, i.session_id  -- one lock order, as insert_messages
+ON CONFLICT (producer, session_id) DO NOTHING
+RETURNING id, producer, session_id, due_ms;
+
+-- name: find_delayed
+-- The stored row of resent delayed pairs: still waiting (kind 'delay') or already
+-- moved into the reliable flow (kind 'message').
+SELECT d.id, d.producer, d.session_id, d.due_ms, 'delay' AS kind
+FROM dmq_delay d
+JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, session_id)
+  ON d.producer = u.producer AND d.session_id = u.session_id
+UNION ALL
+SELECT m.id, m.producer, m.session_id, 0, 'message'
+FROM dmq_message m
+JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, session_id)
+  ON m.producer = u.producer AND m.session_id = u.session_id;
+
+-- name: peek_delayed
+-- Due times in a worker's fragments up to a horizon (the next polling window), so
+-- the worker can hold a timer for each instead of waiting for its next poll.
+-- `overflow` adds fragments above max_fragment (rows left by a larger --delay-fragments).
+SELECT due_ms FROM dmq_delay
+WHERE (fragment = ANY(%(fragments)s::integer[])
+       OR (%(overflow)s AND fragment > %(max_fragment)s))
+  AND due_ms <= %(until_ms)s
+ORDER BY due_ms
+LIMIT %(limit)s;
+
+-- name: move_due
+-- Move due rows of a worker's fragments into the reliable flow in one transaction:
+-- lock them (SKIP LOCKED: another worker or node never takes the same row), delete
+-- them, insert each as a message with a delivery per target channel (the row's own
+-- channel for a replay, else every channel registered now), point a replayed dead
+-- letter at its new message, and keep a row whose channels are all gone as a dead
+-- letter. Returns how many rows were taken, and the messages for the in-memory channels.
+WITH due AS MATERIALIZED (
+    SELECT id FROM dmq_delay
+    WHERE (fragment = ANY(%(fragments)s::integer[])
+           OR (%(overflow)s AND fragment > %(max_fragment)s))
+      AND due_ms <= %(now_ms)s
+    ORDER BY due_ms, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM dmq_delay d USING due WHERE d.id = due.id
+    RETURNING d.id AS delay_id, d.topic, d.channel, d.producer, d.session_id, d.produced_ms,
+              d.due_ms, d.replay_of, d.body
+), targets AS (
+    SELECT mv.delay_id, array_agg(c.name ORDER BY c.name) AS names
+    FROM moved mv
+    JOIN dmq_channel c ON c.topic = mv.topic AND (mv.channel IS NULL OR c.name = mv.channel)
+    GROUP BY mv.delay_id
+), ins AS (
+    INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, body)
+    SELECT mv.topic, mv.producer, mv.session_id,
+           CASE WHEN mv.produced_ms > 0 THEN to_timestamp(mv.produced_ms / 1000.0) END,
+           %(node_id)s, mv.body
+    FROM moved mv JOIN targets t ON t.delay_id = mv.delay_id
+    ORDER BY mv.producer, mv.session_id
+    ON CONFLICT (producer, session_id) DO NOTHING
+    RETURNING id, producer, session_id, published_at
+), placed AS (
+    SELECT ins.id, ins.published_at, mv.*, t.names
+    FROM ins
+    JOIN moved mv ON mv.producer = ins.producer AND mv.session_id = ins.session_id
+    JOIN targets t ON t.delay_id = mv.delay_id
+), deliveries AS (
+    INSERT INTO dmq_delivery (topic, channel, message_id, owner)
+    SELECT p.topic, unnest(p.names), p.id, %(node_id)s FROM placed p
+), replayed AS (
+    UPDATE dmq_dead_letter dl SET replay_message_id = p.id
+    FROM placed p WHERE dl.id = p.replay_of
+), orphans AS (
+    INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, body)
+    SELECT 'operator',
+           CASE WHEN mv.channel IS NULL
+                THEN 'topic had no registered channel when the delayed message fell due'
+                ELSE 'channel ' || mv.channel || ' was not registered when the replay fell due' END,
+           mv.topic, mv.channel, mv.producer, mv.session_id, mv.body
+    FROM moved mv WHERE NOT EXISTS (SELECT 1 FROM targets t WHERE t.delay_id = mv.delay_id)
+)
+SELECT (SELECT count(*) FROM moved) AS taken,  -- always one row, also when nothing was placed
+       p.id, p.topic, p.producer, p.session_id,
+       (extract(epoch FROM p.published_at) * 1000)::bigint AS published_ms,
+       p.names, p.due_ms, p.body
+FROM (SELECT 1) AS one LEFT JOIN placed p ON true
+ORDER BY p.id;
+
+-- name: delay_stats
+-- Waiting delayed messages per fragment.
+SELECT fragment, count(*) AS pending, min(due_ms) AS next_due_ms, max(due_ms) AS last_due_ms
+FROM dmq_delay GROUP BY fragment ORDER BY fragment;
+
+-- name: insert_dead_letters
+-- Record a batch of dead letters (rate limited sends, client reports).
+INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
+                             attempts, body, published_at)
+SELECT u.reason, u.detail, u.topic, u.channel, u.producer, u.session_id, u.message_id,
+       u.attempts, u.body,
+       CASE WHEN u.published_ms > 0 THEN to_timestamp(u.published_ms / 1000.0) END
+FROM unnest(%(reasons)s::text[], %(details)s::text[], %(topics)s::text[], %(channels)s::text[],
+            %(producers)s::text[], %(session_ids)s::bigint[], %(message_ids)s::bigint[],
+            %(attempts)s::integer[], %(bodies)b::bytea[], %(published_ms)s::bigint[])
+     WITH ORDINALITY AS u(reason, detail, topic, channel, producer, session_id, message_id,
+                          attempts, body, published_ms, ord)
+ORDER BY u.ord
+RETURNING id;
+
+-- name: record_attempts
+-- Persist delivery attempts (batched), so max attempts survives a restart.
+UPDATE dmq_delivery d SET attempts = greatest(d.attempts, u.attempts)
+FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
+            %(attempts)b::integer[]) AS u(topic, channel, message_id, attempts)
+WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id;
+
+-- name: exhaust_deliveries
+-- Copies that used up their topic's max attempts: delivery row -> dead letter.
+WITH input AS (
+    SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
+                         %(attempts)b::integer[]) AS u(topic, channel, message_id, attempts)
+), gone AS (
+    DELETE FROM dmq_delivery d USING input u
+    WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id
+    RETURNING d.topic, d.channel, d.message_id, greatest(d.attempts, u.attempts) AS attempts
+)
+INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
+                             attempts, body, published_at)
+SELECT 'max_attempts', 'delivered ' || g.attempts || ' times without acknowledgement',
+       g.topic, g.channel, m.producer, m.session_id, m.id, g.attempts, m.body, m.published_at
+FROM gone g JOIN dmq_message m ON m.id = g.message_id
+RETURNING topic, channel, message_id;
+
+-- name: expire_deliveries
+-- Copies not acknowledged within their topic's time to live -> dead letters
+-- (bounded batch, SKIP LOCKED so two nodes sweeping at once split the work).
+WITH expired AS MATERIALIZED (
+    SELECT d.topic, d.channel, d.message_id, t.ttl_ms
+    FROM dmq_delivery d
+    JOIN dmq_topic t ON t.name = d.topic
+    JOIN dmq_message m ON m.id = d.message_id
+    WHERE t.ttl_ms IS NOT NULL
+      AND m.published_at < to_timestamp(%(now_ms)s / 1000.0) - make_interval(secs => t.ttl_ms / 1000.0)
+    ORDER BY d.message_id
+    LIMIT %(limit)s
+    FOR UPDATE OF d SKIP LOCKED
+), gone AS (
+    DELETE FROM dmq_delivery d USING expired e
+    WHERE d.topic = e.topic AND d.channel = e.channel AND d.message_id = e.message_id
+    RETURNING d.topic, d.channel, d.message_id, d.attempts, e.ttl_ms
+)
+INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
+                             attempts, body, published_at)
+SELECT 'expired', 'not acknowledged within the topic''s time to live of ' || g.ttl_ms || ' ms',
+       g.topic, g.channel, m.producer, m.session_id, m.id, g.attempts, m.body, m.published_at
+FROM gone g JOIN dmq_message m ON m.id = g.message_id
+RETURNING topic, channel, message_id;
+
+-- name: list_dead_letters
+-- Dead letters matching the filters (each NULL filter matches all), after a keyset cursor.
+SELECT id, reason, detail, topic, channel, producer, session_id, message_id, attempts,
+       length(body) AS size,
+       (extract(epoch FROM published_at) * 1000)::bigint AS published_ms,
+       (extract(epoch FROM dead_at) * 1000)::bigint AS dead_ms,
+       (extract(epoch FROM replayed_at) * 1000)::bigint AS replayed_ms,
+       replay_message_id
+FROM dmq_dead_letter
+WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+  AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
+  AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
+  AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
+  AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+  AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
+  AND id > %(after)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: count_dead_letters
+-- How many dead letters match the filters (progress totals), and how many are not yet replayed.
+SELECT count(*), count(*) FILTER (WHERE replayed_at IS NULL)
+FROM dmq_dead_letter
+WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+  AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
+  AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
+  AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
+  AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+  AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean);
+
+-- name: show_dead_letter
+-- One dead letter with its body.
+SELECT id, reason, detail, topic, channel, producer, session_id, message_id, attempts,
+       length(body) AS size,
+       (extract(epoch FROM published_at) * 1000)::bigint AS published_ms,
+       (extract(epoch FROM dead_at) * 1000)::bigint AS dead_ms,
+       (extract(epoch FROM replayed_at) * 1000)::bigint AS replayed_ms,
+       replay_message_id, body
+FROM dmq_dead_letter WHERE id = %(id)s;
+
+-- name: replay_dead_letters
+-- Replay one batch (keyset after `after`): mark the dead letters replayed and queue
+-- each, due now, in dmq_delay for its own channel (NULL: every channel) in the same
+-- transaction. Producer 'dmq-replay' with session id = the dead letter's id makes a
+-- second replay of the same dead letter a no-op even if the mark were lost. Returns
+-- the highest id looked at (the next cursor) and how many were queued.
+WITH picked AS MATERIALIZED (
+    SELECT id FROM dmq_dead_letter
+    WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+      AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
+      AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
+      AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
+      AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+      AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+      AND replayed_at IS NULL
+      AND id > %(after)s
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), marked AS (
+    UPDATE dmq_dead_letter dl SET replayed_at = now()
+    FROM picked WHERE dl.id = picked.id
+    RETURNING dl.id, dl.topic, dl.channel, dl.body
+), queued AS (
+    INSERT INTO dmq_delay (fragment, due_ms, topic, channel, producer, session_id, replay_of,
+                           node_id, body)
+    SELECT 1 + mod(m.id, %(fragments)s), %(now_ms)s, m.topic, m.channel, 'dmq-replay', m.id, m.id,
+           %(node_id)s, m.body
+    FROM marked m
+    ON CONFLICT (producer, session_id) DO NOTHING
+    RETURNING id
+)
+SELECT (SELECT max(id) FROM picked), (SELECT count(*) FROM queued);
+
+-- name: delete_dead_letters
+-- Delete one batch of matching dead letters (keyset after `after`); returns the ids.
+DELETE FROM dmq_dead_letter
+WHERE id IN (
+    SELECT id FROM dmq_dead_letter
+    WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+      AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
+      AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
+      AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
+      AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+      AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+      AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
+      AND id > %(after)s
+    ORDER BY id
+    LIMIT %(limit)s
+)
+RETURNING id;
+
+-- name: dead_letter_counts
+-- Dead letters per reason, and how many of them were replayed.
+SELECT reason, count(*), count(replayed_at) FROM dmq_dead_letter GROUP BY reason ORDER BY reason;
+
+-- name: log_admin_operation
+-- Audit one destructive admin operation.
+INSERT INTO dmq_admin_log (surface, actor, operation, filters, affected)
+VALUES (%(surface)s, %(actor)s, %(operation)s, %(filters)s, %(affected)s);
+
+-- ---------------------------------------------------------------------------
+-- Cluster: ZooKeeper registry mirror, owned backlog, takeover
+-- ---------------------------------------------------------------------------
+
+-- name: lock_registry_mirror
+-- Serialise nodes copying ZooKeeper's topics and channels into dmq_topic/dmq_channel.
+SELECT pg_advisory_xact_lock(7361002);
+
+-- name: upsert_topic
+-- Register a topic or replace its settings (the registry mirror; ZooKeeper decides).
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts)
+VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s)
+ON CONFLICT (name) DO UPDATE
+SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
+    rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
+    max_attempts = EXCLUDED.max_attempts;
+
+-- name: load_owned_backlog
+-- Stored, unacknowledged copies for one channel that this node owns, after a cursor,
+-- oldest first (in a cluster every node delivers only the copies it owns).
+SELECT m.id, m.producer, m.session_id,
+       (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
+       m.body, d.attempts
+FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
+WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after)s
+  AND d.owner = %(owner)s
+ORDER BY d.message_id
+LIMIT %(limit)s;
+
+-- name: delivery_owners
+-- The distinct owners of unacknowledged copies: a loose index scan (one probe per
+-- owner) when dmq_delivery has an index led by owner, a full scan otherwise.
+WITH RECURSIVE owners AS (
+    (SELECT owner FROM dmq_delivery ORDER BY owner LIMIT 1)
+    UNION ALL
+    SELECT (SELECT d.owner FROM dmq_delivery d WHERE d.owner > o.owner ORDER BY d.owner LIMIT 1)
+    FROM owners o WHERE o.owner IS NOT NULL
+)
+SELECT owner FROM owners WHERE owner IS NOT NULL;
+
+-- name: claim_deliveries
+-- Takeover: move one batch of a departed node's unacknowledged copies to this node.
+-- A row changes owner only while it still has the departed one (another claimer
+-- cannot take it twice); rows locked by a concurrent claimer are skipped.
+-- Returns how many copies of each channel were claimed.
+WITH batch AS (
+    SELECT topic, channel, message_id FROM dmq_delivery
+    WHERE owner = %(dead)s
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE dmq_delivery d SET owner = %(owner)s
+    FROM batch b
+    WHERE d.topic = b.topic AND d.channel = b.channel AND d.message_id = b.message_id
+      AND d.owner = %(dead)s
+    RETURNING d.topic, d.channel
+)
+SELECT topic, channel, count(*) FROM claimed GROUP BY topic, channel ORDER BY topic, channel;
+
+-- name: owner_depths
+-- Unacknowledged copies per owning node (cluster view for `dmq stats` and operators).
+SELECT owner, count(*) AS copies FROM dmq_delivery GROUP BY owner ORDER BY owner;

@@ -119,6 +119,9 @@ class NsqHttp(LookupdApi):
     def ping(self, request: Any) -> Any:
         if self.store is not None and self.store.health_error:
             return PlainText(500, f"NOK - {self.store.health_error}")
+        cluster = getattr(self.server, "cluster", None)
+        if cluster is not None and not cluster.registered:
+            return PlainText(500, "NOK - not registered in the cluster (ZooKeeper) yet")
         if self.dmq_ping is not None:
             return self.dmq_ping.render_GET(request)
         return PlainText(200, "OK")
@@ -233,9 +236,6 @@ class NsqHttp(LookupdApi):
             except HttpError as exc:
                 d.callback(exc)
             return
-        if defer_ms:
-            d.callback(HttpError(400, "INVALID_DEFER"))  # not supported on reliable topics
-            return
         if not bodies:
             d.callback("OK")
             return
@@ -250,8 +250,9 @@ class NsqHttp(LookupdApi):
             if remaining[0] == 0:
                 d.callback(HttpError(503, failures[0]) if failures else "OK")
 
+        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}  # deferred: the delay table
         for body in bodies:
-            self.broker.publish_cb(topic, "nsq-http", self.ctx.new_session_id(), body, now_ms, done)
+            self.broker.publish_cb(topic, "nsq-http", self.ctx.new_session_id(), body, now_ms, done, **delay)
 
     def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int) -> str:
         store = self.store

@@ -462,11 +462,8 @@ class NsqConnection:
 
     def _publish_reliable(self, slot: Slot, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
         """Through the broker's group commit; OK once every message is stored. A failure
-        is a non-fatal error frame (see docs/nsq.md)."""
-        if defer_ms:
-            why = f"deferred publishing is not supported on reliable topic {topic}"
-            self._answer(slot, ClientError(f"E_{name}_FAILED", f"{name} failed {why}"))
-            return
+        is a non-fatal error frame (see docs/nsq.md). A DPUB is stored in the delay table,
+        due ``defer_ms`` from now."""
         remaining = [len(bodies)]
         failures: list[str] = []
         now_ms = int(self.clock.seconds() * 1000)
@@ -484,8 +481,9 @@ class NsqConnection:
                     self._answer(slot, OK)
 
         broker = self.ctx.broker
+        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}
         for body in bodies:
-            broker.publish_cb(topic, self.producer_id, self.ctx.new_session_id(), body, now_ms, done)
+            broker.publish_cb(topic, self.producer_id, self.ctx.new_session_id(), body, now_ms, done, **delay)
 
     # -- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

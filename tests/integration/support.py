@@ -45,6 +45,7 @@ class ServerProcess:
         self.dsn = dsn
         self.tcp_port = free_port()
         self.http_port = free_port()
+        self.admin_port = free_port()  # servers running side by side must not share 4152
         self.flags = flags
         self.log_path = log_dir / f"dmq-server-{self.tcp_port}.log"
         self.proc: subprocess.Popen | None = None
@@ -66,6 +67,8 @@ class ServerProcess:
             "--http-address",
             f"127.0.0.1:{self.http_port}",
         ]
+        if "admin_address" not in self.flags:
+            args += ["--admin-address", f"127.0.0.1:{self.admin_port}"]
         for name, value in self.flags.items():
             args += ["--" + name.replace("_", "-"), str(value)]
         return args

@@ -73,14 +73,20 @@ def test_unreachable_database_exits_3():
 
 
 def test_migrations_are_recorded_and_idempotent(pg_dsn):
-    """`dmq db migrate` records version 1 once, however often it runs."""
+    """`dmq db migrate` records every migration once, however often it runs."""
+    from dmq_sql import migrations
+
+    expected = [(version, description) for version, description, _ in migrations()]
+    latest = expected[-1][0]
     for _ in range(2):
         out = run_cli(pg_dsn, "db", "migrate")
-        assert out.returncode == 0 and "schema is at version 1" in out.stdout
-    assert db_rows(pg_dsn, "SELECT version, description FROM dmq_schema_version") == [
-        (1, "initial")
-    ]
-    assert run_cli(pg_dsn, "db", "version").stdout.strip() == "1"
+        assert out.returncode == 0 and f"schema is at version {latest}" in out.stdout
+    assert (
+        db_rows(pg_dsn, "SELECT version, description FROM dmq_schema_version ORDER BY version")
+        == expected
+    )
+    assert expected[0] == (1, "initial")
+    assert run_cli(pg_dsn, "db", "version").stdout.strip() == str(latest)
 
 
 def test_stats_counts_stored_backlog(make_server, topic, pg_dsn):

@@ -1,0 +1,286 @@
+"""Benchmark: delayed messages and dead-letter replay (targets in docs/benchmarks.md).
+
+Scenarios, all on 127.0.0.1 with a private PostgreSQL and one dmq-server:
+
+* ``due``: R messages falling due per second (default 1000/s for 10 s). They are
+  sent (DELAY, pipelined) before their due times, which are spread evenly; one
+  consumer receives and acknowledges. Lateness = arrival - due time, per message
+  (the due time travels in the body; producer, server and consumer share a clock).
+* ``pending``: reliable publish throughput and the server's RSS with an empty delay
+  table, then again with 1,000,000 delayed messages pending (written by SQL, due in
+  a day, random fragments) after the workers polled a few times.
+* ``replay``: 100,000 dead letters (written by SQL) replayed with
+  ``dmq dlq replay --all``: the CLI's rate, and the time until every one of them
+  was moved into the reliable flow by the delay workers.
+
+    python bench/delay.py                    # all three, about 3 minutes on 2 cores
+    python bench/delay.py --quick            # smaller counts (about 1 minute)
+    python bench/delay.py --scenarios due --rate 1000 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import psycopg  # noqa: E402
+from _common import free_port, machine_info, memory_kb, percentiles  # noqa: E402
+from _pg import PrivatePostgres  # noqa: E402
+
+from dmq_client.blocking import BlockingClient  # noqa: E402
+from dmq_client.wire import SEND_REPLIES, Command, MessageType  # noqa: E402
+
+
+class Server:
+    def __init__(self, dsn: str, workdir: Path, extra: list[str]):
+        self.dsn = dsn
+        self.tcp = free_port()
+        self.http = free_port()
+        self.log = workdir / "dmq-server.log"
+        self.args = [
+            sys.executable, "-m", "dmq_server.main", "--pg-dsn", dsn,
+            "--tcp-address", f"127.0.0.1:{self.tcp}", "--http-address", f"127.0.0.1:{self.http}",
+            "--admin-address", f"127.0.0.1:{free_port()}", "--data-path", str(workdir / "data"), *extra,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import urllib.request
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/ping", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("dmq-server did not become ready:\n" + self.log.read_text()[-3000:])
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def rss_mb(self) -> float:
+        return round(memory_kb(self.proc.pid)[0] / 1024, 1)
+
+
+def setup_topic(dsn: str, topic: str) -> None:
+    import registry
+    from dmq_server.store import connect, migrate
+
+    migrate(dsn)
+    with connect(dsn, autocommit=True) as conn:
+        registry.create_topic(conn, topic)
+        registry.add_channel(conn, topic, "c")
+
+
+def send_delayed_many(client: BlockingClient, topic: str, dues: list[int], window: int = 256) -> int:
+    pending: set[int] = set()
+    ok = 0
+    for due in dues:
+        while len(pending) >= window:
+            reply = client._await_reply(lambda f: f.command in SEND_REPLIES and f.session_id in pending, 30)
+            pending.discard(reply.session_id)
+            ok += reply.command == Command.SEND_SUCCESS_ACK
+        frame = client.send_frame(topic, struct.pack(">q", due) + b"x" * 92)
+        frame.msg_type = MessageType.DELAY
+        frame.due_ms = due
+        pending.add(frame.session_id)
+        client.write(frame)
+    while pending:
+        reply = client._await_reply(lambda f: f.command in SEND_REPLIES and f.session_id in pending, 30)
+        pending.discard(reply.session_id)
+        ok += reply.command == Command.SEND_SUCCESS_ACK
+    return ok
+
+
+def scenario_due(server: Server, rate: int, seconds: int) -> dict:
+    topic = "due"
+    setup_topic(server.dsn, topic)
+    count = rate * seconds
+    lateness: list[float] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        with BlockingClient("127.0.0.1", server.tcp, timeout=30) as consumer:
+            consumer.subscribe(topic, "c", credit=2500)
+            while len(lateness) < count:
+                push = consumer.receive(timeout=seconds + 30)
+                if push is None:
+                    break
+                arrived = time.time() * 1000
+                lateness.append(arrived - struct.unpack(">q", push.body[:8])[0])
+                consumer.ack(push)
+        done.set()
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    start = int(time.time() * 1000) + 4000  # sending 10,000 takes ~1-2 s; all are early
+    dues = [start + int(i * 1000 / rate) for i in range(count)]
+    with BlockingClient("127.0.0.1", server.tcp, timeout=30) as producer:
+        sent = send_delayed_many(producer, topic, dues)
+    sent_by = time.time() * 1000
+    done.wait(seconds + 60)
+    p = percentiles([x / 1000 for x in lateness], (50, 99, 99.9)) if lateness else {}  # takes seconds
+    return {
+        "rate_per_s": rate,
+        "messages": count,
+        "stored": sent,
+        "all_sent_before_first_due": sent_by < start,
+        "delivered": len(lateness),
+        "early": sum(1 for x in lateness if x < 0),
+        "lateness_ms": {k: round(v, 1) for k, v in p.items()},
+        "max_lateness_ms": round(max(lateness), 1) if lateness else None,
+        "target": "p99 <= 100 ms",
+    }
+
+
+def publish_rate(server: Server, topic: str, count: int, producers: int = 2) -> float:
+    results: list[float] = []
+
+    def run(n: int) -> None:
+        with BlockingClient("127.0.0.1", server.tcp, timeout=30) as client:
+            replies = client.send_many(topic, [b"x" * 200] * n)
+            assert all(r.command == Command.SEND_SUCCESS_ACK for r in replies)
+
+    threads = [threading.Thread(target=run, args=(count // producers,)) for _ in range(producers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.append(count / (time.perf_counter() - t0))
+    return results[0]
+
+
+def scenario_pending(server: Server, pending: int, messages: int) -> dict:
+    topic = "pend"
+    setup_topic(server.dsn, topic)
+    publish_rate(server, topic, 4000)  # warm up
+    rss_before = server.rss_mb()
+    before = [publish_rate(server, topic, messages) for _ in range(2)]
+    t0 = time.perf_counter()
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, body) "
+            "SELECT 1 + mod(g, 8), (extract(epoch FROM now()) * 1000)::bigint + 86400000 + g, %s, 'bench-pending', g, "
+            "decode(repeat('ab', 100), 'hex') FROM generate_series(1, %s) AS g",
+            (topic, pending),
+        )
+        conn.execute("ANALYZE dmq_delay")
+    fill_s = time.perf_counter() - t0
+    time.sleep(3)  # a few polls of every worker over the full table
+    after = [publish_rate(server, topic, messages) for _ in range(2)]
+    rss_after = server.rss_mb()
+    b, a = max(before), max(after)
+    return {
+        "pending_delayed": pending,
+        "fill_seconds": round(fill_s, 1),
+        "publish_msgs_per_s_empty": round(b),
+        "publish_msgs_per_s_pending": round(a),
+        "throughput_change_pct": round(100 * (a - b) / b, 1),
+        "server_rss_mb_empty": rss_before,
+        "server_rss_mb_pending": rss_after,
+        "target": "drop < 10%, RSS flat",
+    }
+
+
+def scenario_replay(server: Server, letters: int) -> dict:
+    topic = "replay"
+    setup_topic(server.dsn, topic)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO dmq_dead_letter (reason, topic, channel, producer, session_id, body) "
+            "SELECT 'expired', %s, 'c', 'bench', g, decode(repeat('cd', 100), 'hex') "
+            "FROM generate_series(1, %s) AS g",
+            (topic, letters),
+        )
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", server.dsn, "dlq", "replay", "--all", "--quiet"],
+        capture_output=True, text=True, cwd=HERE.parent, timeout=600,
+    )
+    cli_s = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        while conn.execute("SELECT count(*) FROM dmq_delay WHERE topic = %s", (topic,)).fetchone()[0]:
+            time.sleep(0.1)
+        moved_s = time.perf_counter() - t0
+        delivered = conn.execute("SELECT count(*) FROM dmq_delivery WHERE topic = %s", (topic,)).fetchone()[0]
+    return {
+        "dead_letters": letters,
+        "cli_output": out.stdout.strip().splitlines()[0],
+        "cli_seconds_incl_startup": round(cli_s, 2),
+        "cli_rate_per_s": round(letters / cli_s),
+        "all_moved_seconds": round(moved_s, 2),
+        "end_to_end_rate_per_s": round(letters / moved_s),
+        "deliveries_created": delivered,
+        "target": ">= 5000/s",
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scenarios", default="due,pending,replay")
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--seconds", type=int, default=None)
+    parser.add_argument("--pending", type=int, default=None)
+    parser.add_argument("--letters", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    seconds = args.seconds or (5 if args.quick else 10)
+    pending = args.pending or (200_000 if args.quick else 1_000_000)
+    letters = args.letters or (20_000 if args.quick else 100_000)
+    workdir = Path(tempfile.mkdtemp(prefix="dmq-bench-delay-"))
+    workdir.chmod(0o755)  # PostgreSQL runs as its own user when we are root
+    pg = PrivatePostgres(str(workdir / "pg"))
+    results: dict = {"machine": machine_info(), "command": " ".join(sys.argv)}
+    try:
+        dsn = pg.start()
+        server = Server(dsn, workdir, ["--log-level", "warn"])
+        server.start()
+        try:
+            for name in args.scenarios.split(","):
+                print(f"-- {name}", flush=True)
+                if name == "due":
+                    results[name] = scenario_due(server, args.rate, seconds)
+                elif name == "pending":
+                    results[name] = scenario_pending(server, pending, 20_000 if args.quick else 40_000)
+                elif name == "replay":
+                    results[name] = scenario_replay(server, letters)
+                else:
+                    raise SystemExit(f"unknown scenario {name!r}")
+                print(json.dumps(results[name], indent=2), flush=True)
+        finally:
+            server.stop()
+    finally:
+        pg.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# A whole dmq cluster on one machine, for trying it out: PostgreSQL, ZooKeeper and
+# three dmq nodes, all under ./dmq-cluster (relative to the repository root).
+#
+#   bash deploy/cluster-local.sh            # start everything; Ctrl-C stops everything
+#   ZK_PORT=2182 BASE_PORT=5150 bash deploy/cluster-local.sh
+#   DMQ_PYTHON=python3 bash deploy/cluster-local.sh   # an interpreter that has dmq
+#                                                    # installed already (no .venv setup)
+#
+# What runs (defaults):
+#   PostgreSQL  private server under dmq-cluster/pg (dmq_server.embedded_pg), 127.0.0.1
+#   ZooKeeper   standalone, 127.0.0.1:$ZK_PORT (2181), data in dmq-cluster/zk
+#   node1       TCP 127.0.0.1:4150  HTTP :4151  admin console :4152
+#   node2       TCP 127.0.0.1:4250  HTTP :4251  admin console :4252
+#   node3       TCP 127.0.0.1:4350  HTTP :4351  admin console :4352
+# Logs: dmq-cluster/*.log. Try:
+#   .venv/bin/dmq --zk 127.0.0.1:2181/dmq-local topic create orders
+#   .venv/bin/dmq --zk 127.0.0.1:2181/dmq-local channel add orders billing
+#   .venv/bin/dmq --zk 127.0.0.1:2181/dmq-local node list
+#   curl 'http://127.0.0.1:4151/lookup?topic=orders'         # every node, from any node
+#   kill -9 "$(cat dmq-cluster/node2.pid)"                   # node1 or node3 takes over its messages
+# docs/operations.md explains the cluster; deploy/cluster/ has production configs.
+set -Eeuo pipefail
+
+trap 'echo "deploy/cluster-local.sh: failed (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+if [ -n "${DMQ_PYTHON:-}" ]; then
+    py="$DMQ_PYTHON"
+else
+    bash "$repo/deploy/setup.sh"
+    py="$repo/.venv/bin/python"
+fi
+zk_port="${ZK_PORT:-2181}"
+base_port="${BASE_PORT:-4150}"
+chroot="/dmq-local"
+work="$repo/dmq-cluster"
+mkdir -p "$work"
+chmod 755 "$work"  # the embedded PostgreSQL runs as an unprivileged user when we are root
+
+# -- ZooKeeper's jars (Debian's package) ------------------------------------------------
+zk_jar=/usr/share/java/zookeeper.jar
+if [ ! -f "$zk_jar" ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's zookeeper package..."
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends zookeeper >/dev/null \
+            || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends zookeeper >/dev/null; }
+    else
+        echo "deploy/cluster-local.sh: needs ZooKeeper: apt-get install zookeeper (as root)" >&2
+        exit 1
+    fi
+fi
+command -v java >/dev/null 2>&1 || { echo "deploy/cluster-local.sh: needs a Java runtime (default-jre-headless)" >&2; exit 1; }
+
+zk_pid=""
+node_pids=()
+stop_all() {  # stop_all PID...: SIGTERM, then SIGKILL after 60 s
+    local pid
+    for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in $(seq 600); do
+        local alive=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" -eq 0 ] && return 0
+        sleep 0.1
+    done
+    for pid in "$@"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+cleanup() {
+    trap - INT TERM EXIT ERR
+    echo "stopping..."
+    # nodes first, while ZooKeeper is still there for them to leave the cluster
+    if [ "${#node_pids[@]}" -gt 0 ]; then stop_all "${node_pids[@]}"; fi
+    if [ -n "$zk_pid" ]; then stop_all "$zk_pid"; fi
+    "$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
+    echo "stopped (data kept in $work)"
+    exit "$1"
+}
+trap 'cleanup 0' INT TERM
+trap 'cleanup $?' EXIT
+
+wait_for() {  # wait_for DESCRIPTION PYTHON-EXPRESSION: poll up to 60 s
+    "$py" - "$1" "$2" <<'EOF'
+import socket, sys, time, urllib.request
+what, expr = sys.argv[1], sys.argv[2]
+def ruok(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        s.sendall(b"ruok"); return s.recv(16) == b"imok"
+def ping(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1) as r:
+        return r.status == 200
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    try:
+        if eval(expr):
+            sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(0.2)
+sys.exit(f"{what}: not ready after 60 s")
+EOF
+}
+
+# -- PostgreSQL -----------------------------------------------------------------------------
+dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
+
+# -- ZooKeeper (standalone) -----------------------------------------------------------------
+mkdir -p "$work/zk/data"
+cat > "$work/zk/zoo.cfg" <<EOF
+tickTime=2000
+dataDir=$work/zk/data
+clientPort=$zk_port
+clientPortAddress=127.0.0.1
+admin.enableServer=false
+4lw.commands.whitelist=ruok,srvr,stat,mntr
+EOF
+classpath="$zk_jar"
+[ -f /usr/share/java/slf4j-simple.jar ] && classpath="$classpath:/usr/share/java/slf4j-simple.jar"
+java -Xmx256m -Dorg.slf4j.simpleLogger.defaultLogLevel=warn -cp "$classpath" \
+    org.apache.zookeeper.server.quorum.QuorumPeerMain "$work/zk/zoo.cfg" >"$work/zookeeper.log" 2>&1 &
+zk_pid=$!
+wait_for "ZooKeeper on :$zk_port" "ruok($zk_port)"
+
+# -- three dmq nodes --------------------------------------------------------------------------
+for n in 1 2 3; do
+    tcp=$((base_port + (n - 1) * 100))
+    "$py" -m dmq_server.main \
+        --pg-dsn "$dsn" \
+        --zk "127.0.0.1:$zk_port$chroot" \
+        --node-id "node$n" \
+        --data-path "$work/node$n" \
+        --tcp-address "127.0.0.1:$tcp" \
+        --http-address "127.0.0.1:$((tcp + 1))" \
+        --admin-address "127.0.0.1:$((tcp + 2))" \
+        >"$work/node$n.log" 2>&1 &
+    node_pids+=($!)
+    echo $! >"$work/node$n.pid"
+done
+for n in 1 2 3; do
+    wait_for "node$n" "ping($((base_port + (n - 1) * 100 + 1)))"
+done
+
+cat <<EOF
+dmq cluster is ready
+  PostgreSQL  $dsn
+  ZooKeeper   127.0.0.1:$zk_port$chroot   ($py -m dmq_server.cli --zk 127.0.0.1:$zk_port$chroot ...)
+  node1       TCP 127.0.0.1:$base_port  HTTP http://127.0.0.1:$((base_port + 1))/
+  node2       TCP 127.0.0.1:$((base_port + 100))  HTTP http://127.0.0.1:$((base_port + 101))/
+  node3       TCP 127.0.0.1:$((base_port + 200))  HTTP http://127.0.0.1:$((base_port + 201))/
+  logs        $work/*.log
+Ctrl-C stops everything.
+EOF
+wait  # until Ctrl-C (a node killed to try a takeover does not end the others)

@@ -1,0 +1,85 @@
+"""One registry interface, two implementations.
+
+``PgRegistry`` (``registry.pg``) keeps topics and channels in PostgreSQL tables: the
+single-node default, where the node list is just this node. ``ZkRegistry``
+(``registry.zk``) keeps them in ZooKeeper under the layout of ``registry.paths``,
+with live nodes as ephemeral znodes: what a cluster uses.
+
+Every method blocks (a database or ZooKeeper round trip): the CLI calls them
+directly, the server only from a thread (``registry.bridge``). Refusals (unknown
+name, duplicate, invalid name) raise ``RegistryError`` with an operator-readable
+message.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+from dmq_client.wire import valid_name
+
+from .model import STORES, NodeInfo, RegistryError
+
+__all__ = ["Registry", "check_name", "check_settings"]
+
+
+def check_name(kind: str, name: str) -> None:
+    if not valid_name(name):
+        raise RegistryError(
+            f"invalid {kind} name {name!r}: use 1-64 characters from [.a-zA-Z0-9_-], "
+            "optionally ending in #ephemeral"
+        )
+
+
+def check_settings(store: str, msg_timeout_ms: int) -> None:
+    if store not in STORES:
+        raise RegistryError(f"invalid store {store!r}: use reliable or fast")
+    if msg_timeout_ms <= 0:
+        raise RegistryError("message timeout must be positive")
+
+
+class Registry(abc.ABC):
+    """Topics, their channels (subscriptions) and the live nodes."""
+
+    @abc.abstractmethod
+    def topics(self) -> Sequence[Any]:
+        """Every topic, name order, each with ``name``, ``store``, ``msg_timeout_ms``,
+        ``rate_limit``, ``ttl_ms``, ``max_attempts`` and ``channels`` (sorted)."""
+
+    def get_topic(self, name: str) -> Any:
+        for row in self.topics():
+            if row.name == name:
+                return row
+        raise RegistryError(f"no such topic {name!r}")
+
+    @abc.abstractmethod
+    def create_topic(
+        self,
+        name: str,
+        *,
+        store: str = "reliable",
+        msg_timeout_ms: int = 60000,
+        rate_limit: int | None = None,
+        ttl_ms: int | None = None,
+        max_attempts: int | None = None,
+    ) -> None:
+        """Register a topic; RegistryError if it exists."""
+
+    @abc.abstractmethod
+    def delete_topic(self, name: str) -> None:
+        """Remove a topic and its channels; RegistryError if there is none."""
+
+    @abc.abstractmethod
+    def add_channel(self, topic: str, name: str) -> None:
+        """Register a channel on an existing topic; RegistryError if it exists."""
+
+    @abc.abstractmethod
+    def remove_channel(self, topic: str, name: str) -> None:
+        """Unregister a channel; RegistryError if there is none."""
+
+    @abc.abstractmethod
+    def nodes(self) -> list[NodeInfo]:
+        """The live nodes (node id order)."""
+
+    def close(self) -> None:
+        """Release the connection, if the registry owns one."""

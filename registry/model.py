@@ -1,0 +1,135 @@
+"""What the registry holds: topics with their channels, and live nodes.
+
+Plain data and its JSON encoding in znodes; no IO, no third-party imports, so the
+client library can read the registry without the server's dependencies.
+``TopicSpec`` has the fields of ``dmq_server.store.TopicRow`` (what the PostgreSQL
+registry returns), so the broker takes either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RegistryError", "TopicSpec", "NodeInfo", "encode_topic", "decode_topic", "STORES"]
+
+STORES = ("reliable", "fast")
+
+
+class RegistryError(Exception):
+    """A registry operation was refused or could not be done; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    name: str
+    store: str = "reliable"
+    msg_timeout_ms: int = 60000
+    rate_limit: int | None = None
+    ttl_ms: int | None = None
+    max_attempts: int | None = None
+    channels: tuple[str, ...] = ()
+
+
+def encode_topic(spec: Any) -> bytes:
+    """The data of ``/dmq/topic/<name>``: the settings, not the channels (those are children)."""
+    return json.dumps(
+        {
+            "store": spec.store,
+            "msg_timeout_ms": spec.msg_timeout_ms,
+            "rate_limit": spec.rate_limit,
+            "ttl_ms": spec.ttl_ms,
+            "max_attempts": spec.max_attempts,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def _optional_int(data: dict, key: str) -> int | None:
+    value = data.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) -> TopicSpec:
+    """A topic from its znode; unreadable or missing fields take the defaults, so a
+    topic created by hand (``create /dmq/topic/orders``) is a reliable topic."""
+    try:
+        values = json.loads(data.decode()) if data else {}
+    except (UnicodeDecodeError, ValueError):
+        values = {}
+    if not isinstance(values, dict):
+        values = {}
+    store = values.get("store") if values.get("store") in STORES else "reliable"
+    timeout = _optional_int(values, "msg_timeout_ms") or 60000
+    return TopicSpec(
+        name,
+        store,
+        timeout,
+        _optional_int(values, "rate_limit"),
+        _optional_int(values, "ttl_ms"),
+        _optional_int(values, "max_attempts"),
+        tuple(sorted(channels)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One live dmq server, as registered in its ephemeral ``/dmq/node/<id>``."""
+
+    node_id: str
+    host: str
+    tcp_port: int
+    http_port: int
+    version: str = ""
+    start_time: float = 0.0
+    last_heartbeat: float = 0.0
+    hostname: str = ""
+    instance: str = ""  # changes with every process start: tells incarnations apart
+    fast_topics: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def tcp_address(self) -> str:
+        return f"{self.host}:{self.tcp_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "node_id": self.node_id,
+                "host": self.host,
+                "tcp_port": self.tcp_port,
+                "http_port": self.http_port,
+                "version": self.version,
+                "start_time": self.start_time,
+                "last_heartbeat": self.last_heartbeat,
+                "hostname": self.hostname,
+                "instance": self.instance,
+                "fast_topics": {k: list(v) for k, v in sorted(self.fast_topics.items())},
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def decode(cls, node_id: str, data: bytes) -> "NodeInfo | None":
+        """None for data that does not describe a reachable node."""
+        try:
+            values = json.loads(data.decode())
+            fast = values.get("fast_topics") or {}
+            return cls(
+                node_id,
+                str(values["host"]),
+                int(values["tcp_port"]),
+                int(values["http_port"]),
+                str(values.get("version", "")),
+                float(values.get("start_time", 0.0)),
+                float(values.get("last_heartbeat", 0.0)),
+                str(values.get("hostname", "")),
+                str(values.get("instance", "")),
+                {str(k): tuple(str(c) for c in v) for k, v in fast.items()},
+            )
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            return None

@@ -1,0 +1,99 @@
+"""The znode layout of dmq's ZooKeeper registry, in one place.
+
+::
+
+    /dmq
+      /topic                      persistent
+        /<topic>                  persistent; data: the topic's settings (JSON)
+          /<channel>              persistent; one child per channel (subscription)
+      /node                       persistent
+        /<node-id>                ephemeral; data: addresses, version, start time,
+                                  last heartbeat, fast topics (JSON)
+      /takeover
+        /<node-id>                kazoo Lock: held while a node's unacknowledged
+                                  copies change owner (takeover or re-registration)
+      /delay/fragments            delay fragments shared among live nodes (kazoo
+                                  SetPartitioner; dmq_server/fragments_zk.py)
+
+Everything sits under an optional chroot given with the address
+(``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and
+the client library both read the layout from this module.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, unquote
+
+__all__ = [
+    "ROOT",
+    "TOPICS",
+    "NODES",
+    "TAKEOVER",
+    "DELAY_FRAGMENTS",
+    "topic",
+    "channel",
+    "node",
+    "node_id_of",
+    "takeover_lock",
+    "check_znode_name",
+    "parse_address",
+]
+
+ROOT = "/dmq"
+TOPICS = ROOT + "/topic"
+NODES = ROOT + "/node"
+TAKEOVER = ROOT + "/takeover"
+DELAY_FRAGMENTS = ROOT + "/delay/fragments"
+
+# Node ids are free text (default "host:port"); a "/" would split the path, so ids are
+# percent-encoded in znode names. Topic and channel names are already safe.
+_NODE_SAFE = ":@.,_-+=~"
+
+
+def check_znode_name(kind: str, name: str) -> None:
+    """ZooKeeper refuses "." and ".." as node names; dmq's name rule allows them."""
+    if name in (".", ".."):
+        raise ValueError(f"{kind} name {name!r} cannot be stored in ZooKeeper")
+
+
+def topic(name: str) -> str:
+    return f"{TOPICS}/{name}"
+
+
+def channel(topic_name: str, name: str) -> str:
+    return f"{TOPICS}/{topic_name}/{name}"
+
+
+def node(node_id: str) -> str:
+    return f"{NODES}/{quote(node_id, safe=_NODE_SAFE)}"
+
+
+def node_id_of(znode_name: str) -> str:
+    """The node id behind a child name of ``/dmq/node``."""
+    return unquote(znode_name)
+
+
+def takeover_lock(node_id: str) -> str:
+    return f"{TAKEOVER}/{quote(node_id, safe=_NODE_SAFE)}"
+
+
+def parse_address(text: str) -> tuple[str, str]:
+    """``"h1:2181,h2:2181/chroot"`` into ``("h1:2181,h2:2181", "/chroot")``.
+
+    The chroot is optional ("" when absent). Each host needs a port; IPv6 hosts are
+    written in brackets (``[::1]:2181``).
+    """
+    text = text.strip()
+    if not text:
+        raise ValueError("empty ZooKeeper address")
+    slash = text.find("/")
+    hosts, chroot = (text, "") if slash < 0 else (text[:slash], text[slash:].rstrip("/"))
+    for host in hosts.split(","):
+        name, sep, port = host.strip().rpartition(":")
+        if not sep or not name or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(
+                f"invalid ZooKeeper address {text!r}: expected HOST:PORT[,HOST:PORT...][/chroot]"
+            )
+    if chroot and any(part in ("", ".", "..") for part in chroot[1:].split("/")):
+        raise ValueError(f"invalid ZooKeeper chroot {chroot!r}")
+    return ",".join(h.strip() for h in hosts.split(",")), chroot

@@ -1,0 +1,280 @@
+"""The ZooKeeper registry (kazoo): topics and channels as znodes, nodes as ephemerals.
+
+``connect(address)`` starts a kazoo client for ``host:port[,host:port...][/chroot]``
+(creating the chroot if needed) and gives up with a ``RegistryError`` after a
+bounded time. ``ZkRegistry(client)`` implements ``registry.interface.Registry``.
+
+Every operation is an idempotent inner function run under ``client.retry`` (kazoo's
+retry policy: connection loss and timeouts are retried with backoff). Where a retry
+cannot tell "I did it before the connection dropped" from "someone else did it",
+the first attempt decides: a topic that existed before our first ``create`` is a
+duplicate, one that appeared during a retry is ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.handlers.threading import KazooTimeoutError
+
+from . import paths
+from .interface import Registry, check_name, check_settings
+from .model import NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
+
+__all__ = ["ZkRegistry", "connect", "make_client", "when_connected", "COMMAND_RETRY"]
+
+#: kazoo retry policy for registry operations: about 10 s of tries, then the error
+COMMAND_RETRY = {"max_tries": 8, "delay": 0.05, "backoff": 2, "max_delay": 2.0, "max_jitter": 0.2}
+#: reconnect forever once a session exists (the server must outlive ZooKeeper restarts)
+CONNECTION_RETRY = {"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0, "max_jitter": 0.2}
+
+
+def make_client(address: str, *, session_timeout: float = 10.0) -> KazooClient:
+    """A kazoo client whose ``retry`` gives up as soon as the connection is gone
+    (kazoo would otherwise queue the retried request until ZooKeeper is back)."""
+    hosts, chroot = paths.parse_address(address)
+    holder: list[KazooClient] = []
+    client = KazooClient(
+        hosts=hosts + chroot,
+        timeout=session_timeout,
+        connection_retry=dict(CONNECTION_RETRY),
+        command_retry=dict(COMMAND_RETRY, interrupt=lambda: bool(holder) and not holder[0].connected),
+    )
+    holder.append(client)
+    return client
+
+
+def when_connected(client: KazooClient, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)`` if the client is connected now, else ConnectionLoss at once: a
+    kazoo request made while disconnected waits until ZooKeeper is back, however long."""
+    if not client.connected:
+        raise ConnectionLoss("not connected to ZooKeeper")
+    return fn(*args, **kwargs)
+
+
+def _start(client: KazooClient, address: str, timeout: float) -> None:
+    try:
+        client.start(timeout=timeout)
+    except KazooTimeoutError:
+        client.stop()
+        client.close()
+        raise RegistryError(
+            f"cannot reach ZooKeeper at {address} within {timeout:g}s "
+            "(is it running, and is the address right?)"
+        ) from None
+
+
+def connect(address: str, *, timeout: float = 30.0, session_timeout: float = 10.0) -> KazooClient:
+    """A started client with a session, chroot and base paths in place.
+
+    Raises RegistryError when no ZooKeeper server answered within ``timeout`` seconds.
+    """
+    hosts, chroot = paths.parse_address(address)
+    if chroot:
+        # kazoo needs the chroot to exist before a chrooted client may use it
+        bootstrap = make_client(hosts, session_timeout=session_timeout)
+        _start(bootstrap, address, timeout)
+        try:
+            bootstrap.retry(bootstrap.ensure_path, chroot)
+        finally:
+            bootstrap.stop()
+            bootstrap.close()
+    client = make_client(address, session_timeout=session_timeout)
+    _start(client, address, timeout)
+    # /dmq/topic is left to ZkRegistry.seed (or the first topic created)
+    for path in (paths.NODES, paths.TAKEOVER):
+        client.retry(client.ensure_path, path)
+    return client
+
+
+def _once_then_retry(client: KazooClient, inner: Callable[[bool], Any]) -> Any:
+    """Run ``inner(first_attempt)`` under the client's retry policy."""
+    attempts = [0]
+
+    def attempt() -> Any:
+        attempts[0] += 1
+        return inner(attempts[0] == 1)
+
+    return client.retry(attempt)
+
+
+class ZkRegistry(Registry):
+    """The Registry interface over a started kazoo client."""
+
+    def __init__(self, client: KazooClient):
+        self.client = client
+
+    # -- reading ------------------------------------------------------------------------
+    def topics(self) -> list[TopicSpec]:
+        return self.client.retry(self._read_topics)
+
+    def _read_topics(self) -> list[TopicSpec]:
+        found = []
+        try:
+            names = self.client.get_children(paths.TOPICS)
+        except NoNodeError:  # nothing registered yet
+            return []
+        for name in sorted(names):
+            spec = self._read_topic(name)
+            if spec is not None:
+                found.append(spec)
+        return found
+
+    def _read_topic(self, name: str, watch: Any = None) -> TopicSpec | None:
+        """None if the topic vanished while we looked."""
+        try:
+            data, _ = self.client.get(paths.topic(name), watch=watch)
+            channels = self.client.get_children(paths.topic(name), watch=watch)
+        except NoNodeError:
+            return None
+        return decode_topic(name, data, channels)
+
+    def get_topic(self, name: str) -> TopicSpec:
+        check_name("topic", name)
+        spec = self.client.retry(self._read_topic, name)
+        if spec is None:
+            raise RegistryError(f"no such topic {name!r}")
+        return spec
+
+    def nodes(self) -> list[NodeInfo]:
+        return self.client.retry(self._read_nodes)
+
+    def _read_nodes(self, watch: Any = None) -> list[NodeInfo]:
+        found = []
+        for child in sorted(self.client.get_children(paths.NODES, watch=watch)):
+            node_id = paths.node_id_of(child)
+            try:
+                data, _ = self.client.get(paths.node(node_id), watch=watch)
+            except NoNodeError:
+                continue
+            info = NodeInfo.decode(node_id, data)
+            if info is not None:
+                found.append(info)
+        return found
+
+    # -- writing ------------------------------------------------------------------------
+    def create_topic(
+        self,
+        name: str,
+        *,
+        store: str = "reliable",
+        msg_timeout_ms: int = 60000,
+        rate_limit: int | None = None,
+        ttl_ms: int | None = None,
+        max_attempts: int | None = None,
+    ) -> None:
+        check_name("topic", name)
+        _check_znode("topic", name)
+        check_settings(store, msg_timeout_ms)
+        data = encode_topic(TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts))
+
+        def inner(first: bool) -> None:
+            try:
+                self.client.create(paths.topic(name), data, makepath=True)
+            except NodeExistsError:
+                if first:
+                    raise RegistryError(f"topic {name!r} already exists") from None
+
+        _once_then_retry(self.client, inner)
+
+    def update_topic(self, spec: Any) -> None:
+        """Replace a topic's settings (its channels are left alone)."""
+        check_name("topic", spec.name)
+        check_settings(spec.store, spec.msg_timeout_ms)
+
+        def inner() -> None:
+            try:
+                self.client.set(paths.topic(spec.name), encode_topic(spec))
+            except NoNodeError:
+                raise RegistryError(f"no such topic {spec.name!r}") from None
+
+        self.client.retry(inner)
+
+    def delete_topic(self, name: str) -> None:
+        check_name("topic", name)
+
+        def inner(first: bool) -> None:
+            # kazoo's recursive delete ignores a missing node: look first
+            if self.client.exists(paths.topic(name)) is None:
+                if first:
+                    raise RegistryError(f"no such topic {name!r}")
+                return  # an earlier attempt deleted it before the connection dropped
+            for _ in range(10):
+                try:
+                    self.client.delete(paths.topic(name), recursive=True)
+                    return
+                except NotEmptyError:  # a channel was added meanwhile: go again
+                    continue
+            raise RegistryError(f"topic {name!r} keeps getting new channels; try again")
+
+        _once_then_retry(self.client, inner)
+
+    def add_channel(self, topic: str, name: str) -> None:
+        check_name("topic", topic)
+        check_name("channel", name)
+        _check_znode("channel", name)
+
+        def inner(first: bool) -> None:
+            try:
+                self.client.create(paths.channel(topic, name), b"")
+            except NoNodeError:
+                raise RegistryError(f"no such topic {topic!r}") from None
+            except NodeExistsError:
+                if first:
+                    raise RegistryError(f"channel {name!r} already exists on topic {topic!r}") from None
+
+        _once_then_retry(self.client, inner)
+
+    def remove_channel(self, topic: str, name: str) -> None:
+        check_name("topic", topic)
+        check_name("channel", name)
+
+        def inner(first: bool) -> None:
+            try:
+                self.client.delete(paths.channel(topic, name))
+            except NoNodeError:
+                if not first:
+                    return
+                if self.client.exists(paths.topic(topic)) is None:
+                    raise RegistryError(f"no such topic {topic!r}") from None
+                raise RegistryError(f"no channel {name!r} on topic {topic!r}") from None
+
+        _once_then_retry(self.client, inner)
+
+    def seed(self, specs: list[Any]) -> bool:
+        """Create ``/dmq/topic`` holding ``specs``, in one transaction, if it does not
+        exist yet: a single node's PostgreSQL registry becomes the cluster's when the
+        first node joins. Returns False (and changes nothing) once the registry exists,
+        so topics deleted later are never brought back."""
+
+        def inner() -> bool:
+            if self.client.exists(paths.TOPICS) is not None:
+                return False
+            tx = self.client.transaction()
+            tx.create(paths.TOPICS, b"")
+            for spec in specs:
+                tx.create(paths.topic(spec.name), encode_topic(spec))
+                for channel in spec.channels:
+                    tx.create(paths.channel(spec.name, channel), b"")
+            results = tx.commit()
+            if isinstance(results[0], NodeExistsError):
+                return False  # another node seeded it first
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+            return True
+
+        return self.client.retry(inner)
+
+    def close(self) -> None:
+        self.client.stop()
+        self.client.close()
+
+
+def _check_znode(kind: str, name: str) -> None:
+    try:
+        paths.check_znode_name(kind, name)
+    except ValueError as exc:
+        raise RegistryError(str(exc)) from None
