@@ -343,6 +343,10 @@ class Channel:
         for mid in message_ids:
             if mid not in self.in_flight:
                 self.known.discard(mid)
+                if self.loading:
+                    # its row is deleted now, but the load under way may have read it
+                    # first (a rescan reads ids it delivered before): keep it out
+                    self._dropped_while_loading.add(mid)
 
     def drop(self, message_ids: Iterable[int]) -> int:
         """Forget copies whose delivery rows are gone (expired into dead letters):
@@ -369,7 +373,9 @@ class Channel:
 
     def ack_not_durable(self, message_ids: Iterable[int]) -> None:
         """The durable ack failed for good: forget them so they may be loaded again."""
-        self.ack_durable(message_ids)
+        for mid in message_ids:
+            if mid not in self.in_flight:
+                self.known.discard(mid)
 
     def scan(self, now: float) -> int:
         """Requeue copies whose deadline passed; returns how many."""

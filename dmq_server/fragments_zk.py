@@ -91,7 +91,10 @@ class ZkFragmentAssignment:
         self._stop.set()
         partitioner, client = self._partitioner, self._client
         try:
-            if partitioner is not None:
+            # A kazoo call made while disconnected waits until ZooKeeper is back, so
+            # only leave the party when connected; otherwise the session's expiry
+            # removes our party node anyway.
+            if partitioner is not None and client is not None and client.connected:
                 partitioner.finish()
         except Exception:  # session already gone: the party node is gone with it
             pass
@@ -183,6 +186,7 @@ class ZkFragmentAssignment:
         finally:
             if self._stop.is_set():
                 try:
-                    partitioner.finish()
+                    if self._client is not None and self._client.connected:
+                        partitioner.finish()
                 except Exception:
                     pass

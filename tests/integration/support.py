@@ -69,6 +69,9 @@ class ServerProcess:
         ]
         if "admin_address" not in self.flags:
             args += ["--admin-address", f"127.0.0.1:{self.admin_port}"]
+        if "data_path" not in self.flags:
+            # its own fast-store files: servers of different tests must not share ./dmq-data
+            args += ["--data-path", str(self.log_path.parent / f"data-{self.tcp_port}")]
         for name, value in self.flags.items():
             args += ["--" + name.replace("_", "-"), str(value)]
         return args

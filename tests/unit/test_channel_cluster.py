@@ -132,3 +132,19 @@ def test_arrivals_after_forget_stay_in_the_database():
     channel.forget()
     channel.add(msg(30))
     assert not channel.ready and 30 not in channel.known
+
+
+def test_rescan_does_not_bring_back_a_copy_acked_while_it_loaded():
+    """A rescan load may read a row whose ack commits before the load's answer arrives
+    (the ack's durable callback runs first): that copy is not delivered again."""
+    channel, loads = make()
+    consumer = Consumer()
+    channel.subscribe(consumer)
+    channel.loaded(rows(1, 2), 10)
+    assert consumer.ids == [1, 2]
+    channel.ack(1)
+    channel.rescan()  # a takeover claimed more rows
+    assert channel.loading and loads[-1][0] == 0
+    channel.ack_durable([1])  # the ack committed after the load's snapshot
+    channel.loaded(rows(1, 3), 10)  # the snapshot still had row 1
+    assert consumer.ids == [1, 2, 3]
