@@ -1,0 +1,68 @@
+"""The SparkSession a job runs in.
+
+``--master`` picks where (``local[*]`` by default, or any cluster URL); the
+JDBC driver jar goes in ``spark.jars`` so Spark ships it to every executor.
+When a session is already active in this process (tests, a notebook), it is
+reused as it is and left running.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import UsageError
+from .options import SparkOptions
+
+__all__ = ["spark_session", "ensure_utc"]
+
+log = logging.getLogger(__name__)
+
+
+def ensure_utc(spark) -> None:
+    """Days, minutes and CSV timestamps are UTC whatever the machine's zone."""
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+
+
+@contextmanager
+def spark_session(opts: SparkOptions, app: str) -> Iterator["object"]:
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise UsageError(
+            "PySpark is not installed: pip install 'dmq[pipeline]' (and Java 17)"
+        ) from exc
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        log.info("reusing the active SparkSession (master %s)", active.sparkContext.master)
+        ensure_utc(active)
+        yield active
+        return
+
+    builder = (
+        SparkSession.builder.appName(f"dmq-pipeline {app}")
+        .master(opts.master)
+        .config("spark.jars", opts.jdbc_jar)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
+    )
+    if opts.master.startswith("local"):
+        # executors are this machine's Python workers: use this interpreter
+        builder = builder.config("spark.pyspark.python", sys.executable)
+        builder = builder.config("spark.sql.shuffle.partitions", "8")
+        builder = builder.config("spark.ui.enabled", "false")  # --conf spark.ui.enabled=true to watch
+    for key, value in opts.spark_settings().items():
+        builder = builder.config(key, value)
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:  # Java missing, bad master URL, ...: py4j raises plain exceptions
+        raise UsageError(f"cannot start Spark (master {opts.master}): {exc}") from exc
+    spark.sparkContext.setLogLevel("WARN")
+    try:
+        yield spark
+    finally:
+        spark.stop()

@@ -1,0 +1,160 @@
+"""Fixtures for the pipeline tests: one local SparkSession, real PostgreSQL, the real server.
+
+The SparkSession is session-scoped (local[2], the JDBC jar from Debian's
+libpostgresql-jdbc-java) so the JVM starts once. History is made the way
+production makes it: a real dmq-server stores the messages and real consumers
+acknowledge them, so the delivery log holds what the server writes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from dmq_sql import load_queries
+from dmq_pipeline.database import Database
+from dmq_pipeline.options import DEFAULT_JDBC_JAR, SparkOptions
+from tests.integration.support import ServerProcess, wait_for
+
+HERE = Path(__file__).parent
+EXPECTED = load_queries((HERE / "expected.sql").read_text())
+FIXTURES = load_queries((HERE / "fixtures.sql").read_text())
+
+
+def as_spark(value):
+    """A timestamp as Spark's collect() returns it (naive, the process's local time)."""
+    return datetime.fromtimestamp(value.timestamp()) if isinstance(value, datetime) else value
+
+
+def sql(dsn: str, name: str, **params) -> list[tuple]:
+    """Run a test query from fixtures.sql or expected.sql; rows if it returns any."""
+    text = FIXTURES.get(name) or EXPECTED[name]
+    with psycopg.connect(dsn, autocommit=True, options="-c TimeZone=UTC") as conn:
+        cur = conn.execute(text, params or None)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for the whole run (the JVM starts once)."""
+    if not os.path.isfile(DEFAULT_JDBC_JAR):
+        pytest.fail(f"{DEFAULT_JDBC_JAR} missing: apt-get install -y libpostgresql-jdbc-java")
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("dmq-pipeline tests")
+        .config("spark.jars", DEFAULT_JDBC_JAR)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.pyspark.python", sys.executable)
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def make_server(pg_dsn):
+    """Factory: ``make_server(**flags)`` starts a dmq-server on the test's database."""
+    servers: list[ServerProcess] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="dmq-pipeline-test-"))
+
+    def make(**flags: str) -> ServerProcess:
+        server = ServerProcess(pg_dsn, log_dir, **flags)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+    shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def topic(pg_dsn) -> str:
+    """Topic ``orders`` with channels ``billing`` and ``shipping``, topic ``audit`` with ``archive``."""
+    from dmq_server.store import connect, migrate
+    import registry
+
+    migrate(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders", msg_timeout_ms=60000)
+        registry.add_channel(conn, "orders", "billing")
+        registry.add_channel(conn, "orders", "shipping")
+        registry.create_topic(conn, "audit", msg_timeout_ms=60000)
+        registry.add_channel(conn, "audit", "archive")
+    return "orders"
+
+
+@pytest.fixture
+def db(pg_dsn) -> Iterator[Database]:
+    """The pipeline's driver-side connection to the test database."""
+    database = Database(pg_dsn)
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def opts(pg_dsn) -> SparkOptions:
+    return SparkOptions(pg_dsn=pg_dsn, partitions=2)
+
+
+@dataclass
+class Traffic:
+    sent: int
+    delivered: int
+    pending: int
+
+
+def consume(server: ServerProcess, topic: str, channel: str, count: int, *,
+            leave_unacked: int = 0, abandon: int = 0) -> list:
+    """Take ``count`` distinct messages from a channel and acknowledge all but the last
+    ``leave_unacked``. ``abandon`` first pushes that many to a consumer that disconnects
+    without acknowledging, so they are delivered again (attempts 2)."""
+    if abandon:
+        with server.client() as quitter:
+            quitter.subscribe(topic, channel, credit=abandon)
+            for _ in range(abandon):
+                assert quitter.receive(timeout=10) is not None
+    seen: dict[int, object] = {}
+    with server.client() as consumer:
+        consumer.subscribe(topic, channel, credit=count)
+        while len(seen) < count:
+            push = consumer.receive(timeout=10)
+            assert push is not None, f"{channel}: got {len(seen)} of {count}"
+            if push.message_id in seen:
+                continue
+            seen[push.message_id] = push
+            if len(seen) <= count - leave_unacked:
+                consumer.ack(push)
+        # the acks are flushed in batches: wait until the log shows them
+    return list(seen.values())
+
+
+def make_traffic(server: ServerProcess, pg_dsn: str, n: int = 40) -> Traffic:
+    """``n`` messages to orders (billing + shipping) and n/4 to audit; some redelivered,
+    three left unacknowledged on billing."""
+    logged_before = sql(pg_dsn, "counts")[0][2]
+    with server.client() as producer:
+        replies = producer.send_many("orders", [f"order-{i:04d}".encode() for i in range(n)])
+        replies += producer.send_many("audit", [f"audit-{i:04d}".encode() for i in range(n // 4)])
+    assert all(r.command.name == "SEND_SUCCESS_ACK" for r in replies)
+    consume(server, "orders", "billing", n, leave_unacked=3, abandon=5)
+    consume(server, "orders", "shipping", n, abandon=2)
+    consume(server, "audit", "archive", n // 4)
+    delivered = (n - 3) + n + n // 4
+    wait_for(lambda: sql(pg_dsn, "counts")[0][2] == logged_before + delivered, timeout=20)
+    return Traffic(sent=n + n // 4, delivered=delivered, pending=3)

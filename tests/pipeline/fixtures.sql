@@ -1,0 +1,59 @@
+-- Test-only statements for tests/pipeline (setup and observation).
+
+-- name: insert_dead_letter
+-- Dead letters are not produced by the server yet (the delay/dead-letter issue),
+-- so tests insert them as that issue's server would.
+INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
+                             attempts, body, published_at, dead_at, replayed_at)
+VALUES (%(reason)s, %(detail)s, %(topic)s, %(channel)s, 'test-producer', %(session_id)s, NULL,
+        %(attempts)s, %(body)s, now() - interval '5 minutes', %(dead_at)s, %(replayed_at)s)
+RETURNING id;
+
+-- name: dead_letters
+-- Every dead letter with its replay bookkeeping.
+SELECT id, topic, channel, reason, body, replayed_at, replay_message_id
+FROM dmq_dead_letter ORDER BY id;
+
+-- name: forget_replays
+-- Simulate a replay that crashed after sending and before recording: clear the marks.
+UPDATE dmq_dead_letter SET replayed_at = NULL, replay_message_id = NULL
+WHERE id = ANY(%(ids)s);
+
+-- name: log_rows
+-- Delivery-log rows with their message (what the archive must hold).
+SELECT l.id, l.message_id, l.topic, l.channel, l.attempts, l.published_at, l.acked_at,
+       m.producer, m.session_id, m.body
+FROM dmq_delivery_log l JOIN dmq_message m ON m.id = l.message_id
+ORDER BY l.id;
+
+-- name: log_ids
+-- Ids of the delivery log rows still in PostgreSQL.
+SELECT id FROM dmq_delivery_log ORDER BY id;
+
+-- name: counts
+-- Row counts of the tables the pipeline reads or changes.
+SELECT (SELECT count(*) FROM dmq_message) AS messages,
+       (SELECT count(*) FROM dmq_delivery) AS deliveries,
+       (SELECT count(*) FROM dmq_delivery_log) AS log,
+       (SELECT count(*) FROM dmq_message_history) AS history,
+       (SELECT count(*) FROM dmq_archive_batch) AS batches,
+       (SELECT count(*) FROM dmq_archive_state) AS archive_state,
+       (SELECT count(*) FROM dmq_dead_letter WHERE replayed_at IS NOT NULL) AS replayed,
+       (SELECT max(version) FROM dmq_schema_version) AS schema_version;
+
+-- name: batches
+-- Archive batches, oldest first.
+SELECT id, low_id, high_id, state, rows, missing_messages FROM dmq_archive_batch ORDER BY id;
+
+-- name: take_log_row
+-- Hide a log row (a transaction that has taken its id but not committed yet).
+DELETE FROM dmq_delivery_log WHERE id = %(id)s
+RETURNING id, message_id, topic, channel, published_at, first_delivered_at, acked_at, attempts;
+
+-- name: put_log_row
+-- Commit a hidden log row late, with its original id.
+INSERT INTO dmq_delivery_log (id, message_id, topic, channel, published_at, first_delivered_at,
+                              acked_at, attempts)
+OVERRIDING SYSTEM VALUE
+VALUES (%(id)s, %(message_id)s, %(topic)s, %(channel)s, %(published_at)s, %(first_delivered_at)s,
+        %(acked_at)s, %(attempts)s);

@@ -1,0 +1,155 @@
+"""archive: Parquet holds every delivered row once, PostgreSQL is trimmed, crashes resume."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from dmq_pipeline import archive
+from dmq_pipeline.archive import archive_schema, dataset_path
+from dmq_pipeline.options import ArchiveSettings
+
+from .conftest import as_spark, make_traffic, sql
+from tests.integration.support import wait_for
+
+
+def archived(spark, location: str) -> list:
+    return (
+        spark.read.schema(archive_schema()).parquet(dataset_path(location)).orderBy("id").collect()
+    )
+
+
+def settings(location) -> ArchiveSettings:
+    return ArchiveSettings(archive=str(location), older_than=0.0)
+
+
+def test_archive_writes_log_rows_with_messages_and_trims(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """Every delivery-log row lands in Parquet once, with its message, partitioned by
+    topic/day/batch; the log is emptied and pending copies are untouched."""
+    server = make_server()
+    traffic = make_traffic(server, pg_dsn)
+    expected = sql(pg_dsn, "log_rows")
+    assert len(expected) == traffic.delivered
+
+    result = archive.run_archive(spark, db, opts, settings(tmp_path / "arch"))
+
+    assert result.rows == traffic.delivered and result.missing_messages == 0
+    rows = archived(spark, str(tmp_path / "arch"))
+    got = [(r.id, r.message_id, r.topic, r.channel, r.attempts, r.published_at, r.acked_at,
+            r.producer, r.session_id, bytes(r.body)) for r in rows]
+    assert got == [tuple(as_spark(v) for v in e[:9]) + (bytes(e[9]),) for e in expected]
+    assert {r.day for r in rows} == {e[6].date() for e in expected}
+    assert sorted(p.name for p in (tmp_path / "arch" / "delivery_log").iterdir() if p.is_dir()) == [
+        "topic=audit", "topic=orders"
+    ]
+    assert Counter(r.attempts for r in rows if r.channel == "billing")[2] == 5
+    counts = sql(pg_dsn, "counts")[0]
+    assert counts[2] == 0, "log trimmed"
+    assert counts[1] == traffic.pending, "unacknowledged copies stay"
+    assert sql(pg_dsn, "batches") == [(1, 0, expected[-1][0], "trimmed", traffic.delivered, 0)]
+
+    again = archive.run_archive(spark, db, opts, settings(tmp_path / "arch"))
+    assert again.rows == 0 and len(archived(spark, str(tmp_path / "arch"))) == traffic.delivered
+
+
+def test_crash_between_write_and_trim_leaves_exactly_one_copy(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """A run that died after writing its batch and before trimming is finished by the
+    next run: the batch is trimmed, not written twice, and newer rows follow in a new batch."""
+    server = make_server()
+    make_traffic(server, pg_dsn, n=20)
+    loc = str(tmp_path / "arch")
+    prepared = archive.run_archive(spark, db, opts, ArchiveSettings(archive=loc, init_only=True))
+    assert prepared.enabled_now
+    # the crashed run: planned and written, never trimmed
+    batch = archive.plan_batch(db, settings(loc))
+    written = archive.write_batch(spark, db, opts, archive.normalize_location(loc), batch)
+    assert sql(pg_dsn, "counts")[0][2] == written.rows, "nothing trimmed yet"
+    before = {r.id for r in archived(spark, loc)}
+    more = make_traffic(server, pg_dsn, n=8)  # history keeps arriving meanwhile
+
+    result = archive.run_archive(spark, db, opts, settings(loc))
+
+    ids = [r.id for r in archived(spark, loc)]
+    assert len(ids) == len(set(ids)), "no row twice"
+    assert before < set(ids) and len(ids) == written.rows + more.delivered
+    assert [b.id for b in result.batches] == [batch.id, batch.id + 1]
+    assert sql(pg_dsn, "log_ids") == []
+    assert [s[3] for s in sql(pg_dsn, "batches")] == ["trimmed", "trimmed"]
+
+
+def test_batch_written_but_not_recorded_is_replaced_not_appended(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """A run that died after Spark committed the Parquet but before the batch was marked
+    written: the next run writes the batch again over its own files; one copy of each row."""
+    server = make_server()
+    traffic = make_traffic(server, pg_dsn, n=12)
+    loc = str(tmp_path / "arch")
+    archive.run_archive(spark, db, opts, ArchiveSettings(archive=loc, init_only=True))
+    batch = archive.plan_batch(db, settings(loc))
+    archive.write_batch(spark, db, opts, archive.normalize_location(loc), batch)
+    db.execute("replan_archive_batch", id=batch.id)  # as if the mark never committed
+
+    archive.run_archive(spark, db, opts, settings(loc))
+
+    ids = [r.id for r in archived(spark, loc)]
+    assert len(ids) == len(set(ids)) == traffic.delivered
+    assert sql(pg_dsn, "log_ids") == []
+
+
+def test_late_commits_are_archived_once(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """Log rows that commit late (their id taken before the batch was planned) are neither
+    lost by the trim nor duplicated: inside a written batch they force a rewrite, below the
+    watermark they become a straggler batch."""
+    server = make_server()
+    traffic = make_traffic(server, pg_dsn, n=12)
+    loc = str(tmp_path / "arch")
+    archive.run_archive(spark, db, opts, ArchiveSettings(archive=loc, init_only=True))
+    first, middle = sql(pg_dsn, "log_ids")[0][0], sql(pg_dsn, "log_ids")[5][0]
+    hidden_first = sql(pg_dsn, "take_log_row", id=first)[0]
+    hidden_middle = sql(pg_dsn, "take_log_row", id=middle)[0]
+    batch = archive.plan_batch(db, settings(loc))
+    written = archive.write_batch(spark, db, opts, archive.normalize_location(loc), batch)
+    assert written.rows == traffic.delivered - 2
+    columns = ("id", "message_id", "topic", "channel", "published_at", "first_delivered_at",
+               "acked_at", "attempts")
+    sql(pg_dsn, "put_log_row", **dict(zip(columns, hidden_middle)))  # commits inside the batch
+
+    archive.run_archive(spark, db, opts, settings(loc))
+    assert middle in {r.id for r in archived(spark, loc)}
+    sql(pg_dsn, "put_log_row", **dict(zip(columns, hidden_first)))  # commits below the watermark
+    result = archive.run_archive(spark, db, opts, settings(loc))
+
+    ids = [r.id for r in archived(spark, loc)]
+    assert len(ids) == len(set(ids)) == traffic.delivered
+    assert result.rows == 1
+    assert sql(pg_dsn, "log_ids") == []
+
+
+def test_swept_messages_keep_their_bodies_in_the_archive(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """Once archiving is enabled, a message the server sweeps (retention over) is kept in
+    dmq_message_history until archived, so its body reaches Parquet; then it is deleted."""
+    loc = str(tmp_path / "arch")
+    db.migrate()
+    archive.run_archive(None, db, opts, ArchiveSettings(archive=loc, init_only=True))
+    server = make_server(message_retention="0s", sweep_interval="100ms")
+    traffic = make_traffic(server, pg_dsn, n=12)
+    # everything fully acknowledged is swept; the three pending billing copies keep theirs
+    wait_for(lambda: sql(pg_dsn, "counts")[0][0] == 3, timeout=20)
+    assert sql(pg_dsn, "counts")[0][3] == traffic.sent - 3
+
+    result = archive.run_archive(spark, db, opts, settings(loc))
+
+    assert result.rows == traffic.delivered and result.missing_messages == 0
+    rows = archived(spark, loc)
+    assert all(r.body is not None and r.producer for r in rows)
+    assert {bytes(r.body) for r in rows if r.topic == "audit"} == {f"audit-{i:04d}".encode() for i in range(3)}
+    assert sql(pg_dsn, "counts")[0][3] == 0, "kept messages released once archived"
+
+
+def test_other_archive_location_is_refused(make_server, topic, pg_dsn, db, opts, tmp_path):
+    """One database has one archive: another location is a usage error that changes nothing."""
+    db.migrate()
+    archive.run_archive(None, db, opts, ArchiveSettings(archive=str(tmp_path / "a"), init_only=True))
+    with pytest.raises(archive.UsageError, match="archived to"):
+        archive.run_archive(None, db, opts, settings(tmp_path / "b"))
+    assert sql(pg_dsn, "counts")[0][4] == 0

@@ -1,0 +1,138 @@
+"""replay: selected dead letters reach a real consumer once, however often the job runs."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from dmq_pipeline import cli, replay
+from dmq_pipeline.errors import UsageError
+from dmq_pipeline.options import ReplaySettings, time_range
+
+from .conftest import sql
+
+SENTINEL = b"sentinel: everything sent before me has arrived"
+
+
+def insert_dead_letters(pg_dsn: str) -> dict[str, list[int]]:
+    """Dead letters inserted directly: the server does not produce them yet (that is the
+    delay/dead-letter issue), so the test writes rows as it will."""
+    now = datetime.now(timezone.utc)
+    groups = {
+        "selected": [("max_attempts", "orders", "billing", None)] * 20,
+        "other_reason": [("expired", "orders", "billing", None)] * 4,
+        "other_topic": [("max_attempts", "audit", "archive", None)] * 3,
+        "already_replayed": [("max_attempts", "orders", "billing", now)] * 2,
+    }
+    ids: dict[str, list[int]] = {}
+    for group, rows in groups.items():
+        for i, (reason, topic, channel, replayed_at) in enumerate(rows):
+            ids.setdefault(group, []).append(sql(
+                pg_dsn, "insert_dead_letter", reason=reason, detail="gave up", topic=topic,
+                channel=channel, session_id=1000 + i, attempts=5,
+                body=f"{group}-{i:03d}".encode(), dead_at=now - timedelta(minutes=10),
+                replayed_at=replayed_at,
+            )[0][0])
+    return ids
+
+
+def receive_until_sentinel(consumer, producer) -> list[bytes]:
+    """Everything the channel delivers up to a sentinel sent now (acknowledging all)."""
+    producer.send("orders", SENTINEL)
+    bodies = []
+    while True:
+        push = consumer.receive(timeout=20)
+        assert push is not None, f"sentinel never arrived; got {bodies}"
+        consumer.ack(push)
+        if push.body == SENTINEL:
+            return bodies
+        bodies.append(push.body)
+
+
+def selected(**changes) -> ReplaySettings:
+    """The 20 max_attempts dead letters of orders/billing; orders also has channel shipping,
+    which the replayed sends reach too (allowed explicitly)."""
+    return ReplaySettings(topic="orders", reason="max_attempts", all_channels=True, **changes)
+
+
+def test_replay_delivers_each_selected_dead_letter_once(spark, make_server, topic, pg_dsn, db, opts):
+    """The 20 selected dead letters are delivered to billing exactly once, recorded with the
+    message id the consumer saw; other reasons, topics and replayed rows are left alone; a
+    second run selects and delivers nothing."""
+    server = make_server()
+    ids = insert_dead_letters(pg_dsn)
+    span = time_range("1d", "now")
+    with server.client() as consumer, server.client() as producer:
+        consumer.subscribe("orders", "billing", credit=100)
+        settings = selected(server=f"127.0.0.1:{server.tcp_port}", mark_batch=7)
+        progress: list[str] = []
+
+        first = replay.run_replay(spark, db, opts, settings, span, progress.append)
+
+        assert (first.selected, first.replayed, first.failures) == (20, 20, 0)
+        assert progress[-1] == "replay: 20/20 recorded"
+        got = receive_until_sentinel(consumer, producer)
+        assert sorted(got) == [f"selected-{i:03d}".encode() for i in range(20)]
+        rows = {r[0]: r for r in sql(pg_dsn, "dead_letters")}
+        assert all(rows[i][5] is not None for i in ids["selected"])
+        assert all(rows[i][5] is None for i in ids["other_reason"] + ids["other_topic"])
+        assert all(rows[i][6] is None for i in ids["already_replayed"])
+
+        second = replay.run_replay(spark, db, opts, settings, span)
+
+        assert (second.selected, second.replayed) == (0, 0)
+        assert receive_until_sentinel(consumer, producer) == []
+
+
+def test_rerun_after_a_crash_before_recording_delivers_nothing_new(spark, make_server, topic, pg_dsn, db, opts):
+    """If a run sent dead letters but died before recording them, the next run sends them
+    again with the same (producer, session id): the server answers with the stored message,
+    nothing is delivered twice, and the rows are recorded with the original message ids."""
+    server = make_server()
+    ids = insert_dead_letters(pg_dsn)
+    span = time_range("1d", "now")
+    settings = selected(server=f"127.0.0.1:{server.tcp_port}")
+    with server.client() as consumer, server.client() as producer:
+        consumer.subscribe("orders", "billing", credit=100)
+        replay.run_replay(spark, db, opts, settings, span)
+        assert len(receive_until_sentinel(consumer, producer)) == 20
+        before = {r[0]: r[6] for r in sql(pg_dsn, "dead_letters")}
+        lost = ids["selected"][:8]
+        sql(pg_dsn, "forget_replays", ids=lost)
+
+        again = replay.run_replay(spark, db, opts, settings, span)
+
+        assert (again.selected, again.replayed, again.failures) == (8, 8, 0)
+        assert receive_until_sentinel(consumer, producer) == []
+        after = {r[0]: r[6] for r in sql(pg_dsn, "dead_letters")}
+        assert after == before
+
+
+def test_channel_dead_letters_are_not_fanned_out_unasked(spark, make_server, topic, pg_dsn, db, opts):
+    """Dead letters of orders/billing would reach orders/shipping too (a send goes to every
+    channel): without --all-channels the replay refuses, sends nothing and marks nothing."""
+    server = make_server()
+    insert_dead_letters(pg_dsn)
+    settings = ReplaySettings(topic="orders", reason="max_attempts", server=f"127.0.0.1:{server.tcp_port}")
+    with pytest.raises(UsageError, match="would also reach channel.s. shipping"):
+        replay.run_replay(spark, db, opts, settings, time_range("1d", "now"))
+    assert sum(1 for r in sql(pg_dsn, "dead_letters") if r[5] is not None) == 2
+
+
+def test_replay_command_dry_run_and_run(spark, make_server, topic, pg_dsn, capsys):
+    """`dmq-pipeline replay --dry-run` counts the selection and sends nothing; without it the
+    command replays, prints the tally and exits 0."""
+    server = make_server()
+    insert_dead_letters(pg_dsn)
+    args = ["replay", "--pg-dsn", pg_dsn, "--topic", "orders", "--reason", "max_attempts",
+            "--server", f"127.0.0.1:{server.tcp_port}", "--partitions", "2", "--all-channels"]
+
+    assert cli.main(args + ["--dry-run"]) == 0
+    assert "would replay 20 dead letters" in capsys.readouterr().out
+    assert sum(1 for r in sql(pg_dsn, "dead_letters") if r[5] is not None) == 2
+
+    assert cli.main(args) == 0
+    assert "replayed 20 of 20 dead letters" in capsys.readouterr().out
+    assert cli.main(args) == 0
+    assert "nothing to replay" in capsys.readouterr().out
