@@ -22,7 +22,7 @@ from twisted.logger import Logger
 
 from dmq_sql import queries
 
-from .writer import GroupCommitWriter
+from .writer import GroupCommitWriter, RetryingBatcher
 
 __all__ = [
     "REASONS",
@@ -107,103 +107,6 @@ def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef]) -> list[tuple[str, st
 def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:
     params = {"now_ms": now_ms, "limit": limit}
     return [tuple(r) for r in conn.execute(queries["expire_deliveries"], params).fetchall()]
-
-
-class RetryingBatcher:
-    """Items collected for ``interval`` (or ``max_batch`` of them) go to
-    ``db.run(fn, batch)``; a failed batch is retried with a growing pause, because
-    what it records (attempts, exhausted copies) must not be lost while the
-    server runs. ``on_done(batch, result)`` runs after each commit."""
-
-    def __init__(
-        self,
-        db: Any,
-        clock: Any,
-        fn: Callable[[Any, list], Any],
-        *,
-        interval: float,
-        max_batch: int,
-        on_done: Callable[[list, Any], None] = lambda batch, result: None,
-        name: str = "batch",
-    ):
-        self.db = db
-        self.clock = clock
-        self.fn = fn
-        self.interval = interval
-        self.max_batch = max_batch
-        self.on_done = on_done
-        self.name = name
-        self._queue: list = []
-        self._timer: Any = None
-        self._busy = False
-        self._retry = 0.0
-        self._idle: list[Deferred] = []
-        self.done = 0
-
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
-
-    def add(self, item: Any) -> None:
-        self._queue.append(item)
-        if self._busy or self._retry:
-            return
-        if len(self._queue) >= self.max_batch:
-            self._flush()
-        elif self._timer is None:
-            self._timer = self.clock.callLater(self.interval, self._flush)
-
-    def _flush(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-        if self._busy:
-            return
-        if not self._queue:
-            waiters, self._idle = self._idle, []
-            for w in waiters:
-                w.callback(None)
-            return
-        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-        self._busy = True
-        d = self.db.run(self.fn, batch)
-        d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
-
-    def _flushed(self, result: Any, batch: list) -> None:
-        self._busy = False
-        self._retry = 0.0
-        self.done += len(batch)
-        try:
-            self.on_done(batch, result)
-        except Exception:
-            log.failure("{name}: completion failed", name=self.name)
-        self._flush()
-
-    def _failed(self, failure: Any, batch: list) -> None:
-        self._busy = False
-        log.warn("{name} of {n} failed, will retry: {why}", name=self.name, n=len(batch), why=failure.value)
-        self._queue[:0] = batch
-        self._retry = min(max(self._retry * 2, 0.1), 5.0)
-        if self._timer is None:
-            self._timer = self.clock.callLater(self._retry, self._retry_now)
-
-    def _retry_now(self) -> None:
-        self._timer = None
-        self._flush()
-
-    def drain(self) -> Deferred:
-        if not self._queue and not self._busy:
-            return succeed(None)
-        d: Deferred = Deferred()
-        self._idle.append(d)
-        if not self._busy and not self._retry:
-            self._flush()
-        return d
-
-    def stop(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
 
 
 class DeadLetterSink:

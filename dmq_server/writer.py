@@ -20,7 +20,7 @@ from twisted.logger import Logger
 
 from .store import AckRow, DbWorker, NewMessage, StorageError, ack_deliveries, insert_messages
 
-__all__ = ["GroupCommitWriter", "AckBatcher", "ShuttingDown"]
+__all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
 
 log = Logger()
 
@@ -147,39 +147,49 @@ class GroupCommitWriter:
         return d
 
 
-class AckBatcher:
+class RetryingBatcher:
+    """Items collected for ``interval`` (or ``max_batch`` of them) go to
+    ``db.run(fn, batch)``; a failed batch is retried with a growing pause, because
+    what it records (attempts, exhausted copies) must not be lost while the
+    server runs. ``on_done(batch, result)`` runs after each commit."""
+
     def __init__(
         self,
-        worker: DbWorker,
+        db: Any,
         clock: Any,
+        fn: Callable[[Any, list], Any],
+        *,
+        interval: float,
         max_batch: int,
-        flush_interval: float,
-        on_done: Callable[[list[AckRow], bool], None],
+        on_done: Callable[[list, Any], None] = lambda batch, result: None,
+        name: str = "batch",
     ):
-        self._worker = worker
-        self._clock = clock
-        self._max_batch = max_batch
-        self._flush_interval = flush_interval
-        self._on_done = on_done
-        self._queue: list[AckRow] = []
-        self._busy = False
+        self.db = db
+        self.clock = clock
+        self.fn = fn
+        self.interval = interval
+        self.max_batch = max_batch
+        self.on_done = on_done
+        self.name = name
+        self._queue: list = []
         self._timer: Any = None
-        self._retry_delay = 0.0
-        self._idle_waiters: list[Deferred] = []
-        self.acked = 0
+        self._busy = False
+        self._retry = 0.0
+        self._idle: list[Deferred] = []
+        self.done = 0
 
     @property
     def pending(self) -> int:
         return len(self._queue)
 
-    def add(self, row: AckRow) -> None:
-        self._queue.append(row)
-        if self._busy or self._retry_delay:
-            return  # the batch in flight, or the timed retry, takes these next
-        if len(self._queue) >= self._max_batch:
+    def add(self, item: Any) -> None:
+        self._queue.append(item)
+        if self._busy or self._retry:
+            return
+        if len(self._queue) >= self.max_batch:
             self._flush()
         elif self._timer is None:
-            self._timer = self._clock.callLater(self._flush_interval, self._flush)
+            self._timer = self.clock.callLater(self.interval, self._flush)
 
     def _flush(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -188,40 +198,74 @@ class AckBatcher:
         if self._busy:
             return
         if not self._queue:
-            waiters, self._idle_waiters = self._idle_waiters, []
+            waiters, self._idle = self._idle, []
             for w in waiters:
                 w.callback(None)
             return
-        batch = self._queue[: self._max_batch]
-        del self._queue[: self._max_batch]
+        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
         self._busy = True
-        d = self._worker.run(ack_deliveries, batch)
+        d = self.db.run(self.fn, batch)
         d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
 
-    def _flushed(self, _: Any, batch: list[AckRow]) -> None:
+    def _flushed(self, result: Any, batch: list) -> None:
         self._busy = False
-        self._retry_delay = 0.0
-        self.acked += len(batch)
-        self._on_done(batch, True)
-        if self._queue:
-            self._flush()
-        else:
-            self._flush()  # fires idle waiters
+        self._retry = 0.0
+        self.done += len(batch)
+        try:
+            self.on_done(batch, result)
+        except Exception:
+            log.failure("{name}: completion failed", name=self.name)
+        self._flush()
 
-    def _failed(self, failure: Any, batch: list[AckRow]) -> None:
+    def _failed(self, failure: Any, batch: list) -> None:
         self._busy = False
-        log.warn("durable ack of {n} failed, will retry: {why}", n=len(batch), why=failure.value)
+        log.warn("{name} of {n} failed, will retry: {why}", name=self.name, n=len(batch), why=failure.value)
         self._queue[:0] = batch
-        self._retry_delay = min(max(self._retry_delay * 2, 0.1), 5.0)
+        self._retry = min(max(self._retry * 2, 0.1), 5.0)
         if self._timer is None:
-            self._timer = self._clock.callLater(self._retry_delay, self._flush)
+            self._timer = self.clock.callLater(self._retry, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._timer = None
+        self._flush()
 
     def drain(self) -> Deferred:
-        """Fires once every queued ack is durable (or the caller gives up waiting)."""
         if not self._queue and not self._busy:
             return succeed(None)
         d: Deferred = Deferred()
-        self._idle_waiters.append(d)
-        if not self._busy:
+        self._idle.append(d)
+        if not self._busy and not self._retry:
             self._flush()
         return d
+
+    def stop(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+
+class AckBatcher(RetryingBatcher):
+    """Durable acknowledgements: delivery rows deleted and delivery-log rows written in
+    batches. ``on_done(batch, True)`` runs after each commit."""
+
+    def __init__(
+        self,
+        worker: DbWorker,
+        clock: Any,
+        max_batch: int,
+        flush_interval: float,
+        on_done: Callable[[list[AckRow], bool], None],
+    ):
+        super().__init__(
+            worker,
+            clock,
+            ack_deliveries,
+            interval=flush_interval,
+            max_batch=max_batch,
+            on_done=lambda batch, _result: on_done(batch, True),
+            name="durable ack",
+        )
+
+    @property
+    def acked(self) -> int:
+        return self.done
