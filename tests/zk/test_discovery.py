@@ -115,7 +115,8 @@ def test_client_started_while_zookeeper_is_down_finds_the_nodes_later(zk_private
     node = make_node(zk=address)
     with zk_client(address) as zk:
         register_topic(zk, "orders", "billing")
-    wait_for(lambda: "orders" in http_get(node.http + "/stats")[1], timeout=10)  # the node knows it
+    # the node knows the topic *and* its channel (the watch may deliver them one at a time)
+    wait_for(lambda: '"billing"' in http_get(node.http + "/stats")[1], timeout=10)
     server = zk_private.servers[0]
     server.stop()
     config = discovery_config(address, connect_timeout=1.0, route_wait=30.0)
