@@ -52,6 +52,20 @@ def mark_replayed(conn: psycopg.Connection, ids: list[int], message_ids: list[in
 class Database:
     """dmq's PostgreSQL as seen by the pipeline driver."""
 
+
+    def check_topic_channel(self, topic: str, channel: str) -> None:
+        """UsageError for a topic or channel filter naming nothing registered, so a
+        job refuses a typo before Spark starts instead of reporting an empty range."""
+        topics = self.topics()
+        if topic and topic not in topics:
+            known = ", ".join(sorted(topics)) or "none"
+            raise UsageError(f"unknown topic {topic!r} (registered: {known})")
+        if channel:
+            channels = topics.get(topic, ()) if topic else {c for names in topics.values() for c in names}
+            if channel not in channels:
+                where = f"on topic {topic!r}" if topic else "on any topic"
+                raise UsageError(f"unknown channel {channel!r} {where}")
+
     def __init__(self, dsn: str):
         self.dsn = dsn
         self._conn: psycopg.Connection | None = None

@@ -74,17 +74,7 @@ def _params(settings: ReplaySettings, span: TimeRange) -> dict:
 
 def validate(db: Database, settings: ReplaySettings) -> None:
     """Unknown topic, channel or reason, or no server to send to: a usage error."""
-    topics = db.topics()
-    if settings.topic and settings.topic not in topics:
-        known = ", ".join(sorted(topics)) or "none"
-        raise UsageError(f"unknown topic {settings.topic!r} (registered: {known})")
-    if settings.channel:
-        channels = topics.get(settings.topic, ()) if settings.topic else {
-            c for names in topics.values() for c in names
-        }
-        if settings.channel not in channels:
-            where = f"on topic {settings.topic!r}" if settings.topic else "on any topic"
-            raise UsageError(f"unknown channel {settings.channel!r} {where}")
+    db.check_topic_channel(settings.topic, settings.channel)
     if settings.reason:
         reasons = set()
         for (definition,) in db.all("dead_letter_reasons"):

@@ -37,7 +37,6 @@ from typing import Callable
 
 from .archive import archive_schema, dataset_path, normalize_location
 from .database import Database
-from .errors import UsageError
 from .jdbc import IdRange, read_query
 from .options import ReportSettings, SparkOptions, TimeRange
 from .session import ensure_utc
@@ -61,17 +60,7 @@ class ReportResult:
 
 def validate(db: Database, settings: ReportSettings) -> None:
     """Unknown topic or channel: a usage error before anything runs."""
-    topics = db.topics()
-    if settings.topic and settings.topic not in topics:
-        known = ", ".join(sorted(topics)) or "none"
-        raise UsageError(f"unknown topic {settings.topic!r} (registered: {known})")
-    if settings.channel:
-        channels = topics.get(settings.topic, ()) if settings.topic else {
-            c for names in topics.values() for c in names
-        }
-        if settings.channel not in channels:
-            where = f"on topic {settings.topic!r}" if settings.topic else "on any topic"
-            raise UsageError(f"unknown channel {settings.channel!r} {where}")
+    db.check_topic_channel(settings.topic, settings.channel)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-gnsq = pytest.importorskip("gnsq")
+import gnsq  # noqa: E402  (the dev extra installs it; a missing client is an error, not a skip)
 import gevent  # noqa: E402
 from gevent.event import Event  # noqa: E402
 

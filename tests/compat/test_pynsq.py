@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-nsq = pytest.importorskip("nsq")
+import nsq  # noqa: E402  (the dev extra installs it; a missing client is an error, not a skip)
 from tornado.ioloop import IOLoop  # noqa: E402
 
 from tests.integration.support import db_rows, wait_for  # noqa: E402

@@ -13,7 +13,7 @@ from tests.integration.support import db_rows, http_get, wait_for
 
 from .helpers import register_topic
 
-nsq = pytest.importorskip("nsq")
+import nsq  # noqa: E402  (the dev extra installs it; a missing client is an error, not a skip)
 from tornado.ioloop import IOLoop  # noqa: E402
 
 pytestmark = pytest.mark.integration
