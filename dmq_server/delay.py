@@ -93,7 +93,8 @@ class MovedMessage:
 
 
 def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
-    """Store a batch in the caller's transaction; one StoredDelay per item, in order."""
+    """Store a batch: one statement, atomic on its own (also in autocommit); one
+    StoredDelay per item, in order."""
     rows = conn.execute(
         queries["insert_delayed"],
         {

@@ -80,7 +80,8 @@ class DmqServer:
             log.info("applied schema migrations {versions}", versions=applied)
         writers = [f"writer{i}" for i in range(getattr(options, "commit_writers", 2))]
         for role in (*writers, *WORKER_ROLES, *worker_roles(options)):
-            worker = DbWorker(self.reactor, self.dsn, role)
+            # group commit and durable acks: one statement per batch, committed on its own
+            worker = DbWorker(self.reactor, self.dsn, role, autocommit=role in writers or role == "acker")
             worker.start()
             self.workers[role] = worker
         fetch_topics, broker_options = None, options

@@ -68,12 +68,21 @@ def _describe(exc: BaseException) -> str:
 
 
 class DbWorker:
-    """One thread, one connection, calls run in submission order."""
+    """One thread, one connection, calls run in submission order.
 
-    def __init__(self, reactor: Any, dsn: str, name: str):
+    By default each call runs in a transaction. With ``autocommit`` every statement
+    commits on its own: for callers whose only write is one statement (group
+    commit's insert, then at most a read of rows already stored; the ack batch's
+    delete-and-log). It saves the BEGIN and COMMIT round trips, and with them two
+    waits of the worker thread for the GIL, which the reactor thread holds most of
+    the time under load.
+    """
+
+    def __init__(self, reactor: Any, dsn: str, name: str, *, autocommit: bool = False):
         self._reactor = reactor
         self._dsn = dsn
         self.name = name
+        self.autocommit = autocommit
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"dmq-db-{name}")
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
@@ -91,15 +100,18 @@ class DbWorker:
             self._conn = None
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred:
-        """Run ``fn(conn, *args)`` in a transaction on this worker's thread."""
+        """Run ``fn(conn, *args)`` on this worker's thread, in a transaction unless
+        the worker is ``autocommit``."""
         return deferToThreadPool(self._reactor, self._pool, self._call, fn, args, kwargs)
 
     def _call(self, fn: Callable[..., T], args: Sequence[Any], kwargs: dict) -> T:
         with self._lock:
             if self._conn is None or self._conn.closed:
-                self._conn = connect(self._dsn)
+                self._conn = connect(self._dsn, autocommit=self.autocommit)
             conn = self._conn
             try:
+                if self.autocommit:
+                    return fn(conn, *args, **kwargs)
                 with conn.transaction():
                     return fn(conn, *args, **kwargs)
             except StorageError:
@@ -201,7 +213,8 @@ class StoredMessage:
 def insert_messages(
     conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str
 ) -> list[StoredMessage]:
-    """Store a batch and its deliveries in the caller's transaction."""
+    """Store a batch and its deliveries: one statement, atomic on its own (the
+    writers run it in autocommit); resent pairs are then read back."""
     rows = conn.execute(
         queries["insert_messages"],
         {
