@@ -1,0 +1,114 @@
+"""Where PostgreSQL's CPU per published message goes: the send statement taken apart.
+
+The reliable path stores each message with ``insert_messages`` (sql/queries.sql):
+one message row, one delivery row per channel, ``RETURNING`` for the ids; the
+writers try it without its ``ON CONFLICT`` clause first and run it as written
+only for a batch holding a resend (dmq_server/store.py). This runs that statement and simpler variants of it
+on a private PostgreSQL from one connection, in batches, and prints the backend's
+CPU per message (from /proc, so only PostgreSQL's own work) and the client's
+(psycopg building the array parameters and reading the result).
+
+``synchronous_commit`` is off here on purpose: the figure is CPU, not fsync.
+
+    python bench/insert_cost.py                      # 60,000 messages per variant, batches of 200
+    python bench/insert_cost.py --messages 200000 --batch 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _common import cpu_seconds  # noqa: E402
+from _pg import PrivatePostgres  # noqa: E402
+
+import registry  # noqa: E402
+from dmq_server.store import _INSERT_NEW_MESSAGES, connect, migrate  # noqa: E402
+from dmq_sql import queries  # noqa: E402
+
+UNNEST = (
+    "unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[], "
+    "%(produced_ms)b::bigint[], %(bodies)b::bytea[]) AS u(topic, producer, session_id, produced_ms, body)"
+)
+MESSAGE_COLUMNS = "INSERT INTO dmq_message (topic, producer, session_id, node_id, body) "
+MESSAGE_ROWS = f"SELECT topic, producer, session_id, %(node_id)s, body FROM {UNNEST}"
+
+VARIANTS = [
+    ("insert_messages without ON CONFLICT (the first try)", _INSERT_NEW_MESSAGES, None),
+    ("insert_messages as written (after a unique violation)", queries["insert_messages"], None),
+    ("message rows only", MESSAGE_COLUMNS + MESSAGE_ROWS, None),
+    ("+ ON CONFLICT (producer, session_id)", MESSAGE_COLUMNS + MESSAGE_ROWS
+     + " ON CONFLICT (producer, session_id) DO NOTHING", None),
+    ("+ RETURNING id, producer, session_id, published_at", MESSAGE_COLUMNS + MESSAGE_ROWS
+     + " ON CONFLICT (producer, session_id) DO NOTHING RETURNING id, producer, session_id, published_at", None),
+    ("delivery rows only", "INSERT INTO dmq_delivery (topic, channel, message_id, owner) "
+     f"SELECT topic, 'c', session_id, %(node_id)s FROM {UNNEST}", None),
+    ("the first try without dmq_delivery_owner_idx", _INSERT_NEW_MESSAGES,
+     "DROP INDEX dmq_delivery_owner_idx"),
+]
+
+
+def batch_params(n: int, size: int) -> dict:
+    return {
+        "topics": ["bench"] * size,
+        "producers": [f"producer-{n % 4}"] * size,
+        "session_ids": [n * size + i for i in range(size)],
+        "produced_ms": [1_700_000_000_000] * size,
+        "bodies": [b"x" * 200] * size,
+        "node_id": "node-1",
+    }
+
+
+def measure(dsn: str, sql: str, setup: str | None, messages: int, size: int) -> tuple[float, float, float]:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE dmq_message, dmq_delivery")
+        if setup:
+            conn.execute(setup)
+        conn.execute("CHECKPOINT")
+    params = [batch_params(n, size) for n in range(messages // size)]
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = off")
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        cpu0, client0, t0 = cpu_seconds(backend), time.process_time(), time.perf_counter()
+        for p in params:
+            cur = conn.execute(sql, p)
+            if cur.description:
+                cur.fetchall()
+        elapsed = time.perf_counter() - t0
+        cpu1, client1 = cpu_seconds(backend), time.process_time()
+    count = len(params) * size
+    return 1e6 * (cpu1 - cpu0) / count, 1e6 * (client1 - client0) / count, count / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=60_000)
+    parser.add_argument("--batch", type=int, default=200)
+    args = parser.parse_args()
+    pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-insert-"))
+    try:
+        dsn = pg.start()
+        migrate(dsn)
+        with connect(dsn, autocommit=True) as conn:
+            registry.create_topic(conn, "bench")
+            registry.add_channel(conn, "bench", "c")
+        print(f"{args.messages:,} messages per variant, batches of {args.batch}, one connection, "
+              "synchronous_commit off, 200-byte bodies, 1 channel")
+        print(f"{'variant':52s} {'backend us/msg':>15s} {'client us/msg':>14s} {'msgs/s':>9s}")
+        for name, sql, setup in VARIANTS:
+            backend, client, rate = measure(dsn, sql, setup, args.messages, args.batch)
+            print(f"{name:52s} {backend:15.1f} {client:14.1f} {rate:9,.0f}", flush=True)
+    finally:
+        pg.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
