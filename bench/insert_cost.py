@@ -52,6 +52,13 @@ VARIANTS = [
      f"SELECT topic, 'c', session_id, %(node_id)s FROM {UNNEST}", None),
     ("the first try without dmq_delivery_owner_idx", _INSERT_NEW_MESSAGES,
      "DROP INDEX dmq_delivery_owner_idx"),
+    # what if: a delivery row keyed by integer ids (not dmq's schema; created here)
+    ("what if: delivery rows keyed by integer ids", "INSERT INTO bench_delivery_ids "
+     f"(channel_id, message_id, owner_id) SELECT 1, session_id, 1 FROM {UNNEST}",
+     "CREATE TABLE IF NOT EXISTS bench_delivery_ids (channel_id integer, message_id bigint, "
+     "attempts integer NOT NULL DEFAULT 0, owner_id integer NOT NULL, PRIMARY KEY (channel_id, message_id)); "
+     "CREATE INDEX IF NOT EXISTS bench_delivery_ids_owner ON bench_delivery_ids (owner_id, channel_id, message_id); "
+     "TRUNCATE bench_delivery_ids"),
 ]
 
 
