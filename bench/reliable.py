@@ -770,8 +770,7 @@ class Bench:
             }
 
         def measure(batch: int, seconds: float) -> dict:
-            producer = f"bench-ceiling-{batch}"
-            seq[0] = 0
+            producer = f"bench-ceiling-{batch}"  # session ids keep counting: no run repeats a pair
             pg_before = self.pg_probe()
             backend_before = cpu_seconds(backend)
             messages = commits = 0
