@@ -85,7 +85,7 @@ from .diskqueue import DiskQueue, DiskQueueError
 from .message import Message, SendResult, Status
 from .notify import call_callback
 from .pending import PendingSend
-from .send_queue import Put
+from .send_queue import MemorySendQueue, Put
 from .session import default_producer_id
 from .wire import MessageType
 
@@ -173,7 +173,7 @@ class _RecoveredCallback:
             call_callback(self.user, result)
 
 
-class JournalSendQueue:
+class JournalSendQueue(MemorySendQueue):
     """A ``SendQueue`` whose items are journaled on disk until their result is delivered.
 
     ``capacity`` bounds the items waiting for the send runner, as in
@@ -205,21 +205,17 @@ class JournalSendQueue:
         file_bytes: int = FILE_BYTES,
         ticker: bool = True,
     ):
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
+        super().__init__(capacity)  # the queue itself: a deque under self._cond
         if sync_every < 1 or not sync_interval > 0:
             raise ValueError("sync_every must be >= 1 and sync_interval > 0")
         self.path = os.path.abspath(os.fspath(path))
-        self.capacity = capacity
         self.sync_every = sync_every
         self.sync_interval = sync_interval
         self._file_bytes = file_bytes
         # large enough for any record a client could have written; the bound only
         # catches a corrupt length field
         self._max_record = max(64 * 1024 * 1024, max_body_size + 64 * 1024)
-        self._cond = threading.Condition(threading.Lock())
         self._sync_lock = threading.Lock()
-        self._items: deque[PendingSend] = deque()  # waiting for the send runner
         self._order: deque[int] = deque()  # seqs of the live generation's unread records, in order
         self._seq_of: dict[PendingSend, int] = {}  # journaled items not finished yet
         self._done: set[int] = set()  # finished, but an older record is not: not yet read off
@@ -231,7 +227,6 @@ class JournalSendQueue:
         self._reads_unsynced = 0
         self._donelog_entries = 0
         self._dir_synced_file = -1
-        self._closed = False  # refuses puts
         self._shut = False  # files closed
         self.syncs = 0
         self.bad_records = 0
@@ -279,11 +274,7 @@ class JournalSendQueue:
             max_body_size=config.max_body_size,
         )
 
-    # -- the SendQueue protocol -----------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
+    # -- the SendQueue protocol (get_batch, close, drain, len: MemorySendQueue's) ------------
     def put(self, item: PendingSend) -> Put:
         with self._cond:
             if self._closed:
@@ -309,14 +300,6 @@ class JournalSendQueue:
             self._sync_upto(ticket)
         return Put.ACCEPTED
 
-    def get_batch(self, max_items: int, timeout: float | None) -> list[PendingSend]:
-        with self._cond:
-            if not self._items and not self._closed:
-                self._cond.wait(timeout)
-            items = self._items
-            n = min(max_items, len(items))
-            return [items.popleft() for _ in range(n)]
-
     def task_done(self, item: PendingSend) -> None:
         result = item.result
         if result is not None and result.status is Status.CLIENT_CLOSED:
@@ -336,20 +319,6 @@ class JournalSendQueue:
                 head = order.popleft()
                 self._done.discard(head)
                 self._read_off(head)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def drain(self) -> list[PendingSend]:
-        with self._cond:
-            items = list(self._items)
-            self._items.clear()
-            return items
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     # -- journal state ------------------------------------------------------------------------
     @property
