@@ -219,20 +219,28 @@ WITH due AS MATERIALIZED (
     FROM moved mv
     JOIN dmq_channel c ON c.topic = mv.topic AND (mv.channel IS NULL OR c.name = mv.channel)
     GROUP BY mv.delay_id
-), ins AS (
-    INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, body)
-    SELECT mv.topic, mv.producer, mv.session_id,
-           CASE WHEN mv.produced_ms > 0 THEN to_timestamp(mv.produced_ms / 1000.0) END,
-           %(node_id)s, mv.body
+), numbered AS MATERIALIZED (
+    -- message ids drawn here, so the rows stored below are found again by id in
+    -- an array rather than by joining the INSERT's output back to `moved`: that
+    -- join is planned from row estimates, and right after many rows became due
+    -- at once (a bulk replay) the estimates say one row and the plan goes quadratic
+    SELECT mv.*, t.names, nextval(pg_get_serial_sequence('dmq_message', 'id')) AS message_id
     FROM moved mv JOIN targets t ON t.delay_id = mv.delay_id
-    ORDER BY mv.producer, mv.session_id
+), ins AS (
+    INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, body)
+    SELECT n.message_id, n.topic, n.producer, n.session_id,
+           CASE WHEN n.produced_ms > 0 THEN to_timestamp(n.produced_ms / 1000.0) END,
+           %(node_id)s, n.body
+    FROM numbered n
+    ORDER BY n.producer, n.session_id
     ON CONFLICT (producer, session_id) DO NOTHING
-    RETURNING id, producer, session_id, published_at
+    RETURNING id
 ), placed AS (
-    SELECT ins.id, ins.published_at, mv.*, t.names
-    FROM ins
-    JOIN moved mv ON mv.producer = ins.producer AND mv.session_id = ins.session_id
-    JOIN targets t ON t.delay_id = mv.delay_id
+    -- published_at defaults to now(), the same for every row of this statement
+    SELECT n.message_id AS id, now() AS published_at, n.delay_id, n.topic, n.channel, n.producer,
+           n.session_id, n.produced_ms, n.due_ms, n.replay_of, n.body, n.names
+    FROM numbered n
+    WHERE n.message_id = ANY (ARRAY(SELECT id FROM ins))
 ), deliveries AS (
     INSERT INTO dmq_delivery (topic, channel, message_id, owner)
     SELECT p.topic, unnest(p.names), p.id, %(node_id)s FROM placed p
