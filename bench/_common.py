@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -249,3 +249,20 @@ def print_grid(title: str, header: Sequence[str], rows: Sequence[Sequence[str]])
     for row in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
     print(flush=True)
+
+
+def run_worker(role: str, body: Any, cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
+    """A load-generator process: ``body(cfg, index, ready_q, start_evt, result)`` fills
+    ``result``; an error is reported on ``ready_q`` (so the parent stops waiting for
+    this worker to connect) and in the result; the process's CPU seconds are added."""
+    result: dict = {"index": index, "role": role, "error": None}
+    try:
+        body(cfg, index, ready_q, start_evt, result)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            ready_q.put(("failed", index, result["error"]))
+        except Exception:  # noqa: BLE001 - the parent may be gone
+            pass
+    result["cpu_s"] = time.process_time()
+    result_q.put(result)

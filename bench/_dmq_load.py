@@ -24,6 +24,8 @@ import time
 from array import array
 from typing import Any
 
+from _common import run_worker
+
 from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
 
 U32 = struct.Struct(">I")
@@ -124,17 +126,7 @@ def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     rate (msgs/s for this producer, 0 = as fast as the window allows),
     timeout (seconds after start), producer (name).
     """
-    result: dict = {"index": index, "role": "producer", "error": None}
-    try:
-        _producer(cfg, index, ready_q, start_evt, result)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            ready_q.put(("failed", index, result["error"]))
-        except Exception:  # noqa: BLE001
-            pass
-    result["cpu_s"] = time.process_time()
-    result_q.put(result)
+    run_worker("producer", _producer, cfg, index, ready_q, start_evt, result_q)
 
 
 def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
@@ -260,17 +252,7 @@ def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     Records publish->delivery latency from the body's first 8 bytes
     (producer time.time_ns()) when cfg["latency"].
     """
-    result: dict = {"index": index, "role": "consumer", "error": None}
-    try:
-        _consumer(cfg, index, ready_q, start_evt, result)
-    except Exception as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            ready_q.put(("failed", index, result["error"]))
-        except Exception:  # noqa: BLE001
-            pass
-    result["cpu_s"] = time.process_time()
-    result_q.put(result)
+    run_worker("consumer", _consumer, cfg, index, ready_q, start_evt, result_q)
 
 
 def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:

@@ -23,7 +23,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from _common import descendants, family_cpu_seconds, free_port
+from _common import descendants, family_cpu_seconds, free_port, run_worker
 
 def _find_script(name: str) -> str | None:
     import glob
@@ -259,17 +259,7 @@ def delete_queue(port: int, queue: str) -> None:
 
 def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
     """cfg: port, queue, n, window, body_size, timeout."""
-    result: dict = {"index": index, "role": "producer", "error": None}
-    try:
-        _producer(cfg, index, ready_q, start_evt, result)
-    except Exception as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            ready_q.put(("failed", index, result["error"]))
-        except Exception:  # noqa: BLE001
-            pass
-    result["cpu_s"] = time.process_time()
-    result_q.put(result)
+    run_worker("producer", _producer, cfg, index, ready_q, start_evt, result_q)
 
 
 def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
@@ -375,17 +365,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
 
 def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
     """cfg: port, queue, prefetch, expected, timeout."""
-    result: dict = {"index": index, "role": "consumer", "error": None}
-    try:
-        _consumer(cfg, index, ready_q, start_evt, result)
-    except Exception as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            ready_q.put(("failed", index, result["error"]))
-        except Exception:  # noqa: BLE001
-            pass
-    result["cpu_s"] = time.process_time()
-    result_q.put(result)
+    run_worker("consumer", _consumer, cfg, index, ready_q, start_evt, result_q)
 
 
 def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
