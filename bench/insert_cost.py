@@ -30,7 +30,7 @@ from _common import cpu_seconds  # noqa: E402
 from _pg import PrivatePostgres  # noqa: E402
 
 import registry  # noqa: E402
-from dmq_server.store import _INSERT_NEW_MESSAGES, connect, migrate  # noqa: E402
+from dmq_server.store import INSERT_NEW_MESSAGES, connect, migrate  # noqa: E402
 from dmq_sql import queries  # noqa: E402
 
 UNNEST = (
@@ -41,7 +41,7 @@ MESSAGE_COLUMNS = "INSERT INTO dmq_message (topic, producer, session_id, node_id
 MESSAGE_ROWS = f"SELECT topic, producer, session_id, %(node_id)s, body FROM {UNNEST}"
 
 VARIANTS = [
-    ("insert_messages without ON CONFLICT (the first try)", _INSERT_NEW_MESSAGES, None),
+    ("insert_messages without ON CONFLICT (the first try)", INSERT_NEW_MESSAGES, None),
     ("insert_messages as written (after a unique violation)", queries["insert_messages"], None),
     ("message rows only", MESSAGE_COLUMNS + MESSAGE_ROWS, None),
     ("+ ON CONFLICT (producer, session_id)", MESSAGE_COLUMNS + MESSAGE_ROWS
@@ -50,7 +50,7 @@ VARIANTS = [
      + " ON CONFLICT (producer, session_id) DO NOTHING RETURNING id, producer, session_id, published_at", None),
     ("delivery rows only", "INSERT INTO dmq_delivery (topic, channel, message_id, owner) "
      f"SELECT topic, 'c', session_id, %(node_id)s FROM {UNNEST}", None),
-    ("the first try without dmq_delivery_owner_idx", _INSERT_NEW_MESSAGES,
+    ("the first try without dmq_delivery_owner_idx", INSERT_NEW_MESSAGES,
      "DROP INDEX dmq_delivery_owner_idx"),
     # what if: a delivery row keyed by integer ids (not dmq's schema; created here)
     ("what if: delivery rows keyed by integer ids", "INSERT INTO bench_delivery_ids "
@@ -99,6 +99,8 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=60_000)
     parser.add_argument("--batch", type=int, default=200)
     args = parser.parse_args()
+    if args.batch < 1 or args.messages < args.batch:
+        parser.error("--batch must be at least 1 and --messages at least --batch")
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-insert-"))
     try:
         dsn = pg.start()

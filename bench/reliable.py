@@ -745,7 +745,7 @@ class Bench:
     def scenario_ceiling(self) -> dict:
         import psycopg
 
-        from dmq_server.store import _INSERT_NEW_MESSAGES
+        from dmq_server.store import INSERT_NEW_MESSAGES
 
         a = self.args
         topic = "bench_pg"
@@ -753,7 +753,7 @@ class Bench:
         body = b"\x00" * a.body_size
         conn = psycopg.connect(self.pg.dsn, options="-c synchronous_commit=on")
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
-        sql = _INSERT_NEW_MESSAGES  # the statement the writers try first (no resends here)
+        sql = INSERT_NEW_MESSAGES  # the statement the writers try first (no resends here)
         backend = conn.info.backend_pid  # CPU of exactly this session, not autovacuum's
         seq = [0]
 

@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 DATASET = "delivery_log"
 PIPELINE_SCHEMA_VERSION = 2
 _TRIM_ATTEMPTS = 3
-CONCURRENT_WRITERS = 16  # open Parquet writers per task before sorting instead
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -207,15 +206,14 @@ def write_batch(spark, db: Database, opts: SparkOptions, location: str, batch: B
     The rows are counted as the write job passes them to the Parquet writers (an
     ``Observation``: metrics of the successful tasks of the committed job, so
     exactly the rows in the batch's files) instead of reading the files back.
-    Each task keeps a writer open per (topic, day) it meets
-    (``spark.sql.maxConcurrentOutputFileWriters``) rather than sorting its rows by
-    them first; a task meeting more partitions than that falls back to sorting.
+    The session lets each task keep a writer open per (topic, day) it meets
+    (``spark.sql.maxConcurrentOutputFileWriters``, see ``session.py``) rather than
+    sort its rows by them first; past that many it falls back to sorting.
     """
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     ensure_utc(spark)
-    spark.conf.set("spark.sql.maxConcurrentOutputFileWriters", str(CONCURRENT_WRITERS))
     rows = read_query(
         spark, db, opts, "jdbc_archive_rows", {"low": batch.low, "high": batch.high},
         ids=IdRange(batch.low + 1, batch.high),

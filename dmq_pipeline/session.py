@@ -49,6 +49,9 @@ def spark_session(opts: SparkOptions, app: str) -> Iterator["object"]:
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
+        # archive: a Parquet writer per topic/day a task meets (up to 16) instead of
+        # sorting the task's rows by them first; --conf overrides it
+        .config("spark.sql.maxConcurrentOutputFileWriters", "16")
     )
     if opts.master.startswith("local"):
         # executors are this machine's Python workers: use this interpreter

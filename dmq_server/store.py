@@ -34,6 +34,7 @@ __all__ = [
     "connect",
     "list_topics",
     "insert_messages",
+    "INSERT_NEW_MESSAGES",
     "ack_deliveries",
     "load_backlog",
     "sweep_messages",
@@ -217,7 +218,7 @@ class StoredMessage:
 _ON_CONFLICT = "ON CONFLICT (producer, session_id) DO NOTHING"
 if queries["insert_messages"].count(_ON_CONFLICT) != 1:
     raise RuntimeError(f"sql/queries.sql: insert_messages must hold {_ON_CONFLICT!r} once")
-_INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
+INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
 
 
 def insert_messages(
@@ -235,10 +236,10 @@ def insert_messages(
     }
     try:
         if conn.autocommit:  # a failed statement rolls back only itself
-            rows = conn.execute(_INSERT_NEW_MESSAGES, params).fetchall()
+            rows = conn.execute(INSERT_NEW_MESSAGES, params).fetchall()
         else:
             with conn.transaction():  # a savepoint in the caller's transaction
-                rows = conn.execute(_INSERT_NEW_MESSAGES, params).fetchall()
+                rows = conn.execute(INSERT_NEW_MESSAGES, params).fetchall()
     except psycopg.errors.UniqueViolation:
         rows = conn.execute(queries["insert_messages"], params).fetchall()
     fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
