@@ -1,7 +1,9 @@
 """dmq's SQL, kept out of Python and loaded by name.
 
 ``queries.sql`` is a series of ``-- name: <name>`` blocks, each followed by a
-``-- <description>`` line and one statement. ``migrations/NNNN_<desc>.sql`` are
+``-- <description>`` line and one statement. A ``-- fragment: <name>`` block holds
+a condition several statements share; a statement uses it as ``/*<name>*/`` and
+gets it in parentheses. ``migrations/NNNN_<desc>.sql`` are
 applied in order by ``dmq_server.store`` and recorded in ``dmq_schema_version``.
 Installed as the package ``dmq_sql``.
 """
@@ -13,19 +15,32 @@ from importlib import resources
 
 __all__ = ["queries", "migrations", "load_queries"]
 
-_BLOCK = re.compile(r"^-- name: (?P<name>[a-z_0-9]+)\s*$", re.MULTILINE)
+_BLOCK = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_0-9]+)\s*$", re.MULTILINE)
+_USE = re.compile(r"/\*(?P<name>[a-z_0-9]+)\*/")
 _MIGRATION = re.compile(r"^(?P<version>\d{4})_(?P<desc>[a-z0-9_]+)\.sql$")
 
 
 def load_queries(text: str) -> dict[str, str]:
-    """Split a ``-- name:`` file into ``{name: statement}``."""
+    """Split a ``-- name:`` file into ``{name: statement}``, fragments filled in."""
     found: dict[str, str] = {}
+    fragments: dict[str, str] = {}
     parts = _BLOCK.split(text)
-    for name, body in zip(parts[1::2], parts[2::2]):
-        if name in found:
-            raise ValueError(f"query {name!r} defined twice")
-        found[name] = body.strip().rstrip(";")
-    return found
+    for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3]):
+        into = found if kind == "name" else fragments
+        if name in into:
+            raise ValueError(f"{kind} {name!r} defined twice")
+        body = body.strip().rstrip(";")
+        if kind == "fragment":  # its description stays in the file, not in every statement
+            body = "\n".join(line for line in body.splitlines() if not line.startswith("--"))
+        into[name] = body
+
+    def fill(match: re.Match) -> str:
+        fragment = fragments.get(match["name"])
+        if fragment is None:
+            raise ValueError(f"unknown fragment /*{match['name']}*/")
+        return f"({fragment})"
+
+    return {name: _USE.sub(fill, statement) for name, statement in found.items()}
 
 
 def _read(name: str) -> str:

@@ -332,6 +332,19 @@ SELECT 'expired', 'not acknowledged within the topic''s time to live of ' || g.t
 FROM gone g JOIN dmq_message m ON m.id = g.message_id
 RETURNING topic, channel, message_id;
 
+-- fragment: dead_letter_filter
+-- The selection of every dead-letter operation (list, count, replay, delete): each
+-- NULL parameter matches everything. Statements use it after WHERE, as a comment
+-- holding its name between slash-stars.
+(%(topic)s::text IS NULL OR topic = %(topic)s::text)
+  AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
+  AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
+  AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
+  AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+  AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
+
 -- name: list_dead_letters
 -- Dead letters matching the filters (each NULL filter matches all), after a keyset cursor.
 SELECT id, reason, detail, topic, channel, producer, session_id, message_id, attempts,
@@ -341,14 +354,7 @@ SELECT id, reason, detail, topic, channel, producer, session_id, message_id, att
        (extract(epoch FROM replayed_at) * 1000)::bigint AS replayed_ms,
        replay_message_id
 FROM dmq_dead_letter
-WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
-  AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
-  AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
-  AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
-  AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
-  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-  AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
-  AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
+WHERE /*dead_letter_filter*/
   AND id > %(after)s
 ORDER BY id
 LIMIT %(limit)s;
@@ -357,14 +363,7 @@ LIMIT %(limit)s;
 -- How many dead letters match the filters (progress totals), and how many are not yet replayed.
 SELECT count(*), count(*) FILTER (WHERE replayed_at IS NULL)
 FROM dmq_dead_letter
-WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
-  AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
-  AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
-  AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
-  AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
-  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-  AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
-  AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean);
+WHERE /*dead_letter_filter*/;
 
 -- name: show_dead_letter
 -- One dead letter with its body.
@@ -384,13 +383,7 @@ FROM dmq_dead_letter WHERE id = %(id)s;
 -- the highest id looked at (the next cursor) and how many were queued.
 WITH picked AS MATERIALIZED (
     SELECT id FROM dmq_dead_letter
-    WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
-      AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
-      AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
-      AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
-      AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
-      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-      AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
+    WHERE /*dead_letter_filter*/
       AND replayed_at IS NULL
       AND id > %(after)s
     ORDER BY id
@@ -416,14 +409,7 @@ SELECT (SELECT max(id) FROM picked), (SELECT count(*) FROM queued);
 DELETE FROM dmq_dead_letter
 WHERE id IN (
     SELECT id FROM dmq_dead_letter
-    WHERE (%(topic)s::text IS NULL OR topic = %(topic)s::text)
-      AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
-      AND (%(reason)s::text IS NULL OR reason = %(reason)s::text)
-      AND (%(since_ms)s::bigint IS NULL OR dead_at >= to_timestamp(%(since_ms)s::bigint / 1000.0))
-      AND (%(until_ms)s::bigint IS NULL OR dead_at < to_timestamp(%(until_ms)s::bigint / 1000.0))
-      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-      AND (%(message_ids)s::bigint[] IS NULL OR message_id = ANY(%(message_ids)s::bigint[]))
-      AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
+    WHERE /*dead_letter_filter*/
       AND id > %(after)s
     ORDER BY id
     LIMIT %(limit)s
