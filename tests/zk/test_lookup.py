@@ -42,8 +42,13 @@ def test_lookup_answers_for_the_whole_cluster(make_node, zk):
     nodes = [make_node() for _ in range(3)]
     everyone = {n.tcp_port for n in nodes}
     for node in nodes:
-        status, answer = get_json(node.http + "/lookup?topic=orders")
-        assert status == 200 and ports(answer["producers"]) == everyone
+        # a node learns of the ones started after it through a ZooKeeper watch, a moment later
+
+        def sees_everyone(node=node):
+            status, answer = get_json(node.http + "/lookup?topic=orders")
+            return status == 200 and ports(answer["producers"]) == everyone and answer
+
+        answer = wait_for(sees_everyone, timeout=10)
         assert answer["channels"] == ["billing"]
 
     assert http_pub(nodes[1], "clicks", b"x") == "OK"  # a fast topic, on node 1 only
