@@ -21,7 +21,7 @@ from dmq_client.wire import valid_name
 
 from .channel import Channel, Delivery, Message
 from .deadletters import DeadLetterSink, NewDeadLetter
-from .delay import MovedMessage, NewDelayed, insert_delayed
+from .delay import MovedMessage, NewDelayed, insert_delayed_steps
 from .limits import RateLimiter
 from .options import Options
 from .store import (
@@ -113,7 +113,7 @@ class Broker:
             node_id,
             options.commit_batch_size,
             self._set_health,
-            insert=insert_delayed,
+            insert=insert_delayed_steps,
         )
         self.delays: Any = None  # the DelayScheduler, attached by the service
         self.delayed_count = 0

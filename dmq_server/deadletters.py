@@ -22,12 +22,14 @@ from twisted.logger import Logger
 
 from dmq_sql import queries
 
+from .store import Statement, Steps, run_steps
 from .writer import GroupCommitWriter, RetryingBatcher
 
 __all__ = [
     "REASONS",
     "NewDeadLetter",
     "insert_dead_letters",
+    "insert_dead_letters_steps",
     "record_attempts",
     "exhaust_deliveries",
     "expire_deliveries",
@@ -64,12 +66,13 @@ class CopyRef:
     attempts: int = 0
 
 
-def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
-    """Record a batch; returns the new ids in batch order."""
+def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
+    """Record a batch; returns the new ids in batch order. Steps (store.Statement),
+    for the group commit."""
     for item in batch:
         if item.reason not in REASONS:
             raise ValueError(f"unknown dead-letter reason {item.reason!r}")
-    rows = conn.execute(
+    rows = yield Statement(
         queries["insert_dead_letters"],
         {
             "reasons": [d.reason for d in batch],
@@ -83,8 +86,13 @@ def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str 
             "bodies": [d.body for d in batch],
             "published_ms": [d.published_ms for d in batch],
         },
-    ).fetchall()
+    )
     return [r[0] for r in rows]
+
+
+def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
+    """``insert_dead_letters_steps`` over a blocking connection."""
+    return run_steps(conn, insert_dead_letters_steps(batch, node_id))
 
 
 def _copy_params(rows: Sequence[CopyRef]) -> dict:
@@ -129,7 +137,7 @@ class DeadLetterSink:
         self.node_id = node_id
         self._channel = channel
         self.expiry_batch = expiry_batch
-        self.writer = GroupCommitWriter([db], node_id, batch_size, insert=insert_dead_letters)
+        self.writer = GroupCommitWriter([db], node_id, batch_size, insert=insert_dead_letters_steps)
         self.attempts = RetryingBatcher(
             db, clock, record_attempts, interval=flush_interval, max_batch=batch_size, name="attempts"
         )

@@ -33,12 +33,14 @@ from twisted.logger import Logger
 from dmq_sql import queries
 
 from .fragments import FragmentAssignment, split_fragments
+from .store import Statement, Steps, run_steps
 
 __all__ = [
     "NewDelayed",
     "StoredDelay",
     "MovedMessage",
     "insert_delayed",
+    "insert_delayed_steps",
     "peek_delayed",
     "move_due",
     "delay_stats",
@@ -92,10 +94,10 @@ class MovedMessage:
     body: bytes = field(repr=False)
 
 
-def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
+def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
     """Store a batch: one statement, atomic on its own (also in autocommit); one
-    StoredDelay per item, in order."""
-    rows = conn.execute(
+    StoredDelay per item, in order. Steps, for the group commit (store.Statement)."""
+    rows = yield Statement(
         queries["insert_delayed"],
         {
             "topics": [m.topic for m in batch],
@@ -107,19 +109,19 @@ def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list
             "bodies": [m.body for m in batch],
             "node_id": node_id,
         },
-    ).fetchall()
+    )
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
         fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
     if missing:
-        found = conn.execute(
+        found = yield Statement(
             queries["find_delayed"],
             {
                 "producers": [m.producer for m in missing],
                 "session_ids": [m.session_id for m in missing],
             },
-        ).fetchall()
+        )
         for row_id, producer, session_id, due_ms, kind in found:
             fresh.setdefault((producer, session_id), StoredDelay(row_id, due_ms, 0, True, kind))
     results: list[StoredDelay] = []
@@ -133,6 +135,11 @@ def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list
         seen.add(key)
         results.append(StoredDelay(stored.message_id, stored.due_ms, m.fragment, duplicate, stored.kind))
     return results
+
+
+def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
+    """``insert_delayed_steps`` over a blocking connection."""
+    return run_steps(conn, insert_delayed_steps(batch, node_id))
 
 
 def _fragment_params(fragments: Sequence[int], max_fragment: int) -> dict:

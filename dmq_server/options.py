@@ -50,6 +50,7 @@ __all__ = [
 
 CONFIG_ENV = "DMQ_CONFIG"
 LOG_LEVELS = ("debug", "info", "warn", "error")
+DB_IO = ("reactor", "threads")
 
 
 class ConfigError(ValueError):
@@ -152,6 +153,11 @@ class Options:
     )
     commit_writers: int = _opt(
         2, "group-commit transactions in progress at once, each on its own connection", kind="int"
+    )
+    db_io: str = _opt(
+        "reactor",
+        "how the group-commit writers and the acker reach PostgreSQL: reactor (non-blocking "
+        "connections read by the event loop) or threads (a thread per connection)",
     )
     ack_batch_size: int = _opt(5000, "most acknowledgements made durable in one transaction", kind="int")
     ack_flush_interval: float = _opt(
@@ -310,6 +316,7 @@ class Options:
             ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1"),
             ("commit_batch_size", self.commit_batch_size >= 1, "must be at least 1"),
             ("commit_writers", self.commit_writers >= 1, "must be at least 1"),
+            ("db_io", self.db_io in DB_IO, "must be one of " + ", ".join(DB_IO)),
             ("ack_batch_size", self.ack_batch_size >= 1, "must be at least 1"),
             ("registry_refresh", self.registry_refresh > 0, "must be more than 0"),
             ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),

@@ -31,7 +31,8 @@ from .nsq.nsqd import FastStore
 from .nsq.protocol_v2 import NsqConnection
 from .options import Options
 from .scheduling import Extras, worker_roles
-from .store import DbWorker, migrate, ping
+from .reactor_db import ReactorDb
+from .store import HOT_STATEMENTS, DbWorker, migrate, ping
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
 
@@ -80,8 +81,7 @@ class DmqServer:
             log.info("applied schema migrations {versions}", versions=applied)
         writers = [f"writer{i}" for i in range(getattr(options, "commit_writers", 2))]
         for role in (*writers, *WORKER_ROLES, *worker_roles(options)):
-            # group commit and durable acks: one statement per batch, committed on its own
-            worker = DbWorker(self.reactor, self.dsn, role, autocommit=role in writers or role == "acker")
+            worker = self._db_worker(role, hot=role in writers or role == "acker")
             worker.start()
             self.workers[role] = worker
         fetch_topics, broker_options = None, options
@@ -126,6 +126,14 @@ class DmqServer:
             yield self.cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
         log.info("dmq node {node} ready", node=self.node_id)
         return self
+
+    def _db_worker(self, role: str, hot: bool) -> Any:
+        """Group commit and durable acks (``hot``) run one statement per batch,
+        committed on its own; by default on a connection the reactor reads itself
+        (reactor_db), the other roles on a thread each."""
+        if hot and self.options.db_io == "reactor":
+            return ReactorDb(self.reactor, self.dsn, role, prepare=HOT_STATEMENTS)
+        return DbWorker(self.reactor, self.dsn, role, autocommit=hot)
 
     @property
     def tcp_address(self) -> tuple[str, int]:

@@ -1,18 +1,24 @@
-"""The PostgreSQL store: the only module that imports psycopg.
+"""The PostgreSQL store (with ``reactor_db``, the only modules that import psycopg).
 
-Each role (group-commit writer, ack flusher, backlog loader, admin) gets its
-own ``DbWorker``: one thread holding one connection. Work for a role runs in
-order on its thread, so the reactor never blocks on the database and a slow
-backlog scan never delays a commit. A broken connection is dropped and
-re-opened on the next call, so the server recovers from a PostgreSQL restart
-without restarting itself. Errors leave this module as ``StorageError``.
+Most roles (backlog loader, admin, delay workers) get their own ``DbWorker``: one
+thread holding one connection. Work for a role runs in order on its thread, so
+the reactor never blocks on the database and a slow backlog scan never delays a
+commit. A broken connection is dropped and re-opened on the next call, so the
+server recovers from a PostgreSQL restart without restarting itself. Errors
+leave this module as ``StorageError``.
+
+The hot statements (group commit, durable acks) are written as *steps*: a
+generator that yields ``Statement``s and receives their rows, sans-IO. ``run_steps``
+drives them over a blocking connection (a ``DbWorker`` thread, tests, tools);
+``reactor_db.ReactorDb`` drives the same steps from the reactor thread.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import psycopg
 from twisted.internet.defer import Deferred
@@ -24,7 +30,11 @@ from dmq_sql import migrations, queries
 
 __all__ = [
     "StorageError",
+    "describe_error",
     "DbWorker",
+    "Statement",
+    "Steps",
+    "run_steps",
     "TopicRow",
     "StoredMessage",
     "NewMessage",
@@ -34,8 +44,11 @@ __all__ = [
     "connect",
     "list_topics",
     "insert_messages",
+    "insert_messages_steps",
     "INSERT_NEW_MESSAGES",
+    "HOT_STATEMENTS",
     "ack_deliveries",
+    "ack_deliveries_steps",
     "load_backlog",
     "sweep_messages",
 ]
@@ -59,13 +72,50 @@ def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5) -> 
             application_name="dmq",
         )
     except psycopg.Error as exc:
-        raise StorageError(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+        raise StorageError(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
     return conn
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """The first line of an error's text (psycopg's carry a context and hints after it)."""
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement of a steps generator. ``may_fail``: the steps catch its error
+    and go on, so inside a caller's transaction it runs in a savepoint."""
+
+    sql: str
+    params: dict[str, Any]
+    may_fail: bool = False
+
+
+# yields Statements, receives each one's rows (a list of tuples, [] if it returns
+# none) or has its psycopg error thrown in; returns the result
+Steps = Generator[Statement, list, T]
+
+
+def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
+    """Drive ``steps`` over a blocking connection; returns what the steps return."""
+    advance: Callable[[], Statement] = functools.partial(next, steps)
+    while True:
+        try:
+            stmt = advance()
+        except StopIteration as stop:
+            return stop.value
+        try:
+            if stmt.may_fail and not conn.autocommit:
+                with conn.transaction():
+                    cur = conn.execute(stmt.sql, stmt.params)
+            else:
+                cur = conn.execute(stmt.sql, stmt.params)
+            rows = cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            advance = functools.partial(steps.throw, exc)
+        else:
+            advance = functools.partial(steps.send, rows)
 
 
 class DbWorker:
@@ -105,6 +155,10 @@ class DbWorker:
         the worker is ``autocommit``."""
         return deferToThreadPool(self._reactor, self._pool, self._call, fn, args, kwargs)
 
+    def run_steps(self, steps_fn: Callable[..., Steps], *args: Any) -> Deferred:
+        """Run the steps ``steps_fn(*args)`` on this worker's thread (as ``run`` does)."""
+        return self.run(_steps_call, steps_fn, args)
+
     def _call(self, fn: Callable[..., T], args: Sequence[Any], kwargs: dict) -> T:
         with self._lock:
             if self._conn is None or self._conn.closed:
@@ -120,7 +174,7 @@ class DbWorker:
                 raise
             except psycopg.Error as exc:
                 self._drop_if_broken(conn)
-                raise StorageError(f"{self.name}: {_describe(exc)}") from exc
+                raise StorageError(f"{self.name}: {describe_error(exc)}") from exc
 
     def _drop_if_broken(self, conn: psycopg.Connection) -> None:
         if conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.UNKNOWN:
@@ -128,6 +182,10 @@ class DbWorker:
                 conn.close()
             finally:
                 self._conn = None
+
+
+def _steps_call(conn: psycopg.Connection, steps_fn: Callable[..., Steps], args: Sequence[Any]) -> Any:
+    return run_steps(conn, steps_fn(*args))
 
 
 # -- schema ---------------------------------------------------------------
@@ -153,7 +211,7 @@ def migrate(dsn: str) -> list[int]:
                     )
                     applied_now.append(version)
         except psycopg.Error as exc:
-            raise StorageError(f"migration failed: {_describe(exc)}") from exc
+            raise StorageError(f"migration failed: {describe_error(exc)}") from exc
     return applied_now
 
 
@@ -221,11 +279,10 @@ if queries["insert_messages"].count(_ON_CONFLICT) != 1:
 INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
 
 
-def insert_messages(
-    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str
-) -> list[StoredMessage]:
+def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
     """Store a batch and its deliveries: one statement, atomic on its own (the
-    writers run it in autocommit); resent pairs are then read back."""
+    writers run it in autocommit); resent pairs are then read back. One
+    StoredMessage per item, in order."""
     params = {
         "topics": [m.topic for m in batch],
         "producers": [m.producer for m in batch],
@@ -235,23 +292,19 @@ def insert_messages(
         "node_id": node_id,
     }
     try:
-        if conn.autocommit:  # a failed statement rolls back only itself
-            rows = conn.execute(INSERT_NEW_MESSAGES, params).fetchall()
-        else:
-            with conn.transaction():  # a savepoint in the caller's transaction
-                rows = conn.execute(INSERT_NEW_MESSAGES, params).fetchall()
+        rows = yield Statement(INSERT_NEW_MESSAGES, params, may_fail=True)
     except psycopg.errors.UniqueViolation:
-        rows = conn.execute(queries["insert_messages"], params).fetchall()
+        rows = yield Statement(queries["insert_messages"], params)
     fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
     if missing:
-        found = conn.execute(
+        found = yield Statement(
             queries["find_messages"],
             {
                 "producers": [m.producer for m in missing],
                 "session_ids": [m.session_id for m in missing],
             },
-        ).fetchall()
+        )
         for r in found:
             fresh.setdefault((r[1], r[2]), StoredMessage(r[0], r[3], (), True))
     results = []
@@ -269,6 +322,17 @@ def insert_messages(
     return results
 
 
+# prepared once per connection by the reactor-driven writers and acker (reactor_db)
+HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], queries["ack_deliveries"])
+
+
+def insert_messages(
+    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str
+) -> list[StoredMessage]:
+    """``insert_messages_steps`` over a blocking connection."""
+    return run_steps(conn, insert_messages_steps(batch, node_id))
+
+
 @dataclass(slots=True)
 class AckRow:
     topic: str
@@ -279,8 +343,9 @@ class AckRow:
     attempts: int
 
 
-def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
-    cur = conn.execute(
+def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
+    """Drop the acknowledged delivery rows and log them: one statement."""
+    yield Statement(
         queries["ack_deliveries"],
         {
             "topics": [a.topic for a in acks],
@@ -291,7 +356,12 @@ def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
             "attempts": [a.attempts for a in acks],
         },
     )
-    return cur.rowcount
+    return len(acks)
+
+
+def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
+    """``ack_deliveries_steps`` over a blocking connection."""
+    return run_steps(conn, ack_deliveries_steps(acks))
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from .store import AckRow, DbWorker, NewMessage, StorageError, ack_deliveries, insert_messages
+from .store import AckRow, NewMessage, StorageError, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
 
@@ -39,16 +39,18 @@ class GroupCommitWriter:
 
     def __init__(
         self,
-        workers: DbWorker | Sequence[DbWorker],
+        workers: Any,
         node_id: str,
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
-        insert: Callable[..., list] = insert_messages,
+        insert: Callable[..., Any] = insert_messages_steps,
     ):
-        # ``insert(conn, batch, node_id) -> one result per item``: insert_messages for
-        # sends; the delay table and dead letters reuse the same group commit.
+        # ``insert(batch, node_id)``: steps (store.Statement) returning one result per
+        # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
+        # insert_messages_steps for sends; the delay table and dead letters reuse
+        # the same group commit.
         self._insert = insert
-        self._free: list[DbWorker] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
+        self._free: list[Any] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
         self._worker_count = len(self._free)
         self._node_id = node_id
         self._max_batch = max_batch
@@ -95,7 +97,7 @@ class GroupCommitWriter:
             worker = self._free.pop()
             batch = self._queue[: self._max_batch]
             del self._queue[: self._max_batch]
-            d = worker.run(self._insert, [m for m, _ in batch], self._node_id)
+            d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
             d.addCallbacks(
                 self._committed,
                 self._failed,
@@ -107,7 +109,7 @@ class GroupCommitWriter:
             for w in waiters:
                 w.callback(None)
 
-    def _committed(self, results: list, batch: list, worker: DbWorker) -> None:
+    def _committed(self, results: list, batch: list, worker: Any) -> None:
         self._free.append(worker)
         self.batches += 1
         self.messages += len(batch)
@@ -123,7 +125,7 @@ class GroupCommitWriter:
                 log.failure("send completion failed")
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Any, batch: list, worker: DbWorker) -> None:
+    def _failed(self, failure: Any, batch: list, worker: Any) -> None:
         self._free.append(worker)
         error = failure.value
         if not isinstance(error, StorageError):
@@ -149,9 +151,10 @@ class GroupCommitWriter:
 
 class RetryingBatcher:
     """Items collected for ``interval`` (or ``max_batch`` of them) go to
-    ``db.run(fn, batch)``; a failed batch is retried with a growing pause, because
-    what it records (attempts, exhausted copies) must not be lost while the
-    server runs. ``on_done(batch, result)`` runs after each commit."""
+    ``db.run(fn, batch)`` (``db.run_steps`` if ``fn`` is steps, ``steps=True``); a
+    failed batch is retried with a growing pause, because what it records
+    (attempts, exhausted copies, acks) must not be lost while the server runs.
+    ``on_done(batch, result)`` runs after each commit."""
 
     def __init__(
         self,
@@ -163,8 +166,10 @@ class RetryingBatcher:
         max_batch: int,
         on_done: Callable[[list, Any], None] = lambda batch, result: None,
         name: str = "batch",
+        steps: bool = False,
     ):
         self.db = db
+        self._run = db.run_steps if steps else db.run
         self.clock = clock
         self.fn = fn
         self.interval = interval
@@ -204,7 +209,7 @@ class RetryingBatcher:
             return
         batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
         self._busy = True
-        d = self.db.run(self.fn, batch)
+        d = self._run(self.fn, batch)
         d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
 
     def _flushed(self, result: Any, batch: list) -> None:
@@ -250,7 +255,7 @@ class AckBatcher(RetryingBatcher):
 
     def __init__(
         self,
-        worker: DbWorker,
+        worker: Any,
         clock: Any,
         max_batch: int,
         flush_interval: float,
@@ -259,11 +264,12 @@ class AckBatcher(RetryingBatcher):
         super().__init__(
             worker,
             clock,
-            ack_deliveries,
+            ack_deliveries_steps,
             interval=flush_interval,
             max_batch=max_batch,
             on_done=lambda batch, _result: on_done(batch, True),
             name="durable ack",
+            steps=True,
         )
 
     @property

@@ -1,6 +1,6 @@
 """Unit tests of ``dmq_server.writer``: group commit of sends, batched durable acks.
 
-The database is a fake ``DbWorker`` whose ``run(fn, *args)`` returns a Deferred
+The database is a fake ``DbWorker`` whose ``run_steps(fn, *args)`` returns a Deferred
 the test fires by hand, so each test decides exactly when a "transaction"
 commits or fails and can look at what is queued in between. Time is a
 ``task.Clock``; nothing sleeps and nothing touches PostgreSQL.
@@ -17,14 +17,21 @@ from twisted.internet.task import Clock
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
-from dmq_server.store import AckRow, NewMessage, StorageError, StoredMessage, ack_deliveries, insert_messages
+from dmq_server.store import (
+    AckRow,
+    NewMessage,
+    StorageError,
+    StoredMessage,
+    ack_deliveries_steps,
+    insert_messages_steps,
+)
 from dmq_server.writer import AckBatcher, GroupCommitWriter, ShuttingDown
 
 
 # -- fakes ----------------------------------------------------------------
 @dataclass
 class Call:
-    """One ``run`` on the fake worker: a transaction the test completes by hand."""
+    """One ``run_steps`` on the fake worker: a transaction the test completes by hand."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -47,7 +54,7 @@ class FakeDbWorker:
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Deferred:
+    def run_steps(self, fn: Callable[..., Any], *args: Any) -> Deferred:
         call = Call(fn, args, Deferred())
         self.calls.append(call)
         return call.deferred
@@ -78,7 +85,7 @@ def new_message(session_id: int) -> NewMessage:
 
 
 def stored_for(call: Call, first_id: int = 100) -> list[StoredMessage]:
-    """What insert_messages would return for a call's batch."""
+    """What insert_messages_steps would return for a call's batch."""
     return [
         StoredMessage(first_id + i, 5_000, ("billing",), False) for i, _ in enumerate(call.batch)
     ]
@@ -101,7 +108,7 @@ def test_first_send_starts_a_transaction_at_once() -> None:
     writer, worker, _ = make_writer()
     writer.submit(new_message(1))
     (call,) = worker.calls
-    assert call.fn is insert_messages
+    assert call.fn is insert_messages_steps
     assert session_ids(call) == [1]
     assert call.args[1] == "node-1"
 
@@ -353,7 +360,7 @@ def test_acks_wait_for_the_flush_interval() -> None:
     assert worker.calls == [] and acker.pending == 2
     clock.advance(0.005)
     (call,) = worker.calls
-    assert call.fn is ack_deliveries
+    assert call.fn is ack_deliveries_steps
     assert ack_ids(call) == [1, 2]
     call.commit(2)
     assert done == [([1, 2], True)]

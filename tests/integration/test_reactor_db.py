@@ -1,0 +1,192 @@
+"""ReactorDb against real PostgreSQL, on a real (not installed) epoll reactor.
+
+The same steps that ``run_steps`` drives over a blocking connection must give the
+same results when the reactor drives them; statement errors reach the steps (the
+resend fallback); a connection PostgreSQL drops fails only the run in progress,
+and the next run reconnects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import psycopg
+import pytest
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.epollreactor import EPollReactor
+from twisted.python.failure import Failure
+
+from dmq_server.reactor_db import PreparedSql, ReactorDb
+from dmq_server.store import (
+    HOT_STATEMENTS,
+    NewMessage,
+    Statement,
+    StorageError,
+    connect,
+    insert_messages,
+    insert_messages_steps,
+)
+
+
+def on_reactor(scenario: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+    """Run ``await scenario(reactor)`` on a fresh reactor; return its result or raise."""
+    reactor = EPollReactor()
+    outcome: list[Any] = []
+
+    def go() -> None:
+        d = ensureDeferred(scenario(reactor))
+        d.addBoth(outcome.append)
+        d.addBoth(lambda _: reactor.stop())
+
+    def too_late() -> None:
+        outcome.append(Failure(TimeoutError(f"scenario still running after {timeout}s")))
+        reactor.stop()
+
+    reactor.callWhenRunning(go)
+    reactor.callLater(timeout, too_late)
+    reactor.run(installSignalHandlers=False)
+    result = outcome[0]
+    if isinstance(result, Failure):
+        result.raiseException()
+    return result
+
+
+def _msg(producer: str, session_id: int, body: bytes = b"payload") -> NewMessage:
+    return NewMessage("orders", producer, session_id, 1_700_000_000_123, body)
+
+
+async def _result_or_error(d: Deferred) -> Any:
+    try:
+        return await d
+    except Exception as exc:  # the scenario looks at the error
+        return exc
+
+
+def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic):
+    """insert_messages_steps on the reactor: same StoredMessages as over psycopg's
+    blocking path (ids, channels, published time), resends answered from the rows."""
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "writer0", prepare=HOT_STATEMENTS)
+        try:
+            first = await db.run_steps(insert_messages_steps, [_msg("p", 1), _msg("p", 2)], "node-1")
+            # a stored pair, a new pair and the new pair again: the UniqueViolation of
+            # the first try is thrown into the steps, which run the ON CONFLICT form
+            mixed = await db.run_steps(insert_messages_steps, [_msg("p", 2), _msg("p", 3), _msg("p", 3)], "node-1")
+            return first, mixed
+        finally:
+            db.stop()
+
+    first, mixed = on_reactor(scenario)
+    assert [s.duplicate for s in first] == [False, False]
+    assert all(s.channels == ("billing",) for s in first)
+    assert [s.duplicate for s in mixed] == [True, False, True]
+    assert mixed[0].message_id == first[1].message_id
+    assert mixed[2].message_id == mixed[1].message_id
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        again = insert_messages(conn, [_msg("p", 1), _msg("p", 4)], "node-1")
+        rows = conn.execute("SELECT id, (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message").fetchall()
+        deliveries = conn.execute("SELECT count(*) FROM dmq_delivery").fetchone()[0]
+    assert again[0].message_id == first[0].message_id and again[0].duplicate
+    assert {s.message_id: s.published_ms for s in first + mixed[1:2]} == {
+        i: ms for i, ms in rows if i != again[1].message_id
+    }
+    assert deliveries == 4  # one per stored pair, none for the resends
+
+
+def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic):
+    def bad_steps() -> Any:
+        yield Statement("SELECT 1 / %(zero)s::integer", {"zero": 0})
+
+    def good_steps() -> Any:
+        rows = yield Statement("SELECT %(n)s::bigint + 1, %(names)b::text[]", {"n": 41, "names": ["a", "b"]})
+        return rows
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "acker")
+        try:
+            error = await _result_or_error(db.run_steps(bad_steps))
+            rows = await db.run_steps(good_steps)
+            return error, rows
+        finally:
+            db.stop()
+
+    error, rows = on_reactor(scenario)
+    assert isinstance(error, StorageError) and "division by zero" in str(error)
+    assert rows == [(42, ["a", "b"])]
+
+
+def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, topic):
+    def backend_pid() -> Any:
+        rows = yield Statement("SELECT pg_backend_pid()", {})
+        return rows[0][0]
+
+    def sleeper() -> Any:
+        yield Statement("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "writer0", prepare=HOT_STATEMENTS)
+        try:
+            pid = await db.run_steps(backend_pid)
+            running = db.run_steps(sleeper)
+            queued = db.run_steps(backend_pid)  # waits behind the sleeper
+            with connect(pg_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            error = await _result_or_error(running)
+            new_pid = await queued
+            stored = await db.run_steps(insert_messages_steps, [_msg("q", 1)], "node-1")
+            return pid, error, new_pid, stored
+        finally:
+            db.stop()
+
+    pid, error, new_pid, stored = on_reactor(scenario)
+    assert isinstance(error, StorageError) and "writer0" in str(error)
+    assert new_pid != pid
+    assert not stored[0].duplicate and stored[0].channels == ("billing",)
+
+
+def test_an_unreachable_database_fails_each_run_without_hanging(pg_server):
+    dsn = pg_server.dsn.replace(f":{pg_server.port}/", ":1/")
+
+    def steps() -> Any:
+        yield Statement("SELECT 1", {})
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, dsn, "writer0")
+        try:
+            return [await _result_or_error(db.run_steps(steps)) for _ in range(2)]
+        finally:
+            db.stop()
+
+    errors = on_reactor(scenario)
+    assert all(isinstance(e, StorageError) and "cannot connect" in str(e) for e in errors), errors
+
+
+# -- PreparedSql: placeholders for libpq ------------------------------------------------
+def test_placeholders_become_numbered_parameters_typed_by_their_casts():
+    parsed = PreparedSql.parse(
+        "SELECT %(ids)b::bigint[], %(name)s, %(ids)b::bigint[], %(n)s::integer WHERE x LIKE 'a%%'"
+    )
+    assert parsed.query == b"SELECT $1::bigint[], $2, $1::bigint[], $3::integer WHERE x LIKE 'a%'"
+    assert parsed.names == ("ids", "name", "n")
+    text = psycopg.adapters.types["text"].oid
+    assert parsed.oids == (psycopg.adapters.types["int8"].array_oid, text, psycopg.adapters.types["int4"].oid)
+
+
+@pytest.mark.parametrize(
+    "sql, why",
+    [
+        ("SELECT %(a)s::integer, %(a)s::text", "two types"),
+        ("SELECT %(a)s::nosuchtype", "unknown parameter type"),
+        ("SELECT %s", "placeholder"),
+    ],
+)
+def test_placeholders_the_reactor_cannot_send_are_refused(sql, why):
+    with pytest.raises(ValueError, match=why):
+        PreparedSql.parse(sql)
+
+
+def test_the_hot_statements_parse():
+    for sql in HOT_STATEMENTS:
+        assert PreparedSql.parse(sql).names
