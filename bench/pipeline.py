@@ -112,7 +112,7 @@ def warm_archive(dsn: str, args: argparse.Namespace, base: Path, ceiling: float)
     from dmq_pipeline.options import ArchiveSettings, SparkOptions
     from dmq_pipeline.session import spark_session
 
-    opts = SparkOptions(pg_dsn=dsn, master=args.master, partitions=args.partitions)
+    opts = SparkOptions(pg_dsn=dsn, master=args.master, partitions=args.partitions, spark_conf=tuple(args.conf))
     settings = ArchiveSettings(archive=str(base / "archive"), older_than=0.0)
     db = Database(dsn)
     runs = []
@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     parser.add_argument("--no-warm", dest="warm", action="store_false", help="skip step 5")
+    parser.add_argument("--no-report", dest="report", action="store_false", help="skip step 2")
+    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="Spark setting for every job (repeatable), as dmq-pipeline --conf")
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="dmq-bench-pipeline-"))
@@ -151,14 +154,18 @@ def main() -> None:
         filled = fill(dsn, args.rows)
         results["fill_s"] = round(filled["fill_s"], 1)
         common = ["--pg-dsn", dsn, "--master", args.master, "--partitions", str(args.partitions)]
+        for setting in args.conf:
+            common += ["--conf", setting]
+        results["conf"] = list(args.conf)
         span = ["--since", (filled["first"] - timedelta(minutes=1)).isoformat(),
                 "--until", (filled["last"] + timedelta(minutes=1)).isoformat()]
 
-        print("report (JVM start included) ...", flush=True)
-        wall, rep = run_cli(["report", *common, *span, "--out", str(base / "report")])
-        delivered = sum(r["delivered"] for r in rep["summary"])
-        results["report"] = {"wall_s": round(wall, 1), "job_s": rep["seconds"], "delivered": delivered}
-        print(f"  {delivered:,} rows: {wall:.1f} s wall, {rep['seconds']:.1f} s in the job", flush=True)
+        if args.report:
+            print("report (JVM start included) ...", flush=True)
+            wall, rep = run_cli(["report", *common, *span, "--out", str(base / "report")])
+            delivered = sum(r["delivered"] for r in rep["summary"])
+            results["report"] = {"wall_s": round(wall, 1), "job_s": rep["seconds"], "delivered": delivered}
+            print(f"  {delivered:,} rows: {wall:.1f} s wall, {rep['seconds']:.1f} s in the job", flush=True)
 
         for fmt in ("binary", "text"):
             ceiling = copy_ceiling(dsn, base, fmt)
