@@ -14,7 +14,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
-from dmq_client.wire.codec import MIN_FRAME_SIZE
+from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
 
 from .broker import Broker, Published, PublishRejected, SubscribeRejected
 from .channel import Channel, Delivery
@@ -76,6 +76,7 @@ class DmqConnection:
         self.clock = clock
         options = broker.options
         self.decoder = FrameDecoder(options.max_msg_size + MIN_FRAME_SIZE + 3 * 255 + 4096 + 4)
+        self._send_reply = SendReplyEncoder()  # one answer per message: no Frame built
         self.subscriptions: dict[tuple[str, str], Subscription] = {}
         self.closed = False
         self.last_heard = clock.seconds()
@@ -151,16 +152,10 @@ class DmqConnection:
 
     def _send(self, frame: Frame) -> None:
         def reply(command: Command, message_id: int = 0, status: str = "") -> None:
-            self.write(
-                Frame(
-                    command,
-                    session_id=frame.session_id,
-                    message_id=message_id,
-                    topic=frame.topic,
-                    producer=frame.producer,
-                    status=status,
+            if not self.closed:
+                self.transport.write(
+                    self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status)
                 )
-            )
 
         def done(outcome: Any) -> None:
             if isinstance(outcome, Published):

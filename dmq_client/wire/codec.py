@@ -34,6 +34,7 @@ __all__ = [
     "FrameError",
     "FrameDecoder",
     "encode",
+    "SendReplyEncoder",
     "HEADER_SIZE",
     "MIN_FRAME_SIZE",
     "DEFAULT_MAX_FRAME_SIZE",
@@ -170,6 +171,59 @@ def encode(frame: Frame) -> bytes:
 
 
 _LEN1 = [bytes((n,)) for n in range(256)]
+
+
+class SendReplyEncoder:
+    """The server's answer to a send (SEND_SUCCESS_ACK and the other SEND_* replies),
+    byte for byte what ``encode`` makes of ``Frame(command, session_id=...,
+    message_id=..., topic=..., producer=..., status=...)``, without building a Frame.
+
+    One goes out per message, so the part after the fixed fields (topic, empty
+    channel, producer, status), which a producer repeats from send to send, is kept
+    per (topic, producer, status): an answer is then one struct call and one concat.
+    """
+
+    _HEAD = struct.Struct(">I" + _FIXED.format.lstrip("<>!="))
+    _CACHE_LIMIT = 256
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple[str, str, str], bytes] = {}
+
+    def __call__(self, command: Command, session_id: int, message_id: int, topic: str, producer: str,
+                 status: str = "") -> bytes:
+        tail = self._tails.get((topic, producer, status))
+        if tail is None or command not in _COMMANDS:
+            tail = self._tail(command, session_id, message_id, topic, producer, status)
+        try:
+            return self._HEAD.pack(MIN_FRAME_SIZE - 5 + len(tail), command, 0, 0, 0, session_id, message_id, 0, 0) + tail
+        except struct.error:
+            self._refuse(command, session_id, message_id, topic, producer, status)
+            raise
+
+    def _tail(self, command: Command, session_id: int, message_id: int, topic: str, producer: str,
+              status: str) -> bytes:
+        try:
+            if command not in _COMMANDS:
+                raise ValueError
+            t, p = topic.encode("ascii"), producer.encode("ascii")
+            if len(t) > 255 or len(p) > 255:
+                raise ValueError
+        except (UnicodeEncodeError, ValueError):
+            self._refuse(command, session_id, message_id, topic, producer, status)
+            raise
+        raw = _status_bytes(status) if status else b""
+        tail = b"".join((_LEN1[len(t)], t, _LEN1[0], _LEN1[len(p)], p, _U16.pack(len(raw)), raw))
+        if len(self._tails) >= self._CACHE_LIMIT:
+            self._tails.clear()
+        self._tails[(topic, producer, status)] = tail
+        return tail
+
+    @staticmethod
+    def _refuse(command: Command, session_id: int, message_id: int, topic: str, producer: str,
+                status: str) -> None:
+        """Raise the FrameError ``encode`` gives for these values (the layout cannot hold one)."""
+        encode(Frame(command, session_id=session_id, message_id=message_id, topic=topic,
+                     producer=producer, status=status))
 
 
 def _explain_encode_failure(frame: Frame) -> None:

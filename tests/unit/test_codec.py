@@ -25,6 +25,7 @@ from dmq_client.wire.codec import (
     MIN_FRAME_SIZE,
     FrameDecoder,
     FrameError,
+    SendReplyEncoder,
     encode,
     frame_overhead,
 )
@@ -367,6 +368,44 @@ def test_valid_frames_before_an_error_are_not_returned_by_the_failing_feed():
     decoder = FrameDecoder()
     with pytest.raises(FrameError):
         decoder.feed(PLAIN + patched(PLAIN, OFF_CMD, 0))
+
+
+# --------------------------------------------------------------------------- send replies
+
+send_replies = st.sampled_from(sorted(c for c in Command if c.name.startswith("SEND_")))
+
+
+@SLOW
+@given(st.lists(st.tuples(send_replies, i64, i64, ascii_names, ascii_names, statuses), max_size=20))
+def test_send_replies_are_what_encode_makes_of_the_frame(replies):
+    """The server's shortcut for SEND_* answers gives encode's bytes exactly, whether
+    its cached tail is fresh or reused (the same encoder answers the whole list)."""
+    reply = SendReplyEncoder()
+    for command, session_id, message_id, topic, producer, status in replies + replies:
+        expected = encode(
+            Frame(command, session_id=session_id, message_id=message_id, topic=topic, producer=producer,
+                  status=status)
+        )
+        assert reply(command, session_id, message_id, topic, producer, status) == expected
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (Command.SEND_SUCCESS_ACK, I64_MAX + 1, 1, "t", "p", ""),
+        (Command.SEND_SUCCESS_ACK, 1, I64_MIN - 1, "t", "p", ""),
+        (Command.SEND_SUCCESS_ACK, 1, 1, "t" * 256, "p", ""),
+        (Command.SEND_SUCCESS_ACK, 1, 1, "t", "prodüct", ""),
+        (250, 1, 1, "t", "p", ""),
+    ],
+    ids=["session-id", "message-id", "long-topic", "non-ascii", "unknown-command"],
+)
+def test_send_replies_refuse_what_encode_refuses(args):
+    reply = SendReplyEncoder()
+    reply(Command.SEND_SUCCESS_ACK, 1, 1, "t", "p", "")  # a cached tail must not let a bad value through
+    with pytest.raises(FrameError) as info:
+        reply(*args)
+    assert info.value.code == "E_INVALID"
 
 
 # --------------------------------------------------------------------------- encode refusals
