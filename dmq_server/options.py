@@ -156,7 +156,7 @@ class Options:
     )
     db_io: str = _opt(
         "reactor",
-        "how the group-commit writers and the acker reach PostgreSQL: reactor (non-blocking "
+        "how the send group commit and the acker reach PostgreSQL: reactor (non-blocking "
         "connections read by the event loop) or threads (a thread per connection)",
     )
     ack_batch_size: int = _opt(5000, "most acknowledgements made durable in one transaction", kind="int")

@@ -83,6 +83,11 @@ def _oid(type_name: str) -> int:
     info = psycopg.adapters.types.get(type_name.removesuffix("[]"))
     if info is None:
         raise ValueError(f"unknown parameter type {type_name!r}")
+    if info.name in ("int2", "int4"):
+        # psycopg's binary int2/int4 dumpers wrap values that do not fit; sent as int8,
+        # the statement's own cast refuses them ("integer out of range") as the
+        # blocking path would
+        info = psycopg.adapters.types["int8"]
     return info.array_oid if array else info.oid
 
 
@@ -114,6 +119,7 @@ class ReactorDb:
         self._results: list[Any] = []
         self._connecting = False
         self._stopped = False
+        self._encoding = "utf-8"
 
     # -- the DbWorker interface the batchers use -------------------------------
 
@@ -123,6 +129,10 @@ class ReactorDb:
     def stop(self) -> None:
         self._stopped = True
         self._close()
+        if self._run is not None:  # its outcome is unknown: answered as a storage error
+            run, self._run = self._run, None
+            run.steps.close()
+            run.deferred.errback(StorageError(f"{self.name}: stopped with a statement in progress"))
         self._fail_queued(StorageError(f"{self.name}: stopped"))
 
     def run_steps(self, steps_fn: Callable[..., Steps], *args: Any) -> Deferred:
@@ -145,7 +155,13 @@ class ReactorDb:
             self._connect()
             return
         steps_fn, args, d = self._queue.popleft()
-        self._run = _Run(steps_fn(*args), d)
+        try:
+            steps = steps_fn(*args)
+        except Exception as exc:
+            d.errback(exc)
+            self._next()
+            return
+        self._run = _Run(steps, d)
         self._advance(None, None)
 
     def _advance(self, rows: list | None, error: BaseException | None) -> None:
@@ -167,8 +183,12 @@ class ReactorDb:
             return
         try:
             self._send(stmt)
-        except psycopg.Error as exc:
-            self._broken(exc)
+        except Exception as exc:
+            if self._pgconn is not None and self._pgconn.status == pq.ConnStatus.OK:
+                # nothing was sent (a parameter that cannot be converted, a bad statement)
+                self._advance(None, exc)
+            else:
+                self._broken(exc)
 
     def _send(self, stmt: Statement) -> None:
         parsed, dumper = self._parse(stmt.sql)
@@ -197,8 +217,8 @@ class ReactorDb:
     def _statement_done(self) -> None:
         results, self._results = self._results, []
         for res in results:
-            if res.status == pq.ExecStatus.FATAL_ERROR:
-                self._advance(None, _error(res))
+            if res.status not in _SUCCESS:
+                self._advance(None, _error(res, self._encoding))
                 return
         rows: list = []
         if results and results[-1].status == pq.ExecStatus.TUPLES_OK:
@@ -214,8 +234,9 @@ class ReactorDb:
         if error is None:
             run.deferred.callback(result)
         else:
-            if not isinstance(error, StorageError):
+            if isinstance(error, psycopg.Error):
                 error = StorageError(f"{self.name}: {describe_error(error)}")
+            # anything else is a bug, passed on as it is (as a DbWorker does) to be logged
             run.deferred.errback(error)
         self._next()
 
@@ -301,13 +322,19 @@ class ReactorDb:
             conn.close()
             return
         self._conn, self._named = conn, named
-        self._pgconn = conn.pgconn
-        # the reactor watches a duplicate of libpq's socket: libpq closes its own
-        # descriptor when it finds the connection broken, and epoll (and Twisted's
-        # bookkeeping) must not be left holding a closed or reused number
-        self._fd = os.dup(self._pgconn.socket)
-        self._loader = Transformer(conn)
-        self._reactor.addReader(self)
+        try:
+            self._pgconn = conn.pgconn
+            self._encoding = conn.info.encoding
+            # the reactor watches a duplicate of libpq's socket: libpq closes its own
+            # descriptor when it finds the connection broken, and epoll (and Twisted's
+            # bookkeeping) must not be left holding a closed or reused number
+            self._fd = os.dup(self._pgconn.socket)
+            self._loader = Transformer(conn)
+            self._reactor.addReader(self)
+        except Exception as exc:  # e.g. out of file descriptors
+            self._close()
+            self._fail_queued(StorageError(f"{self.name}: {describe_error(exc)}"))
+            return
         self._next()
 
     def _connect_failed(self, failure: Any) -> None:
@@ -335,7 +362,7 @@ def _open(dsn: str, prepare: Sequence[str]) -> tuple[psycopg.Connection, dict[st
             name = f"dmq_hot_{i}".encode()
             res = conn.pgconn.prepare(name, parsed.query, parsed.oids)
             if res.status != pq.ExecStatus.COMMAND_OK:
-                raise StorageError(f"cannot prepare a statement: {describe_error(_error(res))}")
+                raise StorageError(f"cannot prepare a statement: {describe_error(_error(res, conn.info.encoding))}")
             named[sql] = name
         conn.pgconn.nonblocking = 1
     except BaseException:
@@ -344,12 +371,12 @@ def _open(dsn: str, prepare: Sequence[str]) -> tuple[psycopg.Connection, dict[st
     return conn, named
 
 
-def _error(res: Any) -> psycopg.Error:
-    """The psycopg exception for a failed result (UniqueViolation for 23505, ...)."""
-    sqlstate = (res.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
-    message = (res.error_message or b"").decode(errors="replace").strip() or "statement failed"
-    try:
-        cls = psycopg.errors.lookup(sqlstate)
-    except KeyError:
-        cls = psycopg.DatabaseError
-    return cls(message)
+_SUCCESS = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+
+
+def _error(res: Any, encoding: str = "utf-8") -> psycopg.Error:
+    """The psycopg exception for a failed result, as the blocking path raises it
+    (UniqueViolation for 23505, ..., with its diagnostics)."""
+    if res.status == pq.ExecStatus.FATAL_ERROR:
+        return psycopg.errors.error_from_result(res, encoding=encoding)
+    return psycopg.DatabaseError(f"unexpected result status {pq.ExecStatus(res.status).name}")

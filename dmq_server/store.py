@@ -344,7 +344,8 @@ class AckRow:
 
 
 def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
-    """Drop the acknowledged delivery rows and log them: one statement."""
+    """Drop the acknowledged delivery rows and log them: one statement. Returns how
+    many acks the batch held (acks of rows already gone, e.g. acked twice, change nothing)."""
     yield Statement(
         queries["ack_deliveries"],
         {

@@ -185,6 +185,7 @@ class SendReplyEncoder:
 
     _HEAD = struct.Struct(">I" + _FIXED.format.lstrip("<>!="))
     _CACHE_LIMIT = 256
+    _CACHED_STATUS = 16  # longest status whose tail is kept
 
     def __init__(self) -> None:
         self._tails: dict[tuple[str, str, str], bytes] = {}
@@ -213,9 +214,10 @@ class SendReplyEncoder:
             raise
         raw = _status_bytes(status) if status else b""
         tail = b"".join((_LEN1[len(t)], t, _LEN1[0], _LEN1[len(p)], p, _U16.pack(len(raw)), raw))
-        if len(self._tails) >= self._CACHE_LIMIT:
-            self._tails.clear()
-        self._tails[(topic, producer, status)] = tail
+        if len(status) <= self._CACHED_STATUS:  # "" and "duplicate"; error texts vary
+            if len(self._tails) >= self._CACHE_LIMIT:
+                self._tails.clear()
+            self._tails[(topic, producer, status)] = tail
         return tail
 
     @staticmethod

@@ -117,6 +117,51 @@ def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic):
     assert rows == [(42, ["a", "b"])]
 
 
+def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn, topic):
+    """An integer too large for its cast is refused by PostgreSQL (not wrapped around),
+    a value psycopg cannot send fails its run before anything is sent; the next run works."""
+
+    def cast(value: Any) -> Any:
+        rows = yield Statement("SELECT %(v)b::integer[]", {"v": value})
+        return rows[0][0]
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "acker")
+        try:
+            too_big = await _result_or_error(db.run_steps(cast, [2**40]))
+            not_a_number = await _result_or_error(db.run_steps(cast, ["x"]))
+            fine = await db.run_steps(cast, [2**31 - 1, -5])
+            return too_big, not_a_number, fine
+        finally:
+            db.stop()
+
+    too_big, not_a_number, fine = on_reactor(scenario)
+    assert isinstance(too_big, StorageError) and "out of range" in str(too_big)
+    assert isinstance(not_a_number, Exception) and not isinstance(not_a_number, StorageError)
+    assert fine == [2**31 - 1, -5]
+
+
+def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
+    def sleeper() -> Any:
+        yield Statement("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
+
+    def nothing() -> Any:
+        yield Statement("SELECT 1", {})
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "writer0")
+        await db.run_steps(nothing)  # connected and idle: the next run is sent at once
+        running = db.run_steps(sleeper)
+        queued = db.run_steps(sleeper)
+        db.stop()
+        after = await _result_or_error(db.run_steps(sleeper))
+        return await _result_or_error(running), await _result_or_error(queued), after
+
+    running, queued, after = on_reactor(scenario)
+    assert isinstance(running, StorageError) and "in progress" in str(running)
+    assert isinstance(queued, StorageError) and isinstance(after, StorageError)
+
+
 def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, topic):
     def backend_pid() -> Any:
         rows = yield Statement("SELECT pg_backend_pid()", {})
@@ -170,8 +215,9 @@ def test_placeholders_become_numbered_parameters_typed_by_their_casts():
     )
     assert parsed.query == b"SELECT $1::bigint[], $2, $1::bigint[], $3::integer WHERE x LIKE 'a%'"
     assert parsed.names == ("ids", "name", "n")
-    text = psycopg.adapters.types["text"].oid
-    assert parsed.oids == (psycopg.adapters.types["int8"].array_oid, text, psycopg.adapters.types["int4"].oid)
+    int8, text = psycopg.adapters.types["int8"], psycopg.adapters.types["text"]
+    # integers travel as int8; the statement's cast to integer checks the range
+    assert parsed.oids == (int8.array_oid, text.oid, int8.oid)
 
 
 @pytest.mark.parametrize(

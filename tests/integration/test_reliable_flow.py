@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dmq_client.wire import Command
 
 from .support import db_rows, http_get, run_cli, wait_for
 
 
-def test_send_store_push_ack_remove(make_server, topic, pg_dsn):
-    """A send is stored before its ack, pushed to the channel, and its ack is made durable."""
-    server = make_server()
+@pytest.mark.parametrize("db_io", ["reactor", "threads"])
+def test_send_store_push_ack_remove(make_server, topic, pg_dsn, db_io):
+    """A send is stored before its ack, pushed to the channel, and its ack is made durable,
+    with the group commit and the acker on the reactor's connections or on threads."""
+    server = make_server(db_io=db_io)
     with server.client() as producer, server.client() as consumer:
         reply = producer.send(topic, b"hello")
         assert reply.command == Command.SEND_SUCCESS_ACK
