@@ -1,0 +1,32 @@
+"""store.connect's socket settings, read back from the kernel: a database host that
+vanishes without closing its connections is noticed in seconds, not TCP's minutes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from dmq_server.store import connect
+
+
+def _socket_options(conn) -> tuple[int, int, int]:
+    sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+    try:
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        )
+    finally:
+        sock.close()
+
+
+def test_connections_probe_dead_peers(pg_dsn):
+    with connect(pg_dsn) as conn:
+        assert _socket_options(conn) == (1, 10, 30_000)
+
+
+def test_a_setting_in_the_dsn_wins(pg_dsn):
+    separator = "&" if "?" in pg_dsn else "?"
+    with connect(f"{pg_dsn}{separator}keepalives_idle=60&tcp_user_timeout=5000") as conn:
+        assert _socket_options(conn) == (1, 60, 5_000)
