@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                         help="Spark setting for every job (repeatable), as dmq-pipeline --conf")
     args = parser.parse_args()
+    for setting in args.conf:
+        if not setting.partition("=")[0].strip() or "=" not in setting:
+            parser.error(f"--conf {setting!r}: expected KEY=VALUE")
 
     base = Path(tempfile.mkdtemp(prefix="dmq-bench-pipeline-"))
     base.chmod(0o755)

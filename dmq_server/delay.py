@@ -33,7 +33,7 @@ from twisted.logger import Logger
 from dmq_sql import queries
 
 from .fragments import FragmentAssignment, split_fragments
-from .store import Statement, Steps, run_steps
+from .store import Statement, Steps, run_steps, send_columns
 
 __all__ = [
     "NewDelayed",
@@ -97,19 +97,10 @@ class MovedMessage:
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
     """Store a batch: one statement, atomic on its own (also in autocommit); one
     StoredDelay per item, in order. Steps, for the group commit (store.Statement)."""
-    rows = yield Statement(
-        queries["insert_delayed"],
-        {
-            "topics": [m.topic for m in batch],
-            "producers": [m.producer for m in batch],
-            "session_ids": [m.session_id for m in batch],
-            "produced_ms": [m.produced_ms for m in batch],
-            "due_ms": [m.due_ms for m in batch],
-            "fragments": [m.fragment for m in batch],
-            "bodies": [m.body for m in batch],
-            "node_id": node_id,
-        },
-    )
+    params = send_columns(batch, node_id)
+    params["due_ms"] = [m.due_ms for m in batch]
+    params["fragments"] = [m.fragment for m in batch]
+    rows = yield Statement(queries["insert_delayed"], params)
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
         fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)

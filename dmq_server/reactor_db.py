@@ -149,7 +149,7 @@ class ReactorDb:
     # -- running steps ----------------------------------------------------------
 
     def _next(self) -> None:
-        if self._run is not None or self._connecting or not self._queue:
+        if self._run is not None or self._connecting or self._stopped or not self._queue:
             return
         if self._pgconn is None:
             self._connect()
@@ -260,6 +260,8 @@ class ReactorDb:
                     self._statement_done()  # may send the next statement, or finish the run
                 else:
                     self._results.append(res)
+            if self._pgconn is not pgconn:
+                return  # a statement of the loop found the connection broken and dropped it
             if self._run is None and pgconn.status != pq.ConnStatus.OK:
                 raise psycopg.OperationalError("connection lost")
         except psycopg.Error as exc:

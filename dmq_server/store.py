@@ -46,6 +46,7 @@ __all__ = [
     "list_topics",
     "insert_messages",
     "insert_messages_steps",
+    "send_columns",
     "INSERT_NEW_MESSAGES",
     "HOT_STATEMENTS",
     "ack_deliveries",
@@ -296,11 +297,10 @@ if queries["insert_messages"].count(_ON_CONFLICT) != 1:
 INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
 
 
-def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
-    """Store a batch and its deliveries: one statement, atomic on its own (the
-    writers run it in autocommit); resent pairs are then read back. One
-    StoredMessage per item, in order."""
-    params = {
+def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
+    """The array parameters every stored send carries (insert_messages, insert_delayed):
+    one list per column, in batch order, and the storing node."""
+    return {
         "topics": [m.topic for m in batch],
         "producers": [m.producer for m in batch],
         "session_ids": [m.session_id for m in batch],
@@ -308,6 +308,13 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
         "bodies": [m.body for m in batch],
         "node_id": node_id,
     }
+
+
+def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
+    """Store a batch and its deliveries: one statement, atomic on its own (the
+    writers run it in autocommit); resent pairs are then read back. One
+    StoredMessage per item, in order."""
+    params = send_columns(batch, node_id)
     try:
         rows = yield Statement(INSERT_NEW_MESSAGES, params, may_fail=True)
     except psycopg.errors.UniqueViolation:

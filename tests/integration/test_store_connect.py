@@ -1,5 +1,6 @@
-"""store.connect's socket settings, read back from the kernel: a database host that
-vanishes without closing its connections is noticed in seconds, not TCP's minutes."""
+"""store.connect's dead-peer settings, read back from the kernel's socket options.
+(What they are for, a database host that vanishes without closing its connections,
+is not simulated here: the test checks the settings reach the socket.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _socket_options(conn) -> tuple[int, int, int]:
         sock.close()
 
 
-def test_connections_probe_dead_peers(pg_dsn):
+def test_connections_carry_the_dead_peer_settings(pg_dsn):
     with connect(pg_dsn) as conn:
         assert _socket_options(conn) == (1, 10, 30_000)
 
