@@ -24,6 +24,8 @@ SETTINGS = {
     "fsync": "on",
     "synchronous_commit": "on",
     "full_page_writes": "on",
+    # as dmq's embedded PostgreSQL (dmq_server/embedded_pg.py says why)
+    "wal_init_zero": "off",
     # room for the 1,000,000-message backlog fill without checkpoint storms
     "max_wal_size": "4GB",
 }
@@ -43,7 +45,9 @@ def _find_bindir() -> Path:
 
 
 class PrivatePostgres:
-    def __init__(self, base_dir: str | None = None):
+    def __init__(self, base_dir: str | None = None, settings: dict[str, str] | None = None):
+        """``settings``: server settings on top of SETTINGS (a benchmark's --pg-setting)."""
+        self.settings = {**SETTINGS, **(settings or {})}
         self.base = Path(base_dir or tempfile.mkdtemp(prefix="dmq-bench-pg-"))
         self.base.mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o755)  # PostgreSQL runs as another user when we are root
@@ -62,7 +66,7 @@ class PrivatePostgres:
             print(f"  (dmq_server.embedded_pg not importable: {exc}; starting PostgreSQL by hand)")
             return self._start_manual()
         try:
-            self._embedded = EmbeddedPostgres(self.base / "embedded", settings=SETTINGS)
+            self._embedded = EmbeddedPostgres(self.base / "embedded", settings=self.settings)
             self.dsn = self._embedded.start()
             self.kind = "dmq_server.embedded_pg.EmbeddedPostgres"
             return self.dsn
@@ -91,7 +95,7 @@ class PrivatePostgres:
         port = free_port()
         opts = " ".join(
             [f"-c port={port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
-            + [f"-c {k}={v}" for k, v in SETTINGS.items()]
+            + [f"-c {k}={v}" for k, v in self.settings.items()]
         )
         subprocess.run(
             self._runas() + [str(self._bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(pgdata / "log.txt"),

@@ -709,6 +709,7 @@ class Bench:
         res = {
             "offered_rate": a.rate,
             "seconds": a.steady_seconds,
+            "t0_unix": run["t0"],  # to line the per-second figures up with server or system traces
             "messages": n,
             "acked": acked,
             "failed": sum(r["failed"] for r in prods),
@@ -1043,13 +1044,16 @@ class Bench:
         try:
             dmq_scenarios = [s for s in wanted if s != "rabbit"]
             if dmq_scenarios:
-                self.pg = PrivatePostgres(str(self.work / "pg"))
+                self.pg = PrivatePostgres(str(self.work / "pg"), dict(a.pg_setting))
                 dsn = self.pg.start()
                 from dmq_server.store import migrate
 
                 migrate(dsn)
                 self.results["meta"]["postgresql"] = f"{self.pg.version()} ({self.pg.kind})"
                 print(f"  PostgreSQL {self.results['meta']['postgresql']} at {dsn}", flush=True)
+                if a.pg_setting:
+                    print("  PostgreSQL settings from --pg-setting: "
+                          + ", ".join(f"{k}={v}" for k, v in a.pg_setting), flush=True)
                 self.server = DmqServer(dsn, self.work, a.server_arg or [], a.server_log_level, a.server_cmd)
                 live = ("publish", "e2e1", "e2e4", "steady")
                 server_up = False
@@ -1261,6 +1265,13 @@ def _channel_stats(stats: dict | None, topic: str, channel: str) -> dict | None:
     return None
 
 
+def _pg_setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return name.strip(), value.strip()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="dmq reliable-path benchmark, side by side with PostgreSQL alone and RabbitMQ.",
@@ -1291,6 +1302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the usual flags are appended")
     p.add_argument("--server-arg", action="append", metavar="ARG",
                    help="extra dmq-server argument (repeatable), e.g. --server-arg=--commit-batch-size=500")
+    p.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE", type=_pg_setting,
+                   help="PostgreSQL server setting on top of bench/_pg.py's (repeatable), e.g. "
+                        "--pg-setting shared_buffers=1GB")
     p.add_argument("--server-log-level", default="info", help="dmq-server --log-level (its log is in the temp "
                                                                "directory; see --keep-logs)")
     p.add_argument("--profile", metavar="DIR", help="run py-spy on dmq-server during publish/e2e, write folded "

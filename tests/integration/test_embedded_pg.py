@@ -139,7 +139,8 @@ def test_kill_then_start_recovers(pg_private: EmbeddedPostgres) -> None:
 
 
 def test_listens_only_on_loopback_tcp(pg_private: EmbeddedPostgres) -> None:
-    """The server listens on 127.0.0.1 only: no wildcard or other address, no Unix socket."""
+    """The server listens on 127.0.0.1 only: no wildcard or other address, no Unix socket;
+    and it runs with the settings dmq's durability and latency rely on."""
     dsn = pg_private.start()
     port = pg_private.port
     assert port is not None
@@ -148,6 +149,7 @@ def test_listens_only_on_loopback_tcp(pg_private: EmbeddedPostgres) -> None:
         assert conn.execute("SHOW unix_socket_directories").fetchone()[0] == ""
         assert conn.execute("SHOW fsync").fetchone()[0] == "on"
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+        assert conn.execute("SHOW wal_init_zero").fetchone()[0] == "off"
     assert _listening_addresses(port) == {"127.0.0.1"}
     # 127.0.0.2 is another loopback address: a wildcard listener would accept there.
     with pytest.raises(OSError):
