@@ -6,6 +6,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import json
+
 from kazoo.exceptions import NoNodeError
 
 from dmq_client.blocking import BlockingClient
@@ -13,6 +15,7 @@ from dmq_client.wire import Command
 from registry import paths
 from registry.model import NodeInfo
 from registry.zk import ZkRegistry, connect
+from tests.integration.support import http_get, wait_for
 
 
 def node_info(zk, node_id: str) -> NodeInfo | None:
@@ -29,6 +32,23 @@ def register_topic(zk, topic: str, *channels: str, **settings) -> None:
     registry.create_topic(topic, **settings)
     for channel in channels:
         registry.add_channel(topic, channel)
+
+
+def wait_served(node, topic: str, channel: str, timeout: float = 10.0) -> None:
+    """Wait until the node serves ``channel`` of ``topic`` (its /stats): a topic written to
+    ZooKeeper reaches a node through a watch, and its channels may arrive one at a time,
+    so a registered node may still answer SEND_NO_TOPIC_ACK for a moment."""
+
+    def served() -> bool:
+        status, body = http_get(node.http + "/stats")
+        if status != 200:
+            return False
+        return any(
+            t["topic_name"] == topic and any(c["channel_name"] == channel for c in t["channels"])
+            for t in json.loads(body)["topics"]
+        )
+
+    wait_for(served, timeout=timeout)
 
 
 @contextmanager

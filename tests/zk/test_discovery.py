@@ -11,7 +11,7 @@ import pytest
 from dmq_client import Message, MqClient, MqConfig
 from tests.integration.support import db_rows, http_get, wait_for
 
-from .helpers import register_topic, zk_client
+from .helpers import register_topic, wait_served, zk_client
 
 pytestmark = pytest.mark.integration
 
@@ -116,8 +116,7 @@ def test_client_started_while_zookeeper_is_down_finds_the_nodes_later(zk_private
     node = make_node(zk=address)
     with zk_client(address) as zk:
         register_topic(zk, "orders", "billing")
-    # the node knows the topic *and* its channel (the watch may deliver them one at a time)
-    wait_for(lambda: '"billing"' in http_get(node.http + "/stats")[1], timeout=10)
+    wait_served(node, "orders", "billing")
     server = zk_private.servers[0]
     server.stop()
     config = discovery_config(address, connect_timeout=1.0, route_wait=30.0)

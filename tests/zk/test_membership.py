@@ -19,7 +19,7 @@ from registry import paths
 from tests.integration.support import REPO, http_get, wait_for
 
 from . import zkserver
-from .helpers import deliver_all, node_info, register_topic, send_many, zk_client
+from .helpers import deliver_all, node_info, register_topic, send_many, wait_served, zk_client
 
 pytestmark = pytest.mark.integration
 
@@ -99,6 +99,7 @@ def test_expired_session_re_registers_and_keeps_serving(make_node, zk):
     node_id = node.flags["node_id"]
     register_topic(zk, "orders", "billing")
     wait_for(lambda: node_info(zk, node_id), timeout=10)
+    wait_served(node, "orders", "billing")
     _, before = zk.get(paths.node(node_id))
     with node.client() as producer:
         ids = send_many(producer, "orders", 20, prefix=b"before")
@@ -135,6 +136,7 @@ def test_zookeeper_restart_node_keeps_serving(zk_private, make_node):
     with zk_client(address) as zk:
         register_topic(zk, "orders", "billing")
         wait_for(lambda: node_info(zk, node_id), timeout=10)
+    wait_served(node, "orders", "billing")
     with node.client() as producer:
         ids = send_many(producer, "orders", 10, prefix=b"before")
         server = zk_private.servers[0]
