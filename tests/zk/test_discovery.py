@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dmq_client import Message, MqClient, MqConfig
-from tests.integration.support import db_rows, http_get, wait_for
+from tests.integration.support import db_rows, wait_for
 
 from .helpers import register_topic, wait_served, zk_client
 
