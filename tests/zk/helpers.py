@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from typing import Iterator
-
-import json
 
 from kazoo.exceptions import NoNodeError
 
