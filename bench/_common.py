@@ -79,21 +79,25 @@ def cpu_seconds(pid: int, with_children: bool = False) -> float:
     return ticks / _CLK_TCK
 
 
-def machine_busy_seconds() -> tuple[float, float]:
-    """(process time, interrupt time) in CPU seconds over all cores, from /proc/stat.
+def machine_busy_seconds() -> tuple[float, float, float]:
+    """(process time, interrupt time, steal time) in CPU seconds over all cores, from /proc/stat.
 
     Process time is user+nice+system, the same clock as the per-process figures.
     Interrupt time (irq+softirq) is mostly loopback TCP work caused by the
     benchmark's own traffic; the kernel does not charge it to any process.
+    Steal time is when the hypervisor ran something else while this virtual
+    machine's processes were ready to run: on a busy host it slows every figure
+    (a quarter of the CPU in one session-4 run, none in others).
     """
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
     except OSError:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     # cpu user nice system idle iowait irq softirq steal guest guest_nice
     v = [int(x) for x in fields[1:]]
-    return (v[0] + v[1] + v[2]) / _CLK_TCK, (v[5] + v[6]) / _CLK_TCK
+    steal = v[7] / _CLK_TCK if len(v) > 7 else 0.0
+    return (v[0] + v[1] + v[2]) / _CLK_TCK, (v[5] + v[6]) / _CLK_TCK, steal
 
 
 def _all_pids() -> list[int]:

@@ -46,6 +46,9 @@ def render(results: dict) -> str:
            f"{results['background_other_processes_pct_of_core']:.0f}% of one core (of {100 * (m.get('nproc') or 1)}%) "
            "during the load scenarios.", ""] if results.get("background_other_processes_pct_of_core") is not None
           else []),
+        *([f"Steal: the hypervisor took on average {results['stolen_by_hypervisor_pct']:.0f}% of the virtual "
+           "machine's CPU during the dmq load scenarios.", ""] if results.get("stolen_by_hypervisor_pct") is not None
+          else []),
         "### Summary",
         "",
         _table(

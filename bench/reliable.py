@@ -142,6 +142,8 @@ def run_workers(
         # everything else on the machine (other users' jobs, this script): context for the figures
         cpu["other processes"] = round(max(0.0, (busy_after[0] - busy_before[0]) - ours), 2)
         cpu["kernel irq/softirq"] = round(busy_after[1] - busy_before[1], 2)
+        # not CPU anyone here used: time the hypervisor gave to other machines
+        cpu["stolen by the hypervisor"] = round(busy_after[2] - busy_before[2], 2)
     return {"t0": t0, "t_done": t_done, "wall": t_done - t0, "results": results, "cpu": cpu}
 
 
@@ -1231,12 +1233,28 @@ class Bench:
             print(f"  background: other processes on this machine (not part of the benchmark) used on average "
                   f"{background:.0f}% of one core during the load scenarios (of {100 * (os.cpu_count() or 1)}%"
                   f" available);{' the figures are lower than on an idle machine.' if background > 20 else ''}")
+        stolen = stolen_share(r)
+        if stolen is not None:
+            r["stolen_by_hypervisor_pct"] = stolen
+            print(f"  steal: the hypervisor took on average {stolen:.0f}% of this virtual machine's CPU during the dmq "
+                  f"load scenarios;{' the figures are lower than on a quiet host.' if stolen > 5 else ''}")
         if a.quick:
             print("  --quick: smaller counts; the targets are meant for the full run.")
         for name, err in self.errors.items():
             print(f"  scenario {name} FAILED: {err}")
         r["summary"] = [dict(zip(["figure", "measured", "target", "verdict"], row)) for row in rows]
         r["errors"] = self.errors
+
+
+def stolen_share(results: dict) -> float | None:
+    """Mean share of the machine's CPU (all cores) the hypervisor took during the live scenarios."""
+    shares = []
+    for key, wall_key in (("publish", "elapsed_s"), ("e2e1", "elapsed_s"), ("e2e4", "elapsed_s"),
+                          ("steady", "seconds")):
+        node = results.get(key)
+        if isinstance(node, dict) and node.get(wall_key) and "stolen by the hypervisor" in node.get("cpu_s", {}):
+            shares.append(100.0 * node["cpu_s"]["stolen by the hypervisor"] / (node[wall_key] * (os.cpu_count() or 1)))
+    return round(sum(shares) / len(shares), 1) if shares else None
 
 
 def background_load(results: dict) -> float | None:
