@@ -49,7 +49,6 @@ __all__ = [
     "send_columns",
     "INSERT_NEW_MESSAGES",
     "HOT_STATEMENTS",
-    "ack_deliveries",
     "ack_deliveries_steps",
     "load_backlog",
     "sweep_messages",
@@ -382,11 +381,6 @@ def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
         },
     )
     return len(acks)
-
-
-def ack_deliveries(conn: psycopg.Connection, acks: Sequence[AckRow]) -> int:
-    """``ack_deliveries_steps`` over a blocking connection."""
-    return run_steps(conn, ack_deliveries_steps(acks))
 
 
 @dataclass(slots=True)
