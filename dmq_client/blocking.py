@@ -142,6 +142,11 @@ class BlockingClient:
             self._collect(pending, replies)
         return replies  # type: ignore[return-value]
 
+    def next_send_reply(self, timeout: float | None = None) -> Frame:
+        """The next SEND_* reply, whichever send it answers (for callers that pipeline
+        sends themselves and match replies by session id)."""
+        return self._await_reply(lambda f: f.command in SEND_REPLIES, timeout)
+
     def _collect(self, pending: dict[int, int], replies: list) -> None:
         reply = self._await_reply(lambda f: f.command in SEND_REPLIES and f.session_id in pending, None)
         replies[pending.pop(reply.session_id)] = reply

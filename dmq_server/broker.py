@@ -28,6 +28,7 @@ from .store import (
     AckRow,
     DbWorker,
     NewMessage,
+    RefusedError,
     StorageError,
     StoredMessage,
     TopicRow,
@@ -37,9 +38,13 @@ from .store import (
 )
 from .writer import AckBatcher, GroupCommitWriter
 
-__all__ = ["Broker", "PublishRejected", "SubscribeRejected"]
+__all__ = ["Broker", "PublishRejected", "SubscribeRejected", "MAX_TIMESTAMP_MS"]
 
 log = Logger()
+
+# The last millisecond of 9999-12-31 UTC: the largest producer timestamp accepted.
+# A client sending nanoseconds or microseconds (a common mistake) lands above it.
+MAX_TIMESTAMP_MS = 253402300799999
 
 
 class PublishRejected(Exception):
@@ -91,7 +96,18 @@ class Broker:
         self.health_detail = ""
         self.health_listeners: list[Callable[[bool], None]] = []
         writers = [w for role, w in sorted(workers.items()) if role.startswith("writer")]
-        self.writer = GroupCommitWriter(writers, node_id, options.commit_batch_size, self._set_health)
+        # topics with a write whose outcome is unknown (its answer was lost): their
+        # channels are re-read from the store now and again after the next commit
+        self._unknown_topics: set[str] = set()
+        self.unknown_outcomes = 0
+        self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
+        self.writer = GroupCommitWriter(
+            writers,
+            node_id,
+            options.commit_batch_size,
+            self._writer_health,
+            on_unknown=lambda items: self.outcome_unknown({m.topic for m in items}),
+        )
         self.acker = AckBatcher(
             workers["acker"],
             clock,
@@ -108,6 +124,8 @@ class Broker:
             lambda topic, name: self.channels.get((topic, name)),
         )
         delay_db = workers.get("delay-writer")
+        # a delayed row of unknown outcome needs nothing here: the delay workers poll
+        # their fragments and find it when it is due
         self.delay_writer = GroupCommitWriter(
             [delay_db] if delay_db is not None else writers,
             node_id,
@@ -149,6 +167,32 @@ class Broker:
         d.addCallback(lambda _: self.dead_letters.close())
         d.addCallback(lambda _: self.acker.drain())
         return d
+
+    def _writer_health(self, ok: bool, why: str) -> None:
+        if ok and self._unknown_topics:
+            # A write of unknown outcome may become visible only after its failure was
+            # seen (a commit that finished after its connection broke): read again
+            # now that a commit went through.
+            topics, self._unknown_topics = self._unknown_topics, set()
+            self._rescan_topics(topics)
+        self._set_health(ok, why)
+
+    def outcome_unknown(self, topics: set[str] | None) -> None:
+        """A write that stores deliveries failed without an answer: it may have
+        committed, so copies may sit in PostgreSQL that no channel was handed (a
+        resend of them is answered as a duplicate and hands nothing either). Every
+        channel of ``topics`` (all channels for None) reads its copies from the store
+        again: now, and once more after the next successful commit."""
+        self.unknown_outcomes += 1
+        if topics is None:
+            topics = {topic for topic, _ in self.channels}
+        self._unknown_topics |= topics
+        self._rescan_topics(topics)
+
+    def _rescan_topics(self, topics: set[str]) -> None:
+        for (topic, _), channel in list(self.channels.items()):
+            if topic in topics:
+                channel.rescan()
 
     def _set_health(self, ok: bool, why: str) -> None:
         changed = ok != self.healthy
@@ -245,18 +289,34 @@ class Broker:
         return self.refresh_registry().addCallback(lambda _: check())
 
     # -- publishing -------------------------------------------------------
-    def check_publish(self, topic: str, producer: str, session_id: int, body: bytes) -> None:
-        """Raise PublishRejected("invalid") for a send that breaks a rule."""
+    def check_publish(
+        self, topic: str, producer: str, session_id: int, body: bytes, produced_ms: int = 0
+    ) -> None:
+        """Raise PublishRejected("invalid") for a send that breaks a rule.
+
+        Every field is checked here, before the message joins a group-commit batch:
+        a value PostgreSQL would refuse must fail its own send, not the batch."""
         if topic not in self.topics and not valid_name(topic):  # registered names are valid
             raise PublishRejected("invalid", f"E_BAD_TOPIC topic name {topic!r} is not valid")
         if not producer or len(producer) > 64:
             raise PublishRejected("invalid", "E_INVALID producer id must be 1..64 characters")
+        if not producer.isprintable():
+            # PostgreSQL text cannot hold NUL; control characters are never meant
+            raise PublishRejected(
+                "invalid", f"E_INVALID producer id {producer!r} holds a control character"
+            )
         if session_id < 0:
             raise PublishRejected("invalid", f"E_INVALID session id {session_id} is negative")
         if len(body) > self.options.max_msg_size:
             raise PublishRejected(
                 "invalid",
                 f"E_BAD_BODY message too big {len(body)} > {self.options.max_msg_size}",
+            )
+        if not 0 <= produced_ms <= MAX_TIMESTAMP_MS:
+            raise PublishRejected(
+                "invalid",
+                f"E_INVALID timestamp_ms {produced_ms} is not Unix milliseconds "
+                f"(0 for none, or up to {MAX_TIMESTAMP_MS} = 9999-12-31)",
             )
 
     def publish(
@@ -290,7 +350,7 @@ class Broker:
         With ``due_ms`` the message is delayed: stored in the delay table, and
         ``Published.message_id`` is the delay entry's id."""
         try:
-            self.check_publish(topic, producer, session_id, body)
+            self.check_publish(topic, producer, session_id, body, produced_ms)
             if due_ms is not None:
                 self.check_delay(due_ms)
         except PublishRejected as exc:
@@ -378,6 +438,8 @@ class Broker:
 
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
+                if isinstance(stored, RefusedError):  # this message's own input: not stored
+                    stored = PublishRejected("invalid", f"E_INVALID {stored}")
                 done(stored)
                 return
             if not stored.duplicate:
@@ -414,6 +476,8 @@ class Broker:
     ) -> None:
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
+                if isinstance(stored, RefusedError):  # this message's own input: not stored
+                    stored = PublishRejected("invalid", f"E_INVALID {stored}")
                 done(stored)
                 return
             if not stored.duplicate:
@@ -463,9 +527,19 @@ class Broker:
     def unsubscribe(self, channel: Channel, consumer: Any) -> None:
         channel.unsubscribe(consumer)
 
-    def ack(self, topic: str, channel: str, message_id: int) -> bool:
+    def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
+        """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons).
+
+        Only the consumer holding the copy may acknowledge it: an ack from anyone
+        else would take the copy out of flight, and it would not come back when its
+        real holder dies without acknowledging it."""
         ch = self.channels.get((topic, channel))
-        return ch.ack(message_id) if ch is not None else False
+        if ch is None:
+            return "ID not in flight"
+        error = ch.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        return None if ch.ack(message_id) else "ID not in flight"
 
     def _on_ack(self, channel: Channel, delivery: Delivery, acked_ms: int) -> None:
         self.acker.add(
@@ -543,11 +617,16 @@ class Broker:
             "start_time": int(self.started_at),
             "published": self.publish_count,
             "writer": {
+                "unknown_outcomes": self.unknown_outcomes,
                 "pending": self.writer.pending,
                 "batches": self.writer.batches,
                 "messages": self.writer.messages,
             },
-            "acks": {"pending": self.acker.pending, "durable": self.acker.acked},
+            "acks": {
+                "pending": self.acker.pending,
+                "durable": self.acker.acked,
+                "refused": self.acks_refused,
+            },
             "delayed": self.delayed_count,
             "rate_limited": self.limits.refused,
             "dead_letters": self.dead_letters.stats(),

@@ -33,7 +33,7 @@ from twisted.logger import Logger
 from dmq_sql import queries
 
 from .fragments import FragmentAssignment, split_fragments
-from .store import Statement, Steps, run_steps, send_columns
+from .store import RefusedError, Statement, Steps, run_steps, send_columns
 
 __all__ = [
     "NewDelayed",
@@ -208,8 +208,12 @@ class DelayWorker:
         on_moved: Callable[[list[MovedMessage]], None],
         peek: Callable[..., list[int]] = peek_delayed,
         move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+        on_unknown: Callable[[], None] = lambda: None,
     ):
         self.index = index
+        # a move whose answer was lost may have committed: its messages would sit in
+        # PostgreSQL with deliveries no channel was handed (the broker re-reads them)
+        self.on_unknown = on_unknown
         self.db = db
         self.clock = clock
         self.max_fragment = max_fragment
@@ -349,7 +353,7 @@ class DelayWorker:
         d = self.db.run(
             self._move, self.fragments, self.max_fragment, now_ms, self.batch_size, self.node_id
         )
-        d.addCallbacks(self._moved, self._failed, callbackArgs=(now_ms,))
+        d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms,))
 
     def _moved(self, outcome: tuple[int, list[MovedMessage]], now_ms: int) -> None:
         self._busy = False
@@ -372,6 +376,14 @@ class DelayWorker:
             self._repoll_at_ms = None
             self._want_poll = True  # the last poll was truncated; learn what comes next
         self._after_db()
+
+    def _move_failed(self, failure: Any) -> None:
+        if not isinstance(failure.value, RefusedError):
+            try:
+                self.on_unknown()
+            except Exception:
+                log.failure("handling a move of unknown outcome failed")
+        self._failed(failure)
 
     def _failed(self, failure: Any) -> None:
         self._busy = False
@@ -448,6 +460,7 @@ class DelayScheduler:
         tick: float,
         node_id: str,
         on_moved: Callable[[list[MovedMessage]], None],
+        on_unknown: Callable[[], None] = lambda: None,
         scheduler: Any = None,
         rng: random.Random | None = None,
         peek: Callable[..., list[int]] = peek_delayed,
@@ -470,6 +483,7 @@ class DelayScheduler:
                 tick=tick,
                 node_id=node_id,
                 on_moved=on_moved,
+                on_unknown=on_unknown,
                 peek=peek,
                 move=move,
             )

@@ -140,7 +140,7 @@ class DmqConnection:
         if command in (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND):
             self._send(frame)
         elif command == Command.UP_CONSUMER_ACK:
-            self.broker.ack(frame.topic, frame.channel, frame.message_id)
+            self._ack(frame)
         elif command == Command.UP_SUBSCRIBE:
             self._subscribe(frame)
         elif command == Command.UP_CREDIT:
@@ -149,6 +149,15 @@ class DmqConnection:
             pass
         else:
             self.protocol_error("E_INVALID", f"{command.name} is not a client command")
+
+    def _ack(self, frame: Frame) -> None:
+        """Acknowledge a copy pushed to *this* connection's subscription. Any other
+        ack (no such subscription, a copy held by another consumer, one that timed
+        out and went back to the queue) is ignored, as the protocol has no reply
+        for acks, and counted in ``/stats`` (``acks_refused``)."""
+        sub = self.subscriptions.get((frame.topic, frame.channel))
+        if sub is None or self.broker.ack(frame.topic, frame.channel, frame.message_id, sub) is not None:
+            self.broker.acks_refused += 1
 
     def _send(self, frame: Frame) -> None:
         def reply(command: Command, message_id: int = 0, status: str = "") -> None:

@@ -35,7 +35,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from .store import Statement, Steps, StorageError, describe_error, connect
+from .store import Statement, Steps, StorageError, describe_error, connect, storage_error
 
 __all__ = ["ReactorDb", "PreparedSql"]
 
@@ -235,7 +235,7 @@ class ReactorDb:
             run.deferred.callback(result)
         else:
             if isinstance(error, psycopg.Error):
-                error = StorageError(f"{self.name}: {describe_error(error)}")
+                error = storage_error(self.name, error)
             # anything else is a bug, passed on as it is (as a DbWorker does) to be logged
             run.deferred.errback(error)
         self._next()

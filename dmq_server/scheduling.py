@@ -93,6 +93,7 @@ class Extras:
             tick=options.delay_tick,
             node_id=server.node_id,
             on_moved=broker.deliver_moved,
+            on_unknown=lambda: broker.outcome_unknown(None),
             scheduler=self.scheduler,
         )
         broker.delays = self.delays

@@ -5,6 +5,16 @@ go together in the next, so the commit rate (bounded by fsync) does not bound
 the message rate. Each send's Deferred fires only after *its* transaction
 committed, which is when the producer may be told SEND_SUCCESS_ACK.
 
+A failed batch is one of two kinds. PostgreSQL refused its input
+(``store.RefusedError``: nothing was committed, and the same rows fail again):
+the batch is split in halves, each run alone, until the rows at fault are found
+and only their sends fail, so one bad message never fails another. Anything else
+(a connection lost mid-statement) leaves the outcome *unknown*: the batch may have
+committed with its answer lost. Its sends are answered with the error (a resend
+finds the stored row and is answered as a duplicate) and ``on_unknown`` is told,
+so the broker re-reads the affected channels from the store instead of trusting
+that nothing arrived.
+
 ``AckBatcher``: acknowledgements are applied in batches too; a failed batch is
 retried (with a growing pause) until PostgreSQL answers again, because the
 consumer has already been told nothing, and losing the ack would only cause a
@@ -18,7 +28,7 @@ from typing import Any, Callable, Sequence
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from .store import AckRow, NewMessage, StorageError, ack_deliveries_steps, insert_messages_steps
+from .store import AckRow, NewMessage, RefusedError, StorageError, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
 
@@ -44,6 +54,7 @@ class GroupCommitWriter:
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
         insert: Callable[..., Any] = insert_messages_steps,
+        on_unknown: Callable[[list[Any]], None] = lambda items: None,
     ):
         # ``insert(batch, node_id)``: steps (store.Statement) returning one result per
         # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
@@ -55,7 +66,10 @@ class GroupCommitWriter:
         self._node_id = node_id
         self._max_batch = max_batch
         self._on_health = on_health
+        self._on_unknown = on_unknown
         self._queue: list[tuple[NewMessage, Callable[[Any], None]]] = []
+        # parts of a refused batch, each run on its own until the bad rows are found
+        self._isolated: list[list[tuple[NewMessage, Callable[[Any], None]]]] = []
         self._closing = False
         self._idle_waiters: list[Deferred] = []
         self.batches = 0
@@ -63,7 +77,7 @@ class GroupCommitWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + sum(len(part) for part in self._isolated)
 
     @property
     def _busy(self) -> bool:
@@ -93,10 +107,13 @@ class GroupCommitWriter:
             self._kick()
 
     def _kick(self) -> None:
-        while self._free and self._queue:
+        while self._free and (self._queue or self._isolated):
             worker = self._free.pop()
-            batch = self._queue[: self._max_batch]
-            del self._queue[: self._max_batch]
+            if self._isolated:
+                batch = self._isolated.pop(0)
+            else:
+                batch = self._queue[: self._max_batch]
+                del self._queue[: self._max_batch]
             d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
             d.addCallbacks(
                 self._committed,
@@ -104,7 +121,7 @@ class GroupCommitWriter:
                 callbackArgs=(batch, worker),
                 errbackArgs=(batch, worker),
             )
-        if not self._busy and not self._queue:
+        if not self._busy and not self._queue and not self._isolated:
             waiters, self._idle_waiters = self._idle_waiters, []
             for w in waiters:
                 w.callback(None)
@@ -116,7 +133,7 @@ class GroupCommitWriter:
         self._on_health(True, "")
         # Start the next transaction before answering this batch, so PostgreSQL
         # works on it while the reactor writes the acknowledgements.
-        if self._queue:
+        if self._queue or self._isolated:
             self._kick()
         for (_, done), stored in zip(batch, results):
             try:
@@ -128,6 +145,9 @@ class GroupCommitWriter:
     def _failed(self, failure: Any, batch: list, worker: Any) -> None:
         self._free.append(worker)
         error = failure.value
+        if isinstance(error, RefusedError):
+            self._refused(error, batch)
+            return
         if not isinstance(error, StorageError):
             log.failure("unexpected error in group commit", failure)
             error = StorageError(f"internal error: {error!r}")
@@ -137,12 +157,31 @@ class GroupCommitWriter:
                 done(StorageError(str(error)))
             except Exception:
                 log.failure("send completion failed")
+        try:
+            self._on_unknown([m for m, _ in batch])
+        except Exception:
+            log.failure("handling a batch of unknown outcome failed")
+        self._kick()
+
+    def _refused(self, error: RefusedError, batch: list) -> None:
+        """PostgreSQL refused the batch's input: nothing committed. Split it until
+        the refused rows stand alone; only their sends fail."""
+        if len(batch) == 1:
+            log.warn("a send was refused by PostgreSQL: {why}", why=error)
+            _, done = batch[0]
+            try:
+                done(RefusedError(f"message refused by PostgreSQL: {error}", error.sqlstate))
+            except Exception:
+                log.failure("send completion failed")
+        else:
+            half = len(batch) // 2
+            self._isolated[:0] = [batch[:half], batch[half:]]
         self._kick()
 
     def close(self) -> Deferred:
         """Refuse new sends; fires when everything queued has been answered."""
         self._closing = True
-        if not self._busy and not self._queue:
+        if not self._busy and not self._queue and not self._isolated:
             return succeed(None)
         d: Deferred = Deferred()
         self._idle_waiters.append(d)

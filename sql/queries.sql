@@ -59,6 +59,8 @@ SELECT name FROM gone;
 -- Group commit: store a batch and one delivery per channel registered at commit time.
 -- Array parameters use binary placeholders: text arrays cost the server ~20 us a row.
 -- Rows whose (producer, session_id) is already stored are skipped (resends).
+-- produced_ms is the producer's clock: only Unix milliseconds up to 9999-12-31 become a
+-- timestamp, so no value can fail the whole batch (the broker refuses others first).
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[],
                          %(produced_ms)b::bigint[], %(bodies)b::bytea[])
@@ -66,7 +68,7 @@ WITH input AS (
 ), ins AS (
     INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, body)
     SELECT topic, producer, session_id,
-           CASE WHEN produced_ms > 0 THEN to_timestamp(produced_ms / 1000.0) END,
+           CASE WHEN produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(produced_ms / 1000.0) END,
            %(node_id)s, body
     FROM input ORDER BY producer, session_id  -- one lock order: concurrent writers cannot deadlock
     ON CONFLICT (producer, session_id) DO NOTHING
@@ -229,7 +231,7 @@ WITH due AS MATERIALIZED (
 ), ins AS (
     INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, body)
     SELECT n.message_id, n.topic, n.producer, n.session_id,
-           CASE WHEN n.produced_ms > 0 THEN to_timestamp(n.produced_ms / 1000.0) END,
+           CASE WHEN n.produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(n.produced_ms / 1000.0) END,
            %(node_id)s, n.body
     FROM numbered n
     ORDER BY n.producer, n.session_id
@@ -274,7 +276,7 @@ INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_i
                              attempts, body, published_at)
 SELECT u.reason, u.detail, u.topic, u.channel, u.producer, u.session_id, u.message_id,
        u.attempts, u.body,
-       CASE WHEN u.published_ms > 0 THEN to_timestamp(u.published_ms / 1000.0) END
+       CASE WHEN u.published_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(u.published_ms / 1000.0) END
 FROM unnest(%(reasons)s::text[], %(details)s::text[], %(topics)s::text[], %(channels)s::text[],
             %(producers)s::text[], %(session_ids)s::bigint[], %(message_ids)s::bigint[],
             %(attempts)s::integer[], %(bodies)b::bytea[], %(published_ms)s::bigint[])

@@ -3,6 +3,7 @@ a topic name to the reliable broker or the fast store."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, Callable
 
@@ -36,6 +37,20 @@ class NsqContext:
         self.session_ids = GuidFactory(
             default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9)
         )
+        # NSQ publishers have no producer identity of their own, so this server makes
+        # one: unique to this server process by a random component, which is what makes
+        # the (producer, session id) pairs of two nodes (on one host, or whose 10-bit
+        # snowflake node ids collide) or of two runs of one node never meet. Within the
+        # process, the snowflake never repeats a session id.
+        self.instance = os.urandom(6).hex()
+        self.http_producer = f"nsq-http@{self.instance}"
+
+    def producer_for(self, peer: str) -> str:
+        """The producer id of an NSQ TCP connection from ``peer`` (host:port): the
+        peer for people to read, this process's instance for uniqueness (kept whole
+        within the 64-character limit)."""
+        suffix = "@" + self.instance
+        return f"nsq:{peer}"[: 64 - len(suffix)] + suffix
 
     def new_session_id(self) -> int:
         """A session id for a reliable publish (dmq wants them >= 0 and unique per producer)."""

@@ -252,7 +252,7 @@ class NsqHttp(LookupdApi):
 
         delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}  # deferred: the delay table
         for body in bodies:
-            self.broker.publish_cb(topic, "nsq-http", self.ctx.new_session_id(), body, now_ms, done, **delay)
+            self.broker.publish_cb(topic, self.ctx.http_producer, self.ctx.new_session_id(), body, now_ms, done, **delay)
 
     def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int) -> str:
         store = self.store

@@ -72,7 +72,7 @@ class NsqConnection:
         self.remote_address = peer
         self.client_id = self.hostname = peer.rsplit(":", 1)[0]
         self.user_agent = ""
-        self.producer_id = f"nsq:{peer}"[:64]
+        self.producer_id = ctx.producer_for(peer)
         self.settings = ClientSettings(ctx.heartbeat_interval, ctx.msg_timeout)
         self.rdy = 0
         self.in_flight_count = 0

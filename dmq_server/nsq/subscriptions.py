@@ -91,11 +91,9 @@ class ReliableSub:
         mid = parse_hex_id(message_id)
         if mid is None:
             return "ID not in flight"
-        error = self.channel.owner_error(mid, self.consumer)
+        error = self.broker.ack(self.channel.topic, self.channel.name, mid, self.consumer)
         if error is not None:
             return error
-        if not self.broker.ack(self.channel.topic, self.channel.name, mid):
-            return "ID not in flight"
         conn.finish_count += 1
         return None
 

@@ -12,7 +12,7 @@ from twisted.internet.defer import fail, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_server.broker import Published, PublishRejected, SubscribeRejected
+from dmq_server.broker import Broker, Published, PublishRejected, SubscribeRejected
 from dmq_server.channel import Channel as ReliableChannel
 from dmq_server.channel import Message as ReliableMessage
 from dmq_server.nsq.nsqd import FastStore
@@ -72,8 +72,8 @@ class FakeBroker:
     def unsubscribe(self, channel, consumer):
         channel.unsubscribe(consumer)
 
-    def ack(self, topic, channel, message_id):
-        return self.channels[(topic, channel)].ack(message_id)
+    def ack(self, topic, channel, message_id, consumer):
+        return Broker.ack(self, topic, channel, message_id, consumer)  # uses only .channels
 
 
 class Peer:
@@ -476,3 +476,16 @@ def test_reliable_consumer_disconnect_requeues_at_once(env):
     ch.add(ReliableMessage(5, "orders", "p", 1, 0, b"x"))
     c.conn.connection_lost()
     assert len(ch.ready) == 1 and not ch.in_flight
+
+
+def test_nsq_producer_ids_are_unique_per_server_process(env):
+    """Two servers (or two runs of one) on one host draw the same snowflake session ids
+    at the same instant; their producer ids differ, so a new message is never taken for
+    a resend of the other's. The id stays within 64 characters, instance included."""
+    other = NsqContext(env.store, env.broker, SimpleNamespace(), env.clock)
+    assert env.ctx.http_producer != other.http_producer
+    assert env.ctx.producer_for("127.0.0.1:5000") != other.producer_for("127.0.0.1:5000")
+    longest = "[ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255]:65535"
+    produced = env.ctx.producer_for(longest)
+    assert len(produced) <= 64 and produced.endswith("@" + env.ctx.instance)
+    assert env.ctx.producer_for("10.0.0.1:4000") == f"nsq:10.0.0.1:4000@{env.ctx.instance}"

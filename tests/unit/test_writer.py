@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from dmq_server.store import (
     AckRow,
     NewMessage,
+    RefusedError,
     StorageError,
     StoredMessage,
     ack_deliveries_steps,
@@ -181,6 +182,71 @@ def test_failed_batch_errbacks_exactly_its_sends_and_the_next_batch_runs() -> No
     assert fourth.result is not None
     assert health[-1] == (True, "")
     assert (writer.batches, writer.messages) == (2, 2)
+
+
+def test_a_refused_batch_is_split_until_only_the_bad_send_fails() -> None:
+    """PostgreSQL refusing a batch's input (RefusedError: nothing committed) says one row
+    is bad, not which: the writer halves the batch, runs each part alone, and in the end
+    fails only the bad send; every other send of the batch is stored and answered."""
+    writer, worker, health = make_writer()
+    writer.submit(new_message(0))  # occupies the worker so the next eight form one batch
+    outcomes = {sid: Outcome(writer.submit(new_message(sid))) for sid in range(1, 9)}
+    worker.last.commit(stored_for(worker.last))
+    assert session_ids(worker.last) == list(range(1, 9))
+    bad = 6
+    while not worker.last.deferred.called:  # each part runs alone, one after the other
+        call = worker.last
+        if bad in session_ids(call):
+            call.fail(RefusedError("writer0: timestamp out of range", "22008"))
+        else:
+            call.commit(stored_for(call, first_id=100 + session_ids(call)[0]))
+    for sid, outcome in outcomes.items():
+        assert outcome.fired
+        if sid == bad:
+            assert outcome.failure is not None and outcome.failure.check(RefusedError)
+            assert "timestamp out of range" in str(outcome.failure.value)
+        else:
+            assert outcome.failure is None, sid
+            assert outcome.result.message_id == 100 + sid
+    # halving 8 rows, the refused part's halves first: log2(8) more runs, not 8
+    assert [session_ids(c) for c in worker.calls[1:]] == [
+        list(range(1, 9)), [1, 2, 3, 4], [5, 6, 7, 8], [5, 6], [5], [6], [7, 8]
+    ]
+    assert (False, "writer0: timestamp out of range") not in health  # not a storage outage
+
+
+def test_sends_queued_behind_a_refused_batch_wait_for_its_parts() -> None:
+    """The parts of a refused batch run before newer sends, and newer sends are never mixed
+    into a part (a part is the smallest set known to hold the bad row)."""
+    writer, worker, _ = make_writer()
+    writer.submit(new_message(0))
+    first = [Outcome(writer.submit(new_message(sid))) for sid in (1, 2)]
+    worker.last.commit(stored_for(worker.last))
+    later = Outcome(writer.submit(new_message(3)))
+    worker.last.fail(RefusedError("writer0: value too long", "22001"))
+    assert session_ids(worker.last) == [1]
+    worker.last.commit(stored_for(worker.last))
+    assert session_ids(worker.last) == [2]
+    worker.last.fail(RefusedError("writer0: value too long", "22001"))
+    assert session_ids(worker.last) == [3]
+    worker.last.commit(stored_for(worker.last))
+    assert first[0].result is not None and first[1].failure is not None and later.result is not None
+
+
+def test_a_batch_of_unknown_outcome_is_reported_with_its_messages() -> None:
+    """A failure that is not a refusal (connection lost: the batch may have committed) is
+    answered with the error and reported to ``on_unknown`` with every message of the
+    batch, so the broker can look in the store; a refused batch is not reported."""
+    worker = FakeDbWorker()
+    unknown: list[list[NewMessage]] = []
+    writer = GroupCommitWriter(worker, "node-1", 100, lambda ok, why: None, on_unknown=unknown.append)
+    sends = [Outcome(writer.submit(new_message(sid))) for sid in (1,)]
+    worker.last.fail(StorageError("writer0: server closed the connection unexpectedly"))
+    assert sends[0].failure is not None and sends[0].failure.check(StorageError)
+    assert [[m.session_id for m in batch] for batch in unknown] == [[1]]
+    refused = Outcome(writer.submit(new_message(2)))
+    worker.last.fail(RefusedError("writer0: bad input", "22000"))
+    assert refused.failure is not None and len(unknown) == 1
 
 
 def test_unexpected_error_becomes_a_storage_error_and_is_logged() -> None:
