@@ -34,6 +34,8 @@ from .store import (
     TopicRow,
     list_topics,
     load_backlog,
+    read_channel_state,
+    run_query,
     sweep_messages,
 )
 from .writer import AckBatcher, GroupCommitWriter
@@ -101,6 +103,7 @@ class Broker:
         self._unknown_topics: set[str] = set()
         self.unknown_outcomes = 0
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
+        self._held: set[tuple[str, str]] = set()  # channels an operator paused
         self.writer = GroupCommitWriter(
             writers,
             node_id,
@@ -149,6 +152,7 @@ class Broker:
                 (self._scan, self.options.scan_interval),
                 (self._refresh_quietly, self.options.registry_refresh),
                 (self._sweep, self.options.sweep_interval),
+                (self._read_channel_state, self.options.channel_state_interval),
             ):
                 loop = LoopingCall(fn)
                 loop.clock = self.clock
@@ -279,6 +283,7 @@ class Broker:
                 on_exhausted=self.dead_letters.on_exhausted,
             )
             channel.paused = self.paused
+            channel.held = (topic, name) in self._held
             self.channels[(topic, name)] = channel
         return channel
 
@@ -579,6 +584,71 @@ class Broker:
             channel.load_failed()
 
         d.addCallbacks(loaded, failed)
+
+    # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
+    def _registered_channel(self, topic: str, name: str) -> Channel:
+        row = self.topics.get(topic)
+        if row is None:
+            raise KeyError("TOPIC_NOT_FOUND")
+        if name not in row.channels:
+            raise KeyError("CHANNEL_NOT_FOUND")
+        return self._channel(topic, name)
+
+    def pause_channel(self, topic: str, name: str, paused: bool = True) -> Deferred:
+        """Stop (or resume) pushing the channel's copies, on every node: the pause is
+        stored in PostgreSQL, applied here at once and by other nodes at their next
+        ``channel_state_interval``. Copies keep arriving and wait. KeyError names what
+        is not registered; StorageError if PostgreSQL fails."""
+        try:
+            channel = self._registered_channel(topic, name)
+        except KeyError as exc:
+            return fail(exc)
+        query = "pause_channel" if paused else "unpause_channel"
+        d = self._workers["admin"].run(run_query, query, {"topic": topic, "channel": name})
+
+        def stored(_: Any) -> None:
+            (self._held.add if paused else self._held.discard)((topic, name))
+            channel.held = paused
+            if not paused:
+                channel.pump()
+
+        return d.addCallback(stored)
+
+    def empty_channel(self, topic: str, name: str) -> Deferred:
+        """Drop every unacknowledged copy of the channel (nsqd's channel empty), stored
+        and in memory; fires with how many were stored. Copies in flight are dropped
+        too: their acks are then refused, as nsqd's FIN of an emptied channel is."""
+        try:
+            channel = self._registered_channel(topic, name)
+        except KeyError as exc:
+            return fail(exc)
+        d = self._workers["admin"].run(run_query, "empty_channel", {"topic": topic, "channel": name})
+
+        def emptied(count: int) -> int:
+            # copies committed after the delete's snapshot are still stored: forget()
+            # re-reads the store from the first id, so they are delivered, not lost
+            channel.forget()
+            channel.stored_count = None
+            channel.pump()
+            return count
+
+        return d.addCallback(emptied)
+
+    def _read_channel_state(self) -> Deferred:
+        d = self._workers["admin"].run(read_channel_state)
+
+        def apply(state: tuple[dict[tuple[str, str], int], set[tuple[str, str]]]) -> None:
+            depths, held = state
+            self._held = held
+            for key, channel in self.channels.items():
+                channel.stored_count = depths.get(key, 0)
+                was, channel.held = channel.held, key in held
+                if was and not channel.held:
+                    channel.pump()
+
+        d.addCallback(apply)
+        d.addErrback(lambda f: f.trap(StorageError))
+        return d
 
     # -- periodic work ----------------------------------------------------
     def _scan(self) -> None:

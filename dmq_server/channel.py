@@ -96,6 +96,9 @@ class Channel:
         # was out during forget() is stale, one out during rescan() is followed by a
         # scan from the start
         self.paused = False
+        # an operator's pause (nsqd's channel pause; HTTP /channel/pause, the CLI): copies
+        # still arrive and wait in PostgreSQL, none is pushed until unpaused
+        self.held = False
         self._load_stale = False
         self._rescan_pending = False
         # counters for /stats
@@ -103,6 +106,12 @@ class Channel:
         self.requeue_count = 0
         self.timeout_count = 0
         self.ack_count = 0
+        # copies a consumer gave back with a delay (REQ with a timeout): in ``in_flight``
+        # with no consumer until due, reported as deferred, as nsqd does
+        self.deferred: set[int] = set()
+        # stored, unacknowledged copies at the last count (Broker refreshes it on a
+        # timer; None until then): what nsqd calls depth is mostly in PostgreSQL here
+        self.stored_count: int | None = None
 
     # -- arrivals ---------------------------------------------------------
     def add(self, message: Message) -> None:
@@ -239,6 +248,7 @@ class Channel:
         self.known -= held  # what stays: acks and dead letters still being made durable
         self.ready.clear()
         self.in_flight.clear()
+        self.deferred.clear()
         self._deadlines.clear()
         if self.loading:
             self._load_stale = True
@@ -271,7 +281,7 @@ class Channel:
 
     def pump(self) -> None:
         """Push ready copies to consumers with free credit, round robin."""
-        if self.paused:
+        if self.paused or self.held:
             return
         consumers = self.consumers
         while self.ready and consumers:
@@ -310,14 +320,17 @@ class Channel:
         consumer.in_flight += 1
         consumer.push(self, delivery)
 
-    def _requeue(self, delivery: Delivery) -> None:
+    def _requeue(self, delivery: Delivery, *, counted: bool = True) -> None:
+        """Back to the front of the queue; ``counted`` as a requeue (a consumer gave it
+        back or went away), not for a timeout or a deferral ending (nsqd's counters)."""
         mid = delivery.message.message_id
         if self.in_flight.pop(mid, None) is None:
             return
         if delivery.consumer is not None:
             delivery.consumer.in_flight -= 1
         delivery.consumer = None
-        self.requeue_count += 1
+        if counted:
+            self.requeue_count += 1
         self.ready.appendleft(delivery)
 
     # -- acks and timeouts -----------------------------------------------
@@ -325,6 +338,7 @@ class Channel:
         delivery = self.in_flight.pop(message_id, None)
         if delivery is None:
             return False
+        self.deferred.discard(message_id)
         if delivery.consumer is not None:
             delivery.consumer.in_flight -= 1
             delivery.consumer = None
@@ -362,6 +376,7 @@ class Channel:
         if not ids:
             return 0
         for mid in ids:
+            self.deferred.discard(mid)
             delivery = self.in_flight.pop(mid, None)
             if delivery is not None and delivery.consumer is not None:
                 delivery.consumer.in_flight -= 1
@@ -389,8 +404,12 @@ class Channel:
             expired.append(delivery)
         # back to the front, earliest deadline first
         for delivery in reversed(expired):
-            self.timeout_count += 1
-            self._requeue(delivery)
+            mid = delivery.message.message_id
+            if mid in self.deferred:
+                self.deferred.discard(mid)  # a deferral that ended, not a timeout
+            else:
+                self.timeout_count += 1
+            self._requeue(delivery, counted=False)
         if expired:
             self.pump()
         return len(expired)
@@ -417,6 +436,8 @@ class Channel:
         else:
             consumer.in_flight -= 1
             delivery.consumer = None
+            self.requeue_count += 1
+            self.deferred.add(message_id)
             self._reset_deadline(delivery, self.clock.seconds() + delay)
         self.pump()
         return None
@@ -449,15 +470,27 @@ class Channel:
         self.consumers.clear()
         self.ready.clear()
         self.in_flight.clear()
+        self.deferred.clear()
         self.known.clear()
         self._deadlines.clear()
         return consumers
 
+    @property
+    def depth(self) -> int:
+        """Copies waiting to be pushed, wherever they wait (nsqd's depth): the stored
+        count, less what is in flight or deferred or awaiting its durable ack; at least
+        what waits in memory. As fresh as the last stored count."""
+        if self.stored_count is None:
+            return len(self.ready)
+        return max(len(self.ready), self.stored_count - (len(self.known) - len(self.ready)))
+
     def stats(self) -> dict[str, Any]:
         return {
             "channel_name": self.name,
-            "depth": len(self.ready),
-            "in_flight_count": len(self.in_flight),
+            "depth": self.depth,
+            "in_flight_count": len(self.in_flight) - len(self.deferred),
+            "deferred_count": len(self.deferred),
+            "paused": self.held,
             "backlog_pending": self.backlog,
             "message_count": self.message_count,
             "requeue_count": self.requeue_count,

@@ -171,6 +171,11 @@ class Options:
         "how long a fully acknowledged message is kept (resend idempotency window)",
         kind="duration",
     )
+    channel_state_interval: float = _opt(
+        5.0,
+        "how often reliable channels' stored depth and operator pauses are re-read from PostgreSQL",
+        kind="duration",
+    )
     sweep_interval: float = _opt(
         30.0, "how often fully acknowledged messages past retention are removed", kind="duration"
     )
@@ -320,6 +325,7 @@ class Options:
             ("ack_batch_size", self.ack_batch_size >= 1, "must be at least 1"),
             ("registry_refresh", self.registry_refresh > 0, "must be more than 0"),
             ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),
+            ("channel_state_interval", self.channel_state_interval > 0, "must be more than 0"),
             ("scan_interval", self.scan_interval > 0, "must be more than 0"),
             ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
             ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),

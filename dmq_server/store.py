@@ -54,6 +54,8 @@ __all__ = [
     "ack_deliveries_steps",
     "load_backlog",
     "sweep_messages",
+    "run_query",
+    "read_channel_state",
 ]
 
 T = TypeVar("T")
@@ -442,6 +444,20 @@ def load_backlog(
     else:
         rows = conn.execute(queries["load_owned_backlog"], dict(params, owner=owner)).fetchall()
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
+
+
+def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> int:
+    """Run the named statement of ``sql/queries.sql``; returns the rows it changed."""
+    return conn.execute(queries[name], params).rowcount
+
+
+def read_channel_state(
+    conn: psycopg.Connection,
+) -> tuple[dict[tuple[str, str], int], set[tuple[str, str]]]:
+    """Stored copies per (topic, channel), and the channels an operator paused."""
+    depths = {(t, c): n for t, c, n in conn.execute(queries["channel_depths"])}
+    held = {(t, c) for t, c in conn.execute(queries["channel_pauses"])}
+    return depths, held
 
 
 def sweep_messages(conn: psycopg.Connection, retention_s: float, limit: int) -> int:

@@ -489,3 +489,19 @@ SELECT topic, channel, count(*) FROM claimed GROUP BY topic, channel ORDER BY to
 -- name: owner_depths
 -- Unacknowledged copies per owning node (cluster view for `dmq stats` and operators).
 SELECT owner, count(*) AS copies FROM dmq_delivery GROUP BY owner ORDER BY owner;
+
+-- name: channel_pauses
+-- Reliable channels an operator paused (read with the stored depths on a timer).
+SELECT topic, channel FROM dmq_channel_pause;
+
+-- name: pause_channel
+INSERT INTO dmq_channel_pause (topic, channel) VALUES (%(topic)s, %(channel)s)
+ON CONFLICT DO NOTHING;
+
+-- name: unpause_channel
+DELETE FROM dmq_channel_pause WHERE topic = %(topic)s AND channel = %(channel)s;
+
+-- name: empty_channel
+-- nsqd's channel empty on a reliable channel: every stored, unacknowledged copy of the
+-- channel is dropped (the messages stay for the other channels).
+DELETE FROM dmq_delivery WHERE topic = %(topic)s AND channel = %(channel)s;

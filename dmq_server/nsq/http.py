@@ -21,7 +21,8 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList, FirstError
+from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from ..broker import Published
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from ..service import DmqServer
 
 __all__ = ["install", "NsqHttp"]
+
+log = Logger()
 
 _BOOL = {"true": True, "1": True, "false": False, "0": False}
 _INT = re.compile(r"^[+-]?[0-9]+$")
@@ -301,11 +304,18 @@ class NsqHttp(LookupdApi):
         return [by_name[n] for n in sorted(by_name)]
 
     # -- topic and channel admin (nsqd) ---------------------------------------------------
+    # On a reliable topic, channel pause, unpause and empty work as on nsqd (the broker
+    # stores the pause in PostgreSQL); topic pause and unpause apply to every channel; a
+    # topic empty has nothing to drop (copies go straight to the channels). Creating and
+    # deleting reliable topics and channels changes the registry: that is `dmq topic` /
+    # `dmq channel`, refused here with 400 (never 403, which the Go tools read as "TLS
+    # required"). Deleting what is not there answers 200: nsqadmin in lookupd mode sends
+    # the same delete to the lookupd and to the node, which on dmq are one URL.
     def _existing_topic(self, topic: str) -> Any:
         t = self.store.topics.get(topic)
         if t is None:
             if self._reliable(topic):
-                raise HttpError(403, "RELIABLE_TOPIC")
+                raise HttpError(400, _REGISTRY_ONLY)
             raise HttpError(404, "TOPIC_NOT_FOUND")
         return t
 
@@ -320,29 +330,41 @@ class NsqHttp(LookupdApi):
         topic = get_param(params, "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
-        self._existing_topic(topic)
-        self.store.delete_topic(topic)
+        if self._reliable(topic):
+            raise HttpError(400, _REGISTRY_ONLY)
+        if topic in self.store.topics:
+            self.store.delete_topic(topic)
         return None
 
     def topic_empty(self, request: Any) -> None:
-        topic = self._existing_topic(self._topic_param(params_of(request)))
+        name = self._topic_param(params_of(request))
+        if self._reliable(name):
+            return None
+        topic = self._existing_topic(name)
         try:
             topic.empty()
         except Exception:
             raise HttpError(500, "INTERNAL_ERROR") from None
         return None
 
-    def topic_pause(self, request: Any, pause: bool = True) -> None:
+    def topic_pause(self, request: Any, pause: bool = True) -> Any:
         params = params_of(request)
         name = get_param(params, "topic")
         if name is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
+        if self._reliable(name):
+            channels = self.broker.topics[name].channels
+            return _answer(DeferredList(
+                [self.broker.pause_channel(name, c, pause) for c in channels],
+                fireOnOneErrback=True,
+                consumeErrors=True,
+            ))
         topic = self._existing_topic(name)
         topic.pause() if pause else topic.unpause()
         self.store.persist_metadata()
         return None
 
-    def _topic_channel(self, request: Any) -> tuple[Any, str]:
+    def _topic_channel(self, request: Any) -> tuple[str, str]:
         params = params_of(request)
         topic = self._topic_param(params, "INVALID_ARG_TOPIC")
         channel = get_param(params, "channel")
@@ -350,39 +372,71 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, "MISSING_ARG_CHANNEL")
         if not valid_name_str(channel):
             raise HttpError(400, "INVALID_ARG_CHANNEL")
-        return self._existing_topic(topic), channel
+        return topic, channel
 
     def _existing_channel(self, request: Any) -> Any:
         topic, name = self._topic_channel(request)
-        channel = topic.channels.get(name)
+        channel = self._existing_topic(topic).channels.get(name)
         if channel is None:
             raise HttpError(404, "CHANNEL_NOT_FOUND")
-        return topic, channel
+        return channel
 
     def channel_create(self, request: Any) -> None:
         topic, name = self._topic_channel(request)
-        topic.get_channel(name)
+        self._existing_topic(topic).get_channel(name)
         return None
 
     def channel_delete(self, request: Any) -> None:
-        topic, channel = self._existing_channel(request)
-        topic.delete_channel(channel.name)
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            raise HttpError(400, _REGISTRY_ONLY)
+        fast = self.store.topics.get(topic)
+        if fast is not None and name in fast.channels:
+            fast.delete_channel(name)
         return None
 
-    def channel_empty(self, request: Any) -> None:
-        _, channel = self._existing_channel(request)
+    def channel_empty(self, request: Any) -> Any:
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            return _answer(self.broker.empty_channel(topic, name))
+        channel = self._existing_channel(request)
         try:
             channel.empty()
         except Exception:
             raise HttpError(500, "INTERNAL_ERROR") from None
         return None
 
-    def channel_pause(self, request: Any, pause: bool = True) -> None:
-        _, channel = self._existing_channel(request)
+    def channel_pause(self, request: Any, pause: bool = True) -> Any:
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            return _answer(self.broker.pause_channel(topic, name, pause))
+        channel = self._existing_channel(request)
         channel.pause() if pause else channel.unpause()
         self.store.persist_metadata()
         return None
 
+
+
+_REGISTRY_ONLY = (
+    "RELIABLE_TOPIC reliable topics and their channels are created and deleted with "
+    "`dmq topic` and `dmq channel` (pause, unpause and empty work here)"
+)
+
+
+def _answer(d: Deferred) -> Deferred:
+    """A broker operation's outcome as an nsqd answer: 200 with no data, 404 for what
+    is not registered, 500 when PostgreSQL failed."""
+
+    def failed(failure: Any) -> HttpError:
+        error = failure.value
+        if isinstance(error, FirstError):
+            error = error.subFailure.value
+        if isinstance(error, KeyError):
+            return HttpError(404, str(error.args[0]))
+        log.warn("channel admin failed: {why}", why=error)
+        return HttpError(500, "INTERNAL_ERROR")
+
+    return d.addCallbacks(lambda _: None, failed)
 
 
 def install(root: Resource, server: "DmqServer") -> NsqHttp:

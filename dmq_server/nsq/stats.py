@@ -26,16 +26,16 @@ def reliable_topic_stats(broker: Any, name: str, row: Any, channel: str | None, 
         channels.append(
             {
                 "channel_name": cname,
-                "depth": len(ch.ready),
-                "backend_depth": 0,
-                "in_flight_count": len(ch.in_flight),
-                "deferred_count": 0,
+                "depth": ch.depth,
+                "backend_depth": max(ch.depth - len(ch.ready), 0),  # waiting in PostgreSQL
+                "in_flight_count": len(ch.in_flight) - len(ch.deferred),
+                "deferred_count": len(ch.deferred),
                 "message_count": ch.message_count,
                 "requeue_count": ch.requeue_count,
                 "timeout_count": ch.timeout_count,
                 "client_count": len(ch.consumers),
                 "clients": clients,
-                "paused": False,
+                "paused": ch.held,
                 "e2e_processing_latency": {"count": 0, "percentiles": None},
             }
         )
