@@ -24,6 +24,7 @@ from .deadletters import DeadLetterSink, NewDeadLetter
 from .delay import MovedMessage, NewDelayed, insert_delayed_steps
 from .limits import RateLimiter
 from .options import Options
+from .outage import Outage
 from .store import (
     AckRow,
     DbWorker,
@@ -104,6 +105,7 @@ class Broker:
         self.unknown_outcomes = 0
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
+        self._load_outage = Outage("backlog loads", clock)
         self.writer = GroupCommitWriter(
             writers,
             node_id,
@@ -574,12 +576,13 @@ class Broker:
         )
 
         def loaded(rows: list) -> None:
+            self._load_outage.recovered()
             if not channel.closed:
                 channel.loaded(rows, limit)
 
         def failed(failure: Any) -> None:
             failure.trap(StorageError)
-            log.warn("backlog load for {t}/{c} failed: {why}", t=channel.topic, c=channel.name, why=failure.value)
+            self._load_outage.failed(f"{channel.topic}/{channel.name}: {failure.value}")
             self._set_health(False, str(failure.value))
             channel.load_failed()
 

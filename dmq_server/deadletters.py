@@ -22,6 +22,7 @@ from twisted.logger import Logger
 
 from dmq_sql import queries
 
+from .outage import Outage
 from .store import Statement, Steps, run_steps
 from .writer import GroupCommitWriter, RetryingBatcher
 
@@ -134,6 +135,7 @@ class DeadLetterSink:
     ):
         self.db = db
         self.clock = clock
+        self._sweep_outage = Outage("expiry sweep", clock)
         self.node_id = node_id
         self._channel = channel
         self.expiry_batch = expiry_batch
@@ -188,6 +190,7 @@ class DeadLetterSink:
 
         def swept(rows: list) -> Any:
             self._sweeping = False
+            self._sweep_outage.recovered()
             self._drop(rows)
             if len(rows) >= self.expiry_batch:
                 return self.sweep_expired().addCallback(lambda n: n + len(rows))
@@ -195,7 +198,7 @@ class DeadLetterSink:
 
         def failed(failure: Any) -> int:
             self._sweeping = False
-            log.warn("expiry sweep failed: {why}", why=failure.value)
+            self._sweep_outage.failed(failure.value)
             return 0
 
         return d.addCallbacks(swept, failed)

@@ -33,6 +33,7 @@ from twisted.logger import Logger
 from dmq_sql import queries
 
 from .fragments import FragmentAssignment, split_fragments
+from .outage import Outage
 from .store import RefusedError, Statement, Steps, run_steps, send_columns
 
 __all__ = [
@@ -245,6 +246,7 @@ class DelayWorker:
         self.moved = 0
         self.max_late_ms = 0
         self.last_error = ""
+        self._outage = Outage(f"delay worker {index}", clock)
 
     # -- fragments ---------------------------------------------------------------
     def set_fragments(self, fragments: Sequence[int]) -> None:
@@ -285,6 +287,7 @@ class DelayWorker:
         d.addCallbacks(self._polled, self._failed, callbackArgs=(until, fragments))
 
     def _polled(self, due: list[int], until: int, fragments: tuple[int, ...]) -> None:
+        self._outage.recovered()
         self._busy = False
         self._polling_until = None
         self._retry_delay = 0.0
@@ -356,6 +359,7 @@ class DelayWorker:
         d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms,))
 
     def _moved(self, outcome: tuple[int, list[MovedMessage]], now_ms: int) -> None:
+        self._outage.recovered()
         self._busy = False
         self._retry_delay = 0.0
         taken, messages = outcome
@@ -390,13 +394,7 @@ class DelayWorker:
         self._polling_until = None
         self.last_error = str(failure.value)
         self._retry_delay = min(max(self._retry_delay * 2, 0.1), self.poll_interval)
-        log.warn(
-            "delay worker {i} ({frags}) failed, retrying in {s}s: {why}",
-            i=self.index,
-            frags=_describe_run(self.fragments),
-            s=self._retry_delay,
-            why=failure.value,
-        )
+        self._outage.failed(f"fragments {_describe_run(self.fragments)}: {failure.value}")
         self._cancel_timer()
         self._timer_at = self.clock.seconds() + self._retry_delay
         self._timer = self.clock.callLater(self._retry_delay, self._retry)

@@ -35,6 +35,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from .outage import Outage
 from .store import Statement, Steps, StorageError, describe_error, connect, storage_error
 
 __all__ = ["ReactorDb", "PreparedSql"]
@@ -116,6 +117,7 @@ class ReactorDb:
         self._loader: Transformer | None = None
         self._queue: deque[tuple[Callable[..., Steps], tuple, Deferred]] = deque()
         self._run: _Run | None = None
+        self._outage = Outage(f"{name} (PostgreSQL connection)", reactor)
         self._results: list[Any] = []
         self._connecting = False
         self._stopped = False
@@ -286,7 +288,7 @@ class ReactorDb:
     def _broken(self, exc: BaseException) -> None:
         """The connection cannot be used: fail the run in progress; the next run reconnects."""
         if self._pgconn is not None:
-            log.warn("{name}: PostgreSQL connection lost: {why}", name=self.name, why=describe_error(exc))
+            self._outage.failed(f"connection lost: {describe_error(exc)}")
         self._close()
         if self._run is not None:
             run, self._run = self._run, None
@@ -324,6 +326,7 @@ class ReactorDb:
             conn.close()
             return
         self._conn, self._named = conn, named
+        self._outage.recovered()
         try:
             self._pgconn = conn.pgconn
             self._encoding = conn.info.encoding
@@ -344,6 +347,7 @@ class ReactorDb:
         error = failure.value
         if not isinstance(error, StorageError):
             error = StorageError(f"{self.name}: {describe_error(error)}")
+        self._outage.failed(error)
         # like a DbWorker call: what waits for this connection fails; the next run tries again
         self._fail_queued(error)
 

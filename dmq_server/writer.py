@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from .outage import Outage
 from .store import AckRow, NewMessage, RefusedError, StorageError, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
@@ -220,6 +221,7 @@ class RetryingBatcher:
         self._busy = False
         self._retry = 0.0
         self._idle: list[Deferred] = []
+        self._outage = Outage(name, clock)
         self.done = 0
 
     @property
@@ -254,6 +256,7 @@ class RetryingBatcher:
     def _flushed(self, result: Any, batch: list) -> None:
         self._busy = False
         self._retry = 0.0
+        self._outage.recovered()
         self.done += len(batch)
         try:
             self.on_done(batch, result)
@@ -263,7 +266,7 @@ class RetryingBatcher:
 
     def _failed(self, failure: Any, batch: list) -> None:
         self._busy = False
-        log.warn("{name} of {n} failed, will retry: {why}", name=self.name, n=len(batch), why=failure.value)
+        self._outage.failed(failure.value)
         self._queue[:0] = batch
         self._retry = min(max(self._retry * 2, 0.1), 5.0)
         if self._timer is None:

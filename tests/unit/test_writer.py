@@ -560,3 +560,28 @@ def test_new_acks_do_not_cut_the_retry_backoff_short() -> None:
     assert len(worker.calls) == 1, "retried before the backoff elapsed"
     clock.advance(0.1)
     assert len(worker.calls) == 2
+
+
+def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends() -> None:
+    """Ten failed retries of a batch make one warning, not ten; the first commit after
+    them makes one line saying how long it lasted and how many attempts failed."""
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        worker, clock = FakeDbWorker(), Clock()
+        acker = AckBatcher(worker, clock, max_batch=10, flush_interval=0.05, on_done=lambda rows, ok: None)
+        acker.add(ack_row(1))
+        clock.advance(0.05)
+        for _ in range(10):
+            worker.last.fail(StorageError("acker: connection refused"))
+            clock.advance(5.0)
+        worker.last.commit(1)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    lines = [e["log_format"] for e in events if e.get("what") == "durable ack"]
+    assert lines == [
+        "{what} failing, retrying quietly until it works: {why}",
+        "{what} working again after {seconds:.1f}s ({failures} failed attempts)",
+    ]
+    ended = [e for e in events if e.get("what") == "durable ack"][-1]
+    assert ended["failures"] == 10 and ended["seconds"] == 50.0
