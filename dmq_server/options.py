@@ -318,7 +318,7 @@ class Options:
             ("heartbeat_interval", self.heartbeat_interval > 0, "must be more than 0"),
             ("max_credit", self.max_credit >= 1, "must be at least 1"),
             ("default_credit", 1 <= self.default_credit <= self.max_credit, "must be 1..max_credit"),
-            ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1"),
+            ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1 (reliable channels push from this memory window; see docs/nsq.md)"),
             ("commit_batch_size", self.commit_batch_size >= 1, "must be at least 1"),
             ("commit_writers", self.commit_writers >= 1, "must be at least 1"),
             ("db_io", self.db_io in DB_IO, "must be one of " + ", ".join(DB_IO)),
