@@ -313,8 +313,15 @@ class Producer:
         while True:
             batch = self.queue.get_batch(self.config.send_batch_size, None)
             if not batch:
-                if self._closing or self._stop.is_set():
+                if self._stop.is_set():
                     break
+                if self._closing:
+                    if not self._pen:
+                        break
+                    # closing, and journaled sends wait in the retry pen: they may still be
+                    # stored within close_timeout. A closed queue does not block when empty,
+                    # so wait for the resend runner's next release instead.
+                    self._stop.wait(self.config.resend_check_interval)
                 continue
             try:
                 self._send_batch(batch)

@@ -748,3 +748,22 @@ def test_a_replayed_message_and_its_resend_copy_get_one_real_result(tmp_path):
     finally:
         server.close()
     assert [(r.status, r.session_id) for r in replayed] == [(Status.SUCCESS, 1001)]
+
+
+def test_a_send_waiting_for_its_retry_is_still_stored_during_close(tmp_path):
+    """close(timeout) gives pending sends the timeout to be stored; that includes a
+    journaled send waiting in the retry pen (the send runner keeps going for it), so it
+    ends SUCCESS, not CLIENT_CLOSED."""
+    server = FakeServer(reply=storage_errors(1))
+    try:
+        cfg = config(server, journal_path=str(tmp_path), resend_check_interval=0.01, journal_retry_backoff=0.05)
+        client = MqClient(cfg)
+        future = client.send(Message("orders", b"x"))
+        until(lambda: client._producer.retried == 1, "the retry")
+        client.close(timeout=WAIT)
+        result = future.result(WAIT)
+        assert result.status is Status.SUCCESS and result.message_id == 902
+    finally:
+        server.close()
+    with journal(tmp_path) as reopened:
+        assert reopened.recovered == 0
