@@ -89,7 +89,7 @@ class MqConfig:
     )
     journal_retry_backoff_max: float = _opt(30.0, "with the journal: longest wait between those tries")
     journal_give_up_after: float | None = _opt(
-        None, "with the journal: report a transient failure and forget the message after failing this long; None = never"
+        None, "with the journal: after failing this long, report the failure and forget the message; None = never"
     )
     recovered_callback: Any = _opt(
         None, "gets the results of messages recovered from the journal at start; None = they are only logged"
