@@ -25,6 +25,7 @@ import pytest
 
 from dmq_client import Message, MqClient, MqConfig, SendResult, Status
 from dmq_client.journal import JournalSendQueue
+from dmq_client.pending import PendingSend
 
 from .support import REPO, db_rows, wait_for
 
@@ -314,6 +315,39 @@ def test_kill_9_while_the_server_stays_down_past_route_wait_loses_nothing(
     assert {sid: mid for _, sid, _, _, mid, _ in results} == {sid: mid for _, sid, _, mid in stored}
     with JournalSendQueue(journal, ticker=False) as reopened:
         assert reopened.recovered == 0
+
+
+def test_a_message_journaled_with_its_resend_copy_at_a_crash_is_stored_once_and_answered_success(
+    make_server, topic, pg_dsn, tmp_path
+):
+    """Issue 13, item 5: after a kill a message can be in the journal twice, the original
+    and its own resend copy (``client.resend``), both unfinished because their finished
+    marks were not synced. Half of them were even stored before the crash. The next
+    client must send each message once and answer it SUCCESS (the stored half as
+    duplicates with the stored message id), not INVALID_MESSAGE "already awaiting a
+    reply" for the copies; PostgreSQL holds each (producer, session id) once."""
+    count, producer, ts = 100, "orders-api-1", 1_700_000_000_000
+    journal = tmp_path / "journal"
+    server = make_server()
+    with MqClient(client_config(server, producer_id=producer)) as before:  # stored before the crash
+        assert all(before.send(Message("orders", f"order {i}", session_id=5000 + i)).result(WAIT).ok
+                   for i in range(0, count, 2))
+    q = JournalSendQueue(journal, ticker=False, producer_id=producer)
+    for resend in (False, True):
+        for i in range(count):
+            q.put(PendingSend(Message("orders", f"order {i}"), 5000 + i, producer, ts + i, resend=resend))
+    q.abandon()  # as a kill -9 leaves it
+
+    replayed: list[SendResult] = []
+    with MqClient(client_config(server, journal_path=str(journal), recovered_callback=replayed.append)) as client:
+        assert client.flush(WAIT)
+    assert Counter(r.status for r in replayed) == {Status.SUCCESS: count}
+    assert sorted(r.session_id for r in replayed) == [5000 + i for i in range(count)]
+    assert sorted(r.session_id for r in replayed if r.duplicate) == [5000 + i for i in range(0, count, 2)]
+    stored = db_rows(pg_dsn, "SELECT producer, session_id, body, id FROM dmq_message")
+    assert Counter((p, sid) for p, sid, _, _ in stored) == Counter({(producer, 5000 + i): 1 for i in range(count)})
+    assert {sid: bytes(body).decode() for _, sid, body, _ in stored} == {5000 + i: f"order {i}" for i in range(count)}
+    assert {r.session_id: r.message_id for r in replayed} == {sid: mid for _, sid, _, mid in stored}
 
 
 def test_clean_close_with_the_journal_leaves_nothing_to_replay(make_server, topic, pg_dsn, tmp_path):
