@@ -434,7 +434,7 @@ class Producer:
     # -- replies ------------------------------------------------------------------
     def replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
         """SEND_* replies read by ``conn``'s reader thread."""
-        answered: dict[int, Frame] = {}
+        answered: dict[tuple[str, int], Frame] = {}
         shutting: list[PendingSend] = []
         for frame in frames:
             # the server echoes the producer; a reply without one is for this client's own
