@@ -9,12 +9,12 @@ both drive the same sans-IO codec.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import time
 from collections import deque
 from typing import Iterable
 
+from .session import default_producer_id
 from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode
 
 __all__ = ["BlockingClient", "ClientError"]
@@ -33,7 +33,9 @@ class BlockingClient:
         producer: str | None = None,
         timeout: float = 10.0,
     ):
-        self.producer = producer or f"blocking-{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        # a new id per client, as MqClient's: id(self) is reused once an earlier client is
+        # collected, and a long host name made the old form exceed the server's 64 characters
+        self.producer = producer or default_producer_id()
         self.timeout = timeout
         self._sock = socket.create_connection((host, port), timeout=timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -118,14 +118,17 @@ class MqClient:
         """Send a failed message again, idempotently.
 
         The retry reuses the first send's session id and goes out as
-        UP_PRODUCER_RESEND, so the server stores the message at most once
-        whether or not the first attempt reached it (within the server's
-        retention window, and for the same ``producer_id``). This is the safe
-        way to retry any status, OUT_OF_RETRY included.
+        UP_PRODUCER_RESEND under the producer id it was sent with
+        (``result.producer``: a message recovered from the journal keeps its
+        original id), so the server stores the message at most once whether or
+        not the first attempt reached it (within the server's retention
+        window). This is the safe way to retry any status, OUT_OF_RETRY
+        included. With the producer journal, transient failures are retried by
+        the client itself and never need this.
         """
         m = result.message
         retry = Message(m.topic, m.body, session_id=result.session_id, msg_type=m.msg_type, due_ms=m.due_ms)
-        return self._producer.send(retry, callback, resend=True)
+        return self._producer.send(retry, callback, resend=True, producer=result.producer or None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every send so far has had its result delivered."""
@@ -202,6 +205,8 @@ class MqClient:
             "in_flight": len(producer.resends),
             "notify_queue": len(producer.notify),
             "outstanding": producer.outstanding,
+            "retrying": producer.retrying,
+            "retried": producer.retried,
             "dedup_entries": len(self._consumer.dedup),
             "duplicates_suppressed": self._consumer.dedup.suppressed,
             "servers": {c.name: c.state.value for c in self.pool},

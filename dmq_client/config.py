@@ -41,7 +41,7 @@ class MqConfig:
         ("127.0.0.1:4150",), "dmq servers as HOST:PORT; the client connects to every one"
     )
     producer_id: str = _opt(
-        "", "stable producer id (1-64 ASCII); empty derives one from host name and process id"
+        "", "producer id (1-64 ASCII), unique among live clients; empty: a new one per client (host, pid, random)"
     )
     send_queue_size: int = _opt(
         10000, "messages accepted but not yet written; a send beyond this gets QUEUE_FULL at once"
@@ -83,6 +83,13 @@ class MqConfig:
     )
     journal_sync_interval: float = _opt(
         1.0, "longest an unsynced send or finished result waits for the journal's fsync"
+    )
+    journal_retry_backoff: float = _opt(
+        1.0, "with the journal: first wait before a journaled send that failed transiently is tried again; doubles"
+    )
+    journal_retry_backoff_max: float = _opt(30.0, "with the journal: longest wait between those tries")
+    journal_give_up_after: float | None = _opt(
+        None, "with the journal: after failing this long, report the failure and forget the message; None = never"
     )
     recovered_callback: Any = _opt(
         None, "gets the results of messages recovered from the journal at start; None = they are only logged"
@@ -149,6 +156,8 @@ class MqConfig:
             "reconnect_backoff",
             "reconnect_backoff_max",
             "dedup_max_age",
+            "journal_retry_backoff",
+            "journal_retry_backoff_max",
         )
         for name in positive_times:
             value = getattr(self, name)
@@ -162,6 +171,9 @@ class MqConfig:
             raise ValueError(
                 f"journal_sync_interval: must be a positive number of seconds, not {self.journal_sync_interval!r}"
             )
+        give_up = self.journal_give_up_after
+        if give_up is not None and (not isinstance(give_up, (int, float)) or isinstance(give_up, bool) or give_up < 0):
+            raise ValueError(f"journal_give_up_after: must be None or >= 0 seconds, not {give_up!r}")
         callback = self.recovered_callback
         if callback is not None and not (callable(callback) or callable(getattr(callback, "on_result", None))):
             raise ValueError("recovered_callback: must be None, a callable or an object with on_result(result)")

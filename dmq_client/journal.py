@@ -14,7 +14,6 @@ into a ``duplicate`` answer instead of a second copy.
 On disk, in the journal directory::
 
     lock                          flock()ed while a client has the journal open
-    producer_id                   the producer id, kept so it survives restarts
     journal-<G>.diskqueue.*       generation G of the record queue (dmq_client.diskqueue files)
     done.log                      8-byte sequence numbers of records finished out of order
 
@@ -24,8 +23,13 @@ journal sequence number ``seq``::
     crc32 (I) | version (B) | flags (B) | msg_type (B) | seq (Q) | session_id (q)
     | timestamp_ms (q) | due_ms (q) | len(topic) (H) | len(producer) (H) | topic | producer | body
 
-The session id is assigned by the producer before the record is written, so a
-replay uses the same ``(producer, session_id)`` pair as the first attempt.
+The producer id and session id are assigned before the record is written and
+kept in it, so a replay is the same ``(producer, session_id)`` pair as the first
+attempt, whichever id the client that replays it has. That client sends its new
+messages under an id of its own: a new one for every open (``default_producer_id``)
+unless one is configured, so no message of one producer instance can be taken
+for a resend of another's, not even with the wall clock set back across a
+restart (session ids come from the clock).
 
 What is finished. Results come back out of order (topics go to different
 servers, resends). The disk queue's read position is the *watermark*: every
@@ -38,11 +42,23 @@ records before the watermark and those in ``done.log``. A finish that was not
 synced yet when the process died is replayed: delivery is at least once, and
 the server's idempotency absorbs the replay (within its retention window).
 
-Results that keep a record. ``CLIENT_CLOSED`` means the client closed before
-the server answered; the message stays journaled and is sent when the journal
-is opened again. Every other result is final and removes the message: the
-caller has been told (SOCKET_ERROR and OUT_OF_RETRY included; resend them with
-``client.resend(result)`` if wanted).
+Which results remove a record. Only a *final* result (``message.FINAL``):
+SUCCESS (stored), NO_TOPIC or INVALID_MESSAGE (refused for something the same
+message would be refused for again: the application's to handle). A message
+that was not stored stays journaled until it is, or until the application gives
+it up: the producer does not even report the *transient* failures
+(``message.TRANSIENT``: SOCKET_ERROR, SERVER_ERROR, RATE_LIMIT_EXCEEDED,
+OUT_OF_RETRY) of a journaled send but retries it with backoff (``hold`` and
+``requeue``; see ``dmq_client.producer``), unless ``journal_give_up_after`` runs
+out, which marks the send ``given_up``: that failure is delivered and removes
+the record. Any other result (CLIENT_CLOSED: the client closed before the
+message was stored) keeps the record, and the next open sends it again.
+
+Duplicates. A message is identified by ``(producer, session_id)``, not by its
+record: ``client.resend`` of a journaled message writes a second record with the
+same pair. Recovery keeps the first unfinished record of each pair and drops
+later copies (the server would store only one of them and answer the others as
+duplicates), so a message replayed next to its own resend copy is sent once.
 
 Opening. Disk-queue reads are destructive, so the journal cannot look at its
 records without removing them. Opening therefore *compacts*: it reads every
@@ -82,7 +98,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .diskqueue import DiskQueue, DiskQueueError
-from .message import Message, SendResult, Status
+from .message import FINAL, Message, SendResult, Status
 from .notify import call_callback
 from .pending import PendingSend
 from .send_queue import MemorySendQueue, Put
@@ -178,8 +194,8 @@ class JournalSendQueue(MemorySendQueue):
 
     ``capacity`` bounds the items waiting for the send runner, as in
     ``MemorySendQueue``; items recovered at open are all accepted even beyond it.
-    ``producer_id``: the id for new sends; empty means the one stored in the
-    journal, or a new one (then stored). ``recovered_callback`` gets the results of
+    ``producer_id``: the id for new sends; empty means a new one for this open
+    (recovered records keep the id they were first sent with). ``recovered_callback`` gets the results of
     recovered items. ``ticker=False`` leaves time-driven syncs to ``sync_pending``
     (tests). Raises ``JournalError`` if another client has the journal open.
 
@@ -189,6 +205,8 @@ class JournalSendQueue(MemorySendQueue):
 
     keeps_unfinished = True
     """CLIENT_CLOSED results leave the message journaled (the producer says so in the result)."""
+    retries_unfinished = True
+    """The producer retries transient failures of journaled sends (``hold``, ``requeue``)."""
     compact_after = 65536
     """done.log is rewritten when it holds more entries than this and 4x the unread finished ones."""
 
@@ -219,6 +237,7 @@ class JournalSendQueue(MemorySendQueue):
         self._order: deque[int] = deque()  # seqs of the live generation's unread records, in order
         self._seq_of: dict[PendingSend, int] = {}  # journaled items not finished yet
         self._done: set[int] = set()  # finished, but an older record is not: not yet read off
+        self._held = 0  # journaled items the producer holds for a retry: they count against capacity
         self._marks: list[int] = []  # finishes to append to done.log at the next sync
         self._written = self._synced = 0  # puts so far / puts whose data file was synced
         self._full_synced = 0  # puts covered by a full sync (positions too)
@@ -230,11 +249,12 @@ class JournalSendQueue(MemorySendQueue):
         self._shut = False  # files closed
         self.syncs = 0
         self.bad_records = 0
+        self.duplicates = 0  # records dropped at open as copies of the same (producer, session id)
         self.last_error = ""
         os.makedirs(self.path, exist_ok=True)
         self._lock_fd = _lock(os.path.join(self.path, "lock"))
         try:
-            self.producer_id = self._load_producer_id(producer_id)
+            self.producer_id = producer_id or default_producer_id()
             self._done_path = os.path.join(self.path, "done.log")
             records = self._recover()
             self._done_fd = os.open(self._done_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -255,6 +275,9 @@ class JournalSendQueue(MemorySendQueue):
         self.recovered = len(records)
         if records:
             log.info("journal %s: recovered %d unfinished messages; sending them again", self.path, len(records))
+        if self.duplicates:
+            log.info("journal %s: %d recovered records were resend copies of another; each message is sent once",
+                     self.path, self.duplicates)
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         if ticker:
@@ -279,7 +302,7 @@ class JournalSendQueue(MemorySendQueue):
         with self._cond:
             if self._closed:
                 return Put.CLOSED
-            if len(self._items) >= self.capacity:
+            if len(self._items) + self._held >= self.capacity:
                 return Put.FULL
             seq = self._next_seq
             try:
@@ -302,8 +325,8 @@ class JournalSendQueue(MemorySendQueue):
 
     def task_done(self, item: PendingSend) -> None:
         result = item.result
-        if result is not None and result.status is Status.CLIENT_CLOSED:
-            return  # not finished: sent again when the journal is opened next
+        if result is None or (result.status not in FINAL and not item.given_up):
+            return  # not stored and not given up: kept, sent again when the journal is opened next
         with self._cond:
             seq = self._seq_of.pop(item, None)
             if seq is None or self._shut:
@@ -319,6 +342,30 @@ class JournalSendQueue(MemorySendQueue):
                 head = order.popleft()
                 self._done.discard(head)
                 self._read_off(head)
+
+    # -- retries (the producer's retry pen) ----------------------------------------------------
+    def hold(self, item: PendingSend) -> bool:
+        """The producer keeps ``item`` aside to retry it later. True if it is journaled and
+        unfinished (then it counts against ``capacity`` until ``requeue`` or ``unhold``);
+        False for an item this queue never journaled (it gets its failure instead)."""
+        with self._cond:
+            if item not in self._seq_of or self._shut:
+                return False
+            self._held += 1
+            return True
+
+    def requeue(self, items: list[PendingSend]) -> None:
+        """Held items whose retry is due: back to the queue (in memory; they are journaled
+        already), ahead of new sends, also after ``close`` (``drain`` collects them then)."""
+        with self._cond:
+            self._held -= len(items)
+            self._items.extendleft(reversed(items))
+            self._cond.notify()
+
+    def unhold(self, n: int) -> None:
+        """``n`` held items were given their result instead (the client closed)."""
+        with self._cond:
+            self._held -= n
 
     # -- journal state ------------------------------------------------------------------------
     @property
@@ -495,24 +542,6 @@ class JournalSendQueue(MemorySendQueue):
         os.close(old)
         self._donelog_entries = len(live)
 
-    def _load_producer_id(self, configured: str) -> str:
-        file_name = os.path.join(self.path, "producer_id")
-        stored = ""
-        try:
-            with open(file_name, encoding="ascii") as f:
-                stored = f.read().strip()
-        except FileNotFoundError:
-            pass
-        except (OSError, UnicodeError) as exc:
-            log.warning("journal %s: unreadable producer_id file (%s); writing a new one", self.path, exc)
-        if stored and (len(stored) > 64 or not stored.isascii() or not stored.isprintable()):
-            stored = ""
-        producer_id = configured or stored or default_producer_id()
-        if producer_id != stored:
-            _write_file_atomically(file_name, producer_id.encode("ascii") + b"\n")
-            _fsync_dir(self.path)
-        return producer_id
-
     def _open_queue(self, generation: int) -> DiskQueue:
         return DiskQueue(
             f"journal-{generation}", self.path,
@@ -529,6 +558,7 @@ class JournalSendQueue(MemorySendQueue):
         max_seq = max(done, default=-1)
         records: list[JournalRecord] = []
         copied: set[int] = set()
+        keys: set[tuple[str, int]] = set()  # (producer, session id) of the records copied
         old_queues = []
         try:
             for old_generation in generations:
@@ -544,9 +574,14 @@ class JournalSendQueue(MemorySendQueue):
                     else:
                         max_seq = max(max_seq, rec.seq)
                         if rec.seq not in done and rec.seq not in copied:
-                            new.put(data)  # copied before it is read off the old generation
                             copied.add(rec.seq)
-                            records.append(rec)
+                            if (rec.producer, rec.session_id) in keys:
+                                # a resend copy of a message copied already: the same message
+                                self.duplicates += 1
+                            else:
+                                new.put(data)  # copied before it is read off the old generation
+                                keys.add((rec.producer, rec.session_id))
+                                records.append(rec)
                     if _read_leaves_file(old, data):
                         new.sync()  # that read deletes an old data file: the copies go first
                     old.read()
@@ -622,17 +657,6 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _write_file_atomically(file_name: str, data: bytes) -> None:
-    tmp = file_name + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, file_name)
 
 
 def _fsync_dir(path: str) -> None:

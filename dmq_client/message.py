@@ -21,6 +21,8 @@ from typing import Any, Callable
 from .wire import MessageType
 
 __all__ = [
+    "FINAL",
+    "TRANSIENT",
     "Message",
     "MessageType",
     "ReceivedMessage",
@@ -62,6 +64,16 @@ class Status(str, enum.Enum):
     @property
     def ok(self) -> bool:
         return self is Status.SUCCESS
+
+
+#: Results that settle a message's fate: stored, or refused for something the same message
+#: would be refused for again (the application's to handle). A producer journal forgets a
+#: message once one of these has been delivered.
+FINAL = frozenset({Status.SUCCESS, Status.NO_TOPIC, Status.INVALID_MESSAGE})
+#: Results that say nothing about the message itself: no server reachable, the server could
+#: not store it now, a rate limit, no answer. With the producer journal such a send is tried
+#: again (as a resend, under the same producer and session id) instead of being reported.
+TRANSIENT = frozenset({Status.SOCKET_ERROR, Status.SERVER_ERROR, Status.RATE_LIMIT_EXCEEDED, Status.OUT_OF_RETRY})
 
 
 class SendError(Exception):
@@ -131,6 +143,9 @@ class SendResult:
     the server answered). ``duplicate`` is true when the server recognised a
     resend of a message it had already stored (same ``message_id``).
     ``attempts`` counts the writes made (first send plus resends).
+    ``producer`` is the producer id the message was sent under (a message
+    recovered from a producer journal keeps the id it was first sent with);
+    ``client.resend(result)`` resends under it.
     """
 
     status: Status
@@ -141,6 +156,7 @@ class SendResult:
     server: str | None = None
     duplicate: bool = False
     attempts: int = 0
+    producer: str = ""
 
     @property
     def ok(self) -> bool:

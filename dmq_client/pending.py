@@ -31,6 +31,11 @@ class PendingSend:
         "server",
         "result",
         "resend",
+        "key",
+        "followers",
+        "failures",
+        "failing_since",
+        "given_up",
         "_settled",
     )
 
@@ -47,6 +52,8 @@ class PendingSend:
         self.message = message
         self.session_id = session_id
         self.producer = producer
+        # what identifies the message to the server: a send with a stored key is a resend
+        self.key = (producer, session_id)
         self.timestamp_ms = timestamp_ms
         self.callback = callback
         self.future: SendFuture[SendResult] = future if future is not None else SendFuture()
@@ -56,6 +63,12 @@ class PendingSend:
         self.server: str | None = None  # where it was last written
         self.result: SendResult | None = None
         self.resend = resend  # a caller's retry of an earlier send: written as UP_PRODUCER_RESEND
+        # resends of this very (producer, session id) that arrived while it was in flight:
+        # they share its answer (see Producer._send_batch)
+        self.followers: list[PendingSend] | None = None
+        self.failures = 0  # journal retries so far (transient failures of a journaled send)
+        self.failing_since = 0.0  # clock() of its first transient failure
+        self.given_up = False  # the producer stopped retrying it: the journal may forget it
         self._settled = False
 
     def settle(self) -> bool:

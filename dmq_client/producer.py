@@ -18,6 +18,21 @@ The flow is DMQ's (seeds/003, section 2):
    down, the messages waiting on it are written at once to another server
    (as resends: the server deduplicates by producer and session id, and all
    nodes share one store). Such a failover write uses up no try.
+6. With the producer journal, a transient failure of a journaled send
+   (``message.TRANSIENT``: SOCKET_ERROR, SERVER_ERROR, RATE_LIMIT_EXCEEDED,
+   OUT_OF_RETRY) is not reported: the message waits in the *retry pen* for a
+   backoff (``journal_retry_backoff``, doubling up to
+   ``journal_retry_backoff_max``) and goes back to the send queue as a resend,
+   until it gets a ``message.FINAL`` result, the client closes (CLIENT_CLOSED:
+   it stays journaled for the next client) or ``journal_give_up_after`` runs
+   out (the application's explicit choice to give up: then the failure is
+   reported and the journal forgets the message). A journaled message that
+   was never stored is therefore never dropped by the client.
+
+A resend of a ``(producer, session_id)`` that is already awaiting its reply
+(a journal replay next to its own resend copy, ``client.resend`` of a send
+still in flight) is the same message: it is not written again but shares the
+first copy's answer (``ResendMap.add_many``).
 
 Every accepted message ends in exactly one result: ``PendingSend.settle``
 lets only the first of the competing paths (reply, give-up, close) report.
@@ -25,6 +40,8 @@ lets only the first of the competing paths (reply, give-up, close) report.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -34,7 +51,7 @@ from typing import Any, Callable, Iterable
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
 from .future import SendFuture
-from .message import Message, SendResult, Status
+from .message import TRANSIENT, Message, SendResult, Status
 from .notify import NotifyRunner
 from .pending import PendingSend
 from .resend import ResendMap
@@ -57,6 +74,8 @@ _REPLY_STATUS = {
 _SHUTTING_DOWN = "E_SHUTTING_DOWN"
 _SEND = Command.UP_PRODUCER_SEND
 _RESEND = Command.UP_PRODUCER_RESEND
+_PENNED = object()  # _retry_later: the send waits in the retry pen
+_PEN_CLOSED = object()  # _retry_later: the client is closing; report CLIENT_CLOSED (kept in the journal)
 
 
 class Producer:
@@ -82,12 +101,19 @@ class Producer:
             else:
                 send_queue = MemorySendQueue(config.send_queue_size)
         self.queue: SendQueue = send_queue
-        # a journal keeps the producer id across restarts (its replays carry their own)
+        # a journal's recovered messages carry the producer id they were first sent with
         self.producer_id = getattr(send_queue, "producer_id", None) or config.producer_id or default_producer_id()
         self.next_session_id = SessionIdGenerator(wall_clock)
         self._kept = ""  # added to CLIENT_CLOSED descriptions when the queue keeps those messages
         if getattr(send_queue, "keeps_unfinished", False):
             self._kept = " (kept in the producer journal: sent again when it is next opened)"
+        # a journal retries its transient failures (module docstring, step 6)
+        self._retrying = bool(getattr(send_queue, "retries_unfinished", False))
+        self._pen: list[tuple[float, int, PendingSend]] = []  # heap of (due, order, item)
+        self._pen_order = itertools.count()
+        self._pen_lock = threading.Lock()
+        self._pen_closed = False
+        self.retried = 0  # transient failures turned into a later retry
         self.resends = ResendMap(config.max_in_flight, config.resend_interval, config.resend_tries)
         self.notify = NotifyRunner(self._delivered)
         self._outstanding = len(self.queue)  # a journal's recovered messages are outstanding
@@ -108,14 +134,18 @@ class Producer:
         return self._outstanding
 
     # -- the caller's side ----------------------------------------------------
-    def send(self, message: Message, callback: Any = None, *, resend: bool = False) -> "SendFuture[SendResult]":
+    def send(
+        self, message: Message, callback: Any = None, *, resend: bool = False, producer: str | None = None
+    ) -> "SendFuture[SendResult]":
+        """``producer``: the id to send under (``client.resend`` of a recovered message
+        passes the id it was first sent with); the client's own by default."""
         if not isinstance(message, Message):
             raise TypeError(f"send() takes a dmq_client.Message, not {type(message).__name__}")
         sid = message.session_id
         item = PendingSend(
             message,
             self.next_session_id() if sid is None else sid,
-            self.producer_id,
+            producer or self.producer_id,
             int(self.wall_clock() * 1000),
             callback,
             resend=resend,
@@ -172,12 +202,98 @@ class Producer:
 
     # -- results ----------------------------------------------------------------
     def _finish(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> None:
-        if item.settle():
-            item.result = SendResult(
-                status, item.message, item.session_id, description=description,
-                server=item.server, attempts=item.attempts, **fields,
-            )
-            self.notify.put(item)
+        done = self._settle(item, status, description, **fields)
+        if done:
+            self.notify.put_many(done)
+
+    def _settle(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> list[PendingSend]:
+        """Give ``item`` its result, unless a transient failure of a journaled send is to
+        be retried instead. Returns the items whose results are to be delivered: the
+        item and its followers (resends of the same message that shared its write), or
+        nothing (already settled by a competing path, or retried later)."""
+        if status in TRANSIENT and self._retrying:
+            verdict = self._retry_later(item)
+            if verdict is _PENNED:
+                return []
+            if verdict is _PEN_CLOSED:
+                status = Status.CLIENT_CLOSED
+                description = f"the client closed before the message was stored ({description}){self._kept}"
+        if not item.settle():
+            return []
+        fields.setdefault("server", item.server)
+        item.result = SendResult(
+            status, item.message, item.session_id, description=description,
+            attempts=item.attempts, producer=item.producer, **fields,
+        )
+        if not item.followers:
+            return [item]
+        done = [item]
+        for follower in item.followers:
+            # the same (producer, session id): the server's answer to the first copy is the
+            # answer to this one; a stored message is a duplicate for it
+            if follower.settle():
+                follower.given_up = item.given_up
+                follower.result = SendResult(
+                    status, follower.message, follower.session_id, description=description,
+                    attempts=follower.attempts, producer=follower.producer,
+                    **{**fields, "duplicate": status is Status.SUCCESS},
+                )
+                done.append(follower)
+        return done
+
+    def _retry_later(self, item: PendingSend) -> object:
+        """Put a journaled send that failed transiently in the retry pen. Returns
+        ``_PENNED``, ``_PEN_CLOSED`` (the client is closing), or None: not journaled
+        (refused by the queue), or ``journal_give_up_after`` ran out (then marked
+        ``given_up``, so the journal forgets it once its failure is delivered)."""
+        now = self.clock()
+        with self._pen_lock:
+            if self._pen_closed:
+                return _PEN_CLOSED
+            if item.failures == 0:
+                item.failing_since = now
+            give_up = self.config.journal_give_up_after
+            if give_up is not None and now - item.failing_since >= give_up:
+                item.given_up = True
+                return None
+            if not self.queue.hold(item):  # type: ignore[attr-defined]
+                return None
+            item.failures += 1
+            backoff = self.config.journal_retry_backoff * 2 ** min(item.failures - 1, 30)
+            due = now + min(backoff, self.config.journal_retry_backoff_max)
+            heapq.heappush(self._pen, (due, next(self._pen_order), item))
+            self.retried += 1
+        return _PENNED
+
+    def release_retries(self, now: float) -> int:
+        """Move the sends whose retry backoff is over back to the send queue, as resends
+        (the resend runner calls this; tests call it with an injected clock)."""
+        with self._pen_lock:
+            pen = self._pen
+            due: list[PendingSend] = []
+            while pen and pen[0][0] <= now:
+                due.append(heapq.heappop(pen)[2])
+            if due:
+                for item in due:
+                    item.resends = 0  # a fresh resend schedule for the new write
+                    item.resend = True  # it may have been written (and stored) already
+                # under the pen's lock, so close() cannot miss an item between pen and queue
+                self.queue.requeue(due)  # type: ignore[attr-defined]
+        return len(due)
+
+    @property
+    def retrying(self) -> int:
+        """Journaled sends waiting in the retry pen."""
+        return len(self._pen)
+
+    def _close_pen(self) -> list[PendingSend]:
+        with self._pen_lock:
+            self._pen_closed = True
+            items = [item for _, _, item in self._pen]
+            self._pen.clear()
+            if items:
+                self.queue.unhold(len(items))  # type: ignore[attr-defined]
+        return items
 
     def _delivered(self, item: PendingSend) -> None:
         """The notify runner delivered ``item``'s result."""
@@ -197,15 +313,22 @@ class Producer:
         while True:
             batch = self.queue.get_batch(self.config.send_batch_size, None)
             if not batch:
-                if self._closing or self._stop.is_set():
+                if self._stop.is_set():
                     break
+                if self._closing:
+                    if not self._pen:
+                        break
+                    # closing, and journaled sends wait in the retry pen: they may still be
+                    # stored within close_timeout. A closed queue does not block when empty,
+                    # so wait for the resend runner's next release instead.
+                    self._stop.wait(self.config.resend_check_interval)
                 continue
             try:
                 self._send_batch(batch)
             except Exception as exc:  # a bug, not a network failure: report it, keep running
                 log.exception("dmq send runner failed on a batch")
                 for item in batch:
-                    if item.session_id not in self.resends:
+                    if item.key not in self.resends:
                         self._finish(item, Status.SOCKET_ERROR, f"internal error before the write: {exc!r}")
         self._abort(self.queue.drain(), "the client closed before the message was written")
 
@@ -236,14 +359,12 @@ class Producer:
                 continue
             groups[conn].append(item)
         for conn, items in groups.items():
-            refused = self.resends.add_many(items, conn.name, self.clock())
-            if refused:
-                for item in refused:
-                    why = f"E_INVALID session id {item.session_id} is already awaiting a reply"
-                    self._finish(item, Status.INVALID_MESSAGE, why)
-                items = [i for i in items if i not in refused]
-                if not items:
-                    continue
+            items, refused = self.resends.add_many(items, conn.name, self.clock())
+            for item in refused:  # a new send reusing a caller-chosen session id in flight
+                why = f"E_INVALID session id {item.session_id} is already awaiting a reply"
+                self._finish(item, Status.INVALID_MESSAGE, why)
+            if not items:
+                continue
             try:
                 conn.write(b"".join([self._frame(i, _RESEND if i.resend else _SEND) for i in items]))
             except ConnectionUnavailable as exc:
@@ -260,7 +381,10 @@ class Producer:
 
     def check_resends(self, now: float | None = None) -> None:
         """One pass of the resend runner (tests call it with an injected clock)."""
-        resend, expired = self.resends.due(self.clock() if now is None else now)
+        now = self.clock() if now is None else now
+        if self._retrying:
+            self.release_retries(now)
+        resend, expired = self.resends.due(now)
         for item in expired:
             self._finish(
                 item, Status.OUT_OF_RETRY,
@@ -310,39 +434,38 @@ class Producer:
     # -- replies ------------------------------------------------------------------
     def replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
         """SEND_* replies read by ``conn``'s reader thread."""
-        answered: dict[int, Frame] = {}
+        answered: dict[tuple[str, int], Frame] = {}
         shutting: list[PendingSend] = []
         for frame in frames:
+            # the server echoes the producer; a reply without one is for this client's own
+            key = (frame.producer or self.producer_id, frame.session_id)
             if frame.command == Command.SEND_SERVER_ERROR and frame.status.startswith(_SHUTTING_DOWN):
                 conn.mark_rebooting()
-                item = self.resends.get(frame.session_id)
+                item = self.resends.get(key)
                 if item is not None:
                     shutting.append(item)
                 continue
-            answered[frame.session_id] = frame
+            answered[key] = frame
         if shutting:
             self._fail_over(conn, shutting)
         if not answered:
             return
-        done = []
+        done: list[PendingSend] = []
         for item in self.resends.pop_many(answered):
-            frame = answered[item.session_id]
+            frame = answered[item.key]
             status = _REPLY_STATUS[frame.command]
             if status is Status.SERVER_ERROR and frame.status.startswith("E_STORAGE"):
                 conn.mark_unhealthy(frame.status)
-            if item.settle():
-                item.result = SendResult(
-                    status,
-                    item.message,
-                    item.session_id,
-                    message_id=frame.message_id if status is Status.SUCCESS else None,
-                    description=frame.status if status is not Status.SUCCESS else "",
-                    server=conn.name,
-                    duplicate=status is Status.SUCCESS and frame.status == "duplicate",
-                    attempts=item.attempts,
-                )
-                done.append(item)
-        self.notify.put_many(done)
+            done += self._settle(
+                item,
+                status,
+                frame.status if status is not Status.SUCCESS else "",
+                message_id=frame.message_id if status is Status.SUCCESS else None,
+                server=conn.name,
+                duplicate=status is Status.SUCCESS and frame.status == "duplicate",
+            )
+        if done:
+            self.notify.put_many(done)
 
     # -- closing ------------------------------------------------------------------
     def close(self, timeout: float) -> None:
@@ -356,6 +479,7 @@ class Producer:
             timeout = 0  # called from a callback: results wait behind this very call
         self.wait_idle(timeout)
         self._stop.set()
+        self._abort(self._close_pen(), "the client closed before the message was stored")
         self.pool.close()
         self._abort(self.resends.drain(), "the client closed before the server answered; "
                     "the message may or may not be stored")

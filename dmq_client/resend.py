@@ -1,6 +1,8 @@
 """The resend map: sends written to a server and not yet answered.
 
-DMQ's ``resendMap`` keyed by session id. A message enters when it is first
+DMQ's ``resendMap``, keyed by ``(producer, session_id)``: what the server
+identifies a message by (a journal replays messages under the producer id they
+were first sent with, which may not be the client's current one). A message enters when it is first
 written and leaves when a reply arrives, or when it has had ``tries`` resends,
 ``interval`` apart, and still no reply (OUT_OF_RETRY). With the defaults a
 message is written at t, resent at t+30, t+60 and t+90 s, and reported
@@ -33,15 +35,15 @@ class ResendMap:
         self.capacity = capacity
         self.interval = interval
         self.tries = tries
-        self._items: OrderedDict[int, PendingSend] = OrderedDict()
+        self._items: OrderedDict[tuple[str, int], PendingSend] = OrderedDict()
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, session_id: int) -> bool:
-        return session_id in self._items
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._items
 
     def wait_for_room(self, n: int = 1, timeout: float | None = None) -> bool:
         """Block until ``n`` more entries fit under ``capacity`` (or timeout)."""
@@ -53,60 +55,66 @@ class ResendMap:
 
     def add(self, item: PendingSend, server: str, now: float) -> bool:
         """Record the first write of ``item`` to ``server``. False if a send with
-        the same session id is already awaiting its reply (caller-chosen ids)."""
-        with self._lock:
-            if item.session_id in self._items:
-                return False
-            item.attempts += 1
-            item.last_attempt = now
-            item.server = server
-            self._items[item.session_id] = item
-            return True
+        the same producer and session id is already awaiting its reply."""
+        return bool(self.add_many([item], server, now)[0])
 
-    def add_many(self, items: list[PendingSend], server: str, now: float) -> list[PendingSend]:
-        """``add`` for a batch under one lock; returns the items refused because
-        their session id is already awaiting a reply."""
-        refused = []
+    def add_many(
+        self, items: list[PendingSend], server: str, now: float
+    ) -> tuple[list[PendingSend], list[PendingSend]]:
+        """``add`` for a batch under one lock. An item whose ``(producer,
+        session_id)`` is already awaiting a reply is not added: if it is a resend
+        (``item.resend``: a journal replay, ``client.resend``) it is the same
+        message, so it becomes a follower of the entry and gets that entry's
+        answer (``leader.followers``); otherwise (a new send reusing a
+        caller-chosen session id) it is refused. Returns ``(added, refused)``. Followers are
+        attached under the map's lock, while the leader is in the map, so
+        whoever removes the leader sees every follower it will ever have."""
+        added: list[PendingSend] = []
+        refused: list[PendingSend] = []
         with self._lock:
             entries = self._items
             for item in items:
-                if item.session_id in entries:
-                    refused.append(item)
+                leader = entries.get(item.key)
+                if leader is not None:
+                    if item.resend:
+                        if leader.followers is None:
+                            leader.followers = []
+                        leader.followers.append(item)
+                    else:
+                        refused.append(item)
                     continue
                 item.attempts += 1
                 item.last_attempt = now
                 item.server = server
-                entries[item.session_id] = item
-        return refused
+                entries[item.key] = item
+                added.append(item)
+        return added, refused
 
-    def get(self, session_id: int) -> PendingSend | None:
-        return self._items.get(session_id)
+    def get(self, key: tuple[str, int]) -> PendingSend | None:
+        return self._items.get(key)
 
     def rewritten(self, item: PendingSend, server: str, now: float) -> None:
         """A failover write of ``item`` to another server: a fresh interval to be
         answered, but no try used up (the first server failed, not the message)."""
         with self._lock:
-            if self._items.get(item.session_id) is item:
+            if self._items.get(item.key) is item:
                 item.attempts += 1
                 item.last_attempt = now
                 item.server = server
-                self._items.move_to_end(item.session_id)
+                self._items.move_to_end(item.key)
 
-    def pop(self, session_id: int) -> PendingSend | None:
+    def pop(self, key: tuple[str, int]) -> PendingSend | None:
         """Remove and return the entry a reply answers (None if already gone)."""
-        with self._lock:
-            item = self._items.pop(session_id, None)
-            if item is not None:
-                self._room.notify_all()
-            return item
+        found = self.pop_many((key,))
+        return found[0] if found else None
 
-    def pop_many(self, session_ids: Iterable[int]) -> list[PendingSend]:
+    def pop_many(self, keys: Iterable[tuple[str, int]]) -> list[PendingSend]:
         """``pop`` for a batch of replies under one lock acquisition."""
         found = []
         with self._lock:
             pop = self._items.pop
-            for sid in session_ids:
-                item = pop(sid, None)
+            for key in keys:
+                item = pop(key, None)
                 if item is not None:
                     found.append(item)
             if found:
@@ -127,17 +135,17 @@ class ResendMap:
         with self._lock:
             items = self._items
             while items:
-                sid, item = next(iter(items.items()))
+                key, item = next(iter(items.items()))
                 if now - item.last_attempt < self.interval:
                     break
                 if item.resends >= self.tries:
-                    del items[sid]
+                    del items[key]
                     expired.append(item)
                 else:
                     item.resends += 1
                     item.attempts += 1
                     item.last_attempt = now
-                    items.move_to_end(sid)
+                    items.move_to_end(key)
                     resend.append(item)
             if expired:
                 self._room.notify_all()

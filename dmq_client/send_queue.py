@@ -39,7 +39,8 @@ class SendQueue(Protocol):
         the first. Returns ``[]`` at once when the queue is closed and empty."""
 
     def task_done(self, item: PendingSend) -> None:
-        """The item's result has been delivered; a journal may forget it.
+        """The item's result has been delivered; a journal forgets it if that result is
+        final (``message.FINAL``) or the producer gave it up, and keeps it otherwise.
         Called for every result, also of items ``put`` refused: ignore those."""
 
     def close(self) -> None:

@@ -14,8 +14,10 @@ ids per millisecond before the sequence runs ahead of the clock, stays below
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import secrets
 import socket
 import threading
 import time
@@ -52,11 +54,26 @@ class SessionIdGenerator:
         return self._last
 
 
-def default_producer_id() -> str:
-    """``py-<host>-<pid>``: stable for the life of the client, unique per process.
+_instances = itertools.count(1)  # producer ids made by this process so far
 
-    Set ``MqConfig.producer_id`` yourself (for example ``billing-api-3``) when
-    the id should survive restarts; generated session ids stay unique anyway.
+
+def default_producer_id() -> str:
+    """``py-<host>-<pid>-<n>-<random>``: a new id for every producer instance.
+
+    The server takes a send whose ``(producer, session_id)`` it has stored for a
+    resend of that message, and session ids are only unique per generator. So
+    two producers must never share an id: two clients in one process (same host
+    and pid, and counters seeded from the same millisecond) would otherwise
+    collide, and the second message of a pair would be answered as a duplicate
+    of the first without being stored. ``n`` (a counter in this process) makes
+    the id unique within the process, host and pid between the processes alive
+    on a host, and 32 random bits against a recycled pid or a host name cut to
+    32 characters. At most 64 characters, the server's limit.
+
+    Each call returns a new id: a client takes one at construction and keeps it
+    for its life. Set ``MqConfig.producer_id`` yourself (for example
+    ``billing-api-3``, unique among the clients alive at a time) when the id
+    should survive restarts; the producer journal stores the id it made.
     """
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] or "host"
-    return f"py-{host}-{os.getpid()}"
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:32] or "host"
+    return f"py-{host}-{os.getpid()}-{next(_instances)}-{secrets.token_hex(4)}"

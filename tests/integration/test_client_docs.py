@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dmq_client import Message, MqClient, MqConfig, Status
+from dmq_client.journal import JournalSendQueue
 
 from .support import db_rows, wait_for
 
@@ -47,7 +48,8 @@ def served(make_server, topic, monkeypatch):
 
 def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
-    assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py"}
+    assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
+                               "journal_producer.py"}
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
@@ -117,3 +119,24 @@ def test_error_handling_callback_sorts_results(served):
     client.send(Message("orders", b"3"), callback).result(WAIT)
     assert callback.stored == 1
     assert [r.status for r in callback.dropped] == [Status.NO_TOPIC, Status.CLIENT_CLOSED]
+
+
+def test_journal_example_stores_every_message_and_leaves_the_journal_empty(served, pg_dsn, tmp_path, monkeypatch):
+    """The journal example publishes through a journaled client: every body is stored once,
+    on_result sees only SUCCESS, and the journal holds nothing afterwards."""
+    monkeypatch.setenv("ORDERS_JOURNAL", str(tmp_path / "journal"))
+    module = load("journal_producer.py")
+    seen = []
+    original = module["on_result"]
+
+    def on_result(result):
+        seen.append(result.status)
+        original(result)
+
+    module["on_result"] = on_result
+    bodies = [f'{{"id": {i}}}'.encode() for i in range(20)]
+    module["publish"](bodies)
+    assert seen == [Status.SUCCESS] * 20
+    assert sorted(bytes(b) for (b,) in db_rows(pg_dsn, "SELECT body FROM dmq_message")) == sorted(bodies)
+    with JournalSendQueue(tmp_path / "journal", ticker=False) as reopened:
+        assert reopened.recovered == 0

@@ -25,6 +25,7 @@ import pytest
 
 from dmq_client import Message, MqClient, MqConfig, SendResult, Status
 from dmq_client.journal import JournalSendQueue
+from dmq_client.pending import PendingSend
 
 from .support import REPO, db_rows, wait_for
 
@@ -36,12 +37,18 @@ COUNT = 200
 PRODUCER = r'''
 """A producer process for tests/integration/test_client_journal.py.
 
-send MODE:    open the client with the journal, print READY, wait for "go" on stdin,
+send MODE N [ROUTE_WAIT]:
+              open the client with the journal, print READY, wait for "go" on stdin,
               send N messages, print ACCEPTED with the session ids once every send()
-              returned (with MODE=frozen: once all N are written and unanswered), then
-              wait for stdin to close (the test kills it first).
-recover MODE: open the client on the same journal; the recovered messages are sent again
-              and their results reach recovered_callback; flush, print RESULTS, close.
+              returned (with MODE=frozen: once all N are written and unanswered; with
+              MODE=outage: once every message went unrouted for ROUTE_WAIT at least once,
+              which used to be a SOCKET_ERROR), then wait for stdin to close (the test
+              kills it first).
+recover [ROUTE_WAIT [N]]:
+              open the client on the same journal; the recovered messages are sent again
+              and their results reach recovered_callback. With N: first print WAITING once
+              N replays went unrouted for ROUTE_WAIT at least once, and wait for "go".
+              Then flush, print RESULTS, close.
 """
 import json
 import sys
@@ -51,8 +58,19 @@ import time
 from dmq_client import Message, MqClient, MqConfig
 
 servers, journal, action = sys.argv[1], sys.argv[2], sys.argv[3]
-settings = dict(servers=servers, journal_path=journal, route_wait=600.0, resend_interval=600.0,
+route_wait = float(sys.argv[6] if action == "send" and len(sys.argv) > 6 else
+                   sys.argv[4] if action == "recover" and len(sys.argv) > 4 else 600.0)
+settings = dict(servers=servers, journal_path=journal, route_wait=route_wait, resend_interval=600.0,
                 connect_timeout=5.0, reconnect_backoff=0.05, reconnect_backoff_max=0.2, close_timeout=10.0)
+if "journal_retry_backoff" in MqConfig.__dataclass_fields__:  # (absent before issue 13: run against old code)
+    settings.update(journal_retry_backoff=0.05, journal_retry_backoff_max=0.2)
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline, (what, client.stats())
+        threading.Event().wait(0.01)
 
 if action == "send":
     mode, count = sys.argv[4], int(sys.argv[5])
@@ -61,11 +79,11 @@ if action == "send":
     assert sys.stdin.readline().strip() == "go"
     futures = [client.send(Message("orders", f"order {i}")) for i in range(count)]
     if mode == "frozen":  # written to the frozen server's socket, none answered
-        deadline = time.monotonic() + 60
-        while client.stats()["in_flight"] < count and time.monotonic() < deadline:
-            threading.Event().wait(0.01)
-        assert client.stats()["in_flight"] == count, client.stats()
-    assert not any(f.done() for f in futures)
+        wait_until(lambda: client.stats()["in_flight"] == count, "all written")
+    if mode == "outage":  # route_wait passed with no server, for every message (or all reported)
+        wait_until(lambda: client.stats().get("retried", 0) >= count or client.stats()["outstanding"] == 0,
+                   "route_wait over")
+    assert not any(f.done() for f in futures), [f.result().status.value for f in futures if f.done()][:3]
     stats = client.stats()
     print("ACCEPTED", json.dumps({"producer": client.producer_id, "stats": stats}), flush=True)
     sys.stdin.read()
@@ -78,12 +96,17 @@ else:
             results.append(result)
 
     client = MqClient(MqConfig(**settings, recovered_callback=recovered))
+    if len(sys.argv) > 5:  # the server stays down: every replay goes unrouted for route_wait
+        wait_until(lambda: client.stats().get("retried", 0) >= int(sys.argv[5]) or client.stats()["outstanding"] == 0,
+                   "route_wait over")
+        print("WAITING", json.dumps(client.stats()), flush=True)
+        assert sys.stdin.readline().strip() == "go"
     assert client.flush(120), client.stats()  # flush waits for the recovered messages too
     client.close()
     print("RESULTS", json.dumps({
         "producer": client.producer_id,
-        "results": [[r.status.value, r.session_id, r.message.body.decode(), r.duplicate, r.message_id]
-                    for r in results],
+        "results": [[r.status.value, r.session_id, r.message.body.decode(), r.duplicate, r.message_id,
+                     getattr(r, "producer", "")] for r in results],
     }), flush=True)
 '''
 
@@ -209,17 +232,18 @@ def crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, *, fr
         wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
         assert subscription.suppressed == 0  # the server pushed no duplicate either
 
-    assert report["producer"] == producer_id  # the journal kept the producer id
+    assert report["producer"] != producer_id  # a new instance, a new id for its own sends
     results = report["results"]
     assert Counter(status for status, *_ in results) == {Status.SUCCESS.value: COUNT}
-    assert sorted(body for _, _, body, _, _ in results) == sorted(f"order {i}" for i in range(COUNT))
+    assert {producer for *_, producer in results} == {producer_id}  # replayed under the first identity
+    assert sorted(body for _, _, body, *_ in results) == sorted(f"order {i}" for i in range(COUNT))
     assert inbox.bodies == Counter({f"order {i}": 1 for i in range(COUNT)})
-    assert set(inbox.calls) == {(producer_id, sid) for _, sid, _, _, _ in results}
+    assert set(inbox.calls) == {(producer_id, sid) for _, sid, *_ in results}
     assert max(inbox.calls.values()) == 1
     stored = db_rows(pg_dsn, "SELECT producer, count(*), count(DISTINCT session_id) FROM dmq_message GROUP BY 1")
     assert stored == [(producer_id, COUNT, COUNT)]
     ids = dict(db_rows(pg_dsn, "SELECT session_id, id FROM dmq_message"))
-    assert {sid: message_id for _, sid, _, _, message_id in results} == ids  # duplicates name the stored row
+    assert {sid: message_id for _, sid, _, _, message_id, _ in results} == ids  # duplicates name the stored row
     with JournalSendQueue(journal, ticker=False) as reopened:  # everything finished: nothing left
         assert reopened.recovered == 0
 
@@ -248,6 +272,84 @@ def test_kill_9_with_sends_written_to_a_frozen_server_delivers_each_once(
     crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, frozen=True)
 
 
+def test_kill_9_while_the_server_stays_down_past_route_wait_loses_nothing(
+    make_server, topic, pg_dsn, producer_script, tmp_path, children
+):
+    """Issue 13, item 5: the server is down for much longer than ``route_wait`` (0.2 s).
+    A producer with the journal accepts N sends; every one goes unrouted for route_wait
+    (before the fix: SOCKET_ERROR, and the journal dropped it); it is killed with SIGKILL.
+    A second producer opens the journal while the server is still down, and its replays
+    go unrouted for route_wait too (before the fix: dropped with a warning). Then the
+    server starts: every message send() accepted is stored exactly once, under the
+    producer id and session id it was first sent with, and answered SUCCESS."""
+    server = make_server(start=False)
+    journal = tmp_path / "journal"
+    servers = f"127.0.0.1:{server.tcp_port}"
+    first = Child(producer_script, tmp_path / "producer-1.log", servers, str(journal), "send", "outage",
+                  str(COUNT), "0.2")
+    children.append(first)
+    producer_id = first.expect("READY")
+    first.tell("go")
+    accepted = json.loads(first.expect("ACCEPTED"))
+    assert accepted["stats"]["outstanding"] == COUNT  # accepted, none reported
+    assert accepted["stats"]["retried"] >= COUNT
+    first.kill9()
+
+    second = Child(producer_script, tmp_path / "producer-2.log", servers, str(journal), "recover", "0.2",
+                   str(COUNT))
+    children.append(second)
+    waiting = json.loads(second.expect("WAITING"))
+    assert waiting["outstanding"] == COUNT and waiting["retried"] >= COUNT
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
+    server.start()
+    second.tell("go")
+    report = json.loads(second.expect("RESULTS", timeout=WAIT * 2))
+    assert second.finish() == 0
+
+    results = report["results"]
+    assert Counter(status for status, *_ in results) == {Status.SUCCESS.value: COUNT}
+    assert {producer for *_, producer in results} == {producer_id}
+    stored = db_rows(pg_dsn, "SELECT producer, session_id, body, id FROM dmq_message")
+    assert Counter((p, sid) for p, sid, _, _ in stored) == Counter({(producer_id, sid): 1 for _, sid, *_ in results})
+    assert sorted(bytes(body).decode() for _, _, body, _ in stored) == sorted(f"order {i}" for i in range(COUNT))
+    assert {sid: mid for _, sid, _, _, mid, _ in results} == {sid: mid for _, sid, _, mid in stored}
+    with JournalSendQueue(journal, ticker=False) as reopened:
+        assert reopened.recovered == 0
+
+
+def test_a_message_journaled_with_its_resend_copy_at_a_crash_is_stored_once_and_answered_success(
+    make_server, topic, pg_dsn, tmp_path
+):
+    """Issue 13, item 5: after a kill a message can be in the journal twice, the original
+    and its own resend copy (``client.resend``), both unfinished because their finished
+    marks were not synced. Half of them were even stored before the crash. The next
+    client must send each message once and answer it SUCCESS (the stored half as
+    duplicates with the stored message id), not INVALID_MESSAGE "already awaiting a
+    reply" for the copies; PostgreSQL holds each (producer, session id) once."""
+    count, producer, ts = 100, "orders-api-1", 1_700_000_000_000
+    journal = tmp_path / "journal"
+    server = make_server()
+    with MqClient(client_config(server, producer_id=producer)) as before:  # stored before the crash
+        assert all(before.send(Message("orders", f"order {i}", session_id=5000 + i)).result(WAIT).ok
+                   for i in range(0, count, 2))
+    q = JournalSendQueue(journal, ticker=False, producer_id=producer)
+    for resend in (False, True):
+        for i in range(count):
+            q.put(PendingSend(Message("orders", f"order {i}"), 5000 + i, producer, ts + i, resend=resend))
+    q.abandon()  # as a kill -9 leaves it
+
+    replayed: list[SendResult] = []
+    with MqClient(client_config(server, journal_path=str(journal), recovered_callback=replayed.append)) as client:
+        assert client.flush(WAIT)
+    assert Counter(r.status for r in replayed) == {Status.SUCCESS: count}
+    assert sorted(r.session_id for r in replayed) == [5000 + i for i in range(count)]
+    assert sorted(r.session_id for r in replayed if r.duplicate) == [5000 + i for i in range(0, count, 2)]
+    stored = db_rows(pg_dsn, "SELECT producer, session_id, body, id FROM dmq_message")
+    assert Counter((p, sid) for p, sid, _, _ in stored) == Counter({(producer, 5000 + i): 1 for i in range(count)})
+    assert {sid: bytes(body).decode() for _, sid, body, _ in stored} == {5000 + i: f"order {i}" for i in range(count)}
+    assert {r.session_id: r.message_id for r in replayed} == {sid: mid for _, sid, _, mid in stored}
+
+
 def test_clean_close_with_the_journal_leaves_nothing_to_replay(make_server, topic, pg_dsn, tmp_path):
     """Every send answered, then close(): the journal is empty, so a new client on it sends
     nothing, its recovered_callback is never called, and the server stores each message once."""
@@ -259,7 +361,7 @@ def test_clean_close_with_the_journal_leaves_nothing_to_replay(make_server, topi
         producer_id = client.producer_id
     replayed: list[SendResult] = []
     with MqClient(client_config(server, journal_path=str(journal), recovered_callback=replayed.append)) as client:
-        assert client.producer_id == producer_id
+        assert client.producer_id != producer_id
         assert client.stats()["outstanding"] == 0
         assert client.flush(WAIT)
     assert replayed == []

@@ -45,13 +45,13 @@ def default_reply(frame: Frame) -> list[Frame]:
 class FakeServer:
     """Accepts dmq connections on 127.0.0.1; ``reply(frame)`` scripts the answers."""
 
-    def __init__(self, reply: Reply = default_reply, greeting: str = "OK"):
+    def __init__(self, reply: Reply = default_reply, greeting: str = "OK", port: int = 0):
         self.reply = reply
         self.greeting = greeting
         self.received: queue.Queue[tuple[int, Frame]] = queue.Queue()
         self.connections: list[socket.socket] = []
         self.connected = threading.Semaphore(0)
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port))
         self.port = self._listener.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
         self._closed = False
@@ -234,6 +234,39 @@ def test_caller_session_id_already_in_flight_is_invalid(servers):
         second = client.send(Message("orders", b"b", session_id=3)).result(WAIT)
         assert second.status is Status.INVALID_MESSAGE and "already awaiting" in second.description
         client.close(timeout=0)
+
+
+def test_a_resend_of_a_message_in_flight_gets_the_first_copys_answer(servers):
+    """``client.resend`` of a message still awaiting its reply (the same producer and
+    session id) is the same message: it is not written again, and when the server answers
+    the first copy both get that answer (the copy marked duplicate), not INVALID_MESSAGE
+    "already awaiting a reply" (issue 13, item 5)."""
+    answer = threading.Event()
+    held: list[Frame] = []
+
+    def reply(frame: Frame) -> list[Frame]:
+        if frame.command == Command.UP_PRODUCER_SEND:
+            held.append(frame)
+            answer.set()
+            return []
+        return never_answer(frame)
+
+    server = servers(reply=reply)
+    with MqClient(config(server, resend_interval=60)) as client:
+        first = client.send(Message("orders", b"a", session_id=3))
+        _, sent = server.next(Command.UP_PRODUCER_SEND)
+        assert answer.wait(WAIT)
+        copy = client.resend(SendResult(Status.OUT_OF_RETRY, Message("orders", b"a"), session_id=3,
+                                        producer=client.producer_id))
+        leader = client._producer.resends.get((client.producer_id, 3))
+        deadline = time.monotonic() + WAIT
+        while not leader.followers and time.monotonic() < deadline:  # the send runner took the copy
+            time.sleep(0.001)
+        assert leader.followers and not copy.done() and server.received.empty()  # not written again
+        server.send(success(sent, 41)[0])
+        a, b = first.result(WAIT), copy.result(WAIT)
+    assert (a.status, a.message_id, a.duplicate) == (Status.SUCCESS, 41, False)
+    assert (b.status, b.message_id, b.duplicate, b.session_id) == (Status.SUCCESS, 41, True, 3)
 
 
 def test_resend_of_a_result_reuses_its_session_id_as_up_producer_resend(servers):

@@ -10,7 +10,9 @@ real ``kill -9`` of a producer process against a real server is in
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 
 import pytest
 
@@ -19,9 +21,9 @@ from dmq_client.diskqueue import DiskQueue, DiskQueueError
 from dmq_client.journal import JournalError, JournalSendQueue, decode_record, encode_record
 from dmq_client.pending import PendingSend
 from dmq_client.send_queue import Put
-from dmq_client.wire import Command, MessageType
+from dmq_client.wire import Command, Frame, MessageType
 
-from .test_client_fake_server import WAIT, FakeServer, config, never_answer
+from .test_client_fake_server import WAIT, FakeClock, FakeServer, config, never_answer, success
 
 
 def item(n: int, topic: str = "orders", producer: str = "p1") -> PendingSend:
@@ -130,25 +132,95 @@ def test_a_finish_not_yet_synced_is_replayed_at_least_once(tmp_path):
         q2.shutdown()
 
 
-def test_client_closed_keeps_the_message_every_other_result_removes_it(tmp_path):
-    """CLIENT_CLOSED means the producer went away before an answer: the message stays for
-    the next open. SOCKET_ERROR, OUT_OF_RETRY, a server's refusal are final: it goes."""
+@pytest.mark.parametrize("status, kept", [
+    (Status.SUCCESS, False),
+    (Status.NO_TOPIC, False),
+    (Status.INVALID_MESSAGE, False),
+    (Status.SOCKET_ERROR, True),
+    (Status.SERVER_ERROR, True),
+    (Status.RATE_LIMIT_EXCEEDED, True),
+    (Status.OUT_OF_RETRY, True),
+    (Status.CLIENT_CLOSED, True),
+])
+def test_only_a_final_result_removes_a_message(tmp_path, status, kept):
+    """A message leaves the journal only once it was stored (SUCCESS) or refused for good
+    (NO_TOPIC, INVALID_MESSAGE: the application's to fix). A transient failure or
+    CLIENT_CLOSED keeps it for the next open: it may never have reached a server. (Before
+    issue 13 every result but CLIENT_CLOSED removed it: SOCKET_ERROR lost the message.)"""
     q = journal(tmp_path)
-    items = [item(n) for n in range(5)]
-    for i in items:
-        q.put(i)
+    it = item(0)
+    q.put(it)
     q.get_batch(10, timeout=0)
-    finish(q, items[0], Status.CLIENT_CLOSED)
-    finish(q, items[1], Status.SOCKET_ERROR)
-    finish(q, items[2], Status.OUT_OF_RETRY)
-    finish(q, items[3], Status.NO_TOPIC)
-    finish(q, items[4], Status.CLIENT_CLOSED)
+    finish(q, it, status)
+    assert q.journaled == (1 if kept else 0)
     q.shutdown()
     q2 = journal(tmp_path)
     try:
-        assert sids(q2.get_batch(10, timeout=0)) == [1000, 1004]
+        assert sids(q2.get_batch(10, timeout=0)) == ([1000] if kept else [])
     finally:
         q2.shutdown()
+
+
+def test_a_transient_failure_the_producer_gave_up_on_removes_the_message(tmp_path):
+    """``given_up`` (set when ``journal_give_up_after`` ran out) is the application's
+    explicit choice: that failure removes the message."""
+    q = journal(tmp_path)
+    it = item(0)
+    q.put(it)
+    q.get_batch(10, timeout=0)
+    it.given_up = True
+    finish(q, it, Status.SOCKET_ERROR)
+    assert q.journaled == 0
+    q.shutdown()
+    with journal(tmp_path) as q2:
+        assert q2.recovered == 0
+
+
+def test_recovery_keeps_one_copy_per_producer_and_session_id(tmp_path):
+    """A message and its own resend copy (``client.resend`` journals a second record with
+    the same producer and session id) both unfinished at a crash: the next open sends the
+    message once, under its first record, so the second copy cannot be refused as
+    "already awaiting a reply". The same session id under another producer is another
+    message and is kept. (Before issue 13 recovery deduplicated by record only.)"""
+    q = journal(tmp_path)
+    first = item(1)
+    copy = PendingSend(Message("orders", "body 1"), 1001, "p1", first.timestamp_ms + 5, resend=True)
+    other = item(1, producer="p2")
+    later = item(2)
+    for it in (first, copy, other, later):
+        assert q.put(it) is Put.ACCEPTED
+    q.abandon()
+    q2 = journal(tmp_path)
+    try:
+        assert q2.recovered == 3 and q2.duplicates == 1
+        again = q2.get_batch(10, timeout=0)
+        assert [(i.producer, i.session_id, i.timestamp_ms) for i in again] == [
+            ("p1", 1001, first.timestamp_ms), ("p2", 1001, other.timestamp_ms), ("p1", 1002, later.timestamp_ms)]
+        for i in again:
+            finish(q2, i)
+        assert q2.journaled == 0
+    finally:
+        q2.shutdown()
+    with journal(tmp_path) as q3:  # the dropped copy is not resurrected either
+        assert q3.recovered == 0
+
+
+def test_held_items_count_against_the_capacity_until_requeued(tmp_path):
+    """Items the producer holds for a retry still occupy the queue's bound, so memory stays
+    bounded while a server is away; ``requeue`` puts them back ahead of new sends; an item
+    the journal never accepted cannot be held (it gets its failure instead)."""
+    q = journal(tmp_path, capacity=2)
+    a, b, c = item(1), item(2), item(3)
+    q.put(a)
+    q.put(b)
+    assert q.get_batch(10, timeout=0) == [a, b]
+    assert q.hold(a) and q.hold(b)
+    assert q.put(c) is Put.FULL and not q.hold(c)
+    q.requeue([a])
+    assert q.get_batch(10, timeout=0) == [a]
+    q.unhold(1)
+    assert q.put(c) is Put.ACCEPTED
+    q.shutdown()
 
 
 def test_clean_shutdown_with_everything_finished_leaves_nothing_to_replay(tmp_path):
@@ -165,7 +237,7 @@ def test_clean_shutdown_with_everything_finished_leaves_nothing_to_replay(tmp_pa
     q2.shutdown()
     assert q2.recovered == 0
     names = sorted(os.listdir(tmp_path))
-    assert names == ["done.log", "journal-1.diskqueue.meta.dat", "lock", "producer_id"], names
+    assert names == ["done.log", "journal-1.diskqueue.meta.dat", "lock"], names
     assert os.path.getsize(tmp_path / "done.log") == 0
 
 
@@ -389,19 +461,19 @@ def test_a_failed_journal_write_is_refused_not_accepted(tmp_path):
         q.shutdown()
 
 
-def test_producer_id_is_kept_in_the_journal(tmp_path):
-    """Without a configured id the first open stores one and later opens reuse it; a
-    configured id wins and is stored for the next open."""
+def test_each_open_sends_new_messages_under_a_new_producer_id(tmp_path):
+    """Without a configured id every open gets a new producer id (a producer instance is
+    one open), while recovered messages keep the id they were first sent with; a
+    configured id is used as given."""
     q = journal(tmp_path)
     first = q.producer_id
-    q.shutdown()
+    q.put(item(1, producer=first))
+    q.abandon()
     q = journal(tmp_path)
-    assert q.producer_id == first
+    assert q.producer_id != first and first.startswith("py-")
+    assert [i.producer for i in q.get_batch(10, timeout=0)] == [first]
     q.shutdown()
     q = journal(tmp_path, producer_id="billing-api-3")
-    assert q.producer_id == "billing-api-3"
-    q.shutdown()
-    q = journal(tmp_path)
     assert q.producer_id == "billing-api-3"
     q.shutdown()
 
@@ -432,7 +504,7 @@ def test_bad_journal_settings_fail_at_construction(field, value):
 def test_client_replays_recovered_messages_to_recovered_callback(tmp_path):
     """A client opening a journal with unfinished messages sends them first, as
     UP_PRODUCER_RESEND with the original producer and session ids; their results go to
-    ``recovered_callback``; the journaled producer id is the client's."""
+    ``recovered_callback``; its own new sends go under its own new producer id."""
     q = journal(tmp_path, producer_id="orders-api-1")
     for n in range(3):
         q.put(item(n, producer="orders-api-1"))
@@ -450,7 +522,7 @@ def test_client_replays_recovered_messages_to_recovered_callback(tmp_path):
     try:
         cfg = config(server, journal_path=str(tmp_path), recovered_callback=recovered)
         with MqClient(cfg) as client:
-            assert client.producer_id == "orders-api-1"
+            assert client.producer_id != "orders-api-1"
             assert all_in.wait(WAIT)
             assert client.flush(WAIT)
             fresh = client.send(Message("orders", b"new")).result(WAIT)
@@ -459,7 +531,8 @@ def test_client_replays_recovered_messages_to_recovered_callback(tmp_path):
             ("orders-api-1", 1000 + n, f"body {n}".encode()) for n in range(3)]
         assert sorted(r.session_id for r in got) == [1000, 1001, 1002] and all(r.ok for r in got)
         assert fresh.ok
-        assert server.next(Command.UP_PRODUCER_SEND)[1].producer == "orders-api-1"
+        assert server.next(Command.UP_PRODUCER_SEND)[1].producer == client.producer_id
+        assert all(r.producer == "orders-api-1" for r in got)  # client.resend(r) would use it
     finally:
         server.close()
     q = journal(tmp_path)
@@ -501,3 +574,196 @@ def test_client_reports_a_failed_journal_write_as_queue_full(tmp_path):
         assert result.status is Status.QUEUE_FULL and result.description.startswith("E_JOURNAL")
     finally:
         server.close()
+
+
+# -- transient failures of journaled sends are retried, not dropped -------------------------------
+
+
+def until(predicate, what: str, timeout: float = WAIT) -> None:
+    """Wait for a state another thread reaches (a deadline, not a guess at how long it takes)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+def storage_errors(n: int):
+    """A reply script: E_STORAGE for the first ``n`` sends or resends, then SUCCESS."""
+    seen = []
+
+    def reply(frame: Frame) -> list[Frame]:
+        if frame.command not in (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND):
+            return never_answer(frame)
+        seen.append(frame)
+        if len(seen) <= n:
+            return [Frame(Command.SEND_SERVER_ERROR, session_id=frame.session_id, topic=frame.topic,
+                          producer=frame.producer, status="E_STORAGE database down")]
+        return success(frame, 900 + len(seen))
+
+    return reply
+
+
+def test_no_server_within_route_wait_keeps_the_message_and_retries_it_until_stored(tmp_path):
+    """Issue 13, item 5: no server within ``route_wait`` used to be a SOCKET_ERROR that
+    removed the message from the journal. Now the send stays journaled and pending, is
+    tried again after a backoff (1 s, then 2 s, on the injected clock) as often as it
+    takes, and is stored once a server is there; its one result is that SUCCESS."""
+    port = free_port()  # nothing listens here yet
+    clock = FakeClock()
+    cfg = MqConfig(servers=(f"127.0.0.1:{port}",), journal_path=str(tmp_path), route_wait=0.0,
+                   resend_check_interval=3600, reconnect_backoff=0.01, reconnect_backoff_max=0.05,
+                   connect_timeout=2.0, journal_retry_backoff=1.0, journal_retry_backoff_max=2.0)
+    client = MqClient(cfg, clock=clock)
+    producer = client._producer
+    server = None
+    try:
+        future = client.send(Message("orders", b"kept"))
+        until(lambda: producer.retried == 1 and producer.retrying == 1, "the first retry to be scheduled")
+        assert not future.done() and producer.queue.journaled == 1
+        clock.advance(0.9)
+        assert producer.release_retries(clock()) == 0  # not due yet
+        clock.advance(0.1)
+        assert producer.release_retries(clock()) == 1
+        until(lambda: producer.retried == 2 and producer.retrying == 1, "the second failure")
+        assert not future.done() and producer.queue.journaled == 1
+
+        server = FakeServer(port=port)
+        assert client.wait_connected(WAIT)
+        clock.advance(2.0)  # the backoff doubled
+        producer.check_resends()
+        result = future.result(WAIT)
+        assert result.status is Status.SUCCESS and result.message_id == 7
+        _, frame = server.next(Command.UP_PRODUCER_RESEND)
+        assert (frame.producer, frame.session_id, frame.body) == (client.producer_id, result.session_id, b"kept")
+        assert producer.queue.journaled == 0
+    finally:
+        client.close(timeout=0)
+        if server is not None:
+            server.close()
+    with journal(tmp_path) as reopened:
+        assert reopened.recovered == 0
+
+
+def test_storage_errors_are_retried_with_backoff_under_the_same_identity(tmp_path):
+    """SEND_SERVER_ERROR (E_STORAGE) twice, then the server stores it: the caller sees one
+    SUCCESS; the tries were resends of the same (producer, session id), each after its
+    backoff on the injected clock."""
+    server = FakeServer(reply=storage_errors(2))
+    clock = FakeClock()
+    try:
+        cfg = config(server, journal_path=str(tmp_path), resend_check_interval=3600)
+        with MqClient(cfg, clock=clock) as client:
+            producer = client._producer
+            future = client.send(Message("orders", b"x"))
+            _, first = server.next(Command.UP_PRODUCER_SEND)
+            until(lambda: producer.retrying == 1, "the first retry")
+            clock.advance(1.0)
+            producer.check_resends()
+            _, second = server.next(Command.UP_PRODUCER_RESEND)
+            until(lambda: producer.retrying == 1 and producer.retried == 2, "the second retry")
+            clock.advance(1.9)
+            producer.check_resends()
+            assert server.received.empty() and not future.done()  # 2 s backoff now
+            clock.advance(0.1)
+            producer.check_resends()
+            result = future.result(WAIT)
+            _, third = server.next(Command.UP_PRODUCER_RESEND)
+        assert result.ok and result.message_id == 903 and result.producer == client.producer_id
+        assert {(f.producer, f.session_id) for f in (first, second, third)} == {(client.producer_id, result.session_id)}
+    finally:
+        server.close()
+    with journal(tmp_path) as reopened:
+        assert reopened.recovered == 0
+
+
+def test_journal_give_up_after_reports_the_failure_and_forgets_the_message(tmp_path):
+    """``journal_give_up_after`` is the application's explicit choice to give up: once a
+    send has failed that long its last failure is delivered and the journal forgets it."""
+    server = FakeServer(reply=storage_errors(10**9))
+    clock = FakeClock()
+    try:
+        cfg = config(server, journal_path=str(tmp_path), resend_check_interval=3600, journal_give_up_after=1.5)
+        with MqClient(cfg, clock=clock) as client:
+            producer = client._producer
+            future = client.send(Message("orders", b"x"))
+            until(lambda: producer.retrying == 1, "the first retry")
+            clock.advance(1.0)
+            producer.check_resends()
+            until(lambda: producer.retried == 2, "the second retry")  # failed 1 s after the first
+            assert not future.done()
+            clock.advance(2.0)
+            producer.check_resends()
+            result = future.result(WAIT)  # failed 3 s after the first: given up
+            assert result.status is Status.SERVER_ERROR and result.description.startswith("E_STORAGE")
+            assert producer.queue.journaled == 0
+    finally:
+        server.close()
+    with journal(tmp_path) as reopened:
+        assert reopened.recovered == 0
+
+
+def test_close_while_retrying_keeps_the_message_for_the_next_client(tmp_path):
+    """A send waiting for its retry when the client closes is reported CLIENT_CLOSED, kept
+    in the journal, and sent by the next client (under its first producer id)."""
+    server = FakeServer(reply=storage_errors(1))
+    try:
+        cfg = config(server, journal_path=str(tmp_path), resend_check_interval=3600)
+        client = MqClient(cfg, clock=FakeClock())
+        future = client.send(Message("orders", b"x"))
+        until(lambda: client._producer.retrying == 1, "the retry")
+        client.close(timeout=0)
+        closed = future.result(WAIT)
+        assert closed.status is Status.CLIENT_CLOSED and "kept in the producer journal" in closed.description
+        replayed: list[SendResult] = []
+        with MqClient(config(server, journal_path=str(tmp_path), recovered_callback=replayed.append)) as again:
+            assert again.flush(WAIT)
+        assert [(r.status, r.session_id, r.producer) for r in replayed] == [
+            (Status.SUCCESS, closed.session_id, client.producer_id)]
+    finally:
+        server.close()
+
+
+def test_a_replayed_message_and_its_resend_copy_get_one_real_result(tmp_path):
+    """After a crash the journal held a message and its own resend copy (its finish mark
+    not synced): the next client sends it once and reports the server's answer, not a
+    false INVALID_MESSAGE "already awaiting a reply" for the copy (issue 13, item 5)."""
+    q = journal(tmp_path, producer_id="orders-api-1")
+    first = item(1, producer="orders-api-1")
+    q.put(first)
+    q.put(PendingSend(Message("orders", "body 1"), 1001, "orders-api-1", first.timestamp_ms, resend=True))
+    q.abandon()
+    server = FakeServer()
+    replayed: list[SendResult] = []
+    try:
+        with MqClient(config(server, journal_path=str(tmp_path), recovered_callback=replayed.append)) as client:
+            assert client.flush(WAIT)
+        _, frame = server.next(Command.UP_PRODUCER_RESEND)
+        assert (frame.producer, frame.session_id) == ("orders-api-1", 1001)
+        assert server.received.empty()
+    finally:
+        server.close()
+    assert [(r.status, r.session_id) for r in replayed] == [(Status.SUCCESS, 1001)]
+
+
+def test_a_send_waiting_for_its_retry_is_still_stored_during_close(tmp_path):
+    """close(timeout) gives pending sends the timeout to be stored; that includes a
+    journaled send waiting in the retry pen (the send runner keeps going for it), so it
+    ends SUCCESS, not CLIENT_CLOSED."""
+    server = FakeServer(reply=storage_errors(1))
+    try:
+        cfg = config(server, journal_path=str(tmp_path), resend_check_interval=0.01, journal_retry_backoff=0.05)
+        client = MqClient(cfg)
+        future = client.send(Message("orders", b"x"))
+        until(lambda: client._producer.retried == 1, "the retry")
+        client.close(timeout=WAIT)
+        result = future.result(WAIT)
+        assert result.status is Status.SUCCESS and result.message_id == 902
+    finally:
+        server.close()
+    with journal(tmp_path) as reopened:
+        assert reopened.recovered == 0

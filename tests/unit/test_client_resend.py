@@ -39,8 +39,8 @@ def test_a_reply_removes_the_entry():
     """pop() takes the entry out; nothing is resent afterwards, a second pop finds nothing."""
     rmap = ResendMap(capacity=10, interval=1.0, tries=3)
     rmap.add(item(1), "a", now=0.0)
-    assert rmap.pop(1).session_id == 1
-    assert rmap.pop(1) is None
+    assert rmap.pop(("p", 1)).session_id == 1
+    assert rmap.pop(("p", 1)) is None
     assert rmap.due(100.0) == ([], [])
 
 
@@ -85,8 +85,25 @@ def test_same_session_id_twice_is_refused():
     rmap = ResendMap(capacity=10, interval=1.0, tries=1)
     assert rmap.add(item(1), "a", now=0.0)
     assert not rmap.add(item(1), "a", now=0.0)
-    refused = rmap.add_many([item(1), item(2)], "a", now=0.0)
-    assert [i.session_id for i in refused] == [1] and len(rmap) == 2
+    added, refused = rmap.add_many([item(1), item(2)], "a", now=0.0)
+    assert [i.session_id for i in refused] == [1] and [i.session_id for i in added] == [2] and len(rmap) == 2
+
+
+def test_a_resend_of_a_message_in_flight_follows_it_instead_of_being_refused():
+    """A resend (a journal replay, ``client.resend``) of a (producer, session id) awaiting
+    its reply is the same message: it is neither refused nor written again, but attached
+    to the entry as a follower, so whoever pops the entry answers both. The same session
+    id under another producer is another message and gets its own entry."""
+    rmap = ResendMap(capacity=10, interval=1.0, tries=1)
+    leader = item(1)
+    assert rmap.add(leader, "a", now=0.0)
+    copy = item(1)
+    copy.resend = True
+    other = PendingSend(Message("orders", b"x"), 1, "q", 0, resend=True)
+    added, refused = rmap.add_many([copy, other], "a", now=0.0)
+    assert added == [other] and refused == [] and leader.followers == [copy]
+    assert copy.attempts == 0 and len(rmap) == 2
+    assert rmap.pop(("p", 1)) is leader and rmap.pop(("q", 1)) is other
 
 
 def test_on_server_lists_the_entries_awaiting_that_server():
@@ -111,7 +128,7 @@ def test_capacity_makes_the_writer_wait_until_a_reply_frees_room():
     thread = threading.Thread(target=writer)
     thread.start()
     assert not released.is_set()
-    rmap.pop(1)
+    rmap.pop(("p", 1))
     assert released.wait(10)
     thread.join(10)
 
@@ -153,8 +170,9 @@ def test_settle_lets_exactly_one_path_report():
 
 
 def test_memory_per_entry_is_small_and_stated():
-    """An in-flight send costs its body plus under 450 bytes (PendingSend, Message,
-    SendFuture, ids, map slot): the figure docs/client.md states for the resend map."""
+    """An in-flight send costs its body plus under 520 bytes (PendingSend, Message,
+    SendFuture, ids, its (producer, session id) key, map slot): the figure docs/client.md
+    states for the resend map."""
     import tracemalloc
 
     rmap = ResendMap(capacity=20000, interval=30.0, tries=3)
@@ -167,4 +185,4 @@ def test_memory_per_entry_is_small_and_stated():
         used = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert used / 10000 < 450, used / 10000
+    assert used / 10000 < 520, used / 10000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from dmq_client.session import SESSION_ID_MAX, SessionIdGenerator, default_producer_id
@@ -59,7 +60,22 @@ def test_ids_are_unique_across_threads():
     assert len(flat) == 20000 and len(set(flat)) == 20000
 
 
-def test_default_producer_id_is_a_valid_producer_field():
-    """The derived producer id fits the wire's producer field and is stable."""
+def test_default_producer_id_is_valid_and_new_for_every_producer():
+    """The derived producer id fits the wire's producer field (1-64 printable ASCII, also
+    for the longest host name) and every call, i.e. every client, gets its own: two
+    clients in one process share host and pid and seed their session ids from the same
+    clock, so a shared producer id made the server take one's messages for resends of
+    the other's (issue 13, item 2)."""
+    ids = [default_producer_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(1 <= len(p) <= 64 and p.isascii() and p.isprintable() for p in ids)
+
+
+def test_default_producer_id_stays_within_64_characters_for_a_long_host_name(monkeypatch):
+    """A 255-character host name and a 7-digit pid still give an id the server accepts."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "h" * 255)
+    monkeypatch.setattr(os, "getpid", lambda: 4_194_304)
     producer = default_producer_id()
-    assert 1 <= len(producer) <= 64 and producer.isascii() and producer == default_producer_id()
+    assert len(producer) <= 64 and producer.startswith("py-" + "h" * 32 + "-4194304-")
