@@ -148,6 +148,8 @@ class Broker:
     # -- lifecycle --------------------------------------------------------
     def start(self) -> Deferred:
         d = self.refresh_registry()
+        # operators' pauses before the first push: a paused channel stays paused on restart
+        d.addCallback(lambda _: self._read_channel_state())
 
         def begin(_: Any) -> None:
             for fn, interval in (
@@ -350,12 +352,18 @@ class Broker:
         produced_ms: int,
         done: Callable[[Any], None],
         due_ms: int | None = None,
+        resend: bool = True,
     ) -> None:
         """The send path without Deferreds: ``done`` gets Published, or the exception
         (PublishRejected, StorageError, ShuttingDown). Called once per message, so the
         common case (topic cached) is a few dict lookups and one queue append.
+        A send that is not a ``resend`` must be new: if its (producer, session id) is
+        already stored, it is refused rather than answered with the stored message,
+        which would acknowledge a message that was never stored.
         With ``due_ms`` the message is delayed: stored in the delay table, and
         ``Published.message_id`` is the delay entry's id."""
+        if not resend:
+            done = _refusing_duplicates(done, producer, session_id)
         try:
             self.check_publish(topic, producer, session_id, body, produced_ms)
             if due_ms is not None:
@@ -705,6 +713,20 @@ class Broker:
             "dead_letters": self.dead_letters.stats(),
             "topics": topics,
         }
+
+
+def _refusing_duplicates(done: Callable[[Any], None], producer: str, session_id: int) -> Callable[[Any], None]:
+    def answer(outcome: Any) -> None:
+        if isinstance(outcome, Published) and outcome.duplicate:
+            outcome = PublishRejected(
+                "invalid",
+                f"E_INVALID session id {session_id} of producer {producer!r} is already stored "
+                f"(message {outcome.message_id}): a new message needs a new session id, a retry "
+                "of this one must be sent as UP_PRODUCER_RESEND",
+            )
+        done(outcome)
+
+    return answer
 
 
 def _fire_all(waiters: list[Deferred], outcome: Any) -> None:

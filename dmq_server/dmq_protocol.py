@@ -191,6 +191,7 @@ class DmqConnection:
             frame.timestamp_ms,
             done,
             frame.due_ms if frame.msg_type == MessageType.DELAY else None,
+            frame.command == Command.UP_PRODUCER_RESEND,
         )
 
     def _subscribe(self, frame: Frame) -> None:
