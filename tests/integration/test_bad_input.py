@@ -152,3 +152,19 @@ def test_the_writer_isolates_a_row_postgresql_refuses(pg_dsn):
 
 async def _idle(writer: GroupCommitWriter) -> None:
     await writer.close()
+
+
+def test_a_plain_send_reusing_a_stored_pair_is_refused_not_acknowledged(make_server, topic, pg_dsn):
+    """Two messages that share a (producer, session id) by mistake: the second, sent as a
+    new message, must not hear SUCCESS for a message that holds another body. A resend
+    (UP_PRODUCER_RESEND) of the first is answered from the stored row, as always."""
+    server = make_server()
+    with server.client(producer="reuser") as client:
+        first = client.send(topic, b"first", session_id=42)
+        second = client.send(topic, b"second", session_id=42)
+        again = client.send(topic, b"first", session_id=42, resend=True)
+    assert first.command == Command.SEND_SUCCESS_ACK
+    assert second.command == Command.SEND_INVALID_ACK
+    assert f"already stored (message {first.message_id})" in second.status
+    assert (again.command, again.message_id, again.status) == (Command.SEND_SUCCESS_ACK, first.message_id, "duplicate")
+    assert db_rows(pg_dsn, "SELECT body FROM dmq_message") == [(b"first",)]
