@@ -134,6 +134,10 @@ def test_killed_postmaster_is_restarted_and_nothing_acknowledged_is_lost(data_di
         assert log.count("embedded PostgreSQL (postmaster pid") == 1, log  # the death, once
         assert log.count("embedded PostgreSQL restarted") == 1, log  # the recovery, once
         assert f"pid {old_pid}) exited" in log and f"restarted (postmaster pid {new_pid})" in log
+        # the ready banner shows the DSN, which names the secret file but not the secret
+        secret = pg.secret_file.read_text().strip().split(":")[-1]
+        assert f"PostgreSQL   {pg.dsn}  (embedded)" in server.log_path.read_text()
+        assert secret not in server.log_path.read_text()
 
         delivered: dict[int, bytes] = {}
         with server.client(timeout=15) as consumer:
