@@ -406,12 +406,21 @@ def test_directory_made_before_passwords_is_upgraded_in_place(pg_private: Embedd
     assert upgraded.auth_is_current()
 
 
-def test_long_data_path_gets_a_private_socket_dir_in_tmp(tmp_path: Path) -> None:
+def test_long_data_path_gets_a_private_socket_dir_in_tmp(pg_dir: Path) -> None:
     """A data path too long for a socket address puts the socket directory under the
-    temporary directory, one per data directory and user."""
-    deep = tmp_path / ("d" * 60) / ("e" * 60)
-    socket_dir = EmbeddedPostgres(deep).socket_dir
+    temporary directory, one per data directory and user, private (0700) like the other."""
+    deep = pg_dir / ("d" * 60) / ("e" * 40)
+    assert EmbeddedPostgres(pg_dir / "short").socket_dir == pg_dir / "short" / "pg-socket"
+    pg = EmbeddedPostgres(deep)
+    socket_dir = pg.socket_dir
     assert socket_dir.parent == Path(tempfile.gettempdir())
     assert socket_dir.name.startswith(f"dmq-pg-{os.geteuid()}-")
     assert socket_dir != EmbeddedPostgres(deep / "other").socket_dir
-    assert EmbeddedPostgres(tmp_path / "short").socket_dir == tmp_path / "short" / "pg-socket"
+    try:
+        dsn = pg.start()
+        assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700
+        with psycopg.connect(dsn, host=str(socket_dir)) as conn:
+            assert conn.execute("SELECT inet_server_addr() IS NULL").fetchone()[0]
+    finally:
+        pg.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
