@@ -3,8 +3,10 @@
 Prefers ``dmq_server.embedded_pg.EmbeddedPostgres`` (the server's own embedded
 PostgreSQL); if that module is missing or fails, runs initdb/pg_ctl from the
 system installation itself (as the ``postgres`` user when this is root).
-Either way: TCP on 127.0.0.1 only, no Unix socket, fsync and
-synchronous_commit on, everything under one temporary directory.
+Either way: TCP on 127.0.0.1, fsync and synchronous_commit on, everything
+under one temporary directory; the embedded one also asks for its password
+(its DSN names the password file, see docs/operations.md), the fallback
+trusts loopback and has no Unix socket.
 """
 
 from __future__ import annotations

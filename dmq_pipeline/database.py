@@ -170,6 +170,10 @@ class Database:
         for key, prop in (("user", "user"), ("password", "password"), ("sslmode", "sslmode")):
             if info.get(key):
                 props[prop] = str(info[key])
+        if "password" not in props and self.conn.info.password:
+            # JDBC reads no libpq password file (the embedded database's DSN names one):
+            # hand it the password libpq used for our own connection
+            props["password"] = self.conn.info.password
         return props
 
 

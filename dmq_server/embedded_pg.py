@@ -3,10 +3,11 @@
 Why this exists: dmq keeps every message in PostgreSQL, but asking an operator to
 install, configure and secure a database before the first ``dmq-server`` run makes
 the quick start slow and error prone.  This module runs a *private* PostgreSQL
-cluster in ``<data_dir>/pg`` that is reachable only over TCP on one address
-(``127.0.0.1`` by default), trusted only from the loopback interface, and owned by
-the dmq data directory: stopping dmq stops nothing else, deleting the data
-directory deletes the database.
+cluster in ``<data_dir>/pg`` that is reachable over TCP on one address
+(``127.0.0.1`` by default) and a Unix socket in a private directory, only with a
+password that is generated for the data directory, and owned by the dmq data
+directory: stopping dmq stops nothing else, deleting the data directory deletes
+the database.
 
 Design decisions, and why:
 
@@ -14,13 +15,36 @@ Design decisions, and why:
   :func:`find_pg_bindir`); on a machine without PostgreSQL the PyPI package
   ``pgserver`` (the ``embedded`` extra) ships relocatable binaries, so
   ``pip install`` is the only installation step.
-* **TCP only** (``unix_socket_directories=''``): Unix socket paths have a ~100
-  byte limit and need a directory writable by the server user; a loopback TCP
-  port has neither problem and gives one DSN form everywhere.
+* **Password, never trust**: the superuser ``dmq`` has a random password (the
+  *secret*), stored only in ``<data_dir>/pg/dmq.pgpass`` (mode 0600, libpq's
+  password-file format) and in PostgreSQL as a SCRAM-SHA-256 verifier computed
+  here (the plain secret never reaches PostgreSQL or its logs).  ``pg_hba.conf``
+  accepts ``scram-sha-256`` only, on the Unix socket and on loopback TCP:
+  loopback is shared by every local user (an OS user ``nobody`` could log in as
+  the superuser under ``trust``), so knowing the address must not be enough.
+* **One DSN form** (:meth:`EmbeddedPostgres.dsn_for`, the only place that
+  builds it): ``postgresql://dmq@127.0.0.1:PORT/DB?passfile=<the secret file>``.
+  libpq reads the password from the file, so the DSN itself is no secret: it can
+  be printed in the ready banner, logged and passed on a command line.  TCP
+  rather than the socket because Spark's JDBC driver (``dmq_pipeline``) speaks
+  TCP only; libpq refuses a password file readable by group or others, which
+  keeps the 0600 mode honest.
+* **Unix socket in a private directory** (``<data_dir>/pg-socket``, mode 0700,
+  owned by the PostgreSQL user; or ``$TMPDIR/dmq-pg-<uid>-<hash>`` when that path
+  is too long for a socket address): for local administration
+  (``psql "host=<dir> user=dmq dbname=dmq passfile=<secret file>"``); only the
+  PostgreSQL user and root can even reach it, and it asks for the password too.
 * **Stable port**: the port is recorded in ``<data_dir>/pg/dmq.port`` so that a
   restart keeps the same DSN; a new cluster picks a free port derived from the
   data directory's path, outside the kernel's ephemeral range so that outgoing
-  connections do not steal it while the server is down.
+  connections do not steal it while the server is down.  A supervised restart
+  (``start(keep_port=True)``) never moves: a running dmq holds the DSN.
+* **Upgrade in place**: a data directory made before passwords (``trust`` in
+  ``pg_hba.conf``, no secret file) is converted by the next ``start()``: the
+  secret is generated, the password set in single-user mode (no connection, so
+  no window in which the old ``trust`` rules accept anyone) and ``pg_hba.conf``
+  rewritten; a server of such a directory that is still running is stopped
+  first, because its rules are in force as long as it runs.
 * **Durability first**: ``fsync=on`` and ``synchronous_commit=on`` because an
   acknowledged message must survive a crash (see ``tests/integration``).
 * **Root**: ``initdb`` and ``postgres`` refuse to run as root.  When this process
@@ -31,22 +55,28 @@ Design decisions, and why:
   PostgreSQL failing obscurely.
 * **Crash tests**: :meth:`EmbeddedPostgres.kill` SIGKILLs the postmaster and its
   children, like a power cut for the database, and :meth:`EmbeddedPostgres.start`
-  then runs PostgreSQL's crash recovery.
+  then runs PostgreSQL's crash recovery.  A running dmq-server restarts a
+  postmaster that died by itself (``dmq_server.pg_supervisor``).
 
 Layout of ``<data_dir>/pg`` (a normal PGDATA plus these files):
 ``dmq.conf`` (our settings, included from ``postgresql.conf``), ``dmq.port``
-(the recorded port) and ``log/postgres.log`` (server log, rotated once at start
-when it exceeds 10 MB).
+(the recorded port), ``dmq.pgpass`` (the secret, mode 0600, owned by the dmq
+user) and ``log/postgres.log`` (server log, rotated once at start when it
+exceeds 10 MB).  Next to it, ``<data_dir>/pg-socket`` holds the Unix socket.
 """
 
 from __future__ import annotations
 
+import base64
 import fcntl
+import hashlib
+import hmac
 import importlib.util
 import logging
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -54,6 +84,7 @@ import stat
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +111,27 @@ DATABASE = "dmq"
 DEDICATED_OS_USER = "dmq-pg"
 #: Where root copies pgserver's binaries when the run user cannot reach them in place.
 BINARY_CACHE_DIR = Path("/var/cache/dmq/pg-binaries")
+
+#: The secret file in PGDATA: libpq's password-file format, mode 0600.
+SECRET_FILE = "dmq.pgpass"
+#: The private directory (under the data directory) that holds the Unix socket.
+SOCKET_DIR = "pg-socket"
+#: What pg_hba.conf says: a password (SCRAM) on every way in, nothing else.
+HBA_CONF = (
+    "# Written by dmq_server.embedded_pg: the superuser's password (SCRAM-SHA-256) on the\n"
+    "# private Unix socket and the loopback interface; nothing is trusted.\n"
+    "# TYPE  DATABASE     USER  ADDRESS       METHOD\n"
+    "local   all          all                 scram-sha-256\n"
+    "host    all          all   127.0.0.1/32  scram-sha-256\n"
+    "host    all          all   ::1/128       scram-sha-256\n"
+    "local   replication  all                 scram-sha-256\n"
+    "host    replication  all   127.0.0.1/32  scram-sha-256\n"
+    "host    replication  all   ::1/128       scram-sha-256\n"
+)
+#: PBKDF2 rounds of the stored verifier (PostgreSQL's own default, scram_iterations).
+_SCRAM_ITERATIONS = 4096
+#: sun_path holds 108 bytes with the terminating NUL; PostgreSQL adds "/.s.PGSQL.<port>".
+_SOCKET_PATH_MAX = 107
 
 _LOG_ROTATE_BYTES = 10 * 1024 * 1024
 _SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -436,6 +488,68 @@ def _conf_value(value: object) -> str:
     return "'" + str(value).replace("\\", "\\\\").replace("'", "''") + "'"
 
 
+def _trusts(hba: Path) -> bool:
+    """Whether a pg_hba.conf has a ``trust`` rule (a directory made before passwords)."""
+    try:
+        lines = hba.read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split()[-1:] == ["trust"] for line in lines if not line.lstrip().startswith("#"))
+
+
+def scram_verifier(password: str, salt: bytes | None = None, iterations: int = _SCRAM_ITERATIONS) -> str:
+    """The SCRAM-SHA-256 verifier PostgreSQL stores for ``password`` (RFC 5802/7677).
+
+    Computed here so that ``ALTER ROLE ... PASSWORD`` carries only the verifier:
+    the plain secret never reaches PostgreSQL, its output or its logs.  The
+    secrets this module generates are ASCII, for which SASLprep changes nothing.
+    """
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.new(salted, b"Client Key", hashlib.sha256).digest()
+    stored_key = hashlib.sha256(client_key).digest()
+    server_key = hmac.new(salted, b"Server Key", hashlib.sha256).digest()
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def _read_secret(path: Path) -> str | None:
+    """The password in a secret file written by this module, or None if there is none."""
+    try:
+        line = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise EmbeddedPostgresError(f"cannot read the embedded PostgreSQL's secret {path}: {exc}") from exc
+    fields = line.split(":")
+    if len(fields) != 5 or fields[3] != SUPERUSER or not fields[4]:
+        return None  # damaged: a new secret replaces it
+    return fields[4]
+
+
+def _write_secret(path: Path, secret: str) -> None:
+    """Write ``*:*:*:dmq:<secret>`` (libpq's password file) created with mode 0600.
+
+    Created 0600 from the first byte (O_EXCL on a fresh temporary name, then an
+    atomic rename), never written with a wider mode and narrowed afterwards.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, f"*:*:*:{SUPERUSER}:{secret}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -481,6 +595,27 @@ class EmbeddedPostgres:
         return self.pgdata / "dmq.port"
 
     @property
+    def secret_file(self) -> Path:
+        """The superuser's password in libpq's password-file format (mode 0600).
+
+        Every DSN names it (``passfile=``); whoever can read it is the superuser.
+        """
+        return self.pgdata / SECRET_FILE
+
+    @property
+    def socket_dir(self) -> Path:
+        """The private directory (mode 0700) of the Unix socket.
+
+        ``<data_dir>/pg-socket`` unless that path is too long for a socket address
+        (about 100 bytes), then ``$TMPDIR/dmq-pg-<uid>-<hash of the data dir>``.
+        """
+        preferred = self.data_dir / SOCKET_DIR
+        if len(os.fsencode(preferred / ".s.PGSQL.65535")) <= _SOCKET_PATH_MAX:
+            return preferred
+        digest = zlib.crc32(str(self.data_dir).encode())
+        return Path(tempfile.gettempdir()) / f"dmq-pg-{os.geteuid()}-{digest:08x}"
+
+    @property
     def bindir(self) -> Path:
         """The PostgreSQL bin directory in use (searched for on first use)."""
         if self._bindir is None:
@@ -491,7 +626,9 @@ class EmbeddedPostgres:
         """The server settings written to ``dmq.conf``: defaults, then overrides."""
         values: dict[str, object] = {
             "listen_addresses": self.host,
-            "unix_socket_directories": "",
+            "unix_socket_directories": str(self.socket_dir),
+            "unix_socket_permissions": "0700",
+            "password_encryption": "scram-sha-256",
             "max_connections": 100,
             "shared_buffers": "128MB",
             "fsync": "on",
@@ -511,11 +648,18 @@ class EmbeddedPostgres:
 
     @property
     def dsn(self) -> str:
-        """``postgresql://dmq@HOST:PORT/dmq`` for the current or recorded port."""
+        """``postgresql://dmq@HOST:PORT/dmq?passfile=...`` for the current or recorded port."""
         return self.dsn_for(DATABASE)
 
     def dsn_for(self, database: str) -> str:
-        """The DSN of another database on this server (tests create throwaway ones)."""
+        """The DSN of a database on this server; the one place that builds a DSN for it.
+
+        The password is not in the DSN: ``passfile`` names :attr:`secret_file`, from
+        which libpq reads it, so the DSN may be printed and passed on command lines.
+        The server itself, ``dmq --data-path``, ``dmq-pipeline --data-path`` (psycopg,
+        and Spark's JDBC through the password the connection used), the bench and
+        deploy scripts and the tests' fixtures all connect with what this returns.
+        """
         port = self.port
         if port is None:
             port = self._running_port() or self._recorded_port()
@@ -524,7 +668,8 @@ class EmbeddedPostgres:
                 f"the embedded PostgreSQL in {self.pgdata} has no port yet; call start() first"
             )
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"postgresql://{SUPERUSER}@{host}:{port}/{database}"
+        passfile = urllib.parse.quote(str(self.secret_file), safe="/")
+        return f"postgresql://{SUPERUSER}@{host}:{port}/{database}?passfile={passfile}"
 
     def _read_pidfile(self) -> list[str] | None:
         try:
@@ -692,18 +837,26 @@ class EmbeddedPostgres:
                     os.lchown(os.path.join(root, name), ident.uid, ident.gid)
             os.chown(self.pgdata, ident.uid, ident.gid)
 
-    def _run(self, ident: _RunAs, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def _run(
+        self, ident: _RunAs, args: list[str], timeout: float, stdin: str | None = None
+    ) -> subprocess.CompletedProcess:
         """Run a PostgreSQL tool as the run user, output captured via temp files.
 
         Temp files rather than pipes: a postmaster started by pg_ctl must never
-        inherit a pipe we wait on, or we would wait for it forever.
+        inherit a pipe we wait on, or we would wait for it forever.  ``stdin``
+        (single-user mode's commands) goes through an unlinked temp file too.
         """
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
         env["LC_ALL"] = "C"
-        with tempfile.TemporaryFile("w+") as out:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as given:
+            if stdin is not None:
+                given.write(stdin)
+                given.flush()
+                given.seek(0)
             try:
                 proc = subprocess.run(
-                    args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    args, stdin=given if stdin is not None else subprocess.DEVNULL,
+                    stdout=out, stderr=subprocess.STDOUT,
                     env=env, cwd="/", timeout=timeout, **ident.popen_kwargs(),
                 )
             except subprocess.TimeoutExpired as exc:
@@ -728,7 +881,9 @@ class EmbeddedPostgres:
     def _initdb(self, ident: _RunAs, bindir: Path, timeout: float) -> None:
         args = [
             str(bindir / "initdb"), "-D", str(self.pgdata), "-U", SUPERUSER,
-            "--encoding=UTF8", "--locale=C", "--auth-local=trust", "--auth-host=trust",
+            # "reject" until _ensure_auth sets the password and writes HBA_CONF (before the
+            # first start): at no moment does this cluster trust anyone.
+            "--encoding=UTF8", "--locale=C", "--auth-local=reject", "--auth-host=reject",
             "--no-instructions",
         ]
         result = self._run(ident, args, timeout)
@@ -737,18 +892,86 @@ class EmbeddedPostgres:
                 f"initdb failed (exit code {result.returncode}) for {self.pgdata}:\n"
                 f"{_tail(result.stdout)}"
             )
-        # Trust only loopback TCP; no Unix sockets are opened at all.
-        self._write(ident, self.pgdata / "pg_hba.conf", (
-            "# Written by dmq_server.embedded_pg: trust the loopback interface only.\n"
-            "# TYPE  DATABASE     USER  ADDRESS       METHOD\n"
-            "host    all          all   127.0.0.1/32  trust\n"
-            "host    all          all   ::1/128       trust\n"
-            "host    replication  all   127.0.0.1/32  trust\n"
-            "host    replication  all   ::1/128       trust\n"
-        ))
         conf = self.pgdata / "postgresql.conf"
         with conf.open("a") as f:
             f.write("\n# dmq: settings managed by dmq_server.embedded_pg\ninclude_if_exists = 'dmq.conf'\n")
+
+    def auth_is_current(self) -> bool:
+        """Whether the cluster asks for the password this data directory's secret holds.
+
+        False for a directory made before passwords (``trust``, no secret file), or
+        one whose secret file or ``pg_hba.conf`` was removed or edited: ``start()``
+        then (re)sets the password and rewrites ``pg_hba.conf``.
+        """
+        try:
+            hba = (self.pgdata / "pg_hba.conf").read_text()
+        except OSError:
+            return False
+        return hba == HBA_CONF and _read_secret(self.secret_file) is not None
+
+    def _ensure_auth(self, ident: _RunAs, bindir: Path, timeout: float) -> None:
+        """Make password authentication with this directory's secret the only way in.
+
+        Runs while no postmaster does (inside ``start()``'s lock).  In order, so that
+        an interruption at any point is repaired by the next start: the secret file
+        (kept if it is valid), the password in single-user mode (no sockets open, so
+        the old rules never admit anyone meanwhile), then ``pg_hba.conf``.
+        """
+        secret = _read_secret(self.secret_file)
+        if secret is not None:
+            mode = stat.S_IMODE(os.stat(self.secret_file).st_mode)
+            if mode != 0o600:
+                # libpq ignores a password file that group or others may read
+                _log.warning("%s had mode %o; set to 600", self.secret_file, mode)
+                os.chmod(self.secret_file, 0o600)
+        if self.auth_is_current():
+            return
+        upgrade = _trusts(self.pgdata / "pg_hba.conf")
+        if secret is None:
+            secret = secrets.token_urlsafe(32)  # letters, digits, - and _: no ':' to escape
+            _write_secret(self.secret_file, secret)
+        verifier = scram_verifier(secret)
+        result = self._run(ident, [
+            str(bindir / "postgres"), "--single", "-D", str(self.pgdata),
+            "-c", "exit_on_error=on", "-c", "log_statement=none", "postgres",
+        ], timeout, stdin=f'ALTER ROLE "{SUPERUSER}" PASSWORD \'{verifier}\';\n')
+        if result.returncode != 0 or "ERROR:" in result.stdout or "FATAL:" in result.stdout:
+            raise EmbeddedPostgresError(
+                f"setting the password of {SUPERUSER!r} in single-user mode failed (exit code "
+                f"{result.returncode}) for {self.pgdata}:\n{_tail(result.stdout)}"
+            )
+        self._write(ident, self.pgdata / "pg_hba.conf", HBA_CONF)
+        if upgrade:
+            _log.warning(
+                "embedded PostgreSQL in %s trusted local connections; it now requires the "
+                "password in %s (SCRAM-SHA-256)", self.pgdata, self.secret_file,
+            )
+
+    def _prepare_socket_dir(self, ident: _RunAs) -> None:
+        """Create the socket directory: a real directory, owned by the run user, mode 0700.
+
+        In the shared temporary directory (long data paths) someone else may have
+        created the name first: anything but our own private directory is refused.
+        """
+        path = self.socket_dir
+        try:
+            path.mkdir(mode=0o700)
+            ident.chown(path)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        ours = path.parent == self.data_dir
+        if not stat.S_ISDIR(st.st_mode):
+            raise EmbeddedPostgresError(f"the socket directory {path} exists but is not a directory")
+        if st.st_uid != ident.uid:
+            if not ours:
+                raise EmbeddedPostgresError(
+                    f"the socket directory {path} belongs to uid {st.st_uid}, not to the "
+                    f"PostgreSQL user (uid {ident.uid}); remove it or use a shorter --data-path"
+                )
+            os.chown(path, ident.uid, ident.gid)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
 
     def _version_check(self, bindir: Path) -> None:
         try:
@@ -781,7 +1004,7 @@ class EmbeddedPostgres:
             return "(no server log)"
 
     def _clear_stale_pidfile(self) -> None:
-        """Remove a postmaster.pid whose process is certainly gone.
+        """Remove a postmaster.pid (and socket lock files) whose process is certainly gone.
 
         PostgreSQL treats a pid file as live when ``kill(pid, 0)`` succeeds, which
         is also true for an unreaped zombie or an unrelated process that reused
@@ -793,6 +1016,20 @@ class EmbeddedPostgres:
                 (self.pgdata / "postmaster.pid").unlink()
             except FileNotFoundError:
                 pass
+        # The socket's lock file has the same check and the same problem: after a
+        # SIGKILL, "lock file .s.PGSQL.<port>.lock already exists" would block the
+        # restart. The directory is this cluster's alone and its postmaster is not
+        # running (we hold the start lock), so whatever is left in it is stale.
+        if self.pid() is None:
+            try:
+                stale = list(self.socket_dir.glob(".s.PGSQL.*"))
+            except OSError:
+                stale = []
+            for path in stale:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
 
     def _connect_admin(self, port: int, deadline: float) -> psycopg.Connection:
         host = self.host
@@ -800,8 +1037,7 @@ class EmbeddedPostgres:
         while True:
             try:
                 return psycopg.connect(
-                    host=host, port=port, user=SUPERUSER, dbname="postgres",
-                    autocommit=True, connect_timeout=5,
+                    self.dsn_for("postgres"), port=port, autocommit=True, connect_timeout=5,
                 )
             except psycopg.OperationalError as exc:
                 last = exc
@@ -823,20 +1059,28 @@ class EmbeddedPostgres:
                 except psycopg.errors.DuplicateDatabase:
                     pass
 
-    def start(self, timeout: float = 60) -> str:
+    def start(self, timeout: float = 60, keep_port: bool = False) -> str:
         """Initialise (first time), start, wait until it accepts connections; return the DSN.
 
         If a server for this data directory is already running, its DSN is
-        returned and nothing is restarted.  Raises :class:`EmbeddedPostgresError`
-        with initdb/pg_ctl output and the server log tail on failure.
+        returned and nothing is restarted, unless it still runs with the rules of
+        a directory made before passwords: then it is stopped and started again
+        with password authentication (see :meth:`_ensure_auth`).  ``keep_port``:
+        fail rather than move to another port when the recorded one is taken (a
+        running dmq holds the DSN; its supervisor retries later).  Raises
+        :class:`EmbeddedPostgresError` with initdb/pg_ctl output and the server log
+        tail on failure.
         """
         deadline = time.monotonic() + timeout
         with self._locked():
             running = self._running_port()
-            if running is not None:
+            if running is not None and self.auth_is_current():
                 self.port = running
                 self._ensure_database(running, deadline)
                 return self.dsn
+            if running is not None:
+                _log.warning("stopping the embedded PostgreSQL in %s to require a password", self.pgdata)
+                self._stop_locked("fast", max(deadline - time.monotonic(), 5))
             ident = self._identity()
             self._prepare_data_dir(ident)
             bindir = self._runnable_bindir(ident)
@@ -845,10 +1089,12 @@ class EmbeddedPostgres:
             self._version_check(bindir)
             self._clear_stale_pidfile()
             self._rotate_log(ident)
+            self._prepare_socket_dir(ident)
+            self._ensure_auth(ident, bindir, max(deadline - time.monotonic(), 30))
 
             recorded = self._recorded_port()
             port = self._explicit_port or recorded
-            auto = self._explicit_port is None
+            auto = self._explicit_port is None and not (keep_port and recorded is not None)
             if port is None or (auto and not _port_free(self.host, port)):
                 if port is not None:
                     _log.warning("recorded port %s for %s is taken; choosing another", port, self.pgdata)
@@ -897,19 +1143,22 @@ class EmbeddedPostgres:
         if not self.pgdata.is_dir():
             return
         with self._locked():
-            if not self.is_running():
-                return
-            ident = self._identity()
-            bindir = self._runnable_bindir(ident)
-            result = self._run(ident, [
-                str(bindir / "pg_ctl"), "-D", str(self.pgdata), "-m", mode,
-                "-w", "-t", str(max(int(timeout), 1)), "stop",
-            ], timeout + 30)
-            if result.returncode != 0 and self.is_running():
-                raise EmbeddedPostgresError(
-                    f"pg_ctl stop -m {mode} failed (exit code {result.returncode}) for "
-                    f"{self.pgdata}:\n{_tail(result.stdout)}"
-                )
+            self._stop_locked(mode, timeout)
+
+    def _stop_locked(self, mode: str, timeout: float) -> None:
+        if not self.is_running():
+            return
+        ident = self._identity()
+        bindir = self._runnable_bindir(ident)
+        result = self._run(ident, [
+            str(bindir / "pg_ctl"), "-D", str(self.pgdata), "-m", mode,
+            "-w", "-t", str(max(int(timeout), 1)), "stop",
+        ], timeout + 30)
+        if result.returncode != 0 and self.is_running():
+            raise EmbeddedPostgresError(
+                f"pg_ctl stop -m {mode} failed (exit code {result.returncode}) for "
+                f"{self.pgdata}:\n{_tail(result.stdout)}"
+            )
 
     def kill(self, timeout: float = 30) -> None:
         """SIGKILL the postmaster and its children, like a crash; wait until all are gone.

@@ -1,10 +1,10 @@
 """The server as a Twisted service: started in order, stopped in reverse.
 
-Start: storage (embedded PostgreSQL if no DSN, migrations, DB workers) →
+Start: storage (embedded PostgreSQL and its supervisor if no DSN, migrations, DB workers) →
 broker (registry cache, scanners) → listeners (TCP, HTTP). Stop: tell clients
 SERVER_REBOOT, stop listening, commit and answer every queued send, make
-acknowledgements durable, close connections, stop the workers and the
-embedded PostgreSQL.
+acknowledgements durable, close connections, stop the workers, the
+supervisor (so that it does not restart what we stop) and the embedded PostgreSQL.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class DmqServer:
         self.reactor = reactor
         self.dsn = options.pg_dsn
         self.embedded: Any = None
+        self.pg_supervisor: Any = None  # dmq_server.pg_supervisor.PostgresSupervisor when embedded
         self.workers: dict[str, DbWorker] = {}
         self.broker: Broker | None = None
         self.connections: set[DmqConnection] = set()
@@ -74,8 +75,13 @@ class DmqServer:
 
             data_dir = options.data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
+            from .pg_supervisor import PostgresSupervisor
+
             self.embedded = EmbeddedPostgres(data_dir)
             self.dsn = yield deferToThread(self.embedded.start)
+            # restarts the postmaster if it dies while we run (nothing else would)
+            self.pg_supervisor = PostgresSupervisor(self.embedded, self.reactor)
+            yield self.pg_supervisor.start()
         applied = yield deferToThread(migrate, self.dsn)
         if applied:
             log.info("applied schema migrations {versions}", versions=applied)
@@ -213,6 +219,8 @@ class DmqServer:
             self.fast_store.close()  # memory, in-flight and deferred messages go to disk
         for worker in self.workers.values():
             worker.stop()
+        if self.pg_supervisor is not None:
+            yield self.pg_supervisor.stop()
         if self.embedded is not None:
             yield deferToThread(self.embedded.stop)
         log.info("dmq node {node} stopped", node=self.node_id)

@@ -2,9 +2,11 @@
 
 They pin down what the dmq server relies on: start() is idempotent and keeps
 its DSN, data survives a clean restart and a crash (SIGKILL), the server is
-reachable only on the loopback address it was given, failures name their
-cause, and the pip-installed pgserver binaries work (the fallback on machines
-without a system PostgreSQL, so CI must exercise it, not skip it).
+reachable only on the loopback address it was given and a private Unix socket,
+only with the password in the data directory's secret file (a directory made
+before passwords is upgraded in place), failures name their cause, and the
+pip-installed pgserver binaries work (the fallback on machines without a system
+PostgreSQL, so CI must exercise it, not skip it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -76,7 +79,8 @@ def test_start_then_select_1(pg_private: EmbeddedPostgres) -> None:
     """start() returns a DSN for the superuser dmq and database dmq that answers queries."""
     dsn = pg_private.start()
     assert dsn == pg_private.dsn
-    assert dsn.startswith("postgresql://dmq@127.0.0.1:") and dsn.endswith("/dmq")
+    assert dsn.startswith("postgresql://dmq@127.0.0.1:")
+    assert dsn.endswith(f"/dmq?passfile={pg_private.secret_file}")
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT 1, current_user, current_database(), "
                            "pg_encoding_to_char(encoding) FROM pg_database "
@@ -139,14 +143,16 @@ def test_kill_then_start_recovers(pg_private: EmbeddedPostgres) -> None:
 
 
 def test_listens_only_on_loopback_tcp(pg_private: EmbeddedPostgres) -> None:
-    """The server listens on 127.0.0.1 only: no wildcard or other address, no Unix socket;
-    and it runs with the settings dmq's durability and latency rely on."""
+    """The server listens on 127.0.0.1 only (no wildcard or other address) and on a Unix
+    socket in its private directory; and it runs with the settings dmq's durability and
+    latency rely on."""
     dsn = pg_private.start()
     port = pg_private.port
     assert port is not None
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SHOW listen_addresses").fetchone()[0] == "127.0.0.1"
-        assert conn.execute("SHOW unix_socket_directories").fetchone()[0] == ""
+        assert conn.execute("SHOW unix_socket_directories").fetchone()[0] == str(pg_private.socket_dir)
+        assert conn.execute("SHOW password_encryption").fetchone()[0] == "scram-sha-256"
         assert conn.execute("SHOW fsync").fetchone()[0] == "on"
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
         assert conn.execute("SHOW wal_init_zero").fetchone()[0] == "off"
@@ -181,7 +187,7 @@ def test_explicit_port_and_settings(pg_dir: Path) -> None:
         port = sock.getsockname()[1]
     pg = EmbeddedPostgres(pg_dir, port=port, settings={"max_connections": "42"})
     try:
-        assert pg.start() == f"postgresql://dmq@127.0.0.1:{port}/dmq"
+        assert pg.start() == f"postgresql://dmq@127.0.0.1:{port}/dmq?passfile={pg.secret_file}"
         with psycopg.connect(pg.dsn) as conn:
             assert conn.execute("SHOW max_connections").fetchone()[0] == "42"
     finally:
@@ -274,3 +280,147 @@ def test_pg_dsn_fixture_gives_empty_database(pg_dsn: str, pg_server: EmbeddedPos
             "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
         ).fetchone()[0]
     assert tables == 0
+
+
+# --------------------------------------------------------------------------- authentication
+
+#: pg_hba.conf as the code before passwords wrote it (dmq up to 128accb).
+OLD_TRUST_HBA = (
+    "# Written by dmq_server.embedded_pg: trust the loopback interface only.\n"
+    "# TYPE  DATABASE     USER  ADDRESS       METHOD\n"
+    "host    all          all   127.0.0.1/32  trust\n"
+    "host    all          all   ::1/128       trust\n"
+    "host    replication  all   127.0.0.1/32  trust\n"
+    "host    replication  all   ::1/128       trust\n"
+)
+
+
+def _refusal(**params: object) -> str:
+    """The error of a connection that must fail (never a password from the environment)."""
+    params.setdefault("passfile", os.devnull)
+    with pytest.raises(psycopg.OperationalError) as info:
+        psycopg.connect(connect_timeout=5, **params).close()
+    return str(info.value)
+
+
+def _secret(pg: EmbeddedPostgres) -> str:
+    return pg.secret_file.read_text().strip().split(":")[-1]
+
+
+def test_password_required_secret_file_and_socket_dir_private(pg_private: EmbeddedPostgres) -> None:
+    """Knowing the address is not enough: without the password (TCP or the socket) the
+    server refuses; the secret file is 0600 and the socket directory 0700; the DSN, which
+    the ready banner prints, names the secret file but does not contain the secret."""
+    dsn = pg_private.start()
+    port = pg_private.port
+    sock_dir = pg_private.socket_dir
+    tcp = {"host": "127.0.0.1", "port": port, "user": "dmq", "dbname": "dmq"}
+    assert "no password supplied" in _refusal(**tcp)  # the server asked for one
+    assert 'password authentication failed for user "dmq"' in _refusal(**tcp, password="guess")
+    assert 'password authentication failed for user "dmq"' in _refusal(
+        **{**tcp, "host": str(sock_dir)}, password="guess")
+
+    with psycopg.connect(dsn) as conn:  # the DSN's password file opens both ways in
+        assert conn.execute("SELECT current_user").fetchone()[0] == "dmq"
+        verifier = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = 'dmq'").fetchone()[0]
+    with psycopg.connect(dsn, host=str(sock_dir)) as conn:
+        assert conn.execute("SELECT inet_server_addr() IS NULL").fetchone()[0]  # a Unix socket
+    assert verifier.startswith("SCRAM-SHA-256$4096:")  # stored as a SCRAM verifier only
+
+    assert stat.S_IMODE(pg_private.secret_file.stat().st_mode) == 0o600
+    assert pg_private.secret_file.stat().st_uid == os.geteuid()
+    assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700
+    assert stat.S_ISSOCK((sock_dir / f".s.PGSQL.{port}").stat().st_mode)
+    assert sock_dir.stat().st_uid == pg_private.pgdata.stat().st_uid  # the PostgreSQL user's
+    assert _secret(pg_private) not in dsn and len(_secret(pg_private)) >= 40
+    assert not embedded_pg._trusts(pg_private.pgdata / "pg_hba.conf")
+    assert _secret(pg_private) not in pg_private.log_file.read_text()
+
+    # A restart keeps the secret (the DSN of running clients stays valid).
+    before = _secret(pg_private)
+    pg_private.stop()
+    assert EmbeddedPostgres(pg_private.data_dir).start() == dsn
+    assert _secret(pg_private) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root and runuser")
+def test_other_os_users_cannot_read_the_secret_or_reach_the_socket(pg_private: EmbeddedPostgres) -> None:
+    """The OS user nobody (who logged in as superuser dmq under trust) can read neither
+    the secret nor the socket directory."""
+    pg_private.start()
+    for argv in (["cat", str(pg_private.secret_file)], ["ls", str(pg_private.socket_dir)]):
+        result = subprocess.run(["runuser", "-u", "nobody", "--", *argv],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode != 0 and "Permission denied" in result.stderr, result
+
+
+def _make_pre_password(pg: EmbeddedPostgres, running: bool) -> int | None:
+    """Turn ``pg``'s cluster into one the code before passwords left behind: pg_hba.conf
+    trusting loopback, no secret file, no password on the role, no socket, a table with
+    a row to keep; started by pg_ctl as that code did when ``running``. Returns its pid."""
+    dsn = pg.start()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kept (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO kept VALUES (42)")
+        conn.execute("ALTER ROLE dmq PASSWORD NULL")
+    pg.stop()
+    (pg.pgdata / "pg_hba.conf").write_text(OLD_TRUST_HBA)
+    conf = pg.pgdata / "dmq.conf"
+    conf.write_text("\n".join(
+        "unix_socket_directories = ''" if line.startswith("unix_socket_directories") else line
+        for line in conf.read_text().splitlines()
+        if not line.startswith(("unix_socket_permissions", "password_encryption"))
+    ) + "\n")
+    pg.secret_file.unlink()
+    pg.socket_dir.rmdir()
+    if not running:
+        return None
+    ident = pg._identity()
+    result = pg._run(ident, [str(pg.bindir / "pg_ctl"), "-D", str(pg.pgdata), "-l", str(pg.log_file),
+                             "-w", "start"], 90)
+    assert result.returncode == 0, result.stdout
+    # the hole this fixes: anyone on the machine logs in as the superuser without a password
+    with psycopg.connect(host="127.0.0.1", port=pg.port, user="dmq", dbname="dmq", passfile=os.devnull) as conn:
+        assert conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0]
+    return pg.pid()
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["stopped", "still-running"])
+def test_directory_made_before_passwords_is_upgraded_in_place(pg_private: EmbeddedPostgres,
+                                                              running: bool) -> None:
+    """A data directory of the trusting code (stopped, or its server still running) is
+    upgraded by the next start(): secret generated (0600), password set, pg_hba.conf
+    rewritten, the old server restarted under the new rules; the data is kept."""
+    old_pid = _make_pre_password(pg_private, running)
+
+    upgraded = EmbeddedPostgres(pg_private.data_dir)  # a new dmq version starting on it
+    dsn = upgraded.start()
+
+    assert upgraded.pid() is not None and upgraded.pid() != old_pid
+    assert stat.S_IMODE(upgraded.secret_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(upgraded.socket_dir.stat().st_mode) == 0o700
+    assert (upgraded.pgdata / "pg_hba.conf").read_text() == embedded_pg.HBA_CONF
+    assert "no password supplied" in _refusal(host="127.0.0.1", port=upgraded.port, user="dmq", dbname="dmq")
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT id FROM kept").fetchall() == [(42,)]
+    assert upgraded.auth_is_current()
+
+
+def test_long_data_path_gets_a_private_socket_dir_in_tmp(pg_dir: Path) -> None:
+    """A data path too long for a socket address puts the socket directory under the
+    temporary directory, one per data directory and user, private (0700) like the other."""
+    deep = pg_dir / ("d" * 60) / ("e" * 40)
+    assert EmbeddedPostgres(pg_dir / "short").socket_dir == pg_dir / "short" / "pg-socket"
+    pg = EmbeddedPostgres(deep)
+    socket_dir = pg.socket_dir
+    assert socket_dir.parent == Path(tempfile.gettempdir())
+    assert socket_dir.name.startswith(f"dmq-pg-{os.geteuid()}-")
+    assert socket_dir != EmbeddedPostgres(deep / "other").socket_dir
+    try:
+        dsn = pg.start()
+        assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700
+        with psycopg.connect(dsn, host=str(socket_dir)) as conn:
+            assert conn.execute("SELECT inet_server_addr() IS NULL").fetchone()[0]
+    finally:
+        pg.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
