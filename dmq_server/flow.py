@@ -49,7 +49,7 @@ class FlowLimits:
 
     def __init__(
         self,
-        max_output_buffer: int = 262144,
+        max_output_buffer: int = 65536,
         max_pending_sends: int = 10000,
         max_pending_bytes: int = 8 * 1024 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
@@ -145,7 +145,8 @@ class ReadGate:
         self.on_resume: Callable[[], None] | None = None  # the handler drains what it kept
         self._timer: Any = None
         budget.gates.add(self)
-        transport.bufferSize = limits.max_output_buffer  # the write buffer's high-water mark
+        # the write buffer's high-water mark (Twisted also reads at most this much at once)
+        transport.bufferSize = limits.max_output_buffer
         register = getattr(transport, "registerProducer", None)
         if register is not None:
             register(self, True)

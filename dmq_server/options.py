@@ -183,9 +183,10 @@ class Options:
     log_level: str = _opt("info", "debug, info, warn or error")
     # -- bounds: backpressure and timeouts on every port (dmq_server/flow.py) -------
     max_output_buffer: int = _opt(
-        262144,
+        65536,
         "unsent bytes to one TCP client at which the server stops reading it until they are "
-        "sent (backpressure on clients that do not read their replies)",
+        "sent (backpressure on clients that do not read their replies); also the most read "
+        "from one connection at once",
         kind="int",
     )
     max_pending_sends: int = _opt(
