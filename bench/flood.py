@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import select
+import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -231,6 +233,18 @@ def scenario_frames(server: DmqServer, args: argparse.Namespace) -> dict:
     return out
 
 
+def response_complete(data: bytes) -> bool:
+    """A whole HTTP response (headers and a Content-Length body) is in ``data``."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value.strip() or 0)
+    return False
+
+
 def scenario_http(server: DmqServer, args: argparse.Namespace) -> dict:
     before = mb(memory_kb(server.pid)[0])
     size = args.http_mb << 20
@@ -250,7 +264,7 @@ def scenario_http(server: DmqServer, args: argparse.Namespace) -> dict:
             answer += chunk
             if elapsed is None and answer:
                 elapsed = time.monotonic() - t0
-            if not chunk:
+            if not chunk or response_complete(answer):
                 break
         if writable:
             try:
@@ -299,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown scenario(s): {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers in `finally`
     workdir = Path(tempfile.mkdtemp(prefix="dmq-flood-"))
     pg = PrivatePostgres()
     server = None
@@ -325,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
         pg.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
