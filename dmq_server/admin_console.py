@@ -110,6 +110,8 @@ def parse_line(line: str) -> Parsed:
 
 #: a queued line too long to run: answered with E_LINE_TOO_LONG in its turn
 _TOO_LONG = object()
+#: seconds a closed session may take to send its last answers before it is aborted
+ABORT_AFTER = 30.0
 
 
 @implementer(IHalfCloseableProtocol, IPushProducer)
@@ -140,6 +142,7 @@ class AdminConsole(Protocol):
         self.clock = clock
         self.idle_timeout = idle_timeout
         self._idle_timer: Any = None
+        self._abort_timer: Any = None
         self._commands: dict[tuple[str, ...], Callable[[Parsed], Any]] = {
             ("help",): self.cmd_help,
             ("stats",): self.cmd_stats,
@@ -247,14 +250,27 @@ class AdminConsole(Protocol):
         self._close()
 
     def _close(self) -> None:
-        if not self._gone and self.transport is not None:
+        if not self._gone and self.transport is not None and not getattr(self.transport, "disconnecting", False):
             self.transport.unregisterProducer()  # a registered producer would keep it open
             self.transport.loseConnection()
+            # Twisted closes once every answer is sent: a client that reads nothing would
+            # keep the connection for ever
+            self._abort_timer = self.clock.callLater(ABORT_AFTER, self._abort)
+
+    def _abort(self) -> None:
+        self._abort_timer = None
+        if not self._gone:
+            abort = getattr(self.transport, "abortConnection", None)
+            if abort is not None:
+                abort()
 
     def connectionLost(self, reason: Any = None) -> None:
         self._gone = True
         self._queue.clear()
         self._cancel_idle()
+        if self._abort_timer is not None and self._abort_timer.active():
+            self._abort_timer.cancel()
+        self._abort_timer = None
 
     # IPushProducer: the transport's write buffer (the client reads our answers or not)
     def pauseProducing(self) -> None:

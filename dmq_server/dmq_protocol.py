@@ -126,6 +126,7 @@ class DmqConnection:
     def close(self) -> None:
         if not self.closed:
             self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
             self.closed = True
 

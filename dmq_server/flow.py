@@ -144,6 +144,7 @@ class ReadGate:
         self.closed = False
         self.on_resume: Callable[[], None] | None = None  # the handler drains what it kept
         self._timer: Any = None
+        self._abort: Any = None
         budget.gates.add(self)
         # the write buffer's high-water mark (Twisted also reads at most this much at once)
         transport.bufferSize = limits.max_output_buffer
@@ -260,6 +261,21 @@ class ReadGate:
                 self._timer.cancel()
             self._timer = None
 
+    def closing(self) -> None:
+        """The handler closed the connection. Twisted closes a TCP connection only once its
+        unsent bytes are sent; a client that reads nothing would keep it (and them) for
+        ever, so it is aborted if still there after the read timeout (30 s if disabled)."""
+        if self._abort is None and not self.closed:
+            delay = self.limits.read_timeout or 30.0
+            self._abort = self.clock.callLater(delay, self._abort_now)
+
+    def _abort_now(self) -> None:
+        self._abort = None
+        if not self.closed:
+            abort = getattr(self.transport, "abortConnection", None)
+            if abort is not None:
+                abort()
+
     def frame_completed(self) -> None:
         """A whole frame arrived: the timer starts again for the next one."""
         if self._timer is not None:
@@ -280,9 +296,10 @@ class ReadGate:
         if self.closed:
             return
         self.closed = True
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        for timer in (self._timer, self._abort):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._timer = self._abort = None
         # the bodies of sends still awaiting their commit stay counted until answered
         self.budget.change(-self.input_bytes)
         self.input_bytes = 0
@@ -314,6 +331,9 @@ class NoGate:
         pass
 
     def frame_completed(self) -> None:
+        pass
+
+    def closing(self) -> None:
         pass
 
 

@@ -138,7 +138,8 @@ class BoundedChannel(HTTPChannel):
             return
         self._networkProducer.unregisterProducer()
         lose_write()
-        self._linger = self.callLater(LINGER, self.transport.loseConnection)
+        # by then the answer and the FIN are out, or the client reads nothing: abort
+        self._linger = self.callLater(LINGER, self.transport.abortConnection)
 
     def _cancel_request_timer(self) -> None:
         if self._request_timer is not None:

@@ -208,6 +208,7 @@ class NsqConnection:
     def close(self) -> None:
         if not self.closed:
             self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
 
     def _answer(self, slot: Slot | None, data: bytes | NsqError, after: Callable[[], None] | None = None) -> None:

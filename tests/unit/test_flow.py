@@ -298,3 +298,17 @@ def test_console_ok_with_succeed():
 
 
 assert MAGIC  # the dmq magic is what Port.connect sends by default
+
+
+def test_a_connection_closed_while_its_client_reads_nothing_is_aborted_after_the_read_timeout():
+    """Twisted closes a connection once its unsent bytes are out: a client that never
+    reads would keep it, so the gate aborts it READ_TIMEOUT after the close."""
+    port = Port()
+    protocol = port.factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50003))
+    transport = StringTransport()  # loseConnection only marks it: the bytes are "unsent"
+    protocol.makeConnection(transport)
+    protocol.dataReceived(MAGIC)
+    port.clock.advance(2 * 30.0)  # silent: closed with E_TIMEOUT
+    assert transport.disconnecting and not transport.disconnected
+    port.clock.advance(30.0)
+    assert transport.disconnected  # abortConnection
