@@ -89,6 +89,7 @@ class NsqConnection:
         self._compress: Any = None
         self._decompress: Any = None
         self._inflate_tail = b""  # compressed bytes not inflated yet (paused, or one step at a time)
+        self._inflate_more = False  # zlib may hold more output of what it already took
         self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.flow) once attached
         self._stopped = False  # a fatal error is on its way: read no more commands
         self.closed = False
@@ -147,7 +148,12 @@ class NsqConnection:
     def _inflate(self) -> None:
         """Inflate and run the kept compressed input, one step at a time, while the
         connection is not paused (what is left waits for ``resume_reading``)."""
-        while self._inflate_tail and not self._stopped and not self.closed and not self.flow.paused:
+        while (
+            (self._inflate_tail or self._inflate_more)
+            and not self._stopped
+            and not self.closed
+            and not self.flow.paused
+        ):
             data, self._inflate_tail = self._inflate_tail, b""
             try:
                 out = self._decompress.decompress(data, INFLATE_STEP)
@@ -156,12 +162,14 @@ class NsqConnection:
                 self._answer(None, FatalClientError("E_INVALID", f"invalid deflate stream: {exc}"))
                 return
             self._inflate_tail = self._decompress.unconsumed_tail
+            # a full step may leave output inside zlib even when all input was taken
+            self._inflate_more = len(out) == INFLATE_STEP
             self.parser.receive_data(out)
             self._process()
 
     def resume_reading(self) -> None:
         """The port reads this connection again: first finish the input kept meanwhile."""
-        if self._inflate_tail:
+        if self._inflate_tail or self._inflate_more:
             self._inflate()
 
     def buffered(self) -> int:

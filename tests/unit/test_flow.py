@@ -312,3 +312,17 @@ def test_a_connection_closed_while_its_client_reads_nothing_is_aborted_after_the
     assert transport.disconnecting and not transport.disconnected
     port.clock.advance(30.0)
     assert transport.disconnected  # abortConnection
+
+
+def test_inflated_steps_lose_no_command_at_a_step_boundary(env):  # noqa: F811
+    """Commands straddling the 64 KiB inflate steps all run, in order, from one packet."""
+    p = env.peer()
+    p.send(encode_command(b"IDENTIFY", body=json.dumps({"feature_negotiation": True, "deflate": True}).encode()))
+    deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
+    commands = b"".join(encode_command(b"PUB", b"steps", body=b"%07d" % i + b"s" * 500) for i in range(1000))
+    p.send(deflate.compress(commands) + deflate.flush(zlib.Z_SYNC_FLUSH))
+    raw = p.transport.value()
+    compressed = raw[int.from_bytes(raw[:4], "big") + 4 :]  # after the plain IDENTIFY reply
+    answers = FrameReader().feed(zlib.decompressobj(-15).decompress(compressed))
+    assert answers == [(FRAME_RESPONSE, b"OK")] * 1001  # the upgrade's OK, then one per PUB
+    assert [m.body[:7] for m in env.store.topics["steps"].memory] == [b"%07d" % i for i in range(1000)]
