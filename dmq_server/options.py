@@ -365,7 +365,11 @@ class Options:
             ("max_output_buffer", self.max_output_buffer >= 1024, "must be at least 1024"),
             ("max_pending_sends", self.max_pending_sends >= 1, "must be at least 1"),
             ("max_pending_bytes", self.max_pending_bytes >= 1, "must be at least 1"),
-            ("max_buffered_bytes", self.max_buffered_bytes >= 1, "must be at least 1"),
+            (
+                "max_buffered_bytes",
+                self.max_buffered_bytes >= max(self.max_msg_size, self.max_body_size),
+                "must be at least --max-msg-size and --max-body-size: one whole frame must fit",
+            ),
             ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),
             ("delay_workers", self.delay_workers >= 1, "must be at least 1"),
             ("delay_poll_interval", self.delay_poll_interval > 0, "must be more than 0"),

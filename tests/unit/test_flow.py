@@ -326,3 +326,15 @@ def test_inflated_steps_lose_no_command_at_a_step_boundary(env):  # noqa: F811
     answers = FrameReader().feed(zlib.decompressobj(-15).decompress(compressed))
     assert answers == [(FRAME_RESPONSE, b"OK")] * 1001  # the upgrade's OK, then one per PUB
     assert [m.body[:7] for m in env.store.topics["steps"].memory] == [b"%07d" % i for i in range(1000)]
+
+
+def test_flow_limits_defaults_are_the_options_defaults_and_validated():
+    """FlowLimits' own defaults (used where no Options is given) match Options'; a total
+    cap smaller than one frame is refused, naming the flag."""
+    import pytest
+
+    from dmq_server.options import ConfigError, Options
+
+    assert vars(FlowLimits.from_options(Options())) == vars(FlowLimits())
+    with pytest.raises(ConfigError, match="--max-buffered-bytes .*one whole frame must fit"):
+        Options(max_buffered_bytes=1000).validate()
