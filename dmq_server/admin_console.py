@@ -250,7 +250,8 @@ class AdminConsole(Protocol):
         self._close()
 
     def _close(self) -> None:
-        if not self._gone and self.transport is not None and not getattr(self.transport, "disconnecting", False):
+        transport = self.transport
+        if not self._gone and transport is not None and not getattr(transport, "disconnecting", False):
             self.transport.unregisterProducer()  # a registered producer would keep it open
             self.transport.loseConnection()
             # Twisted closes once every answer is sent: a client that reads nothing would

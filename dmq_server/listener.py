@@ -1,9 +1,9 @@
 """The shared TCP port: the first four bytes choose the protocol.
 
-``DMQ1`` hands the connection to the dmq protocol. NSQ's ``"  V2"`` will be
-routed here too once the NSQ protocol lands; until then it, like any other
-magic, gets a PROTOCOL_ERROR frame naming the problem and the connection
-closes. The per-protocol handlers are plain objects fed by this adapter.
+``DMQ1`` hands the connection to the dmq protocol and NSQ's ``"  V2"`` to the NSQ
+protocol (each registered by the service); any other magic gets a PROTOCOL_ERROR
+frame naming the problem and the connection closes. The per-protocol handlers are
+plain objects fed by this adapter.
 
 Every connection gets a ``flow.ReadGate`` (its handler's ``flow``): the port stops
 reading a connection whose replies are not read, whose sends awaiting commit pass
@@ -46,7 +46,12 @@ class PortProtocol(Protocol):
         factory = self.factory
         self._magic_timer = factory.clock.callLater(MAGIC_TIMEOUT, self._no_magic)
         self.gate = ReadGate(
-            self.transport, factory.clock, factory.limits, factory.budget, self._timed_out, _peer(self.transport)
+            self.transport,
+            factory.clock,
+            factory.limits,
+            factory.budget,
+            self._timed_out,
+            _peer(self.transport),
         )
 
     def _no_magic(self) -> None:
