@@ -338,3 +338,23 @@ def test_flow_limits_defaults_are_the_options_defaults_and_validated():
     assert vars(FlowLimits.from_options(Options())) == vars(FlowLimits())
     with pytest.raises(ConfigError, match="--max-buffered-bytes .*one whole frame must fit"):
         Options(max_buffered_bytes=1000).validate()
+
+
+def test_nsq_publishes_to_a_reliable_topic_awaiting_commit_past_the_cap_stop_reading(env):  # noqa: F811
+    """NSQ counts each PUB/MPUB awaiting its commit: at max_pending_sends the connection is
+    not read; once half are answered it is read again, and every OK comes out in order."""
+    from dmq_server.flow import BufferBudget, ReadGate
+
+    env.broker.register("r", "c")
+    p = env.peer()
+    limits = FlowLimits(max_pending_sends=4)
+    p.conn.flow = ReadGate(p.transport, env.clock, limits, BufferBudget(10**9), lambda why: None)
+    p.send(b"".join(encode_command(b"PUB", b"r", body=b"m%d" % i) for i in range(4)))
+    assert len(env.broker.published) == 4 and p.transport.producerState == "paused"
+    for i, (*_, done) in enumerate(env.broker.published[:2]):
+        done(published(i))
+    assert p.transport.producerState == "producing"
+    for i, (*_, done) in enumerate(env.broker.published[2:], 2):
+        done(published(i))
+    assert p.frames() == [(FRAME_RESPONSE, b"OK")] * 4
+    assert p.conn.flow.pending_sends == 0 and p.conn.flow.pending_bytes == 0
