@@ -6,6 +6,8 @@ GET      /admin/stats                    live and stored statistics
 GET      /admin/topics                   topics, settings, channels
 GET      /admin/clients                  connected clients
 GET      /admin/delay                    delay fragments, workers, pending counts
+GET      /admin/flow                     the TCP port's flow control: bytes held,
+                                         paused connections and why (see flow.py)
 GET      /admin/dead-letters             list; filters as query parameters (topic,
                                          channel, reason, since, until, ids,
                                          message_ids, replayed), limit, after
@@ -45,6 +47,7 @@ _ENDPOINTS = [
     "GET /admin/topics",
     "GET /admin/clients",
     "GET /admin/delay",
+    "GET /admin/flow",
     "GET /admin/dead-letters",
     "GET /admin/dead-letters/ID",
     "POST /admin/dead-letters/replay",
@@ -144,6 +147,7 @@ class AdminResource(Resource):
                 "topics": self.ops.topics,
                 "clients": self.ops.clients,
                 "delay": self.ops.delay_stats,
+                "flow": self._flow,
             }
             if parts[0] in simple:
                 result = simple[parts[0]]()
@@ -153,6 +157,12 @@ class AdminResource(Resource):
         if parts[:1] == ["dead-letters"]:
             return self._dead_letters(request, method, parts[1:], params)
         raise AdminError("E_NOT_FOUND", f"no admin endpoint {method} /admin/{'/'.join(parts)}", 404)
+
+    def _flow(self) -> dict:
+        factory = getattr(self.ops.server, "port_factory", None)
+        if factory is None:
+            raise AdminError("E_NOT_FOUND", "the TCP port is not listening", 404)
+        return factory.budget.stats()
 
     def _dead_letters(self, request: Any, method: str, rest: list[str], params: dict[str, str]) -> Any:
         actor = self._actor(request)

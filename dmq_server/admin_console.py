@@ -23,18 +23,28 @@ lines. Lines starting with ``#`` are informational. A bad command gets an
 
 FILTER is ``key=value`` with key topic, channel, reason, since, until, ids,
 message_ids or replayed; times are Unix ms, ISO 8601, or a duration ago (15m).
+
+Bounds: a line longer than ``MAX_LENGTH`` (16 KiB) is answered ``ERR E_LINE_TOO_LONG``
+in its turn and the lines after it are still run. At most ``MAX_QUEUED`` lines wait
+for their turn: then the console stops reading the connection, and it runs no
+further command while its answers are not being read (the transport's write buffer
+is full). A session without a command for ``--admin-idle-timeout`` is closed. When
+the client half-closes (``nc -N``, ``printf ... | nc``), every command already sent
+is answered before the connection closes.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections import deque
 from typing import Any, Callable
 
 from twisted.internet.defer import maybeDeferred
-from twisted.internet.protocol import Factory
+from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
-from twisted.protocols.basic import LineReceiver
+from zope.interface import implementer
 
 from .admin_ops import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
 
@@ -98,19 +108,41 @@ def parse_line(line: str) -> Parsed:
     return Parsed(words, options, ids, everything)
 
 
-class AdminConsole(LineReceiver):
+#: a queued line too long to run: answered with E_LINE_TOO_LONG in its turn
+_TOO_LONG = object()
+#: seconds a closed session may take to send its last answers before it is aborted
+ABORT_AFTER = 30.0
+
+
+@implementer(IHalfCloseableProtocol, IPushProducer)
+class AdminConsole(Protocol):
     delimiter = b"\n"
     MAX_LENGTH = 16384
+    MAX_QUEUED = 64
+    OUTPUT_HIGH_WATER = 262144
 
-    def __init__(self, ops: AdminOps, listen_host: str, token: str):
+    def __init__(
+        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0
+    ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
         self.authenticated = False
         self.peer = "?"
-        self._queue: list[bytes] = []
+        self._queue: deque[Any] = deque()
         self._busy = False
         self._discarding = False
+        self._buffer = bytearray()
+        self._input_closed = False  # the client half-closed: answer what it sent, then close
+        self._output_paused = False  # the client is not reading our answers
+        self._reading_paused = False
+        self._gone = False
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.clock = clock
+        self.idle_timeout = idle_timeout
+        self._idle_timer: Any = None
+        self._abort_timer: Any = None
         self._commands: dict[tuple[str, ...], Callable[[Parsed], Any]] = {
             ("help",): self.cmd_help,
             ("stats",): self.cmd_stats,
@@ -128,6 +160,9 @@ class AdminConsole(LineReceiver):
 
     # -- connection --------------------------------------------------------------
     def connectionMade(self) -> None:
+        self.transport.bufferSize = self.OUTPUT_HIGH_WATER
+        self.transport.registerProducer(self, True)
+        self._arm_idle()
         peer = self.transport.getPeer()
         self.peer = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         try:
@@ -139,7 +174,9 @@ class AdminConsole(LineReceiver):
         self.info(f"dmq admin console, node {self.ops.server.node_id}; {note}")
 
     def send(self, line: str) -> None:
-        self.sendLine(line.replace("\r", " ").replace("\n", " ").encode("utf-8"))
+        if self._gone:
+            return
+        self.transport.write(line.replace("\r", " ").replace("\n", " ").encode("utf-8") + self.delimiter)
 
     def info(self, text: str) -> None:
         self.send(f"# {text}")
@@ -154,30 +191,121 @@ class AdminConsole(LineReceiver):
         self.send(json.dumps(obj, sort_keys=False, default=str))
 
     # -- input -------------------------------------------------------------------
-    def lineLengthExceeded(self, line: bytes) -> None:
-        self.error("E_LINE_TOO_LONG", f"a command line may be at most {self.MAX_LENGTH} bytes; line dropped")
-        # no delimiter seen yet: drop the rest of that line when it arrives
-        self._discarding = self.delimiter not in line
-
-    def lineReceived(self, line: bytes) -> None:
+    def dataReceived(self, data: bytes) -> None:
+        """Split lines; a line over MAX_LENGTH is queued as an error and the bytes up to
+        its end are dropped, so the lines pipelined after it still run in order."""
+        buf = self._buffer
+        buf += data
+        start = 0
+        while True:
+            end = buf.find(self.delimiter, start)
+            if end < 0:
+                break
+            line = bytes(buf[start:end])
+            start = end + 1
+            if self._discarding:
+                self._discarding = False  # the end of a line already refused
+            elif len(line) > self.MAX_LENGTH:
+                self._queue.append(_TOO_LONG)
+            else:
+                self._queue.append(line)
+        del buf[:start]
+        if len(buf) > self.MAX_LENGTH and not self._discarding:
+            self._queue.append(_TOO_LONG)  # refused now; the rest of it is dropped on arrival
+            self._discarding = True
         if self._discarding:
-            self._discarding = False
-            return
-        self._queue.append(line)
+            del buf[:]
+        if len(self._queue) >= self.MAX_QUEUED and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pauseProducing()
         self._next()
 
     def _next(self) -> None:
-        while not self._busy and self._queue:
-            line = self._queue.pop(0)
+        while not self._busy and self._queue and not self._output_paused and not self._gone:
+            line = self._queue.popleft()
             self._busy = True
+            self._arm_idle()
             d = maybeDeferred(self._handle, line)
             d.addErrback(self._failed)
             d.addBoth(self._done)
+        if self._reading_paused and len(self._queue) < self.MAX_QUEUED // 2 and not self._gone:
+            self._reading_paused = False
+            self.transport.resumeProducing()
+        if self._input_closed and not self._busy and not self._queue:
+            self._close()
 
     def _done(self, _: Any) -> None:
         self._busy = False
-        if self.transport is not None and not getattr(self.transport, "disconnecting", False):
+        self._arm_idle()
+        if not self._gone and not getattr(self.transport, "disconnecting", False):
             self._next()
+
+    # -- the connection's ends -----------------------------------------------------
+    def readConnectionLost(self) -> None:
+        """The client sent everything (half-close): answer it all, then close."""
+        self._input_closed = True
+        self._next()
+
+    def writeConnectionLost(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        transport = self.transport
+        if not self._gone and transport is not None and not getattr(transport, "disconnecting", False):
+            self.transport.unregisterProducer()  # a registered producer would keep it open
+            self.transport.loseConnection()
+            # Twisted closes once every answer is sent: a client that reads nothing would
+            # keep the connection for ever
+            self._abort_timer = self.clock.callLater(ABORT_AFTER, self._abort)
+
+    def _abort(self) -> None:
+        self._abort_timer = None
+        if not self._gone:
+            abort = getattr(self.transport, "abortConnection", None)
+            if abort is not None:
+                abort()
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self._gone = True
+        self._queue.clear()
+        self._cancel_idle()
+        if self._abort_timer is not None and self._abort_timer.active():
+            self._abort_timer.cancel()
+        self._abort_timer = None
+
+    # IPushProducer: the transport's write buffer (the client reads our answers or not)
+    def pauseProducing(self) -> None:
+        self._output_paused = True
+
+    def resumeProducing(self) -> None:
+        if getattr(self.transport, "disconnecting", False):
+            self.transport.unregisterProducer()
+            return
+        self._output_paused = False
+        self._next()
+
+    def stopProducing(self) -> None:
+        self._gone = True
+
+    # -- the idle timeout ------------------------------------------------------------
+    def _arm_idle(self) -> None:
+        """Restarted at each command's start and end; never fires while one runs."""
+        self._cancel_idle()
+        if self.idle_timeout > 0 and not self._busy and not self._gone:
+            self._idle_timer = self.clock.callLater(self.idle_timeout, self._idle)
+
+    def _cancel_idle(self) -> None:
+        if self._idle_timer is not None and self._idle_timer.active():
+            self._idle_timer.cancel()
+        self._idle_timer = None
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        if self._busy or self._gone:
+            return
+        log.info("admin console {peer}: idle for {t}s, closing", peer=self.peer, t=self.idle_timeout)
+        self.info(f"no command for {self.idle_timeout:g}s; closing the session")
+        self._close()
 
     def _failed(self, failure: Any) -> None:
         error = failure.value
@@ -189,7 +317,11 @@ class AdminConsole(LineReceiver):
             log.failure("admin console command failed", failure)
             self.error("E_INTERNAL", repr(error))
 
-    def _handle(self, raw: bytes) -> Any:
+    def _handle(self, raw: Any) -> Any:
+        if raw is _TOO_LONG:
+            raise AdminError(
+                "E_LINE_TOO_LONG", f"a command line may be at most {self.MAX_LENGTH} bytes; line dropped"
+            )
         try:
             line = raw.rstrip(b"\r").decode("utf-8")
         except UnicodeDecodeError:
@@ -294,18 +426,23 @@ class AdminConsole(LineReceiver):
 
     def cmd_quit(self, parsed: Parsed) -> None:
         self.ok("bye")
-        self.transport.loseConnection()
+        self._queue.clear()
+        self._close()
 
 
 class AdminConsoleFactory(Factory):
     noisy = False
 
-    def __init__(self, ops: AdminOps, listen_host: str, token: str):
+    def __init__(
+        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0
+    ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
+        self.clock = clock
+        self.idle_timeout = idle_timeout
 
     def buildProtocol(self, addr: Any) -> AdminConsole:
-        proto = AdminConsole(self.ops, self.listen_host, self.token)
+        proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout)
         proto.factory = self
         return proto

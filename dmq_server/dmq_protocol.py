@@ -18,6 +18,7 @@ from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
 
 from .broker import Broker, Published, PublishRejected, SubscribeRejected
 from .channel import Channel, Delivery
+from .flow import NO_GATE
 from .store import StorageError
 from .writer import ShuttingDown
 
@@ -83,9 +84,11 @@ class DmqConnection:
         self._registry = registry
         registry.add(self)
         self.peer = _peer(transport)
+        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.flow) once attached
         self._heartbeat = LoopingCall(self._beat)
         self._heartbeat.clock = clock
         self._heartbeat.start(options.heartbeat_interval, now=False)
+        self._deadline: Any = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
         self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail))
 
     # -- transport side ---------------------------------------------------
@@ -100,10 +103,20 @@ class DmqConnection:
         except FrameError as exc:
             self.protocol_error(exc.code, exc.message)
             return
+        if frames:
+            self.flow.frame_completed()
         for frame in frames:
             if self.closed:
                 return
             self._dispatch(frame)
+
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held (the port's flow control counts them)."""
+        return 0 if self.closed else self.decoder.buffered
+
+    def timed_out(self, description: str) -> None:
+        """The port's read timeout: an incomplete frame took too long."""
+        self.protocol_error("E_TIMEOUT", description)
 
     def protocol_error(self, code: str, description: str) -> None:
         log.info("{peer}: protocol error {code} {why}", peer=self.peer, code=code, why=description)
@@ -113,12 +126,16 @@ class DmqConnection:
     def close(self) -> None:
         if not self.closed:
             self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
             self.closed = True
 
     def connection_lost(self) -> None:
         if self._heartbeat.running:
             self._heartbeat.stop()
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
         self._registry.discard(self)
         subs, self.subscriptions = self.subscriptions, {}
         for sub in subs.values():
@@ -128,11 +145,24 @@ class DmqConnection:
 
     def _beat(self) -> None:
         interval = self.broker.options.heartbeat_interval
-        if self.clock.seconds() - self.last_heard > 2 * interval:
+        self.write(Frame(Command.SERVER_HEARTBEAT, credit=int(interval * 1000)))
+
+    def _check_silence(self) -> None:
+        """A timer due exactly two heartbeat intervals after the last byte heard (a
+        check on the heartbeat tick would close between two and three intervals)."""
+        self._deadline = None
+        if self.closed:
+            return
+        limit = 2 * self.broker.options.heartbeat_interval
+        now = self.clock.seconds()
+        if self.flow.server_paused:
+            self.last_heard = now  # not read because of the server: not the client's silence
+        idle = now - self.last_heard
+        if idle >= limit:
             log.info("{peer}: no data for two heartbeat intervals, closing", peer=self.peer)
             self.protocol_error("E_TIMEOUT", "no data received for two heartbeat intervals")
             return
-        self.write(Frame(Command.SERVER_HEARTBEAT, credit=int(interval * 1000)))
+        self._deadline = self.clock.callLater(limit - idle, self._check_silence)
 
     # -- commands ---------------------------------------------------------
     def _dispatch(self, frame: Frame) -> None:
@@ -160,6 +190,9 @@ class DmqConnection:
             self.broker.acks_refused += 1
 
     def _send(self, frame: Frame) -> None:
+        size = len(frame.body)
+        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.flow)
+
         def reply(command: Command, message_id: int = 0, status: str = "") -> None:
             if not self.closed:
                 self.transport.write(
@@ -167,6 +200,7 @@ class DmqConnection:
                 )
 
         def done(outcome: Any) -> None:
+            self.flow.send_done(size)
             if isinstance(outcome, Published):
                 reply(
                     Command.SEND_SUCCESS_ACK,

@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Site
+from twisted.web.server import NOT_DONE_YET
+
+from .http_site import BoundedSite
 
 __all__ = ["make_site"]
 
@@ -88,12 +90,16 @@ class Root(Resource):
 
 
 def make_site(
-    check: Callable[[], Deferred], stats: Callable[[], dict], info: Callable[[], dict]
-) -> Site:
+    check: Callable[[], Deferred],
+    stats: Callable[[], dict],
+    info: Callable[[], dict],
+    options: Any = None,
+) -> BoundedSite:
+    """The HTTP port's site; body limits and timeouts come from ``options`` (see http_site)."""
     root = Root()
     root.putChild(b"ping", Ping(check))
     root.putChild(b"stats", Stats(stats))
     root.putChild(b"info", Info(info))
-    site = Site(root)
+    site = BoundedSite(root, options)
     site.noisy = False
     return site

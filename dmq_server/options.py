@@ -186,6 +186,46 @@ class Options:
         30.0, "longest a graceful shutdown waits for batches to commit", kind="duration"
     )
     log_level: str = _opt("info", "debug, info, warn or error")
+    # -- bounds: backpressure and timeouts on every port (dmq_server/flow.py) -------
+    max_output_buffer: int = _opt(
+        65536,
+        "unsent bytes to one TCP client at which the server stops reading it until they are "
+        "sent (backpressure on clients that do not read their replies); also the most read "
+        "from one connection at once",
+        kind="int",
+    )
+    max_pending_sends: int = _opt(
+        10000,
+        "sends (NSQ: PUB, MPUB, DPUB) one TCP connection may have awaiting their answer "
+        "before the server stops reading it",
+        kind="int",
+    )
+    max_pending_bytes: int = _opt(
+        8388608,
+        "bytes of message bodies one TCP connection may have awaiting their answer before "
+        "the server stops reading it",
+        kind="int",
+    )
+    max_buffered_bytes: int = _opt(
+        67108864,
+        "bytes all TCP connections together may hold in incomplete frames and sends awaiting "
+        "their answer; above it connections holding any wait until it is under three quarters",
+        kind="int",
+    )
+    read_timeout: float = _opt(
+        30.0,
+        "longest an incomplete frame (TCP) or request (HTTP) may take to arrive once it has "
+        "started; then the connection is closed (0 disables)",
+        kind="duration",
+    )
+    http_idle_timeout: float = _opt(
+        300.0, "an HTTP keep-alive connection idle this long is closed (0 disables)", kind="duration"
+    )
+    admin_idle_timeout: float = _opt(
+        900.0,
+        "an admin console session with no command for this long is closed (0 disables)",
+        kind="duration",
+    )
     # -- the NSQ protocol and the fast store (nsqd's names and defaults) ----------
     max_msg_timeout: float = _opt(
         900.0, "longest message timeout an NSQ client may ask for (IDENTIFY, TOUCH)", kind="duration"
@@ -328,6 +368,14 @@ class Options:
             ("channel_state_interval", self.channel_state_interval > 0, "must be more than 0"),
             ("scan_interval", self.scan_interval > 0, "must be more than 0"),
             ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
+            ("max_output_buffer", self.max_output_buffer >= 1024, "must be at least 1024"),
+            ("max_pending_sends", self.max_pending_sends >= 1, "must be at least 1"),
+            ("max_pending_bytes", self.max_pending_bytes >= 1, "must be at least 1"),
+            (
+                "max_buffered_bytes",
+                self.max_buffered_bytes >= max(self.max_msg_size, self.max_body_size),
+                "must be at least --max-msg-size and --max-body-size: one whole frame must fit",
+            ),
             ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),
             ("delay_workers", self.delay_workers >= 1, "must be at least 1"),
             ("delay_poll_interval", self.delay_poll_interval > 0, "must be more than 0"),

@@ -127,7 +127,9 @@ class Extras:
                 "admin console on non-loopback {host} without --admin-token: it will refuse every command",
                 host=host,
             )
-        factory = AdminConsoleFactory(self.ops, host, options.admin_token)
+        factory = AdminConsoleFactory(
+            self.ops, host, options.admin_token, self.server.reactor, getattr(options, "admin_idle_timeout", 900.0)
+        )
         reactor = self.server.reactor
         if ":" in host:
             ep = TCP6ServerEndpoint(reactor, port, interface=host)

@@ -24,6 +24,7 @@ from dmq_client.wire import MAGIC
 from .broker import Broker
 from .dmq_protocol import DmqConnection
 from .http_api import VERSION, make_site
+from .flow import FlowLimits
 from .listener import NSQ_MAGIC, PortFactory
 from .nsq.context import NsqContext
 from .nsq.http import install as install_nsq_http
@@ -60,6 +61,7 @@ class DmqServer:
         self.fast_store: FastStore | None = None
         self.nsq: NsqContext | None = None
         self.tcp_port: Any = None
+        self.port_factory: PortFactory | None = None
         self.http_port: Any = None
         self.extras: Extras | None = None  # delay scheduler, expiry, admin API and console
         self.cluster: Any = None  # dmq_server.cluster.ClusterNode with --zk
@@ -118,11 +120,14 @@ class DmqServer:
         def make_nsq(transport: Any) -> NsqConnection:
             return NsqConnection(transport, self.nsq)
 
-        factory = PortFactory(self.reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq})
+        factory = PortFactory(
+            self.reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}, FlowLimits.from_options(options)
+        )
+        self.port_factory = factory  # its budget: the port's flow-control state (/admin/flow)
         host, port = options.tcp_endpoint
         self.tcp_port = yield _endpoint(self.reactor, host, port).listen(factory)
         host, port = options.http_endpoint
-        site = make_site(self._ping, self.broker.stats, self.info)
+        site = make_site(self._ping, self.broker.stats, self.info, options)
         install_nsq_http(site.resource, self)
         self.extras.install_http(site.resource)
         self.http_port = yield _endpoint(self.reactor, host, port).listen(site)

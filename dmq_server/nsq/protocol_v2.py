@@ -22,6 +22,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..broker import Published, SubscribeRejected
+from ..flow import NO_GATE
 from ..store import StorageError
 from .channel import Exiting
 from .errors import ClientError, CloseSilently, FatalClientError, NsqError
@@ -55,6 +56,9 @@ __all__ = ["NsqContext", "NsqConnection", "VERSION"]
 log = Logger()
 
 STATE_INIT, STATE_SUBSCRIBED, STATE_CLOSING = 0, 3, 4
+#: most bytes inflated from a deflate stream at a time: a small packet can inflate to
+#: gigabytes, so the stream is inflated in steps, each parsed before the next
+INFLATE_STEP = 65536
 
 
 class NsqConnection:
@@ -84,6 +88,9 @@ class NsqConnection:
         self.deflate_level = 0  # > 0 once the stream is deflate-compressed
         self._compress: Any = None
         self._decompress: Any = None
+        self._inflate_tail = b""  # compressed bytes not inflated yet (paused, or one step at a time)
+        self._inflate_more = False  # zlib may hold more output of what it already took
+        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.flow) once attached
         self._stopped = False  # a fatal error is on its way: read no more commands
         self.closed = False
         self.last_read = self.clock.seconds()
@@ -132,15 +139,46 @@ class NsqConnection:
             return
         self.last_read = self.clock.seconds()
         if self._decompress is not None:
-            try:
-                data = self._decompress.decompress(data)
-            except zlib.error:
-                log.info("{peer}: undecodable deflate stream, closing", peer=self.remote_address)
-                self._stopped = True
-                self.close()
-                return
+            self._inflate_tail += data
+            self._inflate()
+            return
         self.parser.receive_data(data)
         self._process()
+
+    def _inflate(self) -> None:
+        """Inflate and run the kept compressed input, one step at a time, while the
+        connection is not paused (what is left waits for ``resume_reading``)."""
+        while (
+            (self._inflate_tail or self._inflate_more)
+            and not self._stopped
+            and not self.closed
+            and not self.flow.paused
+        ):
+            data, self._inflate_tail = self._inflate_tail, b""
+            try:
+                out = self._decompress.decompress(data, INFLATE_STEP)
+            except zlib.error as exc:
+                log.info("{peer}: invalid deflate stream ({why}), closing", peer=self.remote_address, why=exc)
+                self._answer(None, FatalClientError("E_INVALID", f"invalid deflate stream: {exc}"))
+                return
+            self._inflate_tail = self._decompress.unconsumed_tail
+            # a full step may leave output inside zlib even when all input was taken
+            self._inflate_more = len(out) == INFLATE_STEP
+            self.parser.receive_data(out)
+            self._process()
+
+    def resume_reading(self) -> None:
+        """The port reads this connection again: first finish the input kept meanwhile."""
+        if self._inflate_tail or self._inflate_more:
+            self._inflate()
+
+    def buffered(self) -> int:
+        """Bytes of incomplete input held (the port's flow control counts them)."""
+        return 0 if self.closed else self.parser.buffered() + len(self._inflate_tail)
+
+    def timed_out(self, description: str) -> None:
+        """The port's read timeout: an incomplete command took too long."""
+        self._answer(None, FatalClientError("E_TIMEOUT", description))
 
     def _process(self) -> None:
         parser = self.parser
@@ -149,6 +187,7 @@ class NsqConnection:
                 cmd = parser.next_command()
                 if cmd is None:
                     return
+                self.flow.frame_completed()
                 handler = _HANDLERS.get(cmd.name)
                 if handler is None:
                     name = cmd.name.decode("utf-8", "replace")
@@ -177,6 +216,7 @@ class NsqConnection:
     def close(self) -> None:
         if not self.closed:
             self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
 
     def _answer(self, slot: Slot | None, data: bytes | NsqError, after: Callable[[], None] | None = None) -> None:
@@ -216,6 +256,8 @@ class NsqConnection:
         if self.closed or self.heartbeat_interval <= 0:
             return
         limit = 2 * self.heartbeat_interval
+        if self.flow.server_paused:
+            self.last_read = self.clock.seconds()  # not read because of the server, not silent
         idle = self.clock.seconds() - self.last_read
         if idle >= limit:
             log.info("{peer}: nothing read for two heartbeat intervals, closing", peer=self.remote_address)
@@ -298,7 +340,8 @@ class NsqConnection:
         leftover = self.parser.take_buffered()  # sent before the upgrade: already compressed
         self.write(response(OK))
         if leftover:
-            self.parser.receive_data(self._decompress.decompress(leftover))
+            self._inflate_tail = leftover + self._inflate_tail
+            self._inflate()  # bad bytes here are answered (E_INVALID) after IDENTIFY's reply
 
     def cmd_auth(self, cmd: Any) -> None:
         raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
@@ -436,14 +479,18 @@ class NsqConnection:
             self._answer(None, self._publish_fast(topic, bodies, defer_ms, name))
             return
         slot = self.replies.reserve()
+        size = sum(map(len, bodies))
+        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.flow)
 
         def route(reliable: bool) -> None:
             if self.closed:
+                self.flow.send_done(size)
                 return
             if reliable:
-                self._publish_reliable(slot, topic, bodies, defer_ms, name)
+                self._publish_reliable(slot, topic, bodies, defer_ms, name, lambda: self.flow.send_done(size))
             else:
                 self._answer(slot, self._publish_fast(topic, bodies, defer_ms, name))
+                self.flow.send_done(size)
 
         self.ctx.resolve(topic, route)
 
@@ -460,7 +507,15 @@ class NsqConnection:
         self.pub_counts[topic] = self.pub_counts.get(topic, 0) + len(bodies)
         return OK
 
-    def _publish_reliable(self, slot: Slot, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
+    def _publish_reliable(
+        self,
+        slot: Slot,
+        topic: str,
+        bodies: list[bytes],
+        defer_ms: int,
+        name: str,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
         """Through the broker's group commit; OK once every message is stored. A failure
         is a non-fatal error frame (see docs/nsq.md). A DPUB is stored in the delay table,
         due ``defer_ms`` from now."""
@@ -475,6 +530,8 @@ class NsqConnection:
                 failures.append(describe_outcome(outcome))
             remaining[0] -= 1
             if remaining[0] == 0:
+                if answered is not None:
+                    answered()
                 if failures:
                     self._answer(slot, ClientError(f"E_{name}_FAILED", f"{name} failed {failures[0]}"))
                 else:
