@@ -46,7 +46,7 @@ class FakeBroker:
         self.health_detail = ""
         self.sends: list[tuple[bytes, Any]] = []
 
-    def publish_cb(self, topic, producer, session_id, body, produced_ms, done, due_ms=None):
+    def publish_cb(self, topic, producer, session_id, body, produced_ms, done, due_ms=None, resend=True):
         self.sends.append((body, done))
 
     def unsubscribe(self, channel, sub):
