@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from typing import Any, Sequence
 
@@ -10,6 +11,7 @@ from twisted.logger import (
     FilteringLogObserver,
     LogLevel,
     LogLevelFilterPredicate,
+    Logger,
     globalLogBeginner,
     textFileLogObserver,
 )
@@ -17,6 +19,8 @@ from twisted.logger import (
 from .options import options_from_args
 
 __all__ = ["main"]
+
+log = Logger()
 
 _LEVELS = {"debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn, "error": LogLevel.error}
 
@@ -36,6 +40,32 @@ def _tune_gc() -> None:
     gc.collect()
     gc.freeze()  # what start-up allocated lives for the whole process
     gc.set_threshold(50_000, 20, 100)
+
+
+def _stop_on_signals(reactor: Any) -> None:
+    """SIGTERM and SIGINT stop the node, once. Twisted's own handlers call
+    ``reactor.stop()`` on every signal, so a second SIGTERM during a slow stop logged a
+    ReactorNotRunning traceback; here a repeat only says the stop is under way (every
+    wait in it is bounded, docs/operations.md). The handler itself only hands the
+    request to the reactor thread."""
+    stopping = [False]
+
+    def mark_stopping() -> None:
+        stopping[0] = True
+
+    def request_stop(name: str) -> None:
+        if stopping[0]:
+            log.info("received {signal} while already stopping; the stop is under way", signal=name)
+            return
+        log.info("received {signal}, shutting down", signal=name)
+        reactor.stop()  # fires the "before shutdown" trigger, which marks us stopping
+
+    def handler(signum: int, _frame: Any) -> None:
+        reactor.callFromThread(request_stop, signal.Signals(signum).name)
+
+    reactor.addSystemEventTrigger("before", "shutdown", mark_stopping)
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             + str(options.data_dir)
             + " topic create NAME; dmq channel add NAME CHANNEL",
         ]
-        print("\n".join(lines), flush=True)
+        try:
+            print("\n".join(lines), flush=True)
+        except BrokenPipeError:  # nobody reads our stdout (`dmq-server | head -1`): serve on
+            pass
 
     def failed(failure: Any) -> None:
         print(f"dmq-server: failed to start: {failure.getErrorMessage()}", file=sys.stderr, flush=True)
@@ -75,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     reactor.callWhenRunning(service.startService)
     service.ready.addCallbacks(ready, failed)
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
-    reactor.run()
+    _stop_on_signals(reactor)
+    # no Twisted signal handlers: ours above stop once; nothing here spawns processes
+    # through the reactor (which would need its SIGCHLD handler)
+    reactor.run(installSignalHandlers=False)
     return exit_code[0]
 
 
