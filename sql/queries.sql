@@ -1,5 +1,5 @@
 -- name: create_schema_version
--- The migration ledger; created before any migration runs.
+-- The migration ledger; created under the migration lock, before any migration runs.
 CREATE TABLE IF NOT EXISTS dmq_schema_version (
     version     integer PRIMARY KEY,
     description text NOT NULL,
