@@ -69,6 +69,14 @@ def _stop_on_signals(reactor: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .pipes import quiet_broken_pipe
+
+    with quiet_broken_pipe() as closed:  # `dmq-server --help | head`: no traceback
+        return _serve(argv)
+    return closed.code
+
+
+def _serve(argv: Sequence[str] | None) -> int:
     options = options_from_args(argv)
     _start_logging(options.log_level)
     from twisted.internet import reactor
