@@ -42,6 +42,17 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+def _console_line(server: Any, options: Any) -> str:
+    """The banner's admin console line: where it listens, or why it does not."""
+    extras = getattr(server, "extras", None)
+    address = extras.console_address if extras is not None else None
+    if address is not None:
+        return f"{address[0]}:{address[1]}  (admin console, line commands: nc {address[0]} {address[1]})"
+    if not options.admin_address:
+        return "console off (--admin-address is empty)"
+    return f"console NOT listening on {options.admin_address} (see the log above)"
+
+
 def _stop_on_signals(reactor: Any) -> None:
     """SIGTERM and SIGINT stop the node, once. Twisted's own handlers call
     ``reactor.stop()`` on every signal, so a second SIGTERM during a slow stop logged a
@@ -97,7 +108,8 @@ def _serve(argv: Sequence[str] | None) -> int:
             f"  data path    {options.data_dir}",
             f"  PostgreSQL   {server.dsn}" + ("  (embedded)" if server.embedded else ""),
             f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
-            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs)",
+            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs, /admin)",
+            "  admin        " + _console_line(server, options),
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)
             + " topic create NAME; dmq channel add NAME CHANNEL",
