@@ -159,7 +159,6 @@ def _setting(kind: str) -> Any:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parse.__name__ = "a number or none" if kind == "count" else "a duration or none"
     return parse
 
 

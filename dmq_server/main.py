@@ -61,15 +61,21 @@ def _stop_on_signals(reactor: Any) -> None:
     request to the reactor thread."""
     stopping = [False]
 
-    def mark_stopping() -> None:
+    def mark_stopping() -> None:  # whoever stopped the reactor
         stopping[0] = True
 
     def request_stop(name: str) -> None:
-        if stopping[0]:
-            log.info("received {signal} while already stopping; the stop is under way", signal=name)
-            return
-        log.info("received {signal}, shutting down", signal=name)
-        reactor.stop()  # fires the "before shutdown" trigger, which marks us stopping
+        from twisted.internet.error import ReactorNotRunning
+
+        if not stopping[0]:
+            stopping[0] = True
+            log.info("received {signal}, shutting down", signal=name)
+            try:
+                reactor.stop()
+                return
+            except ReactorNotRunning:  # stopped by the code a moment ago (a failed start)
+                pass
+        log.info("received {signal} while already stopping; the stop is under way", signal=name)
 
     def handler(signum: int, _frame: Any) -> None:
         reactor.callFromThread(request_stop, signal.Signals(signum).name)
