@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -45,12 +46,14 @@ def _stop_zookeeper_then_node(zk_private, make_node, how: str, second_sigterm: b
     if second_sigterm:
         wait_for(lambda: "shutting down" in node.log(), timeout=10)
         node.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
     try:
         code = node.proc.wait(STOP_BOUND)
     except subprocess.TimeoutExpired:
         node.proc.kill()
         node.proc.wait(10)
         raise AssertionError(f"the node did not exit within {STOP_BOUND}s of SIGTERM:\n{node.log()}")
+    print(f"ZooKeeper {how}: the node exited {time.monotonic() - started:.1f}s after SIGTERM")
     return node, code
 
 
