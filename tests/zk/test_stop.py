@@ -20,7 +20,7 @@ from tests.integration.support import http_get, wait_for
 pytestmark = pytest.mark.integration
 
 #: what a stop may take here: the node's ZooKeeper waits during stop are bounded by
-#: a few seconds each (docs/operations.md, "Stopping a node"); the old code never exited
+#: a few seconds each (docs/operations.md, "Stopping is bounded"); the old code never exited
 STOP_BOUND = 45.0
 
 
