@@ -54,6 +54,7 @@ fi
 command -v java >/dev/null 2>&1 || { echo "deploy/cluster-local.sh: needs a Java runtime (default-jre-headless)" >&2; exit 1; }
 
 zk_pid=""
+pg_started=0  # stop only what this run started (not another run's PostgreSQL)
 node_pids=()
 stop_all() {  # stop_all PID...: SIGTERM, then SIGKILL after 60 s
     local pid
@@ -72,36 +73,30 @@ cleanup() {
     # nodes first, while ZooKeeper is still there for them to leave the cluster
     if [ "${#node_pids[@]}" -gt 0 ]; then stop_all "${node_pids[@]}"; fi
     if [ -n "$zk_pid" ]; then stop_all "$zk_pid"; fi
-    "$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
+    if [ "$pg_started" -eq 1 ]; then
+        "$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
+    fi
     echo "stopped (data kept in $work)"
     exit "$1"
 }
 trap 'cleanup 0' INT TERM
 trap 'cleanup $?' EXIT
 
-wait_for() {  # wait_for DESCRIPTION PYTHON-EXPRESSION: poll up to 60 s
-    "$py" - "$1" "$2" <<'EOF'
-import socket, sys, time, urllib.request
-what, expr = sys.argv[1], sys.argv[2]
-def ruok(port):
-    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-        s.sendall(b"ruok"); return s.recv(16) == b"imok"
-def ping(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1) as r:
-        return r.status == 200
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    try:
-        if eval(expr):
-            sys.exit(0)
-    except Exception:
-        pass
-    time.sleep(0.2)
-sys.exit(f"{what}: not ready after 60 s")
-EOF
+ready() {  # ready node ID HTTP-PORT PID LOG | ready zookeeper PORT PID LOG: up to 60 s
+    # The answer must come from our own process (node id in /info, process alive):
+    # another server on the port does not count. On failure it prints the log's tail.
+    "$py" "$repo/deploy/cluster_ready.py" "$@" || exit 1
 }
 
+ports=("$zk_port")
+for n in 1 2 3; do
+    tcp=$((base_port + (n - 1) * 100))
+    ports+=("$tcp" "$((tcp + 1))" "$((tcp + 2))")
+done
+"$py" "$repo/deploy/cluster_ready.py" free "${ports[@]}" || exit 1
+
 # -- PostgreSQL -----------------------------------------------------------------------------
+pg_started=1
 dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
 
 # -- ZooKeeper (standalone) -----------------------------------------------------------------
@@ -119,7 +114,7 @@ classpath="$zk_jar"
 java -Xmx256m -Dorg.slf4j.simpleLogger.defaultLogLevel=warn -cp "$classpath" \
     org.apache.zookeeper.server.quorum.QuorumPeerMain "$work/zk/zoo.cfg" >"$work/zookeeper.log" 2>&1 &
 zk_pid=$!
-wait_for "ZooKeeper on :$zk_port" "ruok($zk_port)"
+ready zookeeper "$zk_port" "$zk_pid" "$work/zookeeper.log"
 
 # -- three dmq nodes --------------------------------------------------------------------------
 for n in 1 2 3; do
@@ -137,16 +132,16 @@ for n in 1 2 3; do
     echo $! >"$work/node$n.pid"
 done
 for n in 1 2 3; do
-    wait_for "node$n" "ping($((base_port + (n - 1) * 100 + 1)))"
+    ready node "node$n" "$((base_port + (n - 1) * 100 + 1))" "${node_pids[$((n - 1))]}" "$work/node$n.log"
 done
 
 cat <<EOF
 dmq cluster is ready
   PostgreSQL  $dsn
   ZooKeeper   127.0.0.1:$zk_port$chroot   ($py -m dmq_server.cli --zk 127.0.0.1:$zk_port$chroot ...)
-  node1       TCP 127.0.0.1:$base_port  HTTP http://127.0.0.1:$((base_port + 1))/
-  node2       TCP 127.0.0.1:$((base_port + 100))  HTTP http://127.0.0.1:$((base_port + 101))/
-  node3       TCP 127.0.0.1:$((base_port + 200))  HTTP http://127.0.0.1:$((base_port + 201))/
+  node1       TCP 127.0.0.1:$base_port  HTTP http://127.0.0.1:$((base_port + 1))/  admin console 127.0.0.1:$((base_port + 2))
+  node2       TCP 127.0.0.1:$((base_port + 100))  HTTP http://127.0.0.1:$((base_port + 101))/  admin console 127.0.0.1:$((base_port + 102))
+  node3       TCP 127.0.0.1:$((base_port + 200))  HTTP http://127.0.0.1:$((base_port + 201))/  admin console 127.0.0.1:$((base_port + 202))
   logs        $work/*.log
 Ctrl-C stops everything.
 EOF

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install dmq into a virtualenv at <repo>/.venv; idempotent, quiet unless something fails.
+# Install dmq into a virtualenv at <repo>/.venv; idempotent. Says what it does, one line
+# per step on stderr, when there is something to do; silent when all is in place.
 #
 #   bash deploy/setup.sh          # runtime: dmq + the embedded extra (pgserver's PostgreSQL)
 #   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, NSQ clients),
@@ -32,6 +33,8 @@ cd "$repo"
 venv="$repo/.venv"
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 
+say() { echo "deploy/setup.sh: $*" >&2; }
+
 apt_updated=0
 apt_install() {
     # Install Debian packages, running `apt-get update` once first; root or sudo only.
@@ -48,6 +51,7 @@ apt_install() {
         echo "deploy/setup.sh: no apt-get here; please install: $*" >&2
         return 1
     fi
+    say "installing Debian packages: $* (apt-get)"
     if [ "$apt_updated" -eq 0 ]; then
         "${sudo[@]}" apt-get update -qq >/dev/null
         apt_updated=1
@@ -73,6 +77,7 @@ if ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
         ver="$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
         apt_install "python${ver}-venv" || apt_install python3-venv
     fi
+    say "creating the virtualenv $venv ($("$python" -V 2>&1))"
     "$python" -m venv "$venv"
 fi
 
@@ -96,6 +101,9 @@ if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerpri
     exit 0
 fi
 rm -f "$stamp_file"
+say "upgrading pip in $venv"
 "$venv/bin/python" -m pip install -qq --upgrade pip
+say "installing dmq with extras [$extras] and its dependencies into $venv (a few minutes the first time)"
 "$venv/bin/python" -m pip install -qq -e ".[$extras]"
 echo "$fingerprint $extras" > "$stamp_file"
+say "done: dmq is installed in $venv"

@@ -174,16 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except PipelineError as exc:
-        _say(f"error: {exc}")
-        return exc.code
-    except KeyboardInterrupt:
-        _say("interrupted; a re-run resumes where this one stopped")
-        return 130
+    from dmq_server.pipes import quiet_broken_pipe
+
+    with quiet_broken_pipe() as closed:  # `dmq-pipeline ... | head`: no traceback
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
+        try:
+            return args.func(args)
+        except PipelineError as exc:
+            _say(f"error: {exc}")
+            return exc.code
+        except KeyboardInterrupt:
+            _say("interrupted; a re-run resumes where this one stopped")
+            return 130
+    return closed.code
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ __all__ = [
     "delete_batch",
     "log_operation",
     "dead_letter_counts",
+    "TOPIC_SETTINGS",
+    "merge_topic_settings",
+    "update_topic",
     "AdminOps",
     "REPLAY_PRODUCER",
 ]
@@ -342,6 +345,52 @@ def stored_stats(conn: Any) -> dict:
             for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
         ],
     }
+
+
+#: what ``topic update`` may change; not the store, since a topic's stored messages
+#: and its consumers' protocol depend on it (delete and recreate to change it)
+TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")
+
+_TOPIC_SETTING_TEXT = {
+    "msg_timeout_ms": "message timeout",
+    "rate_limit": "rate limit",
+    "ttl_ms": "TTL",
+    "max_attempts": "max attempts",
+}
+
+
+def merge_topic_settings(current: Mapping[str, Any], changes: Mapping[str, int | None]) -> dict:
+    """A topic's settings after ``changes`` (``None`` removes a limit; the message
+    timeout cannot be removed). AdminError ``E_INVALID`` for an unknown setting, a
+    value below 1, or no change asked for."""
+    unknown = sorted(set(changes) - set(TOPIC_SETTINGS))
+    if unknown:
+        raise AdminError("E_INVALID", f"topic update: unknown settings {', '.join(unknown)}")
+    if not changes:
+        raise AdminError(
+            "E_INVALID", "topic update: nothing to change (give a message timeout, rate limit, TTL or max attempts)"
+        )
+    for key, value in changes.items():
+        if value is None and key == "msg_timeout_ms":
+            raise AdminError("E_INVALID", "topic update: the message timeout cannot be removed")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise AdminError("E_INVALID", f"topic update: the {_TOPIC_SETTING_TEXT[key]} must be at least 1")
+    return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
+
+
+def update_topic(conn: Any, name: str, changes: Mapping[str, int | None]) -> tuple[dict, dict]:
+    """Change a topic's settings in the PostgreSQL registry (one node; a cluster's
+    registry is ZooKeeper's). The row is locked while read and written, so two updates
+    of different settings both stick. Returns (before, after); running servers apply
+    the new settings at their next registry refresh."""
+    with conn.transaction():
+        row = conn.execute(queries["lock_topic_settings"], {"name": name}).fetchone()
+        if row is None:
+            raise AdminError("E_NOT_FOUND", f"no such topic {name!r}", 404)
+        before = dict(zip(TOPIC_SETTINGS, row))
+        after = merge_topic_settings(before, changes)
+        conn.execute(queries["update_topic_settings"], {"name": name, **after})
+    return before, after
 
 
 def run_batches(

@@ -3,8 +3,10 @@
 It talks to PostgreSQL directly (``--pg-dsn``, or the embedded PostgreSQL under
 ``--data-path``, started for the command and stopped again if it was not
 running), so it works whether or not a server is up. Exit status: 0 on
-success, 1 on a refused operation (unknown name, duplicate, invalid name),
-2 on bad usage, 3 when the database cannot be reached.
+success, 1 on a refused operation (unknown name, duplicate, invalid name, a dead
+letter id that is not there), 2 on bad usage, 3 when the database cannot be
+reached, 141 when the reader of its output went away (``dmq dlq list | head``:
+quietly, as a command killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -137,6 +139,68 @@ def cmd_topic(args: argparse.Namespace) -> None:
                 print(json.dumps(_topic_dict(reg.get_topic(args.name)), indent=2))
         except registry.RegistryError as exc:
             raise CliError(str(exc)) from exc
+
+
+def _setting(kind: str) -> Any:
+    """argparse type for `topic update`: a value, or ``none`` to remove the limit."""
+
+    def parse(text: str) -> int | None:
+        if text.strip().lower() == "none":
+            return None
+        if kind == "count":
+            try:
+                return int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not a whole number (or none): {text!r}") from None
+        from .options import parse_duration
+
+        try:
+            return int(parse_duration(text) * 1000)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def cmd_topic_update(args: argparse.Namespace) -> None:
+    """Change a topic's rate limit, TTL, max attempts or message timeout in place: its
+    channels, stored messages and dead letters stay. In a cluster (--zk) ZooKeeper holds
+    the settings and every node mirrors them; on one node the server reads them at its
+    next registry refresh (--registry-refresh)."""
+    import dataclasses
+
+    import registry
+    from registry.interface import check_name
+
+    from .admin_ops import TOPIC_SETTINGS, AdminError, merge_topic_settings, update_topic
+
+    changes = {key: getattr(args, key) for key in TOPIC_SETTINGS if getattr(args, key) is not _UNSET}
+    try:
+        check_name("topic", args.name)
+        if args.zk:
+            with _registry(args) as reg:
+                spec = reg.get_topic(args.name)
+                before = {key: getattr(spec, key) for key in TOPIC_SETTINGS}
+                after = merge_topic_settings(before, changes)
+                reg.update_topic(dataclasses.replace(spec, **after))
+        else:
+            with _database(args) as conn:
+                before, after = update_topic(conn, args.name, changes)
+    except registry.RegistryError as exc:
+        raise CliError(str(exc)) from exc
+    except AdminError as exc:
+        raise CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+    changed = [
+        f"{key} {_show(before[key])} -> {_show(after[key])}" for key in TOPIC_SETTINGS if before[key] != after[key]
+    ]
+    print(f"updated topic {args.name}: " + (", ".join(changed) if changed else "no change"))
+
+
+_UNSET = object()  # `topic update` leaves a setting alone unless given
+
+
+def _show(value: int | None) -> str:
+    return "none" if value is None else str(value)
 
 
 def _limits(args: argparse.Namespace) -> dict:
@@ -293,6 +357,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="copies not acknowledged within this become dead letters (expired)")
     create.add_argument("--max-attempts", type=int, default=None, metavar="N",
                         help="deliveries per copy before it becomes a dead letter (default unlimited)")
+    update = tsub.add_parser(
+        "update",
+        help="change a topic's limits in place (channels and stored messages stay)",
+        description="Change a topic's settings without deleting it; give at least one. "
+        "'none' removes a limit. Running servers apply the change at their next registry refresh.",
+    )
+    update.add_argument("name")
+    update.add_argument("--msg-timeout", dest="msg_timeout_ms", type=_setting("duration"), default=_UNSET,
+                        metavar="DURATION", help="redelivery timeout")
+    update.add_argument("--rate-limit", dest="rate_limit", type=_setting("count"), default=_UNSET,
+                        metavar="N|none", help="most sends per second per node")
+    update.add_argument("--ttl", dest="ttl_ms", type=_setting("duration"), default=_UNSET,
+                        metavar="DURATION|none", help="copies not acknowledged within this become dead letters")
+    update.add_argument("--max-attempts", dest="max_attempts", type=_setting("count"), default=_UNSET,
+                        metavar="N|none", help="deliveries per copy before it becomes a dead letter")
+    update.set_defaults(func=cmd_topic_update)
     for action in ("delete", "show"):
         p = tsub.add_parser(action, help=f"{action} a topic")
         p.add_argument("name")
@@ -325,13 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except CliError as exc:
-        print(f"dmq: {exc}", file=sys.stderr)
-        return exc.code
-    return 0
+    from .pipes import quiet_broken_pipe
+
+    with quiet_broken_pipe() as closed:
+        args = build_parser().parse_args(argv)
+        try:
+            args.func(args)
+        except CliError as exc:
+            print(f"dmq: {exc}", file=sys.stderr)
+            return exc.code
+        return 0
+    return closed.code
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ connections.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import json
 import os
@@ -141,6 +142,12 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
     if args.batch < 1:
         raise _cli().CliError("--batch must be at least 1", 2)
     total, not_replayed = count_dead_letters(conn, flt)
+    if total == 0 and flt.ids:
+        # named ids that are not there: the same answer as the HTTP API's 404, exit 1
+        # (a filter that matches nothing is not an error: "deleted 0")
+        named = ", ".join(str(i) for i in flt.ids)
+        also = "" if dataclasses.replace(flt, ids=None).is_empty() else " matching the other filters"
+        raise AdminError("E_NOT_FOUND", f"no dead letter{'s' if len(flt.ids) > 1 else ''} {named}{also}", 404)
     batch = args.batch
     if args.action == "replay":
         fragments = args.delay_fragments

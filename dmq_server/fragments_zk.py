@@ -32,6 +32,15 @@ log = Logger()
 PARTITION_PATH = "/dmq/delay/fragments"
 
 
+def _quietly(fn: Callable[[], Any]) -> None:
+    """Call ``fn`` ignoring kazoo's errors: on the way out a lost session or a closed
+    client only means ZooKeeper already forgot us."""
+    try:
+        fn()
+    except Exception:
+        pass
+
+
 def contiguous_partition(identifier: str, members: Sequence[str], partitions: Sequence[int]) -> list[int]:
     """This member's contiguous run of the sorted fragments (members in sorted order)."""
     ordered = sorted(members)
@@ -54,6 +63,8 @@ class ZkFragmentAssignment:
         *,
         time_boundary: float = 1.0,
         max_reaction_time: float = 0.5,
+        leave_timeout: float = 3.0,
+        stop_timeout: float = 8.0,
     ):
         self._connect = connect
         self.count = count
@@ -62,6 +73,10 @@ class ZkFragmentAssignment:
         self.node_id = node_id
         self.time_boundary = time_boundary
         self.max_reaction_time = max_reaction_time
+        #: longest wait for ZooKeeper to take our leave before the client is stopped
+        self.leave_timeout = leave_timeout
+        #: longest a stop takes on the reactor's side (below the server's 10 s bound on it)
+        self.stop_timeout = stop_timeout
         self.owned: frozenset[int] = frozenset()
         self.members: list[str] = []
         self.state = "starting"
@@ -79,33 +94,62 @@ class ZkFragmentAssignment:
         self._thread.start()
 
     def stop(self) -> Any:
-        """Leave the party (the others take our fragments at once) and close the session;
-        the blocking kazoo calls run off the reactor thread. Returns a Deferred."""
-        from twisted.internet.threads import deferToThreadPool
+        """Leave the party (the others take our fragments at once) and close the session.
+
+        Returns a Deferred that fires within ``stop_timeout`` seconds whatever ZooKeeper
+        does. A kazoo request made just before ZooKeeper vanished (a lock release, the
+        party leave) waits for it indefinitely, so the blocking work runs on a daemon
+        thread of its own, never on the reactor's pool: the reactor joins its pool at
+        shutdown, and one stuck thread there kept a stopped node from exiting. If we
+        give up, our party node goes when the session expires, as after a crash."""
+        from twisted.internet.defer import Deferred
 
         self._stop.set()
         self._on_change = None
-        return deferToThreadPool(self.reactor, self.reactor.getThreadPool(), self._stop_blocking)
+        done: Deferred = Deferred()
+
+        def finished() -> None:
+            if not done.called:
+                timer.cancel()
+                done.callback(None)
+
+        def give_up() -> None:
+            log.warn(
+                "ZooKeeper did not answer within {timeout} s while leaving the delay fragment "
+                "party; stopping anyway (the session's expiry hands our fragments over)",
+                timeout=self.stop_timeout,
+            )
+            done.callback(None)
+
+        def work() -> None:
+            try:
+                self._stop_blocking()
+            finally:
+                self.reactor.callFromThread(finished)
+
+        timer = self.reactor.callLater(self.stop_timeout, give_up)
+        threading.Thread(target=work, name="dmq-delay-partitioner-stop", daemon=True).start()
+        return done
 
     def _stop_blocking(self) -> None:
         self._stop.set()
         partitioner, client = self._partitioner, self._client
-        try:
-            # A kazoo call made while disconnected waits until ZooKeeper is back, so
-            # only leave the party when connected; otherwise the session's expiry
-            # removes our party node anyway.
-            if partitioner is not None and client is not None and client.connected:
-                partitioner.finish()
-        except Exception:  # session already gone: the party node is gone with it
-            pass
+        # A kazoo call made while disconnected waits until ZooKeeper is back, so only
+        # leave the party when connected; otherwise the session's expiry removes our
+        # party node anyway. Even when connected ZooKeeper may go the next moment, so
+        # the leave is waited for only ``leave_timeout`` seconds; stopping the client
+        # then fails the request it waits on.
+        if partitioner is not None and client is not None and client.connected:
+            leaver = threading.Thread(
+                target=_quietly, args=(partitioner.finish,), name="dmq-delay-partitioner-leave", daemon=True
+            )
+            leaver.start()
+            leaver.join(self.leave_timeout)
         if client is not None:
-            try:
-                client.stop()
-                client.close()
-            except Exception:
-                pass
+            _quietly(client.stop)
+            _quietly(client.close)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=self.leave_timeout)
 
     def describe(self) -> dict:
         return {
@@ -163,30 +207,24 @@ class ZkFragmentAssignment:
             state_change_event=changed,
         )
         self._partitioner = partitioner
-        try:
-            while not self._stop.is_set():
-                changed.clear()
-                if partitioner.failed:
-                    self.state = "failed"
-                    self._announce(frozenset())
-                    return  # a new partitioner (new party member) next
-                if partitioner.release:
-                    self.state = "rebalancing"
-                    self._announce(frozenset())
-                    partitioner.release_set()
-                    continue
-                if partitioner.acquired:
-                    self.state = "acquired"
-                    self._announce(frozenset(partitioner))
-                    changed.wait(1.0)
-                    continue
-                self.state = "allocating"
+        # on stop, _stop_blocking leaves the party (bounded): this thread must not wait
+        # on ZooKeeper a second time, so it simply returns
+        while not self._stop.is_set():
+            changed.clear()
+            if partitioner.failed:
+                self.state = "failed"
                 self._announce(frozenset())
-                partitioner.wait_for_acquire(timeout=1.0)
-        finally:
-            if self._stop.is_set():
-                try:
-                    if self._client is not None and self._client.connected:
-                        partitioner.finish()
-                except Exception:
-                    pass
+                return  # a new partitioner (new party member) next
+            if partitioner.release:
+                self.state = "rebalancing"
+                self._announce(frozenset())
+                partitioner.release_set()
+                continue
+            if partitioner.acquired:
+                self.state = "acquired"
+                self._announce(frozenset(partitioner))
+                changed.wait(1.0)
+                continue
+            self.state = "allocating"
+            self._announce(frozenset())
+            partitioner.wait_for_acquire(timeout=1.0)

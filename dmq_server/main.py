@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from typing import Any, Sequence
 
@@ -10,6 +11,7 @@ from twisted.logger import (
     FilteringLogObserver,
     LogLevel,
     LogLevelFilterPredicate,
+    Logger,
     globalLogBeginner,
     textFileLogObserver,
 )
@@ -17,6 +19,8 @@ from twisted.logger import (
 from .options import options_from_args
 
 __all__ = ["main"]
+
+log = Logger()
 
 _LEVELS = {"debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn, "error": LogLevel.error}
 
@@ -38,7 +42,58 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+def _console_line(server: Any, options: Any) -> str:
+    """The banner's admin console line: where it listens, or why it does not."""
+    extras = getattr(server, "extras", None)
+    address = extras.console_address if extras is not None else None
+    if address is not None:
+        return f"{address[0]}:{address[1]}  (admin console, line commands: nc {address[0]} {address[1]})"
+    if not options.admin_address:
+        return "console off (--admin-address is empty)"
+    return f"console NOT listening on {options.admin_address} (see the log above)"
+
+
+def _stop_on_signals(reactor: Any) -> None:
+    """SIGTERM and SIGINT stop the node, once. Twisted's own handlers call
+    ``reactor.stop()`` on every signal, so a second SIGTERM during a slow stop logged a
+    ReactorNotRunning traceback; here a repeat only says the stop is under way (every
+    wait in it is bounded, docs/operations.md). The handler itself only hands the
+    request to the reactor thread."""
+    stopping = [False]
+
+    def mark_stopping() -> None:  # whoever stopped the reactor
+        stopping[0] = True
+
+    def request_stop(name: str) -> None:
+        from twisted.internet.error import ReactorNotRunning
+
+        if not stopping[0]:
+            stopping[0] = True
+            log.info("received {signal}, shutting down", signal=name)
+            try:
+                reactor.stop()
+                return
+            except ReactorNotRunning:  # stopped by the code a moment ago (a failed start)
+                pass
+        log.info("received {signal} while already stopping; the stop is under way", signal=name)
+
+    def handler(signum: int, _frame: Any) -> None:
+        reactor.callFromThread(request_stop, signal.Signals(signum).name)
+
+    reactor.addSystemEventTrigger("before", "shutdown", mark_stopping)
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from .pipes import quiet_broken_pipe
+
+    with quiet_broken_pipe() as closed:  # `dmq-server --help | head`: no traceback
+        return _serve(argv)
+    return closed.code
+
+
+def _serve(argv: Sequence[str] | None) -> int:
     options = options_from_args(argv)
     _start_logging(options.log_level)
     from twisted.internet import reactor
@@ -59,12 +114,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  data path    {options.data_dir}",
             f"  PostgreSQL   {server.dsn}" + ("  (embedded)" if server.embedded else ""),
             f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
-            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs)",
+            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs, /admin)",
+            "  admin        " + _console_line(server, options),
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)
             + " topic create NAME; dmq channel add NAME CHANNEL",
         ]
-        print("\n".join(lines), flush=True)
+        try:
+            print("\n".join(lines), flush=True)
+        except BrokenPipeError:  # nobody reads our stdout (`dmq-server | head -1`): serve on
+            pass
 
     def failed(failure: Any) -> None:
         print(f"dmq-server: failed to start: {failure.getErrorMessage()}", file=sys.stderr, flush=True)
@@ -75,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     reactor.callWhenRunning(service.startService)
     service.ready.addCallbacks(ready, failed)
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
-    reactor.run()
+    _stop_on_signals(reactor)
+    # no Twisted signal handlers: ours above stop once; nothing here spawns processes
+    # through the reactor (which would need its SIGCHLD handler)
+    reactor.run(installSignalHandlers=False)
     return exit_code[0]
 
 

@@ -249,9 +249,10 @@ def migrate(dsn: str) -> list[int]:
     with connect(dsn) as conn:
         try:
             with conn.transaction():
-                conn.execute(queries["create_schema_version"])
-            with conn.transaction():
+                # the lock comes first: two nodes creating the ledger table at once race
+                # in PostgreSQL's catalog (pg_type_typname_nsp_index) despite IF NOT EXISTS
                 conn.execute(queries["lock_migrations"])
+                conn.execute(queries["create_schema_version"])
                 done = {row[0] for row in conn.execute(queries["schema_versions"])}
                 for version, description, sql in migrations():
                     if version in done:

@@ -1,5 +1,5 @@
 -- name: create_schema_version
--- The migration ledger; created before any migration runs.
+-- The migration ledger; created under the migration lock, before any migration runs.
 CREATE TABLE IF NOT EXISTS dmq_schema_version (
     version     integer PRIMARY KEY,
     description text NOT NULL,
@@ -36,6 +36,17 @@ INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_atte
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s)
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
+
+-- name: lock_topic_settings
+-- One topic's changeable settings, the row locked until the update commits.
+SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
+
+-- name: update_topic_settings
+-- Replace a topic's settings (not its store, not its channels).
+UPDATE dmq_topic
+SET msg_timeout_ms = %(msg_timeout_ms)s, rate_limit = %(rate_limit)s,
+    ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s
+WHERE name = %(name)s;
 
 -- name: delete_topic
 -- Remove a topic, its channels (cascade) and its undelivered copies.
