@@ -119,7 +119,11 @@ class Checkout:
             return
         proc = subprocess.Popen(args, cwd=self.root, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         printed = bytearray()
-        reader = threading.Thread(target=lambda: printed.extend(iter(lambda: proc.stdout.read1(4096), b"")))
+        def read() -> None:
+            for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+                printed.extend(chunk)
+
+        reader = threading.Thread(target=read)
         reader.start()
         try:
             deadline = time.monotonic() + 60
@@ -165,3 +169,21 @@ def test_the_snippets_of_a_page_run(page, checkout_dir):
             checkout.run(snippet)
     finally:
         checkout.stop()
+
+
+def test_the_readme_banner_is_the_one_the_server_prints(checkout_dir):
+    """The README's sample of the ready banner has the lines the server prints, in order."""
+    text = (REPO / "README.md").read_text()
+    sample = text[text.index("```\ndmq is ready\n") + 4 :]
+    sample = sample[: sample.index("```")]
+    checkout = Checkout(checkout_dir)
+    try:
+        printed = checkout.log()
+    finally:
+        checkout.stop()
+    printed = printed[printed.index("dmq is ready") :]
+
+    def labels(banner: str) -> list[str]:
+        return [line[:15].strip() for line in banner.splitlines() if line.startswith("  ")]
+
+    assert labels(sample) == labels(printed)
