@@ -9,6 +9,8 @@ reused as it is and left running.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -16,7 +18,7 @@ from typing import Iterator
 from .errors import UsageError
 from .options import SparkOptions
 
-__all__ = ["spark_session", "ensure_utc"]
+__all__ = ["spark_session", "ensure_utc", "use_this_python", "root_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,32 @@ log = logging.getLogger(__name__)
 def ensure_utc(spark) -> None:
     """Days, minutes and CSV timestamps are UTC whatever the machine's zone."""
     spark.conf.set("spark.sql.session.timeZone", "UTC")
+
+
+def use_this_python() -> None:
+    """Make Spark's Python workers on this machine run this interpreter.
+
+    PySpark starts its workers with ``$PYSPARK_PYTHON``, else ``python3`` from PATH: the
+    ``spark.pyspark.python`` setting is not read when the driver is a plain Python
+    process. That ``python3`` is usually the system's, without dmq's dependencies, and a
+    replay's workers died with ``No module named 'psycopg'``. A PYSPARK_PYTHON the user
+    set is kept."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+_PYTHON_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$", re.M)
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line a person needs from a failed Spark action: the Python exception a
+    worker raised (a Py4J error wraps it in JVM stack traces), else the error's first line."""
+    text = str(exc)
+    found = [m for m in _PYTHON_ERROR.finditer(text) if not m.group(1).startswith(("py4j", "org.", "java."))]
+    if found:
+        name, message = found[-1].groups()
+        return f"{name}: {message} (raised in a Spark Python worker)"
+    lines = text.strip().splitlines()
+    return lines[0] if lines else repr(exc)
 
 
 @contextmanager
@@ -55,7 +83,7 @@ def spark_session(opts: SparkOptions, app: str) -> Iterator["object"]:
     )
     if opts.master.startswith("local"):
         # executors are this machine's Python workers: use this interpreter
-        builder = builder.config("spark.pyspark.python", sys.executable)
+        use_this_python()
         builder = builder.config("spark.sql.shuffle.partitions", "8")
         builder = builder.config("spark.ui.enabled", "false")  # --conf spark.ui.enabled=true to watch
     for key, value in opts.spark_settings().items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import pytest
 from dmq_sql import load_queries
 from dmq_pipeline.database import Database
 from dmq_pipeline.options import DEFAULT_JDBC_JAR, SparkOptions
+from dmq_pipeline.session import use_this_python
 from tests.integration.support import ServerProcess, wait_for
 
 HERE = Path(__file__).parent
@@ -50,6 +50,7 @@ def spark():
         pytest.fail(f"{DEFAULT_JDBC_JAR} missing: apt-get install -y libpostgresql-jdbc-java")
     from pyspark.sql import SparkSession
 
+    use_this_python()  # as the jobs do: workers run this interpreter, not PATH's python3
     session = (
         SparkSession.builder.master("local[2]")
         .appName("dmq-pipeline tests")
@@ -58,7 +59,6 @@ def spark():
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.pyspark.python", sys.executable)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

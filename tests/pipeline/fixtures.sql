@@ -57,3 +57,8 @@ INSERT INTO dmq_delivery_log (id, message_id, topic, channel, published_at, firs
 OVERRIDING SYSTEM VALUE
 VALUES (%(id)s, %(message_id)s, %(topic)s, %(channel)s, %(published_at)s, %(first_delivered_at)s,
         %(acked_at)s, %(attempts)s);
+
+-- name: replayed_bodies
+-- Bodies of dead letters recorded as replayed whose message the server stored.
+SELECT m.body FROM dmq_dead_letter dl JOIN dmq_message m ON m.id = dl.replay_message_id
+WHERE dl.replayed_at IS NOT NULL ORDER BY dl.id;
