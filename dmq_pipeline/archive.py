@@ -177,6 +177,18 @@ def unfinished_batch(db: Database) -> Batch | None:
     return Batch(id=row[0], low=row[1], high=row[2], state=row[3], planned_rows=row[4], rows=row[5])
 
 
+def anything_due(db: Database, settings: ArchiveSettings, now: datetime | None = None) -> bool:
+    """Whether a run would archive anything (reads only): so that a run with nothing to
+    do says so without starting Spark's JVM."""
+    if unfinished_batch(db) is not None:
+        return True
+    watermark = db.one("archive_watermark")[0]
+    if watermark > 0 and db.one("archive_stragglers", watermark=watermark)[0]:
+        return True
+    cutoff = (now or datetime.now(timezone.utc)) - timedelta(seconds=settings.older_than)
+    return bool(db.one("next_archive_range", low=watermark, cutoff=cutoff, max_rows=settings.batch_rows)[0])
+
+
 def plan_batch(db: Database, settings: ArchiveSettings, now: datetime | None = None) -> Batch | None:
     """Record the next batch (stragglers first); None when nothing is due."""
     watermark = db.one("archive_watermark")[0]

@@ -53,8 +53,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
         db = _open_database(stack, opts)
         location = archive.prepare(db, settings)
         db.migrate()
-        if settings.init_only:
-            result = archive.run_archive(None, db, opts, settings, _say)
+        if settings.init_only or not archive.anything_due(db, settings):
+            result = archive.run_archive(None, db, opts, settings, _say)  # no JVM needed
         else:
             spark = stack.enter_context(spark_session(opts, "archive"))
             result = archive.run_archive(spark, db, opts, settings, _say)

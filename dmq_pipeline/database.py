@@ -137,6 +137,13 @@ class Database:
         with self.conn.transaction():
             return {row.name: row.channels for row in list_topics(self.conn)}
 
+    def rate_limits(self) -> dict[str, int | None]:
+        """Each registered topic's rate limit (messages per second per node; None: none)."""
+        from dmq_server.store import list_topics
+
+        with self.conn.transaction():
+            return {row.name: row.rate_limit for row in list_topics(self.conn)}
+
     # -- Spark's view -------------------------------------------------------------
     def render(self, name: str, **params: Any) -> str:
         """Query ``name`` with its parameters bound as literals (for Spark's ``dbtable``)."""

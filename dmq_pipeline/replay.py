@@ -130,6 +130,45 @@ class _Job:
     port: int
     mark_batch: int
     send_timeout: float
+    # (topic, messages per second) this partition may send: the topic's rate limit
+    # shared among the partitions, with a margin for the topic's other producers
+    rates: tuple[tuple[str, float], ...] = ()
+
+
+#: The part of a topic's rate limit a replay takes (its producers go on meanwhile).
+RATE_SHARE = 0.8
+#: Sends refused for the rate limit are tried again this many times, paced.
+_RATE_TRIES = 5
+
+
+class Pacer:
+    """Spaces one partition's sends to each topic ``1/rate`` seconds apart, so a replay
+    never trips the rate limit it is replaying for. ``clock`` and ``sleep`` are
+    injectable; the sleeps are the pacing itself."""
+
+    def __init__(self, rates: dict[str, float], clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.gaps = {topic: 1.0 / rate for topic, rate in rates.items() if rate > 0}
+        self.clock, self.sleep = clock, sleep
+        self._next: dict[str, float] = {}
+
+    def wait(self, topic: str, slower: float = 1.0) -> None:
+        gap = self.gaps.get(topic)
+        if gap is None:
+            return
+        now = self.clock()
+        at = self._next.get(topic, now)
+        if at > now:
+            self.sleep(at - now)
+            now = at
+        self._next[topic] = now + gap * slower
+
+
+def outcome_key(command_name: str, status: str) -> str:
+    """A failed send's line in the summary: the reply and its error code, never the
+    description (which names ids, so would make one line per message)."""
+    code = status.split(" ", 1)[0] if status else ""
+    return f"{command_name} {code}".strip()
 
 
 def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
@@ -140,6 +179,7 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
     from .database import executor_connection, mark_replayed
 
     tally = {"sent": 0, "recorded": 0, "failed": Counter()}
+    pacer = Pacer(dict(job.rates))
     client = None
     conn = executor_connection(job.dsn)
     ids: list[int] = []
@@ -154,7 +194,9 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
     try:
         for row in rows:
             reply = None
-            for attempt in range(_SEND_TRIES):
+            errors = limited = 0
+            while errors < _SEND_TRIES and limited < _RATE_TRIES:
+                pacer.wait(row.topic, slower=2.0**limited)
                 try:
                     if client is None:
                         client = BlockingClient(job.host, job.port, producer=PRODUCER, timeout=job.send_timeout)
@@ -164,11 +206,16 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
                         client.close()
                         client = None
                     reply = exc
+                    errors += 1
                     continue
-                if reply.command != Command.SEND_SERVER_ERROR:
+                if reply.command == Command.SEND_SERVER_ERROR:
+                    errors += 1
+                elif reply.command == Command.SEND_EXCEED_LIMIT_ACK:
+                    limited += 1  # the topic's other producers took the room: slower
+                else:
                     break
             if not hasattr(reply, "command"):
-                tally["failed"][f"connection: {reply}"] += 1
+                tally["failed"][f"connection failed: {type(reply).__name__}"] += 1
             elif reply.command == Command.SEND_SUCCESS_ACK:
                 tally["sent"] += 1
                 ids.append(row.id)
@@ -176,8 +223,7 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
                 if len(ids) >= job.mark_batch:
                     record()
             else:
-                status = f"{reply.command.name}: {reply.status}" if reply.status else reply.command.name
-                tally["failed"][status] += 1
+                tally["failed"][outcome_key(reply.command.name, reply.status)] += 1
         record()
     finally:
         if client is not None:
@@ -243,7 +289,11 @@ def run_replay(
     ids = IdRange(low, high)
     started = db.one("database_time")[0]
     rows = read_query(spark, db, opts, "jdbc_replay_dead_letters", {**params, "low": low, "high": high}, ids=ids)
-    job = _Job(db.dsn, host, port, settings.mark_batch, settings.send_timeout)
+    partitions = max(rows.rdd.getNumPartitions(), 1)
+    rates = tuple(
+        (topic, RATE_SHARE * rate / partitions) for topic, rate in db.rate_limits().items() if rate
+    )
+    job = _Job(db.dsn, host, port, settings.mark_batch, settings.send_timeout, rates)
     watcher = _Progress(db.dsn, ids, started, result.selected, progress)
     watcher.start()
     try:

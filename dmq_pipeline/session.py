@@ -75,7 +75,8 @@ def spark_session(opts: SparkOptions, app: str) -> Iterator["object"]:
         .master(opts.master)
         .config("spark.jars", opts.jdbc_jar)
         .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.ui.showConsoleProgress", "false")
+        # a progress bar for a person at a terminal; none in logs and pipes
+        .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false")
         .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
         # archive: a Parquet writer per topic/day a task meets (up to 16) instead of
         # sorting the task's rows by them first; --conf overrides it

@@ -45,6 +45,10 @@ __all__ = ["Broker", "PublishRejected", "SubscribeRejected", "MAX_TIMESTAMP_MS"]
 
 log = Logger()
 
+# The producer of replayed dead letters (the pipeline's replay, and the replay SQL of
+# dmq_server/deadletters.py); its session id is the dead letter's id.
+REPLAY_PRODUCER = "dmq-replay"
+
 # The last millisecond of 9999-12-31 UTC: the largest producer timestamp accepted.
 # A client sending nanoseconds or microseconds (a common mistake) lands above it.
 MAX_TIMESTAMP_MS = 253402300799999
@@ -421,8 +425,13 @@ class Broker:
     def _rate_limited(
         self, row: TopicRow, producer: str, session_id: int, body: bytes, produced_ms: int, done: Callable
     ) -> None:
-        """Record the refused send as a dead letter, then refuse it."""
+        """Record the refused send as a dead letter, then refuse it. A replay of a dead
+        letter (producer ``dmq-replay``) is refused without a new one: it already is one,
+        and its replayer tries again later."""
         why = f"E_RATE_LIMITED topic {row.name!r} accepts at most {row.rate_limit} messages per second"
+        if producer == REPLAY_PRODUCER:
+            done(PublishRejected("rate_limited", f"{why}; a replay: not recorded again"))
+            return
 
         def recorded(outcome: Any) -> None:
             if isinstance(outcome, BaseException):

@@ -136,3 +136,53 @@ def test_replay_command_dry_run_and_run(spark, make_server, topic, pg_dsn, capsy
     assert "replayed 20 of 20 dead letters" in capsys.readouterr().out
     assert cli.main(args) == 0
     assert "nothing to replay" in capsys.readouterr().out
+
+
+def test_replaying_rate_limited_dead_letters_keeps_to_the_topic_rate(spark, make_server, topic, pg_dsn, db, opts):
+    """Dead letters refused for a topic's rate limit are replayed at that rate: all of them
+    delivered, none refused again, no new dead letter recorded (each used to trip the limit
+    again and come back as a new dead letter, one summary line per id)."""
+    import registry
+    from dmq_server.store import connect
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "paced", msg_timeout_ms=60000, rate_limit=5)
+        registry.add_channel(conn, "paced", "c")
+    server = make_server()
+    now = datetime.now(timezone.utc)
+    for i in range(15):
+        sql(pg_dsn, "insert_dead_letter", reason="rate_limited", detail="over the limit", topic="paced",
+            channel=None, session_id=i, attempts=0, body=b"paced-%d" % i, dead_at=now, replayed_at=None)
+    settings = ReplaySettings(topic="paced", reason="rate_limited", server=f"127.0.0.1:{server.tcp_port}")
+
+    result = replay.run_replay(spark, db, opts, settings, time_range("1d", "now"))
+
+    assert (result.selected, result.replayed, result.failures) == (15, 15, 0), result.failed
+    assert len(sql(pg_dsn, "dead_letters")) == 15  # nothing refused, nothing recorded anew
+    assert sorted(b for (b,) in sql(pg_dsn, "replayed_bodies")) == sorted(b"paced-%d" % i for i in range(15))
+
+
+def test_the_pacer_spaces_sends_per_topic_and_slows_down_when_refused():
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 6))
+        now[0] += seconds
+
+    pacer = replay.Pacer({"paced": 4.0}, clock=lambda: now[0], sleep=sleep)
+    for _ in range(3):
+        pacer.wait("paced")
+        pacer.wait("free")  # no limit: never waits
+    assert slept == [0.25, 0.25]
+    pacer.wait("paced", slower=2.0)  # after a refusal: the next gap is doubled
+    pacer.wait("paced")
+    assert slept == [0.25, 0.25, 0.25, 0.5]
+
+
+def test_failed_sends_are_summed_by_reply_and_code_not_by_description():
+    key = replay.outcome_key
+    assert key("SEND_EXCEED_LIMIT_ACK", "E_RATE_LIMITED topic 'a' accepts at most 5; recorded as dead letter 17") == (
+        key("SEND_EXCEED_LIMIT_ACK", "E_RATE_LIMITED topic 'a' accepts at most 5; recorded as dead letter 18")
+    ) == "SEND_EXCEED_LIMIT_ACK E_RATE_LIMITED"
+    assert key("SEND_NO_TOPIC_ACK", "") == "SEND_NO_TOPIC_ACK"
