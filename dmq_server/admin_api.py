@@ -54,6 +54,7 @@ _ENDPOINTS = [
     "POST /admin/dead-letters/delete",
     "DELETE /admin/dead-letters/ID",
     "POST /admin/dead-letters",
+    "POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty",
 ]
 
 
@@ -156,6 +157,11 @@ class AdminResource(Resource):
                 return result
         if parts[:1] == ["dead-letters"]:
             return self._dead_letters(request, method, parts[1:], params)
+        if len(parts) == 4 and parts[0] == "channels" and method == "POST":
+            # POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty
+            _, topic, channel, action = parts
+            d = self.ops.channel_action(action, topic, channel, "http", self._actor(request))
+            return d.addCallback(lambda summary: {"ok": summary})
         raise AdminError("E_NOT_FOUND", f"no admin endpoint {method} /admin/{'/'.join(parts)}", 404)
 
     def _flow(self) -> dict:

@@ -63,6 +63,7 @@ HELP = [
     "dlq show ID",
     "dlq replay ID... | FILTER... | all      put dead letters back into the reliable flow",
     "dlq delete ID... | FILTER... | all      remove dead letters",
+    "channel pause|unpause|empty topic=T channel=C   a reliable channel's pushes; empty drops its copies",
     "quit                                   close the session",
     "FILTER: topic=, channel=, reason=, since=, until=, ids=1,2, message_ids=, replayed=true|false",
     "times: Unix ms, ISO 8601 (2024-05-01T12:00:00Z) or a duration ago (15m, 2h, 7d)",
@@ -154,6 +155,9 @@ class AdminConsole(Protocol):
             ("dlq", "show"): self.cmd_dlq_show,
             ("dlq", "replay"): self.cmd_dlq_replay,
             ("dlq", "delete"): self.cmd_dlq_delete,
+            ("channel", "pause"): self.cmd_channel,
+            ("channel", "unpause"): self.cmd_channel,
+            ("channel", "empty"): self.cmd_channel,
             ("quit",): self.cmd_quit,
             ("exit",): self.cmd_quit,
         }
@@ -423,6 +427,13 @@ class AdminConsole(Protocol):
         flt, _ = self._filter(parsed)
         d = self.ops.dlq_delete(flt, parsed.everything, "console", self.peer, self._progress("deleted"))
         return d.addCallback(lambda n: self.ok(f"deleted {n}"))
+
+    def cmd_channel(self, parsed: Parsed) -> Any:
+        topic, channel = parsed.options.get("topic"), parsed.options.get("channel")
+        if not topic or not channel or set(parsed.options) != {"topic", "channel"} or parsed.ids:
+            raise AdminError("E_INVALID", f"usage: channel {parsed.words[1]} topic=T channel=C")
+        d = self.ops.channel_action(parsed.words[1], topic, channel, "console", self.peer)
+        return d.addCallback(self.ok)
 
     def cmd_quit(self, parsed: Parsed) -> None:
         self.ok("bye")

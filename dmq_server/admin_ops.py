@@ -597,6 +597,32 @@ class AdminOps:
         yield self._audit(surface, actor, "dlq.delete", flt, done)
         return done
 
+    def channel_action(self, action: str, topic: str, channel: str, surface: str, actor: str) -> Deferred:
+        """``pause``, ``unpause`` or ``empty`` a reliable channel (the broker's; the same as
+        nsqd's HTTP API and ``dmq channel``); fires with a summary line, or fails with
+        AdminError E_NOT_FOUND (404) for a channel that is not registered."""
+        broker = self.broker
+        if action == "empty":
+            d = broker.empty_channel(topic, channel)
+        elif action in ("pause", "unpause"):
+            d = broker.pause_channel(topic, channel, action == "pause")
+        else:
+            raise AdminError("E_INVALID", f"unknown channel action {action!r} (pause, unpause, empty)")
+
+        def done(result: Any) -> str:
+            log.info(
+                "admin {surface} {actor}: channel {action} {topic}/{channel}",
+                surface=surface, actor=actor, action=action, topic=topic, channel=channel,
+            )
+            return f"{action} {topic}/{channel}" + (f": {result} stored copies dropped" if action == "empty" else "")
+
+        def missing(failure: Any) -> Any:
+            failure.trap(KeyError)
+            what = "topic" if failure.value.args[0] == "TOPIC_NOT_FOUND" else "channel"
+            raise AdminError("E_NOT_FOUND", f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}", 404)
+
+        return d.addCallbacks(done, missing)
+
     def dlq_report(self, params: Mapping[str, Any], surface: str, actor: str) -> Deferred:
         """Record a client's report of a send it could not store; fires with the id."""
         letter = report_letter(params)

@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -225,6 +227,9 @@ def _limits(args: argparse.Namespace) -> dict:
 def cmd_channel(args: argparse.Namespace) -> None:
     import registry
 
+    if args.action in ("pause", "unpause", "empty"):
+        _channel_on_server(args)
+        return
     with _registry(args) as reg:
         try:
             if args.action == "add":
@@ -235,6 +240,28 @@ def cmd_channel(args: argparse.Namespace) -> None:
                 print(f"removed channel {args.name} from topic {args.topic}")
         except registry.RegistryError as exc:
             raise CliError(str(exc)) from exc
+
+
+def _channel_on_server(args: argparse.Namespace) -> None:
+    """Pause, unpause or empty a channel through a running server (nsqd's HTTP API on
+    --http-address): the server holds the channel's copies in memory, so only it can
+    drop them or stop pushing them at once. A pause is stored in PostgreSQL: every node
+    of a cluster keeps to it, and a restart does too."""
+    query = urllib.parse.urlencode({"topic": args.topic, "channel": args.name})
+    url = f"http://{args.http_address}/channel/{args.action}?{query}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30):
+            pass
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc).get("message", exc.reason)
+        except ValueError:
+            message = exc.reason
+        raise CliError(f"{args.topic}/{args.name}: {message}", 1 if exc.code == 404 else 3) from exc
+    except OSError as exc:
+        raise CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+    done = {"pause": "paused", "unpause": "unpaused", "empty": "emptied"}[args.action]
+    print(f"{done} channel {args.name} of topic {args.topic}")
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
@@ -382,8 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     channel = sub.add_parser("channel", help="manage a topic's channels (consumer groups)")
     csub = channel.add_subparsers(dest="action", required=True)
-    for action in ("add", "remove"):
-        p = csub.add_parser(action, help=f"{action} a channel")
+    for action, what in (
+        ("add", "register a channel"),
+        ("remove", "unregister a channel (its waiting copies go)"),
+        ("pause", "stop pushing a channel's copies (through the server at --http-address)"),
+        ("unpause", "push a paused channel's copies again (through the server)"),
+        ("empty", "drop every waiting and in-flight copy of a channel (through the server)"),
+    ):
+        p = csub.add_parser(action, help=what)
         p.add_argument("topic")
         p.add_argument("name")
     channel.set_defaults(func=cmd_channel)

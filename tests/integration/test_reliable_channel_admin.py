@@ -121,3 +121,48 @@ def test_deleting_what_is_gone_answers_success(make_server, tmp_path):
     for _ in range(2):
         assert v1(server, "POST", "/topic/delete?topic=fastone") == (200, "")
     assert v1(server, "GET", "/topics")[1] == {"topics": []}
+
+
+def test_the_same_channel_operations_on_the_cli_the_console_and_the_admin_api(make_server, topic, pg_dsn):
+    """`dmq channel pause|unpause|empty`, the console's `channel ...` and
+    POST /admin/channels/T/C/ACTION do what nsqd's API does; a channel that is not there
+    is 'not found' on each (exit 1, ERR E_NOT_FOUND, 404)."""
+    import subprocess
+    import sys
+
+    from .support import REPO
+    from .test_admin_surfaces import Console, admin_server, http
+
+    server = admin_server(make_server, **FAST_STATE)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", pg_dsn,
+             "--http-address", f"127.0.0.1:{server.http_port}", *args],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )
+
+    paused = cli("channel", "pause", topic, "billing")
+    assert paused.returncode == 0 and paused.stdout.strip() == f"paused channel billing of topic {topic}"
+    assert _channel(server, topic)["paused"] is True
+    gone = cli("channel", "pause", topic, "nope")
+    assert gone.returncode == 1 and "CHANNEL_NOT_FOUND" in gone.stderr
+
+    console = Console(server.admin_port)
+    try:
+        _publish(server, topic, 7)
+        wait_for(lambda: _channel(server, topic)["depth"] == 7)
+        lines, status = console.cmd(f"channel empty topic={topic} channel=billing")
+        assert status == f"OK empty {topic}/billing: 7 stored copies dropped"
+        lines, status = console.cmd(f"channel unpause topic={topic} channel=nope")
+        assert status.startswith("ERR E_NOT_FOUND")
+        lines, status = console.cmd("channel pause topic=orders")
+        assert status.startswith("ERR E_INVALID usage: channel pause topic=T channel=C")
+    finally:
+        console.close()
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)]
+
+    assert http(server, "POST", f"/admin/channels/{topic}/billing/unpause") == (200, {"ok": f"unpause {topic}/billing"})
+    assert _channel(server, topic)["paused"] is False
+    status, answer = http(server, "POST", "/admin/channels/nope/billing/pause")
+    assert status == 404 and answer["error"] == "E_NOT_FOUND"
