@@ -37,6 +37,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from .admin_ops import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
+from .store import StorageError
 
 __all__ = ["AdminResource", "install"]
 
@@ -107,7 +108,7 @@ class AdminResource(Resource):
         error = failure.value
         if isinstance(error, AdminError):
             self._reply(request, error.status, {"error": error.code, "message": error.message})
-        elif error.__class__.__name__ == "StorageError":
+        elif isinstance(error, StorageError):
             self._reply(request, 503, {"error": "E_STORAGE", "message": str(error)})
         else:
             log.failure("admin API request failed", failure)

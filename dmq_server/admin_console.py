@@ -47,6 +47,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from .admin_ops import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
+from .store import StorageError
 
 __all__ = ["AdminConsole", "AdminConsoleFactory", "parse_line", "HELP"]
 
@@ -315,7 +316,7 @@ class AdminConsole(Protocol):
         error = failure.value
         if isinstance(error, AdminError):
             self.error(error.code, error.message)
-        elif error.__class__.__name__ == "StorageError":
+        elif isinstance(error, StorageError):
             self.error("E_STORAGE", str(error))
         else:
             log.failure("admin console command failed", failure)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..broker import PublishRejected
 from ..store import StorageError
+from ..writer import ShuttingDown
 from .ids import hex_id, parse_hex_id
 from .wire import message_frame
 
@@ -125,6 +126,6 @@ def describe_outcome(outcome: Any) -> str:
         return outcome.description
     if isinstance(outcome, StorageError):
         return f"E_STORAGE {outcome}"
-    if outcome.__class__.__name__ == "ShuttingDown":
+    if isinstance(outcome, ShuttingDown):
         return "E_SHUTTING_DOWN server is restarting"
     return repr(outcome)

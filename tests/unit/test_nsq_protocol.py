@@ -489,3 +489,21 @@ def test_nsq_producer_ids_are_unique_per_server_process(env):
     produced = env.ctx.producer_for(longest)
     assert len(produced) <= 64 and produced.endswith("@" + env.ctx.instance)
     assert env.ctx.producer_for("10.0.0.1:4000") == f"nsq:10.0.0.1:4000@{env.ctx.instance}"
+
+
+def test_publish_failures_are_described_by_their_type():
+    """Told apart by type (isinstance), not by class name strings."""
+    from dmq_server.nsq.subscriptions import describe_outcome
+    from dmq_server.store import RefusedError, StorageError
+    from dmq_server.writer import ShuttingDown
+
+    assert describe_outcome(ShuttingDown("bye")) == "E_SHUTTING_DOWN server is restarting"
+    assert describe_outcome(StorageError("writer0: gone")) == "E_STORAGE writer0: gone"
+    assert describe_outcome(RefusedError("writer0: bad", "22021")) == "E_STORAGE writer0: bad"
+    assert describe_outcome(PublishRejected("invalid", "E_INVALID x")) == "E_INVALID x"
+
+    class ShuttingDownLookalike(Exception):
+        pass
+
+    ShuttingDownLookalike.__name__ = "ShuttingDown"
+    assert describe_outcome(ShuttingDownLookalike()) != "E_SHUTTING_DOWN server is restarting"
