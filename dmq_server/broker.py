@@ -31,7 +31,6 @@ from .store import (
     NewMessage,
     RefusedError,
     StorageError,
-    StoredMessage,
     TopicRow,
     list_topics,
     load_backlog,

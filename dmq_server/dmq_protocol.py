@@ -19,6 +19,7 @@ from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
 from .broker import Broker, Published, PublishRejected, SubscribeRejected
 from .channel import Channel, Delivery
 from .flow import NO_GATE
+from .peers import peer_address
 from .store import StorageError
 from .writer import ShuttingDown
 
@@ -83,7 +84,7 @@ class DmqConnection:
         self.last_heard = clock.seconds()
         self._registry = registry
         registry.add(self)
-        self.peer = _peer(transport)
+        self.peer = peer_address(transport)
         self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.flow) once attached
         self._heartbeat = LoopingCall(self._beat)
         self._heartbeat.clock = clock
@@ -305,11 +306,3 @@ class DmqConnection:
     def health_changed(self, ok: bool) -> None:
         if ok:
             self.write(Frame(Command.SERVER_HEALTH, status="OK"))
-
-
-def _peer(transport: Any) -> str:
-    try:
-        peer = transport.getPeer()
-        return f"{peer.host}:{peer.port}"
-    except Exception:
-        return "?"

@@ -28,6 +28,8 @@ from twisted.logger import Logger
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
+from .peers import peer_address
+
 __all__ = ["BoundedRequest", "BoundedChannel", "BoundedSite"]
 
 log = Logger()
@@ -103,7 +105,7 @@ class BoundedChannel(HTTPChannel):
         what = f"at least {size}" if more else str(size)
         log.info(
             "{peer}: HTTP body of {what} bytes over the limit of {limit}, answered 413",
-            peer=_peer(self.transport), what=what, limit=limit,
+            peer=peer_address(self.transport), what=what, limit=limit,
         )
         if kind == b"admin":
             payload = {"error": "E_TOO_BIG", "message": f"request body over the limit of {limit} bytes"}
@@ -117,7 +119,7 @@ class BoundedChannel(HTTPChannel):
             return
         log.info(
             "{peer}: HTTP request not received within {timeout}s, closing",
-            peer=_peer(self.transport), timeout=self.site.read_timeout,
+            peer=peer_address(self.transport), timeout=self.site.read_timeout,
         )
         self.refused = True
         self._respond(408, b"Request Timeout", b'{"message":"REQUEST_TIMEOUT"}')
@@ -180,11 +182,3 @@ class BoundedSite(Site):
         if path == b"/admin" or path.startswith(b"/admin/"):
             return self.max_body_size, "BODY_TOO_BIG", b"admin"
         return self.max_body_size, "BODY_TOO_BIG", b"nsq"
-
-
-def _peer(transport: Any) -> str:
-    try:
-        peer = transport.getPeer()
-        return f"{peer.host}:{peer.port}"
-    except Exception:
-        return "?"

@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
 from .flow import BufferBudget, FlowLimits, ReadGate
+from .peers import peer_address
 
 __all__ = ["PortProtocol", "PortFactory"]
 
@@ -51,7 +52,7 @@ class PortProtocol(Protocol):
             factory.limits,
             factory.budget,
             self._timed_out,
-            _peer(self.transport),
+            peer_address(self.transport),
         )
 
     def _no_magic(self) -> None:
@@ -125,11 +126,3 @@ class PortFactory(Factory):
 
     def buildProtocol(self, addr: Any) -> PortProtocol:
         return PortProtocol(self)
-
-
-def _peer(transport: Any) -> str:
-    try:
-        peer = transport.getPeer()
-        return f"{peer.host}:{peer.port}"
-    except Exception:
-        return "?"

@@ -10,7 +10,6 @@ supervisor (so that it does not restart what we stop) and the embedded PostgreSQ
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 from typing import Any
 
 from twisted.application.service import Service

@@ -23,7 +23,7 @@ redelivery after a restart.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger

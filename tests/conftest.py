@@ -78,6 +78,19 @@ def pg_dsn(pg_server: EmbeddedPostgres) -> Iterator[str]:
 
 
 @pytest.fixture
+def scratch_dir() -> Iterator[Path]:
+    """A fresh mode-755 directory (not pytest's tmp_path, see above) for a test that
+    starts an embedded PostgreSQL or a server with ``--data-path`` in it: whatever
+    PostgreSQL is left running there is killed and the directory removed afterwards."""
+    path = _make_pg_dir()
+    try:
+        yield path
+    finally:
+        EmbeddedPostgres(path).kill()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def pg_private(_scrub_dmq_env: None) -> Iterator[EmbeddedPostgres]:
     """A private, already started EmbeddedPostgres for tests that stop or kill it.
 

@@ -23,6 +23,7 @@ from twisted.logger import Logger
 
 from ..broker import Published, SubscribeRejected
 from ..flow import NO_GATE
+from ..peers import peer_address
 from ..store import StorageError
 from .channel import Exiting
 from .errors import ClientError, CloseSilently, FatalClientError, NsqError
@@ -72,7 +73,7 @@ class NsqConnection:
         self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
         self.replies = ResponseQueue(self.write, self.close)
         self.state = STATE_INIT
-        peer = _peer(transport)
+        peer = peer_address(transport)
         self.remote_address = peer
         self.client_id = self.hostname = peer.rsplit(":", 1)[0]
         self.user_agent = ""
@@ -592,12 +593,3 @@ _HANDLERS: dict[bytes, Callable[[NsqConnection, Any], None]] = {
 
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
-
-
-def _peer(transport: Any) -> str:
-    try:
-        peer = transport.getPeer()
-        host = peer.host
-        return f"[{host}]:{peer.port}" if ":" in host else f"{host}:{peer.port}"
-    except Exception:
-        return "?"

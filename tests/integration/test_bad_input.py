@@ -27,7 +27,7 @@ from dmq_server.store import (
 from dmq_server.writer import GroupCommitWriter
 import registry
 
-from .support import db_rows, wait_for
+from .support import db_rows
 from .test_reactor_db import on_reactor
 
 NANOSECONDS = 2**62

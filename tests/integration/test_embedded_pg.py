@@ -17,7 +17,6 @@ import socket
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -35,16 +34,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def pg_dir() -> Iterator[Path]:
-    """A fresh mode-755 directory for a server the test creates itself; any
-    server left in it is killed and the directory removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="dmq-test-pg-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        EmbeddedPostgres(path).kill()
-        shutil.rmtree(path, ignore_errors=True)
+def pg_dir(scratch_dir: Path) -> Path:
+    return scratch_dir
 
 
 def _system_identifier(dsn: str) -> int:

@@ -9,14 +9,11 @@ the kill and during/after the recovery is delivered to a consumer.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,16 +28,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def data_dir() -> Iterator[Path]:
-    """A mode-755 data directory (PostgreSQL runs as another user when we are root);
-    any PostgreSQL left in it is killed and the directory removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="dmq-test-sup-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        EmbeddedPostgres(path).kill()
-        shutil.rmtree(path, ignore_errors=True)
+def data_dir(scratch_dir: Path) -> Path:
+    return scratch_dir
 
 
 def _cli(data_dir: Path, *args: str) -> None:

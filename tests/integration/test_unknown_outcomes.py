@@ -20,7 +20,7 @@ from dmq_server.store import connect, migrate
 import registry
 
 from .faults import CountingConsumer, PgProxy, ResendingProducer
-from .support import db_rows, run_cli, wait_for
+from .support import db_rows, wait_for
 
 CHANNELS = ["billing", "audit"]
 
