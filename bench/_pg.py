@@ -1,6 +1,6 @@
 """A private, throwaway PostgreSQL for the benchmark.
 
-Prefers ``dmq_server.embedded_pg.EmbeddedPostgres`` (the server's own embedded
+Prefers ``dmq_server.db.embedded.EmbeddedPostgres`` (the server's own embedded
 PostgreSQL); if that module is missing or fails, runs initdb/pg_ctl from the
 system installation itself (as the ``postgres`` user when this is root).
 Either way: TCP on 127.0.0.1, fsync and synchronous_commit on, everything
@@ -26,7 +26,7 @@ SETTINGS = {
     "fsync": "on",
     "synchronous_commit": "on",
     "full_page_writes": "on",
-    # as dmq's embedded PostgreSQL (dmq_server/embedded_pg.py says why)
+    # as dmq's embedded PostgreSQL (dmq_server/db/embedded.py says why)
     "wal_init_zero": "off",
     # room for the 1,000,000-message backlog fill without checkpoint storms
     "max_wal_size": "4GB",
@@ -63,14 +63,14 @@ class PrivatePostgres:
     # -- start/stop ----------------------------------------------------------
     def start(self) -> str:
         try:
-            from dmq_server.embedded_pg import EmbeddedPostgres
+            from dmq_server.db.embedded import EmbeddedPostgres
         except ImportError as exc:  # not written yet: do it by hand
-            print(f"  (dmq_server.embedded_pg not importable: {exc}; starting PostgreSQL by hand)")
+            print(f"  (dmq_server.db.embedded not importable: {exc}; starting PostgreSQL by hand)")
             return self._start_manual()
         try:
             self._embedded = EmbeddedPostgres(self.base / "embedded", settings=self.settings)
             self.dsn = self._embedded.start()
-            self.kind = "dmq_server.embedded_pg.EmbeddedPostgres"
+            self.kind = "dmq_server.db.embedded.EmbeddedPostgres"
             return self.dsn
         except Exception as exc:  # noqa: BLE001 - fall back, but say why
             print(f"  (EmbeddedPostgres failed: {exc}; starting PostgreSQL by hand)")

@@ -64,8 +64,9 @@ class Stack:
         self.http_port = free_port()
 
     def start(self) -> "Stack":
-        from dmq_server.embedded_pg import EmbeddedPostgres
-        from dmq_server.store import connect, migrate
+        from dmq_server.db.embedded import EmbeddedPostgres
+        from dmq_server.db.schema import migrate
+        from dmq_server.db.worker import connect
 
         import registry
 

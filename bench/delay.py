@@ -101,7 +101,8 @@ class Server:
 
 def setup_topic(dsn: str, topic: str) -> None:
     import registry
-    from dmq_server.store import connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
 
     migrate(dsn)
     with connect(dsn, autocommit=True) as conn:
@@ -278,7 +279,7 @@ def scenario_replay(server: Server, letters: int) -> dict:
         )
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", server.dsn, "dlq", "replay", "--all", "--quiet"],
+        [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", server.dsn, "dlq", "replay", "--all", "--quiet"],
         capture_output=True, text=True, cwd=HERE.parent, timeout=600,
     )
     cli_s = time.perf_counter() - t0

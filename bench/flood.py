@@ -56,7 +56,8 @@ NSQ_MAGIC = b"  V2"
 
 def register_topic(dsn: str) -> None:
     import registry
-    from dmq_server.store import connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
 
     migrate(dsn)
     with connect(dsn, autocommit=True) as conn:

@@ -3,7 +3,7 @@
 The reliable path stores each message with ``insert_messages`` (sql/queries.sql):
 one message row, one delivery row per channel, ``RETURNING`` for the ids; the
 writers try it without its ``ON CONFLICT`` clause first and run it as written
-only for a batch holding a resend (dmq_server/store.py). This runs that statement and simpler variants of it
+only for a batch holding a resend (dmq_server/db/messages.py). This runs that statement and simpler variants of it
 on a private PostgreSQL from one connection, in batches, and prints the backend's
 CPU per message (from /proc, so only PostgreSQL's own work) and the client's
 (psycopg building the array parameters and reading the result).
@@ -30,7 +30,9 @@ from _common import cpu_seconds  # noqa: E402
 from _pg import PrivatePostgres  # noqa: E402
 
 import registry  # noqa: E402
-from dmq_server.store import INSERT_NEW_MESSAGES, connect, migrate  # noqa: E402
+from dmq_server.db.messages import INSERT_NEW_MESSAGES
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 from dmq_sql import queries  # noqa: E402
 
 UNNEST = (

@@ -40,8 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dmq_server.embedded_pg import EmbeddedPostgres  # noqa: E402
-from dmq_server.store import connect, migrate  # noqa: E402
+from dmq_server.db.embedded import EmbeddedPostgres  # noqa: E402
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 from dmq_sql import load_queries  # noqa: E402
 from dmq_pipeline.database import Database  # noqa: E402
 

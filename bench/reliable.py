@@ -480,7 +480,7 @@ class Bench:
         return {"dmq-server": self.server.cpu, "PostgreSQL": self.pg_probe}
 
     def connect(self):
-        from dmq_server.store import connect
+        from dmq_server.db.worker import connect
 
         return connect(self.pg.dsn, autocommit=True)
 
@@ -748,7 +748,7 @@ class Bench:
     def scenario_ceiling(self) -> dict:
         import psycopg
 
-        from dmq_server.store import INSERT_NEW_MESSAGES
+        from dmq_server.db.messages import INSERT_NEW_MESSAGES
 
         a = self.args
         topic = "bench_pg"
@@ -1048,7 +1048,7 @@ class Bench:
             if dmq_scenarios:
                 self.pg = PrivatePostgres(str(self.work / "pg"), dict(a.pg_setting))
                 dsn = self.pg.start()
-                from dmq_server.store import migrate
+                from dmq_server.db.schema import migrate
 
                 migrate(dsn)
                 self.results["meta"]["postgresql"] = f"{self.pg.version()} ({self.pg.kind})"

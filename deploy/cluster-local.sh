@@ -8,7 +8,7 @@
 #                                                    # installed already (no .venv setup)
 #
 # What runs (defaults):
-#   PostgreSQL  private server under dmq-cluster/pg (dmq_server.embedded_pg), 127.0.0.1
+#   PostgreSQL  private server under dmq-cluster/pg (dmq_server.db.embedded), 127.0.0.1
 #   ZooKeeper   standalone, 127.0.0.1:$ZK_PORT (2181), data in dmq-cluster/zk
 #   node1       TCP 127.0.0.1:4150  HTTP :4151  admin console :4152
 #   node2       TCP 127.0.0.1:4250  HTTP :4251  admin console :4252
@@ -74,7 +74,7 @@ cleanup() {
     if [ "${#node_pids[@]}" -gt 0 ]; then stop_all "${node_pids[@]}"; fi
     if [ -n "$zk_pid" ]; then stop_all "$zk_pid"; fi
     if [ "$pg_started" -eq 1 ]; then
-        "$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
+        "$py" -c 'import sys; from pathlib import Path; from dmq_server.db.embedded import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
     fi
     echo "stopped (data kept in $work)"
     exit "$1"
@@ -97,7 +97,7 @@ done
 
 # -- PostgreSQL -----------------------------------------------------------------------------
 pg_started=1
-dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.embedded_pg import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
+dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
 
 # -- ZooKeeper (standalone) -----------------------------------------------------------------
 mkdir -p "$work/zk/data"
@@ -138,7 +138,7 @@ done
 cat <<EOF
 dmq cluster is ready
   PostgreSQL  $dsn
-  ZooKeeper   127.0.0.1:$zk_port$chroot   ($py -m dmq_server.cli --zk 127.0.0.1:$zk_port$chroot ...)
+  ZooKeeper   127.0.0.1:$zk_port$chroot   ($py -m dmq_server.admin.cli --zk 127.0.0.1:$zk_port$chroot ...)
   node1       TCP 127.0.0.1:$base_port  HTTP http://127.0.0.1:$((base_port + 1))/  admin console 127.0.0.1:$((base_port + 2))
   node2       TCP 127.0.0.1:$((base_port + 100))  HTTP http://127.0.0.1:$((base_port + 101))/  admin console 127.0.0.1:$((base_port + 102))
   node3       TCP 127.0.0.1:$((base_port + 200))  HTTP http://127.0.0.1:$((base_port + 201))/  admin console 127.0.0.1:$((base_port + 202))

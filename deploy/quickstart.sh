@@ -5,7 +5,7 @@
 #
 # Why: one command from a fresh clone to a running, durable message server.  The
 # server starts its own private PostgreSQL under dmq-data/pg (see
-# dmq_server/embedded_pg.py), so nothing else needs installing or configuring.
+# dmq_server/db/embedded.py), so nothing else needs installing or configuring.
 # The data directory is relative to the repository root, whatever the caller's
 # current directory, so repeated runs always find the same data.
 set -Eeuo pipefail

@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.pipes import quiet_broken_pipe
+    from dmq_server.core.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:  # `dmq-pipeline ... | head`: no traceback
         args = build_parser().parse_args(argv)

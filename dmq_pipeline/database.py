@@ -114,7 +114,7 @@ class Database:
             raise DatabaseUnreachable(_describe(exc)) from exc
 
     def schema_version(self) -> int:
-        from dmq_server.store import schema_version
+        from dmq_server.db.schema import schema_version
 
         try:
             with self.conn.transaction():
@@ -123,7 +123,8 @@ class Database:
             return 0
 
     def migrate(self) -> None:
-        from dmq_server.store import StorageError, migrate
+        from dmq_server.db.errors import StorageError
+        from dmq_server.db.schema import migrate
 
         try:
             migrate(self.dsn)
@@ -132,14 +133,14 @@ class Database:
 
     def topics(self) -> dict[str, tuple[str, ...]]:
         """Registered topics and their channels."""
-        from dmq_server.store import list_topics
+        from registry.pg import list_topics
 
         with self.conn.transaction():
             return {row.name: row.channels for row in list_topics(self.conn)}
 
     def rate_limits(self) -> dict[str, int | None]:
         """Each registered topic's rate limit (messages per second per node; None: none)."""
-        from dmq_server.store import list_topics
+        from registry.pg import list_topics
 
         with self.conn.transaction():
             return {row.name: row.rate_limit for row in list_topics(self.conn)}
@@ -196,7 +197,7 @@ def locate(pg_dsn: str, data_path: str) -> Iterator[Database]:
     dsn = pg_dsn
     try:
         if not dsn:
-            from dmq_server.embedded_pg import EmbeddedPostgres, EmbeddedPostgresError
+            from dmq_server.db.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
             data_dir = Path(data_path).resolve()
             if not (data_dir / "pg").exists():

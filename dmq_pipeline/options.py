@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from typing import Any, TypeVar
 
-from dmq_server.options import parse_address, parse_duration
+from dmq_server.core.options import parse_address, parse_duration
 
 from .errors import UsageError
 

@@ -19,33 +19,25 @@ from twisted.python.failure import Failure
 
 from dmq_client.wire import valid_name
 
-from .channel import Channel, Delivery, Message
-from .deadletters import DeadLetterSink, NewDeadLetter
-from .delay import MovedMessage, NewDelayed, insert_delayed_steps
-from .limits import RateLimiter
-from .options import Options
-from .outage import Outage
-from .store import (
-    AckRow,
-    DbWorker,
-    NewMessage,
-    RefusedError,
-    StorageError,
-    TopicRow,
-    list_topics,
-    load_backlog,
-    read_channel_state,
-    run_query,
-    sweep_messages,
-)
-from .writer import AckBatcher, GroupCommitWriter
+from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.reliable.dead_letters import DeadLetterSink, NewDeadLetter
+from dmq_server.reliable.delay import MovedMessage, NewDelayed, insert_delayed_steps
+from dmq_server.core.limits import RateLimiter
+from dmq_server.core.options import Options
+from dmq_server.db.outage import Outage
+from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.messages import AckRow, NewMessage, load_backlog, read_channel_state, run_query, sweep_messages
+from dmq_server.db.worker import DbWorker
+from registry.model import TopicSpec
+from registry.pg import list_topics
+from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 
 __all__ = ["Broker", "PublishRejected", "SubscribeRejected", "MAX_TIMESTAMP_MS"]
 
 log = Logger()
 
 # The producer of replayed dead letters (the pipeline's replay, and the replay SQL of
-# dmq_server/deadletters.py); its session id is the dead letter's id.
+# dmq_server/reliable/dead_letters.py); its session id is the dead letter's id.
 REPLAY_PRODUCER = "dmq-replay"
 
 # The last millisecond of 9999-12-31 UTC: the largest producer timestamp accepted.
@@ -88,15 +80,15 @@ class Broker:
         self.clock = clock
         self.node_id = node_id
         # where topics come from: PostgreSQL by default; a cluster passes ZooKeeper's
-        # reader (dmq_server.cluster), which also mirrors them into PostgreSQL
+        # reader (dmq_server.cluster.node), which also mirrors them into PostgreSQL
         self._fetch_topics = fetch_topics or (lambda: self._workers["admin"].run(list_topics))
         # cluster: load only the copies this node owns; deliver nothing while paused
-        # (not registered, or the registry session is in doubt); see dmq_server.cluster
+        # (not registered, or the registry session is in doubt); see dmq_server.cluster.node
         self.load_owner: str | None = None
         self.paused = False
         self._refresh_next: list[Deferred] = []
         self._workers = workers
-        self.topics: dict[str, TopicRow] = {}
+        self.topics: dict[str, TopicSpec] = {}
         self.channels: dict[tuple[str, str], Channel] = {}
         self.healthy = True
         self.health_detail = ""
@@ -253,7 +245,7 @@ class Broker:
     def _refresh_quietly(self) -> None:
         self.refresh_registry().addErrback(lambda f: f.trap(StorageError))
 
-    def _apply_registry(self, rows: list[TopicRow]) -> None:
+    def _apply_registry(self, rows: list[TopicSpec]) -> None:
         self.topics = {row.name: row for row in rows if row.store == "reliable"}
         wanted = {(t.name, c) for t in self.topics.values() for c in t.channels}
         for key in list(self.channels):
@@ -405,7 +397,7 @@ class Broker:
 
     def _admit(
         self,
-        row: TopicRow,
+        row: TopicSpec,
         producer: str,
         session_id: int,
         body: bytes,
@@ -422,7 +414,7 @@ class Broker:
             self._stage_delayed(row.name, producer, session_id, body, produced_ms, due_ms, done)
 
     def _rate_limited(
-        self, row: TopicRow, producer: str, session_id: int, body: bytes, produced_ms: int, done: Callable
+        self, row: TopicSpec, producer: str, session_id: int, body: bytes, produced_ms: int, done: Callable
     ) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
         letter (producer ``dmq-replay``) is refused without a new one: it already is one,

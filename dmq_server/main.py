@@ -16,7 +16,7 @@ from twisted.logger import (
     textFileLogObserver,
 )
 
-from .options import options_from_args
+from dmq_server.core.options import options_from_args
 
 __all__ = ["main"]
 
@@ -86,7 +86,7 @@ def _stop_on_signals(reactor: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .pipes import quiet_broken_pipe
+    from dmq_server.core.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:  # `dmq-server --help | head`: no traceback
         return _serve(argv)
@@ -98,7 +98,7 @@ def _serve(argv: Sequence[str] | None) -> int:
     _start_logging(options.log_level)
     from twisted.internet import reactor
 
-    from .service import make_service
+    from dmq_server.service import make_service
 
     service = make_service(options, reactor)
     server = service.server

@@ -21,11 +21,11 @@ from twisted.internet import defer
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.logger import Logger
 
-from . import admin_api
-from .admin_console import AdminConsoleFactory
-from .admin_ops import AdminOps, is_loopback
-from .delay import DelayScheduler
-from .fragments import FragmentAssignment, StaticAssignment
+from dmq_server.http import admin as admin_api
+from dmq_server.admin.console import AdminConsoleFactory
+from dmq_server.admin.operations import AdminOps, is_loopback
+from dmq_server.reliable.delay import DelayScheduler
+from dmq_server.core.fragments import FragmentAssignment, StaticAssignment
 
 __all__ = ["worker_roles", "Extras", "make_scheduler"]
 
@@ -55,7 +55,7 @@ def make_assignment(server: Any) -> FragmentAssignment:
         return factory(options.delay_fragments)
     address = getattr(options, "zk", "")
     if address:
-        from .fragments_zk import ZkFragmentAssignment
+        from dmq_server.cluster.fragments import ZkFragmentAssignment
 
         def connect() -> Any:
             from registry.zk import connect as zk_connect

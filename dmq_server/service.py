@@ -20,19 +20,21 @@ from twisted.logger import Logger
 
 from dmq_client.wire import MAGIC
 
-from .broker import Broker
-from .dmq_protocol import DmqConnection
-from .http_api import VERSION, make_site
-from .flow import FlowLimits
-from .listener import NSQ_MAGIC, PortFactory
-from .nsq.context import NsqContext
-from .nsq.http import install as install_nsq_http
-from .nsq.nsqd import FastStore
-from .nsq.protocol_v2 import NsqConnection
-from .options import Options
-from .scheduling import Extras, worker_roles
-from .reactor_db import ReactorDb
-from .store import HOT_STATEMENTS, DbWorker, migrate, ping
+from dmq_server.broker import Broker
+from dmq_server.protocols.dmq import DmqConnection
+from dmq_server.http.root import VERSION, make_site
+from dmq_server.protocols.flow import FlowLimits
+from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
+from dmq_server.protocols.nsq_context import NsqContext
+from dmq_server.http.nsqd import install as install_nsq_http
+from dmq_server.fast.store import FastStore
+from dmq_server.protocols.nsq_v2 import NsqConnection
+from dmq_server.core.options import Options
+from dmq_server.scheduling import Extras, worker_roles
+from dmq_server.db.reactor import ReactorDb
+from dmq_server.db.messages import HOT_STATEMENTS
+from dmq_server.db.schema import migrate, ping
+from dmq_server.db.worker import DbWorker
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
 
@@ -53,7 +55,7 @@ class DmqServer:
         self.reactor = reactor
         self.dsn = options.pg_dsn
         self.embedded: Any = None
-        self.pg_supervisor: Any = None  # dmq_server.pg_supervisor.PostgresSupervisor when embedded
+        self.pg_supervisor: Any = None  # dmq_server.db.supervisor.PostgresSupervisor when embedded
         self.workers: dict[str, DbWorker] = {}
         self.broker: Broker | None = None
         self.connections: set[DmqConnection] = set()
@@ -63,7 +65,7 @@ class DmqServer:
         self.port_factory: PortFactory | None = None
         self.http_port: Any = None
         self.extras: Extras | None = None  # delay scheduler, expiry, admin API and console
-        self.cluster: Any = None  # dmq_server.cluster.ClusterNode with --zk
+        self.cluster: Any = None  # dmq_server.cluster.node.ClusterNode with --zk
         self.delays: Any = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
@@ -72,11 +74,11 @@ class DmqServer:
     def start(self) -> Any:
         options = self.options
         if not self.dsn:
-            from .embedded_pg import EmbeddedPostgres
+            from dmq_server.db.embedded import EmbeddedPostgres
 
             data_dir = options.data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
-            from .pg_supervisor import PostgresSupervisor
+            from dmq_server.db.supervisor import PostgresSupervisor
 
             self.embedded = EmbeddedPostgres(data_dir)
             self.dsn = yield deferToThread(self.embedded.start)
@@ -93,8 +95,8 @@ class DmqServer:
             self.workers[role] = worker
         fetch_topics, broker_options = None, options
         if options.zk:
-            # registry in ZooKeeper (mirrored into PostgreSQL); see dmq_server.cluster
-            from .cluster import ClusterNode
+            # registry in ZooKeeper (mirrored into PostgreSQL); see dmq_server.cluster.node
+            from dmq_server.cluster.node import ClusterNode
 
             self.cluster = ClusterNode(options, self.reactor, self.node_id, self.dsn, self.workers["admin"])
             yield self.cluster.connect()
@@ -140,7 +142,7 @@ class DmqServer:
     def _db_worker(self, role: str, hot: bool) -> Any:
         """Group commit and durable acks (``hot``) run one statement per batch,
         committed on its own; by default on a connection the reactor reads itself
-        (reactor_db), the other roles on a thread each."""
+        (``db.reactor``), the other roles on a thread each."""
         if hot and self.options.db_io == "reactor":
             return ReactorDb(self.reactor, self.dsn, role, prepare=HOT_STATEMENTS)
         return DbWorker(self.reactor, self.dsn, role, autocommit=hot)

@@ -3,9 +3,10 @@
 One interface (``registry.interface.Registry``), two implementations:
 ``registry.pg`` (PostgreSQL tables; the single-node default) and ``registry.zk``
 (ZooKeeper through kazoo; what a cluster uses). ``registry.paths`` is the znode
-layout, ``registry.model`` the data, ``registry.bridge`` the one way from kazoo's
-threads into the Twisted reactor, and ``membership``, ``watcher`` and
-``takeover_lock`` the ZooKeeper recipes, one class each.
+layout, ``registry.model`` the data, and ``membership``, ``watcher`` and
+``takeover_lock`` the ZooKeeper recipes, one class each. The registry knows
+nothing of Twisted: the server carries kazoo's callbacks into its reactor with
+``dmq_server.cluster.bridge``.
 
 The names below are imported on first use, so reading ``registry.paths`` (as the
 client library does) pulls in neither psycopg, Twisted nor kazoo. The module-level

@@ -6,7 +6,7 @@ single-node default, where the node list is just this node. ``ZkRegistry``
 with live nodes as ephemeral znodes: what a cluster uses.
 
 Every method blocks (a database or ZooKeeper round trip): the CLI calls them
-directly, the server only from a thread (``registry.bridge``). Refusals (unknown
+directly, the server only from a thread (``dmq_server.cluster.bridge``). Refusals (unknown
 name, duplicate, invalid name) raise ``RegistryError`` with an operator-readable
 message.
 """

@@ -2,8 +2,8 @@
 
 Plain data and its JSON encoding in znodes; no IO, no third-party imports, so the
 client library can read the registry without the server's dependencies.
-``TopicSpec`` has the fields of ``dmq_server.store.TopicRow`` (what the PostgreSQL
-registry returns), so the broker takes either.
+``TopicSpec`` is the one type for a topic's settings: both registries (ZooKeeper
+and PostgreSQL) return it, and the broker, the admin surfaces and the CLI take it.
 """
 
 from __future__ import annotations

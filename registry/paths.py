@@ -13,7 +13,7 @@
         /<node-id>                kazoo Lock: held while a node's unacknowledged
                                   copies change owner (takeover or re-registration)
       /delay/fragments            delay fragments shared among live nodes (kazoo
-                                  SetPartitioner; dmq_server/fragments_zk.py)
+                                  SetPartitioner; dmq_server/cluster/fragments.py)
 
 Everything sits under an optional chroot given with the address
 (``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and

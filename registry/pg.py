@@ -3,7 +3,7 @@
 ``PgRegistry(conn)`` implements ``registry.interface.Registry``; the module-level
 functions (``create_topic(conn, ...)`` and so on) are the same operations for
 callers holding a connection. Each takes an open connection from
-``dmq_server.store.connect`` and runs in its own transaction.
+``dmq_server.db.worker.connect`` (or any psycopg connection) and runs in its own transaction.
 
 ``mirror_topics(conn, specs)`` is the other direction in a cluster: ZooKeeper holds
 the registry, and every node copies what it sees there into these tables, because
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dmq_server.store import TopicRow, list_topics
 from dmq_sql import queries
 
 from .interface import Registry, check_name, check_settings
-from .model import NodeInfo, RegistryError
+from .model import NodeInfo, RegistryError, TopicSpec
 
 __all__ = [
     "PgRegistry",
+    "list_topics",
     "RegistryError",
     "topics",
     "get_topic",
@@ -35,12 +35,20 @@ __all__ = [
 ]
 
 
-def topics(conn: Any) -> list[TopicRow]:
+def list_topics(conn: Any) -> list[TopicSpec]:
+    """Every topic with its channels, in the caller's transaction."""
+    return [
+        TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]))
+        for r in conn.execute(queries["list_topics"])
+    ]
+
+
+def topics(conn: Any) -> list[TopicSpec]:
     with conn.transaction():
         return list_topics(conn)
 
 
-def get_topic(conn: Any, name: str) -> TopicRow:
+def get_topic(conn: Any, name: str) -> TopicSpec:
     for row in topics(conn):
         if row.name == name:
             return row
@@ -155,10 +163,10 @@ class PgRegistry(Registry):
         self.conn = conn
         self._local = local_node
 
-    def topics(self) -> list[TopicRow]:
+    def topics(self) -> list[TopicSpec]:
         return topics(self.conn)
 
-    def get_topic(self, name: str) -> TopicRow:
+    def get_topic(self, name: str) -> TopicSpec:
         return get_topic(self.conn, name)
 
     def create_topic(self, name: str, **settings: Any) -> None:

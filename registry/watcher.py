@@ -9,7 +9,7 @@ connection drops (and calls them with a NONE event), so callers also read again
 after every reconnection; a periodic full read is the safety net.
 
 ``on_change`` runs on kazoo's event thread: the server passes a function wrapped by
-``registry.bridge`` so that it reaches the reactor thread only.
+``dmq_server.cluster.bridge`` so that it reaches the reactor thread only.
 """
 
 from __future__ import annotations

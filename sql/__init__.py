@@ -4,7 +4,7 @@
 ``-- <description>`` line and one statement. A ``-- fragment: <name>`` block holds
 a condition several statements share; a statement uses it as ``/*<name>*/`` and
 gets it in parentheses. ``migrations/NNNN_<desc>.sql`` are
-applied in order by ``dmq_server.store`` and recorded in ``dmq_schema_version``.
+applied in order by ``dmq_server.db.schema`` and recorded in ``dmq_schema_version``.
 Installed as the package ``dmq_sql``.
 """
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dmq_server.embedded_pg import EmbeddedPostgres
+from dmq_server.db.embedded import EmbeddedPostgres
 
 
 def _make_pg_dir() -> Path:

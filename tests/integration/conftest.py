@@ -25,7 +25,8 @@ def make_server(pg_dsn, tmp_path):
 @pytest.fixture
 def topic(pg_dsn):
     """A registered topic ``orders`` with channel ``billing``."""
-    from dmq_server.store import connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
     import registry
 
     migrate(pg_dsn)

@@ -126,7 +126,7 @@ class ServerProcess:
 
 def run_cli(dsn: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", dsn, *args],
+        [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", dsn, *args],
         capture_output=True,
         text=True,
         cwd=REPO,

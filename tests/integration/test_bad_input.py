@@ -15,16 +15,12 @@ from twisted.internet.defer import ensureDeferred
 
 from dmq_client.blocking import BlockingClient
 from dmq_client.wire import Command, Frame, MessageType
-from dmq_server.reactor_db import ReactorDb
-from dmq_server.store import (
-    HOT_STATEMENTS,
-    NewMessage,
-    RefusedError,
-    connect,
-    insert_messages_steps,
-    migrate,
-)
-from dmq_server.writer import GroupCommitWriter
+from dmq_server.db.reactor import ReactorDb
+from dmq_server.db.errors import RefusedError
+from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages_steps
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
+from dmq_server.reliable.writer import GroupCommitWriter
 import registry
 
 from .support import db_rows

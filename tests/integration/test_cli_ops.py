@@ -8,8 +8,9 @@ import json
 import subprocess
 import sys
 
-from dmq_server.deadletters import NewDeadLetter, insert_dead_letters
-from dmq_server.store import connect, migrate
+from dmq_server.reliable.dead_letters import NewDeadLetter, insert_dead_letters
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 
 from .support import REPO, db_rows, run_cli
 
@@ -102,7 +103,7 @@ def test_dlq_list_into_a_closed_pipe_ends_quietly(pg_dsn):
     prints no traceback."""
     _dead_letters(pg_dsn, 3000)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", pg_dsn, "dlq", "list", "--json", "--limit", "3000"],
+        [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", pg_dsn, "dlq", "list", "--json", "--limit", "3000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,

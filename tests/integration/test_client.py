@@ -117,7 +117,8 @@ def test_send_and_consume_with_auto_ack(make_server, topic, pg_dsn):
 
 
 def _register(dsn: str, topic: str, channel: str, msg_timeout_ms: int = 60000) -> None:
-    from dmq_server.store import connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
 
     import registry
 

@@ -12,7 +12,8 @@ import pytest
 
 import registry
 from dmq_client.wire import Command
-from dmq_server.store import connect, migrate
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 
 from .support import db_rows, http_get, run_cli, wait_for
 

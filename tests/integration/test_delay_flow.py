@@ -16,8 +16,9 @@ from twisted.internet import task
 from twisted.internet.defer import fail, succeed
 
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
-from dmq_server.delay import DelayWorker, NewDelayed, insert_delayed
-from dmq_server.store import connect, migrate
+from dmq_server.reliable.delay import DelayWorker, NewDelayed, insert_delayed
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 
 from .support import db_rows, wait_for
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from dmq_server.delay import move_due
-from dmq_server.store import connect
+from dmq_server.reliable.delay import move_due
+from dmq_server.db.worker import connect
 
 
 def _queue(conn, rows: list[tuple[str, int]], due_ms: int, channel: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Integration tests of dmq_server.embedded_pg against real PostgreSQL servers.
+"""Integration tests of dmq_server.db.embedded against real PostgreSQL servers.
 
 They pin down what the dmq server relies on: start() is idempotent and keeps
 its DSN, data survives a clean restart and a crash (SIGKILL), the server is
@@ -22,8 +22,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dmq_server import embedded_pg
-from dmq_server.embedded_pg import (
+from dmq_server.db import embedded as embedded_pg
+from dmq_server.db.embedded import (
     EmbeddedPostgres,
     EmbeddedPostgresError,
     find_pg_bindir,
@@ -277,7 +277,7 @@ def test_pg_dsn_fixture_gives_empty_database(pg_dsn: str, pg_server: EmbeddedPos
 
 #: pg_hba.conf as the code before passwords wrote it (dmq up to 128accb).
 OLD_TRUST_HBA = (
-    "# Written by dmq_server.embedded_pg: trust the loopback interface only.\n"
+    "# Written by dmq_server.db.embedded: trust the loopback interface only.\n"
     "# TYPE  DATABASE     USER  ADDRESS       METHOD\n"
     "host    all          all   127.0.0.1/32  trust\n"
     "host    all          all   ::1/128       trust\n"

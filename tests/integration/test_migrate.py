@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from dmq_server.store import migrate, migrations
+from dmq_sql import migrations
+from dmq_server.db.schema import migrate
 from tests.integration.support import db_rows
 
 pytestmark = pytest.mark.integration

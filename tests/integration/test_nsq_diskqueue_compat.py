@@ -14,7 +14,7 @@ import struct
 import pytest
 
 from dmq_client.diskqueue import DiskQueue
-from dmq_server.nsq.wire import decode_message, encode_message
+from dmq_server.core.nsq_wire import decode_message, encode_message
 
 from .support import http_get
 from .test_nsq_tcp import NsqSocket

@@ -5,8 +5,8 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from dmq_client.diskqueue import DiskQueue
-from dmq_server.nsq.message import Message
-from dmq_server.nsq.nsqd import FastStore
+from dmq_server.fast.message import Message
+from dmq_server.fast.store import FastStore
 from tests.unit.test_nsq_store import FakeClient
 
 

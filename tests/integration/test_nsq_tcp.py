@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dmq_server.nsq.wire import (
+from dmq_server.core.nsq_wire import (
     FRAME_ERROR,
     FRAME_MESSAGE,
     FRAME_RESPONSE,

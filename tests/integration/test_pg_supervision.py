@@ -20,7 +20,7 @@ import pytest
 
 from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.wire import Command
-from dmq_server.embedded_pg import EmbeddedPostgres
+from dmq_server.db.embedded import EmbeddedPostgres
 
 from .support import REPO, ServerProcess, http_get, wait_for
 
@@ -34,7 +34,7 @@ def data_dir(scratch_dir: Path) -> Path:
 
 def _cli(data_dir: Path, *args: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "dmq_server.cli", "--data-path", str(data_dir), *args],
+        [sys.executable, "-m", "dmq_server.admin.cli", "--data-path", str(data_dir), *args],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
     assert result.returncode == 0, result.stderr

@@ -16,16 +16,11 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.epollreactor import EPollReactor
 from twisted.python.failure import Failure
 
-from dmq_server.reactor_db import PreparedSql, ReactorDb
-from dmq_server.store import (
-    HOT_STATEMENTS,
-    NewMessage,
-    Statement,
-    StorageError,
-    connect,
-    insert_messages,
-    insert_messages_steps,
-)
+from dmq_server.db.reactor import PreparedSql, ReactorDb
+from dmq_server.db.errors import StorageError
+from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps
+from dmq_server.db.steps import Statement
+from dmq_server.db.worker import connect
 
 
 def on_reactor(scenario: Callable[[Any], Any], timeout: float = 30.0) -> Any:

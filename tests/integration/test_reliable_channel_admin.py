@@ -139,7 +139,7 @@ def test_the_same_channel_operations_on_the_cli_the_console_and_the_admin_api(ma
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "dmq_server.cli", "--pg-dsn", pg_dsn,
+            [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", pg_dsn,
              "--http-address", f"127.0.0.1:{server.http_port}", *args],
             capture_output=True, text=True, cwd=REPO, timeout=60,
         )

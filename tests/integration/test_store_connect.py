@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from dmq_server.store import connect
+from dmq_server.db.worker import connect
 
 
 def _socket_options(conn) -> tuple[int, int, int]:

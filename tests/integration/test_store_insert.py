@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dmq_server.store import NewMessage, connect, insert_messages
+from dmq_server.db.messages import NewMessage, insert_messages
+from dmq_server.db.worker import connect
 
 
 def _msg(producer: str, session_id: int, body: bytes = b"x") -> NewMessage:

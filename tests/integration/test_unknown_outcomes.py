@@ -16,7 +16,8 @@ import uuid
 
 import psycopg
 
-from dmq_server.store import connect, migrate
+from dmq_server.db.schema import migrate
+from dmq_server.db.worker import connect
 import registry
 
 from .faults import CountingConsumer, PgProxy, ResendingProducer

@@ -86,7 +86,8 @@ def make_server(pg_dsn):
 @pytest.fixture
 def topic(pg_dsn) -> str:
     """Topic ``orders`` with channels ``billing`` and ``shipping``, topic ``audit`` with ``archive``."""
-    from dmq_server.store import connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
     import registry
 
     migrate(pg_dsn)

@@ -143,7 +143,7 @@ def test_replaying_rate_limited_dead_letters_keeps_to_the_topic_rate(spark, make
     delivered, none refused again, no new dead letter recorded (each used to trip the limit
     again and come back as a new dead letter, one summary line per id)."""
     import registry
-    from dmq_server.store import connect
+    from dmq_server.db.worker import connect
 
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "paced", msg_timeout_ms=60000, rate_limit=5)

@@ -7,8 +7,8 @@ import pytest
 from twisted.internet.defer import succeed
 from twisted.internet.testing import StringTransport
 
-from dmq_server.admin_console import AdminConsole, parse_line
-from dmq_server.admin_ops import (
+from dmq_server.admin.console import AdminConsole, parse_line
+from dmq_server.admin.operations import (
     AdminError,
     DeadLetterFilter,
     check_token,

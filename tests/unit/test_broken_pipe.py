@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOUD = "lambda *a: print('x' * 200_000) or 0"
 
 CHILDREN = {
-    "dmq": f"import dmq_server.cli as m\nm.cmd_stats = {LOUD}\nsys.exit(m.main(['stats']))",
+    "dmq": f"import dmq_server.admin.cli as m\nm.cmd_stats = {LOUD}\nsys.exit(m.main(['stats']))",
     # (without _serve, main would start a real server: fail instead)
     "dmq-server": f"import dmq_server.main as m\nassert hasattr(m, '_serve')\nm._serve = {LOUD}\nsys.exit(m.main([]))",
     "dmq-pipeline": (

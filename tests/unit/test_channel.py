@@ -1,4 +1,4 @@
-"""Unit tests of ``dmq_server.channel.Channel``: credit, round robin, redelivery, backlog.
+"""Unit tests of ``dmq_server.reliable.channel.Channel``: credit, round robin, redelivery, backlog.
 
 No IO and no sleeping: time is a ``twisted.internet.task.Clock``, consumers are
 plain objects recording what was pushed to them, and the "database" behind the
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
-from dmq_server.channel import Channel, Delivery, Message
-from dmq_server.store import BacklogRow
+from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.db.messages import BacklogRow
 
 TIMEOUT = 10.0
 

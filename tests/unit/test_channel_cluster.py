@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from dmq_server.channel import Channel, Delivery, Message
-from dmq_server.store import BacklogRow
+from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.db.messages import BacklogRow
 
 
 class Consumer:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dmq_server.options import Options, parse_config
+from dmq_server.core.options import Options, parse_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -12,9 +12,9 @@ import pytest
 from twisted.internet import task
 from twisted.internet.defer import Deferred, fail, succeed
 
-from dmq_server.delay import DelayScheduler, DelayWorker, MovedMessage, StoredDelay
-from dmq_server.fragments import StaticAssignment
-from dmq_server.store import StorageError
+from dmq_server.reliable.delay import DelayScheduler, DelayWorker, MovedMessage, StoredDelay
+from dmq_server.core.fragments import StaticAssignment
+from dmq_server.db.errors import StorageError
 
 T0 = 1_700_000_000.0  # the clock's start, in seconds
 

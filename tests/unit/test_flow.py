@@ -23,11 +23,11 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.web.resource import Resource
 
 from dmq_client.wire import MAGIC, Command
-from dmq_server.admin_console import AdminConsole
+from dmq_server.admin.console import AdminConsole
 from dmq_server.broker import Published
-from dmq_server.flow import FlowLimits
-from dmq_server.http_site import BoundedSite
-from dmq_server.nsq.wire import FRAME_ERROR, FRAME_RESPONSE, FrameReader, encode_command
+from dmq_server.protocols.flow import FlowLimits
+from dmq_server.http.site import BoundedSite
+from dmq_server.core.nsq_wire import FRAME_ERROR, FRAME_RESPONSE, FrameReader, encode_command
 from tests.unit.test_nsq_protocol import env  # noqa: F401  (fixture)
 from tests.unit.test_timeouts import Port, dmq_frames, send_frame
 
@@ -333,7 +333,7 @@ def test_flow_limits_defaults_are_the_options_defaults_and_validated():
     cap smaller than one frame is refused, naming the flag."""
     import pytest
 
-    from dmq_server.options import ConfigError, Options
+    from dmq_server.core.options import ConfigError, Options
 
     assert vars(FlowLimits.from_options(Options())) == vars(FlowLimits())
     with pytest.raises(ConfigError, match="--max-buffered-bytes .*one whole frame must fit"):
@@ -343,7 +343,7 @@ def test_flow_limits_defaults_are_the_options_defaults_and_validated():
 def test_nsq_publishes_to_a_reliable_topic_awaiting_commit_past_the_cap_stop_reading(env):  # noqa: F811
     """NSQ counts each PUB/MPUB awaiting its commit: at max_pending_sends the connection is
     not read; once half are answered it is read again, and every OK comes out in order."""
-    from dmq_server.flow import BufferBudget, ReadGate
+    from dmq_server.protocols.flow import BufferBudget, ReadGate
 
     env.broker.register("r", "c")
     p = env.peer()

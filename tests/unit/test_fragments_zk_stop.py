@@ -11,7 +11,7 @@ import threading
 
 from twisted.internet.task import Clock
 
-from dmq_server.fragments_zk import ZkFragmentAssignment
+from dmq_server.cluster.fragments import ZkFragmentAssignment
 
 
 class FakeReactor(Clock):

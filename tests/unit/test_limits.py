@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.channel import Channel, Delivery, Message
-from dmq_server.limits import RateLimiter, TokenBucket
+from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.core.limits import RateLimiter, TokenBucket
 
 
 def test_bucket_allows_a_burst_of_one_second_then_refills_at_the_rate():

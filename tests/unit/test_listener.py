@@ -1,4 +1,4 @@
-"""Unit tests of ``dmq_server.listener``: the shared TCP port sniffs the first four bytes.
+"""Unit tests of ``dmq_server.protocols.listener``: the shared TCP port sniffs the first four bytes.
 
 Network-free: each connection is a ``StringTransportWithDisconnection`` and time is
 a ``MemoryReactorClock``. The registered "protocol" is a recording handler, so these
@@ -17,7 +17,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransportWithDisc
 
 from dmq_client.wire import MAGIC, Command, Frame
 from dmq_client.wire.codec import FrameDecoder
-from dmq_server.listener import MAGIC_TIMEOUT, NSQ_MAGIC, PortFactory, PortProtocol
+from dmq_server.protocols.listener import MAGIC_TIMEOUT, NSQ_MAGIC, PortFactory, PortProtocol
 
 
 class RecordingHandler:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from dmq_server.nsq.ids import TWEPOCH, GuidFactory, default_node_id, hex_id, parse_hex_id
-from dmq_server.nsq.pqueue import PriorityQueue
+from dmq_server.core.ids import TWEPOCH, GuidFactory, default_node_id, hex_id, parse_hex_id
+from dmq_server.core.pqueue import PriorityQueue
 
 
 class Item:

@@ -13,12 +13,12 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
 from dmq_server.broker import Broker, Published, PublishRejected, SubscribeRejected
-from dmq_server.channel import Channel as ReliableChannel
-from dmq_server.channel import Message as ReliableMessage
-from dmq_server.nsq.nsqd import FastStore
-from dmq_server.nsq.context import NsqContext
-from dmq_server.nsq.protocol_v2 import NsqConnection
-from dmq_server.nsq.wire import (
+from dmq_server.reliable.channel import Channel as ReliableChannel
+from dmq_server.reliable.channel import Message as ReliableMessage
+from dmq_server.fast.store import FastStore
+from dmq_server.protocols.nsq_context import NsqContext
+from dmq_server.protocols.nsq_v2 import NsqConnection
+from dmq_server.core.nsq_wire import (
     FRAME_ERROR,
     FRAME_MESSAGE,
     FRAME_RESPONSE,
@@ -493,9 +493,9 @@ def test_nsq_producer_ids_are_unique_per_server_process(env):
 
 def test_publish_failures_are_described_by_their_type():
     """Told apart by type (isinstance), not by class name strings."""
-    from dmq_server.nsq.subscriptions import describe_outcome
-    from dmq_server.store import RefusedError, StorageError
-    from dmq_server.writer import ShuttingDown
+    from dmq_server.protocols.nsq_subscriptions import describe_outcome
+    from dmq_server.db.errors import RefusedError, StorageError
+    from dmq_server.reliable.writer import ShuttingDown
 
     assert describe_outcome(ShuttingDown("bye")) == "E_SHUTTING_DOWN server is restarting"
     assert describe_outcome(StorageError("writer0: gone")) == "E_STORAGE writer0: gone"

@@ -7,8 +7,8 @@ from collections import deque
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.nsq import metadata
-from dmq_server.nsq.nsqd import FastStore
+from dmq_server.fast import metadata
+from dmq_server.fast.store import FastStore
 
 
 class MemoryBackend:

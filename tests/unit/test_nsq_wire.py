@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dmq_server.nsq.errors import CloseSilently, FatalClientError
-from dmq_server.nsq.wire import (
+from dmq_server.core.nsq_errors import CloseSilently, FatalClientError
+from dmq_server.core.nsq_wire import (
     FRAME_ERROR,
     FRAME_MESSAGE,
     FRAME_RESPONSE,
@@ -260,8 +260,8 @@ def test_sans_io_modules_import_no_io():
 
     code = (
         "import sys\n"
-        "import dmq_server.nsq.wire, dmq_server.nsq.identify, dmq_server.nsq.ids\n"
-        "import dmq_server.nsq.message, dmq_server.nsq.pqueue, dmq_server.nsq.responses\n"
+        "import dmq_server.core.nsq_wire, dmq_server.core.nsq_identify, dmq_server.core.ids\n"
+        "import dmq_server.fast.message, dmq_server.core.pqueue, dmq_server.protocols.nsq_responses\n"
         "bad = [m for m in ('twisted', 'socket', 'psycopg') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -270,7 +270,7 @@ def test_sans_io_modules_import_no_io():
 
 def test_response_queue_keeps_order_and_closes_after_a_fatal_answer():
     """Answers wait behind a reserved slot; a fatal one is written in turn, then closes."""
-    from dmq_server.nsq.responses import ResponseQueue
+    from dmq_server.protocols.nsq_responses import ResponseQueue
 
     out, closed = [], []
     q = ResponseQueue(out.append, lambda: closed.append(True))

@@ -1,4 +1,4 @@
-"""Tests of ``dmq_server.options``: one dataclass behind flags, variables and the config file.
+"""Tests of ``dmq_server.core.options``: one dataclass behind flags, variables and the config file.
 
 Pins the precedence (flag > environment > config file > default), that every bad
 value is reported with the name the operator used (flag, variable, or file and
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmq_server import options as options_module
-from dmq_server.options import (
+from dmq_server.core import options as options_module
+from dmq_server.core.options import (
     ConfigError,
     Options,
     build_parser,
@@ -38,7 +38,7 @@ from dmq_server.options import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "deploy" / "dmq.conf.example"
-REGENERATE = "python -m dmq_server.options --example > deploy/dmq.conf.example"
+REGENERATE = "python -m dmq_server.core.options --example > deploy/dmq.conf.example"
 FIELDS = dataclasses.fields(Options)
 
 
@@ -347,15 +347,15 @@ def test_example_documents_every_field() -> None:
 
 
 def test_example_entry_point_prints_the_example(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m dmq_server.options --example`` writes exactly render_example()."""
+    """``python -m dmq_server.core.options --example`` writes exactly render_example()."""
     saved = sys.argv
-    sys.argv = ["dmq_server.options", "--example"]
+    sys.argv = ["dmq_server.core.options", "--example"]
     try:
         with warnings.catch_warnings():
             # runpy warns that the module is already imported; harmless here
             warnings.simplefilter("ignore", RuntimeWarning)
             with pytest.raises(SystemExit) as excinfo:
-                runpy.run_module("dmq_server.options", run_name="__main__")
+                runpy.run_module("dmq_server.core.options", run_name="__main__")
     finally:
         sys.argv = saved
     assert excinfo.value.code == 0

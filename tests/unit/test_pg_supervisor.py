@@ -1,4 +1,4 @@
-"""Unit tests of dmq_server.pg_supervisor: restart on death, backoff, logging, stop.
+"""Unit tests of dmq_server.db.supervisor: restart on death, backoff, logging, stop.
 
 A fake EmbeddedPostgres and an injected clock (task.Clock) make the backoff
 exact; the pidfd watch is tested on a real process (its exit is the event).
@@ -15,7 +15,7 @@ import pytest
 from twisted.internet import defer, task
 from twisted.logger import LogLevel, Logger, formatEvent
 
-from dmq_server.pg_supervisor import PostgresSupervisor, pidfd_watch, polling_watch
+from dmq_server.db.supervisor import PostgresSupervisor, pidfd_watch, polling_watch
 
 
 class FakePostgres:

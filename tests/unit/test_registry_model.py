@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from registry import paths
-from registry.bridge import KazooBridge
+from dmq_server.cluster.bridge import KazooBridge
 from registry.model import NodeInfo, TopicSpec, decode_topic, encode_topic
 
 

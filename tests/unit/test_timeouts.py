@@ -20,16 +20,16 @@ from twisted.internet.testing import StringTransport, StringTransportWithDisconn
 from twisted.web.resource import Resource
 
 from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
-from dmq_server.admin_console import AdminConsole
-from dmq_server.dmq_protocol import DmqConnection
-from dmq_server.flow import FlowLimits
-from dmq_server.http_site import BoundedSite
-from dmq_server.listener import NSQ_MAGIC, PortFactory
-from dmq_server.nsq.context import NsqContext
-from dmq_server.nsq.nsqd import FastStore
-from dmq_server.nsq.protocol_v2 import NsqConnection
-from dmq_server.nsq.wire import FRAME_ERROR, FrameReader, encode_command
-from dmq_server.options import Options
+from dmq_server.admin.console import AdminConsole
+from dmq_server.protocols.dmq import DmqConnection
+from dmq_server.protocols.flow import FlowLimits
+from dmq_server.http.site import BoundedSite
+from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
+from dmq_server.protocols.nsq_context import NsqContext
+from dmq_server.fast.store import FastStore
+from dmq_server.protocols.nsq_v2 import NsqConnection
+from dmq_server.core.nsq_wire import FRAME_ERROR, FrameReader, encode_command
+from dmq_server.core.options import Options
 from tests.unit.test_nsq_protocol import MemoryBackend
 
 HEARTBEAT = 30.0

@@ -1,4 +1,4 @@
-"""Unit tests of ``dmq_server.writer``: group commit of sends, batched durable acks.
+"""Unit tests of ``dmq_server.reliable.writer``: group commit of sends, batched durable acks.
 
 The database is a fake ``DbWorker`` whose ``run_steps(fn, *args)`` returns a Deferred
 the test fires by hand, so each test decides exactly when a "transaction"
@@ -17,16 +17,9 @@ from twisted.internet.task import Clock
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
-from dmq_server.store import (
-    AckRow,
-    NewMessage,
-    RefusedError,
-    StorageError,
-    StoredMessage,
-    ack_deliveries_steps,
-    insert_messages_steps,
-)
-from dmq_server.writer import AckBatcher, GroupCommitWriter, ShuttingDown
+from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.messages import AckRow, NewMessage, StoredMessage, ack_deliveries_steps, insert_messages_steps
+from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter, ShuttingDown
 
 
 # -- fakes ----------------------------------------------------------------

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def dmq_cli(zk_address: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dmq_server.cli", "--zk", zk_address, *args],
+        [sys.executable, "-m", "dmq_server.admin.cli", "--zk", zk_address, *args],
         capture_output=True,
         text=True,
         cwd=REPO,

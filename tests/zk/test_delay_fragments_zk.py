@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
-from dmq_server.fragments_zk import ZkFragmentAssignment, contiguous_partition
+from dmq_server.cluster.fragments import ZkFragmentAssignment, contiguous_partition
 from registry.zk import connect
 from tests.integration.support import db_rows, http_get, wait_for
 

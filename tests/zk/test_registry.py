@@ -201,7 +201,8 @@ def test_mirror_copies_zookeeper_view_into_postgresql(pg_dsn):
     removing what ZooKeeper no longer has (with its undelivered copies)."""
     import registry as pg_registry
     from registry.pg import mirror_topics
-    from dmq_server.store import connect as pg_connect, migrate
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect as pg_connect
 
     migrate(pg_dsn)
     with pg_connect(pg_dsn, autocommit=True) as conn:

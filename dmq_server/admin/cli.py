@@ -1,0 +1,461 @@
+"""``dmq``: the admin command line (topics, channels, stats, migrations).
+
+It talks to PostgreSQL directly (``--pg-dsn``, or the embedded PostgreSQL under
+``--data-path``, started for the command and stopped again if it was not
+running), so it works whether or not a server is up. Exit status: 0 on
+success, 1 on a refused operation (unknown name, duplicate, invalid name, a dead
+letter id that is not there), 2 on bad usage, 3 when the database cannot be
+reached, 141 when the reader of its output went away (``dmq dlq list | head``:
+quietly, as a command killed by SIGPIPE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def _database(args: argparse.Namespace) -> Iterator[Any]:
+    from dmq_server.db.errors import StorageError
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
+
+    embedded = None
+    started_here = False
+    dsn = args.pg_dsn
+    try:
+        if not dsn:
+            from dmq_server.db.embedded import EmbeddedPostgres, EmbeddedPostgresError
+
+            data_dir = Path(args.data_path).resolve()
+            if not (data_dir / "pg").exists():
+                raise CliError(
+                    f"no dmq data under {data_dir}: start dmq-server there first, or pass --pg-dsn",
+                    3,
+                )
+            embedded = EmbeddedPostgres(data_dir)
+            started_here = not embedded.is_running()
+            try:
+                dsn = embedded.start()
+            except EmbeddedPostgresError as exc:
+                raise CliError(f"cannot start the embedded PostgreSQL: {exc}", 3) from exc
+        try:
+            migrate(dsn)
+            conn = connect(dsn, autocommit=True)
+        except StorageError as exc:
+            raise CliError(str(exc), 3) from exc
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        if embedded is not None and started_here:
+            embedded.stop()
+
+
+def _duration_ms(text: str) -> int:
+    from dmq_server.core.options import parse_duration
+
+    try:
+        return int(parse_duration(text) * 1000)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+
+
+def _topic_dict(row: Any) -> dict:
+    return {
+        "name": row.name,
+        "store": row.store,
+        "msg_timeout_ms": row.msg_timeout_ms,
+        "rate_limit": row.rate_limit,
+        "ttl_ms": row.ttl_ms,
+        "max_attempts": row.max_attempts,
+        "channels": list(row.channels),
+    }
+
+
+@contextmanager
+def _registry(args: argparse.Namespace) -> Iterator[Any]:
+    """The registry the topic and channel commands manage: ZooKeeper with --zk (a
+    cluster; every node mirrors it into its PostgreSQL within moments), else the
+    PostgreSQL tables of a single node."""
+    if args.zk:
+        from registry.model import RegistryError
+        from registry.zk import ZkRegistry, connect
+
+        try:
+            client = connect(args.zk, timeout=args.zk_timeout)
+        except (RegistryError, ValueError) as exc:
+            raise CliError(str(exc), 3) from exc
+        zk_registry = ZkRegistry(client)
+        try:
+            yield zk_registry
+        finally:
+            zk_registry.close()
+        return
+    from registry.pg import PgRegistry
+
+    with _database(args) as conn:
+        yield PgRegistry(conn)
+
+
+def cmd_topic(args: argparse.Namespace) -> None:
+    import registry
+
+    with _registry(args) as reg:
+        try:
+            if args.action == "create":
+                reg.create_topic(
+                    args.name,
+                    store=args.store,
+                    msg_timeout_ms=_duration_ms(args.msg_timeout),
+                    **_limits(args),
+                )
+                print(f"created topic {args.name}")
+            elif args.action == "delete":
+                reg.delete_topic(args.name)
+                print(f"deleted topic {args.name}")
+            elif args.action == "list":
+                rows = reg.topics()
+                if args.json:
+                    print(json.dumps([_topic_dict(r) for r in rows], indent=2))
+                else:
+                    for row in rows:
+                        print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}")
+            elif args.action == "show":
+                print(json.dumps(_topic_dict(reg.get_topic(args.name)), indent=2))
+        except registry.RegistryError as exc:
+            raise CliError(str(exc)) from exc
+
+
+def _setting(kind: str) -> Any:
+    """argparse type for `topic update`: a value, or ``none`` to remove the limit."""
+
+    def parse(text: str) -> int | None:
+        if text.strip().lower() == "none":
+            return None
+        if kind == "count":
+            try:
+                return int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not a whole number (or none): {text!r}") from None
+        from dmq_server.core.options import parse_duration
+
+        try:
+            return int(parse_duration(text) * 1000)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def cmd_topic_update(args: argparse.Namespace) -> None:
+    """Change a topic's rate limit, TTL, max attempts or message timeout in place: its
+    channels, stored messages and dead letters stay. In a cluster (--zk) ZooKeeper holds
+    the settings and every node mirrors them; on one node the server reads them at its
+    next registry refresh (--registry-refresh)."""
+    import dataclasses
+
+    import registry
+    from registry.interface import check_name
+
+    from dmq_server.admin.operations import TOPIC_SETTINGS, AdminError, merge_topic_settings, update_topic
+
+    changes = {key: getattr(args, key) for key in TOPIC_SETTINGS if getattr(args, key) is not _UNSET}
+    try:
+        check_name("topic", args.name)
+        if args.zk:
+            with _registry(args) as reg:
+                spec = reg.get_topic(args.name)
+                before = {key: getattr(spec, key) for key in TOPIC_SETTINGS}
+                after = merge_topic_settings(before, changes)
+                reg.update_topic(dataclasses.replace(spec, **after))
+        else:
+            with _database(args) as conn:
+                before, after = update_topic(conn, args.name, changes)
+    except registry.RegistryError as exc:
+        raise CliError(str(exc)) from exc
+    except AdminError as exc:
+        raise CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+    changed = [
+        f"{key} {_show(before[key])} -> {_show(after[key])}" for key in TOPIC_SETTINGS if before[key] != after[key]
+    ]
+    print(f"updated topic {args.name}: " + (", ".join(changed) if changed else "no change"))
+
+
+_UNSET = object()  # `topic update` leaves a setting alone unless given
+
+
+def _show(value: int | None) -> str:
+    return "none" if value is None else str(value)
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    """--rate-limit, --ttl and --max-attempts of `topic create` (omitted: none)."""
+    limits: dict = {}
+    if args.rate_limit is not None:
+        if args.rate_limit < 1:
+            raise CliError("--rate-limit must be at least 1 message per second", 2)
+        limits["rate_limit"] = args.rate_limit
+    if args.ttl is not None:
+        ttl_ms = _duration_ms(args.ttl)
+        if ttl_ms < 1:
+            raise CliError("--ttl must be at least 1ms", 2)
+        limits["ttl_ms"] = ttl_ms
+    if args.max_attempts is not None:
+        if args.max_attempts < 1:
+            raise CliError("--max-attempts must be at least 1", 2)
+        limits["max_attempts"] = args.max_attempts
+    return limits
+
+
+def cmd_channel(args: argparse.Namespace) -> None:
+    import registry
+
+    if args.action in ("pause", "unpause", "empty"):
+        _channel_on_server(args)
+        return
+    with _registry(args) as reg:
+        try:
+            if args.action == "add":
+                reg.add_channel(args.topic, args.name)
+                print(f"added channel {args.name} to topic {args.topic}")
+            else:
+                reg.remove_channel(args.topic, args.name)
+                print(f"removed channel {args.name} from topic {args.topic}")
+        except registry.RegistryError as exc:
+            raise CliError(str(exc)) from exc
+
+
+def _channel_on_server(args: argparse.Namespace) -> None:
+    """Pause, unpause or empty a channel through a running server (nsqd's HTTP API on
+    --http-address): the server holds the channel's copies in memory, so only it can
+    drop them or stop pushing them at once. A pause is stored in PostgreSQL: every node
+    of a cluster keeps to it, and a restart does too."""
+    query = urllib.parse.urlencode({"topic": args.topic, "channel": args.name})
+    url = f"http://{args.http_address}/channel/{args.action}?{query}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30):
+            pass
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc).get("message", exc.reason)
+        except ValueError:
+            message = exc.reason
+        raise CliError(f"{args.topic}/{args.name}: {message}", 1 if exc.code == 404 else 3) from exc
+    except OSError as exc:
+        raise CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+    done = {"pause": "paused", "unpause": "unpaused", "empty": "emptied"}[args.action]
+    print(f"{done} channel {args.name} of topic {args.topic}")
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    from dmq_sql import queries
+
+    with _database(args) as conn:
+        counts = conn.execute(queries["table_counts"]).fetchone()
+        depths = conn.execute(queries["channel_depths"]).fetchall()
+    stored = {
+        "messages": counts[0],
+        "deliveries_pending": counts[1],
+        "delivery_log": counts[2],
+        "dead_letters": counts[3],
+        "channels": [{"topic": t, "channel": c, "stored_depth": d} for t, c, d in depths],
+    }
+    live = None
+    try:
+        with urllib.request.urlopen(f"http://{args.http_address}/stats", timeout=2) as resp:
+            live = json.load(resp)
+    except (OSError, ValueError):
+        live = None
+    if args.json:
+        print(json.dumps({"stored": stored, "server": live}, indent=2))
+        return
+    print(
+        f"stored: {stored['messages']} messages, {stored['deliveries_pending']} unacknowledged "
+        f"deliveries, {stored['delivery_log']} delivery log rows, {stored['dead_letters']} dead letters"
+    )
+    for ch in stored["channels"]:
+        print(f"  {ch['topic']}/{ch['channel']}: {ch['stored_depth']} waiting")
+    if live is None:
+        print(f"server: not reachable at http://{args.http_address}/stats")
+    else:
+        print(f"server {live['node_id']}: health {live['health']}, published {live['published']}")
+        for topic in live["topics"]:
+            for ch in topic["channels"]:
+                print(
+                    f"  {topic['topic_name']}/{ch['channel_name']}: {ch['clients']} consumers, "
+                    f"{ch['in_flight_count']} in flight, {ch['depth']} ready in memory"
+                )
+
+
+def cmd_db(args: argparse.Namespace) -> None:
+    from dmq_server.db.schema import schema_version
+
+    # _database applies pending migrations before handing out the connection
+    with _database(args) as conn:
+        version = schema_version(conn)
+    print(f"schema is at version {version}" if args.action == "migrate" else version)
+
+
+def cmd_node(args: argparse.Namespace) -> None:
+    """Live nodes of a cluster (ZooKeeper's /dmq/node)."""
+    if not args.zk:
+        raise CliError("node list needs --zk (a single node registers nowhere)", 2)
+    import time
+
+    with _registry(args) as reg:
+        nodes = reg.nodes()
+    if args.json:
+        print(json.dumps([_node_dict(n) for n in nodes], indent=2))
+        return
+    for node in nodes:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(node.start_time))
+        print(f"{node.node_id}\ttcp {node.tcp_address}\thttp {node.http_address}\tstarted {started}")
+
+
+def _node_dict(node: Any) -> dict:
+    return {
+        "node_id": node.node_id,
+        "host": node.host,
+        "tcp_port": node.tcp_port,
+        "http_port": node.http_port,
+        "version": node.version,
+        "start_time": node.start_time,
+        "last_heartbeat": node.last_heartbeat,
+        "fast_topics": {k: list(v) for k, v in node.fast_topics.items()},
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dmq", description="dmq admin command line")
+    parser.add_argument("--pg-dsn", default=os.environ.get("DMQ_PG_DSN", ""), help="PostgreSQL DSN (env DMQ_PG_DSN)")
+    parser.add_argument(
+        "--data-path",
+        default=os.environ.get("DMQ_DATA_PATH", "./dmq-data"),
+        help="data directory of an embedded-PostgreSQL dmq (env DMQ_DATA_PATH)",
+    )
+    parser.add_argument(
+        "--http-address",
+        default=os.environ.get("DMQ_HTTP_ADDRESS", "127.0.0.1:4151"),
+        help="a server's HTTP address, for live stats",
+    )
+    parser.add_argument(
+        "--zk",
+        default=os.environ.get("DMQ_ZK", ""),
+        help="ZooKeeper HOST:PORT[,...][/chroot] of a cluster: topic, channel and node "
+        "commands use its registry (env DMQ_ZK)",
+    )
+    parser.add_argument(
+        "--zk-timeout", type=float, default=10.0, help="seconds to wait for ZooKeeper (default 10)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    node = sub.add_parser("node", help="cluster nodes (needs --zk)")
+    nsub = node.add_subparsers(dest="action", required=True)
+    nodes = nsub.add_parser("list", help="list live nodes")
+    nodes.add_argument("--json", action="store_true")
+    node.set_defaults(func=cmd_node)
+
+    topic = sub.add_parser("topic", help="manage topics")
+    tsub = topic.add_subparsers(dest="action", required=True)
+    create = tsub.add_parser("create", help="register a topic")
+    create.add_argument("name")
+    create.add_argument("--msg-timeout", default="60s", help="redelivery timeout (default 60s)")
+    create.add_argument("--store", default="reliable", choices=["reliable", "fast"])
+    create.add_argument("--rate-limit", type=int, default=None, metavar="N",
+                        help="most sends per second per node; more are refused and dead-lettered")
+    create.add_argument("--ttl", default=None, metavar="DURATION",
+                        help="copies not acknowledged within this become dead letters (expired)")
+    create.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                        help="deliveries per copy before it becomes a dead letter (default unlimited)")
+    update = tsub.add_parser(
+        "update",
+        help="change a topic's limits in place (channels and stored messages stay)",
+        description="Change a topic's settings without deleting it; give at least one. "
+        "'none' removes a limit. Running servers apply the change at their next registry refresh.",
+    )
+    update.add_argument("name")
+    update.add_argument("--msg-timeout", dest="msg_timeout_ms", type=_setting("duration"), default=_UNSET,
+                        metavar="DURATION", help="redelivery timeout")
+    update.add_argument("--rate-limit", dest="rate_limit", type=_setting("count"), default=_UNSET,
+                        metavar="N|none", help="most sends per second per node")
+    update.add_argument("--ttl", dest="ttl_ms", type=_setting("duration"), default=_UNSET,
+                        metavar="DURATION|none", help="copies not acknowledged within this become dead letters")
+    update.add_argument("--max-attempts", dest="max_attempts", type=_setting("count"), default=_UNSET,
+                        metavar="N|none", help="deliveries per copy before it becomes a dead letter")
+    update.set_defaults(func=cmd_topic_update)
+    for action in ("delete", "show"):
+        p = tsub.add_parser(action, help=f"{action} a topic")
+        p.add_argument("name")
+    lst = tsub.add_parser("list", help="list topics")
+    lst.add_argument("--json", action="store_true")
+    topic.set_defaults(func=cmd_topic)
+
+    channel = sub.add_parser("channel", help="manage a topic's channels (consumer groups)")
+    csub = channel.add_subparsers(dest="action", required=True)
+    for action, what in (
+        ("add", "register a channel"),
+        ("remove", "unregister a channel (its waiting copies go)"),
+        ("pause", "stop pushing a channel's copies (through the server at --http-address)"),
+        ("unpause", "push a paused channel's copies again (through the server)"),
+        ("empty", "drop every waiting and in-flight copy of a channel (through the server)"),
+    ):
+        p = csub.add_parser(action, help=what)
+        p.add_argument("topic")
+        p.add_argument("name")
+    channel.set_defaults(func=cmd_channel)
+
+    stats = sub.add_parser("stats", help="stored and live statistics")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(func=cmd_stats)
+
+    from dmq_server.admin.cli_operations import add_admin_commands
+
+    add_admin_commands(sub)
+
+    db = sub.add_parser("db", help="schema management")
+    dsub = db.add_subparsers(dest="action", required=True)
+    dsub.add_parser("migrate", help="apply pending migrations")
+    dsub.add_parser("version", help="print the schema version")
+    db.set_defaults(func=cmd_db)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dmq_server.core.pipes import quiet_broken_pipe
+
+    with quiet_broken_pipe() as closed:
+        args = build_parser().parse_args(argv)
+        try:
+            args.func(args)
+        except CliError as exc:
+            print(f"dmq: {exc}", file=sys.stderr)
+            return exc.code
+        return 0
+    return closed.code
+
+
+if __name__ == "__main__":
+    # run the imported module's main, so `python -m dmq_server.admin.cli` and the `dmq` script
+    # share one CliError class with the command modules (``cli_operations``)
+    from dmq_server.admin.cli import main as _main
+
+    sys.exit(_main())

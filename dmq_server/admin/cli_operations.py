@@ -1,0 +1,266 @@
+"""``dmq dlq ...``, ``dmq delay stats`` and ``dmq clients``: the CLI's admin commands.
+
+Dead letters and delay stats go straight to PostgreSQL (like the rest of the
+CLI, so they work with no server running): ``admin.operations`` holds the operations,
+shared with the HTTP admin API and the admin console. A replay queues each
+dead letter in the delay table, due at once, for its own channel; whichever
+node serves the fragment delivers it within one polling interval. Long
+operations print progress to stderr after every batch. ``dmq clients`` asks a
+running server (``--http-address``, ``--admin-token``), since only it knows its
+connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from dmq_server.admin.operations import (
+    DEFAULT_BATCH,
+    AdminError,
+    DeadLetterFilter,
+    count_dead_letters,
+    delete_batch,
+    list_dead_letters,
+    log_operation,
+    parse_limit,
+    replay_batch,
+    require_selection,
+    run_batches,
+    show_dead_letter,
+)
+
+__all__ = ["add_admin_commands"]
+
+
+def _cli():
+    from dmq_server.admin import cli
+
+    return cli
+
+
+def _filter(args: argparse.Namespace) -> DeadLetterFilter:
+    raw: dict[str, str] = {}
+    for key in ("topic", "channel", "reason", "since", "until", "message_ids"):
+        value = getattr(args, key, None)
+        if value is not None:
+            raw[key] = value
+    ids = list(getattr(args, "ids_opt", None) or []) + [str(i) for i in getattr(args, "id_list", None) or []]
+    if ids:
+        raw["ids"] = ",".join(ids)
+    if getattr(args, "replayed", None) is not None:
+        raw["replayed"] = "true" if args.replayed else "false"
+    try:
+        return DeadLetterFilter.parse(raw)
+    except AdminError as exc:
+        raise _cli().CliError(exc.message, 2) from exc
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
+class _Progress:
+    """``replayed 5000/100000 (5%), 12000/s`` on stderr; one line per batch, or one
+    line rewritten in place on a terminal."""
+
+    def __init__(self, verb: str, total: int, quiet: bool):
+        self.verb = verb
+        self.total = total
+        self.quiet = quiet
+        self.started = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int) -> None:
+        if self.quiet:
+            return
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        pct = f" ({100 * done // self.total}%)" if self.total else ""
+        line = f"{self.verb} {done}/{self.total}{pct}, {done / elapsed:.0f}/s"
+        if self.tty:
+            sys.stderr.write("\r" + line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def finish(self) -> float:
+        if self.tty and not self.quiet:
+            sys.stderr.write("\n")
+        return time.monotonic() - self.started
+
+
+def _print_letters(rows: list[dict], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print("no dead letters match")
+        return
+    print("id\treason\ttopic/channel\tproducer:session\tmessage\tattempts\tdead at (UTC)\treplayed")
+    for r in rows:
+        dead = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["dead_ms"] / 1000)) if r["dead_ms"] else "-"
+        replayed = f"-> {r['replay_message_id'] or 'queued'}" if r["replayed_ms"] else "-"
+        print(
+            f"{r['id']}\t{r['reason']}\t{r['topic']}/{r['channel'] or '*'}\t"
+            f"{r['producer']}:{r['session_id']}\t{r['message_id'] or '-'}\t{r['attempts']}\t{dead}\t{replayed}"
+        )
+
+
+def cmd_dlq(args: argparse.Namespace) -> None:
+    cli = _cli()
+    with cli._database(args) as conn:
+        try:
+            if args.action == "list":
+                flt = _filter(args)
+                rows = list_dead_letters(conn, flt, parse_limit(args.limit), args.after)
+                _print_letters(rows, args.json)
+            elif args.action == "show":
+                row = show_dead_letter(conn, args.id)
+                print(json.dumps(row, indent=2))
+            elif args.action in ("replay", "delete"):
+                _destructive(conn, args)
+        except AdminError as exc:
+            raise cli.CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+
+
+def _destructive(conn: Any, args: argparse.Namespace) -> None:
+    flt = _filter(args)
+    require_selection(flt, args.all, args.action)
+    if args.batch < 1:
+        raise _cli().CliError("--batch must be at least 1", 2)
+    total, not_replayed = count_dead_letters(conn, flt)
+    if total == 0 and flt.ids:
+        # named ids that are not there: the same answer as the HTTP API's 404, exit 1
+        # (a filter that matches nothing is not an error: "deleted 0")
+        named = ", ".join(str(i) for i in flt.ids)
+        also = "" if dataclasses.replace(flt, ids=None).is_empty() else " matching the other filters"
+        raise AdminError("E_NOT_FOUND", f"no dead letter{'s' if len(flt.ids) > 1 else ''} {named}{also}", 404)
+    batch = args.batch
+    if args.action == "replay":
+        fragments = args.delay_fragments
+        progress = _Progress("replayed", not_replayed, args.quiet)
+
+        def step(after: int):
+            return replay_batch(conn, flt, after, batch, fragments, int(time.time() * 1000), "cli")
+
+        verb = "replayed"
+    else:
+        progress = _Progress("deleted", total, args.quiet)
+
+        def step(after: int):
+            return delete_batch(conn, flt, after, batch)
+
+        verb = "deleted"
+    done = run_batches(step, progress)
+    seconds = progress.finish()
+    log_operation(conn, "cli", _actor(), f"dlq.{args.action}", flt.describe(), done)
+    rate = f", {done / seconds:.0f}/s" if seconds > 0 and done else ""
+    print(f"{verb} {done} dead letters in {seconds:.2f}s{rate}")
+    if args.action == "replay" and done:
+        print("queued for delivery: each goes to its own channel within one --delay-poll-interval")
+
+
+def cmd_delay(args: argparse.Namespace) -> None:
+    from dmq_server.reliable.delay import delay_stats
+
+    with _cli()._database(args) as conn:
+        fragments = delay_stats(conn)
+    pending = sum(f["pending"] for f in fragments)
+    if args.json:
+        print(json.dumps({"pending": pending, "fragments": fragments}, indent=2))
+        return
+    print(f"{pending} delayed messages waiting")
+    now = int(time.time() * 1000)
+    for f in fragments:
+        due = (f["next_due_ms"] - now) / 1000
+        when = f"next due in {due:.1f}s" if due > 0 else f"next overdue by {-due:.1f}s"
+        print(f"  fragment {f['fragment']}: {f['pending']} waiting, {when}")
+
+
+def cmd_clients(args: argparse.Namespace) -> None:
+    cli = _cli()
+    request = urllib.request.Request(f"http://{args.http_address}/admin/clients")
+    if args.admin_token:
+        request.add_header("Authorization", f"Bearer {args.admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            clients = json.load(resp)["clients"]
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc).get("message", exc.reason)
+        except ValueError:
+            message = exc.reason
+        raise cli.CliError(f"server refused: {message}", 1) from exc
+    except (OSError, ValueError) as exc:
+        raise cli.CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+    if args.json:
+        print(json.dumps(clients, indent=2))
+        return
+    print(f"{len(clients)} clients")
+    for c in clients:
+        if c["protocol"] == "dmq":
+            subs = ", ".join(f"{s['topic']}/{s['channel']} ({s['in_flight']}/{s['credit']})" for s in c["subscriptions"])
+            print(f"  dmq {c['remote_address']}: {subs or 'producer'}")
+        else:
+            print(f"  nsq {c.get('remote_address')}: {c.get('client_id') or c.get('hostname') or ''} {c.get('state')}")
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topic")
+    p.add_argument("--channel")
+    p.add_argument("--reason", help="rate_limited, storage_failure, expired, max_attempts, client_reported, operator")
+    p.add_argument("--since", help="dead at or after: Unix ms, ISO 8601 or a duration ago (15m, 2h, 7d)")
+    p.add_argument("--until", help="dead before: Unix ms, ISO 8601 or a duration ago")
+    p.add_argument("--ids", dest="ids_opt", action="append", metavar="ID,ID...", help="dead letter ids")
+    p.add_argument("--message-ids", metavar="ID,ID...", help="original message ids")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--replayed", dest="replayed", action="store_true", default=None)
+    group.add_argument("--not-replayed", dest="replayed", action="store_false")
+
+
+def add_admin_commands(sub: Any) -> None:
+    dlq = sub.add_parser("dlq", help="dead letters: list, show, replay, delete")
+    dsub = dlq.add_subparsers(dest="action", required=True)
+    lst = dsub.add_parser("list", help="list dead letters (filters combine with AND)")
+    _add_filters(lst)
+    lst.add_argument("--limit", default="100", help="at most this many (default 100)")
+    lst.add_argument("--after", type=int, default=0, metavar="ID", help="only ids above this (paging)")
+    lst.add_argument("--json", action="store_true")
+    show = dsub.add_parser("show", help="one dead letter with its body")
+    show.add_argument("id", type=int)
+    for action, text in (("replay", "put dead letters back into the reliable flow, each for its channel"),
+                         ("delete", "remove dead letters")):
+        p = dsub.add_parser(action, help=text)
+        p.add_argument("id_list", nargs="*", type=int, metavar="ID", help="dead letter ids")
+        _add_filters(p)
+        p.add_argument("--all", action="store_true", help="every dead letter (needed without ids or filters)")
+        p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help=f"per transaction (default {DEFAULT_BATCH})")
+        p.add_argument("--quiet", action="store_true", help="no progress lines")
+        if action == "replay":
+            p.add_argument("--delay-fragments", type=int, default=8,
+                           help="the servers' --delay-fragments (default 8)")
+    dlq.set_defaults(func=cmd_dlq)
+
+    delay = sub.add_parser("delay", help="delayed messages")
+    delsub = delay.add_subparsers(dest="action", required=True)
+    stats = delsub.add_parser("stats", help="waiting delayed messages per fragment")
+    stats.add_argument("--json", action="store_true")
+    delay.set_defaults(func=cmd_delay)
+
+    clients = sub.add_parser("clients", help="clients connected to a running server (its HTTP admin API)")
+    clients.add_argument("--admin-token", default=os.environ.get("DMQ_ADMIN_TOKEN"), help="the server's --admin-token (env DMQ_ADMIN_TOKEN)")
+    clients.add_argument("--json", action="store_true")
+    clients.set_defaults(func=cmd_clients)

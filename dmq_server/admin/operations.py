@@ -1,0 +1,643 @@
+"""The admin operations every admin surface offers, written once.
+
+The ``dmq`` CLI (straight to PostgreSQL), the JSON admin API on the HTTP port
+(``dmq_server.http.admin``) and the line-based admin console (``admin.console``) all call
+these: stats; topics and channels; connected clients; dead letters list, show,
+replay, delete (and report, for clients); delay stats.
+
+Two layers:
+
+* plain functions over a database connection (``list_dead_letters(conn, ...)``),
+  used directly by the CLI and run on a ``DbWorker`` thread by the server;
+* ``AdminOps``, the server's asynchronous facade: the same operations plus what
+  only a running server knows (live stats, connected clients, in-memory delay
+  timers), each returning a Deferred.
+
+Replay and delete work in batches (keyset on the dead letter id, one
+transaction each) and report progress after each batch. They refuse to run
+without a selection unless told ``all``, and every run is written to
+``dmq_admin_log`` and the server log. Input errors are ``AdminError`` with a
+stable code (``E_INVALID``, ``E_NOT_FOUND``, ...) and a message saying what to fix.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import re
+import time
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.logger import Logger
+
+from dmq_sql import queries
+
+from dmq_server.reliable.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
+from dmq_server.reliable.delay import delay_stats
+
+__all__ = [
+    "AdminError",
+    "DeadLetterFilter",
+    "parse_time_ms",
+    "is_loopback",
+    "check_token",
+    "list_dead_letters",
+    "count_dead_letters",
+    "show_dead_letter",
+    "replay_batch",
+    "delete_batch",
+    "log_operation",
+    "dead_letter_counts",
+    "TOPIC_SETTINGS",
+    "merge_topic_settings",
+    "update_topic",
+    "AdminOps",
+    "REPLAY_PRODUCER",
+]
+
+log = Logger()
+
+REPLAY_PRODUCER = "dmq-replay"
+DEFAULT_LIST_LIMIT = 100
+MAX_LIST_LIMIT = 10000
+DEFAULT_BATCH = 5000
+
+
+class AdminError(Exception):
+    """A refused admin operation: ``code`` is stable, the message says what to fix."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.message}"
+
+
+# -- input -------------------------------------------------------------------------
+
+_RELATIVE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m|h|d)$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60000, "h": 3600000, "d": 86400000}
+
+
+def parse_time_ms(text: str, now_ms: int | None = None) -> int:
+    """Unix ms from ``1700000000000`` (Unix ms), ``2024-05-01T12:00:00Z`` (ISO 8601,
+    UTC when no offset is given) or ``15m`` / ``2h`` / ``7d`` (that long ago)."""
+    value = text.strip()
+    if not value:
+        raise AdminError("E_INVALID", "empty time: use Unix ms, ISO 8601 or a duration ago such as 15m")
+    if value.isdigit():
+        return int(value)
+    match = _RELATIVE.match(value)
+    if match:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return now - int(float(match["n"]) * _UNIT_MS[match["unit"]])
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise AdminError(
+            "E_INVALID",
+            f"invalid time {text!r}: use Unix ms (1700000000000), ISO 8601 "
+            "(2024-05-01T12:00:00Z) or a duration ago (15m, 2h, 7d)",
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def _ids(name: str, text: str) -> tuple[int, ...]:
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts:
+        raise AdminError("E_INVALID", f"{name}: give one or more ids, separated by commas")
+    out = []
+    for part in parts:
+        if not part.isdigit():
+            raise AdminError("E_INVALID", f"{name}: {part!r} is not an id (a positive integer)")
+        out.append(int(part))
+    return tuple(out)
+
+
+_BOOL = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+@dataclass(frozen=True)
+class DeadLetterFilter:
+    """A selection of dead letters; a field left None matches everything."""
+
+    topic: str | None = None
+    channel: str | None = None
+    reason: str | None = None
+    since_ms: int | None = None
+    until_ms: int | None = None
+    ids: tuple[int, ...] | None = None
+    message_ids: tuple[int, ...] | None = None
+    replayed: bool | None = None
+
+    KEYS = ("topic", "channel", "reason", "since", "until", "ids", "message_ids", "replayed")
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str], now_ms: int | None = None) -> "DeadLetterFilter":
+        """From text key/values (console words, query strings, CLI flags)."""
+        values: dict[str, Any] = {}
+        for key, raw in params.items():
+            if raw is None:
+                continue
+            text = str(raw)
+            if key in ("topic", "channel"):
+                if not text:
+                    raise AdminError("E_INVALID", f"{key}: empty name")
+                values[key] = text
+            elif key == "reason":
+                if text not in REASONS:
+                    raise AdminError(
+                        "E_INVALID", f"reason: unknown reason {text!r}, use one of {', '.join(REASONS)}"
+                    )
+                values["reason"] = text
+            elif key in ("since", "until"):
+                values[f"{key}_ms"] = parse_time_ms(text, now_ms)
+            elif key in ("ids", "id", "message_ids"):
+                values["message_ids" if key == "message_ids" else "ids"] = _ids(key, text)
+            elif key == "replayed":
+                if text.lower() not in _BOOL:
+                    raise AdminError("E_INVALID", f"replayed: expected true or false, got {text!r}")
+                values["replayed"] = _BOOL[text.lower()]
+            else:
+                raise AdminError(
+                    "E_INVALID", f"unknown filter {key!r}; filters are {', '.join(cls.KEYS)}"
+                )
+        flt = cls(**values)
+        if flt.since_ms is not None and flt.until_ms is not None and flt.since_ms >= flt.until_ms:
+            raise AdminError("E_INVALID", "since must be before until")
+        return flt
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    def params(self) -> dict:
+        return {
+            "topic": self.topic,
+            "channel": self.channel,
+            "reason": self.reason,
+            "since_ms": self.since_ms,
+            "until_ms": self.until_ms,
+            "ids": list(self.ids) if self.ids else None,
+            "message_ids": list(self.message_ids) if self.message_ids else None,
+            "replayed": self.replayed,
+        }
+
+    def describe(self) -> str:
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                if isinstance(value, tuple):
+                    value = ",".join(str(v) for v in value)
+                parts.append(f"{f.name}={value}")
+        return " ".join(parts) or "all"
+
+
+def require_selection(flt: DeadLetterFilter, everything: bool, operation: str) -> None:
+    if flt.is_empty() and not everything:
+        raise AdminError(
+            "E_INVALID",
+            f"{operation} needs a selection: ids, or filters ({', '.join(DeadLetterFilter.KEYS)}), "
+            "or 'all' for every dead letter",
+        )
+
+
+def parse_limit(text: str | None, default: int = DEFAULT_LIST_LIMIT, name: str = "limit") -> int:
+    if text is None or text == "":
+        return default
+    if not str(text).isdigit() or not 1 <= int(text) <= MAX_LIST_LIMIT:
+        raise AdminError("E_INVALID", f"{name}: expected 1..{MAX_LIST_LIMIT}, got {text!r}")
+    return int(text)
+
+
+# -- access ------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token(listen_host: str, configured: str, given: str | None) -> None:
+    """Raise AdminError(E_AUTH) unless the request may proceed: with a configured
+    token it must match; without one, only a loopback listener is open."""
+    import hmac
+
+    if configured:
+        if not given:
+            raise AdminError("E_AUTH", "this admin surface needs a token (auth TOKEN / Authorization: Bearer TOKEN)", 401)
+        if not hmac.compare_digest(given.encode(), configured.encode()):
+            raise AdminError("E_AUTH", "wrong admin token", 401)
+        return
+    if not is_loopback(listen_host):
+        raise AdminError(
+            "E_AUTH",
+            f"admin surfaces listening on non-loopback address {listen_host} need --admin-token",
+            403,
+        )
+
+
+# -- database operations (a connection; the CLI and the server's DbWorker) ------------
+
+
+def _letter(row: tuple, with_body: bool = False) -> dict:
+    out = {
+        "id": row[0],
+        "reason": row[1],
+        "detail": row[2],
+        "topic": row[3],
+        "channel": row[4],
+        "producer": row[5],
+        "session_id": row[6],
+        "message_id": row[7],
+        "attempts": row[8],
+        "size": row[9],
+        "published_ms": row[10],
+        "dead_ms": row[11],
+        "replayed_ms": row[12],
+        "replay_message_id": row[13],
+    }
+    if with_body:
+        body = bytes(row[14])
+        try:
+            out["body"] = body.decode("utf-8")
+            out["body_encoding"] = "utf-8"
+        except UnicodeDecodeError:
+            out["body"] = base64.b64encode(body).decode("ascii")
+            out["body_encoding"] = "base64"
+    return out
+
+
+def list_dead_letters(conn: Any, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> list[dict]:
+    params = flt.params()
+    params.update(limit=limit, after=after)
+    return [_letter(r) for r in conn.execute(queries["list_dead_letters"], params).fetchall()]
+
+
+def count_dead_letters(conn: Any, flt: DeadLetterFilter) -> tuple[int, int]:
+    row = conn.execute(queries["count_dead_letters"], flt.params()).fetchone()
+    return row[0], row[1]
+
+
+def show_dead_letter(conn: Any, letter_id: int) -> dict:
+    row = conn.execute(queries["show_dead_letter"], {"id": letter_id}).fetchone()
+    if row is None:
+        raise AdminError("E_NOT_FOUND", f"no dead letter {letter_id}", 404)
+    return _letter(row, with_body=True)
+
+
+def replay_batch(
+    conn: Any, flt: DeadLetterFilter, after: int, limit: int, fragments: int, now_ms: int, node_id: str
+) -> tuple[int | None, int]:
+    """Replay one batch; returns (next cursor or None when done, how many were queued)."""
+    params = flt.params()
+    params.update(after=after, limit=limit, fragments=fragments, now_ms=now_ms, node_id=node_id)
+    last, queued = conn.execute(queries["replay_dead_letters"], params).fetchone()
+    return last, queued
+
+
+def delete_batch(conn: Any, flt: DeadLetterFilter, after: int, limit: int) -> tuple[int | None, int]:
+    params = flt.params()
+    params.update(after=after, limit=limit)
+    ids = [r[0] for r in conn.execute(queries["delete_dead_letters"], params).fetchall()]
+    return (max(ids) if ids else None), len(ids)
+
+
+def log_operation(conn: Any, surface: str, actor: str, operation: str, filters: str, affected: int) -> None:
+    conn.execute(
+        queries["log_admin_operation"],
+        {"surface": surface, "actor": actor, "operation": operation, "filters": filters, "affected": affected},
+    )
+
+
+def dead_letter_counts(conn: Any) -> dict:
+    rows = conn.execute(queries["dead_letter_counts"]).fetchall()
+    return {
+        "total": sum(r[1] for r in rows),
+        "replayed": sum(r[2] for r in rows),
+        "by_reason": {r[0]: r[1] for r in rows},
+    }
+
+
+def stored_stats(conn: Any) -> dict:
+    counts = conn.execute(queries["table_counts"]).fetchone()
+    fragments = delay_stats(conn)
+    return {
+        "messages": counts[0],
+        "deliveries_pending": counts[1],
+        "delivery_log": counts[2],
+        "dead_letters": dead_letter_counts(conn),
+        "delayed_pending": sum(f["pending"] for f in fragments),
+        "channels": [
+            {"topic": t, "channel": c, "stored_depth": d}
+            for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
+        ],
+    }
+
+
+#: what ``topic update`` may change; not the store, since a topic's stored messages
+#: and its consumers' protocol depend on it (delete and recreate to change it)
+TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")
+
+_TOPIC_SETTING_TEXT = {
+    "msg_timeout_ms": "message timeout",
+    "rate_limit": "rate limit",
+    "ttl_ms": "TTL",
+    "max_attempts": "max attempts",
+}
+
+
+def merge_topic_settings(current: Mapping[str, Any], changes: Mapping[str, int | None]) -> dict:
+    """A topic's settings after ``changes`` (``None`` removes a limit; the message
+    timeout cannot be removed). AdminError ``E_INVALID`` for an unknown setting, a
+    value below 1, or no change asked for."""
+    unknown = sorted(set(changes) - set(TOPIC_SETTINGS))
+    if unknown:
+        raise AdminError("E_INVALID", f"topic update: unknown settings {', '.join(unknown)}")
+    if not changes:
+        raise AdminError(
+            "E_INVALID", "topic update: nothing to change (give a message timeout, rate limit, TTL or max attempts)"
+        )
+    for key, value in changes.items():
+        if value is None and key == "msg_timeout_ms":
+            raise AdminError("E_INVALID", "topic update: the message timeout cannot be removed")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise AdminError("E_INVALID", f"topic update: the {_TOPIC_SETTING_TEXT[key]} must be at least 1")
+    return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
+
+
+def update_topic(conn: Any, name: str, changes: Mapping[str, int | None]) -> tuple[dict, dict]:
+    """Change a topic's settings in the PostgreSQL registry (one node; a cluster's
+    registry is ZooKeeper's). The row is locked while read and written, so two updates
+    of different settings both stick. Returns (before, after); running servers apply
+    the new settings at their next registry refresh."""
+    with conn.transaction():
+        row = conn.execute(queries["lock_topic_settings"], {"name": name}).fetchone()
+        if row is None:
+            raise AdminError("E_NOT_FOUND", f"no such topic {name!r}", 404)
+        before = dict(zip(TOPIC_SETTINGS, row))
+        after = merge_topic_settings(before, changes)
+        conn.execute(queries["update_topic_settings"], {"name": name, **after})
+    return before, after
+
+
+def run_batches(
+    step: Callable[[int], tuple[int | None, int]],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Drive a keyset batch operation to the end (synchronously, e.g. in the CLI)."""
+    after, done = 0, 0
+    while True:
+        after_next, affected = step(after)
+        done += affected
+        if progress is not None and affected:
+            progress(done)
+        if after_next is None:
+            return done
+        after = after_next
+
+
+def report_letter(params: Mapping[str, Any]) -> NewDeadLetter:
+    """A client's report of a send it could not store (``client_reported``)."""
+    topic = params.get("topic")
+    if not isinstance(topic, str) or not topic:
+        raise AdminError("E_INVALID", "report: topic is required")
+    producer = params.get("producer", "")
+    if not isinstance(producer, str):
+        raise AdminError("E_INVALID", "report: producer must be a string")
+    session_id = params.get("session_id")
+    if session_id is not None and (not isinstance(session_id, int) or isinstance(session_id, bool)):
+        raise AdminError("E_INVALID", "report: session_id must be an integer")
+    body = params.get("body", "")
+    encoding = params.get("body_encoding", "utf-8")
+    if not isinstance(body, str):
+        raise AdminError("E_INVALID", "report: body must be a string (utf-8 text or base64)")
+    if encoding == "base64":
+        try:
+            raw = base64.b64decode(body, validate=True)
+        except ValueError:
+            raise AdminError("E_INVALID", "report: body is not valid base64") from None
+    elif encoding == "utf-8":
+        raw = body.encode("utf-8")
+    else:
+        raise AdminError("E_INVALID", f"report: body_encoding must be utf-8 or base64, got {encoding!r}")
+    detail = params.get("detail", "")
+    if not isinstance(detail, str):
+        raise AdminError("E_INVALID", "report: detail must be a string")
+    return NewDeadLetter(
+        "client_reported", topic, producer, session_id, raw, detail=detail or "reported by the client"
+    )
+
+
+# -- the server's facade -------------------------------------------------------------
+
+
+class AdminOps:
+    """The operations against a running server (``service.DmqServer``)."""
+
+    def __init__(self, server: Any, db: Any, batch_size: int = DEFAULT_BATCH):
+        self.server = server
+        self.db = db
+        self.batch_size = batch_size
+
+    @property
+    def broker(self) -> Any:
+        return self.server.broker
+
+    @property
+    def delays(self) -> Any:
+        return getattr(self.server, "delays", None)
+
+    # -- read-only ------------------------------------------------------------------
+    def stats(self) -> Deferred:
+        live = self.broker.stats()
+        d = self.db.run(stored_stats)
+
+        def combine(stored: dict) -> dict:
+            delays = self.delays
+            return {
+                "server": live,
+                "stored": stored,
+                "delay": delays.stats() if delays is not None else None,
+            }
+
+        return d.addCallback(combine)
+
+    def topics(self) -> list[dict]:
+        out = []
+        for name in sorted(self.broker.topics):
+            row = self.broker.topics[name]
+            out.append(
+                {
+                    "name": row.name,
+                    "store": row.store,
+                    "msg_timeout_ms": row.msg_timeout_ms,
+                    "rate_limit": row.rate_limit,
+                    "ttl_ms": row.ttl_ms,
+                    "max_attempts": row.max_attempts,
+                    "channels": [
+                        self.broker.channels[(name, c)].stats()
+                        if (name, c) in self.broker.channels
+                        else {"channel_name": c}
+                        for c in row.channels
+                    ],
+                }
+            )
+        return out
+
+    def clients(self) -> list[dict]:
+        out = []
+        for conn in list(getattr(self.server, "connections", ())):
+            out.append(
+                {
+                    "protocol": "dmq",
+                    "remote_address": conn.peer,
+                    "subscriptions": [
+                        {
+                            "topic": t,
+                            "channel": c,
+                            "credit": sub.credit,
+                            "in_flight": sub.in_flight,
+                        }
+                        for (t, c), sub in sorted(conn.subscriptions.items())
+                    ],
+                }
+            )
+        nsq = getattr(self.server, "nsq", None)
+        for conn in list(getattr(nsq, "connections", ()) or ()):
+            stats = conn.stats()
+            stats["protocol"] = "nsq"
+            out.append(stats)
+        return out
+
+    def delay_stats(self) -> Deferred:
+        def combine(fragments: list[dict]) -> dict:
+            delays = self.delays
+            live = delays.stats() if delays is not None else {}
+            live["stored"] = fragments
+            live["pending"] = sum(f["pending"] for f in fragments)
+            return live
+
+        return self.db.run(delay_stats).addCallback(combine)
+
+    def dlq_list(self, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> Deferred:
+        return self.db.run(list_dead_letters, flt, limit, after)
+
+    def dlq_show(self, letter_id: int) -> Deferred:
+        return self.db.run(show_dead_letter, letter_id)
+
+    def dlq_count(self, flt: DeadLetterFilter) -> Deferred:
+        return self.db.run(count_dead_letters, flt)
+
+    # -- destructive ------------------------------------------------------------------
+    @inlineCallbacks
+    def dlq_replay(
+        self,
+        flt: DeadLetterFilter,
+        everything: bool,
+        surface: str,
+        actor: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """Replay the selection; fires with how many were queued for delivery."""
+        require_selection(flt, everything, "replay")
+        total = (yield self.db.run(count_dead_letters, flt))[1]
+        options = self.server.options
+        done, after = 0, 0
+        while True:
+            now_ms = int(self.server.reactor.seconds() * 1000)
+            after_next, queued = yield self.db.run(
+                replay_batch, flt, after, self.batch_size, options.delay_fragments, now_ms,
+                self.server.node_id,
+            )
+            done += queued
+            if queued and self.delays is not None:
+                self.delays.move_now()
+            if progress is not None and queued:
+                progress(done, total)
+            if after_next is None:
+                break
+            after = after_next
+        yield self._audit(surface, actor, "dlq.replay", flt, done)
+        return done
+
+    @inlineCallbacks
+    def dlq_delete(
+        self,
+        flt: DeadLetterFilter,
+        everything: bool,
+        surface: str,
+        actor: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """Delete the selection; fires with how many were deleted."""
+        require_selection(flt, everything, "delete")
+        total = (yield self.db.run(count_dead_letters, flt))[0]
+        done, after = 0, 0
+        while True:
+            after_next, deleted = yield self.db.run(delete_batch, flt, after, self.batch_size)
+            done += deleted
+            if progress is not None and deleted:
+                progress(done, total)
+            if after_next is None:
+                break
+            after = after_next
+        yield self._audit(surface, actor, "dlq.delete", flt, done)
+        return done
+
+    def channel_action(self, action: str, topic: str, channel: str, surface: str, actor: str) -> Deferred:
+        """``pause``, ``unpause`` or ``empty`` a reliable channel (the broker's; the same as
+        nsqd's HTTP API and ``dmq channel``); fires with a summary line, or fails with
+        AdminError E_NOT_FOUND (404) for a channel that is not registered."""
+        broker = self.broker
+        if action == "empty":
+            d = broker.empty_channel(topic, channel)
+        elif action in ("pause", "unpause"):
+            d = broker.pause_channel(topic, channel, action == "pause")
+        else:
+            raise AdminError("E_INVALID", f"unknown channel action {action!r} (pause, unpause, empty)")
+
+        def done(result: Any) -> str:
+            log.info(
+                "admin {surface} {actor}: channel {action} {topic}/{channel}",
+                surface=surface, actor=actor, action=action, topic=topic, channel=channel,
+            )
+            return f"{action} {topic}/{channel}" + (f": {result} stored copies dropped" if action == "empty" else "")
+
+        def missing(failure: Any) -> Any:
+            failure.trap(KeyError)
+            what = "topic" if failure.value.args[0] == "TOPIC_NOT_FOUND" else "channel"
+            raise AdminError("E_NOT_FOUND", f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}", 404)
+
+        return d.addCallbacks(done, missing)
+
+    def dlq_report(self, params: Mapping[str, Any], surface: str, actor: str) -> Deferred:
+        """Record a client's report of a send it could not store; fires with the id."""
+        letter = report_letter(params)
+        log.info(
+            "admin {surface} {actor}: dead letter reported for {topic}", surface=surface, actor=actor, topic=letter.topic
+        )
+        return self.db.run(insert_dead_letters, [letter]).addCallback(lambda ids: ids[0])
+
+    def _audit(self, surface: str, actor: str, operation: str, flt: DeadLetterFilter, affected: int) -> Deferred:
+        log.info(
+            "admin {surface} {actor}: {op} {filters} -> {n}",
+            surface=surface,
+            actor=actor,
+            op=operation,
+            filters=flt.describe(),
+            n=affected,
+        )
+        return self.db.run(log_operation, surface, actor, operation, flt.describe(), affected)

@@ -1,0 +1,456 @@
+"""This node as a member of a cluster: ZooKeeper registration, registry, takeover.
+
+With ``--zk`` the server starts a ``ClusterNode`` between storage and the broker:
+
+* **registry**: topics and channels come from ZooKeeper (``registry.watcher``).
+  Every read is mirrored into ``dmq_topic``/``dmq_channel`` *before* the broker sees
+  it, because the group commit joins ``dmq_channel`` to decide which channels get a
+  delivery row: a channel the broker knows is always one PostgreSQL knows. Watches
+  apply changes within milliseconds; the broker's periodic refresh
+  (``--zk-refresh``) is the safety net. On the first start of a cluster the
+  PostgreSQL registry seeds an empty ZooKeeper registry.
+* **membership**: the ephemeral ``/dmq/node/<node-id>`` (``registry.membership``),
+  written on start once the listeners have their ports, refreshed every
+  ``--node-heartbeat``, deleted on a clean shutdown.
+* **ownership**: the node loads and delivers only the copies it owns
+  (``dmq_delivery.owner``), and nothing until it is registered.
+
+What the node does when its ZooKeeper session is in doubt (kazoo's states):
+
+=============  ================================================================
+SUSPENDED      connection lost, session maybe alive. Delivery continues for a third
+               of the session timeout (the session cannot have expired before),
+               then pauses: no pushes, no loads. Sends are still stored.
+CONNECTED      same session again: resume. New session (after LOST): register
+               again (under the takeover lock), then resume.
+LOST           session expired: the znode is gone and another node may be taking
+               the copies over. Every copy held in memory is dropped (``forget``);
+               after registering again the node loads what it still owns.
+=============  ================================================================
+
+kazoo's threads reach this module only through ``dmq_server.cluster.bridge``: every method
+here runs on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from typing import Any, Callable
+
+from twisted.internet import defer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from dmq_server.cluster.bridge import KazooBridge
+from registry.model import NodeInfo, RegistryError
+
+from dmq_server.db.errors import StorageError
+from dmq_server.db.worker import DbWorker
+from registry.pg import list_topics
+from dmq_server.cluster.takeover import Takeover
+
+__all__ = ["ClusterNode"]
+
+log = Logger()
+
+VERSION = "0.1.0"
+
+
+class ClusterNode:
+    def __init__(
+        self,
+        options: Any,
+        reactor: Any,
+        node_id: str,
+        dsn: str,
+        admin: DbWorker,
+    ):
+        self.options = options
+        self.reactor = reactor
+        self.node_id = node_id
+        self.instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._dsn = dsn
+        self._admin = admin
+        self.bridge = KazooBridge(reactor)
+        self.client: Any = None
+        self.membership: Any = None
+        self.watcher: Any = None
+        self.takeover: Takeover | None = None
+        self.broker: Any = None
+        self._worker: DbWorker | None = None
+        #: live nodes by id, as last read from /dmq/node
+        self.nodes: dict[str, NodeInfo] = {}
+        self.registered = False
+        self.stopping = False
+        self.zk_state = "CONNECTED"
+        self._pause_timer: Any = None
+        self._suspended_pause = False
+        self._registering: defer.Deferred | None = None
+        self._last_specs: list[Any] | None = None
+        self._loops: list[LoopingCall] = []
+        self._nodes_reading = False
+        self._nodes_again = False
+        self._fast_topics: Callable[[], dict[str, tuple[str, ...]]] = dict
+        self._announced: dict[str, tuple[str, ...]] = {}
+        self.re_registrations = 0
+        self._started = False
+        self._takeover_due = False
+        # bumped by every registration: an answer to a question asked under an earlier
+        # registration (a node list read, a heartbeat) says nothing about this one
+        self._registration = 0
+
+    # -- start --------------------------------------------------------------------------
+    @defer.inlineCallbacks
+    def connect(self) -> Any:
+        """Reach ZooKeeper (bounded by --zk-connect-timeout) and prepare the registry."""
+        from registry import zk
+        from registry.watcher import RegistryWatcher
+
+        self.bridge.start()
+        options = self.options
+        self.client = yield self.bridge.call(
+            zk.connect,
+            options.zk,
+            timeout=options.zk_connect_timeout,
+            session_timeout=options.zk_session_timeout,
+        )
+        self.client.add_listener(self.bridge.relay(self._state_changed))
+        self.watcher = RegistryWatcher(self.client, self.bridge.relay(self._changed))
+        # the first node of a cluster brings the single-node registry along
+        rows = yield self._admin.run(list_topics)
+        seeded = yield self._zk(zk.ZkRegistry(self.client).seed, rows)
+        if seeded:
+            log.info("seeded the ZooKeeper registry with {n} topics from PostgreSQL", n=len(rows))
+        self._worker = DbWorker(self.reactor, self._dsn, "cluster")
+        self._worker.start()
+        log.info("connected to ZooKeeper at {zk}", zk=options.zk)
+
+    def _zk(self, fn: Callable[..., Any], *args: Any, timeout: float | None = -1.0) -> defer.Deferred:
+        """Run registry work on the bridge, failing at once while disconnected, and
+        (unless ``timeout`` is None) giving up after ``timeout`` seconds on the reactor."""
+        from registry.zk import when_connected
+
+        d = self.bridge.call(when_connected, self.client, fn, *args)
+        if timeout is not None:
+            d.addTimeout(timeout if timeout > 0 else 2 * self.options.zk_session_timeout + 5, self.reactor)
+        return d
+
+    def attach(self, broker: Any, fast_topics: Callable[[], dict[str, tuple[str, ...]]]) -> None:
+        """The broker delivers only owned copies, and nothing before registration."""
+        self.broker = broker
+        self._fast_topics = fast_topics
+        broker.load_owner = self.node_id
+        self._pause()
+        self.takeover = Takeover(
+            self._zk,
+            self.client,
+            self._worker,
+            broker,
+            self.node_id,
+            self.options.takeover_batch_size,
+            can_claim=lambda: self.registered and not broker.paused,
+        )
+
+    @defer.inlineCallbacks
+    def register(self, host: str, tcp_port: int, http_port: int) -> Any:
+        """Announce this node (listeners are up), then start delivering."""
+        from registry.membership import NodeMembership
+
+        now = time.time()
+        info = NodeInfo(
+            self.node_id,
+            host,
+            tcp_port,
+            http_port,
+            VERSION,
+            now,
+            now,
+            socket.gethostname(),
+            self.instance,
+            dict(self._fast_topics()),
+        )
+        self.membership = NodeMembership(
+            self.client, info, stale_wait=2 * self.options.zk_session_timeout + 2
+        )
+        yield self._register()
+        if not self.registered:
+            raise RegistryError(f"node {self.node_id!r} could not register in ZooKeeper")
+        self._started = True
+        nodes = yield self._zk(self.watcher.read_nodes)  # lookups answer at once
+        self.nodes = {n.node_id: n for n in nodes}
+        self._check_takeover()  # copies of nodes that died while none was watching
+        for fn, interval in (
+            (self._heartbeat, self.options.node_heartbeat),
+            (self._periodic, self.options.zk_refresh),
+            (self._announce, 1.0),
+        ):
+            loop = LoopingCall(fn)
+            loop.clock = self.reactor
+            loop.start(interval, now=False)
+            self._loops.append(loop)
+
+    def _register(self) -> defer.Deferred:
+        """Register (idempotent); one attempt at a time. Fires when done or failed."""
+        if self._registering is not None:
+            waiter: defer.Deferred = defer.Deferred()
+            self._registering.addBoth(lambda result: waiter.callback(None) or result)
+            return waiter
+
+        def done(_: Any) -> None:
+            self._registering = None
+            self.registered = True
+            self._registration += 1
+            self._takeover_due = True  # once the nodes are read (below)
+            log.info("node {node} registered in ZooKeeper", node=self.node_id)
+            self._resume()
+            self._read_nodes()
+            self._refresh_topics()
+
+        def failed(failure: Any) -> Any:
+            self._registering = None
+            if self.stopping:
+                return None
+            if not self._started:
+                return failure  # at start: the error (e.g. a duplicate node id) ends the start
+            log.warn("registration failed, retrying: {why}", why=failure.getErrorMessage())
+            self.reactor.callLater(1.0, self._retry_register)
+            return None
+
+        d = self._zk(self.membership.register, timeout=None)
+        d.addCallbacks(done, failed)
+        self._registering = d
+        return d
+
+    def _retry_register(self) -> None:
+        if not self.stopping and not self.registered and self.zk_state == "CONNECTED":
+            self._register()
+
+    # -- the registry, for the broker ---------------------------------------------------
+    def fetch_topics(self) -> defer.Deferred:
+        """Topics from ZooKeeper (re-arming the watches), mirrored into PostgreSQL first.
+
+        While ZooKeeper cannot be read, the last snapshot stands (the node keeps
+        serving what it knew); with none yet, StorageError."""
+        from registry.pg import mirror_topics
+
+        d = self._zk(self.watcher.read_topics)
+
+        def unreadable(failure: Any) -> Any:
+            if self._last_specs is not None:
+                log.warn("ZooKeeper registry unreadable, keeping the last view: {why}", why=failure.getErrorMessage())
+                return self._last_specs
+            raise StorageError(f"ZooKeeper registry unreadable: {failure.getErrorMessage()}")
+
+        def mirror(specs: list[Any]) -> defer.Deferred:
+            mirrored = self._admin.run(mirror_topics, specs)
+            return mirrored.addCallback(lambda _: specs)
+
+        def remember(specs: list[Any]) -> list[Any]:
+            self._last_specs = specs
+            return specs
+
+        return d.addErrback(unreadable).addCallback(mirror).addCallback(remember)
+
+    def _refresh_topics(self) -> None:
+        if self.broker is not None and not self.stopping:
+            self.broker.refresh_registry(fresh=True).addErrback(
+                lambda f: log.warn("registry refresh failed: {why}", why=f.getErrorMessage())
+            )
+
+    def _changed(self, kind: str) -> None:
+        """A watch fired (reactor thread, relayed by the bridge)."""
+        if self.stopping:
+            return
+        if kind == "topics":
+            self._refresh_topics()
+        else:
+            self._read_nodes()
+
+    # -- live nodes ---------------------------------------------------------------------
+    def live_nodes(self) -> list[NodeInfo]:
+        return [self.nodes[k] for k in sorted(self.nodes)]
+
+    def _read_nodes(self) -> None:
+        if self.stopping or self.watcher is None:
+            return
+        if self._nodes_reading:
+            self._nodes_again = True
+            return
+        self._nodes_reading = True
+        asked_under = self._registration if self.registered else None
+
+        def read(nodes: list[NodeInfo]) -> None:
+            before = set(self.nodes)
+            self.nodes = {n.node_id: n for n in nodes}
+            for gone in sorted(before - set(self.nodes)):
+                log.info("node {node} left the cluster", node=gone)
+            for new in sorted(set(self.nodes) - before):
+                log.info("node {node} is in the cluster", node=new)
+            if (
+                self.node_id not in self.nodes
+                and self.registered
+                and asked_under == self._registration
+                and self.zk_state == "CONNECTED"
+            ):
+                self._evicted()
+            elif before - set(self.nodes) or self._takeover_due:
+                self._takeover_due = False
+                self._check_takeover()
+
+        def finished(_: Any) -> None:
+            self._nodes_reading = False
+            if self._nodes_again:
+                self._nodes_again = False
+                self._read_nodes()
+
+        d = self._zk(self.watcher.read_nodes)
+        d.addCallbacks(read, lambda f: log.warn("cannot read nodes: {why}", why=f.getErrorMessage()))
+        d.addBoth(finished)
+
+    def _check_takeover(self) -> None:
+        if self.takeover is not None and not self.stopping:
+            self.takeover.check(set(self.nodes))
+
+    # -- session states -----------------------------------------------------------------
+    def _state_changed(self, state: str) -> None:
+        """kazoo's KazooState (relayed to the reactor by the bridge)."""
+        self.zk_state = str(state)
+        if self.stopping:
+            return
+        if self.zk_state == "SUSPENDED":
+            log.warn("ZooKeeper connection lost; the session may still be alive")
+            if self._pause_timer is None and self.registered:
+                # the session cannot expire before a third of its timeout from now
+                delay = self.options.zk_session_timeout / 3 * 0.9
+                self._pause_timer = self.reactor.callLater(delay, self._suspended_too_long)
+        elif self.zk_state == "LOST":
+            log.warn("ZooKeeper session lost: dropping every message held, they may be taken over")
+            self._cancel_pause_timer()
+            self._lose()
+        elif self.zk_state == "CONNECTED":
+            self._cancel_pause_timer()
+            if not self.registered:
+                if self.membership is not None:
+                    self.re_registrations += 1
+                    self._register()
+            else:
+                if self._suspended_pause:
+                    log.info("ZooKeeper connection back, same session: delivering again")
+                self._resume()
+                self._read_nodes()
+                self._refresh_topics()
+
+    def _suspended_too_long(self) -> None:
+        self._pause_timer = None
+        if self.zk_state != "CONNECTED" and not self.stopping:
+            log.warn("still no ZooKeeper connection: pausing delivery until the session is known")
+            self._suspended_pause = True
+            self._pause()
+
+    def _cancel_pause_timer(self) -> None:
+        if self._pause_timer is not None and self._pause_timer.active():
+            self._pause_timer.cancel()
+        self._pause_timer = None
+
+    def _lose(self) -> None:
+        self.registered = False
+        self._pause()
+        if self.broker is not None:
+            for channel in list(self.broker.channels.values()):
+                channel.forget()
+
+    def _evicted(self) -> None:
+        """Our znode vanished while the session lives (deleted by hand): others may be
+        taking our copies over, so behave as after a lost session."""
+        log.warn("node {node} is no longer registered: dropping messages held, registering again", node=self.node_id)
+        self._lose()
+        self.re_registrations += 1
+        self._register()
+
+    def _pause(self) -> None:
+        if self.broker is None:
+            return
+        self.broker.paused = True
+        for channel in list(self.broker.channels.values()):
+            channel.paused = True
+
+    def _resume(self) -> None:
+        if self.broker is None or not self.registered:
+            return
+        self._suspended_pause = False
+        self.broker.paused = False
+        for channel in list(self.broker.channels.values()):
+            channel.paused = False
+            channel.pump()
+
+    # -- periodic work ------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        if not self.registered or self.zk_state != "CONNECTED":
+            return
+        asked_under = self._registration
+
+        def beat(ok: bool) -> None:
+            if (
+                not ok
+                and self.registered
+                and asked_under == self._registration
+                and self.zk_state == "CONNECTED"
+                and not self.stopping
+            ):
+                self._evicted()
+
+        d = self._zk(self.membership.heartbeat)
+        d.addCallbacks(beat, lambda f: log.warn("heartbeat failed: {why}", why=f.getErrorMessage()))
+
+    def _announce(self) -> None:
+        """Publish this node's fast (NSQ) topics when they change, for cluster lookups."""
+        if not self.registered or self.zk_state != "CONNECTED":
+            return
+        current = dict(self._fast_topics())
+        if current == self._announced:
+            return
+        self._announced = current
+        self.membership.update(fast_topics=current)
+        self._zk(self.membership.heartbeat).addErrback(lambda f: None)
+
+    def _periodic(self) -> None:
+        self._read_nodes()
+        self._check_takeover()
+
+    # -- stop ---------------------------------------------------------------------------
+    @defer.inlineCallbacks
+    def stop(self) -> Any:
+        """Leave the cluster (others take over what is still stored) and disconnect."""
+        self.stopping = True
+        self._cancel_pause_timer()
+        for loop in self._loops:
+            if loop.running:
+                loop.stop()
+        if self.takeover is not None:
+            yield self.takeover.idle()
+        if self.membership is not None and self.registered:
+            try:
+                yield self._zk(self.membership.leave)
+                log.info("node {node} left the cluster", node=self.node_id)
+            except Exception as exc:  # the session ends anyway when the client stops
+                log.warn("could not leave cleanly: {why}", why=exc)
+        self.registered = False
+        if self.client is not None:
+            yield self.bridge.close_client(self.client)
+        self.bridge.stop()
+        if self._worker is not None:
+            self._worker.stop()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "zk": self.options.zk,
+            "zk_state": self.zk_state,
+            "registered": self.registered,
+            "delivery_paused": bool(self.broker is not None and self.broker.paused),
+            "re_registrations": self.re_registrations,
+            "nodes": sorted(self.nodes),
+            "takeover": self.takeover.stats() if self.takeover is not None else {},
+        }

@@ -1,0 +1,617 @@
+"""Every server setting, in one dataclass with documented defaults.
+
+The command-line flags (nsqd's names where the two overlap), the ``DMQ_*``
+environment variables, the TOML config file and ``deploy/dmq.conf.example`` are
+all generated from the fields below, so a setting cannot exist in one place and
+not the others. Precedence: flag > environment > config file > default.
+
+The config file is named by ``--config PATH`` or ``DMQ_CONFIG``. It is TOML whose
+keys are the field names (``mem_queue_size = 20000``); durations are strings such
+as ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or plain numbers of seconds. An
+unknown key or a bad value is an error that names the file and the key.
+
+The commented example config is rendered from the fields' metadata::
+
+    python -m dmq_server.core.options --example > deploy/dmq.conf.example
+
+Run that after adding or changing a field; ``tests/unit/test_options.py`` fails
+while the committed example differs from what the dataclass renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import textwrap
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "Options",
+    "ConfigError",
+    "parse_duration",
+    "format_duration",
+    "parse_address",
+    "build_parser",
+    "options_from_args",
+    "load_config",
+    "parse_config",
+    "render_example",
+    "flag_name",
+    "env_name",
+]
+
+CONFIG_ENV = "DMQ_CONFIG"
+LOG_LEVELS = ("debug", "info", "warn", "error")
+DB_IO = ("reactor", "threads")
+
+
+class ConfigError(ValueError):
+    """A setting from a flag, a variable or the config file that cannot be used."""
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a bare number of seconds."""
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)")
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        value = text.strip().lower()
+        for suffix in ("ms", "s", "m", "h"):
+            if value.endswith(suffix):
+                number = value[: -len(suffix)]
+                break
+        else:
+            number, suffix = value, "s"
+        try:
+            amount = float(number)
+        except ValueError:
+            raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)") from None
+        # dividing (not multiplying by 0.001) keeps whole milliseconds exact
+        seconds = amount / 1000 if suffix == "ms" else amount * _UNIT_SECONDS[suffix]
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {text!r} must be finite")
+    if seconds < 0:
+        raise ValueError(f"duration {text!r} must not be negative")
+    return seconds + 0.0  # no "-0.0"
+
+
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest of ``"2h"``, ``"5m"``, ``"30s"``, ``"250ms"`` that parses back exactly."""
+    if seconds == 0:
+        return "0s"
+    for unit, size in _UNIT_SECONDS.items():
+        count = seconds / size
+        if count >= 1 and count.is_integer():
+            candidate = f"{int(count)}{unit}"
+            if parse_duration(candidate) == seconds:
+                return candidate
+    millis = round(seconds * 1000)
+    candidate = f"{millis}ms"
+    if parse_duration(candidate) == seconds:
+        return candidate
+    return f"{seconds!r}s"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``":PORT"`` means 127.0.0.1) into a host and port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"invalid address {text!r}, expected HOST:PORT")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+def _opt(default: Any, help: str, *, kind: str = "str", flag: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "kind": kind, "flag": flag})
+
+
+@dataclass(frozen=True)
+class Options:
+    """dmq server options. Field names map to ``--flag-name``, ``DMQ_FIELD_NAME`` and
+    the config file key ``field_name``."""
+
+    data_path: str = _opt("./dmq-data", "directory for the embedded PostgreSQL and local state")
+    tcp_address: str = _opt("127.0.0.1:4150", "HOST:PORT for the TCP protocols (dmq and NSQ)")
+    http_address: str = _opt(
+        "127.0.0.1:4151", "HOST:PORT for the HTTP API (/ping, /stats, nsqd and lookup APIs)"
+    )
+    pg_dsn: str = _opt(
+        "", "PostgreSQL DSN; empty starts a private PostgreSQL under --data-path"
+    )
+    node_id: str = _opt("", "this node's id; empty derives it from the host name and TCP port")
+    max_msg_size: int = _opt(1048576, "largest message body accepted, in bytes", kind="int")
+    msg_timeout: float = _opt(
+        60.0, "default time before an unacknowledged push is redelivered", kind="duration"
+    )
+    heartbeat_interval: float = _opt(
+        30.0,
+        "interval of SERVER_HEARTBEAT; a client silent for twice this is disconnected",
+        kind="duration",
+    )
+    default_credit: int = _opt(
+        100, "unacknowledged pushes per subscription when the client asks for 0", kind="int"
+    )
+    max_credit: int = _opt(2500, "largest credit a subscription may ask for", kind="int")
+    mem_queue_size: int = _opt(
+        10000,
+        "messages per channel kept in memory; the rest wait in PostgreSQL",
+        kind="int",
+    )
+    commit_batch_size: int = _opt(
+        2000, "most messages stored in one group-commit transaction", kind="int"
+    )
+    commit_writers: int = _opt(
+        2, "group-commit transactions in progress at once, each on its own connection", kind="int"
+    )
+    db_io: str = _opt(
+        "reactor",
+        "how the send group commit and the acker reach PostgreSQL: reactor (non-blocking "
+        "connections read by the event loop) or threads (a thread per connection)",
+    )
+    ack_batch_size: int = _opt(5000, "most acknowledgements made durable in one transaction", kind="int")
+    ack_flush_interval: float = _opt(
+        0.01, "how long acknowledgements may wait to be batched", kind="duration"
+    )
+    registry_refresh: float = _opt(
+        2.0, "how often topics and channels are re-read from the registry", kind="duration"
+    )
+    message_retention: float = _opt(
+        600.0,
+        "how long a fully acknowledged message is kept (resend idempotency window)",
+        kind="duration",
+    )
+    channel_state_interval: float = _opt(
+        5.0,
+        "how often reliable channels' stored depth and operator pauses are re-read from PostgreSQL",
+        kind="duration",
+    )
+    sweep_interval: float = _opt(
+        30.0, "how often fully acknowledged messages past retention are removed", kind="duration"
+    )
+    scan_interval: float = _opt(
+        0.1, "how often in-flight deadlines are checked", kind="duration"
+    )
+    shutdown_timeout: float = _opt(
+        30.0, "longest a graceful shutdown waits for batches to commit", kind="duration"
+    )
+    log_level: str = _opt("info", "debug, info, warn or error")
+    # -- bounds: backpressure and timeouts on every port (dmq_server/protocols/flow.py) -------
+    max_output_buffer: int = _opt(
+        65536,
+        "unsent bytes to one TCP client at which the server stops reading it until they are "
+        "sent (backpressure on clients that do not read their replies); also the most read "
+        "from one connection at once",
+        kind="int",
+    )
+    max_pending_sends: int = _opt(
+        10000,
+        "sends (NSQ: PUB, MPUB, DPUB) one TCP connection may have awaiting their answer "
+        "before the server stops reading it",
+        kind="int",
+    )
+    max_pending_bytes: int = _opt(
+        8388608,
+        "bytes of message bodies one TCP connection may have awaiting their answer before "
+        "the server stops reading it",
+        kind="int",
+    )
+    max_buffered_bytes: int = _opt(
+        67108864,
+        "bytes all TCP connections together may hold in incomplete frames and sends awaiting "
+        "their answer; above it connections holding any wait until it is under three quarters",
+        kind="int",
+    )
+    read_timeout: float = _opt(
+        30.0,
+        "longest an incomplete frame (TCP) or request (HTTP) may take to arrive once it has "
+        "started; then the connection is closed (0 disables)",
+        kind="duration",
+    )
+    http_idle_timeout: float = _opt(
+        300.0, "an HTTP keep-alive connection idle this long is closed (0 disables)", kind="duration"
+    )
+    admin_idle_timeout: float = _opt(
+        900.0,
+        "an admin console session with no command for this long is closed (0 disables)",
+        kind="duration",
+    )
+    # -- the NSQ protocol and the fast store (nsqd's names and defaults) ----------
+    max_msg_timeout: float = _opt(
+        900.0, "longest message timeout an NSQ client may ask for (IDENTIFY, TOUCH)", kind="duration"
+    )
+    max_req_timeout: float = _opt(
+        3600.0, "longest delay of an NSQ REQ or DPUB (and /pub?defer)", kind="duration"
+    )
+    max_body_size: int = _opt(5242880, "largest body of an NSQ MPUB or /mpub, in bytes", kind="int")
+    max_rdy_count: int = _opt(2500, "largest RDY count an NSQ client may send", kind="int")
+    max_channel_consumers: int = _opt(
+        0, "most consumers on one fast channel (0 = unlimited)", kind="int"
+    )
+    sync_every: int = _opt(
+        2500, "fast store disk queues fsync after this many writes and reads", kind="int"
+    )
+    sync_timeout: float = _opt(
+        2.0, "fast store disk queues fsync at least this often when busy", kind="duration"
+    )
+    max_bytes_per_file: int = _opt(
+        104857600, "size at which a fast store disk-queue file rolls over", kind="int"
+    )
+    broadcast_address: str = _opt(
+        "", "address announced to NSQ clients by the lookup API; empty means the host name"
+    )
+    deflate: bool = _opt(True, "allow NSQ clients to negotiate deflate compression", kind="bool")
+    max_deflate_level: int = _opt(6, "highest deflate level an NSQ client may ask for", kind="int")
+    # -- delayed messages, limits, dead letters, admin ------------------------------
+    delay_fragments: int = _opt(
+        8, "fragments delayed messages are spread over (each gets a random one, 1..N)", kind="int"
+    )
+    delay_workers: int = _opt(
+        2,
+        "delay workers on this node; each serves a contiguous run of the node's fragments",
+        kind="int",
+    )
+    delay_poll_interval: float = _opt(
+        1.0,
+        "how often a delay worker reads the due times of the next window (held on timers)",
+        kind="duration",
+    )
+    delay_tick: float = _opt(
+        0.01, "shortest gap between two moves of due messages by one delay worker", kind="duration"
+    )
+    delay_batch_size: int = _opt(
+        2000, "most delayed messages moved into the reliable flow in one transaction", kind="int"
+    )
+    max_delay: float = _opt(
+        2592000.0, "longest a DELAY message may wait (due_ms at most this far ahead)", kind="duration"
+    )
+    expiry_interval: float = _opt(
+        1.0,
+        "how often copies not acknowledged within their topic's time to live become dead letters",
+        kind="duration",
+    )
+    admin_address: str = _opt(
+        "127.0.0.1:4152", "HOST:PORT of the line-based admin console (telnet, nc); empty disables it"
+    )
+    admin_token: str = _opt(
+        "",
+        "token the admin console and the HTTP admin API require (always when set; without one "
+        "they refuse everything when listening on a non-loopback address)",
+    )
+    # -- cluster: ZooKeeper registry, heartbeat, takeover ---------------------------
+    zk: str = _opt(
+        "",
+        "ZooKeeper ensemble HOST:PORT[,HOST:PORT...][/chroot] holding the cluster registry; "
+        "empty runs a single node with its registry in PostgreSQL",
+    )
+    zk_session_timeout: float = _opt(
+        10.0,
+        "ZooKeeper session timeout: a node silent this long is gone and its messages are taken over",
+        kind="duration",
+    )
+    zk_connect_timeout: float = _opt(
+        30.0,
+        "how long the server retries ZooKeeper at start before it exits with an error",
+        kind="duration",
+    )
+    node_heartbeat: float = _opt(
+        30.0, "how often this node refreshes its registration (last heartbeat) in ZooKeeper", kind="duration"
+    )
+    zk_refresh: float = _opt(
+        60.0,
+        "full re-read of the ZooKeeper registry and check for departed nodes' messages "
+        "(watches apply changes at once; this is the safety net)",
+        kind="duration",
+    )
+    takeover_batch_size: int = _opt(
+        5000, "most of a departed node's messages claimed in one transaction", kind="int"
+    )
+
+    # -- derived helpers -------------------------------------------------
+    @property
+    def tcp_endpoint(self) -> tuple[str, int]:
+        return parse_address(self.tcp_address)
+
+    @property
+    def http_endpoint(self) -> tuple[str, int]:
+        return parse_address(self.http_address)
+
+    @property
+    def admin_endpoint(self) -> tuple[str, int] | None:
+        return parse_address(self.admin_address) if self.admin_address else None
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data_path).resolve()
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> "Options":
+        """Fail early, naming the flag and config key, on values the server cannot use."""
+        names = ("tcp_address", "http_address") + (("admin_address",) if self.admin_address else ())
+        for name in names:
+            try:
+                parse_address(getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(f"{_names(name)}: {exc}") from None
+        if self.zk:
+            from registry.paths import parse_address as parse_zk_address
+
+            try:
+                parse_zk_address(self.zk)
+            except ValueError as exc:
+                raise ConfigError(f"{_names('zk')}: {exc}") from None
+        checks = [
+            ("max_msg_size", self.max_msg_size >= 1, "must be at least 1"),
+            ("msg_timeout", self.msg_timeout > 0, "must be more than 0"),
+            ("heartbeat_interval", self.heartbeat_interval > 0, "must be more than 0"),
+            ("max_credit", self.max_credit >= 1, "must be at least 1"),
+            ("default_credit", 1 <= self.default_credit <= self.max_credit, "must be 1..max_credit"),
+            ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1 (reliable channels push from this memory window; see docs/nsq.md)"),
+            ("commit_batch_size", self.commit_batch_size >= 1, "must be at least 1"),
+            ("commit_writers", self.commit_writers >= 1, "must be at least 1"),
+            ("db_io", self.db_io in DB_IO, "must be one of " + ", ".join(DB_IO)),
+            ("ack_batch_size", self.ack_batch_size >= 1, "must be at least 1"),
+            ("registry_refresh", self.registry_refresh > 0, "must be more than 0"),
+            ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),
+            ("channel_state_interval", self.channel_state_interval > 0, "must be more than 0"),
+            ("scan_interval", self.scan_interval > 0, "must be more than 0"),
+            ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
+            ("max_output_buffer", self.max_output_buffer >= 1024, "must be at least 1024"),
+            ("max_pending_sends", self.max_pending_sends >= 1, "must be at least 1"),
+            ("max_pending_bytes", self.max_pending_bytes >= 1, "must be at least 1"),
+            (
+                "max_buffered_bytes",
+                self.max_buffered_bytes >= max(self.max_msg_size, self.max_body_size),
+                "must be at least --max-msg-size and --max-body-size: one whole frame must fit",
+            ),
+            ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),
+            ("delay_workers", self.delay_workers >= 1, "must be at least 1"),
+            ("delay_poll_interval", self.delay_poll_interval > 0, "must be more than 0"),
+            ("delay_batch_size", self.delay_batch_size >= 1, "must be at least 1"),
+            ("max_delay", self.max_delay > 0, "must be more than 0"),
+            ("expiry_interval", self.expiry_interval > 0, "must be more than 0"),
+            ("zk_session_timeout", self.zk_session_timeout >= 1, "must be at least 1s"),
+            ("zk_connect_timeout", self.zk_connect_timeout > 0, "must be more than 0"),
+            ("node_heartbeat", self.node_heartbeat > 0, "must be more than 0"),
+            ("zk_refresh", self.zk_refresh > 0, "must be more than 0"),
+            ("takeover_batch_size", self.takeover_batch_size >= 1, "must be at least 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"{_names(name)}: invalid value {getattr(self, name)!r} ({rule})")
+        return self
+
+
+# -- names -------------------------------------------------------------------
+_FIELDS = {f.name: f for f in dataclasses.fields(Options)}
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a field: ``--mem-queue-size``."""
+    return _FIELDS[name].metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a field: ``DMQ_MEM_QUEUE_SIZE``."""
+    return "DMQ_" + name.upper()
+
+
+def _names(name: str) -> str:
+    return f"{flag_name(name)} (config key {name})"
+
+
+# -- converting raw values -------------------------------------------------------
+def _from_text(kind: str, raw: str) -> Any:
+    """A value given as text (flag or environment variable)."""
+    if kind == "int":
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if kind == "duration":
+        return parse_duration(raw)
+    if kind == "bool":
+        value = raw.strip().lower()
+        if value in ("true", "1", "yes", "on"):
+            return True
+        if value in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
+    return raw
+
+
+def _from_toml(kind: str, raw: Any) -> Any:
+    """A value as TOML parsed it; strings are not numbers and numbers are not strings."""
+    if kind == "int":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected an integer, got {raw!r}")
+    if kind == "duration":
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return parse_duration(raw)
+        raise ValueError(f"expected a duration such as \"30s\" or a number of seconds, got {raw!r}")
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected true or false, got {raw!r}")
+    if isinstance(raw, str):
+        return raw
+    raise ValueError(f"expected a string, got {raw!r}")
+
+
+# -- the config file -------------------------------------------------------------
+def parse_config(text: str, source: str = "<config>") -> dict[str, Any]:
+    """Field values from TOML text; ``source`` names the file in error messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        f = _FIELDS.get(key)
+        if f is None:
+            raise ConfigError(f"{source}: unknown key {key!r}{_did_you_mean(key)}")
+        try:
+            values[key] = _from_toml(f.metadata["kind"], raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    return values
+
+
+def _did_you_mean(key: str) -> str:
+    candidate = key.strip().replace("-", "_").lower()
+    if candidate in _FIELDS:
+        return f" (did you mean {candidate!r}?)"
+    close = difflib.get_close_matches(candidate, list(_FIELDS), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Field values from the TOML file at ``path``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{path}: cannot read config file: {reason}") from None
+    return parse_config(text, str(path))
+
+
+# -- flags, environment, file, defaults --------------------------------------------
+def _default_text(f: dataclasses.Field) -> str:
+    if f.metadata["kind"] == "duration":
+        return format_duration(f.default)
+    if f.metadata["kind"] == "bool":
+        return "true" if f.default else "false"
+    return repr(f.default) if f.metadata["kind"] == "str" else str(f.default)
+
+
+_METAVARS = {"int": "N", "duration": "DURATION", "bool": "BOOL"}
+
+
+def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="dmq: a reliable message server (PostgreSQL-durable). "
+        "Settings come from flags, then DMQ_* environment variables, then the --config file, "
+        "then the defaults shown.",
+    )
+    parser.add_argument(
+        "--config",
+        dest="config",
+        default=None,
+        metavar="PATH",
+        help=f"TOML file of settings, keys named like the options below with underscores "
+        f"(env {CONFIG_ENV}; example: deploy/dmq.conf.example)",
+    )
+    for f in dataclasses.fields(Options):
+        help_text = f"{f.metadata['help']} (env {env_name(f.name)}; default {_default_text(f)})"
+        parser.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            default=None,
+            metavar=_METAVARS.get(f.metadata["kind"]),
+            help=help_text.replace("%", "%%"),
+        )
+    return parser
+
+
+def _resolve(
+    flags: Mapping[str, str | None], environ: Mapping[str, str], file_values: Mapping[str, Any]
+) -> Options:
+    values: dict[str, Any] = dict(file_values)
+    for f in dataclasses.fields(Options):
+        for raw, source in (
+            (flags.get(f.name), flag_name(f.name)),
+            (environ.get(env_name(f.name)), env_name(f.name)),
+        ):
+            if raw is not None:
+                try:
+                    values[f.name] = _from_text(f.metadata["kind"], raw)
+                except ValueError as exc:
+                    raise ConfigError(f"{source}: {exc}") from None
+                break
+    return Options(**values).validate()
+
+
+def options_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Options:
+    """Options from flags, then ``DMQ_*`` variables, then the config file, then defaults."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    config = args.pop("config") or environ.get(CONFIG_ENV) or None
+    try:
+        file_values = load_config(config) if config else {}
+        return _resolve(args, environ, file_values)
+    except ValueError as exc:
+        raise SystemExit(f"dmq-server: {exc}") from None
+
+
+# -- the example config ---------------------------------------------------------
+_EXAMPLE_HEADER = """\
+# dmq server configuration (TOML).
+#
+# Use it with `dmq-server --config PATH` or DMQ_CONFIG=PATH. Every key is optional;
+# each one below is commented out and shows its default. Precedence: command-line
+# flag > DMQ_* environment variable > this file > default. Durations are strings
+# such as "250ms", "30s", "5m", "1h", or numbers of seconds. Relative paths are
+# relative to the server's working directory.
+#
+# Generated from dmq_server/core/options.py; do not edit by hand. Regenerate with
+#   python -m dmq_server.core.options --example > deploy/dmq.conf.example
+"""
+
+
+def _toml_value(f: dataclasses.Field) -> str:
+    kind, value = f.metadata["kind"], f.default
+    if kind == "int":
+        return str(value)
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "duration":
+        value = format_duration(value)
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def render_example() -> str:
+    """The commented example config file, one block per field, defaults commented out."""
+    blocks = [_EXAMPLE_HEADER]
+    for f in dataclasses.fields(Options):
+        lines = textwrap.wrap(f.metadata["help"], width=86)
+        lines.append(f"flag {flag_name(f.name)}, env {env_name(f.name)}")
+        block = "".join(f"# {line}\n" for line in lines)
+        blocks.append(f"{block}# {f.name} = {_toml_value(f)}\n")
+    return "\n".join(blocks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dmq_server.core.options --example``: print the example config."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dmq_server.core.options",
+        description="Tools for dmq server settings.",
+    )
+    parser.add_argument(
+        "--example", action="store_true", help="print the commented example config file"
+    )
+    args = parser.parse_args(argv)
+    if not args.example:
+        parser.print_usage(sys.stderr)
+        return 2
+    sys.stdout.write(render_example())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

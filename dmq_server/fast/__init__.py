@@ -1,0 +1,3 @@
+"""The fast store, with nsqd's semantics: topics and channels in memory, overflowing to
+go-diskqueue files, ``nsqd.dat`` metadata.
+"""

@@ -1,0 +1,395 @@
+"""A channel of a fast topic, with nsqd's semantics (``nsqd/channel.go``).
+
+Each message a topic copies to this channel goes to exactly one of its clients.
+Waiting messages sit in a bounded memory queue (``--mem-queue-size``) and overflow
+to the channel's disk queue (``<topic>:<channel>``; ephemeral channels drop the
+overflow). A delivered message is *in flight* until FIN, REQ or its deadline;
+a deferred one (DPUB, REQ with a delay) waits for its due time. Both sit in a map
+by id plus an indexed min-heap by deadline, which the store's single queue
+scanner drains (``process_in_flight`` / ``process_deferred``); no timer per message.
+
+A client is any object with ``ready_count``, ``in_flight_count``, ``sample_rate``,
+``msg_timeout`` and ``send_message(channel, message)`` (plus counters for /stats
+and ``close()``); the channel keeps ``in_flight_count`` up to date and delivers
+while ``in_flight_count < ready_count`` (RDY is a window, never decremented).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from twisted.logger import Logger
+
+from dmq_server.fast.message import Message
+from dmq_server.core.pqueue import PriorityQueue
+
+if TYPE_CHECKING:
+    from dmq_server.fast.store import FastStore
+
+__all__ = ["Channel", "Exiting"]
+
+log = Logger()
+
+
+class Exiting(Exception):
+    """The topic or channel is being deleted or closed."""
+
+    def __init__(self) -> None:
+        super().__init__("exiting")
+
+
+class Channel:
+    def __init__(self, topic_name: str, name: str, store: "FastStore"):
+        self.topic_name = topic_name
+        self.name = name
+        self.store = store
+        self.clock = store.clock
+        self.ephemeral = name.endswith("#ephemeral")
+        self.mem_queue_size = store.mem_queue_size
+        self.memory: deque[Message] = deque()
+        self.backend = store.make_backend(f"{topic_name}:{name}", self.ephemeral)
+        self._backend_has_data = self.backend.depth() > 0
+        self.in_flight: dict[bytes, Message] = {}
+        self.in_flight_pq = PriorityQueue()
+        self.deferred: dict[bytes, Message] = {}
+        self.deferred_pq = PriorityQueue()
+        self.clients: dict[int, Any] = {}
+        self._rotation: deque[Any] = deque()
+        self.paused = False
+        self.exiting = False
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self._disk_turn = False
+        self._pumping = False
+        self._again = False
+
+    # -- arrivals -----------------------------------------------------------------------
+    def receive(self, msg: Message) -> None:
+        """A copy from the topic: counted, then queued now or deferred."""
+        self.message_count += 1
+        if msg.deferred:
+            self.start_deferred(msg, msg.deferred)
+        else:
+            self.put(msg)
+
+    def put(self, msg: Message) -> None:
+        """Queue for delivery: memory while it has room, else the disk queue."""
+        if self.exiting:
+            raise Exiting()
+        if len(self.memory) < self.mem_queue_size or (self.ephemeral and self._has_ready_client()):
+            self.memory.append(msg)
+        else:
+            self.backend.put(msg.encode())
+            self._backend_has_data = not self.ephemeral
+            if self.store.health_error is not None:
+                self.store.set_health(None)
+        self.pump()
+
+    def depth(self) -> int:
+        """Waiting messages (memory + disk); not in flight, not deferred."""
+        return len(self.memory) + self.backend.depth()
+
+    # -- clients ------------------------------------------------------------------------
+    def add_client(self, client: Any) -> str | None:
+        """Attach a subscriber; an error text if the channel is full or going away."""
+        if self.exiting:
+            return "exiting"
+        if id(client) in self.clients:
+            return None
+        limit = self.store.max_channel_consumers
+        if limit and len(self.clients) >= limit:
+            return f"consumers for {self.topic_name}:{self.name} exceeds limit of {limit}"
+        self.clients[id(client)] = client
+        self._rotation.append(client)
+        return None
+
+    def remove_client(self, client: Any) -> None:
+        """Detach a subscriber. Its in-flight messages stay until they time out (nsqd).
+        An ephemeral channel goes away with its last client."""
+        if self.clients.pop(id(client), None) is None:
+            return
+        try:
+            self._rotation.remove(client)
+        except ValueError:
+            pass
+        if not self.clients and self.ephemeral and not self.exiting:
+            topic = self.store.topics.get(self.topic_name)
+            if topic is not None and topic.channels.get(self.name) is self:
+                topic.delete_channel(self.name)
+
+    def _has_ready_client(self) -> bool:
+        return any(c.in_flight_count < c.ready_count for c in self._rotation)
+
+    # -- delivery -----------------------------------------------------------------------
+    def pump(self) -> None:
+        """Give waiting messages to clients with room in their RDY window, round robin."""
+        if self._pumping:
+            self._again = True
+            return
+        if self.paused or not self._rotation:
+            return
+        self._pumping = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._pump()
+        finally:
+            self._pumping = False
+
+    def _pump(self) -> None:
+        rotation = self._rotation
+        while rotation and not self.paused:
+            for _ in range(len(rotation)):
+                client = rotation[0]
+                if client.in_flight_count < client.ready_count:
+                    break
+                rotation.rotate(-1)
+            else:
+                return  # nobody is ready
+            msg = self._next_message()
+            if msg is None:
+                return
+            rotation.rotate(-1)  # the next message starts with the next client
+            rate = client.sample_rate
+            if rate and random.randrange(100) > rate:
+                continue  # sampled out: consumed, never delivered (nsqd)
+            self._deliver(msg, client)
+
+    def _next_message(self) -> Message | None:
+        memory = self.memory
+        if self._backend_has_data and (self._disk_turn or not memory):
+            self._disk_turn = False
+            while True:
+                data = self.backend.read()
+                if data is None:
+                    self._backend_has_data = False
+                    break
+                try:
+                    return Message.decode(data)
+                except ValueError as exc:
+                    log.error(
+                        "CHANNEL({t}:{c}): failed to decode message - {why}",
+                        t=self.topic_name, c=self.name, why=exc,
+                    )
+        self._disk_turn = True  # memory and disk take turns, so neither starves
+        if memory:
+            return memory.popleft()
+        return None
+
+    def _deliver(self, msg: Message, client: Any) -> None:
+        if msg.attempts < 0xFFFF:
+            msg.attempts += 1
+        now = self.clock.seconds()
+        msg.client = client
+        msg.delivery_ts = now
+        msg.pri = now + client.msg_timeout
+        self.in_flight[msg.id] = msg
+        self.in_flight_pq.push(msg)
+        self.store.arm(self)
+        client.in_flight_count += 1
+        client.message_count += 1
+        client.send_message(self, msg)
+
+    # -- FIN / REQ / TOUCH --------------------------------------------------------------
+    def _pop_in_flight(self, client: Any, message_id: bytes) -> Message | str:
+        msg = self.in_flight.get(message_id)
+        if msg is None:
+            return "ID not in flight"
+        if msg.client is not client:
+            return "client does not own message"
+        del self.in_flight[message_id]
+        if msg.index >= 0:
+            self.in_flight_pq.remove(msg)
+        msg.client = None
+        return msg
+
+    def finish(self, client: Any, message_id: bytes) -> str | None:
+        msg = self._pop_in_flight(client, message_id)
+        if isinstance(msg, str):
+            return msg
+        client.in_flight_count -= 1
+        client.finish_count += 1
+        self.pump()
+        return None
+
+    def requeue(self, client: Any, message_id: bytes, timeout: float) -> str | None:
+        """Back to the queue now (``timeout`` 0) or after ``timeout`` seconds."""
+        msg = self._pop_in_flight(client, message_id)
+        if isinstance(msg, str):
+            return msg
+        self.requeue_count += 1
+        client.in_flight_count -= 1
+        client.requeue_count += 1
+        try:
+            if timeout <= 0:
+                self.put(msg)
+            else:
+                self.start_deferred(msg, timeout)
+        except Exiting:
+            return "exiting"
+        except Exception as exc:  # disk queue failure
+            self.store.set_health(exc)
+            return str(exc)
+        self.pump()
+        return None
+
+    def touch(self, client: Any, message_id: bytes, client_timeout: float) -> str | None:
+        """Push the deadline to now + the client's timeout, capped at delivery + max."""
+        msg = self._pop_in_flight(client, message_id)
+        if isinstance(msg, str):
+            return msg
+        deadline = self.clock.seconds() + client_timeout
+        max_timeout = self.store.max_msg_timeout
+        if deadline - msg.delivery_ts >= max_timeout:
+            deadline = msg.delivery_ts + max_timeout
+        msg.pri = deadline
+        msg.client = client
+        self.in_flight[msg.id] = msg
+        self.in_flight_pq.push(msg)
+        return None
+
+    def start_deferred(self, msg: Message, delay: float) -> None:
+        if self.exiting:
+            raise Exiting()
+        if msg.id in self.deferred:
+            return
+        msg.pri = self.clock.seconds() + delay
+        self.deferred[msg.id] = msg
+        self.deferred_pq.push(msg)
+        self.store.arm(self)
+
+    # -- the queue scanner's work -------------------------------------------------------
+    def process_in_flight(self, now: float) -> bool:
+        """Requeue messages whose deadline passed; True if any did."""
+        dirty = False
+        pq = self.in_flight_pq
+        while (msg := pq.peek_and_shift(now)) is not None:
+            dirty = True
+            self.in_flight.pop(msg.id, None)
+            self.timeout_count += 1
+            client, msg.client = msg.client, None
+            if client is not None and id(client) in self.clients:
+                client.in_flight_count -= 1
+            self._put_quietly(msg)
+        if dirty:
+            self.pump()
+        return dirty
+
+    def process_deferred(self, now: float) -> bool:
+        """Queue deferred messages that are due; True if any were."""
+        dirty = False
+        pq = self.deferred_pq
+        while (msg := pq.peek_and_shift(now)) is not None:
+            dirty = True
+            self.deferred.pop(msg.id, None)
+            self._put_quietly(msg)
+        return dirty
+
+    def _put_quietly(self, msg: Message) -> None:
+        try:
+            self.put(msg)
+        except Exiting:
+            pass
+        except Exception as exc:
+            log.error("CHANNEL({t}:{c}): put failed - {why}", t=self.topic_name, c=self.name, why=exc)
+            self.store.set_health(exc)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.in_flight_pq) or bool(self.deferred_pq)
+
+    # -- admin --------------------------------------------------------------------------
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self.pump()
+
+    def empty(self) -> None:
+        """Drop everything: in flight, deferred, memory and disk (nsqd ``Empty``)."""
+        for msg in self.in_flight_pq.clear():
+            msg.client = None
+        self.in_flight.clear()
+        self.deferred_pq.clear()
+        self.deferred.clear()
+        for client in self._rotation:
+            client.in_flight_count = 0
+        self.memory.clear()
+        self.backend.empty()
+        self._backend_has_data = False
+        self.pump()
+
+    def delete(self) -> None:
+        """Close the clients, drop every message and the disk files."""
+        self.exiting = True
+        self._close_clients()
+        self.empty_quietly()
+        self.backend.destroy()
+
+    def empty_quietly(self) -> None:
+        try:
+            self.empty()
+        except Exception as exc:
+            log.error("CHANNEL({t}:{c}): empty failed - {why}", t=self.topic_name, c=self.name, why=exc)
+
+    def close(self) -> None:
+        """Shutdown: close clients, then memory, in-flight and deferred go to disk."""
+        self.exiting = True
+        self._close_clients()
+        self.flush()
+        self.backend.close()
+
+    def flush(self) -> None:
+        """Write memory, in-flight and deferred messages to the disk queue (deferral and
+        in-flight state are lost, as in nsqd; attempts are kept)."""
+        backend = self.backend
+        pending = len(self.memory) + len(self.in_flight) + len(self.deferred)
+        if pending and not self.ephemeral:
+            log.info(
+                "CHANNEL({t}:{c}): flushing {n} memory/in-flight/deferred messages to backend",
+                t=self.topic_name, c=self.name, n=pending,
+            )
+        for msg in self.memory:
+            backend.put(msg.encode())
+        for msg in self.in_flight.values():
+            backend.put(msg.encode())
+        for msg in self.deferred.values():
+            backend.put(msg.encode())
+        self.memory.clear()
+        self.in_flight.clear()
+        self.in_flight_pq.clear()
+        self.deferred.clear()
+        self.deferred_pq.clear()
+
+    def _close_clients(self) -> None:
+        clients = list(self._rotation)
+        self.clients.clear()
+        self._rotation.clear()
+        for client in clients:
+            closer = getattr(client, "channel_closed", None)
+            if closer is not None:
+                closer(self)
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(self, include_clients: bool = True) -> dict[str, Any]:
+        """nsqd's ChannelStats shape."""
+        clients = [c.stats() for c in self._rotation] if include_clients else None
+        return {
+            "channel_name": self.name,
+            "depth": self.depth(),
+            "backend_depth": self.backend.depth(),
+            "in_flight_count": len(self.in_flight),
+            "deferred_count": len(self.deferred),
+            "message_count": self.message_count,
+            "requeue_count": self.requeue_count,
+            "timeout_count": self.timeout_count,
+            "client_count": len(self.clients),
+            "clients": clients,
+            "paused": self.paused,
+            "e2e_processing_latency": {"count": 0, "percentiles": None},
+        }

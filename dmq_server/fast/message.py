@@ -1,0 +1,50 @@
+"""A message of the fast store, as nsqd's ``Message`` (``nsqd/message.go``).
+
+The same object is the wire message (``wire.message_frame``) and the disk-queue
+record (``wire.encode_message``): 8-byte timestamp, 2-byte attempts, 16-byte hex
+id, body. While in flight or deferred it also carries its owner, its deadline
+(``pri``, seconds on the store's clock) and its index in the priority queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmq_server.core.nsq_wire import decode_message, encode_message, message_frame
+
+__all__ = ["Message"]
+
+
+class Message:
+    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client", "pri", "index", "delivery_ts")
+
+    def __init__(
+        self, id: bytes, body: bytes, timestamp: int, attempts: int = 0, deferred: float = 0.0
+    ):
+        self.id = id
+        self.body = body
+        self.timestamp = timestamp  # UnixNano at publish, shared by every channel's copy
+        self.attempts = attempts
+        self.deferred = deferred  # DPUB delay in seconds, applied when a channel gets it
+        self.client: Any = None  # the consumer holding it in flight
+        self.pri = 0.0  # deadline (in flight or deferred), seconds
+        self.index = -1  # position in the in-flight or deferred queue
+        self.delivery_ts = 0.0
+
+    def copy(self) -> "Message":
+        """A channel's copy: same id, body, timestamp and deferral; attempts start at 0."""
+        return Message(self.id, self.body, self.timestamp, 0, self.deferred)
+
+    def encode(self) -> bytes:
+        return encode_message(self.timestamp, self.attempts, self.id, self.body)
+
+    def frame(self) -> bytes:
+        return message_frame(self.timestamp, self.attempts, self.id, self.body)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Message":
+        timestamp, attempts, message_id, body = decode_message(data)
+        return cls(message_id, body, timestamp, attempts)
+
+    def __repr__(self) -> str:
+        return f"<Message {self.id.decode('latin-1')} attempts={self.attempts} {len(self.body)}B>"

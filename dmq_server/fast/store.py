@@ -1,0 +1,309 @@
+"""The fast store: nsqd's topics and channels, one queue scanner, ``nsqd.dat``.
+
+Topics are created on demand (PUB, SUB, /pub, /topic/create), as nsqd does. One
+``LoopingCall`` every ``--scan-interval`` (nsqd's 100 ms QueueScanInterval) walks
+the channels that hold in-flight or deferred messages and moves what is due;
+nothing else runs on a timer per message. Channels with nothing pending are not
+visited, so idle channels cost nothing (nsqd samples 20 random channels instead;
+see docs/nsq.md). Another ``LoopingCall`` ticks the disk queues so an idle queue
+still syncs within ``--sync-timeout``.
+
+On start the store reads ``nsqd.dat`` and recreates its topics, channels and
+pause flags; disk queues keep their messages. On a clean stop every channel
+writes its memory, in-flight and deferred messages to its disk queue and every
+topic its memory queue, then the metadata is written: nothing is lost, only the
+deferral of deferred messages (as in nsqd).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from dmq_server.fast import metadata
+from dmq_server.fast.channel import Channel
+from dmq_server.core.ids import GuidFactory, default_node_id
+from dmq_server.fast.message import Message
+from dmq_server.fast.topic import Topic
+from dmq_server.core.nsq_wire import MIN_VALID_MSG_LENGTH, valid_name_bytes
+
+__all__ = ["FastStore", "DummyBackend"]
+
+log = Logger()
+
+
+class DummyBackend:
+    """The backend of ephemeral topics and channels: what overflows is dropped."""
+
+    def put(self, data: bytes) -> None:
+        pass
+
+    def read(self) -> bytes | None:
+        return None
+
+    def depth(self) -> int:
+        return 0
+
+    def empty(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+class FastStore:
+    """All fast topics of this node. ``clock`` provides ``seconds()`` and ``callLater``."""
+
+    def __init__(
+        self,
+        clock: Any,
+        data_dir: Path | None,
+        *,
+        mem_queue_size: int = 10000,
+        max_msg_size: int = 1024 * 1024,
+        msg_timeout: float = 60.0,
+        max_msg_timeout: float = 900.0,
+        max_req_timeout: float = 3600.0,
+        max_channel_consumers: int = 0,
+        scan_interval: float = 0.1,
+        sync_every: int = 2500,
+        sync_timeout: float = 2.0,
+        max_bytes_per_file: int = 100 * 1024 * 1024,
+        node_id: int | None = None,
+        backend_factory: Callable[[str], Any] | None = None,
+    ):
+        self.clock = clock
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.mem_queue_size = mem_queue_size
+        self.max_msg_size = max_msg_size
+        self.msg_timeout = msg_timeout
+        self.max_msg_timeout = max_msg_timeout
+        self.max_req_timeout = max_req_timeout
+        self.max_channel_consumers = max_channel_consumers
+        self.scan_interval = scan_interval
+        self.sync_every = sync_every
+        self.sync_timeout = sync_timeout
+        self.max_bytes_per_file = max_bytes_per_file
+        self._backend_factory = backend_factory
+        if node_id is None:
+            node_id = default_node_id(socket.gethostname())
+        self.guid = GuidFactory(node_id, lambda: int(clock.seconds() * 1e9))
+        self.topics: dict[str, Topic] = {}
+        self._armed: set[Channel] = set()
+        self._loading = False
+        self._dirty = False
+        self._loops: list[LoopingCall] = []
+        self.health_error: str | None = None
+        self.closed = False
+
+    @classmethod
+    def from_options(cls, options: Any, clock: Any, data_dir: Path | None) -> "FastStore":
+        """Built from ``dmq_server.core.options.Options`` (nsqd's defaults where a field is absent)."""
+
+        def opt(name: str, default: Any) -> Any:
+            return getattr(options, name, default)
+
+        return cls(
+            clock,
+            data_dir,
+            mem_queue_size=opt("mem_queue_size", 10000),
+            max_msg_size=opt("max_msg_size", 1024 * 1024),
+            msg_timeout=opt("msg_timeout", 60.0),
+            max_msg_timeout=opt("max_msg_timeout", 900.0),
+            max_req_timeout=opt("max_req_timeout", 3600.0),
+            max_channel_consumers=opt("max_channel_consumers", 0),
+            scan_interval=opt("scan_interval", 0.1),
+            sync_every=opt("sync_every", 2500),
+            sync_timeout=opt("sync_timeout", 2.0),
+            max_bytes_per_file=opt("max_bytes_per_file", 100 * 1024 * 1024),
+        )
+
+    # -- backends -----------------------------------------------------------------------
+    def make_backend(self, name: str, ephemeral: bool) -> Any:
+        """The disk queue for ``name`` (dummy for ephemeral names, or with no data dir)."""
+        if ephemeral:
+            return DummyBackend()
+        if self._backend_factory is not None:
+            return self._backend_factory(name)
+        if self.data_dir is None:
+            return DummyBackend()
+        from dmq_client.diskqueue import DiskQueue
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return DiskQueue(
+            name,
+            self.data_dir,
+            max_bytes_per_file=self.max_bytes_per_file,
+            min_msg_size=MIN_VALID_MSG_LENGTH,
+            max_msg_size=self.max_msg_size + MIN_VALID_MSG_LENGTH,
+            sync_every=self.sync_every,
+            sync_timeout=self.sync_timeout,
+            clock=self.clock.seconds,
+        )
+
+    def set_health(self, error: BaseException | str | None) -> None:
+        text = None if error is None else str(error)
+        if text != self.health_error:
+            if text is None:
+                log.info("NSQ: disk queues healthy again")
+            else:
+                log.error("NSQ: disk queue failure - {why}", why=text)
+        self.health_error = text
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Load ``nsqd.dat``, start the queue scanner and the disk-queue sync ticker."""
+        self.load_metadata()
+        for fn, interval in ((self.scan, self.scan_interval), (self.tick_backends, self.sync_timeout)):
+            loop = LoopingCall(fn)
+            loop.clock = self.clock
+            loop.start(interval, now=False)
+            self._loops.append(loop)
+
+    def load_metadata(self) -> None:
+        if self.data_dir is None:
+            return
+        topics = metadata.load(self.data_dir)
+        self._loading = True
+        try:
+            for t in topics:
+                if not valid_name_bytes(t.name.encode()) or t.name.endswith("#ephemeral"):
+                    log.warn("NSQ: skipping creation of invalid topic {t}", t=t.name)
+                    continue
+                topic = self.get_topic(t.name)
+                if t.paused:
+                    topic.pause()
+                for c in t.channels:
+                    if not valid_name_bytes(c.name.encode()) or c.name.endswith("#ephemeral"):
+                        log.warn("NSQ: skipping creation of invalid channel {c}", c=c.name)
+                        continue
+                    channel = topic.get_channel(c.name)
+                    if c.paused:
+                        channel.pause()
+        finally:
+            self._loading = False
+        for topic in self.topics.values():
+            topic.drain()
+
+    def close(self) -> None:
+        """Clean shutdown: persist metadata, flush every queue to disk, close the files."""
+        if self.closed:
+            return
+        self.closed = True
+        for loop in self._loops:
+            if loop.running:
+                loop.stop()
+        self.persist_metadata(force=False)
+        for topic in list(self.topics.values()):
+            try:
+                topic.close()
+            except Exception as exc:
+                log.error("TOPIC({t}): close failed - {why}", t=topic.name, why=exc)
+        self._armed.clear()
+
+    # -- topics -------------------------------------------------------------------------
+    def new_message(self, body: bytes, deferred: float = 0.0) -> Message:
+        return Message(self.guid.new_hex(), body, int(self.clock.seconds() * 1e9), 0, deferred)
+
+    def get_topic(self, name: str) -> Topic:
+        topic = self.topics.get(name)
+        if topic is None:
+            topic = Topic(name, self)
+            self.topics[name] = topic
+            log.info("TOPIC({t}): created", t=name)
+            self.changed(topic)
+        return topic
+
+    def delete_topic(self, name: str) -> bool:
+        topic = self.topics.pop(name, None)
+        if topic is None:
+            return False
+        log.info("TOPIC({t}): deleting", t=name)
+        topic.delete()
+        self.changed(topic)
+        return True
+
+    def changed(self, thing: Any) -> None:
+        """A topic or channel was created, deleted, paused or unpaused."""
+        if self._loading or getattr(thing, "ephemeral", False):
+            return
+        self._dirty = True
+        self.persist_metadata()
+
+    def persist_metadata(self, force: bool = True) -> None:
+        """Write ``nsqd.dat`` (non-ephemeral topics and channels, pause flags)."""
+        if self.data_dir is None:
+            return
+        if not force and not self._dirty and not (self.data_dir / metadata.METADATA_FILE).exists():
+            return
+        topics = []
+        for name in sorted(self.topics):
+            topic = self.topics[name]
+            if topic.ephemeral:
+                continue
+            channels = [
+                metadata.ChannelMeta(c.name, c.paused)
+                for c in sorted(topic.channels.values(), key=lambda c: c.name)
+                if not c.ephemeral
+            ]
+            topics.append(metadata.TopicMeta(name, topic.paused, channels))
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            metadata.save(self.data_dir, topics)
+        except OSError as exc:
+            log.error("NSQ: failed to persist metadata - {why}", why=exc)
+
+    # -- the queue scanner --------------------------------------------------------------
+    def arm(self, channel: Channel) -> None:
+        self._armed.add(channel)
+
+    def disarm(self, channel: Channel) -> None:
+        self._armed.discard(channel)
+
+    def scan(self) -> int:
+        """Requeue timed-out in-flight messages and queue due deferred ones; returns how
+        many channels had work (nsqd's "dirty" channels)."""
+        now = self.clock.seconds()
+        dirty = 0
+        for channel in list(self._armed):
+            if channel.exiting:
+                self._armed.discard(channel)
+                continue
+            worked = channel.process_in_flight(now)
+            worked = channel.process_deferred(now) or worked
+            dirty += worked
+            if not channel.armed:
+                self._armed.discard(channel)
+        return dirty
+
+    def tick_backends(self) -> None:
+        for topic in list(self.topics.values()):
+            try:
+                topic.backend.tick()
+                for channel in list(topic.channels.values()):
+                    channel.backend.tick()
+            except Exception as exc:
+                self.set_health(exc)
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(
+        self, topic: str | None = None, channel: str | None = None, include_clients: bool = True
+    ) -> list[dict] | None:
+        """nsqd's per-topic stats, sorted by name; None if ``topic`` names no topic."""
+        if topic is not None:
+            t = self.topics.get(topic)
+            return None if t is None else [t.stats(channel, include_clients)]
+        return [self.topics[n].stats(channel, include_clients) for n in sorted(self.topics)]

@@ -1,0 +1,204 @@
+"""A fast topic, with nsqd's semantics (``nsqd/topic.go``).
+
+Every message published to a topic is copied to each of its channels (same id,
+body and timestamp; attempts start at 0 per channel). While the topic has no
+channel, or is paused, messages wait in the topic itself: a bounded memory queue
+that overflows to the topic's disk queue (``<topic>``), so the first channel
+created gets everything published before it. Deferred messages (DPUB) wait in
+memory, never on disk, so they keep their delay.
+
+Where nsqd runs a pump goroutine per topic, this topic copies a message straight
+to the channels when nothing is waiting, and otherwise drains what waits in
+batches on the reactor (``_drain``), so a large backlog never blocks it for long.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, Iterable
+
+from twisted.logger import Logger
+
+from dmq_server.fast.channel import Channel, Exiting
+from dmq_server.fast.message import Message
+
+if TYPE_CHECKING:
+    from dmq_server.fast.store import FastStore
+
+__all__ = ["Topic"]
+
+log = Logger()
+
+#: Messages moved from a topic's backlog to its channels per reactor turn.
+DRAIN_BATCH = 2000
+
+
+class Topic:
+    def __init__(self, name: str, store: "FastStore"):
+        self.name = name
+        self.store = store
+        self.ephemeral = name.endswith("#ephemeral")
+        self.mem_queue_size = store.mem_queue_size
+        self.memory: deque[Message] = deque()
+        self.backend = store.make_backend(name, self.ephemeral)
+        self._backend_has_data = self.backend.depth() > 0
+        self.channels: dict[str, Channel] = {}
+        self.paused = False
+        self.exiting = False
+        self.message_count = 0
+        self.message_bytes = 0
+        self._drain_call: Any = None
+
+    # -- publishing ---------------------------------------------------------------------
+    def put(self, msg: Message) -> None:
+        self.put_many((msg,))
+
+    def put_many(self, msgs: Iterable[Message]) -> None:
+        """Publish; raises Exiting, or the disk queue's error if the topic's own disk
+        write fails (nsqd's E_PUB_FAILED)."""
+        if self.exiting:
+            raise Exiting()
+        for msg in msgs:
+            if self.channels and not self.paused and not self.memory and not self._backend_has_data:
+                self._fan_out(msg)
+            else:
+                self._queue(msg)
+            self.message_count += 1
+            self.message_bytes += len(msg.body)
+
+    def _queue(self, msg: Message) -> None:
+        if msg.deferred or len(self.memory) < self.mem_queue_size:
+            self.memory.append(msg)
+        elif not self.ephemeral:  # ephemeral overflow is dropped (nsqd's dummy backend)
+            self.backend.put(msg.encode())
+            self._backend_has_data = True
+            if self.store.health_error is not None:
+                self.store.set_health(None)
+
+    def _fan_out(self, msg: Message) -> None:
+        first = True
+        for channel in list(self.channels.values()):
+            copy = msg if first else msg.copy()
+            first = False
+            try:
+                channel.receive(copy)
+            except Exiting:
+                pass
+            except Exception as exc:  # a channel's disk write failed
+                log.error(
+                    "TOPIC({t}): failed to put msg {id} to channel({c}) - {why}",
+                    t=self.name, id=msg.id, c=channel.name, why=exc,
+                )
+                self.store.set_health(exc)
+
+    def depth(self) -> int:
+        return len(self.memory) + self.backend.depth()
+
+    # -- draining what waited -------------------------------------------------------------
+    def _can_drain(self) -> bool:
+        return bool(self.channels) and not self.paused and not self.exiting
+
+    def drain(self) -> None:
+        """Move waiting messages to the channels: one batch now, the rest on later turns."""
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        self._drain_call = None
+        if not self._can_drain():
+            return
+        moved = 0
+        while self.memory and moved < DRAIN_BATCH:
+            self._fan_out(self.memory.popleft())
+            moved += 1
+        while self._backend_has_data and moved < DRAIN_BATCH:
+            data = self.backend.read()
+            if data is None:
+                self._backend_has_data = False
+                break
+            try:
+                msg = Message.decode(data)
+            except ValueError as exc:
+                log.error("TOPIC({t}): failed to decode message - {why}", t=self.name, why=exc)
+                continue
+            self._fan_out(msg)
+            moved += 1
+        if self.memory or self._backend_has_data:
+            self._drain_call = self.store.clock.callLater(0, self.drain)
+
+    # -- channels -----------------------------------------------------------------------
+    def get_channel(self, name: str) -> Channel:
+        """The channel, created (and announced to the store) if it is new."""
+        channel = self.channels.get(name)
+        if channel is None:
+            channel = Channel(self.name, name, self.store)
+            self.channels[name] = channel
+            self.store.changed(channel)
+            if len(self.channels) == 1:
+                self.drain()
+        return channel
+
+    def delete_channel(self, name: str) -> bool:
+        channel = self.channels.pop(name, None)
+        if channel is None:
+            return False
+        channel.delete()
+        self.store.disarm(channel)
+        self.store.changed(channel)
+        if not self.channels and self.ephemeral and not self.exiting:
+            self.store.delete_topic(self.name)
+        return True
+
+    # -- admin --------------------------------------------------------------------------
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self.drain()
+
+    def empty(self) -> None:
+        self.memory.clear()
+        self.backend.empty()
+        self._backend_has_data = False
+
+    def delete(self) -> None:
+        """Delete every channel (closing their clients), drop messages and disk files."""
+        self.exiting = True
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        for name in list(self.channels):
+            channel = self.channels.pop(name)
+            channel.delete()
+            self.store.disarm(channel)
+        self.memory.clear()
+        self.backend.destroy()
+
+    def close(self) -> None:
+        """Shutdown: channels flush to their disk queues, then the topic's memory goes to its own."""
+        self.exiting = True
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        for channel in self.channels.values():
+            try:
+                channel.close()
+            except Exception as exc:
+                log.error("CHANNEL({t}:{c}): close failed - {why}", t=self.name, c=channel.name, why=exc)
+        if self.memory and not self.ephemeral:
+            log.info("TOPIC({t}): flushing {n} memory messages to backend", t=self.name, n=len(self.memory))
+        for msg in self.memory:
+            self.backend.put(msg.encode())
+        self.memory.clear()
+        self.backend.close()
+
+    def stats(self, channel: str | None = None, include_clients: bool = True) -> dict[str, Any]:
+        """nsqd's TopicStats shape, channels sorted by name."""
+        names = sorted(self.channels) if channel is None else [n for n in (channel,) if n in self.channels]
+        return {
+            "topic_name": self.name,
+            "channels": [self.channels[n].stats(include_clients) for n in names],
+            "depth": self.depth(),
+            "backend_depth": self.backend.depth(),
+            "message_count": self.message_count,
+            "message_bytes": self.message_bytes,
+            "paused": self.paused,
+            "e2e_processing_latency": {"count": 0, "percentiles": None},
+        }

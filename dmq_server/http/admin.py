@@ -1,0 +1,229 @@
+"""The JSON admin API, mounted under ``/admin`` on the HTTP port.
+
+=======  ==============================  ===========================================
+GET      /admin                          the endpoints
+GET      /admin/stats                    live and stored statistics
+GET      /admin/topics                   topics, settings, channels
+GET      /admin/clients                  connected clients
+GET      /admin/delay                    delay fragments, workers, pending counts
+GET      /admin/flow                     the TCP port's flow control: bytes held,
+                                         paused connections and why (see flow.py)
+GET      /admin/dead-letters             list; filters as query parameters (topic,
+                                         channel, reason, since, until, ids,
+                                         message_ids, replayed), limit, after
+GET      /admin/dead-letters/ID          one dead letter with its body
+POST     /admin/dead-letters/replay      replay the selection (filters, or all=true)
+POST     /admin/dead-letters/delete      delete the selection (filters, or all=true)
+DELETE   /admin/dead-letters/ID          delete one
+POST     /admin/dead-letters             a client reports a send it could not store
+                                         (JSON: topic, producer, session_id, body,
+                                         body_encoding utf-8|base64, detail)
+=======  ==============================  ===========================================
+
+Answers are JSON; errors are ``{"error": CODE, "message": TEXT}`` with a 4xx/5xx
+status. Access follows ``admin.operations.check_token``: with ``--admin-token`` every
+request needs ``Authorization: Bearer TOKEN`` (or ``X-DMQ-Admin-Token``); without
+one, the API answers only while the HTTP port listens on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.internet.defer import maybeDeferred
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from dmq_server.admin.operations import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
+from dmq_server.db.errors import StorageError
+
+__all__ = ["AdminResource", "install"]
+
+log = Logger()
+
+_ENDPOINTS = [
+    "GET /admin/stats",
+    "GET /admin/topics",
+    "GET /admin/clients",
+    "GET /admin/delay",
+    "GET /admin/flow",
+    "GET /admin/dead-letters",
+    "GET /admin/dead-letters/ID",
+    "POST /admin/dead-letters/replay",
+    "POST /admin/dead-letters/delete",
+    "DELETE /admin/dead-letters/ID",
+    "POST /admin/dead-letters",
+    "POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty",
+]
+
+
+def _text_params(request: Any) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for key, values in (request.args or {}).items():
+        name = key.decode("utf-8", "replace")
+        if len(values) != 1:
+            raise AdminError("E_INVALID", f"parameter {name!r} given {len(values)} times")
+        try:
+            params[name] = values[0].decode("utf-8")
+        except UnicodeDecodeError:
+            raise AdminError("E_INVALID", f"parameter {name!r} is not UTF-8") from None
+    return params
+
+
+def _everything(params: dict[str, str]) -> bool:
+    value = params.pop("all", "false").lower()
+    if value not in ("true", "1", "false", "0", ""):
+        raise AdminError("E_INVALID", f"all: expected true or false, got {value!r}")
+    return value in ("true", "1")
+
+
+class AdminResource(Resource):
+    """Every ``/admin/...`` path; routing by path segments and method."""
+
+    isLeaf = True
+
+    def __init__(self, ops: AdminOps, listen_host: str, token: str):
+        super().__init__()
+        self.ops = ops
+        self.listen_host = listen_host
+        self.token = token
+
+    def render(self, request: Any) -> Any:
+        d = maybeDeferred(self._route, request)
+        d.addCallbacks(lambda result: self._reply(request, 200, result), lambda f: self._fail(request, f))
+        return NOT_DONE_YET
+
+    # -- plumbing -------------------------------------------------------------------
+    def _reply(self, request: Any, status: int, payload: Any) -> None:
+        if getattr(request, "_disconnected", False) or request.finished:
+            return
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", b"application/json; charset=utf-8")
+        request.write(json.dumps(payload, default=str).encode("utf-8") + b"\n")
+        request.finish()
+
+    def _fail(self, request: Any, failure: Any) -> None:
+        error = failure.value
+        if isinstance(error, AdminError):
+            self._reply(request, error.status, {"error": error.code, "message": error.message})
+        elif isinstance(error, StorageError):
+            self._reply(request, 503, {"error": "E_STORAGE", "message": str(error)})
+        else:
+            log.failure("admin API request failed", failure)
+            self._reply(request, 500, {"error": "E_INTERNAL", "message": repr(error)})
+
+    def _actor(self, request: Any) -> str:
+        peer = request.getClientAddress()
+        return f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+
+    def _authorize(self, request: Any) -> None:
+        given = None
+        header = request.getHeader(b"authorization")
+        if header:
+            scheme, _, value = header.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                given = value.strip()
+        if given is None:
+            alt = request.getHeader(b"x-dmq-admin-token")
+            given = alt.decode("latin-1") if alt else None
+        try:
+            check_token(self.listen_host, self.token, given)
+        except AdminError:
+            log.warn("admin API: refused {method} {path} from {peer} (token)",
+                     method=request.method.decode(), path=request.path.decode("latin-1"), peer=self._actor(request))
+            raise
+
+    # -- routing ------------------------------------------------------------------------
+    def _route(self, request: Any) -> Any:
+        self._authorize(request)
+        method = request.method.decode("ascii", "replace")
+        parts = [p.decode("utf-8", "replace") for p in request.postpath if p]
+        params = _text_params(request)
+        if parts == [] and method == "GET":
+            return {"endpoints": _ENDPOINTS}
+        if len(parts) == 1 and method == "GET":
+            simple: dict[str, Callable[[], Any]] = {
+                "stats": self.ops.stats,
+                "topics": self.ops.topics,
+                "clients": self.ops.clients,
+                "delay": self.ops.delay_stats,
+                "flow": self._flow,
+            }
+            if parts[0] in simple:
+                result = simple[parts[0]]()
+                if parts[0] in ("topics", "clients"):
+                    return {parts[0]: result}
+                return result
+        if parts[:1] == ["dead-letters"]:
+            return self._dead_letters(request, method, parts[1:], params)
+        if len(parts) == 4 and parts[0] == "channels" and method == "POST":
+            # POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty
+            _, topic, channel, action = parts
+            d = self.ops.channel_action(action, topic, channel, "http", self._actor(request))
+            return d.addCallback(lambda summary: {"ok": summary})
+        raise AdminError("E_NOT_FOUND", f"no admin endpoint {method} /admin/{'/'.join(parts)}", 404)
+
+    def _flow(self) -> dict:
+        factory = getattr(self.ops.server, "port_factory", None)
+        if factory is None:
+            raise AdminError("E_NOT_FOUND", "the TCP port is not listening", 404)
+        return factory.budget.stats()
+
+    def _dead_letters(self, request: Any, method: str, rest: list[str], params: dict[str, str]) -> Any:
+        actor = self._actor(request)
+        if not rest:
+            if method == "GET":
+                limit = parse_limit(params.pop("limit", None))
+                after = parse_limit(params.pop("after", None), 0, "after") if params.get("after") else 0
+                params.pop("after", None)
+                flt = DeadLetterFilter.parse(params)
+                return self.ops.dlq_list(flt, limit, after).addCallback(
+                    lambda rows: {"dead_letters": rows, "next_after": rows[-1]["id"] if len(rows) == limit else None}
+                )
+            if method == "POST":
+                return self._report(request, actor)
+        elif len(rest) == 1 and rest[0] in ("replay", "delete") and method == "POST":
+            everything = _everything(params)
+            flt = DeadLetterFilter.parse(params)
+            if rest[0] == "replay":
+                d = self.ops.dlq_replay(flt, everything, "http", actor)
+                return d.addCallback(lambda n: {"replayed": n})
+            d = self.ops.dlq_delete(flt, everything, "http", actor)
+            return d.addCallback(lambda n: {"deleted": n})
+        elif len(rest) == 1:
+            if not rest[0].isdigit():
+                raise AdminError("E_INVALID", f"dead letter id {rest[0]!r} is not a positive integer")
+            letter_id = int(rest[0])
+            if method == "GET":
+                return self.ops.dlq_show(letter_id)
+            if method == "DELETE":
+                flt = DeadLetterFilter(ids=(letter_id,))
+                d = self.ops.dlq_delete(flt, False, "http", actor)
+
+                def deleted(n: int) -> dict:
+                    if n == 0:
+                        raise AdminError("E_NOT_FOUND", f"no dead letter {letter_id}", 404)
+                    return {"deleted": n}
+
+                return d.addCallback(deleted)
+        raise AdminError(
+            "E_NOT_FOUND", f"no admin endpoint {method} /admin/dead-letters/{'/'.join(rest)}", 404
+        )
+
+    def _report(self, request: Any, actor: str) -> Any:
+        raw = request.content.read() if request.content is not None else b""
+        try:
+            payload = json.loads(raw or b"null")
+        except ValueError as exc:
+            raise AdminError("E_INVALID", f"report: the body is not JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise AdminError("E_INVALID", "report: the body must be a JSON object")
+        return self.ops.dlq_report(payload, "http", actor).addCallback(lambda i: {"id": i})
+
+
+def install(root: Resource, ops: AdminOps, listen_host: str, token: str) -> AdminResource:
+    resource = AdminResource(ops, listen_host, token)
+    root.putChild(b"admin", resource)
+    return resource

@@ -1,0 +1,151 @@
+"""nsqlookupd's HTTP API for this node (``nsqlookupd/http.go``): ``/lookup``, ``/topics``,
+``/channels``, ``/nodes``, ``/topic/tombstone``.
+
+A single dmq node answers for itself: ``/lookup`` lists this node as the producer of
+every topic it has (fast or reliable), so a consumer configured with this HTTP port as
+its lookupd finds the node. In a cluster (``--zk``) every node answers for the whole
+cluster from the registry (``cluster_lookup``): a reliable topic lists every live
+node, a fast topic the nodes that announced it. Replies follow nsqlookupd's shapes;
+``/lookup`` of an unknown topic is ``404 TOPIC_NOT_FOUND`` after one registry refresh.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dmq_server.cluster.lookup import ClusterView
+from dmq_server.http.nsq_v1 import HttpError, get_param, params_of
+
+__all__ = ["LookupdApi", "TOMBSTONE_LIFETIME"]
+
+TOMBSTONE_LIFETIME = 45.0
+
+
+class LookupdApi:
+    """Mixed into the HTTP handlers; needs ``store``, ``broker``, ``peer_info()`` and
+    ``tombstones``."""
+
+    store: Any
+    broker: Any
+    tombstones: dict[str, float]
+
+    def peer_info(self) -> dict[str, Any]:  # provided by the class it is mixed into
+        raise NotImplementedError
+
+    def _cluster_view(self) -> ClusterView | None:
+        """The whole cluster's picture, when this node is part of one."""
+        cluster = getattr(getattr(self, "server", None), "cluster", None)
+        if cluster is None:
+            return None
+        reliable = {name: tuple(row.channels) for name, row in self.broker.topics.items()}
+        local_fast = {name: tuple(sorted(t.channels)) for name, t in self.store.topics.items()}
+        me = self.peer_info()
+        return ClusterView(cluster.live_nodes(), cluster.node_id, me, local_fast, reliable, me["version"])
+
+    def _peer_tombstoned(self, topic: str, peer: dict[str, Any]) -> bool:
+        me = self.peer_info()
+        node = f"{peer['broadcast_address']}:{peer['http_port']}"
+        if node == f"{me['broadcast_address']}:{me['http_port']}":
+            return self._tombstoned(topic)
+        until = self.tombstones.get((topic, node))  # type: ignore[call-overload]
+        if until is None:
+            return False
+        if time.time() >= until:
+            del self.tombstones[(topic, node)]  # type: ignore[arg-type]
+            return False
+        return True
+
+    def _known_channels(self, topic: str) -> list[str] | None:
+        view = self._cluster_view()
+        return view.channels(topic) if view is not None else self._channels_of(topic)
+
+    def _channels_of(self, topic: str) -> list[str] | None:
+        """This node's channels of ``topic``, or None if it has no such topic."""
+        if self._reliable(topic):
+            return sorted(self.broker.topics[topic].channels)
+        t = self.store.topics.get(topic)
+        return None if t is None else sorted(t.channels)
+
+    def _all_topics(self) -> list[str]:
+        names = set(self.store.topics)
+        if self.broker is not None:
+            names.update(self.broker.topics)
+        return sorted(names)
+
+    def _tombstoned(self, topic: str) -> bool:
+        until = self.tombstones.get(topic)
+        if until is None:
+            return False
+        if time.time() >= until:
+            del self.tombstones[topic]
+            return False
+        return True
+
+    def lookup(self, request: Any) -> Any:
+        topic = get_param(params_of(request), "topic")
+        if topic is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+
+        def answer(_: Any = None) -> Any:
+            view = self._cluster_view()
+            if view is not None:
+                channels = view.channels(topic)
+                if channels is None:
+                    return HttpError(404, "TOPIC_NOT_FOUND")
+                producers = [p for _, p in view.carriers(topic) if not self._peer_tombstoned(topic, p)]
+                return {"channels": channels, "producers": producers}
+            channels = self._channels_of(topic)
+            if channels is None:
+                return HttpError(404, "TOPIC_NOT_FOUND")
+            producers = [] if self._tombstoned(topic) else [self.peer_info()]
+            return {"channels": channels, "producers": producers}
+
+        if self._known_channels(topic) is None and self.broker is not None:
+            # maybe registered a moment ago: look again after one registry refresh
+            return self.broker.refresh_registry().addBoth(answer)
+        result = answer()
+        if isinstance(result, HttpError):
+            raise result
+        return result
+
+    def topics(self, request: Any) -> dict:
+        view = self._cluster_view()
+        return {"topics": view.topics() if view is not None else self._all_topics()}
+
+    def channels(self, request: Any) -> dict:
+        topic = get_param(params_of(request), "topic")
+        if topic is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+        return {"channels": self._known_channels(topic) or []}
+
+    def nodes(self, request: Any) -> dict:
+        view = self._cluster_view()
+        if view is not None:
+            producers = []
+            for node_id, peer in view.carriers_all():
+                topics = view.node_topics(node_id)
+                marks = [self._peer_tombstoned(t, peer) for t in topics]
+                producers.append(dict(peer, tombstones=marks, topics=topics))
+            return {"producers": producers}
+        topics = self._all_topics()
+        node = dict(self.peer_info(), tombstones=[self._tombstoned(t) for t in topics], topics=topics)
+        return {"producers": [node]}
+
+    def tombstone(self, request: Any) -> None:
+        params = params_of(request)
+        topic = get_param(params, "topic")
+        if topic is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+        node = get_param(params, "node")
+        if node is None:
+            raise HttpError(400, "MISSING_ARG_NODE")
+        me = self.peer_info()
+        if node == f"{me['broadcast_address']}:{me['http_port']}":
+            self.tombstones[topic] = time.time() + TOMBSTONE_LIFETIME
+        else:
+            view = self._cluster_view()
+            peers = view.carriers_all() if view is not None else []
+            if any(node == f"{p['broadcast_address']}:{p['http_port']}" for _, p in peers):
+                self.tombstones[(topic, node)] = time.time() + TOMBSTONE_LIFETIME  # type: ignore[index]
+        return None

@@ -1,0 +1,484 @@
+"""nsqd's and nsqlookupd's HTTP APIs on dmq's HTTP port (``nsqd/http.go``, ``nsqlookupd/http.go``).
+
+nsqd: ``/ping``, ``/info``, ``/pub`` (``defer``), ``/mpub`` (text and ``binary``),
+``/stats`` (``format=json`` in nsqd's shape, ``format=text``), ``/topic/*`` and
+``/channel/*`` (create, delete, empty, pause, unpause). nsqlookupd: ``/lookup``,
+``/topics``, ``/channels``, ``/nodes``, ``/topic/tombstone`` (``/ping`` and ``/info``
+are shared), so a consumer given this port as a lookupd finds this node.
+
+Responses follow nsqd's "V1" convention: a string is sent as text, a structure as
+JSON (``Content-Type: application/json; charset=utf-8``), an error as
+``{"message": "<TEXT>"}`` with its status, and every one carries
+``X-NSQ-Content-Type: nsq; version=1.0`` (go-nsq reads the body as raw JSON only
+with it). Parameters come from the query string only. Reliable topics are served
+through the broker: ``/pub`` answers only after the PostgreSQL commit.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from twisted.internet.defer import Deferred, DeferredList, FirstError
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+
+from dmq_server.broker import Published
+from dmq_server.fast.channel import Exiting
+from dmq_server.core.nsq_errors import NsqError
+from dmq_server.http.nsq_v1 import (
+    NOT_FOUND,
+    Endpoint,
+    Group,
+    HttpError,
+    PlainText,
+    body_of,
+    get_param,
+    params_of,
+    valid_name_str,
+)
+from dmq_server.core.nsq_identify import (
+    MAX_DEFLATE_LEVEL,
+    MAX_HEARTBEAT_INTERVAL,
+    MAX_OUTPUT_BUFFER_SIZE,
+    MAX_OUTPUT_BUFFER_TIMEOUT,
+    VERSION,
+)
+from dmq_server.http.lookupd import LookupdApi
+from dmq_server.http.stats import memory_stats, reliable_topic_stats, text_stats
+from dmq_server.protocols.nsq_subscriptions import describe_outcome
+from dmq_server.core.nsq_wire import CommandParser
+
+if TYPE_CHECKING:
+    from dmq_server.service import DmqServer
+
+__all__ = ["install", "NsqHttp"]
+
+log = Logger()
+
+_BOOL = {"true": True, "1": True, "false": False, "0": False}
+_INT = re.compile(r"^[+-]?[0-9]+$")
+
+
+class NsqHttp(LookupdApi):
+    """The handlers; ``server`` gives the fast store, the broker, addresses and options."""
+
+    def __init__(
+        self,
+        server: "DmqServer",
+        dmq_ping: Resource | None,
+        dmq_stats: Callable[[], dict] | None,
+        dmq_info: Callable[[], dict] | None,
+    ):
+        self.server = server
+        self.dmq_ping = dmq_ping
+        self.dmq_stats = dmq_stats
+        self.dmq_info = dmq_info
+        self.tombstones: dict[str, float] = {}
+        self.started = time.time()
+
+    @property
+    def store(self) -> Any:
+        return self.server.fast_store
+
+    @property
+    def ctx(self) -> Any:
+        return self.server.nsq
+
+    @property
+    def broker(self) -> Any:
+        return self.server.broker
+
+    def _reliable(self, topic: str) -> bool:
+        return self.broker is not None and topic in self.broker.topics
+
+    # -- node identity --------------------------------------------------------------------
+    def broadcast_address(self) -> str:
+        configured = getattr(self.server.options, "broadcast_address", "")
+        if configured:
+            return configured
+        host = self.server.tcp_address[0]
+        if host in ("", "0.0.0.0", "::"):
+            return socket.gethostname()
+        return host
+
+    def peer_info(self) -> dict[str, Any]:
+        tcp_port = self.server.tcp_address[1]
+        broadcast = self.broadcast_address()
+        return {
+            "remote_address": f"{broadcast}:{tcp_port}",
+            "hostname": socket.gethostname(),
+            "broadcast_address": broadcast,
+            "tcp_port": tcp_port,
+            "http_port": self.server.http_address[1],
+            "version": VERSION,
+            "topology_zone": "",
+            "topology_region": "",
+        }
+
+    # -- shared ---------------------------------------------------------------------------
+    def ping(self, request: Any) -> Any:
+        if self.store is not None and self.store.health_error:
+            return PlainText(500, f"NOK - {self.store.health_error}")
+        cluster = getattr(self.server, "cluster", None)
+        if cluster is not None and not cluster.registered:
+            return PlainText(500, "NOK - not registered in the cluster (ZooKeeper) yet")
+        if self.dmq_ping is not None:
+            return self.dmq_ping.render_GET(request)
+        return PlainText(200, "OK")
+
+    def info(self, request: Any) -> dict[str, Any]:
+        out = {
+            "version": VERSION,
+            "broadcast_address": self.broadcast_address(),
+            "hostname": socket.gethostname(),
+            "http_port": self.server.http_address[1],
+            "tcp_port": self.server.tcp_address[1],
+            "start_time": int(self.started),
+            "max_heartbeat_interval": int(MAX_HEARTBEAT_INTERVAL * 1e9),
+            "max_output_buffer_size": MAX_OUTPUT_BUFFER_SIZE,
+            "max_output_buffer_timeout": int(MAX_OUTPUT_BUFFER_TIMEOUT * 1e9),
+            "max_deflate_level": MAX_DEFLATE_LEVEL,
+            "topology_zone": "",
+            "topology_region": "",
+        }
+        if self.dmq_info is not None:
+            for key, value in self.dmq_info().items():
+                if key == "version":
+                    out["dmq_version"] = value
+                else:
+                    out.setdefault(key, value)
+        return out
+
+    # -- publishing -----------------------------------------------------------------------
+    def _topic_param(self, params: dict[str, list[str]], invalid: str = "INVALID_TOPIC") -> str:
+        topic = get_param(params, "topic")
+        if topic is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+        if not valid_name_str(topic):
+            raise HttpError(400, invalid)
+        return topic
+
+    def pub(self, request: Any) -> Any:
+        max_msg = self.ctx.max_msg_size
+        length = request.getHeader(b"content-length")
+        if length is not None and length.isdigit() and int(length) > max_msg:
+            raise HttpError(413, "MSG_TOO_BIG")
+        body = body_of(request)
+        if len(body) > max_msg:
+            raise HttpError(413, "MSG_TOO_BIG")
+        if not body:
+            raise HttpError(400, "MSG_EMPTY")
+        params = params_of(request)
+        topic = self._topic_param(params)
+        defer_ms = 0
+        raw = get_param(params, "defer")
+        if raw is not None:
+            if not _INT.match(raw):
+                raise HttpError(400, "INVALID_DEFER")
+            defer_ms = int(raw)
+            if defer_ms < 0 or defer_ms > int(self.ctx.max_req_timeout * 1000):
+                raise HttpError(400, "INVALID_DEFER")
+        return self._publish(topic, [body], defer_ms)
+
+    def mpub(self, request: Any) -> Any:
+        max_body = self.ctx.max_body_size
+        length = request.getHeader(b"content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            raise HttpError(413, "BODY_TOO_BIG")
+        params = params_of(request)
+        topic = self._topic_param(params)
+        binary = False
+        raw = get_param(params, "binary")
+        if raw is not None:
+            binary = _BOOL.get(raw, True)
+        body = body_of(request)
+        if binary:
+            bodies = self._read_mpub(body)
+        else:
+            if len(body) > max_body:
+                raise HttpError(413, "BODY_TOO_BIG")
+            bodies = []
+            for line in body.split(b"\n"):
+                if not line:
+                    continue
+                if len(line) > self.ctx.max_msg_size:
+                    raise HttpError(413, "MSG_TOO_BIG")
+                bodies.append(line)
+        return self._publish(topic, bodies, 0)
+
+    def _read_mpub(self, body: bytes) -> list[bytes]:
+        """nsqd's readMPUB on the request body (no leading size); errors are 413 with the
+        TCP code minus ``E_``."""
+        parser = CommandParser(self.ctx.max_msg_size, self.ctx.max_body_size)
+        size = 1 if body else 0  # the outer size is not sent over HTTP; any valid value
+        parser.receive_data(b"MPUB t\n" + size.to_bytes(4, "big") + body)
+        try:
+            cmd = parser.next_command()
+        except NsqError as exc:
+            raise HttpError(413, exc.code[2:]) from None
+        if cmd is None:  # the body ended early
+            if len(body) < 4:
+                raise HttpError(413, "BAD_BODY")  # failed to read message count
+            raise HttpError(413, "BAD_MESSAGE")
+        return cmd.bodies
+
+    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int) -> Any:
+        if self._reliable(topic) or (self.broker is not None and topic not in self.store.topics):
+            d: Deferred = Deferred()
+            self.ctx.resolve(topic, lambda reliable: self._route(d, topic, bodies, defer_ms, reliable))
+            return d
+        return self._publish_fast(topic, bodies, defer_ms)
+
+    def _route(self, d: Deferred, topic: str, bodies: list[bytes], defer_ms: int, reliable: bool) -> None:
+        if not reliable:
+            try:
+                d.callback(self._publish_fast(topic, bodies, defer_ms))
+            except HttpError as exc:
+                d.callback(exc)
+            return
+        if not bodies:
+            d.callback("OK")
+            return
+        remaining = [len(bodies)]
+        failures: list[str] = []
+        now_ms = int(time.time() * 1000)
+
+        def done(outcome: Any) -> None:
+            if not isinstance(outcome, Published):
+                failures.append(describe_outcome(outcome))
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                d.callback(HttpError(503, failures[0]) if failures else "OK")
+
+        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}  # deferred: the delay table
+        for body in bodies:
+            self.broker.publish_cb(topic, self.ctx.http_producer, self.ctx.new_session_id(), body, now_ms, done, **delay)
+
+    def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int) -> str:
+        store = self.store
+        try:
+            store.get_topic(topic).put_many([store.new_message(b, defer_ms / 1000.0) for b in bodies])
+        except Exiting:
+            raise HttpError(503, "EXITING") from None
+        except Exception as exc:
+            store.set_health(exc)
+            raise HttpError(503, "EXITING") from None
+        return "OK"
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self, request: Any) -> Any:
+        params = params_of(request)
+        fmt = get_param(params, "format")
+        if fmt is None and self.dmq_stats is not None:
+            out = dict(self.dmq_stats())
+            out["fast_topics"] = self.store.stats() or []
+            return out
+        topic = get_param(params, "topic")
+        channel = get_param(params, "channel")
+        include_clients = _BOOL.get(get_param(params, "include_clients") or "", True)
+        include_mem = _BOOL.get(get_param(params, "include_mem") or "", True)
+        topics = self._topic_stats(topic or None, channel or None, include_clients)
+        producers = [c.stats() for c in sorted(self.ctx.connections, key=lambda c: c.connect_ts) if c.pub_counts]
+        health = f"NOK - {self.store.health_error}" if self.store.health_error else "OK"
+        if self.broker is not None and not self.broker.healthy:
+            health = f"NOK - {self.broker.health_detail}"
+        if fmt != "json":
+            return text_stats(topics, memory_stats() if include_mem else None, health, self.started, producers)
+        out: dict[str, Any] = {"version": VERSION, "health": health, "start_time": int(self.started), "topics": topics}
+        if include_mem:
+            out["memory"] = memory_stats()
+        out["producers"] = producers or None
+        return out
+
+    def _topic_stats(self, topic: str | None, channel: str | None, include_clients: bool) -> list | None:
+        fast = self.store.stats(None, channel, include_clients) or []
+        by_name = {t["topic_name"]: dict(t, store="fast") for t in fast}
+        if self.broker is not None:
+            for name, row in self.broker.topics.items():
+                by_name[name] = reliable_topic_stats(self.broker, name, row, channel, include_clients)
+        if topic is not None:
+            return [by_name[topic]] if topic in by_name else None
+        return [by_name[n] for n in sorted(by_name)]
+
+    # -- topic and channel admin (nsqd) ---------------------------------------------------
+    # On a reliable topic, channel pause, unpause and empty work as on nsqd (the broker
+    # stores the pause in PostgreSQL); topic pause and unpause apply to every channel; a
+    # topic empty has nothing to drop (copies go straight to the channels). Creating and
+    # deleting reliable topics and channels changes the registry: that is `dmq topic` /
+    # `dmq channel`, refused here with 400 (never 403, which the Go tools read as "TLS
+    # required"). Deleting what is not there answers 200: nsqadmin in lookupd mode sends
+    # the same delete to the lookupd and to the node, which on dmq are one URL.
+    def _existing_topic(self, topic: str) -> Any:
+        t = self.store.topics.get(topic)
+        if t is None:
+            if self._reliable(topic):
+                raise HttpError(400, _REGISTRY_ONLY)
+            raise HttpError(404, "TOPIC_NOT_FOUND")
+        return t
+
+    def topic_create(self, request: Any) -> None:
+        topic = self._topic_param(params_of(request))
+        if not self._reliable(topic):
+            self.store.get_topic(topic)
+        return None
+
+    def topic_delete(self, request: Any) -> None:
+        params = params_of(request)
+        topic = get_param(params, "topic")
+        if topic is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+        if self._reliable(topic):
+            raise HttpError(400, _REGISTRY_ONLY)
+        if topic in self.store.topics:
+            self.store.delete_topic(topic)
+        return None
+
+    def topic_empty(self, request: Any) -> None:
+        name = self._topic_param(params_of(request))
+        if self._reliable(name):
+            return None
+        topic = self._existing_topic(name)
+        try:
+            topic.empty()
+        except Exception:
+            raise HttpError(500, "INTERNAL_ERROR") from None
+        return None
+
+    def topic_pause(self, request: Any, pause: bool = True) -> Any:
+        params = params_of(request)
+        name = get_param(params, "topic")
+        if name is None:
+            raise HttpError(400, "MISSING_ARG_TOPIC")
+        if self._reliable(name):
+            channels = self.broker.topics[name].channels
+            return _answer(DeferredList(
+                [self.broker.pause_channel(name, c, pause) for c in channels],
+                fireOnOneErrback=True,
+                consumeErrors=True,
+            ))
+        topic = self._existing_topic(name)
+        topic.pause() if pause else topic.unpause()
+        self.store.persist_metadata()
+        return None
+
+    def _topic_channel(self, request: Any) -> tuple[str, str]:
+        params = params_of(request)
+        topic = self._topic_param(params, "INVALID_ARG_TOPIC")
+        channel = get_param(params, "channel")
+        if channel is None:
+            raise HttpError(400, "MISSING_ARG_CHANNEL")
+        if not valid_name_str(channel):
+            raise HttpError(400, "INVALID_ARG_CHANNEL")
+        return topic, channel
+
+    def _existing_channel(self, request: Any) -> Any:
+        topic, name = self._topic_channel(request)
+        channel = self._existing_topic(topic).channels.get(name)
+        if channel is None:
+            raise HttpError(404, "CHANNEL_NOT_FOUND")
+        return channel
+
+    def channel_create(self, request: Any) -> None:
+        topic, name = self._topic_channel(request)
+        self._existing_topic(topic).get_channel(name)
+        return None
+
+    def channel_delete(self, request: Any) -> None:
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            raise HttpError(400, _REGISTRY_ONLY)
+        fast = self.store.topics.get(topic)
+        if fast is not None and name in fast.channels:
+            fast.delete_channel(name)
+        return None
+
+    def channel_empty(self, request: Any) -> Any:
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            return _answer(self.broker.empty_channel(topic, name))
+        channel = self._existing_channel(request)
+        try:
+            channel.empty()
+        except Exception:
+            raise HttpError(500, "INTERNAL_ERROR") from None
+        return None
+
+    def channel_pause(self, request: Any, pause: bool = True) -> Any:
+        topic, name = self._topic_channel(request)
+        if self._reliable(topic):
+            return _answer(self.broker.pause_channel(topic, name, pause))
+        channel = self._existing_channel(request)
+        channel.pause() if pause else channel.unpause()
+        self.store.persist_metadata()
+        return None
+
+
+
+_REGISTRY_ONLY = (
+    "RELIABLE_TOPIC reliable topics and their channels are created and deleted with "
+    "`dmq topic` and `dmq channel` (pause, unpause and empty work here)"
+)
+
+
+def _answer(d: Deferred) -> Deferred:
+    """A broker operation's outcome as an nsqd answer: 200 with no data, 404 for what
+    is not registered, 500 when PostgreSQL failed."""
+
+    def failed(failure: Any) -> HttpError:
+        error = failure.value
+        if isinstance(error, FirstError):
+            error = error.subFailure.value
+        if isinstance(error, KeyError):
+            return HttpError(404, str(error.args[0]))
+        log.warn("channel admin failed: {why}", why=error)
+        return HttpError(500, "INTERNAL_ERROR")
+
+    return d.addCallbacks(lambda _: None, failed)
+
+
+def install(root: Resource, server: "DmqServer") -> NsqHttp:
+    """Put nsqd's and nsqlookupd's endpoints on ``root`` (dmq's HTTP root). dmq's own
+    ``/ping``, ``/stats`` and ``/info`` keep working: ``/ping`` still checks PostgreSQL,
+    ``/stats`` without ``format`` is dmq's JSON, ``/info`` has both sets of fields."""
+    children = getattr(root, "children", {})
+    old_ping = children.get(b"ping")
+    old_stats = children.get(b"stats")
+    old_info = children.get(b"info")
+    api = NsqHttp(
+        server,
+        old_ping,
+        getattr(old_stats, "_stats", None),
+        getattr(old_info, "_info", None),
+    )
+    GET, POST = b"GET", b"POST"
+    root.putChild(b"ping", Endpoint({GET: api.ping}))
+    root.putChild(b"info", Endpoint({GET: api.info}))
+    root.putChild(b"stats", Endpoint({GET: api.stats}))
+    root.putChild(b"pub", Endpoint({POST: api.pub}))
+    root.putChild(b"mpub", Endpoint({POST: api.mpub}))
+    root.putChild(b"lookup", Endpoint({GET: api.lookup}))
+    root.putChild(b"topics", Endpoint({GET: api.topics}))
+    root.putChild(b"channels", Endpoint({GET: api.channels}))
+    root.putChild(b"nodes", Endpoint({GET: api.nodes}))
+    topic = Group()
+    topic.putChild(b"create", Endpoint({POST: api.topic_create}))
+    topic.putChild(b"delete", Endpoint({POST: api.topic_delete}))
+    topic.putChild(b"empty", Endpoint({POST: api.topic_empty}))
+    topic.putChild(b"pause", Endpoint({POST: api.topic_pause}))
+    topic.putChild(b"unpause", Endpoint({POST: lambda r: api.topic_pause(r, False)}))
+    topic.putChild(b"tombstone", Endpoint({POST: api.tombstone}))
+    root.putChild(b"topic", topic)
+    channel = Group()
+    channel.putChild(b"create", Endpoint({POST: api.channel_create}))
+    channel.putChild(b"delete", Endpoint({POST: api.channel_delete}))
+    channel.putChild(b"empty", Endpoint({POST: api.channel_empty}))
+    channel.putChild(b"pause", Endpoint({POST: api.channel_pause}))
+    channel.putChild(b"unpause", Endpoint({POST: lambda r: api.channel_pause(r, False)}))
+    root.putChild(b"channel", channel)
+    if hasattr(root, "not_found"):
+        root.not_found = NOT_FOUND
+    return api
+

@@ -1,0 +1,308 @@
+"""The dmq wire protocol on a connection: frames in, broker calls, frames out.
+
+A thin adapter: the codec parses, the broker decides, this class only maps
+commands to broker calls and outcomes to reply frames, and decides when to
+close (protocol errors, silent peers). It is handed the transport after the
+port's first four bytes chose this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
+from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
+
+from dmq_server.broker import Broker, Published, PublishRejected, SubscribeRejected
+from dmq_server.reliable.channel import Channel, Delivery
+from dmq_server.protocols.flow import NO_GATE
+from dmq_server.core.peers import peer_address
+from dmq_server.db.errors import StorageError
+from dmq_server.reliable.writer import ShuttingDown
+
+__all__ = ["DmqConnection", "Subscription"]
+
+log = Logger()
+
+_SEND_REJECT = {
+    "invalid": Command.SEND_INVALID_ACK,
+    "no_topic": Command.SEND_NO_TOPIC_ACK,
+    "rate_limited": Command.SEND_EXCEED_LIMIT_ACK,
+}
+_SUB_REJECT = {
+    "invalid": Command.SUBSCRIBE_INVALID_ACK,
+    "no_topic": Command.SUBSCRIBE_NO_TOPIC_ACK,
+    "no_channel": Command.SUBSCRIBE_NO_CLIENT_ID_ACK,
+    "server_error": Command.SUBSCRIBE_SERVER_ERROR,
+}
+
+
+class Subscription:
+    """One (topic, channel) a connection consumes, with its own credit window."""
+
+    def __init__(self, connection: "DmqConnection", credit: int):
+        self.connection = connection
+        self.credit = credit
+        self.in_flight = 0
+        self.channel: Channel | None = None
+
+    def push(self, channel: Channel, delivery: Delivery) -> None:
+        message = delivery.message
+        self.connection.write(
+            Frame(
+                Command.CONSUMER_PUSH,
+                session_id=message.session_id,
+                message_id=message.message_id,
+                topic=message.topic,
+                channel=channel.name,
+                producer=message.producer,
+                timestamp_ms=message.published_ms,
+                attempts=min(delivery.attempts, 0xFFFF),
+                body=message.body,
+            )
+        )
+
+    def channel_closed(self, channel: Channel) -> None:
+        self.connection.subscriptions.pop((channel.topic, channel.name), None)
+
+
+class DmqConnection:
+    """Serves one client that opened with the dmq magic."""
+
+    def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set):
+        self.transport = transport
+        self.broker = broker
+        self.clock = clock
+        options = broker.options
+        self.decoder = FrameDecoder(options.max_msg_size + MIN_FRAME_SIZE + 3 * 255 + 4096 + 4)
+        self._send_reply = SendReplyEncoder()  # one answer per message: no Frame built
+        self.subscriptions: dict[tuple[str, str], Subscription] = {}
+        self.closed = False
+        self.last_heard = clock.seconds()
+        self._registry = registry
+        registry.add(self)
+        self.peer = peer_address(transport)
+        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
+        self._heartbeat = LoopingCall(self._beat)
+        self._heartbeat.clock = clock
+        self._heartbeat.start(options.heartbeat_interval, now=False)
+        self._deadline: Any = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
+        self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail))
+
+    # -- transport side ---------------------------------------------------
+    def write(self, frame: Frame) -> None:
+        if not self.closed:
+            self.transport.write(encode(frame))
+
+    def data_received(self, data: bytes) -> None:
+        self.last_heard = self.clock.seconds()
+        try:
+            frames = self.decoder.feed(data)
+        except FrameError as exc:
+            self.protocol_error(exc.code, exc.message)
+            return
+        if frames:
+            self.flow.frame_completed()
+        for frame in frames:
+            if self.closed:
+                return
+            self._dispatch(frame)
+
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held (the port's flow control counts them)."""
+        return 0 if self.closed else self.decoder.buffered
+
+    def timed_out(self, description: str) -> None:
+        """The port's read timeout: an incomplete frame took too long."""
+        self.protocol_error("E_TIMEOUT", description)
+
+    def protocol_error(self, code: str, description: str) -> None:
+        log.info("{peer}: protocol error {code} {why}", peer=self.peer, code=code, why=description)
+        self.write(Frame(Command.PROTOCOL_ERROR, status=f"{code} {description}"))
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
+            self.connection_lost()
+            self.closed = True
+
+    def connection_lost(self) -> None:
+        if self._heartbeat.running:
+            self._heartbeat.stop()
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+        self._registry.discard(self)
+        subs, self.subscriptions = self.subscriptions, {}
+        for sub in subs.values():
+            if sub.channel is not None:
+                self.broker.unsubscribe(sub.channel, sub)
+        self.closed = True
+
+    def _beat(self) -> None:
+        interval = self.broker.options.heartbeat_interval
+        self.write(Frame(Command.SERVER_HEARTBEAT, credit=int(interval * 1000)))
+
+    def _check_silence(self) -> None:
+        """A timer due exactly two heartbeat intervals after the last byte heard (a
+        check on the heartbeat tick would close between two and three intervals)."""
+        self._deadline = None
+        if self.closed:
+            return
+        limit = 2 * self.broker.options.heartbeat_interval
+        now = self.clock.seconds()
+        if self.flow.server_paused:
+            self.last_heard = now  # not read because of the server: not the client's silence
+        idle = now - self.last_heard
+        if idle >= limit:
+            log.info("{peer}: no data for two heartbeat intervals, closing", peer=self.peer)
+            self.protocol_error("E_TIMEOUT", "no data received for two heartbeat intervals")
+            return
+        self._deadline = self.clock.callLater(limit - idle, self._check_silence)
+
+    # -- commands ---------------------------------------------------------
+    def _dispatch(self, frame: Frame) -> None:
+        command = frame.command
+        if command in (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND):
+            self._send(frame)
+        elif command == Command.UP_CONSUMER_ACK:
+            self._ack(frame)
+        elif command == Command.UP_SUBSCRIBE:
+            self._subscribe(frame)
+        elif command == Command.UP_CREDIT:
+            self._credit(frame)
+        elif command == Command.UP_HEARTBEAT:
+            pass
+        else:
+            self.protocol_error("E_INVALID", f"{command.name} is not a client command")
+
+    def _ack(self, frame: Frame) -> None:
+        """Acknowledge a copy pushed to *this* connection's subscription. Any other
+        ack (no such subscription, a copy held by another consumer, one that timed
+        out and went back to the queue) is ignored, as the protocol has no reply
+        for acks, and counted in ``/stats`` (``acks_refused``)."""
+        sub = self.subscriptions.get((frame.topic, frame.channel))
+        if sub is None or self.broker.ack(frame.topic, frame.channel, frame.message_id, sub) is not None:
+            self.broker.acks_refused += 1
+
+    def _send(self, frame: Frame) -> None:
+        size = len(frame.body)
+        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
+
+        def reply(command: Command, message_id: int = 0, status: str = "") -> None:
+            if not self.closed:
+                self.transport.write(
+                    self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status)
+                )
+
+        def done(outcome: Any) -> None:
+            self.flow.send_done(size)
+            if isinstance(outcome, Published):
+                reply(
+                    Command.SEND_SUCCESS_ACK,
+                    outcome.message_id,
+                    "duplicate" if outcome.duplicate else "",
+                )
+            elif isinstance(outcome, PublishRejected):
+                reply(_SEND_REJECT[outcome.reason], status=outcome.description)
+            elif isinstance(outcome, ShuttingDown):
+                reply(Command.SEND_SERVER_ERROR, status="E_SHUTTING_DOWN server is restarting, send elsewhere")
+            elif isinstance(outcome, StorageError):
+                reply(Command.SEND_SERVER_ERROR, status=f"E_STORAGE {outcome}")
+            else:
+                log.error("send failed: {error!r}", error=outcome)
+                reply(Command.SEND_SERVER_ERROR, status=f"E_INTERNAL {outcome!r}")
+
+        self.broker.publish_cb(
+            frame.topic,
+            frame.producer,
+            frame.session_id,
+            frame.body,
+            frame.timestamp_ms,
+            done,
+            frame.due_ms if frame.msg_type == MessageType.DELAY else None,
+            frame.command == Command.UP_PRODUCER_RESEND,
+        )
+
+    def _subscribe(self, frame: Frame) -> None:
+        options = self.broker.options
+        credit = frame.credit or options.default_credit
+        key = (frame.topic, frame.channel)
+
+        def reply(command: Command, status: str = "") -> None:
+            self.write(
+                Frame(
+                    command,
+                    session_id=frame.session_id,
+                    topic=frame.topic,
+                    channel=frame.channel,
+                    credit=credit,
+                    status=status,
+                )
+            )
+
+        if credit > options.max_credit:
+            reply(Command.SUBSCRIBE_INVALID_ACK, f"E_INVALID credit {credit} above {options.max_credit}")
+            return
+        existing = self.subscriptions.get(key)
+        if existing is not None:
+            existing.credit = credit
+            reply(Command.SUBSCRIBE_ACK)
+            if existing.channel is not None:
+                existing.channel.pump()
+            return
+        sub = Subscription(self, credit)
+        self.subscriptions[key] = sub
+
+        def ok(channel: Channel) -> None:
+            if self.closed or self.subscriptions.get(key) is not sub:
+                self.broker.unsubscribe(channel, sub)
+                return
+            sub.channel = channel
+            reply(Command.SUBSCRIBE_ACK)
+            channel.pump()
+
+        def failed(failure: Any) -> None:
+            self.subscriptions.pop(key, None)
+            error = failure.value
+            if isinstance(error, SubscribeRejected):
+                reply(_SUB_REJECT[error.reason], error.description)
+            elif isinstance(error, StorageError):
+                reply(Command.SUBSCRIBE_SERVER_ERROR, f"E_STORAGE {error}")
+            else:
+                log.failure("subscribe failed", failure)
+                reply(Command.SUBSCRIBE_SERVER_ERROR, f"E_INTERNAL {error!r}")
+
+        # The reply must precede the first push, so attach with zero credit first.
+        real_credit, sub.credit = credit, 0
+
+        def restore(channel: Channel) -> Channel:
+            sub.credit = real_credit
+            return channel
+
+        self.broker.subscribe(frame.topic, frame.channel, sub).addCallback(restore).addCallbacks(ok, failed)
+
+    def _credit(self, frame: Frame) -> None:
+        sub = self.subscriptions.get((frame.topic, frame.channel))
+        if sub is None:
+            self.protocol_error("E_INVALID", f"UP_CREDIT for {frame.topic}/{frame.channel} without a subscription")
+            return
+        if frame.credit > self.broker.options.max_credit:
+            self.protocol_error("E_INVALID", f"credit {frame.credit} above {self.broker.options.max_credit}")
+            return
+        sub.credit = frame.credit
+        if sub.channel is not None:
+            sub.channel.pump()
+
+    def reboot(self) -> None:
+        """Graceful shutdown notice; the connection closes once sends are answered."""
+        self.write(Frame(Command.SERVER_REBOOT, status="server is shutting down"))
+
+    def health_changed(self, ok: bool) -> None:
+        if ok:
+            self.write(Frame(Command.SERVER_HEALTH, status="OK"))

@@ -1,0 +1,131 @@
+"""What a SUB attaches a V2 connection to: a fast channel, or a reliable channel of the broker.
+
+Both offer the same five operations to the connection (``pump``, ``finish``,
+``requeue``, ``touch``, ``detach``) and answer errors with nsqd's texts
+("ID not in flight", "client does not own message"). On a reliable channel the
+wire id is the 16-hex-char form of the int64 message id, ``FIN`` is
+``Broker.ack`` (made durable in a batch), and the connection is wrapped in a
+``ReliableConsumer`` that offers the broker's consumer interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmq_server.broker import PublishRejected
+from dmq_server.db.errors import StorageError
+from dmq_server.reliable.writer import ShuttingDown
+from dmq_server.core.ids import hex_id, parse_hex_id
+from dmq_server.core.nsq_wire import message_frame
+
+__all__ = ["FastSub", "ReliableConsumer", "ReliableSub", "describe_outcome"]
+
+
+class FastSub:
+    """SUB on a fast channel: the connection itself is the channel's client."""
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+
+    def pump(self) -> None:
+        self.channel.pump()
+
+    def finish(self, conn: Any, message_id: bytes) -> str | None:
+        return self.channel.finish(conn, message_id)
+
+    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+        return self.channel.requeue(conn, message_id, timeout)
+
+    def touch(self, conn: Any, message_id: bytes) -> str | None:
+        return self.channel.touch(conn, message_id, conn.msg_timeout)
+
+    def in_flight(self, conn: Any) -> int:
+        return conn.in_flight_count
+
+    def detach(self, conn: Any) -> None:
+        self.channel.remove_client(conn)
+
+
+class ReliableConsumer:
+    """The broker's consumer interface (``credit``, ``in_flight``, ``push``) for an NSQ
+    connection on a reliable channel."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.in_flight = 0
+
+    @property
+    def credit(self) -> int:
+        return self.conn.ready_count
+
+    def push(self, channel: Any, delivery: Any) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        message = delivery.message
+        conn.message_count += 1
+        conn.write(
+            message_frame(
+                message.published_ms * 1_000_000,
+                delivery.attempts,
+                hex_id(message.message_id),
+                message.body,
+            )
+        )
+
+    def channel_closed(self, channel: Any) -> None:
+        self.conn.channel_closed(channel)
+
+
+class ReliableSub:
+    """SUB on a registered channel of a reliable topic."""
+
+    def __init__(self, broker: Any, channel: Any, consumer: ReliableConsumer):
+        self.broker = broker
+        self.channel = channel
+        self.consumer = consumer
+
+    def pump(self) -> None:
+        self.channel.pump()
+
+    def finish(self, conn: Any, message_id: bytes) -> str | None:
+        mid = parse_hex_id(message_id)
+        if mid is None:
+            return "ID not in flight"
+        error = self.broker.ack(self.channel.topic, self.channel.name, mid, self.consumer)
+        if error is not None:
+            return error
+        conn.finish_count += 1
+        return None
+
+    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+        mid = parse_hex_id(message_id)
+        if mid is None:
+            return "ID not in flight"
+        error = self.channel.requeue(mid, self.consumer, timeout)
+        if error is None:
+            conn.requeue_count += 1
+        return error
+
+    def touch(self, conn: Any, message_id: bytes) -> str | None:
+        mid = parse_hex_id(message_id)
+        if mid is None:
+            return "ID not in flight"
+        return self.channel.touch(mid, self.consumer)
+
+    def in_flight(self, conn: Any) -> int:
+        return self.consumer.in_flight
+
+    def detach(self, conn: Any) -> None:
+        self.broker.unsubscribe(self.channel, self.consumer)
+
+
+def describe_outcome(outcome: Any) -> str:
+    """The reason a reliable publish failed, for an error frame or an HTTP message."""
+    if isinstance(outcome, PublishRejected):
+        return outcome.description
+    if isinstance(outcome, StorageError):
+        return f"E_STORAGE {outcome}"
+    if isinstance(outcome, ShuttingDown):
+        return "E_SHUTTING_DOWN server is restarting"
+    return repr(outcome)

@@ -1,0 +1,595 @@
+"""NSQ protocol V2 on a connection: the thin adapter between the codec and the stores.
+
+``CommandParser`` turns bytes into commands, one at a time; each ``cmd_*`` method
+checks state and parameters in nsqd's order and raises ``ClientError`` or
+``FatalClientError`` with nsqd's code and text; only this class decides to close
+(after a fatal error's frame is written). Answers leave in command order
+(``responses.ResponseQueue``). Messages and heartbeats go out at once.
+
+Topics registered as reliable in the broker's registry are served by the broker
+(PUB answers OK only after commit; SUB attaches to a registered channel; FIN is a
+durable ack); every other topic is a fast topic of the ``FastStore``, created on
+demand like nsqd's. A name seen for the first time costs one registry refresh,
+so a topic registered a moment ago is never mistaken for a fast one.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from dmq_server.broker import Published, SubscribeRejected
+from dmq_server.protocols.flow import NO_GATE
+from dmq_server.core.peers import peer_address
+from dmq_server.db.errors import StorageError
+from dmq_server.fast.channel import Exiting
+from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
+from dmq_server.core.nsq_identify import (
+    VERSION,
+    ClientSettings,
+    deflate_choice,
+    identify_reply,
+    negotiate,
+    parse_identify,
+)
+from dmq_server.protocols.nsq_context import NsqContext
+from dmq_server.protocols.nsq_responses import ResponseQueue, Slot
+from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub, describe_outcome
+from dmq_server.core.nsq_wire import (
+    CLOSE_WAIT,
+    HEARTBEAT,
+    MSG_ID_LENGTH,
+    OK,
+    CommandParser,
+    as_int64,
+    error_frame,
+    go_quote,
+    parse_base10,
+    response,
+    valid_name_bytes,
+)
+
+__all__ = ["NsqContext", "NsqConnection", "VERSION"]
+
+log = Logger()
+
+STATE_INIT, STATE_SUBSCRIBED, STATE_CLOSING = 0, 3, 4
+#: most bytes inflated from a deflate stream at a time: a small packet can inflate to
+#: gigabytes, so the stream is inflated in steps, each parsed before the next
+INFLATE_STEP = 65536
+
+
+class NsqConnection:
+    """Serves one client that opened with ``"  V2"``. Also the fast channel's client."""
+
+    def __init__(self, transport: Any, ctx: NsqContext):
+        self.transport = transport
+        self.ctx = ctx
+        self.clock = ctx.clock
+        self.store = ctx.store
+        self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
+        self.replies = ResponseQueue(self.write, self.close)
+        self.state = STATE_INIT
+        peer = peer_address(transport)
+        self.remote_address = peer
+        self.client_id = self.hostname = peer.rsplit(":", 1)[0]
+        self.user_agent = ""
+        self.producer_id = ctx.producer_for(peer)
+        self.settings = ClientSettings(ctx.heartbeat_interval, ctx.msg_timeout)
+        self.rdy = 0
+        self.in_flight_count = 0
+        self.message_count = self.finish_count = self.requeue_count = 0
+        self.pub_counts: dict[str, int] = {}
+        self.connect_ts = int(self.clock.seconds())
+        self.sub: FastSub | ReliableSub | None = None
+        self._sub_answered = False
+        self.deflate_level = 0  # > 0 once the stream is deflate-compressed
+        self._compress: Any = None
+        self._decompress: Any = None
+        self._inflate_tail = b""  # compressed bytes not inflated yet (paused, or one step at a time)
+        self._inflate_more = False  # zlib may hold more output of what it already took
+        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
+        self._stopped = False  # a fatal error is on its way: read no more commands
+        self.closed = False
+        self.last_read = self.clock.seconds()
+        self._heartbeat: LoopingCall | None = None
+        self._deadline: Any = None
+        self._start_heartbeats()
+        ctx.connections.add(self)
+
+    # -- what the fast channel reads ------------------------------------------------------
+    @property
+    def ready_count(self) -> int:
+        """RDY, or 0 until the SUB's OK has gone out and after CLS."""
+        return self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED else 0
+
+    @property
+    def msg_timeout(self) -> float:
+        return self.settings.msg_timeout
+
+    @property
+    def sample_rate(self) -> int:
+        return self.settings.sample_rate
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.settings.heartbeat_interval
+
+    def send_message(self, channel: Any, msg: Any) -> None:
+        self.write(msg.frame())
+
+    def channel_closed(self, channel: Any) -> None:
+        """The channel was deleted (or unregistered): nsqd closes its clients."""
+        self.sub = None
+        self.close()
+
+    # -- transport side ---------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        """Every byte to the client goes here (so compression applies to all of it)."""
+        if self.closed:
+            return
+        if self._compress is not None:
+            data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
+        self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.last_read = self.clock.seconds()
+        if self._decompress is not None:
+            self._inflate_tail += data
+            self._inflate()
+            return
+        self.parser.receive_data(data)
+        self._process()
+
+    def _inflate(self) -> None:
+        """Inflate and run the kept compressed input, one step at a time, while the
+        connection is not paused (what is left waits for ``resume_reading``)."""
+        while (
+            (self._inflate_tail or self._inflate_more)
+            and not self._stopped
+            and not self.closed
+            and not self.flow.paused
+        ):
+            data, self._inflate_tail = self._inflate_tail, b""
+            try:
+                out = self._decompress.decompress(data, INFLATE_STEP)
+            except zlib.error as exc:
+                log.info("{peer}: invalid deflate stream ({why}), closing", peer=self.remote_address, why=exc)
+                self._answer(None, FatalClientError("E_INVALID", f"invalid deflate stream: {exc}"))
+                return
+            self._inflate_tail = self._decompress.unconsumed_tail
+            # a full step may leave output inside zlib even when all input was taken
+            self._inflate_more = len(out) == INFLATE_STEP
+            self.parser.receive_data(out)
+            self._process()
+
+    def resume_reading(self) -> None:
+        """The port reads this connection again: first finish the input kept meanwhile."""
+        if self._inflate_tail or self._inflate_more:
+            self._inflate()
+
+    def buffered(self) -> int:
+        """Bytes of incomplete input held (the port's flow control counts them)."""
+        return 0 if self.closed else self.parser.buffered() + len(self._inflate_tail)
+
+    def timed_out(self, description: str) -> None:
+        """The port's read timeout: an incomplete command took too long."""
+        self._answer(None, FatalClientError("E_TIMEOUT", description))
+
+    def _process(self) -> None:
+        parser = self.parser
+        while not self._stopped and not self.closed:
+            try:
+                cmd = parser.next_command()
+                if cmd is None:
+                    return
+                self.flow.frame_completed()
+                handler = _HANDLERS.get(cmd.name)
+                if handler is None:
+                    name = cmd.name.decode("utf-8", "replace")
+                    raise FatalClientError("E_INVALID", f"invalid command {name}")
+                handler(self, cmd)
+            except NsqError as err:
+                self._answer(None, err)
+            except CloseSilently:
+                log.info("{peer}: command line too long, closing", peer=self.remote_address)
+                self._stopped = True
+                self.close()
+
+    def connection_lost(self) -> None:
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+        self.ctx.connections.discard(self)
+        sub, self.sub = self.sub, None
+        if sub is not None:
+            sub.detach(self)
+        self.replies.clear()
+        self.closed = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.transport.loseConnection()
+            self.flow.closing()  # aborted later if the client never reads the rest
+            self.connection_lost()
+
+    def _answer(self, slot: Slot | None, data: bytes | NsqError, after: Callable[[], None] | None = None) -> None:
+        """Fill ``slot`` (or answer in turn) with a response or an error frame."""
+        if isinstance(data, NsqError):
+            if data.fatal:
+                self._stopped = True
+                log.info("{peer}: fatal error {text}", peer=self.remote_address, text=data.text)
+            frame, fatal = error_frame(data), data.fatal
+        else:
+            frame, fatal = response(data), False
+        if slot is None:
+            self.replies.reply(frame, fatal, after)
+        else:
+            self.replies.fill(slot, frame, fatal, after)
+
+    # -- heartbeats and the read deadline -------------------------------------------------
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._heartbeat = self._deadline = None
+        interval = self.heartbeat_interval
+        if interval <= 0:
+            return
+        self._heartbeat = LoopingCall(self._beat)
+        self._heartbeat.clock = self.clock
+        self._heartbeat.start(interval, now=False)
+        self._deadline = self.clock.callLater(2 * interval, self._check_deadline)
+
+    def _beat(self) -> None:
+        self.write(response(HEARTBEAT))
+
+    def _check_deadline(self) -> None:
+        self._deadline = None
+        if self.closed or self.heartbeat_interval <= 0:
+            return
+        limit = 2 * self.heartbeat_interval
+        if self.flow.server_paused:
+            self.last_read = self.clock.seconds()  # not read because of the server, not silent
+        idle = self.clock.seconds() - self.last_read
+        if idle >= limit:
+            log.info("{peer}: nothing read for two heartbeat intervals, closing", peer=self.remote_address)
+            self.close()
+            return
+        self._deadline = self.clock.callLater(limit - idle, self._check_deadline)
+
+    # -- checks nsqd makes before reading a body ------------------------------------------
+    def _precheck(self, params: list[bytes]) -> None:
+        name = params[0]
+        if name == b"IDENTIFY":
+            if self.state != STATE_INIT:
+                raise FatalClientError("E_INVALID", "cannot IDENTIFY in current state")
+        elif name == b"AUTH":
+            if self.state != STATE_INIT:
+                raise FatalClientError("E_INVALID", "cannot AUTH in current state")
+            if len(params) != 1:
+                raise FatalClientError("E_INVALID", "AUTH invalid number of parameters")
+        elif name == b"MPUB":
+            if len(params) < 2:
+                raise FatalClientError("E_INVALID", "MPUB insufficient number of parameters")
+            if not valid_name_bytes(params[1]):
+                raise FatalClientError(
+                    "E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {go_quote(params[1])} is not valid"
+                )
+        else:  # PUB, DPUB
+            cmd = name.decode()
+            if len(params) < (3 if name == b"DPUB" else 2):
+                raise FatalClientError("E_INVALID", f"{cmd} insufficient number of parameters")
+            if not valid_name_bytes(params[1]):
+                raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {go_quote(params[1])} is not valid")
+            if name == b"DPUB":
+                self._defer_ms(params[2])
+
+    def _defer_ms(self, raw: bytes) -> int:
+        try:
+            ms = parse_base10(raw)
+        except ValueError:
+            raise FatalClientError("E_INVALID", f"DPUB could not parse timeout {_text(raw)}") from None
+        max_ms = int(self.ctx.max_req_timeout * 1000)
+        if ms > max_ms:
+            raise FatalClientError("E_INVALID", f"DPUB timeout {ms} out of range 0-{max_ms}")
+        return ms
+
+    # -- IDENTIFY / AUTH ------------------------------------------------------------------
+    def cmd_identify(self, cmd: Any) -> None:
+        fields = parse_identify(cmd.body)
+        self.client_id = fields.get("client_id", "")
+        self.hostname = fields.get("hostname", "")
+        self.user_agent = fields.get("user_agent", "")
+        ctx = self.ctx
+        try:
+            settings = negotiate(fields, self.settings, ctx.max_msg_timeout)
+        except ValueError as exc:
+            raise FatalClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
+        old_interval, self.settings = self.settings.heartbeat_interval, settings
+        if settings.heartbeat_interval != old_interval:
+            self._start_heartbeats()
+        if not fields.get("feature_negotiation", False):
+            self.replies.reply(response(OK))
+            return
+        deflate, level = deflate_choice(fields, ctx.deflate, ctx.max_deflate_level)
+        reply = identify_reply(
+            settings,
+            max_rdy_count=ctx.max_rdy_count,
+            max_msg_timeout=ctx.max_msg_timeout,
+            deflate=deflate,
+            deflate_level=level,
+            max_deflate_level=ctx.max_deflate_level,
+        )
+        upgrade = (lambda: self._upgrade_deflate(level)) if deflate else None
+        self.replies.reply(response(reply), after=upgrade)
+
+    def _upgrade_deflate(self, level: int) -> None:
+        """After the IDENTIFY reply: raw DEFLATE both ways (sync-flushed per write), then
+        an OK through the new stream, as nsqd does."""
+        self.deflate_level = level
+        self._compress = zlib.compressobj(level, zlib.DEFLATED, -zlib.MAX_WBITS)
+        self._decompress = zlib.decompressobj(-zlib.MAX_WBITS)
+        leftover = self.parser.take_buffered()  # sent before the upgrade: already compressed
+        self.write(response(OK))
+        if leftover:
+            self._inflate_tail = leftover + self._inflate_tail
+            self._inflate()  # bad bytes here are answered (E_INVALID) after IDENTIFY's reply
+
+    def cmd_auth(self, cmd: Any) -> None:
+        raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+
+    # -- consuming ------------------------------------------------------------------------
+    def cmd_sub(self, cmd: Any) -> None:
+        params = cmd.params
+        if self.state != STATE_INIT:
+            raise FatalClientError("E_INVALID", "cannot SUB in current state")
+        if self.heartbeat_interval <= 0:
+            raise FatalClientError("E_INVALID", "cannot SUB with heartbeats disabled")
+        if len(params) < 3:
+            raise FatalClientError("E_INVALID", "SUB insufficient number of parameters")
+        if not valid_name_bytes(params[1]):
+            raise FatalClientError("E_BAD_TOPIC", f"SUB topic name {go_quote(params[1])} is not valid")
+        if not valid_name_bytes(params[2]):
+            raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {go_quote(params[2])} is not valid")
+        topic, channel = params[1].decode(), params[2].decode()
+        self.state = STATE_SUBSCRIBED
+        slot = self.replies.reserve()
+        self.ctx.resolve(topic, lambda reliable: self._subscribe(slot, topic, channel, reliable))
+
+    def _subscribe(self, slot: Slot, topic: str, channel: str, reliable: bool) -> None:
+        if self.closed:
+            return
+        if not reliable:
+            ch = self.store.get_topic(topic).get_channel(channel)
+            error = ch.add_client(self)
+            if error is not None:
+                self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {error}"))
+                return
+            self.sub = FastSub(ch)
+            self._answer(slot, OK, self._sub_confirmed)
+            return
+        broker = self.ctx.broker
+        consumer = ReliableConsumer(self)
+
+        def attached(ch: Any) -> None:
+            if self.closed:
+                broker.unsubscribe(ch, consumer)
+                return
+            self.sub = ReliableSub(broker, ch, consumer)
+            self._answer(slot, OK, self._sub_confirmed)
+
+        def refused(failure: Any) -> None:
+            error = failure.value
+            if not isinstance(error, (SubscribeRejected, StorageError)):
+                log.failure("SUB {t}/{c} failed", failure, t=topic, c=channel)
+            why = getattr(error, "description", None) or str(error)
+            self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
+
+        broker.subscribe(topic, channel, consumer).addCallbacks(attached, refused)
+
+    def _sub_confirmed(self) -> None:
+        self._sub_answered = True
+        if self.sub is not None:
+            self.sub.pump()
+
+    def cmd_rdy(self, cmd: Any) -> None:
+        params = cmd.params
+        if self.state == STATE_CLOSING:
+            return
+        if self.state != STATE_SUBSCRIBED:
+            raise FatalClientError("E_INVALID", "cannot RDY in current state")
+        count = 1
+        if len(params) > 1:
+            try:
+                count = as_int64(parse_base10(params[1]))
+            except ValueError:
+                raise FatalClientError("E_INVALID", f"RDY could not parse count {_text(params[1])}") from None
+        if count < 0 or count > self.ctx.max_rdy_count:
+            raise FatalClientError("E_INVALID", f"RDY count {count} out of range 0-{self.ctx.max_rdy_count}")
+        self.rdy = count
+        if self.sub is not None and self._sub_answered:
+            self.sub.pump()
+
+    def _message_id(self, cmd: Any, name: str, want: int) -> bytes:
+        if self.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
+            raise FatalClientError("E_INVALID", f"cannot {name} in current state")
+        if len(cmd.params) < want:
+            raise FatalClientError("E_INVALID", f"{name} insufficient number of params")
+        message_id = cmd.params[1]
+        if len(message_id) != MSG_ID_LENGTH:
+            raise FatalClientError("E_INVALID", "invalid message ID")
+        return message_id
+
+    def cmd_fin(self, cmd: Any) -> None:
+        message_id = self._message_id(cmd, "FIN", 2)
+        error = self.sub.finish(self, message_id) if self.sub is not None else "ID not in flight"
+        if error is not None:
+            raise ClientError("E_FIN_FAILED", f"FIN {_text(message_id)} failed {error}")
+
+    def cmd_req(self, cmd: Any) -> None:
+        message_id = self._message_id(cmd, "REQ", 3)
+        try:
+            ms = parse_base10(cmd.params[2])
+        except ValueError:
+            raise FatalClientError("E_INVALID", f"REQ could not parse timeout {_text(cmd.params[2])}") from None
+        max_ms = int(self.ctx.max_req_timeout * 1000)
+        if ms > max_ms:
+            log.info("{peer}: REQ timeout {ms} clamped to {max}", peer=self.remote_address, ms=ms, max=max_ms)
+            ms = max_ms
+        error = self.sub.requeue(self, message_id, ms / 1000.0) if self.sub is not None else "ID not in flight"
+        if error is not None:
+            raise ClientError("E_REQ_FAILED", f"REQ {_text(message_id)} failed {error}")
+
+    def cmd_touch(self, cmd: Any) -> None:
+        message_id = self._message_id(cmd, "TOUCH", 2)
+        error = self.sub.touch(self, message_id) if self.sub is not None else "ID not in flight"
+        if error is not None:
+            raise ClientError("E_TOUCH_FAILED", f"TOUCH {_text(message_id)} failed {error}")
+
+    def cmd_cls(self, cmd: Any) -> None:
+        if self.state != STATE_SUBSCRIBED:
+            raise FatalClientError("E_INVALID", "cannot CLS in current state")
+        self.rdy = 0
+        self.state = STATE_CLOSING
+        self.replies.reply(response(CLOSE_WAIT))
+
+    def cmd_nop(self, cmd: Any) -> None:
+        pass
+
+    # -- publishing -----------------------------------------------------------------------
+    def cmd_pub(self, cmd: Any) -> None:
+        self._publish(cmd.params[1].decode(), [cmd.body], 0, "PUB")
+
+    def cmd_mpub(self, cmd: Any) -> None:
+        self._publish(cmd.params[1].decode(), cmd.bodies, 0, "MPUB")
+
+    def cmd_dpub(self, cmd: Any) -> None:
+        self._publish(cmd.params[1].decode(), [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
+
+    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
+        if self.ctx.known_now(topic) is False and not len(self.replies):
+            self._answer(None, self._publish_fast(topic, bodies, defer_ms, name))
+            return
+        slot = self.replies.reserve()
+        size = sum(map(len, bodies))
+        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
+
+        def route(reliable: bool) -> None:
+            if self.closed:
+                self.flow.send_done(size)
+                return
+            if reliable:
+                self._publish_reliable(slot, topic, bodies, defer_ms, name, lambda: self.flow.send_done(size))
+            else:
+                self._answer(slot, self._publish_fast(topic, bodies, defer_ms, name))
+                self.flow.send_done(size)
+
+        self.ctx.resolve(topic, route)
+
+    def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> bytes | NsqError:
+        store = self.store
+        deferred = defer_ms / 1000.0
+        try:
+            store.get_topic(topic).put_many([store.new_message(b, deferred) for b in bodies])
+        except Exiting:
+            return FatalClientError(f"E_{name}_FAILED", f"{name} failed exiting")
+        except Exception as exc:  # the topic's disk queue failed
+            store.set_health(exc)
+            return FatalClientError(f"E_{name}_FAILED", f"{name} failed {exc}")
+        self.pub_counts[topic] = self.pub_counts.get(topic, 0) + len(bodies)
+        return OK
+
+    def _publish_reliable(
+        self,
+        slot: Slot,
+        topic: str,
+        bodies: list[bytes],
+        defer_ms: int,
+        name: str,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
+        """Through the broker's group commit; OK once every message is stored. A failure
+        is a non-fatal error frame (see docs/nsq.md). A DPUB is stored in the delay table,
+        due ``defer_ms`` from now."""
+        remaining = [len(bodies)]
+        failures: list[str] = []
+        now_ms = int(self.clock.seconds() * 1000)
+
+        def done(outcome: Any) -> None:
+            if isinstance(outcome, Published):
+                self.pub_counts[topic] = self.pub_counts.get(topic, 0) + 1
+            else:
+                failures.append(describe_outcome(outcome))
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                if answered is not None:
+                    answered()
+                if failures:
+                    self._answer(slot, ClientError(f"E_{name}_FAILED", f"{name} failed {failures[0]}"))
+                else:
+                    self._answer(slot, OK)
+
+        broker = self.ctx.broker
+        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}
+        for body in bodies:
+            broker.publish_cb(topic, self.producer_id, self.ctx.new_session_id(), body, now_ms, done, **delay)
+
+    # -- introspection --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """nsqd's ClientStats shape."""
+        out = {
+            "client_id": self.client_id,
+            "hostname": self.hostname,
+            "version": "V2",
+            "remote_address": self.remote_address,
+            "state": self.state,
+            "ready_count": self.rdy,
+            "in_flight_count": self.sub.in_flight(self) if self.sub is not None else 0,
+            "message_count": self.message_count,
+            "finish_count": self.finish_count,
+            "requeue_count": self.requeue_count,
+            "connect_ts": self.connect_ts,
+            "sample_rate": self.sample_rate,
+            "deflate": self.deflate_level > 0,
+            "snappy": False,
+            "user_agent": self.user_agent,
+            "tls": False,
+            "tls_cipher_suite": "",
+            "tls_version": "",
+            "tls_negotiated_protocol": "",
+            "tls_negotiated_protocol_is_mutual": False,
+            "topology_zone": "",
+            "topology_region": "",
+        }
+        if self.pub_counts:
+            out["pub_counts"] = [{"topic": t, "count": n} for t, n in sorted(self.pub_counts.items())]
+        return out
+
+
+_HANDLERS: dict[bytes, Callable[[NsqConnection, Any], None]] = {
+    b"FIN": NsqConnection.cmd_fin,
+    b"RDY": NsqConnection.cmd_rdy,
+    b"REQ": NsqConnection.cmd_req,
+    b"PUB": NsqConnection.cmd_pub,
+    b"MPUB": NsqConnection.cmd_mpub,
+    b"DPUB": NsqConnection.cmd_dpub,
+    b"NOP": NsqConnection.cmd_nop,
+    b"TOUCH": NsqConnection.cmd_touch,
+    b"SUB": NsqConnection.cmd_sub,
+    b"CLS": NsqConnection.cmd_cls,
+    b"AUTH": NsqConnection.cmd_auth,
+    b"IDENTIFY": NsqConnection.cmd_identify,
+}
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")

@@ -1,0 +1,501 @@
+"""A channel (consumer group) of a reliable topic: memory window, in flight, redelivery.
+
+PostgreSQL holds every unacknowledged copy; the channel holds only a window of
+them (``mem_queue_size``) plus what is in flight, so a backlog of millions costs
+the server no memory. When the window runs low and the database may hold more
+(``backlog``), the channel asks its loader for rows after ``cursor``.
+
+Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
+``push(delivery)``. Time comes from an injected clock (``seconds()``), and
+deadlines sit in one heap scanned by the broker, never one timer per message.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+__all__ = ["Message", "Delivery", "Consumer", "Channel"]
+
+
+@dataclass(slots=True)
+class Message:
+    """A stored message as the broker holds it (not frozen: built once per send)."""
+
+    message_id: int
+    topic: str
+    producer: str
+    session_id: int
+    published_ms: int
+    body: bytes = field(repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One channel's copy of a message, while the server holds it in memory."""
+
+    message: Message
+    attempts: int = 0
+    first_delivered_ms: int = 0
+    consumer: Any = None
+    deadline: float = 0.0
+    epoch: int = 0  # bumped on every (re)push so stale heap entries are ignored
+
+
+class Consumer(Protocol):
+    credit: int
+    in_flight: int
+
+    def push(self, channel: "Channel", delivery: Delivery) -> None: ...
+
+
+class Channel:
+    def __init__(
+        self,
+        topic: str,
+        name: str,
+        *,
+        clock: Any,
+        msg_timeout: float,
+        mem_queue_size: int,
+        load: Callable[["Channel", int, int], None],
+        on_ack: Callable[["Channel", Delivery, int], None],
+        max_attempts: int | None = None,
+        on_attempt: Callable[["Channel", Delivery], None] | None = None,
+        on_exhausted: Callable[["Channel", Delivery], None] | None = None,
+    ):
+        self.topic = topic
+        self.name = name
+        self.clock = clock
+        self.msg_timeout = msg_timeout
+        self.mem_queue_size = mem_queue_size
+        self._load = load
+        self._on_ack = on_ack
+        # the topic's max delivery attempts (None = unlimited): a copy that comes back
+        # after that many goes to ``on_exhausted`` (a dead letter) instead of a consumer;
+        # ``on_attempt`` records redeliveries so the count survives a restart
+        self.max_attempts = max_attempts
+        self._on_attempt = on_attempt
+        self._on_exhausted = on_exhausted
+        self.exhausted_count = 0
+        self.ready: deque[Delivery] = deque()
+        self.in_flight: dict[int, Delivery] = {}
+        self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
+        self.consumers: deque[Consumer] = deque()
+        self._deadlines: list[tuple[float, int, int]] = []
+        # Start assuming the database holds copies we have not seen (restart, takeover).
+        self.backlog = True
+        self.cursor = 0
+        self.loading = False
+        self._arrived_while_loading: list[Delivery] = []
+        self._dropped_while_loading: set[int] = set()  # expired during a load: keep them out
+        self.closed = False
+        # cluster (dmq_server.cluster.node): no pushes or loads while paused; a load that
+        # was out during forget() is stale, one out during rescan() is followed by a
+        # scan from the start
+        self.paused = False
+        # an operator's pause (nsqd's channel pause; HTTP /channel/pause, the CLI): copies
+        # still arrive and wait in PostgreSQL, none is pushed until unpaused
+        self.held = False
+        self._load_stale = False
+        self._rescan_pending = False
+        # counters for /stats
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self.ack_count = 0
+        # copies a consumer gave back with a delay (REQ with a timeout): in ``in_flight``
+        # with no consumer until due, reported as deferred, as nsqd does
+        self.deferred: set[int] = set()
+        # stored, unacknowledged copies at the last count (Broker refreshes it on a
+        # timer; None until then): what nsqd calls depth is mostly in PostgreSQL here
+        self.stored_count: int | None = None
+
+    # -- arrivals ---------------------------------------------------------
+    def add(self, message: Message) -> None:
+        """A freshly committed copy for this channel.
+
+        Kept in memory if there is room and nothing older waits in PostgreSQL;
+        otherwise left to the next load. A copy whose id is at or below the load
+        cursor is always kept: its commit overtook no scan (concurrent writers
+        can commit ids out of order), so no later load would find it.
+        """
+        if self.closed or message.message_id in self.known:
+            return
+        self.message_count += 1
+        delivery = Delivery(message)
+        if self.loading:
+            self._arrived_while_loading.append(delivery)
+            return
+        if message.message_id <= self.cursor or (
+            not self.backlog and len(self.ready) < self.mem_queue_size
+        ):
+            if not self.backlog:
+                # Nothing older waits in PostgreSQL, so the cursor may move past this
+                # copy: a later load must not find it again after its ack is durable.
+                self.cursor = max(self.cursor, message.message_id)
+            self._enqueue(delivery)
+            self.pump()
+            return
+        # leave it in PostgreSQL; the next load picks it up in id order
+        self.backlog = True
+        self._maybe_load()
+
+    def _enqueue(self, delivery: Delivery) -> None:
+        self.known.add(delivery.message.message_id)
+        self.ready.append(delivery)
+
+    # -- loading the backlog ---------------------------------------------
+    def _maybe_load(self) -> None:
+        if (
+            self.backlog
+            and not self.loading
+            and not self.closed
+            and not self.paused
+            and self.consumers
+            and len(self.ready) < self.mem_queue_size // 2 + 1
+        ):
+            self.loading = True
+            self._load(self, self.cursor, self.mem_queue_size - len(self.ready))
+
+    def loaded(self, rows: Iterable[Any], limit: int) -> None:
+        """Loader callback: rows are BacklogRow-like, in id order."""
+        self.loading = False
+        dropped, self._dropped_while_loading = self._dropped_while_loading, set()
+        if self._load_stale:
+            self._load_stale = False
+            self._restart_from_database()
+            self.pump()
+            return
+        count = 0
+        for row in rows:
+            count += 1
+            self.cursor = max(self.cursor, row.message_id)
+            if row.message_id in self.known or row.message_id in dropped:
+                continue
+            message = Message(
+                row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
+            )
+            self._enqueue(Delivery(message, attempts=row.attempts))
+        if count < limit:
+            # the table had nothing more when we looked; later arrivals were kept aside
+            self.backlog = False
+        arrived, self._arrived_while_loading = self._arrived_while_loading, []
+        for delivery in arrived:
+            mid = delivery.message.message_id
+            if mid in self.known:
+                continue
+            if mid <= self.cursor or (not self.backlog and len(self.ready) < self.mem_queue_size):
+                self._enqueue(delivery)
+            else:
+                self.backlog = True
+        if self._rescan_pending:
+            self._rescan_pending = False
+            self.cursor = 0
+            self.backlog = True
+        self.pump()
+
+    def load_failed(self) -> None:
+        """Loader callback on a storage error: keep the backlog flag, retry later.
+
+        Copies that arrived during the failed load and sit at or below the cursor
+        are kept: a later load starts after the cursor and would never see them.
+        """
+        self.loading = False
+        self.backlog = True
+        self._dropped_while_loading = set()
+        if self._load_stale:
+            self._load_stale = False
+            self._restart_from_database()
+            return
+        arrived, self._arrived_while_loading = self._arrived_while_loading, []
+        for delivery in arrived:
+            if delivery.message.message_id <= self.cursor and delivery.message.message_id not in self.known:
+                self._enqueue(delivery)
+        if self._rescan_pending:
+            self._rescan_pending = False
+            self.cursor = 0
+
+    # -- cluster: ownership changes (dmq_server.cluster.node, dmq_server.cluster.takeover) ----------
+    def rescan(self) -> None:
+        """Copies this channel has not seen may now sit below the cursor (a takeover
+        gave this node another node's copies): the next load starts from the first id.
+        Copies already held are skipped by ``known``."""
+        if self.loading:
+            self._rescan_pending = True
+            return
+        self.cursor = 0
+        self.backlog = True
+        self._maybe_load()
+
+    def forget(self) -> None:
+        """Drop every copy held in memory and start again from PostgreSQL.
+
+        For a node that may no longer own what it holds (its registry session was
+        lost, so a takeover may have moved its copies to another node): nothing held
+        is pushed again; the next loads bring back what this node still owns.
+        Consumers' credit is freed; an ack for a dropped copy is refused, and the
+        copy is delivered again by whoever owns it (at least once).
+        """
+        for delivery in self.in_flight.values():
+            if delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+                delivery.consumer = None
+        held = {d.message.message_id for d in self.ready}
+        held.update(self.in_flight)
+        self.known -= held  # what stays: acks and dead letters still being made durable
+        self.ready.clear()
+        self.in_flight.clear()
+        self.deferred.clear()
+        self._deadlines.clear()
+        if self.loading:
+            self._load_stale = True
+        self._restart_from_database()
+
+    def _restart_from_database(self) -> None:
+        self._rescan_pending = False
+        self._arrived_while_loading = []  # stored and owned here: the next load finds them
+        self.cursor = 0
+        self.backlog = True
+
+    # -- consumers --------------------------------------------------------
+    def subscribe(self, consumer: Consumer) -> None:
+        if consumer not in self.consumers:
+            self.consumers.append(consumer)
+        self._maybe_load()
+        self.pump()
+
+    def unsubscribe(self, consumer: Consumer) -> None:
+        """Take a consumer away; its unacknowledged copies go back to the front."""
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            pass
+        mine = [d for d in self.in_flight.values() if d.consumer is consumer]
+        mine.sort(key=lambda d: d.message.message_id, reverse=True)
+        for delivery in mine:
+            self._requeue(delivery)
+        self.pump()
+
+    def pump(self) -> None:
+        """Push ready copies to consumers with free credit, round robin."""
+        if self.paused or self.held:
+            return
+        consumers = self.consumers
+        while self.ready and consumers:
+            for _ in range(len(consumers)):
+                consumer = consumers[0]
+                consumers.rotate(-1)
+                if consumer.in_flight < consumer.credit:
+                    break
+            else:
+                break  # nobody has credit
+            delivery = self.ready.popleft()
+            if (
+                self.max_attempts is not None
+                and delivery.attempts >= self.max_attempts
+                and self._on_exhausted is not None
+            ):
+                # stays in `known` until its dead letter commits (see ack_durable)
+                self.exhausted_count += 1
+                self._on_exhausted(self, delivery)
+                continue
+            self._start_flight(delivery, consumer)
+        self._maybe_load()
+
+    def _start_flight(self, delivery: Delivery, consumer: Consumer) -> None:
+        now = self.clock.seconds()
+        delivery.attempts += 1
+        if not delivery.first_delivered_ms:
+            delivery.first_delivered_ms = int(now * 1000)
+        delivery.consumer = consumer
+        delivery.deadline = now + self.msg_timeout
+        delivery.epoch += 1
+        if self._on_attempt is not None and (delivery.attempts > 1 or self.max_attempts is not None):
+            self._on_attempt(self, delivery)
+        self.in_flight[delivery.message.message_id] = delivery
+        heapq.heappush(self._deadlines, (delivery.deadline, delivery.message.message_id, delivery.epoch))
+        consumer.in_flight += 1
+        consumer.push(self, delivery)
+
+    def _requeue(self, delivery: Delivery, *, counted: bool = True) -> None:
+        """Back to the front of the queue; ``counted`` as a requeue (a consumer gave it
+        back or went away), not for a timeout or a deferral ending (nsqd's counters)."""
+        mid = delivery.message.message_id
+        if self.in_flight.pop(mid, None) is None:
+            return
+        if delivery.consumer is not None:
+            delivery.consumer.in_flight -= 1
+        delivery.consumer = None
+        if counted:
+            self.requeue_count += 1
+        self.ready.appendleft(delivery)
+
+    # -- acks and timeouts -----------------------------------------------
+    def ack(self, message_id: int) -> bool:
+        delivery = self.in_flight.pop(message_id, None)
+        if delivery is None:
+            return False
+        self.deferred.discard(message_id)
+        if delivery.consumer is not None:
+            delivery.consumer.in_flight -= 1
+            delivery.consumer = None
+        self.ack_count += 1
+        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
+            # acked copies leave stale heap entries behind; rebuild before they pile up
+            # (push rate x message timeout of them otherwise)
+            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
+            heapq.heapify(self._deadlines)
+        # stays in `known` until the durable ack commits, so a load cannot resurrect it
+        self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
+        self.pump()
+        return True
+
+    def ack_durable(self, message_ids: Iterable[int]) -> None:
+        for mid in message_ids:
+            if mid not in self.in_flight:
+                self.known.discard(mid)
+                if self.loading:
+                    # its row is deleted now, but the load under way may have read it
+                    # first (a rescan reads ids it delivered before): keep it out
+                    self._dropped_while_loading.add(mid)
+
+    def drop(self, message_ids: Iterable[int]) -> int:
+        """Forget copies whose delivery rows are gone (expired into dead letters):
+        out of ready and in flight, their consumers' credit freed. Returns how many
+        were held."""
+        gone = set(message_ids)
+        if self.loading:  # the load's snapshot may predate the delete: keep them out
+            self._dropped_while_loading |= gone
+            self._arrived_while_loading = [
+                d for d in self._arrived_while_loading if d.message.message_id not in gone
+            ]
+        ids = {mid for mid in gone if mid in self.known}
+        if not ids:
+            return 0
+        for mid in ids:
+            self.deferred.discard(mid)
+            delivery = self.in_flight.pop(mid, None)
+            if delivery is not None and delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+                delivery.consumer = None
+            self.known.discard(mid)
+        self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
+        self.pump()
+        return len(ids)
+
+    def ack_not_durable(self, message_ids: Iterable[int]) -> None:
+        """The durable ack failed for good: forget them so they may be loaded again."""
+        for mid in message_ids:
+            if mid not in self.in_flight:
+                self.known.discard(mid)
+
+    def scan(self, now: float) -> int:
+        """Requeue copies whose deadline passed; returns how many."""
+        expired: list[Delivery] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, mid, epoch = heapq.heappop(heap)
+            delivery = self.in_flight.get(mid)
+            if delivery is None or delivery.epoch != epoch:
+                continue
+            expired.append(delivery)
+        # back to the front, earliest deadline first
+        for delivery in reversed(expired):
+            mid = delivery.message.message_id
+            if mid in self.deferred:
+                self.deferred.discard(mid)  # a deferral that ended, not a timeout
+            else:
+                self.timeout_count += 1
+            self._requeue(delivery, counted=False)
+        if expired:
+            self.pump()
+        return len(expired)
+
+    # -- per-copy controls for NSQ clients (FIN ownership, REQ, TOUCH) -----
+    def owner_error(self, message_id: int, consumer: Consumer) -> str | None:
+        """None if ``consumer`` holds ``message_id`` in flight, else nsqd's reason."""
+        delivery = self.in_flight.get(message_id)
+        if delivery is None:
+            return "ID not in flight"
+        if delivery.consumer is not consumer:
+            return "client does not own message"
+        return None
+
+    def requeue(self, message_id: int, consumer: Consumer, delay: float = 0.0) -> str | None:
+        """Give a copy back: ready again at once, or after ``delay`` seconds. A delayed
+        copy stays in ``in_flight`` with no consumer until the scan requeues it."""
+        error = self.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        delivery = self.in_flight[message_id]
+        if delay <= 0:
+            self._requeue(delivery)
+        else:
+            consumer.in_flight -= 1
+            delivery.consumer = None
+            self.requeue_count += 1
+            self.deferred.add(message_id)
+            self._reset_deadline(delivery, self.clock.seconds() + delay)
+        self.pump()
+        return None
+
+    def touch(self, message_id: int, consumer: Consumer) -> str | None:
+        """Restart the copy's message timeout."""
+        error = self.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        self._reset_deadline(self.in_flight[message_id], self.clock.seconds() + self.msg_timeout)
+        return None
+
+    def _reset_deadline(self, delivery: Delivery, deadline: float) -> None:
+        delivery.deadline = deadline
+        delivery.epoch += 1
+        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
+            # every TOUCH leaves a stale entry; rebuild (as ack does) before they pile up
+            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
+            heapq.heapify(self._deadlines)
+        else:
+            heapq.heappush(self._deadlines, (deadline, delivery.message.message_id, delivery.epoch))
+
+    def close(self) -> list[Consumer]:
+        """The channel was unregistered: drop memory, return its consumers."""
+        self.closed = True
+        consumers = list(self.consumers)
+        for delivery in self.in_flight.values():
+            if delivery.consumer is not None:
+                delivery.consumer.in_flight -= 1
+        self.consumers.clear()
+        self.ready.clear()
+        self.in_flight.clear()
+        self.deferred.clear()
+        self.known.clear()
+        self._deadlines.clear()
+        return consumers
+
+    @property
+    def depth(self) -> int:
+        """Copies waiting to be pushed, wherever they wait (nsqd's depth): the stored
+        count, less what is in flight or deferred or awaiting its durable ack; at least
+        what waits in memory. As fresh as the last stored count."""
+        if self.stored_count is None:
+            return len(self.ready)
+        return max(len(self.ready), self.stored_count - (len(self.known) - len(self.ready)))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "channel_name": self.name,
+            "depth": self.depth,
+            "in_flight_count": len(self.in_flight) - len(self.deferred),
+            "deferred_count": len(self.deferred),
+            "paused": self.held,
+            "backlog_pending": self.backlog,
+            "message_count": self.message_count,
+            "requeue_count": self.requeue_count,
+            "timeout_count": self.timeout_count,
+            "ack_count": self.ack_count,
+            "exhausted_count": self.exhausted_count,
+            "clients": len(self.consumers),
+        }

@@ -1,0 +1,229 @@
+"""Dead letters: how messages get there, in batches, off the reactor thread.
+
+Reasons (the ``dmq_dead_letter.reason`` check): ``rate_limited`` (a send over its
+topic's rate limit, recorded before the producer hears SEND_EXCEED_LIMIT_ACK),
+``expired`` (a copy not acknowledged within its topic's time to live; a periodic
+sweep moves them, and the in-memory channel drops them), ``max_attempts`` (a copy
+delivered the topic's maximum number of times without an acknowledgement),
+``client_reported`` (a send the client library could not store, reported once
+storage works again), ``storage_failure`` and ``operator`` (a delayed or replayed
+message whose channels were all unregistered when it fell due).
+
+Reading, replaying and deleting dead letters is ``dmq_server.admin.operations``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+
+from dmq_sql import queries
+
+from dmq_server.db.outage import Outage
+from dmq_server.db.steps import Statement, Steps, run_steps
+from dmq_server.reliable.writer import GroupCommitWriter, RetryingBatcher
+
+__all__ = [
+    "REASONS",
+    "NewDeadLetter",
+    "insert_dead_letters",
+    "insert_dead_letters_steps",
+    "record_attempts",
+    "exhaust_deliveries",
+    "expire_deliveries",
+    "RetryingBatcher",
+    "DeadLetterSink",
+]
+
+log = Logger()
+
+REASONS = ("rate_limited", "storage_failure", "expired", "max_attempts", "client_reported", "operator")
+
+
+@dataclass(slots=True)
+class NewDeadLetter:
+    reason: str
+    topic: str
+    producer: str
+    session_id: int | None
+    body: bytes = field(repr=False)
+    detail: str = ""
+    channel: str | None = None
+    message_id: int | None = None
+    attempts: int = 0
+    published_ms: int = 0
+
+
+@dataclass(slots=True)
+class CopyRef:
+    """One channel's copy of a message (attempts: as counted in memory)."""
+
+    topic: str
+    channel: str
+    message_id: int
+    attempts: int = 0
+
+
+def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
+    """Record a batch; returns the new ids in batch order. Steps (store.Statement),
+    for the group commit."""
+    for item in batch:
+        if item.reason not in REASONS:
+            raise ValueError(f"unknown dead-letter reason {item.reason!r}")
+    rows = yield Statement(
+        queries["insert_dead_letters"],
+        {
+            "reasons": [d.reason for d in batch],
+            "details": [d.detail for d in batch],
+            "topics": [d.topic for d in batch],
+            "channels": [d.channel for d in batch],
+            "producers": [d.producer for d in batch],
+            "session_ids": [d.session_id for d in batch],
+            "message_ids": [d.message_id for d in batch],
+            "attempts": [d.attempts for d in batch],
+            "bodies": [d.body for d in batch],
+            "published_ms": [d.published_ms for d in batch],
+        },
+    )
+    return [r[0] for r in rows]
+
+
+def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
+    """``insert_dead_letters_steps`` over a blocking connection."""
+    return run_steps(conn, insert_dead_letters_steps(batch, node_id))
+
+
+def _copy_params(rows: Sequence[CopyRef]) -> dict:
+    return {
+        "topics": [r.topic for r in rows],
+        "channels": [r.channel for r in rows],
+        "message_ids": [r.message_id for r in rows],
+        "attempts": [r.attempts for r in rows],
+    }
+
+
+def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
+    return conn.execute(queries["record_attempts"], _copy_params(rows)).rowcount
+
+
+def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef]) -> list[tuple[str, str, int]]:
+    return [tuple(r) for r in conn.execute(queries["exhaust_deliveries"], _copy_params(rows)).fetchall()]
+
+
+def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:
+    params = {"now_ms": now_ms, "limit": limit}
+    return [tuple(r) for r in conn.execute(queries["expire_deliveries"], params).fetchall()]
+
+
+class DeadLetterSink:
+    """The broker's side of dead letters: rate-limited sends, attempts, exhausted and
+    expired copies. ``channel(topic, name)`` finds an in-memory channel (or None)."""
+
+    def __init__(
+        self,
+        db: Any,
+        clock: Any,
+        node_id: str,
+        channel: Callable[[str, str], Any],
+        *,
+        batch_size: int = 2000,
+        flush_interval: float = 0.05,
+        expiry_batch: int = 5000,
+    ):
+        self.db = db
+        self.clock = clock
+        self._sweep_outage = Outage("expiry sweep", clock)
+        self.node_id = node_id
+        self._channel = channel
+        self.expiry_batch = expiry_batch
+        self.writer = GroupCommitWriter([db], node_id, batch_size, insert=insert_dead_letters_steps)
+        self.attempts = RetryingBatcher(
+            db, clock, record_attempts, interval=flush_interval, max_batch=batch_size, name="attempts"
+        )
+        self.exhausted = RetryingBatcher(
+            db,
+            clock,
+            exhaust_deliveries,
+            interval=flush_interval,
+            max_batch=batch_size,
+            on_done=self._exhausted_done,
+            name="max-attempts dead letters",
+        )
+        self._sweeping = False
+        self.counts: dict[str, int] = {}
+
+    # -- recording ---------------------------------------------------------------
+    def record(self, letter: NewDeadLetter, done: Callable[[Any], None]) -> None:
+        """Record one dead letter (group commit); ``done`` gets its id or the exception."""
+
+        def committed(outcome: Any) -> None:
+            if not isinstance(outcome, BaseException):
+                self.counts[letter.reason] = self.counts.get(letter.reason, 0) + 1
+            done(outcome)
+
+        self.writer.submit_cb(letter, committed)
+
+    def on_attempt(self, channel: Any, delivery: Any) -> None:
+        self.attempts.add(CopyRef(channel.topic, channel.name, delivery.message.message_id, delivery.attempts))
+
+    def on_exhausted(self, channel: Any, delivery: Any) -> None:
+        self.exhausted.add(CopyRef(channel.topic, channel.name, delivery.message.message_id, delivery.attempts))
+
+    def _exhausted_done(self, batch: list[CopyRef], rows: list) -> None:
+        self.counts["max_attempts"] = self.counts.get("max_attempts", 0) + len(rows)
+        for ref in batch:
+            ch = self._channel(ref.topic, ref.channel)
+            if ch is not None:
+                ch.ack_durable([ref.message_id])  # its row is gone: forget it
+
+    # -- expiry ------------------------------------------------------------------
+    def sweep_expired(self) -> Deferred:
+        """Move one batch of expired copies to dead letters; again at once while full."""
+        if self._sweeping:
+            return succeed(0)
+        self._sweeping = True
+        now_ms = int(self.clock.seconds() * 1000)
+        d = self.db.run(expire_deliveries, now_ms, self.expiry_batch)
+
+        def swept(rows: list) -> Any:
+            self._sweeping = False
+            self._sweep_outage.recovered()
+            self._drop(rows)
+            if len(rows) >= self.expiry_batch:
+                return self.sweep_expired().addCallback(lambda n: n + len(rows))
+            return len(rows)
+
+        def failed(failure: Any) -> int:
+            self._sweeping = False
+            self._sweep_outage.failed(failure.value)
+            return 0
+
+        return d.addCallbacks(swept, failed)
+
+    def _drop(self, rows: list[tuple[str, str, int]]) -> None:
+        if not rows:
+            return
+        self.counts["expired"] = self.counts.get("expired", 0) + len(rows)
+        by_channel: dict[tuple[str, str], list[int]] = {}
+        for topic, channel, message_id in rows:
+            by_channel.setdefault((topic, channel), []).append(message_id)
+        for (topic, name), ids in by_channel.items():
+            ch = self._channel(topic, name)
+            if ch is not None:
+                ch.drop(ids)
+        log.info("{n} expired copies moved to dead letters", n=len(rows))
+
+    def close(self) -> Deferred:
+        d = self.writer.close()
+        d.addCallback(lambda _: self.attempts.drain())
+        d.addCallback(lambda _: self.exhausted.drain())
+        return d
+
+    def stats(self) -> dict:
+        return {
+            "recorded_since_start": dict(sorted(self.counts.items())),
+            "pending": self.writer.pending + self.attempts.pending + self.exhausted.pending,
+        }

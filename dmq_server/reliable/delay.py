@@ -1,0 +1,565 @@
+"""Delayed messages: the delay table's statements and the fragmented scheduler.
+
+A DELAY send (or NSQ ``DPUB`` / ``/pub?defer`` to a reliable topic) is stored in
+``dmq_delay`` with its due time and a random fragment 1..F, by its own group
+commit (``insert_delayed``), and acknowledged once committed.
+
+Each ``DelayWorker`` owns a contiguous run of this node's fragments
+(``fragments.split_fragments``) and one database connection. It *polls* every
+``--delay-poll-interval`` (an APScheduler interval job: APScheduler only wakes
+it up) for the due times in its fragments up to the end of the next window,
+and holds them in a heap behind **one** timer on the injected clock. When the
+timer fires, one transaction (``move_due``) takes every row due by now with
+``FOR UPDATE SKIP LOCKED``, deletes it and inserts the message and its
+deliveries, so a due row becomes exactly one message even with several workers
+or nodes on the same fragments. The delay table stays the source of truth: a
+lost timer or a crash only delays a row until the next poll.
+
+Sends stored by this node and falling due inside the current window are pushed
+into the owning worker's heap as they commit (``DelayScheduler.notify``), so
+they are not late by up to a window. Rows written by other nodes into this
+node's fragments are found by the next poll.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from twisted.logger import Logger
+
+from dmq_sql import queries
+
+from dmq_server.core.fragments import FragmentAssignment, split_fragments
+from dmq_server.db.outage import Outage
+from dmq_server.db.errors import RefusedError
+from dmq_server.db.messages import send_columns
+from dmq_server.db.steps import Statement, Steps, run_steps
+
+__all__ = [
+    "NewDelayed",
+    "StoredDelay",
+    "MovedMessage",
+    "insert_delayed",
+    "insert_delayed_steps",
+    "peek_delayed",
+    "move_due",
+    "delay_stats",
+    "DelayWorker",
+    "DelayScheduler",
+]
+
+log = Logger()
+
+
+# -- the delay table --------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewDelayed:
+    """A validated delayed send waiting for its group commit."""
+
+    topic: str
+    producer: str
+    session_id: int
+    produced_ms: int
+    due_ms: int
+    fragment: int
+    body: bytes = field(repr=False)
+
+
+@dataclass(slots=True)
+class StoredDelay:
+    """What the commit made of a NewDelayed. ``message_id`` is the delay entry's id;
+    for a resend of a pair already moved into the reliable flow (``kind ==
+    "message"``), the stored message's id."""
+
+    message_id: int
+    due_ms: int
+    fragment: int
+    duplicate: bool
+    kind: str = "delay"
+
+
+@dataclass(slots=True)
+class MovedMessage:
+    """A delayed row now stored as a message with deliveries for ``channels``."""
+
+    message_id: int
+    topic: str
+    producer: str
+    session_id: int
+    published_ms: int
+    channels: tuple[str, ...]
+    due_ms: int
+    body: bytes = field(repr=False)
+
+
+def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
+    """Store a batch: one statement, atomic on its own (also in autocommit); one
+    StoredDelay per item, in order. Steps, for the group commit (store.Statement)."""
+    params = send_columns(batch, node_id)
+    params["due_ms"] = [m.due_ms for m in batch]
+    params["fragments"] = [m.fragment for m in batch]
+    rows = yield Statement(queries["insert_delayed"], params)
+    fresh: dict[tuple[str, int], StoredDelay] = {}
+    for delay_id, producer, session_id, due_ms in rows:
+        fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)
+    missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
+    if missing:
+        found = yield Statement(
+            queries["find_delayed"],
+            {
+                "producers": [m.producer for m in missing],
+                "session_ids": [m.session_id for m in missing],
+            },
+        )
+        for row_id, producer, session_id, due_ms, kind in found:
+            fresh.setdefault((producer, session_id), StoredDelay(row_id, due_ms, 0, True, kind))
+    results: list[StoredDelay] = []
+    seen: set[tuple[str, int]] = set()
+    for m in batch:
+        key = (m.producer, m.session_id)
+        stored = fresh.get(key)
+        if stored is None:
+            raise RuntimeError(f"delayed message {key} neither stored nor found")
+        duplicate = stored.duplicate or key in seen
+        seen.add(key)
+        results.append(StoredDelay(stored.message_id, stored.due_ms, m.fragment, duplicate, stored.kind))
+    return results
+
+
+def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
+    """``insert_delayed_steps`` over a blocking connection."""
+    return run_steps(conn, insert_delayed_steps(batch, node_id))
+
+
+def _fragment_params(fragments: Sequence[int], max_fragment: int) -> dict:
+    return {
+        "fragments": list(fragments),
+        # the worker holding the highest fragment also serves rows above it, left by
+        # a larger --delay-fragments earlier or given by a CLI with another setting
+        "overflow": max_fragment in fragments,
+        "max_fragment": max_fragment,
+    }
+
+
+def peek_delayed(
+    conn: Any, fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int
+) -> list[int]:
+    """Due times (ms) in ``fragments`` up to ``until_ms``, soonest first, at most ``limit``."""
+    params = _fragment_params(fragments, max_fragment)
+    params.update(until_ms=until_ms, limit=limit)
+    return [r[0] for r in conn.execute(queries["peek_delayed"], params).fetchall()]
+
+
+def move_due(
+    conn: Any,
+    fragments: Sequence[int],
+    max_fragment: int,
+    now_ms: int,
+    limit: int,
+    node_id: str,
+) -> tuple[int, list[MovedMessage]]:
+    """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (the caller's
+    transaction). Returns (rows taken, messages stored); rows whose channels are all
+    gone became dead letters and are counted but not returned."""
+    params = _fragment_params(fragments, max_fragment)
+    params.update(now_ms=now_ms, limit=limit, node_id=node_id)
+    rows = conn.execute(queries["move_due"], params).fetchall()
+    taken = rows[0][0] if rows else 0
+    moved = [
+        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]))
+        for r in rows
+        if r[1] is not None
+    ]
+    return taken, moved
+
+
+def delay_stats(conn: Any) -> list[dict]:
+    return [
+        {"fragment": r[0], "pending": r[1], "next_due_ms": r[2], "last_due_ms": r[3]}
+        for r in conn.execute(queries["delay_stats"]).fetchall()
+    ]
+
+
+# -- the scheduler ---------------------------------------------------------------
+
+
+class DelayWorker:
+    """Serves one contiguous run of fragments: poll, timers, moves. Reactor thread only.
+
+    ``db.run(fn, *args)`` runs ``fn(conn, *args)`` in a transaction and returns a
+    Deferred (a ``store.DbWorker``); ``peek`` and ``move`` are the statements above,
+    injectable for tests. ``tick`` is the shortest gap between two moves, so a
+    steady stream of due times costs at most 1/tick transactions a second.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        db: Any,
+        clock: Any,
+        *,
+        max_fragment: int,
+        poll_interval: float,
+        batch_size: int,
+        tick: float,
+        node_id: str,
+        on_moved: Callable[[list[MovedMessage]], None],
+        peek: Callable[..., list[int]] = peek_delayed,
+        move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+        on_unknown: Callable[[], None] = lambda: None,
+    ):
+        self.index = index
+        # a move whose answer was lost may have committed: its messages would sit in
+        # PostgreSQL with deliveries no channel was handed (the broker re-reads them)
+        self.on_unknown = on_unknown
+        self.db = db
+        self.clock = clock
+        self.max_fragment = max_fragment
+        self.poll_interval = poll_interval
+        self.batch_size = batch_size
+        self.tick = tick
+        self.node_id = node_id
+        self.on_moved = on_moved
+        self._peek = peek
+        self._move = move
+        self.fragments: tuple[int, ...] = ()
+        self._heap: list[int] = []
+        self._horizon_ms = 0  # due times up to here are known (heap or moved)
+        self._polling_until: int | None = None
+        self._notified_while_polling: list[int] = []
+        self._timer: Any = None
+        self._timer_at: float | None = None
+        self._busy = False
+        self._want_poll = False
+        self._want_move = False
+        self._last_move = float("-inf")
+        self._retry_delay = 0.0
+        self._peek_limit = 10 * batch_size
+        self._repoll_at_ms: int | None = None
+        self.stopped = False
+        # counters for stats
+        self.polls = 0
+        self.moves = 0
+        self.moved = 0
+        self.max_late_ms = 0
+        self.last_error = ""
+        self._outage = Outage(f"delay worker {index}", clock)
+
+    # -- fragments ---------------------------------------------------------------
+    def set_fragments(self, fragments: Sequence[int]) -> None:
+        """A new run (start or rebalance): forget what was known, poll at once."""
+        self.fragments = tuple(fragments)
+        self._repoll_at_ms = None
+        self._heap = []
+        self._horizon_ms = 0
+        self._notified_while_polling = []
+        self._cancel_timer()
+        if self.fragments:
+            self.poll()
+
+    def owns(self, fragment: int) -> bool:
+        return fragment in self.fragments or (
+            fragment > self.max_fragment and self.max_fragment in self.fragments
+        )
+
+    # -- polling -----------------------------------------------------------------
+    def _now_ms(self) -> int:
+        return int(round(self.clock.seconds() * 1000))
+
+    def poll(self) -> None:
+        """Learn the due times of the next window (the APScheduler job calls this)."""
+        if self.stopped or not self.fragments:
+            return
+        if self._busy:
+            self._want_poll = True
+            return
+        self._busy = True
+        self.polls += 1
+        # look a little past the next poll, so windows overlap instead of leaving gaps
+        until = self._now_ms() + int(self.poll_interval * 1500)
+        self._polling_until = until
+        self._notified_while_polling = []
+        fragments = self.fragments
+        d = self.db.run(self._peek, fragments, self.max_fragment, until, self._peek_limit)
+        d.addCallbacks(self._polled, self._failed, callbackArgs=(until, fragments))
+
+    def _polled(self, due: list[int], until: int, fragments: tuple[int, ...]) -> None:
+        self._outage.recovered()
+        self._busy = False
+        self._polling_until = None
+        self._retry_delay = 0.0
+        if fragments != self.fragments:  # rebalanced meanwhile
+            self._after_db()
+            return
+        if len(due) >= self._peek_limit:
+            # more rows wait before the horizon: known up to the last one; poll again
+            # once the timers have moved that far
+            until = due[-1]
+            self._repoll_at_ms = until
+        kept = [t for t in self._heap if t > until]
+        self._heap = list(due) + kept + self._notified_while_polling
+        heapq.heapify(self._heap)
+        self._notified_while_polling = []
+        self._horizon_ms = max(self._horizon_ms, until)
+        self._after_db()
+
+    def notify(self, due_ms: int) -> None:
+        """A row due at ``due_ms`` was just committed in one of our fragments."""
+        if self.stopped or not self.fragments:
+            return
+        if self._polling_until is not None:
+            self._notified_while_polling.append(due_ms)
+            return
+        if due_ms <= self._horizon_ms:
+            heapq.heappush(self._heap, due_ms)
+            self._arm()
+
+    # -- timers and moves --------------------------------------------------------
+    def _arm(self) -> None:
+        if self.stopped or self._busy or not self._heap:
+            if not self._heap:
+                self._cancel_timer()
+            return
+        fire_at = max(self._heap[0] / 1000.0, self._last_move + self.tick)
+        if self._timer is not None and self._timer_at == fire_at:
+            return
+        self._cancel_timer()
+        self._timer_at = fire_at
+        self._timer = self.clock.callLater(max(0.0, fire_at - self.clock.seconds()), self._fire)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.move_now()
+
+    def move_now(self) -> None:
+        """Move every row due by now (also called directly after a replay)."""
+        if self.stopped or not self.fragments:
+            return
+        if self._busy:
+            self._want_move = True
+            return
+        self._busy = True
+        self.moves += 1
+        now = self.clock.seconds()
+        self._last_move = now
+        now_ms = int(round(now * 1000))
+        d = self.db.run(
+            self._move, self.fragments, self.max_fragment, now_ms, self.batch_size, self.node_id
+        )
+        d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms,))
+
+    def _moved(self, outcome: tuple[int, list[MovedMessage]], now_ms: int) -> None:
+        self._outage.recovered()
+        self._busy = False
+        self._retry_delay = 0.0
+        taken, messages = outcome
+        heap = self._heap
+        while heap and heap[0] <= now_ms:
+            heapq.heappop(heap)
+        if messages:
+            self.moved += len(messages)
+            late = self._now_ms() - min(m.due_ms for m in messages)
+            self.max_late_ms = max(self.max_late_ms, late)
+            try:
+                self.on_moved(messages)
+            except Exception:
+                log.failure("delivering moved delay messages failed")
+        if taken >= self.batch_size:
+            self._want_move = True  # a full batch: more are due right now
+        elif self._repoll_at_ms is not None and now_ms >= self._repoll_at_ms:
+            self._repoll_at_ms = None
+            self._want_poll = True  # the last poll was truncated; learn what comes next
+        self._after_db()
+
+    def _move_failed(self, failure: Any) -> None:
+        if not isinstance(failure.value, RefusedError):
+            try:
+                self.on_unknown()
+            except Exception:
+                log.failure("handling a move of unknown outcome failed")
+        self._failed(failure)
+
+    def _failed(self, failure: Any) -> None:
+        self._busy = False
+        self._polling_until = None
+        self.last_error = str(failure.value)
+        self._retry_delay = min(max(self._retry_delay * 2, 0.1), self.poll_interval)
+        self._outage.failed(f"fragments {_describe_run(self.fragments)}: {failure.value}")
+        self._cancel_timer()
+        self._timer_at = self.clock.seconds() + self._retry_delay
+        self._timer = self.clock.callLater(self._retry_delay, self._retry)
+
+    def _retry(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.poll()
+
+    def _after_db(self) -> None:
+        if self.stopped:
+            return
+        if self._want_move:
+            self._want_move = False
+            self.move_now()
+        elif self._want_poll:
+            self._want_poll = False
+            self.poll()
+        else:
+            self._arm()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._cancel_timer()
+
+    def stats(self) -> dict:
+        return {
+            "worker": self.index,
+            "fragments": list(self.fragments),
+            "range": _describe_run(self.fragments),
+            "timers_pending": len(self._heap),
+            "next_due_ms": self._heap[0] if self._heap else None,
+            "polls": self.polls,
+            "moves": self.moves,
+            "moved": self.moved,
+            "max_late_ms": self.max_late_ms,
+            "last_error": self.last_error,
+        }
+
+
+def _describe_run(fragments: Sequence[int]) -> str:
+    if not fragments:
+        return "-"
+    if len(fragments) > 1 and list(fragments) == list(range(fragments[0], fragments[-1] + 1)):
+        return f"{fragments[0]}-{fragments[-1]}"
+    return ",".join(str(f) for f in fragments)
+
+
+class DelayScheduler:
+    """This node's delay workers, their fragment runs and their APScheduler poll jobs."""
+
+    def __init__(
+        self,
+        *,
+        clock: Any,
+        dbs: Sequence[Any],
+        assignment: FragmentAssignment,
+        fragments: int,
+        poll_interval: float,
+        batch_size: int,
+        tick: float,
+        node_id: str,
+        on_moved: Callable[[list[MovedMessage]], None],
+        on_unknown: Callable[[], None] = lambda: None,
+        scheduler: Any = None,
+        rng: random.Random | None = None,
+        peek: Callable[..., list[int]] = peek_delayed,
+        move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+    ):
+        self.clock = clock
+        self.assignment = assignment
+        self.fragment_count = fragments
+        self.poll_interval = poll_interval
+        self.scheduler = scheduler
+        self._rng = rng or random.Random()
+        self.workers = [
+            DelayWorker(
+                i + 1,
+                db,
+                clock,
+                max_fragment=fragments,
+                poll_interval=poll_interval,
+                batch_size=batch_size,
+                tick=tick,
+                node_id=node_id,
+                on_moved=on_moved,
+                on_unknown=on_unknown,
+                peek=peek,
+                move=move,
+            )
+            for i, db in enumerate(dbs)
+        ]
+        self.owned: frozenset[int] = frozenset()
+        self._jobs: list[Any] = []
+
+    def pick_fragment(self) -> int:
+        """A random fragment 1..F for a new delayed message."""
+        return self._rng.randint(1, self.fragment_count)
+
+    def start(self) -> None:
+        if self.scheduler is not None:
+            for worker in self.workers:
+                job = self.scheduler.add_job(
+                    worker.poll,
+                    "interval",
+                    seconds=self.poll_interval,
+                    id=f"delay-worker-{worker.index}",
+                    name=f"delay worker {worker.index} poll",
+                    max_instances=1,
+                    coalesce=True,
+                    misfire_grace_time=max(1, int(self.poll_interval * 10)),
+                    replace_existing=True,
+                )
+                self._jobs.append(job)
+        self.assignment.start(self.reassign)
+
+    def reassign(self, owned: frozenset[int]) -> None:
+        """The fragments this node owns changed: split them among the workers again."""
+        self.owned = frozenset(owned)
+        runs = split_fragments(self.owned, len(self.workers))
+        log.info(
+            "delay fragments {owned}: {runs}",
+            owned=_describe_run(sorted(self.owned)),
+            runs="; ".join(f"worker {w.index} {_describe_run(r)}" for w, r in zip(self.workers, runs)),
+        )
+        for worker, run in zip(self.workers, runs):
+            if worker.fragments != run:
+                worker.set_fragments(run)
+
+    def notify(self, stored: Sequence[StoredDelay]) -> None:
+        """Delayed rows this node just committed: hand each due time to its worker."""
+        for item in stored:
+            if item.duplicate:
+                continue
+            for worker in self.workers:
+                if worker.owns(item.fragment):
+                    worker.notify(item.due_ms)
+                    break
+
+    def move_now(self) -> None:
+        """Every worker moves what is due (after a replay queued rows due now)."""
+        for worker in self.workers:
+            worker.move_now()
+
+    def stop(self) -> Any:
+        """Stop the jobs and timers; returns what the assignment's stop returns (a
+        Deferred for ZooKeeper, which leaves its party off the reactor thread)."""
+        for job in self._jobs:
+            try:
+                job.remove()
+            except Exception:  # the scheduler may already be shut down
+                pass
+        self._jobs = []
+        for worker in self.workers:
+            worker.stop()
+        return self.assignment.stop()
+
+    def stats(self) -> dict:
+        describe = getattr(self.assignment, "describe", None)
+        return {
+            "fragments": self.fragment_count,
+            "owned": sorted(self.owned),
+            "assignment": describe() if describe else {},
+            "poll_interval_ms": int(self.poll_interval * 1000),
+            "workers": [w.stats() for w in self.workers],
+        }

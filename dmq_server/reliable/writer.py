@@ -1,0 +1,320 @@
+"""Batchers between the reactor and PostgreSQL: group commit and durable acks.
+
+``GroupCommitWriter``: sends queue up while one transaction is in progress and
+go together in the next, so the commit rate (bounded by fsync) does not bound
+the message rate. Each send's Deferred fires only after *its* transaction
+committed, which is when the producer may be told SEND_SUCCESS_ACK.
+
+A failed batch is one of two kinds. PostgreSQL refused its input
+(``store.RefusedError``: nothing was committed, and the same rows fail again):
+the batch is split in halves, each run alone, until the rows at fault are found
+and only their sends fail, so one bad message never fails another. Anything else
+(a connection lost mid-statement) leaves the outcome *unknown*: the batch may have
+committed with its answer lost. Its sends are answered with the error (a resend
+finds the stored row and is answered as a duplicate) and ``on_unknown`` is told,
+so the broker re-reads the affected channels from the store instead of trusting
+that nothing arrived.
+
+``AckBatcher``: acknowledgements are applied in batches too; a failed batch is
+retried (with a growing pause) until PostgreSQL answers again, because the
+consumer has already been told nothing, and losing the ack would only cause a
+redelivery after a restart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+
+from dmq_server.db.outage import Outage
+from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.messages import AckRow, NewMessage, ack_deliveries_steps, insert_messages_steps
+
+__all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
+
+log = Logger()
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new sends."""
+
+
+class GroupCommitWriter:
+    """Group commit over one or more writer connections.
+
+    With several workers, batches commit concurrently (PostgreSQL merges their
+    WAL flushes), so message ids may commit slightly out of order; the channel
+    copes with that (see ``Channel.add``).
+    """
+
+    def __init__(
+        self,
+        workers: Any,
+        node_id: str,
+        max_batch: int,
+        on_health: Callable[[bool, str], None] = lambda ok, why: None,
+        insert: Callable[..., Any] = insert_messages_steps,
+        on_unknown: Callable[[list[Any]], None] = lambda items: None,
+    ):
+        # ``insert(batch, node_id)``: steps (store.Statement) returning one result per
+        # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
+        # insert_messages_steps for sends; the delay table and dead letters reuse
+        # the same group commit.
+        self._insert = insert
+        self._free: list[Any] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
+        self._worker_count = len(self._free)
+        self._node_id = node_id
+        self._max_batch = max_batch
+        self._on_health = on_health
+        self._on_unknown = on_unknown
+        self._queue: list[tuple[NewMessage, Callable[[Any], None]]] = []
+        # parts of a refused batch, each run on its own until the bad rows are found
+        self._isolated: list[list[tuple[NewMessage, Callable[[Any], None]]]] = []
+        self._closing = False
+        self._idle_waiters: list[Deferred] = []
+        self.batches = 0
+        self.messages = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + sum(len(part) for part in self._isolated)
+
+    @property
+    def _busy(self) -> bool:
+        return len(self._free) < self._worker_count
+
+    def submit(self, message: NewMessage) -> Deferred:
+        """Deferred firing with a StoredMessage once committed, or a StorageError."""
+        d: Deferred = Deferred()
+
+        def done(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                d.errback(outcome)
+            else:
+                d.callback(outcome)
+
+        self.submit_cb(message, done)
+        return d
+
+    def submit_cb(self, message: NewMessage, done: Callable[[Any], None]) -> None:
+        """Like submit, without a Deferred per message (the send hot path):
+        ``done`` gets the StoredMessage, or the exception."""
+        if self._closing:
+            done(ShuttingDown("server is shutting down"))
+            return
+        self._queue.append((message, done))
+        if self._free:
+            self._kick()
+
+    def _kick(self) -> None:
+        while self._free and (self._queue or self._isolated):
+            worker = self._free.pop()
+            if self._isolated:
+                batch = self._isolated.pop(0)
+            else:
+                batch = self._queue[: self._max_batch]
+                del self._queue[: self._max_batch]
+            d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
+            d.addCallbacks(
+                self._committed,
+                self._failed,
+                callbackArgs=(batch, worker),
+                errbackArgs=(batch, worker),
+            )
+        if not self._busy and not self._queue and not self._isolated:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                w.callback(None)
+
+    def _committed(self, results: list, batch: list, worker: Any) -> None:
+        self._free.append(worker)
+        self.batches += 1
+        self.messages += len(batch)
+        self._on_health(True, "")
+        # Start the next transaction before answering this batch, so PostgreSQL
+        # works on it while the reactor writes the acknowledgements.
+        if self._queue or self._isolated:
+            self._kick()
+        for (_, done), stored in zip(batch, results):
+            try:
+                done(stored)
+            except Exception:
+                log.failure("send completion failed")
+        self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
+
+    def _failed(self, failure: Any, batch: list, worker: Any) -> None:
+        self._free.append(worker)
+        error = failure.value
+        if isinstance(error, RefusedError):
+            self._refused(error, batch)
+            return
+        if not isinstance(error, StorageError):
+            log.failure("unexpected error in group commit", failure)
+            error = StorageError(f"internal error: {error!r}")
+        self._on_health(False, str(error))
+        for _, done in batch:
+            try:
+                done(StorageError(str(error)))
+            except Exception:
+                log.failure("send completion failed")
+        try:
+            self._on_unknown([m for m, _ in batch])
+        except Exception:
+            log.failure("handling a batch of unknown outcome failed")
+        self._kick()
+
+    def _refused(self, error: RefusedError, batch: list) -> None:
+        """PostgreSQL refused the batch's input: nothing committed. Split it until
+        the refused rows stand alone; only their sends fail."""
+        if len(batch) == 1:
+            log.warn("a send was refused by PostgreSQL: {why}", why=error)
+            _, done = batch[0]
+            try:
+                done(RefusedError(f"message refused by PostgreSQL: {error}", error.sqlstate))
+            except Exception:
+                log.failure("send completion failed")
+        else:
+            half = len(batch) // 2
+            self._isolated[:0] = [batch[:half], batch[half:]]
+        self._kick()
+
+    def close(self) -> Deferred:
+        """Refuse new sends; fires when everything queued has been answered."""
+        self._closing = True
+        if not self._busy and not self._queue and not self._isolated:
+            return succeed(None)
+        d: Deferred = Deferred()
+        self._idle_waiters.append(d)
+        return d
+
+
+class RetryingBatcher:
+    """Items collected for ``interval`` (or ``max_batch`` of them) go to
+    ``db.run(fn, batch)`` (``db.run_steps`` if ``fn`` is steps, ``steps=True``); a
+    failed batch is retried with a growing pause, because what it records
+    (attempts, exhausted copies, acks) must not be lost while the server runs.
+    ``on_done(batch, result)`` runs after each commit."""
+
+    def __init__(
+        self,
+        db: Any,
+        clock: Any,
+        fn: Callable[[Any, list], Any],
+        *,
+        interval: float,
+        max_batch: int,
+        on_done: Callable[[list, Any], None] = lambda batch, result: None,
+        name: str = "batch",
+        steps: bool = False,
+    ):
+        self.db = db
+        self._run = db.run_steps if steps else db.run
+        self.clock = clock
+        self.fn = fn
+        self.interval = interval
+        self.max_batch = max_batch
+        self.on_done = on_done
+        self.name = name
+        self._queue: list = []
+        self._timer: Any = None
+        self._busy = False
+        self._retry = 0.0
+        self._idle: list[Deferred] = []
+        self._outage = Outage(name, clock)
+        self.done = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def add(self, item: Any) -> None:
+        self._queue.append(item)
+        if self._busy or self._retry:
+            return
+        if len(self._queue) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = self.clock.callLater(self.interval, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._busy:
+            return
+        if not self._queue:
+            waiters, self._idle = self._idle, []
+            for w in waiters:
+                w.callback(None)
+            return
+        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+        self._busy = True
+        d = self._run(self.fn, batch)
+        d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
+
+    def _flushed(self, result: Any, batch: list) -> None:
+        self._busy = False
+        self._retry = 0.0
+        self._outage.recovered()
+        self.done += len(batch)
+        try:
+            self.on_done(batch, result)
+        except Exception:
+            log.failure("{name}: completion failed", name=self.name)
+        self._flush()
+
+    def _failed(self, failure: Any, batch: list) -> None:
+        self._busy = False
+        self._outage.failed(failure.value)
+        self._queue[:0] = batch
+        self._retry = min(max(self._retry * 2, 0.1), 5.0)
+        if self._timer is None:
+            self._timer = self.clock.callLater(self._retry, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._timer = None
+        self._flush()
+
+    def drain(self) -> Deferred:
+        if not self._queue and not self._busy:
+            return succeed(None)
+        d: Deferred = Deferred()
+        self._idle.append(d)
+        if not self._busy and not self._retry:
+            self._flush()
+        return d
+
+    def stop(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+
+class AckBatcher(RetryingBatcher):
+    """Durable acknowledgements: delivery rows deleted and delivery-log rows written in
+    batches. ``on_done(batch, True)`` runs after each commit."""
+
+    def __init__(
+        self,
+        worker: Any,
+        clock: Any,
+        max_batch: int,
+        flush_interval: float,
+        on_done: Callable[[list[AckRow], bool], None],
+    ):
+        super().__init__(
+            worker,
+            clock,
+            ack_deliveries_steps,
+            interval=flush_interval,
+            max_batch=max_batch,
+            on_done=lambda batch, _result: on_done(batch, True),
+            name="durable ack",
+            steps=True,
+        )
+
+    @property
+    def acked(self) -> int:
+        return self.done
