@@ -26,7 +26,9 @@ from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import RefusedError, StorageError
-from dmq_server.db.messages import AckRow, NewMessage, load_backlog, read_channel_state, run_query, sweep_messages
+from dmq_server.db.messages import (
+    AckRow, NewMessage, load_backlog_steps, read_channel_state_steps, run_query_steps, sweep_messages_steps,
+)
 from dmq_server.db.worker import DbWorker
 from registry.model import TopicSpec
 from registry.pg import list_topics
@@ -579,8 +581,8 @@ class Broker:
 
     # -- backlog ----------------------------------------------------------
     def _load(self, channel: Channel, after: int, limit: int) -> None:
-        d = self._workers["loader"].run(
-            load_backlog, channel.topic, channel.name, after, limit, self.load_owner
+        d = self._workers["loader"].run_steps(
+            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner
         )
 
         def loaded(rows: list) -> None:
@@ -615,7 +617,7 @@ class Broker:
         except KeyError as exc:
             return fail(exc)
         query = "pause_channel" if paused else "unpause_channel"
-        d = self._workers["admin"].run(run_query, query, {"topic": topic, "channel": name})
+        d = self._workers["admin"].run_steps(run_query_steps, query, {"topic": topic, "channel": name})
 
         def stored(_: Any) -> None:
             (self._held.add if paused else self._held.discard)((topic, name))
@@ -633,7 +635,7 @@ class Broker:
             channel = self._registered_channel(topic, name)
         except KeyError as exc:
             return fail(exc)
-        d = self._workers["admin"].run(run_query, "empty_channel", {"topic": topic, "channel": name})
+        d = self._workers["admin"].run_steps(run_query_steps, "empty_channel", {"topic": topic, "channel": name})
 
         def emptied(count: int) -> int:
             # copies committed after the delete's snapshot are still stored: forget()
@@ -646,7 +648,7 @@ class Broker:
         return d.addCallback(emptied)
 
     def _read_channel_state(self) -> Deferred:
-        d = self._workers["admin"].run(read_channel_state)
+        d = self._workers["admin"].run_steps(read_channel_state_steps)
 
         def apply(state: tuple[dict[tuple[str, str], int], set[tuple[str, str]]]) -> None:
             depths, held = state
@@ -671,7 +673,7 @@ class Broker:
                 channel.pump()  # retries a load that failed earlier
 
     def _sweep(self) -> Deferred:
-        d = self._workers["admin"].run(sweep_messages, self.options.message_retention, 10000)
+        d = self._workers["admin"].run_steps(sweep_messages_steps, self.options.message_retention, 10000)
         d.addErrback(lambda f: f.trap(StorageError))
         return d
 

@@ -267,18 +267,10 @@ def _channel_on_server(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from dmq_sql import queries
+    from dmq_server.db.admin import table_counts
 
     with _database(args) as conn:
-        counts = conn.execute(queries["table_counts"]).fetchone()
-        depths = conn.execute(queries["channel_depths"]).fetchall()
-    stored = {
-        "messages": counts[0],
-        "deliveries_pending": counts[1],
-        "delivery_log": counts[2],
-        "dead_letters": counts[3],
-        "channels": [{"topic": t, "channel": c, "stored_depth": d} for t, c, d in depths],
-    }
+        stored = table_counts(conn)
     live = None
     try:
         with urllib.request.urlopen(f"http://{args.http_address}/stats", timeout=2) as resp:

@@ -174,7 +174,7 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_delay(args: argparse.Namespace) -> None:
-    from dmq_server.reliable.delay import delay_stats
+    from dmq_server.db.delays import delay_stats
 
     with _cli()._database(args) as conn:
         fragments = delay_stats(conn)

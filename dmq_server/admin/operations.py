@@ -33,10 +33,10 @@ from typing import Any, Callable, Mapping
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
-from dmq_sql import queries
-
-from dmq_server.reliable.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
-from dmq_server.reliable.delay import delay_stats
+from dmq_server.db import admin as db_admin
+from dmq_server.db.admin import dead_letter_counts, log_operation, stored_stats
+from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
+from dmq_server.db.delays import delay_stats
 
 __all__ = [
     "AdminError",
@@ -250,106 +250,38 @@ def check_token(listen_host: str, configured: str, given: str | None) -> None:
 
 
 # -- database operations (a connection; the CLI and the server's DbWorker) ------------
-
-
-def _letter(row: tuple, with_body: bool = False) -> dict:
-    out = {
-        "id": row[0],
-        "reason": row[1],
-        "detail": row[2],
-        "topic": row[3],
-        "channel": row[4],
-        "producer": row[5],
-        "session_id": row[6],
-        "message_id": row[7],
-        "attempts": row[8],
-        "size": row[9],
-        "published_ms": row[10],
-        "dead_ms": row[11],
-        "replayed_ms": row[12],
-        "replay_message_id": row[13],
-    }
-    if with_body:
-        body = bytes(row[14])
-        try:
-            out["body"] = body.decode("utf-8")
-            out["body_encoding"] = "utf-8"
-        except UnicodeDecodeError:
-            out["body"] = base64.b64encode(body).decode("ascii")
-            out["body_encoding"] = "base64"
-    return out
+# The statements are dmq_server.db.admin's; these add the filter and the error codes.
 
 
 def list_dead_letters(conn: Any, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> list[dict]:
-    params = flt.params()
-    params.update(limit=limit, after=after)
-    return [_letter(r) for r in conn.execute(queries["list_dead_letters"], params).fetchall()]
+    return db_admin.list_dead_letters(conn, flt.params(), limit, after)
 
 
 def count_dead_letters(conn: Any, flt: DeadLetterFilter) -> tuple[int, int]:
-    row = conn.execute(queries["count_dead_letters"], flt.params()).fetchone()
-    return row[0], row[1]
+    return db_admin.count_dead_letters(conn, flt.params())
 
 
 def show_dead_letter(conn: Any, letter_id: int) -> dict:
-    row = conn.execute(queries["show_dead_letter"], {"id": letter_id}).fetchone()
-    if row is None:
+    letter = db_admin.show_dead_letter(conn, letter_id)
+    if letter is None:
         raise AdminError("E_NOT_FOUND", f"no dead letter {letter_id}", 404)
-    return _letter(row, with_body=True)
+    return letter
 
 
 def replay_batch(
     conn: Any, flt: DeadLetterFilter, after: int, limit: int, fragments: int, now_ms: int, node_id: str
 ) -> tuple[int | None, int]:
     """Replay one batch; returns (next cursor or None when done, how many were queued)."""
-    params = flt.params()
-    params.update(after=after, limit=limit, fragments=fragments, now_ms=now_ms, node_id=node_id)
-    last, queued = conn.execute(queries["replay_dead_letters"], params).fetchone()
-    return last, queued
+    return db_admin.replay_batch(conn, flt.params(), after, limit, fragments, now_ms, node_id)
 
 
 def delete_batch(conn: Any, flt: DeadLetterFilter, after: int, limit: int) -> tuple[int | None, int]:
-    params = flt.params()
-    params.update(after=after, limit=limit)
-    ids = [r[0] for r in conn.execute(queries["delete_dead_letters"], params).fetchall()]
-    return (max(ids) if ids else None), len(ids)
-
-
-def log_operation(conn: Any, surface: str, actor: str, operation: str, filters: str, affected: int) -> None:
-    conn.execute(
-        queries["log_admin_operation"],
-        {"surface": surface, "actor": actor, "operation": operation, "filters": filters, "affected": affected},
-    )
-
-
-def dead_letter_counts(conn: Any) -> dict:
-    rows = conn.execute(queries["dead_letter_counts"]).fetchall()
-    return {
-        "total": sum(r[1] for r in rows),
-        "replayed": sum(r[2] for r in rows),
-        "by_reason": {r[0]: r[1] for r in rows},
-    }
-
-
-def stored_stats(conn: Any) -> dict:
-    counts = conn.execute(queries["table_counts"]).fetchone()
-    fragments = delay_stats(conn)
-    return {
-        "messages": counts[0],
-        "deliveries_pending": counts[1],
-        "delivery_log": counts[2],
-        "dead_letters": dead_letter_counts(conn),
-        "delayed_pending": sum(f["pending"] for f in fragments),
-        "channels": [
-            {"topic": t, "channel": c, "stored_depth": d}
-            for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
-        ],
-    }
+    return db_admin.delete_batch(conn, flt.params(), after, limit)
 
 
 #: what ``topic update`` may change; not the store, since a topic's stored messages
 #: and its consumers' protocol depend on it (delete and recreate to change it)
-TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")
+TOPIC_SETTINGS = db_admin.TOPIC_SETTINGS
 
 _TOPIC_SETTING_TEXT = {
     "msg_timeout_ms": "message timeout",
@@ -383,14 +315,10 @@ def update_topic(conn: Any, name: str, changes: Mapping[str, int | None]) -> tup
     registry is ZooKeeper's). The row is locked while read and written, so two updates
     of different settings both stick. Returns (before, after); running servers apply
     the new settings at their next registry refresh."""
-    with conn.transaction():
-        row = conn.execute(queries["lock_topic_settings"], {"name": name}).fetchone()
-        if row is None:
-            raise AdminError("E_NOT_FOUND", f"no such topic {name!r}", 404)
-        before = dict(zip(TOPIC_SETTINGS, row))
-        after = merge_topic_settings(before, changes)
-        conn.execute(queries["update_topic_settings"], {"name": name, **after})
-    return before, after
+    result = db_admin.update_topic_settings(conn, name, lambda before: merge_topic_settings(before, changes))
+    if result is None:
+        raise AdminError("E_NOT_FOUND", f"no such topic {name!r}", 404)
+    return result
 
 
 def run_batches(

@@ -29,27 +29,11 @@ from typing import Any, Callable
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from dmq_sql import queries
+from dmq_server.db.takeover import claim_deliveries, delivery_owners, owner_depths
 
-__all__ = ["Takeover", "delivery_owners", "claim_deliveries"]
+__all__ = ["Takeover", "delivery_owners", "claim_deliveries", "owner_depths"]
 
 log = Logger()
-
-
-def delivery_owners(conn: Any) -> list[str]:
-    return [row[0] for row in conn.execute(queries["delivery_owners"])]
-
-
-def claim_deliveries(conn: Any, dead: str, owner: str, limit: int) -> list[tuple[str, str, int]]:
-    """Move up to ``limit`` of ``dead``'s copies to ``owner``: [(topic, channel, count)]."""
-    rows = conn.execute(
-        queries["claim_deliveries"], {"dead": dead, "owner": owner, "limit": limit}
-    ).fetchall()
-    return [(r[0], r[1], int(r[2])) for r in rows]
-
-
-def owner_depths(conn: Any) -> dict[str, int]:
-    return {row[0]: int(row[1]) for row in conn.execute(queries["owner_depths"])}
 
 
 class Takeover:

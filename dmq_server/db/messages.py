@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import psycopg
 
 from dmq_server.db.errors import StorageError
-from dmq_server.db.steps import Statement, Steps, run_steps
+from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
 
 __all__ = [
@@ -27,9 +27,13 @@ __all__ = [
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
     "load_backlog",
+    "load_backlog_steps",
     "sweep_messages",
+    "sweep_messages_steps",
     "run_query",
+    "run_query_steps",
     "read_channel_state",
+    "read_channel_state_steps",
 ]
 
 
@@ -64,6 +68,8 @@ _ON_CONFLICT = "ON CONFLICT (producer, session_id) DO NOTHING"
 if queries["insert_messages"].count(_ON_CONFLICT) != 1:
     raise RuntimeError(f"sql/queries.sql: insert_messages must hold {_ON_CONFLICT!r} once")
 INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
+# its own name, so the in-memory double answers it (a stored pair: a unique violation)
+add_statement("insert_new_messages", INSERT_NEW_MESSAGES)
 
 
 def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
@@ -85,14 +91,14 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
     StoredMessage per item, in order."""
     params = send_columns(batch, node_id)
     try:
-        rows = yield Statement(INSERT_NEW_MESSAGES, params, may_fail=True)
+        rows = yield Statement("insert_new_messages", params, may_fail=True)
     except psycopg.errors.UniqueViolation:
-        rows = yield Statement(queries["insert_messages"], params)
+        rows = yield Statement("insert_messages", params)
     fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
     if missing:
         found = yield Statement(
-            queries["find_messages"],
+            "find_messages",
             {
                 "producers": [m.producer for m in missing],
                 "session_ids": [m.session_id for m in missing],
@@ -140,7 +146,7 @@ def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
     """Drop the acknowledged delivery rows and log them: one statement. Returns how
     many acks the batch held (acks of rows already gone, e.g. acked twice, change nothing)."""
     yield Statement(
-        queries["ack_deliveries"],
+        "ack_deliveries",
         {
             "topics": [a.topic for a in acks],
             "channels": [a.channel for a in acks],
@@ -163,6 +169,19 @@ class BacklogRow:
     attempts: int
 
 
+def load_backlog_steps(
+    topic: str, channel: str, after: int, limit: int, owner: str | None = None
+) -> Steps:
+    """A channel's stored copies after ``after``; in a cluster (``owner`` set) only the
+    copies that node owns."""
+    params: dict[str, Any] = {"topic": topic, "channel": channel, "after": after, "limit": limit}
+    if owner is None:
+        rows = yield Statement("load_backlog", params)
+    else:
+        rows = yield Statement("load_owned_backlog", dict(params, owner=owner))
+    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
+
+
 def load_backlog(
     conn: psycopg.Connection,
     topic: str,
@@ -171,30 +190,41 @@ def load_backlog(
     limit: int,
     owner: str | None = None,
 ) -> list[BacklogRow]:
-    """A channel's stored copies after ``after``; in a cluster (``owner`` set) only the
-    copies that node owns."""
-    params = {"topic": topic, "channel": channel, "after": after, "limit": limit}
-    if owner is None:
-        rows = conn.execute(queries["load_backlog"], params).fetchall()
-    else:
-        rows = conn.execute(queries["load_owned_backlog"], dict(params, owner=owner)).fetchall()
-    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
+    """``load_backlog_steps`` over a blocking connection."""
+    return run_steps(conn, load_backlog_steps(topic, channel, after, limit, owner))
+
+
+def run_query_steps(name: str, params: dict[str, Any]) -> Steps:
+    """The named statement of ``sql/queries.sql``; returns the rows it changed."""
+    return (yield Statement(name, params, count=True))
 
 
 def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> int:
-    """Run the named statement of ``sql/queries.sql``; returns the rows it changed."""
-    return conn.execute(queries[name], params).rowcount
+    """``run_query_steps`` over a blocking connection."""
+    return run_steps(conn, run_query_steps(name, params))
+
+
+def read_channel_state_steps() -> Steps:
+    """Stored copies per (topic, channel), and the channels an operator paused."""
+    depth_rows = yield Statement("channel_depths", {})
+    pause_rows = yield Statement("channel_pauses", {})
+    depths = {(t, c): n for t, c, n in depth_rows}
+    held = {(t, c) for t, c in pause_rows}
+    return depths, held
 
 
 def read_channel_state(
     conn: psycopg.Connection,
 ) -> tuple[dict[tuple[str, str], int], set[tuple[str, str]]]:
-    """Stored copies per (topic, channel), and the channels an operator paused."""
-    depths = {(t, c): n for t, c, n in conn.execute(queries["channel_depths"])}
-    held = {(t, c) for t, c in conn.execute(queries["channel_pauses"])}
-    return depths, held
+    """``read_channel_state_steps`` over a blocking connection."""
+    return run_steps(conn, read_channel_state_steps())
+
+
+def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
+    """Drop up to ``limit`` fully acknowledged messages older than ``retention_s``;
+    returns how many."""
+    return (yield Statement("sweep_messages", {"retention_s": retention_s, "limit": limit}, count=True))
 
 
 def sweep_messages(conn: psycopg.Connection, retention_s: float, limit: int) -> int:
-    cur = conn.execute(queries["sweep_messages"], {"retention_s": retention_s, "limit": limit})
-    return cur.rowcount
+    return run_steps(conn, sweep_messages_steps(retention_s, limit))

@@ -9,7 +9,7 @@ interval, so a 2 ms group commit took 5-20 ms of wall time (bench/reliable.py
 libpq connection and reads the result when the reactor finds its socket readable,
 so a batch is answered as soon as PostgreSQL has committed it.
 
-It runs the same *steps* as ``store.run_steps`` (sans-IO generators yielding
+It runs the same *steps* as ``steps.run_steps`` (sans-IO generators yielding
 ``Statement``s), one run at a time, in autocommit: each statement commits on its
 own, which is what group commit and durable acks want. Parameters are sent in
 binary with the types their casts name (``%(ids)b::bigint[]``); statements named
@@ -95,11 +95,12 @@ def _oid(type_name: str) -> int:
 
 
 class _Run:
-    __slots__ = ("steps", "deferred")
+    __slots__ = ("steps", "deferred", "count")
 
     def __init__(self, steps: Steps, deferred: Deferred):
         self.steps = steps
         self.deferred = deferred
+        self.count = False  # the statement in progress answers with its row count
 
 
 @implementer(IReadWriteDescriptor)
@@ -207,6 +208,8 @@ class ReactorDb:
                 result_format=pq.Format.BINARY,
             )
         self._results = []
+        if self._run is not None:
+            self._run.count = stmt.count
         self.doWrite()
 
     def _parse(self, sql: str) -> tuple[PreparedSql, Transformer]:
@@ -224,8 +227,10 @@ class ReactorDb:
             if res.status not in _SUCCESS:
                 self._advance(None, _error(res, self._encoding))
                 return
-        rows: list = []
-        if results and results[-1].status == pq.ExecStatus.TUPLES_OK:
+        rows: Any = []
+        if self._run is not None and self._run.count:
+            rows = results[-1].command_tuples or 0 if results else 0
+        elif results and results[-1].status == pq.ExecStatus.TUPLES_OK:
             loader = self._loader
             assert loader is not None
             loader.set_pgresult(results[-1])

@@ -3,8 +3,10 @@
 A steps generator yields statements and receives their rows (or has the error
 thrown in); it never touches a connection. ``run_steps`` drives one over a blocking
 connection (a ``DbWorker`` thread, tests, tools), ``dmq_server.db.reactor.ReactorDb``
-drives the same steps from the reactor thread, and an in-memory double can answer
-them by name in unit tests.
+drives the same steps from the reactor thread, and ``dmq_server.db.memory`` answers
+them by name in unit tests: a statement carries the *name* of its query in
+``sql/queries.sql`` (or of a variant registered with ``add_statement``), and the
+runners look its text up in ``STATEMENTS``.
 """
 
 from __future__ import annotations
@@ -15,23 +17,46 @@ from typing import Any, Callable, Generator, TypeVar
 
 import psycopg
 
-__all__ = ["Statement", "Steps", "run_steps"]
+from dmq_sql import queries
+
+__all__ = ["Statement", "Steps", "STATEMENTS", "add_statement", "run_steps"]
 
 T = TypeVar("T")
+
+# name -> SQL text: every query of sql/queries.sql, and the variants the db modules
+# derive from them (e.g. messages.INSERT_NEW_MESSAGES)
+STATEMENTS: dict[str, str] = dict(queries)
+
+
+def add_statement(name: str, sql: str) -> str:
+    """Register a statement derived from queries.sql under its own name; returns the name."""
+    if STATEMENTS.get(name, sql) != sql:
+        raise ValueError(f"statement {name!r} registered twice with different text")
+    STATEMENTS[name] = sql
+    return name
 
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One statement of a steps generator. ``may_fail``: the steps catch its error
-    and go on, so inside a caller's transaction it runs in a savepoint."""
+    """One statement of a steps generator, by the name of its query (``STATEMENTS``).
 
-    sql: str
+    ``may_fail``: the steps catch its error and go on, so inside a caller's
+    transaction it runs in a savepoint. ``count``: the steps receive the number of
+    rows the statement changed (an int) instead of its rows."""
+
+    name: str
     params: dict[str, Any]
     may_fail: bool = False
+    count: bool = False
+
+    @property
+    def sql(self) -> str:
+        return STATEMENTS[self.name]
 
 
 # yields Statements, receives each one's rows (a list of tuples, [] if it returns
-# none) or has its psycopg error thrown in; returns the result
+# none; the changed row count for a ``count`` statement) or has its psycopg error
+# thrown in; returns the result
 Steps = Generator[Statement, list, T]
 
 
@@ -49,7 +74,10 @@ def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
                     cur = conn.execute(stmt.sql, stmt.params)
             else:
                 cur = conn.execute(stmt.sql, stmt.params)
-            rows = cur.fetchall() if cur.description is not None else []
+            if stmt.count:
+                rows = cur.rowcount
+            else:
+                rows = cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
             advance = functools.partial(steps.throw, exc)
         else:

@@ -9,21 +9,31 @@ delivered the topic's maximum number of times without an acknowledgement),
 storage works again), ``storage_failure`` and ``operator`` (a delayed or replayed
 message whose channels were all unregistered when it fell due).
 
-Reading, replaying and deleting dead letters is ``dmq_server.admin.operations``.
+Reading, replaying and deleting dead letters is ``dmq_server.admin.operations``; the
+statements are ``dmq_server.db.dead_letters`` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from dmq_sql import queries
-
+from dmq_server.db.dead_letters import (
+    REASONS,
+    CopyRef,
+    NewDeadLetter,
+    exhaust_deliveries,
+    exhaust_deliveries_steps,
+    expire_deliveries,
+    expire_deliveries_steps,
+    insert_dead_letters,
+    insert_dead_letters_steps,
+    record_attempts,
+    record_attempts_steps,
+)
 from dmq_server.db.outage import Outage
-from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.reliable.writer import GroupCommitWriter, RetryingBatcher
 
 __all__ = [
@@ -34,89 +44,12 @@ __all__ = [
     "record_attempts",
     "exhaust_deliveries",
     "expire_deliveries",
+    "CopyRef",
     "RetryingBatcher",
     "DeadLetterSink",
 ]
 
 log = Logger()
-
-REASONS = ("rate_limited", "storage_failure", "expired", "max_attempts", "client_reported", "operator")
-
-
-@dataclass(slots=True)
-class NewDeadLetter:
-    reason: str
-    topic: str
-    producer: str
-    session_id: int | None
-    body: bytes = field(repr=False)
-    detail: str = ""
-    channel: str | None = None
-    message_id: int | None = None
-    attempts: int = 0
-    published_ms: int = 0
-
-
-@dataclass(slots=True)
-class CopyRef:
-    """One channel's copy of a message (attempts: as counted in memory)."""
-
-    topic: str
-    channel: str
-    message_id: int
-    attempts: int = 0
-
-
-def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
-    """Record a batch; returns the new ids in batch order. Steps (store.Statement),
-    for the group commit."""
-    for item in batch:
-        if item.reason not in REASONS:
-            raise ValueError(f"unknown dead-letter reason {item.reason!r}")
-    rows = yield Statement(
-        queries["insert_dead_letters"],
-        {
-            "reasons": [d.reason for d in batch],
-            "details": [d.detail for d in batch],
-            "topics": [d.topic for d in batch],
-            "channels": [d.channel for d in batch],
-            "producers": [d.producer for d in batch],
-            "session_ids": [d.session_id for d in batch],
-            "message_ids": [d.message_id for d in batch],
-            "attempts": [d.attempts for d in batch],
-            "bodies": [d.body for d in batch],
-            "published_ms": [d.published_ms for d in batch],
-        },
-    )
-    return [r[0] for r in rows]
-
-
-def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
-    """``insert_dead_letters_steps`` over a blocking connection."""
-    return run_steps(conn, insert_dead_letters_steps(batch, node_id))
-
-
-def _copy_params(rows: Sequence[CopyRef]) -> dict:
-    return {
-        "topics": [r.topic for r in rows],
-        "channels": [r.channel for r in rows],
-        "message_ids": [r.message_id for r in rows],
-        "attempts": [r.attempts for r in rows],
-    }
-
-
-def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
-    return conn.execute(queries["record_attempts"], _copy_params(rows)).rowcount
-
-
-def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef]) -> list[tuple[str, str, int]]:
-    return [tuple(r) for r in conn.execute(queries["exhaust_deliveries"], _copy_params(rows)).fetchall()]
-
-
-def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:
-    params = {"now_ms": now_ms, "limit": limit}
-    return [tuple(r) for r in conn.execute(queries["expire_deliveries"], params).fetchall()]
-
 
 class DeadLetterSink:
     """The broker's side of dead letters: rate-limited sends, attempts, exhausted and
@@ -141,16 +74,18 @@ class DeadLetterSink:
         self.expiry_batch = expiry_batch
         self.writer = GroupCommitWriter([db], node_id, batch_size, insert=insert_dead_letters_steps)
         self.attempts = RetryingBatcher(
-            db, clock, record_attempts, interval=flush_interval, max_batch=batch_size, name="attempts"
+            db, clock, record_attempts_steps, interval=flush_interval, max_batch=batch_size,
+            name="attempts", steps=True,
         )
         self.exhausted = RetryingBatcher(
             db,
             clock,
-            exhaust_deliveries,
+            exhaust_deliveries_steps,
             interval=flush_interval,
             max_batch=batch_size,
             on_done=self._exhausted_done,
             name="max-attempts dead letters",
+            steps=True,
         )
         self._sweeping = False
         self.counts: dict[str, int] = {}
@@ -186,7 +121,7 @@ class DeadLetterSink:
             return succeed(0)
         self._sweeping = True
         now_ms = int(self.clock.seconds() * 1000)
-        d = self.db.run(expire_deliveries, now_ms, self.expiry_batch)
+        d = self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch)
 
         def swept(rows: list) -> Any:
             self._sweeping = False

@@ -8,6 +8,7 @@ and the next run reconnects.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import psycopg
@@ -19,8 +20,13 @@ from twisted.python.failure import Failure
 from dmq_server.db.reactor import PreparedSql, ReactorDb
 from dmq_server.db.errors import StorageError
 from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps
-from dmq_server.db.steps import Statement
+from dmq_server.db.steps import Statement, add_statement
 from dmq_server.db.worker import connect
+
+
+def _stmt(sql: str, params: dict) -> Statement:
+    """A statement of these tests' own, registered under a name of its own."""
+    return Statement(add_statement(f"test_reactor_{hashlib.sha1(sql.encode()).hexdigest()[:12]}", sql), params)
 
 
 def on_reactor(scenario: Callable[[Any], Any], timeout: float = 30.0) -> Any:
@@ -92,10 +98,10 @@ def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic):
 
 def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic):
     def bad_steps() -> Any:
-        yield Statement("SELECT 1 / %(zero)s::integer", {"zero": 0})
+        yield _stmt("SELECT 1 / %(zero)s::integer", {"zero": 0})
 
     def good_steps() -> Any:
-        rows = yield Statement("SELECT %(n)s::bigint + 1, %(names)b::text[]", {"n": 41, "names": ["a", "b"]})
+        rows = yield _stmt("SELECT %(n)s::bigint + 1, %(names)b::text[]", {"n": 41, "names": ["a", "b"]})
         return rows
 
     async def scenario(reactor: Any) -> Any:
@@ -117,7 +123,7 @@ def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn
     a value psycopg cannot send fails its run before anything is sent; the next run works."""
 
     def cast(value: Any) -> Any:
-        rows = yield Statement("SELECT %(v)b::integer[]", {"v": value})
+        rows = yield _stmt("SELECT %(v)b::integer[]", {"v": value})
         return rows[0][0]
 
     async def scenario(reactor: Any) -> Any:
@@ -138,10 +144,10 @@ def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn
 
 def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
     def sleeper() -> Any:
-        yield Statement("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
+        yield _stmt("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
 
     def nothing() -> Any:
-        yield Statement("SELECT 1", {})
+        yield _stmt("SELECT 1", {})
 
     async def scenario(reactor: Any) -> Any:
         db = ReactorDb(reactor, pg_dsn, "writer0")
@@ -159,11 +165,11 @@ def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
 
 def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, topic):
     def backend_pid() -> Any:
-        rows = yield Statement("SELECT pg_backend_pid()", {})
+        rows = yield _stmt("SELECT pg_backend_pid()", {})
         return rows[0][0]
 
     def sleeper() -> Any:
-        yield Statement("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
+        yield _stmt("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
 
     async def scenario(reactor: Any) -> Any:
         db = ReactorDb(reactor, pg_dsn, "writer0", prepare=HOT_STATEMENTS)
@@ -190,7 +196,7 @@ def test_an_unreachable_database_fails_each_run_without_hanging(pg_server):
     dsn = pg_server.dsn.replace(f":{pg_server.port}/", ":1/")
 
     def steps() -> Any:
-        yield Statement("SELECT 1", {})
+        yield _stmt("SELECT 1", {})
 
     async def scenario(reactor: Any) -> Any:
         db = ReactorDb(reactor, dsn, "writer0")

@@ -1,0 +1,124 @@
+"""The dead-letter table (``dmq_dead_letter``) as the server writes it: recording
+dead letters, persisting delivery attempts, and moving exhausted or expired copies.
+
+How messages get there (the broker's sink, its batchers and sweep) is
+``dmq_server.reliable.dead_letters``; reading, replaying and deleting them is
+``dmq_server.db.admin``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from dmq_server.db.steps import Statement, Steps, run_steps
+
+__all__ = [
+    "REASONS",
+    "NewDeadLetter",
+    "CopyRef",
+    "insert_dead_letters",
+    "insert_dead_letters_steps",
+    "record_attempts",
+    "record_attempts_steps",
+    "exhaust_deliveries",
+    "exhaust_deliveries_steps",
+    "expire_deliveries",
+    "expire_deliveries_steps",
+]
+
+REASONS = ("rate_limited", "storage_failure", "expired", "max_attempts", "client_reported", "operator")
+
+
+@dataclass(slots=True)
+class NewDeadLetter:
+    reason: str
+    topic: str
+    producer: str
+    session_id: int | None
+    body: bytes = field(repr=False)
+    detail: str = ""
+    channel: str | None = None
+    message_id: int | None = None
+    attempts: int = 0
+    published_ms: int = 0
+
+
+@dataclass(slots=True)
+class CopyRef:
+    """One channel's copy of a message (attempts: as counted in memory)."""
+
+    topic: str
+    channel: str
+    message_id: int
+    attempts: int = 0
+
+
+def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
+    """Record a batch; returns the new ids in batch order. Steps, for the group
+    commit."""
+    for item in batch:
+        if item.reason not in REASONS:
+            raise ValueError(f"unknown dead-letter reason {item.reason!r}")
+    rows = yield Statement(
+        "insert_dead_letters",
+        {
+            "reasons": [d.reason for d in batch],
+            "details": [d.detail for d in batch],
+            "topics": [d.topic for d in batch],
+            "channels": [d.channel for d in batch],
+            "producers": [d.producer for d in batch],
+            "session_ids": [d.session_id for d in batch],
+            "message_ids": [d.message_id for d in batch],
+            "attempts": [d.attempts for d in batch],
+            "bodies": [d.body for d in batch],
+            "published_ms": [d.published_ms for d in batch],
+        },
+    )
+    return [r[0] for r in rows]
+
+
+def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
+    """``insert_dead_letters_steps`` over a blocking connection."""
+    return run_steps(conn, insert_dead_letters_steps(batch, node_id))
+
+
+def _copy_params(rows: Sequence[CopyRef]) -> dict:
+    return {
+        "topics": [r.topic for r in rows],
+        "channels": [r.channel for r in rows],
+        "message_ids": [r.message_id for r in rows],
+        "attempts": [r.attempts for r in rows],
+    }
+
+
+def record_attempts_steps(rows: Sequence[CopyRef]) -> Steps:
+    """Persist the attempts counted in memory (the larger count wins); returns how
+    many copies were still stored."""
+    return (yield Statement("record_attempts", _copy_params(rows), count=True))
+
+
+def exhaust_deliveries_steps(rows: Sequence[CopyRef]) -> Steps:
+    """Copies that used up their attempts -> dead letters; [(topic, channel, message_id)]
+    of the copies still stored."""
+    found = yield Statement("exhaust_deliveries", _copy_params(rows))
+    return [tuple(r) for r in found]
+
+
+def expire_deliveries_steps(now_ms: int, limit: int) -> Steps:
+    """Up to ``limit`` copies past their topic's time to live -> dead letters;
+    [(topic, channel, message_id)]."""
+    found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit})
+    return [tuple(r) for r in found]
+
+
+def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
+    return run_steps(conn, record_attempts_steps(rows))
+
+
+def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef]) -> list[tuple[str, str, int]]:
+    return run_steps(conn, exhaust_deliveries_steps(rows))
+
+
+def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:
+    return run_steps(conn, expire_deliveries_steps(now_ms, limit))

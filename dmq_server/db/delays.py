@@ -1,0 +1,155 @@
+"""The delay table (``dmq_delay``): storing delayed sends, peeking at due times,
+moving due rows into the reliable flow, and its statistics.
+
+The scheduling around it (fragments, timers, polls) is ``dmq_server.reliable.delay``;
+this module only builds the parameters, runs the named statements and turns rows
+into values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from dmq_server.db.messages import send_columns
+from dmq_server.db.steps import Statement, Steps, run_steps
+from dmq_sql import queries
+
+__all__ = [
+    "NewDelayed",
+    "StoredDelay",
+    "MovedMessage",
+    "insert_delayed",
+    "insert_delayed_steps",
+    "peek_delayed",
+    "move_due",
+    "delay_stats",
+]
+
+
+@dataclass(slots=True)
+class NewDelayed:
+    """A validated delayed send waiting for its group commit."""
+
+    topic: str
+    producer: str
+    session_id: int
+    produced_ms: int
+    due_ms: int
+    fragment: int
+    body: bytes = field(repr=False)
+
+
+@dataclass(slots=True)
+class StoredDelay:
+    """What the commit made of a NewDelayed. ``message_id`` is the delay entry's id;
+    for a resend of a pair already moved into the reliable flow (``kind ==
+    "message"``), the stored message's id."""
+
+    message_id: int
+    due_ms: int
+    fragment: int
+    duplicate: bool
+    kind: str = "delay"
+
+
+@dataclass(slots=True)
+class MovedMessage:
+    """A delayed row now stored as a message with deliveries for ``channels``."""
+
+    message_id: int
+    topic: str
+    producer: str
+    session_id: int
+    published_ms: int
+    channels: tuple[str, ...]
+    due_ms: int
+    body: bytes = field(repr=False)
+
+
+def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
+    """Store a batch: one statement, atomic on its own (also in autocommit); one
+    StoredDelay per item, in order. Steps, for the group commit (store.Statement)."""
+    params = send_columns(batch, node_id)
+    params["due_ms"] = [m.due_ms for m in batch]
+    params["fragments"] = [m.fragment for m in batch]
+    rows = yield Statement("insert_delayed", params)
+    fresh: dict[tuple[str, int], StoredDelay] = {}
+    for delay_id, producer, session_id, due_ms in rows:
+        fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)
+    missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
+    if missing:
+        found = yield Statement(
+            "find_delayed",
+            {
+                "producers": [m.producer for m in missing],
+                "session_ids": [m.session_id for m in missing],
+            },
+        )
+        for row_id, producer, session_id, due_ms, kind in found:
+            fresh.setdefault((producer, session_id), StoredDelay(row_id, due_ms, 0, True, kind))
+    results: list[StoredDelay] = []
+    seen: set[tuple[str, int]] = set()
+    for m in batch:
+        key = (m.producer, m.session_id)
+        stored = fresh.get(key)
+        if stored is None:
+            raise RuntimeError(f"delayed message {key} neither stored nor found")
+        duplicate = stored.duplicate or key in seen
+        seen.add(key)
+        results.append(StoredDelay(stored.message_id, stored.due_ms, m.fragment, duplicate, stored.kind))
+    return results
+
+
+def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
+    """``insert_delayed_steps`` over a blocking connection."""
+    return run_steps(conn, insert_delayed_steps(batch, node_id))
+
+
+def _fragment_params(fragments: Sequence[int], max_fragment: int) -> dict:
+    return {
+        "fragments": list(fragments),
+        # the worker holding the highest fragment also serves rows above it, left by
+        # a larger --delay-fragments earlier or given by a CLI with another setting
+        "overflow": max_fragment in fragments,
+        "max_fragment": max_fragment,
+    }
+
+
+def peek_delayed(
+    conn: Any, fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int
+) -> list[int]:
+    """Due times (ms) in ``fragments`` up to ``until_ms``, soonest first, at most ``limit``."""
+    params = _fragment_params(fragments, max_fragment)
+    params.update(until_ms=until_ms, limit=limit)
+    return [r[0] for r in conn.execute(queries["peek_delayed"], params).fetchall()]
+
+
+def move_due(
+    conn: Any,
+    fragments: Sequence[int],
+    max_fragment: int,
+    now_ms: int,
+    limit: int,
+    node_id: str,
+) -> tuple[int, list[MovedMessage]]:
+    """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (the caller's
+    transaction). Returns (rows taken, messages stored); rows whose channels are all
+    gone became dead letters and are counted but not returned."""
+    params = _fragment_params(fragments, max_fragment)
+    params.update(now_ms=now_ms, limit=limit, node_id=node_id)
+    rows = conn.execute(queries["move_due"], params).fetchall()
+    taken = rows[0][0] if rows else 0
+    moved = [
+        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]))
+        for r in rows
+        if r[1] is not None
+    ]
+    return taken, moved
+
+
+def delay_stats(conn: Any) -> list[dict]:
+    return [
+        {"fragment": r[0], "pending": r[1], "next_due_ms": r[2], "last_due_ms": r[3]}
+        for r in conn.execute(queries["delay_stats"]).fetchall()
+    ]
