@@ -29,9 +29,9 @@ from dmq_server.db.errors import RefusedError, StorageError
 from dmq_server.db.messages import (
     AckRow, NewMessage, load_backlog_steps, read_channel_state_steps, run_query_steps, sweep_messages_steps,
 )
+from dmq_server.db.topics import list_topics_steps
 from dmq_server.db.worker import DbWorker
 from registry.model import TopicSpec
-from registry.pg import list_topics
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 
 __all__ = ["Broker", "PublishRejected", "SubscribeRejected", "MAX_TIMESTAMP_MS"]
@@ -83,7 +83,7 @@ class Broker:
         self.node_id = node_id
         # where topics come from: PostgreSQL by default; a cluster passes ZooKeeper's
         # reader (dmq_server.cluster.node), which also mirrors them into PostgreSQL
-        self._fetch_topics = fetch_topics or (lambda: self._workers["admin"].run(list_topics))
+        self._fetch_topics = fetch_topics or (lambda: self._workers["admin"].run_steps(list_topics_steps))
         # cluster: load only the copies this node owns; deliver nothing while paused
         # (not registered, or the registry session is in doubt); see dmq_server.cluster.node
         self.load_owner: str | None = None

@@ -1,0 +1,169 @@
+"""Unit tests of ``dmq_server.db.memory.MemoryDb``, the in-memory double of the database seam.
+
+It runs the server's own steps (``db.messages``, ``db.dead_letters``, ``db.topics``)
+and must answer them as PostgreSQL does (the contract test on real PostgreSQL is
+``tests/integration/test_memory_db_contract.py``); here: the answers that matter to
+the broker, and the injected failures arriving as the runners deliver them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+
+from dmq_server.db.dead_letters import NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.memory import MemoryDb, UnknownStatement
+from dmq_server.db.messages import (
+    AckRow,
+    NewMessage,
+    ack_deliveries_steps,
+    insert_messages_steps,
+    load_backlog_steps,
+    read_channel_state_steps,
+    run_query_steps,
+    sweep_messages_steps,
+)
+from dmq_server.db.steps import Statement
+from dmq_server.db.topics import list_topics_steps
+
+
+def result(d: Deferred) -> Any:
+    """The outcome of an already fired Deferred: its value, or its exception."""
+    out: list[Any] = []
+    d.addBoth(out.append)
+    assert out, "the Deferred has not fired"
+    value = out[0]
+    return value.value if hasattr(value, "value") and isinstance(value.value, BaseException) else value
+
+
+def msg(producer: str, session_id: int, topic: str = "orders", body: bytes = b"x") -> NewMessage:
+    return NewMessage(topic, producer, session_id, 0, body)
+
+
+@pytest.fixture
+def db() -> MemoryDb:
+    clock = Clock()
+    clock.advance(1_700_000_000)
+    db = MemoryDb(clock)
+    db.create_topic("orders", ["billing", "audit"])
+    db.create_topic("empty")
+    return db
+
+
+def test_a_batch_is_stored_with_one_delivery_per_channel(db):
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1"))
+    assert [s.duplicate for s in stored] == [False, False]
+    assert all(s.channels == ("audit", "billing") for s in stored)
+    assert stored[0].message_id < stored[1].message_id
+    assert sorted(db.deliveries) == sorted(
+        (("orders", c, s.message_id)) for c in ("audit", "billing") for s in stored
+    )
+    assert db.names_run() == ["insert_new_messages"]
+
+
+def test_a_resent_pair_is_answered_from_the_stored_row(db):
+    first = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    again = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1"))
+    assert again[0].duplicate and again[0].message_id == first[0].message_id and again[0].channels == ()
+    assert not again[1].duplicate
+    # the fast statement met the stored pair, so the batch ran again with ON CONFLICT
+    assert db.names_run() == ["insert_new_messages", "insert_new_messages", "insert_messages", "find_messages"]
+    assert len(db.messages) == 2 and len(db.deliveries) == 4
+
+
+def test_the_same_pair_twice_in_one_batch_is_stored_once(db):
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 7), msg("p", 7)], "node-1"))
+    assert [s.duplicate for s in stored] == [False, True]
+    assert stored[0].message_id == stored[1].message_id
+    assert len(db.messages) == 1
+
+
+def test_acks_drop_deliveries_and_log_them_and_backlog_reads_what_is_left(db):
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", i) for i in range(1, 4)], "node-1"))
+    ids = [s.message_id for s in stored]
+    acks = [AckRow("orders", "billing", ids[0], 5, 6, 1), AckRow("orders", "billing", ids[0], 5, 6, 1)]
+    assert result(db.run_steps(ack_deliveries_steps, acks)) == 2
+    assert len(db.delivery_log) == 1  # an ack of a row already gone changes nothing
+    backlog = result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))
+    assert [r.message_id for r in backlog] == ids[1:]
+    assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "billing", ids[1], 1))] == [ids[2]]
+    assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "audit", 0, 10, "node-2"))] == []
+    depths, held = result(db.run_steps(read_channel_state_steps))
+    assert depths == {("orders", "audit"): 3, ("orders", "billing"): 2} and held == set()
+
+
+def test_pause_empty_and_sweep_count_the_rows_they_change(db):
+    result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    params = {"topic": "orders", "channel": "billing"}
+    assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 1
+    assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 0
+    assert result(db.run_steps(read_channel_state_steps))[1] == {("orders", "billing")}
+    assert result(db.run_steps(run_query_steps, "empty_channel", params)) == 1
+    assert result(db.run_steps(sweep_messages_steps, 0, 100)) == 0  # audit still holds a copy
+    result(db.run_steps(run_query_steps, "empty_channel", {"topic": "orders", "channel": "audit"}))
+    assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 0  # younger than the retention
+    db.clock.advance(61)
+    assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 1 and not db.messages
+
+
+def test_topics_and_dead_letters(db):
+    topics = result(db.run_steps(list_topics_steps))
+    assert [(t.name, t.channels) for t in topics] == [("empty", ()), ("orders", ("audit", "billing"))]
+    letter = NewDeadLetter("rate_limited", "orders", "p", 1, b"body")
+    ids = result(db.run_steps(insert_dead_letters_steps, [letter, letter]))
+    assert len(ids) == 2 and ids[0] < ids[1] and db.dead_letters[ids[0]]["reason"] == "rate_limited"
+
+
+def test_a_refused_statement_fails_the_run_with_a_refused_error_and_stores_nothing(db):
+    db.fail_next("insert_new_messages", "refused")
+    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    assert isinstance(error, RefusedError) and error.sqlstate.startswith("22")
+    assert not db.messages
+    # only once: the next run stores
+    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))[0].duplicate
+
+
+def test_a_refusal_can_target_the_batches_holding_one_producer(db):
+    db.fail_next("insert_new_messages", "refused", times=10, when=lambda p: "bad" in p["producers"])
+    assert isinstance(result(db.run_steps(insert_messages_steps, [msg("bad", 1), msg("p", 1)], "n")), RefusedError)
+    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "n"))[0].duplicate
+
+
+def test_an_unknown_outcome_is_applied_and_its_answer_lost(db):
+    db.fail_next("insert_new_messages", "unknown")
+    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    assert isinstance(error, StorageError) and not isinstance(error, RefusedError)
+    assert len(db.messages) == 1 and len(db.deliveries) == 2  # committed all the same
+
+
+def test_a_lost_statement_is_not_applied(db):
+    db.fail_next("ack_deliveries", "lost")
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    error = result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "audit", stored[0].message_id, 0, 1, 1)]))
+    assert isinstance(error, StorageError) and not isinstance(error, RefusedError)
+    assert len(db.deliveries) == 2
+
+
+def test_answers_wait_for_the_clock_when_given_a_delay():
+    clock = Clock()
+    db = MemoryDb(clock, delay=0.5)
+    db.create_topic("orders", ["billing"])
+    d = db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1")
+    assert not d.called
+    clock.advance(0.5)
+    assert d.called
+
+
+def test_a_statement_without_a_handler_fails_loudly(db):
+    def steps() -> Any:
+        yield Statement("move_due", {})
+
+    assert isinstance(result(db.run_steps(steps)), UnknownStatement)
+    with pytest.raises(UnknownStatement):
+        db.fail_next("no_such_statement")
+    with pytest.raises(ValueError, match="failure kind"):
+        db.fail_next("insert_messages", "sometimes")
