@@ -1,0 +1,241 @@
+"""Unit tests of the dmq protocol adapter (``DmqConnection``) at the frame level.
+
+A real ``Broker`` with its writers on the in-memory database (``dmq_server.db.memory``),
+a ``task.Clock`` and Twisted's ``StringTransport``: encoded frames go in, the bytes
+written are decoded and compared. Only frames are used, so the tests hold whatever
+the broker's Python API looks like.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from dmq_client.wire import Command, Frame, FrameDecoder, encode
+from dmq_server.broker import Broker
+from dmq_server.core.options import Options
+from dmq_server.db.memory import MemoryDb
+from dmq_server.protocols.dmq import DmqConnection
+
+
+class Server:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1_700_000_000)
+        self.db = MemoryDb(self.clock)
+        self.db.create_topic("orders", ["billing"])
+        roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
+        self.broker = Broker(Options(), self.clock, roles, "node-1")
+        self.broker.start()
+        self.registry: set = set()
+
+    def connect(self) -> Client:
+        transport = StringTransport()
+        return Client(self, transport, DmqConnection(transport, self.broker, self.clock, self.registry))
+
+    def settle(self) -> None:
+        for _ in range(50):  # the ack batcher's flush interval, the scan timer
+            self.clock.advance(0.01)
+
+
+class Client:
+    def __init__(self, server: Server, transport: StringTransport, conn: DmqConnection):
+        self.server = server
+        self.transport = transport
+        self.conn = conn
+        self._decoder = FrameDecoder()
+
+    def send(self, *frames: Frame) -> None:
+        self.conn.data_received(b"".join(encode(f) for f in frames))
+
+    def received(self) -> list[Frame]:
+        """Frames written since the last call."""
+        data = self.transport.value()
+        self.transport.clear()
+        return self._decoder.feed(data)
+
+
+def send_frame(session_id: int, body: bytes = b"hello", topic: str = "orders", producer: str = "p") -> Frame:
+    return Frame(Command.UP_PRODUCER_SEND, session_id=session_id, topic=topic, producer=producer, body=body)
+
+
+@pytest.fixture
+def server() -> Server:
+    return Server()
+
+
+def test_a_connection_opens_with_the_servers_health(server):
+    client = server.connect()
+    [hello] = client.received()
+    assert hello.command == Command.SERVER_HEALTH and hello.status == "OK"
+
+
+def test_a_send_is_answered_with_its_stored_id(server):
+    client = server.connect()
+    client.received()
+    client.send(send_frame(1), send_frame(2))
+    server.settle()
+    replies = client.received()
+    assert [(f.command, f.session_id) for f in replies] == [
+        (Command.SEND_SUCCESS_ACK, 1),
+        (Command.SEND_SUCCESS_ACK, 2),
+    ]
+    stored = {(m.session_id, m.id) for m in server.db.messages.values()}
+    assert {(f.session_id, f.message_id) for f in replies} == stored
+
+
+def test_a_resend_is_a_duplicate_and_a_plain_send_of_a_stored_pair_is_invalid(server):
+    client = server.connect()
+    client.received()
+    client.send(send_frame(1))
+    server.settle()
+    [first] = client.received()
+    client.send(Frame(Command.UP_PRODUCER_RESEND, session_id=1, topic="orders", producer="p", body=b"hello"))
+    server.settle()
+    [again] = client.received()
+    assert again.command == Command.SEND_SUCCESS_ACK and again.message_id == first.message_id
+    assert again.status == "duplicate"
+    client.send(send_frame(1))
+    server.settle()
+    [refused] = client.received()
+    assert refused.command == Command.SEND_INVALID_ACK and "UP_PRODUCER_RESEND" in refused.status
+
+
+@pytest.mark.parametrize(
+    "frame, command, status",
+    [
+        (send_frame(1, topic="nowhere"), Command.SEND_NO_TOPIC_ACK, "E_NO_TOPIC"),
+        (send_frame(1, topic="bad topic"), Command.SEND_INVALID_ACK, "E_BAD_TOPIC"),
+        (send_frame(1, producer=""), Command.SEND_INVALID_ACK, "E_INVALID producer id"),
+    ],
+)
+def test_a_bad_send_gets_its_own_reply_and_the_connection_goes_on(server, frame, command, status):
+    client = server.connect()
+    client.received()
+    client.send(frame, send_frame(2))
+    server.settle()
+    first, second = client.received()
+    assert first.command == command and first.session_id == frame.session_id and status in first.status
+    assert second.command == Command.SEND_SUCCESS_ACK and second.session_id == 2
+
+
+def test_a_send_whose_store_fails_gets_a_storage_error(server):
+    client = server.connect()
+    client.received()
+    server.db.fail_next("insert_new_messages", "lost")
+    client.send(send_frame(1))
+    server.settle()
+    [reply] = client.received()
+    assert reply.command == Command.SEND_SERVER_ERROR and reply.status.startswith("E_STORAGE")
+
+
+def test_subscribe_push_ack(server):
+    producer, consumer = server.connect(), server.connect()
+    producer.received(), consumer.received()
+    consumer.send(Frame(Command.UP_SUBSCRIBE, session_id=9, topic="orders", channel="billing", credit=10))
+    server.settle()
+    [ack] = consumer.received()
+    assert ack.command == Command.SUBSCRIBE_ACK and ack.session_id == 9
+    producer.send(*(send_frame(i, b"m%d" % i) for i in range(3)))
+    server.settle()
+    acknowledged = {f.message_id for f in producer.received() if f.command == Command.SEND_SUCCESS_ACK}
+    pushes = consumer.received()
+    assert [f.command for f in pushes] == [Command.CONSUMER_PUSH] * 3
+    assert {f.message_id for f in pushes} == acknowledged  # none lost
+    assert [(f.session_id, f.body, f.producer, f.channel) for f in pushes] == [
+        (i, b"m%d" % i, "p", "billing") for i in range(3)
+    ]
+    consumer.send(*(Frame(Command.UP_CONSUMER_ACK, topic="orders", channel="billing", message_id=f.message_id) for f in pushes))
+    server.settle()
+    assert consumer.received() == []  # acks have no reply
+    assert not server.db.deliveries and len(server.db.delivery_log) == 3
+
+
+def test_the_subscribe_reply_precedes_the_first_push(server):
+    producer = server.connect()
+    producer.send(send_frame(1))
+    server.settle()
+    consumer = server.connect()
+    consumer.received()
+    consumer.send(Frame(Command.UP_SUBSCRIBE, session_id=9, topic="orders", channel="billing", credit=10))
+    server.settle()
+    assert [f.command for f in consumer.received()] == [Command.SUBSCRIBE_ACK, Command.CONSUMER_PUSH]
+
+
+def test_an_ack_by_a_stranger_is_refused(server):
+    producer, holder, stranger = server.connect(), server.connect(), server.connect()
+    holder.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10))
+    server.settle()
+    producer.send(send_frame(1))
+    server.settle()
+    [push] = [f for f in holder.received() if f.command == Command.CONSUMER_PUSH]
+    # a connection without a subscription, then one subscribed without holding the copy
+    stranger.send(Frame(Command.UP_CONSUMER_ACK, topic="orders", channel="billing", message_id=push.message_id))
+    stranger.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=1))
+    server.settle()
+    stranger.send(Frame(Command.UP_CONSUMER_ACK, topic="orders", channel="billing", message_id=push.message_id))
+    server.settle()
+    assert server.broker.acks_refused == 2
+    assert ("orders", "billing", push.message_id) in server.db.deliveries
+    holder.send(Frame(Command.UP_CONSUMER_ACK, topic="orders", channel="billing", message_id=push.message_id))
+    server.settle()
+    assert not server.db.deliveries and server.broker.acks_refused == 2
+
+
+@pytest.mark.parametrize(
+    "frame, command",
+    [
+        (Frame(Command.UP_SUBSCRIBE, topic="nowhere", channel="c"), Command.SUBSCRIBE_NO_TOPIC_ACK),
+        (Frame(Command.UP_SUBSCRIBE, topic="orders", channel="unknown"), Command.SUBSCRIBE_NO_CLIENT_ID_ACK),
+        (Frame(Command.UP_SUBSCRIBE, topic="orders", channel="bad channel"), Command.SUBSCRIBE_INVALID_ACK),
+        (Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10**6), Command.SUBSCRIBE_INVALID_ACK),
+    ],
+)
+def test_a_subscribe_that_cannot_be_served_gets_its_reason(server, frame, command):
+    client = server.connect()
+    client.received()
+    client.send(frame)
+    server.settle()
+    [reply] = client.received()
+    assert reply.command == command
+    assert not client.transport.disconnecting
+
+
+def malformed_command() -> bytes:
+    data = bytearray(encode(send_frame(1)))
+    data[4] = 31  # an upstream code no command has
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "data, code",
+    [
+        (b"\x00\x00\x00\x01x", "E_BAD_FRAME"),  # shorter than any frame
+        (b"\xff\xff\xff\xff", "E_FRAME_TOO_LARGE"),
+        (malformed_command(), "E_BAD_COMMAND"),
+        (encode(Frame(Command.SERVER_HEARTBEAT)), "E_INVALID"),  # a server command from a client
+        (encode(Frame(Command.UP_CREDIT, topic="orders", channel="billing", credit=5)), "E_INVALID"),
+    ],
+)
+def test_a_malformed_or_misplaced_frame_is_a_protocol_error_that_closes(server, data, code):
+    client = server.connect()
+    client.received()
+    client.conn.data_received(data)
+    [error] = client.received()
+    assert error.command == Command.PROTOCOL_ERROR and error.status.startswith(code + " ")
+    assert client.transport.disconnecting and client.conn.closed
+    client.conn.data_received(encode(send_frame(1)))  # nothing more is read
+    assert client.received() == []
+
+
+def test_frames_split_anywhere_are_read_whole(server):
+    client = server.connect()
+    client.received()
+    data = encode(send_frame(1)) + encode(send_frame(2))
+    for i in range(len(data)):
+        client.conn.data_received(data[i : i + 1])
+    server.settle()
+    assert [f.session_id for f in client.received()] == [1, 2]
