@@ -196,10 +196,11 @@ class ReactorDb:
                 self._broken(exc)
 
     def _send(self, stmt: Statement) -> None:
-        parsed, dumper = self._parse(stmt.sql)
+        sql = stmt.sql  # the text of the statement's name (steps.STATEMENTS)
+        parsed, dumper = self._parse(sql)
         values = dumper.dump_sequence([stmt.params[n] for n in parsed.names], [PyFormat.BINARY] * len(parsed.names))
         formats = [pq.Format.BINARY] * len(values)
-        name = self._named.get(stmt.sql)
+        name = self._named.get(sql)
         if name is not None:
             self._pgconn.send_query_prepared(name, values, param_formats=formats, result_format=pq.Format.BINARY)
         else:

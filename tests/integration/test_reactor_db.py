@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 
 from dmq_server.db.reactor import PreparedSql, ReactorDb
 from dmq_server.db.errors import StorageError
-from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps
+from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps, run_query_steps
 from dmq_server.db.steps import Statement, add_statement
 from dmq_server.db.worker import connect
 
@@ -140,6 +140,23 @@ def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn
     assert isinstance(too_big, StorageError) and "out of range" in str(too_big)
     assert isinstance(not_a_number, Exception) and not isinstance(not_a_number, StorageError)
     assert fine == [2**31 - 1, -5]
+
+
+def test_a_count_statement_answers_with_the_rows_it_changed(pg_dsn, topic):
+    """``Statement(count=True)``: the reactor answers the row count, as run_steps does."""
+    params = {"topic": "orders", "channel": "billing"}
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "admin")
+        try:
+            first = await db.run_steps(run_query_steps, "pause_channel", params)
+            again = await db.run_steps(run_query_steps, "pause_channel", params)
+            gone = await db.run_steps(run_query_steps, "unpause_channel", params)
+            return first, again, gone
+        finally:
+            db.stop()
+
+    assert on_reactor(scenario) == (1, 0, 1)
 
 
 def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
