@@ -69,7 +69,7 @@ class MovedMessage:
 
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
     """Store a batch: one statement, atomic on its own (also in autocommit); one
-    StoredDelay per item, in order. Steps, for the group commit (store.Statement)."""
+    StoredDelay per item, in order. Steps, for the group commit."""
     params = send_columns(batch, node_id)
     params["due_ms"] = [m.due_ms for m in batch]
     params["fragments"] = [m.fragment for m in batch]

@@ -69,7 +69,7 @@ class DelayWorker:
     """Serves one contiguous run of fragments: poll, timers, moves. Reactor thread only.
 
     ``db.run(fn, *args)`` runs ``fn(conn, *args)`` in a transaction and returns a
-    Deferred (a ``store.DbWorker``); ``peek`` and ``move`` are the statements above,
+    Deferred (a ``db.worker.DbWorker``); ``peek`` and ``move`` are ``db.delays``' statements,
     injectable for tests. ``tick`` is the shortest gap between two moves, so a
     steady stream of due times costs at most 1/tick transactions a second.
     """
