@@ -51,7 +51,10 @@ class Harness:
         self.settle()
         assert started.called
 
-    def send(self, topic: str, producer: str, session_id: int, body: bytes = b"b", *, resend: bool = True) -> None:
+    def send(
+        self, topic: str, producer: str, session_id: int, body: bytes = b"b", *, resend: bool = True,
+        due_ms: int | None = None,
+    ) -> None:
         """One send through the broker (its publish API lives here only)."""
         key = (producer, session_id)
 
@@ -60,7 +63,7 @@ class Harness:
             if isinstance(outcome, Published):
                 self.acknowledged[key] = outcome.message_id
 
-        self.broker.publish_cb(topic, producer, session_id, body, 0, done, None, resend)
+        self.broker.publish_cb(topic, producer, session_id, body, 0, done, due_ms, resend)
 
     def subscribe(self, topic: str, channel: str, consumer: Consumer) -> Any:
         d = self.broker.subscribe(topic, channel, consumer)
@@ -238,3 +241,19 @@ def test_pause_empty_and_channel_state_go_through_the_store(h):
     h.broker.pause_channel("orders", "billing", paused=False)
     h.settle(1)
     assert billing.pushed == [] and h.broker.channels[("orders", "billing")].stored_count == 0
+
+
+def test_a_delayed_send_is_stored_in_the_delay_table_once(h):
+    billing = Consumer()
+    h.subscribe("orders", "billing", billing)
+    due = int(h.clock.seconds() * 1000) + 60_000
+    h.send("orders", "p", 1, due_ms=due)
+    h.settle()
+    first = h.answers[("p", 1)]
+    h.send("orders", "p", 1, due_ms=due)
+    h.settle()
+    again = h.answers[("p", 1)]
+    assert isinstance(first, Published) and not first.duplicate
+    assert isinstance(again, Published) and again.duplicate and again.message_id == first.message_id
+    assert [(d["producer"], d["session_id"], d["due_ms"]) for d in h.db.delayed.values()] == [("p", 1, due)]
+    assert billing.pushed == [] and not h.db.messages  # not due: nothing delivered yet
