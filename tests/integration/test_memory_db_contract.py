@@ -16,7 +16,6 @@ import time
 from typing import Any, Callable
 
 import psycopg
-import pytest
 
 import registry
 from dmq_server.db.dead_letters import (

@@ -8,7 +8,6 @@ the broker's Python API looks like.
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 from twisted.internet.task import Clock
