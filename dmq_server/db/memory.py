@@ -24,6 +24,10 @@ tell apart (see ``dmq_server.db.errors``):
 
 Like the reactor-driven writers, every statement commits on its own (autocommit).
 Answers arrive at once, or after ``delay`` seconds on the given clock.
+
+It is longer than most modules (one handler per statement) on purpose: the handlers
+sit together, in the order of ``sql/queries.sql``, so a change of the SQL has one
+place to follow.
 """
 
 from __future__ import annotations
