@@ -41,6 +41,30 @@ def _dispose(pg: EmbeddedPostgres, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# One tier per folder, cheapest first; `pytest -m unit` runs the tier without IO.
+TIERS = ("unit", "integration", "zk", "compat", "pipeline")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its folder's tier. A test outside the tier folders, or one
+    that claims another tier's marker, is a collection error: a tier must mean what
+    its name says (``unit`` never touches PostgreSQL, ZooKeeper or a socket)."""
+    root = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(root).parts
+        tier = parts[0] if len(parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}/")
+        claimed = {m.name for m in item.iter_markers() if m.name in TIERS} - {tier}
+        if claimed:
+            raise pytest.UsageError(f"{item.nodeid}: in tests/{tier}/ but marked {sorted(claimed)}")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "unit":
+            slow = {"pg_server", "pg_dsn", "pg_private"} & set(getattr(item, "fixturenames", ()))
+            if slow:
+                raise pytest.UsageError(f"{item.nodeid}: a unit test may not use {sorted(slow)}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _scrub_dmq_env() -> Iterator[None]:
     """Remove ``DMQ_*`` variables (except DMQ_PG_BINDIR) so a developer's shell

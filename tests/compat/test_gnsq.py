@@ -10,7 +10,6 @@ from gevent.event import Event  # noqa: E402
 
 from tests.integration.support import db_rows, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.integration
 
 
 def producer_for(server):

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 import nsq  # noqa: E402  (the dev extra installs it; a missing client is an error, not a skip)
 from tornado.ioloop import IOLoop  # noqa: E402
 
 from tests.integration.support import db_rows, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.integration
 
 
 class Scenario:

@@ -11,14 +11,12 @@ import sys
 import time
 from collections import Counter
 
-import pytest
 
 from tests.integration.support import REPO, db_rows, http_get, wait_for
 
 from . import zkserver
 from .helpers import deliver_all, node_info, register_topic, send_many, zk_client
 
-pytestmark = pytest.mark.integration
 
 
 def dmq_cli(zk_address: str, *args: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ import json
 import queue
 import time
 
-import pytest
 
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
 from dmq_server.cluster.fragments import ZkFragmentAssignment, contiguous_partition
@@ -20,7 +19,6 @@ from tests.integration.support import db_rows, http_get, wait_for
 
 from .helpers import register_topic
 
-pytestmark = pytest.mark.integration
 
 ALL = frozenset(range(1, 9))
 

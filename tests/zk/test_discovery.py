@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 
 from dmq_client import Message, MqClient, MqConfig
 from tests.integration.support import db_rows, wait_for
 
 from .helpers import register_topic, wait_served, zk_client
 
-pytestmark = pytest.mark.integration
 
 WAIT = 30
 

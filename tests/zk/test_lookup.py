@@ -7,7 +7,6 @@ import asyncio
 import json
 import urllib.request
 
-import pytest
 
 from tests.integration.support import db_rows, http_get, wait_for
 
@@ -16,7 +15,6 @@ from .helpers import register_topic
 import nsq  # noqa: E402  (the dev extra installs it; a missing client is an error, not a skip)
 from tornado.ioloop import IOLoop  # noqa: E402
 
-pytestmark = pytest.mark.integration
 
 
 def get_json(url: str) -> tuple[int, dict]:

@@ -21,7 +21,6 @@ from tests.integration.support import REPO, http_get, wait_for
 from . import zkserver
 from .helpers import deliver_all, node_info, register_topic, send_many, wait_served, zk_client
 
-pytestmark = pytest.mark.integration
 
 
 def test_node_registers_heartbeats_and_leaves(make_node, zk):

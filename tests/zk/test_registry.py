@@ -19,7 +19,6 @@ from tests.integration.support import wait_for
 from . import zkserver
 from .helpers import zk_client
 
-pytestmark = pytest.mark.integration
 
 
 def info(node_id: str = "n1", **changes) -> NodeInfo:

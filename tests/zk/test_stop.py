@@ -17,7 +17,6 @@ import pytest
 
 from tests.integration.support import http_get, wait_for
 
-pytestmark = pytest.mark.integration
 
 #: what a stop may take here: the node's ZooKeeper waits during stop are bounded by
 #: a few seconds each (docs/operations.md, "Stopping is bounded"); the old code never exited

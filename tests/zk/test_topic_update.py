@@ -4,14 +4,12 @@ without the topic or its channels going away."""
 
 from __future__ import annotations
 
-import pytest
 
 from registry.zk import ZkRegistry
 from tests.integration.support import db_rows, run_cli, wait_for
 
 from .helpers import register_topic
 
-pytestmark = pytest.mark.integration
 
 
 def test_topic_update_in_a_cluster_reaches_the_nodes(pg_dsn, zk, zk_address, make_node):
