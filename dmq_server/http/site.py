@@ -101,6 +101,13 @@ class BoundedChannel(HTTPChannel):
         """413 now, then close: the body is not read (any further)."""
         limit, message, kind = self.body_limit or self.site.body_limit(b"/")
         self.refused = True
+        for request in self.requests:
+            # a chunked body refused midway: what twisted.web buffered (a temporary file
+            # for large bodies) is released now, not whenever the collector gets to it
+            content = getattr(request, "content", None)
+            if content is not None:
+                content.close()
+                request.content = None
         self._cancel_request_timer()
         what = f"at least {size}" if more else str(size)
         log.info(
