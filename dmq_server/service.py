@@ -129,7 +129,15 @@ class DmqServer:
         self.tcp_port = yield _endpoint(self.reactor, host, port).listen(factory)
         host, port = options.http_endpoint
         site = make_site(self._ping, self.broker.stats, self.info, options)
-        install_nsq_http(site.resource, self)
+        install_nsq_http(
+            site.resource,
+            store=self.fast_store,
+            ctx=self.nsq,
+            broker=self.broker,
+            options=options,
+            cluster=self.cluster,
+            addresses=lambda: (self.tcp_address, self.http_address),
+        )
         self.extras.install_http(site.resource)
         self.http_port = yield _endpoint(self.reactor, host, port).listen(site)
         yield self.extras.listen()

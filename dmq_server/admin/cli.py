@@ -19,55 +19,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from dmq_server.admin.cli_support import CliError, open_database as _database
+
 __all__ = ["main"]
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
-
-
-@contextmanager
-def _database(args: argparse.Namespace) -> Iterator[Any]:
-    from dmq_server.db.errors import StorageError
-    from dmq_server.db.schema import migrate
-    from dmq_server.db.worker import connect
-
-    embedded = None
-    started_here = False
-    dsn = args.pg_dsn
-    try:
-        if not dsn:
-            from dmq_server.db.embedded import EmbeddedPostgres, EmbeddedPostgresError
-
-            data_dir = Path(args.data_path).resolve()
-            if not (data_dir / "pg").exists():
-                raise CliError(
-                    f"no dmq data under {data_dir}: start dmq-server there first, or pass --pg-dsn",
-                    3,
-                )
-            embedded = EmbeddedPostgres(data_dir)
-            started_here = not embedded.is_running()
-            try:
-                dsn = embedded.start()
-            except EmbeddedPostgresError as exc:
-                raise CliError(f"cannot start the embedded PostgreSQL: {exc}", 3) from exc
-        try:
-            migrate(dsn)
-            conn = connect(dsn, autocommit=True)
-        except StorageError as exc:
-            raise CliError(str(exc), 3) from exc
-        try:
-            yield conn
-        finally:
-            conn.close()
-    finally:
-        if embedded is not None and started_here:
-            embedded.stop()
 
 
 def _duration_ms(text: str) -> int:

@@ -39,13 +39,10 @@ from dmq_server.admin.operations import (
     show_dead_letter,
 )
 
+from dmq_server.admin.cli_support import CliError, open_database
+
 __all__ = ["add_admin_commands"]
 
-
-def _cli():
-    from dmq_server.admin import cli
-
-    return cli
 
 
 def _filter(args: argparse.Namespace) -> DeadLetterFilter:
@@ -62,7 +59,7 @@ def _filter(args: argparse.Namespace) -> DeadLetterFilter:
     try:
         return DeadLetterFilter.parse(raw)
     except AdminError as exc:
-        raise _cli().CliError(exc.message, 2) from exc
+        raise CliError(exc.message, 2) from exc
 
 
 def _actor() -> str:
@@ -120,8 +117,7 @@ def _print_letters(rows: list[dict], as_json: bool) -> None:
 
 
 def cmd_dlq(args: argparse.Namespace) -> None:
-    cli = _cli()
-    with cli._database(args) as conn:
+    with open_database(args) as conn:
         try:
             if args.action == "list":
                 flt = _filter(args)
@@ -133,14 +129,14 @@ def cmd_dlq(args: argparse.Namespace) -> None:
             elif args.action in ("replay", "delete"):
                 _destructive(conn, args)
         except AdminError as exc:
-            raise cli.CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+            raise CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
 
 
 def _destructive(conn: Any, args: argparse.Namespace) -> None:
     flt = _filter(args)
     require_selection(flt, args.all, args.action)
     if args.batch < 1:
-        raise _cli().CliError("--batch must be at least 1", 2)
+        raise CliError("--batch must be at least 1", 2)
     total, not_replayed = count_dead_letters(conn, flt)
     if total == 0 and flt.ids:
         # named ids that are not there: the same answer as the HTTP API's 404, exit 1
@@ -176,7 +172,7 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
 def cmd_delay(args: argparse.Namespace) -> None:
     from dmq_server.db.delays import delay_stats
 
-    with _cli()._database(args) as conn:
+    with open_database(args) as conn:
         fragments = delay_stats(conn)
     pending = sum(f["pending"] for f in fragments)
     if args.json:
@@ -191,7 +187,6 @@ def cmd_delay(args: argparse.Namespace) -> None:
 
 
 def cmd_clients(args: argparse.Namespace) -> None:
-    cli = _cli()
     request = urllib.request.Request(f"http://{args.http_address}/admin/clients")
     if args.admin_token:
         request.add_header("Authorization", f"Bearer {args.admin_token}")
@@ -203,9 +198,9 @@ def cmd_clients(args: argparse.Namespace) -> None:
             message = json.load(exc).get("message", exc.reason)
         except ValueError:
             message = exc.reason
-        raise cli.CliError(f"server refused: {message}", 1) from exc
+        raise CliError(f"server refused: {message}", 1) from exc
     except (OSError, ValueError) as exc:
-        raise cli.CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+        raise CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
     if args.json:
         print(json.dumps(clients, indent=2))
         return

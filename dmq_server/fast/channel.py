@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.logger import Logger
 
 from dmq_server.fast.message import Message
+from dmq_server.fast.services import StoreServices
 from dmq_server.core.pqueue import PriorityQueue
-
-if TYPE_CHECKING:
-    from dmq_server.fast.store import FastStore
 
 __all__ = ["Channel", "Exiting"]
 
@@ -41,7 +39,7 @@ class Exiting(Exception):
 
 
 class Channel:
-    def __init__(self, topic_name: str, name: str, store: "FastStore"):
+    def __init__(self, topic_name: str, name: str, store: StoreServices):
         self.topic_name = topic_name
         self.name = name
         self.store = store

@@ -15,15 +15,13 @@ batches on the reactor (``_drain``), so a large backlog never blocks it for long
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from twisted.logger import Logger
 
 from dmq_server.fast.channel import Channel, Exiting
 from dmq_server.fast.message import Message
-
-if TYPE_CHECKING:
-    from dmq_server.fast.store import FastStore
+from dmq_server.fast.services import StoreServices
 
 __all__ = ["Topic"]
 
@@ -34,7 +32,7 @@ DRAIN_BATCH = 2000
 
 
 class Topic:
-    def __init__(self, name: str, store: "FastStore"):
+    def __init__(self, name: str, store: StoreServices):
         self.name = name
         self.store = store
         self.ephemeral = name.endswith("#ephemeral")

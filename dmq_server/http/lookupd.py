@@ -35,7 +35,7 @@ class LookupdApi:
 
     def _cluster_view(self) -> ClusterView | None:
         """The whole cluster's picture, when this node is part of one."""
-        cluster = getattr(getattr(self, "server", None), "cluster", None)
+        cluster = getattr(self, "cluster", None)
         if cluster is None:
             return None
         reliable = {name: tuple(row.channels) for name, row in self.broker.topics.items()}

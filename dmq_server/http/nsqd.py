@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, DeferredList, FirstError
 from twisted.logger import Logger
@@ -51,9 +51,6 @@ from dmq_server.http.stats import memory_stats, reliable_topic_stats, text_stats
 from dmq_server.protocols.nsq_subscriptions import describe_outcome
 from dmq_server.core.nsq_wire import CommandParser
 
-if TYPE_CHECKING:
-    from dmq_server.service import DmqServer
-
 __all__ = ["install", "NsqHttp"]
 
 log = Logger()
@@ -63,56 +60,58 @@ _INT = re.compile(r"^[+-]?[0-9]+$")
 
 
 class NsqHttp(LookupdApi):
-    """The handlers; ``server`` gives the fast store, the broker, addresses and options."""
+    """The handlers. Their collaborators are passed in: the fast store, what NSQ
+    connections share (``ctx``), the broker, the options, the cluster (None on a
+    single node) and ``addresses``, which gives the TCP and HTTP ports' (host, port)
+    once they listen."""
 
     def __init__(
         self,
-        server: "DmqServer",
+        *,
+        store: Any,
+        ctx: Any,
+        broker: Any,
+        options: Any,
+        cluster: Any,
+        addresses: Callable[[], tuple[tuple[str, int], tuple[str, int]]],
         dmq_ping: Resource | None,
         dmq_stats: Callable[[], dict] | None,
         dmq_info: Callable[[], dict] | None,
     ):
-        self.server = server
+        self.store = store
+        self.ctx = ctx
+        self.broker = broker
+        self.options = options
+        self.cluster = cluster
+        self.addresses = addresses
         self.dmq_ping = dmq_ping
         self.dmq_stats = dmq_stats
         self.dmq_info = dmq_info
         self.tombstones: dict[str, float] = {}
         self.started = time.time()
 
-    @property
-    def store(self) -> Any:
-        return self.server.fast_store
-
-    @property
-    def ctx(self) -> Any:
-        return self.server.nsq
-
-    @property
-    def broker(self) -> Any:
-        return self.server.broker
-
     def _reliable(self, topic: str) -> bool:
         return self.broker is not None and topic in self.broker.topics
 
     # -- node identity --------------------------------------------------------------------
     def broadcast_address(self) -> str:
-        configured = getattr(self.server.options, "broadcast_address", "")
+        configured = getattr(self.options, "broadcast_address", "")
         if configured:
             return configured
-        host = self.server.tcp_address[0]
+        host = self.addresses()[0][0]
         if host in ("", "0.0.0.0", "::"):
             return socket.gethostname()
         return host
 
     def peer_info(self) -> dict[str, Any]:
-        tcp_port = self.server.tcp_address[1]
+        tcp_port = self.addresses()[0][1]
         broadcast = self.broadcast_address()
         return {
             "remote_address": f"{broadcast}:{tcp_port}",
             "hostname": socket.gethostname(),
             "broadcast_address": broadcast,
             "tcp_port": tcp_port,
-            "http_port": self.server.http_address[1],
+            "http_port": self.addresses()[1][1],
             "version": VERSION,
             "topology_zone": "",
             "topology_region": "",
@@ -122,7 +121,7 @@ class NsqHttp(LookupdApi):
     def ping(self, request: Any) -> Any:
         if self.store is not None and self.store.health_error:
             return PlainText(500, f"NOK - {self.store.health_error}")
-        cluster = getattr(self.server, "cluster", None)
+        cluster = self.cluster
         if cluster is not None and not cluster.registered:
             return PlainText(500, "NOK - not registered in the cluster (ZooKeeper) yet")
         if self.dmq_ping is not None:
@@ -134,8 +133,8 @@ class NsqHttp(LookupdApi):
             "version": VERSION,
             "broadcast_address": self.broadcast_address(),
             "hostname": socket.gethostname(),
-            "http_port": self.server.http_address[1],
-            "tcp_port": self.server.tcp_address[1],
+            "http_port": self.addresses()[1][1],
+            "tcp_port": self.addresses()[0][1],
             "start_time": int(self.started),
             "max_heartbeat_interval": int(MAX_HEARTBEAT_INTERVAL * 1e9),
             "max_output_buffer_size": MAX_OUTPUT_BUFFER_SIZE,
@@ -439,7 +438,7 @@ def _answer(d: Deferred) -> Deferred:
     return d.addCallbacks(lambda _: None, failed)
 
 
-def install(root: Resource, server: "DmqServer") -> NsqHttp:
+def install(root: Resource, **collaborators: Any) -> NsqHttp:
     """Put nsqd's and nsqlookupd's endpoints on ``root`` (dmq's HTTP root). dmq's own
     ``/ping``, ``/stats`` and ``/info`` keep working: ``/ping`` still checks PostgreSQL,
     ``/stats`` without ``format`` is dmq's JSON, ``/info`` has both sets of fields."""
@@ -448,10 +447,10 @@ def install(root: Resource, server: "DmqServer") -> NsqHttp:
     old_stats = children.get(b"stats")
     old_info = children.get(b"info")
     api = NsqHttp(
-        server,
-        old_ping,
-        getattr(old_stats, "_stats", None),
-        getattr(old_info, "_info", None),
+        **collaborators,
+        dmq_ping=old_ping,
+        dmq_stats=getattr(old_stats, "_stats", None),
+        dmq_info=getattr(old_info, "_info", None),
     )
     GET, POST = b"GET", b"POST"
     root.putChild(b"ping", Endpoint({GET: api.ping}))

@@ -1,0 +1,38 @@
+"""What a fast topic and a fast channel need from the store that holds them.
+
+nsqd hands its topics and channels a context rather than the daemon itself; so does
+dmq. ``fast.store.FastStore`` provides this protocol, and ``fast.topic`` and
+``fast.channel`` depend on the protocol only, so the store imports them and never
+the other way round (no import cycle inside the package).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = ["StoreServices"]
+
+
+class StoreServices(Protocol):
+    clock: Any  # IReactorTime: the injected clock
+    mem_queue_size: int
+    max_msg_timeout: float
+    max_channel_consumers: int
+    health_error: str | None
+    topics: dict[str, Any]  # name -> fast.topic.Topic
+
+    def make_backend(self, name: str, ephemeral: bool) -> Any:
+        """The overflow queue for a topic or channel (go-diskqueue files, or none)."""
+
+    def set_health(self, error: BaseException | str | None) -> None:
+        """Report a disk failure (or its end) to the store."""
+
+    def changed(self, thing: Any) -> None:
+        """A topic or channel was created, deleted, paused or unpaused: save metadata."""
+
+    def delete_topic(self, name: str) -> bool: ...
+
+    def arm(self, channel: Any) -> None:
+        """Put a channel with in-flight or deferred messages under the queue scanner."""
+
+    def disarm(self, channel: Any) -> None: ...
