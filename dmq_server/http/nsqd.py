@@ -243,7 +243,7 @@ class NsqHttp(LookupdApi):
             return
         remaining = [len(bodies)]
         failures: list[str] = []
-        now_ms = int(time.time() * 1000)
+        now_ms = int(self.ctx.clock.seconds() * 1000)  # the injected clock, as the TCP path
 
         def done(outcome: Any) -> None:
             if not isinstance(outcome, Published):
