@@ -109,9 +109,20 @@ class Extras:
         )
         self.delays.start()
         self.scheduler.start()
-        self.ops = AdminOps(server, server.workers["adminops"])
 
     def install_http(self, site_root: Any) -> None:
+        server = self.server
+        # made here, once the fast store and what NSQ connections share exist
+        self.ops = AdminOps(
+            broker=server.broker,
+            delays=self.delays,
+            db=server.workers["adminops"],
+            options=server.options,
+            clock=server.reactor,
+            node_id=server.node_id,
+            dmq_connections=server.connections,
+            nsq=server.nsq,
+        )
         host, _ = self.server.options.http_endpoint
         admin_api.install(site_root, self.ops, host, self.server.options.admin_token)
 

@@ -176,7 +176,7 @@ class AdminConsole(Protocol):
             note = "type help for the commands"
         except AdminError:
             note = "authenticate with: auth TOKEN (help lists the commands)"
-        self.info(f"dmq admin console, node {self.ops.server.node_id}; {note}")
+        self.info(f"dmq admin console, node {self.ops.node_id}; {note}")
 
     def send(self, line: str) -> None:
         if self._gone:

@@ -373,20 +373,33 @@ def report_letter(params: Mapping[str, Any]) -> NewDeadLetter:
 
 
 class AdminOps:
-    """The operations against a running server (``service.DmqServer``)."""
+    """The operations against a running server. Its collaborators are passed in: the
+    broker, the delay scheduler (None without one), the database worker the
+    operations run on, the options, the clock, this node's id, the dmq protocol's
+    live connections and what NSQ connections share (for ``clients``)."""
 
-    def __init__(self, server: Any, db: Any, batch_size: int = DEFAULT_BATCH):
-        self.server = server
+    def __init__(
+        self,
+        *,
+        broker: Any,
+        delays: Any,
+        db: Any,
+        options: Any,
+        clock: Any,
+        node_id: str,
+        dmq_connections: Any = (),
+        nsq: Any = None,
+        batch_size: int = DEFAULT_BATCH,
+    ):
+        self.broker = broker
+        self.delays = delays
         self.db = db
+        self.options = options
+        self.clock = clock
+        self.node_id = node_id
+        self.dmq_connections = dmq_connections
+        self.nsq = nsq
         self.batch_size = batch_size
-
-    @property
-    def broker(self) -> Any:
-        return self.server.broker
-
-    @property
-    def delays(self) -> Any:
-        return getattr(self.server, "delays", None)
 
     # -- read-only ------------------------------------------------------------------
     def stats(self) -> Deferred:
@@ -427,7 +440,7 @@ class AdminOps:
 
     def clients(self) -> list[dict]:
         out = []
-        for conn in list(getattr(self.server, "connections", ())):
+        for conn in list(self.dmq_connections):
             out.append(
                 {
                     "protocol": "dmq",
@@ -443,8 +456,7 @@ class AdminOps:
                     ],
                 }
             )
-        nsq = getattr(self.server, "nsq", None)
-        for conn in list(getattr(nsq, "connections", ()) or ()):
+        for conn in list(getattr(self.nsq, "connections", ()) or ()):
             stats = conn.stats()
             stats["protocol"] = "nsq"
             out.append(stats)
@@ -482,13 +494,13 @@ class AdminOps:
         """Replay the selection; fires with how many were queued for delivery."""
         require_selection(flt, everything, "replay")
         total = (yield self.db.run(count_dead_letters, flt))[1]
-        options = self.server.options
+        options = self.options
         done, after = 0, 0
         while True:
-            now_ms = int(self.server.reactor.seconds() * 1000)
+            now_ms = int(self.clock.seconds() * 1000)
             after_next, queued = yield self.db.run(
                 replay_batch, flt, after, self.batch_size, options.delay_fragments, now_ms,
-                self.server.node_id,
+                self.node_id,
             )
             done += queued
             if queued and self.delays is not None:

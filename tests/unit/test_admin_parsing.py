@@ -131,8 +131,7 @@ def test_client_report_is_validated():
 
 
 class FakeOps:
-    class server:
-        node_id = "n1"
+    node_id = "n1"
 
     def topics(self):
         return [{"name": "orders"}]

@@ -223,8 +223,7 @@ def test_a_deflate_bomb_is_inflated_in_steps_while_the_connection_is_read(env): 
 
 # -- the admin console ---------------------------------------------------------------------------
 class Ops:
-    class server:
-        node_id = "n1"
+    node_id = "n1"
 
     def __init__(self):
         self.pending: list[Deferred] = []

@@ -214,8 +214,7 @@ def test_http_requests_on_a_keep_alive_connection_each_get_the_full_read_timeout
 
 # -- the admin console --------------------------------------------------------------------
 class SlowOps:
-    class server:
-        node_id = "n1"
+    node_id = "n1"
 
     def __init__(self):
         self.pending: list[Deferred] = []
