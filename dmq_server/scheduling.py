@@ -122,6 +122,7 @@ class Extras:
             node_id=server.node_id,
             dmq_connections=server.connections,
             nsq=server.nsq,
+            port_factory=server.port_factory,
         )
         host, _ = self.server.options.http_endpoint
         admin_api.install(site_root, self.ops, host, self.server.options.admin_token)

@@ -376,7 +376,8 @@ class AdminOps:
     """The operations against a running server. Its collaborators are passed in: the
     broker, the delay scheduler (None without one), the database worker the
     operations run on, the options, the clock, this node's id, the dmq protocol's
-    live connections and what NSQ connections share (for ``clients``)."""
+    live connections and what NSQ connections share (for ``clients``), and the TCP
+    port's factory (for its flow-control state)."""
 
     def __init__(
         self,
@@ -389,6 +390,7 @@ class AdminOps:
         node_id: str,
         dmq_connections: Any = (),
         nsq: Any = None,
+        port_factory: Any = None,
         batch_size: int = DEFAULT_BATCH,
     ):
         self.broker = broker
@@ -399,9 +401,16 @@ class AdminOps:
         self.node_id = node_id
         self.dmq_connections = dmq_connections
         self.nsq = nsq
+        self.port_factory = port_factory
         self.batch_size = batch_size
 
     # -- read-only ------------------------------------------------------------------
+    def flow(self) -> dict:
+        """The TCP port's flow-control state (buffered bytes, paused connections)."""
+        if self.port_factory is None:
+            raise AdminError("E_NOT_FOUND", "the TCP port is not listening", 404)
+        return self.port_factory.budget.stats()
+
     def stats(self) -> Deferred:
         live = self.broker.stats()
         d = self.db.run(stored_stats)

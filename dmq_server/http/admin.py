@@ -166,10 +166,7 @@ class AdminResource(Resource):
         raise AdminError("E_NOT_FOUND", f"no admin endpoint {method} /admin/{'/'.join(parts)}", 404)
 
     def _flow(self) -> dict:
-        factory = getattr(self.ops.server, "port_factory", None)
-        if factory is None:
-            raise AdminError("E_NOT_FOUND", "the TCP port is not listening", 404)
-        return factory.budget.stats()
+        return self.ops.flow()
 
     def _dead_letters(self, request: Any, method: str, rest: list[str], params: dict[str, str]) -> Any:
         actor = self._actor(request)
