@@ -20,8 +20,9 @@ from twisted.python.failure import Failure
 from dmq_client.wire import valid_name
 
 from dmq_server.reliable.channel import Channel, Delivery, Message
-from dmq_server.reliable.dead_letters import DeadLetterSink, NewDeadLetter
-from dmq_server.reliable.delay import MovedMessage, NewDelayed, insert_delayed_steps
+from dmq_server.db.dead_letters import NewDeadLetter
+from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
+from dmq_server.reliable.dead_letters import DeadLetterSink
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
 from dmq_server.db.outage import Outage

@@ -21,33 +21,18 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from dmq_server.db.dead_letters import (
-    REASONS,
     CopyRef,
     NewDeadLetter,
-    exhaust_deliveries,
     exhaust_deliveries_steps,
-    expire_deliveries,
     expire_deliveries_steps,
-    insert_dead_letters,
     insert_dead_letters_steps,
-    record_attempts,
     record_attempts_steps,
 )
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.writer import GroupCommitWriter, RetryingBatcher
 
-__all__ = [
-    "REASONS",
-    "NewDeadLetter",
-    "insert_dead_letters",
-    "insert_dead_letters_steps",
-    "record_attempts",
-    "exhaust_deliveries",
-    "expire_deliveries",
-    "CopyRef",
-    "RetryingBatcher",
-    "DeadLetterSink",
-]
+# the statements and their values live in dmq_server.db.dead_letters
+__all__ = ["DeadLetterSink"]
 
 log = Logger()
 

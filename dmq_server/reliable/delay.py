@@ -35,29 +35,15 @@ from twisted.logger import Logger
 from dmq_server.core.fragments import FragmentAssignment, split_fragments
 from dmq_server.db.delays import (
     MovedMessage,
-    NewDelayed,
     StoredDelay,
-    delay_stats,
-    insert_delayed,
-    insert_delayed_steps,
     move_due,
     peek_delayed,
 )
 from dmq_server.db.errors import RefusedError
 from dmq_server.db.outage import Outage
 
-__all__ = [
-    "NewDelayed",
-    "StoredDelay",
-    "MovedMessage",
-    "insert_delayed",
-    "insert_delayed_steps",
-    "peek_delayed",
-    "move_due",
-    "delay_stats",
-    "DelayWorker",
-    "DelayScheduler",
-]
+# the statements and their values live in dmq_server.db.delays
+__all__ = ["DelayWorker", "DelayScheduler"]
 
 log = Logger()
 

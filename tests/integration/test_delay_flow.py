@@ -16,7 +16,8 @@ from twisted.internet import task
 from twisted.internet.defer import fail, succeed
 
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
-from dmq_server.reliable.delay import DelayWorker, NewDelayed, insert_delayed
+from dmq_server.db.delays import NewDelayed, insert_delayed
+from dmq_server.reliable.delay import DelayWorker
 from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
 

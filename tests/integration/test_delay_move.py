@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from dmq_server.reliable.delay import move_due
+from dmq_server.db.delays import move_due
 from dmq_server.db.worker import connect
 
 

@@ -12,7 +12,8 @@ import pytest
 from twisted.internet import task
 from twisted.internet.defer import Deferred, fail, succeed
 
-from dmq_server.reliable.delay import DelayScheduler, DelayWorker, MovedMessage, StoredDelay
+from dmq_server.db.delays import MovedMessage, StoredDelay
+from dmq_server.reliable.delay import DelayScheduler, DelayWorker
 from dmq_server.core.fragments import StaticAssignment
 from dmq_server.db.errors import StorageError
 
