@@ -58,7 +58,7 @@ class GroupCommitWriter:
         insert: Callable[..., Any] = insert_messages_steps,
         on_unknown: Callable[[list[Any]], None] = lambda items: None,
     ):
-        # ``insert(batch, node_id)``: steps (store.Statement) returning one result per
+        # ``insert(batch, node_id)``: steps (``db.steps.Statement``) returning one result per
         # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
         # insert_messages_steps for sends; the delay table and dead letters reuse
         # the same group commit.
