@@ -8,8 +8,8 @@ consumer speaks.
 
 from __future__ import annotations
 
+import socket
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -19,6 +19,9 @@ from twisted.python.failure import Failure
 
 from dmq_client.wire import valid_name
 
+from dmq_server.core.errors import DmqError, Exiting, Invalid, NoChannel, NoTopic, QueueFailed, RateLimited, Unavailable
+from dmq_server.core.ids import GuidFactory, default_node_id
+from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.reliable.channel import Channel, Delivery, Message
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
@@ -35,7 +38,7 @@ from dmq_server.db.worker import DbWorker
 from registry.model import TopicSpec
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 
-__all__ = ["Broker", "PublishRejected", "SubscribeRejected", "MAX_TIMESTAMP_MS"]
+__all__ = ["Broker", "RELIABLE", "FAST", "MAX_TIMESTAMP_MS"]
 
 log = Logger()
 
@@ -48,26 +51,35 @@ REPLAY_PRODUCER = "dmq-replay"
 MAX_TIMESTAMP_MS = 253402300799999
 
 
-class PublishRejected(Exception):
-    """A send the broker refuses before storing; ``reason`` names the reply."""
-
-    def __init__(self, reason: str, description: str):
-        super().__init__(description)
-        self.reason = reason  # "invalid" | "no_topic" | "rate_limited"
-        self.description = description
+# The stores a topic can live in (``TopicSpec.store``).
+RELIABLE = "reliable"
+FAST = "fast"
 
 
-class SubscribeRejected(Exception):
-    def __init__(self, reason: str, description: str):
-        super().__init__(description)
-        self.reason = reason  # "invalid" | "no_topic" | "no_channel" | "server_error"
-        self.description = description
+class _Countdown:
+    """Answers a batch once every body has an outcome: Published (with the id stored
+    first), or the first failure seen."""
 
+    __slots__ = ("count", "remaining", "done", "first_id", "failure")
 
-@dataclass(slots=True)
-class Published:
-    message_id: int
-    duplicate: bool
+    def __init__(self, count: int, done: Callable[[Any], None]):
+        self.count = self.remaining = count
+        self.done = done
+        self.first_id: int | None = None
+        self.failure: BaseException | None = None
+
+    def __call__(self, outcome: Any) -> None:
+        if isinstance(outcome, Published):
+            if self.first_id is None:
+                self.first_id = outcome.message_id
+        elif self.failure is None:
+            self.failure = outcome
+        self.remaining -= 1
+        if self.remaining == 0:
+            if self.failure is not None:
+                self.done(self.failure)
+            else:
+                self.done(Published(self.first_id or 0, False, self.count))
 
 
 class Broker:
@@ -78,10 +90,19 @@ class Broker:
         workers: dict[str, DbWorker],
         node_id: str,
         fetch_topics: Callable[[], Deferred] | None = None,
+        fast: Any = None,
     ):
         self.options = options
         self.clock = clock
         self.node_id = node_id
+        # the fast store (dmq_server.fast.store.FastStore): topics registered with
+        # store=fast, and NSQ's topics made on first use; None: reliable topics only
+        self.fast = fast
+        self.fast_topics: set[str] = set()  # registered with store=fast
+        self.fast_publish_count = 0
+        self._session_ids = GuidFactory(
+            default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9)
+        )
         # where topics come from: PostgreSQL by default; a cluster passes ZooKeeper's
         # reader (dmq_server.cluster.node), which also mirrors them into PostgreSQL
         self._fetch_topics = fetch_topics or (lambda: self._workers["admin"].run_steps(list_topics_steps))
@@ -249,7 +270,8 @@ class Broker:
         self.refresh_registry().addErrback(lambda f: f.trap(StorageError))
 
     def _apply_registry(self, rows: list[TopicSpec]) -> None:
-        self.topics = {row.name: row for row in rows if row.store == "reliable"}
+        self.topics = {row.name: row for row in rows if row.store == RELIABLE}
+        self.fast_topics = {row.name for row in rows if row.store == FAST}
         wanted = {(t.name, c) for t in self.topics.values() for c in t.channels}
         for key in list(self.channels):
             if key not in wanted:
@@ -296,52 +318,145 @@ class Broker:
         return self.refresh_registry().addCallback(lambda _: check())
 
     # -- publishing -------------------------------------------------------
-    def check_publish(
-        self, topic: str, producer: str, session_id: int, body: bytes, produced_ms: int = 0
-    ) -> None:
-        """Raise PublishRejected("invalid") for a send that breaks a rule.
+    def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Route ``request`` to its topic's store; ``done`` is called once, with
+        ``Published`` when every body is stored, else with the first body's
+        ``DmqError`` (a batch is answered as one, as NSQ's MPUB is; bodies stored
+        before a failure stay stored, so a producer's retry may store them twice).
 
-        Every field is checked here, before the message joins a group-commit batch:
+        A registered reliable topic goes to the group-commit writer; a fast topic
+        (registered with ``store=fast``, or one the fast store holds) to the fast
+        store, answered before this returns. A name neither knows costs one registry
+        refresh, then is reliable, fast (``request.create_fast``, NSQ's rule) or
+        refused with E_NO_TOPIC."""
+        error = self._check(request)
+        if error is not None:
+            done(error)
+            return
+        topic = request.topic
+        if topic in self.topics:
+            self._publish_reliable(request, done)
+            return
+        fast = self.fast
+        if fast is not None and (topic in fast.topics or topic in self.fast_topics):
+            self._publish_fast(request, done)
+            return
+
+        def routed(store: Any) -> None:
+            if store == RELIABLE:
+                self._publish_reliable(request, done)
+            elif store == FAST:
+                self._publish_fast(request, done)
+            else:
+                done(store)
+
+        self.route(topic, request.create_fast, routed)
+
+    def route(self, topic: str, create_fast: bool, then: Callable[[Any], None]) -> None:
+        """Call ``then`` with the store serving ``topic``: ``RELIABLE``, ``FAST``, or
+        the ``DmqError`` why none does. At once for a name a store knows; after one
+        registry refresh for any other (a topic registered a moment ago is never
+        mistaken for a fast one). ``create_fast``: an unregistered name is a fast
+        topic, made on first use (NSQ's rule)."""
+        store = self._store_of(topic, False)
+        if store is not None:
+            then(store)
+            return
+
+        def refreshed(_: Any) -> None:
+            found = self._store_of(topic, create_fast)
+            then(found if found is not None else NoTopic(f"topic {topic!r} is not registered or has no channel"))
+
+        self.refresh_registry().addCallbacks(refreshed, lambda failure: then(failure.value))
+
+    def _store_of(self, topic: str, create_fast: bool) -> str | None:
+        if topic in self.topics:
+            return RELIABLE
+        fast = self.fast
+        if fast is not None and (create_fast or topic in fast.topics or topic in self.fast_topics):
+            return FAST
+        return None
+
+    def new_session_id(self) -> int:
+        """A session id for a body whose producer has none (NSQ): unique within this
+        process (a snowflake); the producer id makes it unique across processes."""
+        return self._session_ids.new() & 0x7FFFFFFFFFFFFFFF
+
+    def _check(self, request: PublishRequest) -> DmqError | None:
+        """The rules every send obeys, checked before it joins a group-commit batch:
         a value PostgreSQL would refuse must fail its own send, not the batch."""
+        topic, producer = request.topic, request.producer
         if topic not in self.topics and not valid_name(topic):  # registered names are valid
-            raise PublishRejected("invalid", f"E_BAD_TOPIC topic name {topic!r} is not valid")
+            return Invalid(f"topic name {topic!r} is not valid", code="E_BAD_TOPIC")
         if not producer or len(producer) > 64:
-            raise PublishRejected("invalid", "E_INVALID producer id must be 1..64 characters")
+            return Invalid("producer id must be 1..64 characters")
         if not producer.isprintable():
             # PostgreSQL text cannot hold NUL; control characters are never meant
-            raise PublishRejected(
-                "invalid", f"E_INVALID producer id {producer!r} holds a control character"
-            )
-        if session_id < 0:
-            raise PublishRejected("invalid", f"E_INVALID session id {session_id} is negative")
-        if len(body) > self.options.max_msg_size:
-            raise PublishRejected(
-                "invalid",
-                f"E_BAD_BODY message too big {len(body)} > {self.options.max_msg_size}",
-            )
+            return Invalid(f"producer id {producer!r} holds a control character")
+        session_id = request.session_id
+        if session_id is not None and session_id < 0:
+            return Invalid(f"session id {session_id} is negative")
+        limit = self.options.max_msg_size
+        for body in request.bodies:
+            if len(body) > limit:
+                return Invalid(f"message too big {len(body)} > {limit}", code="E_BAD_BODY")
+        produced_ms = request.produced_ms
         if not 0 <= produced_ms <= MAX_TIMESTAMP_MS:
-            raise PublishRejected(
-                "invalid",
-                f"E_INVALID timestamp_ms {produced_ms} is not Unix milliseconds "
-                f"(0 for none, or up to {MAX_TIMESTAMP_MS} = 9999-12-31)",
+            return Invalid(
+                f"timestamp_ms {produced_ms} is not Unix milliseconds "
+                f"(0 for none, or up to {MAX_TIMESTAMP_MS} = 9999-12-31)"
             )
+        if request.due_ms is not None:
+            return self._check_delay(request.due_ms)
+        return None
 
-    def publish(
-        self, topic: str, producer: str, session_id: int, body: bytes, produced_ms: int = 0
-    ) -> Deferred:
-        """Deferred firing with Published after commit; PublishRejected or StorageError."""
-        d: Deferred = Deferred()
+    def _check_delay(self, due_ms: int) -> DmqError | None:
+        if due_ms <= 0:
+            return Invalid("a DELAY message needs due_ms (Unix ms) above 0")
+        limit_ms = int((self.clock.seconds() + self.options.max_delay) * 1000)
+        if due_ms > limit_ms:
+            return Invalid(f"due_ms {due_ms} is more than --max-delay ({self.options.max_delay:g}s) ahead")
+        return None
 
-        def done(outcome: Any) -> None:
-            if isinstance(outcome, BaseException):
-                d.errback(outcome)
-            else:
-                d.callback(outcome)
+    def _publish_fast(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Into the fast store (nsqd's semantics: in memory, then its disk queue);
+        answered before this returns."""
+        fast = self.fast
+        deferred = 0.0
+        if request.due_ms is not None:
+            deferred = max(request.due_ms - int(self.clock.seconds() * 1000), 0) / 1000.0
+        try:
+            messages = [fast.new_message(body, deferred) for body in request.bodies]
+            fast.get_topic(request.topic).put_many(messages)
+        except Exiting as exc:
+            done(exc)
+            return
+        except Exception as exc:  # the topic's disk queue failed
+            fast.set_health(exc)
+            done(QueueFailed(str(exc)))
+            return
+        self.fast_publish_count += len(messages)
+        done(Published(int(messages[0].id, 16) if messages else 0, False, len(messages)))
 
-        self.publish_cb(topic, producer, session_id, body, produced_ms, done)
-        return d
+    def _publish_reliable(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Each body through the group commit; one countdown answers the request."""
+        bodies = request.bodies
+        topic, producer, produced_ms = request.topic, request.producer, request.produced_ms
+        due_ms, resend = request.due_ms, request.resend
+        if len(bodies) == 1:
+            session_id = request.session_id
+            if session_id is None:
+                session_id = self.new_session_id()
+            self._publish_one(topic, producer, session_id, bodies[0], produced_ms, done, due_ms, resend)
+            return
+        if not bodies:
+            done(Published(0, False, 0))
+            return
+        countdown = _Countdown(len(bodies), done)
+        for body in bodies:
+            self._publish_one(topic, producer, self.new_session_id(), body, produced_ms, countdown, due_ms, resend)
 
-    def publish_cb(
+    def _publish_one(
         self,
         topic: str,
         producer: str,
@@ -349,12 +464,12 @@ class Broker:
         body: bytes,
         produced_ms: int,
         done: Callable[[Any], None],
-        due_ms: int | None = None,
-        resend: bool = True,
+        due_ms: int | None,
+        resend: bool,
     ) -> None:
-        """The send path without Deferreds: ``done`` gets Published, or the exception
-        (PublishRejected, StorageError, ShuttingDown). Called once per message, so the
-        common case (topic cached) is a few dict lookups and one queue append.
+        """One checked body of a reliable topic, without Deferreds: ``done`` gets
+        Published, or the DmqError. Called once per message, so the common case
+        (topic cached) is a few dict lookups and one queue append.
         A send that is not a ``resend`` must be new: if its (producer, session id) is
         already stored, it is refused rather than answered with the stored message,
         which would acknowledge a message that was never stored.
@@ -362,13 +477,6 @@ class Broker:
         ``Published.message_id`` is the delay entry's id."""
         if not resend:
             done = _refusing_duplicates(done, producer, session_id)
-        try:
-            self.check_publish(topic, producer, session_id, body, produced_ms)
-            if due_ms is not None:
-                self.check_delay(due_ms)
-        except PublishRejected as exc:
-            done(exc)
-            return
         row = self.topics.get(topic)
         if row is not None and row.channels:
             self._admit(row, producer, session_id, body, produced_ms, done, due_ms)
@@ -377,26 +485,11 @@ class Broker:
         def refreshed(_: Any) -> None:
             row = self.topics.get(topic)
             if row is None or not row.channels:
-                done(
-                    PublishRejected(
-                        "no_topic", f"E_NO_TOPIC topic {topic!r} is not registered or has no channel"
-                    )
-                )
+                done(NoTopic(f"topic {topic!r} is not registered or has no channel"))
             else:
                 self._admit(row, producer, session_id, body, produced_ms, done, due_ms)
 
         self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
-
-    def check_delay(self, due_ms: int) -> None:
-        if due_ms <= 0:
-            raise PublishRejected("invalid", "E_INVALID a DELAY message needs due_ms (Unix ms) above 0")
-        limit_ms = int((self.clock.seconds() + self.options.max_delay) * 1000)
-        if due_ms > limit_ms:
-            raise PublishRejected(
-                "invalid",
-                f"E_INVALID due_ms {due_ms} is more than --max-delay "
-                f"({self.options.max_delay:g}s) ahead",
-            )
 
     def _admit(
         self,
@@ -422,17 +515,17 @@ class Broker:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
         letter (producer ``dmq-replay``) is refused without a new one: it already is one,
         and its replayer tries again later."""
-        why = f"E_RATE_LIMITED topic {row.name!r} accepts at most {row.rate_limit} messages per second"
+        why = f"topic {row.name!r} accepts at most {row.rate_limit} messages per second"
         if producer == REPLAY_PRODUCER:
-            done(PublishRejected("rate_limited", f"{why}; a replay: not recorded again"))
+            done(RateLimited(f"{why}; a replay: not recorded again"))
             return
 
         def recorded(outcome: Any) -> None:
             if isinstance(outcome, BaseException):
                 log.warn("rate-limited send not recorded as a dead letter: {why}", why=outcome)
-                done(PublishRejected("rate_limited", f"{why} (dead letter not recorded: {outcome})"))
+                done(RateLimited(f"{why} (dead letter not recorded: {outcome})"))
             else:
-                done(PublishRejected("rate_limited", f"{why}; recorded as dead letter {outcome}"))
+                done(RateLimited(f"{why}; recorded as dead letter {outcome}"))
 
         letter = NewDeadLetter(
             "rate_limited", row.name, producer, session_id, body,
@@ -457,7 +550,7 @@ class Broker:
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
                 if isinstance(stored, RefusedError):  # this message's own input: not stored
-                    stored = PublishRejected("invalid", f"E_INVALID {stored}")
+                    stored = Invalid(str(stored))
                 done(stored)
                 return
             if not stored.duplicate:
@@ -495,7 +588,7 @@ class Broker:
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
                 if isinstance(stored, RefusedError):  # this message's own input: not stored
-                    stored = PublishRejected("invalid", f"E_INVALID {stored}")
+                    stored = Invalid(str(stored))
                 done(stored)
                 return
             if not stored.duplicate:
@@ -519,7 +612,7 @@ class Broker:
         for kind, name in (("topic", topic), ("channel", channel)):
             if not valid_name(name):
                 code = "E_BAD_TOPIC" if kind == "topic" else "E_BAD_CHANNEL"
-                return fail(SubscribeRejected("invalid", f"{code} {kind} name {name!r} is not valid"))
+                return fail(Invalid(f"{kind} name {name!r} is not valid", code=code))
 
         def registered() -> bool:
             row = self.topics.get(topic)
@@ -529,13 +622,10 @@ class Broker:
             row = self.topics.get(topic)
             if row is None:
                 if not self.healthy:
-                    raise SubscribeRejected("server_error", f"E_STORAGE {self.health_detail}")
-                raise SubscribeRejected("no_topic", f"E_NO_TOPIC topic {topic!r} is not registered")
+                    raise Unavailable(self.health_detail, code="E_STORAGE")
+                raise NoTopic(f"topic {topic!r} is not registered")
             if not ok:
-                raise SubscribeRejected(
-                    "no_channel",
-                    f"E_NO_CHANNEL channel {channel!r} is not registered on topic {topic!r}",
-                )
+                raise NoChannel(f"channel {channel!r} is not registered on topic {topic!r}")
             ch = self._channel(topic, channel)
             ch.subscribe(consumer)
             return ch
@@ -721,9 +811,8 @@ class Broker:
 def _refusing_duplicates(done: Callable[[Any], None], producer: str, session_id: int) -> Callable[[Any], None]:
     def answer(outcome: Any) -> None:
         if isinstance(outcome, Published) and outcome.duplicate:
-            outcome = PublishRejected(
-                "invalid",
-                f"E_INVALID session id {session_id} of producer {producer!r} is already stored "
+            outcome = Invalid(
+                f"session id {session_id} of producer {producer!r} is already stored "
                 f"(message {outcome.message_id}): a new message needs a new session id, a retry "
                 "of this one must be sent as UP_PRODUCER_RESEND",
             )

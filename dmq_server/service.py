@@ -102,7 +102,13 @@ class DmqServer:
             yield self.cluster.connect()
             fetch_topics = self.cluster.fetch_topics
             broker_options = options.replace(registry_refresh=options.zk_refresh)
-        self.broker = Broker(broker_options, self.reactor, self.workers, self.node_id, fetch_topics)
+        # NSQ's fast store: topics registered with store=fast and NSQ's topics made on
+        # first use (nsqd's semantics); the broker routes publishes to it
+        self.fast_store = FastStore.from_options(options, self.reactor, options.data_dir / "nsq")
+        self.fast_store.start()
+        self.broker = Broker(
+            broker_options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store
+        )
         if self.cluster is not None:
             self.cluster.attach(self.broker, self._fast_topics)
         self.broker.health_listeners.append(self._health_changed)
@@ -110,9 +116,6 @@ class DmqServer:
         self.extras = Extras(self)
         self.extras.start_scheduler()
 
-        # NSQ's fast store: topics not registered as reliable, nsqd semantics
-        self.fast_store = FastStore.from_options(options, self.reactor, options.data_dir / "nsq")
-        self.fast_store.start()
         self.nsq = NsqContext(self.fast_store, self.broker, options, self.reactor)
 
         def make_dmq(transport: Any) -> DmqConnection:

@@ -5,22 +5,26 @@ whose text is ``"<CODE> <description>"``. A ``ClientError`` (only ``E_FIN_FAILED
 ``E_REQ_FAILED`` and ``E_TOUCH_FAILED`` in nsqd) leaves the connection open; a
 ``FatalClientError`` is followed by closing it. The adapter decides by ``fatal``
 alone. dmq adds non-fatal publish failures for reliable topics (see docs/nsq.md).
+These are the NSQ adapter's replies; the broker's errors (``core.errors``) are mapped
+to them by ``protocols.nsq_v2``.
 """
 
 from __future__ import annotations
 
+from dmq_server.core.errors import DmqError
+
 __all__ = ["NsqError", "ClientError", "FatalClientError", "CloseSilently"]
 
 
-class NsqError(Exception):
-    """An error the client is told about: ``code`` and ``description`` go on the wire."""
+class NsqError(DmqError):
+    """An error the client is told about: ``code`` and ``description`` go on the wire;
+    ``str()`` is the whole frame text, as nsqd logs it."""
 
     fatal = True
 
     def __init__(self, code: str, description: str):
-        super().__init__(f"{code} {description}")
-        self.code = code
-        self.description = description
+        super().__init__(description, code=code)
+        self.args = (f"{code} {description}",)
 
     @property
     def text(self) -> bytes:

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import psycopg
 
+from dmq_server.core.errors import Unavailable
+
 __all__ = ["StorageError", "RefusedError", "storage_error", "describe_error"]
 
 
-class StorageError(Exception):
+class StorageError(Unavailable):
     """PostgreSQL could not do what was asked; the message says what failed.
 
     Unless it is a ``RefusedError``, the outcome is *unknown*: a connection that
     broke after a statement was sent may have committed it (the answer was lost),
     so whoever wrote must find out from the store what is there.
     """
+
+    code = "E_STORAGE"
 
 
 class RefusedError(StorageError):
@@ -29,6 +33,7 @@ class RefusedError(StorageError):
     def __init__(self, message: str, sqlstate: str):
         super().__init__(message)
         self.sqlstate = sqlstate
+
 
 
 # SQLSTATE classes that blame the statement's input, not the server or the link:

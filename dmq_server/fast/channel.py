@@ -22,20 +22,14 @@ from typing import Any
 
 from twisted.logger import Logger
 
+from dmq_server.core.errors import Exiting
 from dmq_server.fast.message import Message
 from dmq_server.fast.services import StoreServices
 from dmq_server.core.pqueue import PriorityQueue
 
-__all__ = ["Channel", "Exiting"]
+__all__ = ["Channel"]
 
 log = Logger()
-
-
-class Exiting(Exception):
-    """The topic or channel is being deleted or closed."""
-
-    def __init__(self) -> None:
-        super().__init__("exiting")
 
 
 class Channel:

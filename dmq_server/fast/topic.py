@@ -19,7 +19,8 @@ from typing import Any, Iterable
 
 from twisted.logger import Logger
 
-from dmq_server.fast.channel import Channel, Exiting
+from dmq_server.core.errors import Exiting
+from dmq_server.fast.channel import Channel
 from dmq_server.fast.message import Message
 from dmq_server.fast.services import StoreServices
 

@@ -25,9 +25,9 @@ from twisted.internet.defer import Deferred, DeferredList, FirstError
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
-from dmq_server.broker import Published
-from dmq_server.fast.channel import Exiting
+from dmq_server.core.errors import DmqError
 from dmq_server.core.nsq_errors import NsqError
+from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.http.nsq_v1 import (
     NOT_FOUND,
     Endpoint,
@@ -48,7 +48,6 @@ from dmq_server.core.nsq_identify import (
 )
 from dmq_server.http.lookupd import LookupdApi
 from dmq_server.http.stats import memory_stats, reliable_topic_stats, text_stats
-from dmq_server.protocols.nsq_subscriptions import describe_outcome
 from dmq_server.core.nsq_wire import CommandParser
 
 __all__ = ["install", "NsqHttp"]
@@ -225,47 +224,28 @@ class NsqHttp(LookupdApi):
         return cmd.bodies
 
     def _publish(self, topic: str, bodies: list[bytes], defer_ms: int) -> Any:
-        if self._reliable(topic) or (self.broker is not None and topic not in self.store.topics):
-            d: Deferred = Deferred()
-            self.ctx.resolve(topic, lambda reliable: self._route(d, topic, bodies, defer_ms, reliable))
-            return d
-        return self._publish_fast(topic, bodies, defer_ms)
-
-    def _route(self, d: Deferred, topic: str, bodies: list[bytes], defer_ms: int, reliable: bool) -> None:
-        if not reliable:
-            try:
-                d.callback(self._publish_fast(topic, bodies, defer_ms))
-            except HttpError as exc:
-                d.callback(exc)
-            return
-        if not bodies:
-            d.callback("OK")
-            return
-        remaining = [len(bodies)]
-        failures: list[str] = []
+        """One request to the broker (see ``protocols.nsq_v2``): "OK" at once for a
+        fast topic, a Deferred firing after commit for a reliable one."""
         now_ms = int(self.ctx.clock.seconds() * 1000)  # the injected clock, as the TCP path
+        request = PublishRequest(
+            topic, self.ctx.http_producer, bodies, None, now_ms, now_ms + defer_ms if defer_ms else None, True, True
+        )
+        later: list[Deferred] = []
+        answered: list[Any] = []
 
         def done(outcome: Any) -> None:
-            if not isinstance(outcome, Published):
-                failures.append(describe_outcome(outcome))
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                d.callback(HttpError(503, failures[0]) if failures else "OK")
+            if later:
+                later[0].callback(_publish_reply(outcome))
+            else:
+                answered.append(_publish_reply(outcome))
 
-        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}  # deferred: the delay table
-        for body in bodies:
-            self.broker.publish_cb(topic, self.ctx.http_producer, self.ctx.new_session_id(), body, now_ms, done, **delay)
-
-    def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int) -> str:
-        store = self.store
-        try:
-            store.get_topic(topic).put_many([store.new_message(b, defer_ms / 1000.0) for b in bodies])
-        except Exiting:
-            raise HttpError(503, "EXITING") from None
-        except Exception as exc:
-            store.set_health(exc)
-            raise HttpError(503, "EXITING") from None
-        return "OK"
+        self.broker.publish(request, done)
+        if answered:  # a fast topic: answered now, as nsqd
+            if isinstance(answered[0], HttpError):
+                raise answered[0]
+            return answered[0]
+        later.append(Deferred())
+        return later[0]
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self, request: Any) -> Any:
@@ -481,3 +461,14 @@ def install(root: Resource, **collaborators: Any) -> NsqHttp:
         root.not_found = NOT_FOUND
     return api
 
+
+def _publish_reply(outcome: Any) -> Any:
+    """"OK", or the HttpError of a failed publish: nsqd's ``503 EXITING`` when the fast
+    store failed (fatal on TCP), else 503 with the broker's code and description (a
+    reliable topic: PostgreSQL failing, a refused send; see docs/nsq.md)."""
+    if isinstance(outcome, Published):
+        return "OK"
+    if isinstance(outcome, DmqError):
+        return HttpError(503, "EXITING" if outcome.fatal else outcome.status)
+    log.error("HTTP publish failed: {error!r}", error=outcome)
+    return HttpError(503, repr(outcome))

@@ -16,40 +16,47 @@ from twisted.logger import Logger
 from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
 from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
 
-from dmq_server.broker import Broker, Published, PublishRejected, SubscribeRejected
-from dmq_server.reliable.channel import Channel, Delivery
-from dmq_server.protocols.flow import NO_GATE
+from dmq_server.broker import Broker
+from dmq_server.core.errors import DmqError, Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable, reply_for
 from dmq_server.core.peers import peer_address
-from dmq_server.db.errors import StorageError
-from dmq_server.reliable.writer import ShuttingDown
+from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.protocols.flow import NO_GATE
 
 __all__ = ["DmqConnection", "Subscription"]
 
 log = Logger()
 
-_SEND_REJECT = {
-    "invalid": Command.SEND_INVALID_ACK,
-    "no_topic": Command.SEND_NO_TOPIC_ACK,
-    "rate_limited": Command.SEND_EXCEED_LIMIT_ACK,
+# The reply to each broker error (core.errors) a send or subscribe can end with; the
+# status carries the error's code and description. An error of no family is a bug,
+# answered as a server error and logged.
+_SEND_REPLY = {
+    Invalid: Command.SEND_INVALID_ACK,
+    NoTopic: Command.SEND_NO_TOPIC_ACK,
+    RateLimited: Command.SEND_EXCEED_LIMIT_ACK,
+    Refused: Command.SEND_INVALID_ACK,
+    DmqError: Command.SEND_SERVER_ERROR,
 }
-_SUB_REJECT = {
-    "invalid": Command.SUBSCRIBE_INVALID_ACK,
-    "no_topic": Command.SUBSCRIBE_NO_TOPIC_ACK,
-    "no_channel": Command.SUBSCRIBE_NO_CLIENT_ID_ACK,
-    "server_error": Command.SUBSCRIBE_SERVER_ERROR,
+_SUBSCRIBE_REPLY = {
+    Invalid: Command.SUBSCRIBE_INVALID_ACK,
+    NoTopic: Command.SUBSCRIBE_NO_TOPIC_ACK,
+    NoChannel: Command.SUBSCRIBE_NO_CLIENT_ID_ACK,
+    Refused: Command.SUBSCRIBE_INVALID_ACK,
+    Unavailable: Command.SUBSCRIBE_SERVER_ERROR,
+    DmqError: Command.SUBSCRIBE_SERVER_ERROR,
 }
 
 
 class Subscription:
-    """One (topic, channel) a connection consumes, with its own credit window."""
+    """One (topic, channel) a connection consumes, with its own credit window: the
+    consumer a reliable channel (``reliable.channel.Channel``) pushes deliveries to."""
 
     def __init__(self, connection: "DmqConnection", credit: int):
         self.connection = connection
         self.credit = credit
         self.in_flight = 0
-        self.channel: Channel | None = None
+        self.channel: Any = None
 
-    def push(self, channel: Channel, delivery: Delivery) -> None:
+    def push(self, channel: Any, delivery: Any) -> None:
         message = delivery.message
         self.connection.write(
             Frame(
@@ -65,7 +72,7 @@ class Subscription:
             )
         )
 
-    def channel_closed(self, channel: Channel) -> None:
+    def channel_closed(self, channel: Any) -> None:
         self.connection.subscriptions.pop((channel.topic, channel.name), None)
 
 
@@ -203,31 +210,24 @@ class DmqConnection:
         def done(outcome: Any) -> None:
             self.flow.send_done(size)
             if isinstance(outcome, Published):
-                reply(
-                    Command.SEND_SUCCESS_ACK,
-                    outcome.message_id,
-                    "duplicate" if outcome.duplicate else "",
-                )
-            elif isinstance(outcome, PublishRejected):
-                reply(_SEND_REJECT[outcome.reason], status=outcome.description)
-            elif isinstance(outcome, ShuttingDown):
-                reply(Command.SEND_SERVER_ERROR, status="E_SHUTTING_DOWN server is restarting, send elsewhere")
-            elif isinstance(outcome, StorageError):
-                reply(Command.SEND_SERVER_ERROR, status=f"E_STORAGE {outcome}")
+                reply(Command.SEND_SUCCESS_ACK, outcome.message_id, "duplicate" if outcome.duplicate else "")
+            elif isinstance(outcome, DmqError):
+                reply(reply_for(outcome, _SEND_REPLY), status=outcome.status)
             else:
                 log.error("send failed: {error!r}", error=outcome)
                 reply(Command.SEND_SERVER_ERROR, status=f"E_INTERNAL {outcome!r}")
 
-        self.broker.publish_cb(
+        delayed = frame.msg_type == MessageType.DELAY
+        request = PublishRequest(
             frame.topic,
             frame.producer,
+            [frame.body],
             frame.session_id,
-            frame.body,
             frame.timestamp_ms,
-            done,
-            frame.due_ms if frame.msg_type == MessageType.DELAY else None,
+            frame.due_ms if delayed else None,
             frame.command == Command.UP_PRODUCER_RESEND,
         )
+        self.broker.publish(request, done)
 
     def _subscribe(self, frame: Frame) -> None:
         options = self.broker.options
@@ -259,7 +259,7 @@ class DmqConnection:
         sub = Subscription(self, credit)
         self.subscriptions[key] = sub
 
-        def ok(channel: Channel) -> None:
+        def ok(channel: Any) -> None:
             if self.closed or self.subscriptions.get(key) is not sub:
                 self.broker.unsubscribe(channel, sub)
                 return
@@ -270,10 +270,8 @@ class DmqConnection:
         def failed(failure: Any) -> None:
             self.subscriptions.pop(key, None)
             error = failure.value
-            if isinstance(error, SubscribeRejected):
-                reply(_SUB_REJECT[error.reason], error.description)
-            elif isinstance(error, StorageError):
-                reply(Command.SUBSCRIBE_SERVER_ERROR, f"E_STORAGE {error}")
+            if isinstance(error, DmqError):
+                reply(reply_for(error, _SUBSCRIBE_REPLY), error.status)
             else:
                 log.failure("subscribe failed", failure)
                 reply(Command.SUBSCRIBE_SERVER_ERROR, f"E_INTERNAL {error!r}")
@@ -281,7 +279,7 @@ class DmqConnection:
         # The reply must precede the first push, so attach with zero credit first.
         real_credit, sub.credit = credit, 0
 
-        def restore(channel: Channel) -> Channel:
+        def restore(channel: Any) -> Any:
             sub.credit = real_credit
             return channel
 

@@ -1,15 +1,12 @@
-"""What all NSQ connections of a server share: the stores, limits, and the routing of
-a topic name to the reliable broker or the fast store."""
+"""What all NSQ connections of a server share: the broker (which routes each topic to
+the reliable or the fast store), the fast store, the limits, and the producer ids."""
 
 from __future__ import annotations
 
 import os
-import socket
-from typing import Any, Callable
+from typing import Any
 
 from dmq_server.core.nsq_identify import MAX_DEFLATE_LEVEL
-from dmq_server.core.ids import GuidFactory, default_node_id
-from dmq_server.fast.store import FastStore
 
 __all__ = ["NsqContext"]
 
@@ -17,7 +14,7 @@ __all__ = ["NsqContext"]
 class NsqContext:
     """What every NSQ connection of a server shares."""
 
-    def __init__(self, store: FastStore, broker: Any, options: Any, clock: Any):
+    def __init__(self, store: Any, broker: Any, options: Any, clock: Any):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 
@@ -34,14 +31,11 @@ class NsqContext:
         self.heartbeat_interval = opt("heartbeat_interval", 30.0)
         self.deflate = opt("deflate", True)
         self.max_deflate_level = opt("max_deflate_level", MAX_DEFLATE_LEVEL)
-        self.session_ids = GuidFactory(
-            default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9)
-        )
         # NSQ publishers have no producer identity of their own, so this server makes
         # one: unique to this server process by a random component, which is what makes
         # the (producer, session id) pairs of two nodes (on one host, or whose 10-bit
         # snowflake node ids collide) or of two runs of one node never meet. Within the
-        # process, the snowflake never repeats a session id.
+        # process, the broker's snowflake never repeats a session id.
         self.instance = os.urandom(6).hex()
         self.http_producer = f"nsq-http@{self.instance}"
 
@@ -51,29 +45,3 @@ class NsqContext:
         within the 64-character limit)."""
         suffix = "@" + self.instance
         return f"nsq:{peer}"[: 64 - len(suffix)] + suffix
-
-    def new_session_id(self) -> int:
-        """A session id for a reliable publish (dmq wants them >= 0 and unique per producer)."""
-        return self.session_ids.new() & 0x7FFFFFFFFFFFFFFF
-
-    def resolve(self, topic: str, then: Callable[[bool], None]) -> None:
-        """Call ``then(reliable)``: at once for a known name, after one registry refresh
-        for a name neither store knows yet."""
-        broker = self.broker
-        if broker is None:
-            then(False)
-        elif topic in broker.topics:
-            then(True)
-        elif topic in self.store.topics:
-            then(False)
-        else:
-            broker.refresh_registry().addBoth(lambda _: then(topic in broker.topics))
-
-    def known_now(self, topic: str) -> bool | None:
-        """True/False if the store of ``topic`` is known without asking, else None."""
-        broker = self.broker
-        if broker is not None and topic in broker.topics:
-            return True
-        if broker is None or topic in self.store.topics:
-            return False
-        return None

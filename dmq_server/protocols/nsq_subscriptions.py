@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmq_server.broker import PublishRejected
-from dmq_server.db.errors import StorageError
-from dmq_server.reliable.writer import ShuttingDown
 from dmq_server.core.ids import hex_id, parse_hex_id
 from dmq_server.core.nsq_wire import message_frame
 
-__all__ = ["FastSub", "ReliableConsumer", "ReliableSub", "describe_outcome"]
+__all__ = ["FastSub", "ReliableConsumer", "ReliableSub"]
 
 
 class FastSub:
@@ -118,14 +115,3 @@ class ReliableSub:
 
     def detach(self, conn: Any) -> None:
         self.broker.unsubscribe(self.channel, self.consumer)
-
-
-def describe_outcome(outcome: Any) -> str:
-    """The reason a reliable publish failed, for an error frame or an HTTP message."""
-    if isinstance(outcome, PublishRejected):
-        return outcome.description
-    if isinstance(outcome, StorageError):
-        return f"E_STORAGE {outcome}"
-    if isinstance(outcome, ShuttingDown):
-        return "E_SHUTTING_DOWN server is restarting"
-    return repr(outcome)

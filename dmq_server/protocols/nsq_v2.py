@@ -6,11 +6,11 @@ checks state and parameters in nsqd's order and raises ``ClientError`` or
 (after a fatal error's frame is written). Answers leave in command order
 (``responses.ResponseQueue``). Messages and heartbeats go out at once.
 
-Topics registered as reliable in the broker's registry are served by the broker
-(PUB answers OK only after commit; SUB attaches to a registered channel; FIN is a
-durable ack); every other topic is a fast topic of the ``FastStore``, created on
-demand like nsqd's. A name seen for the first time costs one registry refresh,
-so a topic registered a moment ago is never mistaken for a fast one.
+Publishes go to ``Broker.publish`` as one ``PublishRequest`` each (PUB, MPUB and
+DPUB alike); the broker routes them to the store of the topic: a reliable topic's
+PUB is answered OK only after commit, a fast topic's (nsqd's semantics, made on
+first use) at once. SUB asks ``Broker.route`` the same question and attaches to a
+reliable channel (FIN is a durable ack) or to the fast store's channel.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, Callable
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from dmq_server.broker import Published, SubscribeRejected
-from dmq_server.protocols.flow import NO_GATE
+from dmq_server.broker import FAST
+from dmq_server.core.errors import DmqError
 from dmq_server.core.peers import peer_address
-from dmq_server.db.errors import StorageError
-from dmq_server.fast.channel import Exiting
+from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.protocols.flow import NO_GATE
 from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
 from dmq_server.core.nsq_identify import (
     VERSION,
@@ -37,7 +37,7 @@ from dmq_server.core.nsq_identify import (
 )
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_responses import ResponseQueue, Slot
-from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub, describe_outcome
+from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub
 from dmq_server.core.nsq_wire import (
     CLOSE_WAIT,
     HEARTBEAT,
@@ -363,12 +363,16 @@ class NsqConnection:
         topic, channel = params[1].decode(), params[2].decode()
         self.state = STATE_SUBSCRIBED
         slot = self.replies.reserve()
-        self.ctx.resolve(topic, lambda reliable: self._subscribe(slot, topic, channel, reliable))
+        self.ctx.broker.route(topic, True, lambda store: self._subscribe(slot, topic, channel, store))
 
-    def _subscribe(self, slot: Slot, topic: str, channel: str, reliable: bool) -> None:
+    def _subscribe(self, slot: Slot, topic: str, channel: str, store: Any) -> None:
         if self.closed:
             return
-        if not reliable:
+        if isinstance(store, BaseException):
+            why = store.status if isinstance(store, DmqError) else str(store)
+            self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
+            return
+        if store == FAST:
             ch = self.store.get_topic(topic).get_channel(channel)
             error = ch.add_client(self)
             if error is not None:
@@ -389,9 +393,11 @@ class NsqConnection:
 
         def refused(failure: Any) -> None:
             error = failure.value
-            if not isinstance(error, (SubscribeRejected, StorageError)):
+            if isinstance(error, DmqError):
+                why = error.status
+            else:
                 log.failure("SUB {t}/{c} failed", failure, t=topic, c=channel)
-            why = getattr(error, "description", None) or str(error)
+                why = str(error)
             self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
 
         broker.subscribe(topic, channel, consumer).addCallbacks(attached, refused)
@@ -476,72 +482,47 @@ class NsqConnection:
         self._publish(cmd.params[1].decode(), [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
 
     def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
-        if self.ctx.known_now(topic) is False and not len(self.replies):
-            self._answer(None, self._publish_fast(topic, bodies, defer_ms, name))
-            return
-        slot = self.replies.reserve()
-        size = sum(map(len, bodies))
-        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
-
-        def route(reliable: bool) -> None:
-            if self.closed:
-                self.flow.send_done(size)
-                return
-            if reliable:
-                self._publish_reliable(slot, topic, bodies, defer_ms, name, lambda: self.flow.send_done(size))
-            else:
-                self._answer(slot, self._publish_fast(topic, bodies, defer_ms, name))
-                self.flow.send_done(size)
-
-        self.ctx.resolve(topic, route)
-
-    def _publish_fast(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> bytes | NsqError:
-        store = self.store
-        deferred = defer_ms / 1000.0
-        try:
-            store.get_topic(topic).put_many([store.new_message(b, deferred) for b in bodies])
-        except Exiting:
-            return FatalClientError(f"E_{name}_FAILED", f"{name} failed exiting")
-        except Exception as exc:  # the topic's disk queue failed
-            store.set_health(exc)
-            return FatalClientError(f"E_{name}_FAILED", f"{name} failed {exc}")
-        self.pub_counts[topic] = self.pub_counts.get(topic, 0) + len(bodies)
-        return OK
-
-    def _publish_reliable(
-        self,
-        slot: Slot,
-        topic: str,
-        bodies: list[bytes],
-        defer_ms: int,
-        name: str,
-        answered: Callable[[], None] | None = None,
-    ) -> None:
-        """Through the broker's group commit; OK once every message is stored. A failure
-        is a non-fatal error frame (see docs/nsq.md). A DPUB is stored in the delay table,
-        due ``defer_ms`` from now."""
-        remaining = [len(bodies)]
-        failures: list[str] = []
+        """One request to the broker. A fast topic's answer comes before ``publish``
+        returns and is written at once (in turn behind earlier answers still
+        awaited); a reliable one's fills a reserved reply slot after commit, and its
+        bytes count against the port's budget until then (dmq_server.protocols.flow)."""
         now_ms = int(self.clock.seconds() * 1000)
+        request = PublishRequest(
+            topic, self.producer_id, bodies, None, now_ms, now_ms + defer_ms if defer_ms else None, True, True
+        )
+        waiting: list[Any] = []  # [slot, size] once the answer is known to come later
+        answered: list[Any] = []
 
         def done(outcome: Any) -> None:
-            if isinstance(outcome, Published):
-                self.pub_counts[topic] = self.pub_counts.get(topic, 0) + 1
-            else:
-                failures.append(describe_outcome(outcome))
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                if answered is not None:
-                    answered()
-                if failures:
-                    self._answer(slot, ClientError(f"E_{name}_FAILED", f"{name} failed {failures[0]}"))
-                else:
-                    self._answer(slot, OK)
+            if not waiting:
+                answered.append(outcome)
+                return
+            slot, size = waiting
+            self.flow.send_done(size)
+            self._answer(slot, self._publish_reply(topic, outcome, name))
 
-        broker = self.ctx.broker
-        delay = {"due_ms": now_ms + defer_ms} if defer_ms else {}
-        for body in bodies:
-            broker.publish_cb(topic, self.producer_id, self.ctx.new_session_id(), body, now_ms, done, **delay)
+        self.ctx.broker.publish(request, done)
+        if answered:
+            slot = self.replies.reserve() if len(self.replies) else None
+            self._answer(slot, self._publish_reply(topic, answered[0], name))
+            return
+        size = sum(map(len, bodies))
+        waiting[:] = [self.replies.reserve(), size]
+        self.flow.send_started(size)
+
+    def _publish_reply(self, topic: str, outcome: Any, name: str) -> bytes | NsqError:
+        """OK, or the error frame of a failed publish: fatal with nsqd's text when the
+        broker says so (a fast topic closing or its disk queue failing, as nsqd),
+        otherwise non-fatal with the broker's code (a reliable topic: see docs/nsq.md)."""
+        if isinstance(outcome, Published):
+            self.pub_counts[topic] = self.pub_counts.get(topic, 0) + outcome.count
+            return OK
+        if isinstance(outcome, DmqError):
+            if outcome.fatal:
+                return FatalClientError(f"E_{name}_FAILED", f"{name} failed {outcome.description}")
+            return ClientError(f"E_{name}_FAILED", f"{name} failed {outcome.status}")
+        log.error("{name} failed: {error!r}", name=name, error=outcome)
+        return ClientError(f"E_{name}_FAILED", f"{name} failed {outcome!r}")
 
     # -- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

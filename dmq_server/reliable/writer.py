@@ -28,17 +28,14 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import RefusedError, StorageError
 from dmq_server.db.messages import AckRow, NewMessage, ack_deliveries_steps, insert_messages_steps
 
-__all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher", "ShuttingDown"]
+__all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher"]
 
 log = Logger()
-
-
-class ShuttingDown(Exception):
-    """The server is stopping and takes no new sends."""
 
 
 class GroupCommitWriter:
@@ -102,7 +99,7 @@ class GroupCommitWriter:
         """Like submit, without a Deferred per message (the send hot path):
         ``done`` gets the StoredMessage, or the exception."""
         if self._closing:
-            done(ShuttingDown("server is shutting down"))
+            done(ShuttingDown())
             return
         self._queue.append((message, done))
         if self._free:

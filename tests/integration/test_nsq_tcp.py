@@ -198,3 +198,33 @@ def test_heartbeat_keeps_a_quiet_consumer_and_drops_a_silent_one(make_server, tm
     assert beats >= 2
     assert silent.closed(timeout=3)
     assert talker.pub("t", b"alive") == b"OK"
+
+
+def test_dmq_producer_reaches_a_fast_topic_and_nsq_consumers_get_every_acked_id(make_server, pg_dsn, tmp_path):
+    """The broker routes a dmq send by the topic's store: to a topic registered with
+    ``store=fast`` it goes to the fast store, is acknowledged with the fast store's id,
+    and an NSQ consumer receives it under that same id. Counted: every id acknowledged
+    to the producer is delivered, none twice; nothing goes to PostgreSQL's tables."""
+    from dmq_client.wire import Command
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
+    import registry
+
+    migrate(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "clicks", store="fast")
+    server = make_server(data_path=str(tmp_path / "data"))
+    consumer = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    consumer.sub("clicks", "counter", rdy=100)
+    with server.client() as producer:
+        replies = producer.send_many("clicks", [b"click-%d" % i for i in range(50)])
+        assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
+        unregistered = producer.send("nowhere", b"x")
+        assert unregistered.command == Command.SEND_NO_TOPIC_ACK
+    acked = {r.message_id for r in replies}
+    assert len(acked) == 50
+    delivered = [consumer.message() for _ in range(50)]
+    assert sorted(int(m[2], 16) for m in delivered) == sorted(acked)
+    assert {m[3] for m in delivered} == {b"click-%d" % i for i in range(50)}
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
+    consumer.close()

@@ -16,10 +16,14 @@ from typing import Any
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.broker import Broker, Published, PublishRejected
+from dmq_server.broker import Broker
+from dmq_server.core.errors import Exiting, Invalid, NoTopic, QueueFailed, RateLimited
+from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.core.options import Options
 from dmq_server.db.errors import StorageError
 from dmq_server.db.memory import MemoryDb
+from dmq_server.fast.store import FastStore
+from tests.unit.test_nsq_store import MemoryBackend
 
 NODE = "node-1"
 
@@ -43,8 +47,11 @@ class Harness:
         self.db = MemoryDb(self.clock, delay=db_delay)
         self.db.create_topic("orders", ["billing", "audit"])
         self.db.create_topic("limited", ["c"], rate_limit=1)
+        self.db.create_topic("clicks", store="fast")
         roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
-        self.broker = Broker(Options(**options), self.clock, roles, NODE)
+        self.fast = FastStore(self.clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
+        self.fast.start()
+        self.broker = Broker(Options(**options), self.clock, roles, NODE, fast=self.fast)
         self.acknowledged: dict[tuple[str, int], int] = {}  # (producer, session) -> id the producer was told
         self.answers: dict[tuple[str, int], Any] = {}
         started = self.broker.start()
@@ -63,7 +70,7 @@ class Harness:
             if isinstance(outcome, Published):
                 self.acknowledged[key] = outcome.message_id
 
-        self.broker.publish_cb(topic, producer, session_id, body, 0, done, due_ms, resend)
+        self.broker.publish(PublishRequest(topic, producer, [body], session_id, 0, due_ms, resend), done)
 
     def subscribe(self, topic: str, channel: str, consumer: Consumer) -> Any:
         d = self.broker.subscribe(topic, channel, consumer)
@@ -135,7 +142,7 @@ def test_a_plain_send_of_a_stored_pair_is_refused(h):
     h.send("orders", "p", 1, resend=False)
     h.settle()
     answer = h.answers[("p", 1)]
-    assert isinstance(answer, PublishRejected) and answer.reason == "invalid"
+    assert isinstance(answer, Invalid) and answer.code == "E_INVALID"
     assert "UP_PRODUCER_RESEND" in answer.description
     assert len(h.db.messages) == 1
 
@@ -146,7 +153,7 @@ def test_a_send_over_the_rate_limit_becomes_a_dead_letter(h):
     h.settle()
     assert isinstance(h.answers[("p", 1)], Published)
     refused = h.answers[("p", 2)]
-    assert isinstance(refused, PublishRejected) and refused.reason == "rate_limited"
+    assert isinstance(refused, RateLimited) and refused.status.startswith("E_RATE_LIMITED topic 'limited'")
     assert "recorded as dead letter" in refused.description
     letters = list(h.db.dead_letters.values())
     assert [(d["reason"], d["producer"], d["session_id"]) for d in letters] == [("rate_limited", "p", 2)]
@@ -191,7 +198,7 @@ def test_a_refused_row_fails_only_its_own_send():
     h.send("orders", "bad", 1)
     h.settle()
     refused = h.answers[("bad", 1)]
-    assert isinstance(refused, PublishRejected) and refused.reason == "invalid"
+    assert isinstance(refused, Invalid)
     assert sorted(k for k in h.answers if k != ("bad", 1)) == [("p", i) for i in range(8)]
     assert all(isinstance(h.answers[("p", i)], Published) for i in range(8))
     assert h.broker.writer.batches > 2  # the batch was split
@@ -257,3 +264,126 @@ def test_a_delayed_send_is_stored_in_the_delay_table_once(h):
     assert isinstance(again, Published) and again.duplicate and again.message_id == first.message_id
     assert [(d["producer"], d["session_id"], d["due_ms"]) for d in h.db.delayed.values()] == [("p", 1, due)]
     assert billing.pushed == [] and not h.db.messages  # not due: nothing delivered yet
+
+
+# -- routing: one request value, one answer, the store chosen by the topic ---------------
+def publish(h: Harness, request: PublishRequest) -> list[Any]:
+    """``request`` through ``Broker.publish``; the answers ``done`` got (one, or none yet)."""
+    answers: list[Any] = []
+    h.broker.publish(request, answers.append)
+    return answers
+
+
+def test_a_batch_is_answered_once_after_every_body_is_stored():
+    """An MPUB-like request (no session ids: the broker numbers the bodies) gets one
+    answer, only once all three are committed, and each is delivered."""
+    h = Harness(db_delay=0.005)
+    billing = Consumer()
+    h.subscribe("orders", "billing", billing)
+    answers = publish(h, PublishRequest("orders", "nsq:peer@x", [b"a", b"b", b"c"]))
+    assert answers == []  # not before commit
+    h.settle()
+    [answer] = answers
+    assert isinstance(answer, Published) and answer.count == 3
+    stored = {m.id for m in h.db.messages.values()}
+    assert len(stored) == 3 and answer.message_id in stored
+    assert {mid for _, mid in billing.pushed} == stored
+    assert len({(m.producer, m.session_id) for m in h.db.messages.values()}) == 3
+
+
+def test_a_batch_with_one_refused_body_answers_that_failure_once(h):
+    """The countdown waits for every body; the answer is the failure, and the bodies
+    stored before it stay stored and delivered (a producer's retry may store them twice)."""
+    billing = Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.db.fail_next("insert_new_messages", "refused", times=100, when=lambda p: b"bad" in p["bodies"])
+    answers = publish(h, PublishRequest("orders", "nsq:peer@x", [b"ok1", b"bad", b"ok2"]))
+    h.settle()
+    [answer] = answers
+    assert isinstance(answer, Invalid)
+    bodies = sorted(m.body for m in h.db.messages.values())
+    assert bodies == [b"ok1", b"ok2"] and len(billing.pushed) == 2
+
+
+def test_an_empty_batch_is_published_at_once(h):
+    assert publish(h, PublishRequest("orders", "nsq-http@x", [])) == [Published(0, False, 0)]
+
+
+def test_a_dmq_send_to_a_registered_fast_topic_goes_to_the_fast_store(h):
+    """dmq clients reach fast topics: answered before publish returns, with the fast
+    store's id, and the message is in the fast topic (not in PostgreSQL)."""
+    [answer] = publish(h, PublishRequest("clicks", "p", [b"hit"], 7, resend=False))
+    assert isinstance(answer, Published) and not answer.duplicate
+    topic = h.fast.topics["clicks"]
+    assert topic.message_count == 1
+    [message] = topic.memory
+    assert int(message.id, 16) == answer.message_id and message.body == b"hit"
+    assert not h.db.messages
+
+
+def test_a_delayed_send_to_a_fast_topic_is_deferred_there(h):
+    due = int(h.clock.seconds() * 1000) + 5_000
+    [answer] = publish(h, PublishRequest("clicks", "p", [b"later"], 1, due_ms=due))
+    assert isinstance(answer, Published)
+    [message] = h.fast.topics["clicks"].memory
+    assert message.deferred == 5.0
+
+
+def test_an_unregistered_name_is_refused_for_dmq_and_made_fast_for_nsq(h):
+    """One registry refresh decides; dmq's rule refuses the name, NSQ's makes a fast topic."""
+    refreshes = h.db.names_run().count("list_topics")
+    answers = publish(h, PublishRequest("nowhere", "p", [b"x"], 1))
+    h.clock.advance(0.001)  # the refresh's answer, before any periodic one
+    assert h.db.names_run().count("list_topics") == refreshes + 1
+    h.settle()
+    assert len(answers) == 1 and isinstance(answers[0], NoTopic)
+    assert answers[0].status == "E_NO_TOPIC topic 'nowhere' is not registered or has no channel"
+    assert "nowhere" not in h.fast.topics
+    answers = publish(h, PublishRequest("nowhere", "nsq:peer@x", [b"x"], create_fast=True))
+    h.settle()
+    assert len(answers) == 1 and isinstance(answers[0], Published)
+    assert h.fast.topics["nowhere"].message_count == 1
+    again = publish(h, PublishRequest("nowhere", "nsq:peer@x", [b"y"], create_fast=True))
+    assert isinstance(again[0], Published)  # known now: answered at once, no refresh
+
+
+def test_an_unknown_name_while_the_registry_is_unreadable_is_not_made_fast(h):
+    """A name the cache does not know may be a reliable topic registered a moment ago:
+    while the registry cannot be read, it is refused with the storage error, never
+    published to a fast topic of the same name."""
+    h.db.fail_next("list_topics", "refused")
+    answers = publish(h, PublishRequest("fresh", "nsq:peer@x", [b"x"], create_fast=True))
+    h.settle()
+    assert len(answers) == 1 and answers[0].code == "E_STORAGE"
+    assert "fresh" not in h.fast.topics
+
+
+def test_fast_store_failures_are_fatal_errors(h):
+    """A fast topic closing answers Exiting; a failing disk queue answers QueueFailed
+    and marks the fast store unhealthy. Both are fatal (NSQ closes, as nsqd does)."""
+    topic = h.fast.get_topic("clicks")
+    topic.exiting = True
+    [answer] = publish(h, PublishRequest("clicks", "p", [b"x"], 1))
+    assert isinstance(answer, Exiting) and answer.fatal and answer.status == "E_EXITING exiting"
+    topic.exiting = False
+
+    def broken(messages: Any) -> None:
+        raise OSError("disk full")
+
+    topic.put_many = broken
+    [answer] = publish(h, PublishRequest("clicks", "p", [b"x"], 2))
+    assert isinstance(answer, QueueFailed) and answer.fatal and "disk full" in answer.description
+    assert h.fast.health_error is not None
+
+
+def test_every_check_runs_for_both_stores(h):
+    """One set of rules: an oversized body or a bad producer is refused the same way
+    whether the topic is reliable or fast, and nothing is stored."""
+    big = b"x" * (h.broker.options.max_msg_size + 1)
+    for topic in ("orders", "clicks"):
+        [answer] = publish(h, PublishRequest(topic, "p", [b"ok", big]))
+        assert isinstance(answer, Invalid) and answer.code == "E_BAD_BODY"
+        [answer] = publish(h, PublishRequest(topic, "p\x00", [b"ok"], 1))
+        assert isinstance(answer, Invalid) and "control character" in answer.description
+    h.settle()
+    assert not h.db.messages and "clicks" not in h.fast.topics

@@ -24,7 +24,7 @@ from twisted.web.resource import Resource
 
 from dmq_client.wire import MAGIC, Command
 from dmq_server.admin.console import AdminConsole
-from dmq_server.broker import Published
+from dmq_server.core.publish import Published
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.http.site import BoundedSite
 from dmq_server.core.nsq_wire import FRAME_ERROR, FRAME_RESPONSE, FrameReader, encode_command

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from dmq_server.broker import Published
+from dmq_server.core.publish import Published
 from dmq_server.http.nsqd import NsqHttp
 
 
@@ -15,9 +15,10 @@ class Broker:
     def __init__(self) -> None:
         self.sends: list[tuple] = []
 
-    def publish_cb(self, topic, producer, session_id, body, produced_ms, done, **delay):
-        self.sends.append((topic, body, produced_ms, delay))
-        done(Published(len(self.sends), False))
+    def publish(self, request, done):
+        """A reliable topic's broker: one request per /pub or /mpub, answered later."""
+        self.sends.append((request.topic, request.bodies, request.produced_ms, request.due_ms))
+        self.answer = lambda: done(Published(len(self.sends), False, len(request.bodies)))
 
 
 class Context:
@@ -25,13 +26,6 @@ class Context:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.ids = iter(range(1, 100))
-
-    def new_session_id(self) -> int:
-        return next(self.ids)
-
-    def resolve(self, topic, then) -> None:
-        then(True)  # reliable
 
 
 class Store:
@@ -51,13 +45,14 @@ def test_http_publish_uses_the_injected_clock():
     clock.advance(1_000_000.25)  # far from the wall clock
     answers: list = []
     api(clock, broker)._publish("orders", [b"a", b"b"], 0).addCallback(answers.append)
+    assert broker.sends == [("orders", [b"a", b"b"], 1_000_000_250, None)]
+    assert answers == []
+    broker.answer()
     assert answers == ["OK"]
-    assert [s[2] for s in broker.sends] == [1_000_000_250, 1_000_000_250]
-    assert all(s[3] == {} for s in broker.sends)
 
 
 def test_http_deferred_publish_is_due_by_the_injected_clock():
     clock, broker = Clock(), Broker()
     clock.advance(2_000_000)
     api(clock, broker)._publish("orders", [b"later"], 1500)
-    assert broker.sends == [("orders", b"later", 2_000_000_000, {"due_ms": 2_000_001_500})]
+    assert broker.sends == [("orders", [b"later"], 2_000_000_000, 2_000_001_500)]

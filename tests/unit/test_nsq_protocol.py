@@ -12,7 +12,11 @@ from twisted.internet.defer import fail, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_server.broker import Broker, Published, PublishRejected, SubscribeRejected
+from dmq_server.broker import Broker
+from dmq_server.core.errors import NoChannel, NoTopic, ShuttingDown
+from dmq_server.core.ids import GuidFactory
+from dmq_server.core.options import Options
+from dmq_server.core.publish import Published
 from dmq_server.reliable.channel import Channel as ReliableChannel
 from dmq_server.reliable.channel import Message as ReliableMessage
 from dmq_server.fast.store import FastStore
@@ -30,11 +34,18 @@ from dmq_server.core.nsq_wire import (
 from tests.unit.test_nsq_store import MemoryBackend
 
 
-class FakeBroker:
-    """The broker's surface the adapter uses, over real reliable Channel objects."""
+class FakeBroker(Broker):
+    """The real broker's routing (``publish``, ``route``) and fast store, over real
+    reliable Channel objects; a reliable body is recorded, not written, and the test
+    answers it."""
 
-    def __init__(self, clock):
+    def __init__(self, clock, fast):
         self.clock = clock
+        self.options = Options()
+        self.fast = fast
+        self.fast_topics: set[str] = set()
+        self.fast_publish_count = 0
+        self._session_ids = GuidFactory(1, lambda: int(clock.seconds() * 1e9))
         self.topics: dict[str, object] = {}
         self.channels: dict[tuple[str, str], ReliableChannel] = {}
         self.published: list = []
@@ -59,13 +70,13 @@ class FakeBroker:
         self.refreshes += 1
         return succeed(None)
 
-    def publish_cb(self, topic, producer, session_id, body, produced_ms, done):
+    def _publish_one(self, topic, producer, session_id, body, produced_ms, done, due_ms, resend):
         self.published.append((topic, producer, session_id, body, done))
 
     def subscribe(self, topic, channel, consumer):
         ch = self.channels.get((topic, channel))
         if ch is None:
-            return fail(SubscribeRejected("no_channel", f"E_NO_CHANNEL channel {channel!r} is not registered"))
+            return fail(NoChannel(f"channel {channel!r} is not registered"))
         ch.subscribe(consumer)
         return succeed(ch)
 
@@ -106,7 +117,7 @@ def env():
     clock = Clock()
     store = FastStore(clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
     store.start()
-    broker = FakeBroker(clock)
+    broker = FakeBroker(clock, store)
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
     ctx = NsqContext(store, broker, options, clock)
     return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, peer=lambda: Peer(ctx))
@@ -410,7 +421,7 @@ def test_reliable_publish_failure_is_a_non_fatal_error(env):
     p = env.peer().send(encode_command(b"MPUB", b"orders", body=mpub_body([b"a", b"b"])))
     (_, _, _, _, done1), (_, _, _, _, done2) = env.broker.published
     done1(Published(1, False))
-    done2(PublishRejected("no_topic", "E_NO_TOPIC topic 'orders' has no channel"))
+    done2(NoTopic("topic 'orders' has no channel"))
     assert p.frames() == [err("E_MPUB_FAILED MPUB failed E_NO_TOPIC topic 'orders' has no channel")]
     assert not p.closed
 
@@ -491,19 +502,29 @@ def test_nsq_producer_ids_are_unique_per_server_process(env):
     assert env.ctx.producer_for("10.0.0.1:4000") == f"nsq:10.0.0.1:4000@{env.ctx.instance}"
 
 
-def test_publish_failures_are_described_by_their_type():
-    """Told apart by type (isinstance), not by class name strings."""
-    from dmq_server.protocols.nsq_subscriptions import describe_outcome
-    from dmq_server.db.errors import RefusedError, StorageError
-    from dmq_server.reliable.writer import ShuttingDown
+def test_publish_failures_are_answered_by_their_family(env):
+    """Told apart by type (the DmqError family), not by class name strings: a broker
+    error is a non-fatal E_PUB_FAILED with its code; a fatal one (the fast store)
+    closes the connection with nsqd's text."""
+    from dmq_server.db.errors import StorageError
 
-    assert describe_outcome(ShuttingDown("bye")) == "E_SHUTTING_DOWN server is restarting"
-    assert describe_outcome(StorageError("writer0: gone")) == "E_STORAGE writer0: gone"
-    assert describe_outcome(RefusedError("writer0: bad", "22021")) == "E_STORAGE writer0: bad"
-    assert describe_outcome(PublishRejected("invalid", "E_INVALID x")) == "E_INVALID x"
+    env.broker.register("orders", "billing")
+    p = env.peer().send(encode_command(b"PUB", b"orders", body=b"a") * 3)
+    (*_, d1), (*_, d2), (*_, d3) = env.broker.published
+    d1(ShuttingDown())
+    d2(StorageError("writer0: gone"))
 
     class ShuttingDownLookalike(Exception):
         pass
 
     ShuttingDownLookalike.__name__ = "ShuttingDown"
-    assert describe_outcome(ShuttingDownLookalike()) != "E_SHUTTING_DOWN server is restarting"
+    d3(ShuttingDownLookalike())
+    assert p.frames() == [
+        err("E_PUB_FAILED PUB failed E_SHUTTING_DOWN server is restarting, send elsewhere"),
+        err("E_PUB_FAILED PUB failed E_STORAGE writer0: gone"),
+        err("E_PUB_FAILED PUB failed ShuttingDown()"),  # a bug's repr, not a shutdown
+    ]
+    assert not p.closed
+    env.store.get_topic("fast").exiting = True
+    p.send(encode_command(b"PUB", b"fast", body=b"x"))
+    assert p.frames() == [err("E_PUB_FAILED PUB failed exiting")] and p.closed

@@ -45,8 +45,8 @@ class FakeBroker:
         self.health_detail = ""
         self.sends: list[tuple[bytes, Any]] = []
 
-    def publish_cb(self, topic, producer, session_id, body, produced_ms, done, due_ms=None, resend=True):
-        self.sends.append((body, done))
+    def publish(self, request, done):
+        self.sends.append((request.bodies[0], done))
 
     def unsubscribe(self, channel, sub):
         pass
@@ -62,7 +62,7 @@ class Port:
         self.registry: set = set()
         store = FastStore(self.clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
         store.start()
-        self.nsq = NsqContext(store, None, self.options, self.clock)
+        self.nsq = NsqContext(store, self.broker, self.options, self.clock)
         self.factory = PortFactory(
             self.clock,
             {

@@ -1,0 +1,120 @@
+"""The errors a client is told about: one family, ``DmqError(code, description, fatal)``.
+
+Everything below the protocol adapters (broker, stores, database seam) fails with a
+``DmqError`` subclass; each adapter turns it into its own reply with one table keyed
+by the subclass (``protocols.dmq``: a reply command; ``protocols.nsq_v2``: an error
+frame; ``http.nsqd``: a status code). The subclass says what the client can do about
+it, so adapters never compare class names or parse texts:
+
+* ``Refused``: the request itself is wrong (a bad field, an unknown topic, over a
+  rate limit). Nothing was stored; sending it again unchanged fails again.
+* ``Unavailable``: the server could not take it now (PostgreSQL failing, shutting
+  down, a fast topic closing). Whether it was stored may be unknown; a producer sends
+  it again, here or elsewhere, and duplicate suppression sorts out the rest.
+
+``fatal`` is for adapters whose protocol closes the connection after some errors
+(NSQ closes after a failed fast publish, as nsqd does); ``code`` is the ``E_…`` word
+clients match on, ``description`` the sentence after it (``status`` joins the two).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DmqError",
+    "Refused",
+    "Invalid",
+    "NoTopic",
+    "NoChannel",
+    "RateLimited",
+    "Unavailable",
+    "ShuttingDown",
+    "Exiting",
+    "QueueFailed",
+    "reply_for",
+]
+
+
+class DmqError(Exception):
+    """An error with a code clients match on; ``str()`` is the description alone."""
+
+    code = "E_INTERNAL"
+    fatal = False
+
+    def __init__(self, description: str, *, code: str | None = None, fatal: bool | None = None):
+        super().__init__(description)
+        self.description = description
+        if code is not None:
+            self.code = code
+        if fatal is not None:
+            self.fatal = fatal
+
+    @property
+    def status(self) -> str:
+        """``"<CODE> <description>"``: the text of a reply's status or error frame."""
+        return f"{self.code} {self.description}"
+
+
+class Refused(DmqError):
+    """The request is wrong as sent; it was not stored."""
+
+    code = "E_INVALID"
+
+
+class Invalid(Refused):
+    """A field breaks a rule (``code`` may be narrower: E_BAD_TOPIC, E_BAD_BODY)."""
+
+
+class NoTopic(Refused):
+    code = "E_NO_TOPIC"
+
+
+class NoChannel(Refused):
+    code = "E_NO_CHANNEL"
+
+
+class RateLimited(Refused):
+    code = "E_RATE_LIMITED"
+
+
+class Unavailable(DmqError):
+    """The server could not take the request now; try again, or another node."""
+
+    code = "E_UNAVAILABLE"
+
+
+class ShuttingDown(Unavailable):
+    """The server is stopping and takes no new sends."""
+
+    code = "E_SHUTTING_DOWN"
+
+    def __init__(self, description: str = "server is restarting, send elsewhere"):
+        super().__init__(description)
+
+
+class Exiting(Unavailable):
+    """A fast topic or channel is being deleted or closed (nsqd's ``exiting``)."""
+
+    code = "E_EXITING"
+    fatal = True
+
+    def __init__(self, description: str = "exiting"):
+        super().__init__(description)
+
+
+class QueueFailed(Unavailable):
+    """A fast topic's disk queue failed to take a message (nsqd's E_PUB_FAILED)."""
+
+    code = "E_QUEUE"
+    fatal = True
+
+
+def reply_for(error: BaseException, table: dict[type, Any], default: Any = None) -> Any:
+    """The entry of ``table`` for ``error``'s class or its nearest base in it: how an
+    adapter writes its table once (``{NoTopic: …, Refused: …, Unavailable: …}``)."""
+    for cls in type(error).__mro__:
+        found = table.get(cls)
+        if found is not None:
+            return found
+    return default
