@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from dmq_server.core.options import parse_address, parse_duration
+from dmq_client import spelling
+from dmq_client.spelling import parse_address, parse_duration
 
 from .errors import UsageError
 
@@ -197,31 +197,16 @@ class TimeRange:
         return f"[{self.since.isoformat()}, {self.until.isoformat()})"
 
 
-_DURATION = re.compile(r"^\d+(\.\d+)?(ms|s|m|h|d)$")
-
-
 def parse_time(text: str, now: datetime, flag: str) -> datetime:
-    """``now``, a duration ago (``24h``, ``7d``) or an ISO date/time; naive means UTC."""
-    value = text.strip()
-    if value == "now":
-        return now
-    if _DURATION.match(value):
-        if value.endswith("d") and not value.endswith("ms"):
-            return now - timedelta(days=float(value[:-1]))
-        return now - timedelta(seconds=parse_duration(value))
+    """``now``, a duration ago (``24h``, ``7d``), Unix ms or an ISO date/time (naive
+    means UTC): ``dmq_client.spelling``'s spellings, as every dmq tool takes them."""
     try:
-        if len(value) == 10:
-            parsed = datetime.combine(date.fromisoformat(value), datetime.min.time())
-        else:
-            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return spelling.parse_time(text, now)
     except ValueError:
         raise UsageError(
-            f"{flag} {text!r}: expected now, a duration ago (24h, 30m, 7d) or an ISO "
+            f"{flag} {text!r}: expected now, a duration ago (24h, 30m, 7d), Unix ms or an ISO "
             "date/time (2024-05-01, 2024-05-01T12:00:00Z)"
         ) from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=timezone.utc)
-    return parsed.astimezone(timezone.utc)
 
 
 def time_range(since: str, until: str, now: datetime | None = None) -> TimeRange:

@@ -22,13 +22,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from dmq_server.admin.cli_support import CliError, open_database as _database
+from dmq_server.core.errors import Refused
+from dmq_client.spelling import parse_duration
 
 __all__ = ["main"]
 
 
 def _duration_ms(text: str) -> int:
-    from dmq_server.core.options import parse_duration
-
     try:
         return int(parse_duration(text) * 1000)
     except ValueError as exc:
@@ -112,8 +112,6 @@ def _setting(kind: str) -> Any:
                 return int(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"not a whole number (or none): {text!r}") from None
-        from dmq_server.core.options import parse_duration
-
         try:
             return int(parse_duration(text) * 1000)
         except ValueError as exc:
@@ -132,7 +130,7 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
     import registry
     from registry.interface import check_name
 
-    from dmq_server.admin.operations import TOPIC_SETTINGS, AdminError, merge_topic_settings, update_topic
+    from dmq_server.admin.operations import TOPIC_SETTINGS, merge_topic_settings, update_topic
 
     changes = {key: getattr(args, key) for key in TOPIC_SETTINGS if getattr(args, key) is not _UNSET}
     try:
@@ -148,8 +146,8 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
                 before, after = update_topic(conn, args.name, changes)
     except registry.RegistryError as exc:
         raise CliError(str(exc)) from exc
-    except AdminError as exc:
-        raise CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+    except Refused as exc:
+        raise CliError.of(exc) from exc
     changed = [
         f"{key} {_show(before[key])} -> {_show(after[key])}" for key in TOPIC_SETTINGS if before[key] != after[key]
     ]

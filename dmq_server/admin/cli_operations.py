@@ -26,7 +26,6 @@ from typing import Any
 
 from dmq_server.admin.operations import (
     DEFAULT_BATCH,
-    AdminError,
     DeadLetterFilter,
     count_dead_letters,
     delete_batch,
@@ -40,6 +39,7 @@ from dmq_server.admin.operations import (
 )
 
 from dmq_server.admin.cli_support import CliError, open_database
+from dmq_server.core.errors import NotFound, Refused
 
 __all__ = ["add_admin_commands"]
 
@@ -58,8 +58,8 @@ def _filter(args: argparse.Namespace) -> DeadLetterFilter:
         raw["replayed"] = "true" if args.replayed else "false"
     try:
         return DeadLetterFilter.parse(raw)
-    except AdminError as exc:
-        raise CliError(exc.message, 2) from exc
+    except Refused as exc:
+        raise CliError(exc.description, 2) from exc
 
 
 def _actor() -> str:
@@ -128,8 +128,8 @@ def cmd_dlq(args: argparse.Namespace) -> None:
                 print(json.dumps(row, indent=2))
             elif args.action in ("replay", "delete"):
                 _destructive(conn, args)
-        except AdminError as exc:
-            raise CliError(exc.message, 2 if exc.code == "E_INVALID" else 1) from exc
+        except Refused as exc:
+            raise CliError.of(exc) from exc
 
 
 def _destructive(conn: Any, args: argparse.Namespace) -> None:
@@ -143,7 +143,7 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
         # (a filter that matches nothing is not an error: "deleted 0")
         named = ", ".join(str(i) for i in flt.ids)
         also = "" if dataclasses.replace(flt, ids=None).is_empty() else " matching the other filters"
-        raise AdminError("E_NOT_FOUND", f"no dead letter{'s' if len(flt.ids) > 1 else ''} {named}{also}", 404)
+        raise NotFound(f"no dead letter{'s' if len(flt.ids) > 1 else ''} {named}{also}")
     batch = args.batch
     if args.action == "replay":
         fragments = args.delay_fragments

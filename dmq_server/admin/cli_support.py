@@ -13,13 +13,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from dmq_server.core.errors import DmqError, Invalid, Refused, Unavailable, reply_for
+
 __all__ = ["CliError", "open_database"]
 
 
+#: a refused request's exit status: 2 for input to fix (as argparse's usage errors), 1
+#: for anything else refused (a dead letter that is not there); 3 is for an unreachable
+#: database or server, raised where it is found
+_EXIT_STATUS = {Invalid: 2, Refused: 1, Unavailable: 3}
+
+
 class CliError(Exception):
+    """Ends a ``dmq`` command: the message goes to stderr, ``code`` is the exit status."""
+
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+    @classmethod
+    def of(cls, error: DmqError) -> "CliError":
+        """The CLI's answer to an error of the family (``core.errors``)."""
+        return cls(error.description, reply_for(error, _EXIT_STATUS, 1))
 
 
 @contextmanager

@@ -46,8 +46,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from dmq_server.admin.operations import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
-from dmq_server.db.errors import StorageError
+from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
+from dmq_server.core.errors import DmqError, Invalid, Refused
 
 __all__ = ["AdminConsole", "AdminConsoleFactory", "parse_line", "HELP"]
 
@@ -82,11 +82,11 @@ class Parsed:
 
 
 def parse_line(line: str) -> Parsed:
-    """Split one console line; raises AdminError on quoting or option errors."""
+    """Split one console line; raises ``Invalid`` on quoting or option errors."""
     try:
         tokens = shlex.split(line, comments=False, posix=True)
     except ValueError as exc:
-        raise AdminError("E_INVALID", f"cannot parse the line: {exc}") from None
+        raise Invalid(f"cannot parse the line: {exc}") from None
     words: list[str] = []
     options: dict[str, str] = {}
     ids: list[int] = []
@@ -95,9 +95,9 @@ def parse_line(line: str) -> Parsed:
         if "=" in token:
             key, _, value = token.partition("=")
             if not key:
-                raise AdminError("E_INVALID", f"option {token!r} has no name before '='")
+                raise Invalid(f"option {token!r} has no name before '='")
             if key in options:
-                raise AdminError("E_INVALID", f"option {key!r} given twice")
+                raise Invalid(f"option {key!r} given twice")
             options[key] = value
         elif token.isdigit():
             ids.append(int(token))
@@ -105,7 +105,7 @@ def parse_line(line: str) -> Parsed:
             everything = True
         else:
             if options or ids:
-                raise AdminError("E_INVALID", f"unexpected word {token!r} after the arguments")
+                raise Invalid(f"unexpected word {token!r} after the arguments")
             words.append(token.lower())
     return Parsed(words, options, ids, everything)
 
@@ -174,7 +174,7 @@ class AdminConsole(Protocol):
             check_token(self.listen_host, self.token, None)
             self.authenticated = True
             note = "type help for the commands"
-        except AdminError:
+        except Refused:
             note = "authenticate with: auth TOKEN (help lists the commands)"
         self.info(f"dmq admin console, node {self.ops.node_id}; {note}")
 
@@ -314,23 +314,19 @@ class AdminConsole(Protocol):
 
     def _failed(self, failure: Any) -> None:
         error = failure.value
-        if isinstance(error, AdminError):
-            self.error(error.code, error.message)
-        elif isinstance(error, StorageError):
-            self.error("E_STORAGE", str(error))
+        if isinstance(error, DmqError):  # refused, or PostgreSQL failing (E_STORAGE)
+            self.error(error.code, error.description)
         else:
             log.failure("admin console command failed", failure)
             self.error("E_INTERNAL", repr(error))
 
     def _handle(self, raw: Any) -> Any:
         if raw is _TOO_LONG:
-            raise AdminError(
-                "E_LINE_TOO_LONG", f"a command line may be at most {self.MAX_LENGTH} bytes; line dropped"
-            )
+            raise Invalid(f"a command line may be at most {self.MAX_LENGTH} bytes; line dropped", code="E_LINE_TOO_LONG")
         try:
             line = raw.rstrip(b"\r").decode("utf-8")
         except UnicodeDecodeError:
-            raise AdminError("E_BAD_ENCODING", "commands must be UTF-8 text") from None
+            raise Invalid("commands must be UTF-8 text", code="E_BAD_ENCODING") from None
         if not line.strip() or line.lstrip().startswith("#"):
             return None  # blank lines and comments get no answer
         verb, _, rest = line.strip().partition(" ")
@@ -345,14 +341,14 @@ class AdminConsole(Protocol):
                 break
         if handler is None:
             shown = " ".join(parsed.words) or line.strip()
-            raise AdminError("E_UNKNOWN_COMMAND", f"unknown command {shown!r}; type help for the commands")
+            raise Invalid(f"unknown command {shown!r}; type help for the commands", code="E_UNKNOWN_COMMAND")
         if extra:
-            raise AdminError("E_INVALID", f"unexpected word {extra[0]!r}; type help for the usage")
+            raise Invalid(f"unexpected word {extra[0]!r}; type help for the usage")
         if not self.authenticated and handler not in (self.cmd_help, self.cmd_quit):
             try:
                 check_token(self.listen_host, self.token, None)
-            except AdminError as exc:
-                raise AdminError(exc.code, f"{exc.message}; not authenticated") from None
+            except Refused as exc:
+                raise type(exc)(f"{exc.description}; not authenticated") from None
         return handler(parsed)
 
     # -- commands ----------------------------------------------------------------
@@ -363,7 +359,7 @@ class AdminConsole(Protocol):
 
     def cmd_auth(self, token: str) -> None:
         if not token:
-            raise AdminError("E_INVALID", "usage: auth TOKEN")
+            raise Invalid("usage: auth TOKEN")
         check_token(self.listen_host, self.token, token)
         self.authenticated = True
         self.ok("authenticated")
@@ -391,7 +387,7 @@ class AdminConsole(Protocol):
         rest = {k: options.pop(k) for k in extra if k in options}
         if parsed.ids:
             if "ids" in options:
-                raise AdminError("E_INVALID", "give ids either as words or as ids=, not both")
+                raise Invalid("give ids either as words or as ids=, not both")
             options["ids"] = ",".join(str(i) for i in parsed.ids)
         return DeadLetterFilter.parse(options), rest
 
@@ -410,7 +406,7 @@ class AdminConsole(Protocol):
 
     def cmd_dlq_show(self, parsed: Parsed) -> Any:
         if len(parsed.ids) != 1 or parsed.options or parsed.everything:
-            raise AdminError("E_INVALID", "usage: dlq show ID")
+            raise Invalid("usage: dlq show ID")
         return self.ops.dlq_show(parsed.ids[0]).addCallback(lambda row: (self.data(row), self.ok("1 dead letter")))
 
     def _progress(self, verb: str) -> Callable[[int, int], None]:
@@ -432,7 +428,7 @@ class AdminConsole(Protocol):
     def cmd_channel(self, parsed: Parsed) -> Any:
         topic, channel = parsed.options.get("topic"), parsed.options.get("channel")
         if not topic or not channel or set(parsed.options) != {"topic", "channel"} or parsed.ids:
-            raise AdminError("E_INVALID", f"usage: channel {parsed.words[1]} topic=T channel=C")
+            raise Invalid(f"usage: channel {parsed.words[1]} topic=T channel=C")
         d = self.ops.channel_action(parsed.words[1], topic, channel, "console", self.peer)
         return d.addCallback(self.ok)
 

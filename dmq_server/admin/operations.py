@@ -16,7 +16,7 @@ Two layers:
 Replay and delete work in batches (keyset on the dead letter id, one
 transaction each) and report progress after each batch. They refuse to run
 without a selection unless told ``all``, and every run is written to
-``dmq_admin_log`` and the server log. Input errors are ``AdminError`` with a
+``dmq_admin_log`` and the server log. Input errors are ``core.errors`` ``Refused`` errors with a
 stable code (``E_INVALID``, ``E_NOT_FOUND``, ...) and a message saying what to fix.
 """
 
@@ -25,23 +25,21 @@ from __future__ import annotations
 import base64
 import ipaddress
 import re
-import time
 from dataclasses import dataclass, fields
-from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from dmq_client.spelling import parse_time_ms
+from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.db import admin as db_admin
 from dmq_server.db.admin import dead_letter_counts, log_operation, stored_stats
 from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
 from dmq_server.db.delays import delay_stats
 
 __all__ = [
-    "AdminError",
     "DeadLetterFilter",
-    "parse_time_ms",
     "is_loopback",
     "check_token",
     "list_dead_letters",
@@ -66,58 +64,16 @@ MAX_LIST_LIMIT = 10000
 DEFAULT_BATCH = 5000
 
 
-class AdminError(Exception):
-    """A refused admin operation: ``code`` is stable, the message says what to fix."""
-
-    def __init__(self, code: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
-
-    def __str__(self) -> str:
-        return f"{self.code} {self.message}"
-
-
 # -- input -------------------------------------------------------------------------
-
-_RELATIVE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m|h|d)$")
-_UNIT_MS = {"ms": 1, "s": 1000, "m": 60000, "h": 3600000, "d": 86400000}
-
-
-def parse_time_ms(text: str, now_ms: int | None = None) -> int:
-    """Unix ms from ``1700000000000`` (Unix ms), ``2024-05-01T12:00:00Z`` (ISO 8601,
-    UTC when no offset is given) or ``15m`` / ``2h`` / ``7d`` (that long ago)."""
-    value = text.strip()
-    if not value:
-        raise AdminError("E_INVALID", "empty time: use Unix ms, ISO 8601 or a duration ago such as 15m")
-    if value.isdigit():
-        return int(value)
-    match = _RELATIVE.match(value)
-    if match:
-        now = int(time.time() * 1000) if now_ms is None else now_ms
-        return now - int(float(match["n"]) * _UNIT_MS[match["unit"]])
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise AdminError(
-            "E_INVALID",
-            f"invalid time {text!r}: use Unix ms (1700000000000), ISO 8601 "
-            "(2024-05-01T12:00:00Z) or a duration ago (15m, 2h, 7d)",
-        ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return int(moment.timestamp() * 1000)
-
 
 def _ids(name: str, text: str) -> tuple[int, ...]:
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
-        raise AdminError("E_INVALID", f"{name}: give one or more ids, separated by commas")
+        raise Invalid(f"{name}: give one or more ids, separated by commas")
     out = []
     for part in parts:
         if not part.isdigit():
-            raise AdminError("E_INVALID", f"{name}: {part!r} is not an id (a positive integer)")
+            raise Invalid(f"{name}: {part!r} is not an id (a positive integer)")
         out.append(int(part))
     return tuple(out)
 
@@ -150,29 +106,28 @@ class DeadLetterFilter:
             text = str(raw)
             if key in ("topic", "channel"):
                 if not text:
-                    raise AdminError("E_INVALID", f"{key}: empty name")
+                    raise Invalid(f"{key}: empty name")
                 values[key] = text
             elif key == "reason":
                 if text not in REASONS:
-                    raise AdminError(
-                        "E_INVALID", f"reason: unknown reason {text!r}, use one of {', '.join(REASONS)}"
-                    )
+                    raise Invalid(f"reason: unknown reason {text!r}, use one of {', '.join(REASONS)}")
                 values["reason"] = text
             elif key in ("since", "until"):
-                values[f"{key}_ms"] = parse_time_ms(text, now_ms)
+                try:
+                    values[f"{key}_ms"] = parse_time_ms(text, now_ms)
+                except ValueError as exc:
+                    raise Invalid(f"{key}: {exc}") from None
             elif key in ("ids", "id", "message_ids"):
                 values["message_ids" if key == "message_ids" else "ids"] = _ids(key, text)
             elif key == "replayed":
                 if text.lower() not in _BOOL:
-                    raise AdminError("E_INVALID", f"replayed: expected true or false, got {text!r}")
+                    raise Invalid(f"replayed: expected true or false, got {text!r}")
                 values["replayed"] = _BOOL[text.lower()]
             else:
-                raise AdminError(
-                    "E_INVALID", f"unknown filter {key!r}; filters are {', '.join(cls.KEYS)}"
-                )
+                raise Invalid(f"unknown filter {key!r}; filters are {', '.join(cls.KEYS)}")
         flt = cls(**values)
         if flt.since_ms is not None and flt.until_ms is not None and flt.since_ms >= flt.until_ms:
-            raise AdminError("E_INVALID", "since must be before until")
+            raise Invalid("since must be before until")
         return flt
 
     def is_empty(self) -> bool:
@@ -203,18 +158,15 @@ class DeadLetterFilter:
 
 def require_selection(flt: DeadLetterFilter, everything: bool, operation: str) -> None:
     if flt.is_empty() and not everything:
-        raise AdminError(
-            "E_INVALID",
-            f"{operation} needs a selection: ids, or filters ({', '.join(DeadLetterFilter.KEYS)}), "
-            "or 'all' for every dead letter",
-        )
+        raise Invalid(f"{operation} needs a selection: ids, or filters ({', '.join(DeadLetterFilter.KEYS)}), "
+            "or 'all' for every dead letter")
 
 
 def parse_limit(text: str | None, default: int = DEFAULT_LIST_LIMIT, name: str = "limit") -> int:
     if text is None or text == "":
         return default
     if not str(text).isdigit() or not 1 <= int(text) <= MAX_LIST_LIMIT:
-        raise AdminError("E_INVALID", f"{name}: expected 1..{MAX_LIST_LIMIT}, got {text!r}")
+        raise Invalid(f"{name}: expected 1..{MAX_LIST_LIMIT}, got {text!r}")
     return int(text)
 
 
@@ -231,22 +183,18 @@ def is_loopback(host: str) -> bool:
 
 
 def check_token(listen_host: str, configured: str, given: str | None) -> None:
-    """Raise AdminError(E_AUTH) unless the request may proceed: with a configured
+    """Raise ``Unauthorized`` or ``Forbidden`` (E_AUTH) unless the request may proceed: with a configured
     token it must match; without one, only a loopback listener is open."""
     import hmac
 
     if configured:
         if not given:
-            raise AdminError("E_AUTH", "this admin surface needs a token (auth TOKEN / Authorization: Bearer TOKEN)", 401)
+            raise Unauthorized("this admin surface needs a token (auth TOKEN / Authorization: Bearer TOKEN)")
         if not hmac.compare_digest(given.encode(), configured.encode()):
-            raise AdminError("E_AUTH", "wrong admin token", 401)
+            raise Unauthorized("wrong admin token")
         return
     if not is_loopback(listen_host):
-        raise AdminError(
-            "E_AUTH",
-            f"admin surfaces listening on non-loopback address {listen_host} need --admin-token",
-            403,
-        )
+        raise Forbidden(f"admin surfaces listening on non-loopback address {listen_host} need --admin-token")
 
 
 # -- database operations (a connection; the CLI and the server's DbWorker) ------------
@@ -264,7 +212,7 @@ def count_dead_letters(conn: Any, flt: DeadLetterFilter) -> tuple[int, int]:
 def show_dead_letter(conn: Any, letter_id: int) -> dict:
     letter = db_admin.show_dead_letter(conn, letter_id)
     if letter is None:
-        raise AdminError("E_NOT_FOUND", f"no dead letter {letter_id}", 404)
+        raise NotFound(f"no dead letter {letter_id}")
     return letter
 
 
@@ -293,20 +241,18 @@ _TOPIC_SETTING_TEXT = {
 
 def merge_topic_settings(current: Mapping[str, Any], changes: Mapping[str, int | None]) -> dict:
     """A topic's settings after ``changes`` (``None`` removes a limit; the message
-    timeout cannot be removed). AdminError ``E_INVALID`` for an unknown setting, a
+    timeout cannot be removed). ``Invalid`` for an unknown setting, a
     value below 1, or no change asked for."""
     unknown = sorted(set(changes) - set(TOPIC_SETTINGS))
     if unknown:
-        raise AdminError("E_INVALID", f"topic update: unknown settings {', '.join(unknown)}")
+        raise Invalid(f"topic update: unknown settings {', '.join(unknown)}")
     if not changes:
-        raise AdminError(
-            "E_INVALID", "topic update: nothing to change (give a message timeout, rate limit, TTL or max attempts)"
-        )
+        raise Invalid("topic update: nothing to change (give a message timeout, rate limit, TTL or max attempts)")
     for key, value in changes.items():
         if value is None and key == "msg_timeout_ms":
-            raise AdminError("E_INVALID", "topic update: the message timeout cannot be removed")
+            raise Invalid("topic update: the message timeout cannot be removed")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise AdminError("E_INVALID", f"topic update: the {_TOPIC_SETTING_TEXT[key]} must be at least 1")
+            raise Invalid(f"topic update: the {_TOPIC_SETTING_TEXT[key]} must be at least 1")
     return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
 
 
@@ -317,7 +263,7 @@ def update_topic(conn: Any, name: str, changes: Mapping[str, int | None]) -> tup
     the new settings at their next registry refresh."""
     result = db_admin.update_topic_settings(conn, name, lambda before: merge_topic_settings(before, changes))
     if result is None:
-        raise AdminError("E_NOT_FOUND", f"no such topic {name!r}", 404)
+        raise NotFound(f"no such topic {name!r}")
     return result
 
 
@@ -341,29 +287,29 @@ def report_letter(params: Mapping[str, Any]) -> NewDeadLetter:
     """A client's report of a send it could not store (``client_reported``)."""
     topic = params.get("topic")
     if not isinstance(topic, str) or not topic:
-        raise AdminError("E_INVALID", "report: topic is required")
+        raise Invalid("report: topic is required")
     producer = params.get("producer", "")
     if not isinstance(producer, str):
-        raise AdminError("E_INVALID", "report: producer must be a string")
+        raise Invalid("report: producer must be a string")
     session_id = params.get("session_id")
     if session_id is not None and (not isinstance(session_id, int) or isinstance(session_id, bool)):
-        raise AdminError("E_INVALID", "report: session_id must be an integer")
+        raise Invalid("report: session_id must be an integer")
     body = params.get("body", "")
     encoding = params.get("body_encoding", "utf-8")
     if not isinstance(body, str):
-        raise AdminError("E_INVALID", "report: body must be a string (utf-8 text or base64)")
+        raise Invalid("report: body must be a string (utf-8 text or base64)")
     if encoding == "base64":
         try:
             raw = base64.b64decode(body, validate=True)
         except ValueError:
-            raise AdminError("E_INVALID", "report: body is not valid base64") from None
+            raise Invalid("report: body is not valid base64") from None
     elif encoding == "utf-8":
         raw = body.encode("utf-8")
     else:
-        raise AdminError("E_INVALID", f"report: body_encoding must be utf-8 or base64, got {encoding!r}")
+        raise Invalid(f"report: body_encoding must be utf-8 or base64, got {encoding!r}")
     detail = params.get("detail", "")
     if not isinstance(detail, str):
-        raise AdminError("E_INVALID", "report: detail must be a string")
+        raise Invalid("report: detail must be a string")
     return NewDeadLetter(
         "client_reported", topic, producer, session_id, raw, detail=detail or "reported by the client"
     )
@@ -408,7 +354,7 @@ class AdminOps:
     def flow(self) -> dict:
         """The TCP port's flow-control state (buffered bytes, paused connections)."""
         if self.port_factory is None:
-            raise AdminError("E_NOT_FOUND", "the TCP port is not listening", 404)
+            raise NotFound("the TCP port is not listening")
         return self.port_factory.budget.stats()
 
     def stats(self) -> Deferred:
@@ -549,14 +495,14 @@ class AdminOps:
     def channel_action(self, action: str, topic: str, channel: str, surface: str, actor: str) -> Deferred:
         """``pause``, ``unpause`` or ``empty`` a reliable channel (the broker's; the same as
         nsqd's HTTP API and ``dmq channel``); fires with a summary line, or fails with
-        AdminError E_NOT_FOUND (404) for a channel that is not registered."""
+        ``NotFound`` for a channel that is not registered."""
         broker = self.broker
         if action == "empty":
             d = broker.empty_channel(topic, channel)
         elif action in ("pause", "unpause"):
             d = broker.pause_channel(topic, channel, action == "pause")
         else:
-            raise AdminError("E_INVALID", f"unknown channel action {action!r} (pause, unpause, empty)")
+            raise Invalid(f"unknown channel action {action!r} (pause, unpause, empty)")
 
         def done(result: Any) -> str:
             log.info(
@@ -568,7 +514,7 @@ class AdminOps:
         def missing(failure: Any) -> Any:
             failure.trap(KeyError)
             what = "topic" if failure.value.args[0] == "TOPIC_NOT_FOUND" else "channel"
-            raise AdminError("E_NOT_FOUND", f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}", 404)
+            raise NotFound(f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}")
 
         return d.addCallbacks(done, missing)
 

@@ -3,11 +3,13 @@
 Everything below the protocol adapters (broker, stores, database seam) fails with a
 ``DmqError`` subclass; each adapter turns it into its own reply with one table keyed
 by the subclass (``protocols.dmq``: a reply command; ``protocols.nsq_v2``: an error
-frame; ``http.nsqd``: a status code). The subclass says what the client can do about
+frame; ``http.nsqd`` and ``http.admin``: a status code; the admin console: an ``ERR``
+line; the ``dmq`` CLI: an exit status). The subclass says what the client can do about
 it, so adapters never compare class names or parse texts:
 
 * ``Refused``: the request itself is wrong (a bad field, an unknown topic, over a
-  rate limit). Nothing was stored; sending it again unchanged fails again.
+  rate limit, a missing admin token). Nothing was stored or changed; sending it
+  again unchanged fails again.
 * ``Unavailable``: the server could not take it now (PostgreSQL failing, shutting
   down, a fast topic closing). Whether it was stored may be unknown; a producer sends
   it again, here or elsewhere, and duplicate suppression sorts out the rest.
@@ -28,6 +30,9 @@ __all__ = [
     "NoTopic",
     "NoChannel",
     "RateLimited",
+    "NotFound",
+    "Unauthorized",
+    "Forbidden",
     "Unavailable",
     "ShuttingDown",
     "Exiting",
@@ -76,6 +81,25 @@ class NoChannel(Refused):
 
 class RateLimited(Refused):
     code = "E_RATE_LIMITED"
+
+
+class NotFound(Refused):
+    """What the request names does not exist (a dead letter, an admin endpoint)."""
+
+    code = "E_NOT_FOUND"
+
+
+class Unauthorized(Refused):
+    """No token, or a wrong one, where one is needed."""
+
+    code = "E_AUTH"
+
+
+class Forbidden(Refused):
+    """Not allowed here whatever the token (an admin surface on a non-loopback
+    address without --admin-token refuses every command)."""
+
+    code = "E_AUTH"
 
 
 class Unavailable(DmqError):

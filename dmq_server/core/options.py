@@ -7,7 +7,8 @@ not the others. Precedence: flag > environment > config file > default.
 
 The config file is named by ``--config PATH`` or ``DMQ_CONFIG``. It is TOML whose
 keys are the field names (``mem_queue_size = 20000``); durations are strings such
-as ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or plain numbers of seconds. An
+as ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or plain numbers of seconds
+(``dmq_client.spelling``, the spellings every dmq tool shares). An
 unknown key or a bad value is an error that names the file and the key.
 
 The commented example config is rendered from the fields' metadata::
@@ -24,7 +25,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import math
 import os
 import sys
 import textwrap
@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from dmq_client.spelling import format_duration, parse_address, parse_duration
+
 __all__ = [
     "Options",
     "ConfigError",
-    "parse_duration",
-    "format_duration",
-    "parse_address",
     "build_parser",
     "options_from_args",
     "load_config",
@@ -55,61 +54,6 @@ DB_IO = ("reactor", "threads")
 
 class ConfigError(ValueError):
     """A setting from a flag, a variable or the config file that cannot be used."""
-
-
-def parse_duration(text: str | float | int) -> float:
-    """Seconds from ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a bare number of seconds."""
-    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)")
-    if isinstance(text, (int, float)):
-        seconds = float(text)
-    else:
-        value = text.strip().lower()
-        for suffix in ("ms", "s", "m", "h"):
-            if value.endswith(suffix):
-                number = value[: -len(suffix)]
-                break
-        else:
-            number, suffix = value, "s"
-        try:
-            amount = float(number)
-        except ValueError:
-            raise ValueError(f"invalid duration {text!r} (examples: 250ms, 30s, 5m)") from None
-        # dividing (not multiplying by 0.001) keeps whole milliseconds exact
-        seconds = amount / 1000 if suffix == "ms" else amount * _UNIT_SECONDS[suffix]
-    if not math.isfinite(seconds):
-        raise ValueError(f"duration {text!r} must be finite")
-    if seconds < 0:
-        raise ValueError(f"duration {text!r} must not be negative")
-    return seconds + 0.0  # no "-0.0"
-
-
-_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def format_duration(seconds: float) -> str:
-    """The shortest of ``"2h"``, ``"5m"``, ``"30s"``, ``"250ms"`` that parses back exactly."""
-    if seconds == 0:
-        return "0s"
-    for unit, size in _UNIT_SECONDS.items():
-        count = seconds / size
-        if count >= 1 and count.is_integer():
-            candidate = f"{int(count)}{unit}"
-            if parse_duration(candidate) == seconds:
-                return candidate
-    millis = round(seconds * 1000)
-    candidate = f"{millis}ms"
-    if parse_duration(candidate) == seconds:
-        return candidate
-    return f"{seconds!r}s"
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` (``":PORT"`` means 127.0.0.1) into a host and port."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"invalid address {text!r}, expected HOST:PORT")
-    return (host.strip("[]") or "127.0.0.1"), int(port)
 
 
 def _opt(default: Any, help: str, *, kind: str = "str", flag: str | None = None) -> Any:

@@ -36,12 +36,15 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from dmq_server.admin.operations import AdminError, AdminOps, DeadLetterFilter, check_token, parse_limit
-from dmq_server.db.errors import StorageError
+from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
+from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
 
 __all__ = ["AdminResource", "install"]
 
 log = Logger()
+
+#: an admin API error's HTTP status, by its family (PostgreSQL failing is Unavailable: 503)
+_STATUS = {NotFound: 404, Unauthorized: 401, Forbidden: 403, Refused: 400, Unavailable: 503}
 
 _ENDPOINTS = [
     "GET /admin/stats",
@@ -64,18 +67,18 @@ def _text_params(request: Any) -> dict[str, str]:
     for key, values in (request.args or {}).items():
         name = key.decode("utf-8", "replace")
         if len(values) != 1:
-            raise AdminError("E_INVALID", f"parameter {name!r} given {len(values)} times")
+            raise Invalid(f"parameter {name!r} given {len(values)} times")
         try:
             params[name] = values[0].decode("utf-8")
         except UnicodeDecodeError:
-            raise AdminError("E_INVALID", f"parameter {name!r} is not UTF-8") from None
+            raise Invalid(f"parameter {name!r} is not UTF-8") from None
     return params
 
 
 def _everything(params: dict[str, str]) -> bool:
     value = params.pop("all", "false").lower()
     if value not in ("true", "1", "false", "0", ""):
-        raise AdminError("E_INVALID", f"all: expected true or false, got {value!r}")
+        raise Invalid(f"all: expected true or false, got {value!r}")
     return value in ("true", "1")
 
 
@@ -106,10 +109,9 @@ class AdminResource(Resource):
 
     def _fail(self, request: Any, failure: Any) -> None:
         error = failure.value
-        if isinstance(error, AdminError):
-            self._reply(request, error.status, {"error": error.code, "message": error.message})
-        elif isinstance(error, StorageError):
-            self._reply(request, 503, {"error": "E_STORAGE", "message": str(error)})
+        status = reply_for(error, _STATUS) if isinstance(error, DmqError) else None
+        if status is not None:
+            self._reply(request, status, {"error": error.code, "message": error.description})
         else:
             log.failure("admin API request failed", failure)
             self._reply(request, 500, {"error": "E_INTERNAL", "message": repr(error)})
@@ -130,7 +132,7 @@ class AdminResource(Resource):
             given = alt.decode("latin-1") if alt else None
         try:
             check_token(self.listen_host, self.token, given)
-        except AdminError:
+        except Refused:
             log.warn("admin API: refused {method} {path} from {peer} (token)",
                      method=request.method.decode(), path=request.path.decode("latin-1"), peer=self._actor(request))
             raise
@@ -163,7 +165,7 @@ class AdminResource(Resource):
             _, topic, channel, action = parts
             d = self.ops.channel_action(action, topic, channel, "http", self._actor(request))
             return d.addCallback(lambda summary: {"ok": summary})
-        raise AdminError("E_NOT_FOUND", f"no admin endpoint {method} /admin/{'/'.join(parts)}", 404)
+        raise NotFound(f"no admin endpoint {method} /admin/{'/'.join(parts)}")
 
     def _flow(self) -> dict:
         return self.ops.flow()
@@ -191,7 +193,7 @@ class AdminResource(Resource):
             return d.addCallback(lambda n: {"deleted": n})
         elif len(rest) == 1:
             if not rest[0].isdigit():
-                raise AdminError("E_INVALID", f"dead letter id {rest[0]!r} is not a positive integer")
+                raise Invalid(f"dead letter id {rest[0]!r} is not a positive integer")
             letter_id = int(rest[0])
             if method == "GET":
                 return self.ops.dlq_show(letter_id)
@@ -201,22 +203,20 @@ class AdminResource(Resource):
 
                 def deleted(n: int) -> dict:
                     if n == 0:
-                        raise AdminError("E_NOT_FOUND", f"no dead letter {letter_id}", 404)
+                        raise NotFound(f"no dead letter {letter_id}")
                     return {"deleted": n}
 
                 return d.addCallback(deleted)
-        raise AdminError(
-            "E_NOT_FOUND", f"no admin endpoint {method} /admin/dead-letters/{'/'.join(rest)}", 404
-        )
+        raise NotFound(f"no admin endpoint {method} /admin/dead-letters/{'/'.join(rest)}")
 
     def _report(self, request: Any, actor: str) -> Any:
         raw = request.content.read() if request.content is not None else b""
         try:
             payload = json.loads(raw or b"null")
         except ValueError as exc:
-            raise AdminError("E_INVALID", f"report: the body is not JSON: {exc}") from None
+            raise Invalid(f"report: the body is not JSON: {exc}") from None
         if not isinstance(payload, dict):
-            raise AdminError("E_INVALID", "report: the body must be a JSON object")
+            raise Invalid("report: the body must be a JSON object")
         return self.ops.dlq_report(payload, "http", actor).addCallback(lambda i: {"id": i})
 
 

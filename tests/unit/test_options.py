@@ -27,12 +27,9 @@ from dmq_server.core.options import (
     build_parser,
     env_name,
     flag_name,
-    format_duration,
     load_config,
     options_from_args,
-    parse_address,
     parse_config,
-    parse_duration,
     render_example,
 )
 
@@ -44,84 +41,6 @@ FIELDS = dataclasses.fields(Options)
 
 def exit_message(excinfo: pytest.ExceptionInfo[SystemExit]) -> str:
     return str(excinfo.value.code)
-
-
-# -- durations ---------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("250ms", 0.25),
-        ("30s", 30.0),
-        ("5m", 300.0),
-        ("1h", 3600.0),
-        ("1.5s", 1.5),
-        ("0.5m", 30.0),
-        ("90", 90.0),
-        (" 2M ", 120.0),
-        ("0", 0.0),
-        ("1ms", 0.001),
-        (12, 12.0),
-        (0.25, 0.25),
-    ],
-)
-def test_parse_duration_accepts_units_and_bare_seconds(text: str | float, seconds: float) -> None:
-    """ms, s, m and h suffixes (any case, surrounding blanks ignored), or plain seconds."""
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize(
-    "bad", ["", "abc", "5 minutes", "10us", "-1s", "-0.5", -3, "inf", "nan", float("inf"), True, None]
-)
-def test_parse_duration_rejects_garbage_negative_and_infinite(bad: object) -> None:
-    """Anything but a finite, non-negative amount with a known unit is a ValueError."""
-    with pytest.raises(ValueError):
-        parse_duration(bad)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("seconds", "text"),
-    [(0, "0s"), (0.01, "10ms"), (0.1, "100ms"), (1.5, "1500ms"), (30, "30s"), (60, "1m"),
-     (90, "90s"), (600, "10m"), (7200, "2h")],
-)
-def test_format_duration_picks_the_largest_exact_unit(seconds: float, text: str) -> None:
-    """Defaults are shown the way an operator would write them."""
-    assert format_duration(seconds) == text
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
-def test_format_duration_round_trips(seconds: float) -> None:
-    """Whatever a duration is, its rendering parses back to exactly the same float."""
-    assert parse_duration(format_duration(seconds)) == seconds
-
-
-@given(st.integers(min_value=0, max_value=10**9))
-def test_whole_milliseconds_are_exact(millis: int) -> None:
-    """"Nms" means exactly N/1000 s (no 0.001 multiplication rounding)."""
-    assert parse_duration(f"{millis}ms") == millis / 1000
-
-
-# -- addresses ---------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("text", "address"),
-    [
-        ("127.0.0.1:4150", ("127.0.0.1", 4150)),
-        ("0.0.0.0:0", ("0.0.0.0", 0)),
-        (":4151", ("127.0.0.1", 4151)),
-        ("[::1]:4150", ("::1", 4150)),
-        ("dmq.example.com:65535", ("dmq.example.com", 65535)),
-    ],
-)
-def test_parse_address(text: str, address: tuple[str, int]) -> None:
-    """HOST:PORT, with an empty host meaning loopback and brackets around IPv6."""
-    assert parse_address(text) == address
-
-
-@pytest.mark.parametrize("bad", ["4150", "host:", "host:port", "host:65536", "host:-1", ""])
-def test_parse_address_rejects_bad_addresses(bad: str) -> None:
-    """A missing or out-of-range port is a ValueError that quotes the input."""
-    with pytest.raises(ValueError, match="expected HOST:PORT"):
-        parse_address(bad)
 
 
 # -- the fields themselves ----------------------------------------------------
