@@ -13,7 +13,8 @@ import time
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.task import LoopingCall
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -160,35 +161,38 @@ class Broker:
         self.delays: Any = None  # the DelayScheduler, attached by the service
         self.delayed_count = 0
         self._refresh_waiters: list[Deferred] | None = None
-        self._loops: list[LoopingCall] = []
+        self.timers = self._timers()
         self.started_at = time.time()
         self.publish_count = 0
 
     # -- lifecycle --------------------------------------------------------
+    def _timers(self) -> MultiService:
+        """The periodic jobs, one named ``TimerService`` each on the injected clock.
+        The service tree runs them while the broker's stage is up (each fires once
+        when started, then every interval); nothing here starts them."""
+        timers = MultiService()
+        for name, fn, step in (
+            ("scan", self._scan, self.options.scan_interval),
+            ("registry-refresh", self._refresh_quietly, self.options.registry_refresh),
+            ("sweep", self._sweep, self.options.sweep_interval),
+            ("channel-state", self._read_channel_state, self.options.channel_state_interval),
+        ):
+            timer = TimerService(step, fn)
+            timer.clock = self.clock
+            timer.setName(name)
+            timer.setServiceParent(timers)
+        return timers
+
     def start(self) -> Deferred:
+        """Read the registry and the operators' pauses before the first push (a paused
+        channel stays paused on restart)."""
         d = self.refresh_registry()
-        # operators' pauses before the first push: a paused channel stays paused on restart
-        d.addCallback(lambda _: self._read_channel_state())
-
-        def begin(_: Any) -> None:
-            for fn, interval in (
-                (self._scan, self.options.scan_interval),
-                (self._refresh_quietly, self.options.registry_refresh),
-                (self._sweep, self.options.sweep_interval),
-                (self._read_channel_state, self.options.channel_state_interval),
-            ):
-                loop = LoopingCall(fn)
-                loop.clock = self.clock
-                loop.start(interval, now=False)
-                self._loops.append(loop)
-
-        return d.addCallback(begin)
+        return d.addCallback(lambda _: self._read_channel_state())
 
     def stop(self) -> Deferred:
         """Stop taking sends, commit and answer what is queued, make acks durable."""
-        for loop in self._loops:
-            if loop.running:
-                loop.stop()
+        if self.timers.running:  # stopped by the service tree first; a test may not have
+            self.timers.stopService()
         d = self.writer.close()
         d.addCallback(lambda _: self.delay_writer.close())
         d.addCallback(lambda _: self.dead_letters.close())

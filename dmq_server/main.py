@@ -44,8 +44,7 @@ def _tune_gc() -> None:
 
 def _console_line(server: Any, options: Any) -> str:
     """The banner's admin console line: where it listens, or why it does not."""
-    extras = getattr(server, "extras", None)
-    address = extras.console_address if extras is not None else None
+    address = server.console_address
     if address is not None:
         return f"{address[0]}:{address[1]}  (admin console, line commands: nc {address[0]} {address[1]})"
     if not options.admin_address:
@@ -128,8 +127,12 @@ def _serve(argv: Sequence[str] | None) -> int:
     def failed(failure: Any) -> None:
         print(f"dmq-server: failed to start: {failure.getErrorMessage()}", file=sys.stderr, flush=True)
         exit_code[0] = 1
-        if reactor.running:
+        from twisted.internet.error import ReactorNotRunning
+
+        try:
             reactor.stop()
+        except ReactorNotRunning:  # a stop was already under way (a signal during start)
+            pass
 
     reactor.callWhenRunning(service.startService)
     service.ready.addCallbacks(ready, failed)

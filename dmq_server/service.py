@@ -1,10 +1,25 @@
-"""The server as a Twisted service: started in order, stopped in reverse.
+"""The server as a tree of stages, started in order and stopped in reverse.
 
-Start: storage (embedded PostgreSQL and its supervisor if no DSN, migrations, DB workers) →
-broker (registry cache, scanners) → listeners (TCP, HTTP). Stop: tell clients
-SERVER_REBOOT, stop listening, commit and answer every queued send, make
-acknowledgements durable, close connections, stop the workers, the
-supervisor (so that it does not restart what we stop) and the embedded PostgreSQL.
+========== ===============================================================================
+stage      start (each waits for the one before)   /  stop (in reverse)
+========== ===============================================================================
+database   embedded PostgreSQL and its supervisor when there is no --pg-dsn, migrations,
+           the DB workers  /  the workers, the supervisor (so that it does not restart
+           what we stop), the embedded PostgreSQL
+cluster    with --zk: ZooKeeper, the registry mirror; heartbeat and node-list timers
+           /  leave the cluster (other nodes take over what is still stored)
+fast-store NSQ's store from ``nsqd.dat``; scanner and disk-sync timers  /  memory,
+           in-flight and deferred messages to disk
+broker     registry cache and channel state; scan, refresh, sweep timers  /  commit and
+           answer every queued send, make acknowledgements durable, close connections
+scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
+listeners  TCP (dmq protocol and NSQ V2), HTTP (API, nsqd, lookupd, admin), the admin
+           console  /  SERVER_REBOOT to dmq clients, stop listening
+announce   with --zk: register this node (ports known) and start delivering
+========== ===============================================================================
+
+``DmqServer`` holds what the stages make and passes it on explicitly; nothing reads
+the server's attributes from elsewhere.
 """
 
 from __future__ import annotations
@@ -12,7 +27,6 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.threads import deferToThread
@@ -20,8 +34,11 @@ from twisted.logger import Logger
 
 from dmq_client.wire import MAGIC
 
+from dmq_server.admin.console import AdminConsoleFactory
+from dmq_server.admin.operations import AdminOps, is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
+from dmq_server.http import admin as admin_api
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
@@ -30,17 +47,18 @@ from dmq_server.http.nsqd import install as install_nsq_http
 from dmq_server.fast.store import FastStore
 from dmq_server.protocols.nsq_v2 import NsqConnection
 from dmq_server.core.options import Options
-from dmq_server.scheduling import Extras, worker_roles
+from dmq_server.scheduling import Scheduling, make_assignment, worker_roles
 from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.schema import migrate, ping
 from dmq_server.db.worker import DbWorker
+from dmq_server.tree import ServiceTree, Stage
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
 
 log = Logger()
 
-WORKER_ROLES = ("acker", "loader", "admin", "health")
+WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops")
 
 
 def _endpoint(reactor: Any, host: str, port: int) -> Any:
@@ -50,6 +68,8 @@ def _endpoint(reactor: Any, host: str, port: int) -> Any:
 
 
 class DmqServer:
+    """What the stages make (workers, stores, broker, ports) and share."""
+
     def __init__(self, options: Options, reactor: Any):
         self.options = options
         self.reactor = reactor
@@ -57,29 +77,46 @@ class DmqServer:
         self.embedded: Any = None
         self.pg_supervisor: Any = None  # dmq_server.db.supervisor.PostgresSupervisor when embedded
         self.workers: dict[str, DbWorker] = {}
-        self.broker: Broker | None = None
-        self.connections: set[DmqConnection] = set()
+        self.cluster: Any = None  # dmq_server.cluster.node.ClusterNode with --zk
         self.fast_store: FastStore | None = None
+        self.broker: Broker | None = None
+        self.scheduling: Scheduling | None = None
+        self.connections: set[DmqConnection] = set()
         self.nsq: NsqContext | None = None
         self.tcp_port: Any = None
         self.port_factory: PortFactory | None = None
         self.http_port: Any = None
-        self.extras: Extras | None = None  # delay scheduler, expiry, admin API and console
-        self.cluster: Any = None  # dmq_server.cluster.node.ClusterNode with --zk
-        self.delays: Any = None
+        self.console_port: Any = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
+    def stages(self) -> list[Stage]:
+        clock = self.reactor
+        stages = [Stage("database", self._start_database, self._stop_database)]
+        if self.options.zk:
+            stages.append(
+                Stage("cluster", self._connect_cluster, self._leave_cluster, timers=lambda: self.cluster.timers, clock=clock)
+            )
+        stages += [
+            Stage("fast-store", self._open_fast_store, self._close_fast_store, timers=lambda: self.fast_store.timers, clock=clock),
+            Stage("broker", self._start_broker, self._drain_broker, timers=lambda: self.broker.timers, clock=clock),
+            Stage("scheduler", self._start_scheduling, self._stop_scheduling),
+            Stage("listeners", self._listen, self._stop_listening),
+        ]
+        if self.options.zk:
+            stages.append(Stage("announce", self._announce))
+        return stages
+
+    # -- database -------------------------------------------------------------------
     @defer.inlineCallbacks
-    def start(self) -> Any:
+    def _start_database(self) -> Any:
         options = self.options
         if not self.dsn:
             from dmq_server.db.embedded import EmbeddedPostgres
+            from dmq_server.db.supervisor import PostgresSupervisor
 
             data_dir = options.data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
-            from dmq_server.db.supervisor import PostgresSupervisor
-
             self.embedded = EmbeddedPostgres(data_dir)
             self.dsn = yield deferToThread(self.embedded.start)
             # restarts the postmaster if it dies while we run (nothing else would)
@@ -88,67 +125,11 @@ class DmqServer:
         applied = yield deferToThread(migrate, self.dsn)
         if applied:
             log.info("applied schema migrations {versions}", versions=applied)
-        writers = [f"writer{i}" for i in range(getattr(options, "commit_writers", 2))]
+        writers = [f"writer{i}" for i in range(options.commit_writers)]
         for role in (*writers, *WORKER_ROLES, *worker_roles(options)):
             worker = self._db_worker(role, hot=role in writers or role == "acker")
             worker.start()
             self.workers[role] = worker
-        fetch_topics, broker_options = None, options
-        if options.zk:
-            # registry in ZooKeeper (mirrored into PostgreSQL); see dmq_server.cluster.node
-            from dmq_server.cluster.node import ClusterNode
-
-            self.cluster = ClusterNode(options, self.reactor, self.node_id, self.dsn, self.workers["admin"])
-            yield self.cluster.connect()
-            fetch_topics = self.cluster.fetch_topics
-            broker_options = options.replace(registry_refresh=options.zk_refresh)
-        # NSQ's fast store: topics registered with store=fast and NSQ's topics made on
-        # first use (nsqd's semantics); the broker routes publishes to it
-        self.fast_store = FastStore.from_options(options, self.reactor, options.data_dir / "nsq")
-        self.fast_store.start()
-        self.broker = Broker(
-            broker_options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store
-        )
-        if self.cluster is not None:
-            self.cluster.attach(self.broker, self._fast_topics)
-        self.broker.health_listeners.append(self._health_changed)
-        yield self.broker.start()
-        self.extras = Extras(self)
-        self.extras.start_scheduler()
-
-        self.nsq = NsqContext(self.fast_store, self.broker, options, self.reactor)
-
-        def make_dmq(transport: Any) -> DmqConnection:
-            return DmqConnection(transport, self.broker, self.reactor, self.connections)
-
-        def make_nsq(transport: Any) -> NsqConnection:
-            return NsqConnection(transport, self.nsq)
-
-        factory = PortFactory(
-            self.reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}, FlowLimits.from_options(options)
-        )
-        self.port_factory = factory  # its budget: the port's flow-control state (/admin/flow)
-        host, port = options.tcp_endpoint
-        self.tcp_port = yield _endpoint(self.reactor, host, port).listen(factory)
-        host, port = options.http_endpoint
-        site = make_site(self._ping, self.broker.stats, self.info, options)
-        install_nsq_http(
-            site.resource,
-            store=self.fast_store,
-            ctx=self.nsq,
-            broker=self.broker,
-            options=options,
-            cluster=self.cluster,
-            addresses=lambda: (self.tcp_address, self.http_address),
-        )
-        self.extras.install_http(site.resource)
-        self.http_port = yield _endpoint(self.reactor, host, port).listen(site)
-        yield self.extras.listen()
-        if self.cluster is not None:
-            # announced (and delivering) only now that the ports are known
-            yield self.cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
-        log.info("dmq node {node} ready", node=self.node_id)
-        return self
 
     def _db_worker(self, role: str, hot: bool) -> Any:
         """Group commit and durable acks (``hot``) run one statement per batch,
@@ -206,16 +187,54 @@ class DmqServer:
         for conn in list(self.connections):
             conn.health_changed(ok)
 
+    def _stop_database(self) -> Any:
+        for worker in self.workers.values():
+            worker.stop()
+        d: defer.Deferred = defer.succeed(None)
+        if self.pg_supervisor is not None:
+            d.addCallback(lambda _: self.pg_supervisor.stop())
+        if self.embedded is not None:
+            d.addCallback(lambda _: deferToThread(self.embedded.stop))
+        return d
+
+    # -- cluster --------------------------------------------------------------------
+    def _connect_cluster(self) -> defer.Deferred:
+        """The registry in ZooKeeper, mirrored into PostgreSQL (dmq_server.cluster.node)."""
+        from dmq_server.cluster.node import ClusterNode
+
+        self.cluster = ClusterNode(self.options, self.reactor, self.node_id, self.dsn, self.workers["admin"])
+        return self.cluster.connect()
+
+    def _leave_cluster(self) -> Any:
+        return self.cluster.stop() if self.cluster is not None else None
+
+    # -- fast store -----------------------------------------------------------------
+    def _open_fast_store(self) -> None:
+        """NSQ's fast store: topics registered with store=fast and NSQ's topics made on
+        first use (nsqd's semantics); the broker routes publishes to it."""
+        self.fast_store = FastStore.from_options(self.options, self.reactor, self.options.data_dir / "nsq")
+        self.fast_store.start()
+
+    def _close_fast_store(self) -> None:
+        if self.fast_store is not None:
+            self.fast_store.close()  # memory, in-flight and deferred messages go to disk
+
+    # -- broker ---------------------------------------------------------------------
+    def _start_broker(self) -> defer.Deferred:
+        options, fetch_topics = self.options, None
+        if self.cluster is not None:
+            fetch_topics = self.cluster.fetch_topics
+            options = options.replace(registry_refresh=options.zk_refresh)
+        self.broker = Broker(options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store)
+        if self.cluster is not None:
+            self.cluster.attach(self.broker, self._fast_topics)
+        self.broker.health_listeners.append(self._health_changed)
+        return self.broker.start()
+
     @defer.inlineCallbacks
-    def stop(self) -> Any:
-        log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
-        if self.extras is not None:
-            yield self.extras.stop_scheduler()
-            yield self.extras.stop_listening()
-        for conn in list(self.connections):
-            conn.reboot()
-        if self.tcp_port is not None:
-            yield self.tcp_port.stopListening()
+    def _drain_broker(self) -> Any:
+        """Commit and answer what is queued (bounded by --shutdown-timeout), then close
+        the client connections: every send a client is waiting on was answered first."""
         if self.broker is not None:
             done = self.broker.stop()
             done.addTimeout(self.options.shutdown_timeout, self.reactor)
@@ -228,35 +247,129 @@ class DmqServer:
         if self.nsq is not None:
             for nsq_conn in list(self.nsq.connections):
                 nsq_conn.close()
-        if self.cluster is not None:
-            yield self.cluster.stop()  # leave: other nodes take over what is still stored
+
+    # -- scheduler ------------------------------------------------------------------
+    def _start_scheduling(self) -> None:
+        options = self.options
+        self.scheduling = Scheduling(
+            options,
+            self.reactor,
+            self.node_id,
+            self.broker,
+            [self.workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
+            lambda: make_assignment(options, self.reactor, self.node_id),
+        )
+        self.scheduling.start()
+
+    def _stop_scheduling(self) -> Any:
+        return self.scheduling.stop() if self.scheduling is not None else None
+
+    # -- listeners ------------------------------------------------------------------
+    @defer.inlineCallbacks
+    def _listen(self) -> Any:
+        options, reactor, broker = self.options, self.reactor, self.broker
+        self.nsq = NsqContext(self.fast_store, broker, options, reactor)
+
+        def make_dmq(transport: Any) -> DmqConnection:
+            return DmqConnection(transport, broker, reactor, self.connections)
+
+        def make_nsq(transport: Any) -> NsqConnection:
+            return NsqConnection(transport, self.nsq)
+
+        # its budget is the port's flow-control state (/admin/flow)
+        self.port_factory = PortFactory(reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}, FlowLimits.from_options(options))
+        host, port = options.tcp_endpoint
+        self.tcp_port = yield _endpoint(reactor, host, port).listen(self.port_factory)
+        ops = AdminOps(
+            broker=broker,
+            delays=self.scheduling.delays if self.scheduling is not None else None,
+            db=self.workers["adminops"],
+            options=options,
+            clock=reactor,
+            node_id=self.node_id,
+            dmq_connections=self.connections,
+            nsq=self.nsq,
+            port_factory=self.port_factory,
+        )
+        site = make_site(self._ping, broker.stats, self.info, options)
+        install_nsq_http(
+            site.resource,
+            store=self.fast_store,
+            ctx=self.nsq,
+            broker=broker,
+            options=options,
+            cluster=self.cluster,
+            addresses=lambda: (self.tcp_address, self.http_address),
+        )
+        http_host, _ = options.http_endpoint
+        admin_api.install(site.resource, ops, http_host, options.admin_token)
+        host, port = options.http_endpoint
+        self.http_port = yield _endpoint(reactor, host, port).listen(site)
+        yield self._listen_console(ops)
+
+    @defer.inlineCallbacks
+    def _listen_console(self, ops: AdminOps) -> Any:
+        """The admin console on --admin-address; an auxiliary surface, so a port it
+        cannot have is logged and the node serves on without it."""
+        options = self.options
+        if options.admin_endpoint is None:
+            return
+        host, port = options.admin_endpoint
+        if not is_loopback(host) and not options.admin_token:
+            log.warn("admin console on non-loopback {host} without --admin-token: it will refuse every command", host=host)
+        factory = AdminConsoleFactory(ops, host, options.admin_token, self.reactor, options.admin_idle_timeout)
+        try:
+            self.console_port = yield _endpoint(self.reactor, host, port).listen(factory)
+        except Exception as exc:  # CannotListenError
+            log.error("admin console not started: cannot listen on {host}:{port}: {why}", host=host, port=port, why=exc)
+            return
+        log.info("admin console on {host}:{port}", host=host, port=self.console_address[1])
+
+    @defer.inlineCallbacks
+    def _stop_listening(self) -> Any:
+        """SERVER_REBOOT first, so dmq clients send elsewhere while queued sends are
+        still committed and answered (the broker's stage, next)."""
+        log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
+        if self.console_port is not None:
+            yield self.console_port.stopListening()
+        for conn in list(self.connections):
+            conn.reboot()
+        if self.tcp_port is not None:
+            yield self.tcp_port.stopListening()
         if self.http_port is not None:
             yield self.http_port.stopListening()
-        if self.fast_store is not None:
-            self.fast_store.close()  # memory, in-flight and deferred messages go to disk
-        for worker in self.workers.values():
-            worker.stop()
-        if self.pg_supervisor is not None:
-            yield self.pg_supervisor.stop()
-        if self.embedded is not None:
-            yield deferToThread(self.embedded.stop)
-        log.info("dmq node {node} stopped", node=self.node_id)
+
+    @property
+    def console_address(self) -> tuple[str, int] | None:
+        if self.console_port is None:
+            return None
+        addr = self.console_port.getHost()
+        return addr.host, addr.port
+
+    # -- announce -------------------------------------------------------------------
+    def _announce(self) -> defer.Deferred:
+        """Announced (and delivering) only now that the ports are known."""
+        return self.cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
 
 
-class DmqService(Service):
-    """Adapts DmqServer to twisted.application (``twistd``-style trees)."""
+class DmqService(ServiceTree):
+    """The server's stages as one Twisted service (``ready`` fires when it serves)."""
 
     def __init__(self, options: Options, reactor: Any):
+        super().__init__()
         self.server = DmqServer(options, reactor)
-        self.ready: defer.Deferred = defer.Deferred()
+        for stage in self.server.stages():
+            stage.setServiceParent(self)
+        self.ready.addCallback(self._log_ready)
 
-    def startService(self) -> None:
-        super().startService()
-        self.server.start().chainDeferred(self.ready)
+    def _log_ready(self, result: Any) -> Any:
+        log.info("dmq node {node} ready", node=self.server.node_id)
+        return result
 
-    def stopService(self) -> Any:
-        super().stopService()
-        return self.server.stop()
+    def stopService(self) -> defer.Deferred:
+        d = super().stopService()
+        d.addCallback(lambda _: log.info("dmq node {node} stopped", node=self.server.node_id))
+        return d
 
 
 def make_service(options: Options, reactor: Any | None = None) -> DmqService:

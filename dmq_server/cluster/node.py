@@ -41,7 +41,8 @@ import uuid
 from typing import Any, Callable
 
 from twisted.internet import defer
-from twisted.internet.task import LoopingCall
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
 from twisted.logger import Logger
 
 from dmq_server.cluster.bridge import KazooBridge
@@ -90,7 +91,7 @@ class ClusterNode:
         self._suspended_pause = False
         self._registering: defer.Deferred | None = None
         self._last_specs: list[Any] | None = None
-        self._loops: list[LoopingCall] = []
+        self.timers = self._timers()
         self._nodes_reading = False
         self._nodes_again = False
         self._fast_topics: Callable[[], dict[str, tuple[str, ...]]] = dict
@@ -182,15 +183,23 @@ class ClusterNode:
         nodes = yield self._zk(self.watcher.read_nodes)  # lookups answer at once
         self.nodes = {n.node_id: n for n in nodes}
         self._check_takeover()  # copies of nodes that died while none was watching
-        for fn, interval in (
-            (self._heartbeat, self.options.node_heartbeat),
-            (self._periodic, self.options.zk_refresh),
-            (self._announce, 1.0),
+
+    def _timers(self) -> MultiService:
+        """Heartbeat, node-list refresh and fast-topic announcements: named
+        ``TimerService``s that the service tree runs from ``connect`` until the node
+        leaves (so heartbeats go on while the broker drains). Each does nothing
+        before ``register``."""
+        timers = MultiService()
+        for name, fn, step in (
+            ("heartbeat", self._heartbeat, self.options.node_heartbeat),
+            ("nodes", self._periodic, self.options.zk_refresh),
+            ("announce", self._announce, 1.0),
         ):
-            loop = LoopingCall(fn)
-            loop.clock = self.reactor
-            loop.start(interval, now=False)
-            self._loops.append(loop)
+            timer = TimerService(step, fn)
+            timer.clock = self.reactor
+            timer.setName(name)
+            timer.setServiceParent(timers)
+        return timers
 
     def _register(self) -> defer.Deferred:
         """Register (idempotent); one attempt at a time. Fires when done or failed."""
@@ -417,6 +426,8 @@ class ClusterNode:
         self._zk(self.membership.heartbeat).addErrback(lambda f: None)
 
     def _periodic(self) -> None:
+        if not self._started:
+            return
         self._read_nodes()
         self._check_takeover()
 
@@ -426,9 +437,8 @@ class ClusterNode:
         """Leave the cluster (others take over what is still stored) and disconnect."""
         self.stopping = True
         self._cancel_pause_timer()
-        for loop in self._loops:
-            if loop.running:
-                loop.stop()
+        if self.timers.running:  # stopped by the service tree first
+            self.timers.stopService()
         if self.takeover is not None:
             yield self.takeover.idle()
         if self.membership is not None and self.registered:

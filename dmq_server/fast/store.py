@@ -1,11 +1,11 @@
 """The fast store: nsqd's topics and channels, one queue scanner, ``nsqd.dat``.
 
 Topics are created on demand (PUB, SUB, /pub, /topic/create), as nsqd does. One
-``LoopingCall`` every ``--scan-interval`` (nsqd's 100 ms QueueScanInterval) walks
+timer (``timers``, run by the service tree) every ``--scan-interval`` (nsqd's 100 ms QueueScanInterval) walks
 the channels that hold in-flight or deferred messages and moves what is due;
 nothing else runs on a timer per message. Channels with nothing pending are not
 visited, so idle channels cost nothing (nsqd samples 20 random channels instead;
-see docs/nsq.md). Another ``LoopingCall`` ticks the disk queues so an idle queue
+see docs/nsq.md). Another timer ticks the disk queues so an idle queue
 still syncs within ``--sync-timeout``.
 
 On start the store reads ``nsqd.dat`` and recreates its topics, channels and
@@ -21,7 +21,8 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-from twisted.internet.task import LoopingCall
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
 from twisted.logger import Logger
 
 from dmq_server.fast import metadata
@@ -105,7 +106,7 @@ class FastStore:
         self._armed: set[Channel] = set()
         self._loading = False
         self._dirty = False
-        self._loops: list[LoopingCall] = []
+        self.timers = self._timers()
         self.health_error: str | None = None
         self.closed = False
 
@@ -164,14 +165,20 @@ class FastStore:
         self.health_error = text
 
     # -- lifecycle ----------------------------------------------------------------------
+    def _timers(self) -> MultiService:
+        """The queue scanner and the disk-queue sync ticker, named ``TimerService``s on
+        the injected clock; whoever owns the store (the service tree, a test) runs them."""
+        timers = MultiService()
+        for name, fn, step in (("scan", self.scan, self.scan_interval), ("sync", self.tick_backends, self.sync_timeout)):
+            timer = TimerService(step, fn)
+            timer.clock = self.clock
+            timer.setName(name)
+            timer.setServiceParent(timers)
+        return timers
+
     def start(self) -> None:
-        """Load ``nsqd.dat``, start the queue scanner and the disk-queue sync ticker."""
+        """Load ``nsqd.dat``: topics, channels and pause flags as they were."""
         self.load_metadata()
-        for fn, interval in ((self.scan, self.scan_interval), (self.tick_backends, self.sync_timeout)):
-            loop = LoopingCall(fn)
-            loop.clock = self.clock
-            loop.start(interval, now=False)
-            self._loops.append(loop)
 
     def load_metadata(self) -> None:
         if self.data_dir is None:
@@ -203,9 +210,8 @@ class FastStore:
         if self.closed:
             return
         self.closed = True
-        for loop in self._loops:
-            if loop.running:
-                loop.stop()
+        if self.timers.running:  # stopped by the service tree first; a test may not have
+            self.timers.stopService()
         self.persist_metadata(force=False)
         for topic in list(self.topics.values()):
             try:

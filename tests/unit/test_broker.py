@@ -57,6 +57,10 @@ class Harness:
         started = self.broker.start()
         self.settle()
         assert started.called
+        # the periodic jobs, as the service tree runs them once the broker's stage is up
+        self.fast.timers.startService()
+        self.broker.timers.startService()
+        self.settle()
 
     def send(
         self, topic: str, producer: str, session_id: int, body: bytes = b"b", *, resend: bool = True,

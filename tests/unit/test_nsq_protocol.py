@@ -117,6 +117,7 @@ def env():
     clock = Clock()
     store = FastStore(clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
     store.start()
+    store.timers.startService()  # the scanner, as the service tree runs it
     broker = FakeBroker(clock, store)
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
     ctx = NsqContext(store, broker, options, clock)

@@ -73,6 +73,7 @@ def make_store(clock=None, backends=None, data_dir=None, **kw):
         **kw,
     )
     store.start()
+    store.timers.startService()  # the scanner and disk sync, as the service tree runs them
     return store, clock, backends
 
 
