@@ -3,8 +3,10 @@
 Why real servers: dmq's guarantees (a message acknowledged is a message stored)
 live in PostgreSQL transactions, so tests must exercise the real thing.  One
 embedded server is shared by the whole session (starting one costs ~1-2 s) and
-every test gets its own empty database on it; tests that stop or kill
-PostgreSQL get a private server so they cannot disturb the others.
+every test gets its own database on it: a copy of one database migrated once per
+session (``CREATE DATABASE ... TEMPLATE``), so no test pays for the migrations, and
+an empty one (``pg_empty_dsn``) for the tests of migrating itself. Tests that stop
+or kill PostgreSQL get a private server so they cannot disturb the others.
 
 The server data lives in ``tempfile.mkdtemp`` directories (mode 755), not in
 pytest's ``tmp_path``: when the tests run as root, PostgreSQL runs as an
@@ -18,6 +20,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -88,17 +91,44 @@ def pg_server(_scrub_dmq_env: None) -> Iterator[EmbeddedPostgres]:
         _dispose(pg, path)
 
 
-@pytest.fixture
-def pg_dsn(pg_server: EmbeddedPostgres) -> Iterator[str]:
-    """The DSN of a fresh, empty database that is dropped after the test."""
-    name = f"test_{uuid.uuid4().hex[:16]}"
+@pytest.fixture(scope="session")
+def pg_template(pg_server: EmbeddedPostgres) -> str:
+    """The name of a database migrated once for the session; ``pg_dsn`` copies it."""
+    from dmq_server.db.schema import migrate
+
+    name = f"dmq_template_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
+    migrate(pg_server.dsn_for(name))  # its connection is closed again: a template must have none
+    return name
+
+
+@contextmanager
+def _database(pg_server: EmbeddedPostgres, template: str | None) -> Iterator[str]:
+    """A database of its own for one test (a copy of ``template``, or empty), dropped after it."""
+    name = f"test_{uuid.uuid4().hex[:16]}"
+    copy = f' TEMPLATE "{template}"' if template else ""
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
     try:
         yield pg_server.dsn_for(name)
     finally:
         with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_dsn(pg_server: EmbeddedPostgres, pg_template: str) -> Iterator[str]:
+    """The DSN of a fresh database with dmq's schema at the latest version, dropped after the test."""
+    with _database(pg_server, pg_template) as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def pg_empty_dsn(pg_server: EmbeddedPostgres) -> Iterator[str]:
+    """The DSN of a fresh, empty database (no schema), dropped after the test."""
+    with _database(pg_server, None) as dsn:
+        yield dsn
 
 
 @pytest.fixture

@@ -25,11 +25,9 @@ def make_server(pg_dsn, tmp_path):
 @pytest.fixture
 def topic(pg_dsn):
     """A registered topic ``orders`` with channel ``billing``."""
-    from dmq_server.db.schema import migrate
     from dmq_server.db.worker import connect
     import registry
 
-    migrate(pg_dsn)
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "orders", msg_timeout_ms=60000)
         registry.add_channel(conn, "orders", "billing")

@@ -125,7 +125,7 @@ def test_console_malformed_commands_get_clear_errors_and_the_session_goes_on(mak
             (b"frobnicate now\n", "ERR E_UNKNOWN_COMMAND unknown command 'frobnicate now'"),
             (b"dlq list reason=bored\n", "ERR E_INVALID reason: unknown reason 'bored'"),
             (b"dlq list colour=red\n", "ERR E_INVALID unknown filter 'colour'"),
-            (b"dlq list since=yesterday\n", "ERR E_INVALID invalid time 'yesterday'"),
+            (b"dlq list since=yesterday\n", "ERR E_INVALID since: invalid time 'yesterday'"),
             (b"dlq list limit=0\n", "ERR E_INVALID limit: expected 1..10000"),
             (b"dlq show\n", "ERR E_INVALID usage: dlq show ID"),
             (b'dlq list topic="orders\n', "ERR E_INVALID cannot parse the line"),

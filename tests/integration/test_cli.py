@@ -72,21 +72,21 @@ def test_unreachable_database_exits_3():
     assert "cannot connect to PostgreSQL" in out.stderr
 
 
-def test_migrations_are_recorded_and_idempotent(pg_dsn):
+def test_migrations_are_recorded_and_idempotent(pg_empty_dsn):
     """`dmq db migrate` records every migration once, however often it runs."""
     from dmq_sql import migrations
 
     expected = [(version, description) for version, description, _ in migrations()]
     latest = expected[-1][0]
     for _ in range(2):
-        out = run_cli(pg_dsn, "db", "migrate")
+        out = run_cli(pg_empty_dsn, "db", "migrate")
         assert out.returncode == 0 and f"schema is at version {latest}" in out.stdout
     assert (
-        db_rows(pg_dsn, "SELECT version, description FROM dmq_schema_version ORDER BY version")
+        db_rows(pg_empty_dsn, "SELECT version, description FROM dmq_schema_version ORDER BY version")
         == expected
     )
     assert expected[0] == (1, "initial")
-    assert run_cli(pg_dsn, "db", "version").stdout.strip() == str(latest)
+    assert run_cli(pg_empty_dsn, "db", "version").stdout.strip() == str(latest)
 
 
 def test_stats_counts_stored_backlog(make_server, topic, pg_dsn):

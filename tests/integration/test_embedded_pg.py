@@ -263,14 +263,26 @@ def test_root_untraversable_parent_is_explained(pg_dir: Path) -> None:
         EmbeddedPostgres(private / "data").start()
 
 
-def test_pg_dsn_fixture_gives_empty_database(pg_dsn: str, pg_server: EmbeddedPostgres) -> None:
-    """The shared-server fixture hands each test its own empty database."""
-    assert pg_dsn != pg_server.dsn
+def test_each_test_gets_its_own_migrated_copy_or_an_empty_database(
+    pg_dsn: str, pg_empty_dsn: str, pg_server: EmbeddedPostgres
+) -> None:
+    """The shared-server fixtures hand each test its own database: ``pg_dsn`` a copy of
+    the session's migrated template (the schema at the latest version, no rows),
+    ``pg_empty_dsn`` one without tables."""
+    from dmq_sql import migrations
+
+    def public_tables(dsn: str) -> int:
+        with psycopg.connect(dsn) as conn:
+            return conn.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
+            ).fetchone()[0]
+
+    assert len({pg_dsn, pg_empty_dsn, pg_server.dsn}) == 3
+    assert public_tables(pg_empty_dsn) == 0
     with psycopg.connect(pg_dsn) as conn:
-        tables = conn.execute(
-            "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
-        ).fetchone()[0]
-    assert tables == 0
+        latest = conn.execute("SELECT max(version) FROM dmq_schema_version").fetchone()[0]
+        assert latest == [version for version, _, _ in migrations()][-1]
+        assert conn.execute("SELECT count(*) FROM dmq_message").fetchone()[0] == 0
 
 
 # --------------------------------------------------------------------------- authentication

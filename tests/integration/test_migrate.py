@@ -23,7 +23,7 @@ MIGRATORS = 6
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_concurrent_migrations_on_a_fresh_database_all_succeed(pg_dsn, attempt):
+def test_concurrent_migrations_on_a_fresh_database_all_succeed(pg_empty_dsn, attempt):
     """Six threads call migrate() on the same empty database, released together: every
     one returns, each migration is applied exactly once between them, and the ledger
     records each version once. (Before the fix most runs had a thread fail on the
@@ -36,7 +36,7 @@ def test_concurrent_migrations_on_a_fresh_database_all_succeed(pg_dsn, attempt):
     def run() -> None:
         start.wait()
         try:
-            done = migrate(pg_dsn)
+            done = migrate(pg_empty_dsn)
         except BaseException as exc:  # reported below with the others
             with lock:
                 errors.append(exc)
@@ -53,4 +53,4 @@ def test_concurrent_migrations_on_a_fresh_database_all_succeed(pg_dsn, attempt):
     assert len(applied) == MIGRATORS
     versions = [version for version, _, _ in migrations()]
     assert sorted(v for done in applied for v in done) == versions  # each applied once
-    assert [row[0] for row in db_rows(pg_dsn, "SELECT version FROM dmq_schema_version ORDER BY version")] == versions
+    assert [row[0] for row in db_rows(pg_empty_dsn, "SELECT version FROM dmq_schema_version ORDER BY version")] == versions
