@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from dmq_server.core.errors import Exiting
 from dmq_server.fast.message import Message
 from dmq_server.fast.services import StoreServices
-from dmq_server.core.pqueue import PriorityQueue
+from dmq_server.core.deadlines import Deadlines
 
 __all__ = ["Channel"]
 
@@ -44,9 +44,11 @@ class Channel:
         self.backend = store.make_backend(f"{topic_name}:{name}", self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
         self.in_flight: dict[bytes, Message] = {}
-        self.in_flight_pq = PriorityQueue()
         self.deferred: dict[bytes, Message] = {}
-        self.deferred_pq = PriorityQueue()
+        # when each in-flight message times out, each deferred one is due (the
+        # reliable channel's tracker too: core.deadlines)
+        self.in_flight_due = Deadlines()
+        self.deferred_due = Deadlines()
         self.clients: dict[int, Any] = {}
         self._rotation: deque[Any] = deque()
         self.paused = False
@@ -178,9 +180,8 @@ class Channel:
         now = self.clock.seconds()
         msg.client = client
         msg.delivery_ts = now
-        msg.pri = now + client.msg_timeout
         self.in_flight[msg.id] = msg
-        self.in_flight_pq.push(msg)
+        self.in_flight_due.set(msg.id, now + client.msg_timeout)
         self.store.arm(self)
         client.in_flight_count += 1
         client.message_count += 1
@@ -194,8 +195,7 @@ class Channel:
         if msg.client is not client:
             return "client does not own message"
         del self.in_flight[message_id]
-        if msg.index >= 0:
-            self.in_flight_pq.remove(msg)
+        self.in_flight_due.discard(message_id)
         msg.client = None
         return msg
 
@@ -238,10 +238,9 @@ class Channel:
         max_timeout = self.store.max_msg_timeout
         if deadline - msg.delivery_ts >= max_timeout:
             deadline = msg.delivery_ts + max_timeout
-        msg.pri = deadline
         msg.client = client
         self.in_flight[msg.id] = msg
-        self.in_flight_pq.push(msg)
+        self.in_flight_due.set(msg.id, deadline)
         return None
 
     def start_deferred(self, msg: Message, delay: float) -> None:
@@ -249,19 +248,19 @@ class Channel:
             raise Exiting()
         if msg.id in self.deferred:
             return
-        msg.pri = self.clock.seconds() + delay
         self.deferred[msg.id] = msg
-        self.deferred_pq.push(msg)
+        self.deferred_due.set(msg.id, self.clock.seconds() + delay)
         self.store.arm(self)
 
     # -- the queue scanner's work -------------------------------------------------------
     def process_in_flight(self, now: float) -> bool:
         """Requeue messages whose deadline passed; True if any did."""
         dirty = False
-        pq = self.in_flight_pq
-        while (msg := pq.peek_and_shift(now)) is not None:
+        for message_id in self.in_flight_due.pop_due(now):
+            msg = self.in_flight.pop(message_id, None)
+            if msg is None:
+                continue
             dirty = True
-            self.in_flight.pop(msg.id, None)
             self.timeout_count += 1
             client, msg.client = msg.client, None
             if client is not None and id(client) in self.clients:
@@ -274,10 +273,11 @@ class Channel:
     def process_deferred(self, now: float) -> bool:
         """Queue deferred messages that are due; True if any were."""
         dirty = False
-        pq = self.deferred_pq
-        while (msg := pq.peek_and_shift(now)) is not None:
+        for message_id in self.deferred_due.pop_due(now):
+            msg = self.deferred.pop(message_id, None)
+            if msg is None:
+                continue
             dirty = True
-            self.deferred.pop(msg.id, None)
             self._put_quietly(msg)
         return dirty
 
@@ -292,7 +292,7 @@ class Channel:
 
     @property
     def armed(self) -> bool:
-        return bool(self.in_flight_pq) or bool(self.deferred_pq)
+        return bool(self.in_flight_due) or bool(self.deferred_due)
 
     # -- admin --------------------------------------------------------------------------
     def pause(self) -> None:
@@ -304,11 +304,12 @@ class Channel:
 
     def empty(self) -> None:
         """Drop everything: in flight, deferred, memory and disk (nsqd ``Empty``)."""
-        for msg in self.in_flight_pq.clear():
+        for msg in self.in_flight.values():
             msg.client = None
         self.in_flight.clear()
-        self.deferred_pq.clear()
+        self.in_flight_due.clear()
         self.deferred.clear()
+        self.deferred_due.clear()
         for client in self._rotation:
             client.in_flight_count = 0
         self.memory.clear()
@@ -354,9 +355,9 @@ class Channel:
             backend.put(msg.encode())
         self.memory.clear()
         self.in_flight.clear()
-        self.in_flight_pq.clear()
+        self.in_flight_due.clear()
         self.deferred.clear()
-        self.deferred_pq.clear()
+        self.deferred_due.clear()
 
     def _close_clients(self) -> None:
         clients = list(self._rotation)

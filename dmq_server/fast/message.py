@@ -16,7 +16,7 @@ __all__ = ["Message"]
 
 
 class Message:
-    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client", "pri", "index", "delivery_ts")
+    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client", "delivery_ts")
 
     def __init__(
         self, id: bytes, body: bytes, timestamp: int, attempts: int = 0, deferred: float = 0.0
@@ -27,8 +27,6 @@ class Message:
         self.attempts = attempts
         self.deferred = deferred  # DPUB delay in seconds, applied when a channel gets it
         self.client: Any = None  # the consumer holding it in flight
-        self.pri = 0.0  # deadline (in flight or deferred), seconds
-        self.index = -1  # position in the in-flight or deferred queue
         self.delivery_ts = 0.0
 
     def copy(self) -> "Message":

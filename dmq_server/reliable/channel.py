@@ -7,15 +7,17 @@ the server no memory. When the window runs low and the database may hold more
 
 Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
 ``push(delivery)``. Time comes from an injected clock (``seconds()``), and
-deadlines sit in one heap scanned by the broker, never one timer per message.
+deadlines sit in one ``core.deadlines.Deadlines`` (the tracker the fast store uses
+too) scanned by the broker, never one timer per message.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
+
+from dmq_server.core.deadlines import Deadlines
 
 __all__ = ["Message", "Delivery", "Consumer", "Channel"]
 
@@ -41,7 +43,6 @@ class Delivery:
     first_delivered_ms: int = 0
     consumer: Any = None
     deadline: float = 0.0
-    epoch: int = 0  # bumped on every (re)push so stale heap entries are ignored
 
 
 class Consumer(Protocol):
@@ -84,7 +85,7 @@ class Channel:
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
         self.consumers: deque[Consumer] = deque()
-        self._deadlines: list[tuple[float, int, int]] = []
+        self._deadlines = Deadlines()  # in flight and deferred copies, by message id
         # Start assuming the database holds copies we have not seen (restart, takeover).
         self.backlog = True
         self.cursor = 0
@@ -312,11 +313,10 @@ class Channel:
             delivery.first_delivered_ms = int(now * 1000)
         delivery.consumer = consumer
         delivery.deadline = now + self.msg_timeout
-        delivery.epoch += 1
         if self._on_attempt is not None and (delivery.attempts > 1 or self.max_attempts is not None):
             self._on_attempt(self, delivery)
         self.in_flight[delivery.message.message_id] = delivery
-        heapq.heappush(self._deadlines, (delivery.deadline, delivery.message.message_id, delivery.epoch))
+        self._deadlines.set(delivery.message.message_id, delivery.deadline)
         consumer.in_flight += 1
         consumer.push(self, delivery)
 
@@ -326,6 +326,7 @@ class Channel:
         mid = delivery.message.message_id
         if self.in_flight.pop(mid, None) is None:
             return
+        self._deadlines.discard(mid)
         if delivery.consumer is not None:
             delivery.consumer.in_flight -= 1
         delivery.consumer = None
@@ -343,11 +344,7 @@ class Channel:
             delivery.consumer.in_flight -= 1
             delivery.consumer = None
         self.ack_count += 1
-        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
-            # acked copies leave stale heap entries behind; rebuild before they pile up
-            # (push rate x message timeout of them otherwise)
-            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
-            heapq.heapify(self._deadlines)
+        self._deadlines.discard(message_id)
         # stays in `known` until the durable ack commits, so a load cannot resurrect it
         self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
         self.pump()
@@ -378,6 +375,7 @@ class Channel:
         for mid in ids:
             self.deferred.discard(mid)
             delivery = self.in_flight.pop(mid, None)
+            self._deadlines.discard(mid)
             if delivery is not None and delivery.consumer is not None:
                 delivery.consumer.in_flight -= 1
                 delivery.consumer = None
@@ -394,14 +392,8 @@ class Channel:
 
     def scan(self, now: float) -> int:
         """Requeue copies whose deadline passed; returns how many."""
-        expired: list[Delivery] = []
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, mid, epoch = heapq.heappop(heap)
-            delivery = self.in_flight.get(mid)
-            if delivery is None or delivery.epoch != epoch:
-                continue
-            expired.append(delivery)
+        due = (self.in_flight.get(mid) for mid in self._deadlines.pop_due(now))
+        expired = [delivery for delivery in due if delivery is not None]
         # back to the front, earliest deadline first
         for delivery in reversed(expired):
             mid = delivery.message.message_id
@@ -452,13 +444,7 @@ class Channel:
 
     def _reset_deadline(self, delivery: Delivery, deadline: float) -> None:
         delivery.deadline = deadline
-        delivery.epoch += 1
-        if len(self._deadlines) > 4 * len(self.in_flight) + 1024:
-            # every TOUCH leaves a stale entry; rebuild (as ack does) before they pile up
-            self._deadlines = [(d.deadline, mid, d.epoch) for mid, d in self.in_flight.items()]
-            heapq.heapify(self._deadlines)
-        else:
-            heapq.heappush(self._deadlines, (deadline, delivery.message.message_id, delivery.epoch))
+        self._deadlines.set(delivery.message.message_id, deadline)
 
     def close(self) -> list[Consumer]:
         """The channel was unregistered: drop memory, return its consumers."""

@@ -343,7 +343,7 @@ def test_req_timeout_is_clamped_not_refused(env):
     c.send(b"REQ " + mid + b" 99999999999\n")
     assert c.frames() == [] and not c.closed
     ch = env.store.topics["t"].channels["c"]
-    assert ch.deferred[mid].pri == pytest.approx(env.clock.seconds() + 3600)
+    assert ch.deferred_due.deadline(mid) == pytest.approx(env.clock.seconds() + 3600)
 
 
 def test_cls_answers_close_wait_and_stops_delivery(env):

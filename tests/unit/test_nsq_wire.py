@@ -261,7 +261,7 @@ def test_sans_io_modules_import_no_io():
     code = (
         "import sys\n"
         "import dmq_server.core.nsq_wire, dmq_server.core.nsq_identify, dmq_server.core.ids\n"
-        "import dmq_server.fast.message, dmq_server.core.pqueue, dmq_server.protocols.nsq_responses\n"
+        "import dmq_server.fast.message, dmq_server.core.deadlines, dmq_server.protocols.nsq_responses\n"
         "bad = [m for m in ('twisted', 'socket', 'psycopg') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

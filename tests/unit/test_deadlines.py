@@ -1,0 +1,91 @@
+"""The deadline tracker both stores keep their in-flight and deferred messages in
+(dmq_server/core/deadlines.py): due keys in deadline order, re-set and discarded keys
+never come back, stale entries stay bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmq_server.core import deadlines as module
+from dmq_server.core.deadlines import Deadlines
+
+pytestmark = pytest.mark.unit
+
+
+def test_due_keys_come_out_earliest_first_and_only_when_due():
+    d = Deadlines()
+    for key, at in (("c", 5.0), ("a", 1.0), ("b", 3.0)):
+        d.set(key, at)
+    assert list(d.pop_due(0.5)) == []
+    assert list(d.pop_due(3.0)) == ["a", "b"]
+    assert len(d) == 1 and "c" in d and d.deadline("c") == 5.0
+    assert list(d.pop_due(3.0)) == []
+
+
+def test_a_touched_key_is_due_at_its_new_deadline_only():
+    """TOUCH moves a deadline later, REQ with a delay may move it earlier: the old entry
+    never fires."""
+    d = Deadlines()
+    d.set(b"m1", 10.0)
+    d.set(b"m1", 30.0)  # touched
+    d.set(b"m2", 10.0)
+    d.set(b"m2", 2.0)  # earlier
+    assert list(d.pop_due(10.0)) == [b"m2"]
+    assert list(d.pop_due(29.0)) == []
+    assert list(d.pop_due(30.0)) == [b"m1"]
+
+
+def test_a_discarded_key_never_fires_and_equal_deadlines_keep_arrival_order():
+    d = Deadlines()
+    for key in range(5):
+        d.set(key, 1.0)
+    d.discard(2)
+    d.discard(99)  # never set: nothing happens
+    assert list(d.pop_due(1.0)) == [0, 1, 3, 4]
+    assert not d
+
+
+def test_stale_entries_stay_bounded(monkeypatch):
+    """Acks leave entries behind in the heap; it is rebuilt before they outnumber the
+    live keys more than STALE_RATIO to one (plus SLACK)."""
+    monkeypatch.setattr(module, "SLACK", 10)
+    d = Deadlines()
+    for i in range(10_000):
+        d.set(i, float(i))
+        if i >= 5:
+            d.discard(i - 5)  # five in flight at any time
+        assert len(d._heap) <= module.STALE_RATIO * len(d) + 10 + 1
+    assert sorted(d.pop_due(1e9)) == list(range(9995, 10_000))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["set", "discard", "pop"]), st.integers(0, 20), st.floats(0, 100))))
+def test_it_agrees_with_a_plain_dict(operations):
+    """Whatever the sequence of set, discard and pop_due, the keys popped are exactly the
+    live keys due, in (deadline, order of setting) order."""
+    d, model, order = Deadlines(), {}, 0
+    for op, key, at in operations:
+        if op == "set":
+            order += 1
+            d.set(key, at)
+            model[key] = (at, order)
+        elif op == "discard":
+            d.discard(key)
+            model.pop(key, None)
+        else:
+            due = sorted((v, k) for k, v in model.items() if v[0] <= at)
+            assert list(d.pop_due(at)) == [k for _, k in due]
+            for _, k in due:
+                del model[k]
+        assert len(d) == len(model)
+
+
+def test_clear_returns_every_key():
+    d = Deadlines()
+    keys = random.Random(1).sample(range(1000), 50)
+    for k in keys:
+        d.set(k, 1.0)
+    assert sorted(d.clear()) == sorted(keys) and not d and list(d.pop_due(2.0)) == []
