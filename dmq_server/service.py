@@ -39,6 +39,7 @@ from dmq_server.admin.operations import AdminOps, is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
+from dmq_server.http.metrics import Snapshot, metrics_resource
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
@@ -178,6 +179,18 @@ class DmqServer:
             return {}
         return {name: tuple(sorted(t.channels)) for name, t in self.fast_store.topics.items()}
 
+    def _metrics_snapshot(self) -> Snapshot:
+        """One scrape's data (on the reactor thread): what /stats shows, both stores."""
+        fast = self.fast_store.topics.values() if self.fast_store is not None else ()
+        return Snapshot(
+            node_id=self.node_id,
+            version=VERSION,
+            broker=self.broker.stats() if self.broker is not None else {},
+            fast_topics=[topic.stats(include_clients=False) for topic in fast],
+            connections={"dmq": len(self.connections), "nsq": len(self.nsq.connections) if self.nsq else 0},
+            zk_state=self.cluster.zk_state if self.cluster is not None else None,
+        )
+
     def _ping(self) -> Any:
         d = self.workers["health"].run(ping)
         d.addTimeout(5, self.reactor)
@@ -292,6 +305,7 @@ class DmqServer:
             port_factory=self.port_factory,
         )
         site = make_site(self._ping, broker.stats, self.info, options)
+        site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(
             site.resource,
             store=self.fast_store,

@@ -56,6 +56,7 @@ class Channel:
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
+        self.finish_count = 0
         self._disk_turn = False
         self._pumping = False
         self._again = False
@@ -205,6 +206,7 @@ class Channel:
             return msg
         client.in_flight_count -= 1
         client.finish_count += 1
+        self.finish_count += 1
         self.pump()
         return None
 
@@ -381,6 +383,7 @@ class Channel:
             "message_count": self.message_count,
             "requeue_count": self.requeue_count,
             "timeout_count": self.timeout_count,
+            "finish_count": self.finish_count,
             "client_count": len(self.clients),
             "clients": clients,
             "paused": self.paused,

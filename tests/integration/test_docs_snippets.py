@@ -30,7 +30,7 @@ from .support import REPO, http_get
 
 pytestmark = pytest.mark.integration
 
-PAGES = ["README.md", "docs/admin.md", "docs/nsq.md", "docs/operations.md", "docs/pipeline.md", "docs/protocol.md"]
+PAGES = ["README.md", "docs/admin.md", "docs/nsq.md", "docs/observability.md", "docs/operations.md", "docs/pipeline.md", "docs/protocol.md"]
 NOT_PAGES = {
     "docs/client.md": "test_client_docs.py runs its examples",
     "docs/architecture.md": "no snippets; tests/unit/test_architecture_doc.py checks its modules and layers",

@@ -1,0 +1,168 @@
+"""``GET /metrics``: the node's counters and gauges in Prometheus' text format.
+
+Served by ``prometheus_client``'s Twisted ``MetricsResource``, which renders the
+registry on a thread of the reactor's pool. The broker and the stores belong to the
+reactor thread, so the collector does not read them from there: it asks the reactor
+for one snapshot per scrape (``blockingCallFromThread``), made of the same stats the
+``/stats`` endpoint shows, and builds the metric families from that plain data on the
+pool thread. Nothing here touches the publish or delivery path; a scrape costs one
+walk over the topics and channels on the reactor.
+
+Names follow Prometheus' conventions: the ``dmq_`` prefix, ``_total`` for counters,
+base units. Labels are bounded by what the registry holds (``store``, ``topic``,
+``channel``) or by fixed sets (``reason``, ``protocol``); never a message id, a client
+address or a producer name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.twisted import MetricsResource
+from twisted.internet.threads import blockingCallFromThread
+
+__all__ = ["Snapshot", "DmqCollector", "metrics_resource"]
+
+CHANNEL_LABELS = ["store", "topic", "channel"]
+
+
+@dataclass
+class Snapshot:
+    """What one scrape reports, copied on the reactor thread: the broker's ``stats()``,
+    the fast store's topics (nsqd's stats shape), connection counts by protocol and
+    this node's identity."""
+
+    node_id: str
+    version: str
+    broker: dict[str, Any]
+    fast_topics: list[dict[str, Any]] = field(default_factory=list)
+    connections: dict[str, int] = field(default_factory=dict)
+    zk_state: str | None = None
+
+
+#: per-channel counters and gauges: (name, help, key in a channel's stats)
+_CHANNEL_COUNTERS = [
+    ("dmq_channel_messages", "Messages that entered the channel (a copy of each published message).", "message_count"),
+    ("dmq_channel_requeued_messages", "Deliveries put back by the consumer (REQ, a negative ack).", "requeue_count"),
+    ("dmq_channel_timed_out_messages", "Deliveries not acknowledged within the message timeout.", "timeout_count"),
+]
+_CHANNEL_GAUGES = [
+    ("dmq_channel_depth", "Messages waiting in the channel, not yet delivered.", "depth"),
+    ("dmq_channel_in_flight", "Messages delivered and not yet acknowledged.", "in_flight_count"),
+    ("dmq_channel_deferred", "Messages waiting for a requeue delay to pass.", "deferred_count"),
+]
+
+
+def _channels(snapshot: Snapshot) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Each channel of both stores with its labels."""
+    for topic in snapshot.broker.get("topics", []):
+        for channel in topic["channels"]:
+            yield ["reliable", topic["topic_name"], channel["channel_name"]], channel
+    for topic in snapshot.fast_topics:
+        for channel in topic["channels"]:
+            yield ["fast", topic["topic_name"], channel["channel_name"]], channel
+
+
+class DmqCollector:
+    """A ``prometheus_client`` collector over one ``Snapshot`` per scrape. ``take`` makes
+    the snapshot; it runs on the reactor thread (``reactor``), or directly when
+    ``reactor`` is None (tests on the reactor thread, or without one)."""
+
+    def __init__(self, take: Callable[[], Snapshot], reactor: Any = None):
+        self.take = take
+        self.reactor = reactor
+
+    def snapshot(self) -> Snapshot:
+        if self.reactor is None:
+            return self.take()
+        return blockingCallFromThread(self.reactor, self.take)
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        broker = snap.broker
+        info = GaugeMetricFamily("dmq_build_info", "This node's dmq version and id (the value is 1).",
+                                 labels=["version", "node_id"])
+        info.add_metric([snap.version, snap.node_id], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "dmq_storage_up", "1 while PostgreSQL takes writes, 0 during an outage.",
+            value=1 if broker.get("health") == "OK" else 0,
+        )
+        if snap.zk_state is not None:
+            zk = GaugeMetricFamily("dmq_zookeeper_session", "1 for the ZooKeeper session's current state.",
+                                   labels=["state"])
+            for state in ("CONNECTED", "SUSPENDED", "LOST"):
+                zk.add_metric([state], 1 if snap.zk_state == state else 0)
+            yield zk
+
+        published = CounterMetricFamily("dmq_published_messages", "Messages stored for producers, by store.",
+                                        labels=["store"])
+        published.add_metric(["reliable"], broker.get("published", 0))
+        published.add_metric(["fast"], sum(t.get("message_count", 0) for t in snap.fast_topics))
+        yield published
+
+        writer, acks = broker.get("writer", {}), broker.get("acks", {})
+        for name, documentation, value in (
+            ("dmq_group_commits", "Transactions of the group commit (each stores a batch of sends).",
+             writer.get("batches", 0)),
+            ("dmq_group_commit_messages", "Messages stored by the group commit; divided by "
+             "dmq_group_commits_total it is the mean batch size.", writer.get("messages", 0)),
+            ("dmq_unknown_outcomes", "Writes whose commit answer was lost (each followed by a re-read).",
+             writer.get("unknown_outcomes", 0)),
+            ("dmq_acks_durable", "Acknowledgements made durable in PostgreSQL.", acks.get("durable", 0)),
+            ("dmq_acks_refused", "Acknowledgements refused (unknown, or no longer in flight).",
+             acks.get("refused", 0)),
+            ("dmq_rate_limited_publishes", "Publishes refused by a topic's rate limit.",
+             broker.get("rate_limited", 0)),
+            ("dmq_delayed_messages", "Messages stored for later delivery.", broker.get("delayed", 0)),
+        ):
+            yield CounterMetricFamily(name, documentation, value=value)
+        yield GaugeMetricFamily("dmq_group_commit_pending", "Sends waiting for the next group commit.",
+                                value=writer.get("pending", 0))
+
+        dead = CounterMetricFamily("dmq_dead_lettered_messages",
+                                   "Copies moved to the dead letters since start, by reason.", labels=["reason"])
+        for reason, count in broker.get("dead_letters", {}).get("recorded_since_start", {}).items():
+            dead.add_metric([reason], count)
+        yield dead
+
+        counters = {name: CounterMetricFamily(name, doc, labels=CHANNEL_LABELS) for name, doc, _ in _CHANNEL_COUNTERS}
+        gauges = {name: GaugeMetricFamily(name, doc, labels=CHANNEL_LABELS) for name, doc, _ in _CHANNEL_GAUGES}
+        acked = CounterMetricFamily("dmq_channel_acked_messages", "Deliveries acknowledged (FIN, ack).",
+                                    labels=CHANNEL_LABELS)
+        consumers = GaugeMetricFamily("dmq_channel_consumers", "Consumers connected to the channel.",
+                                      labels=CHANNEL_LABELS)
+        paused = GaugeMetricFamily("dmq_channel_paused", "1 while the channel is paused.", labels=CHANNEL_LABELS)
+        for labels, channel in _channels(snap):
+            for name, _, key in _CHANNEL_COUNTERS:
+                counters[name].add_metric(labels, channel.get(key, 0))
+            for name, _, key in _CHANNEL_GAUGES:
+                gauges[name].add_metric(labels, channel.get(key, 0))
+            acked.add_metric(labels, channel.get("ack_count", channel.get("finish_count", 0)))
+            consumers.add_metric(labels, channel.get("clients") if labels[0] == "reliable"
+                                 else channel.get("client_count", 0))
+            paused.add_metric(labels, 1 if channel.get("paused") else 0)
+        yield from counters.values()
+        yield acked
+        yield from gauges.values()
+        yield consumers
+        yield paused
+
+        connections = GaugeMetricFamily("dmq_connections", "Open client connections, by protocol.",
+                                        labels=["protocol"])
+        for protocol, count in sorted(snap.connections.items()):
+            connections.add_metric([protocol], count)
+        yield connections
+
+
+def metrics_resource(take: Callable[[], Snapshot], reactor: Any) -> Any:
+    """The ``/metrics`` resource: dmq's collector and the process' CPU, memory and file
+    descriptors (``process_*``), in a registry of this server's own."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DmqCollector(take, reactor))
+    ProcessCollector(registry=registry)
+    return MetricsResource(registry=registry)

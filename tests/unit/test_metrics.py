@@ -1,0 +1,104 @@
+"""The /metrics collector (dmq_server/http/metrics.py) over a hand-made snapshot:
+names, types, labels and values as Prometheus' own parser reads them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dmq_server.http.metrics import DmqCollector, Snapshot
+
+pytestmark = pytest.mark.unit
+
+
+def _reliable_channel(name: str, **counts: int) -> dict:
+    base = {"channel_name": name, "depth": 0, "in_flight_count": 0, "deferred_count": 0, "paused": False,
+            "message_count": 0, "requeue_count": 0, "timeout_count": 0, "ack_count": 0, "clients": 0}
+    return base | counts
+
+
+SNAPSHOT = Snapshot(
+    node_id="node-1",
+    version="0.1.0",
+    broker={
+        "health": "OK",
+        "published": 120,
+        "writer": {"batches": 4, "messages": 120, "pending": 2, "unknown_outcomes": 1},
+        "acks": {"durable": 90, "refused": 3, "pending": 0},
+        "rate_limited": 5,
+        "delayed": 7,
+        "dead_letters": {"recorded_since_start": {"max_attempts": 2, "expired": 1}, "pending": 0},
+        "topics": [
+            {"topic_name": "orders", "channels": [
+                _reliable_channel("billing", message_count=120, ack_count=90, depth=20, in_flight_count=10,
+                                  requeue_count=4, timeout_count=1, clients=2),
+                _reliable_channel("audit", message_count=120, paused=True),
+            ]},
+        ],
+    },
+    fast_topics=[
+        {"topic_name": "clicks", "message_count": 40, "channels": [
+            {"channel_name": "counter", "message_count": 40, "finish_count": 38, "depth": 0, "in_flight_count": 2,
+             "deferred_count": 0, "requeue_count": 0, "timeout_count": 0, "client_count": 1, "clients": None,
+             "paused": False},
+        ]},
+    ],
+    connections={"dmq": 3, "nsq": 2},
+    zk_state="SUSPENDED",
+)
+
+
+def scrape(snapshot: Snapshot) -> dict[tuple[str, tuple], float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DmqCollector(lambda: snapshot))
+    text = generate_latest(registry).decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_counters_and_gauges_of_both_stores_carry_store_topic_and_channel():
+    s = scrape(SNAPSHOT)
+    billing = (("channel", "billing"), ("store", "reliable"), ("topic", "orders"))
+    counter = (("channel", "counter"), ("store", "fast"), ("topic", "clicks"))
+    assert s[("dmq_channel_messages_total", billing)] == 120
+    assert s[("dmq_channel_acked_messages_total", billing)] == 90
+    assert s[("dmq_channel_requeued_messages_total", billing)] == 4
+    assert s[("dmq_channel_timed_out_messages_total", billing)] == 1
+    assert (s[("dmq_channel_depth", billing)], s[("dmq_channel_in_flight", billing)]) == (20, 10)
+    assert s[("dmq_channel_consumers", billing)] == 2
+    assert s[("dmq_channel_paused", (("channel", "audit"), ("store", "reliable"), ("topic", "orders")))] == 1
+    assert s[("dmq_channel_acked_messages_total", counter)] == 38  # nsqd's FIN count
+    assert (s[("dmq_channel_in_flight", counter)], s[("dmq_channel_consumers", counter)]) == (2, 1)
+    assert s[("dmq_published_messages_total", (("store", "reliable"),))] == 120
+    assert s[("dmq_published_messages_total", (("store", "fast"),))] == 40
+
+
+def test_node_wide_families():
+    s = scrape(SNAPSHOT)
+    assert s[("dmq_build_info", (("node_id", "node-1"), ("version", "0.1.0")))] == 1
+    assert s[("dmq_storage_up", ())] == 1
+    assert s[("dmq_group_commits_total", ())] == 4 and s[("dmq_group_commit_messages_total", ())] == 120
+    assert s[("dmq_unknown_outcomes_total", ())] == 1
+    assert (s[("dmq_acks_durable_total", ())], s[("dmq_acks_refused_total", ())]) == (90, 3)
+    assert s[("dmq_rate_limited_publishes_total", ())] == 5
+    assert s[("dmq_dead_lettered_messages_total", (("reason", "max_attempts"),))] == 2
+    assert s[("dmq_connections", (("protocol", "nsq"),))] == 2
+    assert s[("dmq_zookeeper_session", (("state", "SUSPENDED"),))] == 1
+    assert s[("dmq_zookeeper_session", (("state", "CONNECTED"),))] == 0
+
+
+def test_an_outage_and_a_node_without_zookeeper():
+    down = Snapshot(node_id="n", version="v", broker={"health": "ERROR"}, zk_state=None)
+    s = scrape(down)
+    assert s[("dmq_storage_up", ())] == 0
+    assert not any(name == "dmq_zookeeper_session" for name, _ in s)
+
+
+def test_labels_never_name_a_message_or_a_client():
+    """Label values come from bounded sets: stores, registered names, reasons, protocols."""
+    allowed = {"store", "topic", "channel", "reason", "protocol", "state", "version", "node_id"}
+    assert {key for _, labels in scrape(SNAPSHOT) for key, _ in labels} <= allowed
