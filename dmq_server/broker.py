@@ -4,6 +4,11 @@ Wire adapters call ``publish``/``subscribe``/``ack``; the broker validates,
 hands sends to the group-commit writer, fans committed messages out to their
 channels and keeps the registry cache fresh. It does not know which protocol a
 consumer speaks.
+
+Still too long (issue 15): one class holds the registry cache, validation, rate limits,
+delay staging, fan-out, subscribe, acks, backlog, scan, sweep and stats. Moving the
+registry cache and the fan-out into modules of their own is listed in
+docs/architecture.md (Not there yet).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ success, 1 on a refused operation (unknown name, duplicate, invalid name, a dead
 letter id that is not there), 2 on bad usage, 3 when the database cannot be
 reached, 141 when the reader of its output went away (``dmq dlq list | head``:
 quietly, as a command killed by SIGPIPE).
+
+Why one long module: the parser of every subcommand and the topic and channel commands;
+the dead-letter, delay and client commands are in cli_operations.py.
 """
 
 from __future__ import annotations

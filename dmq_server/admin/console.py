@@ -31,6 +31,9 @@ further command while its answers are not being read (the transport's write buff
 is full). A session without a command for ``--admin-idle-timeout`` is closed. When
 the client half-closes (``nc -N``, ``printf ... | nc``), every command already sent
 is answered before the connection closes.
+
+Why one long module: the line protocol (framing, queueing, back-pressure, half-close)
+and one short method per command; the operations themselves are in operations.py.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ transaction each) and report progress after each batch. They refuse to run
 without a selection unless told ``all``, and every run is written to
 ``dmq_admin_log`` and the server log. Input errors are ``core.errors`` ``Refused`` errors with a
 stable code (``E_INVALID``, ``E_NOT_FOUND``, ...) and a message saying what to fix.
+
+Why one long module: every admin operation once, for three surfaces (API, console, CLI);
+each is short, and they share the dead-letter filter, the token policy and the audit
+log.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ LOST           session expired: the znode is gone and another node may be taking
 
 kazoo's threads reach this module only through ``dmq_server.cluster.bridge``: every method
 here runs on the reactor thread.
+
+Why one long module: membership, the registry mirror, the session states and the
+takeover triggers are one state machine around one ZooKeeper session.
 """
 
 from __future__ import annotations

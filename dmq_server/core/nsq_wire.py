@@ -25,6 +25,9 @@ Message frame data (also the record nsqd stores in its disk queues)::
     | 8-byte BE int64   | 2-byte   | 16-byte ASCII    | N-byte
     | timestamp (ns)    | attempts | hex message id   | body
     +-------------------+----------+------------------+-----------
+
+Why one long module: it is the whole V2 codec (every command and frame, both directions)
+with nsqd's limits and the table above.
 """
 
 from __future__ import annotations

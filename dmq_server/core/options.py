@@ -17,6 +17,9 @@ The commented example config is rendered from the fields' metadata::
 
 Run that after adding or changing a field; ``tests/unit/test_options.py`` fails
 while the committed example differs from what the dataclass renders.
+
+Why one long module: it is the one settings type by design (every field with its help,
+flag, variable and config key) and the parsing and rendering generated from it.
 """
 
 from __future__ import annotations

@@ -63,6 +63,11 @@ Layout of ``<data_dir>/pg`` (a normal PGDATA plus these files):
 (the recorded port), ``dmq.pgpass`` (the secret, mode 0600, owned by the dmq
 user) and ``log/postgres.log`` (server log, rotated once at start when it
 exceeds 10 MB).  Next to it, ``<data_dir>/pg-socket`` holds the Unix socket.
+
+Why one long module: it is one concept, the private server's whole life (find the
+binaries, initdb, choose and lock a port, start, wait, stop, kill, recover from a stale
+pid or a changed password); split up, its steps would be one class's private methods
+spread over files.
 """
 
 from __future__ import annotations

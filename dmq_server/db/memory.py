@@ -28,6 +28,10 @@ Answers arrive at once, or after ``delay`` seconds on the given clock.
 It is longer than most modules (one handler per statement) on purpose: the handlers
 sit together, in the order of ``sql/queries.sql``, so a change of the SQL has one
 place to follow.
+
+Why one long module: one handler per named statement the server runs, so that the double
+answers everything the real database does; tests/integration/test_memory_db_contract.py
+holds them to the same answers.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ JSON (``Content-Type: application/json; charset=utf-8``), an error as
 ``X-NSQ-Content-Type: nsq; version=1.0`` (go-nsq reads the body as raw JSON only
 with it). Parameters come from the query string only. Reliable topics are served
 through the broker: ``/pub`` answers only after the PostgreSQL commit.
+
+Why one long module: one short handler per nsqd and nsqlookupd endpoint, as nsqd keeps
+its HTTP API in one file (http.go); the shared request parsing is in nsq_v1.py.
 """
 
 from __future__ import annotations

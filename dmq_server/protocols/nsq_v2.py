@@ -11,6 +11,10 @@ DPUB alike); the broker routes them to the store of the topic: a reliable topic'
 PUB is answered OK only after commit, a fast topic's (nsqd's semantics, made on
 first use) at once. SUB asks ``Broker.route`` the same question and attaches to a
 reliable channel (FIN is a durable ack) or to the fast store's channel.
+
+Why one long module: it is one connection's state machine over every NSQ command, each a
+short method; split up, the states and the commands that change them would be read in
+different files.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
 ``push(delivery)``. Time comes from an injected clock (``seconds()``), and
 deadlines sit in one ``core.deadlines.Deadlines`` (the tracker the fast store uses
 too) scanned by the broker, never one timer per message.
+
+Why one long module: one channel's invariants (the memory window, the cursor, the known
+ids, loads racing arrivals, redelivery) must be read together; the comments are most of
+its length.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ node's fragments are found by the next poll.
 
 The delay table's statements and values live in ``dmq_server.db.delays`` (re-exported
 here for the callers that import them with the scheduler).
+
+Why one long module: the scheduler and its workers share the fragment assignment and the
+poll loop; the SQL is in dmq_sql and the values in dmq_server.db.delays.
 """
 
 from __future__ import annotations
