@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 
 from dmq_client.wire import valid_name
 
+from dmq_server.core.buckets import LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import DmqError, Exiting, Invalid, NoChannel, NoTopic, QueueFailed, RateLimited, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.publish import Published, PublishRequest
@@ -137,6 +138,7 @@ class Broker:
             options.commit_batch_size,
             self._writer_health,
             on_unknown=lambda items: self.outcome_unknown({m.topic for m in items}),
+            clock=clock,
         )
         self.acker = AckBatcher(
             workers["acker"],
@@ -169,6 +171,8 @@ class Broker:
         self.timers = self._timers()
         self.started_at = time.time()
         self.publish_count = 0
+        # publish -> commit of each stored send (its wait for a batch included), /metrics
+        self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
 
     # -- lifecycle --------------------------------------------------------
     def _timers(self) -> MultiService:
@@ -594,12 +598,15 @@ class Broker:
         produced_ms: int,
         done: Callable[[Any], None],
     ) -> None:
+        staged_at = self.clock.seconds()
+
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
                 if isinstance(stored, RefusedError):  # this message's own input: not stored
                     stored = Invalid(str(stored))
                 done(stored)
                 return
+            self.publish_commit_seconds.observe(self.clock.seconds() - staged_at)
             if not stored.duplicate:
                 self.publish_count += 1
                 message = Message(

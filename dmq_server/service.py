@@ -20,6 +20,10 @@ announce   with --zk: register this node (ports known) and start delivering
 
 ``DmqServer`` holds what the stages make and passes it on explicitly; nothing reads
 the server's attributes from elsewhere.
+
+Why one long module: it is the assembly, a short start and stop per stage and the
+values they hand on (the /info and /metrics snapshots among them); the work of each
+stage is in the modules it calls.
 """
 
 from __future__ import annotations
@@ -189,6 +193,13 @@ class DmqServer:
             fast_topics=[topic.stats(include_clients=False) for topic in fast],
             connections={"dmq": len(self.connections), "nsq": len(self.nsq.connections) if self.nsq else 0},
             zk_state=self.cluster.zk_state if self.cluster is not None else None,
+            histograms={
+                "dmq_publish_commit_seconds": self.broker.publish_commit_seconds.snapshot(),
+                "dmq_group_commit_seconds": self.broker.writer.commit_seconds.snapshot(),
+                "dmq_group_commit_batch_size": self.broker.writer.batch_sizes.snapshot(),
+            }
+            if self.broker is not None
+            else {},
         )
 
     def _ping(self) -> Any:

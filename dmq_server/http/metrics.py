@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.twisted import MetricsResource
 from twisted.internet.threads import blockingCallFromThread
@@ -42,6 +42,17 @@ class Snapshot:
     fast_topics: list[dict[str, Any]] = field(default_factory=list)
     connections: dict[str, int] = field(default_factory=dict)
     zk_state: str | None = None
+    #: ``core.buckets.Buckets.snapshot()`` by histogram name (see HISTOGRAMS)
+    histograms: dict[str, tuple[list[tuple[str, int]], float]] = field(default_factory=dict)
+
+
+#: the histograms a snapshot may carry, and what they measure
+HISTOGRAMS = {
+    "dmq_publish_commit_seconds": "From a reliable send reaching the broker to its group commit "
+    "answering (the wait for a batch included): when the producer can be acknowledged.",
+    "dmq_group_commit_seconds": "Round trip of one group-commit transaction (statement sent to commit answered).",
+    "dmq_group_commit_batch_size": "Messages per group-commit transaction.",
+}
 
 
 #: per-channel counters and gauges: (name, help, key in a channel's stats)
@@ -151,6 +162,11 @@ class DmqCollector:
         yield from gauges.values()
         yield consumers
         yield paused
+
+        for name, (buckets, total) in sorted(snap.histograms.items()):
+            histogram = HistogramMetricFamily(name, HISTOGRAMS.get(name, name))
+            histogram.add_metric([], buckets, total)
+            yield histogram
 
         connections = GaugeMetricFamily("dmq_connections", "Open client connections, by protocol.",
                                         labels=["protocol"])

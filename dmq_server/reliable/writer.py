@@ -28,6 +28,7 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import RefusedError, StorageError
@@ -54,6 +55,7 @@ class GroupCommitWriter:
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
         insert: Callable[..., Any] = insert_messages_steps,
         on_unknown: Callable[[list[Any]], None] = lambda items: None,
+        clock: Any = None,
     ):
         # ``insert(batch, node_id)``: steps (``db.steps.Statement``) returning one result per
         # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
@@ -73,6 +75,11 @@ class GroupCommitWriter:
         self._idle_waiters: list[Deferred] = []
         self.batches = 0
         self.messages = 0
+        # for /metrics: messages per committed batch and, with a clock, each batch's
+        # round trip (statement sent to commit answered)
+        self._clock = clock
+        self.batch_sizes = Buckets(BATCH_SIZES)
+        self.commit_seconds = Buckets(LATENCY_SECONDS)
 
     @property
     def pending(self) -> int:
@@ -113,11 +120,12 @@ class GroupCommitWriter:
             else:
                 batch = self._queue[: self._max_batch]
                 del self._queue[: self._max_batch]
+            started = self._clock.seconds() if self._clock is not None else 0.0
             d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
             d.addCallbacks(
                 self._committed,
                 self._failed,
-                callbackArgs=(batch, worker),
+                callbackArgs=(batch, worker, started),
                 errbackArgs=(batch, worker),
             )
         if not self._busy and not self._queue and not self._isolated:
@@ -125,10 +133,13 @@ class GroupCommitWriter:
             for w in waiters:
                 w.callback(None)
 
-    def _committed(self, results: list, batch: list, worker: Any) -> None:
+    def _committed(self, results: list, batch: list, worker: Any, started: float) -> None:
         self._free.append(worker)
         self.batches += 1
         self.messages += len(batch)
+        self.batch_sizes.observe(len(batch))
+        if self._clock is not None:
+            self.commit_seconds.observe(self._clock.seconds() - started)
         self._on_health(True, "")
         # Start the next transaction before answering this batch, so PostgreSQL
         # works on it while the reactor writes the acknowledgements.

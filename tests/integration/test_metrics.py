@@ -71,6 +71,13 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     assert s[("dmq_group_commit_messages_total", ())] == 20
     assert 1 <= s[("dmq_group_commits_total", ())] <= 20
     assert s[("dmq_storage_up", ())] == 1
+    # every stored send's publish -> commit time, every batch's size and round trip
+    assert s[("dmq_publish_commit_seconds_count", ())] == 20
+    assert s[("dmq_publish_commit_seconds_bucket", (("le", "+Inf"),))] == 20
+    assert 0 < s[("dmq_publish_commit_seconds_sum", ())] < 20 * 5
+    assert s[("dmq_group_commit_batch_size_sum", ())] == 20
+    assert s[("dmq_group_commit_batch_size_count", ())] == s[("dmq_group_commits_total", ())]
+    assert s[("dmq_group_commit_seconds_count", ())] == s[("dmq_group_commits_total", ())]
     assert s[("dmq_connections", (("protocol", "nsq"),))] == 3
     assert s[("dmq_connections", (("protocol", "dmq"),))] == 0
     assert s[("process_cpu_seconds_total", ())] > 0  # the process collector, for CPU per message

@@ -46,6 +46,7 @@ SNAPSHOT = Snapshot(
     ],
     connections={"dmq": 3, "nsq": 2},
     zk_state="SUSPENDED",
+    histograms={"dmq_group_commit_batch_size": ([("1.0", 1), ("100.0", 3), ("+Inf", 4)], 321.0)},
 )
 
 
@@ -89,6 +90,9 @@ def test_node_wide_families():
     assert s[("dmq_connections", (("protocol", "nsq"),))] == 2
     assert s[("dmq_zookeeper_session", (("state", "SUSPENDED"),))] == 1
     assert s[("dmq_zookeeper_session", (("state", "CONNECTED"),))] == 0
+    assert s[("dmq_group_commit_batch_size_bucket", (("le", "100.0"),))] == 3
+    assert s[("dmq_group_commit_batch_size_bucket", (("le", "+Inf"),))] == 4
+    assert (s[("dmq_group_commit_batch_size_count", ())], s[("dmq_group_commit_batch_size_sum", ())]) == (4, 321)
 
 
 def test_an_outage_and_a_node_without_zookeeper():
@@ -100,5 +104,5 @@ def test_an_outage_and_a_node_without_zookeeper():
 
 def test_labels_never_name_a_message_or_a_client():
     """Label values come from bounded sets: stores, registered names, reasons, protocols."""
-    allowed = {"store", "topic", "channel", "reason", "protocol", "state", "version", "node_id"}
+    allowed = {"store", "topic", "channel", "reason", "protocol", "state", "version", "node_id", "le"}
     assert {key for _, labels in scrape(SNAPSHOT) for key, _ in labels} <= allowed
