@@ -3,7 +3,9 @@
 Served by ``prometheus_client``'s Twisted ``MetricsResource``, which renders the
 registry on a thread of the reactor's pool. The broker and the stores belong to the
 reactor thread, so the collector does not read them from there: it asks the reactor
-for one snapshot per scrape (``blockingCallFromThread``), made of the same stats the
+for one snapshot per scrape (``callFromThread``, waiting at most ``SNAPSHOT_TIMEOUT``:
+a scrape caught by the reactor's shutdown fails instead of holding the thread pool's
+join for ever), made of the same stats the
 ``/stats`` endpoint shows, and builds the metric families from that plain data on the
 pool thread. Nothing here touches the publish or delivery path; a scrape costs one
 walk over the topics and channels on the reactor.
@@ -16,6 +18,7 @@ address or a producer name.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -23,11 +26,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.twisted import MetricsResource
-from twisted.internet.threads import blockingCallFromThread
 
 __all__ = ["Snapshot", "DmqCollector", "metrics_resource"]
 
 CHANNEL_LABELS = ["store", "topic", "channel"]
+SNAPSHOT_TIMEOUT = 5.0
 
 
 @dataclass
@@ -83,14 +86,31 @@ class DmqCollector:
     the snapshot; it runs on the reactor thread (``reactor``), or directly when
     ``reactor`` is None (tests on the reactor thread, or without one)."""
 
-    def __init__(self, take: Callable[[], Snapshot], reactor: Any = None):
+    def __init__(self, take: Callable[[], Snapshot], reactor: Any = None, timeout: float = SNAPSHOT_TIMEOUT):
         self.take = take
         self.reactor = reactor
+        self.timeout = timeout
 
     def snapshot(self) -> Snapshot:
         if self.reactor is None:
             return self.take()
-        return blockingCallFromThread(self.reactor, self.take)
+        answer: list[Any] = []
+        done = threading.Event()
+
+        def take_on_the_reactor() -> None:
+            try:
+                answer.append(self.take())
+            except BaseException as exc:  # handed to the scraping thread, raised there
+                answer.append(exc)
+            finally:
+                done.set()
+
+        self.reactor.callFromThread(take_on_the_reactor)
+        if not done.wait(self.timeout):
+            raise TimeoutError(f"the reactor did not take a metrics snapshot within {self.timeout:g}s")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()

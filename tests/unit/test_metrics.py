@@ -106,3 +106,31 @@ def test_labels_never_name_a_message_or_a_client():
     """Label values come from bounded sets: stores, registered names, reasons, protocols."""
     allowed = {"store", "topic", "channel", "reason", "protocol", "state", "version", "node_id", "le"}
     assert {key for _, labels in scrape(SNAPSHOT) for key, _ in labels} <= allowed
+
+
+class _Reactor:
+    """Runs callFromThread work on a thread of its own, or never (a reactor that stopped)."""
+
+    def __init__(self, running: bool):
+        self.running = running
+
+    def callFromThread(self, fn, *args):
+        if self.running:
+            import threading
+
+            threading.Thread(target=fn, args=args).start()
+
+
+def test_the_snapshot_is_taken_on_the_reactor_and_a_stopped_reactor_fails_the_scrape_in_time():
+    from dmq_server.http.metrics import DmqCollector
+
+    assert DmqCollector(lambda: SNAPSHOT, _Reactor(True)).snapshot() is SNAPSHOT
+    stuck = DmqCollector(lambda: SNAPSHOT, _Reactor(False), timeout=0.05)
+    with pytest.raises(TimeoutError, match="within 0.05s"):
+        stuck.snapshot()
+
+    def broken():
+        raise KeyError("topic vanished")
+
+    with pytest.raises(KeyError):
+        DmqCollector(broken, _Reactor(True)).snapshot()
