@@ -113,7 +113,7 @@ def _serve(argv: Sequence[str] | None) -> int:
             f"  data path    {options.data_dir}",
             f"  PostgreSQL   {server.dsn}" + ("  (embedded)" if server.embedded else ""),
             f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
-            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /info, nsqd and lookup APIs, /admin)",
+            f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /metrics, /info, nsqd and lookup APIs, /admin)",
             "  admin        " + _console_line(server, options),
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)
