@@ -22,13 +22,15 @@ import re
 import time
 from datetime import datetime, timedelta, timezone
 
-__all__ = ["parse_duration", "format_duration", "parse_time_ms", "parse_time", "parse_address"]
+__all__ = ["parse_duration", "format_duration", "parse_time_ms", "parse_time", "parse_address", "MAX_TIME_MS"]
 
 #: seconds per unit, largest first (``format_duration`` tries them in this order)
 _UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 #: a duration ago, in a time: digits and a unit (bare digits are Unix ms there)
 _AGO = re.compile(r"^\d+(?:\.\d+)?(?:ms|s|m|h|d)$")
 _DURATION_FORMS = "examples: 250ms, 30s, 5m, 2h, 7d"
+#: the last millisecond of 9999-12-31, the largest time a datetime (and dmq) holds
+MAX_TIME_MS = 253402300799999
 _TIME_FORMS = "use now, Unix ms (1700000000000), ISO 8601 (2024-05-01T12:00:00Z) or a duration ago (15m, 2h, 7d)"
 
 
@@ -84,12 +86,16 @@ def parse_time_ms(text: str, now_ms: int | None = None) -> int:
     value = _time_text(text)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     if value == "now":
-        return now
-    if value.isdigit():
-        return int(value)
-    if _AGO.match(value.lower()):
-        return now - round(parse_duration(value) * 1000)
-    return int(_iso(text, value).timestamp() * 1000)
+        millis = now
+    elif value.isdigit():
+        millis = int(value)
+    elif _AGO.match(value.lower()):
+        millis = now - round(parse_duration(value) * 1000)
+    else:
+        millis = int(_iso(text, value).timestamp() * 1000)
+    if not 0 <= millis <= MAX_TIME_MS:
+        raise ValueError(f"time {text!r} is out of range (1970-01-01 to 9999-12-31)")
+    return millis
 
 
 def parse_time(text: str, now: datetime) -> datetime:
@@ -97,13 +103,16 @@ def parse_time(text: str, now: datetime) -> datetime:
     the same spellings, an aware UTC datetime, ``now`` and durations ago exact to the
     microsecond."""
     value = _time_text(text)
-    if value == "now":
-        return now
-    if value.isdigit():
-        return datetime.fromtimestamp(int(value) / 1000, tz=timezone.utc)
-    if _AGO.match(value.lower()):
-        return now - timedelta(seconds=parse_duration(value))
-    return _iso(text, value).astimezone(timezone.utc)
+    try:
+        if value == "now":
+            return now
+        if value.isdigit():
+            return datetime.fromtimestamp(int(value) / 1000, tz=timezone.utc)
+        if _AGO.match(value.lower()):
+            return now - timedelta(seconds=parse_duration(value))
+        return _iso(text, value).astimezone(timezone.utc)
+    except (OverflowError, OSError):  # beyond what datetime holds
+        raise ValueError(f"time {text!r} is out of range (1970-01-01 to 9999-12-31)") from None
 
 
 def _time_text(text: str) -> str:

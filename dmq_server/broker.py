@@ -23,6 +23,7 @@ from twisted.application.service import MultiService
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from dmq_client.spelling import MAX_TIME_MS
 from dmq_client.wire import valid_name
 
 from dmq_server.core.buckets import LATENCY_SECONDS, Buckets
@@ -53,9 +54,10 @@ log = Logger()
 # dmq_server/reliable/dead_letters.py); its session id is the dead letter's id.
 REPLAY_PRODUCER = "dmq-replay"
 
-# The last millisecond of 9999-12-31 UTC: the largest producer timestamp accepted.
-# A client sending nanoseconds or microseconds (a common mistake) lands above it.
-MAX_TIMESTAMP_MS = 253402300799999
+# The last millisecond of 9999-12-31 UTC (dmq_client.spelling's bound for any time): the
+# largest producer timestamp accepted. A client sending nanoseconds or microseconds (a
+# common mistake) lands above it.
+MAX_TIMESTAMP_MS = MAX_TIME_MS
 
 
 # The stores a topic can live in (``TopicSpec.store``).

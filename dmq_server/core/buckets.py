@@ -4,8 +4,10 @@
 ``Buckets`` into prometheus_client's ``HistogramMetricFamily``). They are recorded
 here rather than with ``prometheus_client.Histogram`` because one of them is
 observed once per published message on the reactor thread: the library's histogram
-takes a lock and walks its buckets on every observation, about ten times the cost of
-a ``bisect`` into a list of counts that only the reactor thread touches. The scrape
+takes a lock and walks its buckets on every observation, a ``bisect`` into a list of
+counts that only the reactor thread touches does not (timeit on the 2-core test
+machine, 14 buckets: 709 ns per ``Histogram.observe``, 160 ns per ``Buckets.observe``;
+docs/benchmarks.md). The scrape
 reads a copy (``snapshot``), made on the reactor thread too.
 """
 

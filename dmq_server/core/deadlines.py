@@ -67,9 +67,10 @@ class Deadlines:
     def pop_due(self, now: float) -> Iterator[Hashable]:
         """The keys due at ``now``, earliest deadline first, each forgotten as it is
         yielded (a consumer of the iterator may set a key again meanwhile)."""
-        heap, current = self._heap, self._current
-        while heap and heap[0][0] <= now:
-            deadline, seq, key = heapq.heappop(heap)
+        current = self._current
+        # self._heap is read on every turn: a ``set`` between two yields may rebuild it
+        while self._heap and self._heap[0][0] <= now:
+            deadline, seq, key = heapq.heappop(self._heap)
             if current.get(key) == (deadline, seq):
                 del current[key]
                 yield key

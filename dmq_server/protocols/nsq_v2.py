@@ -503,7 +503,8 @@ class NsqConnection:
                 return
             slot, size = waiting
             self.flow.send_done(size)
-            self._answer(slot, self._publish_reply(topic, outcome, name))
+            if not self.closed:  # the client left before the commit answered
+                self._answer(slot, self._publish_reply(topic, outcome, name))
 
         self.ctx.broker.publish(request, done)
         if answered:

@@ -391,3 +391,50 @@ def test_every_check_runs_for_both_stores(h):
         assert isinstance(answer, Invalid) and "control character" in answer.description
     h.settle()
     assert not h.db.messages and "clicks" not in h.fast.topics
+
+
+def test_copies_a_silent_consumer_holds_are_redelivered_and_none_is_lost(h):
+    """The fault: a consumer takes copies and stops acknowledging (it stopped reading; its
+    credit is gone), touching some and requeueing two with a delay before it goes quiet.
+    The broker's scan timer (the service tree's TimerService, on the clock) and the shared
+    deadline tracker hand every copy to another consumer once its deadline passes, a
+    touched one only after its extended deadline. Counted: every id acknowledged to a
+    producer is acknowledged on both channels; nothing stays in flight or stored."""
+    silent, audit, worker = Consumer(credit=10), Consumer(), Consumer()
+    h.subscribe("orders", "billing", silent)
+    h.subscribe("orders", "audit", audit)
+    channel = h.broker.channels[("orders", "billing")]
+    for i in range(30):
+        h.send("orders", "p", i, b"m%d" % i)
+    h.settle()
+    assert len(h.acknowledged) == 30 and len(silent.pushed) == 10
+    h.ack_all("orders", audit)  # the other channel is consumed normally
+    held = [mid for _, mid in silent.pushed]
+    acked: list[int] = []
+
+    def worker_acks() -> set[int]:
+        """The worker acknowledges whatever it was handed since it last looked."""
+        for name, mid in worker.pushed[len(acked):]:
+            assert h.broker.ack("orders", name, mid, worker) is None
+            acked.append(mid)
+        h.settle()
+        return set(acked)
+
+    h.clock.advance(30)
+    silent.credit = 0  # it stops reading (no more credit: nothing new is pushed to it)
+    for mid in held[:4]:
+        assert channel.touch(mid, silent) is None  # deadline now + 60 s
+    for mid in held[4:6]:
+        assert channel.requeue(mid, silent, 5.0) is None  # back in 5 s, to whoever has credit
+    h.subscribe("orders", "billing", worker)
+    assert not set(held) & worker_acks()  # the other 20 copies; the held ones wait
+    h.clock.advance(6)
+    assert worker_acks() & set(held) == set(held[4:6])  # the requeue delay ended
+    h.clock.advance(25)  # 61 s after the push: the untouched copies time out
+    assert worker_acks() & set(held) == set(held[4:])  # the touched ones not yet
+    h.clock.advance(30)  # the touched ones' extended deadline
+    assert worker_acks() >= set(held)
+    assert sorted(acked) == sorted(h.acknowledged.values())  # each once: none redelivered twice
+    h.assert_none_lost("orders", {"billing": worker, "audit": audit})
+    assert not channel.in_flight and not h.db.deliveries  # every copy acked, durably
+    assert channel.timeout_count == 8  # 4 untouched + 4 touched; the 2 requeued are no timeout

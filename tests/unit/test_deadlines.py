@@ -89,3 +89,19 @@ def test_clear_returns_every_key():
     for k in keys:
         d.set(k, 1.0)
     assert sorted(d.clear()) == sorted(keys) and not d and list(d.pop_due(2.0)) == []
+
+
+def test_keys_set_while_due_ones_are_taken_are_kept(monkeypatch):
+    """A scanner that redelivers each due key (setting a new deadline) while it iterates
+    may make the heap rebuild itself; no key is lost or popped twice."""
+    monkeypatch.setattr(module, "SLACK", 0)
+    d = Deadlines()
+    for key in range(100):
+        d.set(key, 1.0)
+    taken = []
+    for key in d.pop_due(1.0):
+        taken.append(key)
+        d.set(key, 100.0)  # redelivered: due again later
+    assert taken == list(range(100))
+    assert len(d) == 100 and list(d.pop_due(99.0)) == []
+    assert sorted(d.pop_due(100.0)) == list(range(100))

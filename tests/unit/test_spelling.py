@@ -128,3 +128,14 @@ def test_datetime_times_are_exact_and_aware():
     assert parse_time("1700000000000", now) == datetime.fromtimestamp(1_700_000_000, tz=timezone.utc)
     with pytest.raises(ValueError, match="Unix ms"):
         parse_time("last tuesday", now)
+
+
+@pytest.mark.parametrize("text", ["9" * 30, "10000000d", "99999999999999999999"])
+def test_times_out_of_range_are_a_clear_error(text):
+    """Digits or durations beyond what a datetime (or a bigint column) holds are refused
+    with the range, never an OverflowError or a database error."""
+    now = datetime(2024, 5, 1, tzinfo=timezone.utc)
+    with pytest.raises(ValueError, match="out of range"):
+        parse_time_ms(text, now_ms=NOW)
+    with pytest.raises(ValueError, match="out of range"):
+        parse_time(text, now)
