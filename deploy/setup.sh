@@ -53,10 +53,11 @@ apt_install() {
     fi
     say "installing Debian packages: $* (apt-get)"
     if [ "$apt_updated" -eq 0 ]; then
-        "${sudo[@]}" apt-get update -qq >/dev/null
+        "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
         apt_updated=1
     fi
-    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+    # wait for another apt-get (a second checkout setting up at the same time) rather than fail
+    "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
 # 1. A Python >= 3.11 (pyproject's requires-python).
