@@ -16,6 +16,8 @@ import sys
 from contextlib import ExitStack
 from typing import Sequence
 
+from dmq_client.pipes import quiet_broken_pipe
+
 from . import archive, report, replay
 from .database import Database, locate
 from .errors import PipelineError, UsageError
@@ -174,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.core.pipes import quiet_broken_pipe
-
     with quiet_broken_pipe() as closed:  # `dmq-pipeline ... | head`: no traceback
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")

@@ -19,6 +19,9 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from dmq_sql import load_queries
+from dmq_sql.connection import connect, describe_error
+from dmq_sql.embedded import EmbeddedPostgres, EmbeddedPostgresError
+from dmq_sql.schema import migrate, schema_version
 
 from .errors import DatabaseUnreachable, PipelineError, UsageError
 
@@ -30,18 +33,13 @@ queries: dict[str, str] = load_queries(
 )
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else exc.__class__.__name__
-
-
 def executor_connection(dsn: str) -> psycopg.Connection:
     """An autocommit connection for code running on a Spark executor."""
     try:
         return psycopg.connect(dsn, autocommit=True, connect_timeout=10,
                                application_name="dmq-pipeline-executor")
     except psycopg.Error as exc:
-        raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+        raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
 
 
 def mark_replayed(conn: psycopg.Connection, ids: list[int], message_ids: list[int]) -> int:
@@ -79,7 +77,7 @@ class Database:
                                              application_name="dmq-pipeline",
                                              options="-c TimeZone=UTC")
             except psycopg.Error as exc:
-                raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+                raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
         return self._conn
 
     def close(self) -> None:
@@ -100,9 +98,9 @@ class Database:
         try:
             return self.conn.execute(queries[name], params or None)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnreachable(f"{name}: {_describe(exc)}") from exc
+            raise DatabaseUnreachable(f"{name}: {describe_error(exc)}") from exc
         except psycopg.Error as exc:
-            raise PipelineError(f"{name}: {_describe(exc)}") from exc
+            raise PipelineError(f"{name}: {describe_error(exc)}") from exc
 
     @contextmanager
     def transaction(self) -> Iterator["Database"]:
@@ -111,11 +109,9 @@ class Database:
             with self.conn.transaction():
                 yield self
         except psycopg.OperationalError as exc:
-            raise DatabaseUnreachable(_describe(exc)) from exc
+            raise DatabaseUnreachable(describe_error(exc)) from exc
 
     def schema_version(self) -> int:
-        from dmq_server.db.schema import schema_version
-
         try:
             with self.conn.transaction():
                 return schema_version(self.conn)
@@ -123,13 +119,15 @@ class Database:
             return 0
 
     def migrate(self) -> None:
-        from dmq_server.db.errors import StorageError
-        from dmq_server.db.schema import migrate
-
         try:
-            migrate(self.dsn)
-        except StorageError as exc:
-            raise PipelineError(str(exc)) from exc
+            conn = connect(self.dsn)
+        except psycopg.Error as exc:
+            raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
+        with conn:
+            try:
+                migrate(conn)
+            except psycopg.Error as exc:
+                raise PipelineError(f"migration failed: {describe_error(exc)}") from exc
 
     def topics(self) -> dict[str, tuple[str, ...]]:
         """Registered topics and their channels."""
@@ -197,8 +195,6 @@ def locate(pg_dsn: str, data_path: str) -> Iterator[Database]:
     dsn = pg_dsn
     try:
         if not dsn:
-            from dmq_server.db.embedded import EmbeddedPostgres, EmbeddedPostgresError
-
             data_dir = Path(data_path).resolve()
             if not (data_dir / "pg").exists():
                 raise DatabaseUnreachable(
