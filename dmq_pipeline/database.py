@@ -25,7 +25,7 @@ from dmq_sql.schema import migrate, schema_version
 
 from .errors import DatabaseUnreachable, PipelineError, UsageError
 
-__all__ = ["Database", "locate", "executor_connection", "queries"]
+__all__ = ["Database", "dsn_host", "locate", "executor_connection", "queries"]
 
 #: The pipeline's named queries (``sql/pipeline.sql``).
 queries: dict[str, str] = load_queries(
@@ -45,6 +45,14 @@ def executor_connection(dsn: str) -> psycopg.Connection:
 def mark_replayed(conn: psycopg.Connection, ids: list[int], message_ids: list[int]) -> int:
     """Record replayed dead letters; returns how many were not recorded before."""
     return conn.execute(queries["mark_replayed"], {"ids": ids, "message_ids": message_ids}).rowcount
+
+
+def dsn_host(dsn: str) -> str | None:
+    """The host a DSN names (None for none; a Unix socket directory starts with /)."""
+    try:
+        return conninfo_to_dict(dsn).get("host") or None
+    except psycopg.ProgrammingError as exc:
+        raise UsageError(f"--pg-dsn: {describe_error(exc)}") from None
 
 
 class Database:
@@ -152,7 +160,7 @@ class Database:
     @property
     def jdbc_url(self) -> str:
         info = conninfo_to_dict(self.dsn)
-        host = info.get("host") or ""
+        host = dsn_host(self.dsn) or ""
         if not host or host.startswith("/") or "," in host:
             raise UsageError(
                 f"the DSN must name one TCP host for Spark's JDBC reads (got host {host or 'none'!r})"

@@ -9,6 +9,7 @@ receives should not carry the server's dependencies.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -22,6 +23,17 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_DEPS = ("twisted", "psycopg", "kazoo", "apscheduler")
+
+
+def _source(tmp_path: Path) -> Path:
+    """A copy of what the two distributions are built from (setuptools builds in the
+    source tree, leaving build/ behind: not in the checkout)."""
+    src = tmp_path / "src"
+    for name in ("dmq_server", "dmq_client", "registry", "dmq_pipeline", "sql", "client"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    return src
 
 
 def _wheel(project: Path, out: Path) -> Path:
@@ -44,7 +56,7 @@ def _metadata(wheel: Path) -> tuple[dict, list[str], list[str]]:
 
 
 def test_the_client_wheel_is_light_and_works_alone(tmp_path):
-    wheel = _wheel(REPO / "client", tmp_path / "client")
+    wheel = _wheel(_source(tmp_path) / "client", tmp_path / "client")
     meta, requires, names = _metadata(wheel)
     assert meta["Name"] == "dmq-client"
     # every requirement is optional (the zk extra), none of the server's is unconditional
@@ -75,7 +87,7 @@ def test_the_client_wheel_is_light_and_works_alone(tmp_path):
 
 
 def test_the_server_wheel_requires_the_client_at_its_version(tmp_path):
-    wheel = _wheel(REPO, tmp_path / "server")
+    wheel = _wheel(_source(tmp_path), tmp_path / "server")
     meta, requires, names = _metadata(wheel)
     client = tomllib.loads((REPO / "client" / "pyproject.toml").read_text())["project"]
     assert meta["Name"] == "dmq-server"
