@@ -106,6 +106,12 @@ class SparkOptions:
                 "libpostgresql-jdbc-java (apt-get install -y libpostgresql-jdbc-java) "
                 "or pass --jdbc-jar PATH"
             )
+        if self.ship_env not in ("", "build") and "://" not in self.ship_env and not os.path.isfile(
+                os.path.expanduser(self.ship_env)):
+            raise UsageError(
+                f"--ship-env {self.ship_env}: no such file; pass `build`, or a .tar.gz made by "
+                "`dmq-pipeline pack-env --out FILE`"
+            )
         self.spark_settings()
         return self
 

@@ -158,15 +158,9 @@ def cached_env(progress=lambda text: None) -> Path:
 
 def shipped_archive(value: str, progress=lambda text: None) -> str:
     """What ``--ship-env`` ships: ``build`` packs this installation (cached); anything
-    else is a packed environment, a local file (checked) or a URI Spark can fetch."""
+    else is a packed environment, a local file or a URI Spark can fetch."""
     if value == "build":
         return str(cached_env(progress))
-    if "://" not in value:
-        path = Path(value).expanduser().resolve()
-        if not path.is_file():
-            raise UsageError(
-                f"--ship-env {value}: no such file; pass `build`, or a .tar.gz made by "
-                "`dmq-pipeline pack-env --out FILE`"
-            )
-        return str(path)
+    if "://" not in value:  # a local file (SparkOptions.validate checked it is there)
+        return str(Path(value).expanduser().resolve())
     return value
