@@ -187,13 +187,20 @@ def executor_cores(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """The job's executor cores on a cluster, once its executors have joined (see the
-    module doc); ``spark.default.parallelism``, when set, is taken as it is."""
+    module doc); ``spark.default.parallelism``, when set, is taken as it is. With
+    dynamic allocation nothing is waited for: ``maxExecutors`` x ``executor.cores``
+    when both are set, else Spark's default parallelism."""
     sc = spark.sparkContext
     conf = sc.getConf()
     configured = _conf_int(conf, "spark.default.parallelism")
     if configured:
         return configured
     jsc = sc._jsc.sc()
+    if str(conf.get("spark.dynamicAllocation.enabled", "false")).lower() == "true":
+        # executors come when tasks wait for them: there is nothing to wait for yet
+        most, per = (_conf_int(conf, "spark.dynamicAllocation.maxExecutors"),
+                     _conf_int(conf, "spark.executor.cores"))
+        return most * per if most and per else jsc.defaultParallelism()
     expected = expected_cores(conf)
 
     def state() -> tuple[int, int]:

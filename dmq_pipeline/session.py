@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 from .cluster import executor_cores, is_local
 from .errors import UsageError
+from .failures import explain
 from .options import SparkOptions
 from .ship import ENV_NAME, PYTHON, shipped_archive
 
@@ -119,7 +120,7 @@ def spark_session(opts: SparkOptions, app: str,
     try:
         spark = builder.getOrCreate()
     except Exception as exc:  # Java missing, bad master URL, ...: py4j raises plain exceptions
-        raise UsageError(f"cannot start Spark (master {opts.master}): {exc}") from exc
+        raise UsageError(f"cannot start Spark (master {opts.master}): {explain(exc)}") from exc
     spark.sparkContext.setLogLevel("WARN")
     try:
         if not is_local(opts.master):

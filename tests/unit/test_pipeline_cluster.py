@@ -151,3 +151,11 @@ def test_no_executor_at_all_is_a_clear_failure():
     clock = Clock()
     with pytest.raises(JobFailed, match="no executor joined spark://master:7077 in 60 s"):
         cluster.executor_cores(FakeSpark(clock, []), clock=clock, sleep=clock.sleep)
+
+
+def test_dynamic_allocation_is_not_waited_for():
+    clock = Clock()
+    conf = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.maxExecutors": "5",
+            "spark.executor.cores": "4"}
+    assert cluster.executor_cores(FakeSpark(clock, [], conf), clock=clock, sleep=clock.sleep) == 20
+    assert clock.now == 0
