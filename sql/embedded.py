@@ -221,7 +221,7 @@ def _candidate_bindirs() -> Iterator[tuple[str, Path | None]]:
     initdb = shutil.which("initdb")
     # Resolve symlinks: /usr/local/bin/initdb may point into the real bin dir.
     yield "initdb on PATH", Path(os.path.realpath(initdb)).parent if initdb else None
-    yield "the pgserver package (pip install 'dmq[embedded]')", pgserver_bindir()
+    yield "the pgserver package (pip install 'dmq-server[embedded]')", pgserver_bindir()
 
 
 def _usable_bindirs() -> list[Path]:
@@ -269,7 +269,7 @@ def find_pg_bindir() -> Path:
         tried.append(f"{how}: {path} lacks {', '.join(missing)}")
     raise EmbeddedPostgresError(
         "no PostgreSQL server binaries found; install them with "
-        "`pip install 'dmq[embedded]'` (PyPI package pgserver) or your system's "
+        "`pip install 'dmq-server[embedded]'` (PyPI package pgserver) or your system's "
         "postgresql package, or set DMQ_PG_BINDIR. Tried:\n  - " + "\n  - ".join(tried)
     )
 
