@@ -26,7 +26,7 @@ from twisted.python.failure import Failure
 from dmq_client.spelling import MAX_TIME_MS
 from dmq_client.wire import valid_name
 
-from dmq_server.core.buckets import LATENCY_SECONDS, Buckets
+from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import DmqError, Exiting, Invalid, NoChannel, NoTopic, QueueFailed, RateLimited, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.publish import Published, PublishRequest
@@ -34,6 +34,7 @@ from dmq_server.reliable.channel import Channel, Delivery, Message
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.reliable.dead_letters import DeadLetterSink
+from dmq_server.reliable.trace import TraceSink
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
 from dmq_server.db.outage import Outage
@@ -157,6 +158,8 @@ class Broker:
             node_id,
             lambda topic, name: self.channels.get((topic, name)),
         )
+        # deliveries that come back unacknowledged, for the message trace
+        self.trace = TraceSink(workers.get("deadletter") or workers["admin"], clock, node_id)
         delay_db = workers.get("delay-writer")
         # a delayed row of unknown outcome needs nothing here: the delay workers poll
         # their fragments and find it when it is due
@@ -175,6 +178,8 @@ class Broker:
         self.publish_count = 0
         # publish -> commit of each stored send (its wait for a batch included), /metrics
         self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
+        # publish -> first delivery of each copy, /metrics
+        self.publish_deliver_seconds = Buckets(DELIVERY_SECONDS)
 
     # -- lifecycle --------------------------------------------------------
     def _timers(self) -> MultiService:
@@ -207,6 +212,7 @@ class Broker:
         d = self.writer.close()
         d.addCallback(lambda _: self.delay_writer.close())
         d.addCallback(lambda _: self.dead_letters.close())
+        d.addCallback(lambda _: self.trace.close())
         d.addCallback(lambda _: self.acker.drain())
         return d
 
@@ -320,6 +326,8 @@ class Broker:
                 max_attempts=row.max_attempts if row else None,
                 on_attempt=self.dead_letters.on_attempt,
                 on_exhausted=self.dead_letters.on_exhausted,
+                on_return=self.trace.returned,
+                deliver_latency=self.publish_deliver_seconds,
             )
             channel.paused = self.paused
             channel.held = (topic, name) in self._held
@@ -676,6 +684,8 @@ class Broker:
                 delivery.first_delivered_ms,
                 acked_ms,
                 delivery.attempts,
+                getattr(delivery.consumer, "name", ""),
+                int(delivery.delivered_at * 1000),
             )
         )
 
@@ -822,6 +832,7 @@ class Broker:
             "delayed": self.delayed_count,
             "rate_limited": self.limits.refused,
             "dead_letters": self.dead_letters.stats(),
+            "trace": self.trace.stats(),
             "topics": topics,
         }
 

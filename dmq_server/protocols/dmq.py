@@ -55,6 +55,8 @@ class Subscription:
         self.credit = credit
         self.in_flight = 0
         self.channel: Any = None
+        # how the message trace and the console name this consumer
+        self.name = f"dmq {connection.peer}"
 
     def push(self, channel: Any, delivery: Any) -> None:
         message = delivery.message
