@@ -135,6 +135,7 @@ class Broker:
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
         self._load_outage = Outage("backlog loads", clock)
+        self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
         self.writer = GroupCommitWriter(
             writers,
             node_id,
@@ -248,9 +249,9 @@ class Broker:
         self.health_detail = why
         if changed:
             if ok:
-                log.info("storage healthy again")
+                self._health_outage.recovered()
             else:
-                log.error("storage failing: {why}", why=why)
+                self._health_outage.failed(why)
             for listener in list(self.health_listeners):
                 listener(ok)
 
@@ -297,7 +298,7 @@ class Broker:
         for key in list(self.channels):
             if key not in wanted:
                 channel = self.channels.pop(key)
-                log.info("channel {t}/{c} unregistered", t=key[0], c=key[1])
+                log.info("channel {topic}/{channel} unregistered", topic=key[0], channel=key[1])
                 for consumer in channel.close():
                     closer = getattr(consumer, "channel_closed", None)
                     if closer is not None:
