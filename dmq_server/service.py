@@ -39,10 +39,12 @@ from twisted.logger import Logger
 from dmq_client.wire import MAGIC
 
 from dmq_server.admin.console import AdminConsoleFactory
+from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
+from dmq_server.http.console import install as install_console
 from dmq_server.http.metrics import Snapshot, metrics_resource
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.http.sampling import Sampling
@@ -343,7 +345,10 @@ class DmqServer:
             addresses=lambda: (self.tcp_address, self.http_address),
         )
         http_host, _ = options.http_endpoint
-        admin_api.install(site.resource, ops, http_host, options.admin_token)
+        inspector = Inspector(ops, cluster=self.cluster, info=self.info, history=self.sampling.history,
+                              channels=self._channel_stats, gauges=self.sampling.gauges)
+        admin_api.install(site.resource, ops, http_host, options.admin_token, inspector)
+        install_console(site.resource)
         host, port = options.http_endpoint
         self.http_port = yield _endpoint(reactor, host, port).listen(site)
         yield self._listen_console(ops)

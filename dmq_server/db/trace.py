@@ -159,7 +159,7 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
         if letter_id == replay_of and of_id != message_id:
             replayed_from = {"dead_letter_id": letter_id, "reason": reason, "detail": detail,
                              "channel": channel, "message_id": of_id, "dead_ms": dead_ms}
-    events.sort(key=lambda e: (e["at_ms"] or 0, _ORDER.get(e["event"], 9)))
+    events.sort(key=_in_order)
     out: dict[str, Any] = {
         "message_id": message_id,
         "found": bool(events) or bool(pending),
@@ -184,6 +184,14 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
 
 #: events at the same millisecond, in the order they must have happened
 _ORDER = {"stored": 0, "delivered": 1, "returned": 2, "acked": 3, "dead_letter": 4, "replayed": 5}
+
+
+def _in_order(event: dict[str, Any]) -> tuple[int, int, int]:
+    """Time, then (within a millisecond) the delivery attempt, then the kind: a REQ and the
+    redelivery it causes often share their millisecond."""
+    kind = event["event"]
+    attempt = event.get("attempt") or (0 if kind == "stored" else 1 << 30)
+    return event["at_ms"] or 0, attempt, _ORDER.get(kind, 9)
 
 
 def peek_channel(
