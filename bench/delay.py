@@ -289,7 +289,7 @@ def scenario_replay(server: Server, letters: int) -> dict:
         while conn.execute("SELECT count(*) FROM dmq_delay WHERE topic = %s", (topic,)).fetchone()[0]:
             time.sleep(0.1)
         moved_s = time.perf_counter() - t0
-        delivered = conn.execute("SELECT count(*) FROM dmq_delivery WHERE topic = %s", (topic,)).fetchone()[0]
+        delivered = conn.execute("SELECT count(*) FROM dmq_pending WHERE topic = %s", (topic,)).fetchone()[0]
     return {
         "dead_letters": letters,
         "cli_output": out.stdout.strip().splitlines()[0],

@@ -63,6 +63,7 @@ def fill(dsn: str, rows: int) -> dict:
         registry.create_topic(conn, "audit")
         registry.add_channel(conn, "audit", "archive")
         spacing = SPAN.total_seconds() * 1000 / messages
+        conn.execute(SQL["fill_owner"])
         conn.execute(SQL["fill_messages"], {"messages": messages, "start": START, "spacing_ms": spacing})
         conn.execute(SQL["fill_log"], {"rows": rows})
         conn.execute(SQL["fill_pending"], {"messages": messages, "pending": 1000})

@@ -1,10 +1,16 @@
 -- Fill and ceiling queries for bench/pipeline.py (synthetic history, shaped as the server writes it).
 
+-- name: fill_owner
+-- The incarnation that "stored" the synthetic messages (retired: a server started later
+-- delivers what is left of them).
+INSERT INTO dmq_owner (id, node_id, retired_at) VALUES (1, 'bench:4150', now())
+ON CONFLICT (id) DO NOTHING;
+
 -- name: fill_messages
 -- Messages 1..n, one every `spacing_ms` from `start`; every fourth to topic audit, the rest to orders.
-INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, published_at, node_id, body)
+INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, published_at, node_id, owner, body)
 SELECT g, CASE WHEN g %% 4 = 0 THEN 'audit' ELSE 'orders' END, 'bench-producer', g,
-       t - interval '1 millisecond', t, 'bench:4150',
+       t - interval '1 millisecond', t, 'bench:4150', 1,
        convert_to(repeat(md5(g::text), 4), 'UTF8')
 FROM generate_series(1, %(messages)s) AS g,
      LATERAL (SELECT %(start)s::timestamptz + (g - 1) * %(spacing_ms)s * interval '1 millisecond') AS x(t);
@@ -23,10 +29,13 @@ ORDER BY m.id, c.name
 LIMIT %(rows)s;
 
 -- name: fill_pending
--- The newest messages' billing copies are still waiting (backlog).
-INSERT INTO dmq_delivery (topic, channel, message_id, attempts)
-SELECT 'orders', 'billing', id, 1 FROM dmq_message
-WHERE topic = 'orders' AND id > %(messages)s - %(pending)s;
+-- Every channel is done with every message but the newest billing copies (backlog): the
+-- cursors of the one owner.
+INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
+SELECT c.topic, c.name, 1, 'bench:4150',
+       CASE WHEN (c.topic, c.name) = ('orders', 'billing') THEN %(messages)s - %(pending)s ELSE %(messages)s END
+FROM dmq_channel c
+ON CONFLICT (topic, channel, owner) DO UPDATE SET floor = EXCLUDED.floor;
 
 -- name: fill_dead_letters
 -- Dead letters with a mix of reasons.

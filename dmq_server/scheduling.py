@@ -95,6 +95,7 @@ class Scheduling:
             on_moved=store.deliver_moved,
             on_unknown=lambda: store.outcome_unknown(None),
             scheduler=self.scheduler,
+            writes=store.writes,
         )
         store.delays = self.delays
         self.scheduler.add_job(

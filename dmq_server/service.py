@@ -268,10 +268,12 @@ class DmqServer:
             fetch_topics = self.cluster.fetch_topics
             options = options.replace(registry_refresh=options.zk_refresh)
         self.broker = Broker(options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store)
-        if self.cluster is not None:
-            self.cluster.attach(self.broker, self._fast_topics)
         self.broker.health_listeners.append(self._health_changed)
-        return self.broker.start()
+        if self.cluster is None:
+            return self.broker.start()
+        self.cluster.attach(self.broker, self._fast_topics)
+        d = self.cluster.begin_incarnation(self.broker.reliable)
+        return d.addCallback(lambda _: self.broker.start())
 
     @defer.inlineCallbacks
     def _drain_broker(self) -> Any:

@@ -2,7 +2,10 @@
 
 ``register()`` creates it (idempotent: a znode this session already owns is just
 updated), holding the node's takeover lock (``registry.takeover_lock``) so that no
-takeover of this node id is half done when the node starts delivering.
+takeover of this node id is half done when the node starts delivering. A caller that
+must do more under the lock first (begin its PostgreSQL incarnation, which a takeover
+would otherwise retire before the znode names it) takes it with ``lock()`` and ends
+with ``register_locked(lock)``.
 
 A znode left by an earlier process with the same id (killed a moment ago: its
 session has not expired yet) is waited for, up to ``stale_wait`` seconds; if it is
@@ -65,11 +68,25 @@ class NodeMembership:
 
     # -- register ---------------------------------------------------------------------
     def register(self) -> None:
+        lock = self.lock()
+        try:
+            self._create()
+        finally:
+            lock.release()
+
+    def lock(self) -> TakeoverLock:
+        """Take this node's takeover lock (waiting up to ``lock_wait``): while it is held no
+        takeover of this node id runs, so its incarnation can be checked or begun and
+        registered (``register_locked``) without a claimer retiring it in between."""
         lock = TakeoverLock(self.client, self.info.node_id, f"register {self.info.instance}")
         if not lock.acquire(self.lock_wait):
             raise RegistryError(
                 f"node {self.info.node_id!r}: the takeover lock stayed busy for {self.lock_wait:g}s"
             )
+        return lock
+
+    def register_locked(self, lock: TakeoverLock) -> None:
+        """Create the znode while holding ``lock`` (from ``lock``), then release it."""
         try:
             self._create()
         finally:

@@ -87,6 +87,9 @@ class NodeInfo:
     hostname: str = ""
     instance: str = ""  # changes with every process start: tells incarnations apart
     fast_topics: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the PostgreSQL incarnation (dmq_owner.id) whose messages this process stores: a
+    # takeover leaves it alone while this registration lives
+    incarnation: int = 0
 
     @property
     def tcp_address(self) -> str:
@@ -109,6 +112,7 @@ class NodeInfo:
                 "hostname": self.hostname,
                 "instance": self.instance,
                 "fast_topics": {k: list(v) for k, v in sorted(self.fast_topics.items())},
+                "incarnation": self.incarnation,
             },
             sort_keys=True,
         ).encode()
@@ -130,6 +134,7 @@ class NodeInfo:
                 str(values.get("hostname", "")),
                 str(values.get("instance", "")),
                 {str(k): tuple(str(c) for c in v) for k, v in fast.items()},
+                int(values.get("incarnation", 0)),
             )
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             return None

@@ -1,21 +1,27 @@
 """Recipe: the lock that guards who delivers a node's stored copies.
 
-A node's unacknowledged copies (``dmq_delivery.owner = <node-id>``) change hands in
-two ways: a live node claims them after ``<node-id>`` disappeared (takeover), or
-``<node-id>`` registers again and starts loading them. Both happen while holding
+A node's stored messages belong to its incarnations (``dmq_owner`` in PostgreSQL: one
+per process start), and a channel's progress over them is a cursor naming the node that
+delivers them. They change hands in two ways: a live node takes over the incarnations of
+a node that disappeared (or that restarted: its earlier incarnations), or the node
+begins a new incarnation and registers with it. Both happen while holding
 ``/dmq/takeover/<node-id>`` (a kazoo Lock), and a claimer checks, holding the lock,
-that ``/dmq/node/<node-id>`` is absent. So a returning node either finds its copies
-untouched, or waits until a takeover in progress is finished and then finds them
-gone; it never loads copies that are being claimed.
+which of the node's incarnations the registration in ``/dmq/node/<node-id>`` names. So a
+starting node either finds its new incarnation untouched, or waits until a takeover in
+progress is finished; the incarnation a live registration names is never claimed.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import KazooState
 from kazoo.recipe.lock import Lock
 
 from . import paths
+from .model import NodeInfo
 
 __all__ = ["TakeoverLock"]
 
@@ -29,13 +35,22 @@ class TakeoverLock:
     def node_present(self) -> bool:
         return self.client.retry(self.client.exists, paths.node(self.node_id)) is not None
 
+    def live_incarnation(self) -> int | None:
+        """The incarnation the node's registration names; None while it is absent."""
+        try:
+            data, _ = self.client.retry(self.client.get, paths.node(self.node_id))
+        except NoNodeError:
+            return None
+        info = NodeInfo.decode(self.node_id, data)
+        return info.incarnation if info is not None else 0
+
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock (registration)."""
         return bool(self._lock.acquire(blocking=True, timeout=timeout))
 
     def try_acquire_absent(self) -> bool:
-        """Take the lock at once if free, and keep it only if the node is absent
-        (takeover). False: someone else holds it, or the node is alive."""
+        """Take the lock at once if free, and keep it only if the node is absent.
+        False: someone else holds it, or the node is alive."""
         if not self._lock.acquire(blocking=False):
             return False
         if self.node_present():
@@ -43,13 +58,28 @@ class TakeoverLock:
             return False
         return True
 
-    def still_valid(self) -> bool:
-        """Still ours and the node still absent: safe to claim the next batch."""
-        return (
-            self.client.state == KazooState.CONNECTED
-            and self._lock.is_acquired
-            and not self.node_present()
-        )
+    def try_acquire_for(self, incarnations: Iterable[int]) -> list[int]:
+        """Take the lock at once if free; keep it if some of ``incarnations`` are not the
+        one the node's registration names (the node is absent, or it started again).
+        Returns those incarnations (claimable while the lock is held); [] and no lock
+        when someone else holds it or every one of them is live."""
+        wanted = sorted(set(incarnations))
+        if not wanted or not self._lock.acquire(blocking=False):
+            return []
+        live = self.live_incarnation()
+        claimable = [i for i in wanted if i != live]
+        if not claimable:
+            self.release()
+        return claimable
+
+    def still_valid(self, incarnations: Iterable[int] = ()) -> bool:
+        """Still ours, and the node still absent or registered with an incarnation other
+        than ``incarnations`` (all of it when none are given): safe to claim."""
+        if self.client.state != KazooState.CONNECTED or not self._lock.is_acquired:
+            return False
+        live = self.live_incarnation()
+        wanted = set(incarnations)
+        return live is None if not wanted else live not in wanted
 
     def release(self) -> None:
         try:

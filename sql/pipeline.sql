@@ -117,7 +117,7 @@ WHERE acked_at >= %(since)s AND published_at < %(until)s
 -- name: jdbc_report_pending
 -- Copies not yet acknowledged, published before `until` (backlog).
 (SELECT d.message_id AS id, d.topic, d.channel, m.published_at, d.attempts
- FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
+ FROM dmq_pending d JOIN dmq_message m ON m.id = d.message_id
  WHERE m.published_at < %(until)s
    AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
    AND (%(channel)s::text IS NULL OR d.channel = %(channel)s)) AS report_pending

@@ -49,56 +49,62 @@ SET msg_timeout_ms = %(msg_timeout_ms)s, rate_limit = %(rate_limit)s,
 WHERE name = %(name)s;
 
 -- name: delete_topic
--- Remove a topic, its channels (cascade) and its undelivered copies.
+-- Remove a topic, its channels (cascade) and their cursors: its undelivered copies are gone.
 WITH gone AS (DELETE FROM dmq_topic WHERE name = %(name)s RETURNING name),
-     copies AS (DELETE FROM dmq_delivery WHERE topic = %(name)s)
+     cursors AS (DELETE FROM dmq_cursor WHERE topic = %(name)s),
+     attempts AS (DELETE FROM dmq_attempts WHERE topic = %(name)s)
 SELECT name FROM gone;
 
 -- name: add_channel
--- Register a channel (consumer group) on a topic; nothing if already there.
-INSERT INTO dmq_channel (topic, name) VALUES (%(topic)s, %(name)s)
+-- Register a channel (consumer group) on a topic; nothing if already there. Its messages
+-- are those stored from now on: ids above the id sequence's next value.
+INSERT INTO dmq_channel (topic, name, start_id)
+VALUES (%(topic)s, %(name)s, nextval(pg_get_serial_sequence('dmq_message', 'id')))
 ON CONFLICT (topic, name) DO NOTHING
 RETURNING name;
 
 -- name: remove_channel
--- Unregister a channel and drop its undelivered copies.
+-- Unregister a channel and drop its cursors: its undelivered copies are gone.
 WITH gone AS (DELETE FROM dmq_channel WHERE topic = %(topic)s AND name = %(name)s RETURNING name),
-     copies AS (DELETE FROM dmq_delivery WHERE topic = %(topic)s AND channel = %(name)s)
+     cursors AS (DELETE FROM dmq_cursor WHERE topic = %(topic)s AND channel = %(name)s),
+     attempts AS (DELETE FROM dmq_attempts WHERE topic = %(topic)s AND channel = %(name)s)
 SELECT name FROM gone;
 
 -- name: insert_messages
--- Group commit: store a batch and one delivery per channel registered at commit time.
+-- Group commit: store a batch, owned by this server's incarnation, and answer each row
+-- with the channels it is for (those registered in this snapshot with a lower start_id;
+-- a channel registered concurrently finds its messages by reading its cursor).
+-- The owner row is share-locked first: an owner retired by a takeover stores nothing
+-- more (the answer has no rows and the writer fails the batch as fenced).
 -- Array parameters use binary placeholders: text arrays cost the server ~20 us a row.
 -- Rows whose (producer, session_id) is already stored are skipped (resends).
 -- produced_ms is the producer's clock: only Unix milliseconds up to 9999-12-31 become a
 -- timestamp, so no value can fail the whole batch (the broker refuses others first).
-WITH input AS (
+WITH owner AS MATERIALIZED (
+    SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
+), input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[],
                          %(produced_ms)b::bigint[], %(bodies)b::bytea[])
              WITH ORDINALITY AS u(topic, producer, session_id, produced_ms, body, ord)
 ), ins AS (
-    INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, body)
+    INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body)
     SELECT topic, producer, session_id,
            CASE WHEN produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(produced_ms / 1000.0) END,
-           %(node_id)s, body
-    FROM input ORDER BY producer, session_id  -- one lock order: concurrent writers cannot deadlock
+           %(node_id)s, owner.id, body
+    FROM input CROSS JOIN owner
+    ORDER BY producer, session_id  -- one lock order: concurrent writers cannot deadlock
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id, topic, producer, session_id, published_at
 ), channels AS (
-    -- the same snapshot as the insert below, so this is exactly the set that got rows
-    SELECT c.topic, array_agg(c.name ORDER BY c.name) AS names
+    SELECT c.topic, c.name, c.start_id
     FROM dmq_channel c
     WHERE c.topic IN (SELECT DISTINCT topic FROM input)
-    GROUP BY c.topic
-), deliveries AS (
-    INSERT INTO dmq_delivery (topic, channel, message_id, owner)
-    SELECT ins.topic, unnest(ch.names), ins.id, %(node_id)s
-    FROM ins JOIN channels ch ON ch.topic = ins.topic
 )
 SELECT ins.id, ins.producer, ins.session_id,
        (extract(epoch FROM ins.published_at) * 1000)::bigint AS published_ms,
-       coalesce(ch.names, '{}') AS channels
-FROM ins LEFT JOIN channels ch ON ch.topic = ins.topic;
+       coalesce((SELECT array_agg(ch.name ORDER BY ch.name) FROM channels ch
+                 WHERE ch.topic = ins.topic AND ch.start_id < ins.id), '{}') AS channels
+FROM ins;
 
 -- name: find_messages
 -- The stored rows for resent (producer, session_id) pairs.
@@ -109,46 +115,106 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
   ON m.producer = u.producer AND m.session_id = u.session_id;
 
 -- name: ack_deliveries
--- Make a batch of acknowledgements durable: drop the delivery rows, log them, with the
--- consumer that acknowledged each and when that delivery was pushed (the message trace).
+-- Make a batch of acknowledgements durable. The acker's node, which holds the copies in
+-- memory, proposes for each (topic, channel, owner) a floor and the ranges it knows to be
+-- done (the acknowledged copies among them): both are merged into the cursor, never
+-- taken back (a floor only rises, done ranges only grow). Each acknowledged copy that
+-- was not done before is logged once, with the consumer that acknowledged it and when
+-- that delivery was pushed (the message trace); attempts kept for a copy go with it.
 WITH input AS (
-    SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
-                         %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[],
-                         %(consumers)b::text[], %(delivered_ms)b::bigint[])
-             AS u(topic, channel, message_id, first_ms, acked_ms, attempts, consumer, delivered_ms)
-), acked AS (
-    DELETE FROM dmq_delivery d USING input u
-    WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id
-    RETURNING d.message_id, d.topic, d.channel, u.first_ms, u.acked_ms,
-              greatest(u.attempts, d.attempts) AS attempts, u.consumer, u.delivered_ms
+    SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
+                         %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
+                         %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[],
+                         %(delivered_ms)b::bigint[], %(counted)b::boolean[])
+             AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts,
+                  consumer, delivered_ms, counted)
+), cursors AS (
+    SELECT * FROM unnest(%(k_topics)b::text[], %(k_channels)b::text[], %(k_owners)b::integer[],
+                         %(k_floors)b::bigint[])
+             WITH ORDINALITY AS k(topic, channel, owner, floor, n)
+), spans AS (
+    SELECT r.n, range_agg(int8range(r.lo, r.hi, '[]')) AS done
+    FROM unnest(%(r_cursors)b::bigint[], %(r_lo)b::bigint[], %(r_hi)b::bigint[]) AS r(n, lo, hi)
+    GROUP BY r.n
+), proposed AS (
+    SELECT k.topic, k.channel, k.owner, greatest(k.floor, ch.start_id) AS floor,
+           coalesce(s.done, '{}'::int8multirange) AS done
+    FROM cursors k
+    JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
+    LEFT JOIN spans s ON s.n = k.n
+), saved AS (
+    INSERT INTO dmq_cursor AS c (topic, channel, owner, holder, floor, done)
+    SELECT topic, channel, owner, %(holder)s::text, floor,
+           done - int8multirange(int8range(NULL, floor, '(]'))
+    FROM proposed
+    ON CONFLICT (topic, channel, owner) DO UPDATE
+    SET floor = greatest(c.floor, EXCLUDED.floor),
+        done = (c.done + EXCLUDED.done)
+               - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]'))
+), cleared AS (
+    DELETE FROM dmq_attempts a USING input u
+    WHERE u.counted AND a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
 )
 INSERT INTO dmq_delivery_log (message_id, topic, channel, published_at, first_delivered_at,
                               acked_at, attempts, consumer, delivered_at)
-SELECT a.message_id, a.topic, a.channel, m.published_at,
-       CASE WHEN a.first_ms > 0 THEN to_timestamp(a.first_ms / 1000.0) END,
-       to_timestamp(a.acked_ms / 1000.0), a.attempts, a.consumer,
-       CASE WHEN a.delivered_ms > 0 THEN to_timestamp(a.delivered_ms / 1000.0) END
-FROM acked a JOIN dmq_message m ON m.id = a.message_id;
+SELECT u.message_id, u.topic, u.channel, to_timestamp(u.published_ms / 1000.0),
+       CASE WHEN u.first_ms > 0 THEN to_timestamp(u.first_ms / 1000.0) END,
+       to_timestamp(u.acked_ms / 1000.0), u.attempts, u.consumer,
+       CASE WHEN u.delivered_ms > 0 THEN to_timestamp(u.delivered_ms / 1000.0) END
+FROM input u
+JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel
+LEFT JOIN dmq_cursor c ON c.topic = u.topic AND c.channel = u.channel AND c.owner = u.owner
+-- the cursor as it was before this statement (its own changes are not visible here)
+WHERE u.message_id > coalesce(c.floor, ch.start_id) AND NOT coalesce(c.done @> u.message_id, false);
 
 -- name: load_backlog
--- Stored, unacknowledged copies for one channel after a cursor, oldest first.
+-- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one
+-- index range above the larger of the cursor and the owner's floor, skipping what is done.
+-- Without a holder (one node) every owner's copies; with one (a cluster) the copies of
+-- this node's own incarnation and of the owners whose cursors it holds.
+WITH ch AS (
+    SELECT start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
+), owners AS (
+    SELECT o.id FROM dmq_owner o
+    WHERE %(holder)s::text IS NULL
+       OR o.id = %(owner)s::integer
+       OR EXISTS (SELECT 1 FROM dmq_cursor k
+                  WHERE k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = o.id
+                    AND k.holder = %(holder)s::text)
+)
 SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
-       m.body, d.attempts
-FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
-WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after)s
-ORDER BY d.message_id
+       m.body, coalesce(a.attempts, 0), m.owner
+FROM ch CROSS JOIN owners w
+LEFT JOIN dmq_cursor k ON k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = w.id
+CROSS JOIN LATERAL (
+    SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner
+    FROM dmq_message m
+    WHERE m.topic = %(topic)s AND m.owner = w.id
+      AND m.id > greatest(%(after)s, ch.start_id, coalesce(k.floor, 0))
+      AND (m.channel IS NULL OR m.channel = %(channel)s)
+      AND NOT coalesce(k.done @> m.id, false)
+    ORDER BY m.id
+    LIMIT %(limit)s
+) m
+LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND a.message_id = m.id
+ORDER BY m.id
 LIMIT %(limit)s;
 
 -- name: sweep_messages
--- Remove fully acknowledged messages older than the retention window (bounded batch).
+-- Remove messages older than the retention window that every channel of their topic is
+-- done with (bounded batch).
 DELETE FROM dmq_message
 WHERE id IN (
     SELECT m.id FROM dmq_message m
     WHERE m.published_at < now() - make_interval(secs => %(retention_s)s)
-      AND NOT EXISTS (SELECT 1 FROM dmq_channel c JOIN dmq_delivery d
-                      ON d.topic = c.topic AND d.channel = c.name AND d.message_id = m.id
-                      WHERE c.topic = m.topic)
+      AND NOT EXISTS (
+          SELECT 1 FROM dmq_channel c
+          LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = m.owner
+          WHERE c.topic = m.topic
+            AND m.id > greatest(c.start_id, coalesce(k.floor, 0))
+            AND (m.channel IS NULL OR m.channel = c.name)
+            AND NOT coalesce(k.done @> m.id, false))
     ORDER BY m.id
     LIMIT %(limit)s
 );
@@ -156,12 +222,12 @@ WHERE id IN (
 -- name: channel_depths
 -- Stored, unacknowledged copies per channel.
 SELECT topic, channel, count(*) AS depth
-FROM dmq_delivery GROUP BY topic, channel ORDER BY topic, channel;
+FROM dmq_pending GROUP BY topic, channel ORDER BY topic, channel;
 
 -- name: table_counts
 -- Row counts for `dmq stats`.
 SELECT (SELECT count(*) FROM dmq_message) AS messages,
-       (SELECT count(*) FROM dmq_delivery) AS deliveries,
+       (SELECT count(*) FROM dmq_pending) AS deliveries,
        (SELECT count(*) FROM dmq_delivery_log) AS delivery_log,
        (SELECT count(*) FROM dmq_dead_letter) AS dead_letters;
 
@@ -214,15 +280,20 @@ LIMIT %(limit)s;
 -- name: move_due
 -- Move due rows of a worker's fragments into the reliable flow in one transaction:
 -- lock them (SKIP LOCKED: another worker or node never takes the same row), delete
--- them, insert each as a message with a delivery per target channel (the row's own
--- channel for a replay, else every channel registered now), point a replayed dead
--- letter at its new message, and keep a row whose channels are all gone as a dead
--- letter. Returns how many rows were taken, and the messages for the in-memory channels.
-WITH due AS MATERIALIZED (
+-- them, insert each as a message of this server's incarnation for its target channels
+-- (the row's own channel for a replay, else every channel registered now), point a
+-- replayed dead letter at its new message, and keep a row whose channels are all gone
+-- as a dead letter. An incarnation retired by a takeover moves nothing (the owner row is
+-- share-locked first, as the group commit does). Returns how many rows were taken, and
+-- the messages for the in-memory channels.
+WITH owner AS MATERIALIZED (
+    SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
+), due AS MATERIALIZED (
     SELECT id FROM dmq_delay
     WHERE (fragment = ANY(%(fragments)s::integer[])
            OR (%(overflow)s AND fragment > %(max_fragment)s))
       AND due_ms <= %(now_ms)s
+      AND EXISTS (SELECT 1 FROM owner)
     ORDER BY due_ms, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -243,10 +314,10 @@ WITH due AS MATERIALIZED (
     SELECT mv.*, t.names, nextval(pg_get_serial_sequence('dmq_message', 'id')) AS message_id
     FROM moved mv JOIN targets t ON t.delay_id = mv.delay_id
 ), ins AS (
-    INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, body)
+    INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, owner, channel, body)
     SELECT n.message_id, n.topic, n.producer, n.session_id,
            CASE WHEN n.produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(n.produced_ms / 1000.0) END,
-           %(node_id)s, n.body
+           %(node_id)s, %(owner)s::integer, n.channel, n.body
     FROM numbered n
     ORDER BY n.producer, n.session_id
     ON CONFLICT (producer, session_id) DO NOTHING
@@ -257,9 +328,6 @@ WITH due AS MATERIALIZED (
            n.session_id, n.produced_ms, n.due_ms, n.replay_of, n.body, n.names
     FROM numbered n
     WHERE n.message_id = ANY (ARRAY(SELECT id FROM ins))
-), deliveries AS (
-    INSERT INTO dmq_delivery (topic, channel, message_id, owner)
-    SELECT p.topic, unnest(p.names), p.id, %(node_id)s FROM placed p
 ), replayed AS (
     UPDATE dmq_dead_letter dl SET replay_message_id = p.id
     FROM placed p WHERE dl.id = p.replay_of
@@ -300,52 +368,105 @@ ORDER BY u.ord
 RETURNING id;
 
 -- name: record_attempts
--- Persist delivery attempts (batched), so max attempts survives a restart.
-UPDATE dmq_delivery d SET attempts = greatest(d.attempts, u.attempts)
-FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
-            %(attempts)b::integer[]) AS u(topic, channel, message_id, attempts)
-WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id;
+-- Persist delivery attempts (batched), so max attempts survives a restart: the one
+-- per-copy row the cursors keep, only for copies delivered more than once (or counted
+-- for a topic's max_attempts), and only while the copy is not done.
+INSERT INTO dmq_attempts AS a (topic, channel, message_id, attempts)
+SELECT u.topic, u.channel, u.message_id, u.attempts
+FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[], %(message_ids)b::bigint[],
+            %(attempts)b::integer[]) AS u(topic, channel, owner, message_id, attempts)
+JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel
+LEFT JOIN dmq_cursor k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
+WHERE u.message_id > coalesce(k.floor, ch.start_id) AND NOT coalesce(k.done @> u.message_id, false)
+ON CONFLICT (topic, channel, message_id) DO UPDATE SET attempts = greatest(a.attempts, EXCLUDED.attempts);
 
 -- name: exhaust_deliveries
--- Copies that used up their topic's max attempts: delivery row -> dead letter.
+-- Copies that used up their topic's max attempts become dead letters and are done for
+-- their channel (a copy already done is left alone: one dead letter per copy).
 WITH input AS (
-    SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
-                         %(attempts)b::integer[]) AS u(topic, channel, message_id, attempts)
-), gone AS (
-    DELETE FROM dmq_delivery d USING input u
-    WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id
-    RETURNING d.topic, d.channel, d.message_id, greatest(d.attempts, u.attempts) AS attempts
+    SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
+                         %(message_ids)b::bigint[], %(attempts)b::integer[])
+             AS u(topic, channel, owner, message_id, attempts)
+), fresh AS MATERIALIZED (
+    SELECT u.*, ch.start_id FROM input u
+    JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel
+    LEFT JOIN dmq_cursor k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
+    WHERE u.message_id > coalesce(k.floor, ch.start_id) AND NOT coalesce(k.done @> u.message_id, false)
+), marked AS (
+    INSERT INTO dmq_cursor AS k (topic, channel, owner, holder, floor, done)
+    SELECT topic, channel, owner, %(holder)s::text, min(start_id), range_agg(int8range(message_id, message_id, '[]'))
+    FROM fresh GROUP BY topic, channel, owner
+    ON CONFLICT (topic, channel, owner) DO UPDATE SET done = k.done + EXCLUDED.done
+), kept AS (
+    DELETE FROM dmq_attempts a USING fresh f
+    WHERE a.topic = f.topic AND a.channel = f.channel AND a.message_id = f.message_id
+    RETURNING a.topic, a.channel, a.message_id, a.attempts
 )
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
                              attempts, body, published_at)
-SELECT 'max_attempts', 'delivered ' || g.attempts || ' times without acknowledgement',
-       g.topic, g.channel, m.producer, m.session_id, m.id, g.attempts, m.body, m.published_at
-FROM gone g JOIN dmq_message m ON m.id = g.message_id
+SELECT 'max_attempts', 'delivered ' || greatest(f.attempts, coalesce(kp.attempts, 0)) || ' times without acknowledgement',
+       f.topic, f.channel, m.producer, m.session_id, m.id, greatest(f.attempts, coalesce(kp.attempts, 0)),
+       m.body, m.published_at
+FROM fresh f
+JOIN dmq_message m ON m.id = f.message_id
+LEFT JOIN kept kp ON kp.topic = f.topic AND kp.channel = f.channel AND kp.message_id = f.message_id
 RETURNING topic, channel, message_id;
 
+-- name: open_ttl_cursors
+-- Make sure every (channel, owner) of a topic with a time to live has a cursor row, so
+-- that the expiry can lock it (a node delivering these copies is the owner's own node
+-- until a takeover names another).
+INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
+SELECT c.topic, c.name, o.id, o.node_id, c.start_id
+FROM dmq_channel c
+JOIN dmq_topic t ON t.name = c.topic AND t.ttl_ms IS NOT NULL
+CROSS JOIN dmq_owner o
+WHERE EXISTS (SELECT 1 FROM dmq_message m WHERE m.topic = c.topic AND m.owner = o.id AND m.id > c.start_id)
+ON CONFLICT (topic, channel, owner) DO NOTHING;
+
 -- name: expire_deliveries
--- Copies not acknowledged within their topic's time to live -> dead letters
--- (bounded batch, SKIP LOCKED so two nodes sweeping at once split the work).
-WITH expired AS MATERIALIZED (
-    SELECT d.topic, d.channel, d.message_id, t.ttl_ms
-    FROM dmq_delivery d
-    JOIN dmq_topic t ON t.name = d.topic
-    JOIN dmq_message m ON m.id = d.message_id
-    WHERE t.ttl_ms IS NOT NULL
-      AND m.published_at < to_timestamp(%(now_ms)s / 1000.0) - make_interval(secs => t.ttl_ms / 1000.0)
-    ORDER BY d.message_id
+-- Copies not acknowledged within their topic's time to live -> dead letters, done for
+-- their channel (bounded batch; the cursors are locked SKIP LOCKED, so two nodes sweeping
+-- at once, or an ack batch under way, split the work instead of doing it twice).
+WITH locked AS MATERIALIZED (
+    SELECT k.topic, k.channel, k.owner, k.floor, k.done, t.ttl_ms, c.start_id
+    FROM dmq_cursor k
+    JOIN dmq_topic t ON t.name = k.topic AND t.ttl_ms IS NOT NULL
+    JOIN dmq_channel c ON c.topic = k.topic AND c.name = k.channel
+    FOR UPDATE OF k SKIP LOCKED
+), expired AS MATERIALIZED (
+    SELECT l.topic, l.channel, l.owner, l.ttl_ms, m.id AS message_id, m.producer, m.session_id,
+           m.body, m.published_at
+    FROM locked l
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.producer, m.session_id, m.body, m.published_at
+        FROM dmq_message m
+        WHERE m.topic = l.topic AND m.owner = l.owner AND m.id > greatest(l.floor, l.start_id)
+          AND (m.channel IS NULL OR m.channel = l.channel)
+          AND m.published_at < to_timestamp(%(now_ms)s / 1000.0) - make_interval(secs => l.ttl_ms / 1000.0)
+          AND NOT l.done @> m.id
+        ORDER BY m.id
+        LIMIT %(limit)s
+    ) m
+    ORDER BY m.id
     LIMIT %(limit)s
-    FOR UPDATE OF d SKIP LOCKED
-), gone AS (
-    DELETE FROM dmq_delivery d USING expired e
-    WHERE d.topic = e.topic AND d.channel = e.channel AND d.message_id = e.message_id
-    RETURNING d.topic, d.channel, d.message_id, d.attempts, e.ttl_ms
+), marked AS (
+    UPDATE dmq_cursor k SET done = k.done + e.done
+    FROM (SELECT topic, channel, owner, range_agg(int8range(message_id, message_id, '[]')) AS done
+          FROM expired GROUP BY topic, channel, owner) e
+    WHERE k.topic = e.topic AND k.channel = e.channel AND k.owner = e.owner
+), kept AS (
+    DELETE FROM dmq_attempts a USING expired e
+    WHERE a.topic = e.topic AND a.channel = e.channel AND a.message_id = e.message_id
+    RETURNING a.topic, a.channel, a.message_id, a.attempts
 )
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
                              attempts, body, published_at)
-SELECT 'expired', 'not acknowledged within the topic''s time to live of ' || g.ttl_ms || ' ms',
-       g.topic, g.channel, m.producer, m.session_id, m.id, g.attempts, m.body, m.published_at
-FROM gone g JOIN dmq_message m ON m.id = g.message_id
+SELECT 'expired', 'not acknowledged within the topic''s time to live of ' || e.ttl_ms || ' ms',
+       e.topic, e.channel, e.producer, e.session_id, e.message_id, coalesce(kp.attempts, 0), e.body,
+       e.published_at
+FROM expired e
+LEFT JOIN kept kp ON kp.topic = e.topic AND kp.channel = e.channel AND kp.message_id = e.message_id
 RETURNING topic, channel, message_id;
 
 -- fragment: dead_letter_filter
@@ -458,51 +579,89 @@ SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
     max_attempts = EXCLUDED.max_attempts;
 
--- name: load_owned_backlog
--- Stored, unacknowledged copies for one channel that this node owns, after a cursor,
--- oldest first (in a cluster every node delivers only the copies it owns).
-SELECT m.id, m.producer, m.session_id,
-       (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
-       m.body, d.attempts
-FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
-WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after)s
-  AND d.owner = %(owner)s
-ORDER BY d.message_id
-LIMIT %(limit)s;
+-- name: create_owner
+-- A new incarnation of this node: the owner of the messages it stores from now on.
+INSERT INTO dmq_owner (node_id) VALUES (%(node_id)s) RETURNING id;
 
--- name: delivery_owners
--- The distinct owners of unacknowledged copies: a loose index scan (one probe per
--- owner) when dmq_delivery has an index led by owner, a full scan otherwise.
-WITH RECURSIVE owners AS (
-    (SELECT owner FROM dmq_delivery ORDER BY owner LIMIT 1)
-    UNION ALL
-    SELECT (SELECT d.owner FROM dmq_delivery d WHERE d.owner > o.owner ORDER BY d.owner LIMIT 1)
-    FROM owners o WHERE o.owner IS NOT NULL
-)
-SELECT owner FROM owners WHERE owner IS NOT NULL;
+-- name: retire_silent_owners
+-- Servers without ZooKeeper: every earlier incarnation of this node, and every incarnation
+-- whose server has not beaten for `silent_s`, is over (and fenced: a process still running
+-- one can store nothing more); the servers deliver their copies.
+UPDATE dmq_owner SET retired_at = now()
+WHERE retired_at IS NULL AND id <> %(owner)s::integer
+  AND (node_id = %(node_id)s OR seen_at < now() - make_interval(secs => %(silent_s)s))
+RETURNING id;
 
--- name: claim_deliveries
--- Takeover: move one batch of a departed node's unacknowledged copies to this node.
--- A row changes owner only while it still has the departed one (another claimer
--- cannot take it twice); rows locked by a concurrent claimer are skipped.
--- Returns how many copies of each channel were claimed.
-WITH batch AS (
-    SELECT topic, channel, message_id FROM dmq_delivery
-    WHERE owner = %(dead)s
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE dmq_delivery d SET owner = %(owner)s
-    FROM batch b
-    WHERE d.topic = b.topic AND d.channel = b.channel AND d.message_id = b.message_id
-      AND d.owner = %(dead)s
-    RETURNING d.topic, d.channel
+-- name: owner_heartbeat
+-- This incarnation is alive; no row if it was retired (another server took it over).
+UPDATE dmq_owner SET seen_at = now() WHERE id = %(owner)s::integer AND retired_at IS NULL
+RETURNING id;
+
+-- name: owner_states
+-- Every incarnation, its node and whether it was retired (a retired owner stores nothing
+-- more, so its holder may treat everything it loaded as complete).
+SELECT id, node_id, retired_at IS NOT NULL FROM dmq_owner ORDER BY id;
+
+-- name: takeover_candidates
+-- Nodes with incarnations still storing, and nodes named as holders of cursors, each with
+-- its incarnations not yet retired: the takeover compares them with the live nodes.
+SELECT n.node_id,
+       coalesce((SELECT array_agg(o.id ORDER BY o.id) FROM dmq_owner o
+                 WHERE o.node_id = n.node_id AND o.retired_at IS NULL), '{}')
+FROM (SELECT node_id FROM dmq_owner WHERE retired_at IS NULL
+      UNION SELECT holder FROM dmq_cursor) AS n
+ORDER BY n.node_id;
+
+-- name: claim_owners
+-- Takeover (holding the departed node's lock in ZooKeeper): retire its incarnations that
+-- are not live (their group commits wait for or fail on the owner row's lock, so nothing
+-- more is stored for them), open their cursors on every channel with their messages, and
+-- become the holder of every cursor of those owners, or held by the departed node, that
+-- no live node holds. Returns the channels whose cursors changed hands.
+WITH retired AS (
+    UPDATE dmq_owner SET retired_at = now()
+    WHERE id = ANY(%(owners)s::integer[]) AND retired_at IS NULL
+    RETURNING id
+), opened AS (
+    INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
+    SELECT c.topic, c.name, o.id, %(me)s, c.start_id
+    FROM dmq_channel c CROSS JOIN unnest(%(owners)s::integer[]) AS o(id)
+    WHERE EXISTS (SELECT 1 FROM dmq_message m WHERE m.topic = c.topic AND m.owner = o.id AND m.id > c.start_id)
+    ON CONFLICT (topic, channel, owner) DO NOTHING
+    RETURNING topic, channel
+), moved AS (
+    UPDATE dmq_cursor k SET holder = %(me)s
+    WHERE (k.owner = ANY(%(owners)s::integer[]) OR k.holder = %(dead)s)
+      AND k.holder <> %(me)s AND NOT (k.holder = ANY(%(live)s::text[]))
+    RETURNING topic, channel
 )
-SELECT topic, channel, count(*) FROM claimed GROUP BY topic, channel ORDER BY topic, channel;
+SELECT topic, channel, count(*)
+FROM (SELECT * FROM opened UNION ALL SELECT * FROM moved) AS changed
+GROUP BY topic, channel ORDER BY topic, channel;
+
+-- name: prune_owners
+-- Incarnations retired long enough that none of their messages is left, with their
+-- cursors; and kept attempts of copies that are done (an ack racing a redelivery).
+WITH gone AS (
+    DELETE FROM dmq_owner o
+    WHERE o.retired_at IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM dmq_topic t JOIN dmq_message m ON m.topic = t.name AND m.owner = o.id)
+    RETURNING o.id
+), cursors AS (
+    DELETE FROM dmq_cursor k USING gone WHERE k.owner = gone.id
+)
+DELETE FROM dmq_attempts a
+WHERE NOT EXISTS (SELECT 1 FROM dmq_pending p
+                  WHERE p.topic = a.topic AND p.channel = a.channel AND p.message_id = a.message_id);
+
+-- name: backends_alive
+-- Which of these PostgreSQL backends still run (a write whose answer was lost is settled
+-- once the backend that ran it is gone: committed or rolled back, and visible either way).
+SELECT pid FROM pg_stat_activity WHERE pid = ANY(%(pids)s::integer[]);
 
 -- name: owner_depths
--- Unacknowledged copies per owning node (cluster view for `dmq stats` and operators).
-SELECT owner, count(*) AS copies FROM dmq_delivery GROUP BY owner ORDER BY owner;
+-- Unacknowledged copies per node delivering them (cluster view for `dmq stats` and operators).
+SELECT holder, count(*) AS copies FROM dmq_pending GROUP BY holder ORDER BY holder;
 
 -- name: channel_pauses
 -- Reliable channels an operator paused (read with the stored depths on a timer).
@@ -517,8 +676,27 @@ DELETE FROM dmq_channel_pause WHERE topic = %(topic)s AND channel = %(channel)s;
 
 -- name: empty_channel
 -- nsqd's channel empty on a reliable channel: every stored, unacknowledged copy of the
--- channel is dropped (the messages stay for the other channels).
-DELETE FROM dmq_delivery WHERE topic = %(topic)s AND channel = %(channel)s;
+-- channel is dropped (the messages stay for the other channels): each owner's cursor
+-- moves to its last message stored now. Returns how many copies were waiting.
+WITH ch AS (
+    SELECT topic, name, start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
+), tops AS (
+    SELECT o.id AS owner, o.node_id,
+           (SELECT max(m.id) FROM dmq_message m WHERE m.topic = ch.topic AND m.owner = o.id) AS top
+    FROM ch CROSS JOIN dmq_owner o
+), waiting AS (
+    SELECT count(*) AS n FROM dmq_pending p WHERE p.topic = %(topic)s AND p.channel = %(channel)s
+), moved AS (
+    INSERT INTO dmq_cursor AS k (topic, channel, owner, holder, floor)
+    SELECT ch.topic, ch.name, t.owner, t.node_id, greatest(t.top, ch.start_id)
+    FROM ch JOIN tops t ON t.top IS NOT NULL
+    ON CONFLICT (topic, channel, owner) DO UPDATE
+    SET floor = greatest(k.floor, EXCLUDED.floor),
+        done = k.done - int8multirange(int8range(NULL, greatest(k.floor, EXCLUDED.floor), '(]'))
+), kept AS (
+    DELETE FROM dmq_attempts WHERE topic = %(topic)s AND channel = %(channel)s
+)
+SELECT n FROM waiting;
 
 -- ---------------------------------------------------------------------------
 -- The message trace, peeking, and the gauges /metrics reads on a timer (schema version 6)
@@ -557,12 +735,10 @@ SELECT id, topic, producer, session_id,
 FROM dmq_message_history WHERE id = %(id)s;
 
 -- name: trace_pending
--- The message's copies not yet acknowledged: one exact lookup per registered channel.
-SELECT d.channel, d.attempts, d.owner
-FROM dmq_channel c
-JOIN dmq_delivery d ON d.topic = c.topic AND d.channel = c.name AND d.message_id = %(id)s
-WHERE c.topic = %(topic)s
-ORDER BY d.channel;
+-- The message's copies not yet acknowledged, and the node delivering each.
+SELECT channel, attempts, holder FROM dmq_pending
+WHERE topic = %(topic)s AND message_id = %(id)s
+ORDER BY channel;
 
 -- name: trace_returns
 -- Deliveries of the message that came back unacknowledged.
@@ -607,12 +783,12 @@ LIMIT 1;
 
 -- name: peek_channel
 -- A channel's stored, unacknowledged copies in id order, bodies cut short; nothing changes.
-SELECT d.message_id, d.attempts, d.owner, m.producer, m.session_id,
+SELECT p.message_id, p.attempts, p.holder, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint,
        length(m.body), substring(m.body FOR %(preview)s)
-FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
-WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after)s
-ORDER BY d.message_id
+FROM dmq_pending p JOIN dmq_message m ON m.id = p.message_id
+WHERE p.topic = %(topic)s AND p.channel = %(channel)s AND p.message_id > %(after)s
+ORDER BY p.message_id
 LIMIT %(limit)s;
 
 -- name: oldest_unacked
@@ -620,9 +796,9 @@ LIMIT %(limit)s;
 -- index probe each): the oldest unacknowledged message's age for /metrics.
 SELECT c.topic, c.name,
        (SELECT (extract(epoch FROM m.published_at) * 1000)::bigint
-        FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
-        WHERE d.topic = c.topic AND d.channel = c.name
-        ORDER BY d.message_id LIMIT 1)
+        FROM dmq_pending p JOIN dmq_message m ON m.id = p.message_id
+        WHERE p.topic = c.topic AND p.channel = c.name
+        ORDER BY p.message_id LIMIT 1)
 FROM dmq_channel c ORDER BY c.topic, c.name;
 
 -- name: delay_pending_by_topic

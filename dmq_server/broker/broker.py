@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
 from dmq_client.wire import valid_name
@@ -112,6 +112,9 @@ class Broker:
         self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
         self.limits = RateLimiter(clock)
         fetch = fetch_topics or (lambda: workers["admin"].run_steps(list_topics_steps))
+        # without a cluster's registry this is the only server on the database: its start
+        # retires every earlier incarnation (ReliableStore.start)
+        self._alone = fetch_topics is None
         self.cache = TopicCache(fetch, self._registry_read, lambda why: self._set_health(False, why))
         self.timers = self._timers()
 
@@ -138,6 +141,7 @@ class Broker:
             ("registry-refresh", self._refresh_quietly, self.options.registry_refresh),
             ("sweep", reliable.sweep, self.options.sweep_interval),
             ("channel-state", reliable.read_channel_state, self.options.channel_state_interval),
+            ("heartbeat", reliable.heartbeat, self.options.owner_silence / 6),
         ):
             timer = TimerService(step, fn)
             timer.clock = self.clock
@@ -146,9 +150,13 @@ class Broker:
         return timers
 
     def start(self) -> Deferred:
-        """Read the registry and the operators' pauses before the first push (a paused
-        channel stays paused on restart)."""
-        d = self.refresh_registry()
+        """Begin this server's incarnation, then read the registry and the operators'
+        pauses before the first push (a paused channel stays paused on restart)."""
+        if self.reliable.writes.owner:  # begun already (a cluster node does it under its lock)
+            d = succeed(None)
+        else:
+            d = self.reliable.start(alone=self._alone)
+        d.addCallback(lambda _: self.refresh_registry())
         return d.addCallback(lambda _: self.reliable.read_channel_state())
 
     def stop(self) -> Deferred:

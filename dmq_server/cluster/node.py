@@ -12,8 +12,9 @@ With ``--zk`` the server starts a ``ClusterNode`` between storage and the broker
 * **membership**: the ephemeral ``/dmq/node/<node-id>`` (``registry.membership``),
   written on start once the listeners have their ports, refreshed every
   ``--node-heartbeat``, deleted on a clean shutdown.
-* **ownership**: the node loads and delivers only the copies it owns
-  (``dmq_delivery.owner``), and nothing until it is registered.
+* **ownership**: the node loads and delivers only the copies of its own incarnation
+  and of the cursors it holds (``dmq_cursor.holder``), and nothing until it is
+  registered; its incarnation begins, and is registered, under its takeover lock.
 
 What the node does when its ZooKeeper session is in doubt (kazoo's states):
 
@@ -93,6 +94,7 @@ class ClusterNode:
         self._pause_timer: Any = None
         self._suspended_pause = False
         self._registering: defer.Deferred | None = None
+        self._start_lock: Any = None  # the takeover lock held from the incarnation's start
         self._last_specs: list[Any] | None = None
         self.timers = self._timers()
         self._nodes_reading = False
@@ -141,6 +143,24 @@ class ClusterNode:
         if timeout is not None:
             d.addTimeout(timeout if timeout > 0 else 2 * self.options.zk_session_timeout + 5, self.reactor)
         return d
+
+    @defer.inlineCallbacks
+    def begin_incarnation(self, store: Any) -> Any:
+        """Begin this process's incarnation (``store.start``) holding the node's takeover
+        lock, and keep it until the first registration names the incarnation: a takeover
+        running meanwhile would see the node absent and retire it."""
+        from registry.takeover_lock import TakeoverLock
+
+        lock = TakeoverLock(self.client, self.node_id, f"start {self.instance}")
+        got = yield self._zk(lock.acquire, 2 * self.options.zk_session_timeout + 30, timeout=None)
+        if not got:
+            raise RegistryError(f"node {self.node_id!r}: its takeover lock stayed busy")
+        try:
+            yield store.start(alone=False)
+        except BaseException:
+            yield self._zk(lock.release)
+            raise
+        self._start_lock = lock
 
     def attach(self, broker: Any, fast_topics: Callable[[], dict[str, tuple[str, ...]]]) -> None:
         """The broker delivers only owned copies, and nothing before registration."""
@@ -232,10 +252,41 @@ class ClusterNode:
             self.reactor.callLater(1.0, self._retry_register)
             return None
 
-        d = self._zk(self.membership.register, timeout=None)
+        d = self._register_incarnation()
         d.addCallbacks(done, failed)
         self._registering = d
         return d
+
+    @defer.inlineCallbacks
+    def _register_incarnation(self) -> Any:
+        """Create the znode naming this process's incarnation, holding the takeover lock.
+        After a lost session other nodes may have taken the incarnation over (retired:
+        it stores nothing more), so under the lock a retired one is replaced by a new
+        incarnation before the znode names it."""
+        from dmq_server.db.messages import create_owner_steps, read_owners_steps
+
+        lock, self._start_lock = self._start_lock, None
+        if lock is None:
+            lock = yield self._zk(self.membership.lock, timeout=None)
+        try:
+            store = self.broker.reliable if self.broker is not None else None
+            if store is not None:
+                owners = yield self._worker.run_steps(read_owners_steps)
+                mine = [o for o in owners if o.owner == store.writes.owner]
+                if not mine or mine[0].retired:
+                    old = store.writes.owner
+                    new = yield self._worker.run_steps(create_owner_steps, self.node_id)
+                    store.writes.retired.add(old)
+                    store.writes.owner = new
+                    log.warn(
+                        "incarnation {old} of node {node} was taken over while its session was lost: "
+                        "storing as incarnation {new} from now on", old=old, node=self.node_id, new=new,
+                    )
+                self.membership.update(incarnation=store.writes.owner)
+        except BaseException:
+            yield self._zk(lock.release)
+            raise
+        yield self._zk(self.membership.register_locked, lock, timeout=None)
 
     def _retry_register(self) -> None:
         if not self.stopping and not self.registered and self.zk_state == "CONNECTED":
@@ -325,7 +376,7 @@ class ClusterNode:
 
     def _check_takeover(self) -> None:
         if self.takeover is not None and not self.stopping:
-            self.takeover.check(set(self.nodes))
+            self.takeover.check({node: info.incarnation for node, info in self.nodes.items()})
 
     # -- session states -----------------------------------------------------------------
     def _state_changed(self, state: str) -> None:

@@ -1,25 +1,27 @@
-"""Takeover: a live node claims the stored copies of nodes that are gone.
+"""Takeover: a live node claims the stored copies of incarnations that are gone.
 
-Every unacknowledged copy has an owner (``dmq_delivery.owner``): the node that stored
-it, and the only one that loads and delivers it. When a node disappears from
-``/dmq/node`` (crash, ``kill -9``, lost session, clean shutdown), its copies
-(backlog and what was in flight on it) would wait forever, so a live node claims
-them:
+Every stored message belongs to the incarnation of the server that stored it (one per
+process start, ``dmq_owner``), and a channel's progress over one owner's messages is a
+cursor naming the node that delivers them (its holder). When a node disappears from
+``/dmq/node`` (crash, ``kill -9``, lost session, clean shutdown), or starts again as a
+new incarnation, the copies of its earlier incarnations would wait forever, so a live
+node claims them:
 
-1. find owners of stored copies that are not live nodes (``delivery_owners``; this
-   also finds nodes that died while no other node was running);
-2. take ``/dmq/takeover/<dead>`` without waiting (someone else busy with it: skip)
-   and, holding it, check that ``/dmq/node/<dead>`` is still absent;
-3. move copies to this node in batches (``claim_deliveries``: ``owner = dead ->
-   owner = me``, row by row exclusive), re-checking the lock and the node's absence
-   before every batch;
-4. make the channels that received copies scan from their first id again
-   (``ReliableChannel.rescan``), since the claimed ids sit below their cursors.
+1. find nodes with incarnations still storing, or holding cursors, that are not live as
+   such (``takeover_candidates``; this also finds nodes that died while no other node
+   was running);
+2. take ``/dmq/takeover/<node>`` without waiting (someone else busy with it: skip) and,
+   holding it, check which of the node's incarnations its registration does not name;
+3. claim them in one transaction (``claim_owners``): retire them (their group commits
+   store nothing more: a process still running one is fenced) and become the holder of
+   their cursors, and of every cursor the departed node held that no live node holds;
+4. make the channels whose cursors changed hands read their copies from the first id
+   again (``ReliableChannel.rescan``), since the claimed ids sit below their cursors.
 
-Two nodes never claim the same copy (the UPDATE re-checks the owner), and a node
-that returns with the same id registers under the same lock, so it starts loading
-only after a takeover in progress has finished, and then finds only what it still
-owns. Runs are serialised; a request while one runs makes one more run.
+Two nodes never claim the same cursor (the UPDATE re-checks its holder), and a node that
+starts registers its new incarnation under the same lock, so the incarnation a live
+registration names is never retired. Runs are serialised; a request while one runs
+makes one more run.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from typing import Any, Callable
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from dmq_server.db.takeover import claim_deliveries, delivery_owners, owner_depths
+from dmq_server.db.takeover import claim_owners, owner_depths, takeover_candidates
 
-__all__ = ["Takeover", "delivery_owners", "claim_deliveries", "owner_depths"]
+__all__ = ["Takeover", "takeover_candidates", "claim_owners", "owner_depths"]
 
 log = Logger()
 
@@ -55,16 +57,17 @@ class Takeover:
         self.batch_size = batch_size
         self._can_claim = can_claim
         self._running: defer.Deferred | None = None
-        self._again: set[str] | None = None
+        self._again: dict[str, int] | None = None
         self.claimed = 0
         self.claims: dict[str, int] = {}
 
-    def check(self, live: set[str]) -> None:
-        """Claim copies of owners not in ``live`` (this node counts as live)."""
+    def check(self, live: dict[str, int]) -> None:
+        """Claim the copies of incarnations that no registration in ``live`` (node id ->
+        the incarnation it registered) names; this node counts as live."""
         if self._running is not None:
-            self._again = set(live)
+            self._again = dict(live)
             return
-        self._running = self._run(set(live))
+        self._running = self._run(dict(live))
 
         def finished(_: Any) -> None:
             self._running = None
@@ -86,41 +89,51 @@ class Takeover:
         return waiter
 
     @defer.inlineCallbacks
-    def _run(self, live: set[str]) -> Any:
+    def _run(self, live: dict[str, int]) -> Any:
         if not self._can_claim():
             return
-        owners = yield self._worker.run(delivery_owners)
-        for dead in owners:
-            if dead == self.node_id or dead in live or not self._can_claim():
+        candidates = yield self._worker.run(takeover_candidates)
+        for node, incarnations in sorted(candidates.items()):
+            if not self._can_claim():
+                break
+            if node in live and set(incarnations) <= {live[node]}:
+                continue  # a live node whose every incarnation storing is the one it runs
+            if node == self.node_id and set(incarnations) <= {self._store.writes.owner}:
                 continue
-            yield self._take(dead)
+            yield self._take(node, incarnations, set(live) | {self.node_id})
 
     @defer.inlineCallbacks
-    def _take(self, dead: str) -> Any:
+    def _take(self, dead: str, incarnations: list[int], live: set[str]) -> Any:
         from registry.takeover_lock import TakeoverLock
 
         lock = TakeoverLock(self._client, dead, f"takeover by {self.node_id}")
-        got = yield self._zk(lock.try_acquire_absent)
-        if not got:
-            return 0
+        if incarnations:
+            owners = yield self._zk(lock.try_acquire_for, incarnations)
+            if not owners:
+                return 0
+        else:  # cursors the departed node held, and no incarnation of its own left
+            got = yield self._zk(lock.try_acquire_absent)
+            if not got:
+                return 0
+            owners = []
         total = 0
         try:
-            while self._can_claim():
-                valid = yield self._zk(lock.still_valid)
-                if not valid or not self._can_claim():
-                    break
-                rows = yield self._worker.run(claim_deliveries, dead, self.node_id, self.batch_size)
-                count = sum(n for _, _, n in rows)
-                total += count
+            valid = yield self._zk(lock.still_valid, owners)
+            if valid and self._can_claim():
+                holders = sorted(live - {dead})
+                rows = yield self._worker.run(claim_owners, dead, owners, self.node_id, holders)
+                total = sum(n for _, _, n in rows)
+                self._store.writes.retired.update(owners)
                 self._rescan({(topic, channel) for topic, channel, _ in rows})
-                if count < self.batch_size:
-                    break
         finally:
             yield self._zk(lock.release)
-        if total:
+        if total or owners:
             self.claimed += total
             self.claims[dead] = self.claims.get(dead, 0) + total
-            log.info("took over {n} stored messages of departed node {dead}", n=total, dead=dead)
+            log.info(
+                "took over {n} cursors of departed node {dead} (incarnations {owners} retired)",
+                n=total, dead=dead, owners=owners,
+            )
         return total
 
     def _rescan(self, keys: set[tuple[str, str]]) -> None:

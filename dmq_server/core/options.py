@@ -127,6 +127,12 @@ class Options:
     sweep_interval: float = _opt(
         30.0, "how often fully acknowledged messages past retention are removed", kind="duration"
     )
+    owner_silence: float = _opt(
+        30.0,
+        "without --zk: how long another server on the database may miss its heartbeat (every "
+        "sixth of this) before its stored messages are delivered as taken over and it is fenced",
+        kind="duration",
+    )
     scan_interval: float = _opt(
         0.1, "how often in-flight deadlines are checked", kind="duration"
     )
@@ -323,6 +329,7 @@ class Options:
             ("ack_batch_size", self.ack_batch_size >= 1, "must be at least 1"),
             ("registry_refresh", self.registry_refresh > 0, "must be more than 0"),
             ("sweep_interval", self.sweep_interval > 0, "must be more than 0"),
+            ("owner_silence", self.owner_silence > 0, "must be more than 0"),
             ("channel_state_interval", self.channel_state_interval > 0, "must be more than 0"),
             ("scan_interval", self.scan_interval > 0, "must be more than 0"),
             ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),

@@ -52,6 +52,7 @@ class CopyRef:
     channel: str
     message_id: int
     attempts: int = 0
+    owner: int = 0  # the incarnation that stored it (its cursor is per owner)
 
 
 def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
@@ -87,6 +88,7 @@ def _copy_params(rows: Sequence[CopyRef]) -> dict:
     return {
         "topics": [r.topic for r in rows],
         "channels": [r.channel for r in rows],
+        "owners": [r.owner for r in rows],
         "message_ids": [r.message_id for r in rows],
         "attempts": [r.attempts for r in rows],
     }
@@ -98,16 +100,18 @@ def record_attempts_steps(rows: Sequence[CopyRef]) -> Steps:
     return (yield Statement("record_attempts", _copy_params(rows), count=True))
 
 
-def exhaust_deliveries_steps(rows: Sequence[CopyRef]) -> Steps:
-    """Copies that used up their attempts -> dead letters; [(topic, channel, message_id)]
-    of the copies still stored."""
-    found = yield Statement("exhaust_deliveries", _copy_params(rows))
+def exhaust_deliveries_steps(rows: Sequence[CopyRef], holder: str = "") -> Steps:
+    """Copies that used up their attempts -> dead letters, done for their channel;
+    [(topic, channel, message_id)] of the copies that were still waiting."""
+    found = yield Statement("exhaust_deliveries", dict(_copy_params(rows), holder=holder))
     return [tuple(r) for r in found]
 
 
 def expire_deliveries_steps(now_ms: int, limit: int) -> Steps:
     """Up to ``limit`` copies past their topic's time to live -> dead letters;
-    [(topic, channel, message_id)]."""
+    [(topic, channel, message_id)]. Every cursor it may need exists first, so that it
+    can be locked (two nodes, or an ack batch, never take the same copy)."""
+    yield Statement("open_ttl_cursors", {}, count=True)
     found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit})
     return [tuple(r) for r in found]
 
@@ -116,8 +120,8 @@ def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
     return run_steps(conn, record_attempts_steps(rows))
 
 
-def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef]) -> list[tuple[str, str, int]]:
-    return run_steps(conn, exhaust_deliveries_steps(rows))
+def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef], holder: str = "") -> list[tuple[str, str, int]]:
+    return run_steps(conn, exhaust_deliveries_steps(rows, holder))
 
 
 def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from dmq_server.db.errors import Fenced
 from dmq_server.db.messages import send_columns
 from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.trace import body_preview
@@ -60,7 +61,7 @@ class StoredDelay:
 
 @dataclass(slots=True)
 class MovedMessage:
-    """A delayed row now stored as a message with deliveries for ``channels``."""
+    """A delayed row now stored as a message for ``channels``."""
 
     message_id: int
     topic: str
@@ -70,6 +71,7 @@ class MovedMessage:
     channels: tuple[str, ...]
     due_ms: int
     body: bytes = field(repr=False)
+    owner: int = 0  # the incarnation that moved it (stored it as a message)
 
 
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
@@ -137,16 +139,22 @@ def move_due(
     now_ms: int,
     limit: int,
     node_id: str,
+    owner: int,
 ) -> tuple[int, list[MovedMessage]]:
     """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (the caller's
-    transaction). Returns (rows taken, messages stored); rows whose channels are all
-    gone became dead letters and are counted but not returned."""
+    transaction), as messages of incarnation ``owner``. Returns (rows taken, messages
+    stored); rows whose channels are all gone became dead letters and are counted but
+    not returned. A retired owner moves nothing (``Fenced``)."""
     params = _fragment_params(fragments, max_fragment)
-    params.update(now_ms=now_ms, limit=limit, node_id=node_id)
+    params.update(now_ms=now_ms, limit=limit, node_id=node_id, owner=owner)
     rows = conn.execute(queries["move_due"], params).fetchall()
     taken = rows[0][0] if rows else 0
+    if not taken:
+        retired = conn.execute(queries["owner_states"]).fetchall()
+        if not any(r[0] == owner and not r[2] for r in retired):
+            raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
-        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]))
+        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner)
         for r in rows
         if r[1] is not None
     ]

@@ -11,7 +11,7 @@ import psycopg
 from dmq_server.core.errors import Unavailable
 from dmq_sql.connection import describe_error
 
-__all__ = ["StorageError", "RefusedError", "storage_error", "describe_error"]
+__all__ = ["StorageError", "RefusedError", "Fenced", "storage_error", "describe_error"]
 
 
 class StorageError(Unavailable):
@@ -23,6 +23,9 @@ class StorageError(Unavailable):
     """
 
     code = "E_STORAGE"
+    # the PostgreSQL backend that ran the failed statement, when known: a write whose
+    # answer was lost is settled once that backend is gone (``reliable.horizon``)
+    backend_pid: int | None = None
 
 
 class RefusedError(StorageError):
@@ -35,6 +38,15 @@ class RefusedError(StorageError):
         super().__init__(message)
         self.sqlstate = sqlstate
 
+
+
+class Fenced(StorageError):
+    """This server's incarnation was retired (migration 0007's ``dmq_owner``): another
+    node presumed it dead and took its messages over, or another server started on the
+    same database without ZooKeeper. Nothing was stored (a known outcome, not the
+    input's fault), and nothing will be until this server starts again."""
+
+    code = "E_FENCED"
 
 
 # SQLSTATE classes that blame the statement's input, not the server or the link:

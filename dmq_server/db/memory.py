@@ -4,8 +4,10 @@ It has the interface the server's callers use (``run_steps(steps_fn, *args)``
 returning a Deferred, like a ``DbWorker`` or a ``ReactorDb``) and answers each
 ``Statement`` *by its query name* with a Python handler over dicts, the way
 PostgreSQL answers the SQL of ``sql/queries.sql``: topics and channels, messages
-unique by (producer, session_id), one delivery per registered channel, acks and the
-delivery log, pauses, depths, the sweep, delayed sends and dead letters. A statement
+unique by (producer, session_id) and owned by an incarnation, a cursor per (topic,
+channel, owner) moved by acks, the delivery log, pauses, depths, the sweep, delayed
+sends and dead letters. ``deliveries`` shows the copies waiting, as the ``dmq_pending``
+view does. A statement
 without a handler fails loudly (``UnknownStatement``), so a test never passes on a
 statement the double silently ignored. ``tests/integration/test_memory_db_contract.py``
 runs the same steps here and on a migrated PostgreSQL and compares the answers, so
@@ -73,12 +75,24 @@ class _Message:
     published_ms: int
     node_id: str
     body: bytes = field(repr=False)
+    owner: int = 0
+    channel: str | None = None  # stored for one channel only (a replay)
 
 
 @dataclass
-class _Delivery:
-    attempts: int
-    owner: str
+class _Cursor:
+    """dmq_cursor: every id up to ``floor`` done, and the inclusive ``done`` spans above."""
+
+    holder: str
+    floor: int
+    done: list[tuple[int, int]] = field(default_factory=list)
+
+    def covers(self, message_id: int) -> bool:
+        return message_id <= self.floor or any(lo <= message_id <= hi for lo, hi in self.done)
+
+    def merge(self, floor: int, spans: Iterable[tuple[int, int]]) -> None:
+        self.floor = max(self.floor, floor)
+        self.done = sorted({(lo, hi) for lo, hi in [*self.done, *spans] if hi > self.floor})
 
 
 class MemoryDb:
@@ -92,9 +106,12 @@ class MemoryDb:
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, dict[str, Any]] = {}
         self.channels: dict[str, set[str]] = {}
+        self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
         self.messages: dict[int, _Message] = {}
         self._pairs: dict[tuple[str, int], int] = {}  # UNIQUE (producer, session_id)
-        self.deliveries: dict[tuple[str, str, int], _Delivery] = {}
+        self.owners: dict[int, dict[str, Any]] = {}  # dmq_owner: node_id, retired
+        self.cursors: dict[tuple[str, str, int], _Cursor] = {}
+        self.attempts: dict[tuple[str, str, int], int] = {}  # dmq_attempts
         self.delivery_log: list[dict[str, Any]] = []
         self.pauses: set[tuple[str, str]] = set()
         self.delayed: dict[int, dict[str, Any]] = {}
@@ -111,8 +128,13 @@ class MemoryDb:
             "find_messages": self._find_messages,
             "ack_deliveries": self._ack_deliveries,
             "load_backlog": self._load_backlog,
-            "load_owned_backlog": self._load_backlog,
             "channel_depths": self._channel_depths,
+            "create_owner": self._create_owner,
+            "retire_silent_owners": self._retire_silent_owners,
+            "owner_heartbeat": self._owner_heartbeat,
+            "owner_states": self._owner_states,
+            "backends_alive": lambda p: [],  # the double's "connections" end with the failure
+            "prune_owners": self._prune_owners,
             "channel_pauses": self._channel_pauses,
             "pause_channel": self._pause_channel,
             "unpause_channel": self._unpause_channel,
@@ -123,6 +145,7 @@ class MemoryDb:
             "insert_dead_letters": self._insert_dead_letters,
             "record_attempts": self._record_attempts,
             "exhaust_deliveries": self._exhaust_deliveries,
+            "open_ttl_cursors": lambda p: 0,  # the double has no expiry sweep
             "record_returns": self._record_returns,
         }
         unknown = set(self._handlers) - set(STATEMENTS)
@@ -149,10 +172,41 @@ class MemoryDb:
             "ttl_ms": ttl_ms,
             "max_attempts": max_attempts,
         }
-        self.channels.setdefault(name, set()).update(channels)
+        for channel in channels:
+            self.add_channel(name, channel)
 
     def add_channel(self, topic: str, name: str) -> None:
-        self.channels[topic].add(name)
+        """Register a channel: its messages are those stored from now on (start_id)."""
+        if name not in self.channels.setdefault(topic, set()):
+            self.channels[topic].add(name)
+            self.start_ids[(topic, name)] = next(self._ids)
+
+    @property
+    def deliveries(self) -> dict[tuple[str, str, int], int]:
+        """The copies waiting, as ``dmq_pending`` shows them: (topic, channel, id) -> attempts."""
+        return {
+            (m.topic, channel, m.id): self.attempts.get((m.topic, channel, m.id), 0)
+            for m in self.messages.values()
+            for channel in self._channels_of(m)
+            if not self._done(m.topic, channel, m)
+        }
+
+    def _channels_of(self, m: _Message) -> list[str]:
+        return sorted(
+            c for c in self.channels.get(m.topic, ())
+            if self.start_ids[(m.topic, c)] < m.id and (m.channel is None or m.channel == c)
+        )
+
+    def _done(self, topic: str, channel: str, m: _Message) -> bool:
+        cursor = self.cursors.get((topic, channel, m.owner))
+        return cursor is not None and cursor.covers(m.id)
+
+    def _cursor(self, topic: str, channel: str, owner: int, holder: str) -> _Cursor:
+        key = (topic, channel, owner)
+        cursor = self.cursors.get(key)
+        if cursor is None:
+            cursor = self.cursors[key] = _Cursor(holder, self.start_ids.get((topic, channel), 0))
+        return cursor
 
     def fail_next(
         self, name: str, kind: str = "refused", *, times: int = 1, when: Callable[[dict], bool] | None = None
@@ -261,7 +315,10 @@ class MemoryDb:
 
     def _insert_messages(self, p: dict, *, on_conflict: bool) -> list[tuple]:
         """insert_messages (resent pairs skipped) and insert_new_messages (any stored
-        pair is a unique violation and nothing is inserted)."""
+        pair is a unique violation and nothing is inserted); nothing for a retired owner."""
+        owner = self.owners.get(p["owner"])
+        if owner is None or owner["retired"]:
+            return []
         items = list(zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["bodies"]))
         # PostgreSQL inserts in (producer, session_id) order: the ids follow it
         items.sort(key=lambda i: (i[1], i[2]))
@@ -280,13 +337,12 @@ class MemoryDb:
         now = self._now_ms()
         rows = []
         for topic, producer, session_id, produced_ms, body in fresh:
-            message = _Message(next(self._ids), topic, producer, session_id, produced_ms, now, p["node_id"], bytes(body))
+            message = _Message(
+                next(self._ids), topic, producer, session_id, produced_ms, now, p["node_id"], bytes(body), p["owner"]
+            )
             self.messages[message.id] = message
             self._pairs[(producer, session_id)] = message.id
-            names = sorted(self.channels.get(topic, ()))
-            for name in names:
-                self.deliveries[(topic, name, message.id)] = _Delivery(0, p["node_id"])
-            rows.append((message.id, producer, session_id, now, names))
+            rows.append((message.id, producer, session_id, now, self._channels_of(message)))
         return rows
 
     def _find_messages(self, p: dict) -> list[tuple]:
@@ -299,28 +355,49 @@ class MemoryDb:
         return rows
 
     def _ack_deliveries(self, p: dict) -> int:
-        acked = 0
-        for topic, channel, message_id, first_ms, acked_ms, attempts, consumer, delivered_ms in zip(
-            p["topics"], p["channels"], p["message_ids"], p["first_ms"], p["acked_ms"], p["attempts"],
-            p["consumers"], p["delivered_ms"],
+        """The cursors take the proposals (floors rise, spans add); each ack of a copy not
+        done before this statement is logged."""
+        before = {key: _Cursor(c.holder, c.floor, list(c.done)) for key, c in self.cursors.items()}
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for n, lo, hi in zip(p["r_cursors"], p["r_lo"], p["r_hi"]):
+            spans.setdefault(n, []).append((lo, hi))
+        for n, (topic, channel, owner, floor) in enumerate(
+            zip(p["k_topics"], p["k_channels"], p["k_owners"], p["k_floors"]), 1
         ):
-            delivery = self.deliveries.pop((topic, channel, message_id), None)
-            if delivery is None or message_id not in self.messages:
+            if channel not in self.channels.get(topic, ()):
                 continue
-            acked += 1
+            start = self.start_ids[(topic, channel)]
+            self._cursor(topic, channel, owner, p["holder"]).merge(max(floor, start), spans.get(n, ()))
+        logged = 0
+        columns = ("topics", "channels", "owners", "message_ids", "published_ms", "first_ms", "acked_ms",
+                   "attempts", "consumers", "delivered_ms", "counted")
+        for topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts, consumer, delivered_ms, counted in zip(
+            *(p[c] for c in columns)
+        ):
+            if counted:
+                self.attempts.pop((topic, channel, message_id), None)
+            if channel not in self.channels.get(topic, ()):
+                continue
+            cursor = before.get((topic, channel, owner))
+            floor = cursor.floor if cursor is not None else self.start_ids[(topic, channel)]
+            if message_id <= floor or (cursor is not None and cursor.covers(message_id)):
+                continue
+            before.setdefault((topic, channel, owner), _Cursor("", floor)).done.append((message_id, message_id))
+            logged += 1
             self.delivery_log.append(
                 {
                     "message_id": message_id,
                     "topic": topic,
                     "channel": channel,
+                    "published_ms": published_ms,
                     "first_ms": first_ms if first_ms > 0 else None,
                     "acked_ms": acked_ms,
-                    "attempts": max(attempts, delivery.attempts),
+                    "attempts": attempts,
                     "consumer": consumer,
                     "delivered_ms": delivered_ms if delivered_ms > 0 else None,
                 }
             )
-        return acked
+        return logged
 
     def _record_returns(self, p: dict) -> int:
         keys = ("message_id", "topic", "channel", "attempt", "reason", "consumer", "delivered_ms", "returned_ms")
@@ -331,18 +408,26 @@ class MemoryDb:
         return len(rows)
 
     def _load_backlog(self, p: dict) -> list[tuple]:
-        owner = p.get("owner")
+        topic, channel, holder = p["topic"], p["channel"], p["holder"]
+        if channel not in self.channels.get(topic, ()):
+            return []
+
+        def loads(owner: int) -> bool:
+            if holder is None or owner == p["owner"]:
+                return True
+            cursor = self.cursors.get((topic, channel, owner))
+            return cursor is not None and cursor.holder == holder
+
         ids = sorted(
-            message_id
-            for (topic, channel, message_id), d in self.deliveries.items()
-            if topic == p["topic"] and channel == p["channel"] and message_id > p["after"]
-            and (owner is None or d.owner == owner)
+            m.id for m in self.messages.values()
+            if m.topic == topic and m.id > p["after"] and loads(m.owner)
+            and channel in self._channels_of(m) and not self._done(topic, channel, m)
         )[: p["limit"]]
         rows = []
         for message_id in ids:
             m = self.messages[message_id]
-            d = self.deliveries[(p["topic"], p["channel"], message_id)]
-            rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, d.attempts))
+            attempts = self.attempts.get((topic, channel, message_id), 0)
+            rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, attempts, m.owner))
         return rows
 
     def _channel_depths(self, p: dict) -> list[tuple]:
@@ -350,6 +435,48 @@ class MemoryDb:
         for topic, channel, _ in self.deliveries:
             depths[(topic, channel)] = depths.get((topic, channel), 0) + 1
         return [(t, c, n) for (t, c), n in sorted(depths.items())]
+
+    # -- incarnations ------------------------------------------------------------------
+
+    def _create_owner(self, p: dict) -> list[tuple]:
+        owner = len(self.owners) + 1
+        self.owners[owner] = {"node_id": p["node_id"], "retired": False, "seen_ms": self._now_ms()}
+        return [(owner,)]
+
+    def _retire_silent_owners(self, p: dict) -> list[tuple]:
+        silent_before = self._now_ms() - p["silent_s"] * 1000
+        retired = [
+            o for o, row in sorted(self.owners.items())
+            if o != p["owner"] and not row["retired"]
+            and (row["node_id"] == p["node_id"] or row.get("seen_ms", self._now_ms()) < silent_before)
+        ]
+        for o in retired:
+            self.owners[o]["retired"] = True
+        return [(o,) for o in retired]
+
+    def _owner_heartbeat(self, p: dict) -> list[tuple]:
+        row = self.owners.get(p["owner"])
+        if row is None or row["retired"]:
+            return []
+        row["seen_ms"] = self._now_ms()
+        return [(p["owner"],)]
+
+    def _owner_states(self, p: dict) -> list[tuple]:
+        return [(o, row["node_id"], row["retired"]) for o, row in sorted(self.owners.items())]
+
+    def _prune_owners(self, p: dict) -> int:
+        gone = [
+            o for o, row in self.owners.items()
+            if row["retired"] and not any(m.owner == o for m in self.messages.values())
+        ]
+        for o in gone:
+            del self.owners[o]
+            for key in [k for k in self.cursors if k[2] == o]:
+                del self.cursors[key]
+        pending = self.deliveries
+        for key in [k for k in self.attempts if k not in pending]:
+            del self.attempts[key]
+        return len(gone)
 
     def _channel_pauses(self, p: dict) -> list[tuple]:
         return sorted(self.pauses)
@@ -371,22 +498,25 @@ class MemoryDb:
             return 1
         return 0
 
-    def _empty_channel(self, p: dict) -> int:
-        gone = [k for k in self.deliveries if k[0] == p["topic"] and k[1] == p["channel"]]
-        for key in gone:
-            del self.deliveries[key]
-        return len(gone)
+    def _empty_channel(self, p: dict) -> list[tuple]:
+        topic, channel = p["topic"], p["channel"]
+        if channel not in self.channels.get(topic, ()):
+            return [(0,)]
+        waiting = sum(1 for t, c, _ in self.deliveries if (t, c) == (topic, channel))
+        for owner, row in self.owners.items():
+            top = max((m.id for m in self.messages.values() if m.topic == topic and m.owner == owner), default=None)
+            if top is not None:
+                self._cursor(topic, channel, owner, row["node_id"]).merge(top, ())
+        for key in [k for k in self.attempts if k[:2] == (topic, channel)]:
+            del self.attempts[key]
+        return [(waiting,)]
 
     def _sweep_messages(self, p: dict) -> int:
-        """Messages older than the retention with no copy left on a registered channel."""
+        """Messages older than the retention that every channel of their topic is done with."""
         cutoff = self._now_ms() - p["retention_s"] * 1000
-        held = {
-            message_id
-            for topic, channel, message_id in self.deliveries
-            if channel in self.channels.get(topic, ())
-        }
+        pending = {message_id for _, _, message_id in self.deliveries}
         gone = sorted(
-            m.id for m in self.messages.values() if m.published_ms < cutoff and m.id not in held
+            m.id for m in self.messages.values() if m.published_ms < cutoff and m.id not in pending
         )[: p["limit"]]
         for message_id in gone:
             m = self.messages.pop(message_id)
@@ -443,28 +573,37 @@ class MemoryDb:
             rows.append((letter["id"],))
         return rows
 
-    def _copies(self, p: dict) -> Iterable[tuple[tuple[str, str, int], int]]:
-        for topic, channel, message_id, attempts in zip(p["topics"], p["channels"], p["message_ids"], p["attempts"]):
-            yield (topic, channel, message_id), attempts
+    def _copies(self, p: dict) -> Iterable[tuple[tuple[str, str, int], int, int]]:
+        for topic, channel, owner, message_id, attempts in zip(
+            p["topics"], p["channels"], p["owners"], p["message_ids"], p["attempts"]
+        ):
+            yield (topic, channel, message_id), owner, attempts
+
+    def _waiting(self, key: tuple[str, str, int], owner: int) -> bool:
+        topic, channel, message_id = key
+        m = self.messages.get(message_id)
+        return (
+            m is not None and m.owner == owner and channel in self._channels_of(m)
+            and not self._done(topic, channel, m)
+        )
 
     def _record_attempts(self, p: dict) -> int:
         changed = 0
-        for key, attempts in self._copies(p):
-            delivery = self.deliveries.get(key)
-            if delivery is not None:
-                delivery.attempts = max(delivery.attempts, attempts)
+        for key, owner, attempts in self._copies(p):
+            if self._waiting(key, owner):
+                self.attempts[key] = max(self.attempts.get(key, 0), attempts)
                 changed += 1
         return changed
 
     def _exhaust_deliveries(self, p: dict) -> list[tuple]:
         rows = []
         now = self._now_ms()
-        for key, attempts in self._copies(p):
-            delivery = self.deliveries.pop(key, None)
-            if delivery is None:
+        for key, owner, attempts in self._copies(p):
+            if not self._waiting(key, owner):
                 continue
             m = self.messages[key[2]]
-            tries = max(delivery.attempts, attempts)
+            self._cursor(key[0], key[1], owner, p["holder"]).merge(0, [(m.id, m.id)])
+            tries = max(self.attempts.pop(key, 0), attempts)
             letter_id = next(self._ids)
             self.dead_letters[letter_id] = {
                 "id": letter_id, "reason": "max_attempts",

@@ -2,6 +2,11 @@
 
 The group commit and the ack batch are steps (``dmq_server.db.steps``), so the
 reactor-driven connection and the worker threads run the same code.
+
+Delivery state is a cursor per (topic, channel, owner) (migration 0007): a stored
+message is one row owned by the incarnation that stored it, an acknowledgement moves
+its channel's cursor (``CursorProgress``, computed by the node that holds the copies in
+memory), and a backlog read is an index range above the cursor.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from typing import Any, Sequence
 
 import psycopg
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.errors import Fenced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
 
@@ -20,6 +25,15 @@ __all__ = [
     "StoredMessage",
     "BacklogRow",
     "AckRow",
+    "CursorProgress",
+    "OwnerState",
+    "create_owner",
+    "create_owner_steps",
+    "retire_silent_owners_steps",
+    "owner_heartbeat_steps",
+    "read_owners_steps",
+    "backends_alive_steps",
+    "empty_channel_steps",
     "insert_messages",
     "insert_messages_steps",
     "send_columns",
@@ -85,17 +99,27 @@ def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
     }
 
 
-def insert_messages_steps(batch: Sequence[NewMessage], node_id: str) -> Steps:
-    """Store a batch and its deliveries: one statement, atomic on its own (the
-    writers run it in autocommit); resent pairs are then read back. One
-    StoredMessage per item, in order."""
+def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int) -> Steps:
+    """Store a batch owned by incarnation ``owner``: one statement, atomic on its own
+    (the writers run it in autocommit); resent pairs are then read back. One
+    StoredMessage per item, in order. ``Fenced`` if the owner was retired (a takeover
+    presumed this node dead): nothing was stored."""
     params = send_columns(batch, node_id)
+    params["owner"] = owner
     try:
         rows = yield Statement("insert_new_messages", params, may_fail=True)
     except psycopg.errors.UniqueViolation:
         rows = yield Statement("insert_messages", params)
     fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
+    if missing and not rows:
+        # nothing inserted: every pair was stored before, or the owner is retired
+        owners = yield Statement("owner_states", {})
+        if not any(row[0] == owner and not row[2] for row in owners):
+            raise Fenced(
+                f"this server's incarnation {owner} was retired (another node took its messages "
+                "over, or another server started on this database): it stores nothing more; restart it"
+            )
     if missing:
         found = yield Statement(
             "find_messages",
@@ -126,10 +150,59 @@ HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], queries["ack_
 
 
 def insert_messages(
-    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str
+    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str, owner: int
 ) -> list[StoredMessage]:
     """``insert_messages_steps`` over a blocking connection."""
-    return run_steps(conn, insert_messages_steps(batch, node_id))
+    return run_steps(conn, insert_messages_steps(batch, node_id, owner))
+
+
+@dataclass(slots=True)
+class OwnerState:
+    owner: int
+    node_id: str
+    retired: bool
+
+
+def create_owner_steps(node_id: str) -> Steps:
+    """A new incarnation of ``node_id``: the owner of what it stores from now on."""
+    rows = yield Statement("create_owner", {"node_id": node_id})
+    return int(rows[0][0])
+
+
+def create_owner(conn: psycopg.Connection, node_id: str) -> int:
+    """``create_owner_steps`` over a blocking connection (tests, tools)."""
+    return run_steps(conn, create_owner_steps(node_id))
+
+
+def retire_silent_owners_steps(owner: int, node_id: str, silent_s: float) -> Steps:
+    """Without ZooKeeper: this node's earlier incarnations, and those whose server has not
+    beaten for ``silent_s``, are over; the ids retired now."""
+    rows = yield Statement("retire_silent_owners", {"owner": owner, "node_id": node_id, "silent_s": silent_s})
+    return [int(r[0]) for r in rows]
+
+
+def owner_heartbeat_steps(owner: int) -> Steps:
+    """This incarnation is alive; False if it was retired meanwhile."""
+    rows = yield Statement("owner_heartbeat", {"owner": owner})
+    return bool(rows)
+
+
+def read_owners_steps() -> Steps:
+    rows = yield Statement("owner_states", {})
+    return [OwnerState(int(r[0]), r[1], bool(r[2])) for r in rows]
+
+
+def backends_alive_steps(pids: Sequence[int]) -> Steps:
+    """Which of these PostgreSQL backends still run (a write whose answer was lost is
+    settled once the backend that ran it is gone)."""
+    rows = yield Statement("backends_alive", {"pids": list(pids)})
+    return {int(r[0]) for r in rows}
+
+
+def empty_channel_steps(topic: str, channel: str) -> Steps:
+    """Move every owner's cursor of the channel past what is stored; how many waited."""
+    rows = yield Statement("empty_channel", {"topic": topic, "channel": channel})
+    return int(rows[0][0]) if rows else 0
 
 
 @dataclass(slots=True)
@@ -140,24 +213,54 @@ class AckRow:
     first_ms: int
     acked_ms: int
     attempts: int
-    consumer: str = ""  # the consumer that acknowledged it (the message trace)
+    consumer: str = ""  # who acknowledged it (the message trace)
     delivered_ms: int = 0  # when the acknowledged delivery was pushed
+    owner: int = 0  # the incarnation that stored the message
+    published_ms: int = 0  # when it was stored (the delivery log's published_at)
+    counted: bool = False  # its attempts may be kept in dmq_attempts (delivered again, or max_attempts)
 
 
-def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
-    """Drop the acknowledged delivery rows and log them: one statement. Returns how
-    many acks the batch held (acks of rows already gone, e.g. acked twice, change nothing)."""
+@dataclass(slots=True)
+class CursorProgress:
+    """What the node holding a channel's copies of one owner knows to be done: every
+    id up to ``floor``, and the inclusive ``spans`` above it. Merged into the cursor
+    (a floor only rises, spans only add), so a stale or concurrent proposal is safe."""
+
+    topic: str
+    channel: str
+    owner: int
+    floor: int
+    spans: list[tuple[int, int]]
+
+
+def ack_deliveries_steps(
+    acks: Sequence[AckRow], progress: Sequence[CursorProgress] = (), holder: str = ""
+) -> Steps:
+    """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
+    before is logged. One statement. Returns how many acks the batch held."""
+    spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
     yield Statement(
         "ack_deliveries",
         {
             "topics": [a.topic for a in acks],
             "channels": [a.channel for a in acks],
+            "owners": [a.owner for a in acks],
             "message_ids": [a.message_id for a in acks],
+            "published_ms": [a.published_ms for a in acks],
             "first_ms": [a.first_ms for a in acks],
             "acked_ms": [a.acked_ms for a in acks],
             "attempts": [a.attempts for a in acks],
             "consumers": [a.consumer for a in acks],
             "delivered_ms": [a.delivered_ms for a in acks],
+            "counted": [a.counted for a in acks],
+            "k_topics": [p.topic for p in progress],
+            "k_channels": [p.channel for p in progress],
+            "k_owners": [p.owner for p in progress],
+            "k_floors": [p.floor for p in progress],
+            "r_cursors": [n for n, _, _ in spans],
+            "r_lo": [lo for _, lo, _ in spans],
+            "r_hi": [hi for _, _, hi in spans],
+            "holder": holder,
         },
     )
     return len(acks)
@@ -171,19 +274,20 @@ class BacklogRow:
     published_ms: int
     body: bytes
     attempts: int
+    owner: int = 0
 
 
 def load_backlog_steps(
-    topic: str, channel: str, after: int, limit: int, owner: str | None = None
+    topic: str, channel: str, after: int, limit: int, holder: str | None = None, owner: int = 0
 ) -> Steps:
-    """A channel's stored copies after ``after``; in a cluster (``owner`` set) only the
-    copies that node owns."""
-    params: dict[str, Any] = {"topic": topic, "channel": channel, "after": after, "limit": limit}
-    if owner is None:
-        rows = yield Statement("load_backlog", params)
-    else:
-        rows = yield Statement("load_owned_backlog", dict(params, owner=owner))
-    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5]) for r in rows]
+    """A channel's stored copies after ``after``, oldest first. In a cluster (``holder``
+    set) only the copies of this node's incarnation ``owner`` and of the owners whose
+    cursors ``holder`` holds; on one node, every owner's."""
+    params: dict[str, Any] = {
+        "topic": topic, "channel": channel, "after": after, "limit": limit, "holder": holder, "owner": owner,
+    }
+    rows = yield Statement("load_backlog", params)
+    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6]) for r in rows]
 
 
 def load_backlog(
@@ -192,10 +296,11 @@ def load_backlog(
     channel: str,
     after: int,
     limit: int,
-    owner: str | None = None,
+    holder: str | None = None,
+    owner: int = 0,
 ) -> list[BacklogRow]:
     """``load_backlog_steps`` over a blocking connection."""
-    return run_steps(conn, load_backlog_steps(topic, channel, after, limit, owner))
+    return run_steps(conn, load_backlog_steps(topic, channel, after, limit, holder, owner))
 
 
 def run_query_steps(name: str, params: dict[str, Any]) -> Steps:
@@ -209,25 +314,31 @@ def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> in
 
 
 def read_channel_state_steps() -> Steps:
-    """Stored copies per (topic, channel), and the channels an operator paused."""
+    """Stored copies per (topic, channel), the channels an operator paused, and the
+    incarnations that were retired."""
     depth_rows = yield Statement("channel_depths", {})
     pause_rows = yield Statement("channel_pauses", {})
+    owner_rows = yield Statement("owner_states", {})
     depths = {(t, c): n for t, c, n in depth_rows}
     held = {(t, c) for t, c in pause_rows}
-    return depths, held
+    retired = {int(r[0]) for r in owner_rows if r[2]}
+    return depths, held, retired
 
 
 def read_channel_state(
     conn: psycopg.Connection,
-) -> tuple[dict[tuple[str, str], int], set[tuple[str, str]]]:
+) -> tuple[dict[tuple[str, str], int], set[tuple[str, str]], set[int]]:
     """``read_channel_state_steps`` over a blocking connection."""
     return run_steps(conn, read_channel_state_steps())
 
 
 def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
-    """Drop up to ``limit`` fully acknowledged messages older than ``retention_s``;
-    returns how many."""
-    return (yield Statement("sweep_messages", {"retention_s": retention_s, "limit": limit}, count=True))
+    """Drop up to ``limit`` messages older than ``retention_s`` that every channel is
+    done with, then the retired incarnations nothing is left of; returns how many
+    messages went."""
+    swept = yield Statement("sweep_messages", {"retention_s": retention_s, "limit": limit}, count=True)
+    yield Statement("prune_owners", {}, count=True)
+    return swept
 
 
 def sweep_messages(conn: psycopg.Connection, retention_s: float, limit: int) -> int:

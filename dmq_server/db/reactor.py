@@ -16,6 +16,9 @@ binary with the types their casts name (``%(ids)b::bigint[]``); statements named
 in ``prepare`` are prepared once per connection. A broken connection fails the
 run in progress with ``StorageError`` and is re-opened (in a thread) by the next
 run, so the server recovers from a PostgreSQL restart without restarting itself.
+
+Why one long module: the non-blocking protocol (send, flush, read, results, a
+broken socket, reconnecting in a thread) is one state machine, read in one place.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class ReactorDb:
         self._parsed: dict[str, tuple[PreparedSql, Transformer]] = {}
         self._conn: psycopg.Connection | None = None
         self._pgconn: Any = None
+        self._backend_pid: int | None = None
         self._fd = -1
         self._named: dict[str, bytes] = {}  # sql -> prepared statement name on this connection
         self._loader: Transformer | None = None
@@ -301,11 +305,14 @@ class ReactorDb:
         """The connection cannot be used: fail the run in progress; the next run reconnects."""
         if self._pgconn is not None:
             self._outage.failed(f"connection lost: {describe_error(exc)}")
+        pid = self._backend_pid
         self._close()
         if self._run is not None:
             run, self._run = self._run, None
             run.steps.close()
-            run.deferred.errback(StorageError(f"{self.name}: {describe_error(exc)}"))
+            error = StorageError(f"{self.name}: {describe_error(exc)}")
+            error.backend_pid = pid  # the statement may still commit until that backend ends
+            run.deferred.errback(error)
         self._next()
 
     def _close(self) -> None:
@@ -315,6 +322,7 @@ class ReactorDb:
             os.close(self._fd)
         self._fd = -1
         self._pgconn = None
+        self._backend_pid = None
         self._named = {}
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -338,6 +346,7 @@ class ReactorDb:
             conn.close()
             return
         self._conn, self._named = conn, named
+        self._backend_pid = conn.info.backend_pid
         self._outage.recovered()
         try:
             self._pgconn = conn.pgconn

@@ -1,31 +1,39 @@
-"""The statements of takeover: who owns stored copies, and moving them to a live node.
+"""The statements of takeover: which incarnations may have left copies, and claiming them.
 
-The protocol around them (ZooKeeper locks, liveness checks, batching, rescans) is
+The copies of a channel are a cursor per owner (an incarnation, migration 0007), and
+each cursor names the node delivering it (``holder``). A takeover retires a departed
+node's incarnations (nothing more is stored for them) and becomes the holder of their
+cursors. The protocol around it (ZooKeeper locks, liveness checks, rescans) is
 ``dmq_server.cluster.takeover``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from dmq_sql import queries
 
-__all__ = ["delivery_owners", "claim_deliveries", "owner_depths"]
+__all__ = ["takeover_candidates", "claim_owners", "owner_depths"]
 
 
-def delivery_owners(conn: Any) -> list[str]:
-    """Every node that owns at least one stored copy."""
-    return [row[0] for row in conn.execute(queries["delivery_owners"])]
+def takeover_candidates(conn: Any) -> dict[str, list[int]]:
+    """Every node that still has an incarnation storing messages, or holds a cursor:
+    ``{node_id: [its incarnations not retired]}``."""
+    return {row[0]: [int(i) for i in row[1]] for row in conn.execute(queries["takeover_candidates"])}
 
 
-def claim_deliveries(conn: Any, dead: str, owner: str, limit: int) -> list[tuple[str, str, int]]:
-    """Move up to ``limit`` of ``dead``'s copies to ``owner``: [(topic, channel, count)]."""
+def claim_owners(
+    conn: Any, dead: str, owners: Sequence[int], me: str, live: Sequence[str]
+) -> list[tuple[str, str, int]]:
+    """Retire ``owners`` (incarnations of ``dead`` that are not live) and hold every
+    cursor of theirs, or held by ``dead``, that no node in ``live`` holds. The channels
+    whose cursors changed hands: [(topic, channel, cursors)]."""
     rows = conn.execute(
-        queries["claim_deliveries"], {"dead": dead, "owner": owner, "limit": limit}
+        queries["claim_owners"], {"dead": dead, "owners": list(owners), "me": me, "live": list(live)}
     ).fetchall()
     return [(r[0], r[1], int(r[2])) for r in rows]
 
 
 def owner_depths(conn: Any) -> dict[str, int]:
-    """Unacknowledged copies per owning node."""
+    """Unacknowledged copies per node delivering them."""
     return {row[0]: int(row[1]) for row in conn.execute(queries["owner_depths"])}

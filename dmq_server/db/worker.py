@@ -91,17 +91,22 @@ class DbWorker:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self._dsn, autocommit=self.autocommit)
             conn = self._conn
+            pid = conn.info.backend_pid
             try:
                 if self.autocommit:
                     return fn(conn, *args, **kwargs)
                 with conn.transaction():
                     return fn(conn, *args, **kwargs)
-            except StorageError:
+            except StorageError as exc:
                 self._drop_if_broken(conn)
+                if exc.backend_pid is None:
+                    exc.backend_pid = pid
                 raise
             except psycopg.Error as exc:
                 self._drop_if_broken(conn)
-                raise storage_error(self.name, exc) from exc
+                error = storage_error(self.name, exc)
+                error.backend_pid = pid  # a lost answer is settled once this backend is gone
+                raise error from exc
 
     def _drop_if_broken(self, conn: psycopg.Connection) -> None:
         if conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.UNKNOWN:

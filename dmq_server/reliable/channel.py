@@ -17,6 +17,8 @@ its length.
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -42,6 +44,7 @@ class ReliableMessage:
     session_id: int
     published_ms: int
     body: bytes = field(repr=False)
+    owner: int = 0  # the incarnation that stored it: its cursor is (topic, channel, owner)
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +105,11 @@ class ReliableChannel:
         self.ready: deque[Delivery] = deque()
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
+        # for the cursor (``progress``): ready ids and each owner's lowest one (heaps with
+        # lazy deletion), and the ids awaiting a durable ack or dead letter, by owner
+        self._ready_ids: set[int] = set()
+        self._ready_heaps: dict[int, list[int]] = {}
+        self.finishing: dict[int, int] = {}
         self.consumers: deque[Receiver] = deque()
         self._deadlines = Deadlines()  # in flight and deferred copies, by message id
         # Start assuming the database holds copies we have not seen (restart, takeover).
@@ -167,6 +175,26 @@ class ReliableChannel:
     def _enqueue(self, delivery: Delivery) -> None:
         self.known.add(delivery.message.message_id)
         self.ready.append(delivery)
+        self._now_ready(delivery.message)
+
+    def _now_ready(self, message: ReliableMessage) -> None:
+        mid = message.message_id
+        self._ready_ids.add(mid)
+        heap = self._ready_heaps.get(message.owner)
+        if heap is None:
+            self._ready_heaps[message.owner] = [mid]
+        else:
+            heapq.heappush(heap, mid)
+
+    def _ready_min(self, owner: int) -> int | None:
+        """The lowest id of ``owner`` waiting in ``ready``."""
+        heap = self._ready_heaps.get(owner)
+        if not heap:
+            return None
+        ready = self._ready_ids
+        while heap and heap[0] not in ready:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     # -- loading the backlog ---------------------------------------------
     def _maybe_load(self) -> None:
@@ -197,7 +225,8 @@ class ReliableChannel:
             if row.message_id in self.known or row.message_id in dropped:
                 continue
             message = ReliableMessage(
-                row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
+                row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
+                getattr(row, "owner", 0),
             )
             self._enqueue(Delivery(message, attempts=row.attempts))
         if count < limit:
@@ -268,6 +297,8 @@ class ReliableChannel:
         held.update(self.in_flight)
         self.known -= held  # what stays: acks and dead letters still being made durable
         self.ready.clear()
+        self._ready_ids.clear()
+        self._ready_heaps.clear()
         self.in_flight.clear()
         self.deferred.clear()
         self._deadlines.clear()
@@ -315,6 +346,7 @@ class ReliableChannel:
             else:
                 break  # nobody has credit
             delivery = self.ready.popleft()
+            self._ready_ids.discard(delivery.message.message_id)
             if (
                 self.max_attempts is not None
                 and delivery.attempts >= self.max_attempts
@@ -322,6 +354,7 @@ class ReliableChannel:
             ):
                 # stays in `known` until its dead letter commits (see ack_durable)
                 self.exhausted_count += 1
+                self.finishing[delivery.message.message_id] = delivery.message.owner
                 self._on_exhausted(self, delivery)
                 continue
             self._start_flight(delivery, consumer)
@@ -360,6 +393,7 @@ class ReliableChannel:
         if counted:
             self.requeue_count += 1
         self.ready.appendleft(delivery)
+        self._now_ready(delivery.message)
 
     def _returned(self, delivery: Delivery, reason: str) -> None:
         if self._on_return is not None:
@@ -373,6 +407,7 @@ class ReliableChannel:
         self.deferred.discard(message_id)
         self.ack_count += 1
         self._deadlines.discard(message_id)
+        self.finishing[message_id] = delivery.message.owner
         # stays in `known` until the durable ack commits, so a load cannot resurrect it;
         # on_ack sees the consumer that held it (the ack's row names it)
         self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
@@ -386,6 +421,7 @@ class ReliableChannel:
         for mid in message_ids:
             if mid not in self.in_flight:
                 self.known.discard(mid)
+                self.finishing.pop(mid, None)
                 if self.loading:
                     # its row is deleted now, but the load under way may have read it
                     # first (a rescan reads ids it delivered before): keep it out
@@ -412,6 +448,8 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
                 delivery.consumer = None
             self.known.discard(mid)
+            self.finishing.pop(mid, None)
+            self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
         self.pump()
         return len(ids)
@@ -421,6 +459,7 @@ class ReliableChannel:
         for mid in message_ids:
             if mid not in self.in_flight:
                 self.known.discard(mid)
+                self.finishing.pop(mid, None)
 
     def scan(self, now: float) -> int:
         """Requeue copies whose deadline passed; returns how many."""
@@ -489,6 +528,9 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
         self.consumers.clear()
         self.ready.clear()
+        self._ready_ids.clear()
+        self._ready_heaps.clear()
+        self.finishing.clear()
         self.in_flight.clear()
         self.deferred.clear()
         self.known.clear()
@@ -503,6 +545,51 @@ class ReliableChannel:
         if self.stored_count is None:
             return len(self.ready)
         return max(len(self.ready), self.stored_count - (len(self.known) - len(self.ready)))
+
+    # -- the cursor ---------------------------------------------------------------------
+    def progress(self, owner: int, acked: Iterable[int], limit: float | None) -> tuple[int, list[tuple[int, int]]]:
+        """What this channel knows to be done of ``owner``'s copies, for its cursor: a
+        floor (every id up to it) and inclusive spans above it covering ``acked`` (the
+        acks being made durable now). ``limit``: how far ``owner``'s ids are settled
+        (``reliable.horizon``); None: nothing is, so only the acks themselves.
+
+        Every copy with an id up to ``bound`` (the least of ``limit``, the load cursor,
+        and one below the owner's lowest ready copy) is in memory or done: loads go in
+        id order, a late commit at or below the cursor is kept, and the horizon holds
+        back ids of writes not yet handed over. So the holes are the copies in flight,
+        awaiting a durable ack or dead letter (other than ``acked``), or set aside by a
+        load; everything else up to the bound is done, whatever ids of other topics or
+        owners lie between."""
+        points = sorted(set(acked))
+        if limit is None:
+            return 0, [(x, x) for x in points]
+        cursor = 0 if (self._rescan_pending or self._load_stale) else self.cursor
+        bound = min(limit, cursor)
+        lowest_ready = self._ready_min(owner)
+        if lowest_ready is not None:
+            bound = min(bound, lowest_ready - 1)
+        bound = int(bound)
+        done = set(points)
+        holes = [mid for mid, d in self.in_flight.items() if mid <= bound and d.message.owner == owner]
+        holes += [mid for mid, o in self.finishing.items() if o == owner and mid <= bound and mid not in done]
+        holes += [
+            d.message.message_id for d in self._arrived_while_loading
+            if d.message.owner == owner and d.message.message_id <= bound
+        ]
+        holes.sort()
+        floor = holes[0] - 1 if holes else bound
+        spans: list[tuple[int, int]] = []
+        for x in points:
+            if x <= floor:
+                continue
+            if x <= bound:
+                i = bisect_left(holes, x)
+                span = (holes[i - 1] + 1 if i else floor + 1, holes[i] - 1 if i < len(holes) else bound)
+            else:
+                span = (x, x)
+            if not spans or spans[-1] != span:
+                spans.append(span)
+        return floor, spans
 
     # -- for operators (the admin API's trace, peek and channel page) ---------------
     def locate(self, message_id: int) -> dict[str, Any] | None:

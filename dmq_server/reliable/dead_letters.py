@@ -71,6 +71,7 @@ class DeadLetterSink:
             on_done=self._exhausted_done,
             name="max-attempts dead letters",
             steps=True,
+            args=lambda batch: (node_id,),  # the holder named by a cursor this opens
         )
         self._sweeping = False
         self.counts: dict[str, int] = {}
@@ -87,10 +88,12 @@ class DeadLetterSink:
         self.writer.submit_cb(letter, committed)
 
     def on_attempt(self, channel: Any, delivery: Any) -> None:
-        self.attempts.add(CopyRef(channel.topic, channel.name, delivery.message.message_id, delivery.attempts))
+        message = delivery.message
+        self.attempts.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner))
 
     def on_exhausted(self, channel: Any, delivery: Any) -> None:
-        self.exhausted.add(CopyRef(channel.topic, channel.name, delivery.message.message_id, delivery.attempts))
+        message = delivery.message
+        self.exhausted.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner))
 
     def _exhausted_done(self, batch: list[CopyRef], rows: list) -> None:
         self.counts["max_attempts"] = self.counts.get("max_attempts", 0) + len(rows)

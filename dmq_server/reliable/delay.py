@@ -42,8 +42,9 @@ from dmq_server.db.delays import (
     move_due,
     peek_delayed,
 )
-from dmq_server.db.errors import RefusedError
+from dmq_server.db.errors import Fenced, RefusedError
 from dmq_server.db.outage import Outage
+from dmq_server.reliable.horizon import OwnWrites
 
 # the statements and their values live in dmq_server.db.delays
 __all__ = ["DelayWorker", "DelayScheduler"]
@@ -78,8 +79,12 @@ class DelayWorker:
         peek: Callable[..., list[int]] = peek_delayed,
         move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
         on_unknown: Callable[[], None] = lambda: None,
+        writes: Any = None,
     ):
         self.index = index
+        # this incarnation's open writes (reliable.horizon.OwnWrites): a move stores
+        # messages as its owner, so each is an open write until they reach the channels
+        self.writes = writes if writes is not None else OwnWrites()
         # a move whose answer was lost may have committed: its messages would sit in
         # PostgreSQL with deliveries no channel was handed (the broker re-reads them)
         self.on_unknown = on_unknown
@@ -221,12 +226,14 @@ class DelayWorker:
         now = self.clock.seconds()
         self._last_move = now
         now_ms = int(round(now * 1000))
+        writes = self.writes
+        token = writes.begin()
         d = self.db.run(
-            self._move, self.fragments, self.max_fragment, now_ms, self.batch_size, self.node_id
+            self._move, self.fragments, self.max_fragment, now_ms, self.batch_size, self.node_id, writes.owner
         )
-        d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms,))
+        d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms, token), errbackArgs=(token,))
 
-    def _moved(self, outcome: tuple[int, list[MovedMessage]], now_ms: int) -> None:
+    def _moved(self, outcome: tuple[int, list[MovedMessage]], now_ms: int, token: int) -> None:
         self._outage.recovered()
         self._busy = False
         self._retry_delay = 0.0
@@ -242,6 +249,9 @@ class DelayWorker:
                 self.on_moved(messages)
             except Exception:
                 log.failure("delivering moved delay messages failed")
+            for moved in messages:
+                self.writes.seen(moved.message_id)
+        self.writes.end(token)
         if taken >= self.batch_size:
             self._want_move = True  # a full batch: more are due right now
         elif self._repoll_at_ms is not None and now_ms >= self._repoll_at_ms:
@@ -249,8 +259,12 @@ class DelayWorker:
             self._want_poll = True  # the last poll was truncated; learn what comes next
         self._after_db()
 
-    def _move_failed(self, failure: Any) -> None:
-        if not isinstance(failure.value, RefusedError):
+    def _move_failed(self, failure: Any, token: int) -> None:
+        error = failure.value
+        if isinstance(error, (RefusedError, Fenced)):
+            self.writes.end(token)  # nothing of it was committed
+        else:
+            self.writes.hold(token, getattr(error, "backend_pid", None))
             try:
                 self.on_unknown()
             except Exception:
@@ -331,6 +345,7 @@ class DelayScheduler:
         rng: random.Random | None = None,
         peek: Callable[..., list[int]] = peek_delayed,
         move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+        writes: Any = None,
     ):
         self.clock = clock
         self.assignment = assignment
@@ -352,6 +367,7 @@ class DelayScheduler:
                 on_unknown=on_unknown,
                 peek=peek,
                 move=move,
+                writes=writes,
             )
             for i, db in enumerate(dbs)
         ]

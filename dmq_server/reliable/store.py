@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Invalid
@@ -29,11 +29,23 @@ from dmq_server.core.publish import Published
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.db.errors import RefusedError, StorageError
 from dmq_server.db.messages import (
-    AckRow, NewMessage, load_backlog_steps, read_channel_state_steps, run_query_steps, sweep_messages_steps,
+    AckRow,
+    CursorProgress,
+    NewMessage,
+    backends_alive_steps,
+    create_owner_steps,
+    empty_channel_steps,
+    load_backlog_steps,
+    read_channel_state_steps,
+    owner_heartbeat_steps,
+    retire_silent_owners_steps,
+    run_query_steps,
+    sweep_messages_steps,
 )
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.dead_letters import DeadLetterSink
+from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.reliable.trace import TraceSink
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 from registry.model import TopicSpec
@@ -63,9 +75,15 @@ class ReliableStore:
         self._set_health = set_health
         self.topics: dict[str, TopicSpec] = {}  # the reliable topics, from the broker's registry cache
         self.channels: dict[tuple[str, str], ReliableChannel] = {}
-        # cluster: load only the copies this node owns; deliver nothing while paused
-        # (not registered, or the registry session is in doubt); see dmq_server.cluster.node
+        # cluster: load only the copies of the owners whose cursors this node holds (its
+        # node id; None on one node: every owner's); deliver nothing while paused (not
+        # registered, or the registry session is in doubt); see dmq_server.cluster.node
         self.load_owner: str | None = None
+        # this incarnation (dmq_owner, made by ``start``) and its writes in progress: how
+        # far a channel's cursor may cover each owner's ids (reliable.horizon)
+        self.writes = OwnWrites()
+        self.alone = True  # no ZooKeeper (set by ``start``)
+        self._checking_held = False
         self.paused = False
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
         # topics with a write whose outcome is unknown (its answer was lost): their
@@ -83,9 +101,15 @@ class ReliableStore:
             self._writer_health,
             on_unknown=lambda items: self.outcome_unknown({m.topic for m in items}),
             clock=clock,
+            writes=self.writes,
         )
         self.acker = AckBatcher(
-            workers["acker"], clock, options.ack_batch_size, options.ack_flush_interval, self._acks_done
+            workers["acker"],
+            clock,
+            options.ack_batch_size,
+            options.ack_flush_interval,
+            self._acks_done,
+            progress=self._ack_progress,
         )
         self.dead_letters = DeadLetterSink(
             workers.get("deadletter") or workers["admin"],
@@ -113,6 +137,65 @@ class ReliableStore:
         self.deliver_latency: Any = None
 
     # -- lifecycle --------------------------------------------------------
+    def start(self, alone: bool) -> Deferred:
+        """Begin a new incarnation: the owner of every message this server stores from now
+        on. ``alone`` (no ZooKeeper): the node's earlier incarnations are over, and so is
+        any whose server stopped beating (``heartbeat``); retired, they store nothing more
+        (a process still running one is fenced), and the servers deliver what they left.
+        In a cluster the takeover retires departed incarnations instead."""
+        self.alone = alone
+        d = self._workers["admin"].run_steps(create_owner_steps, self.node_id)
+
+        def made(owner: int) -> Any:
+            self.writes.owner = owner
+            log.info("storing as incarnation {owner} of node {node}", owner=owner, node=self.node_id)
+            return self._retire_silent() if alone else None
+
+        return d.addCallback(made)
+
+    def _retire_silent(self) -> Deferred:
+        d = self._workers["admin"].run_steps(
+            retire_silent_owners_steps, self.writes.owner, self.node_id, self.options.owner_silence
+        )
+
+        def retired(owners: list[int]) -> None:
+            if owners:
+                log.info("incarnations {owners} are over: their stored messages are delivered here", owners=owners)
+            self.writes.retired.update(owners)
+
+        return d.addCallback(retired)
+
+    def heartbeat(self) -> Deferred:
+        """This incarnation is alive (``dmq_owner.seen_at``); without ZooKeeper, retire the
+        incarnations whose servers stopped beating. If another server retired this one
+        (it missed its heartbeats: a long stall), begin a new incarnation: what the old
+        one stored is delivered by the others as well, at least once."""
+        if not self.writes.owner:
+            return succeed(None)
+        admin = self._workers["admin"]
+        d = admin.run_steps(owner_heartbeat_steps, self.writes.owner)
+
+        def beaten(alive: bool) -> Any:
+            if alive:
+                return self._retire_silent() if self.alone else None
+            if not self.alone:
+                return None  # in a cluster a new incarnation begins under the takeover lock (cluster.node)
+            old = self.writes.owner
+
+            def renewed(owner: int) -> None:
+                self.writes.retired.add(old)
+                self.writes.owner = owner
+                log.warn(
+                    "incarnation {old} of node {node} was retired by another server: storing as {new}",
+                    old=old, node=self.node_id, new=owner,
+                )
+
+            return admin.run_steps(create_owner_steps, self.node_id).addCallback(renewed)
+
+        d.addCallback(beaten)
+        d.addErrback(lambda f: f.trap(StorageError))
+        return d
+
     def stop(self) -> Deferred:
         """Commit and answer what is queued, make acks durable."""
         d = self.writer.close()
@@ -222,7 +305,8 @@ class ReliableStore:
                 self.publish_count += 1
                 topic = send.topic
                 message = ReliableMessage(
-                    stored.message_id, topic, send.producer, send.session_id, stored.published_ms, send.body
+                    stored.message_id, topic, send.producer, send.session_id, stored.published_ms, send.body,
+                    self.writes.owner,
                 )
                 channels = self.channels
                 for name in stored.channels:
@@ -257,7 +341,8 @@ class ReliableStore:
         """Delayed (or replayed) messages now stored with their deliveries: push them."""
         for moved in messages:
             message = ReliableMessage(
-                moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms, moved.body
+                moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms, moved.body,
+                moved.owner,
             )
             for name in moved.channels:
                 self.channel(moved.topic, name).add(message)
@@ -283,18 +368,39 @@ class ReliableStore:
         return None if channel.ack(message_id) else "ID not in flight"
 
     def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
+        message = delivery.message
         self.acker.add(
             AckRow(
                 channel.topic,
                 channel.name,
-                delivery.message.message_id,
+                message.message_id,
                 delivery.first_delivered_ms,
                 acked_ms,
                 delivery.attempts,
                 getattr(delivery.consumer, "name", ""),
                 int(delivery.delivered_at * 1000),
+                message.owner,
+                message.published_ms,
+                # attempts were kept for it (dead_letters.on_attempt) only in these cases
+                delivery.attempts > 1 or channel.max_attempts is not None,
             )
         )
+
+    def _ack_progress(self, batch: list[AckRow]) -> tuple[list[CursorProgress], str]:
+        """For each (channel, owner) of a batch of acks about to be made durable, what
+        the channel in memory knows to be done (``ReliableChannel.progress``)."""
+        acked: dict[tuple[str, str, int], list[int]] = {}
+        for row in batch:
+            acked.setdefault((row.topic, row.channel, row.owner), []).append(row.message_id)
+        progress = []
+        for (topic, name, owner), ids in acked.items():
+            channel = self.channels.get((topic, name))
+            if channel is None:  # unregistered meanwhile: the acks alone
+                floor, spans = 0, [(x, x) for x in sorted(set(ids))]
+            else:
+                floor, spans = channel.progress(owner, ids, self.writes.limit(owner))
+            progress.append(CursorProgress(topic, name, owner, floor, spans))
+        return progress, self.node_id
 
     def _acks_done(self, rows: list[AckRow], ok: bool) -> None:
         by_channel: dict[tuple[str, str], list[int]] = {}
@@ -307,7 +413,7 @@ class ReliableStore:
 
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         d = self._workers["loader"].run_steps(
-            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner
+            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner
         )
 
         def loaded(rows: list) -> None:
@@ -360,7 +466,7 @@ class ReliableStore:
             channel = self._registered_channel(topic, name)
         except KeyError as exc:
             return fail(exc)
-        d = self._workers["admin"].run_steps(run_query_steps, "empty_channel", {"topic": topic, "channel": name})
+        d = self._workers["admin"].run_steps(empty_channel_steps, topic, name)
 
         def emptied(count: int) -> int:
             # copies committed after the delete's snapshot are still stored: forget()
@@ -376,8 +482,9 @@ class ReliableStore:
         """Every channel's stored depth and the operators' pauses (set on any node)."""
         d = self._workers["admin"].run_steps(read_channel_state_steps)
 
-        def apply(state: tuple[dict[tuple[str, str], int], set[tuple[str, str]]]) -> None:
-            depths, held = state
+        def apply(state: tuple[dict[tuple[str, str], int], set[tuple[str, str]], set[int]]) -> None:
+            depths, held, retired = state
+            self.writes.retired.update(retired)
             self._held = held
             for key, channel in self.channels.items():
                 channel.stored_count = depths.get(key, 0)
@@ -391,12 +498,34 @@ class ReliableStore:
 
     # -- periodic work ------------------------------------------------------
     def scan(self, now: float) -> None:
-        """Requeue copies whose deadline passed; retry a backlog load that failed."""
+        """Requeue copies whose deadline passed; retry a backlog load that failed; ask
+        whether the writes whose answer was lost are settled."""
         for channel in list(self.channels.values()):
             if channel.in_flight:
                 channel.scan(now)
             elif channel.backlog and not channel.loading and channel.consumers:
                 channel.pump()
+        if not self._checking_held and self.writes.held_pids():
+            self._check_held()
+
+    def _check_held(self) -> None:
+        """A write whose answer was lost is settled once the backend that ran it is gone;
+        what it committed may have become visible only now, so every channel reads its
+        copies again (``outcome_unknown``)."""
+        pids = self.writes.held_pids()
+        self._checking_held = True
+        d = self._workers["admin"].run_steps(backends_alive_steps, sorted(pids))
+
+        def answered(alive: set[int]) -> None:
+            self._checking_held = False
+            if self.writes.release(pids - alive):
+                self.outcome_unknown(None)
+
+        def failed(failure: Any) -> None:
+            self._checking_held = False
+            failure.trap(StorageError)
+
+        d.addCallbacks(answered, failed)
 
     def sweep(self) -> Deferred:
         """Delete messages every channel has acknowledged, past the retention."""

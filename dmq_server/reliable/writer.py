@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
-from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.errors import Fenced, RefusedError, StorageError
 from dmq_server.db.messages import AckRow, NewMessage, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher"]
@@ -56,12 +56,18 @@ class GroupCommitWriter:
         insert: Callable[..., Any] = insert_messages_steps,
         on_unknown: Callable[[list[Any]], None] = lambda items: None,
         clock: Any = None,
+        writes: Any = None,
     ):
         # ``insert(batch, node_id)``: steps (``db.steps.Statement``) returning one result per
         # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
         # insert_messages_steps for sends; the delay table and dead letters reuse
         # the same group commit.
         self._insert = insert
+        # ``reliable.horizon.OwnWrites`` for a writer that stores messages: each batch is
+        # an open write of the incarnation ``writes.owner`` (passed to ``insert``) from
+        # the moment it is sent until its sends were answered (so its messages are in
+        # the channels); None for the delay table and dead letters
+        self._writes = writes
         self._free: list[Any] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
         self._worker_count = len(self._free)
         self._node_id = node_id
@@ -121,19 +127,25 @@ class GroupCommitWriter:
                 batch = self._queue[: self._max_batch]
                 del self._queue[: self._max_batch]
             started = self._clock.seconds() if self._clock is not None else 0.0
-            d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
+            writes = self._writes
+            if writes is None:
+                token = 0
+                d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
+            else:
+                token = writes.begin()
+                d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id, writes.owner)
             d.addCallbacks(
                 self._committed,
                 self._failed,
-                callbackArgs=(batch, worker, started),
-                errbackArgs=(batch, worker),
+                callbackArgs=(batch, worker, started, token),
+                errbackArgs=(batch, worker, token),
             )
         if not self._busy and not self._queue and not self._isolated:
             waiters, self._idle_waiters = self._idle_waiters, []
             for w in waiters:
                 w.callback(None)
 
-    def _committed(self, results: list, batch: list, worker: Any, started: float) -> None:
+    def _committed(self, results: list, batch: list, worker: Any, started: float, token: int) -> None:
         self._free.append(worker)
         self.batches += 1
         self.messages += len(batch)
@@ -150,14 +162,27 @@ class GroupCommitWriter:
                 done(stored)
             except Exception:
                 log.failure("send completion failed")
+        writes = self._writes
+        if writes is not None:  # the batch's messages are in the channels: settled
+            for stored in results:
+                writes.seen(stored.message_id)
+            writes.end(token)
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Any, batch: list, worker: Any) -> None:
+    def _failed(self, failure: Any, batch: list, worker: Any, token: int) -> None:
         self._free.append(worker)
         error = failure.value
-        if isinstance(error, RefusedError):
-            self._refused(error, batch)
+        writes = self._writes
+        if isinstance(error, (RefusedError, Fenced)):
+            if writes is not None:
+                writes.end(token)  # nothing of it was committed
+            if isinstance(error, Fenced):
+                self._fenced(error, batch)
+            else:
+                self._refused(error, batch)
             return
+        if writes is not None:  # may still commit until the backend that ran it is gone
+            writes.hold(token, getattr(error, "backend_pid", None))
         if not isinstance(error, StorageError):
             log.failure("unexpected error in group commit", failure)
             error = StorageError(f"internal error: {error!r}")
@@ -171,6 +196,16 @@ class GroupCommitWriter:
             self._on_unknown([m for m, _ in batch])
         except Exception:
             log.failure("handling a batch of unknown outcome failed")
+        self._kick()
+
+    def _fenced(self, error: Fenced, batch: list) -> None:
+        """This incarnation was retired: nothing was stored, nothing ever will be."""
+        self._on_health(False, str(error))
+        for _, done in batch:
+            try:
+                done(error)
+            except Exception:
+                log.failure("send completion failed")
         self._kick()
 
     def _refused(self, error: RefusedError, batch: list) -> None:
@@ -216,8 +251,10 @@ class RetryingBatcher:
         on_done: Callable[[list, Any], None] = lambda batch, result: None,
         name: str = "batch",
         steps: bool = False,
+        args: Callable[[list], tuple] = lambda batch: (),
     ):
         self.db = db
+        self._args = args  # more arguments for ``fn``, computed when the batch is sent
         self._run = db.run_steps if steps else db.run
         self.clock = clock
         self.fn = fn
@@ -259,7 +296,7 @@ class RetryingBatcher:
             return
         batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
         self._busy = True
-        d = self._run(self.fn, batch)
+        d = self._run(self.fn, batch, *self._args(batch))
         d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
 
     def _flushed(self, result: Any, batch: list) -> None:
@@ -301,8 +338,10 @@ class RetryingBatcher:
 
 
 class AckBatcher(RetryingBatcher):
-    """Durable acknowledgements: delivery rows deleted and delivery-log rows written in
-    batches. ``on_done(batch, True)`` runs after each commit."""
+    """Durable acknowledgements in batches: the channels' cursors move and the acks are
+    logged. ``progress(batch)`` gives the ``CursorProgress`` list and the holder, computed
+    when the batch is sent (again if it is sent again), from what the channels hold then.
+    ``on_done(batch, True)`` runs after each commit."""
 
     def __init__(
         self,
@@ -311,6 +350,7 @@ class AckBatcher(RetryingBatcher):
         max_batch: int,
         flush_interval: float,
         on_done: Callable[[list[AckRow], bool], None],
+        progress: Callable[[list[AckRow]], tuple] = lambda batch: ((), ""),
     ):
         super().__init__(
             worker,
@@ -321,6 +361,7 @@ class AckBatcher(RetryingBatcher):
             on_done=lambda batch, _result: on_done(batch, True),
             name="durable ack",
             steps=True,
+            args=progress,
         )
 
     @property

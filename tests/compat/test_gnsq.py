@@ -61,7 +61,7 @@ def test_gnsq_on_a_reliable_topic(nsq_server, topic, pg_dsn):
     ((mid,),) = db_rows(pg_dsn, "SELECT id FROM dmq_message")
     got = consume(nsq_server, topic, "billing", 1)
     assert [(b, int(i, 16)) for b, _, i in got] == [(b"reliable", mid)]
-    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_delivery"))
+    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_pending"))
 
 
 def test_gnsq_consumer_through_lookupd(nsq_server):

@@ -108,7 +108,7 @@ def test_pynsq_on_a_reliable_topic(nsq_server, topic, pg_dsn):
     assert results == [b"OK", b"OK"]
     stored = {r[0] for r in db_rows(pg_dsn, "SELECT id FROM dmq_message")}
     assert {int(mid, 16) for _, _, mid in got} == stored
-    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_delivery"))
+    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_pending"))
 
 
 def test_pynsq_reader_finds_the_node_through_lookupd(nsq_server):

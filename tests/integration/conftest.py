@@ -34,3 +34,14 @@ def topic(pg_dsn):
     return "orders"
 
 
+@pytest.fixture
+def owner(pg_dsn):
+    """An incarnation of ``node-1`` (dmq_owner) to store messages as, for tests that call
+    the group commit's statement directly."""
+    from dmq_server.db.messages import create_owner
+    from dmq_server.db.worker import connect
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        return create_owner(conn, "node-1")
+
+

@@ -17,9 +17,10 @@ from dmq_client.blocking import BlockingClient
 from dmq_client.wire import Command, Frame, MessageType
 from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.errors import RefusedError
-from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages_steps
+from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, create_owner, insert_messages_steps
 from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
+from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.reliable.writer import GroupCommitWriter
 import registry
 
@@ -123,10 +124,11 @@ def test_the_writer_isolates_a_row_postgresql_refuses(pg_dsn):
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "orders", msg_timeout_ms=60000)
         registry.add_channel(conn, "orders", "billing")
+        owner = create_owner(conn, "node-1")
 
     async def scenario(reactor: Any) -> list[Any]:
         db = ReactorDb(reactor, pg_dsn, "writer0", prepare=HOT_STATEMENTS)
-        writer = GroupCommitWriter([db], "node-1", 100, insert=insert_messages_steps)
+        writer = GroupCommitWriter([db], "node-1", 100, insert=insert_messages_steps, writes=OwnWrites(owner))
         outcomes: list[Any] = [None] * 20
         for i in range(20):
             producer = "bad\x00" if i == 13 else "p"

@@ -113,7 +113,7 @@ def test_send_and_consume_with_auto_ack(make_server, topic, pg_dsn):
         assert sorted(m.body for m in inbox.messages) == [b"hello 0", b"hello 1", b"hello 2"]
         assert {m.message_id for m in inbox.messages} == {r.message_id for r in results}
         # acks are written after on_message returns and made durable in batches
-        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
 
 
 def _register(dsn: str, topic: str, channel: str, msg_timeout_ms: int = 60000) -> None:
@@ -455,9 +455,9 @@ def test_manual_ack_holds_the_message_until_acked(make_server, pg_dsn):
         assert client.send(Message("jobs", b"work")).result(WAIT).ok
         inbox.wait()
         wait_for(lambda: client.stats()["duplicates_suppressed"] >= 1, timeout=WAIT)
-        assert len(inbox.messages) == 1 and db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(1,)]
+        assert len(inbox.messages) == 1 and db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(1,)]
         inbox.messages[0].ack()
-        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
     assert len(inbox.messages) == 1
 
 
@@ -479,7 +479,7 @@ def test_handler_failure_gets_the_message_again(make_server, pg_dsn):
         client.subscribe("jobs", "workers", handler)
         assert client.send(Message("jobs", b"work")).result(WAIT).ok
         assert done.wait(WAIT)
-        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
     assert calls == [1, 2]
 
 

@@ -99,7 +99,7 @@ def test_worker_acks_what_it_charged_and_leaves_failures_unacked(served, pg_dsn)
             assert producer.send(Message("orders", b'{"id": 2, "fail": true}')).result(WAIT).ok
         wait_for(lambda: charged == [1], timeout=WAIT)
         # the failed order's delivery stays; the charged one is acked
-        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(1,)], timeout=WAIT)
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(1,)], timeout=WAIT)
     finally:
         stop.set()
         worker.join(WAIT)

@@ -229,7 +229,7 @@ def crash_and_recover(server, producer_script, tmp_path, children, pg_dsn, *, fr
         assert second.finish() == 0
         assert inbox.done.wait(WAIT), f"{len(inbox.calls)}/{COUNT} messages arrived"
         # every delivery acked: no copy of any message can still come
-        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=WAIT)
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
         assert subscription.suppressed == 0  # the server pushed no duplicate either
 
     assert report["producer"] != producer_id  # a new instance, a new id for its own sends

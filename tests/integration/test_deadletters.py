@@ -90,7 +90,7 @@ def test_expired_copies_become_dead_letters_and_leave_memory(make_server, pg_dsn
         )
         assert {r[2] for r in rows} == {r.message_id for r in replies}
         assert all(r[0] == "expired" and r[1] == "c" and "400 ms" in r[3] for r in rows)
-        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)]
+        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
         # a copy pushed before its own expiry (the sweep may take them one by one) is fine;
         # once all expired, the channel holds nothing and pushes nothing
         while (late := consumer.receive(timeout=0.3)) is not None:
@@ -120,7 +120,7 @@ def test_max_attempts_turns_the_last_timeout_into_a_dead_letter(make_server, pg_
         assert rows == [("max_attempts", "c", reply.message_id, 2, b"poison", rows[0][5])]
         assert "2 times" in rows[0][5]
         assert consumer.receive(timeout=1.0) is None
-    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)]
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
 
 
 def test_attempts_survive_a_restart(make_server, pg_dsn):
@@ -132,7 +132,7 @@ def test_attempts_survive_a_restart(make_server, pg_dsn):
         assert consumer.subscribe(topic, "c").command == Command.SUBSCRIBE_ACK
         producer.send(topic, b"x")
         assert [consumer.receive(timeout=5).attempts for _ in range(2)] == [1, 2]
-        wait_for(lambda: db_rows(pg_dsn, "SELECT attempts FROM dmq_delivery") == [(2,)])
+        wait_for(lambda: db_rows(pg_dsn, "SELECT attempts FROM dmq_pending") == [(2,)])
     server.kill()
     server.start()
     with server.client() as consumer:

@@ -18,6 +18,7 @@ from twisted.internet.defer import fail, succeed
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
 from dmq_server.db.delays import NewDelayed, insert_delayed
 from dmq_server.reliable.delay import DelayWorker
+from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
 
@@ -163,7 +164,7 @@ class PgNow:
             return fail(exc)
 
 
-def test_due_time_precision_on_an_injected_clock_with_real_sql(pg_dsn, topic):
+def test_due_time_precision_on_an_injected_clock_with_real_sql(pg_dsn, topic, owner):
     """Against PostgreSQL's delay table, with time from task.Clock: each row moves into
     dmq_message with its delivery exactly when the clock reaches its due time."""
     migrate(pg_dsn)
@@ -186,7 +187,7 @@ def test_due_time_precision_on_an_injected_clock_with_real_sql(pg_dsn, topic):
         moved: list = []
         worker = DelayWorker(
             1, PgNow(conn), clock, max_fragment=8, poll_interval=1.0, batch_size=100,
-            tick=0.01, node_id="n1", on_moved=moved.extend,
+            tick=0.01, node_id="n1", on_moved=moved.extend, writes=OwnWrites(owner),
         )
         worker.set_fragments((1, 2, 3, 4))
         clock.advance(0.499)
@@ -201,7 +202,7 @@ def test_due_time_precision_on_an_injected_clock_with_real_sql(pg_dsn, topic):
             worker.poll()
         assert [m.body for m in moved] == [b"a", b"b"]  # fragment 6 is not worker 1's
         deliveries = conn.execute(
-            "SELECT d.channel, m.body FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id ORDER BY m.id"
+            "SELECT d.channel, m.body FROM dmq_pending d JOIN dmq_message m ON m.id = d.message_id ORDER BY m.id"
         ).fetchall()
         assert deliveries == [("billing", b"a"), ("billing", b"b")]
         assert conn.execute("SELECT fragment FROM dmq_delay").fetchall() == [(6,)]

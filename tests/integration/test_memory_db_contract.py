@@ -25,12 +25,18 @@ from dmq_server.db.dead_letters import (
     insert_dead_letters_steps,
     record_attempts_steps,
 )
+from dmq_server.db.errors import StorageError
 from dmq_server.db.memory import MemoryDb
 from dmq_server.db.messages import (
     AckRow,
+    CursorProgress,
     NewMessage,
     ack_deliveries_steps,
+    create_owner_steps,
+    empty_channel_steps,
     insert_messages_steps,
+    read_owners_steps,
+    retire_silent_owners_steps,
     load_backlog_steps,
     read_channel_state_steps,
     run_query_steps,
@@ -42,6 +48,7 @@ from dmq_server.db.topics import list_topics_steps
 from dmq_server.db.worker import connect
 
 NODE = "node-1"
+OWNER = 1  # the first incarnation of a fresh database
 
 
 def _msg(producer: str, session_id: int, topic: str = "orders", body: bytes | None = None) -> NewMessage:
@@ -58,7 +65,7 @@ def insert_new_steps(batch: list[NewMessage]) -> Steps:
     params = {
         "topics": [m.topic for m in batch], "producers": [m.producer for m in batch],
         "session_ids": [m.session_id for m in batch], "produced_ms": [0] * len(batch),
-        "bodies": [m.body for m in batch], "node_id": NODE,
+        "bodies": [m.body for m in batch], "node_id": NODE, "owner": OWNER,
     }
     try:
         rows = yield Statement("insert_new_messages", params, may_fail=True)
@@ -68,7 +75,11 @@ def insert_new_steps(batch: list[NewMessage]) -> Steps:
 
 
 def ack(channel: str, message_id: int) -> AckRow:
-    return AckRow("orders", channel, message_id, 1_700_000_000_000, 1_700_000_001_000, 1)
+    return AckRow("orders", channel, message_id, 1_700_000_000_000, 1_700_000_001_000, 1, owner=OWNER)
+
+
+def cursor(channel: str, floor: int, *spans: tuple[int, int]) -> list[CursorProgress]:
+    return [CursorProgress("orders", channel, OWNER, floor, list(spans))]
 
 
 class Ids:
@@ -107,13 +118,14 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
     m = ids.real
     return [
         ("topics", list_topics_steps, lambda: (), same),
-        ("first batch", insert_messages_steps, lambda: ([_msg("p", 1), _msg("p", 2), _msg("a", 9)], NODE), same),
+        ("an incarnation", create_owner_steps, lambda: (NODE,), same),
+        ("first batch", insert_messages_steps, lambda: ([_msg("p", 1), _msg("p", 2), _msg("a", 9)], NODE, OWNER), same),
         ("a stored pair fails the fast insert", insert_new_steps, lambda: ([_msg("p", 2), _msg("p", 5)],), same),
         ("nothing of it was stored", find_steps, lambda: ([("p", 5)],), same),
         (
             "a batch with a resend, a new pair twice, a topic without channels",
             insert_messages_steps,
-            lambda: ([_msg("p", 2), _msg("p", 3), _msg("p", 3), _msg("q", 1, topic="quiet")], NODE),
+            lambda: ([_msg("p", 2), _msg("p", 3), _msg("p", 3), _msg("q", 1, topic="quiet")], NODE, OWNER),
             same,
         ),
         (
@@ -122,13 +134,25 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda: ([("p", 1), ("p", 3), ("nobody", 1)],),
             lambda rows: [(ids(r[0]), r[1], r[2], now_ish(r[3])) for r in rows],
         ),
-        ("ack (twice in one batch)", ack_deliveries_steps, lambda: ([ack("billing", m["m1"]), ack("billing", m["m1"])],), same),
-        ("ack of a copy already gone", ack_deliveries_steps, lambda: ([ack("billing", m["m1"])],), same),
+        (
+            "ack (twice in one batch)",
+            ack_deliveries_steps,
+            lambda: ([ack("billing", m["m1"]), ack("billing", m["m1"])], cursor("billing", 0, (m["m1"], m["m1"])), NODE),
+            same,
+        ),
+        ("ack of a copy already done", ack_deliveries_steps, lambda: ([ack("billing", m["m1"])], cursor("billing", 0), NODE), same),
+        (
+            "an ack out of order: a span above the floor",
+            ack_deliveries_steps,
+            lambda: ([ack("billing", m["m4"])], cursor("billing", 0, (m["m4"], m["m4"])), NODE),
+            same,
+        ),
+        ("a floor below the cursor's changes nothing", ack_deliveries_steps, lambda: ([], cursor("billing", 0), NODE), same),
         ("backlog", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
         ("backlog after a cursor, limited", load_backlog_steps, lambda: ("orders", "audit", m["m1"], 1), same),
-        ("backlog owned by this node", load_backlog_steps, lambda: ("orders", "audit", 0, 10, NODE), same),
-        ("backlog owned by another node", load_backlog_steps, lambda: ("orders", "audit", 0, 10, "node-2"), same),
-        ("depths and pauses", read_channel_state_steps, lambda: (), lambda s: (s[0], sorted(s[1]))),
+        ("backlog of this node's incarnation", load_backlog_steps, lambda: ("orders", "audit", 0, 10, NODE, OWNER), same),
+        ("backlog of another node", load_backlog_steps, lambda: ("orders", "audit", 0, 10, "node-2", 2), same),
+        ("depths and pauses", read_channel_state_steps, lambda: (), lambda s: (s[0], sorted(s[1]), sorted(s[2]))),
         ("pause", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
         ("pause again", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
         ("paused", read_channel_state_steps, lambda: (), lambda s: sorted(s[1])),
@@ -136,17 +160,23 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         (
             "record attempts",
             record_attempts_steps,
-            lambda: ([CopyRef("orders", "billing", m["m2"], 3), CopyRef("orders", "billing", m["m1"], 3)],),
+            lambda: ([CopyRef("orders", "billing", m["m2"], 3, OWNER), CopyRef("orders", "billing", m["m1"], 3, OWNER)],),
             same,
         ),
         ("attempts are loaded", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
         (
             "exhaust",
             exhaust_deliveries_steps,
-            lambda: ([CopyRef("orders", "billing", m["m2"], 2), CopyRef("orders", "audit", 999_999_999, 2)],),
+            lambda: ([CopyRef("orders", "billing", m["m2"], 2, OWNER), CopyRef("orders", "audit", 999_999_999, 2, OWNER)], NODE),
             lambda rows: [(t, c, ids(i)) for t, c, i in rows],
         ),
-        ("empty a channel", run_query_steps, lambda: ("empty_channel", {"topic": "orders", "channel": "audit"}), same),
+        ("after the exhaust", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
+        ("empty a channel", empty_channel_steps, lambda: ("orders", "audit"), same),
+        ("empty it again", empty_channel_steps, lambda: ("orders", "audit"), same),
+        ("a second incarnation", create_owner_steps, lambda: (NODE,), same),
+        ("it retires the first", retire_silent_owners_steps, lambda: (OWNER + 1, NODE, 3600), same),
+        ("incarnations", read_owners_steps, lambda: (), lambda rows: [(r.owner, r.node_id, r.retired) for r in rows]),
+        ("a retired incarnation stores nothing", insert_messages_steps, lambda: ([_msg("z", 1)], NODE, OWNER), lambda e: type(e).__name__),
         (
             "dead letters",
             insert_dead_letters_steps,
@@ -164,7 +194,11 @@ def run_script(run: Callable[..., Any]) -> list[tuple[str, Any]]:
     ids = Ids()
     answers = []
     for label, steps_fn, args, view in script(ids):
-        answers.append((label, view(run(steps_fn, *args()))))
+        try:
+            answer = run(steps_fn, *args())
+        except StorageError as exc:  # an answer too: which error
+            answer = exc
+        answers.append((label, view(answer)))
     return answers
 
 
@@ -215,8 +249,10 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert [s["duplicate"] for s in resend] == [True, False, True, False]
     assert resend[3]["channels"] == ()
     # ids follow (producer, session_id) order in a batch, in both: a9 (m3) got the first id
-    assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2", "m4"]
+    # p1 (m1) and p3 (m4) acknowledged out of order: spans above the floor
+    assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0
-    assert answers["depths at the end"] == {("orders", "billing"): 2}  # a9 and p3; p2 exhausted
+    assert answers["depths at the end"] == {("orders", "billing"): 1}  # a9; p1, p3 acked, p2 exhausted
+    assert answers["a retired incarnation stores nothing"] == "Fenced"
     assert answers["sweep what no channel holds"] > 0

@@ -127,7 +127,7 @@ def test_reliable_topic_over_nsq_is_durable(make_server, topic, pg_dsn, tmp_path
     ts, attempts, wire_id, got = consumer.message()
     assert (got, attempts, wire_id) == (b"order-1", 1, b"%016x" % mid)
     consumer.send(b"FIN " + wire_id + b"\n")
-    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_delivery"))
+    wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_pending"))
     assert "orders" not in json.loads(http_get(server.http + "/stats?format=json")[1]).get("fast", [])
 
 

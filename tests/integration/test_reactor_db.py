@@ -63,17 +63,17 @@ async def _result_or_error(d: Deferred) -> Any:
         return exc
 
 
-def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic):
+def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic, owner):
     """insert_messages_steps on the reactor: same StoredMessages as over psycopg's
     blocking path (ids, channels, published time), resends answered from the rows."""
 
     async def scenario(reactor: Any) -> Any:
         db = ReactorDb(reactor, pg_dsn, "writer0", prepare=HOT_STATEMENTS)
         try:
-            first = await db.run_steps(insert_messages_steps, [_msg("p", 1), _msg("p", 2)], "node-1")
+            first = await db.run_steps(insert_messages_steps, [_msg("p", 1), _msg("p", 2)], "node-1", owner)
             # a stored pair, a new pair and the new pair again: the UniqueViolation of
             # the first try is thrown into the steps, which run the ON CONFLICT form
-            mixed = await db.run_steps(insert_messages_steps, [_msg("p", 2), _msg("p", 3), _msg("p", 3)], "node-1")
+            mixed = await db.run_steps(insert_messages_steps, [_msg("p", 2), _msg("p", 3), _msg("p", 3)], "node-1", owner)
             return first, mixed
         finally:
             db.stop()
@@ -86,9 +86,9 @@ def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic):
     assert mixed[2].message_id == mixed[1].message_id
 
     with connect(pg_dsn, autocommit=True) as conn:
-        again = insert_messages(conn, [_msg("p", 1), _msg("p", 4)], "node-1")
+        again = insert_messages(conn, [_msg("p", 1), _msg("p", 4)], "node-1", owner)
         rows = conn.execute("SELECT id, (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message").fetchall()
-        deliveries = conn.execute("SELECT count(*) FROM dmq_delivery").fetchone()[0]
+        deliveries = conn.execute("SELECT count(*) FROM dmq_pending").fetchone()[0]
     assert again[0].message_id == first[0].message_id and again[0].duplicate
     assert {s.message_id: s.published_ms for s in first + mixed[1:2]} == {
         i: ms for i, ms in rows if i != again[1].message_id
@@ -96,7 +96,7 @@ def test_steps_give_what_a_blocking_connection_gives(pg_dsn, topic):
     assert deliveries == 4  # one per stored pair, none for the resends
 
 
-def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic):
+def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic, owner):
     def bad_steps() -> Any:
         yield _stmt("SELECT 1 / %(zero)s::integer", {"zero": 0})
 
@@ -118,7 +118,7 @@ def test_an_error_the_steps_do_not_handle_fails_only_that_run(pg_dsn, topic):
     assert rows == [(42, ["a", "b"])]
 
 
-def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn, topic):
+def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn, topic, owner):
     """An integer too large for its cast is refused by PostgreSQL (not wrapped around),
     a value psycopg cannot send fails its run before anything is sent; the next run works."""
 
@@ -142,7 +142,7 @@ def test_values_that_do_not_fit_fail_their_run_and_the_connection_goes_on(pg_dsn
     assert fine == [2**31 - 1, -5]
 
 
-def test_a_count_statement_answers_with_the_rows_it_changed(pg_dsn, topic):
+def test_a_count_statement_answers_with_the_rows_it_changed(pg_dsn, topic, owner):
     """``Statement(count=True)``: the reactor answers the row count, as run_steps does."""
     params = {"topic": "orders", "channel": "billing"}
 
@@ -159,7 +159,7 @@ def test_a_count_statement_answers_with_the_rows_it_changed(pg_dsn, topic):
     assert on_reactor(scenario) == (1, 0, 1)
 
 
-def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
+def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic, owner):
     def sleeper() -> Any:
         yield _stmt("SELECT pg_sleep(%(s)s::float8)", {"s": 30.0})
 
@@ -180,7 +180,7 @@ def test_stop_fails_the_run_in_progress_and_what_waits(pg_dsn, topic):
     assert isinstance(queued, StorageError) and isinstance(after, StorageError)
 
 
-def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, topic):
+def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, topic, owner):
     def backend_pid() -> Any:
         rows = yield _stmt("SELECT pg_backend_pid()", {})
         return rows[0][0]
@@ -198,7 +198,7 @@ def test_a_dropped_connection_fails_the_run_and_the_next_run_reconnects(pg_dsn, 
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             error = await _result_or_error(running)
             new_pid = await queued
-            stored = await db.run_steps(insert_messages_steps, [_msg("q", 1)], "node-1")
+            stored = await db.run_steps(insert_messages_steps, [_msg("q", 1)], "node-1", owner)
             return pid, error, new_pid, stored
         finally:
             db.stop()

@@ -99,7 +99,7 @@ def test_pause_unpause_and_empty_on_a_reliable_channel(make_server, topic, pg_ds
     _publish(server, topic, 30, "old")
     wait_for(lambda: _channel(server, topic)["depth"] == 30 + 20)  # the 20 were never FINed
     assert v1(server, "POST", f"/channel/empty?topic={topic}&channel=billing") == (200, "")
-    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)]
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
     _publish(server, topic, 5, "new")
     consumer = NsqSocket(server.tcp_port)
     consumer.sub(topic, "billing", rdy=50)
@@ -162,7 +162,7 @@ def test_the_same_channel_operations_on_the_cli_the_console_and_the_admin_api(ma
         assert status.startswith("ERR E_INVALID usage: channel pause topic=T channel=C")
     finally:
         console.close()
-    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)]
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
 
     assert http(server, "POST", f"/admin/channels/{topic}/billing/unpause") == (200, {"ok": f"unpause {topic}/billing"})
     assert _channel(server, topic)["paused"] is False

@@ -25,7 +25,7 @@ def test_send_store_push_ack_remove(make_server, topic, pg_dsn, db_io):
             (b"hello",)
         ]
         assert db_rows(
-            pg_dsn, "SELECT channel FROM dmq_delivery WHERE message_id = %s", reply.message_id
+            pg_dsn, "SELECT channel FROM dmq_pending WHERE message_id = %s", reply.message_id
         ) == [("billing",)]
 
         assert consumer.subscribe(topic, "billing").command == Command.SUBSCRIBE_ACK
@@ -41,7 +41,7 @@ def test_send_store_push_ack_remove(make_server, topic, pg_dsn, db_io):
         assert push.attempts == 1
         consumer.ack(push)
 
-        wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_delivery"))
+        wait_for(lambda: not db_rows(pg_dsn, "SELECT 1 FROM dmq_pending"))
         log = db_rows(
             pg_dsn,
             "SELECT message_id, channel, attempts, first_delivered_at IS NOT NULL FROM dmq_delivery_log",
@@ -82,7 +82,7 @@ def test_resend_is_answered_from_the_stored_row(make_server, topic, pg_dsn):
         assert first.command == again.command == Command.SEND_SUCCESS_ACK
         assert again.message_id == first.message_id
         assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(1,)]
-        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(1,)]
+        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(1,)]
     # a different producer may use the same session id
     with server.client() as other:
         assert other.send(topic, b"other", session_id=42).message_id != first.message_id
@@ -126,7 +126,7 @@ def test_backlog_beyond_memory_is_delivered_once_in_order(make_server, topic, pg
             consumer.ack(push)
         assert consumer.receive(timeout=0.5) is None
     assert got == sorted(ids)
-    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)])
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)])
 
 
 def test_credit_limits_unacknowledged_pushes(make_server, topic):

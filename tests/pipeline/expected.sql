@@ -34,7 +34,7 @@ WITH copies AS (
     WHERE acked_at >= %(since)s AND published_at < %(until)s
     UNION ALL
     SELECT d.topic, d.channel, date_trunc('minute', m.published_at), NULL
-    FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
+    FROM dmq_pending d JOIN dmq_message m ON m.id = d.message_id
     WHERE m.published_at < %(until)s
 ), minutes AS (
     SELECT topic, channel, pub AS minute FROM copies
@@ -51,7 +51,7 @@ ORDER BY 1, 2, 3;
 
 -- name: expected_pending
 -- Unacknowledged copies now, per topic and channel.
-SELECT topic, channel, count(*) FROM dmq_delivery GROUP BY 1, 2 ORDER BY 1, 2;
+SELECT topic, channel, count(*) FROM dmq_pending GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- name: expected_dead_letters
 -- Dead letters per topic, channel and reason, and how many were replayed.

@@ -33,7 +33,7 @@ SELECT id FROM dmq_delivery_log ORDER BY id;
 -- name: counts
 -- Row counts of the tables the pipeline reads or changes.
 SELECT (SELECT count(*) FROM dmq_message) AS messages,
-       (SELECT count(*) FROM dmq_delivery) AS deliveries,
+       (SELECT count(*) FROM dmq_pending) AS deliveries,
        (SELECT count(*) FROM dmq_delivery_log) AS log,
        (SELECT count(*) FROM dmq_message_history) AS history,
        (SELECT count(*) FROM dmq_archive_batch) AS batches,

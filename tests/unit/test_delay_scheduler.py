@@ -52,7 +52,7 @@ class Table:
         due = sorted(r.due_ms for r in self.rows if self._mine(r, fragments, max_fragment) and r.due_ms <= until_ms)
         return due[:limit]
 
-    def move(self, conn, fragments, max_fragment, now_ms, limit, node_id):
+    def move(self, conn, fragments, max_fragment, now_ms, limit, node_id, owner=0):
         due = sorted(
             (r for r in self.rows if self._mine(r, fragments, max_fragment) and r.due_ms <= now_ms),
             key=lambda r: (r.due_ms, r.id),

@@ -19,8 +19,12 @@ from dmq_server.db.errors import RefusedError, StorageError
 from dmq_server.db.memory import MemoryDb, UnknownStatement
 from dmq_server.db.messages import (
     AckRow,
+    CursorProgress,
     NewMessage,
     ack_deliveries_steps,
+    create_owner_steps,
+    empty_channel_steps,
+    retire_silent_owners_steps,
     insert_messages_steps,
     load_backlog_steps,
     read_channel_state_steps,
@@ -51,11 +55,16 @@ def db() -> MemoryDb:
     db = MemoryDb(clock)
     db.create_topic("orders", ["billing", "audit"])
     db.create_topic("empty")
+    assert result(db.run_steps(create_owner_steps, "node-1")) == OWNER
+    db.executed.clear()
     return db
 
 
+OWNER = 1  # the incarnation every test stores as
+
+
 def test_a_batch_is_stored_with_one_delivery_per_channel(db):
-    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1"))
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1", OWNER))
     assert [s.duplicate for s in stored] == [False, False]
     assert all(s.channels == ("audit", "billing") for s in stored)
     assert stored[0].message_id < stored[1].message_id
@@ -66,8 +75,8 @@ def test_a_batch_is_stored_with_one_delivery_per_channel(db):
 
 
 def test_a_resent_pair_is_answered_from_the_stored_row(db):
-    first = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
-    again = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1"))
+    first = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
+    again = result(db.run_steps(insert_messages_steps, [msg("p", 1), msg("p", 2)], "node-1", OWNER))
     assert again[0].duplicate and again[0].message_id == first[0].message_id and again[0].channels == ()
     assert not again[1].duplicate
     # the fast statement met the stored pair, so the batch ran again with ON CONFLICT
@@ -76,38 +85,56 @@ def test_a_resent_pair_is_answered_from_the_stored_row(db):
 
 
 def test_the_same_pair_twice_in_one_batch_is_stored_once(db):
-    stored = result(db.run_steps(insert_messages_steps, [msg("p", 7), msg("p", 7)], "node-1"))
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 7), msg("p", 7)], "node-1", OWNER))
     assert [s.duplicate for s in stored] == [False, True]
     assert stored[0].message_id == stored[1].message_id
     assert len(db.messages) == 1
 
 
-def test_acks_drop_deliveries_and_log_them_and_backlog_reads_what_is_left(db):
-    stored = result(db.run_steps(insert_messages_steps, [msg("p", i) for i in range(1, 4)], "node-1"))
+def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", i) for i in range(1, 4)], "node-1", OWNER))
     ids = [s.message_id for s in stored]
-    acks = [AckRow("orders", "billing", ids[0], 5, 6, 1), AckRow("orders", "billing", ids[0], 5, 6, 1)]
-    assert result(db.run_steps(ack_deliveries_steps, acks)) == 2
-    assert len(db.delivery_log) == 1  # an ack of a row already gone changes nothing
+    acks = [AckRow("orders", "billing", ids[0], 5, 6, 1, owner=OWNER), AckRow("orders", "billing", ids[0], 5, 6, 1, owner=OWNER)]
+    progress = [CursorProgress("orders", "billing", OWNER, ids[0], [])]
+    assert result(db.run_steps(ack_deliveries_steps, acks, progress, "node-1")) == 2
+    assert len(db.delivery_log) == 1  # the same copy twice in a batch is logged once
+    assert result(db.run_steps(ack_deliveries_steps, acks[:1], progress, "node-1")) == 1
+    assert len(db.delivery_log) == 1  # an ack of a copy already done changes nothing
     backlog = result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))
-    assert [r.message_id for r in backlog] == ids[1:]
+    assert [r.message_id for r in backlog] == ids[1:] and {r.owner for r in backlog} == {OWNER}
     assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "billing", ids[1], 1))] == [ids[2]]
-    assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "audit", 0, 10, "node-2"))] == []
-    depths, held = result(db.run_steps(read_channel_state_steps))
-    assert depths == {("orders", "audit"): 3, ("orders", "billing"): 2} and held == set()
+    # a cluster node loads its own incarnation's copies and those of cursors it holds
+    assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "audit", 0, 10, "node-2", 9))] == []
+    assert len(result(db.run_steps(load_backlog_steps, "orders", "audit", 0, 10, "node-1", OWNER))) == 3
+    # a span above the floor: the last copy done out of order
+    result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "billing", ids[2], 5, 6, 1, owner=OWNER)],
+                        [CursorProgress("orders", "billing", OWNER, ids[0], [(ids[2], ids[2])])], "node-1"))
+    assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))] == [ids[1]]
+    depths, held, retired = result(db.run_steps(read_channel_state_steps))
+    assert depths == {("orders", "audit"): 3, ("orders", "billing"): 1} and held == set() and retired == set()
 
 
 def test_pause_empty_and_sweep_count_the_rows_they_change(db):
-    result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
     params = {"topic": "orders", "channel": "billing"}
     assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 1
     assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 0
     assert result(db.run_steps(read_channel_state_steps))[1] == {("orders", "billing")}
-    assert result(db.run_steps(run_query_steps, "empty_channel", params)) == 1
+    assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 1
+    assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 0
     assert result(db.run_steps(sweep_messages_steps, 0, 100)) == 0  # audit still holds a copy
-    result(db.run_steps(run_query_steps, "empty_channel", {"topic": "orders", "channel": "audit"}))
+    result(db.run_steps(empty_channel_steps, "orders", "audit"))
     assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 0  # younger than the retention
     db.clock.advance(61)
     assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 1 and not db.messages
+
+
+def test_a_retired_incarnation_stores_nothing(db):
+    second = result(db.run_steps(create_owner_steps, "node-1"))
+    assert result(db.run_steps(retire_silent_owners_steps, second, "node-1", 3600)) == [OWNER]
+    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
+    assert isinstance(error, StorageError) and error.code == "E_FENCED" and not db.messages
+    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", second))[0].duplicate
 
 
 def test_topics_and_dead_letters(db):
@@ -120,30 +147,31 @@ def test_topics_and_dead_letters(db):
 
 def test_a_refused_statement_fails_the_run_with_a_refused_error_and_stores_nothing(db):
     db.fail_next("insert_new_messages", "refused")
-    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
     assert isinstance(error, RefusedError) and error.sqlstate.startswith("22")
     assert not db.messages
     # only once: the next run stores
-    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))[0].duplicate
+    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))[0].duplicate
 
 
 def test_a_refusal_can_target_the_batches_holding_one_producer(db):
     db.fail_next("insert_new_messages", "refused", times=10, when=lambda p: "bad" in p["producers"])
-    assert isinstance(result(db.run_steps(insert_messages_steps, [msg("bad", 1), msg("p", 1)], "n")), RefusedError)
-    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "n"))[0].duplicate
+    assert isinstance(result(db.run_steps(insert_messages_steps, [msg("bad", 1), msg("p", 1)], "n", OWNER)), RefusedError)
+    assert not result(db.run_steps(insert_messages_steps, [msg("p", 1)], "n", OWNER))[0].duplicate
 
 
 def test_an_unknown_outcome_is_applied_and_its_answer_lost(db):
     db.fail_next("insert_new_messages", "unknown")
-    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
+    error = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
     assert isinstance(error, StorageError) and not isinstance(error, RefusedError)
     assert len(db.messages) == 1 and len(db.deliveries) == 2  # committed all the same
 
 
 def test_a_lost_statement_is_not_applied(db):
     db.fail_next("ack_deliveries", "lost")
-    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1"))
-    error = result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "audit", stored[0].message_id, 0, 1, 1)]))
+    stored = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
+    error = result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "audit", stored[0].message_id, 0, 1, 1, owner=OWNER)],
+                                [CursorProgress("orders", "audit", OWNER, stored[0].message_id, [])], "node-1"))
     assert isinstance(error, StorageError) and not isinstance(error, RefusedError)
     assert len(db.deliveries) == 2
 
@@ -152,7 +180,8 @@ def test_answers_wait_for_the_clock_when_given_a_delay():
     clock = Clock()
     db = MemoryDb(clock, delay=0.5)
     db.create_topic("orders", ["billing"])
-    d = db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1")
+    db.owners[OWNER] = {"node_id": "node-1", "retired": False}
+    d = db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER)
     assert not d.called
     clock.advance(0.5)
     assert d.called

@@ -192,6 +192,7 @@ def test_components_do_not_start_their_own_timers():
         "registry-refresh": options.registry_refresh,
         "sweep": options.sweep_interval,
         "channel-state": options.channel_state_interval,
+        "heartbeat": options.owner_silence / 6,
     }
     # one scanner for both stores: the broker's; the fast store keeps only its disk sync
     assert {t.name: t.step for t in fast.timers} == {"sync": options.sync_timeout}

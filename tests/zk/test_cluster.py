@@ -37,7 +37,7 @@ def channels_on(node) -> dict[str, list[str]]:
 
 
 def owners(dsn: str) -> dict[str, int]:
-    return dict(db_rows(dsn, "SELECT owner, count(*) FROM dmq_delivery GROUP BY owner"))
+    return dict(db_rows(dsn, "SELECT holder, count(*) FROM dmq_pending GROUP BY holder"))
 
 
 def test_topic_and_channel_changes_reach_every_node(make_node, zk_address, pg_dsn):
@@ -60,7 +60,7 @@ def test_topic_and_channel_changes_reach_every_node(make_node, zk_address, pg_ds
     for node in nodes:
         with node.client() as producer:
             send_many(producer, "orders", 5)
-    assert db_rows(pg_dsn, "SELECT channel, count(*) FROM dmq_delivery GROUP BY channel ORDER BY channel") == [
+    assert db_rows(pg_dsn, "SELECT channel, count(*) FROM dmq_pending GROUP BY channel ORDER BY channel") == [
         ("audit", 15),
         ("billing", 15),
     ]

@@ -90,7 +90,7 @@ def test_pynsq_reader_via_one_node_receives_from_every_node(make_node, zk, pg_ds
             body = b"from-%d-%d" % (i, j)
             assert http_pub(node, "orders", body) == "OK"
             sent.add(body)
-    by_node = db_rows(pg_dsn, "SELECT owner, count(*) FROM dmq_delivery GROUP BY owner")
+    by_node = db_rows(pg_dsn, "SELECT holder, count(*) FROM dmq_pending GROUP BY holder")
     assert sorted(count for _, count in by_node) == [10, 10, 10]  # each node owns its own
 
     aio = asyncio.new_event_loop()
@@ -128,4 +128,4 @@ def test_pynsq_reader_via_one_node_receives_from_every_node(make_node, zk, pg_ds
     assert not timed_out, f"received {len(got)} of {len(sent)}"
     assert got == sent
     assert connected == {n.tcp_port for n in nodes}
-    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_delivery") == [(0,)], timeout=10)
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=10)

@@ -1,0 +1,295 @@
+"""The cursor a channel proposes (``ReliableChannel.progress``) and the horizon that bounds
+it (``reliable.horizon.OwnWrites``): unit tests, and a property test that counts.
+
+The property test plays the server's threads against each other: a message id sequence
+shared with other topics (gaps), group commits that draw ids when they run and commit
+out of order, a channel with a small memory window that loads its backlog from the
+"database" in id order, consumers that acknowledge in random order, and durable ack
+batches whose proposals are merged into a model cursor as the SQL does (a floor only
+rises, spans only add). After every step it checks the two promises the cursor keeps:
+no stored copy that was not acknowledged is ever covered (it would never be delivered:
+lost), and every acknowledgement made durable is covered (after a crash it is not
+delivered again); and at the end, that every acknowledgement was logged exactly once
+(an ack whose copy a batch covered before its own batch ran would never be logged).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet.task import Clock
+
+from dmq_server.db.messages import BacklogRow
+from dmq_server.reliable.channel import Delivery, ReliableChannel, ReliableMessage
+from dmq_server.reliable.horizon import OwnWrites
+
+OWNER = 7
+
+
+class Consumer:
+    def __init__(self, credit: int = 1000):
+        self.credit = credit
+        self.in_flight = 0
+        self.held: list[int] = []
+
+    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
+        self.held.append(delivery.message.message_id)
+
+
+def message(mid: int, owner: int = OWNER) -> ReliableMessage:
+    return ReliableMessage(mid, "orders", "p", mid, 0, b"x", owner)
+
+
+def channel_with(*ids: int, credit: int = 1000, mem: int = 100) -> tuple[ReliableChannel, Consumer, list]:
+    acks: list[int] = []
+    ch = ReliableChannel(
+        "orders", "billing", clock=Clock(), msg_timeout=30.0, mem_queue_size=mem,
+        load=lambda c, after, limit: None,
+        on_ack=lambda c, d, ms: acks.append(d.message.message_id),
+    )
+    consumer = Consumer(credit)
+    ch.subscribe(consumer)
+    ch.loaded([], 100)  # nothing stored yet
+    for mid in ids:
+        ch.add(message(mid))
+    return ch, consumer, acks
+
+
+# -- OwnWrites -----------------------------------------------------------------------
+
+
+def test_the_horizon_is_the_lowest_bound_of_the_writes_in_progress():
+    writes = OwnWrites(OWNER)
+    assert writes.horizon() == math.inf and writes.limit(OWNER) == math.inf
+    first = writes.begin()  # nothing seen yet: its ids are above 0
+    writes.seen(10)
+    second = writes.begin()  # its ids are above 10
+    assert writes.horizon() == 0
+    writes.end(first)
+    assert writes.horizon() == 10
+    writes.end(second)
+    assert writes.horizon() == math.inf
+
+
+def test_a_write_whose_answer_was_lost_is_open_until_its_backend_is_gone():
+    writes = OwnWrites(OWNER)
+    writes.seen(5)
+    token = writes.begin()
+    writes.hold(token, 4242)
+    assert writes.horizon() == 5 and writes.held_pids() == {4242}
+    assert not writes.release({17})  # another backend ended
+    assert writes.horizon() == 5
+    assert writes.release({4242})
+    assert writes.horizon() == math.inf and not writes.held_pids()
+    # no backend: the statement never reached PostgreSQL, settled at once
+    writes.hold(writes.begin(), None)
+    assert writes.horizon() == math.inf
+
+
+def test_other_owners_are_settled_only_once_retired():
+    writes = OwnWrites(OWNER)
+    assert writes.limit(3) is None
+    writes.retired.add(3)
+    assert writes.limit(3) == math.inf
+
+
+# -- progress ------------------------------------------------------------------------
+
+
+def test_in_order_acks_move_the_floor_and_need_no_spans():
+    ch, consumer, acks = channel_with(10, 11, 12, 13)
+    for mid in (10, 11):
+        assert ch.ack(mid)
+    assert ch.progress(OWNER, [10, 11], math.inf) == (11, [])  # 12 and 13 are in flight
+
+
+def test_ids_of_other_topics_between_the_copies_are_covered():
+    ch, consumer, acks = channel_with(10, 20, 30, 40)  # 11..19 and so on: other topics
+    assert ch.ack(10) and ch.ack(30)
+    # 20 is in flight: the floor stops below it; 30's span reaches from 21 to 39 (40 is in flight)
+    assert ch.progress(OWNER, [10, 30], math.inf) == (19, [(21, 39)])
+
+
+def test_an_ack_already_durable_or_pending_elsewhere_is_a_hole_until_then():
+    ch, consumer, acks = channel_with(10, 11, 12)
+    assert ch.ack(10) and ch.ack(11)
+    # 10's durable ack is in another batch under way: it is not done yet for this one
+    assert ch.progress(OWNER, [11], math.inf) == (9, [(11, 11)])
+    ch.ack_durable([10])
+    assert ch.progress(OWNER, [11], math.inf) == (11, [])
+
+
+def test_the_horizon_holds_back_what_a_write_in_progress_may_still_commit():
+    ch, consumer, acks = channel_with(10, 11, 12)
+    assert ch.ack(10) and ch.ack(12)
+    # a write sent when 9 was the last id seen may still commit 11.5-like ids above 9
+    floor, spans = ch.progress(OWNER, [10, 12], 9)
+    assert floor == 9 and spans == [(10, 10), (12, 12)]
+
+
+def test_nothing_beyond_the_load_cursor_or_the_lowest_ready_copy():
+    ch, consumer, acks = channel_with(10, 11, credit=1)
+    assert consumer.held == [10]
+    assert ch.ack(10)  # 11 is pushed now
+    ch.add(message(20))  # waits in ready behind the credit
+    assert ch.ack(11)
+    floor, spans = ch.progress(OWNER, [10, 11], math.inf)
+    assert floor == 19 and spans == []  # 20 is still ready: nothing at or above it is done
+    ch.rescan()  # a takeover: copies below the cursor may exist unseen
+    assert ch.progress(OWNER, [10, 11], math.inf) == (0, [(10, 10), (11, 11)])
+
+
+def test_an_owner_whose_writes_this_node_cannot_see_gets_the_acks_alone():
+    ch, consumer, acks = channel_with()
+    ch.add(message(10, owner=3))
+    ch.add(message(11, owner=3))
+    assert ch.ack(11)
+    assert ch.progress(3, [11], None) == (0, [(11, 11)])
+    # the channel's own owner is unaffected by another owner's copy in flight
+    assert ch.progress(OWNER, [], math.inf)[0] == ch.cursor
+
+
+# -- the property test -----------------------------------------------------------------
+
+
+@dataclass
+class World:
+    """The database, the writers, the acker and the cursor model around one channel."""
+
+    seed: int
+    rng: random.Random = field(init=False)
+    writes: OwnWrites = field(init=False)
+    channel: ReliableChannel = field(init=False)
+    consumers: list[Consumer] = field(init=False)
+    next_id: int = 0
+    stored: set[int] = field(default_factory=set)  # committed copies of the channel
+    pending_batches: list[tuple[int, list[int]]] = field(default_factory=list)  # (token, ids) not committed
+    committed_unanswered: list[tuple[int, list[int]]] = field(default_factory=list)
+    acked: set[int] = field(default_factory=set)  # acknowledged by a consumer (in memory)
+    durable: set[int] = field(default_factory=set)
+    ack_queue: list[int] = field(default_factory=list)
+    logged: list[int] = field(default_factory=list)  # the delivery log
+    floor: int = 0
+    done: set[int] = field(default_factory=set)  # spans, as ids (small numbers)
+    load_request: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.writes = OwnWrites(OWNER)
+        self.channel = ReliableChannel(
+            "orders", "billing", clock=Clock(), msg_timeout=30.0, mem_queue_size=4,
+            load=self._load, on_ack=lambda c, d, ms: self.ack_queue.append(d.message.message_id),
+        )
+        self.consumers = [Consumer(credit=2), Consumer(credit=3)]
+        for consumer in self.consumers:
+            self.channel.subscribe(consumer)
+
+    # the database ---------------------------------------------------------------
+    def covered(self, mid: int) -> bool:
+        return mid <= self.floor or mid in self.done
+
+    def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
+        self.load_request = (after, limit)
+
+    def answer_load(self) -> None:
+        after, limit = self.load_request
+        self.load_request = None
+        rows = sorted(m for m in self.stored if m > after and not self.covered(m))[:limit]
+        self.channel.loaded([BacklogRow(m, "p", m, 0, b"x", 0, OWNER) for m in rows], limit)
+
+    # the writers ----------------------------------------------------------------
+    def send_batch(self) -> None:
+        token = self.writes.begin()
+        ids = []
+        for _ in range(self.rng.randint(1, 3)):
+            self.next_id += self.rng.randint(1, 3)  # other topics' ids in between
+            ids.append(self.next_id)
+        self.pending_batches.append((token, ids))
+
+    def commit_one(self) -> None:
+        token, ids = self.pending_batches.pop(self.rng.randrange(len(self.pending_batches)))
+        self.stored.update(ids)
+        self.committed_unanswered.append((token, ids))
+
+    def answer_one(self) -> None:
+        token, ids = self.committed_unanswered.pop(self.rng.randrange(len(self.committed_unanswered)))
+        for mid in ids:
+            self.channel.add(message(mid))
+        for mid in ids:
+            self.writes.seen(mid)
+        self.writes.end(token)
+
+    # the consumers and the acker --------------------------------------------------
+    def consumer_acks(self) -> None:
+        consumer = self.rng.choice(self.consumers)
+        if consumer.held:
+            mid = consumer.held.pop(self.rng.randrange(len(consumer.held)))
+            if self.channel.ack(mid):
+                self.acked.add(mid)
+
+    def flush_acks(self, everything: bool = False) -> None:
+        """One durable ack batch: a prefix of the queue (the rest waits for the next, as
+        the acker sends one batch at a time); each ack not covered before is logged."""
+        cut = len(self.ack_queue) if everything else self.rng.randint(1, len(self.ack_queue))
+        batch, self.ack_queue = self.ack_queue[:cut], self.ack_queue[cut:]
+        for mid in batch:
+            if not self.covered(mid):
+                self.logged.append(mid)
+        floor, spans = self.channel.progress(OWNER, batch, self.writes.limit(OWNER))
+        self.floor = max(self.floor, floor)
+        for lo, hi in spans:
+            self.done.update(range(lo, hi + 1))
+        self.durable.update(batch)
+        self.channel.ack_durable(batch)
+
+    def step(self) -> None:
+        choices = [self.send_batch, self.consumer_acks, self.consumer_acks]
+        if self.pending_batches:
+            choices.append(self.commit_one)
+        if self.committed_unanswered:
+            choices.append(self.answer_one)
+        if self.ack_queue:
+            choices.append(self.flush_acks)
+        if self.load_request is not None:
+            choices.append(self.answer_load)
+        self.rng.choice(choices)()
+
+    def check(self) -> None:
+        lost = {m for m in self.stored if self.covered(m) and m not in self.acked}
+        assert not lost, f"covered but never acknowledged (lost): {sorted(lost)}"
+        again = {m for m in self.durable if not self.covered(m)}
+        assert not again, f"acknowledged durably but not covered (delivered again after a crash): {sorted(again)}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(min_value=0, max_value=2**32), st.integers(min_value=20, max_value=300))
+def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps):
+    world = World(seed)
+    for _ in range(steps):
+        world.step()
+        world.check()
+    # drain: everything commits, is answered, delivered and acknowledged
+    while world.pending_batches:
+        world.commit_one()
+    for _ in range(10_000):
+        if world.committed_unanswered:
+            world.answer_one()
+        elif world.load_request is not None:
+            world.answer_load()
+        elif any(c.held for c in world.consumers):
+            world.consumer_acks()
+        elif world.ack_queue:
+            world.flush_acks()
+        else:
+            break
+        world.check()
+    assert world.acked == world.stored, "every stored copy was delivered and acknowledged"
+    if world.ack_queue:
+        world.flush_acks(everything=True)
+    assert sorted(world.logged) == sorted(world.acked), "every acknowledgement logged exactly once"
+    assert all(world.covered(m) for m in world.stored)
+    assert world.floor >= max(world.stored, default=0), "with nothing in flight the floor passes everything"
