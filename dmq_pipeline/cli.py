@@ -59,8 +59,9 @@ def _open_database(stack: ExitStack, opts: SparkOptions) -> Database:
 def cmd_archive(args: argparse.Namespace) -> int:
     opts = from_args(SparkOptions, args).validate()
     settings = from_args(ArchiveSettings, args).validate()
-    check_location(opts.master, settings.archive, settings.archive_shared, "--archive")
-    _check_cluster(opts)
+    if not settings.init_only:  # --init-only starts no Spark
+        check_location(opts.master, settings.archive, settings.archive_shared, "--archive")
+        _check_cluster(opts)
     with ExitStack() as stack:
         db = _open_database(stack, opts)
         location = archive.prepare(db, settings)
@@ -129,7 +130,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     opts = from_args(SparkOptions, args).validate()
     settings = from_args(ReplaySettings, args).validate()
     span = time_range(settings.since, settings.until)
-    _check_cluster(opts, None if settings.dry_run else settings.server)
+    if not settings.dry_run:  # a dry run starts no Spark
+        _check_cluster(opts, settings.server)
     with ExitStack() as stack:
         db = _open_database(stack, opts)
         replay.validate(db, settings)

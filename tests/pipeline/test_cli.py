@@ -20,7 +20,8 @@ UNREACHABLE = "postgresql://dmq@127.0.0.1:1/dmq"
 def run(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("dmq-pipeline")
     command = [exe] if exe else [sys.executable, "-m", "dmq_pipeline.cli"]
-    return subprocess.run(command + list(args), capture_output=True, text=True, timeout=120)
+    # a JVM start on a shared 2-core machine can take minutes; pytest-timeout (300 s) still bounds it
+    return subprocess.run(command + list(args), capture_output=True, text=True, timeout=280)
 
 
 def state(pg_dsn: str) -> tuple:

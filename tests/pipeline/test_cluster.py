@@ -19,6 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from dmq_pipeline.archive import archive_schema, dataset_path
 
@@ -26,6 +27,10 @@ from .conftest import make_traffic, pipeline_command, sql
 from .standalone import EXECUTOR_CONF, WORKER_CORES, WORKERS
 from .test_replay import insert_dead_letters, receive_until_sentinel
 from .test_report import add_dead_letters
+
+# each test runs two or three Spark applications (a driver JVM and an executor JVM per
+# worker each): about a minute and a half on an idle 2-core machine, far more when it is shared
+pytestmark = pytest.mark.timeout(1200)
 
 
 def driver_env(ship_cache: Path) -> dict[str, str]:
@@ -136,11 +141,14 @@ def test_replay_on_the_cluster_runs_in_the_shipped_python(standalone, ship_cache
     assert "An error occurred while calling" not in bare.stderr
     assert all(r[5] is None for r in sql(pg_dsn, "dead_letters") if r[0] in ids["selected"])
 
+    shipped = on_cluster(standalone, ship_cache, *args)
+
+    assert shipped.returncode == 0, shipped.stderr[-3000:]
+    assert json.loads(shipped.stdout)["replayed"] == 20
+    # the channel keeps what was sent meanwhile (a consumer idle for the whole job would be
+    # dropped by the server's heartbeat check on a slow machine)
     with server.client() as consumer, server.client() as producer:
         consumer.subscribe("orders", "billing", credit=100)
-        shipped = on_cluster(standalone, ship_cache, *args)
-        assert shipped.returncode == 0, shipped.stderr[-3000:]
-        assert json.loads(shipped.stdout)["replayed"] == 20
         got = receive_until_sentinel(consumer, producer)
     assert sorted(got) == [f"selected-{i:03d}".encode() for i in range(20)]
     rows = {r[0]: r for r in sql(pg_dsn, "dead_letters")}

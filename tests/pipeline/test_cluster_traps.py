@@ -84,3 +84,15 @@ def test_pack_env_writes_an_environment_that_runs_dmq_without_this_venv(tmp_path
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith(str(tmp_path / "env"))
+
+
+def test_commands_that_start_no_spark_are_not_refused(pg_dsn, topic, tmp_path):
+    """--init-only and --dry-run run no executor, so a loopback database and a local
+    path are fine with any master (a cron job with DMQ_SPARK_MASTER set keeps working)."""
+    out = pipeline_command("archive", "--init-only", "--pg-dsn", pg_dsn, "--archive", str(tmp_path / "a"),
+                           "--master", MASTER, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("archiving enabled at")
+    out = pipeline_command("replay", "--dry-run", "--pg-dsn", pg_dsn, "--master", MASTER, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "would replay 0 dead letters" in out.stdout
