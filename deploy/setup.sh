@@ -99,7 +99,7 @@ fi
 
 # 4. dmq itself, editable, with its extras; skipped when the stamp says it is done.
 stamp_file="$venv/.dmq-setup-stamp"
-fingerprint="$( { cat pyproject.toml; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
+fingerprint="$( { cat pyproject.toml; cat client/pyproject.toml 2>/dev/null || true; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
 done_before="$(cat "$stamp_file" 2>/dev/null || true)"
 if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded,pipeline" ]; then
     exit 0
@@ -108,6 +108,13 @@ rm -f "$stamp_file"
 say "upgrading pip in $venv"
 "$venv/bin/python" -m pip install -qq --upgrade pip
 say "installing dmq with extras [$extras] and its dependencies into $venv (a few minutes the first time)"
-"$venv/bin/python" -m pip install -qq -e ".[$extras]"
+# two distributions: dmq-client (client/, the light client library) and dmq-server (the
+# rest), which requires the first; a .venv from before the split holds one named dmq
+if "$venv/bin/python" -m pip show -qq dmq >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip uninstall -qq -y dmq
+fi
+client=()
+[ -f client/pyproject.toml ] && client=(-e ./client)
+"$venv/bin/python" -m pip install -qq "${client[@]}" -e ".[$extras]"
 echo "$fingerprint $extras" > "$stamp_file"
 say "done: dmq is installed in $venv"

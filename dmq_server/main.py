@@ -71,7 +71,7 @@ def _stop_on_signals(reactor: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.core.pipes import quiet_broken_pipe
+    from dmq_client.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:  # `dmq-server --help | head`: no traceback
         return _serve(argv)

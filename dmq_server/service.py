@@ -8,9 +8,10 @@ database   embedded PostgreSQL and its supervisor when there is no --pg-dsn, mig
            what we stop), the embedded PostgreSQL
 cluster    with --zk: ZooKeeper, the registry mirror; heartbeat and node-list timers
            /  leave the cluster (other nodes take over what is still stored)
-fast-store NSQ's store from ``nsqd.dat``; scanner and disk-sync timers  /  memory,
+fast-store NSQ's store from ``nsqd.dat``; its disk-sync timer  /  memory,
            in-flight and deferred messages to disk
-broker     registry cache and channel state; scan, refresh, sweep timers  /  commit and
+broker     registry cache and channel state; the scanner of both stores, refresh,
+           sweep and channel-state timers  /  commit and
            answer every queued send, make acknowledgements durable, close connections
 scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
 listeners  TCP (dmq protocol and NSQ V2), HTTP (API, nsqd, lookupd, admin), the admin
@@ -202,8 +203,8 @@ class DmqServer:
             histograms={
                 "dmq_publish_commit_seconds": self.broker.publish_commit_seconds.snapshot(),
                 "dmq_publish_deliver_seconds": self.broker.publish_deliver_seconds.snapshot(),
-                "dmq_group_commit_seconds": self.broker.writer.commit_seconds.snapshot(),
-                "dmq_group_commit_batch_size": self.broker.writer.batch_sizes.snapshot(),
+                "dmq_group_commit_seconds": self.broker.reliable.writer.commit_seconds.snapshot(),
+                "dmq_group_commit_batch_size": self.broker.reliable.writer.batch_sizes.snapshot(),
             }
             if self.broker is not None
             else {},
@@ -296,7 +297,7 @@ class DmqServer:
             options,
             self.reactor,
             self.node_id,
-            self.broker,
+            self.broker.reliable,
             [self.workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
             lambda: make_assignment(options, self.reactor, self.node_id),
         )

@@ -22,7 +22,7 @@ from dmq_server.core.peers import peer_address
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.protocols.flow import NO_GATE
 
-__all__ = ["DmqConnection", "Subscription"]
+__all__ = ["DmqConnection", "DmqSubscription"]
 
 log = Logger()
 
@@ -46,9 +46,9 @@ _SUBSCRIBE_REPLY = {
 }
 
 
-class Subscription:
+class DmqSubscription:
     """One (topic, channel) a connection consumes, with its own credit window: the
-    consumer a reliable channel (``reliable.channel.Channel``) pushes deliveries to."""
+    consumer a reliable channel (``reliable.channel.ReliableChannel``) pushes deliveries to."""
 
     def __init__(self, connection: "DmqConnection", credit: int):
         self.connection = connection
@@ -88,7 +88,7 @@ class DmqConnection:
         options = broker.options
         self.decoder = FrameDecoder(options.max_msg_size + MIN_FRAME_SIZE + 3 * 255 + 4096 + 4)
         self._send_reply = SendReplyEncoder()  # one answer per message: no Frame built
-        self.subscriptions: dict[tuple[str, str], Subscription] = {}
+        self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
         self.last_heard = clock.seconds()
         self._registry = registry
@@ -258,7 +258,7 @@ class DmqConnection:
             if existing.channel is not None:
                 existing.channel.pump()
             return
-        sub = Subscription(self, credit)
+        sub = DmqSubscription(self, credit)
         self.subscriptions[key] = sub
 
         def ok(channel: Any) -> None:

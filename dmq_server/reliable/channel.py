@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from dmq_server.core.deadlines import Deadlines
 
-__all__ = ["Message", "Delivery", "Consumer", "Channel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
+__all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
 
 # why a delivered copy came back unacknowledged (the message trace's reasons)
 TIMEOUT = "timeout"  # not acknowledged within the message timeout
@@ -33,7 +33,7 @@ RETURN_REASONS = (TIMEOUT, CONSUMER_GONE, REQUEUED)
 
 
 @dataclass(slots=True)
-class Message:
+class ReliableMessage:
     """A stored message as the broker holds it (not frozen: built once per send)."""
 
     message_id: int
@@ -48,7 +48,7 @@ class Message:
 class Delivery:
     """One channel's copy of a message, while the server holds it in memory."""
 
-    message: Message
+    message: ReliableMessage
     attempts: int = 0
     first_delivered_ms: int = 0
     consumer: Any = None
@@ -56,14 +56,14 @@ class Delivery:
     delivered_at: float = 0.0  # when the current (or last) attempt was pushed, clock seconds
 
 
-class Consumer(Protocol):
+class Receiver(Protocol):
     credit: int
     in_flight: int
 
-    def push(self, channel: "Channel", delivery: Delivery) -> None: ...
+    def push(self, channel: "ReliableChannel", delivery: Delivery) -> None: ...
 
 
-class Channel:
+class ReliableChannel:
     def __init__(
         self,
         topic: str,
@@ -72,12 +72,12 @@ class Channel:
         clock: Any,
         msg_timeout: float,
         mem_queue_size: int,
-        load: Callable[["Channel", int, int], None],
-        on_ack: Callable[["Channel", Delivery, int], None],
+        load: Callable[["ReliableChannel", int, int], None],
+        on_ack: Callable[["ReliableChannel", Delivery, int], None],
         max_attempts: int | None = None,
-        on_attempt: Callable[["Channel", Delivery], None] | None = None,
-        on_exhausted: Callable[["Channel", Delivery], None] | None = None,
-        on_return: Callable[["Channel", Delivery, str], None] | None = None,
+        on_attempt: Callable[["ReliableChannel", Delivery], None] | None = None,
+        on_exhausted: Callable[["ReliableChannel", Delivery], None] | None = None,
+        on_return: Callable[["ReliableChannel", Delivery, str], None] | None = None,
         deliver_latency: Any = None,
     ):
         self.topic = topic
@@ -102,7 +102,7 @@ class Channel:
         self.ready: deque[Delivery] = deque()
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
-        self.consumers: deque[Consumer] = deque()
+        self.consumers: deque[Receiver] = deque()
         self._deadlines = Deadlines()  # in flight and deferred copies, by message id
         # Start assuming the database holds copies we have not seen (restart, takeover).
         self.backlog = True
@@ -135,7 +135,7 @@ class Channel:
         self.stored_count: int | None = None
 
     # -- arrivals ---------------------------------------------------------
-    def add(self, message: Message) -> None:
+    def add(self, message: ReliableMessage) -> None:
         """A freshly committed copy for this channel.
 
         Kept in memory if there is room and nothing older waits in PostgreSQL;
@@ -196,7 +196,7 @@ class Channel:
             self.cursor = max(self.cursor, row.message_id)
             if row.message_id in self.known or row.message_id in dropped:
                 continue
-            message = Message(
+            message = ReliableMessage(
                 row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
             )
             self._enqueue(Delivery(message, attempts=row.attempts))
@@ -282,13 +282,13 @@ class Channel:
         self.backlog = True
 
     # -- consumers --------------------------------------------------------
-    def subscribe(self, consumer: Consumer) -> None:
+    def subscribe(self, consumer: Receiver) -> None:
         if consumer not in self.consumers:
             self.consumers.append(consumer)
         self._maybe_load()
         self.pump()
 
-    def unsubscribe(self, consumer: Consumer) -> None:
+    def unsubscribe(self, consumer: Receiver) -> None:
         """Take a consumer away; its unacknowledged copies go back to the front."""
         try:
             self.consumers.remove(consumer)
@@ -327,7 +327,7 @@ class Channel:
             self._start_flight(delivery, consumer)
         self._maybe_load()
 
-    def _start_flight(self, delivery: Delivery, consumer: Consumer) -> None:
+    def _start_flight(self, delivery: Delivery, consumer: Receiver) -> None:
         now = self.clock.seconds()
         delivery.attempts += 1
         self.delivery_count += 1
@@ -440,7 +440,7 @@ class Channel:
         return len(expired)
 
     # -- per-copy controls for NSQ clients (FIN ownership, REQ, TOUCH) -----
-    def owner_error(self, message_id: int, consumer: Consumer) -> str | None:
+    def owner_error(self, message_id: int, consumer: Receiver) -> str | None:
         """None if ``consumer`` holds ``message_id`` in flight, else nsqd's reason."""
         delivery = self.in_flight.get(message_id)
         if delivery is None:
@@ -449,7 +449,7 @@ class Channel:
             return "client does not own message"
         return None
 
-    def requeue(self, message_id: int, consumer: Consumer, delay: float = 0.0) -> str | None:
+    def requeue(self, message_id: int, consumer: Receiver, delay: float = 0.0) -> str | None:
         """Give a copy back: ready again at once, or after ``delay`` seconds. A delayed
         copy stays in ``in_flight`` with no consumer until the scan requeues it."""
         error = self.owner_error(message_id, consumer)
@@ -468,7 +468,7 @@ class Channel:
         self.pump()
         return None
 
-    def touch(self, message_id: int, consumer: Consumer) -> str | None:
+    def touch(self, message_id: int, consumer: Receiver) -> str | None:
         """Restart the copy's message timeout."""
         error = self.owner_error(message_id, consumer)
         if error is not None:
@@ -480,7 +480,7 @@ class Channel:
         delivery.deadline = deadline
         self._deadlines.set(delivery.message.message_id, deadline)
 
-    def close(self) -> list[Consumer]:
+    def close(self) -> list[Receiver]:
         """The channel was unregistered: drop memory, return its consumers."""
         self.closed = True
         consumers = list(self.consumers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from dmq_server.core.buckets import Buckets
-from dmq_server.reliable.channel import CONSUMER_GONE, REQUEUED, TIMEOUT, Channel, Delivery
+from dmq_server.reliable.channel import CONSUMER_GONE, REQUEUED, TIMEOUT, ReliableChannel, Delivery
 
 from .test_channel import TIMEOUT as MSG_TIMEOUT
 from .test_channel import FakeConsumer, message
@@ -23,17 +23,17 @@ class Recorder:
         self.returns: list[tuple[int, str, str, int, float]] = []
         self.acks: list[tuple[int, str, float]] = []
         self.latency = Buckets((0.5, 1.0, 5.0))
-        self.channel = Channel(
+        self.channel = ReliableChannel(
             "orders", "billing", clock=self.clock, msg_timeout=MSG_TIMEOUT, mem_queue_size=100,
             load=lambda channel, after, limit: channel.loaded([], limit),
             on_ack=self._ack, on_return=self._returned, deliver_latency=self.latency,
         )
 
-    def _returned(self, channel: Channel, delivery: Delivery, reason: str) -> None:
+    def _returned(self, channel: ReliableChannel, delivery: Delivery, reason: str) -> None:
         self.returns.append((delivery.message.message_id, reason, delivery.consumer.name,
                              delivery.attempts, delivery.delivered_at))
 
-    def _ack(self, channel: Channel, delivery: Delivery, acked_ms: int) -> None:
+    def _ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
         self.acks.append((delivery.message.message_id, delivery.consumer.name, delivery.delivered_at))
 
 
