@@ -37,7 +37,7 @@ def test_json_lines_carry_node_topic_and_channel_and_ping_is_quiet(make_server, 
     unregistered = wait_for(lambda: [r for r in json_lines(server) if r["message"].startswith("channel orders/")])
     (event,) = unregistered
     assert event["topic"] == topic and event["channel"] == "billing"
-    assert event["logger"] == "dmq_server.broker" and event["level"] == "info"
+    assert event["logger"].startswith("dmq_server.") and event["level"] == "info"
     assert event["node_id"] == f"{socket.gethostname()}:{server.tcp_port}"
     records = json_lines(server)
     assert all(r["node_id"] == event["node_id"] and r["time"].endswith("Z") for r in records)
