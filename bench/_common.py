@@ -156,6 +156,40 @@ def memory_kb(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
+class Scraper:
+    """GETs a URL every ``interval`` seconds on a thread (a Prometheus server scraping
+    ``/metrics``), so a run can measure what being scraped costs the server."""
+
+    def __init__(self, url: str, interval: float):
+        self.url = url
+        self.interval = interval
+        self.scrapes = 0
+        self.failures = 0
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def start(self) -> "Scraper":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.interval):
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as reply:
+                    self.bytes += len(reply.read())
+                self.scrapes += 1
+            except OSError:
+                self.failures += 1
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        return {"interval": self.interval, "scrapes": self.scrapes, "failures": self.failures, "bytes": self.bytes}
+
+
 class RssSampler:
     """Samples a process's VmRSS/VmHWM every ``interval`` seconds on a thread."""
 

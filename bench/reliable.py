@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE))
 import _dmq_load  # noqa: E402
 from _common import (  # noqa: E402
     RssSampler,
+    Scraper,
     cpu_seconds,
     fmt_int,
     fmt_lat,
@@ -470,6 +471,7 @@ class Bench:
         self.profiler = Profiler(Path(args.profile) if args.profile else None, gil=args.profile_gil,
                                  native=args.profile_native)
         self.sampler: RssSampler | None = None
+        self.scraper: Scraper | None = None
 
     # -- setup ---------------------------------------------------------------
     def pg_probe(self) -> float:
@@ -498,8 +500,15 @@ class Bench:
     def start_server(self) -> None:
         self.server.start()
         self.sampler = RssSampler(self.server.pid, 0.1).start()
+        if self.args.scrape:
+            self.scraper = Scraper(f"http://127.0.0.1:{self.server.http_port}/metrics", self.args.scrape).start()
 
     def stop_server(self) -> None:
+        if self.scraper is not None:
+            self.results.setdefault("meta", {})["scraped"] = self.scraper.stop()
+            print(f"  /metrics scraped {self.results['meta']['scraped']['scrapes']} times, every "
+                  f"{self.args.scrape:g} s", flush=True)
+            self.scraper = None
         if self.sampler is not None:
             self.sampler.stop()
             self.sampler = None
@@ -1328,6 +1337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-gil", action="store_true", help="with --profile: sample only the thread holding "
                                                                "the GIL (where the server's Python CPU goes)")
     p.add_argument("--profile-native", action="store_true", help="with --profile: include native (C) frames")
+    p.add_argument("--scrape", type=float, default=0, metavar="SECONDS",
+                   help="GET /metrics every SECONDS while dmq-server runs (what a Prometheus scrape costs; "
+                   "default: no scraping)")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write the results as markdown tables "
                                                        "(the format of docs/benchmarks.md)")

@@ -101,6 +101,7 @@ def _serve(argv: Sequence[str] | None) -> int:
             f"  PostgreSQL   {server.dsn}" + ("  (embedded)" if server.embedded else ""),
             f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
             f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /metrics, /info, nsqd and lookup APIs, /admin)",
+            f"  console      http://{http_host}:{http_port}/console/  (the web console)",
             "  admin        " + _console_line(server, options),
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)

@@ -45,6 +45,7 @@ from dmq_server.db.messages import (
 from dmq_server.db.schema import migrate
 from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.topics import list_topics_steps
+from dmq_server.db.trace import ReturnRow, record_returns_steps
 from dmq_server.db.worker import connect
 
 NODE = "node-1"
@@ -164,6 +165,13 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             same,
         ),
         ("attempts are loaded", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
+        (
+            "returned deliveries for the trace",
+            record_returns_steps,
+            lambda: ([ReturnRow(m["m2"], "orders", "billing", 2, "timeout", "nsq a@h:1", 1_000, 2_000),
+                      ReturnRow(m["m2"], "orders", "billing", 3, "requeued", "", 3_000, 3_500)], NODE),
+            same,
+        ),
         (
             "exhaust",
             exhaust_deliveries_steps,

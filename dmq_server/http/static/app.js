@@ -34,11 +34,17 @@ function el(tag, attrs, ...children) {
     else if (key === "dataset") Object.assign(node.dataset, value);
     else node.setAttribute(key, value === true ? "" : value);
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child == null || child === false) continue;
     node.append(child instanceof Node ? child : String(child));
   }
   return node;
+}
+
+// replaceChildren with the same flattening as el(): page builders pass arrays and "" freely
+function fill(node, ...children) {
+  node.replaceChildren(...children.flat(Infinity).filter((c) => c != null && c !== false && c !== "")
+    .map((c) => (c instanceof Node ? c : document.createTextNode(String(c)))));
 }
 
 const svgNS = "http://www.w3.org/2000/svg";
@@ -220,7 +226,7 @@ async function topicsPage(page) {
         el("td", {}, topic.store === "reliable" ? channelActions(topic.topic, c.channel_name, c.paused) : "")));
     }
   }
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, "Topics and channels"),
     cards,
     el("table", { id: "topics" },
@@ -256,7 +262,7 @@ async function channelPage(page, topic, channel, after) {
     el("td", {}, m.live ? `${m.live.state.replace("_", " ")}${m.live.consumer ? " to " + m.live.consumer : ""}` : (m.owner ? `stored (owner ${m.owner})` : "stored")),
     el("td", { class: "num" }, fmt(m.size)),
     el("td", {}, el("code", { class: "preview" }, m.body_encoding === "utf-8" ? m.body.slice(0, 160) : "(binary, base64) " + m.body.slice(0, 80)))));
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, `${topic} / ${channel}`, info.stats.paused ? el("span", { class: "paused" }, "  paused") : ""),
     channelActions(topic, channel, info.stats.paused),
     figures, charts,
@@ -330,7 +336,7 @@ async function deadLettersPage(page) {
   const deleteAll = actionButton(`Delete all ${count.matching} matching`, async () =>
     `deleted ${(await api("POST", "dead-letters/delete", all)).deleted}`,
   { name: "delete-all", danger: true, confirm: `Delete ${count.matching} dead letters (${described}) for good?` });
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, "Dead letters"),
     form,
     el("p", { class: "muted" }, `${count.matching} match (${count.unreplayed} not replayed); showing the first ${list.dead_letters.length}. Every replay and delete is written to the audit log.`),
@@ -348,11 +354,12 @@ async function delayPage(page) {
   const w = 720, h = 140, n = Math.max(buckets.length ? buckets[buckets.length - 1].from_ms - histogram.now_ms : 0, 0) / histogram.width_ms + 1;
   const max = Math.max(1, ...buckets.map((b) => b.count));
   const bw = Math.max(2, Math.min(40, (w - 20) / Math.max(n, 1)));
-  const chart = svg("svg", { class: "bars", width: w, height: h + 20, viewBox: `0 0 ${w} ${h + 20}`, id: "due-histogram" });
+  const chart = svg("svg", { class: "bars", width: w, height: h + 20, viewBox: `0 ${-12} ${w} ${h + 32}`, id: "due-histogram" });
   for (const b of buckets) {
     const i = (b.from_ms - histogram.now_ms) / histogram.width_ms;
     const bh = Math.max(1, (b.count / max) * h);
     chart.append(svg("rect", { x: 10 + i * bw, y: h - bh, width: Math.max(1, bw - 1), height: bh }, svg("title", {}, `${b.count} due from ${when(b.from_ms)}`)));
+    if (bw >= 14) chart.append(svg("text", { x: 10 + i * bw + 2, y: Math.max(10, h - bh - 3) }, String(b.count)));
   }
   chart.append(svg("text", { x: 10, y: h + 14 }, "now"), svg("text", { x: w - 160, y: h + 14 }, `each bar: ${width}; max ${max}`));
   const selected = () => [...page.querySelectorAll("input.pick:checked")].map((box) => box.value);
@@ -363,7 +370,7 @@ async function delayPage(page) {
     el("label", {}, "topic", el("input", { name: "topic", value: topic })),
     el("label", {}, "bar width", el("select", { name: "width" }, ["10s", "1m", "10m", "1h", "1d"].map((v) => el("option", { value: v, selected: v === width }, v)))),
     el("button", { type: "submit" }, "Show"));
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, "Delayed messages"), form,
     buckets.length ? chart : el("p", { class: "muted" }, "Nothing waiting."),
     el("div", { class: "actions" },
@@ -382,7 +389,7 @@ async function delayPage(page) {
 
 async function nodesPage(page) {
   const nodes = await api("GET", "nodes");
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, "Nodes"),
     el("p", { class: "muted" }, nodes.cluster ? `From ZooKeeper (this node's session: ${nodes.zk_state}).` : "A single node (no --zk): the registry is PostgreSQL."),
     el("table", { id: "nodes" },
@@ -410,7 +417,7 @@ async function tracePage(page, id) {
     if (value) location.hash = `#/trace/${enc(value)}`;
   } }, el("label", {}, "message id", el("input", { name: "id", value: id || "", inputmode: "numeric" })), el("button", { type: "submit" }, "Trace"));
   if (!id) {
-    page.replaceChildren(el("h1", {}, "Message trace"), form, el("p", { class: "muted" }, "A message's life from the stored facts: stored, each delivery and why it came back, the ack or the dead letter."));
+    fill(page, el("h1", {}, "Message trace"), form, el("p", { class: "muted" }, "A message's life from the stored facts: stored, each delivery and why it came back, the ack or the dead letter."));
     return;
   }
   const t = await api("GET", `messages/${enc(id)}`);
@@ -429,7 +436,7 @@ async function tracePage(page, id) {
     return el("li", {}, `${p.channel}: not acknowledged yet, ${p.attempts} attempts recorded, owner ${p.owner || "?"}`,
       live ? ` — on this node ${live.state.replace("_", " ")}${live.consumer ? " to " + live.consumer : ""}${live.deadline_ms ? ", back at " + when(live.deadline_ms) + " unless acknowledged" : ""}` : "");
   });
-  page.replaceChildren(
+  fill(page, 
     el("h1", {}, `Message ${t.message_id}`), form,
     t.delayed ? el("dl", { class: "facts" }, el("dt", {}, "delay entry"), el("dd", {}, `waiting in the delay table for ${t.delayed.topic}, due ${when(t.delayed.due_ms)} (producer ${t.delayed.producer}, session ${t.delayed.session_id})`)) : "",
     el("dl", { class: "facts", id: "trace-facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
@@ -441,7 +448,7 @@ async function tracePage(page, id) {
 
 async function auditPage(page) {
   const log = await api("GET", "audit", { limit: 100 });
-  page.replaceChildren(el("h1", {}, "Audit log"),
+  fill(page, el("h1", {}, "Audit log"),
     el("table", { id: "audit" }, el("thead", {}, el("tr", {}, ["When", "Surface", "Actor", "Operation", "Selection", "Affected"].map((t) => el("th", {}, t)))),
       el("tbody", {}, log.audit.map((a) => el("tr", {}, el("td", {}, when(a.at_ms)), el("td", {}, a.surface), el("td", {}, a.actor), el("td", {}, a.operation),
         el("td", {}, a.filters), el("td", { class: "num" }, fmt(a.affected)))))));
@@ -473,14 +480,14 @@ async function render() {
       if (run === rendering) page.dataset.loaded = hash;  // tests wait for this
     } catch (error) {
       if (run === rendering) {
-        page.replaceChildren(el("h1", {}, "Could not load this page"), el("p", { class: "error", id: "page-error" }, `${error.code || ""} ${error.message}`));
+        fill(page, el("h1", {}, "Could not load this page"), el("p", { class: "error", id: "page-error" }, `${error.code || ""} ${error.message}`));
         page.dataset.loaded = hash;
       }
     }
     if (refresh && run === rendering) state.timer = setTimeout(() => { if (!document.querySelector("dialog[open]")) render(); else state.timer = setTimeout(render, REFRESH_MS); }, REFRESH_MS);
     return;
   }
-  page.replaceChildren(el("h1", {}, "No such page"), el("p", {}, el("a", { href: "#/" }, "Topics")));
+  fill(page, el("h1", {}, "No such page"), el("p", {}, el("a", { href: "#/" }, "Topics")));
 }
 
 window.addEventListener("hashchange", () => { document.getElementById("status").replaceChildren(); render(); });

@@ -1,0 +1,254 @@
+"""The web console in a real browser (Debian's chromium and chromium-driver through
+selenium, installed by deploy/setup.sh) against a real server with real data: it lists
+the topics, shows a depth that changes after publishing, replays a dead letter and sees
+it delivered, traces a message, and refuses a change without admin rights. Each page is
+saved as a screenshot under ``tmp/artifacts/console/`` (``DMQ_ARTIFACTS`` overrides the
+folder) for a person to look at; docs/observability.md shows some of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dmq_client.wire import Command
+
+from .support import REPO, wait_for
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1400,900")
+ARTIFACTS = Path(os.environ.get("DMQ_ARTIFACTS") or REPO / "tmp" / "artifacts") / "console"
+TOKEN = "console-s3cret"
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="dmq-chromium-")
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+class Console:
+    """The pages, as a person uses them: open a route, wait for it to load, read, click."""
+
+    def __init__(self, driver, server):
+        self.driver = driver
+        self.base = f"{server.http}/console/"
+        self.loads = 0
+
+    def open(self, route: str = "#/") -> None:
+        """A fresh load of the page (a new query string: the same URL would only move within
+        the document), then wait until the route has rendered."""
+        self.loads += 1
+        self.driver.get(f"{self.base}?load={self.loads}{route}")
+        self.loaded(route)
+
+    def loaded(self, route: str) -> None:
+        wait_for(lambda: self.driver.execute_script(
+            "return document.getElementById('page').dataset.loaded") == route, timeout=15)
+
+    def find(self, css: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_element(By.CSS_SELECTOR, css)
+
+    def finds(self, css: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_elements(By.CSS_SELECTOR, css)
+
+    def text(self, css: str) -> str:
+        """The element's text, read in the page (a refresh may replace the node meanwhile)."""
+        return self.driver.execute_script(
+            "const n = document.querySelector(arguments[0]); return n ? n.textContent : null;", css)
+
+    def click(self, css: str) -> None:
+        self.find(css).click()
+
+    def confirm(self) -> str:
+        wait_for(lambda: self.driver.execute_script("return document.getElementById('confirm').open"))
+        text = self.text("#confirm-text")
+        self.click("#confirm-yes")
+        return text
+
+    def status(self) -> str:
+        return wait_for(lambda: self.text("#status-msg"))
+
+    def shot(self, name: str) -> None:
+        self.driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+    def sign_in(self, token: str) -> None:
+        self.find("#token").send_keys(token)
+        self.click("#signin button")
+        wait_for(lambda: self.text("#mode") == "admin")
+
+
+def setup_data(pg_dsn):
+    import registry
+    from dmq_server.db.worker import connect
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders", msg_timeout_ms=60000)
+        registry.add_channel(conn, "orders", "billing")
+        registry.add_channel(conn, "orders", "audit")
+        registry.create_topic(conn, "payments", msg_timeout_ms=300, max_attempts=1)
+        registry.add_channel(conn, "payments", "ledger")
+
+
+def scrape(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.http + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_an_operator_sees_and_repairs_the_system_in_the_console(make_server, pg_dsn, browser):
+    setup_data(pg_dsn)
+    server = make_server(admin_token=TOKEN, channel_state_interval="0.3s", metrics_db_interval="0.3s",
+                         delay_poll_interval="100ms")
+    console = Console(browser, server)
+
+    # -- topics, read-only without the token -------------------------------------------
+    console.open("#/")
+    assert console.text("#mode") == "read-only"
+    rows = {(r.get_attribute("data-topic"), r.get_attribute("data-channel")) for r in console.finds("#topics tbody tr")}
+    assert {("orders", "billing"), ("orders", "audit"), ("payments", "ledger")} <= rows
+    audit_depth = "#topics tr[data-topic='orders'][data-channel='audit'] td.depth"
+    assert console.text(audit_depth) == "0"
+    with server.client() as producer:
+        replies = producer.send_many("orders", [b'{"order": %d}' % i for i in range(7)])
+        assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
+        ordered = sorted(r.message_id for r in replies)  # two writers commit concurrently: ids interleave
+        assert producer.send("payments", b'{"payment": "stuck"}').command == Command.SEND_SUCCESS_ACK
+    # the page refreshes itself: the depth changes without a reload
+    wait_for(lambda: console.text(audit_depth) == "7", timeout=20)
+    console.shot("topics")
+
+    # a change without admin rights: the button is there, the server refuses it
+    console.click("#topics tr[data-topic='orders'][data-channel='audit'] button[data-action='pause']")
+    assert "changes need the admin token" in console.status()
+    overview = json.loads(urllib.request.urlopen(server.http + "/admin/overview", timeout=5).read())
+    (audit,) = [c for t in overview["topics"] if t["topic"] == "orders" for c in t["channels"]
+                if c["channel_name"] == "audit"]
+    assert audit["paused"] is False
+    console.shot("refused-read-only")
+
+    # -- a dead letter: payments' consumer never acknowledges (300 ms timeout, 1 attempt) ----------
+    from .test_nsq_tcp import NsqSocket
+
+    ledger = NsqSocket(server.tcp_port, {"client_id": "ledger-1", "feature_negotiation": True})
+    ledger.sub("payments", "ledger", rdy=1)
+    stuck_id = int(ledger.message()[2], 16)
+    wait_for(lambda: (console.open("#/dead-letters?reason=max_attempts"),
+                      console.finds("#dead-letters tbody tr[data-letter-id]"))[1], timeout=20)
+    console.click("#dead-letters tbody tr[data-letter-id] button[data-action='show']")
+    wait_for(lambda: '"payment": "stuck"' in (console.text("#dead-letters pre.body") or ""))
+    console.shot("dead-letters")
+
+    # sign in, replay it from the browser (with its confirmation), and see it delivered
+    console.sign_in(TOKEN)
+    console.open("#/dead-letters?reason=max_attempts")
+    console.click("input.pick")
+    console.click("button[data-action='replay-selected']")
+    assert console.confirm() == "Replay the 1 selected dead letters to their channels?"
+    assert console.status() == "replayed 1"
+    _, attempts, wire_id, body = ledger.message()  # delivered again, to its channel
+    assert body == b'{"payment": "stuck"}' and attempts == 1
+    replay_id = int(wire_id, 16)
+    ledger.send(b"FIN " + wire_id + b"\n")
+    console.open("#/audit")
+    assert console.text("#audit tbody tr td:nth-child(4)") == "dlq.replay"
+    console.shot("audit")
+
+    # -- trace the dead message, then its replay -----------------------------------------------
+    console.open(f"#/trace/{stuck_id}")
+    kinds = [li.get_attribute("data-event") for li in console.finds("#timeline li")]
+    assert kinds == ["stored", "delivered", "returned", "dead_letter", "replayed"]
+    assert "not acknowledged in time" in console.text("#timeline li.returned")
+    assert f"replayed as message {replay_id}" in console.text("#timeline li.replayed")
+    console.shot("trace-dead-letter")
+    wait_for(lambda: (console.open(f"#/trace/{replay_id}"),
+                      [li.get_attribute("data-event") for li in console.finds("#timeline li")])[1][-1:] == ["acked"])
+    assert "ledger-1" in console.text("#timeline li.acked")
+    assert "replay of" in console.text("#trace-facts")
+    console.shot("trace-replay")
+
+    # -- the channel page: consumers and peek (nothing consumed) ------------------------------
+    billing = NsqSocket(server.tcp_port, {"client_id": "billing-1", "feature_negotiation": True})
+    billing.sub("orders", "billing", rdy=2)
+    held = [billing.message() for _ in range(2)]
+    console.open("#/channel/orders/billing")
+    peeked = [int(r.get_attribute("data-message-id")) for r in console.finds("#peek tbody tr")]
+    assert peeked == ordered
+    states = [c.text for c in console.finds("#peek tbody tr td:nth-child(4)")]
+    assert states[:2] == [f"in flight to nsq billing-1@127.0.0.1:{billing.sock.getsockname()[1]}"] * 2
+    assert console.text("#consumers tbody td").startswith("nsq billing-1@")
+    console.shot("channel")
+    console.open("#/channel/orders/billing")  # peeking again changed nothing
+    assert [int(r.get_attribute("data-message-id")) for r in console.finds("#peek tbody tr")] == ordered
+    for _, _, wire_id, _ in held:
+        billing.send(b"FIN " + wire_id + b"\n")
+
+    # pause and unpause with rights
+    console.open("#/")
+    console.click("#topics tr[data-topic='orders'][data-channel='audit'] button[data-action='pause']")
+    wait_for(lambda: console.text("#topics tr[data-topic='orders'][data-channel='audit'] .paused") == "paused")
+    console.click("#topics tr[data-topic='orders'][data-channel='audit'] button[data-action='unpause']")
+    wait_for(lambda: not console.text("#topics tr[data-topic='orders'][data-channel='audit'] .paused"))
+
+    # -- the delay view and the nodes ----------------------------------------------------------
+    from dmq_server.core.nsq_wire import encode_command
+
+    delayed = NsqSocket(server.tcp_port)
+    for minutes in (10, 25, 40):
+        assert delayed.send(encode_command(b"DPUB", b"orders", str(minutes * 60000).encode(),
+                                           body=b'{"in": "%d min"}' % minutes)).response() == b"OK"
+    console.open("#/delay?topic=&width=10m")
+    assert len(console.finds("#due-histogram rect")) == 3
+    assert len(console.finds("#delayed tbody tr")) == 3
+    console.shot("delay")
+    console.open("#/nodes")
+    node_id = console.text("#node")
+    assert node_id.endswith(f":{server.tcp_port}")
+    assert console.text("#nodes tbody tr td") == f"{node_id} (this node)"
+    console.shot("nodes")
+
+    # -- /metrics counted what the test did ----------------------------------------------------
+    s = wait_for(lambda: (m := scrape(server))[("dmq_acks_durable_total", ())] == 3 and m)
+    reliable = lambda topic, channel: (("channel", channel), ("store", "reliable"), ("topic", topic))  # noqa: E731
+    assert s[("dmq_published_messages_total", (("store", "reliable"),))] == 8  # a replay comes through the delay table
+    assert s[("dmq_channel_messages_total", reliable("orders", "audit"))] == 7
+    assert s[("dmq_channel_acked_messages_total", reliable("orders", "billing"))] == 2
+    assert s[("dmq_channel_delivered_messages_total", reliable("payments", "ledger"))] == 2
+    assert s[("dmq_returned_deliveries_total", (("reason", "timeout"),))] == 1
+    assert s[("dmq_dead_lettered_messages_total", (("reason", "max_attempts"),))] == 1
+    assert s[("dmq_delay_pending", (("topic", "orders"),))] == 3
+    for sock in (ledger, billing, delayed):
+        sock.close()
