@@ -198,6 +198,18 @@ class RssSampler:
 # ---------------------------------------------------------------- machine
 
 
+def stop_process(proc: Any, timeout: float = 30) -> None:
+    """SIGTERM a server we started (Popen), SIGKILL it if it is still there after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def log_tail(path: Any, lines: int = 30) -> str:
     """The last lines of a started peer's log, for an error message."""
     try:

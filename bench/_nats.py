@@ -35,7 +35,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -44,7 +43,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from _common import apt_get_install, cpu_seconds, free_port, log_tail, run_worker
+from _common import apt_get_install, cpu_seconds, free_port, log_tail, run_worker, stop_process
 
 SYNC_NOTE_DEFAULT = (
     "JetStream sends the PubAck once the message is in its file store's page cache and fsyncs every "
@@ -169,13 +168,7 @@ class NatsInstance:
     def stop(self) -> None:
         """SIGTERM (nats-server shuts down cleanly on it), SIGKILL after 30 s; the store goes with the directory."""
         try:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=10)
+            stop_process(self.proc)
         finally:
             shutil.rmtree(self.base, ignore_errors=True)
 
