@@ -245,16 +245,25 @@ class Bench:
         dmq = self.sides[0]
         profiler = Profiler(Path(a.profile), gil=False, native=a.profile_native)
         out = {}
+        saved, a.messages = a.messages, a.profile_messages  # enough samples for the short scenarios
         for scenario in a.scenarios:
             source = "mpub" if scenario == "consume" else scenario
             topic = f"bench_{source}_profile"
             profiler.start(dmq.server.pid, f"nsq-{scenario}")
-            res = self.measure(dmq, scenario, topic)
-            prof = profiler.stop()
-            print(f"  profile round: dmq {scenario} {fmt_int(res['msgs_s'])} msgs/s under py-spy "
+            try:
+                res = self.measure(dmq, scenario, topic)
+            finally:
+                prof = profiler.stop()
+            print(f"  profile round: dmq {scenario}, {a.messages:,} messages, {fmt_int(res['msgs_s'])} msgs/s under py-spy "
                   f"({res['server_us_per_message']:.1f} us/msg)")
             print_profile(f"NSQ {scenario}", prof)
-            out[scenario] = {"run": res, "profile": prof}
+            files = self_by_file(prof["file"]) if prof else []
+            print("  self time by source file, share of busy samples:")
+            for name, pct in files:
+                print(f"    {pct:5.1f}%  {name}")
+            print(flush=True)
+            out[scenario] = {"run": res, "profile": prof, "self_by_file": files}
+        a.messages = saved
         return out
 
     def run(self) -> int:
@@ -285,8 +294,9 @@ class Bench:
         finally:
             self.stop()
         self.results["rounds"] = self.rounds
-        self.results["summary"] = summarise(self.rounds, a.scenarios)
-        print_summary(self.results["summary"], a.messages)
+        self.results["summary"] = summarise(self.rounds, a.scenarios) if self.rounds else []
+        if self.rounds:
+            print_summary(self.results["summary"], a.messages)
         if a.json:
             Path(a.json).write_text(json.dumps(self.results, indent=2, default=str) + "\n")
             print(f"results written to {a.json}")
@@ -306,6 +316,28 @@ class Bench:
                 http_post(side.http_port, "/topic/delete?topic=bench_warmup")
         finally:
             a.messages = saved
+
+
+def self_by_file(path: str, top: int = 12) -> list[tuple[str, float]]:
+    """py-spy's folded stacks summed by the source file of the innermost frame (busy samples only).
+
+    Which module the server's time goes to says more than single frames do when the
+    work is spread over many small functions (the NSQ fast path's is).
+    """
+    from reliable import IDLE_LEAVES, PG_WAIT_LEAF
+
+    counts: dict[str, int] = {}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        if any(leaf.startswith(w) for w in IDLE_LEAVES) or leaf.startswith(PG_WAIT_LEAF):
+            continue
+        source = leaf.rpartition("(")[2].rstrip(")").rpartition(":")[0] or leaf
+        counts[source] = counts.get(source, 0) + int(count)
+    total = max(1, sum(counts.values()))
+    return [(name, round(100.0 * c / total, 1)) for name, c in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def summarise(rounds: list[dict], scenarios: list[str]) -> list[dict]:
@@ -381,7 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "alternating rounds.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nsqd", required=True, metavar="PATH", help="the nsqd binary (bench/build_nsqd.sh builds one)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every scenario on both servers")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every scenario on both servers "
+                                                           "(0 with --profile: the profiled round alone)")
     p.add_argument("--messages", type=int, default=50_000, help="messages per scenario")
     p.add_argument("--producers", type=int, default=4, help="producer processes, one connection each")
     p.add_argument("--window", type=int, default=256, help="unanswered messages per producer")
@@ -395,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nsqd-arg", action="append", metavar="ARG", help="extra nsqd argument (repeatable)")
     p.add_argument("--profile", metavar="DIR", help="after the rounds, one more dmq round under py-spy; folded "
                                                      "stacks to DIR, top frames printed")
+    p.add_argument("--profile-messages", type=int, default=200_000, help="messages per scenario of the profiled "
+                                                                          "round")
     p.add_argument("--profile-native", action="store_true", help="with --profile: include native (C) frames")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write the summary as a markdown table")

@@ -1022,7 +1022,8 @@ class Bench:
             t = time.monotonic()
             rabbit.start(script)
             print(f"  RabbitMQ {version} up on 127.0.0.1:{rabbit.port} in {time.monotonic() - t:.1f} s "
-                  f"(node {rabbit.nodename}): durable classic queues, persistent messages, publisher confirms",
+                  f"(node {rabbit.nodename}): durable classic queues, persistent messages, publisher confirms (sent "
+                  "once the message is on disk; RabbitMQ batches its fsyncs)",
                   flush=True)
 
             def producers(queue: str, n: int) -> list:
