@@ -65,6 +65,11 @@ def render(results: dict) -> str:
     if "acked_msgs_s" in p:
         rows.append(["dmq publish", f"{_n(p['acked_msgs_s'])} acked msgs/s", "publish→ack " + _lat(p["publish_ack_latency_ms"]),
                      _us(p.get("cpu_us_per_message")), _cpu(p.get("cpu_s"), p.get("elapsed_s"))])
+    mp = results.get("mpub") or {}
+    if "acked_msgs_s" in mp:
+        rows.append([f"dmq NSQ MPUB of {mp['batch']}, reliable topic", f"{_n(mp['acked_msgs_s'])} acked msgs/s",
+                     "MPUB→OK " + _lat(mp["mpub_ok_latency_ms"]), _us(mp.get("cpu_us_per_message")),
+                     _cpu(mp.get("cpu_s"), mp.get("elapsed_s"))])
     for key in ("e2e1", "e2e4"):
         e = results.get(key) or {}
         if "total_msgs_s" in e:
@@ -99,7 +104,8 @@ def render(results: dict) -> str:
                      "publish→delivery " + _lat(re["publish_delivery_latency_ms"]),
                      _us(re.get("cpu_us_per_message")), _cpu(re.get("cpu_s"), re.get("elapsed_s"))])
     nats = results.get("nats") or {}
-    for mode, label in (("default", "acked from memory, fsync every 2 min"), ("sync_always", "sync_interval: always")):
+    for mode, label in (("default", "acked from memory, fsync every 2 min"),
+                        ("sync_always", "sync_interval: always")):
         node = nats.get(mode) or {}
         if "error" in node:
             said = f" (it says: {node['server_said']})" if node.get("server_said") else ""

@@ -100,7 +100,8 @@ class Nsqd:
 
 def http_ok(port: int, path: str, method: str = "GET") -> bool:
     try:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method == "POST" else None)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=b"" if method == "POST" else None)
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.status == 200
     except OSError:
@@ -254,7 +255,8 @@ class Bench:
                 res = self.measure(dmq, scenario, topic)
             finally:
                 prof = profiler.stop()
-            print(f"  profile round: dmq {scenario}, {a.messages:,} messages, {fmt_int(res['msgs_s'])} msgs/s under py-spy "
+            print(f"  profile round: dmq {scenario}, {a.messages:,} messages, {fmt_int(res['msgs_s'])} msgs/s "
+                  "under py-spy "
                   f"({res['server_us_per_message']:.1f} us/msg)")
             print_profile(f"NSQ {scenario}", prof)
             files = self_by_file(prof["file"]) if prof else []
@@ -355,7 +357,8 @@ def summarise(rounds: list[dict], scenarios: list[str]) -> list[dict]:
                     100 * x["cpu_s"].get("other processes", 0) / max(x["wall_s"], 1e-9) for x in runs)),
             }
         row["throughput_ratio"] = round(row["dmq"]["msgs_s_median"] / row["nsqd"]["msgs_s_median"], 2)
-        row["cpu_ratio"] = round(row["dmq"]["us_per_message_median"] / max(row["nsqd"]["us_per_message_median"], 0.1), 2)
+        nsqd_us = max(row["nsqd"]["us_per_message_median"], 0.1)
+        row["cpu_ratio"] = round(row["dmq"]["us_per_message_median"] / nsqd_us, 2)
         row["verdict"] = "MET" if row["throughput_ratio"] >= TARGET_RATIO else "MISSED"
         out.append(row)
     return out
@@ -421,7 +424,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mpub-batch", type=int, default=100, help="messages per MPUB")
     p.add_argument("--rdy", type=int, default=256, help="the consumer's RDY count")
     p.add_argument("--body-size", type=int, default=200, help="message body bytes")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of: " + ", ".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma-separated subset of: " + ", ".join(SCENARIOS))
     p.add_argument("--timeout", type=float, default=300, help="seconds a scenario may take")
     p.add_argument("--server-cmd", default="", metavar="CMD", help="start dmq through this command (see reliable.py)")
     p.add_argument("--server-arg", action="append", metavar="ARG", help="extra dmq-server argument (repeatable)")

@@ -10,6 +10,7 @@ and a summary against the targets:
 
 Scenarios (see docs/benchmarks.md for what each figure means):
   publish  dmq: P producers, W unanswered sends each, N messages; acked msgs/s, publish->ack latency
+  mpub     dmq: the same producers with NSQ MPUB of 100 to a reliable topic; acked msgs/s
   e2e1     dmq: producers + 1 consumer on 1 channel at the same time; delivered+acked msgs/s
   e2e4     dmq: the same with 4 channels (4 consumers); per channel and total
   steady   dmq: paced producers at --rate msgs/s for --steady-seconds; publish->ack latency
@@ -64,7 +65,7 @@ from _common import (  # noqa: E402
 from _pg import PrivatePostgres  # noqa: E402
 
 CTX = mp.get_context("fork")
-ALL_SCENARIOS = ("publish", "e2e1", "e2e4", "steady", "ceiling", "backlog", "rabbit", "nats")
+ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ceiling", "backlog", "rabbit", "nats")
 PEERS = ("rabbit", "nats")
 
 # issue 18's targets (the delivery store as cursors); the summary checks them
@@ -593,6 +594,49 @@ class Bench:
         print_profile("publish", prof, a.profile_gil)
         return res
 
+    def scenario_mpub(self) -> dict:
+        """NSQ ``MPUB`` of --mpub-batch to a reliable topic: each answered ``OK`` after its commit."""
+        import _nsq_load
+
+        a = self.args
+        topic = "bench_mpub"
+        self.create_topic(topic, ["c1"])
+        workers = [(_nsq_load.producer_main, {"host": "127.0.0.1", "port": self.server.tcp_port, "topic": topic,
+                                              "n": count, "window": a.window, "batch": a.mpub_batch,
+                                              "body_size": a.body_size, "timeout": a.timeout})
+                   for count in split(a.messages, a.producers)]
+        stats_before = self.server.stats()
+        run = run_workers(workers, self.probes(), result_timeout=a.timeout + 60)
+        stats_after = self.server.stats()
+        prods = list(run["results"].values())
+        acked = sum(r["acked"] for r in prods)
+        elapsed = max(r["t_end"] for r in prods) - run["t0"]
+        lat = percentiles(latencies(prods))
+        res = {
+            "batch": a.mpub_batch,
+            "messages": a.messages,
+            "acked": acked,
+            "elapsed_s": round(elapsed, 3),
+            "acked_msgs_s": round(acked / elapsed, 1),
+            "mpub_ok_latency_ms": lat,
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], acked),
+            "group_commit": writer_delta(stats_before, stats_after, elapsed),
+        }
+        print_table(
+            f"dmq NSQ MPUB to a reliable topic: {a.producers} producers, MPUB of {a.mpub_batch}, "
+            f"{-(-a.window // a.mpub_batch)} in flight each, {a.body_size}-byte bodies, {a.messages:,} messages",
+            [
+                ("acknowledged messages (OK after the commit)", f"{acked:,} of {a.messages:,}"),
+                ("acknowledged msgs/s", fmt_int(res["acked_msgs_s"])),
+                ("MPUB->OK latency p50 / p99 / p99.9 (ms)", fmt_lat(lat)),
+                ("server group commits", writer_line(res["group_commit"])),
+                ("CPU seconds", cpu_line(run["cpu"], elapsed)),
+                ("CPU per acked message", per_message_line(res["cpu_us_per_message"])),
+            ],
+        )
+        return res
+
     def scenario_e2e(self, channels: int) -> dict:
         a = self.args
         topic = f"bench_e2e{channels}"
@@ -1119,7 +1163,7 @@ class Bench:
                     print("  PostgreSQL settings from --pg-setting: "
                           + ", ".join(f"{k}={v}" for k, v in a.pg_setting), flush=True)
                 self.server = DmqServer(dsn, self.work, a.server_arg or [], a.server_log_level, a.server_cmd)
-                live = ("publish", "e2e1", "e2e4", "steady")
+                live = ("publish", "mpub", "e2e1", "e2e4", "steady")
                 server_up = False
                 if any(s in wanted for s in live):
                     try:
@@ -1136,6 +1180,7 @@ class Bench:
                     self._guarded("warmup", lambda: (self.warm_up(), {"ok": True})[1])
                 for name, fn in (
                     ("publish", self.scenario_publish),
+                    ("mpub", self.scenario_mpub),
                     ("e2e1", lambda: self.scenario_e2e(1)),
                     ("e2e4", lambda: self.scenario_e2e(4)),
                     ("steady", self.scenario_steady),
@@ -1258,6 +1303,11 @@ class Bench:
             ["RabbitMQ publish: confirmed msgs/s (same run)", fmt_int(rab), "dmq above it",
              verdict(None if pub is None or rab is None else pub > rab)]
         )
+        mp = get("mpub", "acked_msgs_s")
+        rows.append(
+            [f"dmq NSQ MPUB of {a.mpub_batch} to a reliable topic: acked msgs/s", fmt_int(mp), "dmq publish or more",
+             verdict(None if mp is None or pub is None else mp >= pub)]
+        )
         e1 = get("e2e1", "total_msgs_s")
         rows.append(
             ["dmq end to end, 1 channel: delivered+acked msgs/s", fmt_int(e1), f">= {TARGETS['e2e1_msgs_s']:,}",
@@ -1273,7 +1323,8 @@ class Bench:
         pg_us = get("e2e1", "cpu_us_per_message", "PostgreSQL")
         rows.append(
             ["PostgreSQL CPU per published+acked message, e2e1 (us)", "n/a" if pg_us is None else f"{pg_us:.0f}",
-             f"<= {TARGETS['pg_us_per_message']:g}", verdict(None if pg_us is None else pg_us <= TARGETS["pg_us_per_message"])]
+             f"<= {TARGETS['pg_us_per_message']:g}",
+             verdict(None if pg_us is None else pg_us <= TARGETS["pg_us_per_message"])]
         )
         re2e = get("rabbit", "e2e", "msgs_s")
         rows.append(["RabbitMQ end to end, 1 consumer: msgs/s", fmt_int(re2e), "-", "-"])
@@ -1336,8 +1387,8 @@ class Bench:
 def stolen_share(results: dict) -> float | None:
     """Mean share of the machine's CPU (all cores) the hypervisor took during the live scenarios."""
     shares = []
-    for key, wall_key in (("publish", "elapsed_s"), ("e2e1", "elapsed_s"), ("e2e4", "elapsed_s"),
-                          ("steady", "seconds")):
+    for key, wall_key in (("publish", "elapsed_s"), ("mpub", "elapsed_s"), ("e2e1", "elapsed_s"),
+                          ("e2e4", "elapsed_s"), ("steady", "seconds")):
         node = results.get(key)
         if isinstance(node, dict) and node.get(wall_key) and "stolen by the hypervisor" in node.get("cpu_s", {}):
             shares.append(100.0 * node["cpu_s"]["stolen by the hypervisor"] / (node[wall_key] * (os.cpu_count() or 1)))
@@ -1347,8 +1398,9 @@ def stolen_share(results: dict) -> float | None:
 def background_load(results: dict) -> float | None:
     """Mean share of one core used by processes outside the benchmark during the scenarios."""
     shares = []
-    for key, wall_key in (("publish", "elapsed_s"), ("e2e1", "elapsed_s"), ("e2e4", "elapsed_s"),
-                          ("steady", "seconds"), ("rabbit.publish", "elapsed_s"), ("rabbit.e2e", "elapsed_s"),
+    for key, wall_key in (("publish", "elapsed_s"), ("mpub", "elapsed_s"), ("e2e1", "elapsed_s"),
+                          ("e2e4", "elapsed_s"), ("steady", "seconds"), ("rabbit.publish", "elapsed_s"),
+                          ("rabbit.e2e", "elapsed_s"),
                           ("nats.default.publish", "elapsed_s"), ("nats.default.e2e", "elapsed_s"),
                           ("nats.sync_always.publish", "elapsed_s"), ("nats.sync_always.e2e", "elapsed_s")):
         node: Any = results
@@ -1390,6 +1442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--producers", type=int, default=4, help="producer processes, one connection each")
     p.add_argument("--window", type=int, default=256, help="unanswered sends per producer")
     p.add_argument("--body-size", type=int, default=200, help="message body bytes")
+    p.add_argument("--mpub-batch", type=int, default=100, help="messages per NSQ MPUB in the mpub scenario")
     p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
     p.add_argument("--rate", type=float, default=5000, help="offered msgs/s in the steady-load scenario")
     p.add_argument("--steady-seconds", type=float, help="length of the steady-load scenario (default 20, quick 8)")
