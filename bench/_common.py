@@ -198,6 +198,20 @@ class RssSampler:
 # ---------------------------------------------------------------- machine
 
 
+class StartedServer:
+    """A server process the benchmark started (``self.proc``, a Popen): its pid and CPU seconds."""
+
+    proc: Any = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid) if self.proc is not None else 0.0
+
+
 def stop_process(proc: Any, timeout: float = 30) -> None:
     """SIGTERM a server we started (Popen), SIGKILL it if it is still there after ``timeout``."""
     if proc is None or proc.poll() is not None:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 
 import _nsq_load  # noqa: E402
 from _common import (  # noqa: E402
-    cpu_seconds, fmt_int, fmt_lat, free_port, log_tail, machine_info, percentiles, print_grid, stop_process,
+    StartedServer, fmt_int, fmt_lat, free_port, log_tail, machine_info, percentiles, print_grid, stop_process,
 )
 from _pg import PrivatePostgres  # noqa: E402
 from reliable import DmqServer, Profiler, latencies, print_profile, run_workers, split  # noqa: E402
@@ -55,7 +55,7 @@ SCENARIOS = ("pub", "mpub", "consume", "e2e")
 TARGET_RATIO = 0.8  # issue 18: the fast path at >= 0.8x nsqd in each scenario
 
 
-class Nsqd:
+class Nsqd(StartedServer):
     """An nsqd binary on free 127.0.0.1 ports, its data path under ``workdir``."""
 
     def __init__(self, binary: str, workdir: Path, extra: list[str]):
@@ -84,14 +84,6 @@ class Nsqd:
                 return
             time.sleep(0.1)
         raise RuntimeError(f"nsqd did not answer /ping within {timeout}s:\n{log_tail(self.log_path)}")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def cpu(self) -> float:
-        return cpu_seconds(self.pid) if self.proc is not None else 0.0
 
     def stop(self) -> None:
         stop_process(self.proc)

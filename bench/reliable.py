@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 import _dmq_load  # noqa: E402
 from _common import (  # noqa: E402
     RssSampler,
+    StartedServer,
     cpu_seconds,
     fmt_int,
     fmt_lat,
@@ -227,7 +228,7 @@ def cpu_line(cpu: dict, wall: float) -> str:
 # ====================================================================== dmq server
 
 
-class DmqServer:
+class DmqServer(StartedServer):
     def __init__(self, dsn: str, workdir: Path, extra_args: list[str], log_level: str = "info",
                  server_cmd: str = ""):
         self.log_level = log_level
@@ -286,14 +287,6 @@ class DmqServer:
                 last = exc
             time.sleep(0.1)
         raise RuntimeError(f"dmq-server did not answer /ping with OK within {timeout}s ({last}):\n{self.log_tail()}")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def cpu(self) -> float:
-        return cpu_seconds(self.pid) if self.proc is not None else 0.0
 
     def healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
