@@ -71,7 +71,8 @@ while read -r module repo rev; do
     [ -n "$module" ] || continue
     dir="$work/src/${repo/\//+}"
     mkdir -p "$dir"
-    git -C "$(git_dir "$repo")" archive "$rev" | tar -x -C "$dir"
+    src="$(git_dir "$repo")"
+    git -C "$src" archive "$rev" | tar -x -C "$dir"
     [ -f "$dir/go.mod" ] || echo "module $module" > "$dir/go.mod"
     [ "$module" = "github.com/nsqio/nsq" ] || replaces+=("-replace=$module=$dir")
 done <<< "$modules"
