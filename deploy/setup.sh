@@ -94,6 +94,9 @@ if [ "$extras" != "embedded" ]; then
     [ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
     # ZooKeeper 3.8 for the cluster tests (tests/zk start it from its jars, standalone)
     [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
+    # a real browser for the web console's tests (tests/integration/test_console_browser.py)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     if [ "$extras" = "bench,dev,embedded,pipeline" ]; then
         # the peers of bench/reliable.py and the Go toolchain for bench/build_nsqd.sh
         command -v nats-server >/dev/null 2>&1 || missing+=(nats-server)

@@ -106,6 +106,15 @@ class Scheduling:
             max_instances=1,
             coalesce=True,
         )
+        self.scheduler.add_job(
+            lambda: store.trace.sweep(options.trace_retention),
+            "interval",
+            seconds=60,
+            id="trace-sweep",
+            name="message trace rows past --trace-retention",
+            max_instances=1,
+            coalesce=True,
+        )
         self.delays.start()
         self.scheduler.start()
 

@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from dmq_client.wire import valid_name
 
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
-from dmq_server.core.buckets import LATENCY_SECONDS, Buckets
+from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
@@ -37,6 +37,7 @@ from dmq_server.core.publish import Published, PublishRequest, check_request
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.messages import NewMessage
+from dmq_server.db.outage import Outage
 from dmq_server.db.topics import list_topics_steps
 from dmq_server.reliable.store import ReliableStore
 from registry.model import TopicSpec
@@ -105,6 +106,10 @@ class Broker:
         # publish -> commit of each stored send (its wait for a batch included), /metrics
         self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
         self.reliable.commit_latency = self.publish_commit_seconds
+        # publish -> first delivery of each copy, /metrics
+        self.publish_deliver_seconds = Buckets(DELIVERY_SECONDS)
+        self.reliable.deliver_latency = self.publish_deliver_seconds
+        self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
         self.limits = RateLimiter(clock)
         fetch = fetch_topics or (lambda: workers["admin"].run_steps(list_topics_steps))
         self.cache = TopicCache(fetch, self._registry_read, lambda why: self._set_health(False, why))
@@ -165,9 +170,9 @@ class Broker:
         self.health_detail = why
         if changed:
             if ok:
-                log.info("storage healthy again")
+                self._health_outage.recovered()
             else:
-                log.error("storage failing: {why}", why=why)
+                self._health_outage.failed(why)
             for listener in list(self.health_listeners):
                 listener(ok)
 
@@ -400,6 +405,7 @@ class Broker:
             "delayed": reliable.delayed_count,
             "rate_limited": self.limits.refused,
             "dead_letters": reliable.dead_letters.stats(),
+            "trace": reliable.trace.stats(),
             "topics": reliable.topic_stats(),
         }
 

@@ -14,7 +14,7 @@ them:
    owner = me``, row by row exclusive), re-checking the lock and the node's absence
    before every batch;
 4. make the channels that received copies scan from their first id again
-   (``Channel.rescan``), since the claimed ids sit below their cursors.
+   (``ReliableChannel.rescan``), since the claimed ids sit below their cursors.
 
 Two nodes never claim the same copy (the UPDATE re-checks the owner), and a node
 that returns with the same id registers under the same lock, so it starts loading

@@ -67,6 +67,16 @@ class DbWorker:
                 pass
             self._conn = None
 
+    def state(self) -> dict[str, Any]:
+        """The worker as ``/metrics`` shows it: its connection open, a call running,
+        calls queued (read from the reactor thread; a moment stale at worst)."""
+        conn = self._conn
+        return {
+            "connected": conn is not None and not conn.closed,
+            "busy": bool(self._pool.working),
+            "queued": self._pool.q.qsize(),
+        }
+
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred:
         """Run ``fn(conn, *args)`` on this worker's thread, in a transaction unless
         the worker is ``autocommit``."""

@@ -167,8 +167,8 @@ class FastChannel:
                     return FastMessage.decode(data)
                 except ValueError as exc:
                     log.error(
-                        "CHANNEL({t}:{c}): failed to decode message - {why}",
-                        t=self.topic_name, c=self.name, why=exc,
+                        "CHANNEL({topic}:{channel}): failed to decode message - {why}",
+                        topic=self.topic_name, channel=self.name, why=exc,
                     )
         self._disk_turn = True  # memory and disk take turns, so neither starves
         if memory:
@@ -289,7 +289,7 @@ class FastChannel:
         except Exiting:
             pass
         except Exception as exc:
-            log.error("CHANNEL({t}:{c}): put failed - {why}", t=self.topic_name, c=self.name, why=exc)
+            log.error("CHANNEL({topic}:{channel}): put failed - {why}", topic=self.topic_name, channel=self.name, why=exc)
             self.store.set_health(exc)
 
     @property
@@ -330,7 +330,7 @@ class FastChannel:
         try:
             self.empty()
         except Exception as exc:
-            log.error("CHANNEL({t}:{c}): empty failed - {why}", t=self.topic_name, c=self.name, why=exc)
+            log.error("CHANNEL({topic}:{channel}): empty failed - {why}", topic=self.topic_name, channel=self.name, why=exc)
 
     def close(self) -> None:
         """Shutdown: close clients, then memory, in-flight and deferred go to disk."""
@@ -346,8 +346,8 @@ class FastChannel:
         pending = len(self.memory) + len(self.in_flight) + len(self.deferred)
         if pending and not self.ephemeral:
             log.info(
-                "CHANNEL({t}:{c}): flushing {n} memory/in-flight/deferred messages to backend",
-                t=self.topic_name, c=self.name, n=pending,
+                "CHANNEL({topic}:{channel}): flushing {n} memory/in-flight/deferred messages to backend",
+                topic=self.topic_name, channel=self.name, n=pending,
             )
         for msg in self.memory:
             backend.put(msg.encode())

@@ -188,14 +188,14 @@ class FastStore:
         try:
             for t in topics:
                 if not valid_name_bytes(t.name.encode()) or t.name.endswith("#ephemeral"):
-                    log.warn("NSQ: skipping creation of invalid topic {t}", t=t.name)
+                    log.warn("NSQ: skipping creation of invalid topic {topic}", topic=t.name)
                     continue
                 topic = self.get_topic(t.name)
                 if t.paused:
                     topic.pause()
                 for c in t.channels:
                     if not valid_name_bytes(c.name.encode()) or c.name.endswith("#ephemeral"):
-                        log.warn("NSQ: skipping creation of invalid channel {c}", c=c.name)
+                        log.warn("NSQ: skipping creation of invalid channel {channel}", channel=c.name)
                         continue
                     channel = topic.get_channel(c.name)
                     if c.paused:
@@ -217,7 +217,7 @@ class FastStore:
             try:
                 topic.close()
             except Exception as exc:
-                log.error("TOPIC({t}): close failed - {why}", t=topic.name, why=exc)
+                log.error("TOPIC({topic}): close failed - {why}", topic=topic.name, why=exc)
         self._armed.clear()
 
     # -- topics -------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class FastStore:
         if topic is None:
             topic = FastTopic(name, self)
             self.topics[name] = topic
-            log.info("TOPIC({t}): created", t=name)
+            log.info("TOPIC({topic}): created", topic=name)
             self.changed(topic)
         return topic
 
@@ -251,7 +251,7 @@ class FastStore:
         topic = self.topics.pop(name, None)
         if topic is None:
             return False
-        log.info("TOPIC({t}): deleting", t=name)
+        log.info("TOPIC({topic}): deleting", topic=name)
         topic.delete()
         self.changed(topic)
         return True

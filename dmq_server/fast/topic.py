@@ -85,8 +85,8 @@ class FastTopic:
                 pass
             except Exception as exc:  # a channel's disk write failed
                 log.error(
-                    "TOPIC({t}): failed to put msg {id} to channel({c}) - {why}",
-                    t=self.name, id=msg.id, c=channel.name, why=exc,
+                    "TOPIC({topic}): failed to put msg {message_id} to channel({channel}) - {why}",
+                    topic=self.name, message_id=msg.id, channel=channel.name, why=exc,
                 )
                 self.store.set_health(exc)
 
@@ -116,7 +116,7 @@ class FastTopic:
             try:
                 msg = FastMessage.decode(data)
             except ValueError as exc:
-                log.error("TOPIC({t}): failed to decode message - {why}", t=self.name, why=exc)
+                log.error("TOPIC({topic}): failed to decode message - {why}", topic=self.name, why=exc)
                 continue
             self._fan_out(msg)
             moved += 1
@@ -180,9 +180,9 @@ class FastTopic:
             try:
                 channel.close()
             except Exception as exc:
-                log.error("CHANNEL({t}:{c}): close failed - {why}", t=self.name, c=channel.name, why=exc)
+                log.error("CHANNEL({topic}:{channel}): close failed - {why}", topic=self.name, channel=channel.name, why=exc)
         if self.memory and not self.ephemeral:
-            log.info("TOPIC({t}): flushing {n} memory messages to backend", t=self.name, n=len(self.memory))
+            log.info("TOPIC({topic}): flushing {n} memory messages to backend", topic=self.name, n=len(self.memory))
         for msg in self.memory:
             self.backend.put(msg.encode())
         self.memory.clear()

@@ -48,13 +48,15 @@ _SUBSCRIBE_REPLY = {
 
 class DmqSubscription:
     """One (topic, channel) a connection consumes, with its own credit window: the
-    consumer a reliable channel (``reliable.channel.Channel``) pushes deliveries to."""
+    consumer a reliable channel (``reliable.channel.ReliableChannel``) pushes deliveries to."""
 
     def __init__(self, connection: "DmqConnection", credit: int):
         self.connection = connection
         self.credit = credit
         self.in_flight = 0
         self.channel: Any = None
+        # how the message trace and the console name this consumer
+        self.name = f"dmq {connection.peer}"
 
     def push(self, channel: Any, delivery: Any) -> None:
         message = delivery.message

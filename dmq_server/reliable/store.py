@@ -34,6 +34,7 @@ from dmq_server.db.messages import (
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.dead_letters import DeadLetterSink
+from dmq_server.reliable.trace import TraceSink
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 from registry.model import TopicSpec
 
@@ -92,6 +93,8 @@ class ReliableStore:
             node_id,
             lambda topic, name: self.channels.get((topic, name)),
         )
+        # deliveries that come back unacknowledged, for the message trace
+        self.trace = TraceSink(workers.get("deadletter") or workers["admin"], clock, node_id)
         delay_db = workers.get("delay-writer")
         # a delayed row of unknown outcome needs nothing here: the delay workers poll
         # their fragments and find it when it is due
@@ -106,6 +109,8 @@ class ReliableStore:
         # publish -> commit of each stored send (its wait for a batch included), for
         # /metrics; set by the broker (a core.buckets.Buckets), None: not recorded
         self.commit_latency: Any = None
+        # publish -> first delivery of each copy, likewise
+        self.deliver_latency: Any = None
 
     # -- lifecycle --------------------------------------------------------
     def stop(self) -> Deferred:
@@ -113,6 +118,7 @@ class ReliableStore:
         d = self.writer.close()
         d.addCallback(lambda _: self.delay_writer.close())
         d.addCallback(lambda _: self.dead_letters.close())
+        d.addCallback(lambda _: self.trace.close())
         d.addCallback(lambda _: self.acker.drain())
         return d
 
@@ -160,7 +166,7 @@ class ReliableStore:
         for key in list(self.channels):
             if key not in wanted:
                 channel = self.channels.pop(key)
-                log.info("channel {t}/{c} unregistered", t=key[0], c=key[1])
+                log.info("channel {topic}/{channel} unregistered", topic=key[0], channel=key[1])
                 for consumer in channel.close():
                     closer = getattr(consumer, "channel_closed", None)
                     if closer is not None:
@@ -191,6 +197,8 @@ class ReliableStore:
                 max_attempts=spec.max_attempts if spec else None,
                 on_attempt=self.dead_letters.on_attempt,
                 on_exhausted=self.dead_letters.on_exhausted,
+                on_return=self.trace.returned,
+                deliver_latency=self.deliver_latency,
             )
             channel.paused = self.paused
             channel.held = (topic, name) in self._held
@@ -283,6 +291,8 @@ class ReliableStore:
                 delivery.first_delivered_ms,
                 acked_ms,
                 delivery.attempts,
+                getattr(delivery.consumer, "name", ""),
+                int(delivery.delivered_at * 1000),
             )
         )
 
