@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from typing import Any, Iterable, Sequence
@@ -228,6 +230,62 @@ class RssSampler:
 
 
 # ---------------------------------------------------------------- machine
+
+
+class StartedServer:
+    """A server process the benchmark started (``self.proc``, a Popen): its pid and CPU seconds."""
+
+    proc: Any = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid) if self.proc is not None else 0.0
+
+
+def stop_process(proc: Any, timeout: float = 30) -> None:
+    """SIGTERM a server we started (Popen), SIGKILL it if it is still there after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def log_tail(path: Any, lines: int = 30) -> str:
+    """The last lines of a started peer's log, for an error message."""
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def apt_get_install(package: str, log: Any = print) -> None:
+    """Install a Debian package a peer of the benchmark needs (first run only; root).
+
+    ``deploy/setup.sh --bench`` installs the same packages; this covers a run
+    without it."""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError(f"{package} is not installed and apt-get (as root) is not available; "
+                           "run bash deploy/setup.sh --bench")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "--no-install-recommends", package]
+    log(f"  installing {package} with apt-get (first run only) ...")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log("  apt-get install failed; running apt-get update once and retrying ...")
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"apt-get install {package} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
 
 
 def machine_info() -> dict:

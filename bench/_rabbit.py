@@ -23,7 +23,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from _common import descendants, family_cpu_seconds, free_port, run_worker
+from _common import apt_get_install, descendants, family_cpu_seconds, free_port, log_tail, run_worker
 
 def _find_script(name: str) -> str | None:
     import glob
@@ -50,18 +50,7 @@ def ensure_installed(log: Any = print) -> str:
     script = _find_script("rabbitmq-server")
     if script and _find_epmd():
         return script
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise RuntimeError("rabbitmq-server is not installed and apt-get (as root) is not available")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "rabbitmq-server"]
-    log("  installing rabbitmq-server with apt-get (first run only) ...")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        log("  apt-get install failed; running apt-get update once and retrying ...")
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"apt-get install rabbitmq-server failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    apt_get_install("rabbitmq-server", log)
     script = _find_script("rabbitmq-server")
     if not script:
         raise RuntimeError("rabbitmq-server installed but its script was not found under /usr/lib/rabbitmq")
@@ -161,10 +150,7 @@ class RabbitInstance:
         raise RuntimeError(f"RabbitMQ did not accept connections within {timeout}s ({last}):\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def cpu_seconds(self) -> float:
         return family_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0

@@ -40,7 +40,8 @@ def render(results: dict) -> str:
         f"Run of {meta.get('date_utc', '?')} UTC: `{meta.get('command', '?')}`  ",
         f"Machine: {m.get('nproc')} cores ({m.get('cpu_model')}), {m.get('mem_total_gb')} GB RAM, "
         f"Linux {m.get('kernel')}, Python {meta.get('python')}, PostgreSQL {meta.get('postgresql', '?')}, "
-        f"RabbitMQ {results.get('rabbit', {}).get('version', '?')}.",
+        f"RabbitMQ {results.get('rabbit', {}).get('version', '?')}, "
+        f"nats-server {results.get('nats', {}).get('version', '?')}.",
         "",
         *([f"Background load: processes outside the benchmark used on average "
            f"{results['background_other_processes_pct_of_core']:.0f}% of one core (of {100 * (m.get('nproc') or 1)}%) "
@@ -64,6 +65,11 @@ def render(results: dict) -> str:
     if "acked_msgs_s" in p:
         rows.append(["dmq publish", f"{_n(p['acked_msgs_s'])} acked msgs/s", "publish→ack " + _lat(p["publish_ack_latency_ms"]),
                      _us(p.get("cpu_us_per_message")), _cpu(p.get("cpu_s"), p.get("elapsed_s"))])
+    mp = results.get("mpub") or {}
+    if "acked_msgs_s" in mp:
+        rows.append([f"dmq NSQ MPUB of {mp['batch']}, reliable topic", f"{_n(mp['acked_msgs_s'])} acked msgs/s",
+                     "MPUB→OK " + _lat(mp["mpub_ok_latency_ms"]), _us(mp.get("cpu_us_per_message")),
+                     _cpu(mp.get("cpu_s"), mp.get("elapsed_s"))])
     for key in ("e2e1", "e2e4"):
         e = results.get(key) or {}
         if "total_msgs_s" in e:
@@ -97,6 +103,23 @@ def render(results: dict) -> str:
                      f"{_n(re['msgs_s'])} delivered+acked msgs/s; published {_n(re['publish_msgs_s'])} msgs/s",
                      "publish→delivery " + _lat(re["publish_delivery_latency_ms"]),
                      _us(re.get("cpu_us_per_message")), _cpu(re.get("cpu_s"), re.get("elapsed_s"))])
+    nats = results.get("nats") or {}
+    for mode, label in (("default", "acked from memory, fsync every 2 min"),
+                        ("sync_always", "sync_interval: always")):
+        node = nats.get(mode) or {}
+        if "error" in node:
+            said = f" (it says: {node['server_said']})" if node.get("server_said") else ""
+            rows.append([f"NATS JetStream ({label})", node["error"] + said, "-", "-", "-"])
+        np_, ne = node.get("publish") or {}, node.get("e2e") or {}
+        if "confirmed_msgs_s" in np_:
+            rows.append([f"NATS JetStream publish ({label})", f"{_n(np_['confirmed_msgs_s'])} PubAcked msgs/s",
+                         "publish→PubAck " + _lat(np_["publish_confirm_latency_ms"]),
+                         _us(np_.get("cpu_us_per_message")), _cpu(np_.get("cpu_s"), np_.get("elapsed_s"))])
+        if "msgs_s" in ne:
+            rows.append([f"NATS JetStream end to end, 1 consumer ({label})",
+                         f"{_n(ne['msgs_s'])} delivered+acked msgs/s; published {_n(ne['publish_msgs_s'])} msgs/s",
+                         "publish→delivery " + _lat(ne["publish_delivery_latency_ms"]),
+                         _us(ne.get("cpu_us_per_message")), _cpu(ne.get("cpu_s"), ne.get("elapsed_s"))])
     parts.append(_table(["scenario", "throughput", "latency p50 / p99 / p99.9 (ms)",
                          "CPU µs per message (server / PostgreSQL)",
                          "CPU seconds (% of one core) during the scenario"], rows))

@@ -7,6 +7,10 @@
 #                                 # the pipeline (PySpark) and the Debian packages the
 #                                 # tests use: a Java runtime, the PostgreSQL JDBC jar
 #                                 # and ZooKeeper
+#   bash deploy/setup.sh --bench  # --dev plus what bench/ compares dmq with: the bench
+#                                 # extra (nats-py, py-spy), Debian's nats-server,
+#                                 # rabbitmq-server and golang-go (to build nsqd from
+#                                 # its source, bench/build_nsqd.sh)
 #
 # Why a script: README's two commands (deploy/quickstart.sh and .ci/test) must work
 # on a fresh Debian machine, so everything dmq needs is installed here and nowhere
@@ -17,12 +21,13 @@ set -Eeuo pipefail
 
 trap 'echo "deploy/setup.sh: failed (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 
-usage() { echo "usage: bash deploy/setup.sh [--dev]" >&2; exit 2; }
+usage() { echo "usage: bash deploy/setup.sh [--dev | --bench]" >&2; exit 2; }
 
 extras="embedded"
 for arg in "$@"; do
     case "$arg" in
-        --dev) extras="dev,embedded,pipeline" ;;
+        --dev) [ "$extras" = "bench,dev,embedded,pipeline" ] || extras="dev,embedded,pipeline" ;;
+        --bench) extras="bench,dev,embedded,pipeline" ;;
         -h|--help) usage ;;
         *) echo "deploy/setup.sh: unknown argument: $arg" >&2; usage ;;
     esac
@@ -92,6 +97,12 @@ if [ "$extras" != "embedded" ]; then
     # a real browser for the web console's tests (tests/integration/test_console_browser.py)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+    if [ "$extras" = "bench,dev,embedded,pipeline" ]; then
+        # the peers of bench/reliable.py and the Go toolchain for bench/build_nsqd.sh
+        command -v nats-server >/dev/null 2>&1 || missing+=(nats-server)
+        [ -d /usr/lib/rabbitmq ] || missing+=(rabbitmq-server)
+        command -v go >/dev/null 2>&1 || missing+=(golang-go)
+    fi
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi
@@ -101,7 +112,8 @@ fi
 stamp_file="$venv/.dmq-setup-stamp"
 fingerprint="$( { cat pyproject.toml; cat client/pyproject.toml 2>/dev/null || true; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
 done_before="$(cat "$stamp_file" 2>/dev/null || true)"
-if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded,pipeline" ]; then
+if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint bench,dev,embedded,pipeline" ] ||
+   { [ "$extras" != "bench,dev,embedded,pipeline" ] && [ "$done_before" = "$fingerprint dev,embedded,pipeline" ]; }; then
     exit 0
 fi
 rm -f "$stamp_file"
