@@ -13,8 +13,9 @@ fast-store NSQ's store from ``nsqd.dat``; scanner and disk-sync timers  /  memor
 broker     registry cache and channel state; scan, refresh, sweep timers  /  commit and
            answer every queued send, make acknowledgements durable, close connections
 scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
-listeners  TCP (dmq protocol and NSQ V2), HTTP (API, nsqd, lookupd, admin), the admin
-           console  /  SERVER_REBOOT to dmq clients, stop listening
+listeners  TCP (dmq protocol and NSQ V2; TLS-only with --tls-address), HTTP (API, nsqd,
+           lookupd, admin; HTTPS with --https-address), the admin console  /
+           SERVER_REBOOT to dmq clients, stop listening
 announce   with --zk: register this node (ports known) and start delivering
 ========== ===============================================================================
 
@@ -32,14 +33,16 @@ import socket
 from typing import Any
 
 from twisted.internet import defer
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
+from dmq_client.spelling import parse_address
 from dmq_client.wire import MAGIC
 
 from dmq_server.admin.console import AdminConsoleFactory
-from dmq_server.admin.operations import AdminOps, is_loopback
+from dmq_server.admin.operations import AdminOps
+from dmq_server.core.peers import is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
@@ -57,6 +60,9 @@ from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.schema import migrate, ping
 from dmq_server.db.worker import DbWorker
+from dmq_server.security.authorizer import make_authorizer
+from dmq_server.security.exposure import exposure_warnings
+from dmq_server.security.tls import ServerTls
 from dmq_server.tree import ServiceTree, Stage
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
@@ -66,10 +72,19 @@ log = Logger()
 WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops")
 
 
-def _endpoint(reactor: Any, host: str, port: int) -> Any:
+def _endpoint(reactor: Any, host: str, port: int, tls: Any = None) -> Any:
+    if tls is not None:
+        return SSL4ServerEndpoint(reactor, port, tls, interface=host, backlog=511)
     if ":" in host:
         return TCP6ServerEndpoint(reactor, port, interface=host)
     return TCP4ServerEndpoint(reactor, port, interface=host, backlog=511)
+
+
+def _address(port: Any) -> str | None:
+    if port is None:
+        return None
+    addr = port.getHost()
+    return f"{addr.host}:{addr.port}"
 
 
 class DmqServer:
@@ -92,6 +107,10 @@ class DmqServer:
         self.port_factory: PortFactory | None = None
         self.http_port: Any = None
         self.console_port: Any = None
+        self.tls_port: Any = None  # --tls-address
+        self.https_port: Any = None  # --https-address
+        self.tls: ServerTls | None = None
+        self.authorizer: Any = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -168,6 +187,9 @@ class DmqServer:
             "data_path": str(self.options.data_dir),
             "embedded_postgres": self.embedded is not None,
             "cluster": self.cluster.stats() if self.cluster is not None else None,
+            "tls_address": _address(self.tls_port),
+            "https_address": _address(self.https_port),
+            "auth_required": self.authorizer is not None,
         }
 
     def _broadcast_host(self) -> str:
@@ -292,18 +314,35 @@ class DmqServer:
     @defer.inlineCallbacks
     def _listen(self) -> Any:
         options, reactor, broker = self.options, self.reactor, self.broker
-        self.nsq = NsqContext(self.fast_store, broker, options, reactor)
+        self.tls = ServerTls.from_options(options)  # a bad certificate fails the start, naming it
+        self.authorizer = make_authorizer(options, reactor)
+        self.nsq = NsqContext(self.fast_store, broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
 
         def make_dmq(transport: Any) -> DmqConnection:
-            return DmqConnection(transport, broker, reactor, self.connections)
+            return DmqConnection(transport, broker, reactor, self.connections, tls=self.tls, authorizer=self.authorizer)
 
         def make_nsq(transport: Any) -> NsqConnection:
             return NsqConnection(transport, self.nsq)
 
-        # its budget is the port's flow-control state (/admin/flow)
-        self.port_factory = PortFactory(reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}, FlowLimits.from_options(options))
+        handlers = {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}
+        refused = {}
+        if options.tls_required_mode != "false":
+            where = f"the TLS port {options.tls_address}" if options.tls_address else "a TLS port (--tls-address)"
+            refused[MAGIC] = f"E_TLS_REQUIRED this server requires TLS: connect to {where}"
+        # its budget is the port's flow-control state (/admin/flow), shared with the TLS port
+        self.port_factory = PortFactory(
+            reactor, handlers, FlowLimits.from_options(options), tls=self.tls,
+            handshake_timeout=options.tls_handshake_timeout, refused=refused,
+        )
         host, port = options.tcp_endpoint
         self.tcp_port = yield _endpoint(reactor, host, port).listen(self.port_factory)
+        if options.tls_address:
+            tls_factory = PortFactory(
+                reactor, handlers, self.port_factory.limits, tls=self.tls, tls_port=True,
+                handshake_timeout=options.tls_handshake_timeout, budget=self.port_factory.budget,
+            )
+            tls_host, tls_port = parse_address(options.tls_address)
+            self.tls_port = yield _endpoint(reactor, tls_host, tls_port, self.tls).listen(tls_factory)
         ops = AdminOps(
             broker=broker,
             delays=self.scheduling.delays if self.scheduling is not None else None,
@@ -330,7 +369,34 @@ class DmqServer:
         admin_api.install(site.resource, ops, http_host, options.admin_token)
         host, port = options.http_endpoint
         self.http_port = yield _endpoint(reactor, host, port).listen(site)
+        if options.https_address:
+            https_host, https_port = parse_address(options.https_address)
+            self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(site)
         yield self._listen_console(ops)
+        self._warn_exposure()
+
+    def _warn_exposure(self) -> None:
+        options = self.options
+        listeners = [
+            ("the TCP port (dmq and NSQ)", options.tcp_endpoint[0], options.tls_required_mode != "false"),
+            ("the HTTP port", options.http_endpoint[0], options.tls_required_mode == "true"),
+        ]
+        if options.tls_address:
+            listeners.append(("the TLS port", parse_address(options.tls_address)[0], True))
+        if options.https_address:
+            listeners.append(("the HTTPS port", parse_address(options.https_address)[0], True))
+        for line in exposure_warnings(listeners, options.auth_enabled):
+            log.warn("SECURITY WARNING: {line}", line=line)
+
+    def reload(self) -> dict[str, str | None]:
+        """SIGHUP: the certificate, key and CA files and the auth file are read again;
+        open connections keep going. What failed keeps its previous version."""
+        results: dict[str, str | None] = {}
+        if self.tls is not None:
+            results["tls"] = self.tls.reload()
+        if self.authorizer is not None:
+            results["auth"] = self.authorizer.reload()
+        return results
 
     @defer.inlineCallbacks
     def _listen_console(self, ops: AdminOps) -> Any:
@@ -363,6 +429,9 @@ class DmqServer:
             yield self.tcp_port.stopListening()
         if self.http_port is not None:
             yield self.http_port.stopListening()
+        for port in (self.tls_port, self.https_port):
+            if port is not None:
+                yield port.stopListening()
 
     @property
     def console_address(self) -> tuple[str, int] | None:

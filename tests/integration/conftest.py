@@ -34,3 +34,11 @@ def topic(pg_dsn):
     return "orders"
 
 
+
+
+@pytest.fixture
+def certs(tmp_path):
+    """trustme certificates (CA, server for 127.0.0.1/localhost, a client) as PEM files."""
+    from .certs import make_certs
+
+    return make_certs(tmp_path / "certs")
