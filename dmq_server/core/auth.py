@@ -193,7 +193,8 @@ def parse_auth_file(text: str, source: str = "<auth file>") -> AuthFile:
             try:
                 parse_answer(entry, 0.0, FILE_DEFAULT_TTL)
             except AnswerError as exc:
-                raise AnswerError(f"{source}: {key}[{_redact(name) if key == 'secrets' else name!r}]: {exc}") from None
+                label = _redact(name) if key == "secrets" else repr(name)
+                raise AnswerError(f"{source}: {key}[{label}]: {exc}") from None
         maps.append(entries)
     return AuthFile(maps[0], maps[1])
 
