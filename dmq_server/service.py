@@ -47,7 +47,9 @@ from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
 from dmq_server.http.metrics import Snapshot, metrics_resource
+from dmq_server.http.guard import HttpGuard
 from dmq_server.http.root import VERSION, make_site
+from dmq_server.http.site import BoundedSite
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
@@ -62,6 +64,7 @@ from dmq_server.db.schema import migrate, ping
 from dmq_server.db.worker import DbWorker
 from dmq_server.security.authorizer import make_authorizer
 from dmq_server.security.exposure import exposure_warnings
+from dmq_server.security.session import CredentialCache
 from dmq_server.security.tls import ServerTls
 from dmq_server.tree import ServiceTree, Stage
 
@@ -365,15 +368,33 @@ class DmqServer:
             cluster=self.cluster,
             addresses=lambda: (self.tcp_address, self.http_address),
         )
-        http_host, _ = options.http_endpoint
-        admin_api.install(site.resource, ops, http_host, options.admin_token)
+        admin_api.install(site.resource, ops)
+        credentials = CredentialCache(self.authorizer, reactor) if self.authorizer is not None else None
         host, port = options.http_endpoint
+        site.guard = self._http_guard(host, False, credentials)
         self.http_port = yield _endpoint(reactor, host, port).listen(site)
         if options.https_address:
             https_host, https_port = parse_address(options.https_address)
-            self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(site)
+            https_site = BoundedSite(site.resource, options)
+            https_site.noisy = False
+            https_site.guard = self._http_guard(https_host, True, credentials)
+            self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(https_site)
         yield self._listen_console(ops)
         self._warn_exposure()
+
+    def _http_guard(self, host: str, secure: bool, credentials: Any) -> HttpGuard:
+        options = self.options
+        return HttpGuard(
+            listen_host=host,
+            secure=secure,
+            server_tls=self.tls,
+            tls_required=options.tls_required_mode == "true",
+            https_port=lambda: self.https_port.getHost().port if self.https_port is not None else None,
+            credentials=credentials,
+            admin_token=options.admin_token,
+            open_reads=options.http_open_reads,
+            broadcast_address=options.broadcast_address,
+        )
 
     def _warn_exposure(self) -> None:
         options = self.options

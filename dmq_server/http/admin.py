@@ -21,9 +21,10 @@ POST     /admin/dead-letters             a client reports a send it could not st
 =======  ==============================  ===========================================
 
 Answers are JSON; errors are ``{"error": CODE, "message": TEXT}`` with a 4xx/5xx
-status. Access follows ``admin.operations.check_token``: with ``--admin-token`` every
-request needs ``Authorization: Bearer TOKEN`` (or ``X-DMQ-Admin-Token``); without
-one, the API answers only while the HTTP port listens on loopback.
+status. Who may call it is decided before this resource, for every listener, by
+``http.guard``: with ``--admin-token`` a request needs ``Authorization: Bearer TOKEN`` (or
+``X-DMQ-Admin-Token``); without one, the API answers only while the HTTP port listens on
+loopback; with authentication on, a credential with the ``admin`` permission also opens it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
+from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
 from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
 
 __all__ = ["AdminResource", "install"]
@@ -87,11 +88,9 @@ class AdminResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, ops: AdminOps, listen_host: str, token: str):
+    def __init__(self, ops: AdminOps):
         super().__init__()
         self.ops = ops
-        self.listen_host = listen_host
-        self.token = token
 
     def render(self, request: Any) -> Any:
         d = maybeDeferred(self._route, request)
@@ -120,26 +119,8 @@ class AdminResource(Resource):
         peer = request.getClientAddress()
         return f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
 
-    def _authorize(self, request: Any) -> None:
-        given = None
-        header = request.getHeader(b"authorization")
-        if header:
-            scheme, _, value = header.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                given = value.strip()
-        if given is None:
-            alt = request.getHeader(b"x-dmq-admin-token")
-            given = alt.decode("latin-1") if alt else None
-        try:
-            check_token(self.listen_host, self.token, given)
-        except Refused:
-            log.warn("admin API: refused {method} {path} from {peer} (token)",
-                     method=request.method.decode(), path=request.path.decode("latin-1"), peer=self._actor(request))
-            raise
-
     # -- routing ------------------------------------------------------------------------
     def _route(self, request: Any) -> Any:
-        self._authorize(request)
         method = request.method.decode("ascii", "replace")
         parts = [p.decode("utf-8", "replace") for p in request.postpath if p]
         params = _text_params(request)
@@ -220,7 +201,7 @@ class AdminResource(Resource):
         return self.ops.dlq_report(payload, "http", actor).addCallback(lambda i: {"id": i})
 
 
-def install(root: Resource, ops: AdminOps, listen_host: str, token: str) -> AdminResource:
-    resource = AdminResource(ops, listen_host, token)
+def install(root: Resource, ops: AdminOps) -> AdminResource:
+    resource = AdminResource(ops)
     root.putChild(b"admin", resource)
     return resource
