@@ -49,3 +49,62 @@ def test_pynsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, 
     assert not scenario.timed_out, (results, got, server.log())
     assert results == [b"OK"] * len(bodies)
     assert sorted(body for body, _, _ in got) == bodies
+
+
+def test_gnsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, certs, tmp_path):
+    """gnsq's connection (NsqdTCPClient) and Consumer with tls_v1=True (the certificate
+    verified against the test CA) and auth_secret: PUB and MPUB answer OK over TLS, a
+    secret that may not publish there is refused E_UNAUTHORIZED, and the Consumer gets
+    exactly the authorized messages. (gnsq 1.0.2's Producer cannot upgrade at all: its
+    response handler pops a queue it creates only after IDENTIFY, and the upgrade's OK,
+    which nsqd sends too, arrives first; so publishing goes through its connection.)"""
+    import warnings
+
+    import gevent
+    import gnsq
+    from gevent.event import Event
+
+    auth = _auth_file(tmp_path, {
+        "rw": {"identity": "rw", "ttl": 60, "authorizations": [{"topic": "^g$", "channels": [".*"],
+                                                                "permissions": ["publish", "subscribe"]}]},
+        "other": {"identity": "other", "ttl": 60, "authorizations": [{"topic": "^elsewhere$", "channels": [".*"],
+                                                                      "permissions": ["publish"]}]},
+    })
+    server = make_server(data_path=str(tmp_path / "data"), auth_file=auth, **certs.server_flags())
+    tls = dict(tls_v1=True, tls_options={"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca_file)})
+    with warnings.catch_warnings():
+        # gnsq wraps the socket with ssl_version=PROTOCOL_TLSv1_2, deprecated since Python 3.10
+        warnings.simplefilter("ignore", DeprecationWarning)
+        conn = gnsq.NsqdTCPClient("127.0.0.1", server.tcp_port, auth_secret=b"rw", **tls)
+        conn.connect()
+        identified = conn.identify()
+        assert identified["tls_v1"] is True and identified["auth_required"] is True
+        conn.publish("g", b"one")
+        assert conn.read_response() == (0, b"OK")
+        conn.multipublish("g", [b"two", b"three"])
+        assert conn.read_response() == (0, b"OK")
+        conn.close_stream()
+        intruder = gnsq.NsqdTCPClient("127.0.0.1", server.tcp_port, auth_secret=b"other", **tls)
+        intruder.connect()
+        intruder.identify()
+        intruder.publish("g", b"intruder")
+        frame, error = intruder.read_response()
+        assert frame == 1 and isinstance(error, gnsq.errors.NSQUnauthorized)  # gnsq maps E_UNAUTHORIZED
+        intruder.close_stream()
+        got: list = []
+        enough = Event()
+        address = [f"127.0.0.1:{server.tcp_port}"]
+        consumer = gnsq.Consumer("g", "c", nsqd_tcp_addresses=address, max_in_flight=10, auth_secret=b"rw", **tls)
+
+        @consumer.on_message.connect
+        def handler(consumer, message):
+            got.append(message.body)
+            if len(got) >= 3:
+                enough.set()
+
+        consumer.start(block=False)
+        enough.wait(20)
+        gevent.sleep(0)
+        consumer.close()
+        consumer.join(timeout=5)
+    assert sorted(got) == [b"one", b"three", b"two"]
