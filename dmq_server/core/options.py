@@ -313,6 +313,11 @@ class Options:
         "(watches apply changes at once; this is the safety net)",
         kind="duration",
     )
+    zk_sasl_user: str = _opt("", "SASL DIGEST-MD5 user for ZooKeeper (with --zk-sasl-password); empty: no SASL")
+    zk_sasl_password: str = _opt("", "SASL DIGEST-MD5 password for ZooKeeper (better in the config file or DMQ_ZK_SASL_PASSWORD)")
+    zk_tls_ca_file: str = _opt("", "connect to ZooKeeper with TLS, verifying it against these PEM CAs; empty: plaintext")
+    zk_tls_cert: str = _opt("", "PEM client certificate for ZooKeeper's TLS client authentication")
+    zk_tls_key: str = _opt("", "PEM key of --zk-tls-cert")
     takeover_batch_size: int = _opt(
         5000, "most of a departed node's messages claimed in one transaction", kind="int"
     )
@@ -345,6 +350,18 @@ class Options:
         if self.tls_required == "false" and self.tls_client_auth_policy in ("require", "require-verify"):
             return "true"
         return self.tls_required
+
+    @property
+    def zk_security(self) -> dict[str, Any]:
+        """kazoo's keyword arguments for SASL and TLS (``registry.zk.make_client``)."""
+        out: dict[str, Any] = {}
+        if self.zk_sasl_user:
+            out["sasl_options"] = {"mechanism": "DIGEST-MD5", "username": self.zk_sasl_user, "password": self.zk_sasl_password}
+        if self.zk_tls_ca_file:
+            out.update(use_ssl=True, verify_certs=True, ca=self.zk_tls_ca_file)
+            if self.zk_tls_cert:
+                out.update(certfile=self.zk_tls_cert, keyfile=self.zk_tls_key or None)
+        return out
 
     @property
     def auth_http_addresses(self) -> tuple[str, ...]:
@@ -437,6 +454,8 @@ class Options:
             ("auth_http_request_method", self.auth_http_request_method in ("get", "post"), "must be get or post"),
             ("http_client_connect_timeout", self.http_client_connect_timeout > 0, "must be more than 0"),
             ("http_client_request_timeout", self.http_client_request_timeout > 0, "must be more than 0"),
+            ("zk_sasl_password", bool(self.zk_sasl_user) or not self.zk_sasl_password, "needs --zk-sasl-user"),
+            ("zk_tls_cert", bool(self.zk_tls_ca_file) or not self.zk_tls_cert, "needs --zk-tls-ca-file"),
         ]
 
 

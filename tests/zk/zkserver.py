@@ -55,7 +55,15 @@ def four_letter(port: int, word: str, timeout: float = 1.0) -> str:
 class ZooKeeperServer:
     """One ZooKeeper server process (standalone, or member ``myid`` of an ensemble)."""
 
-    def __init__(self, base: Path, client_port: int, myid: int = 0, peers: list[tuple[int, int, int]] | None = None):
+    def __init__(
+        self,
+        base: Path,
+        client_port: int,
+        myid: int = 0,
+        peers: list[tuple[int, int, int]] | None = None,
+        extra_config: tuple[str, ...] = (),
+        jvm_args: tuple[str, ...] = (),
+    ):
         self.dir = base / (f"zk{myid}" if myid else "zk")
         self.data_dir = self.dir / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +81,8 @@ class ZooKeeperServer:
             "initLimit=20",
             "syncLimit=10",
         ]
+        lines += extra_config
+        self.jvm_args = jvm_args
         if peers:
             lines.append("standaloneEnabled=false")
             for sid, quorum, election in peers:
@@ -96,6 +106,7 @@ class ZooKeeperServer:
                 "-XX:+UseSerialGC",
                 "-Dzookeeper.jmx.log4j.disable=true",
                 "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+                *self.jvm_args,
                 "-cp",
                 classpath,
                 MAIN,
