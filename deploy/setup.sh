@@ -89,6 +89,9 @@ if [ "$extras" != "embedded" ]; then
     [ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
     # ZooKeeper 3.8 for the cluster tests (tests/zk start it from its jars, standalone)
     [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
+    # a real browser for the cross-site request tests (tests/integration/test_security_browser.py)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi
