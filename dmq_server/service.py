@@ -398,15 +398,18 @@ class DmqServer:
 
     def _warn_exposure(self) -> None:
         options = self.options
+        auth, required = options.auth_enabled, options.tls_required_mode
         listeners = [
-            ("the TCP port (dmq and NSQ)", options.tcp_endpoint[0], options.tls_required_mode != "false"),
-            ("the HTTP port", options.http_endpoint[0], options.tls_required_mode == "true"),
+            ("the TCP port (dmq and NSQ)", options.tcp_endpoint[0], required != "false", auth),
+            ("the HTTP port", options.http_endpoint[0], required == "true", auth),
         ]
         if options.tls_address:
-            listeners.append(("the TLS port", parse_address(options.tls_address)[0], True))
+            listeners.append(("the TLS port", parse_address(options.tls_address)[0], True, auth))
         if options.https_address:
-            listeners.append(("the HTTPS port", parse_address(options.https_address)[0], True))
-        for line in exposure_warnings(listeners, options.auth_enabled):
+            listeners.append(("the HTTPS port", parse_address(options.https_address)[0], True, auth))
+        if options.admin_endpoint is not None:
+            listeners.append(("the admin console", options.admin_endpoint[0], options.admin_tls, bool(options.admin_token)))
+        for line in exposure_warnings(listeners):
             log.warn("SECURITY WARNING: {line}", line=line)
 
     def reload(self) -> dict[str, str | None]:
@@ -431,7 +434,8 @@ class DmqServer:
             log.warn("admin console on non-loopback {host} without --admin-token: it will refuse every command", host=host)
         factory = AdminConsoleFactory(ops, host, options.admin_token, self.reactor, options.admin_idle_timeout)
         try:
-            self.console_port = yield _endpoint(self.reactor, host, port).listen(factory)
+            tls = self.tls if options.admin_tls else None
+            self.console_port = yield _endpoint(self.reactor, host, port, tls).listen(factory)
         except Exception as exc:  # CannotListenError
             log.error("admin console not started: cannot listen on {host}:{port}: {why}", host=host, port=port, why=exc)
             return

@@ -288,6 +288,12 @@ class Options:
         "no credential; the admin API and every change still do",
         kind="bool",
     )
+    admin_tls: bool = _opt(
+        False,
+        "the admin console speaks TLS with the server's certificate (openssl s_client -connect HOST:PORT); "
+        "needs --tls-cert",
+        kind="bool",
+    )
     # -- cluster: ZooKeeper registry, heartbeat, takeover ---------------------------
     zk: str = _opt(
         "",
@@ -436,11 +442,12 @@ class Options:
     def _security_checks(self) -> list[tuple[str, bool, str]]:
         needs_cert = (
             self.tls_address or self.https_address or self.tls_client_auth_policy or self.tls_required != "false"
+            or self.admin_tls
         )
         return [
             ("tls_key", bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together"),
             ("tls_cert", bool(self.tls_cert) or not needs_cert,
-             "needed by --tls-address, --https-address, --tls-required and --tls-client-auth-policy"),
+             "needed by --tls-address, --https-address, --tls-required, --tls-client-auth-policy and --admin-tls"),
             ("tls_client_auth_policy", self.tls_client_auth_policy in TLS_CLIENT_POLICIES,
              "must be empty or one of " + ", ".join(p for p in TLS_CLIENT_POLICIES if p)),
             ("tls_client_auth_policy",

@@ -11,11 +11,11 @@ from dmq_server.core.peers import is_loopback
 __all__ = ["exposure_warnings"]
 
 
-def exposure_warnings(listeners: list[tuple[str, str, bool]], auth: bool) -> list[str]:
-    """One sentence per ``(name, host, tls)`` listener on a non-loopback address that
+def exposure_warnings(listeners: list[tuple[str, str, bool, bool]]) -> list[str]:
+    """One sentence per ``(name, host, tls, auth)`` listener on a non-loopback address that
     lacks TLS, authentication or both."""
     out = []
-    for name, host, tls in listeners:
+    for name, host, tls, auth in listeners:
         if is_loopback(host):
             continue
         missing = [what for what, ok in (("TLS", tls), ("authentication", auth)) if not ok]

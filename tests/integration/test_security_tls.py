@@ -231,3 +231,28 @@ def test_sighup_reloads_the_certificate_without_dropping_connections(make_server
     wait_for(lambda: "certificate reload failed, keeping the current one" in server.log(), timeout=10)
     with BlockingClient("127.0.0.1", server.tls_port, tls=True, ca_file=str(rotated.ca_file)) as still:
         assert still.send(topic, b"four").command == Command.SEND_SUCCESS_ACK
+
+
+def test_the_admin_console_over_tls_and_the_exposure_warning(make_server, certs):
+    """--admin-tls: the console speaks TLS with the server's certificate (a plaintext
+    client gets no banner); a node listening on every address without TLS or auth logs
+    one SECURITY WARNING per exposed listener at start."""
+    admin_port = free_port()
+    server = make_server(admin_address=f"127.0.0.1:{admin_port}", admin_tls="true", admin_token="tok",
+                         **certs.server_flags())
+    context = ssl.create_default_context(cafile=str(certs.ca_file))
+    with context.wrap_socket(socket.create_connection(("127.0.0.1", admin_port), timeout=10),
+                             server_hostname="127.0.0.1") as tls:
+        lines = tls.makefile("rb")
+        assert b"dmq admin console" in lines.readline()
+        tls.sendall(b"auth tok\r\n")
+        assert lines.readline().startswith(b"OK")
+    plain = socket.create_connection(("127.0.0.1", admin_port), timeout=10)
+    plain.sendall(b"help\r\n")
+    assert _closed_within(plain, 10)  # not TLS: the handshake fails, no console
+    plain.close()
+    exposed = make_server(tcp_address=f"0.0.0.0:{free_port()}", admin_address="")
+    log = exposed.log()
+    assert "SECURITY WARNING: the TCP port (dmq and NSQ) listens on non-loopback address 0.0.0.0 without TLS or " \
+           "authentication" in log
+    assert log.count("SECURITY WARNING") == 1

@@ -65,14 +65,16 @@ def test_cross_site_requests(method, origin, fetch_site, content_type, credentia
 
 
 def test_exposed_listeners_are_named_once_each():
-    lines = exposure_warnings(
-        [("the TCP port", "0.0.0.0", False), ("the HTTP port", "127.0.0.1", False), ("the TLS port", "10.1.2.3", True)],
-        auth=False,
-    )
+    lines = exposure_warnings([
+        ("the TCP port", "0.0.0.0", False, False),
+        ("the HTTP port", "127.0.0.1", False, False),
+        ("the TLS port", "10.1.2.3", True, False),
+        ("the admin console", "10.1.2.3", True, True),
+    ])
     assert len(lines) == 2
     assert lines[0].startswith("the TCP port listens on non-loopback address 0.0.0.0 without TLS or authentication")
     assert "without authentication" in lines[1] and "the TLS port" in lines[1]
-    assert exposure_warnings([("the TLS port", "::", True)], auth=True) == []
+    assert exposure_warnings([("the TLS port", "::", True, True)]) == []
 
 
 @pytest.mark.parametrize(
