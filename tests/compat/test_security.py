@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import urllib.request
 
 import nsq
 
@@ -24,9 +25,9 @@ def _tls_options(certs) -> dict:
 
 
 def test_pynsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, certs, tmp_path):
-    """pynsq's Writer and Reader with tls_v1=True and auth_secret: the connection is
-    upgraded (the certificate checked against the test CA), AUTH succeeds, messages
-    flow both ways, and /stats shows the clients as TLS and authenticated."""
+    """pynsq's Writer and Reader with tls_v1=True, deflate=True and auth_secret: the
+    connection is upgraded to TLS (the certificate checked against the test CA), then
+    to deflate inside it, AUTH succeeds, and messages flow both ways."""
     auth = _auth_file(tmp_path, {
         "pub-secret": {"identity": "producer", "ttl": 60,
                        "authorizations": [{"topic": "^events$", "channels": [".*"], "permissions": ["publish"]}]},
@@ -35,13 +36,18 @@ def test_pynsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, 
     })
     server = make_server(data_path=str(tmp_path / "data"), auth_file=auth, **certs.server_flags())
     scenario = Scenario()
-    tls = dict(tls_v1=True, tls_options=_tls_options(certs))
+    tls = dict(tls_v1=True, tls_options=_tls_options(certs), deflate=True)  # TLS, then deflate inside it
     writer = nsq.Writer([f"127.0.0.1:{server.tcp_port}"], auth_secret="pub-secret", **tls)
     results: list = []
     got: list = []
     bodies = [f"m{i}".encode() for i in range(5)]
 
+    producers: list = []
+
     def start_reader():
+        stats = urllib.request.Request(server.http + "/stats?format=json", headers={"Authorization": "Bearer pub-secret"})
+        with urllib.request.urlopen(stats, timeout=10) as resp:  # reads need an identity too
+            producers.extend(json.load(resp)["producers"] or [])
         consume(scenario, server, "events", "c", len(bodies), got, auth_secret="sub-secret", **tls)
 
     scenario.loop.call_later(0.05, publish_all, scenario, writer, "events", bodies, results, start_reader)
@@ -49,6 +55,10 @@ def test_pynsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, 
     assert not scenario.timed_out, (results, got, server.log())
     assert results == [b"OK"] * len(bodies)
     assert sorted(body for body, _, _ in got) == bodies
+    (writer_stats,) = producers
+    assert (writer_stats["tls"], writer_stats["deflate"], writer_stats["authed"], writer_stats["auth_identity"]) == (
+        True, True, True, "producer")
+    assert writer_stats["tls_version"].startswith("TLSv1.")
 
 
 def test_gnsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, certs, tmp_path):
