@@ -3,6 +3,8 @@ registered), fails to start with a wrong one, and kazoo without credentials is r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from kazoo.client import KazooClient
 
@@ -68,3 +70,54 @@ def test_a_node_joins_a_zookeeper_that_requires_sasl_digest(sasl_zk, pg_dsn, tmp
     with pytest.raises(RuntimeError, match="exited with 1") as failed:
         wrong.start(timeout=60)
     assert "refused or dropped the session" in str(failed.value), str(failed.value)
+
+
+def test_a_node_joins_a_zookeeper_over_tls(pg_dsn, tmp_path):
+    """ZooKeeper's secureClientPort (Netty, a PEM certificate from trustme): a node with
+    --zk-tls-ca-file connects over TLS, verifying the server, and registers; ZooKeeper
+    has no plaintext port here, so nothing but TLS could have worked."""
+    from tests.integration.certs import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    keystore = tmp_path / "zk-keystore.pem"
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(certs.server_key.read_bytes(), password=None)
+    pkcs8 = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    keystore.write_bytes(pkcs8 + certs.server_cert.read_bytes())  # ZooKeeper reads PKCS#8 keys only
+    secure_port = zkserver.free_port()
+    server = zkserver.ZooKeeperServer(
+        tmp_path,
+        zkserver.free_port(),
+        extra_config=(
+            f"secureClientPort={secure_port}",
+            "secureClientPortAddress=127.0.0.1",
+            "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+            f"ssl.keyStore.location={keystore}",
+            "ssl.keyStore.type=PEM",
+            f"ssl.trustStore.location={certs.ca_file}",
+            "ssl.trustStore.type=PEM",
+            "ssl.clientAuth=none",
+        ),
+        # Debian's zookeeper.jar lists Netty's transport but not its codec and resolver
+        jars=(Path("/usr/share/java/netty-codec.jar"), Path("/usr/share/java/netty-resolver.jar")),
+    )
+    server.start()
+    try:
+        flags = dict(NODE_DEFAULTS, zk=f"127.0.0.1:{secure_port}/dmq-tls", node_id="tls-node",
+                     zk_tls_ca_file=str(certs.ca_file))
+        node = ServerProcess(pg_dsn, tmp_path, **flags)
+        try:
+            node.start()
+            client = KazooClient(hosts=f"127.0.0.1:{secure_port}", use_ssl=True, verify_certs=True,
+                                 ca=str(certs.ca_file))
+            client.start(timeout=20)
+            try:
+                assert "tls-node" in client.get_children("/dmq-tls/dmq/node")
+            finally:
+                client.stop()
+                client.close()
+        finally:
+            node.stop()
+    finally:
+        server.stop()

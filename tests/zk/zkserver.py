@@ -63,6 +63,7 @@ class ZooKeeperServer:
         peers: list[tuple[int, int, int]] | None = None,
         extra_config: tuple[str, ...] = (),
         jvm_args: tuple[str, ...] = (),
+        jars: tuple[Path, ...] = (),
     ):
         self.dir = base / (f"zk{myid}" if myid else "zk")
         self.data_dir = self.dir / "data"
@@ -83,6 +84,7 @@ class ZooKeeperServer:
         ]
         lines += extra_config
         self.jvm_args = jvm_args
+        self.jars = jars
         if peers:
             lines.append("standaloneEnabled=false")
             for sid, quorum, election in peers:
@@ -97,7 +99,7 @@ class ZooKeeperServer:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self, wait: bool = True, timeout: float = 60.0) -> "ZooKeeperServer":
-        classpath = ":".join(str(p) for p in [JAR, *LOG_JARS] if p.exists())
+        classpath = ":".join(str(p) for p in [JAR, *LOG_JARS, *self.jars] if p.exists())
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [
