@@ -404,6 +404,7 @@ class AdminOps:
                         }
                         for (t, c), sub in sorted(conn.subscriptions.items())
                     ],
+                    **getattr(conn, "security_stats", dict)(),
                 }
             )
         for conn in list(getattr(self.nsq, "connections", ()) or ()):

@@ -212,6 +212,14 @@ class DmqConnection:
     def _peer_tls(self) -> PeerTls | None:
         return peer_tls(self.transport, self.tls) if ISSLTransport.providedBy(self.transport) else None
 
+    def security_stats(self) -> dict[str, Any]:
+        """TLS and identity, for ``/admin/clients``."""
+        tls = self._peer_tls()
+        out: dict[str, Any] = {"tls": tls is not None, "tls_version": tls.version if tls is not None else ""}
+        if self.auth is not None:
+            out.update(self.auth.stats())
+        return out
+
     def _allowed(self, frame: Frame, verb: str, permission: str, channel: str = "") -> DmqError | None | bool:
         """True to go on, False when the frame waits for the authorizer (it runs again
         then), or the refusal to answer it with."""

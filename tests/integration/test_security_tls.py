@@ -47,11 +47,15 @@ def test_the_dmq_client_over_tls_with_a_client_certificate(make_server, certs, t
     the handshake; the plaintext port refuses the dmq protocol (TLS is required)."""
     auth = _auth_file(tmp_path, common_names={"billing-service": _everything("billing")})
     server = _tls_server(make_server, certs, tls_root_ca_file=str(certs.ca_file),
-                         tls_client_auth_policy="require-verify", auth_file=auth)
+                         tls_client_auth_policy="require-verify", auth_file=auth, admin_token="tok",
+                         tls_required="tcp-https")  # TLS on TCP; plain HTTP stays open (nsqd's mode)
     tls = dict(tls=True, ca_file=str(certs.ca_file), cert_file=str(certs.client_cert), key_file=str(certs.client_key))
     with BlockingClient("127.0.0.1", server.tls_port, auth_secret="", **tls) as producer:
         assert producer.identity == {"identity": "billing", "identity_url": "", "permission_count": 1}
         assert producer.send(topic, b"over tls").command == Command.SEND_SUCCESS_ACK
+        (seen,) = json.loads(_http(server, "/admin/clients", Authorization="Bearer tok"))["clients"]
+        assert (seen["tls"], seen["authed"], seen["auth_identity"]) == (True, True, "billing")
+        assert seen["tls_version"].startswith("TLSv1.")
     with BlockingClient("127.0.0.1", server.tls_port, auth_secret="", **tls) as consumer:
         assert consumer.subscribe(topic, "billing").command == Command.SUBSCRIBE_ACK
         push = consumer.receive(timeout=10)
@@ -138,10 +142,11 @@ def test_the_nsq_tls_upgrade_byte_by_byte(make_server, certs):
     assert not [t for t in stats["topics"] if t["topic_name"] == "plain"]
 
 
-def _http(server, path: str) -> str:
+def _http(server, path: str, **headers: str) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(server.http + path, timeout=10) as resp:
+    request = urllib.request.Request(server.http + path, headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.read().decode()
 
 
