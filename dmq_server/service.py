@@ -379,7 +379,7 @@ class DmqServer:
             https_site.noisy = False
             https_site.guard = self._http_guard(https_host, True, credentials)
             self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(https_site)
-        yield self._listen_console(ops)
+        yield self._listen_console(ops, credentials)
         self._warn_exposure()
 
     def _http_guard(self, host: str, secure: bool, credentials: Any) -> HttpGuard:
@@ -423,7 +423,7 @@ class DmqServer:
         return results
 
     @defer.inlineCallbacks
-    def _listen_console(self, ops: AdminOps) -> Any:
+    def _listen_console(self, ops: AdminOps, credentials: Any = None) -> Any:
         """The admin console on --admin-address; an auxiliary surface, so a port it
         cannot have is logged and the node serves on without it."""
         options = self.options
@@ -432,7 +432,9 @@ class DmqServer:
         host, port = options.admin_endpoint
         if not is_loopback(host) and not options.admin_token:
             log.warn("admin console on non-loopback {host} without --admin-token: it will refuse every command", host=host)
-        factory = AdminConsoleFactory(ops, host, options.admin_token, self.reactor, options.admin_idle_timeout)
+        factory = AdminConsoleFactory(
+            ops, host, options.admin_token, self.reactor, options.admin_idle_timeout, credentials
+        )
         try:
             tls = self.tls if options.admin_tls else None
             self.console_port = yield _endpoint(self.reactor, host, port, tls).listen(factory)

@@ -201,3 +201,29 @@ def test_a_connection_that_failed_auth_publishes_and_receives_nothing(make_serve
             client.close()
         for c in (bad_nsq, nsq_sub):
             c.close()
+
+
+def test_the_admin_console_with_authentication_on(make_server, tmp_path):
+    """With an authorizer the console opens for nobody on its own, even on loopback:
+    `auth SECRET` with the admin permission opens it, one without is refused
+    (E_UNAUTHORIZED), an unknown one fails (E_AUTH_FAILED), --admin-token still works."""
+    from .test_admin_surfaces import Console
+
+    with AuthServer() as authd:
+        authd.allow("ops", "operator", [grant(".*", permissions=["admin"])])
+        authd.allow("pub", "publisher", [grant(".*", permissions=["publish"])])
+        admin_port = free_port()
+        make_server(auth_http_address=authd.address, admin_address=f"127.0.0.1:{admin_port}", admin_token="break-glass")
+        console = Console(admin_port)
+        assert "authenticate with: auth TOKEN" in console.banner
+        assert console.cmd("stats")[1].startswith("ERR E_AUTH")
+        assert console.cmd("auth pub")[1] == "ERR E_UNAUTHORIZED publisher has no admin permission"
+        assert console.cmd("auth nope")[1].startswith("ERR E_AUTH_FAILED")
+        assert console.cmd("stats")[1].startswith("ERR E_AUTH")
+        assert console.cmd("auth ops")[1] == "OK authenticated as operator"
+        assert console.cmd("stats")[1].startswith("OK")
+        console.close()
+        token = Console(admin_port)
+        assert token.cmd("auth break-glass")[1] == "OK authenticated"
+        assert token.cmd("topics")[1].startswith("OK")
+        token.close()
