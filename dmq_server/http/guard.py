@@ -1,7 +1,8 @@
 """Every request on an HTTP listener passes here before its resource renders: TLS, the
 Host, cross-site protection and authorization, in this order, written once.
 
-1. ``/ping`` is always open (load balancers, the test harness, ``dmq-server`` itself).
+1. ``/ping`` is always open (load balancers, the test harness, ``dmq-server`` itself), and
+   so are the web console's static files (``/console``: no data, the API calls carry it).
 2. **TLS required** (``--tls-required true``): the plaintext listener answers everything
    else ``403 {"message": "TLS_REQUIRED", "https_port": N}``, nsqd's answer, which the Go
    tools follow to the HTTPS port.
@@ -11,12 +12,13 @@ Host, cross-site protection and authorization, in this order, written once.
 4. **Cross-site requests** (every method but GET, HEAD and OPTIONS): an ``Origin`` other
    than this listener's, or ``Sec-Fetch-Site: cross-site``/``same-site``, is refused; and
    the request must carry what a cross-site HTML form cannot: a credential
-   (``Authorization``, a client certificate), the header ``X-DMQ-Request``, or a
-   ``Content-Type`` other than a form's (``application/x-www-form-urlencoded``,
+   (``Authorization``, a client certificate), the header ``X-Requested-By`` (the web
+   console's, ``http.access``), or a ``Content-Type`` other than a form's (``application/x-www-form-urlencoded``,
    ``multipart/form-data``, ``text/plain``). A request without a body type (``curl -X
    POST``, nsqadmin, ``requests.post(data=bytes)``) passes: browsers give form posts one.
 5. **Authorization.** Without authentication (no ``--auth-file``/``--auth-http-address``)
-   only the admin API is guarded, by ``--admin-token`` as before. With it, a request needs a
+   only the admin API is guarded, by ``http.access.authorize`` (the admin token and the
+   listener's address). With it, a request needs a
    credential: ``Authorization: Bearer SECRET`` (asked of the same authorizer as AUTH, the
    answer kept until its ttl: ``security.session.CredentialCache``) or, over HTTPS, a
    client certificate verified against ``--tls-root-ca-file`` (asked with an empty secret
@@ -24,7 +26,9 @@ Host, cross-site protection and authorization, in this order, written once.
    and ``/channel/*`` and the admin API need ``admin`` on the topic and channel they name
    (``""`` for an operation on no topic); reads need an identity, or nothing with
    ``--http-open-reads`` (the admin API's reads still need ``admin``). ``--admin-token``
-   still opens the admin API. No credential: 401; not allowed: 403 ``E_UNAUTHORIZED``.
+   still opens the admin API. No credential: 401; not allowed: 403 ``E_UNAUTHORIZED``. What
+   the guard granted on the admin API it leaves on the request (``http.access.GRANTED``),
+   so ``authorize`` does not decide again, and the audit log names the identity.
 
 Refusals are logged with the peer's address, the identity when known, and the reason.
 Answers follow the path's convention: the admin API's ``{"error", "message"}``, nsqd's
@@ -43,8 +47,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from dmq_server.core.auth import ADMIN, PUBLISH, AuthState
-from dmq_server.core.errors import Forbidden, Unauthorized
 from dmq_server.core.peers import is_loopback
+from dmq_server.http.access import GRANTED, INTENT_HEADER, Access, actor_of
 from dmq_server.security.tls import peer_tls
 
 __all__ = ["HttpGuard", "classify", "cross_site_refusal", "READ", "OPEN"]
@@ -66,7 +70,7 @@ def classify(method: bytes, path: bytes, query: str) -> tuple[str, str, str]:
         return values[0] if values else ""
 
     parts = [p for p in path.decode("latin-1").split("/") if p]
-    if parts == ["ping"]:
+    if parts == ["ping"] or (parts[:1] == ["console"] and method in _SAFE_METHODS):
         return OPEN, "", ""
     if parts[:1] == ["admin"]:
         if len(parts) >= 4 and parts[1] == "channels":
@@ -103,7 +107,7 @@ def cross_site_refusal(
     if kind in _FORM_TYPES:
         return (
             f"a {kind} request without a credential could come from a cross-site form: "
-            "send the header X-DMQ-Request: 1, another Content-Type, or a credential"
+            "send the header X-Requested-By (any value), another Content-Type, or a credential"
         )
     return None
 
@@ -202,23 +206,17 @@ class HttpGuard:
             _text(request.getHeader(b"sec-fetch-site")),
             _text(request.getHeader(b"content-type")),
             bearer is not None or request.getHeader(b"x-dmq-admin-token") is not None or bool(tls and tls.proven_name),
-            request.getHeader(b"x-dmq-request") is not None,
+            request.getHeader(INTENT_HEADER) is not None,
         )
         if why is not None:
             return self._refuse(request, 403, "E_CROSS_SITE", why, admin)
+        if self.credentials is None:
+            return resource  # the admin API's own rule decides (http.access.authorize)
         if admin and self.admin_token:
             given = bearer or _text(request.getHeader(b"x-dmq-admin-token"))
             if given is not None and _same(given, self.admin_token):
+                setattr(request, GRANTED, Access(actor_of(request), admin=True))
                 return resource
-            if self.credentials is None:
-                return self._refuse(request, 401, Unauthorized.code,
-                                    "wrong admin token" if given else "this admin surface needs a token "
-                                    "(auth TOKEN / Authorization: Bearer TOKEN)", admin)
-        if self.credentials is None:
-            if admin and not is_loopback(self.listen_host):
-                return self._refuse(request, 403, Forbidden.code, "admin surfaces listening on non-loopback address "
-                                    f"{self.listen_host} need --admin-token", admin)
-            return resource
         if what == READ and self.open_reads:
             return resource
         if bearer is None and not (tls and tls.proven_name):
@@ -240,6 +238,8 @@ class HttpGuard:
         if what == READ and state.grants:
             return resource
         if what != READ and state.allows(what, topic, channel):
+            if admin:
+                setattr(request, GRANTED, Access(f"{state.identity or '?'}@{actor_of(request)}", admin=True))
             return resource
         why = f"{state.identity or 'this credential'} may not {what} on {topic!r} {channel!r}"
         return self._refuse(request, 403, "E_UNAUTHORIZED", why, admin, state.identity)

@@ -68,7 +68,8 @@ def browser():
 def test_a_cross_site_page_cannot_delete_dead_letters_or_publish(make_server, evil_site, browser):
     server = make_server()
     report = json.dumps({"topic": "t", "producer": "p", "session_id": 1, "body": "x", "detail": "kept"}).encode()
-    assert call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json"})[0] == 200
+    assert call(server.http + "/admin/dead-letters", "POST", report,
+                **{"Content-Type": "application/json", "X-Requested-By": "test"})[0] == 200
     page, url = evil_site
     page["html"] = EVIL_PAGE.format(dmq=server.http)
     browser.get(url)

@@ -106,16 +106,16 @@ def test_requests_a_browser_could_forge_are_refused(make_server):
     and the dead letter survives; so is the same post without an Origin (an old
     browser), a form-typed /pub, and a request naming a foreign Host (DNS rebinding).
     A program's request passes: a JSON body, an octet-stream /pub, or any body with
-    X-DMQ-Request; a same-origin Origin is fine."""
+    X-Requested-By; a same-origin Origin is fine."""
     server = make_server()
     report = json.dumps({"topic": "t", "producer": "p", "session_id": 1, "body": "x", "detail": "test"}).encode()
-    created = call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json"})
+    created = call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json", "X-Requested-By": "test"})
     assert created[0] == 200, created
     delete = server.http + "/admin/dead-letters/delete?all=true"
     forged = call(delete, "POST", b"x=1", **{"Content-Type": "text/plain", "Origin": "http://evil.example"})
     assert forged[0] == 403 and payload(forged)["error"] == "E_CROSS_SITE"
     no_origin = call(delete, "POST", b"x=1", **{"Content-Type": "text/plain"})
-    assert no_origin[0] == 403 and "X-DMQ-Request" in payload(no_origin)["message"]
+    assert no_origin[0] == 403 and "X-Requested-By" in payload(no_origin)["message"]
     sec_fetch = call(delete, "POST", None, **{"Sec-Fetch-Site": "cross-site"})
     assert sec_fetch[0] == 403
     assert len(payload(call(server.http + "/admin/dead-letters"))["dead_letters"]) == 1
@@ -124,7 +124,7 @@ def test_requests_a_browser_could_forge_are_refused(make_server):
     rebound = call(server.http + "/admin/dead-letters", Host=f"attacker.example:{server.http_port}")
     assert rebound[0] == 403 and payload(rebound)["error"] == "E_HOST"
     assert call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "application/octet-stream"}) == (200, "OK")
-    assert call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "text/plain", "X-DMQ-Request": "1"}) == (200, "OK")
-    own = {"Origin": server.http, "X-DMQ-Request": "1"}
+    assert call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "text/plain", "X-Requested-By": "test"}) == (200, "OK")
+    own = {"Origin": server.http, "X-Requested-By": "test"}
     assert payload(call(delete, "POST", None, **own)) == {"deleted": 1}
     assert "refused 403 E_CROSS_SITE cross-origin request from http://evil.example" in server.log()
