@@ -116,7 +116,7 @@ def test_the_nsq_tls_upgrade_byte_by_byte(make_server, certs):
     plaintext with tls_v1 true, then the TLS handshake, then exactly one OK response
     (00000006 00000000 'OK') over TLS; PUB then works over the encrypted stream. With
     --tls-required, a PUB before the upgrade is a fatal E_INVALID naming TLS."""
-    server = make_server(tls_required="true", **certs.server_flags())
+    server = make_server(tls_required="tcp-https", **certs.server_flags())  # TCP needs TLS; HTTP (/stats) not
     raw = socket.create_connection(("127.0.0.1", server.tcp_port), timeout=10)
     raw.sendall(b"  V2")
     _identify(raw, feature_negotiation=True, tls_v1=True)
