@@ -33,8 +33,8 @@ def sasl_zk(tmp_path):
         ),
         jvm_args=(f"-Djava.security.auth.login.config={jaas}",),
     )
-    server.start()
     try:
+        server.start()
         yield server
     finally:
         server.stop()
@@ -102,8 +102,8 @@ def test_a_node_joins_a_zookeeper_over_tls(pg_dsn, tmp_path):
         # Debian's zookeeper.jar lists Netty's transport but not its codec and resolver
         jars=(Path("/usr/share/java/netty-codec.jar"), Path("/usr/share/java/netty-resolver.jar")),
     )
-    server.start()
     try:
+        server.start()
         flags = dict(NODE_DEFAULTS, zk=f"127.0.0.1:{secure_port}/dmq-tls", node_id="tls-node",
                      zk_tls_ca_file=str(certs.ca_file))
         node = ServerProcess(pg_dsn, tmp_path, **flags)
