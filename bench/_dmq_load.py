@@ -107,11 +107,17 @@ def _status_of(buf: bytes | bytearray, pos: int, end: int) -> str:
         return f"undecodable frame: {exc}"
 
 
-def _connect(host: str, port: int) -> socket.socket:
+def _connect(host: str, port: int, tls_ca: str | None = None) -> socket.socket:
+    """A connection that sent the magic; with ``tls_ca``, TLS to the server's TLS port
+    (bench/tls.py: the generator is single-threaded, so a plain SSLSocket does)."""
     sock = socket.create_connection((host, port), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 21)
+    if tls_ca:
+        import ssl
+
+        sock = ssl.create_default_context(cafile=tls_ca).wrap_socket(sock, server_hostname=host)
     sock.sendall(MAGIC)
     return sock
 
@@ -140,7 +146,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     i64_from = I64.unpack_from
     perf = time.perf_counter
 
-    sock = _connect(cfg["host"], cfg["port"])
+    sock = _connect(cfg["host"], cfg["port"], cfg.get("tls_ca"))
     ready_q.put(("ready", index, None))
     if not start_evt.wait(120):
         raise RuntimeError("start signal never came")

@@ -95,6 +95,7 @@ if [ "$extras" != "embedded" ]; then
     # ZooKeeper 3.8 for the cluster tests (tests/zk start it from its jars, standalone)
     [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
     # a real browser for the web console's tests (tests/integration/test_console_browser.py)
+    # and the cross-site request tests (tests/integration/test_security_browser.py)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     if [ "$extras" = "bench,dev,embedded,pipeline" ]; then

@@ -4,17 +4,23 @@ One socket, no threads: calls write frames and read until the awaited reply
 arrives, keeping pushes that arrive meanwhile for ``receive``. The full,
 thread-safe client with resend and notify queues is ``dmq_client.MqClient``;
 both drive the same sans-IO codec.
+
+``tls=True`` (with ``ca_file``, ``cert_file``, ``key_file``) connects to a server's TLS
+port; ``auth_secret`` authenticates right after the magic (``identity`` then holds the
+server's answer; a refusal raises ``ClientError``).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import time
 from collections import deque
 from typing import Iterable
 
 from .session import default_producer_id
+from .tls import TlsSocket, client_context
 from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode
 
 __all__ = ["BlockingClient", "ClientError"]
@@ -32,19 +38,51 @@ class BlockingClient:
         *,
         producer: str | None = None,
         timeout: float = 10.0,
+        tls: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        server_name: str | None = None,
+        auth_secret: str | None = None,
     ):
         # a new id per client, as MqClient's: id(self) is reused once an earlier client is
         # collected, and a long host name made the old form exceed the server's 64 characters
         self.producer = producer or default_producer_id()
         self.timeout = timeout
-        self._sock = socket.create_connection((host, port), timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock: socket.socket | TlsSocket = sock
+        if tls:
+            self._sock = TlsSocket(sock, client_context(ca_file, cert_file, key_file), server_name or host)
+            try:
+                self._sock.handshake(timeout)
+            except (OSError, ValueError) as exc:
+                sock.close()
+                raise ClientError(f"TLS handshake failed: {exc}") from exc
+        self.identity: dict | None = None
         self._decoder = FrameDecoder()
         self._pushes: deque[Frame] = deque()
         self._replies: deque[Frame] = deque()
         self._other: deque[Frame] = deque()
         self._sessions = itertools.count(int(time.time() * 1000) << 16)
         self._sock.sendall(MAGIC)
+        if auth_secret is not None:
+            self.authenticate(auth_secret)
+
+    def authenticate(self, secret: str, timeout: float | None = None) -> dict:
+        """UP_AUTH; the server's answer (identity, identity_url, permission_count)."""
+        self.write(Frame(Command.UP_AUTH, body=secret.encode()))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            for i, frame in enumerate(self._other):
+                if frame.command == Command.AUTH_ACK:
+                    del self._other[i]
+                    self.identity = json.loads(frame.status or "{}")
+                    return self.identity
+                if frame.command == Command.PROTOCOL_ERROR:
+                    raise ClientError(f"server closed the connection: {frame.status}")
+            if not self._read_more(deadline):
+                raise ClientError("timed out waiting for AUTH_ACK")
 
     # -- plumbing ---------------------------------------------------------
     def write(self, *frames: Frame) -> None:

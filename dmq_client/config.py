@@ -101,6 +101,19 @@ class MqConfig:
     zk_refresh_interval: float = _opt(
         3600.0, "full re-read of the registry besides its watches (DMQ: every hour)"
     )
+    tls: bool = _opt(
+        False, "connect with TLS (the servers' --tls-address ports); the server's certificate and name are verified"
+    )
+    tls_ca_file: str | None = _opt(None, "PEM CA certificates the server's certificate is verified against; None = the system's")
+    tls_cert_file: str | None = _opt(None, "PEM client certificate (chain) presented when the server asks for one")
+    tls_key_file: str | None = _opt(None, "PEM private key of tls_cert_file (None: it is in that file)")
+    tls_server_name: str | None = _opt(
+        None, "the name the server's certificate must carry; None = the host of each server address"
+    )
+    auth_secret: str | None = _opt(
+        None, "secret sent with UP_AUTH on every connection (servers with --auth-file or --auth-http-address); "
+        "\"\" = authenticate by the client certificate"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -177,6 +190,12 @@ class MqConfig:
         callback = self.recovered_callback
         if callback is not None and not (callable(callback) or callable(getattr(callback, "on_result", None))):
             raise ValueError("recovered_callback: must be None, a callable or an object with on_result(result)")
+        if (self.tls_cert_file or self.tls_ca_file or self.tls_key_file or self.tls_server_name) and not self.tls:
+            raise ValueError("tls_ca_file, tls_cert_file, tls_key_file and tls_server_name need tls=True")
+        if self.tls_key_file and not self.tls_cert_file:
+            raise ValueError("tls_key_file: needs tls_cert_file")
+        if self.auth_secret is not None and not isinstance(self.auth_secret, str):
+            raise ValueError(f"auth_secret: must be a string or None, not {type(self.auth_secret).__name__}")
         for name in ("route_wait", "subscribe_timeout", "close_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:

@@ -15,20 +15,28 @@ shuts the socket, so the reader notices and reports the loss once. The
 connection interprets only the frames about itself (greeting, health,
 reboot, heartbeat, protocol error); replies and pushes go to the listener,
 on this thread, which must therefore never block.
+
+With ``tls`` the socket is wrapped (``dmq_client.tls.TlsSocket``) and the handshake
+done before the magic; with ``auth_secret`` an ``UP_AUTH`` follows the magic and the
+connection is ready only once ``AUTH_ACK`` came back with the greeting (a refusal is a
+``PROTOCOL_ERROR``: logged, and the connection tried again after its backoff).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import random
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Callable, Protocol
 
 from .config import MqConfig
+from .tls import TlsSocket, client_context
 from .wire import MAGIC, Command, Frame, FrameDecoder, FrameError, encode
 
 __all__ = ["ConnState", "ConnectionListener", "ConnectionUnavailable", "ServerConnection"]
@@ -90,6 +98,10 @@ class ServerConnection:
         self.generation = 0  # bumped per established connection
         self.server_interval: float | None = None  # from SERVER_HEARTBEAT
         self.health_detail = ""
+        self.identity: dict | None = None  # the server's AUTH_ACK (identity, permission_count)
+        self._tls_context = (
+            client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if config.tls else None
+        )
         self._sock: socket.socket | None = None
         self._write_lock = threading.Lock()
         self._closing = threading.Event()
@@ -167,6 +179,9 @@ class ServerConnection:
         was_ready = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls_context is not None:
+                sock = TlsSocket(sock, self._tls_context, self.config.tls_server_name or self.address[0])
+                sock.handshake(self.config.connect_timeout)
             decoder = FrameDecoder()
             pending = self._handshake(sock, decoder)
             sock.settimeout(self.config.write_timeout)
@@ -191,6 +206,8 @@ class ServerConnection:
             return str(exc)
         except FrameError as exc:
             return f"undecodable data from the server: {exc}"
+        except ssl.SSLError as exc:
+            return f"TLS failed: {exc}"
         except OSError as exc:
             return f"socket error: {exc}"
         except Exception as exc:  # a bug in frame handling must not end reconnecting for good
@@ -206,9 +223,16 @@ class ServerConnection:
                 self.listener.connection_lost(self, "connection lost")
 
     def _handshake(self, sock: socket.socket, decoder: FrameDecoder) -> list[Frame]:
-        """Send the magic; return the frames up to and including SERVER_HEALTH."""
+        """Send the magic (and UP_AUTH); return the frames up to and including
+        SERVER_HEALTH, once AUTH_ACK came too when a secret is configured."""
         deadline = self.clock() + self.config.connect_timeout
-        sock.sendall(MAGIC)
+        secret = self.config.auth_secret
+        greeting = MAGIC
+        if secret is not None:
+            greeting += encode(Frame(Command.UP_AUTH, body=secret.encode()))
+        sock.sendall(greeting)
+        frames: list[Frame] = []
+        healthy, authed = False, secret is None
         while True:
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -220,14 +244,21 @@ class ServerConnection:
                 continue
             if not data:
                 raise _Lost("closed by the server during the greeting")
-            frames = decoder.feed(data)
-            for frame in frames:
+            for frame in decoder.feed(data):
                 if frame.command == Command.PROTOCOL_ERROR:
                     raise _Lost(f"refused by the server: {frame.status}")
+                if frame.command == Command.AUTH_ACK:
+                    authed = True
+                    self.identity = json.loads(frame.status or "{}")
+                    log.info("dmq server %s: authenticated as %r", self.name, self.identity.get("identity"))
+                    continue
                 if frame.command == Command.SERVER_HEALTH:
-                    return frames
-            if frames:
-                raise _Lost(f"unexpected {frames[0].command.name} before SERVER_HEALTH")
+                    healthy = True
+                elif not healthy:
+                    raise _Lost(f"unexpected {frame.command.name} before SERVER_HEALTH")
+                frames.append(frame)
+            if healthy and authed:
+                return frames
 
     def _read_loop(self, sock: socket.socket, decoder: FrameDecoder) -> None:
         with selectors.DefaultSelector() as selector:

@@ -38,6 +38,22 @@ def _console_line(server: Any, options: Any) -> str:
     return f"console NOT listening on {options.admin_address} (see the log above)"
 
 
+def _secure_lines(server: Any, options: Any) -> list[str]:
+    """The banner's TLS and auth lines (none when neither is configured)."""
+    info = server.info()
+    lines = []
+    if info.get("tls_address"):
+        lines.append(f"  TLS          {info['tls_address']}  (dmq protocol and NSQ V2, TLS from the first byte)")
+    if info.get("https_address"):
+        lines.append(f"  HTTPS        https://{info['https_address']}/")
+    if options.tls_enabled:
+        lines.append(f"  TLS mode     NSQ tls_v1 upgrade on; required: {options.tls_required_mode}")
+    if options.auth_enabled:
+        source = f"file {options.auth_file}" if options.auth_file else f"auth server {options.auth_http_address}"
+        lines.append(f"  auth         on ({source})")
+    return lines
+
+
 def _stop_on_signals(reactor: Any) -> None:
     """SIGTERM and SIGINT stop the node, once. Twisted's own handlers call
     ``reactor.stop()`` on every signal, so a second SIGTERM during a slow stop logged a
@@ -68,6 +84,22 @@ def _stop_on_signals(reactor: Any) -> None:
     reactor.addSystemEventTrigger("before", "shutdown", mark_stopping)
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, handler)
+
+
+def _reload_on_sighup(reactor: Any, server: Any) -> None:
+    """SIGHUP re-reads the TLS certificate, key and CA and the auth file (docs/operations.md);
+    connections already open keep theirs. The handler only hands the request to the reactor."""
+
+    def reload() -> None:
+        log.info("received SIGHUP, reloading TLS and auth files")
+        results = server.reload()
+        failed = {what: why for what, why in results.items() if why}
+        if failed:
+            log.error("reload: kept the previous {what}", what=", ".join(sorted(failed)))
+        else:
+            log.info("reload done ({what})", what=", ".join(sorted(results)) or "nothing to reload")
+
+    signal.signal(signal.SIGHUP, lambda signum, frame: reactor.callFromThread(reload))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +134,7 @@ def _serve(argv: Sequence[str] | None) -> int:
             f"  TCP          {tcp_host}:{tcp_port}  (dmq protocol and NSQ V2)",
             f"  HTTP         http://{http_host}:{http_port}/  (/ping, /stats, /metrics, /info, nsqd and lookup APIs, /admin)",
             f"  console      http://{http_host}:{http_port}/console/  (the web console)",
+            *_secure_lines(server, options),
             "  admin        " + _console_line(server, options),
             "  admin CLI    dmq --data-path "
             + str(options.data_dir)
@@ -126,6 +159,7 @@ def _serve(argv: Sequence[str] | None) -> int:
     service.ready.addCallbacks(ready, failed)
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
     _stop_on_signals(reactor)
+    _reload_on_sighup(reactor, server)
     # no Twisted signal handlers: ours above stop once; nothing here spawns processes
     # through the reactor (which would need its SIGCHLD handler)
     reactor.run(installSignalHandlers=False)

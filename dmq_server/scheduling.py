@@ -50,7 +50,12 @@ def make_assignment(options: Any, reactor: Any, node_id: str) -> FragmentAssignm
         def connect() -> Any:
             from registry.zk import connect as zk_connect
 
-            return zk_connect(options.zk, timeout=options.zk_connect_timeout, session_timeout=options.zk_session_timeout)
+            return zk_connect(
+                options.zk,
+                timeout=options.zk_connect_timeout,
+                session_timeout=options.zk_session_timeout,
+                security=options.zk_security,
+            )
 
         return ZkFragmentAssignment(connect, options.delay_fragments, reactor, node_id)
     return StaticAssignment(options.delay_fragments)

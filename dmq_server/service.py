@@ -14,8 +14,9 @@ broker     registry cache and channel state; the scanner of both stores, refresh
            sweep and channel-state timers  /  commit and
            answer every queued send, make acknowledgements durable, close connections
 scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
-listeners  TCP (dmq protocol and NSQ V2), HTTP (API, nsqd, lookupd, admin), the admin
-           console  /  SERVER_REBOOT to dmq clients, stop listening
+listeners  TCP (dmq protocol and NSQ V2; TLS-only with --tls-address), HTTP (API, nsqd,
+           lookupd, admin; HTTPS with --https-address), the admin console  /
+           SERVER_REBOOT to dmq clients, stop listening
 announce   with --zk: register this node (ports known) and start delivering
 ========== ===============================================================================
 
@@ -33,22 +34,26 @@ import socket
 from typing import Any
 
 from twisted.internet import defer
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
+from dmq_client.spelling import parse_address
 from dmq_client.wire import MAGIC
 
 from dmq_server.admin.console import AdminConsoleFactory
 from dmq_server.admin.inspect import Inspector
-from dmq_server.admin.operations import AdminOps, is_loopback
+from dmq_server.admin.operations import AdminOps
+from dmq_server.core.peers import is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
 from dmq_server.http.console import install as install_console
 from dmq_server.http.metrics import Snapshot, metrics_resource
+from dmq_server.http.guard import HttpGuard
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.http.sampling import Sampling
+from dmq_server.http.site import BoundedSite
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
@@ -61,6 +66,10 @@ from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.schema import migrate, ping
 from dmq_server.db.worker import DbWorker
+from dmq_server.security.authorizer import make_authorizer
+from dmq_server.security.exposure import exposure_warnings
+from dmq_server.security.session import CredentialCache
+from dmq_server.security.tls import ServerTls
 from dmq_server.tree import ServiceTree, Stage
 
 __all__ = ["DmqServer", "DmqService", "make_service"]
@@ -70,10 +79,19 @@ log = Logger()
 WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops", "metrics")
 
 
-def _endpoint(reactor: Any, host: str, port: int) -> Any:
+def _endpoint(reactor: Any, host: str, port: int, tls: Any = None) -> Any:
+    if tls is not None:
+        return SSL4ServerEndpoint(reactor, port, tls, interface=host, backlog=511)
     if ":" in host:
         return TCP6ServerEndpoint(reactor, port, interface=host)
     return TCP4ServerEndpoint(reactor, port, interface=host, backlog=511)
+
+
+def _address(port: Any) -> str | None:
+    if port is None:
+        return None
+    addr = port.getHost()
+    return f"{addr.host}:{addr.port}"
 
 
 class DmqServer:
@@ -97,6 +115,10 @@ class DmqServer:
         self.http_port: Any = None
         self.console_port: Any = None
         self.sampling: Sampling | None = None  # /metrics' stored gauges, the console's history
+        self.tls_port: Any = None  # --tls-address
+        self.https_port: Any = None  # --https-address
+        self.tls: ServerTls | None = None
+        self.authorizer: Any = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -173,6 +195,9 @@ class DmqServer:
             "data_path": str(self.options.data_dir),
             "embedded_postgres": self.embedded is not None,
             "cluster": self.cluster.stats() if self.cluster is not None else None,
+            "tls_address": _address(self.tls_port),
+            "https_address": _address(self.https_port),
+            "auth_required": self.authorizer is not None,
         }
 
     def _broadcast_host(self) -> str:
@@ -312,18 +337,35 @@ class DmqServer:
     @defer.inlineCallbacks
     def _listen(self) -> Any:
         options, reactor, broker = self.options, self.reactor, self.broker
-        self.nsq = NsqContext(self.fast_store, broker, options, reactor)
+        self.tls = ServerTls.from_options(options)  # a bad certificate fails the start, naming it
+        self.authorizer = make_authorizer(options, reactor)
+        self.nsq = NsqContext(self.fast_store, broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
 
         def make_dmq(transport: Any) -> DmqConnection:
-            return DmqConnection(transport, broker, reactor, self.connections)
+            return DmqConnection(transport, broker, reactor, self.connections, tls=self.tls, authorizer=self.authorizer)
 
         def make_nsq(transport: Any) -> NsqConnection:
             return NsqConnection(transport, self.nsq)
 
-        # its budget is the port's flow-control state (/admin/flow)
-        self.port_factory = PortFactory(reactor, {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}, FlowLimits.from_options(options))
+        handlers = {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}
+        refused = {}
+        if options.tls_required_mode != "false":
+            where = f"the TLS port {options.tls_address}" if options.tls_address else "a TLS port (--tls-address)"
+            refused[MAGIC] = f"E_TLS_REQUIRED this server requires TLS: connect to {where}"
+        # its budget is the port's flow-control state (/admin/flow), shared with the TLS port
+        self.port_factory = PortFactory(
+            reactor, handlers, FlowLimits.from_options(options), tls=self.tls,
+            handshake_timeout=options.tls_handshake_timeout, refused=refused,
+        )
         host, port = options.tcp_endpoint
         self.tcp_port = yield _endpoint(reactor, host, port).listen(self.port_factory)
+        if options.tls_address:
+            tls_factory = PortFactory(
+                reactor, handlers, self.port_factory.limits, tls=self.tls, tls_port=True,
+                handshake_timeout=options.tls_handshake_timeout, budget=self.port_factory.budget,
+            )
+            tls_host, tls_port = parse_address(options.tls_address)
+            self.tls_port = yield _endpoint(reactor, tls_host, tls_port, self.tls).listen(tls_factory)
         ops = AdminOps(
             broker=broker,
             delays=self.scheduling.delays if self.scheduling is not None else None,
@@ -352,12 +394,61 @@ class DmqServer:
                               channels=self._channel_stats, gauges=self.sampling.gauges)
         admin_api.install(site.resource, ops, http_host, options.admin_token, inspector)
         install_console(site.resource)
+        credentials = CredentialCache(self.authorizer, reactor) if self.authorizer is not None else None
         host, port = options.http_endpoint
+        site.guard = self._http_guard(host, False, credentials)
         self.http_port = yield _endpoint(reactor, host, port).listen(site)
-        yield self._listen_console(ops)
+        if options.https_address:
+            https_host, https_port = parse_address(options.https_address)
+            https_site = BoundedSite(site.resource, options)
+            https_site.noisy = False
+            https_site.guard = self._http_guard(https_host, True, credentials)
+            self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(https_site)
+        yield self._listen_console(ops, credentials)
+        self._warn_exposure()
+
+    def _http_guard(self, host: str, secure: bool, credentials: Any) -> HttpGuard:
+        options = self.options
+        return HttpGuard(
+            listen_host=host,
+            secure=secure,
+            server_tls=self.tls,
+            tls_required=options.tls_required_mode == "true",
+            https_port=lambda: self.https_port.getHost().port if self.https_port is not None else None,
+            credentials=credentials,
+            admin_token=options.admin_token,
+            open_reads=options.http_open_reads,
+            broadcast_address=options.broadcast_address,
+        )
+
+    def _warn_exposure(self) -> None:
+        options = self.options
+        auth, required = options.auth_enabled, options.tls_required_mode
+        listeners = [
+            ("the TCP port (dmq and NSQ)", options.tcp_endpoint[0], required != "false", auth),
+            ("the HTTP port", options.http_endpoint[0], required == "true", auth),
+        ]
+        if options.tls_address:
+            listeners.append(("the TLS port", parse_address(options.tls_address)[0], True, auth))
+        if options.https_address:
+            listeners.append(("the HTTPS port", parse_address(options.https_address)[0], True, auth))
+        if options.admin_endpoint is not None:
+            listeners.append(("the admin console", options.admin_endpoint[0], options.admin_tls, bool(options.admin_token)))
+        for line in exposure_warnings(listeners):
+            log.warn("SECURITY WARNING: {line}", line=line)
+
+    def reload(self) -> dict[str, str | None]:
+        """SIGHUP: the certificate, key and CA files and the auth file are read again;
+        open connections keep going. What failed keeps its previous version."""
+        results: dict[str, str | None] = {}
+        if self.tls is not None:
+            results["tls"] = self.tls.reload()
+        if self.authorizer is not None:
+            results["auth"] = self.authorizer.reload()
+        return results
 
     @defer.inlineCallbacks
-    def _listen_console(self, ops: AdminOps) -> Any:
+    def _listen_console(self, ops: AdminOps, credentials: Any = None) -> Any:
         """The admin console on --admin-address; an auxiliary surface, so a port it
         cannot have is logged and the node serves on without it."""
         options = self.options
@@ -366,9 +457,12 @@ class DmqServer:
         host, port = options.admin_endpoint
         if not is_loopback(host) and not options.admin_token:
             log.warn("admin console on non-loopback {host} without --admin-token: it will refuse every command", host=host)
-        factory = AdminConsoleFactory(ops, host, options.admin_token, self.reactor, options.admin_idle_timeout)
+        factory = AdminConsoleFactory(
+            ops, host, options.admin_token, self.reactor, options.admin_idle_timeout, credentials
+        )
         try:
-            self.console_port = yield _endpoint(self.reactor, host, port).listen(factory)
+            tls = self.tls if options.admin_tls else None
+            self.console_port = yield _endpoint(self.reactor, host, port, tls).listen(factory)
         except Exception as exc:  # CannotListenError
             log.error("admin console not started: cannot listen on {host}:{port}: {why}", host=host, port=port, why=exc)
             return
@@ -387,6 +481,9 @@ class DmqServer:
             yield self.tcp_port.stopListening()
         if self.http_port is not None:
             yield self.http_port.stopListening()
+        for port in (self.tls_port, self.https_port):
+            if port is not None:
+                yield port.stopListening()
 
     @property
     def console_address(self) -> tuple[str, int] | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.handlers.threading import KazooTimeoutError
 
 from . import paths
@@ -31,9 +31,10 @@ COMMAND_RETRY = {"max_tries": 8, "delay": 0.05, "backoff": 2, "max_delay": 2.0, 
 CONNECTION_RETRY = {"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0, "max_jitter": 0.2}
 
 
-def make_client(address: str, *, session_timeout: float = 10.0) -> KazooClient:
+def make_client(address: str, *, session_timeout: float = 10.0, security: dict[str, Any] | None = None) -> KazooClient:
     """A kazoo client whose ``retry`` gives up as soon as the connection is gone
-    (kazoo would otherwise queue the retried request until ZooKeeper is back)."""
+    (kazoo would otherwise queue the retried request until ZooKeeper is back).
+    ``security``: kazoo's SASL and TLS arguments (``Options.zk_security``)."""
     hosts, chroot = paths.parse_address(address)
     holder: list[KazooClient] = []
     client = KazooClient(
@@ -41,6 +42,7 @@ def make_client(address: str, *, session_timeout: float = 10.0) -> KazooClient:
         timeout=session_timeout,
         connection_retry=dict(CONNECTION_RETRY),
         command_retry=dict(COMMAND_RETRY, interrupt=lambda: bool(holder) and not holder[0].connected),
+        **(security or {}),
     )
     holder.append(client)
     return client
@@ -62,11 +64,17 @@ def _start(client: KazooClient, address: str, timeout: float) -> None:
         client.close()
         raise RegistryError(
             f"cannot reach ZooKeeper at {address} within {timeout:g}s "
-            "(is it running, and is the address right?)"
+            "(is it running, is the address right, and are its SASL or TLS settings the server's?)"
         ) from None
+    except Exception as exc:  # kazoo's SASL and TLS failures (their messages are often empty)
+        client.stop()
+        client.close()
+        raise RegistryError(f"cannot open a ZooKeeper session at {address}: {type(exc).__name__} {exc}".rstrip()) from None
 
 
-def connect(address: str, *, timeout: float = 30.0, session_timeout: float = 10.0) -> KazooClient:
+def connect(
+    address: str, *, timeout: float = 30.0, session_timeout: float = 10.0, security: dict[str, Any] | None = None
+) -> KazooClient:
     """A started client with a session, chroot and base paths in place.
 
     Raises RegistryError when no ZooKeeper server answered within ``timeout`` seconds.
@@ -74,19 +82,37 @@ def connect(address: str, *, timeout: float = 30.0, session_timeout: float = 10.
     hosts, chroot = paths.parse_address(address)
     if chroot:
         # kazoo needs the chroot to exist before a chrooted client may use it
-        bootstrap = make_client(hosts, session_timeout=session_timeout)
+        bootstrap = make_client(hosts, session_timeout=session_timeout, security=security)
         _start(bootstrap, address, timeout)
         try:
-            bootstrap.retry(bootstrap.ensure_path, chroot)
+            _named(address, bootstrap.retry, bootstrap.ensure_path, chroot)
         finally:
             bootstrap.stop()
             bootstrap.close()
-    client = make_client(address, session_timeout=session_timeout)
+    client = make_client(address, session_timeout=session_timeout, security=security)
     _start(client, address, timeout)
     # /dmq/topic is left to ZkRegistry.seed (or the first topic created)
-    for path in (paths.NODES, paths.TAKEOVER):
-        client.retry(client.ensure_path, path)
+    try:
+        for path in (paths.NODES, paths.TAKEOVER):
+            _named(address, client.retry, client.ensure_path, path)
+    except RegistryError:
+        client.stop()
+        client.close()
+        raise
     return client
+
+
+def _named(address: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its kazoo failure turned into a RegistryError that names it (kazoo's
+    SASL and TLS failures often have empty messages)."""
+    try:
+        return fn(*args)
+    except KazooException as exc:
+        detail = f"{type(exc).__name__} {exc}".strip()
+        raise RegistryError(
+            f"ZooKeeper at {address} refused or dropped the session: {detail} "
+            "(are --zk-sasl-user/--zk-sasl-password or the TLS settings the server's?)"
+        ) from None
 
 
 def _once_then_retry(client: KazooClient, inner: Callable[[bool], Any]) -> Any:

@@ -56,6 +56,7 @@ class Command(enum.IntEnum):
     UP_PRODUCER_RESEND = 4
     UP_CREDIT = 5
     UP_HEARTBEAT = 6
+    UP_AUTH = 7
     # server -> client
     SUBSCRIBE_ACK = 32
     SEND_SUCCESS_ACK = 33
@@ -72,6 +73,7 @@ class Command(enum.IntEnum):
     SEND_INVALID_ACK = 44
     SUBSCRIBE_INVALID_ACK = 45
     PROTOCOL_ERROR = 46
+    AUTH_ACK = 47
 
 
 UPSTREAM = frozenset(c for c in Command if c < 32)

@@ -10,7 +10,8 @@ lines. Lines starting with ``#`` are informational. A bad command gets an
 ::
 
     help                              this list
-    auth TOKEN                        authenticate (needed when --admin-token is set)
+    auth TOKEN                        authenticate (needed with --admin-token, or with
+                                      authentication on: a secret with the admin permission)
     stats                             live and stored statistics
     topics                            topics, their settings and channels
     clients                           connected clients (dmq and NSQ)
@@ -38,6 +39,7 @@ and one short method per command; the operations themselves are in operations.py
 
 from __future__ import annotations
 
+import hmac
 import json
 import shlex
 from collections import deque
@@ -50,7 +52,8 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
-from dmq_server.core.errors import DmqError, Invalid, Refused
+from dmq_server.core.auth import ADMIN
+from dmq_server.core.errors import DmqError, Invalid, NotPermitted, Refused, Unauthorized
 
 __all__ = ["AdminConsole", "AdminConsoleFactory", "parse_line", "HELP"]
 
@@ -58,7 +61,7 @@ log = Logger()
 
 HELP = [
     "help                                   this list",
-    "auth TOKEN                             authenticate (needed when the server has --admin-token)",
+    "auth TOKEN                             authenticate (--admin-token, or a secret with the admin permission)",
     "stats                                  live and stored statistics",
     "topics                                 topics, settings and channels",
     "clients                                connected clients",
@@ -127,11 +130,15 @@ class AdminConsole(Protocol):
     OUTPUT_HIGH_WATER = 262144
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0
+        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
+        credentials: Any = None,
     ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
+        # with authentication on (security.session.CredentialCache): `auth SECRET` whose
+        # answer has the admin permission opens the session too, and nothing is open without
+        self.credentials = credentials
         self.authenticated = False
         self.peer = "?"
         self._queue: deque[Any] = deque()
@@ -174,7 +181,7 @@ class AdminConsole(Protocol):
         peer = self.transport.getPeer()
         self.peer = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         try:
-            check_token(self.listen_host, self.token, None)
+            self._open_without_token()
             self.authenticated = True
             note = "type help for the commands"
         except Refused:
@@ -349,7 +356,7 @@ class AdminConsole(Protocol):
             raise Invalid(f"unexpected word {extra[0]!r}; type help for the usage")
         if not self.authenticated and handler not in (self.cmd_help, self.cmd_quit):
             try:
-                check_token(self.listen_host, self.token, None)
+                self._open_without_token()
             except Refused as exc:
                 raise type(exc)(f"{exc.description}; not authenticated") from None
         return handler(parsed)
@@ -360,12 +367,31 @@ class AdminConsole(Protocol):
             self.info(line)
         self.ok(f"{len(HELP)} lines")
 
-    def cmd_auth(self, token: str) -> None:
+    def _open_without_token(self) -> None:
+        """Raise unless a session may run commands without ``auth``."""
+        if self.credentials is not None:
+            raise Unauthorized("authentication is on: auth TOKEN (--admin-token) or auth SECRET (admin permission)")
+        check_token(self.listen_host, self.token, None)
+
+    def cmd_auth(self, token: str) -> Any:
         if not token:
             raise Invalid("usage: auth TOKEN")
-        check_token(self.listen_host, self.token, token)
+        if self.credentials is None or (self.token and hmac.compare_digest(token.encode(), self.token.encode())):
+            check_token(self.listen_host, self.token, token)
+            self.authenticated = True
+            self.ok("authenticated")
+            return None
+        host = self.peer.rsplit(":", 1)[0]
+        found = self.credentials.lookup(token, host, None)
+        return maybeDeferred(lambda: found).addCallback(self._authorized)
+
+    def _authorized(self, state: Any) -> None:
+        if not state.allows(ADMIN, "", ""):
+            log.warn("admin console {peer}: {identity} has no admin permission", peer=self.peer, identity=state.identity)
+            raise NotPermitted(f"{state.identity or 'this secret'} has no admin permission")
         self.authenticated = True
-        self.ok("authenticated")
+        log.info("admin console {peer}: authenticated as {identity}", peer=self.peer, identity=state.identity)
+        self.ok(f"authenticated as {state.identity}")
 
     def cmd_stats(self, parsed: Parsed) -> Any:
         return self.ops.stats().addCallback(lambda stats: (self.data(stats), self.ok("stats")))
@@ -445,15 +471,17 @@ class AdminConsoleFactory(Factory):
     noisy = False
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0
+        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
+        credentials: Any = None,
     ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
         self.clock = clock
         self.idle_timeout = idle_timeout
+        self.credentials = credentials
 
     def buildProtocol(self, addr: Any) -> AdminConsole:
-        proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout)
+        proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout, self.credentials)
         proto.factory = self
         return proto

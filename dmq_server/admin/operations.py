@@ -27,7 +27,6 @@ log.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
@@ -37,6 +36,7 @@ from twisted.logger import Logger
 
 from dmq_client.spelling import parse_time_ms
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
+from dmq_server.core.peers import is_loopback
 from dmq_server.db import admin as db_admin
 from dmq_server.db.admin import dead_letter_counts, log_operation, stored_stats
 from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
@@ -175,15 +175,6 @@ def parse_limit(text: str | None, default: int = DEFAULT_LIST_LIMIT, name: str =
 
 
 # -- access ------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_token(listen_host: str, configured: str, given: str | None) -> None:
@@ -413,6 +404,7 @@ class AdminOps:
                         }
                         for (t, c), sub in sorted(conn.subscriptions.items())
                     ],
+                    **getattr(conn, "security_stats", dict)(),
                 }
             )
         for conn in list(getattr(self.nsq, "connections", ()) or ()):

@@ -122,6 +122,7 @@ class ClusterNode:
             options.zk,
             timeout=options.zk_connect_timeout,
             session_timeout=options.zk_session_timeout,
+            security=options.zk_security,
         )
         self.client.add_listener(self.bridge.relay(self._state_changed))
         self.watcher = RegistryWatcher(self.client, self.bridge.relay(self._changed))

@@ -33,6 +33,11 @@ __all__ = [
     "NotFound",
     "Unauthorized",
     "Forbidden",
+    "AuthFirst",
+    "AuthFailed",
+    "NotPermitted",
+    "AuthDisabled",
+    "TlsRequired",
     "Unavailable",
     "ShuttingDown",
     "Exiting",
@@ -100,6 +105,37 @@ class Forbidden(Refused):
     address without --admin-token refuses every command)."""
 
     code = "E_AUTH"
+
+
+class AuthFirst(Unauthorized):
+    """Authentication is on and the client has not authenticated (nsqd's code)."""
+
+    code = "E_AUTH_FIRST"
+
+
+class AuthFailed(Unauthorized):
+    """The secret was refused, or the authorizer could not be asked (the reason is
+    logged, never told: nsqd's rule for untrusted clients)."""
+
+    code = "E_AUTH_FAILED"
+
+
+class NotPermitted(Forbidden):
+    """Authenticated, but not allowed this on that topic or channel (nsqd's code)."""
+
+    code = "E_UNAUTHORIZED"
+
+
+class AuthDisabled(Refused):
+    """The client authenticated on a server without authentication (nsqd's code)."""
+
+    code = "E_AUTH_DISABLED"
+
+
+class TlsRequired(Forbidden):
+    """Plaintext where the server requires TLS."""
+
+    code = "E_TLS_REQUIRED"
 
 
 class Unavailable(DmqError):

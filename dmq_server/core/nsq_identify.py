@@ -162,20 +162,23 @@ def identify_reply(
     deflate: bool,
     deflate_level: int,
     max_deflate_level: int,
+    tls_v1: bool = False,
+    auth_required: bool = False,
 ) -> bytes:
-    """The feature-negotiation JSON (TLS, snappy and auth are never offered)."""
+    """The feature-negotiation JSON (snappy is never offered; TLS when the server has a
+    certificate and the client asked, auth when the server has an authorizer)."""
     reply = {
         "max_rdy_count": max_rdy_count,
         "version": VERSION,
         "max_msg_timeout": int(max_msg_timeout * 1000),
         "msg_timeout": int(round(settings.msg_timeout * 1000)),
-        "tls_v1": False,
+        "tls_v1": tls_v1,
         "deflate": deflate,
         "deflate_level": deflate_level,
         "max_deflate_level": max_deflate_level,
         "snappy": False,
         "sample_rate": settings.sample_rate,
-        "auth_required": False,
+        "auth_required": auth_required,
         "output_buffer_size": settings.output_buffer_size,
         "output_buffer_timeout": int(round(settings.output_buffer_timeout * 1000)),
         "topology_region": "",

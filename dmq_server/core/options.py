@@ -54,6 +54,9 @@ CONFIG_ENV = "DMQ_CONFIG"
 LOG_LEVELS = ("debug", "info", "warn", "error")
 LOG_FORMATS = ("text", "json")
 DB_IO = ("reactor", "threads")
+TLS_CLIENT_POLICIES = ("", "require", "require-verify", "verify-if-given")
+TLS_REQUIRED = ("false", "true", "tcp-https")
+TLS_VERSIONS = ("tls1.0", "tls1.1", "tls1.2", "tls1.3")
 
 
 class ConfigError(ValueError):
@@ -252,6 +255,62 @@ class Options:
         "token the admin console and the HTTP admin API require (always when set; without one "
         "they refuse everything when listening on a non-loopback address)",
     )
+    # -- security: TLS on every listener, authentication, authorization (docs/operations.md) --
+    tls_cert: str = _opt(
+        "",
+        "PEM certificate (chain) of this server; with --tls-key it enables TLS: NSQ's tls_v1 "
+        "upgrade on the TCP port, --tls-address and --https-address (re-read on SIGHUP)",
+    )
+    tls_key: str = _opt("", "PEM private key of --tls-cert (re-read on SIGHUP)")
+    tls_root_ca_file: str = _opt(
+        "",
+        "PEM CA certificates that client certificates are verified against (and the auth "
+        "server's, over https)",
+    )
+    tls_client_auth_policy: str = _opt(
+        "",
+        "client certificates: empty (none asked), require (any certificate, not verified), "
+        "require-verify (verified against --tls-root-ca-file) or verify-if-given (optional, "
+        "verified when sent); require and require-verify imply --tls-required true",
+    )
+    tls_required: str = _opt(
+        "false",
+        "true: plaintext is refused (NSQ commands before the tls_v1 upgrade, the dmq protocol "
+        "on the TCP port, plain HTTP but /ping); tcp-https: TCP only; false: TLS is optional",
+    )
+    tls_min_version: str = _opt("tls1.2", "oldest TLS version accepted: tls1.0, tls1.1, tls1.2 or tls1.3")
+    tls_handshake_timeout: float = _opt(
+        5.0, "a TLS handshake not finished this long after it started closes the connection", kind="duration"
+    )
+    tls_address: str = _opt(
+        "", "HOST:PORT of a TCP port speaking TLS from the first byte (both protocols); empty disables it"
+    )
+    https_address: str = _opt("", "HOST:PORT of the HTTP API over TLS; empty disables it")
+    auth_http_address: str = _opt(
+        "",
+        "auth servers (HOST:PORT or URLs, comma-separated) asked as nsqd asks them: "
+        "GET /auth?remote_ip=&tls=&secret=&common_name=; setting one turns authentication on",
+    )
+    auth_http_request_method: str = _opt("get", "how the auth server is asked: get or post")
+    auth_file: str = _opt(
+        "",
+        "JSON file of secrets and certificate names, each with an auth server's answer "
+        "(re-read on SIGHUP); setting it turns authentication on",
+    )
+    http_client_connect_timeout: float = _opt(2.0, "connect timeout of requests to the auth server", kind="duration")
+    http_client_request_timeout: float = _opt(5.0, "longest a request to the auth server may take", kind="duration")
+    http_open_reads: bool = _opt(
+        False,
+        "with authentication on, HTTP reads (GET /stats, /info, /metrics, the lookup API) need "
+        "no credential; the admin API and every change still do",
+        kind="bool",
+    )
+    admin_tls: bool = _opt(
+        False,
+        "the admin console speaks TLS with the server's certificate (openssl s_client -connect HOST:PORT); "
+        "needs --tls-cert",
+        kind="bool",
+    )
     # -- cluster: ZooKeeper registry, heartbeat, takeover ---------------------------
     zk: str = _opt(
         "",
@@ -277,6 +336,11 @@ class Options:
         "(watches apply changes at once; this is the safety net)",
         kind="duration",
     )
+    zk_sasl_user: str = _opt("", "SASL DIGEST-MD5 user for ZooKeeper (with --zk-sasl-password); empty: no SASL")
+    zk_sasl_password: str = _opt("", "SASL DIGEST-MD5 password for ZooKeeper (better in the config file or DMQ_ZK_SASL_PASSWORD)")
+    zk_tls_ca_file: str = _opt("", "connect to ZooKeeper with TLS, verifying it against these PEM CAs; empty: plaintext")
+    zk_tls_cert: str = _opt("", "PEM client certificate for ZooKeeper's TLS client authentication")
+    zk_tls_key: str = _opt("", "PEM key of --zk-tls-cert")
     takeover_batch_size: int = _opt(
         5000, "most of a departed node's messages claimed in one transaction", kind="int"
     )
@@ -295,6 +359,38 @@ class Options:
         return parse_address(self.admin_address) if self.admin_address else None
 
     @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.auth_http_address or self.auth_file)
+
+    @property
+    def tls_required_mode(self) -> str:
+        """``true``, ``tcp-https`` or ``false``; a client certificate policy that needs a
+        certificate implies ``true`` (nsqd's rule)."""
+        if self.tls_required == "false" and self.tls_client_auth_policy in ("require", "require-verify"):
+            return "true"
+        return self.tls_required
+
+    @property
+    def zk_security(self) -> dict[str, Any]:
+        """kazoo's keyword arguments for SASL and TLS (``registry.zk.make_client``)."""
+        out: dict[str, Any] = {}
+        if self.zk_sasl_user:
+            out["sasl_options"] = {"mechanism": "DIGEST-MD5", "username": self.zk_sasl_user, "password": self.zk_sasl_password}
+        if self.zk_tls_ca_file:
+            out.update(use_ssl=True, verify_certs=True, ca=self.zk_tls_ca_file)
+            if self.zk_tls_cert:
+                out.update(certfile=self.zk_tls_cert, keyfile=self.zk_tls_key or None)
+        return out
+
+    @property
+    def auth_http_addresses(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.auth_http_address.split(",") if a.strip())
+
+    @property
     def data_dir(self) -> Path:
         return Path(self.data_path).resolve()
 
@@ -303,7 +399,8 @@ class Options:
 
     def validate(self) -> "Options":
         """Fail early, naming the flag and config key, on values the server cannot use."""
-        names = ("tcp_address", "http_address") + (("admin_address",) if self.admin_address else ())
+        optional = ("admin_address", "tls_address", "https_address")
+        names = ("tcp_address", "http_address") + tuple(n for n in optional if getattr(self, n))
         for name in names:
             try:
                 parse_address(getattr(self, name))
@@ -356,10 +453,38 @@ class Options:
             ("zk_refresh", self.zk_refresh > 0, "must be more than 0"),
             ("takeover_batch_size", self.takeover_batch_size >= 1, "must be at least 1"),
         ]
+        checks += self._security_checks()
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"{_names(name)}: invalid value {getattr(self, name)!r} ({rule})")
         return self
+
+
+    def _security_checks(self) -> list[tuple[str, bool, str]]:
+        needs_cert = (
+            self.tls_address or self.https_address or self.tls_client_auth_policy or self.tls_required != "false"
+            or self.admin_tls
+        )
+        return [
+            ("tls_key", bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together"),
+            ("tls_cert", bool(self.tls_cert) or not needs_cert,
+             "needed by --tls-address, --https-address, --tls-required, --tls-client-auth-policy and --admin-tls"),
+            ("tls_client_auth_policy", self.tls_client_auth_policy in TLS_CLIENT_POLICIES,
+             "must be empty or one of " + ", ".join(p for p in TLS_CLIENT_POLICIES if p)),
+            ("tls_client_auth_policy",
+             self.tls_client_auth_policy in ("", "require") or bool(self.tls_root_ca_file),
+             "verifying client certificates needs --tls-root-ca-file"),
+            ("tls_required", self.tls_required in TLS_REQUIRED, "must be one of " + ", ".join(TLS_REQUIRED)),
+            ("tls_min_version", self.tls_min_version in TLS_VERSIONS, "must be one of " + ", ".join(TLS_VERSIONS)),
+            ("tls_handshake_timeout", self.tls_handshake_timeout > 0, "must be more than 0"),
+            ("auth_file", not (self.auth_file and self.auth_http_address),
+             "use --auth-file or --auth-http-address, not both"),
+            ("auth_http_request_method", self.auth_http_request_method in ("get", "post"), "must be get or post"),
+            ("http_client_connect_timeout", self.http_client_connect_timeout > 0, "must be more than 0"),
+            ("http_client_request_timeout", self.http_client_request_timeout > 0, "must be more than 0"),
+            ("zk_sasl_password", bool(self.zk_sasl_user) or not self.zk_sasl_password, "needs --zk-sasl-user"),
+            ("zk_tls_cert", bool(self.zk_tls_ca_file) or not self.zk_tls_cert, "needs --zk-tls-ca-file"),
+        ]
 
 
 # -- names -------------------------------------------------------------------

@@ -22,6 +22,11 @@ and, for every request that changes something (any method but GET and HEAD):
 
 Reads refuse a foreign ``Origin`` too (a page elsewhere has no business reading bodies
 out of dead letters, even where CORS would stop it seeing the answer).
+
+With authentication on (``--auth-file``, ``--auth-http-address``), ``http.guard`` has
+decided already, before any resource (a credential with the ``admin`` permission, or the
+admin token), and left its ``Access`` on the request (attribute ``GRANTED``), which
+``authorize`` returns as it is.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from urllib.parse import urlsplit
 from dmq_server.admin.operations import is_loopback
 from dmq_server.core.errors import Forbidden, Unauthorized
 
-__all__ = ["Access", "authorize", "SAFE_METHODS", "INTENT_HEADER"]
+__all__ = ["Access", "authorize", "actor_of", "SAFE_METHODS", "INTENT_HEADER", "GRANTED"]
 
 SAFE_METHODS = (b"GET", b"HEAD")
 #: the header a same-origin script (the console, curl) adds to a change without a token
 INTENT_HEADER = b"x-requested-by"
+#: the request attribute where http.guard leaves what authentication granted
+GRANTED = "dmq_granted_access"
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ def actor_of(request: Any) -> str:
 
 def authorize(request: Any, listen_host: str, token: str) -> Access:
     """The request's rights, or ``Unauthorized`` / ``Forbidden`` (E_AUTH) saying why not."""
+    granted = getattr(request, GRANTED, None)
+    if granted is not None:
+        return granted
     actor = actor_of(request)
     origin = _header(request, b"origin")
     if origin is not None and origin != "null" and not _same_origin(request, origin):

@@ -14,6 +14,8 @@ byte resets. So this channel adds, below the resources:
   answered ``408`` and closed.
 * **an idle timeout** between requests of a keep-alive connection
   (``--http-idle-timeout``), twisted.web's own.
+* **the guard** (``http.guard.HttpGuard``): TLS required, the Host, cross-site
+  requests and authorization, checked for every request before its resource renders.
 * **an access log that stays quiet**: no line at all for ``/ping`` and ``/metrics``
   (polled every few seconds by load balancers and Prometheus), a ``debug`` line for
   other requests, a warning for a 5xx answer; fields ``peer``, ``method``, ``path``,
@@ -175,6 +177,8 @@ class BoundedSite(Site):
 
     protocol = BoundedChannel
     requestFactory = BoundedRequest
+    #: the listener's HttpGuard (dmq_server.http.guard); None lets every request through
+    guard: Any = None
 
     def __init__(self, resource: Any, options: Any = None, reactor: Any = None):
         def opt(name: str, default: Any) -> Any:
@@ -187,6 +191,10 @@ class BoundedSite(Site):
         self.max_msg_size = opt("max_msg_size", 1048576)
         self.max_body_size = opt("max_body_size", 5242880)
         self.read_timeout = opt("read_timeout", 30.0)
+
+    def getResourceFor(self, request: Any) -> Any:
+        resource = super().getResourceFor(request)
+        return resource if self.guard is None else self.guard.resource_for(request, resource)
 
     def log(self, request: Any) -> None:
         """The access log (replacing twisted.web's line per request): see the module's docstring."""

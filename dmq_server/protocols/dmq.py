@@ -4,23 +4,50 @@ A thin adapter: the codec parses, the broker decides, this class only maps
 commands to broker calls and outcomes to reply frames, and decides when to
 close (protocol errors, silent peers). It is handed the transport after the
 port's first four bytes chose this protocol.
+
+With authentication on, ``UP_AUTH`` (its body the secret; empty: the verified client
+certificate) is answered ``AUTH_ACK`` or a fatal ``PROTOCOL_ERROR``; every send and
+subscribe is checked by ``security.session.ClientAuth`` and one refused gets its own
+``*_INVALID_ACK`` (``E_AUTH_FIRST``, ``E_UNAUTHORIZED``), failing nothing else. While the
+authorizer is asked again (the answer's ttl ran out), this connection's frames wait, in
+order, and the port does not read it.
+
+Why one long module: it is one connection's commands, each a short method, and the
+authentication hold that orders them; split, the frames and the state that gates them
+would be read in different files.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
+from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
 from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
 
 from dmq_server.broker import Broker
-from dmq_server.core.errors import DmqError, Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable, reply_for
-from dmq_server.core.peers import peer_address
+from dmq_server.core.auth import PUBLISH, SUBSCRIBE
+from dmq_server.core.errors import (
+    AuthFailed,
+    DmqError,
+    Invalid,
+    NoChannel,
+    NoTopic,
+    RateLimited,
+    Refused,
+    Unavailable,
+    reply_for,
+)
+from dmq_server.core.peers import peer_address, peer_host
 from dmq_server.core.publish import Published, PublishRequest
-from dmq_server.protocols.flow import NO_GATE
+from dmq_server.protocols.flow import AUTH, NO_GATE
+from dmq_server.security.session import ClientAuth
+from dmq_server.security.tls import PeerTls, peer_tls
 
 __all__ = ["DmqConnection", "DmqSubscription"]
 
@@ -81,7 +108,7 @@ class DmqSubscription:
 class DmqConnection:
     """Serves one client that opened with the dmq magic."""
 
-    def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set):
+    def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
         self.transport = transport
         self.broker = broker
         self.clock = clock
@@ -95,6 +122,9 @@ class DmqConnection:
         registry.add(self)
         self.peer = peer_address(transport)
         self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
+        self.tls = tls
+        self.auth = ClientAuth(authorizer, clock, peer_host(self.peer), self.peer, self._peer_tls) if authorizer else None
+        self._backlog: deque[Frame] | None = None  # frames waiting for the authorizer
         self._heartbeat = LoopingCall(self._beat)
         self._heartbeat.clock = clock
         self._heartbeat.start(options.heartbeat_interval, now=False)
@@ -115,10 +145,16 @@ class DmqConnection:
             return
         if frames:
             self.flow.frame_completed()
-        for frame in frames:
+        if self._backlog is not None:
+            self._backlog.extend(frames)
+            return
+        for i, frame in enumerate(frames):
             if self.closed:
                 return
             self._dispatch(frame)
+            if self._backlog is not None:
+                self._backlog.extend(frames[i + 1 :])
+                return
 
     def buffered(self) -> int:
         """Bytes of an incomplete frame held (the port's flow control counts them)."""
@@ -174,6 +210,77 @@ class DmqConnection:
             return
         self._deadline = self.clock.callLater(limit - idle, self._check_silence)
 
+    # -- security -----------------------------------------------------------
+    def _peer_tls(self) -> PeerTls | None:
+        return peer_tls(self.transport, self.tls) if ISSLTransport.providedBy(self.transport) else None
+
+    def security_stats(self) -> dict[str, Any]:
+        """TLS and identity, for ``/admin/clients``."""
+        tls = self._peer_tls()
+        out: dict[str, Any] = {"tls": tls is not None, "tls_version": tls.version if tls is not None else ""}
+        if self.auth is not None:
+            out.update(self.auth.stats())
+        return out
+
+    def _allowed(self, frame: Frame, verb: str, permission: str, channel: str = "") -> DmqError | None | bool:
+        """True to go on, False when the frame waits for the authorizer (it runs again
+        then), or the refusal to answer it with."""
+        if self.auth is None:
+            return True
+        try:
+            waiting = self.auth.check(verb, permission, frame.topic, channel)
+        except AuthFailed as err:  # the authorizer refused or failed: start over
+            self.protocol_error(err.code, err.description)
+            return False
+        except DmqError as err:
+            return err
+        if waiting is None:
+            return True
+        self._hold(waiting, lambda: self._dispatch(frame))
+        return False
+
+    def _hold(self, waiting: Any, then: Callable[[], None]) -> None:
+        """Frames wait (in order, and the port stops reading) until ``waiting`` fires."""
+        if waiting.called:
+            then()
+            return
+        self._backlog = deque()
+        self.flow.hold(AUTH)
+
+        def resume(_: Any) -> None:
+            backlog, self._backlog = self._backlog, None
+            if self.closed:
+                return
+            then()
+            while backlog and not self.closed:
+                if self._backlog is not None:  # held again
+                    self._backlog.extend(backlog)
+                    return
+                self._dispatch(backlog.popleft())
+            self.flow.release(AUTH)
+
+        waiting.addCallback(resume)
+
+    def _login(self, frame: Frame) -> None:
+        if self.auth is None:
+            self.protocol_error("E_AUTH_DISABLED", "AUTH disabled")
+            return
+        if self.auth.secret is not None:
+            self.protocol_error("E_INVALID", "AUTH already set")
+            return
+        outcome: list[Any] = []
+        waiting = self.auth.login(frame.body.decode("utf-8", "replace")).addBoth(outcome.append)
+
+        def answer() -> None:
+            result = outcome[0]
+            if isinstance(result, Failure):
+                error = result.value if isinstance(result.value, DmqError) else AuthFailed("AUTH failed")
+                self.protocol_error(error.code, error.description)
+            else:
+                self.write(Frame(Command.AUTH_ACK, session_id=frame.session_id, status=result.reply().decode()))
+
+        self._hold(waiting, answer)
+
     # -- commands ---------------------------------------------------------
     def _dispatch(self, frame: Frame) -> None:
         command = frame.command
@@ -187,6 +294,8 @@ class DmqConnection:
             self._credit(frame)
         elif command == Command.UP_HEARTBEAT:
             pass
+        elif command == Command.UP_AUTH:
+            self._login(frame)
         else:
             self.protocol_error("E_INVALID", f"{command.name} is not a client command")
 
@@ -200,6 +309,13 @@ class DmqConnection:
             self.broker.acks_refused += 1
 
     def _send(self, frame: Frame) -> None:
+        allowed = self._allowed(frame, "send", PUBLISH)
+        if allowed is not True:
+            if allowed:  # a refusal: this send only
+                self.transport.write(
+                    self._send_reply(Command.SEND_INVALID_ACK, frame.session_id, 0, frame.topic, frame.producer, allowed.status)
+                )
+            return
         size = len(frame.body)
         self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
 
@@ -250,6 +366,11 @@ class DmqConnection:
 
         if credit > options.max_credit:
             reply(Command.SUBSCRIBE_INVALID_ACK, f"E_INVALID credit {credit} above {options.max_credit}")
+            return
+        allowed = self._allowed(frame, "subscribe", SUBSCRIBE, frame.channel)
+        if allowed is not True:
+            if allowed:
+                reply(Command.SUBSCRIBE_INVALID_ACK, allowed.status)
             return
         existing = self.subscriptions.get(key)
         if existing is not None:

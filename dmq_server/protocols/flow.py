@@ -38,10 +38,10 @@ from typing import Any, Callable
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-__all__ = ["BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "OUTPUT", "PENDING", "BUDGET"]
+__all__ = ["BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "OUTPUT", "PENDING", "BUDGET", "AUTH"]
 
-#: why a connection is not being read
-OUTPUT, PENDING, BUDGET = "output", "pending", "budget"
+#: why a connection is not being read (AUTH: its handler waits for the authorizer)
+OUTPUT, PENDING, BUDGET, AUTH = "output", "pending", "budget", "auth"
 
 
 class FlowLimits:
@@ -161,7 +161,7 @@ class ReadGate:
     def server_paused(self) -> bool:
         """Not read for a reason of the server's (commits, the port's budget): the
         client cannot be blamed for silence or a slow frame meanwhile."""
-        return PENDING in self.reasons or BUDGET in self.reasons
+        return PENDING in self.reasons or BUDGET in self.reasons or AUTH in self.reasons
 
     @property
     def held(self) -> int:
@@ -334,6 +334,12 @@ class NoGate:
         pass
 
     def closing(self) -> None:
+        pass
+
+    def hold(self, reason: str) -> None:
+        pass
+
+    def release(self, reason: str) -> None:
         pass
 
 

@@ -12,14 +12,24 @@ incomplete frame is not finished within the read timeout (see ``dmq_server.proto
 A handler offers ``buffered()`` (bytes of an incomplete frame it holds),
 ``timed_out(description)`` and, optionally, ``resume_reading()`` (called before the
 port reads again, to drain input the handler kept while paused).
+
+TLS (``dmq_server.security.tls``): on the TLS-only port (``--tls-address``) the factory is
+wrapped in Twisted's TLS layer, so the magic is read after the handshake; a handler may
+upgrade a plaintext connection in band (NSQ's ``tls_v1``) through ``start_tls``, which
+the port hands it. Either way a handshake not finished within ``--tls-handshake-timeout``
+closes the connection (nsqd allows five seconds), and the handler's ``tls_ready()`` is
+called once it is done. ``refused`` maps a magic to the error that refuses it on this
+port (the dmq protocol on the plaintext port while TLS is required).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from twisted.internet.interfaces import IHandshakeListener
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
@@ -34,12 +44,15 @@ NSQ_MAGIC = b"  V2"
 MAGIC_TIMEOUT = 10.0
 
 
+@implementer(IHandshakeListener)
 class PortProtocol(Protocol):
     def __init__(self, factory: "PortFactory"):
         self.factory = factory
         self._head = b""
         self._handler: Any = None
         self._magic_timer: Any = None
+        self._handshake_timer: Any = None
+        self._regate = False  # the gate is registered again once the in-band handshake is done
         self.gate: ReadGate | None = None
 
     def connectionMade(self) -> None:
@@ -54,6 +67,43 @@ class PortProtocol(Protocol):
             self._timed_out,
             peer_address(self.transport),
         )
+        if factory.tls_port:
+            self._arm_handshake_timer()
+
+    # -- TLS --------------------------------------------------------------------------
+    def _arm_handshake_timer(self) -> None:
+        self._handshake_timer = self.factory.clock.callLater(self.factory.handshake_timeout, self._handshake_late)
+
+    def _handshake_late(self) -> None:
+        self._handshake_timer = None
+        log.info("{peer}: TLS handshake not finished within {t}s, closing",
+                 peer=self.gate.peer if self.gate else "?", t=self.factory.handshake_timeout)
+        self.transport.abortConnection()
+
+    def handshakeCompleted(self) -> None:
+        if self._handshake_timer is not None and self._handshake_timer.active():
+            self._handshake_timer.cancel()
+        self._handshake_timer = None
+        if self._regate and self.gate is not None and not self.gate.closed:
+            self._regate = False
+            self.transport.registerProducer(self.gate, True)
+        ready = getattr(self._handler, "tls_ready", None)
+        if ready is not None:
+            ready()
+
+    def start_tls(self, leftover: bytes = b"") -> None:
+        """Turn this plaintext connection into a TLS server connection now (what was
+        written before goes out in plaintext first); ``leftover``, bytes already read
+        that came after the command asking for it, is the start of the handshake."""
+        # Twisted's TLS layer pauses a registered producer while it buffers writes made
+        # before the handshake is done; the gate would then stop reading the socket and
+        # the handshake could never finish. So the gate waits for the handshake.
+        self.transport.unregisterProducer()
+        self._regate = True
+        self.transport.startTLS(self.factory.tls)
+        self._arm_handshake_timer()
+        if leftover:
+            self.transport.protocol.dataReceived(leftover)
 
     def _no_magic(self) -> None:
         self._magic_timer = None
@@ -74,8 +124,11 @@ class PortProtocol(Protocol):
             self._magic_timer.cancel()
         self._magic_timer = None
         make = self.factory.protocols.get(magic)
-        if make is None:
-            if magic == NSQ_MAGIC:
+        refused = self.factory.refused.get(magic)
+        if make is None or refused is not None:
+            if refused is not None:
+                why = refused
+            elif magic == NSQ_MAGIC:
                 why = "E_BAD_PROTOCOL the NSQ protocol is not enabled on this server"
             else:
                 why = f"E_BAD_PROTOCOL unknown protocol magic {magic!r} (expected {MAGIC!r})"
@@ -85,6 +138,8 @@ class PortProtocol(Protocol):
             return
         self._handler = make(self.transport)
         self._handler.flow = self.gate
+        if self.factory.tls is not None and not self.factory.tls_port:
+            self._handler.start_tls = self.start_tls
         self.gate.on_resume = getattr(self._handler, "resume_reading", None)
         if rest:
             self._handler.data_received(rest)
@@ -106,6 +161,8 @@ class PortProtocol(Protocol):
     def connectionLost(self, reason: Any = None) -> None:
         if self._magic_timer is not None and self._magic_timer.active():
             self._magic_timer.cancel()
+        if self._handshake_timer is not None and self._handshake_timer.active():
+            self._handshake_timer.cancel()
         if self.gate is not None:
             self.gate.close()
         if self._handler is not None:
@@ -114,15 +171,30 @@ class PortProtocol(Protocol):
 
 class PortFactory(Factory):
     """``protocols`` maps a 4-byte magic to ``handler(transport)``; ``limits`` are the
-    flow-control bounds (``FlowLimits.from_options``), shared by every connection."""
+    flow-control bounds (``FlowLimits.from_options``), shared by every connection (and
+    by the TLS port's factory: ``budget`` may be shared). ``tls`` is the server's
+    ``ServerTls`` (None: no TLS); ``tls_port`` says TLS starts with the connection."""
 
     def __init__(
-        self, clock: Any, protocols: dict[bytes, Callable[[Any], Any]], limits: FlowLimits | None = None
+        self,
+        clock: Any,
+        protocols: dict[bytes, Callable[[Any], Any]],
+        limits: FlowLimits | None = None,
+        *,
+        tls: Any = None,
+        tls_port: bool = False,
+        handshake_timeout: float = 5.0,
+        refused: dict[bytes, str] | None = None,
+        budget: BufferBudget | None = None,
     ):
         self.clock = clock
         self.protocols = protocols
         self.limits = limits or FlowLimits()
-        self.budget = BufferBudget(self.limits.max_buffered_bytes)
+        self.budget = budget or BufferBudget(self.limits.max_buffered_bytes)
+        self.tls = tls
+        self.tls_port = tls_port
+        self.handshake_timeout = handshake_timeout
+        self.refused = refused or {}
 
     def buildProtocol(self, addr: Any) -> PortProtocol:
         return PortProtocol(self)

@@ -14,7 +14,7 @@ __all__ = ["NsqContext"]
 class NsqContext:
     """What every NSQ connection of a server shares."""
 
-    def __init__(self, store: Any, broker: Any, options: Any, clock: Any):
+    def __init__(self, store: Any, broker: Any, options: Any, clock: Any, *, tls: Any = None, authorizer: Any = None):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 
@@ -31,6 +31,11 @@ class NsqContext:
         self.heartbeat_interval = opt("heartbeat_interval", 30.0)
         self.deflate = opt("deflate", True)
         self.max_deflate_level = opt("max_deflate_level", MAX_DEFLATE_LEVEL)
+        # security (dmq_server.security): the TLS context of the tls_v1 upgrade, whether
+        # plaintext commands are refused, and the authorizer AUTH asks (None: auth off)
+        self.tls = tls
+        self.tls_required = tls is not None and opt("tls_required_mode", "false") in ("true", "tcp-https")
+        self.authorizer = authorizer
         # NSQ publishers have no producer identity of their own, so this server makes
         # one: unique to this server process by a random component, which is what makes
         # the (producer, session id) pairs of two nodes (on one host, or whose 10-bit

@@ -12,6 +12,13 @@ PUB is answered OK only after commit, a fast topic's (nsqd's semantics, made on
 first use) at once. SUB asks ``Broker.route`` the same question and attaches to a
 reliable channel (FIN is a durable ack) or to the fast store's channel.
 
+Security is nsqd's: IDENTIFY with ``tls_v1`` (when the server has a certificate) is
+answered in plaintext, then the port runs the TLS handshake and ``OK`` follows over TLS
+(then deflate, if asked too); while TLS is required every command but IDENTIFY fails
+``E_INVALID`` before it. ``AUTH`` and the checks before PUB, MPUB, DPUB and SUB go to
+``security.session.ClientAuth``; while it asks the authorizer, this connection runs no
+further command (its answers keep their order, and nothing slips past a refusal).
+
 Why one long module: it is one connection's state machine over every NSQ command, each a
 short method; split up, the states and the commands that change them would be read in
 different files.
@@ -22,14 +29,17 @@ from __future__ import annotations
 import zlib
 from typing import Any, Callable
 
+from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.broker import FAST
-from dmq_server.core.errors import DmqError
-from dmq_server.core.peers import peer_address
+from dmq_server.core.auth import PUBLISH, SUBSCRIBE
+from dmq_server.core.errors import AuthFailed, DmqError
+from dmq_server.core.peers import peer_address, peer_host
 from dmq_server.core.publish import Published, PublishRequest
-from dmq_server.protocols.flow import NO_GATE
+from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
 from dmq_server.core.nsq_identify import (
     VERSION,
@@ -42,6 +52,8 @@ from dmq_server.core.nsq_identify import (
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_responses import ResponseQueue, Slot
 from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub
+from dmq_server.security.session import ClientAuth
+from dmq_server.security.tls import PeerTls, peer_tls
 from dmq_server.core.nsq_wire import (
     CLOSE_WAIT,
     HEARTBEAT,
@@ -101,6 +113,10 @@ class NsqConnection:
         self.last_read = self.clock.seconds()
         self._heartbeat: LoopingCall | None = None
         self._deadline: Any = None
+        self.secure = ISSLTransport.providedBy(transport)  # TLS (its own port, or upgraded)
+        self.start_tls: Any = None  # the port's in-band upgrade, when the server has TLS
+        self.auth = ClientAuth(ctx.authorizer, self.clock, peer_host(peer), peer, self._peer_tls) if ctx.authorizer else None
+        self._held: Any = None  # a command waiting for the authorizer; nothing runs meanwhile
         self._start_heartbeats()
         ctx.connections.add(self)
 
@@ -158,6 +174,7 @@ class NsqConnection:
             and not self._stopped
             and not self.closed
             and not self.flow.paused
+            and self._held is None
         ):
             data, self._inflate_tail = self._inflate_tail, b""
             try:
@@ -187,23 +204,79 @@ class NsqConnection:
 
     def _process(self) -> None:
         parser = self.parser
-        while not self._stopped and not self.closed:
+        while not self._stopped and not self.closed and self._held is None:
             try:
                 cmd = parser.next_command()
                 if cmd is None:
                     return
                 self.flow.frame_completed()
-                handler = _HANDLERS.get(cmd.name)
-                if handler is None:
-                    name = cmd.name.decode("utf-8", "replace")
-                    raise FatalClientError("E_INVALID", f"invalid command {name}")
-                handler(self, cmd)
+                self._run(cmd)
             except NsqError as err:
                 self._answer(None, err)
             except CloseSilently:
                 log.info("{peer}: command line too long, closing", peer=self.remote_address)
                 self._stopped = True
                 self.close()
+
+    def _run(self, cmd: Any) -> None:
+        handler = _HANDLERS.get(cmd.name)
+        if handler is None:
+            name = cmd.name.decode("utf-8", "replace")
+            raise FatalClientError("E_INVALID", f"invalid command {name}")
+        self._check_tls(cmd.name)
+        handler(self, cmd)
+
+    def _check_tls(self, name: bytes) -> None:
+        if self.ctx.tls_required and not self.secure and name != b"IDENTIFY":
+            raise FatalClientError("E_INVALID", f"cannot {_text(name)} in current state (TLS required)")
+
+    # -- security: TLS and the authorizer's answers ----------------------------------------
+    def _peer_tls(self) -> PeerTls | None:
+        return peer_tls(self.transport, self.ctx.tls) if self.secure else None
+
+    def tls_ready(self) -> None:
+        """The port's TLS handshake finished (in-band upgrade)."""
+        self.secure = True
+        tls = self._peer_tls()
+        log.info("{peer}: TLS {version} {cipher}", peer=self.remote_address,
+                 version=tls.version if tls else "?", cipher=tls.cipher if tls else "?")
+
+    def _allowed(self, cmd: Any, verb: str, permission: str, topic: str, channel: str = "") -> bool:
+        """True when the client may; False when the command is held until the
+        authorizer answers again (it then runs anew); raises the fatal refusal."""
+        if self.auth is None:
+            return True
+        try:
+            waiting = self.auth.check(verb, permission, topic, channel)
+        except DmqError as err:
+            raise FatalClientError(err.code, err.description) from None
+        if waiting is None:
+            return True
+        self._hold(waiting, lambda: self._run(cmd))
+        return False
+
+    def _hold(self, waiting: Any, then: Callable[[], None]) -> None:
+        """Run nothing else until ``waiting`` fires; then ``then()`` and carry on. An
+        answer already there (the auth file) runs ``then()`` at once."""
+        if waiting.called:
+            then()
+            return
+        self._held = waiting
+        self.flow.hold(AUTH)
+
+        def resume(_: Any) -> None:
+            self._held = None
+            if self.closed or self._stopped:
+                return
+            try:
+                then()
+            except NsqError as err:
+                self._answer(None, err)
+            if self._held is None and not self.closed:
+                self.flow.release(AUTH)  # drains kept (inflated) input first
+                self._process()
+
+        waiting.addCallback(resume)
 
     def connection_lost(self) -> None:
         if self._heartbeat is not None and self._heartbeat.running:
@@ -273,6 +346,7 @@ class NsqConnection:
     # -- checks nsqd makes before reading a body ------------------------------------------
     def _precheck(self, params: list[bytes]) -> None:
         name = params[0]
+        self._check_tls(name)
         if name == b"IDENTIFY":
             if self.state != STATE_INIT:
                 raise FatalClientError("E_INVALID", "cannot IDENTIFY in current state")
@@ -325,6 +399,7 @@ class NsqConnection:
             self.replies.reply(response(OK))
             return
         deflate, level = deflate_choice(fields, ctx.deflate, ctx.max_deflate_level)
+        tls = bool(fields.get("tls_v1")) and self.start_tls is not None and not self.secure
         reply = identify_reply(
             settings,
             max_rdy_count=ctx.max_rdy_count,
@@ -332,9 +407,25 @@ class NsqConnection:
             deflate=deflate,
             deflate_level=level,
             max_deflate_level=ctx.max_deflate_level,
+            tls_v1=tls,
+            auth_required=self.auth is not None,
         )
-        upgrade = (lambda: self._upgrade_deflate(level)) if deflate else None
-        self.replies.reply(response(reply), after=upgrade)
+
+        def upgrade() -> None:  # nsqd's order: TLS, then compression, each answered OK
+            if tls:
+                self._upgrade_tls()
+            if deflate:
+                self._upgrade_deflate(level)
+
+        self.replies.reply(response(reply), after=upgrade if tls or deflate else None)
+
+    def _upgrade_tls(self) -> None:
+        """After the IDENTIFY reply (plaintext): the server side of the handshake, then an
+        OK, which leaves once the handshake is done. Bytes already read after IDENTIFY
+        are the client's first handshake bytes."""
+        log.info("{peer}: upgrading connection to TLS", peer=self.remote_address)
+        self.start_tls(self.parser.take_buffered())
+        self.write(response(OK))
 
     def _upgrade_deflate(self, level: int) -> None:
         """After the IDENTIFY reply: raw DEFLATE both ways (sync-flushed per write), then
@@ -349,7 +440,29 @@ class NsqConnection:
             self._inflate()  # bad bytes here are answered (E_INVALID) after IDENTIFY's reply
 
     def cmd_auth(self, cmd: Any) -> None:
-        raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+        auth = self.auth
+        if auth is not None and auth.secret is not None:
+            raise FatalClientError("E_INVALID", "AUTH already set")
+        if auth is None:
+            raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+        slot = self.replies.reserve()
+        outcome: list[Any] = []
+        waiting = auth.login(cmd.body.decode("utf-8", "replace")).addBoth(outcome.append)
+
+        def answer() -> None:
+            result = outcome[0]
+            if isinstance(result, Failure):
+                error = result.value if isinstance(result.value, DmqError) else AuthFailed("AUTH failed")
+                raise FatalClientError(error.code, error.description)
+            self._answer(slot, result.reply())
+
+        def run() -> None:
+            try:
+                answer()
+            except NsqError as err:
+                self._answer(slot, err)
+
+        self._hold(waiting, run)
 
     # -- consuming ------------------------------------------------------------------------
     def cmd_sub(self, cmd: Any) -> None:
@@ -365,6 +478,8 @@ class NsqConnection:
         if not valid_name_bytes(params[2]):
             raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {go_quote(params[2])} is not valid")
         topic, channel = params[1].decode(), params[2].decode()
+        if not self._allowed(cmd, "SUB", SUBSCRIBE, topic, channel):
+            return
         self.state = STATE_SUBSCRIBED
         slot = self.replies.reserve()
         self.ctx.broker.route(topic, True, lambda store: self._subscribe(slot, topic, channel, store))
@@ -477,13 +592,19 @@ class NsqConnection:
 
     # -- publishing -----------------------------------------------------------------------
     def cmd_pub(self, cmd: Any) -> None:
-        self._publish(cmd.params[1].decode(), [cmd.body], 0, "PUB")
+        topic = cmd.params[1].decode()
+        if self._allowed(cmd, "PUB", PUBLISH, topic):
+            self._publish(topic, [cmd.body], 0, "PUB")
 
     def cmd_mpub(self, cmd: Any) -> None:
-        self._publish(cmd.params[1].decode(), cmd.bodies, 0, "MPUB")
+        topic = cmd.params[1].decode()
+        if self._allowed(cmd, "MPUB", PUBLISH, topic):
+            self._publish(topic, cmd.bodies, 0, "MPUB")
 
     def cmd_dpub(self, cmd: Any) -> None:
-        self._publish(cmd.params[1].decode(), [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
+        topic = cmd.params[1].decode()
+        if self._allowed(cmd, "DPUB", PUBLISH, topic):
+            self._publish(topic, [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
 
     def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
         """One request to the broker. A fast topic's answer comes before ``publish``
@@ -555,7 +676,13 @@ class NsqConnection:
             "tls_negotiated_protocol_is_mutual": False,
             "topology_zone": "",
             "topology_region": "",
+            "authed": False,
         }
+        tls = self._peer_tls()
+        if tls is not None:
+            out.update(tls=True, tls_cipher_suite=tls.cipher, tls_version=tls.version)
+        if self.auth is not None:
+            out.update(self.auth.stats())
         if self.pub_counts:
             out["pub_counts"] = [{"topic": t, "count": n} for t, n in sorted(self.pub_counts.items())]
         return out

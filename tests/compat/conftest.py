@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import make_server, topic  # noqa: F401  (fixtures)
+from tests.integration.conftest import certs, make_server, topic  # noqa: F401  (fixtures)
 
 
 @pytest.fixture

@@ -45,3 +45,10 @@ def owner(pg_dsn):
         return create_owner(conn, "node-1")
 
 
+@pytest.fixture
+def certs(tmp_path):
+    """trustme certificates (CA, server for 127.0.0.1/localhost, a client) as PEM files."""
+    from .certs import make_certs
+
+    return make_certs(tmp_path / "certs")
+

@@ -65,7 +65,8 @@ def admin_server(make_server, **flags):
 
 
 def http(server, method: str, path: str, token: str | None = None, body: bytes | None = None):
-    request = urllib.request.Request(server.http + path, data=body, method=method)
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    request = urllib.request.Request(server.http + path, data=body, method=method, headers=headers)
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     if method not in ("GET", "HEAD"):

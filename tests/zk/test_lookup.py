@@ -23,7 +23,9 @@ def get_json(url: str) -> tuple[int, dict]:
 
 
 def http_pub(node, topic: str, body: bytes) -> str:
-    request = urllib.request.Request(f"{node.http}/pub?topic={topic}", data=body, method="POST")
+    request = urllib.request.Request(
+        f"{node.http}/pub?topic={topic}", data=body, method="POST", headers={"Content-Type": "application/octet-stream"}
+    )
     with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.read().decode()
 

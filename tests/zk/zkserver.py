@@ -55,7 +55,16 @@ def four_letter(port: int, word: str, timeout: float = 1.0) -> str:
 class ZooKeeperServer:
     """One ZooKeeper server process (standalone, or member ``myid`` of an ensemble)."""
 
-    def __init__(self, base: Path, client_port: int, myid: int = 0, peers: list[tuple[int, int, int]] | None = None):
+    def __init__(
+        self,
+        base: Path,
+        client_port: int,
+        myid: int = 0,
+        peers: list[tuple[int, int, int]] | None = None,
+        extra_config: tuple[str, ...] = (),
+        jvm_args: tuple[str, ...] = (),
+        jars: tuple[Path, ...] = (),
+    ):
         self.dir = base / (f"zk{myid}" if myid else "zk")
         self.data_dir = self.dir / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +82,9 @@ class ZooKeeperServer:
             "initLimit=20",
             "syncLimit=10",
         ]
+        lines += extra_config
+        self.jvm_args = jvm_args
+        self.jars = jars
         if peers:
             lines.append("standaloneEnabled=false")
             for sid, quorum, election in peers:
@@ -87,7 +99,7 @@ class ZooKeeperServer:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self, wait: bool = True, timeout: float = 60.0) -> "ZooKeeperServer":
-        classpath = ":".join(str(p) for p in [JAR, *LOG_JARS] if p.exists())
+        classpath = ":".join(str(p) for p in [JAR, *LOG_JARS, *self.jars] if p.exists())
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [
@@ -96,6 +108,7 @@ class ZooKeeperServer:
                 "-XX:+UseSerialGC",
                 "-Dzookeeper.jmx.log4j.disable=true",
                 "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+                *self.jvm_args,
                 "-cp",
                 classpath,
                 MAIN,
