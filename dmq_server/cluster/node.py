@@ -128,7 +128,7 @@ class ClusterNode:
         seeded = yield self._zk(zk.ZkRegistry(self.client).seed, rows)
         if seeded:
             log.info("seeded the ZooKeeper registry with {n} topics from PostgreSQL", n=len(rows))
-        self._worker = DbWorker(self.reactor, self._dsn, "cluster")
+        self._worker = DbWorker(self.reactor, self._dsn, "cluster", timeout=options.pg_timeout)
         self._worker.start()
         log.info("connected to ZooKeeper at {zk}", zk=options.zk)
 

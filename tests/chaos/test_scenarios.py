@@ -1,0 +1,38 @@
+"""Every fault of the suite, under mixed load, counted: zero lost, zero duplicated.
+
+The short form (CI): 3 s of load, the fault held 4 s, 3 s after it recovers; the
+counts and recovery time of each scenario are printed in the "chaos reports" section.
+``python bench/chaos.py`` runs the same scenarios for minutes (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import conftest, scenarios
+
+SHORT = scenarios.Timing(before=3.0, hold=4.0, after=3.0, drain=60.0, linger=2.0)
+
+
+@pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
+def test_no_acknowledged_message_is_lost(chaos_cluster, name):
+    """Under the fault, every send acknowledged to a producer reaches both channels,
+    nothing is delivered again once its ack was durable, nothing unknown appears, and
+    the cluster serves producers again by itself."""
+    try:
+        report = scenarios.run(chaos_cluster, name, SHORT)
+    except BaseException:
+        print(chaos_cluster.logs())
+        raise
+    finally:
+        chaos_cluster.restore()
+    text = scenarios.format_report(report)
+    conftest.REPORTS.append(text)
+    assert report["acked"] > 500, text  # the load ran: there was something to lose
+    for channel in report["channels"]:
+        assert channel["lost"] == 0, text
+        assert channel["duplicated"] == 0, text
+        assert channel["unexpected"] == 0, text
+    assert report["all_delivered"] and not report["failures"], text
+    # it recovered while the load was on (the outage ended before the producers stopped)
+    assert report["acks_per_s"]["after"] > 0, text
