@@ -67,9 +67,11 @@ def main() -> int:
             cpu = sum(cpu_after[pid] - cpu_before[pid] for pid in cpu_after.keys() & cpu_before.keys())
             report["cpu_s"] = round(cpu, 1)
             report["cpu_us_per_ack"] = round(cpu / max(1, report["acked"]) * 1e6)
-            report["restore_s"] = round(cluster.restore(), 1)
             reports.append(report)
             print(scenarios.format_report(report), flush=True)
+            if not report["ok"]:
+                print(scenarios.diagnose(cluster, report), flush=True)
+            report["restore_s"] = round(cluster.restore(), 1)
             print(f"  cpu {report['cpu_s']} s of dmq, PostgreSQL and ZooKeeper "
                   f"({report['cpu_us_per_ack']} us per acknowledged send); restored in {report['restore_s']} s",
                   flush=True)

@@ -26,7 +26,7 @@ from .checker import check, throughput
 from .cluster import ChaosCluster
 from .load import Load
 
-__all__ = ["Timing", "SCENARIOS", "run", "format_report"]
+__all__ = ["Timing", "SCENARIOS", "run", "format_report", "diagnose"]
 
 CHANNELS = ["billing", "audit"]
 Heal = Callable[[], None]
@@ -256,4 +256,31 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  load failures: {report['failures']}")
     if report["notes"]:
         lines.append(f"  notes: {report['notes']}")
+    return "\n".join(lines)
+
+
+def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
+    """For a failed scenario: where its lost sends are in the store (message, delivery and
+    delay rows, read from the primary) and the warnings the nodes logged, to start from."""
+    import psycopg
+
+    lines = []
+    queries = {
+        "message": "SELECT id, node_id, published_at FROM dmq_message WHERE producer = %s AND session_id = %s",
+        "deliveries": "SELECT d.channel, d.owner, d.attempts FROM dmq_delivery d JOIN dmq_message m"
+                      " ON m.id = d.message_id WHERE m.producer = %s AND m.session_id = %s",
+        "delay": "SELECT id, node_id, due_ms FROM dmq_delay WHERE producer = %s AND session_id = %s",
+    }
+    try:
+        with psycopg.connect(cluster.direct_dsn, autocommit=True, connect_timeout=5) as conn:
+            for channel in report["channels"]:
+                for key in channel["lost_examples"][:3]:
+                    producer, sid = key.rsplit("/", 1)
+                    found = {name: conn.execute(q, (producer, int(sid))).fetchall() for name, q in queries.items()}
+                    lines.append(f"lost on {channel['channel']}: {key}: {found}")
+    except Exception as exc:  # the store may be the thing that failed
+        lines.append(f"(the store could not be read: {exc})")
+    for node in cluster.nodes:
+        noted = [line[:300] for line in node.log().splitlines() if "#warn" in line or "#error" in line]
+        lines.append(f"--- {node.flags['node_id']}: last warnings\n" + "\n".join(noted[-15:]))
     return "\n".join(lines)

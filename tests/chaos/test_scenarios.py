@@ -21,13 +21,15 @@ def test_no_acknowledged_message_is_lost(chaos_cluster, name):
     the cluster serves producers again by itself."""
     try:
         report = scenarios.run(chaos_cluster, name, SHORT)
+        text = scenarios.format_report(report)
+        conftest.REPORTS.append(text)
+        if not report["ok"]:
+            text += "\n" + scenarios.diagnose(chaos_cluster, report)
     except BaseException:
         print(chaos_cluster.logs())
         raise
     finally:
         chaos_cluster.restore()
-    text = scenarios.format_report(report)
-    conftest.REPORTS.append(text)
     assert report["acked"] > 500, text  # the load ran: there was something to lose
     for channel in report["channels"]:
         assert channel["lost"] == 0, text
