@@ -13,6 +13,7 @@ docs/architecture.md (Not there yet).
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from typing import Any, Callable
@@ -39,7 +40,8 @@ from dmq_server.core.options import Options
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import RefusedError, StorageError
 from dmq_server.db.messages import (
-    AckRow, NewMessage, load_backlog_steps, read_channel_state_steps, run_query_steps, sweep_messages_steps,
+    AckRow, NewMessage, find_stored_steps, load_backlog_steps, read_channel_state_steps, run_query_steps,
+    sweep_messages_steps,
 )
 from dmq_server.db.topics import list_topics_steps
 from dmq_server.db.worker import DbWorker
@@ -47,6 +49,9 @@ from registry.model import TopicSpec
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 
 __all__ = ["Broker", "RELIABLE", "FAST", "MAX_TIMESTAMP_MS"]
+
+# sends of unknown outcome remembered at most (the oldest are forgotten beyond it)
+MAX_UNRESOLVED = 100_000
 
 log = Logger()
 
@@ -131,6 +136,12 @@ class Broker:
         # channels are re-read from the store now and again after the next commit
         self._unknown_topics: set[str] = set()
         self.unknown_outcomes = 0
+        # the sends of those writes, looked for in the store until it shows them: a
+        # commit cut off while it waited (for its synchronous standby, say) becomes
+        # visible when it ends, maybe after every rescan (see _resolve_unknown)
+        self._unresolved: dict[tuple[str, int], tuple[str, float]] = {}
+        self._resolving = False
+        self._resolve_after = 0.0
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
         self._load_outage = Outage("backlog loads", clock)
@@ -139,7 +150,7 @@ class Broker:
             node_id,
             options.commit_batch_size,
             self._writer_health,
-            on_unknown=lambda items: self.outcome_unknown({m.topic for m in items}),
+            on_unknown=self._unknown_sends,
             clock=clock,
         )
         self.acker = AckBatcher(
@@ -230,6 +241,47 @@ class Broker:
             topics = {topic for topic, _ in self.channels}
         self._unknown_topics |= topics
         self._rescan_topics(topics)
+
+    def _unknown_sends(self, items: list[NewMessage]) -> None:
+        now = self.clock.seconds()
+        for m in items:
+            self._unresolved[(m.producer, m.session_id)] = (m.topic, now)
+        while len(self._unresolved) > MAX_UNRESOLVED:  # memory stays bounded: the oldest go
+            del self._unresolved[next(iter(self._unresolved))]
+        self.outcome_unknown({m.topic for m in items})
+
+    def _resolve_unknown(self) -> None:
+        """Once a second while sends of unknown outcome remain: those the store now
+        shows have their topic's channels re-read (the rows are visible, so the load
+        finds them); the others are looked for again, for the message retention.
+
+        A rescan at the failure and another after the next commit are not enough when
+        the commit's transaction outlives its connection: a commit waiting for its
+        synchronous standby when ``--pg-timeout`` cut it off ends when a standby
+        comes back, seconds later. Its producers' resends are then answered as
+        duplicates (stored), and no channel would be handed the copies.
+        """
+        now = self.clock.seconds()
+        if not self._unresolved or self._resolving or now < self._resolve_after:
+            return
+        self._resolve_after = now + 1.0
+        self._resolving = True
+        pairs = list(itertools.islice(self._unresolved, 1000))
+
+        def found(stored: list[tuple[str, int]]) -> None:
+            self._resolving = False
+            topics = {self._unresolved.pop(pair)[0] for pair in stored if pair in self._unresolved}
+            horizon = now - self.options.message_retention
+            for pair in [p for p in pairs if p in self._unresolved and self._unresolved[p][1] < horizon]:
+                del self._unresolved[pair]  # never committed: its resend stored it anew, or none came
+            if topics:
+                self._rescan_topics(topics)
+
+        def failed(failure: Any) -> None:
+            self._resolving = False
+            failure.trap(StorageError)
+
+        self._workers["loader"].run_steps(find_stored_steps, pairs).addCallbacks(found, failed)
 
     def _rescan_topics(self, topics: set[str]) -> None:
         for (topic, _), channel in list(self.channels.items()):
@@ -774,6 +826,7 @@ class Broker:
 
     # -- periodic work ----------------------------------------------------
     def _scan(self) -> None:
+        self._resolve_unknown()
         now = self.clock.seconds()
         for channel in list(self.channels.values()):
             if channel.in_flight:

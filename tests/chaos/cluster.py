@@ -32,7 +32,9 @@ from .faultproxy import FaultProxy
 
 __all__ = ["ChaosCluster", "patroni_local", "FAKETIME_LIB"]
 
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+# Debian's libfaketime, under the machine's multiarch directory
+FAKETIME_LIB = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
+                    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
 CHROOT = "/dmq-chaos"
 NODE_FLAGS = {
     "zk_session_timeout": "3s",

@@ -1,5 +1,6 @@
 """The chaos tier: one cluster (ZooKeeper, three Patroni members, three dmq nodes, the
-fault proxies) for the whole session, faults injected one scenario at a time.
+fault proxies) per module, faults injected one scenario at a time; it is stopped when
+the module is done, so the tiers after it do not share the machine with it.
 
 Each scenario restores the cluster when it is done (``ChaosCluster.restore``), so the
 next one starts whole. The reports (counts, outage, recovery, throughput) are printed
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(items):
         )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chaos_cluster() -> Iterator[ChaosCluster]:
     cluster = ChaosCluster().start()
     try:

@@ -9,9 +9,9 @@ every acknowledged send reached both channels, keeps the consumers on ``linger``
 seconds more so a wrong redelivery has time to show, and counts (``checker.check``).
 
 The report gives, besides the counts: the **outage** (the longest time a producer went
-without an acknowledgement, from one second before the fault on) and when it ended
-after the fault (**recovered**), and acknowledged sends per second before, during
-(fault to recovery) and after. Everything is bounded in time and stops by itself.
+without an acknowledgement, among the gaps that began between a second before the fault
+and a second after its heal) and when it ended after the fault (**recovered**), and
+acknowledged sends per second before, during (fault to recovery) and after. Everything is bounded in time and stops by itself.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         load.stop()
     counts = check(load.history)
     h = load.history
-    gap, gap_end = _longest_gap([p.ack_times for p in load.producers], injected - 1.0, load_end)
+    gap, gap_end = _longest_gap([p.ack_times for p in load.producers], injected - 1.0, healed_done, load_end)
     recovered = max(injected, gap_end)
     return {
         "scenario": name,
@@ -214,13 +214,15 @@ def _await_acks_since(load: Load, since: float, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _longest_gap(series: list[list[float]], start: float, end: float) -> tuple[float, float]:
-    """The longest time any producer went without an ack in [start, end], and when it ended."""
+def _longest_gap(series: list[list[float]], start: float, fault_end: float, end: float) -> tuple[float, float]:
+    """The longest time a producer went without an ack, among the gaps that began while
+    the fault could be the cause (from ``start`` to a second after ``fault_end``), and
+    when it ended (no later than ``end``)."""
     best, best_end = 0.0, start
     for times in series:
         last = start
         for t in [x for x in times if start <= x <= end] + [end]:
-            if t - last > best:
+            if last <= fault_end + 1.0 and t - last > best:
                 best, best_end = t - last, t
             last = t
     return best, best_end
