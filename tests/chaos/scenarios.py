@@ -181,7 +181,7 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
     recovered = max(injected, gap_end)
     return {
         "scenario": name,
-        "fault": (fault.__doc__ or "").strip().split("\n")[0],
+        "fault": " ".join((fault.__doc__ or "").split()),
         "topic": topic,
         "attempted": len(h.attempted),
         "acked": len(h.acked),
@@ -241,8 +241,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['scenario']}: {'OK' if report['ok'] else 'FAILED'}  ({report['fault']})",
         f"  sends attempted {report['attempted']}, acknowledged {report['acked']}, resends {report['resends']}, "
         f"producer errors {report['producer_errors']}",
-        f"  outage {report['outage_s']} s, recovered {report['recovered_after_fault_s']} s after the fault "
-        f"({report['recovered_after_heal_s']} s after the heal)",
+        f"  outage {report['outage_s']} s, "
+        + (f"recovered {report['recovered_after_fault_s']} s after the fault "
+           f"({report['recovered_after_heal_s']} s after the heal)" if report["outage_s"] >= 1.0 else "no stall"),
         f"  acks/s before {report['acks_per_s']['before']}, during {report['acks_per_s']['during']}, "
         f"after {report['acks_per_s']['after']}",
     ]
