@@ -43,7 +43,7 @@ def _find_bindir() -> Path:
     initdb = shutil.which("initdb")
     if initdb:
         return Path(os.path.realpath(initdb)).parent
-    raise RuntimeError("no PostgreSQL binaries found (install postgresql or dmq[embedded])")
+    raise RuntimeError("no PostgreSQL binaries found (install postgresql or dmq-server[embedded])")
 
 
 class PrivatePostgres:

@@ -94,6 +94,9 @@ if [ "$extras" != "embedded" ]; then
     [ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
     # ZooKeeper 3.8 for the cluster tests (tests/zk start it from its jars, standalone)
     [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
+    # a real browser for the web console's tests (tests/integration/test_console_browser.py)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     # faketime for the chaos tier's clock jumps (libfaketime, LD_PRELOAD)
     [ -x /usr/bin/faketime ] || missing+=(faketime)
     if [ "${#missing[@]}" -gt 0 ]; then
@@ -117,7 +120,7 @@ fi
 
 # 4. dmq itself, editable, with its extras; skipped when the stamp says it is done.
 stamp_file="$venv/.dmq-setup-stamp"
-fingerprint="$( { cat pyproject.toml; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
+fingerprint="$( { cat pyproject.toml; cat client/pyproject.toml 2>/dev/null || true; echo "$repo"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)"
 done_before="$(cat "$stamp_file" 2>/dev/null || true)"
 if [ "$done_before" = "$fingerprint $extras" ] || [ "$done_before" = "$fingerprint dev,embedded,pipeline" ]; then
     exit 0
@@ -126,6 +129,13 @@ rm -f "$stamp_file"
 say "upgrading pip in $venv"
 "$venv/bin/python" -m pip install -qq --upgrade pip
 say "installing dmq with extras [$extras] and its dependencies into $venv (a few minutes the first time)"
-"$venv/bin/python" -m pip install -qq -e ".[$extras]"
+# two distributions: dmq-client (client/, the light client library) and dmq-server (the
+# rest), which requires the first; a .venv from before the split holds one named dmq
+if "$venv/bin/python" -m pip show -qq dmq >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip uninstall -qq -y dmq
+fi
+client=()
+[ -f client/pyproject.toml ] && client=(-e ./client)
+"$venv/bin/python" -m pip install -qq "${client[@]}" -e ".[$extras]"
 echo "$fingerprint $extras" > "$stamp_file"
 say "done: dmq is installed in $venv"

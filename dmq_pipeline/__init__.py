@@ -11,8 +11,11 @@
 
 Reads go through Spark's JDBC source (:mod:`.jdbc`) with partitioned reads over
 id ranges; :mod:`.database` is the only psycopg user, :mod:`.options` holds
-every setting, :mod:`.cli` is the ``dmq-pipeline`` command. Installed with the
-``pipeline`` extra; ``docs/pipeline.md`` is the guide.
+every setting, :mod:`.cli` is the ``dmq-pipeline`` command. On a cluster,
+:mod:`.cluster` refuses what its executors cannot use before Spark starts,
+:mod:`.ship` ships them dmq's Python (``--ship-env``) and :mod:`.failures` turns
+a failed job into its cause. Installed with the ``pipeline`` extra of
+``dmq-server``; ``docs/pipeline.md`` is the guide.
 """
 
 __all__: list[str] = []

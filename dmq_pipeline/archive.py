@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterator
 
+from .cluster import local_path
 from .database import Database
 from .errors import JobFailed, UsageError
 from .jdbc import IdRange, read_query
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 DATASET = "delivery_log"
 PIPELINE_SCHEMA_VERSION = 2
 _TRIM_ATTEMPTS = 3
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def archive_schema():
@@ -95,14 +94,22 @@ def archive_schema():
 
 
 def normalize_location(text: str) -> str:
-    """URIs (``hdfs://``, ``s3a://``, ``file://``) as given; plain paths made absolute."""
+    """The one spelling of a location: a local one (a plain path, ``file:/x``,
+    ``file:///x``) as its absolute path, so ``file:///x`` and ``/x`` are the same
+    archive; other URIs (``hdfs://``, ``s3a://``) as given, without a trailing slash."""
     text = text.strip()
-    if _URI.match(text):
-        return text.rstrip("/")
-    return os.path.abspath(text)
+    path = local_path(text)
+    if path is not None:
+        return os.path.abspath(path)
+    return text.rstrip("/")
 
 
 def dataset_path(location: str) -> str:
+    """Where Spark reads and writes the dataset: a local location as a ``file:`` URI,
+    so a cluster whose default file system is HDFS still writes the disk meant."""
+    location = normalize_location(location)
+    if location.startswith("/"):
+        location = "file://" + location
     return f"{location.rstrip('/')}/{DATASET}"
 
 
@@ -145,11 +152,15 @@ class RangeChanged(Exception):
 
 
 def prepare(db: Database, settings: ArchiveSettings) -> str:
-    """Validate the archive location against the database's; returns it normalised."""
+    """Validate the archive location against the database's; returns it normalised.
+
+    The database's location binds once a batch has been written there: before that
+    (archiving only enabled, or a first run that failed before its first batch was
+    written, say to a path the executors could not write) another location is taken."""
     location = normalize_location(settings.archive)
     if db.schema_version() >= PIPELINE_SCHEMA_VERSION:
         row = db.one("archive_state")
-        if row is not None and row[0] != location:
+        if row is not None and normalize_location(row[0]) != location and db.one("archive_written_batches")[0]:
             raise UsageError(
                 f"this database is archived to {row[0]}, not {location}: pass --archive {row[0]} "
                 "(one database has one archive, or its watermark would skip rows)"
@@ -294,10 +305,14 @@ def run_archive(
     location = prepare(db, settings)
     result = ArchiveResult(location=location)
     with _archive_lock(db):
-        if db.one("archive_state") is None:
+        state = db.one("archive_state")
+        if state is None:
             db.execute("enable_archive", location=location)
             result.enabled_now = True
             progress(f"archiving enabled at {location}: swept messages are kept until archived")
+        elif normalize_location(state[0]) != location:  # prepare() saw nothing written there
+            db.execute("move_archive", location=location)
+            progress(f"archive location {state[0]} had no batch written: now {location}")
         if settings.init_only:
             return result
         started = time.perf_counter()

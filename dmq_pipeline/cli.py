@@ -16,9 +16,13 @@ import sys
 from contextlib import ExitStack
 from typing import Sequence
 
-from . import archive, report, replay
-from .database import Database, locate
+from dmq_client.pipes import quiet_broken_pipe
+
+from . import archive, report, replay, ship
+from .cluster import check_location, check_reachable
+from .database import Database, dsn_host, locate
 from .errors import PipelineError, UsageError
+from .failures import explain, is_spark_error
 from .options import (
     ArchiveSettings,
     ReplaySettings,
@@ -39,6 +43,12 @@ def _say(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
 
+def _check_cluster(opts: SparkOptions, server: str | None = None) -> None:
+    """Refuse, before anything runs, addresses the executors of a cluster cannot use."""
+    check_reachable(opts.master, db_host=dsn_host(opts.pg_dsn) if opts.pg_dsn else None,
+                    embedded=not opts.pg_dsn, server=server)
+
+
 def _open_database(stack: ExitStack, opts: SparkOptions) -> Database:
     db = stack.enter_context(locate(opts.pg_dsn, opts.data_path))
     if db.schema_version() < 1:
@@ -49,6 +59,8 @@ def _open_database(stack: ExitStack, opts: SparkOptions) -> Database:
 def cmd_archive(args: argparse.Namespace) -> int:
     opts = from_args(SparkOptions, args).validate()
     settings = from_args(ArchiveSettings, args).validate()
+    check_location(opts.master, settings.archive, settings.archive_shared, "--archive")
+    _check_cluster(opts)
     with ExitStack() as stack:
         db = _open_database(stack, opts)
         location = archive.prepare(db, settings)
@@ -56,7 +68,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
         if settings.init_only or not archive.anything_due(db, settings):
             result = archive.run_archive(None, db, opts, settings, _say)  # no JVM needed
         else:
-            spark = stack.enter_context(spark_session(opts, "archive"))
+            spark = stack.enter_context(spark_session(opts, "archive", _say))
             result = archive.run_archive(spark, db, opts, settings, _say)
     if args.json:
         print(json.dumps({
@@ -86,11 +98,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     opts = from_args(SparkOptions, args).validate()
     settings = from_args(ReportSettings, args).validate()
     span = time_range(settings.since, settings.until)
+    if settings.resolved_source() in ("archive", "both"):
+        check_location(opts.master, settings.archive, settings.archive_shared, "--archive")
+    _check_cluster(opts)
     with ExitStack() as stack:
         db = _open_database(stack, opts)
         report.validate(db, settings)
         db.migrate()
-        spark = stack.enter_context(spark_session(opts, "report"))
+        spark = stack.enter_context(spark_session(opts, "report", _say))
         result = report.run_report(spark, db, opts, settings, span, _say)
     summary = result.tables["summary"]
     if args.json:
@@ -114,6 +129,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     opts = from_args(SparkOptions, args).validate()
     settings = from_args(ReplaySettings, args).validate()
     span = time_range(settings.since, settings.until)
+    _check_cluster(opts, None if settings.dry_run else settings.server)
     with ExitStack() as stack:
         db = _open_database(stack, opts)
         replay.validate(db, settings)
@@ -124,7 +140,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if settings.dry_run or not count:
             result = replay.run_replay(None, db, opts, settings, span, _say)
         else:
-            spark = stack.enter_context(spark_session(opts, "replay"))
+            spark = stack.enter_context(spark_session(opts, "replay", _say))
             result = replay.run_replay(spark, db, opts, settings, span, _say)
     if args.json:
         print(json.dumps({"selected": result.selected, "replayed": result.replayed,
@@ -143,6 +159,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for status, n in sorted(result.failed.items()):
             print(f"  not replayed, {status}: {n:,}")
     return 1 if result.failures else 0
+
+
+def cmd_pack_env(args: argparse.Namespace) -> int:
+    out = ship.build_env(args.out)
+    if args.json:
+        print(json.dumps({"archive": str(out), "bytes": out.stat().st_size, "python": ship.PYTHON}))
+    else:
+        print(f"packed dmq's executor environment into {out} ({out.stat().st_size / 1e6:.1f} MB); "
+              f"ship it with --ship-env {out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,12 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=text, description=text)
         add_arguments(p, cls)
         p.set_defaults(func=func)
+    text = ("pack the executors' Python (a virtualenv with dmq's client, pipeline and psycopg, as "
+            "installed here) into a .tar.gz for --ship-env; run it on a machine like the workers")
+    p = sub.add_parser("pack-env", help=text, description=text)
+    p.add_argument("--out", required=True, help="the archive to write (.tar.gz)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="Python log level [default: warning]")
+    p.set_defaults(func=cmd_pack_env)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.core.pipes import quiet_broken_pipe
-
     with quiet_broken_pipe() as closed:  # `dmq-pipeline ... | head`: no traceback
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
@@ -184,6 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PipelineError as exc:
             _say(f"error: {exc}")
             return exc.code
+        except Exception as exc:
+            if not is_spark_error(exc):
+                raise
+            # a job Spark could not finish: the cause, not Py4J's frame (what was done is recorded)
+            _say(f"error: the Spark job failed: {explain(exc)}")
+            return 1
         except KeyboardInterrupt:
             _say("interrupted; a re-run resumes where this one stopped")
             return 130

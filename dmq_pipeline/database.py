@@ -19,20 +19,18 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from dmq_sql import load_queries
+from dmq_sql.connection import connect, describe_error
+from dmq_sql.embedded import EmbeddedPostgres, EmbeddedPostgresError
+from dmq_sql.schema import migrate, schema_version
 
 from .errors import DatabaseUnreachable, PipelineError, UsageError
 
-__all__ = ["Database", "locate", "executor_connection", "queries"]
+__all__ = ["Database", "dsn_host", "locate", "executor_connection", "queries"]
 
 #: The pipeline's named queries (``sql/pipeline.sql``).
 queries: dict[str, str] = load_queries(
     resources.files("dmq_sql").joinpath("pipeline.sql").read_text(encoding="utf-8")
 )
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else exc.__class__.__name__
 
 
 def executor_connection(dsn: str) -> psycopg.Connection:
@@ -41,12 +39,20 @@ def executor_connection(dsn: str) -> psycopg.Connection:
         return psycopg.connect(dsn, autocommit=True, connect_timeout=10,
                                application_name="dmq-pipeline-executor")
     except psycopg.Error as exc:
-        raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+        raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
 
 
 def mark_replayed(conn: psycopg.Connection, ids: list[int], message_ids: list[int]) -> int:
     """Record replayed dead letters; returns how many were not recorded before."""
     return conn.execute(queries["mark_replayed"], {"ids": ids, "message_ids": message_ids}).rowcount
+
+
+def dsn_host(dsn: str) -> str | None:
+    """The host a DSN names (None for none; a Unix socket directory starts with /)."""
+    try:
+        return conninfo_to_dict(dsn).get("host") or None
+    except psycopg.ProgrammingError as exc:
+        raise UsageError(f"--pg-dsn: {describe_error(exc)}") from None
 
 
 class Database:
@@ -79,7 +85,7 @@ class Database:
                                              application_name="dmq-pipeline",
                                              options="-c TimeZone=UTC")
             except psycopg.Error as exc:
-                raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {_describe(exc)}") from exc
+                raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
         return self._conn
 
     def close(self) -> None:
@@ -100,9 +106,9 @@ class Database:
         try:
             return self.conn.execute(queries[name], params or None)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnreachable(f"{name}: {_describe(exc)}") from exc
+            raise DatabaseUnreachable(f"{name}: {describe_error(exc)}") from exc
         except psycopg.Error as exc:
-            raise PipelineError(f"{name}: {_describe(exc)}") from exc
+            raise PipelineError(f"{name}: {describe_error(exc)}") from exc
 
     @contextmanager
     def transaction(self) -> Iterator["Database"]:
@@ -111,11 +117,9 @@ class Database:
             with self.conn.transaction():
                 yield self
         except psycopg.OperationalError as exc:
-            raise DatabaseUnreachable(_describe(exc)) from exc
+            raise DatabaseUnreachable(describe_error(exc)) from exc
 
     def schema_version(self) -> int:
-        from dmq_server.db.schema import schema_version
-
         try:
             with self.conn.transaction():
                 return schema_version(self.conn)
@@ -123,13 +127,15 @@ class Database:
             return 0
 
     def migrate(self) -> None:
-        from dmq_server.db.errors import StorageError
-        from dmq_server.db.schema import migrate
-
         try:
-            migrate(self.dsn)
-        except StorageError as exc:
-            raise PipelineError(str(exc)) from exc
+            conn = connect(self.dsn)
+        except psycopg.Error as exc:
+            raise DatabaseUnreachable(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
+        with conn:
+            try:
+                migrate(conn)
+            except psycopg.Error as exc:
+                raise PipelineError(f"migration failed: {describe_error(exc)}") from exc
 
     def topics(self) -> dict[str, tuple[str, ...]]:
         """Registered topics and their channels."""
@@ -154,7 +160,7 @@ class Database:
     @property
     def jdbc_url(self) -> str:
         info = conninfo_to_dict(self.dsn)
-        host = info.get("host") or ""
+        host = dsn_host(self.dsn) or ""
         if not host or host.startswith("/") or "," in host:
             raise UsageError(
                 f"the DSN must name one TCP host for Spark's JDBC reads (got host {host or 'none'!r})"
@@ -197,8 +203,6 @@ def locate(pg_dsn: str, data_path: str) -> Iterator[Database]:
     dsn = pg_dsn
     try:
         if not dsn:
-            from dmq_server.db.embedded import EmbeddedPostgres, EmbeddedPostgresError
-
             data_dir = Path(data_path).resolve()
             if not (data_dir / "pg").exists():
                 raise DatabaseUnreachable(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .cluster import executor_cores, is_local
 from .database import Database
 from .options import SparkOptions
 
@@ -32,7 +33,18 @@ class IdRange:
 
 
 def partition_count(spark, opts: SparkOptions) -> int:
-    return opts.partitions or spark.sparkContext.defaultParallelism
+    """``--partitions``, else the cores the job has: on a cluster, those of the
+    executors once they joined (``cluster.executor_cores``, counted when the session
+    started), not the few registered at the moment of asking."""
+    if opts.partitions:
+        return opts.partitions
+    sc = spark.sparkContext
+    if is_local(sc.master):
+        return sc.defaultParallelism
+    cores = getattr(sc, "_dmq_executor_cores", None)
+    if cores is None:  # a session the job did not start (a notebook's)
+        cores = sc._dmq_executor_cores = executor_cores(spark)
+    return cores
 
 
 def read_query(

@@ -48,6 +48,12 @@ def _opt(default: Any, help: str, *, kind: str = "str", env: str | None = None,
     return field(default=default, metadata=meta)
 
 
+_ARCHIVE_SHARED = (
+    "the --archive path (or file: URI) is a mount that this machine and every Spark worker see at "
+    "that path; without it a local path is refused on a cluster master"
+)
+
+
 @dataclass(frozen=True)
 class SparkOptions:
     """Where dmq's PostgreSQL is and how Spark reads it; shared by every job."""
@@ -73,6 +79,12 @@ class SparkOptions:
     spark_conf: tuple[str, ...] = _opt(
         (), "extra Spark setting KEY=VALUE (repeatable)", kind="list", flag="--conf"
     )
+    ship_env: str = _opt(
+        "", "the executors' Python on a cluster: `build` packs this installation's dmq and psycopg "
+        "into a virtualenv shipped with the job (cached); or a .tar.gz from `dmq-pipeline pack-env` "
+        "(a path or a URI); empty: the workers' own python3. Ignored on local[...]",
+        env="DMQ_SHIP_ENV",
+    )
 
     def spark_settings(self) -> dict[str, str]:
         settings = {}
@@ -94,6 +106,12 @@ class SparkOptions:
                 "libpostgresql-jdbc-java (apt-get install -y libpostgresql-jdbc-java) "
                 "or pass --jdbc-jar PATH"
             )
+        if self.ship_env not in ("", "build") and "://" not in self.ship_env and not os.path.isfile(
+                os.path.expanduser(self.ship_env)):
+            raise UsageError(
+                f"--ship-env {self.ship_env}: no such file; pass `build`, or a .tar.gz made by "
+                "`dmq-pipeline pack-env --out FILE`"
+            )
         self.spark_settings()
         return self
 
@@ -114,6 +132,7 @@ class ArchiveSettings:
         False, "only enable archiving (swept messages are kept from now on); archive nothing",
         kind="flag",
     )
+    archive_shared: bool = _opt(False, _ARCHIVE_SHARED, kind="flag")
 
     def validate(self) -> "ArchiveSettings":
         if not self.archive:
@@ -137,6 +156,7 @@ class ReportSettings:
         "given, else pg", choices=("auto", "pg", "archive", "both"),
     )
     archive: str = _opt("", "archive location written by `archive`", env="DMQ_ARCHIVE")
+    archive_shared: bool = _opt(False, _ARCHIVE_SHARED, kind="flag")
     out: str = _opt("./dmq-report", "output directory (tables/, charts/, report.html)")
 
     def resolved_source(self) -> str:

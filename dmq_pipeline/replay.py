@@ -37,7 +37,7 @@ from .database import Database
 from .errors import JobFailed, UsageError
 from .jdbc import IdRange, read_query
 from .options import ReplaySettings, SparkOptions, TimeRange
-from .session import root_cause
+from .failures import explain
 
 __all__ = ["PRODUCER", "ReplayResult", "validate", "check_fan_out", "selection", "run_replay", "replay_partition"]
 
@@ -300,7 +300,7 @@ def run_replay(
         tallies = rows.sortWithinPartitions("id").rdd.mapPartitions(partial(replay_partition, job)).collect()
     except Exception as exc:
         raise JobFailed(
-            f"replay stopped: {root_cause(exc)}; what was sent is recorded, re-run to send the rest"
+            f"replay stopped: {explain(exc)}; what was sent is recorded, re-run to send the rest"
         ) from exc
     finally:
         watcher.stop()

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .archive import archive_schema, dataset_path, normalize_location
+from .archive import archive_schema, dataset_path
 from .database import Database
 from .jdbc import IdRange, read_query
 from .options import ReportSettings, SparkOptions, TimeRange
@@ -136,7 +136,7 @@ def _read_archive(spark, location: str):
     from pyspark.errors import AnalysisException
 
     try:
-        return spark.read.schema(archive_schema()).parquet(dataset_path(normalize_location(location)))
+        return spark.read.schema(archive_schema()).parquet(dataset_path(location))
     except AnalysisException:
         return None  # nothing archived yet
 
@@ -300,7 +300,7 @@ def run_report(
     tables["summary"] = _summary(tables)
     progress(f"figures computed in {time.perf_counter() - started:.1f} s")
     result = ReportResult(out=settings.out, range=span, source=settings.resolved_source(), tables=tables)
-    result.files = report_output.write_all(spark, result)
+    result.files = report_output.write_all(result)
     result.seconds = time.perf_counter() - started
     progress(f"report written in {result.seconds:.1f} s")
     return result

@@ -5,11 +5,13 @@ Layout under ``--out``::
     report.html                  open this
     charts/<chart>.png
     tables/<table>.csv           one file per table, header row, UTC ISO times
-    tables/<table>.parquet/      Spark's Parquet (one part file)
+    tables/<table>.parquet/      the same table as Parquet (one part file)
 
-The tables are aggregates, collected on the driver; the driver writes CSV,
-charts and HTML, Spark writes the Parquet, so ``--out`` must be a directory
-the driver can write (on a cluster: a shared mount).
+The tables are aggregates, collected on the driver, and the driver writes every
+file itself (the Parquet with pyarrow): ``--out`` is a directory on the machine
+that runs ``dmq-pipeline``, whatever the master. (Written by Spark, the Parquet went
+to the executors' own disks on a cluster, leaving only ``_SUCCESS`` here.) What was
+written is read back and counted before the report says it is done.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import csv
 import html
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 from . import charts
+from .errors import JobFailed
 
 __all__ = ["write_all"]
 
@@ -52,12 +54,38 @@ SCHEMAS = {
 }
 
 
-def _schema(name: str):
-    from pyspark.sql import types as T
+def _write_parquet(path: Path, name: str, data: list[tuple]) -> None:
+    """One table as ``<path>/part-00000.parquet``, in the types Spark would give it
+    (times as UTC-adjusted microseconds, which Spark reads as timestamps)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    kinds = {"string": T.StringType(), "long": T.LongType(), "int": T.IntegerType(),
-             "double": T.DoubleType(), "timestamp": T.TimestampType()}
-    return T.StructType([T.StructField(col, kinds[kind]) for col, kind in SCHEMAS[name]])
+    kinds = {"string": pa.string(), "long": pa.int64(), "int": pa.int32(), "double": pa.float64(),
+             "timestamp": pa.timestamp("us", tz="UTC")}
+    schema = pa.schema([(col, kinds[kind]) for col, kind in SCHEMAS[name]])
+    columns = list(zip(*data)) if data else [() for _ in SCHEMAS[name]]
+    table = pa.Table.from_arrays(
+        [pa.array(list(values), type=f.type) for values, f in zip(columns, schema)], schema=schema
+    )
+    path.mkdir(parents=True)
+    pq.write_table(table, path / "part-00000.parquet")
+
+
+def _check(out: Path, tables: dict[str, list[dict]]) -> None:
+    """Every table's CSV and Parquet hold its rows, and the page is there."""
+    import pyarrow.parquet as pq
+
+    for name, rows in tables.items():
+        with open(out / "tables" / f"{name}.csv", newline="", encoding="utf-8") as fh:
+            in_csv = sum(1 for _ in csv.reader(fh)) - 1
+        in_parquet = sum(pq.read_metadata(p).num_rows for p in (out / "tables" / f"{name}.parquet").glob("*.parquet"))
+        if in_csv != len(rows) or in_parquet != len(rows):
+            raise JobFailed(
+                f"report: {out}/tables/{name} holds {in_csv} rows as CSV and {in_parquet} as Parquet, "
+                f"not {len(rows)}: is {out} a directory this machine can write?"
+            )
+    if not (out / "report.html").is_file():
+        raise JobFailed(f"report: {out}/report.html was not written")
 
 
 def _cell(value) -> str:
@@ -70,43 +98,32 @@ def _cell(value) -> str:
     return str(value)
 
 
-def write_all(spark, result) -> list[str]:
-    """Write every output; returns the paths written, relative to ``--out``."""
+def write_all(result) -> list[str]:
+    """Write every output and check it; returns the paths written, relative to ``--out``."""
     out = Path(os.path.abspath(result.out))
     tables_dir = out / "tables"
     if tables_dir.exists():
         shutil.rmtree(tables_dir)  # a report replaces the previous one in the same place
     tables_dir.mkdir(parents=True)
     files = []
-
-    def parquet(name: str, data: list[tuple]) -> None:
-        spark.createDataFrame(data, _schema(name)).coalesce(1).write.mode("overwrite").parquet(
-            str(tables_dir / f"{name}.parquet")
-        )
-
-    # the Parquet writes are tiny Spark jobs, mostly waiting: run them side by side,
-    # and draw the charts on this thread meanwhile
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="dmq-report-parquet") as pool:
-        writes = []
-        for name, rows in result.tables.items():
-            columns = _schema(name).fieldNames()
-            data = [tuple(row.get(c) for c in columns) for row in rows]
-            writes.append(pool.submit(parquet, name, data))
-            with open(tables_dir / f"{name}.csv", "w", newline="", encoding="utf-8") as fh:
-                writer = csv.writer(fh)
-                writer.writerow(columns)
-                writer.writerows([_cell(v) for v in row] for row in data)
-            files += [f"tables/{name}.csv", f"tables/{name}.parquet"]
-        chart_dir = out / "charts"
-        if chart_dir.exists():
-            shutil.rmtree(chart_dir)
-        end = min(result.range.until, datetime.now(timezone.utc))
-        drawn = charts.draw_all(result.tables, chart_dir, end)
-        files += [f"charts/{png}" for png in drawn.values()]
-        for write in writes:
-            write.result()
+    for name, rows in result.tables.items():
+        columns = [col for col, _ in SCHEMAS[name]]
+        data = [tuple(row.get(c) for c in columns) for row in rows]
+        _write_parquet(tables_dir / f"{name}.parquet", name, data)
+        with open(tables_dir / f"{name}.csv", "w", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(columns)
+            writer.writerows([_cell(v) for v in row] for row in data)
+        files += [f"tables/{name}.csv", f"tables/{name}.parquet"]
+    chart_dir = out / "charts"
+    if chart_dir.exists():
+        shutil.rmtree(chart_dir)
+    end = min(result.range.until, datetime.now(timezone.utc))
+    drawn = charts.draw_all(result.tables, chart_dir, end)
+    files += [f"charts/{png}" for png in drawn.values()]
     (out / "report.html").write_text(render_html(result, drawn), encoding="utf-8")
     files.append("report.html")
+    _check(out, result.tables)
     return files
 
 

@@ -7,28 +7,14 @@ import signal
 import sys
 from typing import Any, Sequence
 
-from twisted.logger import (
-    FilteringLogObserver,
-    LogLevel,
-    LogLevelFilterPredicate,
-    Logger,
-    globalLogBeginner,
-    textFileLogObserver,
-)
+from twisted.logger import Logger
 
 from dmq_server.core.options import options_from_args
+from dmq_server.logs import start_logging
 
 __all__ = ["main"]
 
 log = Logger()
-
-_LEVELS = {"debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn, "error": LogLevel.error}
-
-
-def _start_logging(level: str) -> None:
-    predicate = LogLevelFilterPredicate(defaultLogLevel=_LEVELS.get(level, LogLevel.info))
-    observer = FilteringLogObserver(textFileLogObserver(sys.stderr), [predicate])
-    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
 
 
 def _tune_gc() -> None:
@@ -85,7 +71,7 @@ def _stop_on_signals(reactor: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.core.pipes import quiet_broken_pipe
+    from dmq_client.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:  # `dmq-server --help | head`: no traceback
         return _serve(argv)
@@ -94,13 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(argv: Sequence[str] | None) -> int:
     options = options_from_args(argv)
-    _start_logging(options.log_level)
+    observer = start_logging(sys.stderr, options.log_format, options.log_level)
     from twisted.internet import reactor
 
     from dmq_server.service import make_service
 
     service = make_service(options, reactor)
     server = service.server
+    observer.node_id = server.node_id  # on every line from here on
     exit_code = [0]
 
     def ready(_: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from dmq_server.broker import Broker
+from dmq_server.reliable.store import ReliableStore
 from dmq_server.reliable.delay import DelayScheduler
 from dmq_server.core.fragments import FragmentAssignment, StaticAssignment
 
@@ -66,14 +66,14 @@ class Scheduling:
         options: Any,
         reactor: Any,
         node_id: str,
-        broker: Broker,
+        store: ReliableStore,
         delay_dbs: Sequence[Any],
         assignment: Callable[[], FragmentAssignment],
     ):
         self.options = options
         self.reactor = reactor
         self.node_id = node_id
-        self.broker = broker
+        self.store = store  # the reliable store: delayed messages become its copies
         self.delay_dbs = list(delay_dbs)
         self.assignment = assignment
         self.scheduler: Any = None
@@ -81,7 +81,7 @@ class Scheduling:
 
     def start(self) -> None:
         options = self.options
-        broker = self.broker
+        store = self.store
         self.scheduler = make_scheduler(self.reactor)
         self.delays = DelayScheduler(
             clock=self.reactor,
@@ -92,17 +92,26 @@ class Scheduling:
             batch_size=options.delay_batch_size,
             tick=options.delay_tick,
             node_id=self.node_id,
-            on_moved=broker.deliver_moved,
-            on_unknown=lambda: broker.outcome_unknown(None),
+            on_moved=store.deliver_moved,
+            on_unknown=lambda: store.outcome_unknown(None),
             scheduler=self.scheduler,
         )
-        broker.delays = self.delays
+        store.delays = self.delays
         self.scheduler.add_job(
-            broker.dead_letters.sweep_expired,
+            store.dead_letters.sweep_expired,
             "interval",
             seconds=options.expiry_interval,
             id="expiry-sweep",
             name="expired copies to dead letters",
+            max_instances=1,
+            coalesce=True,
+        )
+        self.scheduler.add_job(
+            lambda: store.trace.sweep(options.trace_retention),
+            "interval",
+            seconds=60,
+            id="trace-sweep",
+            name="message trace rows past --trace-retention",
             max_instances=1,
             coalesce=True,
         )

@@ -8,9 +8,10 @@ database   embedded PostgreSQL and its supervisor when there is no --pg-dsn, mig
            what we stop), the embedded PostgreSQL
 cluster    with --zk: ZooKeeper, the registry mirror; heartbeat and node-list timers
            /  leave the cluster (other nodes take over what is still stored)
-fast-store NSQ's store from ``nsqd.dat``; scanner and disk-sync timers  /  memory,
+fast-store NSQ's store from ``nsqd.dat``; its disk-sync timer  /  memory,
            in-flight and deferred messages to disk
-broker     registry cache and channel state; scan, refresh, sweep timers  /  commit and
+broker     registry cache and channel state; the scanner of both stores, refresh,
+           sweep and channel-state timers  /  commit and
            answer every queued send, make acknowledgements durable, close connections
 scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
 listeners  TCP (dmq protocol and NSQ V2), HTTP (API, nsqd, lookupd, admin), the admin
@@ -39,12 +40,15 @@ from twisted.logger import Logger
 from dmq_client.wire import MAGIC
 
 from dmq_server.admin.console import AdminConsoleFactory
+from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin as admin_api
+from dmq_server.http.console import install as install_console
 from dmq_server.http.metrics import Snapshot, metrics_resource
 from dmq_server.http.root import VERSION, make_site
+from dmq_server.http.sampling import Sampling
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
@@ -63,7 +67,7 @@ __all__ = ["DmqServer", "DmqService", "make_service"]
 
 log = Logger()
 
-WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops")
+WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops", "metrics")
 
 
 def _endpoint(reactor: Any, host: str, port: int) -> Any:
@@ -92,6 +96,7 @@ class DmqServer:
         self.port_factory: PortFactory | None = None
         self.http_port: Any = None
         self.console_port: Any = None
+        self.sampling: Sampling | None = None  # /metrics' stored gauges, the console's history
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -106,7 +111,7 @@ class DmqServer:
             Stage("fast-store", self._open_fast_store, self._close_fast_store, timers=lambda: self.fast_store.timers, clock=clock),
             Stage("broker", self._start_broker, self._drain_broker, timers=lambda: self.broker.timers, clock=clock),
             Stage("scheduler", self._start_scheduling, self._stop_scheduling),
-            Stage("listeners", self._listen, self._stop_listening),
+            Stage("listeners", self._listen, self._stop_listening, timers=lambda: self.sampling.timers, clock=clock),
         ]
         if self.options.zk:
             stages.append(Stage("announce", self._announce))
@@ -193,14 +198,27 @@ class DmqServer:
             fast_topics=[topic.stats(include_clients=False) for topic in fast],
             connections={"dmq": len(self.connections), "nsq": len(self.nsq.connections) if self.nsq else 0},
             zk_state=self.cluster.zk_state if self.cluster is not None else None,
+            stored=self.sampling.gauges.snapshot() if self.sampling is not None else None,
+            db_pool={role: worker.state() for role, worker in self.workers.items()},
             histograms={
                 "dmq_publish_commit_seconds": self.broker.publish_commit_seconds.snapshot(),
-                "dmq_group_commit_seconds": self.broker.writer.commit_seconds.snapshot(),
-                "dmq_group_commit_batch_size": self.broker.writer.batch_sizes.snapshot(),
+                "dmq_publish_deliver_seconds": self.broker.publish_deliver_seconds.snapshot(),
+                "dmq_group_commit_seconds": self.broker.reliable.writer.commit_seconds.snapshot(),
+                "dmq_group_commit_batch_size": self.broker.reliable.writer.batch_sizes.snapshot(),
             }
             if self.broker is not None
             else {},
         )
+
+    def _channel_stats(self) -> Any:
+        """Every channel of both stores, ``(store, topic, channel, stats)`` (the console's history)."""
+        for topic in self.broker.stats()["topics"] if self.broker is not None else ():
+            for channel in topic["channels"]:
+                yield "reliable", topic["topic_name"], channel["channel_name"], channel
+        for fast in self.fast_store.topics.values() if self.fast_store is not None else ():
+            stats = fast.stats(include_clients=False)
+            for channel in stats["channels"]:
+                yield "fast", stats["topic_name"], channel["channel_name"], dict(channel, ack_count=channel.get("finish_count", 0))
 
     def _ping(self) -> Any:
         d = self.workers["health"].run(ping)
@@ -279,7 +297,7 @@ class DmqServer:
             options,
             self.reactor,
             self.node_id,
-            self.broker,
+            self.broker.reliable,
             [self.workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
             lambda: make_assignment(options, self.reactor, self.node_id),
         )
@@ -315,6 +333,7 @@ class DmqServer:
             nsq=self.nsq,
             port_factory=self.port_factory,
         )
+        self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval)
         site = make_site(self._ping, broker.stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(
@@ -327,7 +346,10 @@ class DmqServer:
             addresses=lambda: (self.tcp_address, self.http_address),
         )
         http_host, _ = options.http_endpoint
-        admin_api.install(site.resource, ops, http_host, options.admin_token)
+        inspector = Inspector(ops, cluster=self.cluster, info=self.info, history=self.sampling.history,
+                              channels=self._channel_stats, gauges=self.sampling.gauges)
+        admin_api.install(site.resource, ops, http_host, options.admin_token, inspector)
+        install_console(site.resource)
         host, port = options.http_endpoint
         self.http_port = yield _endpoint(reactor, host, port).listen(site)
         yield self._listen_console(ops)

@@ -23,6 +23,14 @@ SELECT location, enabled_at FROM dmq_archive_state;
 INSERT INTO dmq_archive_state (location) VALUES (%(location)s)
 ON CONFLICT (singleton) DO NOTHING;
 
+-- name: archive_written_batches
+-- Batches written to the archive location (its Parquet exists): the location binds.
+SELECT count(*) FROM dmq_archive_batch WHERE state IN ('written', 'trimmed');
+
+-- name: move_archive
+-- A new location for an archive that has no batch written yet.
+UPDATE dmq_archive_state SET location = %(location)s;
+
 -- name: unfinished_archive_batch
 -- The batch a previous run left planned or written, if any.
 SELECT id, low_id, high_id, state, planned_rows, rows

@@ -109,22 +109,25 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
   ON m.producer = u.producer AND m.session_id = u.session_id;
 
 -- name: ack_deliveries
--- Make a batch of acknowledgements durable: drop the delivery rows, log them.
+-- Make a batch of acknowledgements durable: drop the delivery rows, log them, with the
+-- consumer that acknowledged each and when that delivery was pushed (the message trace).
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[],
-                         %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[])
-             AS u(topic, channel, message_id, first_ms, acked_ms, attempts)
+                         %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[],
+                         %(consumers)b::text[], %(delivered_ms)b::bigint[])
+             AS u(topic, channel, message_id, first_ms, acked_ms, attempts, consumer, delivered_ms)
 ), acked AS (
     DELETE FROM dmq_delivery d USING input u
     WHERE d.topic = u.topic AND d.channel = u.channel AND d.message_id = u.message_id
     RETURNING d.message_id, d.topic, d.channel, u.first_ms, u.acked_ms,
-              greatest(u.attempts, d.attempts) AS attempts
+              greatest(u.attempts, d.attempts) AS attempts, u.consumer, u.delivered_ms
 )
 INSERT INTO dmq_delivery_log (message_id, topic, channel, published_at, first_delivered_at,
-                              acked_at, attempts)
+                              acked_at, attempts, consumer, delivered_at)
 SELECT a.message_id, a.topic, a.channel, m.published_at,
        CASE WHEN a.first_ms > 0 THEN to_timestamp(a.first_ms / 1000.0) END,
-       to_timestamp(a.acked_ms / 1000.0), a.attempts
+       to_timestamp(a.acked_ms / 1000.0), a.attempts, a.consumer,
+       CASE WHEN a.delivered_ms > 0 THEN to_timestamp(a.delivered_ms / 1000.0) END
 FROM acked a JOIN dmq_message m ON m.id = a.message_id;
 
 -- name: load_backlog
@@ -516,3 +519,143 @@ DELETE FROM dmq_channel_pause WHERE topic = %(topic)s AND channel = %(channel)s;
 -- nsqd's channel empty on a reliable channel: every stored, unacknowledged copy of the
 -- channel is dropped (the messages stay for the other channels).
 DELETE FROM dmq_delivery WHERE topic = %(topic)s AND channel = %(channel)s;
+
+-- ---------------------------------------------------------------------------
+-- The message trace, peeking, and the gauges /metrics reads on a timer (schema version 6)
+-- ---------------------------------------------------------------------------
+
+-- name: record_returns
+-- Deliveries that came back unacknowledged (batched; reliable/trace.py).
+INSERT INTO dmq_trace (message_id, topic, channel, attempt, reason, consumer, node_id,
+                       delivered_at, returned_at)
+SELECT u.message_id, u.topic, u.channel, u.attempt, u.reason, u.consumer, %(node_id)s,
+       to_timestamp(u.delivered_ms / 1000.0), to_timestamp(u.returned_ms / 1000.0)
+FROM unnest(%(message_ids)b::bigint[], %(topics)b::text[], %(channels)b::text[],
+            %(attempts)b::integer[], %(reasons)b::text[], %(consumers)b::text[],
+            %(delivered_ms)b::bigint[], %(returned_ms)b::bigint[])
+     AS u(message_id, topic, channel, attempt, reason, consumer, delivered_ms, returned_ms);
+
+-- name: sweep_trace
+-- Drop returns older than the trace retention (bounded batch).
+DELETE FROM dmq_trace
+WHERE id IN (SELECT id FROM dmq_trace
+             WHERE returned_at < now() - make_interval(secs => %(retention_s)s)
+             ORDER BY returned_at LIMIT %(limit)s);
+
+-- name: trace_stored
+-- The stored message (or its copy kept for the archive after the sweep), body cut short.
+SELECT id, topic, producer, session_id,
+       (extract(epoch FROM produced_at) * 1000)::bigint,
+       (extract(epoch FROM published_at) * 1000)::bigint,
+       node_id, length(body), substring(body FOR %(preview)s), false AS swept
+FROM dmq_message WHERE id = %(id)s
+UNION ALL
+SELECT id, topic, producer, session_id,
+       (extract(epoch FROM produced_at) * 1000)::bigint,
+       (extract(epoch FROM published_at) * 1000)::bigint,
+       node_id, length(body), substring(body FOR %(preview)s), true
+FROM dmq_message_history WHERE id = %(id)s;
+
+-- name: trace_pending
+-- The message's copies not yet acknowledged: one exact lookup per registered channel.
+SELECT d.channel, d.attempts, d.owner
+FROM dmq_channel c
+JOIN dmq_delivery d ON d.topic = c.topic AND d.channel = c.name AND d.message_id = %(id)s
+WHERE c.topic = %(topic)s
+ORDER BY d.channel;
+
+-- name: trace_returns
+-- Deliveries of the message that came back unacknowledged.
+SELECT channel, attempt, reason, consumer, node_id,
+       (extract(epoch FROM delivered_at) * 1000)::bigint,
+       (extract(epoch FROM returned_at) * 1000)::bigint
+FROM dmq_trace WHERE message_id = %(id)s ORDER BY returned_at, id;
+
+-- name: trace_acks
+-- The message's acknowledged copies.
+SELECT topic, channel, attempts, consumer,
+       (extract(epoch FROM published_at) * 1000)::bigint,
+       (extract(epoch FROM first_delivered_at) * 1000)::bigint,
+       (extract(epoch FROM delivered_at) * 1000)::bigint,
+       (extract(epoch FROM acked_at) * 1000)::bigint
+FROM dmq_delivery_log WHERE message_id = %(id)s ORDER BY acked_at, id;
+
+-- name: trace_dead_letters
+-- Dead letters made of the message's copies, and the one it replays (a replay is stored by
+-- producer dmq-replay with the dead letter's id as its session id).
+SELECT id, reason, detail, topic, channel, attempts,
+       (extract(epoch FROM dead_at) * 1000)::bigint,
+       (extract(epoch FROM replayed_at) * 1000)::bigint,
+       replay_message_id, message_id
+FROM dmq_dead_letter
+WHERE message_id = %(id)s OR id = %(replay_of)s
+ORDER BY id;
+
+-- name: trace_delayed
+-- A delay entry (a DELAY send's id names its entry until it falls due).
+SELECT id, topic, channel, producer, session_id, due_ms, fragment, node_id,
+       (extract(epoch FROM created_at) * 1000)::bigint, length(body),
+       substring(body FOR %(preview)s), replay_of
+FROM dmq_delay WHERE id = %(id)s;
+
+-- name: find_message_by_session
+-- A stored message's id from its producer and session id.
+SELECT id FROM dmq_message WHERE producer = %(producer)s AND session_id = %(session_id)s
+UNION ALL
+SELECT id FROM dmq_message_history WHERE producer = %(producer)s AND session_id = %(session_id)s
+LIMIT 1;
+
+-- name: peek_channel
+-- A channel's stored, unacknowledged copies in id order, bodies cut short; nothing changes.
+SELECT d.message_id, d.attempts, d.owner, m.producer, m.session_id,
+       (extract(epoch FROM m.published_at) * 1000)::bigint,
+       length(m.body), substring(m.body FOR %(preview)s)
+FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
+WHERE d.topic = %(topic)s AND d.channel = %(channel)s AND d.message_id > %(after)s
+ORDER BY d.message_id
+LIMIT %(limit)s;
+
+-- name: oldest_unacked
+-- Per registered channel, the publish time of its lowest unacknowledged message id (one
+-- index probe each): the oldest unacknowledged message's age for /metrics.
+SELECT c.topic, c.name,
+       (SELECT (extract(epoch FROM m.published_at) * 1000)::bigint
+        FROM dmq_delivery d JOIN dmq_message m ON m.id = d.message_id
+        WHERE d.topic = c.topic AND d.channel = c.name
+        ORDER BY d.message_id LIMIT 1)
+FROM dmq_channel c ORDER BY c.topic, c.name;
+
+-- name: delay_pending_by_topic
+-- Delayed messages waiting, per topic, and the next due time.
+SELECT topic, count(*), min(due_ms) FROM dmq_delay GROUP BY topic ORDER BY topic;
+
+-- name: delay_due_histogram
+-- Waiting delayed messages by due time: counts per bucket of %(width_ms)s from now.
+SELECT greatest(0, (due_ms - %(now_ms)s) / %(width_ms)s)::bigint AS bucket, count(*)
+FROM dmq_delay
+WHERE (%(topic)s::text IS NULL OR topic = %(topic)s)
+GROUP BY 1 ORDER BY 1;
+
+-- name: list_delayed
+-- Waiting delayed messages by due time (keyset on (due_ms, id)), bodies cut short.
+SELECT id, topic, channel, producer, session_id, due_ms, fragment, length(body),
+       substring(body FOR %(preview)s), replay_of
+FROM dmq_delay
+WHERE (%(topic)s::text IS NULL OR topic = %(topic)s)
+  AND (due_ms, id) > (%(after_due)s, %(after_id)s)
+ORDER BY due_ms, id
+LIMIT %(limit)s;
+
+-- name: deliver_delayed_now
+-- Make delay entries due at once (the delay workers move them at their next poll).
+UPDATE dmq_delay SET due_ms = %(now_ms)s WHERE id = ANY(%(ids)s::bigint[]) AND due_ms > %(now_ms)s
+RETURNING id;
+
+-- name: cancel_delayed
+-- Delete delay entries before they fall due.
+DELETE FROM dmq_delay WHERE id = ANY(%(ids)s::bigint[]) RETURNING id;
+
+-- name: list_admin_log
+-- The admin audit log, newest first.
+SELECT id, (extract(epoch FROM at) * 1000)::bigint, surface, actor, operation, filters, affected
+FROM dmq_admin_log WHERE id < %(before)s ORDER BY id DESC LIMIT %(limit)s;

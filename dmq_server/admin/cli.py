@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dmq_server.core.pipes import quiet_broken_pipe
+    from dmq_client.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:
         args = build_parser().parse_args(argv)

@@ -213,6 +213,74 @@ def cmd_clients(args: argparse.Namespace) -> None:
             print(f"  nsq {c.get('remote_address')}: {c.get('client_id') or c.get('hostname') or ''} {c.get('state')}")
 
 
+def _when(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}"
+
+
+def cmd_trace(args: argparse.Namespace) -> None:
+    """A message's life from the stored facts (what a running node holds in memory right
+    now is the admin API's ``/admin/messages/ID``)."""
+    from dmq_server.admin.inspect import describe_event
+    from dmq_server.db.trace import find_message, read_trace
+
+    with open_database(args) as conn:
+        message_id = args.id
+        if message_id is None:
+            if not args.producer or args.session_id is None:
+                raise CliError("give a message id, or --producer and --session-id", 2)
+            message_id = find_message(conn, args.producer, args.session_id)
+            if message_id is None:
+                raise CliError(f"no message stored for producer {args.producer!r} and session id {args.session_id}", 1)
+        trace = read_trace(conn, message_id)
+    if args.json:
+        print(json.dumps(trace, indent=2))
+        return
+    delayed = trace["delayed"]
+    if not trace["found"] and delayed is None:
+        raise CliError(f"no message {message_id}: not stored, logged or delayed "
+                       "(swept after --message-retention unless the archive keeps it)", 1)
+    if delayed is not None:
+        print(f"delay entry {message_id}: {delayed['topic']}, due {_when(delayed['due_ms'])} UTC "
+              f"(producer {delayed['producer']}, session {delayed['session_id']}, {delayed['size']} bytes)")
+        return
+    stored = trace["stored"]
+    if stored is not None:
+        swept = ", swept (kept for the archive)" if stored["swept"] else ""
+        print(f"message {message_id} on topic {stored['topic']}, {stored['size']} bytes{swept}")
+    else:
+        print(f"message {message_id} on topic {trace['topic']} (the stored message was swept after its retention)")
+    if trace["replay_of"]:
+        r = trace["replay_of"]
+        print(f"  a replay of dead letter {r['dead_letter_id']} ({r['reason']}, message {r['message_id'] or '-'})")
+    for event in trace["events"]:
+        print(f"  {_when(event['at_ms'])}  {describe_event(event)}")
+    for p in trace["pending"]:
+        print(f"  waiting on {p['channel']}: {p['attempts']} attempts recorded, owner {p['owner'] or '?'}")
+
+
+def cmd_peek(args: argparse.Namespace) -> None:
+    """A channel's waiting messages, oldest first, read without consuming them."""
+    from dmq_server.db.trace import peek_channel
+
+    if not 1 <= args.limit <= 500:
+        raise CliError("--limit must be 1..500", 2)
+    with open_database(args) as conn:
+        rows = peek_channel(conn, args.topic, args.channel, args.after, args.limit, preview=args.bytes)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print(f"nothing waiting on {args.topic}/{args.channel}")
+        return
+    print("message	published (UTC)	attempts	owner	bytes	body")
+    for r in rows:
+        body = r["body"] if r["body_encoding"] == "utf-8" else "(base64) " + r["body"]
+        print(f"{r['message_id']}	{_when(r['published_ms'])}	{r['attempts']}	{r['owner']}	{r['size']}	"
+              f"{body!r}{'...' if r['truncated'] else ''}")
+
+
 def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic")
     p.add_argument("--channel")
@@ -254,6 +322,23 @@ def add_admin_commands(sub: Any) -> None:
     stats = delsub.add_parser("stats", help="waiting delayed messages per fragment")
     stats.add_argument("--json", action="store_true")
     delay.set_defaults(func=cmd_delay)
+
+    trace = sub.add_parser("trace", help="a message's life: stored, each delivery and why it came back, "
+                           "the ack or the dead letter")
+    trace.add_argument("id", type=int, nargs="?", help="the message id (SEND_SUCCESS_ACK's, or NSQ's in decimal)")
+    trace.add_argument("--producer", help="find the message by its producer ...")
+    trace.add_argument("--session-id", type=int, help="... and session id")
+    trace.add_argument("--json", action="store_true")
+    trace.set_defaults(func=cmd_trace)
+
+    peek = sub.add_parser("peek", help="a channel's waiting messages, oldest first, without consuming them")
+    peek.add_argument("topic")
+    peek.add_argument("channel")
+    peek.add_argument("--limit", type=int, default=20, help="at most this many (default 20, at most 500)")
+    peek.add_argument("--after", type=int, default=0, metavar="ID", help="only ids above this (paging)")
+    peek.add_argument("--bytes", type=int, default=200, help="body bytes shown (default 200)")
+    peek.add_argument("--json", action="store_true")
+    peek.set_defaults(func=cmd_peek)
 
     clients = sub.add_parser("clients", help="clients connected to a running server (its HTTP admin API)")
     clients.add_argument("--admin-token", default=os.environ.get("DMQ_ADMIN_TOKEN"), help="the server's --admin-token (env DMQ_ADMIN_TOKEN)")

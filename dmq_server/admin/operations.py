@@ -469,7 +469,7 @@ class AdminOps:
             if after_next is None:
                 break
             after = after_next
-        yield self._audit(surface, actor, "dlq.replay", flt, done)
+        yield self.audit(surface, actor, "dlq.replay", flt, done)
         return done
 
     @inlineCallbacks
@@ -493,7 +493,7 @@ class AdminOps:
             if after_next is None:
                 break
             after = after_next
-        yield self._audit(surface, actor, "dlq.delete", flt, done)
+        yield self.audit(surface, actor, "dlq.delete", flt, done)
         return done
 
     def channel_action(self, action: str, topic: str, channel: str, surface: str, actor: str) -> Deferred:
@@ -530,13 +530,12 @@ class AdminOps:
         )
         return self.db.run(insert_dead_letters, [letter]).addCallback(lambda ids: ids[0])
 
-    def _audit(self, surface: str, actor: str, operation: str, flt: DeadLetterFilter, affected: int) -> Deferred:
+    def audit(self, surface: str, actor: str, operation: str, flt: DeadLetterFilter | str, affected: int) -> Deferred:
+        """Write a destructive operation to the server log and ``dmq_admin_log``; ``flt``
+        is the selection (a dead-letter filter, or its text)."""
+        filters = flt if isinstance(flt, str) else flt.describe()
         log.info(
             "admin {surface} {actor}: {op} {filters} -> {n}",
-            surface=surface,
-            actor=actor,
-            op=operation,
-            filters=flt.describe(),
-            n=affected,
+            surface=surface, actor=actor, op=operation, filters=filters, n=affected,
         )
-        return self.db.run(log_operation, surface, actor, operation, flt.describe(), affected)
+        return self.db.run(log_operation, surface, actor, operation, filters, affected)

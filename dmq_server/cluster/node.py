@@ -148,16 +148,17 @@ class ClusterNode:
         """The broker delivers only owned copies, and nothing before registration."""
         self.broker = broker
         self._fast_topics = fast_topics
-        broker.load_owner = self.node_id
+        store = broker.reliable
+        store.load_owner = self.node_id
         self._pause()
         self.takeover = Takeover(
             self._zk,
             self.client,
             self._worker,
-            broker,
+            store,
             self.node_id,
             self.options.takeover_batch_size,
-            can_claim=lambda: self.registered and not broker.paused,
+            can_claim=lambda: self.registered and not store.paused,
         )
         self._guard_scan(broker)
 
@@ -429,7 +430,7 @@ class ClusterNode:
         self.registered = False
         self._pause()
         if self.broker is not None:
-            for channel in list(self.broker.channels.values()):
+            for channel in list(self.broker.reliable.channels.values()):
                 channel.forget()
 
     def _evicted(self) -> None:
@@ -443,18 +444,13 @@ class ClusterNode:
     def _pause(self) -> None:
         if self.broker is None:
             return
-        self.broker.paused = True
-        for channel in list(self.broker.channels.values()):
-            channel.paused = True
+        self.broker.reliable.pause_delivery(True)
 
     def _resume(self) -> None:
         if self.broker is None or not self.registered:
             return
         self._suspended_pause = False
-        self.broker.paused = False
-        for channel in list(self.broker.channels.values()):
-            channel.paused = False
-            channel.pump()
+        self.broker.reliable.pause_delivery(False)
 
     # -- periodic work ------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -520,7 +516,7 @@ class ClusterNode:
             "zk": self.options.zk,
             "zk_state": self.zk_state,
             "registered": self.registered,
-            "delivery_paused": bool(self.broker is not None and self.broker.paused),
+            "delivery_paused": bool(self.broker is not None and self.broker.reliable.paused),
             "re_registrations": self.re_registrations,
             "nodes": sorted(self.nodes),
             "takeover": self.takeover.stats() if self.takeover is not None else {},

@@ -14,7 +14,7 @@ them:
    owner = me``, row by row exclusive), re-checking the lock and the node's absence
    before every batch;
 4. make the channels that received copies scan from their first id again
-   (``Channel.rescan``), since the claimed ids sit below their cursors.
+   (``ReliableChannel.rescan``), since the claimed ids sit below their cursors.
 
 Two nodes never claim the same copy (the UPDATE re-checks the owner), and a node
 that returns with the same id registers under the same lock, so it starts loading
@@ -42,7 +42,7 @@ class Takeover:
         zk_call: Any,
         client: Any,
         worker: Any,
-        broker: Any,
+        store: Any,
         node_id: str,
         batch_size: int,
         can_claim: Callable[[], bool],
@@ -50,7 +50,7 @@ class Takeover:
         self._zk = zk_call  # ClusterNode._zk: bridge call, fails fast while disconnected
         self._client = client
         self._worker = worker
-        self._broker = broker
+        self._store = store  # the reliable store: its channels re-read what was claimed
         self.node_id = node_id
         self.batch_size = batch_size
         self._can_claim = can_claim
@@ -125,7 +125,7 @@ class Takeover:
 
     def _rescan(self, keys: set[tuple[str, str]]) -> None:
         for key in keys:
-            channel = self._broker.channels.get(key)
+            channel = self._store.channels.get(key)
             if channel is not None:
                 channel.rescan()
 

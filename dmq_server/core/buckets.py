@@ -16,10 +16,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Sequence
 
-__all__ = ["Buckets", "LATENCY_SECONDS", "BATCH_SIZES"]
+__all__ = ["Buckets", "LATENCY_SECONDS", "DELIVERY_SECONDS", "BATCH_SIZES"]
 
 #: publish -> commit and commit round trips: 0.5 ms to 10 s
 LATENCY_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: publish -> first delivery: a copy may wait in a backlog for minutes or hours
+DELIVERY_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    300.0, 900.0, 3600.0)
 #: messages per group commit
 BATCH_SIZES = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 

@@ -3,8 +3,9 @@
 A topic's ``rate_limit`` (messages per second, ``dmq topic create --rate-limit``)
 refills its bucket continuously; the bucket holds at most one second's worth, so
 a producer may burst up to the limit after a quiet second and no more. A send
-that finds the bucket empty is refused with ``SEND_EXCEED_LIMIT_ACK`` and recorded
-as a dead letter (``rate_limited``). The limit is per node: N nodes admit up to
+that finds the bucket empty is refused with ``SEND_EXCEED_LIMIT_ACK`` and, on a
+reliable topic, recorded as a dead letter (``rate_limited``); a fast topic's
+publish is refused whole (its store keeps no dead letters). The limit is per node: N nodes admit up to
 N times the limit in all, as in DMQ, where each server counts its own QPS.
 
 Time comes from an injected clock (``seconds()``), so tests drive it with
@@ -51,15 +52,16 @@ class RateLimiter:
         self._buckets: dict[str, TokenBucket] = {}
         self.refused = 0
 
-    def allow(self, topic: str, rate_limit: int | None) -> bool:
-        """True if a send to ``topic`` fits its limit now (always, without a limit)."""
+    def allow(self, topic: str, rate_limit: int | None, count: int = 1) -> bool:
+        """True if ``count`` sends to ``topic`` fit its limit now (always, without a
+        limit); a batch (a fast topic's MPUB) is admitted or refused whole."""
         if not rate_limit:
             return True
         now = self.clock.seconds()
         bucket = self._buckets.get(topic)
         if bucket is None or bucket.rate != rate_limit:
             bucket = self._buckets[topic] = TokenBucket(rate_limit, rate_limit, now)
-        if bucket.take(now):
+        if bucket.take(now, count):
             return True
         self.refused += 1
         return False

@@ -52,6 +52,7 @@ __all__ = [
 
 CONFIG_ENV = "DMQ_CONFIG"
 LOG_LEVELS = ("debug", "info", "warn", "error")
+LOG_FORMATS = ("text", "json")
 DB_IO = ("reactor", "threads")
 
 
@@ -139,6 +140,16 @@ class Options:
         30.0, "longest a graceful shutdown waits for batches to commit", kind="duration"
     )
     log_level: str = _opt("info", "debug, info, warn or error")
+    # -- observability: logs, /metrics, the message trace (docs/observability.md) ------------
+    log_format: str = _opt("text", "text (a line per event) or json (a JSON object per line, with topic, "
+                           "channel, node and message id fields where they apply)")
+    metrics_db_interval: float = _opt(
+        15.0, "how often /metrics' gauges that need PostgreSQL (oldest unacknowledged message, delayed "
+        "messages, stored dead letters, round-trip time) are read; never during a scrape", kind="duration"
+    )
+    trace_retention: float = _opt(
+        604800.0, "how long the message trace keeps deliveries that came back unacknowledged", kind="duration"
+    )
     # -- bounds: backpressure and timeouts on every port (dmq_server/protocols/flow.py) -------
     max_output_buffer: int = _opt(
         65536,
@@ -322,6 +333,9 @@ class Options:
             ("channel_state_interval", self.channel_state_interval > 0, "must be more than 0"),
             ("scan_interval", self.scan_interval > 0, "must be more than 0"),
             ("log_level", self.log_level in LOG_LEVELS, "must be one of " + ", ".join(LOG_LEVELS)),
+            ("log_format", self.log_format in LOG_FORMATS, "must be one of " + ", ".join(LOG_FORMATS)),
+            ("metrics_db_interval", self.metrics_db_interval > 0, "must be more than 0"),
+            ("trace_retention", self.trace_retention > 0, "must be more than 0"),
             ("max_output_buffer", self.max_output_buffer >= 1024, "must be at least 1024"),
             ("max_pending_sends", self.max_pending_sends >= 1, "must be at least 1"),
             ("max_pending_bytes", self.max_pending_bytes >= 1, "must be at least 1"),

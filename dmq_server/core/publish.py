@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PublishRequest", "Published"]
+from dmq_client.spelling import MAX_TIME_MS
+from dmq_client.wire import valid_name
+
+from dmq_server.core.errors import DmqError, Invalid
+
+__all__ = ["PublishRequest", "Published", "check_request"]
 
 
 @dataclass(slots=True)
@@ -42,3 +47,39 @@ class Published:
     message_id: int
     duplicate: bool = False
     count: int = 1
+
+
+def check_request(
+    request: PublishRequest, *, registered: bool, max_msg_size: int, max_delay_s: float, now_s: float
+) -> DmqError | None:
+    """The rules every send obeys, whichever store takes it, checked before it joins a
+    group-commit batch: a value PostgreSQL would refuse must fail its own send, not the
+    batch. ``registered``: the topic is in the registry (its name was checked then)."""
+    topic, producer = request.topic, request.producer
+    if not registered and not valid_name(topic):
+        return Invalid(f"topic name {topic!r} is not valid", code="E_BAD_TOPIC")
+    if not producer or len(producer) > 64:
+        return Invalid("producer id must be 1..64 characters")
+    if not producer.isprintable():
+        # PostgreSQL text cannot hold NUL; control characters are never meant
+        return Invalid(f"producer id {producer!r} holds a control character")
+    session_id = request.session_id
+    if session_id is not None and session_id < 0:
+        return Invalid(f"session id {session_id} is negative")
+    for body in request.bodies:
+        if len(body) > max_msg_size:
+            return Invalid(f"message too big {len(body)} > {max_msg_size}", code="E_BAD_BODY")
+    produced_ms = request.produced_ms
+    if not 0 <= produced_ms <= MAX_TIME_MS:
+        return Invalid(
+            f"timestamp_ms {produced_ms} is not Unix milliseconds "
+            f"(0 for none, or up to {MAX_TIME_MS} = 9999-12-31)"
+        )
+    due_ms = request.due_ms
+    if due_ms is not None:
+        if due_ms <= 0:
+            return Invalid("a DELAY message needs due_ms (Unix ms) above 0")
+        limit_ms = int((now_s + max_delay_s) * 1000)
+        if due_ms > limit_ms:
+            return Invalid(f"due_ms {due_ms} is more than --max-delay ({max_delay_s:g}s) ahead")
+    return None

@@ -27,6 +27,7 @@ __all__ = [
     "table_counts",
     "stored_stats",
     "update_topic_settings",
+    "list_admin_log",
 ]
 
 #: the topic settings an operator may change, in the column order of lock_topic_settings
@@ -157,3 +158,13 @@ def update_topic_settings(
         after = change(before)
         conn.execute(queries["update_topic_settings"], {"name": name, **after})
     return before, after
+
+
+def list_admin_log(conn: Any, before: int, limit: int) -> list[dict]:
+    """The audit log, newest first, ids below ``before``."""
+    rows = conn.execute(queries["list_admin_log"], {"before": before, "limit": limit}).fetchall()
+    return [
+        {"id": r[0], "at_ms": r[1], "surface": r[2], "actor": r[3], "operation": r[4], "filters": r[5],
+         "affected": r[6]}
+        for r in rows
+    ]

@@ -1,6 +1,6 @@
 """Deadlines for PostgreSQL's answers: a server that stops answering is cut off.
 
-TCP keepalives and ``tcp_user_timeout`` (``worker.DEAD_PEER_SETTINGS``) notice a peer
+TCP keepalives and ``tcp_user_timeout`` (``dmq_sql.connection``) notice a peer
 whose *kernel* went silent. A PostgreSQL that is paused (SIGSTOP), hung, or behind a
 link that swallows packets after acknowledging them leaves a healthy TCP connection
 that never answers, and a blocking call on it would wait forever: a delay worker

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from dmq_server.db.messages import send_columns
 from dmq_server.db.steps import Statement, Steps, run_steps
+from dmq_server.db.trace import body_preview
 from dmq_sql import queries
 
 __all__ = [
@@ -24,6 +25,10 @@ __all__ = [
     "peek_delayed",
     "move_due",
     "delay_stats",
+    "list_delayed",
+    "due_histogram",
+    "deliver_delayed_now",
+    "cancel_delayed",
 ]
 
 
@@ -153,3 +158,40 @@ def delay_stats(conn: Any) -> list[dict]:
         {"fragment": r[0], "pending": r[1], "next_due_ms": r[2], "last_due_ms": r[3]}
         for r in conn.execute(queries["delay_stats"]).fetchall()
     ]
+
+
+# -- for operators: browse, deliver now, cancel (the console's delay view) ----------------
+
+
+def list_delayed(
+    conn: Any, topic: str | None, after_due: int, after_id: int, limit: int, preview: int = 256
+) -> list[dict]:
+    """Waiting entries in due-time order after the keyset ``(after_due, after_id)``."""
+    rows = conn.execute(
+        queries["list_delayed"],
+        {"topic": topic, "after_due": after_due, "after_id": after_id, "limit": limit, "preview": preview},
+    ).fetchall()
+    return [
+        {"delay_id": r[0], "topic": r[1], "channel": r[2], "producer": r[3], "session_id": r[4],
+         "due_ms": r[5], "fragment": r[6], "replay_of": r[9], **body_preview(r[8], r[7])}
+        for r in rows
+    ]
+
+
+def due_histogram(conn: Any, topic: str | None, now_ms: int, width_ms: int) -> list[tuple[int, int]]:
+    """``[(bucket, count)]``: waiting entries by due time in buckets of ``width_ms`` from
+    ``now_ms`` (bucket 0 also holds what is already due)."""
+    rows = conn.execute(
+        queries["delay_due_histogram"], {"topic": topic, "now_ms": now_ms, "width_ms": width_ms}
+    ).fetchall()
+    return [(int(b), int(n)) for b, n in rows]
+
+
+def deliver_delayed_now(conn: Any, ids: Sequence[int], now_ms: int) -> list[int]:
+    """Make the entries due now; returns the ids changed (gone or already due: not listed)."""
+    return [r[0] for r in conn.execute(queries["deliver_delayed_now"], {"ids": list(ids), "now_ms": now_ms})]
+
+
+def cancel_delayed(conn: Any, ids: Sequence[int]) -> list[int]:
+    """Delete the entries before they fall due; returns the ids deleted."""
+    return [r[0] for r in conn.execute(queries["cancel_delayed"], {"ids": list(ids)})]

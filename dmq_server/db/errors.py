@@ -9,6 +9,7 @@ from __future__ import annotations
 import psycopg
 
 from dmq_server.core.errors import Unavailable
+from dmq_sql.connection import describe_error
 
 __all__ = ["StorageError", "RefusedError", "storage_error", "describe_error"]
 
@@ -49,9 +50,3 @@ def storage_error(where: str, exc: BaseException) -> StorageError:
     if isinstance(exc, psycopg.Error) and sqlstate and sqlstate[:2] in _INPUT_ERROR_CLASSES:
         return RefusedError(text, sqlstate)
     return StorageError(text)
-
-
-def describe_error(exc: BaseException) -> str:
-    """The first line of an error's text (psycopg's carry a context and hints after it)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else exc.__class__.__name__

@@ -100,6 +100,7 @@ class MemoryDb:
         self.delayed: dict[int, dict[str, Any]] = {}
         self._delayed_pairs: dict[tuple[str, int], int] = {}
         self.dead_letters: dict[int, dict[str, Any]] = {}
+        self.returns: list[dict[str, Any]] = []  # dmq_trace
         self._ids = itertools.count(1)  # one sequence is enough: ids only need to grow
         self.executed: list[tuple[str, dict[str, Any]]] = []  # every statement run, in order
         self._failures: list[_Failure] = []
@@ -122,6 +123,7 @@ class MemoryDb:
             "insert_dead_letters": self._insert_dead_letters,
             "record_attempts": self._record_attempts,
             "exhaust_deliveries": self._exhaust_deliveries,
+            "record_returns": self._record_returns,
         }
         unknown = set(self._handlers) - set(STATEMENTS)
         if unknown:  # a handler for a query that sql/queries.sql does not have
@@ -298,8 +300,9 @@ class MemoryDb:
 
     def _ack_deliveries(self, p: dict) -> int:
         acked = 0
-        for topic, channel, message_id, first_ms, acked_ms, attempts in zip(
-            p["topics"], p["channels"], p["message_ids"], p["first_ms"], p["acked_ms"], p["attempts"]
+        for topic, channel, message_id, first_ms, acked_ms, attempts, consumer, delivered_ms in zip(
+            p["topics"], p["channels"], p["message_ids"], p["first_ms"], p["acked_ms"], p["attempts"],
+            p["consumers"], p["delivered_ms"],
         ):
             delivery = self.deliveries.pop((topic, channel, message_id), None)
             if delivery is None or message_id not in self.messages:
@@ -313,9 +316,19 @@ class MemoryDb:
                     "first_ms": first_ms if first_ms > 0 else None,
                     "acked_ms": acked_ms,
                     "attempts": max(attempts, delivery.attempts),
+                    "consumer": consumer,
+                    "delivered_ms": delivered_ms if delivered_ms > 0 else None,
                 }
             )
         return acked
+
+    def _record_returns(self, p: dict) -> int:
+        keys = ("message_id", "topic", "channel", "attempt", "reason", "consumer", "delivered_ms", "returned_ms")
+        columns = ("message_ids", "topics", "channels", "attempts", "reasons", "consumers", "delivered_ms",
+                   "returned_ms")
+        rows = [dict(zip(keys, values), node_id=p["node_id"]) for values in zip(*(p[c] for c in columns))]
+        self.returns.extend(rows)
+        return len(rows)
 
     def _load_backlog(self, p: dict) -> list[tuple]:
         owner = p.get("owner")

@@ -150,6 +150,8 @@ class AckRow:
     first_ms: int
     acked_ms: int
     attempts: int
+    consumer: str = ""  # the consumer that acknowledged it (the message trace)
+    delivered_ms: int = 0  # when the acknowledged delivery was pushed
 
 
 def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
@@ -164,6 +166,8 @@ def ack_deliveries_steps(acks: Sequence[AckRow]) -> Steps:
             "first_ms": [a.first_ms for a in acks],
             "acked_ms": [a.acked_ms for a in acks],
             "attempts": [a.attempts for a in acks],
+            "consumers": [a.consumer for a in acks],
+            "delivered_ms": [a.delivered_ms for a in acks],
         },
     )
     return len(acks)

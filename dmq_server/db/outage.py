@@ -2,9 +2,18 @@
 
 A dependency that fails (PostgreSQL down, a restart in progress) makes every batcher,
 loader and worker retry with backoff; a line per retry buried the one line an operator
-needs (51 warnings in 20 s). Each retrying component holds an ``Outage``: the first
-failure logs a warning, the retries log nothing, and the first success after them logs
-how long it lasted and how many attempts failed.
+needs (51 warnings in 20 s), and a line per component still made a dozen. Each retrying
+component holds an ``Outage`` of the dependency it uses; the components of one
+dependency share a ``Dependency``, so that:
+
+* the first failure of any of them logs one warning (the outage started: which
+  component saw it, and why);
+* further failures, of it or of the others, log nothing (``debug`` names them);
+* the first success after them logs one line: how long the dependency was failing and
+  how many attempts failed meanwhile, all components together.
+
+A component that failed during the outage and works again later logs nothing more. A
+failure after the end is a new outage.
 """
 
 from __future__ import annotations
@@ -13,18 +22,55 @@ from typing import Any
 
 from twisted.logger import Logger
 
-__all__ = ["Outage"]
+__all__ = ["Outage", "Dependency", "POSTGRESQL"]
 
 log = Logger()
+
+
+class Dependency:
+    """Something many components use; its outage is logged once for all of them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.since: float | None = None  # when the current outage started
+        self.failures = 0
+
+    def failed(self, what: str, why: object, now: float, first: bool = True) -> None:
+        """``first``: the component's first failure since it last worked (its retries
+        are counted, not logged)."""
+        self.failures += 1
+        if self.since is None:
+            self.since = now
+            log.warn(
+                "{dependency} outage: {what} failing ({why}); retrying quietly until it works",
+                dependency=self.name, what=what, why=why,
+            )
+        elif first:
+            log.debug("{dependency} outage: {what} failing too ({why})", dependency=self.name, what=what, why=why)
+
+    def recovered(self, what: str, now: float) -> None:
+        if self.since is None:
+            return
+        log.info(
+            "{dependency} outage over after {seconds:.1f}s ({failures} failed attempts; {what} works again)",
+            dependency=self.name, seconds=now - self.since, failures=self.failures, what=what,
+        )
+        self.since = None
+        self.failures = 0
+
+
+#: the database every component of a node uses; one per process, as the log is
+POSTGRESQL = Dependency("PostgreSQL")
 
 
 class Outage:
     """The failing/working state of one component, as the log sees it."""
 
-    def __init__(self, what: str, clock: Any):
+    def __init__(self, what: str, clock: Any, dependency: Dependency | None = None):
         self.what = what
         self.clock = clock
-        self.since: float | None = None  # when the current outage started
+        self.dependency = dependency or POSTGRESQL
+        self.since: float | None = None  # when this component's failures started
         self.failures = 0
 
     @property
@@ -33,17 +79,14 @@ class Outage:
 
     def failed(self, why: object) -> None:
         self.failures += 1
-        if self.since is None:
-            self.since = self.clock.seconds()
-            log.warn("{what} failing, retrying quietly until it works: {why}", what=self.what, why=why)
+        now = self.clock.seconds()
+        first = self.since is None
+        if first:
+            self.since = now
+        self.dependency.failed(self.what, why, now, first)
 
     def recovered(self) -> None:
         if self.since is not None:
-            log.info(
-                "{what} working again after {seconds:.1f}s ({failures} failed attempts)",
-                what=self.what,
-                seconds=self.clock.seconds() - self.since,
-                failures=self.failures,
-            )
+            self.dependency.recovered(self.what, self.clock.seconds())
             self.since = None
             self.failures = 0

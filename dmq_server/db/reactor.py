@@ -163,6 +163,10 @@ class ReactorDb:
         self._next()
         return d
 
+    def state(self) -> dict[str, Any]:
+        """The connection as ``/metrics`` shows it: open, running a statement, calls queued."""
+        return {"connected": self._pgconn is not None, "busy": self._run is not None, "queued": len(self._queue)}
+
     # -- running steps ----------------------------------------------------------
 
     def _next(self) -> None:

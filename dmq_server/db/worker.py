@@ -22,7 +22,6 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 import psycopg
-import psycopg.conninfo
 from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
@@ -30,42 +29,20 @@ from twisted.python.threadpool import ThreadPool
 from dmq_server.db.deadline import Watchdog, hung_error
 from dmq_server.db.errors import StorageError, describe_error, storage_error
 from dmq_server.db.steps import Steps, run_steps
+from dmq_sql.connection import connect as shared_connect
 
-__all__ = ["DEAD_PEER_SETTINGS", "connect", "DbWorker"]
+__all__ = ["connect", "DbWorker"]
 
 T = TypeVar("T")
 
 
-
-# A database host that vanishes without closing its connections (power, network
-# partition) would otherwise hold a batch until the kernel gives up on TCP, many
-# minutes later: keepalives find an idle connection dead in about 25 s, and
-# tcp_user_timeout a connection whose sent statement stays unacknowledged for 30 s.
-# A setting the DSN names itself wins.
-DEAD_PEER_SETTINGS = {
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-    "tcp_user_timeout": "30000",
-}
-
-
 def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5) -> psycopg.Connection:
-    """A connection with the settings dmq relies on (durable commits, UTC, dead peers noticed)."""
+    """A connection with the settings dmq relies on (durable commits, UTC, dead peers
+    noticed: ``dmq_sql.connection``, shared with the pipeline); StorageError if not."""
     try:
-        given = psycopg.conninfo.conninfo_to_dict(dsn)
-        conn = psycopg.connect(
-            dsn,
-            autocommit=autocommit,
-            connect_timeout=connect_timeout,
-            options="-c synchronous_commit=on -c TimeZone=UTC",
-            application_name="dmq",
-            **{k: v for k, v in DEAD_PEER_SETTINGS.items() if k not in given},
-        )
+        return shared_connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout)
     except psycopg.Error as exc:
         raise StorageError(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
-    return conn
 
 
 class DbWorker:
@@ -102,6 +79,16 @@ class DbWorker:
             except Exception:  # closing a dead connection may fail; nothing to do
                 pass
             self._conn = None
+
+    def state(self) -> dict[str, Any]:
+        """The worker as ``/metrics`` shows it: its connection open, a call running,
+        calls queued (read from the reactor thread; a moment stale at worst)."""
+        conn = self._conn
+        return {
+            "connected": conn is not None and not conn.closed,
+            "busy": bool(self._pool.working),
+            "queued": self._pool.q.qsize(),
+        }
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred:
         """Run ``fn(conn, *args)`` on this worker's thread, in a transaction unless

@@ -23,16 +23,16 @@ from typing import Any
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
-from dmq_server.fast.message import Message
+from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
 from dmq_server.core.deadlines import Deadlines
 
-__all__ = ["Channel"]
+__all__ = ["FastChannel"]
 
 log = Logger()
 
 
-class Channel:
+class FastChannel:
     def __init__(self, topic_name: str, name: str, store: StoreServices):
         self.topic_name = topic_name
         self.name = name
@@ -40,11 +40,11 @@ class Channel:
         self.clock = store.clock
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = store.mem_queue_size
-        self.memory: deque[Message] = deque()
+        self.memory: deque[FastMessage] = deque()
         self.backend = store.make_backend(f"{topic_name}:{name}", self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
-        self.in_flight: dict[bytes, Message] = {}
-        self.deferred: dict[bytes, Message] = {}
+        self.in_flight: dict[bytes, FastMessage] = {}
+        self.deferred: dict[bytes, FastMessage] = {}
         # when each in-flight message times out, each deferred one is due (the
         # reliable channel's tracker too: core.deadlines)
         self.in_flight_due = Deadlines()
@@ -62,7 +62,7 @@ class Channel:
         self._again = False
 
     # -- arrivals -----------------------------------------------------------------------
-    def receive(self, msg: Message) -> None:
+    def receive(self, msg: FastMessage) -> None:
         """A copy from the topic: counted, then queued now or deferred."""
         self.message_count += 1
         if msg.deferred:
@@ -70,7 +70,7 @@ class Channel:
         else:
             self.put(msg)
 
-    def put(self, msg: Message) -> None:
+    def put(self, msg: FastMessage) -> None:
         """Queue for delivery: memory while it has room, else the disk queue."""
         if self.exiting:
             raise Exiting()
@@ -154,7 +154,7 @@ class Channel:
                 continue  # sampled out: consumed, never delivered (nsqd)
             self._deliver(msg, client)
 
-    def _next_message(self) -> Message | None:
+    def _next_message(self) -> FastMessage | None:
         memory = self.memory
         if self._backend_has_data and (self._disk_turn or not memory):
             self._disk_turn = False
@@ -164,18 +164,18 @@ class Channel:
                     self._backend_has_data = False
                     break
                 try:
-                    return Message.decode(data)
+                    return FastMessage.decode(data)
                 except ValueError as exc:
                     log.error(
-                        "CHANNEL({t}:{c}): failed to decode message - {why}",
-                        t=self.topic_name, c=self.name, why=exc,
+                        "CHANNEL({topic}:{channel}): failed to decode message - {why}",
+                        topic=self.topic_name, channel=self.name, why=exc,
                     )
         self._disk_turn = True  # memory and disk take turns, so neither starves
         if memory:
             return memory.popleft()
         return None
 
-    def _deliver(self, msg: Message, client: Any) -> None:
+    def _deliver(self, msg: FastMessage, client: Any) -> None:
         if msg.attempts < 0xFFFF:
             msg.attempts += 1
         now = self.clock.seconds()
@@ -189,7 +189,7 @@ class Channel:
         client.send_message(self, msg)
 
     # -- FIN / REQ / TOUCH --------------------------------------------------------------
-    def _pop_in_flight(self, client: Any, message_id: bytes) -> Message | str:
+    def _pop_in_flight(self, client: Any, message_id: bytes) -> FastMessage | str:
         msg = self.in_flight.get(message_id)
         if msg is None:
             return "ID not in flight"
@@ -245,7 +245,7 @@ class Channel:
         self.in_flight_due.set(msg.id, deadline)
         return None
 
-    def start_deferred(self, msg: Message, delay: float) -> None:
+    def start_deferred(self, msg: FastMessage, delay: float) -> None:
         if self.exiting:
             raise Exiting()
         if msg.id in self.deferred:
@@ -283,13 +283,13 @@ class Channel:
             self._put_quietly(msg)
         return dirty
 
-    def _put_quietly(self, msg: Message) -> None:
+    def _put_quietly(self, msg: FastMessage) -> None:
         try:
             self.put(msg)
         except Exiting:
             pass
         except Exception as exc:
-            log.error("CHANNEL({t}:{c}): put failed - {why}", t=self.topic_name, c=self.name, why=exc)
+            log.error("CHANNEL({topic}:{channel}): put failed - {why}", topic=self.topic_name, channel=self.name, why=exc)
             self.store.set_health(exc)
 
     @property
@@ -330,7 +330,7 @@ class Channel:
         try:
             self.empty()
         except Exception as exc:
-            log.error("CHANNEL({t}:{c}): empty failed - {why}", t=self.topic_name, c=self.name, why=exc)
+            log.error("CHANNEL({topic}:{channel}): empty failed - {why}", topic=self.topic_name, channel=self.name, why=exc)
 
     def close(self) -> None:
         """Shutdown: close clients, then memory, in-flight and deferred go to disk."""
@@ -346,8 +346,8 @@ class Channel:
         pending = len(self.memory) + len(self.in_flight) + len(self.deferred)
         if pending and not self.ephemeral:
             log.info(
-                "CHANNEL({t}:{c}): flushing {n} memory/in-flight/deferred messages to backend",
-                t=self.topic_name, c=self.name, n=pending,
+                "CHANNEL({topic}:{channel}): flushing {n} memory/in-flight/deferred messages to backend",
+                topic=self.topic_name, channel=self.name, n=pending,
             )
         for msg in self.memory:
             backend.put(msg.encode())

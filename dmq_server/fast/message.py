@@ -12,10 +12,10 @@ from typing import Any
 
 from dmq_server.core.nsq_wire import decode_message, encode_message, message_frame
 
-__all__ = ["Message"]
+__all__ = ["FastMessage"]
 
 
-class Message:
+class FastMessage:
     __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client", "delivery_ts")
 
     def __init__(
@@ -29,9 +29,9 @@ class Message:
         self.client: Any = None  # the consumer holding it in flight
         self.delivery_ts = 0.0
 
-    def copy(self) -> "Message":
+    def copy(self) -> "FastMessage":
         """A channel's copy: same id, body, timestamp and deferral; attempts start at 0."""
-        return Message(self.id, self.body, self.timestamp, 0, self.deferred)
+        return FastMessage(self.id, self.body, self.timestamp, 0, self.deferred)
 
     def encode(self) -> bytes:
         return encode_message(self.timestamp, self.attempts, self.id, self.body)
@@ -40,9 +40,9 @@ class Message:
         return message_frame(self.timestamp, self.attempts, self.id, self.body)
 
     @classmethod
-    def decode(cls, data: bytes) -> "Message":
+    def decode(cls, data: bytes) -> "FastMessage":
         timestamp, attempts, message_id, body = decode_message(data)
         return cls(message_id, body, timestamp, attempts)
 
     def __repr__(self) -> str:
-        return f"<Message {self.id.decode('latin-1')} attempts={self.attempts} {len(self.body)}B>"
+        return f"<FastMessage {self.id.decode('latin-1')} attempts={self.attempts} {len(self.body)}B>"

@@ -1,12 +1,12 @@
 """The fast store: nsqd's topics and channels, one queue scanner, ``nsqd.dat``.
 
-Topics are created on demand (PUB, SUB, /pub, /topic/create), as nsqd does. One
-timer (``timers``, run by the service tree) every ``--scan-interval`` (nsqd's 100 ms QueueScanInterval) walks
-the channels that hold in-flight or deferred messages and moves what is due;
-nothing else runs on a timer per message. Channels with nothing pending are not
-visited, so idle channels cost nothing (nsqd samples 20 random channels instead;
-see docs/nsq.md). Another timer ticks the disk queues so an idle queue
-still syncs within ``--sync-timeout``.
+Topics are created on demand (PUB, SUB, /pub, /topic/create), as nsqd does. The
+broker's one scanner (``Broker.timers`` "scan", every ``--scan-interval``, nsqd's
+100 ms QueueScanInterval) calls ``scan``, which walks the channels that hold
+in-flight or deferred messages and moves what is due; nothing runs on a timer per
+message. Channels with nothing pending are not visited, so idle channels cost
+nothing (nsqd samples 20 random channels instead; see docs/nsq.md). The store's own
+timer ticks the disk queues so an idle queue still syncs within ``--sync-timeout``.
 
 On start the store reads ``nsqd.dat`` and recreates its topics, channels and
 pause flags; disk queues keep their messages. On a clean stop every channel
@@ -25,11 +25,13 @@ from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
+from dmq_server.core.errors import DmqError, Exiting, QueueFailed
+from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
-from dmq_server.fast.channel import Channel
+from dmq_server.fast.channel import FastChannel
 from dmq_server.core.ids import GuidFactory, default_node_id
-from dmq_server.fast.message import Message
-from dmq_server.fast.topic import Topic
+from dmq_server.fast.message import FastMessage
+from dmq_server.fast.topic import FastTopic
 from dmq_server.core.nsq_wire import MIN_VALID_MSG_LENGTH, valid_name_bytes
 
 __all__ = ["FastStore", "DummyBackend"]
@@ -79,7 +81,6 @@ class FastStore:
         max_msg_timeout: float = 900.0,
         max_req_timeout: float = 3600.0,
         max_channel_consumers: int = 0,
-        scan_interval: float = 0.1,
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
         max_bytes_per_file: int = 100 * 1024 * 1024,
@@ -94,7 +95,6 @@ class FastStore:
         self.max_msg_timeout = max_msg_timeout
         self.max_req_timeout = max_req_timeout
         self.max_channel_consumers = max_channel_consumers
-        self.scan_interval = scan_interval
         self.sync_every = sync_every
         self.sync_timeout = sync_timeout
         self.max_bytes_per_file = max_bytes_per_file
@@ -102,10 +102,11 @@ class FastStore:
         if node_id is None:
             node_id = default_node_id(socket.gethostname())
         self.guid = GuidFactory(node_id, lambda: int(clock.seconds() * 1e9))
-        self.topics: dict[str, Topic] = {}
-        self._armed: set[Channel] = set()
+        self.topics: dict[str, FastTopic] = {}
+        self._armed: set[FastChannel] = set()
         self._loading = False
         self._dirty = False
+        self.publish_count = 0  # messages put by publish()
         self.timers = self._timers()
         self.health_error: str | None = None
         self.closed = False
@@ -126,7 +127,6 @@ class FastStore:
             max_msg_timeout=opt("max_msg_timeout", 900.0),
             max_req_timeout=opt("max_req_timeout", 3600.0),
             max_channel_consumers=opt("max_channel_consumers", 0),
-            scan_interval=opt("scan_interval", 0.1),
             sync_every=opt("sync_every", 2500),
             sync_timeout=opt("sync_timeout", 2.0),
             max_bytes_per_file=opt("max_bytes_per_file", 100 * 1024 * 1024),
@@ -166,14 +166,14 @@ class FastStore:
 
     # -- lifecycle ----------------------------------------------------------------------
     def _timers(self) -> MultiService:
-        """The queue scanner and the disk-queue sync ticker, named ``TimerService``s on
-        the injected clock; whoever owns the store (the service tree, a test) runs them."""
+        """The disk-queue sync ticker, a named ``TimerService`` on the injected clock;
+        whoever owns the store (the service tree, a test) runs it. The scan of in-flight
+        and deferred messages is the broker's one scanner for both stores (``scan``)."""
         timers = MultiService()
-        for name, fn, step in (("scan", self.scan, self.scan_interval), ("sync", self.tick_backends, self.sync_timeout)):
-            timer = TimerService(step, fn)
-            timer.clock = self.clock
-            timer.setName(name)
-            timer.setServiceParent(timers)
+        timer = TimerService(self.sync_timeout, self.tick_backends)
+        timer.clock = self.clock
+        timer.setName("sync")
+        timer.setServiceParent(timers)
         return timers
 
     def start(self) -> None:
@@ -188,14 +188,14 @@ class FastStore:
         try:
             for t in topics:
                 if not valid_name_bytes(t.name.encode()) or t.name.endswith("#ephemeral"):
-                    log.warn("NSQ: skipping creation of invalid topic {t}", t=t.name)
+                    log.warn("NSQ: skipping creation of invalid topic {topic}", topic=t.name)
                     continue
                 topic = self.get_topic(t.name)
                 if t.paused:
                     topic.pause()
                 for c in t.channels:
                     if not valid_name_bytes(c.name.encode()) or c.name.endswith("#ephemeral"):
-                        log.warn("NSQ: skipping creation of invalid channel {c}", c=c.name)
+                        log.warn("NSQ: skipping creation of invalid channel {channel}", channel=c.name)
                         continue
                     channel = topic.get_channel(c.name)
                     if c.paused:
@@ -217,19 +217,33 @@ class FastStore:
             try:
                 topic.close()
             except Exception as exc:
-                log.error("TOPIC({t}): close failed - {why}", t=topic.name, why=exc)
+                log.error("TOPIC({topic}): close failed - {why}", topic=topic.name, why=exc)
         self._armed.clear()
 
     # -- topics -------------------------------------------------------------------------
-    def new_message(self, body: bytes, deferred: float = 0.0) -> Message:
-        return Message(self.guid.new_hex(), body, int(self.clock.seconds() * 1e9), 0, deferred)
+    def new_message(self, body: bytes, deferred: float = 0.0) -> FastMessage:
+        return FastMessage(self.guid.new_hex(), body, int(self.clock.seconds() * 1e9), 0, deferred)
 
-    def get_topic(self, name: str) -> Topic:
+    def publish(self, topic: str, bodies: list[bytes], deferred: float = 0.0) -> Published | DmqError:
+        """Put ``bodies`` on ``topic`` (made on first use): in memory, overflowing to its
+        disk queue, as nsqd does; the answer is known before this returns."""
+        try:
+            messages = [self.new_message(body, deferred) for body in bodies]
+            self.get_topic(topic).put_many(messages)
+        except Exiting as exc:
+            return exc
+        except Exception as exc:  # the topic's disk queue failed
+            self.set_health(exc)
+            return QueueFailed(str(exc))
+        self.publish_count += len(messages)
+        return Published(int(messages[0].id, 16) if messages else 0, False, len(messages))
+
+    def get_topic(self, name: str) -> FastTopic:
         topic = self.topics.get(name)
         if topic is None:
-            topic = Topic(name, self)
+            topic = FastTopic(name, self)
             self.topics[name] = topic
-            log.info("TOPIC({t}): created", t=name)
+            log.info("TOPIC({topic}): created", topic=name)
             self.changed(topic)
         return topic
 
@@ -237,7 +251,7 @@ class FastStore:
         topic = self.topics.pop(name, None)
         if topic is None:
             return False
-        log.info("TOPIC({t}): deleting", t=name)
+        log.info("TOPIC({topic}): deleting", topic=name)
         topic.delete()
         self.changed(topic)
         return True
@@ -273,10 +287,10 @@ class FastStore:
             log.error("NSQ: failed to persist metadata - {why}", why=exc)
 
     # -- the queue scanner --------------------------------------------------------------
-    def arm(self, channel: Channel) -> None:
+    def arm(self, channel: FastChannel) -> None:
         self._armed.add(channel)
 
-    def disarm(self, channel: Channel) -> None:
+    def disarm(self, channel: FastChannel) -> None:
         self._armed.discard(channel)
 
     def scan(self) -> int:

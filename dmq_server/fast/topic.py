@@ -20,11 +20,11 @@ from typing import Any, Iterable
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
-from dmq_server.fast.channel import Channel
-from dmq_server.fast.message import Message
+from dmq_server.fast.channel import FastChannel
+from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
 
-__all__ = ["Topic"]
+__all__ = ["FastTopic"]
 
 log = Logger()
 
@@ -32,16 +32,16 @@ log = Logger()
 DRAIN_BATCH = 2000
 
 
-class Topic:
+class FastTopic:
     def __init__(self, name: str, store: StoreServices):
         self.name = name
         self.store = store
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = store.mem_queue_size
-        self.memory: deque[Message] = deque()
+        self.memory: deque[FastMessage] = deque()
         self.backend = store.make_backend(name, self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
-        self.channels: dict[str, Channel] = {}
+        self.channels: dict[str, FastChannel] = {}
         self.paused = False
         self.exiting = False
         self.message_count = 0
@@ -49,10 +49,10 @@ class Topic:
         self._drain_call: Any = None
 
     # -- publishing ---------------------------------------------------------------------
-    def put(self, msg: Message) -> None:
+    def put(self, msg: FastMessage) -> None:
         self.put_many((msg,))
 
-    def put_many(self, msgs: Iterable[Message]) -> None:
+    def put_many(self, msgs: Iterable[FastMessage]) -> None:
         """Publish; raises Exiting, or the disk queue's error if the topic's own disk
         write fails (nsqd's E_PUB_FAILED)."""
         if self.exiting:
@@ -65,7 +65,7 @@ class Topic:
             self.message_count += 1
             self.message_bytes += len(msg.body)
 
-    def _queue(self, msg: Message) -> None:
+    def _queue(self, msg: FastMessage) -> None:
         if msg.deferred or len(self.memory) < self.mem_queue_size:
             self.memory.append(msg)
         elif not self.ephemeral:  # ephemeral overflow is dropped (nsqd's dummy backend)
@@ -74,7 +74,7 @@ class Topic:
             if self.store.health_error is not None:
                 self.store.set_health(None)
 
-    def _fan_out(self, msg: Message) -> None:
+    def _fan_out(self, msg: FastMessage) -> None:
         first = True
         for channel in list(self.channels.values()):
             copy = msg if first else msg.copy()
@@ -85,8 +85,8 @@ class Topic:
                 pass
             except Exception as exc:  # a channel's disk write failed
                 log.error(
-                    "TOPIC({t}): failed to put msg {id} to channel({c}) - {why}",
-                    t=self.name, id=msg.id, c=channel.name, why=exc,
+                    "TOPIC({topic}): failed to put msg {message_id} to channel({channel}) - {why}",
+                    topic=self.name, message_id=msg.id, channel=channel.name, why=exc,
                 )
                 self.store.set_health(exc)
 
@@ -114,9 +114,9 @@ class Topic:
                 self._backend_has_data = False
                 break
             try:
-                msg = Message.decode(data)
+                msg = FastMessage.decode(data)
             except ValueError as exc:
-                log.error("TOPIC({t}): failed to decode message - {why}", t=self.name, why=exc)
+                log.error("TOPIC({topic}): failed to decode message - {why}", topic=self.name, why=exc)
                 continue
             self._fan_out(msg)
             moved += 1
@@ -124,11 +124,11 @@ class Topic:
             self._drain_call = self.store.clock.callLater(0, self.drain)
 
     # -- channels -----------------------------------------------------------------------
-    def get_channel(self, name: str) -> Channel:
+    def get_channel(self, name: str) -> FastChannel:
         """The channel, created (and announced to the store) if it is new."""
         channel = self.channels.get(name)
         if channel is None:
-            channel = Channel(self.name, name, self.store)
+            channel = FastChannel(self.name, name, self.store)
             self.channels[name] = channel
             self.store.changed(channel)
             if len(self.channels) == 1:
@@ -180,9 +180,9 @@ class Topic:
             try:
                 channel.close()
             except Exception as exc:
-                log.error("CHANNEL({t}:{c}): close failed - {why}", t=self.name, c=channel.name, why=exc)
+                log.error("CHANNEL({topic}:{channel}): close failed - {why}", topic=self.name, channel=channel.name, why=exc)
         if self.memory and not self.ephemeral:
-            log.info("TOPIC({t}): flushing {n} memory messages to backend", t=self.name, n=len(self.memory))
+            log.info("TOPIC({topic}): flushing {n} memory messages to backend", topic=self.name, n=len(self.memory))
         for msg in self.memory:
             self.backend.put(msg.encode())
         self.memory.clear()

@@ -20,10 +20,12 @@ POST     /admin/dead-letters             a client reports a send it could not st
                                          body_encoding utf-8|base64, detail)
 =======  ==============================  ===========================================
 
+The endpoints for looking inside (message trace, peek, history, nodes, the delay
+table, the audit log) are ``http.admin_inspect``'s.
+
 Answers are JSON; errors are ``{"error": CODE, "message": TEXT}`` with a 4xx/5xx
-status. Access follows ``admin.operations.check_token``: with ``--admin-token`` every
-request needs ``Authorization: Bearer TOKEN`` (or ``X-DMQ-Admin-Token``); without
-one, the API answers only while the HTTP port listens on loopback.
+status. Who may read and who may change is ``http.access.authorize`` (the admin token,
+the listener's address, and a header or same origin for every change).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
+from dmq_server.admin.inspect import Inspector
+from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
 from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
+from dmq_server.http import admin_inspect
+from dmq_server.http.access import Access, authorize
 
 __all__ = ["AdminResource", "install"]
 
@@ -59,6 +64,7 @@ _ENDPOINTS = [
     "DELETE /admin/dead-letters/ID",
     "POST /admin/dead-letters",
     "POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty",
+    *admin_inspect.ENDPOINTS,
 ]
 
 
@@ -87,11 +93,12 @@ class AdminResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, ops: AdminOps, listen_host: str, token: str):
+    def __init__(self, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None):
         super().__init__()
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
+        self.inspector = inspector or Inspector(ops)
 
     def render(self, request: Any) -> Any:
         d = maybeDeferred(self._route, request)
@@ -116,30 +123,18 @@ class AdminResource(Resource):
             log.failure("admin API request failed", failure)
             self._reply(request, 500, {"error": "E_INTERNAL", "message": repr(error)})
 
-    def _actor(self, request: Any) -> str:
-        peer = request.getClientAddress()
-        return f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
-
-    def _authorize(self, request: Any) -> None:
-        given = None
-        header = request.getHeader(b"authorization")
-        if header:
-            scheme, _, value = header.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                given = value.strip()
-        if given is None:
-            alt = request.getHeader(b"x-dmq-admin-token")
-            given = alt.decode("latin-1") if alt else None
+    def _authorize(self, request: Any) -> Access:
         try:
-            check_token(self.listen_host, self.token, given)
-        except Refused:
-            log.warn("admin API: refused {method} {path} from {peer} (token)",
-                     method=request.method.decode(), path=request.path.decode("latin-1"), peer=self._actor(request))
+            return authorize(request, self.listen_host, self.token)
+        except Refused as exc:
+            log.warn("admin API: refused {method} {path} from {peer}: {why}",
+                     method=request.method.decode(), path=request.path.decode("latin-1"),
+                     peer=request.getClientAddress(), why=exc.description)
             raise
 
     # -- routing ------------------------------------------------------------------------
     def _route(self, request: Any) -> Any:
-        self._authorize(request)
+        access = self._authorize(request)
         method = request.method.decode("ascii", "replace")
         parts = [p.decode("utf-8", "replace") for p in request.postpath if p]
         params = _text_params(request)
@@ -158,20 +153,22 @@ class AdminResource(Resource):
                 if parts[0] in ("topics", "clients"):
                     return {parts[0]: result}
                 return result
+        found = admin_inspect.route(self.inspector, access, method, parts, params)
+        if not admin_inspect.not_mine(found):
+            return found
         if parts[:1] == ["dead-letters"]:
-            return self._dead_letters(request, method, parts[1:], params)
+            return self._dead_letters(request, access.actor, method, parts[1:], params)
         if len(parts) == 4 and parts[0] == "channels" and method == "POST":
             # POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty
             _, topic, channel, action = parts
-            d = self.ops.channel_action(action, topic, channel, "http", self._actor(request))
+            d = self.ops.channel_action(action, topic, channel, "http", access.actor)
             return d.addCallback(lambda summary: {"ok": summary})
         raise NotFound(f"no admin endpoint {method} /admin/{'/'.join(parts)}")
 
     def _flow(self) -> dict:
         return self.ops.flow()
 
-    def _dead_letters(self, request: Any, method: str, rest: list[str], params: dict[str, str]) -> Any:
-        actor = self._actor(request)
+    def _dead_letters(self, request: Any, actor: str, method: str, rest: list[str], params: dict[str, str]) -> Any:
         if not rest:
             if method == "GET":
                 limit = parse_limit(params.pop("limit", None))
@@ -220,7 +217,7 @@ class AdminResource(Resource):
         return self.ops.dlq_report(payload, "http", actor).addCallback(lambda i: {"id": i})
 
 
-def install(root: Resource, ops: AdminOps, listen_host: str, token: str) -> AdminResource:
-    resource = AdminResource(ops, listen_host, token)
+def install(root: Resource, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None) -> AdminResource:
+    resource = AdminResource(ops, listen_host, token, inspector)
     root.putChild(b"admin", resource)
     return resource

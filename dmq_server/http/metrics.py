@@ -47,6 +47,10 @@ class Snapshot:
     zk_state: str | None = None
     #: ``core.buckets.Buckets.snapshot()`` by histogram name (see HISTOGRAMS)
     histograms: dict[str, tuple[list[tuple[str, int]], float]] = field(default_factory=dict)
+    #: ``http.sampling.StoredGauges.snapshot()``: the figures read from PostgreSQL on a timer
+    stored: dict[str, Any] | None = None
+    #: each database connection's state by role (``DbWorker.state()``, ``ReactorDb.state()``)
+    db_pool: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 #: the histograms a snapshot may carry, and what they measure
@@ -55,6 +59,8 @@ HISTOGRAMS = {
     "answering (the wait for a batch included): when the producer can be acknowledged.",
     "dmq_group_commit_seconds": "Round trip of one group-commit transaction (statement sent to commit answered).",
     "dmq_group_commit_batch_size": "Messages per group-commit transaction.",
+    "dmq_publish_deliver_seconds": "From a reliable message's commit to its first delivery to a consumer "
+    "of a channel (once per channel): how long copies wait, backlogs included.",
 }
 
 
@@ -182,6 +188,9 @@ class DmqCollector:
         yield from gauges.values()
         yield consumers
         yield paused
+        yield from _deliveries(snap)
+        yield from _stored(snap)
+        yield from _db_pool(snap)
 
         for name, (buckets, total) in sorted(snap.histograms.items()):
             histogram = HistogramMetricFamily(name, HISTOGRAMS.get(name, name))
@@ -193,6 +202,81 @@ class DmqCollector:
         for protocol, count in sorted(snap.connections.items()):
             connections.add_metric([protocol], count)
         yield connections
+
+
+def _deliveries(snap: Snapshot) -> Iterator[Metric]:
+    """Deliveries and redeliveries per reliable channel (RabbitMQ's delivered and
+    redelivered totals), and returned deliveries by why they came back."""
+    delivered = CounterMetricFamily("dmq_channel_delivered_messages", "Deliveries to consumers, redeliveries "
+                                    "included (reliable channels).", labels=CHANNEL_LABELS)
+    redelivered = CounterMetricFamily("dmq_channel_redelivered_messages", "Deliveries of a copy delivered "
+                                      "before (reliable channels).", labels=CHANNEL_LABELS)
+    for labels, channel in _channels(snap):
+        if labels[0] == "reliable":
+            delivered.add_metric(labels, channel.get("delivery_count", 0))
+            redelivered.add_metric(labels, channel.get("redelivery_count", 0))
+    yield delivered
+    yield redelivered
+    trace = snap.broker.get("trace", {})
+    returned = CounterMetricFamily("dmq_returned_deliveries", "Deliveries that came back unacknowledged, by "
+                                   "why: timeout, consumer_gone, requeued (REQ).", labels=["reason"])
+    for reason in ("timeout", "consumer_gone", "requeued"):
+        returned.add_metric([reason], trace.get("returned", {}).get(reason, 0))
+    yield returned
+    yield CounterMetricFamily("dmq_trace_dropped", "Returned deliveries not written to the message trace "
+                              "(its queue was full during a database outage).", value=trace.get("dropped", 0))
+
+
+def _stored(snap: Snapshot) -> Iterator[Metric]:
+    """The gauges read from PostgreSQL by a timer (``http.sampling.StoredGauges``)."""
+    stored = snap.stored or {}
+    values = stored.get("values")
+    if stored.get("roundtrip") is not None:
+        yield GaugeMetricFamily("dmq_database_roundtrip_seconds", "The last timed round trip to PostgreSQL "
+                                "(a ping through a worker connection, every --metrics-db-interval).",
+                                value=stored["roundtrip"])
+    if values is None:
+        return  # not read yet (just started, or PostgreSQL down since the start)
+    yield GaugeMetricFamily("dmq_stored_gauges_age_seconds", "Seconds since the gauges read from PostgreSQL "
+                            "were refreshed.", value=stored["age"])
+    now_ms = stored["now"] * 1000
+    oldest = GaugeMetricFamily("dmq_channel_oldest_unacked_age_seconds", "Age of the channel's oldest "
+                               "unacknowledged message (its lowest stored id); 0 when none waits.",
+                               labels=CHANNEL_LABELS)
+    for (topic, channel), published_ms in sorted(values["oldest_unacked_ms"].items()):
+        age = 0.0 if published_ms is None else max(0.0, (now_ms - published_ms) / 1000.0)
+        oldest.add_metric(["reliable", topic, channel], age)
+    yield oldest
+    delayed = GaugeMetricFamily("dmq_delay_pending", "Delayed messages waiting to fall due, by topic.",
+                                labels=["topic"])
+    for topic, (count, _) in sorted(values["delay_pending"].items()):
+        delayed.add_metric([topic], count)
+    yield delayed
+    letters = GaugeMetricFamily("dmq_dead_letters_stored", "Dead letters in the table, by reason.",
+                                labels=["reason"])
+    unreplayed = GaugeMetricFamily("dmq_dead_letters_unreplayed", "Dead letters not replayed yet, by reason.",
+                                   labels=["reason"])
+    for reason, (total, replayed) in sorted(values["dead_letters"].items()):
+        letters.add_metric([reason], total)
+        unreplayed.add_metric([reason], total - replayed)
+    yield letters
+    yield unreplayed
+
+
+def _db_pool(snap: Snapshot) -> Iterator[Metric]:
+    """Each database connection (one per role) as the server holds it."""
+    families = {
+        key: GaugeMetricFamily(f"dmq_database_connection_{key}", doc, labels=["role"])
+        for key, doc in (("up", "1 while the role's connection to PostgreSQL is open."),
+                         ("busy", "1 while the role's connection runs a statement."),
+                         ("queued", "Calls waiting for the role's connection."))
+    }
+    for role, state in sorted(snap.db_pool.items()):
+        families["up"].add_metric([role], 1 if state.get("connected") else 0)
+        families["busy"].add_metric([role], 1 if state.get("busy") else 0)
+        families["queued"].add_metric([role], state.get("queued", 0))
+    if snap.db_pool:
+        yield from families.values()
 
 
 def metrics_resource(take: Callable[[], Snapshot], reactor: Any) -> Any:

@@ -22,7 +22,7 @@ from dmq_server.core.peers import peer_address
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.protocols.flow import NO_GATE
 
-__all__ = ["DmqConnection", "Subscription"]
+__all__ = ["DmqConnection", "DmqSubscription"]
 
 log = Logger()
 
@@ -46,15 +46,17 @@ _SUBSCRIBE_REPLY = {
 }
 
 
-class Subscription:
+class DmqSubscription:
     """One (topic, channel) a connection consumes, with its own credit window: the
-    consumer a reliable channel (``reliable.channel.Channel``) pushes deliveries to."""
+    consumer a reliable channel (``reliable.channel.ReliableChannel``) pushes deliveries to."""
 
     def __init__(self, connection: "DmqConnection", credit: int):
         self.connection = connection
         self.credit = credit
         self.in_flight = 0
         self.channel: Any = None
+        # how the message trace and the console name this consumer
+        self.name = f"dmq {connection.peer}"
 
     def push(self, channel: Any, delivery: Any) -> None:
         message = delivery.message
@@ -86,7 +88,7 @@ class DmqConnection:
         options = broker.options
         self.decoder = FrameDecoder(options.max_msg_size + MIN_FRAME_SIZE + 3 * 255 + 4096 + 4)
         self._send_reply = SendReplyEncoder()  # one answer per message: no Frame built
-        self.subscriptions: dict[tuple[str, str], Subscription] = {}
+        self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
         self.last_heard = clock.seconds()
         self._registry = registry
@@ -256,7 +258,7 @@ class DmqConnection:
             if existing.channel is not None:
                 existing.channel.pump()
             return
-        sub = Subscription(self, credit)
+        sub = DmqSubscription(self, credit)
         self.subscriptions[key] = sub
 
         def ok(channel: Any) -> None:

@@ -55,6 +55,13 @@ class ReliableConsumer:
     def credit(self) -> int:
         return self.conn.ready_count
 
+    @property
+    def name(self) -> str:
+        """How the message trace and the console name this consumer: NSQ's client id
+        (from IDENTIFY) and its address."""
+        conn = self.conn
+        return f"nsq {conn.client_id}@{conn.remote_address}"
+
     def push(self, channel: Any, delivery: Any) -> None:
         conn = self.conn
         if conn.closed:

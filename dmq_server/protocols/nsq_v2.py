@@ -400,7 +400,7 @@ class NsqConnection:
             if isinstance(error, DmqError):
                 why = error.status
             else:
-                log.failure("SUB {t}/{c} failed", failure, t=topic, c=channel)
+                log.failure("SUB {topic}/{channel} failed", failure, topic=topic, channel=channel)
                 why = str(error)
             self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
 

@@ -23,11 +23,17 @@ from typing import Any, Callable, Iterable, Protocol
 
 from dmq_server.core.deadlines import Deadlines
 
-__all__ = ["Message", "Delivery", "Consumer", "Channel"]
+__all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
+
+# why a delivered copy came back unacknowledged (the message trace's reasons)
+TIMEOUT = "timeout"  # not acknowledged within the message timeout
+CONSUMER_GONE = "consumer_gone"  # its consumer disconnected or unsubscribed
+REQUEUED = "requeued"  # the consumer gave it back (NSQ's REQ), at once or after a delay
+RETURN_REASONS = (TIMEOUT, CONSUMER_GONE, REQUEUED)
 
 
 @dataclass(slots=True)
-class Message:
+class ReliableMessage:
     """A stored message as the broker holds it (not frozen: built once per send)."""
 
     message_id: int
@@ -42,21 +48,22 @@ class Message:
 class Delivery:
     """One channel's copy of a message, while the server holds it in memory."""
 
-    message: Message
+    message: ReliableMessage
     attempts: int = 0
     first_delivered_ms: int = 0
     consumer: Any = None
     deadline: float = 0.0
+    delivered_at: float = 0.0  # when the current (or last) attempt was pushed, clock seconds
 
 
-class Consumer(Protocol):
+class Receiver(Protocol):
     credit: int
     in_flight: int
 
-    def push(self, channel: "Channel", delivery: Delivery) -> None: ...
+    def push(self, channel: "ReliableChannel", delivery: Delivery) -> None: ...
 
 
-class Channel:
+class ReliableChannel:
     def __init__(
         self,
         topic: str,
@@ -65,11 +72,13 @@ class Channel:
         clock: Any,
         msg_timeout: float,
         mem_queue_size: int,
-        load: Callable[["Channel", int, int], None],
-        on_ack: Callable[["Channel", Delivery, int], None],
+        load: Callable[["ReliableChannel", int, int], None],
+        on_ack: Callable[["ReliableChannel", Delivery, int], None],
         max_attempts: int | None = None,
-        on_attempt: Callable[["Channel", Delivery], None] | None = None,
-        on_exhausted: Callable[["Channel", Delivery], None] | None = None,
+        on_attempt: Callable[["ReliableChannel", Delivery], None] | None = None,
+        on_exhausted: Callable[["ReliableChannel", Delivery], None] | None = None,
+        on_return: Callable[["ReliableChannel", Delivery, str], None] | None = None,
+        deliver_latency: Any = None,
     ):
         self.topic = topic
         self.name = name
@@ -85,10 +94,15 @@ class Channel:
         self._on_attempt = on_attempt
         self._on_exhausted = on_exhausted
         self.exhausted_count = 0
+        # a copy coming back before its ack, with why (RETURN_REASONS), while its
+        # consumer is still set: the message trace records it (reliable.trace); and
+        # each first delivery's publish -> deliver time (a core.buckets.Buckets)
+        self._on_return = on_return
+        self.deliver_latency = deliver_latency
         self.ready: deque[Delivery] = deque()
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
-        self.consumers: deque[Consumer] = deque()
+        self.consumers: deque[Receiver] = deque()
         self._deadlines = Deadlines()  # in flight and deferred copies, by message id
         # Start assuming the database holds copies we have not seen (restart, takeover).
         self.backlog = True
@@ -111,6 +125,8 @@ class Channel:
         self.requeue_count = 0
         self.timeout_count = 0
         self.ack_count = 0
+        self.delivery_count = 0  # pushes to consumers, redeliveries included
+        self.redelivery_count = 0  # pushes of a copy delivered before
         # copies a consumer gave back with a delay (REQ with a timeout): in ``in_flight``
         # with no consumer until due, reported as deferred, as nsqd does
         self.deferred: set[int] = set()
@@ -119,7 +135,7 @@ class Channel:
         self.stored_count: int | None = None
 
     # -- arrivals ---------------------------------------------------------
-    def add(self, message: Message) -> None:
+    def add(self, message: ReliableMessage) -> None:
         """A freshly committed copy for this channel.
 
         Kept in memory if there is room and nothing older waits in PostgreSQL;
@@ -180,7 +196,7 @@ class Channel:
             self.cursor = max(self.cursor, row.message_id)
             if row.message_id in self.known or row.message_id in dropped:
                 continue
-            message = Message(
+            message = ReliableMessage(
                 row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body
             )
             self._enqueue(Delivery(message, attempts=row.attempts))
@@ -266,13 +282,13 @@ class Channel:
         self.backlog = True
 
     # -- consumers --------------------------------------------------------
-    def subscribe(self, consumer: Consumer) -> None:
+    def subscribe(self, consumer: Receiver) -> None:
         if consumer not in self.consumers:
             self.consumers.append(consumer)
         self._maybe_load()
         self.pump()
 
-    def unsubscribe(self, consumer: Consumer) -> None:
+    def unsubscribe(self, consumer: Receiver) -> None:
         """Take a consumer away; its unacknowledged copies go back to the front."""
         try:
             self.consumers.remove(consumer)
@@ -281,6 +297,7 @@ class Channel:
         mine = [d for d in self.in_flight.values() if d.consumer is consumer]
         mine.sort(key=lambda d: d.message.message_id, reverse=True)
         for delivery in mine:
+            self._returned(delivery, CONSUMER_GONE)
             self._requeue(delivery)
         self.pump()
 
@@ -310,11 +327,17 @@ class Channel:
             self._start_flight(delivery, consumer)
         self._maybe_load()
 
-    def _start_flight(self, delivery: Delivery, consumer: Consumer) -> None:
+    def _start_flight(self, delivery: Delivery, consumer: Receiver) -> None:
         now = self.clock.seconds()
         delivery.attempts += 1
+        self.delivery_count += 1
         if not delivery.first_delivered_ms:
             delivery.first_delivered_ms = int(now * 1000)
+        if delivery.attempts > 1:
+            self.redelivery_count += 1
+        elif self.deliver_latency is not None:
+            self.deliver_latency.observe(now - delivery.message.published_ms / 1000.0)
+        delivery.delivered_at = now
         delivery.consumer = consumer
         delivery.deadline = now + self.msg_timeout
         if self._on_attempt is not None and (delivery.attempts > 1 or self.max_attempts is not None):
@@ -338,19 +361,24 @@ class Channel:
             self.requeue_count += 1
         self.ready.appendleft(delivery)
 
+    def _returned(self, delivery: Delivery, reason: str) -> None:
+        if self._on_return is not None:
+            self._on_return(self, delivery, reason)
+
     # -- acks and timeouts -----------------------------------------------
     def ack(self, message_id: int) -> bool:
         delivery = self.in_flight.pop(message_id, None)
         if delivery is None:
             return False
         self.deferred.discard(message_id)
+        self.ack_count += 1
+        self._deadlines.discard(message_id)
+        # stays in `known` until the durable ack commits, so a load cannot resurrect it;
+        # on_ack sees the consumer that held it (the ack's row names it)
+        self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
         if delivery.consumer is not None:
             delivery.consumer.in_flight -= 1
             delivery.consumer = None
-        self.ack_count += 1
-        self._deadlines.discard(message_id)
-        # stays in `known` until the durable ack commits, so a load cannot resurrect it
-        self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
         self.pump()
         return True
 
@@ -405,13 +433,14 @@ class Channel:
                 self.deferred.discard(mid)  # a deferral that ended, not a timeout
             else:
                 self.timeout_count += 1
+                self._returned(delivery, TIMEOUT)
             self._requeue(delivery, counted=False)
         if expired:
             self.pump()
         return len(expired)
 
     # -- per-copy controls for NSQ clients (FIN ownership, REQ, TOUCH) -----
-    def owner_error(self, message_id: int, consumer: Consumer) -> str | None:
+    def owner_error(self, message_id: int, consumer: Receiver) -> str | None:
         """None if ``consumer`` holds ``message_id`` in flight, else nsqd's reason."""
         delivery = self.in_flight.get(message_id)
         if delivery is None:
@@ -420,13 +449,14 @@ class Channel:
             return "client does not own message"
         return None
 
-    def requeue(self, message_id: int, consumer: Consumer, delay: float = 0.0) -> str | None:
+    def requeue(self, message_id: int, consumer: Receiver, delay: float = 0.0) -> str | None:
         """Give a copy back: ready again at once, or after ``delay`` seconds. A delayed
         copy stays in ``in_flight`` with no consumer until the scan requeues it."""
         error = self.owner_error(message_id, consumer)
         if error is not None:
             return error
         delivery = self.in_flight[message_id]
+        self._returned(delivery, REQUEUED)
         if delay <= 0:
             self._requeue(delivery)
         else:
@@ -438,7 +468,7 @@ class Channel:
         self.pump()
         return None
 
-    def touch(self, message_id: int, consumer: Consumer) -> str | None:
+    def touch(self, message_id: int, consumer: Receiver) -> str | None:
         """Restart the copy's message timeout."""
         error = self.owner_error(message_id, consumer)
         if error is not None:
@@ -450,7 +480,7 @@ class Channel:
         delivery.deadline = deadline
         self._deadlines.set(delivery.message.message_id, deadline)
 
-    def close(self) -> list[Consumer]:
+    def close(self) -> list[Receiver]:
         """The channel was unregistered: drop memory, return its consumers."""
         self.closed = True
         consumers = list(self.consumers)
@@ -474,6 +504,33 @@ class Channel:
             return len(self.ready)
         return max(len(self.ready), self.stored_count - (len(self.known) - len(self.ready)))
 
+    # -- for operators (the admin API's trace, peek and channel page) ---------------
+    def locate(self, message_id: int) -> dict[str, Any] | None:
+        """Where this node holds the copy now, or None: in flight (to whom, since when,
+        until when), deferred (until when), or ready in memory. A walk of the memory
+        window for a ready copy: for an operator's request, never the message path."""
+        delivery = self.in_flight.get(message_id)
+        if delivery is not None:
+            state = "deferred" if message_id in self.deferred else "in_flight"
+            return {
+                "state": state,
+                "attempts": delivery.attempts,
+                "consumer": getattr(delivery.consumer, "name", None),
+                "delivered_at": delivery.delivered_at,
+                "deadline": delivery.deadline,
+            }
+        for delivery in self.ready:
+            if delivery.message.message_id == message_id:
+                return {"state": "ready", "attempts": delivery.attempts}
+        return None
+
+    def consumer_stats(self) -> list[dict[str, Any]]:
+        """Each consumer's name, credit and copies in flight."""
+        return [
+            {"name": getattr(c, "name", repr(c)), "credit": c.credit, "in_flight": c.in_flight}
+            for c in self.consumers
+        ]
+
     def stats(self) -> dict[str, Any]:
         return {
             "channel_name": self.name,
@@ -486,6 +543,8 @@ class Channel:
             "requeue_count": self.requeue_count,
             "timeout_count": self.timeout_count,
             "ack_count": self.ack_count,
+            "delivery_count": self.delivery_count,
+            "redelivery_count": self.redelivery_count,
             "exhausted_count": self.exhausted_count,
             "clients": len(self.consumers),
         }

@@ -44,7 +44,7 @@ class GroupCommitWriter:
 
     With several workers, batches commit concurrently (PostgreSQL merges their
     WAL flushes), so message ids may commit slightly out of order; the channel
-    copes with that (see ``Channel.add``).
+    copes with that (see ``ReliableChannel.add``).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Integration tests of dmq_server.db.embedded against real PostgreSQL servers.
+"""Integration tests of dmq_sql.embedded against real PostgreSQL servers.
 
 They pin down what the dmq server relies on: start() is idempotent and keeps
 its DSN, data survives a clean restart and a crash (SIGKILL), the server is
@@ -22,8 +22,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dmq_server.db import embedded as embedded_pg
-from dmq_server.db.embedded import (
+from dmq_sql import embedded as embedded_pg
+from dmq_sql.embedded import (
     EmbeddedPostgres,
     EmbeddedPostgresError,
     find_pg_bindir,

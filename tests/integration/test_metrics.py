@@ -85,3 +85,88 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     assert dict(build)["node_id"].endswith(f":{server.tcp_port}")  # hostname:port, the default id
     for sock in (billing, counter, nsq_producer):
         sock.close()
+
+
+def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_server, topic, pg_dsn):
+    """Every delivery and redelivery, each return by its reason (REQ, a consumer gone, the
+    message timeout), the publish -> deliver histogram, and the gauges read from PostgreSQL
+    by the timer (oldest unacknowledged message, delayed messages, stored dead letters,
+    round trip, connections) match what the test did; the trace tables hold the same."""
+    import json
+    import urllib.request
+
+    from dmq_client.wire import Command
+    from dmq_server.core.nsq_wire import encode_command
+    from dmq_server.db.worker import connect
+    import registry
+
+    from .support import db_rows
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.add_channel(conn, topic, "audit")  # nobody consumes it: its oldest copy ages
+        registry.create_topic(conn, "slow", msg_timeout_ms=300)
+        registry.add_channel(conn, "slow", "c")
+    server = make_server(metrics_db_interval="0.2s")
+    with server.client() as producer:
+        assert {r.command for r in producer.send_many(topic, [b"o-%d" % i for i in range(6)])} == {
+            Command.SEND_SUCCESS_ACK}
+        assert producer.send("slow", b"s-1").command == Command.SEND_SUCCESS_ACK
+
+    a = NsqSocket(server.tcp_port, {"client_id": "a", "feature_negotiation": True})
+    a.sub(topic, "billing", rdy=6)
+    first = [a.message() for _ in range(6)]
+    for _, _, wire_id, _ in first[:2]:
+        a.send(b"REQ " + wire_id + b" 0\n")  # given back: delivered again at once
+    again = [a.message() for _ in range(2)]
+    assert sorted(m[1] for m in again) == [2, 2]  # attempts
+    a_name = f"nsq a@127.0.0.1:{a.sock.getsockname()[1]}"
+    a.close()  # six copies in flight go back: the consumer is gone
+    b = NsqSocket(server.tcp_port, {"client_id": "b", "feature_negotiation": True})
+    b.sub(topic, "billing", rdy=6)
+    for _, attempts, wire_id, _ in [b.message() for _ in range(6)]:
+        assert attempts >= 2
+        b.send(b"FIN " + wire_id + b"\n")
+    c = NsqSocket(server.tcp_port, {"client_id": "c", "feature_negotiation": True})
+    c.sub("slow", "c", rdy=1)
+    c.message()  # not acknowledged: back after the 300 ms timeout
+    _, attempts, wire_id, _ = c.message()
+    assert attempts == 2
+    c.send(b"FIN " + wire_id + b"\n")
+    delayed = NsqSocket(server.tcp_port)
+    assert delayed.send(encode_command(b"DPUB", topic.encode(), b"3600000", body=b"later")).response() == b"OK"
+    report = urllib.request.Request(
+        server.http + "/admin/dead-letters", method="POST",
+        data=json.dumps({"topic": topic, "producer": "p", "body": "lost"}).encode(),
+        headers={"X-Requested-By": "dmq"},
+    )
+    with urllib.request.urlopen(report, timeout=5) as reply:
+        assert reply.status == 200
+
+    billing = (("channel", "billing"), ("store", "reliable"), ("topic", topic))
+    audit = (("channel", "audit"), ("store", "reliable"), ("topic", topic))
+    s = wait_for(lambda: (m := scrape(server))[("dmq_acks_durable_total", ())] == 7
+                 and m.get(("dmq_delay_pending", (("topic", topic),))) == 1
+                 and m.get(("dmq_dead_letters_stored", (("reason", "client_reported"),))) == 1
+                 and m.get(("dmq_channel_oldest_unacked_age_seconds", billing)) == 0 and m)
+    assert s[("dmq_channel_delivered_messages_total", billing)] == 6 + 2 + 6
+    assert s[("dmq_channel_redelivered_messages_total", billing)] == 2 + 6
+    assert s[("dmq_channel_delivered_messages_total", audit)] == 0
+    returned = {r: s[("dmq_returned_deliveries_total", (("reason", r),))] for r in ("requeued", "consumer_gone", "timeout")}
+    assert returned == {"requeued": 2, "consumer_gone": 6, "timeout": 1}
+    assert s[("dmq_publish_deliver_seconds_count", ())] == 6 + 1  # first deliveries only
+    assert s[("dmq_channel_oldest_unacked_age_seconds", audit)] > 0
+    assert s[("dmq_dead_letters_unreplayed", (("reason", "client_reported"),))] == 1
+    assert 0 < s[("dmq_database_roundtrip_seconds", ())] < 5
+    assert s[("dmq_stored_gauges_age_seconds", ())] < 5
+    assert s[("dmq_database_connection_up", (("role", "metrics"),))] == 1
+    assert s[("dmq_database_connection_up", (("role", "acker"),))] == 1
+    assert s[("dmq_trace_dropped_total", ())] == 0
+    # the same facts, stored for the message trace
+    port = lambda sock: f"127.0.0.1:{sock.sock.getsockname()[1]}"  # noqa: E731
+    rows = wait_for(lambda: (r := db_rows(pg_dsn, "SELECT reason, consumer FROM dmq_trace")) and len(r) == 9 and r)
+    assert sorted(rows) == sorted([("requeued", a_name)] * 2 + [("consumer_gone", a_name)] * 6
+                                  + [("timeout", f"nsq c@{port(c)}")])
+    acked = db_rows(pg_dsn, "SELECT channel, consumer, delivered_at >= first_delivered_at FROM dmq_delivery_log")
+    assert sorted(acked) == sorted([("billing", f"nsq b@{port(b)}", True)] * 6 + [("c", f"nsq c@{port(c)}", True)])
+    for sock in (b, c, delayed):
+        sock.close()

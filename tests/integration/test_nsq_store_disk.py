@@ -5,7 +5,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from dmq_client.diskqueue import DiskQueue
-from dmq_server.fast.message import Message
+from dmq_server.fast.message import FastMessage
 from dmq_server.fast.store import FastStore
 from tests.unit.test_nsq_store import FakeClient
 
@@ -31,7 +31,7 @@ def test_overflow_files_use_nsqd_names_and_layout(tmp_path):
     dq = DiskQueue("orders:billing", tmp_path, min_msg_size=26, max_msg_size=1024 * 1024 + 26)
     records = []
     while (data := dq.read()) is not None:
-        records.append(Message.decode(data))
+        records.append(FastMessage.decode(data))
     dq.close()
     assert sorted(m.body for m in records) == [b"body-0", b"body-1", b"body-2"]
     assert {m.id for m in records} == {m.id for m in msgs}

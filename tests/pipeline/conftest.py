@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -157,3 +159,30 @@ def make_traffic(server: ServerProcess, pg_dsn: str, n: int = 40) -> Traffic:
     delivered = (n - 3) + n + n // 4
     wait_for(lambda: sql(pg_dsn, "counts")[0][2] == logged_before + delivered, timeout=20)
     return Traffic(sent=n + n // 4, delivered=delivered, pending=3)
+
+
+@pytest.fixture(scope="session")
+def standalone(tmp_path_factory):
+    """A Spark standalone cluster (master + 2 workers of 2 cores) on 127.0.0.1 whose
+    workers have no dmq (``tests/pipeline/standalone.py``), for the whole run."""
+    from .standalone import StandaloneCluster
+
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-standalone"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ship_cache(tmp_path_factory) -> Path:
+    """Where ``--ship-env build`` caches the packed environment in tests (XDG_CACHE_HOME)."""
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+def pipeline_command(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The installed ``dmq-pipeline`` as a user runs it (its own driver JVM)."""
+    exe = shutil.which("dmq-pipeline", path=os.path.dirname(sys.executable)) or shutil.which("dmq-pipeline")
+    command = [exe] if exe else [sys.executable, "-m", "dmq_pipeline.cli"]
+    return subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)

@@ -146,10 +146,25 @@ def test_swept_messages_keep_their_bodies_in_the_archive(spark, make_server, top
     assert sql(pg_dsn, "counts")[0][3] == 0, "kept messages released once archived"
 
 
-def test_other_archive_location_is_refused(make_server, topic, pg_dsn, db, opts, tmp_path):
-    """One database has one archive: another location is a usage error that changes nothing."""
+def test_other_archive_location_is_refused(spark, make_server, topic, pg_dsn, db, opts, tmp_path):
+    """One database has one archive once a batch is written there: another location is a
+    usage error that changes nothing; the same one spelled as a file: URI is the same."""
+    server = make_server()
+    make_traffic(server, pg_dsn, n=8)
+    archive.run_archive(spark, db, opts, settings(tmp_path / "a"))
+    make_traffic(server, pg_dsn, n=8)
+    with pytest.raises(archive.UsageError, match="archived to"):
+        archive.run_archive(spark, db, opts, settings(tmp_path / "b"))
+    assert sql(pg_dsn, "counts")[0][2] > 0, "nothing archived"
+    again = archive.run_archive(spark, db, opts, settings(f"file://{tmp_path / 'a'}"))
+    assert again.rows > 0 and again.location == str(tmp_path / "a")
+
+
+def test_location_binds_only_once_a_batch_is_written(make_server, topic, pg_dsn, db, opts, tmp_path):
+    """Archiving enabled at one location (or a first run that failed before writing)
+    does not bind it: a run to another location moves it there."""
     db.migrate()
     archive.run_archive(None, db, opts, ArchiveSettings(archive=str(tmp_path / "a"), init_only=True))
-    with pytest.raises(archive.UsageError, match="archived to"):
-        archive.run_archive(None, db, opts, settings(tmp_path / "b"))
-    assert sql(pg_dsn, "counts")[0][4] == 0
+    moved = archive.run_archive(None, db, opts, ArchiveSettings(archive=str(tmp_path / "b"), init_only=True))
+    assert moved.location == str(tmp_path / "b")
+    assert db.one("archive_state")[0] == str(tmp_path / "b")

@@ -115,6 +115,7 @@ def test_archive_runs_as_a_command(pg_dsn, topic, make_server, tmp_path):
 def test_archive_with_nothing_to_do_says_so_without_starting_spark(pg_dsn, topic, tmp_path):
     """Nothing is due: the command enables archiving, says there is nothing to archive, and
     never starts a JVM (``--master`` is an address nothing listens on: Spark would fail)."""
-    out = run("archive", "--pg-dsn", pg_dsn, "--master", "spark://127.0.0.1:1", "--archive", str(tmp_path / "a"))
+    out = run("archive", "--pg-dsn", pg_dsn, "--master", "spark://127.0.0.1:1", "--archive", str(tmp_path / "a"),
+              "--archive-shared")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("nothing to archive")

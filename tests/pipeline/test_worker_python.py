@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from dmq_pipeline.session import root_cause
+from dmq_pipeline.failures import root_cause
 
 from .conftest import sql
 

@@ -23,7 +23,7 @@ from dmq_server.core.options import Options
 from dmq_server.db.errors import StorageError
 from dmq_server.db.memory import MemoryDb
 from dmq_server.fast.store import FastStore
-from tests.unit.test_nsq_store import MemoryBackend
+from tests.unit.test_nsq_store import FakeClient, MemoryBackend
 
 NODE = "node-1"
 
@@ -122,7 +122,7 @@ def test_publish_is_stored_delivered_to_each_channel_and_acked(h):
     h.settle()
     assert not h.db.deliveries  # every ack made durable
     assert len(h.db.delivery_log) == 100
-    assert h.broker.acker.acked == 100
+    assert h.broker.reliable.acker.acked == 100
 
 
 def test_a_resend_is_answered_from_the_stored_row_and_delivered_once(h):
@@ -185,7 +185,7 @@ def test_a_batch_of_unknown_outcome_is_found_by_a_rescan():
     h.settle()
     failed = [k for k, v in h.answers.items() if isinstance(v, StorageError)]
     assert failed, "the injected failure did not reach a send"
-    assert h.broker.unknown_outcomes == 1
+    assert h.broker.reliable.unknown_outcomes == 1
     # the producers retry what failed, as the client library does
     for producer, session_id in failed:
         h.send("orders", producer, session_id)
@@ -212,7 +212,7 @@ def test_a_batch_cut_off_that_commits_after_every_rescan_is_still_delivered():
         h.send("orders", "p", i)
     h.settle()
     failed = sorted(k for k, v in h.answers.items() if isinstance(v, StorageError))
-    assert failed and h.broker.unknown_outcomes == 1
+    assert failed and h.broker.reliable.unknown_outcomes == 1
     h.send("orders", "q", 1)  # the next commit succeeds: the rescans run and find nothing
     h.settle()
     # now the cut-off transaction ends, committed
@@ -240,7 +240,7 @@ def test_a_refused_row_fails_only_its_own_send():
     assert isinstance(refused, Invalid)
     assert sorted(k for k in h.answers if k != ("bad", 1)) == [("p", i) for i in range(8)]
     assert all(isinstance(h.answers[("p", i)], Published) for i in range(8))
-    assert h.broker.writer.batches > 2  # the batch was split
+    assert h.broker.reliable.writer.batches > 2  # the batch was split
     h.assert_none_lost("orders", {"billing": billing})
     assert ("bad", 1) not in {(m.producer, m.session_id) for m in h.db.messages.values()}
 
@@ -255,7 +255,7 @@ def test_acks_survive_a_failed_ack_batch(h):
     h.ack_all("orders", billing)
     h.settle(2)  # the batch fails, waits, and is retried
     assert not [k for k in h.db.deliveries if k[1] == "billing"]
-    assert h.broker.acker.acked == 5
+    assert h.broker.reliable.acker.acked == 5
 
 
 def test_an_ack_by_another_consumer_is_refused(h):
@@ -473,3 +473,47 @@ def test_copies_a_silent_consumer_holds_are_redelivered_and_none_is_lost(h):
     h.assert_none_lost("orders", {"billing": worker, "audit": audit})
     assert not channel.in_flight and not h.db.deliveries  # every copy acked, durably
     assert channel.timeout_count == 8  # 4 untouched + 4 touched; the 2 requeued are no timeout
+
+
+def test_a_registered_fast_topics_rate_limit_refuses_a_whole_request():
+    """A fast topic's rate_limit is the broker's, as a reliable topic's is: within the
+    limit the batch is stored; over it the whole request is refused (no partial MPUB),
+    nothing reaches the fast store, and no dead letter is written (the fast store has
+    none). A second later the bucket has refilled."""
+    h = Harness()
+    h.db.create_topic("metered", store="fast", rate_limit=3)
+    h.broker.refresh_registry()
+    h.settle()
+    [answer] = publish(h, PublishRequest("metered", "p", [b"1", b"2", b"3"]))
+    assert isinstance(answer, Published) and answer.count == 3
+    [answer] = publish(h, PublishRequest("metered", "p", [b"4"]))
+    assert isinstance(answer, RateLimited) and answer.code == "E_RATE_LIMITED"
+    assert h.fast.topics["metered"].message_count == 3
+    assert not h.db.dead_letters
+    h.clock.advance(1)
+    [answer] = publish(h, PublishRequest("metered", "p", [b"4"]))
+    assert isinstance(answer, Published)
+
+
+def test_one_scanner_times_out_copies_of_both_stores():
+    """The broker's scan timer is the only scanner: with it stopped, neither a reliable
+    copy nor a fast message comes back after its timeout; with it running, both do."""
+    h = Harness()
+    reliable = Consumer(credit=1)
+    h.subscribe("orders", "billing", reliable)
+    fast_channel = h.fast.get_topic("clicks").get_channel("c")
+    fast_client = FakeClient(ready=1)
+    fast_channel.add_client(fast_client)
+    h.send("orders", "p", 1)
+    publish(h, PublishRequest("clicks", "p", [b"hit"]))
+    h.settle()
+    assert len(reliable.pushed) == 1 and len(fast_client.received) == 1
+    h.broker.timers.getServiceNamed("scan").stopService()
+    h.clock.advance(120)  # past both timeouts (60 s)
+    h.settle()
+    assert len(reliable.pushed) == 1 and len(fast_client.received) == 1
+    h.broker.timers.getServiceNamed("scan").startService()
+    h.settle()
+    assert len(reliable.pushed) == 2 and len(fast_client.received) == 2
+    assert reliable.pushed[0] == reliable.pushed[1]  # the same copy again
+    assert fast_client.received[0].id == fast_client.received[1].id

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
-from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.db.messages import BacklogRow
 
 TIMEOUT = 10.0
@@ -46,7 +46,7 @@ class FakeConsumer:
         self.in_flight = 0
         self.pushes: list[Push] = []
 
-    def push(self, channel: Channel, delivery: Delivery) -> None:
+    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
         assert delivery.consumer is self
         self.pushes.append(
             Push(
@@ -73,10 +73,10 @@ class Harness:
     clock: Clock = field(default_factory=Clock)
     loads: list[tuple[int, int]] = field(default_factory=list)
     acks: list[tuple[int, int, int, int]] = field(default_factory=list)
-    channel: Channel = field(init=False)
+    channel: ReliableChannel = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = Channel(
+        self.channel = ReliableChannel(
             "orders",
             "billing",
             clock=self.clock,
@@ -86,17 +86,17 @@ class Harness:
             on_ack=self._on_ack,
         )
 
-    def _load(self, channel: Channel, after: int, limit: int) -> None:
+    def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         assert channel is self.channel
         self.loads.append((after, limit))
 
-    def _on_ack(self, channel: Channel, delivery: Delivery, acked_ms: int) -> None:
+    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
         assert channel is self.channel
         self.acks.append(
             (delivery.message.message_id, delivery.attempts, delivery.first_delivered_ms, acked_ms)
         )
 
-    def start(self, *consumers: FakeConsumer) -> Channel:
+    def start(self, *consumers: FakeConsumer) -> ReliableChannel:
         """Subscribe consumers and answer the first backlog load with an empty table."""
         for consumer in consumers:
             self.channel.subscribe(consumer)
@@ -108,15 +108,15 @@ class Harness:
         return self.channel
 
 
-def message(message_id: int) -> Message:
-    return Message(message_id, "orders", "producer-1", message_id, 1_000 + message_id, b"body-%d" % message_id)
+def message(message_id: int) -> ReliableMessage:
+    return ReliableMessage(message_id, "orders", "producer-1", message_id, 1_000 + message_id, b"body-%d" % message_id)
 
 
 def row(message_id: int, attempts: int = 0) -> BacklogRow:
     return BacklogRow(message_id, "producer-1", message_id, 1_000 + message_id, b"body-%d" % message_id, attempts)
 
 
-def ready_ids(channel: Channel) -> list[int]:
+def ready_ids(channel: ReliableChannel) -> list[int]:
     return [d.message.message_id for d in channel.ready]
 
 
@@ -730,7 +730,7 @@ class World:
         self.acked: list[int] = []
         self.deleted: list[int] = []
         self.consumers = [FakeConsumer(f"c{i}", credit) for i, credit in enumerate(credits)]
-        self.channel = Channel(
+        self.channel = ReliableChannel(
             "orders",
             "billing",
             clock=self.clock,
@@ -742,11 +742,11 @@ class World:
         for consumer in self.consumers:
             self.channel.subscribe(consumer)
 
-    def _load(self, channel: Channel, after: int, limit: int) -> None:
+    def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         assert self.request is None, "a second load was issued while one is outstanding"
         self.request = (after, limit)
 
-    def _on_ack(self, channel: Channel, delivery: Delivery, acked_ms: int) -> None:
+    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
         self.acked.append(delivery.message.message_id)
 
     # -- which steps can happen now -------------------------------------------

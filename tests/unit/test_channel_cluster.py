@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.db.messages import BacklogRow
 
 
@@ -17,13 +17,13 @@ class Consumer:
         self.in_flight = 0
         self.ids: list[int] = []
 
-    def push(self, channel: Channel, delivery: Delivery) -> None:
+    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
         self.ids.append(delivery.message.message_id)
 
 
-def make(mem: int = 10) -> tuple[Channel, list[tuple[int, int]]]:
+def make(mem: int = 10) -> tuple[ReliableChannel, list[tuple[int, int]]]:
     loads: list[tuple[int, int]] = []
-    channel = Channel(
+    channel = ReliableChannel(
         "orders",
         "billing",
         clock=Clock(),
@@ -39,8 +39,8 @@ def rows(*ids: int) -> list[BacklogRow]:
     return [BacklogRow(i, "p", i, 0, b"x", 0) for i in ids]
 
 
-def msg(i: int) -> Message:
-    return Message(i, "orders", "p", i, 0, b"x")
+def msg(i: int) -> ReliableMessage:
+    return ReliableMessage(i, "orders", "p", i, 0, b"x")
 
 
 def test_paused_channel_neither_pushes_nor_loads():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.reliable.channel import Channel, Delivery, Message
+from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.core.limits import RateLimiter, TokenBucket
 
 
@@ -67,11 +67,11 @@ class Consumer:
         self.pushed.append((delivery.message.message_id, delivery.attempts))
 
 
-def make_channel(clock: Clock, **kw) -> tuple[Channel, list, list, list]:
+def make_channel(clock: Clock, **kw) -> tuple[ReliableChannel, list, list, list]:
     attempts: list = []
     exhausted: list = []
     acks: list = []
-    channel = Channel(
+    channel = ReliableChannel(
         "t",
         "c",
         clock=clock,
@@ -86,8 +86,8 @@ def make_channel(clock: Clock, **kw) -> tuple[Channel, list, list, list]:
     return channel, attempts, exhausted, acks
 
 
-def msg(i: int) -> Message:
-    return Message(i, "t", "p", i, 0, b"x")
+def msg(i: int) -> ReliableMessage:
+    return ReliableMessage(i, "t", "p", i, 0, b"x")
 
 
 def test_copy_is_exhausted_after_max_attempts_instead_of_pushed_again():
@@ -157,7 +157,7 @@ def test_drop_during_a_load_keeps_the_loaded_copy_out():
     """A load whose snapshot predates the expiry must not bring the expired copy back."""
     clock = Clock()
     loads: list = []
-    channel = Channel(
+    channel = ReliableChannel(
         "t", "c", clock=clock, msg_timeout=1.0, mem_queue_size=100,
         load=lambda ch, after, limit: loads.append(limit), on_ack=lambda ch, d, ms: None,
     )

@@ -134,3 +134,61 @@ def test_the_snapshot_is_taken_on_the_reactor_and_a_stopped_reactor_fails_the_sc
 
     with pytest.raises(KeyError):
         DmqCollector(broken, _Reactor(True)).snapshot()
+
+
+def test_stored_gauges_are_the_timers_last_values_with_ages_computed_at_the_scrape() -> None:
+    """The database's figures come from the last refresh (a timer), the oldest message's
+    age from its publish time and the snapshot's clock; nothing is read during the scrape."""
+    from dataclasses import replace
+
+    stored = {
+        "values": {
+            "oldest_unacked_ms": {("orders", "billing"): 95_000, ("orders", "audit"): None},
+            "delay_pending": {"orders": (12, 200_000)},
+            "dead_letters": {"expired": (5, 2)},
+        },
+        "age": 3.5, "roundtrip": 0.002, "failures": 0, "now": 100.0,
+    }
+    pool = {"acker": {"connected": True, "busy": False, "queued": 0},
+            "loader": {"connected": False, "busy": False, "queued": 4}}
+    s = scrape(replace(SNAPSHOT, stored=stored, db_pool=pool))
+    billing = (("channel", "billing"), ("store", "reliable"), ("topic", "orders"))
+    audit = (("channel", "audit"), ("store", "reliable"), ("topic", "orders"))
+    assert s[("dmq_channel_oldest_unacked_age_seconds", billing)] == 5.0
+    assert s[("dmq_channel_oldest_unacked_age_seconds", audit)] == 0.0
+    assert s[("dmq_delay_pending", (("topic", "orders"),))] == 12
+    assert s[("dmq_dead_letters_stored", (("reason", "expired"),))] == 5
+    assert s[("dmq_dead_letters_unreplayed", (("reason", "expired"),))] == 3
+    assert s[("dmq_stored_gauges_age_seconds", ())] == 3.5
+    assert s[("dmq_database_roundtrip_seconds", ())] == 0.002
+    assert s[("dmq_database_connection_up", (("role", "loader"),))] == 0
+    assert s[("dmq_database_connection_queued", (("role", "loader"),))] == 4
+    assert s[("dmq_database_connection_up", (("role", "acker"),))] == 1
+
+
+def test_without_a_refresh_yet_no_stored_gauge_is_invented() -> None:
+    s = scrape(SNAPSHOT)
+    assert not [name for name, _ in s if name.startswith(("dmq_channel_oldest", "dmq_delay_pending",
+                                                          "dmq_dead_letters_stored", "dmq_database_roundtrip"))]
+
+
+def test_history_keeps_a_bounded_window_per_channel_and_forgets_channels_that_went() -> None:
+    from twisted.internet.task import Clock
+
+    from dmq_server.http.sampling import History
+
+    clock = Clock()
+    channels = [("reliable", "orders", "billing", {"depth": 1, "ack_count": 0}),
+                ("fast", "clicks", "counter", {"depth": 0})]
+    history = History(lambda: channels, clock, points=3)
+    for i in range(5):
+        channels[0][3]["ack_count"] = 10 * i
+        history.sample()
+        clock.advance(5)
+    exported = history.export()["channels"]
+    billing = [c for c in exported if c["channel"] == "billing"][0]
+    assert billing["ack_count"] == [20, 30, 40] and billing["t"] == [10.0, 15.0, 20.0]
+    del channels[1]
+    history.sample()
+    assert [c["channel"] for c in history.export()["channels"]] == ["billing"]
+    assert history.export(topic="nothing")["channels"] == []

@@ -9,16 +9,18 @@ from types import SimpleNamespace
 
 import pytest
 from twisted.internet.defer import fail, succeed
+from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_server.broker import Broker
+from dmq_server.broker import Broker, TopicCache
+from dmq_server.core.limits import RateLimiter
+from dmq_server.reliable.store import ReliableStore
 from dmq_server.core.errors import NoChannel, NoTopic, ShuttingDown
 from dmq_server.core.ids import GuidFactory
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
-from dmq_server.reliable.channel import Channel as ReliableChannel
-from dmq_server.reliable.channel import Message as ReliableMessage
+from dmq_server.reliable.channel import ReliableChannel, ReliableMessage
 from dmq_server.fast.store import FastStore
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_v2 import NsqConnection
@@ -43,17 +45,16 @@ class FakeBroker(Broker):
         self.clock = clock
         self.options = Options()
         self.fast = fast
-        self.fast_topics: set[str] = set()
-        self.fast_publish_count = 0
+        self.limits = RateLimiter(clock)
         self._session_ids = GuidFactory(1, lambda: int(clock.seconds() * 1e9))
-        self.topics: dict[str, object] = {}
-        self.channels: dict[tuple[str, str], ReliableChannel] = {}
+        self.cache = TopicCache(lambda: succeed([]), lambda specs: None, lambda why: None)
+        self.reliable = SimpleNamespace(channels={})
         self.published: list = []
         self.acked: list = []
         self.refreshes = 0
 
     def register(self, topic, channel):
-        self.topics[topic] = SimpleNamespace(channels=(channel,))
+        self.cache.reliable[topic] = SimpleNamespace(name=topic, channels=(channel,), rate_limit=None)
         ch = ReliableChannel(
             topic,
             channel,
@@ -66,12 +67,12 @@ class FakeBroker(Broker):
         self.channels[(topic, channel)] = ch
         return ch
 
-    def refresh_registry(self):
+    def refresh_registry(self, fresh=False):
         self.refreshes += 1
         return succeed(None)
 
-    def _publish_one(self, topic, producer, session_id, body, produced_ms, done, due_ms, resend):
-        self.published.append((topic, producer, session_id, body, done))
+    def _publish_one(self, send, done, due_ms, resend):
+        self.published.append((send.topic, send.producer, send.session_id, send.body, done))
 
     def subscribe(self, topic, channel, consumer):
         ch = self.channels.get((topic, channel))
@@ -84,7 +85,7 @@ class FakeBroker(Broker):
         channel.unsubscribe(consumer)
 
     def ack(self, topic, channel, message_id, consumer):
-        return Broker.ack(self, topic, channel, message_id, consumer)  # uses only .channels
+        return ReliableStore.ack(self.reliable, topic, channel, message_id, consumer)  # uses only .channels
 
 
 class Peer:
@@ -117,7 +118,10 @@ def env():
     clock = Clock()
     store = FastStore(clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
     store.start()
-    store.timers.startService()  # the scanner, as the service tree runs it
+    store.timers.startService()  # the disk sync, as the service tree runs it
+    scanner = TimerService(0.1, store.scan)  # the broker's scanner, as it calls the fast store
+    scanner.clock = clock
+    scanner.startService()
     broker = FakeBroker(clock, store)
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
     ctx = NsqContext(store, broker, options, clock)

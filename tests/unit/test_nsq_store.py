@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
 
 from dmq_server.fast import metadata
@@ -73,7 +74,10 @@ def make_store(clock=None, backends=None, data_dir=None, **kw):
         **kw,
     )
     store.start()
-    store.timers.startService()  # the scanner and disk sync, as the service tree runs them
+    store.timers.startService()  # the disk sync, as the service tree runs it
+    scanner = TimerService(0.1, store.scan)  # the broker's scanner, as it calls the fast store
+    scanner.clock = clock
+    scanner.startService()
     return store, clock, backends
 
 
@@ -148,7 +152,7 @@ def test_rdy_is_a_window_on_messages_in_flight():
 
 def test_in_flight_times_out_and_is_redelivered_with_more_attempts():
     """An unFINished message comes back after msg_timeout via the queue scanner."""
-    store, clock, _ = make_store(scan_interval=0.1)
+    store, clock, _ = make_store()
     ch = store.get_topic("t").get_channel("c")
     client = FakeClient(1, msg_timeout=5.0)
     ch.add_client(client)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
-from twisted.logger import globalLogPublisher
+from twisted.logger import LogLevel, globalLogPublisher
 from twisted.python.failure import Failure
 
 from dmq_server.db.errors import RefusedError, StorageError
@@ -571,10 +571,38 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends() -> None
         worker.last.commit(1)
     finally:
         globalLogPublisher.removeObserver(events.append)
-    lines = [e["log_format"] for e in events if e.get("what") == "durable ack"]
+    lines = [e["log_format"] for e in events if e.get("what") == "durable ack" and e["log_level"] > LogLevel.debug]
     assert lines == [
-        "{what} failing, retrying quietly until it works: {why}",
-        "{what} working again after {seconds:.1f}s ({failures} failed attempts)",
+        "{dependency} outage: {what} failing ({why}); retrying quietly until it works",
+        "{dependency} outage over after {seconds:.1f}s ({failures} failed attempts; {what} works again)",
     ]
     ended = [e for e in events if e.get("what") == "durable ack"][-1]
     assert ended["failures"] == 10 and ended["seconds"] == 50.0
+
+
+def test_an_outage_of_several_components_is_logged_once_when_it_starts_and_once_when_it_ends() -> None:
+    """Two batchers on the same database fail together: one warning at the start (the
+    first to fail), one line at the end (the first to work again), however many retries;
+    the second batcher's own recovery after the end adds nothing."""
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        clock = Clock()
+        workers = FakeDbWorker(), FakeDbWorker()
+        ackers = [AckBatcher(w, clock, max_batch=10, flush_interval=0.05, on_done=lambda rows, ok: None)
+                  for w in workers]
+        for acker in ackers:
+            acker.add(ack_row(1))
+        clock.advance(0.05)
+        for _ in range(5):
+            for worker in workers:
+                worker.last.fail(StorageError("connection refused"))
+            clock.advance(5.0)
+        workers[0].last.commit(1)
+        clock.advance(1.0)
+        workers[1].last.commit(1)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    lines = [e for e in events if e.get("dependency") == "PostgreSQL" and e["log_level"] > LogLevel.debug]
+    assert [(e["log_level"], e["what"]) for e in lines] == [(LogLevel.warn, "durable ack"), (LogLevel.info, "durable ack")]
+    assert lines[1]["failures"] == 10 and lines[1]["seconds"] == 25.0

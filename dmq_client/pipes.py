@@ -1,5 +1,8 @@
 """The command lines' answer to a reader that went away (``dmq dlq list --json | head``).
 
+Here, in the standard-library-only client package, because all three programs
+use it (``dmq``, ``dmq-server``, ``dmq-pipeline``) and the pipeline imports no server.
+
 Python ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError, which
 ended in a traceback (and a second one when the interpreter flushed stdout at exit).
 Restoring SIGPIPE's default would kill the process quietly, but also on a write to

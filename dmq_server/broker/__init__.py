@@ -1,0 +1,7 @@
+"""The broker layer: one ``Broker`` that every protocol adapter calls, and its cache of
+the registry (``topics``). It routes each publish to the reliable or the fast store."""
+
+from dmq_server.broker.broker import REPLAY_PRODUCER, Broker
+from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
+
+__all__ = ["Broker", "TopicCache", "RELIABLE", "FAST", "REPLAY_PRODUCER"]

@@ -1,0 +1,423 @@
+"""The broker: every publish, subscribe and ack of every protocol comes here first.
+
+Wire adapters (the dmq protocol, NSQ V2, the HTTP APIs) build one ``PublishRequest``
+and call ``publish``; the broker checks it once (``core.publish.check_request``),
+applies the topic's rate limit, finds the store that serves the topic in its
+registry cache (``broker.topics``) and hands each body to that store: the reliable
+store (``reliable.store``, group commit in PostgreSQL) or the fast store
+(``fast.store``, nsqd's memory and disk queues). One countdown answers a batch once
+every body has an outcome. The broker knows neither which protocol asked nor how a
+store keeps its messages; the stores know nothing of each other or of the registry.
+
+Why one long module: a publish's path (check, route, batch countdown, rate limit, the
+refusal of a duplicate SEND) is read in one place; the registry cache is
+``broker.topics`` and everything a store does is in the store.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Callable
+
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, fail
+from twisted.logger import Logger
+
+from dmq_client.wire import valid_name
+
+from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
+from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
+from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Unavailable
+from dmq_server.core.ids import GuidFactory, default_node_id
+from dmq_server.core.limits import RateLimiter
+from dmq_server.core.options import Options
+from dmq_server.core.publish import Published, PublishRequest, check_request
+from dmq_server.db.dead_letters import NewDeadLetter
+from dmq_server.db.errors import StorageError
+from dmq_server.db.messages import NewMessage
+from dmq_server.db.outage import Outage
+from dmq_server.db.topics import list_topics_steps
+from dmq_server.reliable.store import ReliableStore
+from registry.model import TopicSpec
+
+__all__ = ["Broker", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
+
+log = Logger()
+
+# The producer of replayed dead letters (the pipeline's replay, and the replay SQL of
+# dmq_server/reliable/dead_letters.py); its session id is the dead letter's id.
+REPLAY_PRODUCER = "dmq-replay"
+
+
+class _Countdown:
+    """Answers a batch once every body has an outcome: Published (with the id stored
+    first), or the first failure seen."""
+
+    __slots__ = ("count", "remaining", "done", "first_id", "failure")
+
+    def __init__(self, count: int, done: Callable[[Any], None]):
+        self.count = self.remaining = count
+        self.done = done
+        self.first_id: int | None = None
+        self.failure: BaseException | None = None
+
+    def __call__(self, outcome: Any) -> None:
+        if isinstance(outcome, Published):
+            if self.first_id is None:
+                self.first_id = outcome.message_id
+        elif self.failure is None:
+            self.failure = outcome
+        self.remaining -= 1
+        if self.remaining == 0:
+            if self.failure is not None:
+                self.done(self.failure)
+            else:
+                self.done(Published(self.first_id or 0, False, self.count))
+
+
+class Broker:
+    """``workers`` are the database roles (``db.worker.DbWorker`` or the reactor's
+    connection); ``fetch_topics`` reads the registry (PostgreSQL by default; a cluster
+    passes ZooKeeper's reader, which also mirrors into PostgreSQL); ``fast`` is the fast
+    store, or None for reliable topics only."""
+
+    def __init__(
+        self,
+        options: Options,
+        clock: Any,
+        workers: dict[str, Any],
+        node_id: str,
+        fetch_topics: Callable[[], Deferred] | None = None,
+        fast: Any = None,
+    ):
+        self.options = options
+        self.clock = clock
+        self.node_id = node_id
+        self.fast = fast
+        self.healthy = True
+        self.health_detail = ""
+        self.health_listeners: list[Callable[[bool], None]] = []
+        self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
+        self.started_at = time.time()
+        self._session_ids = GuidFactory(default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9))
+        self.reliable = ReliableStore(options, clock, workers, node_id, self._set_health)
+        # publish -> commit of each stored send (its wait for a batch included), /metrics
+        self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
+        self.reliable.commit_latency = self.publish_commit_seconds
+        # publish -> first delivery of each copy, /metrics
+        self.publish_deliver_seconds = Buckets(DELIVERY_SECONDS)
+        self.reliable.deliver_latency = self.publish_deliver_seconds
+        self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
+        self.limits = RateLimiter(clock)
+        fetch = fetch_topics or (lambda: workers["admin"].run_steps(list_topics_steps))
+        self.cache = TopicCache(fetch, self._registry_read, lambda why: self._set_health(False, why))
+        self.timers = self._timers()
+
+    # -- what the adapters read ---------------------------------------------
+    @property
+    def topics(self) -> dict[str, TopicSpec]:
+        """The registered reliable topics, by name."""
+        return self.cache.reliable
+
+    @property
+    def channels(self) -> dict[tuple[str, str], Any]:
+        """The reliable channels in memory, by (topic, channel)."""
+        return self.reliable.channels
+
+    # -- lifecycle --------------------------------------------------------
+    def _timers(self) -> MultiService:
+        """The periodic jobs, one named ``TimerService`` each on the injected clock.
+        The service tree runs them while the broker's stage is up (each fires once
+        when started, then every interval); nothing here starts them."""
+        timers = MultiService()
+        reliable = self.reliable
+        for name, fn, step in (
+            ("scan", self.scan, self.options.scan_interval),
+            ("registry-refresh", self._refresh_quietly, self.options.registry_refresh),
+            ("sweep", reliable.sweep, self.options.sweep_interval),
+            ("channel-state", reliable.read_channel_state, self.options.channel_state_interval),
+        ):
+            timer = TimerService(step, fn)
+            timer.clock = self.clock
+            timer.setName(name)
+            timer.setServiceParent(timers)
+        return timers
+
+    def start(self) -> Deferred:
+        """Read the registry and the operators' pauses before the first push (a paused
+        channel stays paused on restart)."""
+        d = self.refresh_registry()
+        return d.addCallback(lambda _: self.reliable.read_channel_state())
+
+    def stop(self) -> Deferred:
+        """Stop taking sends, commit and answer what is queued, make acks durable."""
+        if self.timers.running:  # stopped by the service tree first; a test may not have
+            self.timers.stopService()
+        return self.reliable.stop()
+
+    def scan(self) -> None:
+        """The one scanner of both stores: copies whose deadline passed go back to
+        their channel, deferred ones that are due become ready (``core.deadlines``)."""
+        self.reliable.scan(self.clock.seconds())
+        if self.fast is not None:
+            self.fast.scan()
+
+    def _set_health(self, ok: bool, why: str) -> None:
+        changed = ok != self.healthy
+        self.healthy = ok
+        self.health_detail = why
+        if changed:
+            if ok:
+                self._health_outage.recovered()
+            else:
+                self._health_outage.failed(why)
+            for listener in list(self.health_listeners):
+                listener(ok)
+
+    # -- registry cache ---------------------------------------------------
+    def refresh_registry(self, fresh: bool = False) -> Deferred:
+        """Re-read topics and channels (``TopicCache.refresh``)."""
+        return self.cache.refresh(fresh)
+
+    def _refresh_quietly(self) -> None:
+        self.refresh_registry().addErrback(lambda f: f.trap(StorageError))
+
+    def _registry_read(self, specs: list[TopicSpec]) -> None:
+        self.reliable.apply_topics(self.cache.reliable)
+        self.limits.forget({spec.name for spec in specs if spec.rate_limit})
+
+    # -- publishing -------------------------------------------------------
+    def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Route ``request`` to its topic's store; ``done`` is called once, with
+        ``Published`` when every body is stored, else with the first body's
+        ``DmqError`` (a batch is answered as one, as NSQ's MPUB is; bodies stored
+        before a failure stay stored, so a producer's retry may store them twice).
+
+        A registered reliable topic goes to the group-commit writer; a fast topic
+        (registered with ``store=fast``, or one the fast store holds) to the fast
+        store, answered before this returns. A name neither knows costs one registry
+        refresh, then is reliable, fast (``request.create_fast``, NSQ's rule) or
+        refused with E_NO_TOPIC."""
+        error = check_request(
+            request,
+            registered=request.topic in self.cache.reliable,
+            max_msg_size=self.options.max_msg_size,
+            max_delay_s=self.options.max_delay,
+            now_s=self.clock.seconds(),
+        )
+        if error is not None:
+            done(error)
+            return
+        store = self._store_of(request.topic, False)
+        if store is not None:
+            self._publish_to(store, request, done)
+            return
+        self.route(request.topic, request.create_fast, lambda found: self._publish_to(found, request, done))
+
+    def _publish_to(self, store: Any, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        if store == RELIABLE:
+            self._publish_reliable(request, done)
+        elif store == FAST:
+            self._publish_fast(request, done)
+        else:
+            done(store)  # the DmqError why no store serves the topic
+
+    def route(self, topic: str, create_fast: bool, then: Callable[[Any], None]) -> None:
+        """Call ``then`` with the store serving ``topic``: ``RELIABLE``, ``FAST``, or
+        the ``DmqError`` why none does. At once for a name a store knows; after one
+        registry refresh for any other (a topic registered a moment ago is never
+        mistaken for a fast one). ``create_fast``: an unregistered name is a fast
+        topic, made on first use (NSQ's rule)."""
+        store = self._store_of(topic, False)
+        if store is not None:
+            then(store)
+            return
+
+        def refreshed(_: Any) -> None:
+            found = self._store_of(topic, create_fast)
+            then(found if found is not None else NoTopic(f"topic {topic!r} is not registered or has no channel"))
+
+        self.refresh_registry().addCallbacks(refreshed, lambda failure: then(failure.value))
+
+    def _store_of(self, topic: str, create_fast: bool) -> str | None:
+        store = self.cache.store_of(topic)
+        if store == RELIABLE:
+            return store
+        fast = self.fast
+        if fast is not None and (store == FAST or create_fast or topic in fast.topics):
+            return FAST
+        return None
+
+    def new_session_id(self) -> int:
+        """A session id for a body whose producer has none (NSQ): unique within this
+        process (a snowflake); the producer id makes it unique across processes."""
+        return self._session_ids.new() & 0x7FFFFFFFFFFFFFFF
+
+    def _publish_fast(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Into the fast store, answered before this returns. A registered fast topic's
+        rate limit refuses the whole request (the fast store keeps no dead letters)."""
+        spec = self.cache.fast.get(request.topic)
+        if spec is not None and spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit, len(request.bodies)):
+            done(RateLimited(f"topic {spec.name!r} accepts at most {spec.rate_limit} messages per second"))
+            return
+        deferred = 0.0
+        if request.due_ms is not None:
+            deferred = max(request.due_ms - int(self.clock.seconds() * 1000), 0) / 1000.0
+        done(self.fast.publish(request.topic, request.bodies, deferred))
+
+    def _publish_reliable(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+        """Each body through the group commit; one countdown answers the request."""
+        bodies = request.bodies
+        if len(bodies) == 1:
+            session_id = request.session_id
+            if session_id is None:
+                session_id = self.new_session_id()
+            send = NewMessage(request.topic, request.producer, session_id, request.produced_ms, bodies[0])
+            self._publish_one(send, done, request.due_ms, request.resend)
+            return
+        if not bodies:
+            done(Published(0, False, 0))
+            return
+        countdown = _Countdown(len(bodies), done)
+        topic, producer, produced_ms = request.topic, request.producer, request.produced_ms
+        for body in bodies:
+            send = NewMessage(topic, producer, self.new_session_id(), produced_ms, body)
+            self._publish_one(send, countdown, request.due_ms, request.resend)
+
+    def _publish_one(self, send: NewMessage, done: Callable[[Any], None], due_ms: int | None, resend: bool) -> None:
+        """One checked body of a reliable topic, without Deferreds: ``done`` gets
+        Published, or the DmqError. Called once per message, so the common case
+        (topic cached) is a few dict lookups and one queue append.
+        A send that is not a ``resend`` must be new: if its (producer, session id) is
+        already stored, it is refused rather than answered with the stored message,
+        which would acknowledge a message that was never stored.
+        With ``due_ms`` the message is delayed: stored in the delay table, and
+        ``Published.message_id`` is the delay entry's id."""
+        if not resend:
+            done = _refusing_duplicates(done, send.producer, send.session_id)
+        spec = self.cache.reliable.get(send.topic)
+        if spec is not None and spec.channels:
+            self._admit(spec, send, done, due_ms)
+            return
+
+        def refreshed(_: Any) -> None:
+            spec = self.cache.reliable.get(send.topic)
+            if spec is None or not spec.channels:
+                done(NoTopic(f"topic {send.topic!r} is not registered or has no channel"))
+            else:
+                self._admit(spec, send, done, due_ms)
+
+        self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
+
+    def _admit(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], due_ms: int | None) -> None:
+        """Rate limit, then store (delayed or not)."""
+        if spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit):
+            self._rate_limited(spec, send, done)
+        elif due_ms is None:
+            self.reliable.store(send, done)
+        else:
+            self.reliable.store_delayed(send, due_ms, done)
+
+    def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None]) -> None:
+        """Record the refused send as a dead letter, then refuse it. A replay of a dead
+        letter (producer ``dmq-replay``) is refused without a new one: it already is one,
+        and its replayer tries again later."""
+        why = f"topic {spec.name!r} accepts at most {spec.rate_limit} messages per second"
+        if send.producer == REPLAY_PRODUCER:
+            done(RateLimited(f"{why}; a replay: not recorded again"))
+            return
+
+        def recorded(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                log.warn("rate-limited send not recorded as a dead letter: {why}", why=outcome)
+                done(RateLimited(f"{why} (dead letter not recorded: {outcome})"))
+            else:
+                done(RateLimited(f"{why}; recorded as dead letter {outcome}"))
+
+        letter = NewDeadLetter(
+            "rate_limited", spec.name, send.producer, send.session_id, send.body,
+            detail=f"over the topic's rate limit of {spec.rate_limit}/s",
+            published_ms=send.produced_ms,
+        )
+        self.reliable.dead_letters.record(letter, recorded)
+
+    # -- subscribing ------------------------------------------------------
+    def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred:
+        """Deferred firing with the reliable channel once the consumer is attached."""
+        for kind, name in (("topic", topic), ("channel", channel)):
+            if not valid_name(name):
+                code = "E_BAD_TOPIC" if kind == "topic" else "E_BAD_CHANNEL"
+                return fail(Invalid(f"{kind} name {name!r} is not valid", code=code))
+
+        def registered() -> bool:
+            spec = self.cache.reliable.get(topic)
+            return spec is not None and channel in spec.channels
+
+        def attach(ok: bool) -> Any:
+            spec = self.cache.reliable.get(topic)
+            if spec is None:
+                if not self.healthy:
+                    raise Unavailable(self.health_detail, code="E_STORAGE")
+                raise NoTopic(f"topic {topic!r} is not registered")
+            if not ok:
+                raise NoChannel(f"channel {channel!r} is not registered on topic {topic!r}")
+            return self.reliable.subscribe(topic, channel, consumer)
+
+        return self.cache.ensure(registered).addCallback(attach)
+
+    def unsubscribe(self, channel: Any, consumer: Any) -> None:
+        channel.unsubscribe(consumer)
+
+    def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
+        """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons)."""
+        return self.reliable.ack(topic, channel, message_id, consumer)
+
+    # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
+    def pause_channel(self, topic: str, name: str, paused: bool = True) -> Deferred:
+        return self.reliable.pause_channel(topic, name, paused)
+
+    def empty_channel(self, topic: str, name: str) -> Deferred:
+        return self.reliable.empty_channel(topic, name)
+
+    # -- introspection ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        reliable = self.reliable
+        writer = reliable.writer
+        return {
+            "node_id": self.node_id,
+            "health": "OK" if self.healthy else "ERROR",
+            "health_detail": self.health_detail,
+            "start_time": int(self.started_at),
+            "published": reliable.publish_count,
+            "writer": {
+                "unknown_outcomes": reliable.unknown_outcomes,
+                "pending": writer.pending,
+                "batches": writer.batches,
+                "messages": writer.messages,
+            },
+            "acks": {
+                "pending": reliable.acker.pending,
+                "durable": reliable.acker.acked,
+                "refused": self.acks_refused,
+            },
+            "delayed": reliable.delayed_count,
+            "rate_limited": self.limits.refused,
+            "dead_letters": reliable.dead_letters.stats(),
+            "trace": reliable.trace.stats(),
+            "topics": reliable.topic_stats(),
+        }
+
+
+def _refusing_duplicates(done: Callable[[Any], None], producer: str, session_id: int) -> Callable[[Any], None]:
+    def answer(outcome: Any) -> None:
+        if isinstance(outcome, Published) and outcome.duplicate:
+            outcome = Invalid(
+                f"session id {session_id} of producer {producer!r} is already stored "
+                f"(message {outcome.message_id}): a new message needs a new session id, a retry "
+                "of this one must be sent as UP_PRODUCER_RESEND",
+            )
+        done(outcome)
+
+    return answer

@@ -1,0 +1,222 @@
+"""The message trace's statements: recording returned deliveries, reading one message's
+stored facts, peeking at a channel's waiting copies, and the stored gauges of ``/metrics``.
+
+A message's life is spread over the tables that hold it (``sql/migrations/0006_trace.sql``
+says which): ``read_trace`` reads each with one indexed lookup and puts the facts in time
+order, so the CLI (``dmq trace``), the admin API and the console show the same story. What
+only a running node knows (a copy in flight right now) is added by ``admin.inspect``.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from dmq_server.db.steps import Statement, Steps
+from dmq_sql import queries
+
+__all__ = [
+    "ReturnRow",
+    "record_returns_steps",
+    "sweep_trace_steps",
+    "read_trace",
+    "find_message",
+    "peek_channel",
+    "body_preview",
+    "read_gauges",
+    "PREVIEW_BYTES",
+]
+
+#: bytes of a body the trace and peek show (the dead-letter view shows whole bodies)
+PREVIEW_BYTES = 4096
+
+
+@dataclass(slots=True)
+class ReturnRow:
+    """A delivery that came back unacknowledged (``reliable.channel`` RETURN_REASONS)."""
+
+    message_id: int
+    topic: str
+    channel: str
+    attempt: int
+    reason: str
+    consumer: str
+    delivered_ms: int
+    returned_ms: int
+
+
+def record_returns_steps(rows: Sequence[ReturnRow], node_id: str) -> Steps:
+    """One statement for a batch of returns; returns how many were written."""
+    return (
+        yield Statement(
+            "record_returns",
+            {
+                "message_ids": [r.message_id for r in rows],
+                "topics": [r.topic for r in rows],
+                "channels": [r.channel for r in rows],
+                "attempts": [r.attempt for r in rows],
+                "reasons": [r.reason for r in rows],
+                "consumers": [r.consumer for r in rows],
+                "delivered_ms": [r.delivered_ms for r in rows],
+                "returned_ms": [r.returned_ms for r in rows],
+                "node_id": node_id,
+            },
+            count=True,
+        )
+    )
+
+
+def sweep_trace_steps(retention_s: float, limit: int) -> Steps:
+    """Drop up to ``limit`` returns older than ``retention_s``; returns how many."""
+    return (yield Statement("sweep_trace", {"retention_s": retention_s, "limit": limit}, count=True))
+
+
+def body_preview(data: Any, size: int) -> dict[str, Any]:
+    """A body (or its first bytes) as JSON can carry it: UTF-8 text, else base64."""
+    raw = bytes(data or b"")
+    out: dict[str, Any] = {"size": size, "truncated": size > len(raw)}
+    try:
+        out["body"], out["body_encoding"] = raw.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        out["body"], out["body_encoding"] = base64.b64encode(raw).decode("ascii"), "base64"
+    return out
+
+
+def find_message(conn: Any, producer: str, session_id: int) -> int | None:
+    """The id stored for (producer, session id), or None."""
+    row = conn.execute(queries["find_message_by_session"], {"producer": producer, "session_id": session_id}).fetchone()
+    return None if row is None else row[0]
+
+
+def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict[str, Any]:
+    """Every stored fact about ``message_id``: ``stored`` (None once swept without an
+    archive), ``pending`` copies, ``events`` in time order (stored, delivered, returned,
+    acked, dead_letter, replayed), and ``delayed`` when the id names a delay entry
+    instead. Times are Unix milliseconds."""
+    params = {"id": message_id, "preview": preview}
+    stored_row = conn.execute(queries["trace_stored"], params).fetchone()
+    events: list[dict[str, Any]] = []
+    stored = None
+    replay_of = None
+    topic = None
+    if stored_row is not None:
+        mid, topic, producer, session_id, produced_ms, published_ms, node_id, size, body, swept = stored_row
+        stored = {
+            "topic": topic,
+            "producer": producer,
+            "session_id": session_id,
+            "produced_ms": produced_ms,
+            "published_ms": published_ms,
+            "node_id": node_id,
+            "swept": swept,
+            **body_preview(body, size),
+        }
+        if producer == "dmq-replay":  # the replay of a dead letter: its session id is the letter's id
+            replay_of = session_id
+        events.append({"at_ms": published_ms, "event": "stored", "node_id": node_id, "producer": producer,
+                       "session_id": session_id})
+    for channel, attempt, reason, consumer, node_id, delivered_ms, returned_ms in conn.execute(
+        queries["trace_returns"], params
+    ).fetchall():
+        events.append({"at_ms": delivered_ms, "event": "delivered", "channel": channel, "attempt": attempt,
+                       "consumer": consumer, "node_id": node_id})
+        events.append({"at_ms": returned_ms, "event": "returned", "channel": channel, "attempt": attempt,
+                       "reason": reason, "consumer": consumer, "node_id": node_id})
+    for log_topic, channel, attempts, consumer, published_ms, first_ms, delivered_ms, acked_ms in conn.execute(
+        queries["trace_acks"], params
+    ).fetchall():
+        topic = topic or log_topic
+        if stored is None and not any(e["event"] == "stored" for e in events):
+            events.append({"at_ms": published_ms, "event": "stored", "topic": log_topic})
+        if delivered_ms is None and attempts == 1:
+            delivered_ms = first_ms  # logged before version 6: the first push was the last
+        if delivered_ms is not None:
+            events.append({"at_ms": delivered_ms, "event": "delivered", "channel": channel, "attempt": attempts,
+                           "consumer": consumer})
+        events.append({"at_ms": acked_ms, "event": "acked", "channel": channel, "attempt": attempts,
+                       "consumer": consumer})
+    letters = conn.execute(queries["trace_dead_letters"], dict(params, replay_of=replay_of or 0)).fetchall()
+    for letter_id, reason, detail, letter_topic, channel, attempts, dead_ms, replayed_ms, replay_id, of_id in letters:
+        if of_id != message_id:
+            continue  # the letter this message replays, below
+        topic = topic or letter_topic
+        events.append({"at_ms": dead_ms, "event": "dead_letter", "channel": channel, "reason": reason,
+                       "detail": detail, "attempt": attempts, "dead_letter_id": letter_id})
+        if replayed_ms is not None:
+            events.append({"at_ms": replayed_ms, "event": "replayed", "channel": channel,
+                           "dead_letter_id": letter_id, "replay_message_id": replay_id})
+    pending = []
+    if topic is not None:
+        pending = [
+            {"channel": channel, "attempts": attempts, "owner": owner}
+            for channel, attempts, owner in conn.execute(
+                queries["trace_pending"], dict(params, topic=topic)
+            ).fetchall()
+        ]
+    replayed_from = None
+    for letter_id, reason, detail, letter_topic, channel, attempts, dead_ms, _, _, of_id in letters:
+        if letter_id == replay_of and of_id != message_id:
+            replayed_from = {"dead_letter_id": letter_id, "reason": reason, "detail": detail,
+                             "channel": channel, "message_id": of_id, "dead_ms": dead_ms}
+    events.sort(key=_in_order)
+    out: dict[str, Any] = {
+        "message_id": message_id,
+        "found": bool(events) or bool(pending),
+        "topic": topic,
+        "stored": stored,
+        "replay_of": replayed_from,
+        "pending": pending,
+        "events": events,
+        "delayed": None,
+    }
+    if not out["found"]:
+        row = conn.execute(queries["trace_delayed"], params).fetchone()
+        if row is not None:
+            did, d_topic, channel, producer, session_id, due_ms, fragment, node_id, created_ms, size, body, r_of = row
+            out["delayed"] = {
+                "delay_id": did, "topic": d_topic, "channel": channel, "producer": producer,
+                "session_id": session_id, "due_ms": due_ms, "fragment": fragment, "node_id": node_id,
+                "created_ms": created_ms, "replay_of": r_of, **body_preview(body, size),
+            }
+    return out
+
+
+#: events at the same millisecond, in the order they must have happened
+_ORDER = {"stored": 0, "delivered": 1, "returned": 2, "acked": 3, "dead_letter": 4, "replayed": 5}
+
+
+def _in_order(event: dict[str, Any]) -> tuple[int, int, int]:
+    """Time, then (within a millisecond) the delivery attempt, then the kind: a REQ and the
+    redelivery it causes often share their millisecond."""
+    kind = event["event"]
+    attempt = event.get("attempt") or (0 if kind == "stored" else 1 << 30)
+    return event["at_ms"] or 0, attempt, _ORDER.get(kind, 9)
+
+
+def peek_channel(
+    conn: Any, topic: str, channel: str, after: int = 0, limit: int = 20, preview: int = 512
+) -> list[dict[str, Any]]:
+    """A channel's stored, unacknowledged copies after ``after``, oldest first; the rows
+    are read, nothing is locked or changed (in-flight copies are among them)."""
+    rows = conn.execute(
+        queries["peek_channel"],
+        {"topic": topic, "channel": channel, "after": after, "limit": limit, "preview": preview},
+    ).fetchall()
+    return [
+        {
+            "message_id": mid, "attempts": attempts, "owner": owner, "producer": producer,
+            "session_id": session_id, "published_ms": published_ms, **body_preview(body, size),
+        }
+        for mid, attempts, owner, producer, session_id, published_ms, size, body in rows
+    ]
+
+
+def read_gauges(conn: Any) -> dict[str, Any]:
+    """The figures ``/metrics`` takes from PostgreSQL (refreshed on a timer, never in a
+    scrape): each channel's oldest unacknowledged publish time, delayed messages per
+    topic, and stored dead letters by reason."""
+    oldest = {(t, c): ms for t, c, ms in conn.execute(queries["oldest_unacked"]).fetchall()}
+    delayed = {t: (n, due) for t, n, due in conn.execute(queries["delay_pending_by_topic"]).fetchall()}
+    letters = {reason: (total, replayed) for reason, total, replayed in conn.execute(queries["dead_letter_counts"]).fetchall()}
+    return {"oldest_unacked_ms": oldest, "delay_pending": delayed, "dead_letters": letters}

@@ -1,0 +1,138 @@
+"""What the HTTP port shows that is sampled on a timer, never computed in a request.
+
+* ``StoredGauges``: the figures ``/metrics`` needs from PostgreSQL (each channel's oldest
+  unacknowledged message, delayed messages per topic, stored dead letters by reason) and
+  the database's round-trip time, read every ``--metrics-db-interval`` on a connection of
+  their own. A scrape reads the last values: Prometheus' client renders synchronously, and
+  a scrape must not queue behind (or add to) a slow database.
+* ``History``: the last minutes of every channel (depth, in flight, deferred, and the
+  counters rates come from), sampled from memory every few seconds, for the web console's
+  charts. Bounded: ``points`` samples per channel, channels only while they exist.
+
+Both are ``TimerService``s on the injected clock, run by the listeners' stage.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterable
+
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, succeed
+
+from dmq_server.db.schema import ping
+from dmq_server.db.trace import read_gauges
+
+__all__ = ["StoredGauges", "History", "Sampling", "HISTORY_INTERVAL", "HISTORY_POINTS"]
+
+#: the console's charts: a sample every 5 s, the last 10 minutes
+HISTORY_INTERVAL = 5.0
+HISTORY_POINTS = 120
+
+#: what a channel's sample keeps, from its stats
+SAMPLED = ("depth", "in_flight_count", "deferred_count", "message_count", "ack_count", "requeue_count",
+           "timeout_count")
+
+
+class StoredGauges:
+    """The last database-derived figures, refreshed by ``refresh`` (a timer's call)."""
+
+    def __init__(self, db: Any, clock: Any):
+        self.db = db
+        self.clock = clock
+        self.values: dict[str, Any] | None = None  # db.trace.read_gauges' answer
+        self.refreshed_at: float | None = None
+        self.roundtrip: float | None = None  # seconds, the last ping through the worker
+        self.failures = 0
+        self._busy = False
+
+    def refresh(self) -> Deferred:
+        if self._busy:  # the last refresh is still out (a slow database): skip this turn
+            return succeed(None)
+        self._busy = True
+        started = self.clock.seconds()
+
+        def pinged(_: Any) -> Deferred:
+            self.roundtrip = self.clock.seconds() - started
+            return self.db.run(read_gauges)
+
+        def read(values: dict[str, Any]) -> None:
+            self.values = values
+            self.refreshed_at = self.clock.seconds()
+
+        def failed(failure: Any) -> None:
+            self.failures += 1  # the last values stay; their age says how stale they are
+
+        def done(_: Any) -> None:
+            self._busy = False
+
+        return self.db.run(ping).addCallback(pinged).addCallbacks(read, failed).addBoth(done)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy for a scrape (taken on the reactor thread)."""
+        return {
+            "values": self.values,
+            "age": None if self.refreshed_at is None else self.clock.seconds() - self.refreshed_at,
+            "roundtrip": self.roundtrip,
+            "failures": self.failures,
+            "now": self.clock.seconds(),
+        }
+
+
+class History:
+    """Per channel, the last ``points`` samples of its figures. ``channels()`` yields
+    ``(store, topic, channel, stats)`` for every channel there is now."""
+
+    def __init__(self, channels: Callable[[], Iterable[tuple[str, str, str, dict]]], clock: Any,
+                 points: int = HISTORY_POINTS):
+        self._channels = channels
+        self.clock = clock
+        self.points = points
+        self.times: deque[float] = deque(maxlen=points)
+        self.series: dict[tuple[str, str, str], deque[tuple[int, ...]]] = {}
+
+    def sample(self) -> None:
+        now = self.clock.seconds()
+        self.times.append(now)
+        seen = set()
+        for store, topic, channel, stats in self._channels():
+            key = (store, topic, channel)
+            seen.add(key)
+            series = self.series.get(key)
+            if series is None:
+                series = self.series[key] = deque(maxlen=self.points)
+            series.append((now, *(int(stats.get(name) or 0) for name in SAMPLED)))
+        for key in [k for k in self.series if k not in seen]:
+            del self.series[key]  # the channel is gone
+
+    def export(self, topic: str | None = None) -> dict[str, Any]:
+        """JSON for the console: every channel's (of one topic's) samples as columns."""
+        out = []
+        for (store, t, channel), samples in sorted(self.series.items()):
+            if topic is not None and t != topic:
+                continue
+            columns = list(zip(*samples)) if samples else [()] * (len(SAMPLED) + 1)
+            out.append({
+                "store": store, "topic": t, "channel": channel,
+                "t": [round(x, 3) for x in columns[0]],
+                **{name: list(values) for name, values in zip(SAMPLED, columns[1:])},
+            })
+        return {"interval": HISTORY_INTERVAL, "points": self.points, "channels": out}
+
+
+class Sampling:
+    """The HTTP port's timers: stored gauges every ``gauges_interval``, history every
+    ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
+
+    def __init__(self, db: Any, clock: Any, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
+                 gauges_interval: float):
+        self.gauges = StoredGauges(db, clock)
+        self.history = History(channels, clock)
+        self.timers = MultiService()
+        for name, step, fn in (("stored-gauges", gauges_interval, self.gauges.refresh),
+                               ("history", HISTORY_INTERVAL, self.history.sample)):
+            timer = TimerService(step, fn)
+            timer.clock = clock
+            timer.setName(name)
+            timer.setServiceParent(self.timers)

@@ -1,0 +1,478 @@
+"""The reliable store: the channels of registered reliable topics and what feeds them.
+
+A send the broker has checked and routed here is committed by the group commit
+(``writer.GroupCommitWriter``) with one delivery row per subscribed channel, and only
+then handed to the channels in memory and answered; acknowledgements go back to
+PostgreSQL in batches (``writer.AckBatcher``); a channel's older copies are loaded
+from PostgreSQL as its memory window empties. Delayed sends, dead letters, an
+operator's pause and empty, the expiry sweep and the re-read after a commit whose
+answer was lost live here too, because each of them changes what a channel holds.
+
+The store knows neither protocols nor the registry: the broker hands it the reliable
+topics' settings (``apply_topics``) and calls it with values (``NewMessage``), and a
+consumer is anything ``reliable.channel`` can push to.
+
+Why one long module: every part of it changes what a channel holds (commits add,
+loads refill, acks and empties remove, a lost answer re-reads), and those must be
+read together to see that no copy is lost or handed out twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred, fail
+from twisted.logger import Logger
+
+from dmq_server.core.errors import Invalid
+from dmq_server.core.publish import Published
+from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
+from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.messages import (
+    AckRow, NewMessage, find_stored_steps, load_backlog_steps, read_channel_state_steps, run_query_steps,
+    sweep_messages_steps,
+)
+from dmq_server.db.outage import Outage
+from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
+from dmq_server.reliable.dead_letters import DeadLetterSink
+from dmq_server.reliable.trace import TraceSink
+from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
+from registry.model import TopicSpec
+
+__all__ = ["ReliableStore"]
+
+# sends of unknown outcome remembered at most (the oldest are forgotten beyond it)
+MAX_UNRESOLVED = 100_000
+
+log = Logger()
+
+
+class ReliableStore:
+    """Channels of reliable topics, the writers that fill them, the acker that empties
+    them. ``set_health(ok, why)`` tells the broker when PostgreSQL stops or resumes
+    taking writes or reads."""
+
+    def __init__(
+        self,
+        options: Any,
+        clock: Any,
+        workers: dict[str, Any],
+        node_id: str,
+        set_health: Callable[[bool, str], None],
+    ):
+        self.options = options
+        self.clock = clock
+        self.node_id = node_id
+        self._workers = workers
+        self._set_health = set_health
+        self.topics: dict[str, TopicSpec] = {}  # the reliable topics, from the broker's registry cache
+        self.channels: dict[tuple[str, str], ReliableChannel] = {}
+        # cluster: load only the copies this node owns; deliver nothing while paused
+        # (not registered, or the registry session is in doubt); see dmq_server.cluster.node
+        self.load_owner: str | None = None
+        self.paused = False
+        self._held: set[tuple[str, str]] = set()  # channels an operator paused
+        # topics with a write whose outcome is unknown (its answer was lost): their
+        # channels are re-read from the store now and again after the next commit
+        self._unknown_topics: set[str] = set()
+        self.unknown_outcomes = 0
+        # the sends of those writes, looked for in the store until it shows them: a
+        # commit cut off while it waited (for its synchronous standby, say) becomes
+        # visible when it ends, maybe after every rescan (see _resolve_unknown)
+        self._unresolved: dict[tuple[str, int], tuple[str, float]] = {}
+        self._resolving = False
+        self._resolve_after = 0.0
+        self.publish_count = 0
+        self.delayed_count = 0
+        self._load_outage = Outage("backlog loads", clock)
+        writers = [w for role, w in sorted(workers.items()) if role.startswith("writer")]
+        self.writer = GroupCommitWriter(
+            writers,
+            node_id,
+            options.commit_batch_size,
+            self._writer_health,
+            on_unknown=self._unknown_sends,
+            clock=clock,
+        )
+        self.acker = AckBatcher(
+            workers["acker"], clock, options.ack_batch_size, options.ack_flush_interval, self._acks_done
+        )
+        self.dead_letters = DeadLetterSink(
+            workers.get("deadletter") or workers["admin"],
+            clock,
+            node_id,
+            lambda topic, name: self.channels.get((topic, name)),
+        )
+        # deliveries that come back unacknowledged, for the message trace
+        self.trace = TraceSink(workers.get("deadletter") or workers["admin"], clock, node_id)
+        delay_db = workers.get("delay-writer")
+        # a delayed row of unknown outcome needs nothing here: the delay workers poll
+        # their fragments and find it when it is due
+        self.delay_writer = GroupCommitWriter(
+            [delay_db] if delay_db is not None else writers,
+            node_id,
+            options.commit_batch_size,
+            set_health,
+            insert=insert_delayed_steps,
+        )
+        self.delays: Any = None  # the DelayScheduler, attached by the scheduler stage
+        # publish -> commit of each stored send (its wait for a batch included), for
+        # /metrics; set by the broker (a core.buckets.Buckets), None: not recorded
+        self.commit_latency: Any = None
+        # publish -> first delivery of each copy, likewise
+        self.deliver_latency: Any = None
+
+    # -- lifecycle --------------------------------------------------------
+    def stop(self) -> Deferred:
+        """Commit and answer what is queued, make acks durable."""
+        d = self.writer.close()
+        d.addCallback(lambda _: self.delay_writer.close())
+        d.addCallback(lambda _: self.dead_letters.close())
+        d.addCallback(lambda _: self.trace.close())
+        d.addCallback(lambda _: self.acker.drain())
+        return d
+
+    def _writer_health(self, ok: bool, why: str) -> None:
+        if ok and self._unknown_topics:
+            # A write of unknown outcome may become visible only after its failure was
+            # seen (a commit that finished after its connection broke): read again
+            # now that a commit went through.
+            topics, self._unknown_topics = self._unknown_topics, set()
+            self._rescan_topics(topics)
+        self._set_health(ok, why)
+
+    def outcome_unknown(self, topics: set[str] | None) -> None:
+        """A write that stores deliveries failed without an answer: it may have
+        committed, so copies may sit in PostgreSQL that no channel was handed (a
+        resend of them is answered as a duplicate and hands nothing either). Every
+        channel of ``topics`` (all channels for None) reads its copies from the store
+        again: now, and once more after the next successful commit."""
+        self.unknown_outcomes += 1
+        if topics is None:
+            topics = {topic for topic, _ in self.channels}
+        self._unknown_topics |= topics
+        self._rescan_topics(topics)
+
+    def _unknown_sends(self, items: list[NewMessage]) -> None:
+        now = self.clock.seconds()
+        for m in items:
+            self._unresolved[(m.producer, m.session_id)] = (m.topic, now)
+        while len(self._unresolved) > MAX_UNRESOLVED:  # memory stays bounded: the oldest go
+            del self._unresolved[next(iter(self._unresolved))]
+        self.outcome_unknown({m.topic for m in items})
+
+    def _resolve_unknown(self, now: float) -> None:
+        """Once a second while sends of unknown outcome remain: those the store now
+        shows have their topic's channels re-read (the rows are visible, so the load
+        finds them); the others are looked for again, for the message retention.
+
+        A rescan at the failure and another after the next commit are not enough when
+        the commit's transaction outlives its connection: a commit waiting for its
+        synchronous standby when ``--pg-timeout`` cut it off ends when a standby
+        comes back, seconds later. Its producers' resends are then answered as
+        duplicates (stored), maybe by another node, and no channel would be handed
+        the copies (the chaos suite's pg-primary-kill lost some so, once).
+        """
+        if not self._unresolved or self._resolving or now < self._resolve_after:
+            return
+        self._resolve_after = now + 1.0
+        self._resolving = True
+        pairs = list(itertools.islice(self._unresolved, 1000))
+
+        def found(stored: list[tuple[str, int]]) -> None:
+            self._resolving = False
+            topics = {self._unresolved.pop(pair)[0] for pair in stored if pair in self._unresolved}
+            horizon = now - self.options.message_retention
+            for pair in [p for p in pairs if p in self._unresolved and self._unresolved[p][1] < horizon]:
+                del self._unresolved[pair]  # never committed: its resend stored it anew, or none came
+            if topics:
+                self._rescan_topics(topics)
+
+        def failed(failure: Any) -> None:
+            self._resolving = False
+            failure.trap(StorageError)
+
+        self._workers["loader"].run_steps(find_stored_steps, pairs).addCallbacks(found, failed)
+
+    def _rescan_topics(self, topics: set[str]) -> None:
+        for (topic, _), channel in list(self.channels.items()):
+            if topic in topics:
+                channel.rescan()
+
+    def pause_delivery(self, paused: bool) -> None:
+        """The cluster's pause: no pushes and no loads while this node's registration
+        is in doubt (copies keep arriving and wait)."""
+        self.paused = paused
+        for channel in list(self.channels.values()):
+            channel.paused = paused
+            if not paused:
+                channel.pump()
+
+    # -- topics and channels ----------------------------------------------
+    def apply_topics(self, topics: dict[str, TopicSpec]) -> None:
+        """The registry's reliable topics changed: open the channels registered since,
+        close those unregistered (their consumers are told), update timeouts."""
+        self.topics = topics
+        wanted = {(t.name, c) for t in topics.values() for c in t.channels}
+        for key in list(self.channels):
+            if key not in wanted:
+                channel = self.channels.pop(key)
+                log.info("channel {topic}/{channel} unregistered", topic=key[0], channel=key[1])
+                for consumer in channel.close():
+                    closer = getattr(consumer, "channel_closed", None)
+                    if closer is not None:
+                        closer(channel)
+        for key in wanted:
+            channel = self.channels.get(key)
+            if channel is None:
+                self.channel(*key)
+            else:
+                spec = topics[key[0]]
+                channel.msg_timeout = spec.msg_timeout_ms / 1000.0
+                channel.max_attempts = spec.max_attempts
+
+    def channel(self, topic: str, name: str) -> ReliableChannel:
+        """The channel in memory, made on first use."""
+        channel = self.channels.get((topic, name))
+        if channel is None:
+            spec = self.topics.get(topic)
+            timeout = spec.msg_timeout_ms / 1000.0 if spec else self.options.msg_timeout
+            channel = ReliableChannel(
+                topic,
+                name,
+                clock=self.clock,
+                msg_timeout=timeout,
+                mem_queue_size=self.options.mem_queue_size,
+                load=self._load,
+                on_ack=self._on_ack,
+                max_attempts=spec.max_attempts if spec else None,
+                on_attempt=self.dead_letters.on_attempt,
+                on_exhausted=self.dead_letters.on_exhausted,
+                on_return=self.trace.returned,
+                deliver_latency=self.deliver_latency,
+            )
+            channel.paused = self.paused
+            channel.held = (topic, name) in self._held
+            self.channels[(topic, name)] = channel
+        return channel
+
+    # -- storing ------------------------------------------------------------
+    def store(self, send: NewMessage, done: Callable[[Any], None]) -> None:
+        """Commit ``send`` with a delivery per subscribed channel, then hand it to those
+        channels and call ``done`` with ``Published`` (or the ``DmqError``). Called once
+        per message: no Deferreds, one queue append."""
+        staged_at = self.clock.seconds()
+
+        def committed(stored: Any) -> None:
+            if isinstance(stored, BaseException):
+                done(_answer_for(stored))
+                return
+            if self.commit_latency is not None:
+                self.commit_latency.observe(self.clock.seconds() - staged_at)
+            if not stored.duplicate:
+                self.publish_count += 1
+                topic = send.topic
+                message = ReliableMessage(
+                    stored.message_id, topic, send.producer, send.session_id, stored.published_ms, send.body
+                )
+                channels = self.channels
+                for name in stored.channels:
+                    channel = channels.get((topic, name))
+                    if channel is None:
+                        channel = self.channel(topic, name)
+                    channel.add(message)
+            done(Published(stored.message_id, stored.duplicate))
+
+        self.writer.submit_cb(send, committed)
+
+    def store_delayed(self, send: NewMessage, due_ms: int, done: Callable[[Any], None]) -> None:
+        """Commit ``send`` into the delay table; ``Published.message_id`` is the delay
+        entry's id. The delay scheduler moves it to the channels when due."""
+        delays = self.delays
+        fragment = delays.pick_fragment() if delays is not None else 1
+
+        def committed(stored: Any) -> None:
+            if isinstance(stored, BaseException):
+                done(_answer_for(stored))
+                return
+            if not stored.duplicate:
+                self.delayed_count += 1
+                if delays is not None:
+                    delays.notify([stored])
+            done(Published(stored.message_id, stored.duplicate))
+
+        item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body)
+        self.delay_writer.submit_cb(item, committed)
+
+    def deliver_moved(self, messages: list[MovedMessage]) -> None:
+        """Delayed (or replayed) messages now stored with their deliveries: push them."""
+        for moved in messages:
+            message = ReliableMessage(
+                moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms, moved.body
+            )
+            for name in moved.channels:
+                self.channel(moved.topic, name).add(message)
+
+    # -- consuming ----------------------------------------------------------
+    def subscribe(self, topic: str, name: str, consumer: Any) -> ReliableChannel:
+        channel = self.channel(topic, name)
+        channel.subscribe(consumer)
+        return channel
+
+    def ack(self, topic: str, name: str, message_id: int, consumer: Any) -> str | None:
+        """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons).
+
+        Only the consumer holding the copy may acknowledge it: an ack from anyone
+        else would take the copy out of flight, and it would not come back when its
+        real holder dies without acknowledging it."""
+        channel = self.channels.get((topic, name))
+        if channel is None:
+            return "ID not in flight"
+        error = channel.owner_error(message_id, consumer)
+        if error is not None:
+            return error
+        return None if channel.ack(message_id) else "ID not in flight"
+
+    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
+        self.acker.add(
+            AckRow(
+                channel.topic,
+                channel.name,
+                delivery.message.message_id,
+                delivery.first_delivered_ms,
+                acked_ms,
+                delivery.attempts,
+                getattr(delivery.consumer, "name", ""),
+                int(delivery.delivered_at * 1000),
+            )
+        )
+
+    def _acks_done(self, rows: list[AckRow], ok: bool) -> None:
+        by_channel: dict[tuple[str, str], list[int]] = {}
+        for row in rows:
+            by_channel.setdefault((row.topic, row.channel), []).append(row.message_id)
+        for key, ids in by_channel.items():
+            channel = self.channels.get(key)
+            if channel is not None:
+                channel.ack_durable(ids)
+
+    def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
+        d = self._workers["loader"].run_steps(
+            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner
+        )
+
+        def loaded(rows: list) -> None:
+            self._load_outage.recovered()
+            if not channel.closed:
+                channel.loaded(rows, limit)
+
+        def failed(failure: Any) -> None:
+            failure.trap(StorageError)
+            self._load_outage.failed(f"{channel.topic}/{channel.name}: {failure.value}")
+            self._set_health(False, str(failure.value))
+            channel.load_failed()
+
+        d.addCallbacks(loaded, failed)
+
+    # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
+    def _registered_channel(self, topic: str, name: str) -> ReliableChannel:
+        spec = self.topics.get(topic)
+        if spec is None:
+            raise KeyError("TOPIC_NOT_FOUND")
+        if name not in spec.channels:
+            raise KeyError("CHANNEL_NOT_FOUND")
+        return self.channel(topic, name)
+
+    def pause_channel(self, topic: str, name: str, paused: bool = True) -> Deferred:
+        """Stop (or resume) pushing the channel's copies, on every node: the pause is
+        stored in PostgreSQL, applied here at once and by other nodes at their next
+        ``channel_state_interval``. Copies keep arriving and wait. KeyError names what
+        is not registered; StorageError if PostgreSQL fails."""
+        try:
+            channel = self._registered_channel(topic, name)
+        except KeyError as exc:
+            return fail(exc)
+        query = "pause_channel" if paused else "unpause_channel"
+        d = self._workers["admin"].run_steps(run_query_steps, query, {"topic": topic, "channel": name})
+
+        def stored(_: Any) -> None:
+            (self._held.add if paused else self._held.discard)((topic, name))
+            channel.held = paused
+            if not paused:
+                channel.pump()
+
+        return d.addCallback(stored)
+
+    def empty_channel(self, topic: str, name: str) -> Deferred:
+        """Drop every unacknowledged copy of the channel (nsqd's channel empty), stored
+        and in memory; fires with how many were stored. Copies in flight are dropped
+        too: their acks are then refused, as nsqd's FIN of an emptied channel is."""
+        try:
+            channel = self._registered_channel(topic, name)
+        except KeyError as exc:
+            return fail(exc)
+        d = self._workers["admin"].run_steps(run_query_steps, "empty_channel", {"topic": topic, "channel": name})
+
+        def emptied(count: int) -> int:
+            # copies committed after the delete's snapshot are still stored: forget()
+            # re-reads the store from the first id, so they are delivered, not lost
+            channel.forget()
+            channel.stored_count = None
+            channel.pump()
+            return count
+
+        return d.addCallback(emptied)
+
+    def read_channel_state(self) -> Deferred:
+        """Every channel's stored depth and the operators' pauses (set on any node)."""
+        d = self._workers["admin"].run_steps(read_channel_state_steps)
+
+        def apply(state: tuple[dict[tuple[str, str], int], set[tuple[str, str]]]) -> None:
+            depths, held = state
+            self._held = held
+            for key, channel in self.channels.items():
+                channel.stored_count = depths.get(key, 0)
+                was, channel.held = channel.held, key in held
+                if was and not channel.held:
+                    channel.pump()
+
+        d.addCallback(apply)
+        d.addErrback(lambda f: f.trap(StorageError))
+        return d
+
+    # -- periodic work ------------------------------------------------------
+    def scan(self, now: float) -> None:
+        """Requeue copies whose deadline passed; retry a backlog load that failed; look
+        for sends of unknown outcome."""
+        self._resolve_unknown(now)
+        for channel in list(self.channels.values()):
+            if channel.in_flight:
+                channel.scan(now)
+            elif channel.backlog and not channel.loading and channel.consumers:
+                channel.pump()
+
+    def sweep(self) -> Deferred:
+        """Delete messages every channel has acknowledged, past the retention."""
+        d = self._workers["admin"].run_steps(sweep_messages_steps, self.options.message_retention, 10000)
+        d.addErrback(lambda f: f.trap(StorageError))
+        return d
+
+    # -- introspection ------------------------------------------------------
+    def topic_stats(self) -> list[dict[str, Any]]:
+        topics = []
+        for name in sorted(self.topics):
+            spec = self.topics[name]
+            channels = [self.channels[(name, c)].stats() for c in spec.channels if (name, c) in self.channels]
+            topics.append(
+                {"topic_name": name, "store": spec.store, "msg_timeout_ms": spec.msg_timeout_ms, "channels": channels}
+            )
+        return topics
+
+
+def _answer_for(failure: BaseException) -> BaseException:
+    """What a producer hears of a send that was not committed: PostgreSQL refusing the
+    row is this send's own input (``Invalid``); anything else is the store's failure."""
+    if isinstance(failure, RefusedError):
+        return Invalid(str(failure))
+    return failure
