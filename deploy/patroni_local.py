@@ -23,6 +23,10 @@ members:
 
 The settings themselves are ``member_config``'s; deploy/patroni/pg1.yml.example is
 the same configuration written out for three hosts (a unit test keeps them alike).
+
+Why one long module: it runs before anything of dmq is known to work, from the shell
+script and from the tests alike, so it stands alone (standard library, psycopg for the
+first database); the members, the cluster and the command line are one recipe.
 """
 
 from __future__ import annotations
