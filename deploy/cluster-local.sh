@@ -3,12 +3,17 @@
 # three dmq nodes, all under ./dmq-cluster (relative to the repository root).
 #
 #   bash deploy/cluster-local.sh            # start everything; Ctrl-C stops everything
+#   bash deploy/cluster-local.sh --ha       # PostgreSQL as a Patroni cluster of three
+#                                           # (deploy/ha-local.sh says the same)
 #   ZK_PORT=2182 BASE_PORT=5150 bash deploy/cluster-local.sh
 #   DMQ_PYTHON=python3 bash deploy/cluster-local.sh   # an interpreter that has dmq
 #                                                    # installed already (no .venv setup)
 #
 # What runs (defaults):
-#   PostgreSQL  private server under dmq-cluster/pg (dmq_server.db.embedded), 127.0.0.1
+#   PostgreSQL  private server under dmq-cluster/pg (dmq_server.db.embedded), 127.0.0.1;
+#               with --ha: three members pg1..pg3 under Patroni (deploy/patroni_local.py),
+#               synchronous and strict, PostgreSQL on 127.0.0.1:$PG_PORT, +2, +4 (5432)
+#               and Patroni's REST API one above each, data in dmq-ha/patroni/pgN
 #   ZooKeeper   standalone, 127.0.0.1:$ZK_PORT (2181), data in dmq-cluster/zk
 #   node1       TCP 127.0.0.1:4150  HTTP :4151  admin console :4152
 #   node2       TCP 127.0.0.1:4250  HTTP :4251  admin console :4252
@@ -24,18 +29,29 @@ set -Eeuo pipefail
 
 trap 'echo "deploy/cluster-local.sh: failed (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 
+ha=0
+case "${1:-}" in
+    --ha) ha=1 ;;
+    "") ;;
+    *) echo "usage: bash deploy/cluster-local.sh [--ha]" >&2; exit 2 ;;
+esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 if [ -n "${DMQ_PYTHON:-}" ]; then
     py="$DMQ_PYTHON"
+elif [ "$ha" -eq 1 ]; then
+    bash "$repo/deploy/setup.sh" --ha
+    py="$repo/.venv/bin/python"
 else
     bash "$repo/deploy/setup.sh"
     py="$repo/.venv/bin/python"
 fi
 zk_port="${ZK_PORT:-2181}"
 base_port="${BASE_PORT:-4150}"
+pg_port="${PG_PORT:-5432}"
 chroot="/dmq-local"
 work="$repo/dmq-cluster"
+[ "$ha" -eq 1 ] && work="$repo/dmq-ha"
 mkdir -p "$work"
 chmod 755 "$work"  # the embedded PostgreSQL runs as an unprivileged user when we are root
 
@@ -73,7 +89,9 @@ cleanup() {
     # nodes first, while ZooKeeper is still there for them to leave the cluster
     if [ "${#node_pids[@]}" -gt 0 ]; then stop_all "${node_pids[@]}"; fi
     if [ -n "$zk_pid" ]; then stop_all "$zk_pid"; fi
-    if [ "$pg_started" -eq 1 ]; then
+    if [ "$pg_started" -eq 1 ] && [ "$ha" -eq 1 ]; then
+        "$py" "$repo/deploy/patroni_local.py" stop "$work/patroni" || true
+    elif [ "$pg_started" -eq 1 ]; then
         "$py" -c 'import sys; from pathlib import Path; from dmq_server.db.embedded import EmbeddedPostgres; EmbeddedPostgres(Path(sys.argv[1])).stop()' "$work" || true
     fi
     echo "stopped (data kept in $work)"
@@ -93,16 +111,19 @@ for n in 1 2 3; do
     tcp=$((base_port + (n - 1) * 100))
     ports+=("$tcp" "$((tcp + 1))" "$((tcp + 2))")
 done
+if [ "$ha" -eq 1 ]; then
+    for i in 0 1 2 3 4 5; do ports+=("$((pg_port + i))"); done
+fi
 "$py" "$repo/deploy/cluster_ready.py" free "${ports[@]}" || exit 1
-
-# -- PostgreSQL -----------------------------------------------------------------------------
-pg_started=1
-dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
 
 # -- ZooKeeper (standalone) -----------------------------------------------------------------
 mkdir -p "$work/zk/data"
+# with --ha, 500 ms ticks: sessions of 1..10 s, so Patroni's (ttl 20, capped to 10 s) ends,
+# and a dead primary's leader key goes, within 10 s
+tick=2000
+[ "$ha" -eq 1 ] && tick=500
 cat > "$work/zk/zoo.cfg" <<EOF
-tickTime=2000
+tickTime=$tick
 dataDir=$work/zk/data
 clientPort=$zk_port
 clientPortAddress=127.0.0.1
@@ -115,6 +136,17 @@ java -Xmx256m -Dorg.slf4j.simpleLogger.defaultLogLevel=warn -cp "$classpath" \
     org.apache.zookeeper.server.quorum.QuorumPeerMain "$work/zk/zoo.cfg" >"$work/zookeeper.log" 2>&1 &
 zk_pid=$!
 ready zookeeper "$zk_port" "$zk_pid" "$work/zookeeper.log"
+
+# -- PostgreSQL -----------------------------------------------------------------------------
+pg_started=1
+if [ "$ha" -eq 1 ]; then
+    # three members under Patroni, its DCS the ZooKeeper above; waits for a primary and a
+    # synchronous standby, creates the dmq role and database, prints dmq's multi-host DSN
+    dsn="$("$py" "$repo/deploy/patroni_local.py" start "$work/patroni" "127.0.0.1:$zk_port" "$pg_port")"
+else
+    dsn="$("$py" -c 'import sys; from pathlib import Path; from dmq_server.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).start())' "$work")"
+fi
+"$py" -m dmq_server.admin.cli --pg-dsn "$dsn" db migrate >/dev/null
 
 # -- three dmq nodes --------------------------------------------------------------------------
 for n in 1 2 3; do
@@ -143,6 +175,12 @@ dmq cluster is ready
   node2       TCP 127.0.0.1:$((base_port + 100))  HTTP http://127.0.0.1:$((base_port + 101))/  admin console 127.0.0.1:$((base_port + 102))
   node3       TCP 127.0.0.1:$((base_port + 200))  HTTP http://127.0.0.1:$((base_port + 201))/  admin console 127.0.0.1:$((base_port + 202))
   logs        $work/*.log
-Ctrl-C stops everything.
 EOF
+if [ "$ha" -eq 1 ]; then
+    cat <<EOF
+  Patroni     pg1..pg3: PostgreSQL 127.0.0.1:$pg_port, $((pg_port + 2)), $((pg_port + 4)); REST API one port above each
+              patronictl -c $work/patroni/pg1/patroni.yml list      # who leads, who is synchronous
+EOF
+fi
+echo "Ctrl-C stops everything."
 wait  # until Ctrl-C (a node killed to try a takeover does not end the others)

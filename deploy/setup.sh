@@ -6,11 +6,14 @@
 #   bash deploy/setup.sh --dev    # also the test tools (pytest, hypothesis, NSQ clients),
 #                                 # the pipeline (PySpark) and the Debian packages the
 #                                 # tests use: a Java runtime, the PostgreSQL JDBC jar
-#                                 # and ZooKeeper
+#                                 # and ZooKeeper, and what --ha installs
 #   bash deploy/setup.sh --bench  # --dev plus what bench/ compares dmq with: the bench
 #                                 # extra (nats-py, py-spy), Debian's nats-server,
 #                                 # rabbitmq-server and golang-go (to build nsqd from
 #                                 # its source, bench/build_nsqd.sh)
+#   bash deploy/setup.sh --ha     # also Patroni (Debian's, with kazoo for its ZooKeeper
+#                                 # DCS), PostgreSQL's server and ZooKeeper, for
+#                                 # deploy/ha-local.sh; --dev adds faketime (tests/chaos)
 #
 # Why a script: README's two commands (deploy/quickstart.sh and .ci/test) must work
 # on a fresh Debian machine, so everything dmq needs is installed here and nowhere
@@ -21,13 +24,15 @@ set -Eeuo pipefail
 
 trap 'echo "deploy/setup.sh: failed (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 
-usage() { echo "usage: bash deploy/setup.sh [--dev | --bench]" >&2; exit 2; }
+usage() { echo "usage: bash deploy/setup.sh [--dev | --bench] [--ha]" >&2; exit 2; }
 
 extras="embedded"
+ha=0
 for arg in "$@"; do
     case "$arg" in
-        --dev) [ "$extras" = "bench,dev,embedded,pipeline" ] || extras="dev,embedded,pipeline" ;;
-        --bench) extras="bench,dev,embedded,pipeline" ;;
+        --dev) [ "$extras" = "bench,dev,embedded,pipeline" ] || extras="dev,embedded,pipeline"; ha=1 ;;
+        --bench) extras="bench,dev,embedded,pipeline"; ha=1 ;;
+        --ha) ha=1 ;;
         -h|--help) usage ;;
         *) echo "deploy/setup.sh: unknown argument: $arg" >&2; usage ;;
     esac
@@ -104,6 +109,22 @@ if [ "$extras" != "embedded" ]; then
         [ -d /usr/lib/rabbitmq ] || missing+=(rabbitmq-server)
         command -v go >/dev/null 2>&1 || missing+=(golang-go)
     fi
+    # faketime for the chaos tier's clock jumps (libfaketime, LD_PRELOAD)
+    [ -x /usr/bin/faketime ] || missing+=(faketime)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        apt_install "${missing[@]}"
+    fi
+fi
+if [ "$ha" -eq 1 ]; then
+    # PostgreSQL HA on one machine or many: Debian's Patroni (its ZooKeeper DCS needs
+    # python3-kazoo; apt would pick python3-etcd for the alternative), the server it
+    # runs, and ZooKeeper with a Java runtime
+    missing=()
+    command -v patroni >/dev/null 2>&1 || missing+=(patroni)
+    /usr/bin/python3 -c 'import kazoo' >/dev/null 2>&1 || missing+=(python3-kazoo)
+    compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' >/dev/null || missing+=(postgresql)
+    command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
+    [ -d /usr/share/zookeeper ] || missing+=(zookeeper)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi

@@ -168,8 +168,8 @@ class DmqServer:
         committed on its own; by default on a connection the reactor reads itself
         (``db.reactor``), the other roles on a thread each."""
         if hot and self.options.db_io == "reactor":
-            return ReactorDb(self.reactor, self.dsn, role, prepare=HOT_STATEMENTS)
-        return DbWorker(self.reactor, self.dsn, role, autocommit=hot)
+            return ReactorDb(self.reactor, self.dsn, role, prepare=HOT_STATEMENTS, timeout=self.options.pg_timeout)
+        return DbWorker(self.reactor, self.dsn, role, autocommit=hot, timeout=self.options.pg_timeout)
 
     @property
     def tcp_address(self) -> tuple[str, int]:

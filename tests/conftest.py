@@ -45,7 +45,7 @@ def _dispose(pg: EmbeddedPostgres, path: Path) -> None:
 
 
 # One tier per folder, cheapest first; `pytest -m unit` runs the tier without IO.
-TIERS = ("unit", "integration", "zk", "compat", "pipeline")
+TIERS = ("unit", "integration", "zk", "compat", "pipeline", "chaos")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -93,6 +93,8 @@ class ClusterNode:
         self.zk_state = "CONNECTED"
         self._pause_timer: Any = None
         self._suspended_pause = False
+        self._last_scan: float | None = None  # reactor time of the broker's last scan
+        self._gap_check: str = ""  # "", "asking" (ZooKeeper asked), "again" (ask at the next scan)
         self._registering: defer.Deferred | None = None
         self._start_lock: Any = None  # the takeover lock held from the incarnation's start
         self._last_specs: list[Any] | None = None
@@ -131,7 +133,7 @@ class ClusterNode:
         seeded = yield self._zk(zk.ZkRegistry(self.client).seed, rows)
         if seeded:
             log.info("seeded the ZooKeeper registry with {n} topics from PostgreSQL", n=len(rows))
-        self._worker = DbWorker(self.reactor, self._dsn, "cluster")
+        self._worker = DbWorker(self.reactor, self._dsn, "cluster", timeout=options.pg_timeout)
         self._worker.start()
         log.info("connected to ZooKeeper at {zk}", zk=options.zk)
 
@@ -179,6 +181,62 @@ class ClusterNode:
             self.options.takeover_batch_size,
             can_claim=lambda: self.registered and not store.paused,
         )
+        self._guard_scan(broker)
+
+    # -- a node that stood still -------------------------------------------------------------
+    def _guard_scan(self, broker: Any) -> None:
+        """Check for a gap in this node's time before each of the broker's scans.
+
+        A node frozen (SIGSTOP, a paused VM, a long stall) or whose clock stepped ahead
+        for longer than its session may allow has had its copies taken over by other
+        nodes without knowing it: kazoo's thread stood still too. When it runs again,
+        the overdue scan would redeliver copies whose message timeout passed meanwhile,
+        copies other nodes delivered and saw acknowledged (the chaos suite's
+        node-pause counted such duplicates). The scan runs before any IO that would
+        tell the node, so the check runs first, in the scan itself: after a gap longer
+        than a third of the session timeout (the earliest an expiry may follow), delivery
+        pauses until ZooKeeper confirms that the node's znode is still its session's.
+        """
+        timer = broker.timers.getServiceNamed("scan")
+        scan, args, kwargs = timer.call
+
+        def guarded() -> Any:
+            self._check_gap()
+            return scan(*args, **kwargs)
+
+        timer.call = (guarded, (), {})
+
+    def _check_gap(self) -> None:
+        now = self.reactor.seconds()
+        last, self._last_scan = self._last_scan, now
+        if not self.registered or self.stopping or self.membership is None:
+            return
+        gap = now - last if last is not None else 0.0
+        if self._gap_check == "asking" or (gap <= self.options.zk_session_timeout / 3 and not self._gap_check):
+            return
+        if not self._gap_check:
+            log.warn("node {node} stood still {gap:.1f}s: pausing delivery until ZooKeeper confirms its session",
+                     node=self.node_id, gap=gap)
+            self._pause()
+        self._gap_check = "asking"
+        asked_under = self._registration
+
+        def answered(ok: bool) -> None:
+            self._gap_check = ""
+            if asked_under != self._registration or self.stopping:
+                return
+            if not ok:
+                self._evicted()
+            elif self.zk_state == "CONNECTED":
+                log.info("node {node}: session confirmed, delivering again", node=self.node_id)
+                self._resume()
+
+        def unanswered(failure: Any) -> None:
+            # disconnected: kazoo's state changes decide (CONNECTED resumes, LOST drops
+            # what is held); ask again at the next scan meanwhile
+            self._gap_check = "again"
+
+        self._zk(self.membership.heartbeat).addCallbacks(answered, unanswered)
 
     @defer.inlineCallbacks
     def register(self, host: str, tcp_port: int, http_port: int) -> Any:

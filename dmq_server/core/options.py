@@ -80,6 +80,12 @@ class Options:
     pg_dsn: str = _opt(
         "", "PostgreSQL DSN; empty starts a private PostgreSQL under --data-path"
     )
+    pg_timeout: float = _opt(
+        15.0,
+        "longest wait for PostgreSQL to answer a statement (a commit included); past it the "
+        "connection is dropped as hung and the outcome taken as unknown (0 = wait forever)",
+        kind="duration",
+    )
     node_id: str = _opt("", "this node's id; empty derives it from the host name and TCP port")
     max_msg_size: int = _opt(1048576, "largest message body accepted, in bytes", kind="int")
     msg_timeout: float = _opt(
@@ -416,6 +422,7 @@ class Options:
         checks = [
             ("max_msg_size", self.max_msg_size >= 1, "must be at least 1"),
             ("msg_timeout", self.msg_timeout > 0, "must be more than 0"),
+            ("pg_timeout", self.pg_timeout >= 0, "must be 0 or more"),
             ("heartbeat_interval", self.heartbeat_interval > 0, "must be more than 0"),
             ("max_credit", self.max_credit >= 1, "must be at least 1"),
             ("default_credit", 1 <= self.default_credit <= self.max_credit, "must be 1..max_credit"),

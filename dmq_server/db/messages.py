@@ -145,6 +145,16 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
     return results
 
 
+def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps:
+    """Which of the (producer, session id) pairs are stored: sends whose outcome was
+    unknown (``Broker``'s check, until the store shows them)."""
+    rows = yield Statement(
+        "find_messages",
+        {"producers": [p for p, _ in pairs], "session_ids": [s for _, s in pairs]},
+    )
+    return [(r[1], r[2]) for r in rows]
+
+
 # prepared once per connection by the reactor-driven writers and acker (reactor_db)
 HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], queries["ack_deliveries"])
 

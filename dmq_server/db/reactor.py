@@ -15,10 +15,14 @@ own, which is what group commit and durable acks want. Parameters are sent in
 binary with the types their casts name (``%(ids)b::bigint[]``); statements named
 in ``prepare`` are prepared once per connection. A broken connection fails the
 run in progress with ``StorageError`` and is re-opened (in a thread) by the next
-run, so the server recovers from a PostgreSQL restart without restarting itself.
+run, so the server recovers from a PostgreSQL restart or failover without
+restarting itself. A run PostgreSQL has not answered within ``timeout`` seconds
+(``--pg-timeout``: a paused or hung server, a link that swallows packets) is failed
+the same way, its connection dropped: its outcome is unknown, as for a broken one.
 
-Why one long module: the non-blocking protocol (send, flush, read, results, a
-broken socket, reconnecting in a thread) is one state machine, read in one place.
+Why one long module: the socket, the run in progress and its deadline are one state
+machine driven by the reactor's callbacks; split, each half would reach into the
+other's state.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from zope.interface import implementer
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import StorageError, describe_error, storage_error
 from dmq_server.db.steps import Statement, Steps
+from dmq_server.db.deadline import Watchdog, hung_error
 from dmq_server.db.worker import connect
 
 __all__ = ["ReactorDb", "PreparedSql"]
@@ -110,8 +115,11 @@ class _Run:
 class ReactorDb:
     """One non-blocking connection; ``run_steps`` calls run one after another."""
 
-    def __init__(self, reactor: Any, dsn: str, name: str, *, prepare: Sequence[str] = ()):
+    def __init__(self, reactor: Any, dsn: str, name: str, *, prepare: Sequence[str] = (),
+                 timeout: float | None = None):
         self._reactor = reactor
+        self.timeout = timeout if timeout and timeout > 0 else None
+        self._deadline: Any = None  # the run in progress's IDelayedCall
         self._dsn = dsn
         self.name = name
         self._prepare = tuple(prepare)
@@ -138,6 +146,7 @@ class ReactorDb:
     def stop(self) -> None:
         self._stopped = True
         self._close()
+        self._cancel_deadline()
         if self._run is not None:  # its outcome is unknown: answered as a storage error
             run, self._run = self._run, None
             run.steps.close()
@@ -175,7 +184,20 @@ class ReactorDb:
             self._next()
             return
         self._run = _Run(steps, d)
+        if self.timeout is not None:
+            self._deadline = self._reactor.callLater(self.timeout, self._hung, self._run)
         self._advance(None, None)
+
+    def _hung(self, run: _Run) -> None:
+        self._deadline = None
+        if run is self._run:
+            self._broken(hung_error(self.name, self.timeout), as_is=True)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            if self._deadline.active():
+                self._deadline.cancel()
+            self._deadline = None
 
     def _advance(self, rows: list | None, error: BaseException | None) -> None:
         """Hand the last statement's outcome to the steps and send what they yield next."""
@@ -247,6 +269,7 @@ class ReactorDb:
         self._advance(rows, None)
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._cancel_deadline()
         run, self._run = self._run, None
         assert run is not None
         if error is None:
@@ -301,16 +324,17 @@ class ReactorDb:
         # the reactor is shutting down with the connection still registered
         self._broken(psycopg.OperationalError("connection closed by the reactor"))
 
-    def _broken(self, exc: BaseException) -> None:
+    def _broken(self, exc: BaseException, as_is: bool = False) -> None:
         """The connection cannot be used: fail the run in progress; the next run reconnects."""
         if self._pgconn is not None:
             self._outage.failed(f"connection lost: {describe_error(exc)}")
         pid = self._backend_pid
         self._close()
+        self._cancel_deadline()
         if self._run is not None:
             run, self._run = self._run, None
             run.steps.close()
-            error = StorageError(f"{self.name}: {describe_error(exc)}")
+            error = exc if as_is else StorageError(f"{self.name}: {describe_error(exc)}")
             error.backend_pid = pid  # the statement may still commit until that backend ends
             run.deferred.errback(error)
         self._next()
@@ -336,7 +360,7 @@ class ReactorDb:
     def _connect(self) -> None:
         self._connecting = True
         pool = self._reactor.getThreadPool()
-        d = deferToThreadPool(self._reactor, pool, _open, self._dsn, self._prepare)
+        d = deferToThreadPool(self._reactor, pool, _open, self._dsn, self._prepare, self.timeout, self.name)
         d.addCallbacks(self._connected, self._connect_failed)
 
     def _connected(self, opened: tuple[psycopg.Connection, dict[str, bytes]]) -> None:
@@ -378,10 +402,14 @@ class ReactorDb:
             d.errback(StorageError(str(error)))
 
 
-def _open(dsn: str, prepare: Sequence[str]) -> tuple[psycopg.Connection, dict[str, bytes]]:
+def _open(dsn: str, prepare: Sequence[str], timeout: float | None = None,
+          name: str = "reactor") -> tuple[psycopg.Connection, dict[str, bytes]]:
     """Connect (blocking, on a pool thread), prepare the named statements, and
-    switch the connection to non-blocking for the reactor."""
+    switch the connection to non-blocking for the reactor. A server that accepted
+    the connection but does not answer the prepares within ``timeout`` is cut off."""
     conn = connect(dsn, autocommit=True)
+    watchdog = Watchdog(timeout, f"{name}-open")
+    watchdog.arm(conn)
     try:
         named: dict[str, bytes] = {}
         for i, sql in enumerate(prepare):
@@ -392,9 +420,14 @@ def _open(dsn: str, prepare: Sequence[str]) -> tuple[psycopg.Connection, dict[st
                 raise StorageError(f"cannot prepare a statement: {describe_error(_error(res, conn.info.encoding))}")
             named[sql] = name
         conn.pgconn.nonblocking = 1
-    except BaseException:
+    except BaseException as exc:
         conn.close()
+        if watchdog.disarm():
+            raise hung_error(name, timeout) from exc
         raise
+    finally:
+        watchdog.disarm()
+        watchdog.close()
     return conn, named
 
 

@@ -4,7 +4,16 @@ Most roles (backlog loader, admin, delay workers) get their own ``DbWorker``: on
 thread holding one connection. Work for a role runs in order on its thread, so
 the reactor never blocks on the database and a slow backlog scan never delays a
 commit. A broken connection is dropped and re-opened on the next call, so the
-server recovers from a PostgreSQL restart without restarting itself.
+server recovers from a PostgreSQL restart (or a failover: the DSN may list every
+member of a Patroni cluster) without restarting itself.
+
+A server that stops answering without closing its connections (a paused or hung
+PostgreSQL, a link that drops packets after the kernel acknowledged them) would hold
+a call forever: TCP keepalives and ``tcp_user_timeout`` only notice a peer whose
+kernel went silent. So each call has a deadline (``--pg-timeout``): a
+``deadline.Watchdog`` shuts the connection's socket down when it passes, the call
+fails with a ``StorageError`` (outcome unknown) and the next call connects again,
+maybe to another member.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
+from dmq_server.db.deadline import Watchdog, hung_error
 from dmq_server.db.errors import StorageError, describe_error, storage_error
 from dmq_server.db.steps import Steps, run_steps
 from dmq_sql.connection import connect as shared_connect
@@ -46,7 +56,8 @@ class DbWorker:
     the time under load.
     """
 
-    def __init__(self, reactor: Any, dsn: str, name: str, *, autocommit: bool = False):
+    def __init__(self, reactor: Any, dsn: str, name: str, *, autocommit: bool = False,
+                 timeout: float | None = None):
         self._reactor = reactor
         self._dsn = dsn
         self.name = name
@@ -54,12 +65,14 @@ class DbWorker:
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"dmq-db-{name}")
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
+        self._watchdog = Watchdog(timeout, name)
 
     def start(self) -> None:
         self._pool.start()
 
     def stop(self) -> None:
         self._pool.stop()
+        self._watchdog.close()
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -92,28 +105,46 @@ class DbWorker:
                 self._conn = connect(self._dsn, autocommit=self.autocommit)
             conn = self._conn
             pid = conn.info.backend_pid
+            self._watchdog.arm(conn)
+            error: BaseException | None = None
             try:
                 if self.autocommit:
-                    return fn(conn, *args, **kwargs)
-                with conn.transaction():
-                    return fn(conn, *args, **kwargs)
-            except StorageError as exc:
+                    result = fn(conn, *args, **kwargs)
+                else:
+                    with conn.transaction():
+                        result = fn(conn, *args, **kwargs)
+            except BaseException as exc:
+                error = exc
+            hung = self._watchdog.disarm()  # the deadline passed: the socket was cut under the call
+            if hung:
+                self._drop(conn)
+            if error is None:
+                return result  # answered as the deadline passed: a known outcome all the same
+            if hung:
+                failure = hung_error(self.name, self._watchdog.timeout)
+                failure.backend_pid = pid  # the statement may still commit until that backend ends
+                raise failure from error
+            if isinstance(error, (StorageError, psycopg.Error)):
                 self._drop_if_broken(conn)
-                if exc.backend_pid is None:
-                    exc.backend_pid = pid
-                raise
-            except psycopg.Error as exc:
-                self._drop_if_broken(conn)
-                error = storage_error(self.name, exc)
-                error.backend_pid = pid  # a lost answer is settled once this backend is gone
-                raise error from exc
+            if isinstance(error, psycopg.Error):
+                failure = storage_error(self.name, error)
+                failure.backend_pid = pid  # a lost answer is settled once this backend is gone
+                raise failure from error
+            if isinstance(error, StorageError) and error.backend_pid is None:
+                error.backend_pid = pid
+            raise error
 
     def _drop_if_broken(self, conn: psycopg.Connection) -> None:
         if conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.UNKNOWN:
-            try:
-                conn.close()
-            finally:
-                self._conn = None
+            self._drop(conn)
+
+    def _drop(self, conn: psycopg.Connection) -> None:
+        try:
+            conn.close()
+        except Exception:  # closing a cut connection may fail; nothing to do
+            pass
+        finally:
+            self._conn = None
 
 
 def _steps_call(conn: psycopg.Connection, steps_fn: Callable[..., Steps], args: Sequence[Any]) -> Any:

@@ -19,6 +19,7 @@ read together to see that no copy is lost or handed out twice.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -35,6 +36,7 @@ from dmq_server.db.messages import (
     backends_alive_steps,
     create_owner_steps,
     empty_channel_steps,
+    find_stored_steps,
     load_backlog_steps,
     read_channel_state_steps,
     owner_heartbeat_steps,
@@ -51,6 +53,9 @@ from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 from registry.model import TopicSpec
 
 __all__ = ["ReliableStore"]
+
+# sends of unknown outcome remembered at most (the oldest are forgotten beyond it)
+MAX_UNRESOLVED = 100_000
 
 log = Logger()
 
@@ -90,6 +95,12 @@ class ReliableStore:
         # channels are re-read from the store now and again after the next commit
         self._unknown_topics: set[str] = set()
         self.unknown_outcomes = 0
+        # the sends of those writes, looked for in the store until it shows them: a
+        # commit cut off while it waited (for its synchronous standby, say) becomes
+        # visible when it ends, maybe after every rescan (see _resolve_unknown)
+        self._unresolved: dict[tuple[str, int], tuple[str, float]] = {}
+        self._resolving = False
+        self._resolve_after = 0.0
         self.publish_count = 0
         self.delayed_count = 0
         self._load_outage = Outage("backlog loads", clock)
@@ -99,7 +110,7 @@ class ReliableStore:
             node_id,
             options.commit_batch_size,
             self._writer_health,
-            on_unknown=lambda items: self.outcome_unknown({m.topic for m in items}),
+            on_unknown=self._unknown_sends,
             clock=clock,
             writes=self.writes,
         )
@@ -225,6 +236,47 @@ class ReliableStore:
             topics = {topic for topic, _ in self.channels}
         self._unknown_topics |= topics
         self._rescan_topics(topics)
+
+    def _unknown_sends(self, items: list[NewMessage]) -> None:
+        now = self.clock.seconds()
+        for m in items:
+            self._unresolved[(m.producer, m.session_id)] = (m.topic, now)
+        while len(self._unresolved) > MAX_UNRESOLVED:  # memory stays bounded: the oldest go
+            del self._unresolved[next(iter(self._unresolved))]
+        self.outcome_unknown({m.topic for m in items})
+
+    def _resolve_unknown(self, now: float) -> None:
+        """Once a second while sends of unknown outcome remain: those the store now
+        shows have their topic's channels re-read (the rows are visible, so the load
+        finds them); the others are looked for again, for the message retention.
+
+        A rescan at the failure and another after the next commit are not enough when
+        the commit's transaction outlives its connection: a commit waiting for its
+        synchronous standby when ``--pg-timeout`` cut it off ends when a standby
+        comes back, seconds later. Its producers' resends are then answered as
+        duplicates (stored), maybe by another node, and no channel would be handed
+        the copies (the chaos suite's pg-primary-kill lost some so, once).
+        """
+        if not self._unresolved or self._resolving or now < self._resolve_after:
+            return
+        self._resolve_after = now + 1.0
+        self._resolving = True
+        pairs = list(itertools.islice(self._unresolved, 1000))
+
+        def found(stored: list[tuple[str, int]]) -> None:
+            self._resolving = False
+            topics = {self._unresolved.pop(pair)[0] for pair in stored if pair in self._unresolved}
+            horizon = now - self.options.message_retention
+            for pair in [p for p in pairs if p in self._unresolved and self._unresolved[p][1] < horizon]:
+                del self._unresolved[pair]  # never committed: its resend stored it anew, or none came
+            if topics:
+                self._rescan_topics(topics)
+
+        def failed(failure: Any) -> None:
+            self._resolving = False
+            failure.trap(StorageError)
+
+        self._workers["loader"].run_steps(find_stored_steps, pairs).addCallbacks(found, failed)
 
     def _rescan_topics(self, topics: set[str]) -> None:
         for (topic, _), channel in list(self.channels.items()):
@@ -498,8 +550,10 @@ class ReliableStore:
 
     # -- periodic work ------------------------------------------------------
     def scan(self, now: float) -> None:
-        """Requeue copies whose deadline passed; retry a backlog load that failed; ask
-        whether the writes whose answer was lost are settled."""
+        """Requeue copies whose deadline passed; retry a backlog load that failed; look
+        for sends of unknown outcome; ask whether the writes whose answer was lost are
+        settled."""
+        self._resolve_unknown(now)
         for channel in list(self.channels.values()):
             if channel.in_flight:
                 channel.scan(now)

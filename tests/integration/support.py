@@ -50,6 +50,7 @@ class ServerProcess:
         self.log_path = log_dir / f"dmq-server-{self.tcp_port}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.env: dict[str, str] | None = None  # the process's environment (None: this one's)
 
     @property
     def http(self) -> str:
@@ -79,7 +80,7 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> "ServerProcess":
         self.starts += 1
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

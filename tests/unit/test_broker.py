@@ -164,13 +164,20 @@ def test_a_send_over_the_rate_limit_becomes_a_dead_letter(h):
     assert len(h.db.messages) == 1
 
 
-def test_a_batch_of_unknown_outcome_is_found_by_a_rescan():
+def _two_channels_after_one_send() -> tuple[Harness, Consumer, Consumer]:
+    """A harness with a consumer on each channel of ``orders`` and one message stored
+    (the next sends wait for its commit and form one batch)."""
     h = Harness(db_delay=0.005)
     billing, audit = Consumer(), Consumer()
     h.subscribe("orders", "billing", billing)
     h.subscribe("orders", "audit", audit)
     h.send("orders", "p", 0)
     h.settle()
+    return h, billing, audit
+
+
+def test_a_batch_of_unknown_outcome_is_found_by_a_rescan():
+    h, billing, audit = _two_channels_after_one_send()
     # the next batch commits, but its answer is lost
     h.db.fail_next("insert_new_messages", "unknown")
     for i in range(1, 21):
@@ -189,6 +196,34 @@ def test_a_batch_of_unknown_outcome_is_found_by_a_rescan():
     # rescan found them in the store
     h.assert_none_lost("orders", {"billing": billing, "audit": audit})
     assert {m.id for m in h.db.messages.values()} == set(h.acknowledged.values())
+
+
+def test_a_batch_cut_off_that_commits_after_every_rescan_is_still_delivered():
+    """The answer to a batch is lost and its commit becomes visible only later, after
+    the rescans that followed the failure and the next successful commit (a commit cut
+    off by --pg-timeout while it waited for its synchronous standby, released when a
+    standby came back). The broker keeps looking for the sends of unknown outcome, and
+    the channels read them once the store shows them."""
+    from dmq_server.db.messages import NewMessage, insert_messages_steps
+
+    h, billing, audit = _two_channels_after_one_send()
+    h.db.fail_next("insert_new_messages", "lost")  # nothing visible yet
+    for i in range(1, 11):
+        h.send("orders", "p", i)
+    h.settle()
+    failed = sorted(k for k, v in h.answers.items() if isinstance(v, StorageError))
+    assert failed and h.broker.reliable.unknown_outcomes == 1
+    h.send("orders", "q", 1)  # the next commit succeeds: the rescans run and find nothing
+    h.settle()
+    # now the cut-off transaction ends, committed
+    late = [NewMessage("orders", p, s, 0, b"b") for p, s in failed]
+    h.db.run_steps(insert_messages_steps, late, NODE)
+    h.settle(3.0)
+    for producer, session_id in failed:  # the producers' resends are answered as duplicates
+        h.send("orders", producer, session_id)
+    h.settle()
+    assert all(isinstance(h.answers[k], Published) and h.answers[k].duplicate for k in failed)
+    h.assert_none_lost("orders", {"billing": billing, "audit": audit})
 
 
 def test_a_refused_row_fails_only_its_own_send():

@@ -1,0 +1,150 @@
+"""The count, Jepsen's way: what producers were told, what consumers got, what went wrong.
+
+A run records, with timestamps on one monotonic clock:
+
+* every send a producer *attempted* (its body is its identity: ``<producer>/<session id>``,
+  the pair dmq's resend idempotency keys on),
+* every send *acknowledged* (``SEND_SUCCESS_ACK``) and its message id,
+* every *delivery* per channel (push received) and whether the consumer acked it,
+* when each ack was *confirmed*: seen durable in the store (its delivery row gone
+  from the primary; the confirmer in ``load.py`` looks).
+
+``check`` turns that into per-channel counts:
+
+* **lost**: acknowledged to a producer, never delivered to the channel. The bar is 0.
+* **duplicated**: delivered again after an ack of an earlier delivery of it on that
+  channel was confirmed durable. The bar is 0: at-least-once allows a redelivery
+  only while the ack is not yet durable (a timeout, a consumer or node that died,
+  an ack batch whose outcome was unknown).
+* **redelivered**: the deliveries again that are allowed (before confirmation).
+* **unexpected**: delivered but never sent by any producer of the run.
+* **unacknowledged delivered**: sends that failed or went unanswered but were stored
+  and delivered anyway (SEND_SERVER_ERROR means "outcome unknown"), counted, fine.
+
+Pure Python on plain values (no sockets, no clock of its own), so the unit tier tests
+it (tests/unit/test_chaos_checker.py) and bench/chaos.py prints the same report.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["History", "ChannelCount", "check", "throughput"]
+
+
+@dataclass
+class ChannelCount:
+    channel: str
+    delivered: int = 0  # distinct sends delivered
+    deliveries: int = 0  # pushes received, repeats included
+    lost: int = 0
+    duplicated: int = 0
+    redelivered: int = 0
+    unexpected: int = 0
+    unacknowledged_delivered: int = 0
+    lost_examples: list[str] = field(default_factory=list)
+    duplicated_examples: list[str] = field(default_factory=list)
+
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
+
+
+class History:
+    """What one run's producers and consumers saw; safe to record into from threads."""
+
+    def __init__(self, channels: list[str]):
+        self.channels = list(channels)
+        self._lock = threading.Lock()
+        self.attempted: set[bytes] = set()
+        self.acked: dict[bytes, tuple[float, int]] = {}  # key -> (when, message id)
+        self.ack_times: list[float] = []
+        # channel -> key -> [(received at, message id)]
+        self.deliveries: dict[str, dict[bytes, list[tuple[float, int]]]] = {c: {} for c in channels}
+        self.delivery_times: list[float] = []
+        self.consumer_acks: dict[tuple[str, int], float] = {}  # (channel, message id) -> when acked
+        self.confirmed: dict[tuple[str, int], float] = {}  # (channel, message id) -> seen durable at
+
+    # -- recording -------------------------------------------------------------------
+    def attempt(self, key: bytes) -> None:
+        with self._lock:
+            self.attempted.add(key)
+
+    def ack(self, key: bytes, message_id: int, now: float) -> None:
+        with self._lock:
+            if key not in self.acked:
+                self.acked[key] = (now, message_id)
+                self.ack_times.append(now)
+
+    def deliver(self, channel: str, key: bytes, message_id: int, now: float) -> None:
+        with self._lock:
+            self.deliveries[channel].setdefault(key, []).append((now, message_id))
+            self.delivery_times.append(now)
+
+    def consumer_ack(self, channel: str, message_id: int, now: float) -> None:
+        with self._lock:
+            self.consumer_acks.setdefault((channel, message_id), now)
+
+    def unconfirmed(self) -> list[tuple[str, int]]:
+        """Acks sent whose durability has not been seen yet (for the confirmer)."""
+        with self._lock:
+            return [k for k in self.consumer_acks if k not in self.confirmed]
+
+    def confirm(self, items: list[tuple[str, int]], now: float) -> None:
+        with self._lock:
+            for item in items:
+                self.confirmed.setdefault(item, now)
+
+    # -- reading -----------------------------------------------------------------------
+    def missing(self) -> dict[str, int]:
+        """Per channel, how many acknowledged sends are not delivered (yet)."""
+        with self._lock:
+            acked = set(self.acked)
+            return {c: len(acked - got.keys()) for c, got in self.deliveries.items()}
+
+    def snapshot(self) -> "History":
+        copy = History(self.channels)
+        with self._lock:
+            copy.attempted = set(self.attempted)
+            copy.acked = dict(self.acked)
+            copy.ack_times = list(self.ack_times)
+            copy.deliveries = {c: {k: list(v) for k, v in d.items()} for c, d in self.deliveries.items()}
+            copy.delivery_times = list(self.delivery_times)
+            copy.consumer_acks = dict(self.consumer_acks)
+            copy.confirmed = dict(self.confirmed)
+        return copy
+
+
+def check(history: History, examples: int = 5) -> list[ChannelCount]:
+    """The per-channel counts of ``history`` (see the module's docstring)."""
+    h = history.snapshot()
+    out = []
+    for channel in h.channels:
+        got = h.deliveries[channel]
+        count = ChannelCount(channel)
+        count.delivered = len(got)
+        count.deliveries = sum(len(v) for v in got.values())
+        lost = sorted(set(h.acked) - got.keys())
+        count.lost = len(lost)
+        count.lost_examples = [k.decode(errors="replace") for k in lost[:examples]]
+        count.unexpected = len(got.keys() - h.attempted)
+        count.unacknowledged_delivered = len((got.keys() & h.attempted) - h.acked.keys())
+        for key, seen in got.items():
+            # the moment an ack of this send on this channel was first seen durable:
+            # a push received after it is a duplicate, one before it a redelivery
+            confirmed = [h.confirmed[(channel, mid)] for _, mid in seen if (channel, mid) in h.confirmed]
+            confirmed_at = min(confirmed) if confirmed else None
+            dups = sum(1 for received, _ in seen if confirmed_at is not None and received > confirmed_at)
+            count.duplicated += dups
+            count.redelivered += len(seen) - 1 - dups
+            if dups and len(count.duplicated_examples) < examples:
+                count.duplicated_examples.append(key.decode(errors="replace"))
+        out.append(count)
+    return out
+
+
+def throughput(times: list[float], start: float, end: float) -> float:
+    """Events per second in [start, end) (0 for an empty window)."""
+    if end <= start:
+        return 0.0
+    return sum(1 for t in times if start <= t < end) / (end - start)

@@ -1,0 +1,348 @@
+"""Mixed load that records everything the checker counts.
+
+``Producer``: paced, pipelined sends (one in ten a DELAY due a second later) to one
+node at a time; a send answered ``SEND_SERVER_ERROR``, refused as unknown topic (a
+node that lost its registry for a moment), or not answered before its connection
+broke or went quiet is resent with the same (producer, session id) as
+``UP_PRODUCER_RESEND``, to the next node if the connection failed: what the client
+library does, with shorter pauses. ``Consumer``: one connection of a consumer to one
+node, subscribed to one channel; it records every push and acks it (after ``hold``
+seconds, so a consumer killed mid-run has copies in flight) and connects again when
+its connection fails. A consumer has one on every node, as NSQ's readers do: each
+node delivers the copies it stored (and those it took over from nodes that died).
+``Confirmer``: looks in the store for the delivery rows of acked copies; a row gone
+means the ack is durable, and any later push of that send is a duplicate.
+
+Every thread stops by itself (an event, and deadlines on every wait); sockets go to
+loopback addresses only.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from dmq_client.blocking import BlockingClient, ClientError
+from dmq_client.wire import Command, Frame
+from dmq_client.wire.frames import MessageType
+
+from .checker import History
+
+__all__ = ["Producer", "Consumer", "Confirmer", "Load"]
+
+Addresses = Callable[[], list[tuple[str, int]]]
+RETRYABLE = (Command.SEND_SERVER_ERROR, Command.SEND_NO_TOPIC_ACK)
+
+
+class Producer(threading.Thread):
+    def __init__(self, name: str, addresses: Addresses, topic: str, history: History, *,
+                 rate: float = 150.0, window: int = 16, delay_every: int = 10, body_size: int = 200):
+        super().__init__(daemon=True, name=f"chaos-{name}")
+        self.producer = f"chaos-{name}-{time.monotonic_ns() % 10**9}"
+        self.addresses = addresses
+        self.topic = topic
+        self.history = history
+        self.rate = rate
+        self.window = window
+        self.delay_every = delay_every
+        self.pad = b"." * max(0, body_size - 40)
+        self.stopping = threading.Event()  # no new sends; finish what is outstanding
+        self.halt = threading.Event()  # give up at once
+        self.ack_times: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.resends = 0
+        self.failure: BaseException | None = None
+        self._next = 0  # which address to try
+
+    def key(self, session_id: int) -> bytes:
+        return f"{self.producer}/{session_id}".encode()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported by the scenario, never swallowed
+            self.failure = exc
+
+    def _error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def _frame(self, sid: int, resend: bool) -> Frame:
+        delayed = self.delay_every and sid % self.delay_every == 0
+        now_ms = int(time.time() * 1000)
+        return Frame(
+            Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
+            session_id=sid, topic=self.topic, producer=self.producer, timestamp_ms=now_ms,
+            msg_type=MessageType.DELAY if delayed else MessageType.RELIABLE,
+            due_ms=now_ms + 1000 if delayed else 0,
+            body=self.key(sid) + b" " + self.pad,
+        )
+
+    def _run(self) -> None:
+        todo: deque[tuple[int, bool]] = deque()  # (session id, resend)
+        outstanding: set[int] = set()
+        client: BlockingClient | None = None
+        started = time.monotonic()
+        made = 0
+        while not self.halt.is_set():
+            if self.stopping.is_set() and not todo and not outstanding:
+                break
+            try:
+                if client is None:
+                    addresses = self.addresses()
+                    host, port = addresses[self._next % len(addresses)]
+                    client = BlockingClient(host, port, producer=self.producer, timeout=3)
+                if not self.stopping.is_set():
+                    due = int((time.monotonic() - started) * self.rate)
+                    while made < due and len(todo) < self.window:
+                        made += 1
+                        todo.append((made, False))
+                frames = []
+                while todo and len(outstanding) < self.window:
+                    sid, resend = todo.popleft()
+                    outstanding.add(sid)
+                    if not resend:
+                        self.history.attempt(self.key(sid))
+                    frames.append(self._frame(sid, resend))
+                if frames:
+                    client.write(*frames)
+                if not outstanding:
+                    time.sleep(0.005)  # pacing: nothing to send or await yet
+                    continue
+                reply = client.next_send_reply(timeout=5)
+            except (ClientError, OSError) as exc:
+                self._error("connection" if "timed out" not in str(exc) else "no answer in 5s")
+                if client is not None:
+                    client.close()
+                client = None
+                self._next += 1  # the next node: what the client library's failover does
+                self.resends += len(outstanding)
+                todo.extendleft((sid, True) for sid in sorted(outstanding, reverse=True))
+                outstanding.clear()
+                self.halt.wait(0.1)
+                continue
+            if reply.session_id not in outstanding:
+                continue  # the answer to a copy already answered
+            outstanding.discard(reply.session_id)
+            if reply.command == Command.SEND_SUCCESS_ACK:
+                now = time.monotonic()
+                self.history.ack(self.key(reply.session_id), reply.message_id, now)
+                self.ack_times.append(now)
+            elif reply.command in RETRYABLE:
+                self._error(reply.command.name)
+                self.resends += 1
+                todo.append((reply.session_id, True))
+                self.halt.wait(0.02)
+            else:
+                raise AssertionError(f"unexpected reply {reply.command.name}: {reply.status}")
+        if client is not None:
+            client.close()
+
+
+class Consumer(threading.Thread):
+    def __init__(self, name: str, addresses: Addresses, topic: str, channel: str, history: History, *,
+                 credit: int = 200, hold: float = 0.0, node: int = 0, instance: int = 0):
+        super().__init__(daemon=True, name=f"chaos-{name}")
+        self.addresses = addresses
+        self.topic = topic
+        self.channel = channel
+        self.history = history
+        self.credit = credit
+        self.hold = hold
+        self.node = node
+        self.instance = instance
+        self.stop = threading.Event()
+        self.killed = threading.Event()
+        self.subscribed = threading.Event()
+        self.in_flight: deque[tuple[float, Frame]] = deque()
+        self.errors: dict[str, int] = {}
+        self.failure: BaseException | None = None
+        self._client: BlockingClient | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.failure = exc
+
+    def kill(self) -> int:
+        """Cut the connection with a RST, acking nothing more: the copies it holds are
+        in flight at the server. Returns how many it held."""
+        self.killed.set()
+        held = len(self.in_flight)
+        client = self._client
+        if client is not None:
+            sock = client._sock
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return held
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and not self.killed.is_set():
+            host, port = self.addresses()[self.node]
+            try:
+                client = self._client = BlockingClient(host, port, timeout=5)
+                with client:
+                    reply = client.subscribe(self.topic, self.channel, credit=self.credit)
+                    if reply.command != Command.SUBSCRIBE_ACK:
+                        raise ClientError(f"subscribe: {reply.command.name} {reply.status}")
+                    self.subscribed.set()
+                    self._consume(client)
+            except (ClientError, OSError) as exc:
+                if self.killed.is_set():
+                    return
+                what = str(exc).split(":")[0]
+                self.errors[what] = self.errors.get(what, 0) + 1
+                self.in_flight.clear()  # the server takes them back when the connection goes
+                self.stop.wait(0.2)
+
+    def _consume(self, client: BlockingClient) -> None:
+        while not self.stop.is_set() and not self.killed.is_set():
+            push = client.receive(timeout=0.05 if self.in_flight else 0.2)
+            now = time.monotonic()
+            if push is not None:
+                key = push.body.split(b" ", 1)[0]
+                self.history.deliver(push.channel, key, push.message_id, now)
+                self.in_flight.append((now + self.hold, push))
+            while self.in_flight and self.in_flight[0][0] <= now and not self.killed.is_set():
+                _, held = self.in_flight.popleft()
+                client.ack(held)
+                self.history.consumer_ack(held.channel, held.message_id, time.monotonic())
+
+
+class Confirmer(threading.Thread):
+    """Marks acks durable once their delivery row is gone from the primary."""
+
+    def __init__(self, dsn: str, topic: str, history: History, interval: float = 0.3):
+        super().__init__(daemon=True, name="chaos-confirmer")
+        self.dsn = dsn
+        self.topic = topic
+        self.history = history
+        self.interval = interval
+        self.stop = threading.Event()
+        self.failures = 0
+
+    def run(self) -> None:
+        conn = None
+        while not self.stop.wait(self.interval):
+            conn = self.once(conn)
+        if conn is not None:
+            conn.close()
+
+    def once(self, conn=None):
+        import psycopg
+
+        pending = self.history.unconfirmed()
+        if not pending:
+            return conn
+        try:
+            if conn is None or conn.closed:
+                conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=2)
+            by_channel: dict[str, list[int]] = {}
+            for channel, mid in pending:
+                by_channel.setdefault(channel, []).append(mid)
+            for channel, ids in by_channel.items():
+                rows = conn.execute(
+                    "SELECT message_id FROM dmq_pending WHERE topic = %s AND channel = %s"
+                    " AND message_id = ANY(%s)", (self.topic, channel, ids)).fetchall()
+                still = {r[0] for r in rows}
+                # taken after the answer: a push received later came after the ack was durable
+                self.history.confirm([(channel, m) for m in ids if m not in still], time.monotonic())
+        except Exception:  # the store is down or failing over: look again later
+            self.failures += 1
+            if conn is not None:
+                conn.close()
+            conn = None
+        return conn
+
+
+class Load:
+    """``producers`` producers spread over the nodes, ``consumers`` consumers per channel
+    (each connected to every node)."""
+
+    def __init__(self, addresses: Addresses, topic: str, channels: list[str], dsn: str, *,
+                 producers: int = 3, consumers: int = 2, rate: float = 150.0, hold: float = 0.0):
+        self.topic = topic
+        self.addresses = addresses
+        self.channels = list(channels)
+        self.hold = hold
+        self.notes: dict[str, object] = {}
+        self.history = History(channels)
+        self.producers = [Producer(f"p{i}", _rotated(addresses, i), topic, self.history, rate=rate)
+                          for i in range(producers)]
+        self.consumers: list[Consumer] = []
+        self.instances = {ch: 0 for ch in channels}
+        self.add_consumers(consumers, start=False)
+        self.confirmer = Confirmer(dsn, topic, self.history)
+
+    def start(self, timeout: float = 30.0) -> None:
+        for c in self.consumers:
+            c.start()
+        for c in self.consumers:
+            if not c.subscribed.wait(timeout):
+                raise RuntimeError(f"{c.name} could not subscribe: {c.errors}")
+        self.confirmer.start()
+        for p in self.producers:
+            p.start()
+
+    def add_consumers(self, per_channel: int, start: bool = True) -> None:
+        """``per_channel`` more consumers on each channel, each connected to every node."""
+        nodes = len(self.addresses())
+        for ch in self.channels:
+            for _ in range(per_channel):
+                instance = self.instances[ch]
+                self.instances[ch] += 1
+                for node in range(nodes):
+                    consumer = Consumer(f"c-{ch}-{instance}-n{node + 1}", self.addresses, self.topic, ch,
+                                        self.history, hold=self.hold, node=node, instance=instance)
+                    self.consumers.append(consumer)
+                    if start:
+                        consumer.start()
+
+    def stop_producing(self, timeout: float = 60.0) -> None:
+        for p in self.producers:
+            p.stopping.set()
+        deadline = time.monotonic() + timeout
+        for p in self.producers:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self.producers:
+            p.halt.set()
+            p.join(10)
+
+    def wait_delivered(self, timeout: float) -> bool:
+        """Until every acked send reached every channel (True), or the deadline (False)."""
+        deadline = time.monotonic() + timeout
+        while any(self.history.missing().values()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self) -> None:
+        for c in self.consumers:
+            c.stop.set()
+        for c in self.consumers:
+            c.join(10)
+        self.confirmer.stop.set()
+        self.confirmer.join(10)
+        conn = self.confirmer.once()  # a last look, after the consumers stopped
+        if conn is not None:
+            conn.close()
+
+    def failures(self) -> list[str]:
+        return [f"{t.name}: {t.failure!r}" for t in (*self.producers, *self.consumers) if t.failure]
+
+
+def _rotated(addresses: Addresses, shift: int) -> Addresses:
+    """The same addresses, starting at another node: producers spread over the nodes."""
+    def rotated() -> list[tuple[str, int]]:
+        found = addresses()
+        k = shift % len(found)
+        return found[k:] + found[:k]
+    return rotated

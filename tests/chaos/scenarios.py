@@ -1,0 +1,289 @@
+"""The faults, and how one scenario runs: load, fault, heal, drain, count.
+
+A scenario is a name and a ``fault(cluster, load)`` that injects the fault and
+returns what heals it. ``run`` puts the cluster under mixed load (``Load``: paced
+producers on every node, two channels with two consumers each), waits ``before``
+seconds, injects, holds the fault ``hold`` seconds, heals, keeps the load on for
+``after`` seconds, then stops producing and waits (at most ``drain`` seconds) until
+every acknowledged send reached both channels, keeps the consumers on ``linger``
+seconds more so a wrong redelivery has time to show, and counts (``checker.check``).
+
+The report gives, besides the counts: the **outage** (the longest time a producer went
+without an acknowledgement, among the gaps that began between a second before the fault
+and a second after its heal) and when it ended after the fault (**recovered**), and
+acknowledged sends per second before, during (fault to recovery) and after. Everything is bounded in time and stops by itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .checker import check, throughput
+from .cluster import ChaosCluster
+from .load import Load
+
+__all__ = ["Timing", "SCENARIOS", "run", "format_report", "diagnose"]
+
+CHANNELS = ["billing", "audit"]
+Heal = Callable[[], None]
+Fault = Callable[[ChaosCluster, Load], Heal]
+
+
+@dataclass(frozen=True)
+class Timing:
+    before: float = 3.0
+    hold: float = 4.0
+    after: float = 4.0
+    drain: float = 60.0
+    linger: float = 2.0
+    rate: float = 120.0  # sends per second per producer
+    producers: int = 3
+
+
+# -- the faults ------------------------------------------------------------------------
+def kill_node(cluster: ChaosCluster, load: Load) -> Heal:
+    """kill -9 of one dmq node: its producers fail over and resend, a survivor takes
+    over the copies it stored."""
+    cluster.nodes[1].kill()
+    return lambda: cluster.restart_node(1)
+
+
+def pause_node(cluster: ChaosCluster, load: Load) -> Heal:
+    """SIGSTOP of one dmq node for longer than its ZooKeeper session: the others take
+    over its copies while it is frozen; on SIGCONT it finds its session lost."""
+    node = cluster.nodes[1]
+    node.proc.send_signal(signal.SIGSTOP)
+    return lambda: node.proc.send_signal(signal.SIGCONT)
+
+
+def kill_primary(cluster: ChaosCluster, load: Load) -> Heal:
+    """kill -9 of the PostgreSQL primary's host (Patroni and every PostgreSQL process):
+    Patroni promotes the synchronous standby; the old primary comes back a standby."""
+    member = cluster.patroni.primary()
+    assert member is not None, "no primary to kill"
+    member.kill()
+    return member.start
+
+
+def kill_standby(cluster: ChaosCluster, load: Load) -> Heal:
+    """kill -9 of the synchronous standby: commits wait until Patroni makes the other
+    standby synchronous (strict mode never commits on one copy)."""
+    member = cluster.patroni.sync_standby()
+    assert member is not None, "no synchronous standby to kill"
+    member.kill()
+    return member.start
+
+
+def pause_primary(cluster: ChaosCluster, load: Load) -> Heal:
+    """SIGSTOP of every process of the primary PostgreSQL (Patroni keeps its lock)."""
+    member = cluster.patroni.primary()
+    assert member is not None
+    member.signal_postgres(signal.SIGSTOP)
+    return lambda: member.signal_postgres(signal.SIGCONT)
+
+
+def _route_fault(kind: str, mode: str, arg: float | None = None) -> Fault:
+    def fault(cluster: ChaosCluster, load: Load) -> Heal:
+        assert cluster.proxy is not None
+        routes = {"pg": cluster.pg_routes(), "zk": ["zk"], "clients": cluster.node_routes()}[kind]
+        cluster.proxy.set_all(routes, mode, arg)
+        return lambda: cluster.proxy.set_all(routes, "pass")  # type: ignore[union-attr]
+
+    fault.__doc__ = f"{mode} {arg or ''} on every link between {kind} and dmq"
+    return fault
+
+
+def restart_zookeeper(cluster: ChaosCluster, load: Load) -> Heal:
+    """kill -9 of ZooKeeper, started again after the hold: dmq's and Patroni's sessions
+    survive a short outage (the server keeps them), longer ones expire."""
+    cluster.zk.kill()
+    return lambda: cluster.zk.start()
+
+
+def kill_consumers(cluster: ChaosCluster, load: Load) -> Heal:
+    """One consumer of each channel dies (RST) holding unacknowledged copies: they go to
+    the channel's other consumer. A new consumer replaces each at the heal."""
+    held = 0
+    for c in load.consumers:
+        if c.instance == 0:  # the first consumer of each channel: all its connections
+            held += c.kill()
+    load.notes["in_flight_at_kill"] = held
+
+    def heal() -> None:
+        load.add_consumers(1)
+
+    return heal
+
+
+def jump_clock(cluster: ChaosCluster, load: Load) -> Heal:
+    """The wall clock of one node (started under libfaketime) jumps 30 s ahead, then 5 s
+    back at the heal: its message timeouts and timers see time move by steps."""
+    cluster.set_clock(30)
+    return lambda: cluster.set_clock(25)
+
+
+def _prepare_faketime(cluster: ChaosCluster) -> None:
+    cluster.restart_node(2, faketime=True)
+
+
+SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
+    "node-kill": (kill_node, None, {}),
+    "node-pause": (pause_node, None, {}),
+    "pg-primary-kill": (kill_primary, None, {}),
+    "pg-standby-kill": (kill_standby, None, {}),
+    "pg-primary-pause": (pause_primary, None, {}),
+    "net-pg-latency": (_route_fault("pg", "latency", 150), None, {}),
+    "net-pg-blackhole": (_route_fault("pg", "blackhole"), None, {}),
+    "net-pg-reset": (_route_fault("pg", "reset"), None, {}),
+    "net-pg-trickle": (_route_fault("pg", "trickle", 20000), None, {}),
+    "net-zk-blackhole": (_route_fault("zk", "blackhole"), None, {}),
+    "zk-restart": (restart_zookeeper, None, {}),
+    "net-clients-reset": (_route_fault("clients", "reset"), None, {}),
+    "net-clients-trickle": (_route_fault("clients", "trickle", 5000), None, {}),
+    "consumer-kill": (kill_consumers, None, {"hold_acks": 0.5}),
+    "clock-jump": (jump_clock, _prepare_faketime, {}),
+}
+
+
+# -- one run ----------------------------------------------------------------------------
+def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str, Any]:
+    fault, prepare, extra = SCENARIOS[name]
+    if prepare is not None:
+        prepare(cluster)
+    topic = f"chaos_{name.replace('-', '_')}_{uuid.uuid4().hex[:6]}"
+    cluster.register_topic(topic, CHANNELS)
+    load = Load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn,
+                producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0))
+    load.start()
+    try:
+        time.sleep(timing.before)  # the load's own pace: measured, not waited for
+        injected = time.monotonic()
+        heal = fault(cluster, load)
+        time.sleep(timing.hold)
+        healed = time.monotonic()
+        heal()
+        healed_done = time.monotonic()
+        _await_acks_since(load, healed_done, timing.drain)
+        time.sleep(timing.after)
+        load_end = time.monotonic()
+        load.stop_producing(timeout=timing.drain)
+        delivered = load.wait_delivered(timing.drain)
+        time.sleep(timing.linger)
+    finally:
+        load.stop()
+    counts = check(load.history)
+    h = load.history
+    gap, gap_end = _longest_gap([p.ack_times for p in load.producers], injected - 1.0, healed_done, load_end)
+    recovered = max(injected, gap_end)
+    return {
+        "scenario": name,
+        "fault": " ".join((fault.__doc__ or "").split()),
+        "topic": topic,
+        "attempted": len(h.attempted),
+        "acked": len(h.acked),
+        "all_delivered": delivered,
+        "channels": [c.__dict__ for c in counts],
+        "ok": delivered and all(c.ok() for c in counts) and not load.failures(),
+        "failures": load.failures(),
+        "outage_s": round(gap, 2),
+        "recovered_after_fault_s": round(recovered - injected, 2),
+        "recovered_after_heal_s": round(max(0.0, recovered - healed_done), 2),
+        "heal_took_s": round(healed_done - healed, 2),
+        "acks_per_s": {
+            "before": round(throughput(h.ack_times, injected - timing.before, injected), 1),
+            "during": round(throughput(h.ack_times, injected, max(recovered, injected + 0.5)), 1),
+            "after": round(throughput(h.ack_times, max(recovered, healed_done), load_end), 1),
+        },
+        "producer_errors": _merge(p.errors for p in load.producers),
+        "resends": sum(p.resends for p in load.producers),
+        "notes": dict(load.notes),
+    }
+
+
+def _await_acks_since(load: Load, since: float, timeout: float) -> None:
+    """Keep the load on until every producer was acknowledged after ``since`` (bounded):
+    throughput after the fault is measured once the system serves again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(p.ack_times and p.ack_times[-1] > since for p in load.producers):
+            return
+        time.sleep(0.05)
+
+
+def _longest_gap(series: list[list[float]], start: float, fault_end: float, end: float) -> tuple[float, float]:
+    """The longest time a producer went without an ack, among the gaps that began while
+    the fault could be the cause (from ``start`` to a second after ``fault_end``), and
+    when it ended (no later than ``end``)."""
+    best, best_end = 0.0, start
+    for times in series:
+        last = start
+        for t in [x for x in times if start <= x <= end] + [end]:
+            if last <= fault_end + 1.0 and t - last > best:
+                best, best_end = t - last, t
+            last = t
+    return best, best_end
+
+
+def _merge(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['scenario']}: {'OK' if report['ok'] else 'FAILED'}  ({report['fault']})",
+        f"  sends attempted {report['attempted']}, acknowledged {report['acked']}, resends {report['resends']}, "
+        f"producer errors {report['producer_errors']}",
+        f"  outage {report['outage_s']} s, "
+        + (f"recovered {report['recovered_after_fault_s']} s after the fault "
+           f"({report['recovered_after_heal_s']} s after the heal)" if report["outage_s"] >= 1.0 else "no stall"),
+        f"  acks/s before {report['acks_per_s']['before']}, during {report['acks_per_s']['during']}, "
+        f"after {report['acks_per_s']['after']}",
+    ]
+    for c in report["channels"]:
+        lines.append(
+            f"  {c['channel']}: lost {c['lost']}, duplicated {c['duplicated']}, unexpected {c['unexpected']}, "
+            f"redelivered {c['redelivered']}, delivered {c['delivered']} "
+            f"(+{c['unacknowledged_delivered']} unacknowledged sends delivered)"
+            + (f" lost e.g. {c['lost_examples']}" if c["lost"] else "")
+            + (f" duplicated e.g. {c['duplicated_examples']}" if c["duplicated"] else "")
+        )
+    if report["failures"]:
+        lines.append(f"  load failures: {report['failures']}")
+    if report["notes"]:
+        lines.append(f"  notes: {report['notes']}")
+    return "\n".join(lines)
+
+
+def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
+    """For a failed scenario: where its lost sends are in the store (message, delivery and
+    delay rows, read from the primary) and the warnings the nodes logged, to start from."""
+    import psycopg
+
+    lines = []
+    queries = {
+        "message": "SELECT id, node_id, published_at FROM dmq_message WHERE producer = %s AND session_id = %s",
+        "pending": "SELECT d.channel, d.holder, d.attempts FROM dmq_pending d JOIN dmq_message m"
+                   " ON m.id = d.message_id WHERE m.producer = %s AND m.session_id = %s",
+        "delay": "SELECT id, node_id, due_ms FROM dmq_delay WHERE producer = %s AND session_id = %s",
+    }
+    try:
+        with psycopg.connect(cluster.direct_dsn, autocommit=True, connect_timeout=5) as conn:
+            for channel in report["channels"]:
+                for key in channel["lost_examples"][:3]:
+                    producer, sid = key.rsplit("/", 1)
+                    found = {name: conn.execute(q, (producer, int(sid))).fetchall() for name, q in queries.items()}
+                    lines.append(f"lost on {channel['channel']}: {key}: {found}")
+    except Exception as exc:  # the store may be the thing that failed
+        lines.append(f"(the store could not be read: {exc})")
+    for node in cluster.nodes:
+        noted = [line[:300] for line in node.log().splitlines() if "#warn" in line or "#error" in line]
+        lines.append(f"--- {node.flags['node_id']}: last warnings\n" + "\n".join(noted[-15:]))
+    return "\n".join(lines)

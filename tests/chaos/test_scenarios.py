@@ -1,0 +1,41 @@
+"""Every fault of the suite, under mixed load, counted: zero lost, zero duplicated.
+
+The short form (CI): 2 s of load, the fault held 4 s (longer than the nodes' 3 s
+ZooKeeper sessions), 2 s after it recovers; the
+counts and recovery time of each scenario are printed in the "chaos reports" section.
+``python bench/chaos.py`` runs the same scenarios for minutes (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import conftest, scenarios
+
+SHORT = scenarios.Timing(before=2.0, hold=4.0, after=2.0, drain=60.0, linger=1.5)
+
+
+@pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
+def test_no_acknowledged_message_is_lost(chaos_cluster, name):
+    """Under the fault, every send acknowledged to a producer reaches both channels,
+    nothing is delivered again once its ack was durable, nothing unknown appears, and
+    the cluster serves producers again by itself."""
+    try:
+        report = scenarios.run(chaos_cluster, name, SHORT)
+        text = scenarios.format_report(report)
+        conftest.REPORTS.append(text)
+        if not report["ok"]:
+            text += "\n" + scenarios.diagnose(chaos_cluster, report)
+    except BaseException:
+        print(chaos_cluster.logs())
+        raise
+    finally:
+        chaos_cluster.restore()
+    assert report["acked"] > 500, text  # the load ran: there was something to lose
+    for channel in report["channels"]:
+        assert channel["lost"] == 0, text
+        assert channel["duplicated"] == 0, text
+        assert channel["unexpected"] == 0, text
+    assert report["all_delivered"] and not report["failures"], text
+    # it recovered while the load was on (the outage ended before the producers stopped)
+    assert report["acks_per_s"]["after"] > 0, text

@@ -1,0 +1,61 @@
+"""The chaos suite's checker counts what it claims to: lost, duplicated (delivered again
+after the ack was durable), redelivered (before), unexpected; per channel."""
+
+from __future__ import annotations
+
+from tests.chaos.checker import History, check, throughput
+
+
+def _counts(history: History) -> dict[str, dict]:
+    return {c.channel: c.__dict__ for c in check(history)}
+
+
+def test_an_acknowledged_send_missing_from_one_channel_is_lost_there_only():
+    h = History(["a", "b"])
+    for key, mid in ((b"p/1", 1), (b"p/2", 2)):
+        h.attempt(key)
+        h.ack(key, mid, now=1.0)
+        h.deliver("a", key, mid, now=2.0)
+    h.deliver("b", b"p/1", 1, now=2.0)
+    counts = _counts(h)
+    assert counts["a"]["lost"] == 0 and counts["b"]["lost"] == 1
+    assert counts["b"]["lost_examples"] == ["p/2"]
+    assert h.missing() == {"a": 0, "b": 1}
+
+
+def test_a_redelivery_before_the_ack_is_durable_is_allowed_after_it_is_a_duplicate():
+    h = History(["a"])
+    for key, mid in ((b"p/1", 1), (b"p/2", 2)):
+        h.attempt(key)
+        h.ack(key, mid, now=1.0)
+        h.deliver("a", key, mid, now=2.0)
+        h.consumer_ack("a", mid, now=2.1)
+    h.confirm([("a", 1), ("a", 2)], now=3.0)
+    h.deliver("a", b"p/1", 1, now=2.5)  # redelivered while the ack was not yet durable
+    h.deliver("a", b"p/2", 2, now=3.5)  # redelivered after: a broken promise
+    (count,) = check(h)
+    assert (count.redelivered, count.duplicated) == (1, 1)
+    assert count.duplicated_examples == ["p/2"]
+    assert not count.ok()
+
+
+def test_a_delivery_nobody_sent_is_unexpected_and_an_unacknowledged_one_is_counted_apart():
+    h = History(["a"])
+    h.attempt(b"p/1")  # answered SEND_SERVER_ERROR, stored all the same
+    h.deliver("a", b"p/1", 7, now=1.0)
+    h.deliver("a", b"ghost/1", 8, now=1.0)
+    (count,) = check(h)
+    assert (count.unexpected, count.unacknowledged_delivered, count.lost) == (1, 1, 0)
+
+
+def test_unconfirmed_lists_the_acks_not_yet_seen_durable():
+    h = History(["a"])
+    h.consumer_ack("a", 1, now=1.0)
+    h.consumer_ack("a", 2, now=1.0)
+    h.confirm([("a", 1)], now=2.0)
+    assert h.unconfirmed() == [("a", 2)]
+
+
+def test_throughput_counts_events_in_a_window():
+    assert throughput([0.5, 1.0, 1.5, 2.5], 1.0, 2.0) == 2.0
+    assert throughput([], 1.0, 1.0) == 0.0
