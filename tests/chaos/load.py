@@ -10,7 +10,7 @@ node, subscribed to one channel; it records every push and acks it (after ``hold
 seconds, so a consumer killed mid-run has copies in flight) and connects again when
 its connection fails. A consumer has one on every node, as NSQ's readers do: each
 node delivers the copies it stored (and those it took over from nodes that died).
-``Confirmer``: looks in the store for the delivery rows of acked copies; a row gone
+``Confirmer``: looks in the store (dmq_pending) for the acked copies; a copy no longer pending
 means the ack is durable, and any later push of that send is a duplicate.
 
 Every thread stops by itself (an event, and deadlines on every wait); sockets go to

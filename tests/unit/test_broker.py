@@ -217,7 +217,7 @@ def test_a_batch_cut_off_that_commits_after_every_rescan_is_still_delivered():
     h.settle()
     # now the cut-off transaction ends, committed
     late = [NewMessage("orders", p, s, 0, b"b") for p, s in failed]
-    h.db.run_steps(insert_messages_steps, late, NODE)
+    h.db.run_steps(insert_messages_steps, late, NODE, h.broker.reliable.writes.owner)
     h.settle(3.0)
     for producer, session_id in failed:  # the producers' resends are answered as duplicates
         h.send("orders", producer, session_id)
