@@ -30,6 +30,17 @@ class TopicSpec:
     ttl_ms: int | None = None
     max_attempts: int | None = None
     channels: tuple[str, ...] = ()
+    # the PostgreSQL cluster its messages are stored on (``--pg-cluster``; ``main`` is
+    # --pg-dsn or the embedded PostgreSQL), and the clusters it was moved away from whose
+    # copies are still being delivered (``dmq topic move``)
+    cluster: str = "main"
+    draining: tuple[str, ...] = ()
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        """Every cluster holding copies of this topic: where it is placed, then those
+        draining."""
+        return (self.cluster, *(c for c in self.draining if c != self.cluster))
 
 
 def encode_topic(spec: Any) -> bytes:
@@ -41,6 +52,8 @@ def encode_topic(spec: Any) -> bytes:
             "rate_limit": spec.rate_limit,
             "ttl_ms": spec.ttl_ms,
             "max_attempts": spec.max_attempts,
+            "cluster": spec.cluster,
+            "draining": list(spec.draining),
         },
         sort_keys=True,
     ).encode()
@@ -62,6 +75,8 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         values = {}
     store = values.get("store") if values.get("store") in STORES else "reliable"
     timeout = _optional_int(values, "msg_timeout_ms") or 60000
+    cluster = values.get("cluster") if isinstance(values.get("cluster"), str) and values.get("cluster") else "main"
+    draining = values.get("draining") if isinstance(values.get("draining"), list) else []
     return TopicSpec(
         name,
         store,
@@ -70,6 +85,8 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         _optional_int(values, "ttl_ms"),
         _optional_int(values, "max_attempts"),
         tuple(sorted(channels)),
+        cluster,
+        tuple(str(c) for c in draining if isinstance(c, str) and c),
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from dmq_server.core.errors import DmqError, Invalid, Refused, Unavailable, reply_for
 
-__all__ = ["CliError", "open_database"]
+__all__ = ["CliError", "open_database", "open_registry"]
 
 
 #: a refused request's exit status: 2 for input to fix (as argparse's usage errors), 1
@@ -74,3 +74,28 @@ def open_database(args: argparse.Namespace) -> Iterator[Any]:
     finally:
         if embedded is not None and started_here:
             embedded.stop()
+
+
+@contextmanager
+def open_registry(args: argparse.Namespace) -> Iterator[Any]:
+    """The registry the topic and channel commands manage: ZooKeeper with --zk (a
+    cluster; every node mirrors it into its PostgreSQL within moments), else the
+    PostgreSQL tables of a single node."""
+    if args.zk:
+        from registry.model import RegistryError
+        from registry.zk import ZkRegistry, connect
+
+        try:
+            client = connect(args.zk, timeout=args.zk_timeout)
+        except (RegistryError, ValueError) as exc:
+            raise CliError(str(exc), 3) from exc
+        zk_registry = ZkRegistry(client)
+        try:
+            yield zk_registry
+        finally:
+            zk_registry.close()
+        return
+    from registry.pg import PgRegistry
+
+    with open_database(args) as conn:
+        yield PgRegistry(conn)

@@ -72,6 +72,7 @@ class ClusterNode:
         node_id: str,
         dsn: str,
         admin: DbWorker,
+        mirror: Any = None,
     ):
         self.options = options
         self.reactor = reactor
@@ -79,6 +80,7 @@ class ClusterNode:
         self.instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._dsn = dsn
         self._admin = admin
+        self._mirror = mirror  # db.mirror.Mirror into the other clusters (--pg-cluster), or None
         self.bridge = KazooBridge(reactor)
         self.client: Any = None
         self.membership: Any = None
@@ -130,7 +132,10 @@ class ClusterNode:
         self.watcher = RegistryWatcher(self.client, self.bridge.relay(self._changed))
         # the first node of a cluster brings the single-node registry along
         rows = yield self._admin.run(list_topics)
-        seeded = yield self._zk(zk.ZkRegistry(self.client).seed, rows)
+        registry = zk.ZkRegistry(self.client)
+        seeded = yield self._zk(registry.seed, rows)
+        for name in options.pg_clusters:  # `dmq topic create --cluster` checks the names
+            yield self._zk(registry.add_cluster, name)
         if seeded:
             log.info("seeded the ZooKeeper registry with {n} topics from PostgreSQL", n=len(rows))
         self._worker = DbWorker(self.reactor, self._dsn, "cluster", timeout=options.pg_timeout)
@@ -369,6 +374,8 @@ class ClusterNode:
 
         def mirror(specs: list[Any]) -> defer.Deferred:
             mirrored = self._admin.run(mirror_topics, specs)
+            if self._mirror is not None:
+                mirrored.addCallback(lambda _: self._mirror.mirror(specs))
             return mirrored.addCallback(lambda _: specs)
 
         def remember(specs: list[Any]) -> list[Any]:

@@ -25,6 +25,7 @@ __all__ = [
     "log_operation",
     "dead_letter_counts",
     "table_counts",
+    "topic_leftovers",
     "stored_stats",
     "update_topic_settings",
     "list_admin_log",
@@ -127,6 +128,13 @@ def table_counts(conn: Any) -> dict:
             for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
         ],
     }
+
+
+def topic_leftovers(conn: Any, topic: str) -> tuple[str | None, int, int]:
+    """On this cluster: the topic's placement as its row says, its copies waiting and
+    its delayed messages (``dmq topic move``)."""
+    placed, pending, delayed = conn.execute(queries["topic_leftovers"], {"name": topic}).fetchone()
+    return placed, pending, delayed
 
 
 def stored_stats(conn: Any) -> dict:
