@@ -426,6 +426,10 @@ class DmqServer:
             dmq_connections=self.connections,
             nsq=self.nsq,
             port_factory=self.port_factory,
+            clusters={
+                scheduling.store.cluster: (self.cluster_workers[scheduling.store.cluster]["adminops"], scheduling.delays)
+                for scheduling in self.cluster_scheduling
+            },
         )
         self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval)
         site = make_site(self._ping, broker.stats, self.info, options)

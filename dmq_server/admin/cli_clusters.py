@@ -35,32 +35,9 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from dmq_server.admin.cli_support import CliError, open_database, open_registry
+from dmq_server.admin.cli_support import CliError, cluster_dsns, connect_cluster, open_database, open_registry
 
-__all__ = ["cmd_topic_move", "cluster_dsns", "add_cluster_commands"]
-
-
-def cluster_dsns(args: argparse.Namespace) -> dict[str, str]:
-    """The CLI's ``--pg-cluster NAME=DSN`` entries (besides main), checked as the server does."""
-    from dmq_server.core.options import ConfigError, Options
-
-    entries: list[str] = []
-    for raw in args.pg_cluster or ():
-        entries += [e.strip() for e in raw.replace(";", "\n").splitlines() if e.strip()]
-    try:
-        return Options(pg_cluster=tuple(entries)).validate().pg_clusters
-    except ConfigError as exc:
-        raise CliError(str(exc), 2) from exc
-
-
-def _connect(name: str, dsn: str) -> Any:
-    from dmq_server.db.errors import StorageError
-    from dmq_server.db.worker import connect
-
-    try:
-        return connect(dsn, autocommit=True)
-    except StorageError as exc:
-        raise CliError(f"cluster {name!r}: {exc}", 3) from exc
+__all__ = ["cmd_topic_move", "add_cluster_commands"]
 
 
 def cmd_topic_move(args: argparse.Namespace) -> None:
@@ -73,7 +50,7 @@ def cmd_topic_move(args: argparse.Namespace) -> None:
     with ExitStack() as stack:
         conns = {"main": stack.enter_context(open_database(args))}
         for name, dsn in others.items():
-            conns[name] = stack.enter_context(_connect(name, dsn))
+            conns[name] = stack.enter_context(connect_cluster(name, dsn))
         reg = stack.enter_context(open_registry(args))
         try:
             spec = reg.get_topic(args.name)
