@@ -295,6 +295,7 @@ class DmqServer:
         self.cluster = ClusterNode(
             self.options, self.reactor, self.node_id, self.dsn, self.workers["admin"],
             mirror=self._mirrors() if self.cluster_workers else None,
+            cluster_dsns=self.cluster_dsns,
         )
         return self.cluster.connect()
 
@@ -328,7 +329,7 @@ class DmqServer:
         if self.cluster is None:
             return self.broker.start()
         self.cluster.attach(self.broker, self._fast_topics)
-        d = self.cluster.begin_incarnation(self.broker.reliable)
+        d = self.cluster.begin_incarnation(self.broker.stores)
         return d.addCallback(lambda _: self.broker.start())
 
     def _mirrors(self) -> Mirror:

@@ -107,6 +107,12 @@ class NodeInfo:
     # the PostgreSQL incarnation (dmq_owner.id) whose messages this process stores: a
     # takeover leaves it alone while this registration lives
     incarnation: int = 0
+    # the incarnations it stores as on the other PostgreSQL clusters (--pg-cluster), by name
+    incarnations: dict[str, int] = field(default_factory=dict)
+
+    def incarnation_on(self, cluster: str) -> int:
+        """Its incarnation on ``cluster`` (0: none named)."""
+        return self.incarnation if cluster == "main" else self.incarnations.get(cluster, 0)
 
     @property
     def tcp_address(self) -> str:
@@ -130,6 +136,7 @@ class NodeInfo:
                 "instance": self.instance,
                 "fast_topics": {k: list(v) for k, v in sorted(self.fast_topics.items())},
                 "incarnation": self.incarnation,
+                "incarnations": dict(sorted(self.incarnations.items())),
             },
             sort_keys=True,
         ).encode()
@@ -152,6 +159,7 @@ class NodeInfo:
                 str(values.get("instance", "")),
                 {str(k): tuple(str(c) for c in v) for k, v in fast.items()},
                 int(values.get("incarnation", 0)),
+                {str(k): int(v) for k, v in (values.get("incarnations") or {}).items()},
             )
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             return None

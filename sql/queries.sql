@@ -541,12 +541,16 @@ FROM dmq_dead_letter WHERE id = %(id)s;
 -- each, due now, in dmq_delay for its own channel (NULL: every channel) in the same
 -- transaction. Producer 'dmq-replay' with session id = the dead letter's id makes a
 -- second replay of the same dead letter a no-op even if the mark were lost. Returns
--- the highest id looked at (the next cursor) and how many were queued.
+-- the highest id looked at (the next cursor) and how many were queued. The dead letters
+-- of a topic placed on another cluster (moved away) are left: queued here, they would
+-- be stored where no channel of the topic drains.
 WITH picked AS MATERIALIZED (
     SELECT id FROM dmq_dead_letter
     WHERE /*dead_letter_filter*/
       AND replayed_at IS NULL
       AND id > %(after)s
+      AND NOT EXISTS (SELECT 1 FROM dmq_topic t JOIN dmq_cluster_self s ON s.name <> t.cluster
+                      WHERE t.name = dmq_dead_letter.topic)
     ORDER BY id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

@@ -417,10 +417,15 @@ class Broker:
     def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
         """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons). The
         copy's cluster is the one that drew its id."""
-        store = self.placement.store_of_id(message_id) if self.placement.several else self.reliable
+        if not self.placement.several:
+            return self.reliable.ack(topic, channel, message_id, consumer)
+        store = self.placement.store_of_id(message_id)
         if store is None:
             return "ID not in flight"
-        return store.ack(topic, channel, message_id, consumer)
+        error = store.ack(topic, channel, message_id, consumer)
+        if error is None:
+            self.placement.acked(topic, channel)
+        return error
 
     # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
     def _channel_stores(self, topic: str) -> list[Any]:

@@ -81,7 +81,11 @@ class ChannelGroup:
 
     def requeue(self, message_id: int, consumer: Any, delay: float = 0.0) -> str | None:
         channel = self._member(message_id)
-        return "ID not in flight" if channel is None else channel.requeue(message_id, consumer, delay)
+        if channel is None:
+            return "ID not in flight"
+        error = channel.requeue(message_id, consumer, delay)
+        self.pump()  # the consumer's credit is free for the other clusters' copies too
+        return error
 
     def touch(self, message_id: int, consumer: Any) -> str | None:
         channel = self._member(message_id)
@@ -252,6 +256,13 @@ class Placement:
             self._fill(group, spec)
         group.subscribe(consumer)
         return group
+
+    def acked(self, topic: str, channel: str) -> None:
+        """An ack freed a consumer's credit: a moving topic's other cluster may have
+        copies ready for it (a member pumps only itself)."""
+        group = self.groups.get((topic, channel))
+        if group is not None and len(group.members) > 1:
+            group.pump()
 
     def channels(self) -> dict[tuple[str, str], Any]:
         """Every reliable channel in memory by (topic, channel): a group's where a
