@@ -90,6 +90,7 @@ class Inspector:
         for row in self.ops.topics():
             settings = {k: row[k] for k in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")}
             topics[(row["store"], row["name"])] = {"topic": row["name"], "store": row["store"],
+                                                   "cluster": row["cluster"], "draining": row["draining"],
                                                    "settings": settings, "channels": []}
         for store, topic, name, stats in self._channels() if self._channels is not None else ():
             entry = topics.setdefault((store, topic), {"topic": topic, "store": store, "settings": {},

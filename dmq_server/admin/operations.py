@@ -384,6 +384,8 @@ class AdminOps:
                     "rate_limit": row.rate_limit,
                     "ttl_ms": row.ttl_ms,
                     "max_attempts": row.max_attempts,
+                    "cluster": getattr(row, "cluster", "main"),
+                    "draining": list(getattr(row, "draining", ())),
                     "channels": [
                         self.broker.channels[(name, c)].stats()
                         if (name, c) in self.broker.channels

@@ -54,6 +54,10 @@ def test_dead_letters_delays_and_traces_of_another_cluster(two_clusters):  # noq
     assert admin(server, "/admin/dead-letters?cluster=main")["dead_letters"] == []
     assert admin(server, f"/admin/dead-letters/{listed[0]['id']}")["topic"] == "limited"
     assert admin(server, f"/admin/messages/{stored.message_id}")["topic"] == "remote"
+    placed = {t["name"]: t["cluster"] for t in admin(server, "/admin/topics")["topics"]}
+    assert placed == {"limited": "b", "local": "main", "remote": "b"}
+    overview = {t["topic"]: t.get("cluster") for t in admin(server, "/admin/overview")["topics"]}
+    assert overview["remote"] == "b"  # what the console shows ("reliable on b")
     delays = admin(server, "/admin/delay")
     assert delays["pending"] == 1 and delays["clusters"]["b"]["pending"] == 1
 
