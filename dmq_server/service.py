@@ -432,7 +432,8 @@ class DmqServer:
                 for scheduling in self.cluster_scheduling
             },
         )
-        self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval)
+        self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
+                                 others=[workers["adminops"] for workers in self.cluster_workers.values()])
         site = make_site(self._ping, broker.stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(

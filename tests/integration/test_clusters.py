@@ -54,7 +54,7 @@ def two_clusters(pg_dsn, pg_private, make_server):
     """A server on main (the test's database) and cluster b (a private PostgreSQL), its
     topics registered."""
     b_dsn = pg_private.dsn
-    server = make_server(pg_cluster=f"b={b_dsn}")
+    server = make_server(pg_cluster=f"b={b_dsn}", metrics_db_interval="500ms")
     register(pg_dsn, b_dsn)
     return server, pg_dsn, b_dsn, pg_private
 

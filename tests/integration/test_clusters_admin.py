@@ -13,6 +13,7 @@ import pytest
 from dmq_client.wire import Command
 
 from .test_clusters import cli, drain, two_clusters  # noqa: F401 (a fixture)
+from .support import wait_for
 from .test_delay_flow import now_ms, send_delayed
 
 pytestmark = pytest.mark.integration
@@ -22,6 +23,11 @@ def admin(server, path: str, method: str = "GET") -> dict:
     request = urllib.request.Request(server.http + path, method=method, headers={"X-Requested-By": "test"})
     with urllib.request.urlopen(request, timeout=10) as resp:
         return json.load(resp)
+
+
+def metrics(server) -> str:
+    with urllib.request.urlopen(server.http + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
 
 
 def test_dead_letters_delays_and_traces_of_another_cluster(two_clusters):  # noqa: F811
@@ -58,6 +64,9 @@ def test_dead_letters_delays_and_traces_of_another_cluster(two_clusters):  # noq
     assert placed == {"limited": "b", "local": "main", "remote": "b"}
     overview = {t["topic"]: t.get("cluster") for t in admin(server, "/admin/overview")["topics"]}
     assert overview["remote"] == "b"  # what the console shows ("reliable on b")
+    # /metrics' stored gauges are read from every cluster (on a timer: wait for a read)
+    wait_for(lambda: f'dmq_dead_letters_stored{{reason="rate_limited"}} {float(len(refused))}' in metrics(server))
+    assert 'dmq_delay_pending{topic="remote"} 1.0' in metrics(server)
     delays = admin(server, "/admin/delay")
     assert delays["pending"] == 1 and delays["clusters"]["b"]["pending"] == 1
 

@@ -130,3 +130,19 @@ def test_a_move_delivers_both_clusters_copies_then_leaves_the_old_one():
     h.send("local", "p", 99)
     h.settle()
     assert consumer.pushed[-1][1] == h.acknowledged[("p", 99)]
+
+
+def test_stored_gauges_of_two_clusters_add_up():
+    """/metrics' figures read from each cluster: a moving channel's oldest copy is the
+    older of the two, delayed messages and dead letters are added."""
+    from dmq_server.http.sampling import merge_gauges
+
+    main = {"oldest_unacked_ms": {("t", "c"): 2000, ("u", "c"): None}, "delay_pending": {"t": (2, 500)},
+            "dead_letters": {"expired": (3, 1)}}
+    b = {"oldest_unacked_ms": {("t", "c"): 1000, ("v", "c"): 7}, "delay_pending": {"t": (1, 400), "v": (4, None)},
+         "dead_letters": {"expired": (1, 0), "rate_limited": (2, 2)}}
+    assert merge_gauges(main, b) == {
+        "oldest_unacked_ms": {("t", "c"): 1000, ("u", "c"): None, ("v", "c"): 7},
+        "delay_pending": {"t": (3, 400), "v": (4, None)},
+        "dead_letters": {"expired": (4, 1), "rate_limited": (2, 2)},
+    }
