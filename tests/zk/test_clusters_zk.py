@@ -61,3 +61,45 @@ def test_kill_9_node_with_copies_on_two_clusters_is_taken_over_on_both(make_node
     status, body = http_get(b.http + "/info")
     claimed = json.loads(body)["cluster"]["takeover_by_cluster"]
     assert claimed["b"]["claimed"] >= 1 and claimed["main"]["claimed"] >= 1
+
+
+def test_moving_a_topic_with_zookeeper_under_load_loses_nothing(make_node, zk, zk_address, pg_dsn, pg_private):
+    """Two nodes; a producer on one, a consumer on each (a node delivers what it stored);
+    ``dmq --zk ... topic move`` while they run: the placement travels through ZooKeeper's
+    watches, every node mirrors it into both databases, and every acknowledged id is
+    delivered once the move is done."""
+    import subprocess
+    import sys
+
+    from tests.integration.support import REPO
+    from tests.integration.test_cursor_crash import Consumer, Producer
+
+    b_dsn = pg_private.dsn
+    a, b = make_node(pg_cluster=f"b={b_dsn}"), make_node(pg_cluster=f"b={b_dsn}")
+    register_topic(zk, "moving", "c1")
+    for node in (a, b):
+        wait_served(node, "moving", "c1")
+    producer = Producer(a.tcp_port, "moving", "zk-mover")
+    consumers = [Consumer(node.tcp_port, "moving", "c1", 0.5, hold=10) for node in (a, b)]
+    producer.start()
+    for consumer in consumers:
+        consumer.start()
+    wait_for(lambda: len(producer.acked) >= 500, timeout=60)
+    move = subprocess.run(
+        [sys.executable, "-m", "dmq_server.admin.cli", "--zk", zk_address, "--pg-dsn", pg_dsn,
+         "--pg-cluster", f"b={b_dsn}", "topic", "move", "moving", "--cluster", "b", "--settle", "3",
+         "--timeout", "120"],
+        capture_output=True, text=True, cwd=REPO, timeout=180,
+    )
+    assert move.returncode == 0, move.stdout + move.stderr
+    moved_at = len(producer.acked)
+    wait_for(lambda: len(producer.acked) >= moved_at + 300, timeout=60)
+    producer.stop.set()
+    producer.join(30)
+    wait_for(lambda: producer.acked <= set().union(*(c.delivered for c in consumers)), timeout=60)
+    for consumer in consumers:
+        consumer.stop.set()
+        consumer.join(30)
+    assert any(m >> 48 == 1 for m in producer.acked) and any(m >> 48 == 0 for m in producer.acked)
+    assert ZkRegistry(zk).get_topic("moving").draining == ()
+    assert db_rows(pg_dsn, "SELECT cluster, draining FROM dmq_topic WHERE name = 'moving'") == [("b", [])]
