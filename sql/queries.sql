@@ -86,7 +86,8 @@ SELECT name FROM gone;
 -- The owner row is share-locked first: an owner retired by a takeover stores nothing
 -- more (the answer has no rows and the writer fails the batch as fenced).
 -- A row whose topic is not placed on this database's cluster (moved away: the sender's
--- view of the registry is stale) is not stored, so no copy lands where no channel drains.
+-- view of the registry is stale) is not stored, so no copy lands where no channel drains
+-- once the statements that began before the move's fence have ended (topic_leftovers).
 -- Array parameters use binary placeholders: text arrays cost the server ~20 us a row.
 -- Rows whose (producer, session_id) is already stored are skipped (resends).
 -- produced_ms is the producer's clock: only Unix milliseconds up to 9999-12-31 become a
@@ -98,11 +99,10 @@ WITH owner AS MATERIALIZED (
                          %(produced_ms)b::bigint[], %(bodies)b::bytea[])
              WITH ORDINALITY AS u(topic, producer, session_id, produced_ms, body, ord)
 ), placed AS MATERIALIZED (
-    -- share-locked: a move's update of the row waits for this insert, and an insert
-    -- after it sees the new placement (``dmq topic move`` counts what is left after it)
+    -- read, not locked (a lock would cost every batch a multixact and WAL): a move waits
+    -- instead until every transaction that began before its fence has ended (topic_leftovers)
     SELECT t.name FROM dmq_topic t JOIN dmq_cluster_self s ON s.name = t.cluster
     WHERE t.name IN (SELECT DISTINCT topic FROM input)
-    FOR SHARE OF t
 ), ins AS (
     INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body)
     SELECT topic, producer, session_id,
@@ -262,10 +262,9 @@ WITH input AS (
                          %(bodies)b::bytea[])
              AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body)
 ), placed AS MATERIALIZED (
-    -- placed on this database's cluster, share-locked (as insert_messages)
+    -- placed on this database's cluster (as insert_messages)
     SELECT t.name FROM dmq_topic t JOIN dmq_cluster_self s ON s.name = t.cluster
     WHERE t.name IN (SELECT DISTINCT topic FROM input)
-    FOR SHARE OF t
 )
 INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body)
 SELECT i.fragment, i.due_ms, i.topic, i.producer, i.session_id, i.produced_ms, %(node_id)s, i.body
@@ -906,7 +905,14 @@ WHERE coalesce(pg_sequence_last_value(s.seq::regclass), 0) < %(floor)s;
 
 -- name: topic_leftovers
 -- What a topic still has on this cluster: where this database says it is placed, copies
--- waiting and delayed messages (a move drains the old cluster until both are 0).
+-- waiting and delayed messages (a move drains the old cluster until both are 0), the
+-- transactions that began before the move's fence (one of them may still store a message
+-- of the topic here: its statement read the old placement) and the time now (the next
+-- fence's).
 SELECT (SELECT cluster FROM dmq_topic WHERE name = %(name)s) AS placed,
        (SELECT count(*) FROM dmq_pending WHERE topic = %(name)s) AS pending,
-       (SELECT count(*) FROM dmq_delay WHERE topic = %(name)s) AS delayed;
+       (SELECT count(*) FROM dmq_delay WHERE topic = %(name)s) AS delayed,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND pid <> pg_backend_pid()
+          AND xact_start < %(fenced_at)s::timestamptz) AS older,
+       now() AS now;

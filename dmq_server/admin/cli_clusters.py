@@ -11,14 +11,17 @@ a crash and it carries on):
    attached to the channel on both clusters: the old cluster's copies go on being
    delivered, and acknowledged there.
 2. **Fence and drain.** On the old cluster the group commit stores only topics placed
-   on it (``insert_messages`` share-locks the topic's row and checks its cluster), so
-   once the row names the new cluster no message of the topic can be stored there
-   any more, not even by a node whose view of the registry is stale (its producer gets
-   ``SEND_SERVER_ERROR`` and sends again, to the new cluster). The command waits until
-   the old cluster has no copy of the topic waiting on any channel and no delayed
-   message, continuously for ``--settle`` (longer than the nodes' registry refresh: a
-   node with a stale view may write the old placement back once before it reads the
-   new one).
+   on it (``insert_messages`` reads the topic's row in the same statement), so once the
+   row names the new cluster, and every transaction that began before that has ended
+   (``pg_stat_activity``: a statement that read the old placement may still commit), no
+   message of the topic can be stored there any more, not even by a node whose view of
+   the registry is stale (its producer gets ``SEND_SERVER_ERROR`` and sends again, to
+   the new cluster). The row is read, not locked: a lock would cost every batch a
+   multixact and a WAL record. The command waits until the old cluster has no copy of
+   the topic waiting on any channel and no delayed message, continuously for
+   ``--settle`` (longer than the nodes' registry refresh: a node with a stale view may
+   write the old placement back once before it reads the new one; the command fences
+   again when it sees that).
 3. **Finish.** The old cluster leaves ``draining``; nodes close its channels of the
    topic (they are empty).
 
@@ -90,24 +93,28 @@ def cmd_topic_move(args: argparse.Namespace) -> None:
 def _drain(args: argparse.Namespace, conn: Any, cluster: str, deadline: float, leftovers: Any,
            reg: Any, mirror: Any) -> None:
     """Until the old cluster shows no copy and no delayed message of the topic, fenced,
-    continuously for ``--settle`` seconds."""
+    with no transaction left that began before the fence, continuously for ``--settle``
+    seconds."""
     quiet_since: float | None = None
     last = None
+    _, _, _, _, fenced_at = leftovers(conn, args.name)  # the fence was written before this
     while True:
-        placed, pending, delayed = leftovers(conn, args.name)
+        placed, pending, delayed, older, db_now = leftovers(conn, args.name, fenced_at)
         now = time.monotonic()
-        if placed == cluster:  # a node wrote its stale view back: the fence again
+        if placed == cluster:  # a node wrote its stale view back: fence again
             mirror(conn, reg.topics())
+            fenced_at = leftovers(conn, args.name)[4]
             quiet_since = None
-        elif pending or delayed:
+        elif pending or delayed or older:
             quiet_since = None
         elif quiet_since is None:
             quiet_since = now
         elif now - quiet_since >= args.settle:
             return
-        if (pending, delayed) != last:
-            print(f"  cluster {cluster}: {pending} copies waiting, {delayed} delayed", flush=True)
-            last = (pending, delayed)
+        if (pending, delayed, older) != last:
+            print(f"  cluster {cluster}: {pending} copies waiting, {delayed} delayed"
+                  + (f", {older} transactions older than the fence" if older else ""), flush=True)
+            last = (pending, delayed, older)
         if now > deadline:
             raise CliError(
                 f"cluster {cluster} still holds {pending} copies and {delayed} delayed messages of topic "

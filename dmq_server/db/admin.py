@@ -130,11 +130,13 @@ def table_counts(conn: Any) -> dict:
     }
 
 
-def topic_leftovers(conn: Any, topic: str) -> tuple[str | None, int, int]:
-    """On this cluster: the topic's placement as its row says, its copies waiting and
-    its delayed messages (``dmq topic move``)."""
-    placed, pending, delayed = conn.execute(queries["topic_leftovers"], {"name": topic}).fetchone()
-    return placed, pending, delayed
+def topic_leftovers(conn: Any, topic: str, fenced_at: Any = None) -> tuple[str | None, int, int, int, Any]:
+    """On this cluster: the topic's placement as its row says, its copies waiting, its
+    delayed messages, the transactions begun before ``fenced_at`` still running, and the
+    database's time now (``dmq topic move``)."""
+    row = conn.execute(queries["topic_leftovers"], {"name": topic, "fenced_at": fenced_at}).fetchone()
+    placed, pending, delayed, older, now = row
+    return placed, pending, delayed, older, now
 
 
 def stored_stats(conn: Any) -> dict:
