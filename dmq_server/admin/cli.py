@@ -23,7 +23,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Sequence
 
-from dmq_server.admin.cli_support import CliError, open_database as _database, open_registry as _registry
+from dmq_server.admin.cli_support import CliError, connect_cluster, open_database as _database, open_registry as _registry
 from dmq_server.core.errors import Refused
 from dmq_client.spelling import parse_duration
 
@@ -236,10 +236,23 @@ def cmd_stats(args: argparse.Namespace) -> None:
 def cmd_db(args: argparse.Namespace) -> None:
     from dmq_server.db.schema import schema_version
 
+    from dmq_server.admin.cli_support import cluster_dsns
+    from dmq_server.db.errors import StorageError
+    from dmq_server.db.schema import migrate
+
     # _database applies pending migrations before handing out the connection
     with _database(args) as conn:
         version = schema_version(conn)
     print(f"schema is at version {version}" if args.action == "migrate" else version)
+    for name, dsn in cluster_dsns(args).items():  # every --pg-cluster as well
+        try:
+            if args.action == "migrate":
+                migrate(dsn)
+            with connect_cluster(name, dsn) as conn:
+                other = schema_version(conn)
+        except StorageError as exc:
+            raise CliError(f"cluster {name!r}: {exc}", 3) from exc
+        print(f"cluster {name}: schema is at version {other}" if args.action == "migrate" else f"{name} {other}")
 
 
 def cmd_node(args: argparse.Namespace) -> None:

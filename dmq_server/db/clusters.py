@@ -67,7 +67,7 @@ def _claim(dsn: str, name: str, slot: int) -> None:
         if row is None:
             other, other_slot, _ = conn.execute(queries["cluster_self"]).fetchone()
             raise ClusterMismatch(
-                f"the database of cluster {name!r} is already cluster {other!r}'s (slot {other_slot}): "
+                f"the database of cluster {name!r} is already claimed by cluster {other!r} (slot {other_slot}): "
                 "is one DSN given for two clusters?"
             )
         if slot:

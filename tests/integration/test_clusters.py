@@ -130,3 +130,19 @@ def test_one_cluster_down_fails_only_its_topics(two_clusters):
         assert after is not None and after.command == Command.SEND_SUCCESS_ACK
     got = drain(server, "remote", "c1", 2)
     assert sorted(got) == sorted([before.message_id, after.message_id])
+
+
+def test_one_database_given_for_two_clusters_refuses_the_start(pg_dsn, make_server):
+    """The main database given again as cluster b: the node does not start, and says why."""
+    server = make_server(pg_cluster=f"b={pg_dsn}", start=False)
+    with pytest.raises(RuntimeError) as excinfo:
+        server.start()
+    assert "the database of cluster 'b' is already claimed by cluster 'main' (slot 0)" in str(excinfo.value)
+
+
+def test_db_migrate_migrates_every_cluster(pg_dsn, pg_empty_dsn):
+    """``dmq --pg-cluster b=... db migrate`` brings cluster b's database to the schema too."""
+    out = cli(pg_dsn, pg_empty_dsn, "db", "migrate")
+    assert out.returncode == 0, out.stderr
+    assert "cluster b: schema is at version 8" in out.stdout
+    assert db_rows(pg_empty_dsn, "SELECT name, slot, claimed FROM dmq_cluster_self") == [("main", 0, False)]
