@@ -146,3 +146,30 @@ def test_db_migrate_migrates_every_cluster(pg_dsn, pg_empty_dsn):
     assert out.returncode == 0, out.stderr
     assert "cluster b: schema is at version 8" in out.stdout
     assert db_rows(pg_empty_dsn, "SELECT name, slot, claimed FROM dmq_cluster_self") == [("main", 0, False)]
+
+
+def test_a_move_can_be_placed_now_and_finished_later(two_clusters):
+    """``topic move --no-wait`` places the topic and leaves main draining (the CLI and
+    /stats say so, and a copy left on main is still delivered); the same command run
+    again finishes once main is drained; an unknown cluster is refused."""
+    server, main_dsn, b_dsn, _ = two_clusters
+    with server.client() as producer:
+        old = producer.send("local", b"before the move")
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "nosuch")
+    assert out.returncode == 1 and "unknown cluster 'nosuch'" in out.stderr
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--no-wait")
+    assert out.returncode == 0, out.stderr
+    assert "new messages go to cluster b; draining main" in out.stdout
+    assert "local\treliable\tchannels: c1, c2\tcluster: b (draining main)" in cli(main_dsn, b_dsn, "topic", "list").stdout
+    wait_for(lambda: {t["topic_name"]: (t["cluster"], t["draining"]) for t in stats(server)["topics"]}["local"]
+             == ("b", ["main"]))
+    with server.client() as producer:
+        new = producer.send("local", b"after the move")
+    assert new.command == Command.SEND_SUCCESS_ACK and new.message_id >> 48 == 1
+    for channel in ("c1", "c2"):
+        assert sorted(drain(server, "local", channel, 2)) == sorted([old.message_id, new.message_id])
+    wait_for(lambda: db_rows(main_dsn, "SELECT count(*) FROM dmq_pending WHERE topic = 'local'") == [(0,)])
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--settle", "1")
+    assert out.returncode == 0, out.stderr
+    assert "cluster main drained" in out.stdout
+    wait_for(lambda: {t["topic_name"]: t["draining"] for t in stats(server)["topics"]}["local"] == [])
