@@ -9,7 +9,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .support import wait_for
-from .test_nsq_tcp import NsqSocket
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +25,7 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_dsn, tmp_path):
+def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_dsn, tmp_path, nsq_connect):
     from dmq_client.wire import Command
     from dmq_server.db.worker import connect
     import registry
@@ -34,9 +33,9 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "clicks", store="fast")
     server = make_server(data_path=str(tmp_path / "data"))
-    billing = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    billing = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     billing.sub(topic, "billing", rdy=20)
-    counter = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    counter = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     counter.sub("clicks", "counter", rdy=20)
 
     with server.client() as producer:  # the dmq protocol, to both stores
@@ -44,7 +43,7 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
         assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
         replies = producer.send_many("clicks", [b"click-%d" % i for i in range(6)])
         assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
-    nsq_producer = NsqSocket(server.tcp_port)
+    nsq_producer = nsq_connect(server.tcp_port)
     for i in range(4):
         assert nsq_producer.pub("clicks", b"nsq-click-%d" % i) == b"OK"
 
@@ -83,5 +82,3 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     assert s[("process_cpu_seconds_total", ())] > 0  # the process collector, for CPU per message
     (build,) = [labels for name, labels in s if name == "dmq_build_info"]
     assert dict(build)["node_id"].endswith(f":{server.tcp_port}")  # hostname:port, the default id
-    for sock in (billing, counter, nsq_producer):
-        sock.close()
