@@ -49,25 +49,30 @@ class BlockingClient:
         # collected, and a long host name made the old form exceed the server's 64 characters
         self.producer = producer or default_producer_id()
         self.timeout = timeout
-        sock = socket.create_connection((host, port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock: socket.socket | TlsSocket = sock
-        if tls:
-            self._sock = TlsSocket(sock, client_context(ca_file, cert_file, key_file), server_name or host)
-            try:
-                self._sock.handshake(timeout)
-            except (OSError, ValueError) as exc:
-                sock.close()
-                raise ClientError(f"TLS handshake failed: {exc}") from exc
         self.identity: dict | None = None
         self._decoder = FrameDecoder()
         self._pushes: deque[Frame] = deque()
         self._replies: deque[Frame] = deque()
         self._other: deque[Frame] = deque()
         self._sessions = itertools.count(int(time.time() * 1000) << 16)
-        self._sock.sendall(MAGIC)
-        if auth_secret is not None:
-            self.authenticate(auth_secret)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock: socket.socket | TlsSocket = sock
+        # the socket is ours from here: a reset during the magic, the handshake or AUTH
+        # must not leave it open for the garbage collector (the caller never got a client)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls:
+                self._sock = TlsSocket(sock, client_context(ca_file, cert_file, key_file), server_name or host)
+                try:
+                    self._sock.handshake(timeout)
+                except (OSError, ValueError) as exc:
+                    raise ClientError(f"TLS handshake failed: {exc}") from exc
+            self._sock.sendall(MAGIC)
+            if auth_secret is not None:
+                self.authenticate(auth_secret)
+        except BaseException:
+            sock.close()
+            raise
 
     def authenticate(self, secret: str, timeout: float | None = None) -> dict:
         """UP_AUTH; the server's answer (identity, identity_url, permission_count)."""

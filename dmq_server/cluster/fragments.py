@@ -86,6 +86,9 @@ class ZkFragmentAssignment:
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._partitioner: Any = None
+        #: orders "stop is set, read the client to close" against "connected, keep the
+        #: client", so a client connected while stopping is closed by exactly one side
+        self._client_lock = threading.Lock()
 
     # -- FragmentAssignment ------------------------------------------------------
     def start(self, on_change: Callable[[frozenset[int]], None]) -> None:
@@ -133,7 +136,8 @@ class ZkFragmentAssignment:
 
     def _stop_blocking(self) -> None:
         self._stop.set()
-        partitioner, client = self._partitioner, self._client
+        with self._client_lock:
+            partitioner, client = self._partitioner, self._client
         # A kazoo call made while disconnected waits until ZooKeeper is back, so only
         # leave the party when connected; otherwise the session's expiry removes our
         # party node anyway. Even when connected ZooKeeper may go the next moment, so
@@ -175,7 +179,15 @@ class ZkFragmentAssignment:
         while not self._stop.is_set():
             try:
                 if self._client is None:
-                    self._client = self._connect()
+                    client = self._connect()
+                    with self._client_lock:
+                        stopping = self._stop.is_set()
+                        if not stopping:
+                            self._client = client
+                    if stopping:  # stop found no client to close: this one is ours to close
+                        _quietly(client.stop)
+                        _quietly(client.close)
+                        return
                 self._partition(self._client)
             except Exception as exc:  # connection or session trouble: start over
                 if self._stop.is_set():

@@ -198,6 +198,7 @@ class ClusterNode:
             )
         self.takeover = self.takeovers["main"]
         self._guard_scan(broker)
+        store.delivery_gate = self._may_deliver
 
     # -- a node that stood still -------------------------------------------------------------
     def _guard_scan(self, broker: Any) -> None:
@@ -221,6 +222,16 @@ class ClusterNode:
             return scan(*args, **kwargs)
 
         timer.call = (guarded, (), {})
+
+    def _may_deliver(self) -> bool:
+        """Asked by a channel before it pushes: after a gap in this node's time (found
+        here before the overdue scan would find it: an ack read on waking pumps at once),
+        delivery pauses until ZooKeeper confirms the session, so nothing held from before
+        the gap is pushed while other nodes may have taken it over."""
+        last = self._last_scan
+        if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
+            self._check_gap()
+        return not self.broker.reliable.paused
 
     def _check_gap(self) -> None:
         now = self.reactor.seconds()

@@ -126,6 +126,9 @@ class ReliableChannel:
         # an operator's pause (nsqd's channel pause; HTTP /channel/pause, the CLI): copies
         # still arrive and wait in PostgreSQL, none is pushed until unpaused
         self.held = False
+        # cluster: asked before each push round; False holds pushes (a node that stood
+        # still must learn whether its copies were taken over before it pushes any)
+        self.gate: Callable[[], bool] | None = None
         self._load_stale = False
         self._rescan_pending = False
         # counters for /stats
@@ -335,6 +338,8 @@ class ReliableChannel:
     def pump(self) -> None:
         """Push ready copies to consumers with free credit, round robin."""
         if self.paused or self.held:
+            return
+        if self.gate is not None and self.ready and not self.gate():
             return
         consumers = self.consumers
         while self.ready and consumers:

@@ -93,6 +93,8 @@ class ReliableStore:
         self.alone = True  # no ZooKeeper (set by ``start``)
         self._checking_held = False
         self.paused = False
+        # cluster: asked before a channel pushes (see ReliableChannel.gate)
+        self.delivery_gate: Callable[[], bool] | None = None
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
         # topics with a write whose outcome is unknown (its answer was lost): their
         # channels are re-read from the store now and again after the next commit
@@ -339,6 +341,7 @@ class ReliableStore:
                 deliver_latency=self.deliver_latency,
             )
             channel.paused = self.paused
+            channel.gate = self.delivery_gate
             channel.held = (topic, name) in self._held
             self.channels[(topic, name)] = channel
         return channel

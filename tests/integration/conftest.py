@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support import ServerProcess
+from .support import NsqSocket, ServerProcess
 
 
 @pytest.fixture
@@ -20,6 +20,22 @@ def make_server(pg_dsn, tmp_path):
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def nsq_connect():
+    """Factory: ``nsq_connect(port, identify=None)`` opens an NSQ V2 connection that is
+    closed when the test ends, whether it passed or not."""
+    sockets: list[NsqSocket] = []
+
+    def connect(port: int, identify: dict | None = None) -> NsqSocket:
+        sock = NsqSocket(port, identify)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ Readiness is an event (``/ping`` answering OK), polled with a deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,13 @@ from pathlib import Path
 import psycopg
 
 from dmq_client.blocking import BlockingClient
+from dmq_server.core.nsq_wire import (
+    FRAME_MESSAGE,
+    FRAME_RESPONSE,
+    FrameReader,
+    decode_message,
+    encode_command,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,6 +131,74 @@ class ServerProcess:
 
     def client(self, **kwargs) -> BlockingClient:
         return BlockingClient("127.0.0.1", self.tcp_port, **kwargs)
+
+
+class NsqSocket:
+    """A minimal blocking NSQ client over a raw socket (for tests)."""
+
+    def __init__(self, port: int, identify: dict | None = None):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.reader = FrameReader()
+        self.pending: list[tuple[int, bytes]] = []
+        self.sock.sendall(b"  V2")
+        if identify is not None:
+            self.send(encode_command(b"IDENTIFY", body=json.dumps(identify).encode()))
+            self.response()
+
+    def send(self, data: bytes) -> "NsqSocket":
+        self.sock.sendall(data)
+        return self
+
+    def frame(self, timeout: float = 10.0) -> tuple[int, bytes]:
+        """The next frame that is not a heartbeat (answering heartbeats with NOP)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.pending:
+                kind, data = self.pending.pop(0)
+                if kind == FRAME_RESPONSE and data == b"_heartbeat_":
+                    self.sock.sendall(b"NOP\n")
+                    continue
+                return kind, data
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed by server")
+            self.pending += self.reader.feed(chunk)
+
+    def response(self) -> bytes:
+        kind, data = self.frame()
+        assert kind == FRAME_RESPONSE, data
+        return data
+
+    def message(self) -> tuple[int, int, bytes, bytes]:
+        kind, data = self.frame()
+        assert kind == FRAME_MESSAGE, data
+        return decode_message(data)
+
+    def pub(self, topic: str, body: bytes) -> bytes:
+        return self.send(encode_command(b"PUB", topic.encode(), body=body)).response()
+
+    def sub(self, topic: str, channel: str, rdy: int = 1) -> None:
+        self.send(f"SUB {topic} {channel}\n".encode())
+        assert self.response() == b"OK"
+        self.send(f"RDY {rdy}\n".encode())
+
+    def closed(self, timeout: float = 5.0) -> bool:
+        """True once the server closes the connection (frames before that are skipped)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                if self.sock.recv(65536) == b"":
+                    return True
+        except ConnectionResetError:
+            return True
+        except socket.timeout:
+            pass
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def run_cli(dsn: str, *args: str) -> subprocess.CompletedProcess:

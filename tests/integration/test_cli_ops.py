@@ -102,14 +102,14 @@ def test_dlq_list_into_a_closed_pipe_ends_quietly(pg_dsn):
     far larger than a pipe holds; the command exits 141 (as if SIGPIPE ended it) and
     prints no traceback."""
     _dead_letters(pg_dsn, 3000)
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", pg_dsn, "dlq", "list", "--json", "--limit", "3000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,
-    )
-    assert proc.stdout.read(100).startswith(b"[")
-    proc.stdout.close()  # like `head` exiting
-    stderr = proc.stderr.read().decode()
-    assert proc.wait(60) == 141, stderr
+    ) as proc:
+        assert proc.stdout.read(100).startswith(b"[")
+        proc.stdout.close()  # like `head` exiting
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(60) == 141, stderr
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

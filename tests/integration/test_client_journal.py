@@ -117,12 +117,14 @@ class Child:
 
     def __init__(self, script: Path, log: Path, *args: str):
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), *args], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(log, "ab"), text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+        with open(log, "ab") as stderr:  # the child holds its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), *args], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=stderr, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
         self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:  # type: ignore[union-attr]
@@ -153,9 +155,14 @@ class Child:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
+        """Kill the child if it still runs, and close the pipes to it once the reader
+        thread has seen the end of its output."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self.reader.join(10)
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 class Inbox:

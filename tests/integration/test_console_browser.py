@@ -161,7 +161,7 @@ def test_an_operator_sees_and_repairs_the_system_in_the_console(make_server, pg_
     console.shot("refused-read-only")
 
     # -- a dead letter: payments' consumer never acknowledges (300 ms timeout, 1 attempt) ----------
-    from .test_nsq_tcp import NsqSocket
+    from .support import NsqSocket
 
     ledger = NsqSocket(server.tcp_port, {"client_id": "ledger-1", "feature_negotiation": True})
     ledger.sub("payments", "ledger", rdy=1)

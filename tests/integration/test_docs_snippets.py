@@ -119,27 +119,29 @@ class Checkout:
             done = subprocess.run(args, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, f"{where} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
             return
-        proc = subprocess.Popen(args, cwd=self.root, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        printed = bytearray()
-        def read() -> None:
-            for chunk in iter(lambda: proc.stdout.read1(4096), b""):
-                printed.extend(chunk)
+        with subprocess.Popen(
+            args, cwd=self.root, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        ) as proc:  # leaving the block closes the pipe
+            printed = bytearray()
+            def read() -> None:
+                for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+                    printed.extend(chunk)
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            deadline = time.monotonic() + 60
-            while snippet.until.encode() not in printed:
-                assert proc.poll() is None or reader.is_alive(), f"{where} ended:\n{printed.decode()}"
-                assert time.monotonic() < deadline, f"{where} did not print {snippet.until!r}:\n{printed.decode()}"
-                time.sleep(0.05)  # polling the output buffer a thread fills
-        finally:
-            proc.send_signal(signal.SIGINT)
+            reader = threading.Thread(target=read)
+            reader.start()
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            reader.join(10)
+                deadline = time.monotonic() + 60
+                while snippet.until.encode() not in printed:
+                    assert proc.poll() is None or reader.is_alive(), f"{where} ended:\n{printed.decode()}"
+                    assert time.monotonic() < deadline, f"{where} did not print {snippet.until!r}:\n{printed.decode()}"
+                    time.sleep(0.05)  # polling the output buffer a thread fills
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                reader.join(10)
 
     def stop(self) -> None:
         self.server.send_signal(signal.SIGTERM)

@@ -9,7 +9,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .support import wait_for
-from .test_nsq_tcp import NsqSocket
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +25,7 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_dsn, tmp_path):
+def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_dsn, tmp_path, nsq_connect):
     from dmq_client.wire import Command
     from dmq_server.db.worker import connect
     import registry
@@ -34,9 +33,9 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "clicks", store="fast")
     server = make_server(data_path=str(tmp_path / "data"))
-    billing = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    billing = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     billing.sub(topic, "billing", rdy=20)
-    counter = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    counter = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     counter.sub("clicks", "counter", rdy=20)
 
     with server.client() as producer:  # the dmq protocol, to both stores
@@ -44,7 +43,7 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
         assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
         replies = producer.send_many("clicks", [b"click-%d" % i for i in range(6)])
         assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
-    nsq_producer = NsqSocket(server.tcp_port)
+    nsq_producer = nsq_connect(server.tcp_port)
     for i in range(4):
         assert nsq_producer.pub("clicks", b"nsq-click-%d" % i) == b"OK"
 
@@ -83,11 +82,9 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     assert s[("process_cpu_seconds_total", ())] > 0  # the process collector, for CPU per message
     (build,) = [labels for name, labels in s if name == "dmq_build_info"]
     assert dict(build)["node_id"].endswith(f":{server.tcp_port}")  # hostname:port, the default id
-    for sock in (billing, counter, nsq_producer):
-        sock.close()
 
 
-def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_server, topic, pg_dsn):
+def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_server, topic, pg_dsn, nsq_connect):
     """Every delivery and redelivery, each return by its reason (REQ, a consumer gone, the
     message timeout), the publish -> deliver histogram, and the gauges read from PostgreSQL
     by the timer (oldest unacknowledged message, delayed messages, stored dead letters,
@@ -112,7 +109,7 @@ def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_serv
             Command.SEND_SUCCESS_ACK}
         assert producer.send("slow", b"s-1").command == Command.SEND_SUCCESS_ACK
 
-    a = NsqSocket(server.tcp_port, {"client_id": "a", "feature_negotiation": True})
+    a = nsq_connect(server.tcp_port, {"client_id": "a", "feature_negotiation": True})
     a.sub(topic, "billing", rdy=6)
     first = [a.message() for _ in range(6)]
     for _, _, wire_id, _ in first[:2]:
@@ -121,18 +118,18 @@ def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_serv
     assert sorted(m[1] for m in again) == [2, 2]  # attempts
     a_name = f"nsq a@127.0.0.1:{a.sock.getsockname()[1]}"
     a.close()  # six copies in flight go back: the consumer is gone
-    b = NsqSocket(server.tcp_port, {"client_id": "b", "feature_negotiation": True})
+    b = nsq_connect(server.tcp_port, {"client_id": "b", "feature_negotiation": True})
     b.sub(topic, "billing", rdy=6)
     for _, attempts, wire_id, _ in [b.message() for _ in range(6)]:
         assert attempts >= 2
         b.send(b"FIN " + wire_id + b"\n")
-    c = NsqSocket(server.tcp_port, {"client_id": "c", "feature_negotiation": True})
+    c = nsq_connect(server.tcp_port, {"client_id": "c", "feature_negotiation": True})
     c.sub("slow", "c", rdy=1)
     c.message()  # not acknowledged: back after the 300 ms timeout
     _, attempts, wire_id, _ = c.message()
     assert attempts == 2
     c.send(b"FIN " + wire_id + b"\n")
-    delayed = NsqSocket(server.tcp_port)
+    delayed = nsq_connect(server.tcp_port)
     assert delayed.send(encode_command(b"DPUB", topic.encode(), b"3600000", body=b"later")).response() == b"OK"
     report = urllib.request.Request(
         server.http + "/admin/dead-letters", method="POST",
@@ -168,5 +165,3 @@ def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_serv
                                   + [("timeout", f"nsq c@{port(c)}")])
     acked = db_rows(pg_dsn, "SELECT channel, consumer, delivered_at >= first_delivered_at FROM dmq_delivery_log")
     assert sorted(acked) == sorted([("billing", f"nsq b@{port(b)}", True)] * 6 + [("c", f"nsq c@{port(c)}", True)])
-    for sock in (b, c, delayed):
-        sock.close()

@@ -17,19 +17,18 @@ from dmq_client.diskqueue import DiskQueue
 from dmq_server.core.nsq_wire import decode_message, encode_message
 
 from .support import http_get
-from .test_nsq_tcp import NsqSocket
 
 pytestmark = pytest.mark.integration
 
 
-def test_overflow_and_shutdown_files_are_readable_by_the_disk_queue(make_server, tmp_path):
+def test_overflow_and_shutdown_files_are_readable_by_the_disk_queue(make_server, tmp_path, nsq_connect):
     """Messages beyond --mem-queue-size and those flushed at shutdown sit in
     <topic>:<channel>.diskqueue.*.dat as nsqd's 26-byte-header records."""
     data = tmp_path / "data"
     server = make_server(data_path=str(data), mem_queue_size=3)
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub("spill", "c", rdy=0)
-    producer = NsqSocket(server.tcp_port)
+    producer = nsq_connect(server.tcp_port)
     for i in range(10):
         assert producer.pub("spill", b"body-%d" % i) == b"OK"
     producer.close(), consumer.close()
@@ -49,7 +48,7 @@ def test_overflow_and_shutdown_files_are_readable_by_the_disk_queue(make_server,
     assert write_pos == "0,%d" % sum(4 + 26 + len(r[3]) for r in records)
 
 
-def test_a_data_directory_laid_out_like_nsqd_is_served(make_server, tmp_path):
+def test_a_data_directory_laid_out_like_nsqd_is_served(make_server, tmp_path, nsq_connect):
     """Hand-written nsqd files (data file, meta text, nsqd.dat) are picked up at start:
     topics, channels and pause flags come back and the stored messages are delivered
     with their attempts."""
@@ -74,7 +73,7 @@ def test_a_data_directory_laid_out_like_nsqd_is_served(make_server, tmp_path):
         )
     )
     server = make_server(data_path=str(tmp_path / "data"))
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub("legacy", "workers", rdy=10)
     got = [consumer.message() for _ in range(3)]
     assert sorted(m[3] for m in got) == [b"from-nsqd-0", b"from-nsqd-1", b"from-nsqd-2"]

@@ -8,95 +8,19 @@ import time
 
 import pytest
 
-from dmq_server.core.nsq_wire import (
-    FRAME_ERROR,
-    FRAME_MESSAGE,
-    FRAME_RESPONSE,
-    FrameReader,
-    decode_message,
-    encode_command,
-    mpub_body,
-)
+from dmq_server.core.nsq_wire import FRAME_ERROR, encode_command, mpub_body
 
 from .support import db_rows, http_get, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-class NsqSocket:
-    """A minimal blocking NSQ client over a raw socket (for tests)."""
-
-    def __init__(self, port: int, identify: dict | None = None):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.reader = FrameReader()
-        self.pending: list[tuple[int, bytes]] = []
-        self.sock.sendall(b"  V2")
-        if identify is not None:
-            self.send(encode_command(b"IDENTIFY", body=json.dumps(identify).encode()))
-            self.response()
-
-    def send(self, data: bytes) -> "NsqSocket":
-        self.sock.sendall(data)
-        return self
-
-    def frame(self, timeout: float = 10.0) -> tuple[int, bytes]:
-        """The next frame that is not a heartbeat (answering heartbeats with NOP)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            while self.pending:
-                kind, data = self.pending.pop(0)
-                if kind == FRAME_RESPONSE and data == b"_heartbeat_":
-                    self.sock.sendall(b"NOP\n")
-                    continue
-                return kind, data
-            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("closed by server")
-            self.pending += self.reader.feed(chunk)
-
-    def response(self) -> bytes:
-        kind, data = self.frame()
-        assert kind == FRAME_RESPONSE, data
-        return data
-
-    def message(self) -> tuple[int, int, bytes, bytes]:
-        kind, data = self.frame()
-        assert kind == FRAME_MESSAGE, data
-        return decode_message(data)
-
-    def pub(self, topic: str, body: bytes) -> bytes:
-        return self.send(encode_command(b"PUB", topic.encode(), body=body)).response()
-
-    def sub(self, topic: str, channel: str, rdy: int = 1) -> None:
-        self.send(f"SUB {topic} {channel}\n".encode())
-        assert self.response() == b"OK"
-        self.send(f"RDY {rdy}\n".encode())
-
-    def closed(self, timeout: float = 5.0) -> bool:
-        """True once the server closes the connection (frames before that are skipped)."""
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-                if self.sock.recv(65536) == b"":
-                    return True
-        except ConnectionResetError:
-            return True
-        except socket.timeout:
-            pass
-        return False
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def test_fast_topic_publish_consume_fin(make_server, tmp_path):
+def test_fast_topic_publish_consume_fin(make_server, tmp_path, nsq_connect):
     """PUB/MPUB/DPUB on a fast topic reach a SUBscribed consumer; FIN completes them."""
     server = make_server(data_path=str(tmp_path / "data"))
-    consumer = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    consumer = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     consumer.sub("events", "all", rdy=10)
-    producer = NsqSocket(server.tcp_port)
+    producer = nsq_connect(server.tcp_port)
     assert producer.pub("events", b"one") == b"OK"
     producer.send(encode_command(b"MPUB", b"events", body=mpub_body([b"two", b"three"])))
     assert producer.response() == b"OK"
@@ -111,18 +35,17 @@ def test_fast_topic_publish_consume_fin(make_server, tmp_path):
     channel = stats["topics"][0]["channels"][0]
     wait_for(lambda: json.loads(http_get(server.http + "/stats?format=json&topic=events")[1])["topics"][0]["channels"][0]["in_flight_count"] == 0)
     assert channel["message_count"] == 4
-    consumer.close(), producer.close()
 
 
-def test_reliable_topic_over_nsq_is_durable(make_server, topic, pg_dsn, tmp_path):
+def test_reliable_topic_over_nsq_is_durable(make_server, topic, pg_dsn, tmp_path, nsq_connect):
     """PUB to a registered reliable topic answers OK after commit; SUB on its channel gets
     the stored message with a 16-hex id; FIN is a durable acknowledgement."""
     server = make_server(data_path=str(tmp_path / "data"))
-    producer = NsqSocket(server.tcp_port)
+    producer = nsq_connect(server.tcp_port)
     assert producer.pub(topic, b"order-1") == b"OK"
     ((mid, producer_id, body),) = db_rows(pg_dsn, "SELECT id, producer, body FROM dmq_message")
     assert body == b"order-1" and producer_id.startswith("nsq:127.0.0.1:")
-    consumer = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    consumer = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     consumer.sub(topic, "billing")
     ts, attempts, wire_id, got = consumer.message()
     assert (got, attempts, wire_id) == (b"order-1", 1, b"%016x" % mid)
@@ -131,37 +54,37 @@ def test_reliable_topic_over_nsq_is_durable(make_server, topic, pg_dsn, tmp_path
     assert "orders" not in json.loads(http_get(server.http + "/stats?format=json")[1]).get("fast", [])
 
 
-def test_reliable_topic_refusals_are_clear(make_server, topic, tmp_path):
+def test_reliable_topic_refusals_are_clear(make_server, topic, tmp_path, nsq_connect):
     """SUB on an unregistered channel of a reliable topic is E_SUB_FAILED; others go on."""
     server = make_server(data_path=str(tmp_path / "data"))
-    bad = NsqSocket(server.tcp_port)
+    bad = nsq_connect(server.tcp_port)
     bad.send(f"SUB {topic} nosuch\n".encode())
     kind, data = bad.frame()
     assert kind == FRAME_ERROR and data.startswith(b"E_SUB_FAILED SUB failed E_NO_CHANNEL")
     assert bad.closed()
-    ok = NsqSocket(server.tcp_port)
+    ok = nsq_connect(server.tcp_port)
     assert ok.pub(topic, b"still works") == b"OK"
 
 
-def test_bad_input_closes_only_that_connection(make_server, tmp_path):
+def test_bad_input_closes_only_that_connection(make_server, tmp_path, nsq_connect):
     """A fatal error closes the offending connection; a bystander keeps publishing."""
     server = make_server(data_path=str(tmp_path / "data"))
-    bystander = NsqSocket(server.tcp_port)
-    bad = NsqSocket(server.tcp_port)
+    bystander = nsq_connect(server.tcp_port)
+    bad = nsq_connect(server.tcp_port)
     bad.send(b"PUB bad!topic\n")
     assert bad.frame() == (FRAME_ERROR, b'E_BAD_TOPIC PUB topic name "bad!topic" is not valid')
     assert bad.closed()
     assert bystander.pub("fine", b"x") == b"OK"
 
 
-def test_clean_restart_keeps_fast_messages_and_metadata(make_server, tmp_path):
+def test_clean_restart_keeps_fast_messages_and_metadata(make_server, tmp_path, nsq_connect):
     """SIGTERM flushes memory and in-flight fast messages to disk; after a restart the
     topics, channels and pause flags are back and every message is delivered."""
     data = tmp_path / "data"
     server = make_server(data_path=str(data))
-    c = NsqSocket(server.tcp_port)
+    c = nsq_connect(server.tcp_port)
     c.sub("keep", "ch", rdy=1)
-    p = NsqSocket(server.tcp_port)
+    p = nsq_connect(server.tcp_port)
     for i in range(5):
         assert p.pub("keep", b"m%d" % i) == b"OK"
     first = c.message()  # one in flight, four in memory
@@ -172,19 +95,19 @@ def test_clean_restart_keeps_fast_messages_and_metadata(make_server, tmp_path):
     assert meta["topics"][0]["name"] == "keep"
     assert (data / "nsq" / "keep:ch.diskqueue.meta.dat").exists()
     server.start()
-    c2 = NsqSocket(server.tcp_port)
+    c2 = nsq_connect(server.tcp_port)
     c2.sub("keep", "ch", rdy=10)
     got = {c2.message()[3] for _ in range(5)}
     assert got == {b"m%d" % i for i in range(5)}
     assert first[3] in got
 
 
-def test_heartbeat_keeps_a_quiet_consumer_and_drops_a_silent_one(make_server, tmp_path):
+def test_heartbeat_keeps_a_quiet_consumer_and_drops_a_silent_one(make_server, tmp_path, nsq_connect):
     """With a 1 s heartbeat, a client answering NOP stays; one that stays silent is closed
     after two intervals."""
     server = make_server(data_path=str(tmp_path / "data"))
-    talker = NsqSocket(server.tcp_port, {"heartbeat_interval": 1000})
-    silent = NsqSocket(server.tcp_port, {"heartbeat_interval": 1000})
+    talker = nsq_connect(server.tcp_port, {"heartbeat_interval": 1000})
+    silent = nsq_connect(server.tcp_port, {"heartbeat_interval": 1000})
     deadline = time.monotonic() + 3
     beats = 0
     while time.monotonic() < deadline:
@@ -200,7 +123,9 @@ def test_heartbeat_keeps_a_quiet_consumer_and_drops_a_silent_one(make_server, tm
     assert talker.pub("t", b"alive") == b"OK"
 
 
-def test_dmq_producer_reaches_a_fast_topic_and_nsq_consumers_get_every_acked_id(make_server, pg_dsn, tmp_path):
+def test_dmq_producer_reaches_a_fast_topic_and_nsq_consumers_get_every_acked_id(
+    make_server, pg_dsn, tmp_path, nsq_connect
+):
     """The broker routes a dmq send by the topic's store: to a topic registered with
     ``store=fast`` it goes to the fast store, is acknowledged with the fast store's id,
     and an NSQ consumer receives it under that same id. Counted: every id acknowledged
@@ -214,7 +139,7 @@ def test_dmq_producer_reaches_a_fast_topic_and_nsq_consumers_get_every_acked_id(
     with connect(pg_dsn, autocommit=True) as conn:
         registry.create_topic(conn, "clicks", store="fast")
     server = make_server(data_path=str(tmp_path / "data"))
-    consumer = NsqSocket(server.tcp_port, {"feature_negotiation": True})
+    consumer = nsq_connect(server.tcp_port, {"feature_negotiation": True})
     consumer.sub("clicks", "counter", rdy=100)
     with server.client() as producer:
         replies = producer.send_many("clicks", [b"click-%d" % i for i in range(50)])
@@ -227,4 +152,3 @@ def test_dmq_producer_reaches_a_fast_topic_and_nsq_consumers_get_every_acked_id(
     assert sorted(int(m[2], 16) for m in delivered) == sorted(acked)
     assert {m[3] for m in delivered} == {b"click-%d" % i for i in range(50)}
     assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
-    consumer.close()

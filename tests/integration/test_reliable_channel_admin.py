@@ -15,7 +15,6 @@ import pytest
 
 from .support import db_rows, http_get, wait_for
 from .test_nsq_http import v1
-from .test_nsq_tcp import NsqSocket
 
 pytestmark = pytest.mark.integration
 
@@ -33,13 +32,13 @@ def _publish(server, topic: str, n: int, prefix: str = "m") -> None:
     assert v1(server, "POST", f"/mpub?topic={topic}", body) == (200, "OK")
 
 
-def test_depth_counts_the_copies_waiting_in_postgresql(make_server, topic):
+def test_depth_counts_the_copies_waiting_in_postgresql(make_server, topic, nsq_connect):
     server = make_server(**FAST_STATE)
     _publish(server, topic, 300)
     wait_for(lambda: _channel(server, topic)["depth"] == 300)
     ch = _channel(server, topic)
     assert ch["in_flight_count"] == 0 and ch["backend_depth"] == 300  # no consumer: none loaded
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub(topic, "billing", rdy=10)
     got = [consumer.message() for _ in range(10)]
     wait_for(lambda: _channel(server, topic)["in_flight_count"] == 10)
@@ -49,13 +48,12 @@ def test_depth_counts_the_copies_waiting_in_postgresql(make_server, topic):
         consumer.send(b"FIN " + m[2] + b"\n")
     # acknowledged copies leave the stored count once their acks are durable
     wait_for(lambda: (_channel(server, topic)["in_flight_count"], _channel(server, topic)["depth"]) == (0, 290))
-    consumer.close()
 
 
-def test_req_with_a_delay_is_deferred_not_in_flight_nor_a_timeout(make_server, topic):
+def test_req_with_a_delay_is_deferred_not_in_flight_nor_a_timeout(make_server, topic, nsq_connect):
     server = make_server(**FAST_STATE)
     _publish(server, topic, 1)
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub(topic, "billing", rdy=1)
     _, attempts, mid, body = consumer.message()
     consumer.send(b"REQ " + mid + b" 1000\n")
@@ -67,14 +65,13 @@ def test_req_with_a_delay_is_deferred_not_in_flight_nor_a_timeout(make_server, t
     ch = _channel(server, topic)
     assert (ch["deferred_count"], ch["in_flight_count"], ch["timeout_count"]) == (0, 1, 0)
     consumer.send(b"FIN " + mid2 + b"\n")
-    consumer.close()
 
 
-def test_pause_unpause_and_empty_on_a_reliable_channel(make_server, topic, pg_dsn):
+def test_pause_unpause_and_empty_on_a_reliable_channel(make_server, topic, pg_dsn, nsq_connect):
     server = make_server(**FAST_STATE)
     assert v1(server, "POST", f"/channel/pause?topic={topic}&channel=billing") == (200, "")
     assert db_rows(pg_dsn, "SELECT topic, channel FROM dmq_channel_pause") == [(topic, "billing")]
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub(topic, "billing", rdy=50)
     _publish(server, topic, 20, "held")
     wait_for(lambda: _channel(server, topic)["depth"] == 20)
@@ -85,7 +82,7 @@ def test_pause_unpause_and_empty_on_a_reliable_channel(make_server, topic, pg_ds
     server.stop()
     server.start()
     consumer.close()
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub(topic, "billing", rdy=50)
     wait_for(lambda: _channel(server, topic)["depth"] == 20)
     assert _channel(server, topic)["paused"] is True and _channel(server, topic)["in_flight_count"] == 0
@@ -101,7 +98,7 @@ def test_pause_unpause_and_empty_on_a_reliable_channel(make_server, topic, pg_ds
     assert v1(server, "POST", f"/channel/empty?topic={topic}&channel=billing") == (200, "")
     assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
     _publish(server, topic, 5, "new")
-    consumer = NsqSocket(server.tcp_port)
+    consumer = nsq_connect(server.tcp_port)
     consumer.sub(topic, "billing", rdy=50)
     assert {consumer.message()[3] for _ in range(5)} == {b"new%d" % i for i in range(5)}
     consumer.close()

@@ -6,6 +6,8 @@ authorized producer reaches the authorized consumer."""
 from __future__ import annotations
 
 import json
+
+import pytest
 import socket
 import struct
 import time
@@ -17,11 +19,22 @@ from .authserver import AuthServer, grant
 from .support import db_rows, free_port
 
 
+OPEN: list["Nsq"] = []  # closed after each test, passed or not (see close_connections)
+
+
+@pytest.fixture(autouse=True)
+def close_connections():
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 class Nsq:
     """A raw NSQ V2 connection: commands out, frames in (type, data)."""
 
     def __init__(self, port: int):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        OPEN.append(self)
         self.sock.sendall(b"  V2")
 
     def send(self, *raw: bytes) -> None:

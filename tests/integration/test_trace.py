@@ -16,7 +16,7 @@ from dmq_server.admin.inspect import describe_event
 
 from .support import run_cli, wait_for
 from .test_admin_surfaces import http
-from .test_nsq_tcp import NsqSocket
+from .support import NsqSocket
 
 pytestmark = pytest.mark.integration
 

@@ -148,3 +148,26 @@ def test_rescan_does_not_bring_back_a_copy_acked_while_it_loaded():
     channel.ack_durable([1])  # the ack committed after the load's snapshot
     channel.loaded(rows(1, 3), 10)  # the snapshot still had row 1
     assert consumer.ids == [1, 2, 3]
+
+
+def test_a_closed_gate_holds_every_push_until_it_opens():
+    """The cluster's gate (a node that stood still asks ZooKeeper first): an ack read on
+    waking pumps at once, and the gate is asked before anything held is pushed."""
+    channel, loads = make()
+    consumer = Consumer(credit=1)
+    channel.subscribe(consumer)
+    channel.loaded(rows(1, 2, 3), 10)
+    assert consumer.ids == [1]
+    asked: list[bool] = []
+    open_ = False
+
+    def gate() -> bool:
+        asked.append(open_)
+        return open_
+
+    channel.gate = gate
+    assert channel.ack(1)  # frees credit and pumps: the gate holds the push
+    assert consumer.ids == [1] and asked == [False]
+    open_ = True
+    channel.pump()
+    assert consumer.ids == [1, 2]

@@ -56,6 +56,7 @@ class FakeClient:
         self.released = released
         self.stop_blocks = stop_blocks
         self.stopped = threading.Event()
+        self.closed = False
 
     def stop(self):
         self.stopped.set()
@@ -64,7 +65,7 @@ class FakeClient:
         self.released.set()
 
     def close(self):
-        pass
+        self.closed = True
 
 
 def _assignment(reactor, client, partitioner) -> ZkFragmentAssignment:
@@ -103,3 +104,26 @@ def test_stop_fires_at_its_bound_even_if_closing_the_client_hangs_too():
     assert done.called
     stuck = [t for t in threading.enumerate() if t.name.startswith("dmq-delay-partitioner")]
     assert stuck and all(t.daemon for t in stuck)
+
+
+def test_a_client_connected_while_stopping_is_stopped_and_closed():
+    """stop() while the partitioner thread is still connecting finds no client to close;
+    the client that connect() returns afterwards is stopped and closed by the thread
+    (it used to be kept, with its session and sockets, for the life of the process)."""
+    connecting, proceed = threading.Event(), threading.Event()
+    client = FakeClient(threading.Event())
+
+    def connect():
+        connecting.set()
+        proceed.wait(10)
+        return client
+
+    assignment = ZkFragmentAssignment(connect, 8, FakeReactor(), "node-a", leave_timeout=0.2)
+    assignment.start(lambda owned: None)
+    assert connecting.wait(10)
+    assignment._stop_blocking()  # the blocking half of stop(): no client yet
+    assert not client.stopped.is_set()
+    proceed.set()
+    assignment._thread.join(10)
+    assert not assignment._thread.is_alive()
+    assert client.stopped.is_set() and client.closed

@@ -100,6 +100,7 @@ def test_a_dead_members_fragments_move_to_the_survivor(zk_address):
         assert owned["node-a"] == ALL
     finally:
         a._stop_blocking()
+        b._stop_blocking()  # the dead member's session is gone: this only frees its client
 
 
 def send_delayed(client, topic: str, body: bytes, due_ms: int):
