@@ -64,7 +64,11 @@ from dmq_server.core.options import Options
 from dmq_server.scheduling import Scheduling, make_assignment, worker_roles
 from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.messages import HOT_STATEMENTS
+from dmq_server.db.clusters import describe as describe_clusters, place_clusters
+from dmq_server.db.mirror import Mirror
+from dmq_server.db.topics import list_topics_steps
 from dmq_server.db.schema import migrate, ping
+from dmq_server.core.fragments import SharedAssignment
 from dmq_server.db.worker import DbWorker
 from dmq_server.security.authorizer import make_authorizer
 from dmq_server.security.exposure import exposure_warnings
@@ -77,6 +81,8 @@ __all__ = ["DmqServer", "DmqService", "make_service"]
 log = Logger()
 
 WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops", "metrics")
+# the roles of every other cluster's store (``--pg-cluster``): no health, no metrics sampling
+CLUSTER_ROLES = ("acker", "loader", "admin", "adminops")
 
 
 def _endpoint(reactor: Any, host: str, port: int, tls: Any = None) -> Any:
@@ -104,6 +110,11 @@ class DmqServer:
         self.embedded: Any = None
         self.pg_supervisor: Any = None  # dmq_server.db.supervisor.PostgresSupervisor when embedded
         self.workers: dict[str, DbWorker] = {}
+        # every --pg-cluster's DSN and database roles, and each cluster's id slot
+        self.cluster_dsns: dict[str, str] = dict(options.pg_clusters)
+        self.cluster_workers: dict[str, dict[str, Any]] = {}
+        self.slots: dict[str, int] = {"main": 0}
+        self.cluster_scheduling: list[Scheduling] = []
         self.cluster: Any = None  # dmq_server.cluster.node.ClusterNode with --zk
         self.fast_store: FastStore | None = None
         self.broker: Broker | None = None
@@ -154,22 +165,33 @@ class DmqServer:
             # restarts the postmaster if it dies while we run (nothing else would)
             self.pg_supervisor = PostgresSupervisor(self.embedded, self.reactor)
             yield self.pg_supervisor.start()
-        applied = yield deferToThread(migrate, self.dsn)
-        if applied:
-            log.info("applied schema migrations {versions}", versions=applied)
+        for name, dsn in {"main": self.dsn, **self.cluster_dsns}.items():
+            applied = yield deferToThread(migrate, dsn)
+            if applied:
+                log.info("applied schema migrations {versions} on cluster {name}", versions=applied, name=name)
+        if self.cluster_dsns:
+            self.slots = yield deferToThread(place_clusters, {"main": self.dsn, **self.cluster_dsns})
+            log.info("PostgreSQL clusters: {clusters}", clusters=describe_clusters(self.slots))
         writers = [f"writer{i}" for i in range(options.commit_writers)]
-        for role in (*writers, *WORKER_ROLES, *worker_roles(options)):
-            worker = self._db_worker(role, hot=role in writers or role == "acker")
-            worker.start()
-            self.workers[role] = worker
+        self.workers = self._db_workers(self.dsn, (*writers, *WORKER_ROLES, *worker_roles(options)))
+        for name, dsn in self.cluster_dsns.items():
+            self.cluster_workers[name] = self._db_workers(dsn, (*writers, *CLUSTER_ROLES, *worker_roles(options)))
 
-    def _db_worker(self, role: str, hot: bool) -> Any:
+    def _db_workers(self, dsn: str, roles: tuple[str, ...]) -> dict[str, Any]:
+        workers = {}
+        for role in roles:
+            hot = role.startswith("writer") or role == "acker"
+            workers[role] = worker = self._db_worker(dsn, role, hot)
+            worker.start()
+        return workers
+
+    def _db_worker(self, dsn: str, role: str, hot: bool) -> Any:
         """Group commit and durable acks (``hot``) run one statement per batch,
         committed on its own; by default on a connection the reactor reads itself
         (``db.reactor``), the other roles on a thread each."""
         if hot and self.options.db_io == "reactor":
-            return ReactorDb(self.reactor, self.dsn, role, prepare=HOT_STATEMENTS, timeout=self.options.pg_timeout)
-        return DbWorker(self.reactor, self.dsn, role, autocommit=hot, timeout=self.options.pg_timeout)
+            return ReactorDb(self.reactor, dsn, role, prepare=HOT_STATEMENTS, timeout=self.options.pg_timeout)
+        return DbWorker(self.reactor, dsn, role, autocommit=hot, timeout=self.options.pg_timeout)
 
     @property
     def tcp_address(self) -> tuple[str, int]:
@@ -255,8 +277,9 @@ class DmqServer:
             conn.health_changed(ok)
 
     def _stop_database(self) -> Any:
-        for worker in self.workers.values():
-            worker.stop()
+        for workers in (self.workers, *self.cluster_workers.values()):
+            for worker in workers.values():
+                worker.stop()
         d: defer.Deferred = defer.succeed(None)
         if self.pg_supervisor is not None:
             d.addCallback(lambda _: self.pg_supervisor.stop())
@@ -269,7 +292,11 @@ class DmqServer:
         """The registry in ZooKeeper, mirrored into PostgreSQL (dmq_server.cluster.node)."""
         from dmq_server.cluster.node import ClusterNode
 
-        self.cluster = ClusterNode(self.options, self.reactor, self.node_id, self.dsn, self.workers["admin"])
+        self.cluster = ClusterNode(
+            self.options, self.reactor, self.node_id, self.dsn, self.workers["admin"],
+            mirror=self._mirrors() if self.cluster_workers else None,
+            cluster_dsns=self.cluster_dsns,
+        )
         return self.cluster.connect()
 
     def _leave_cluster(self) -> Any:
@@ -292,13 +319,27 @@ class DmqServer:
         if self.cluster is not None:
             fetch_topics = self.cluster.fetch_topics
             options = options.replace(registry_refresh=options.zk_refresh)
-        self.broker = Broker(options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store)
+        else:
+            fetch_topics = self._mirrored_topics() if self.cluster_workers else None
+        self.broker = Broker(
+            options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store,
+            clusters=self.cluster_workers, slots=self.slots, alone=self.cluster is None,
+        )
         self.broker.health_listeners.append(self._health_changed)
         if self.cluster is None:
             return self.broker.start()
         self.cluster.attach(self.broker, self._fast_topics)
-        d = self.cluster.begin_incarnation(self.broker.reliable)
+        d = self.cluster.begin_incarnation(self.broker.stores)
         return d.addCallback(lambda _: self.broker.start())
+
+    def _mirrors(self) -> Mirror:
+        """The registry's rows into every cluster but main (``db.mirror``)."""
+        return Mirror({name: workers["admin"] for name, workers in self.cluster_workers.items()}, self.reactor)
+
+    def _mirrored_topics(self) -> Any:
+        """Without ZooKeeper: the main cluster's registry tables, mirrored into the others."""
+        mirror, admin = self._mirrors(), self.workers["admin"]
+        return lambda: admin.run_steps(list_topics_steps).addCallback(mirror.mirror)
 
     @defer.inlineCallbacks
     def _drain_broker(self) -> Any:
@@ -319,19 +360,29 @@ class DmqServer:
 
     # -- scheduler ------------------------------------------------------------------
     def _start_scheduling(self) -> None:
+        """A delay scheduler per cluster; the node serves the same delay fragments on
+        each (one assignment, one party: ``core.fragments.SharedAssignment``)."""
         options = self.options
-        self.scheduling = Scheduling(
-            options,
-            self.reactor,
-            self.node_id,
-            self.broker.reliable,
-            [self.workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
-            lambda: make_assignment(options, self.reactor, self.node_id),
-        )
-        self.scheduling.start()
+        shared = SharedAssignment(make_assignment(options, self.reactor, self.node_id))
+        made = []
+        for name, workers in {"main": self.workers, **self.cluster_workers}.items():
+            made.append(Scheduling(
+                options,
+                self.reactor,
+                self.node_id,
+                self.broker.stores[name],
+                [workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
+                lambda: shared,
+            ))
+        self.scheduling, self.cluster_scheduling = made[0], made[1:]
+        for scheduling in made:
+            scheduling.start()
 
+    @defer.inlineCallbacks
     def _stop_scheduling(self) -> Any:
-        return self.scheduling.stop() if self.scheduling is not None else None
+        for scheduling in (*self.cluster_scheduling, self.scheduling):
+            if scheduling is not None:
+                yield scheduling.stop()
 
     # -- listeners ------------------------------------------------------------------
     @defer.inlineCallbacks
@@ -376,8 +427,13 @@ class DmqServer:
             dmq_connections=self.connections,
             nsq=self.nsq,
             port_factory=self.port_factory,
+            clusters={
+                scheduling.store.cluster: (self.cluster_workers[scheduling.store.cluster]["adminops"], scheduling.delays)
+                for scheduling in self.cluster_scheduling
+            },
         )
-        self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval)
+        self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
+                                 others=[workers["adminops"] for workers in self.cluster_workers.values()])
         site = make_site(self._ping, broker.stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(

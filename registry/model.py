@@ -30,6 +30,17 @@ class TopicSpec:
     ttl_ms: int | None = None
     max_attempts: int | None = None
     channels: tuple[str, ...] = ()
+    # the PostgreSQL cluster its messages are stored on (``--pg-cluster``; ``main`` is
+    # --pg-dsn or the embedded PostgreSQL), and the clusters it was moved away from whose
+    # copies are still being delivered (``dmq topic move``)
+    cluster: str = "main"
+    draining: tuple[str, ...] = ()
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        """Every cluster holding copies of this topic: where it is placed, then those
+        draining."""
+        return (self.cluster, *(c for c in self.draining if c != self.cluster))
 
 
 def encode_topic(spec: Any) -> bytes:
@@ -41,6 +52,8 @@ def encode_topic(spec: Any) -> bytes:
             "rate_limit": spec.rate_limit,
             "ttl_ms": spec.ttl_ms,
             "max_attempts": spec.max_attempts,
+            "cluster": spec.cluster,
+            "draining": list(spec.draining),
         },
         sort_keys=True,
     ).encode()
@@ -62,6 +75,8 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         values = {}
     store = values.get("store") if values.get("store") in STORES else "reliable"
     timeout = _optional_int(values, "msg_timeout_ms") or 60000
+    cluster = values.get("cluster") if isinstance(values.get("cluster"), str) and values.get("cluster") else "main"
+    draining = values.get("draining") if isinstance(values.get("draining"), list) else []
     return TopicSpec(
         name,
         store,
@@ -70,6 +85,8 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         _optional_int(values, "ttl_ms"),
         _optional_int(values, "max_attempts"),
         tuple(sorted(channels)),
+        cluster,
+        tuple(str(c) for c in draining if isinstance(c, str) and c),
     )
 
 
@@ -90,6 +107,12 @@ class NodeInfo:
     # the PostgreSQL incarnation (dmq_owner.id) whose messages this process stores: a
     # takeover leaves it alone while this registration lives
     incarnation: int = 0
+    # the incarnations it stores as on the other PostgreSQL clusters (--pg-cluster), by name
+    incarnations: dict[str, int] = field(default_factory=dict)
+
+    def incarnation_on(self, cluster: str) -> int:
+        """Its incarnation on ``cluster`` (0: none named)."""
+        return self.incarnation if cluster == "main" else self.incarnations.get(cluster, 0)
 
     @property
     def tcp_address(self) -> str:
@@ -113,6 +136,7 @@ class NodeInfo:
                 "instance": self.instance,
                 "fast_topics": {k: list(v) for k, v in sorted(self.fast_topics.items())},
                 "incarnation": self.incarnation,
+                "incarnations": dict(sorted(self.incarnations.items())),
             },
             sort_keys=True,
         ).encode()
@@ -135,6 +159,7 @@ class NodeInfo:
                 str(values.get("instance", "")),
                 {str(k): tuple(str(c) for c in v) for k, v in fast.items()},
                 int(values.get("incarnation", 0)),
+                {str(k): int(v) for k, v in (values.get("incarnations") or {}).items()},
             )
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             return None

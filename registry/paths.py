@@ -14,6 +14,9 @@
                                   copies change owner (takeover or re-registration)
       /delay/fragments            delay fragments shared among live nodes (kazoo
                                   SetPartitioner; dmq_server/cluster/fragments.py)
+      /cluster
+        /<name>                   persistent; a PostgreSQL cluster topics may be placed
+                                  on (--pg-cluster), made by the nodes that connect to it
 
 Everything sits under an optional chroot given with the address
 (``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and
@@ -30,6 +33,8 @@ __all__ = [
     "NODES",
     "TAKEOVER",
     "DELAY_FRAGMENTS",
+    "CLUSTERS",
+    "cluster",
     "topic",
     "channel",
     "node",
@@ -44,6 +49,7 @@ TOPICS = ROOT + "/topic"
 NODES = ROOT + "/node"
 TAKEOVER = ROOT + "/takeover"
 DELAY_FRAGMENTS = ROOT + "/delay/fragments"
+CLUSTERS = ROOT + "/cluster"
 
 # Node ids are free text (default "host:port"); a "/" would split the path, so ids are
 # percent-encoded in znode names. Topic and channel names are already safe.
@@ -58,6 +64,10 @@ def check_znode_name(kind: str, name: str) -> None:
 
 def topic(name: str) -> str:
     return f"{TOPICS}/{name}"
+
+
+def cluster(name: str) -> str:
+    return f"{CLUSTERS}/{name}"
 
 
 def channel(topic_name: str, name: str) -> str:

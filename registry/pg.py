@@ -32,13 +32,16 @@ __all__ = [
     "add_channel",
     "remove_channel",
     "mirror_topics",
+    "clusters",
+    "check_cluster",
+    "place_topic",
 ]
 
 
 def list_topics(conn: Any) -> list[TopicSpec]:
     """Every topic with its channels, in the caller's transaction."""
     return [
-        TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]))
+        TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]))
         for r in conn.execute(queries["list_topics"])
     ]
 
@@ -64,10 +67,12 @@ def create_topic(
     rate_limit: int | None = None,
     ttl_ms: int | None = None,
     max_attempts: int | None = None,
+    cluster: str = "main",
 ) -> None:
     check_name("topic", name)
     check_settings(store, msg_timeout_ms)
     with conn.transaction():
+        check_cluster(conn, cluster)
         row = conn.execute(
             queries["create_topic"],
             {
@@ -77,10 +82,39 @@ def create_topic(
                 "rate_limit": rate_limit,
                 "ttl_ms": ttl_ms,
                 "max_attempts": max_attempts,
+                "cluster": cluster,
             },
         ).fetchone()
     if row is None:
         raise RegistryError(f"topic {name!r} already exists")
+
+
+def clusters(conn: Any) -> dict[str, int]:
+    """The clusters dmq nodes have registered on this (the main) database: name -> id slot."""
+    return {name: slot for name, slot in conn.execute(queries["list_clusters"])}
+
+
+def check_cluster(conn: Any, cluster: str) -> None:
+    """RegistryError unless a node started with ``--pg-cluster`` naming ``cluster``."""
+    known = clusters(conn)
+    if cluster not in known:
+        raise RegistryError(
+            f"unknown cluster {cluster!r}: the clusters are {', '.join(sorted(known))} "
+            "(a cluster is known once a node started with --pg-cluster NAME=DSN)"
+        )
+
+
+def place_topic(conn: Any, name: str, cluster: str, draining: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """Set a topic's cluster and the clusters it drains from; returns the old pair."""
+    check_name("topic", name)
+    with conn.transaction():
+        check_cluster(conn, cluster)
+        row = conn.execute(
+            queries["place_topic"], {"name": name, "cluster": cluster, "draining": list(draining)}
+        ).fetchone()
+    if row is None:
+        raise RegistryError(f"no such topic {name!r}")
+    return row[0], tuple(row[1])
 
 
 def delete_topic(conn: Any, name: str) -> None:
@@ -126,13 +160,18 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
         changed = True
     for name, spec in sorted(wanted.items()):
         row = current.get(name)
-        settings = (spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts)
+        settings = (
+            spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts, spec.cluster,
+            tuple(spec.draining),
+        )
         if row is None or settings != (
             row.store,
             row.msg_timeout_ms,
             row.rate_limit,
             row.ttl_ms,
             row.max_attempts,
+            row.cluster,
+            row.draining,
         ):
             conn.execute(
                 queries["upsert_topic"],
@@ -143,6 +182,8 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
                     "rate_limit": spec.rate_limit,
                     "ttl_ms": spec.ttl_ms,
                     "max_attempts": spec.max_attempts,
+                    "cluster": spec.cluster,
+                    "draining": list(spec.draining),
                 },
             )
             changed = True
@@ -171,6 +212,12 @@ class PgRegistry(Registry):
 
     def create_topic(self, name: str, **settings: Any) -> None:
         create_topic(self.conn, name, **settings)
+
+    def clusters(self) -> list[str]:
+        return sorted(clusters(self.conn))
+
+    def place_topic(self, name: str, cluster: str, draining: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+        return place_topic(self.conn, name, cluster, draining)
 
     def delete_topic(self, name: str) -> None:
         delete_topic(self.conn, name)

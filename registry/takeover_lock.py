@@ -27,9 +27,10 @@ __all__ = ["TakeoverLock"]
 
 
 class TakeoverLock:
-    def __init__(self, client: KazooClient, node_id: str, holder: str):
+    def __init__(self, client: KazooClient, node_id: str, holder: str, cluster: str = "main"):
         self.client = client
         self.node_id = node_id
+        self.cluster = cluster  # whose incarnations are checked (one lock per node for all)
         self._lock = Lock(client, paths.takeover_lock(node_id), identifier=holder)
 
     def node_present(self) -> bool:
@@ -42,7 +43,7 @@ class TakeoverLock:
         except NoNodeError:
             return None
         info = NodeInfo.decode(self.node_id, data)
-        return info.incarnation if info is not None else 0
+        return info.incarnation_on(self.cluster) if info is not None else 0
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock (registration)."""

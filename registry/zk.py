@@ -190,11 +190,13 @@ class ZkRegistry(Registry):
         rate_limit: int | None = None,
         ttl_ms: int | None = None,
         max_attempts: int | None = None,
+        cluster: str = "main",
     ) -> None:
         check_name("topic", name)
         _check_znode("topic", name)
         check_settings(store, msg_timeout_ms)
-        data = encode_topic(TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts))
+        self.check_cluster(cluster)
+        data = encode_topic(TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster))
 
         def inner(first: bool) -> None:
             try:
@@ -204,6 +206,47 @@ class ZkRegistry(Registry):
                     raise RegistryError(f"topic {name!r} already exists") from None
 
         _once_then_retry(self.client, inner)
+
+    # -- clusters -------------------------------------------------------------------------
+    def clusters(self) -> list[str]:
+        """The PostgreSQL clusters the nodes connect to (``main`` always)."""
+        try:
+            names = self.client.retry(self.client.get_children, paths.CLUSTERS)
+        except NoNodeError:
+            names = []
+        return sorted({"main", *names})
+
+    def add_cluster(self, name: str) -> None:
+        """Record a cluster a node connects to (idempotent)."""
+        self.client.retry(self.client.ensure_path, paths.cluster(name))
+
+    def check_cluster(self, cluster: str) -> None:
+        known = self.clusters()
+        if cluster not in known:
+            raise RegistryError(
+                f"unknown cluster {cluster!r}: the clusters are {', '.join(known)} "
+                "(a cluster is known once a node started with --pg-cluster NAME=DSN)"
+            )
+
+    def place_topic(self, name: str, cluster: str, draining: Any) -> tuple[str, tuple[str, ...]]:
+        """Set a topic's cluster and the clusters it drains from; returns the old pair
+        (a compare-and-set on the topic's znode version)."""
+        import dataclasses
+
+        check_name("topic", name)
+        self.check_cluster(cluster)
+
+        def inner() -> tuple[str, tuple[str, ...]]:
+            try:
+                data, stat = self.client.get(paths.topic(name))
+            except NoNodeError:
+                raise RegistryError(f"no such topic {name!r}") from None
+            spec = decode_topic(name, data, ())
+            new = dataclasses.replace(spec, cluster=cluster, draining=tuple(draining))
+            self.client.set(paths.topic(name), encode_topic(new), version=stat.version)
+            return spec.cluster, spec.draining
+
+        return self.client.retry(inner)
 
     def update_topic(self, spec: Any) -> None:
         """Replace a topic's settings (its channels are left alone)."""

@@ -25,17 +25,26 @@ SELECT 1;
 -- name: list_topics
 -- Every topic with its settings and channels, for the registry cache and the CLI.
 SELECT t.name, t.store, t.msg_timeout_ms, t.rate_limit, t.ttl_ms, t.max_attempts,
-       coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels
+       coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels,
+       t.cluster, t.draining
 FROM dmq_topic t LEFT JOIN dmq_channel c ON c.topic = t.name
 GROUP BY t.name
 ORDER BY t.name;
 
 -- name: create_topic
 -- Register a topic; returns nothing if it already exists.
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts)
-VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s)
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster)
+VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s, %(cluster)s)
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
+
+-- name: place_topic
+-- Move a topic to another cluster (new sends go there) and set the clusters whose
+-- copies are still being delivered (``dmq topic move``); the old placement is returned.
+UPDATE dmq_topic t SET cluster = %(cluster)s, draining = %(draining)s
+FROM (SELECT name, cluster, draining FROM dmq_topic WHERE name = %(name)s FOR UPDATE) AS old
+WHERE t.name = old.name
+RETURNING old.cluster, old.draining;
 
 -- name: lock_topic_settings
 -- One topic's changeable settings, the row locked until the update commits.
@@ -76,6 +85,9 @@ SELECT name FROM gone;
 -- a channel registered concurrently finds its messages by reading its cursor).
 -- The owner row is share-locked first: an owner retired by a takeover stores nothing
 -- more (the answer has no rows and the writer fails the batch as fenced).
+-- A row whose topic is not placed on this database's cluster (moved away: the sender's
+-- view of the registry is stale) is not stored, so no copy lands where no channel drains
+-- once the statements that began before the move's fence have ended (topic_leftovers).
 -- Array parameters use binary placeholders: text arrays cost the server ~20 us a row.
 -- Rows whose (producer, session_id) is already stored are skipped (resends).
 -- produced_ms is the producer's clock: only Unix milliseconds up to 9999-12-31 become a
@@ -86,12 +98,18 @@ WITH owner AS MATERIALIZED (
     SELECT * FROM unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[],
                          %(produced_ms)b::bigint[], %(bodies)b::bytea[])
              WITH ORDINALITY AS u(topic, producer, session_id, produced_ms, body, ord)
+), placed AS MATERIALIZED (
+    -- read, not locked (a lock would cost every batch a multixact and WAL): a move waits
+    -- instead until every transaction that began before its fence has ended (topic_leftovers)
+    SELECT t.name FROM dmq_topic t JOIN dmq_cluster_self s ON s.name = t.cluster
+    WHERE t.name IN (SELECT DISTINCT topic FROM input)
 ), ins AS (
     INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body)
     SELECT topic, producer, session_id,
            CASE WHEN produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(produced_ms / 1000.0) END,
            %(node_id)s, owner.id, body
     FROM input CROSS JOIN owner
+    WHERE input.topic IN (SELECT name FROM placed)
     ORDER BY producer, session_id  -- one lock order: concurrent writers cannot deadlock
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id, topic, producer, session_id, published_at
@@ -243,12 +261,17 @@ WITH input AS (
                          %(produced_ms)b::bigint[], %(due_ms)b::bigint[], %(fragments)b::integer[],
                          %(bodies)b::bytea[])
              AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body)
+), placed AS MATERIALIZED (
+    -- placed on this database's cluster (as insert_messages)
+    SELECT t.name FROM dmq_topic t JOIN dmq_cluster_self s ON s.name = t.cluster
+    WHERE t.name IN (SELECT DISTINCT topic FROM input)
 )
 INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body)
 SELECT i.fragment, i.due_ms, i.topic, i.producer, i.session_id, i.produced_ms, %(node_id)s, i.body
 FROM input i
 WHERE NOT EXISTS (SELECT 1 FROM dmq_message m
                   WHERE m.producer = i.producer AND m.session_id = i.session_id)
+  AND i.topic IN (SELECT name FROM placed)
 ORDER BY i.producer, i.session_id  -- one lock order, as insert_messages
 ON CONFLICT (producer, session_id) DO NOTHING
 RETURNING id, producer, session_id, due_ms;
@@ -517,12 +540,16 @@ FROM dmq_dead_letter WHERE id = %(id)s;
 -- each, due now, in dmq_delay for its own channel (NULL: every channel) in the same
 -- transaction. Producer 'dmq-replay' with session id = the dead letter's id makes a
 -- second replay of the same dead letter a no-op even if the mark were lost. Returns
--- the highest id looked at (the next cursor) and how many were queued.
+-- the highest id looked at (the next cursor) and how many were queued. The dead letters
+-- of a topic placed on another cluster (moved away) are left: queued here, they would
+-- be stored where no channel of the topic drains.
 WITH picked AS MATERIALIZED (
     SELECT id FROM dmq_dead_letter
     WHERE /*dead_letter_filter*/
       AND replayed_at IS NULL
       AND id > %(after)s
+      AND NOT EXISTS (SELECT 1 FROM dmq_topic t JOIN dmq_cluster_self s ON s.name <> t.cluster
+                      WHERE t.name = dmq_dead_letter.topic)
     ORDER BY id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -572,12 +599,13 @@ SELECT pg_advisory_xact_lock(7361002);
 
 -- name: upsert_topic
 -- Register a topic or replace its settings (the registry mirror; ZooKeeper decides).
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts)
-VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s)
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining)
+VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s,
+        %(cluster)s, %(draining)s)
 ON CONFLICT (name) DO UPDATE
 SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
-    max_attempts = EXCLUDED.max_attempts;
+    max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining;
 
 -- name: create_owner
 -- A new incarnation of this node: the owner of the messages it stores from now on.
@@ -835,3 +863,56 @@ DELETE FROM dmq_delay WHERE id = ANY(%(ids)s::bigint[]) RETURNING id;
 -- The admin audit log, newest first.
 SELECT id, (extract(epoch FROM at) * 1000)::bigint, surface, actor, operation, filters, affected
 FROM dmq_admin_log WHERE id < %(before)s ORDER BY id DESC LIMIT %(limit)s;
+
+-- ---------------------------------------------------------------------------
+-- Several PostgreSQL clusters (schema version 8)
+-- ---------------------------------------------------------------------------
+
+-- name: lock_clusters
+-- Serialise nodes assigning id slots to cluster names (on the main cluster).
+SELECT pg_advisory_xact_lock(7361003);
+
+-- name: list_clusters
+-- Every cluster's name and id slot, as recorded on the main cluster.
+SELECT name, slot FROM dmq_cluster ORDER BY slot;
+
+-- name: add_cluster
+-- Give a new cluster name the lowest free id slot (under lock_clusters).
+INSERT INTO dmq_cluster (name, slot)
+SELECT %(name)s, min(s) FROM generate_series(0, 31) AS s
+WHERE s NOT IN (SELECT slot FROM dmq_cluster)
+HAVING min(s) IS NOT NULL
+ON CONFLICT (name) DO NOTHING
+RETURNING slot;
+
+-- name: cluster_self
+-- Which cluster this database is.
+SELECT name, slot, claimed FROM dmq_cluster_self;
+
+-- name: claim_cluster_self
+-- Name this database as a cluster, once (a claimed database keeps its name).
+UPDATE dmq_cluster_self SET name = %(name)s, slot = %(slot)s, claimed = true
+WHERE NOT claimed OR (name = %(name)s AND slot = %(slot)s)
+RETURNING name;
+
+-- name: raise_id_sequences
+-- Move the id sequences of messages, delayed messages and dead letters into this
+-- cluster's slot (no-op once there).
+SELECT setval(s.seq, %(floor)s, false)
+FROM (VALUES (pg_get_serial_sequence('dmq_message', 'id')), (pg_get_serial_sequence('dmq_delay', 'id')),
+             (pg_get_serial_sequence('dmq_dead_letter', 'id'))) AS s(seq)
+WHERE coalesce(pg_sequence_last_value(s.seq::regclass), 0) < %(floor)s;
+
+-- name: topic_leftovers
+-- What a topic still has on this cluster: where this database says it is placed, copies
+-- waiting and delayed messages (a move drains the old cluster until both are 0), the
+-- transactions that began before the move's fence (one of them may still store a message
+-- of the topic here: its statement read the old placement) and the time now (the next
+-- fence's).
+SELECT (SELECT cluster FROM dmq_topic WHERE name = %(name)s) AS placed,
+       (SELECT count(*) FROM dmq_pending WHERE topic = %(name)s) AS pending,
+       (SELECT count(*) FROM dmq_delay WHERE topic = %(name)s) AS delayed,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND pid <> pg_backend_pid()
+          AND xact_start < %(fenced_at)s::timestamptz) AS older,
+       now() AS now;

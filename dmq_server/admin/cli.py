@@ -21,10 +21,9 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from dmq_server.admin.cli_support import CliError, open_database as _database
+from dmq_server.admin.cli_support import CliError, connect_cluster, open_database as _database, open_registry as _registry
 from dmq_server.core.errors import Refused
 from dmq_client.spelling import parse_duration
 
@@ -47,32 +46,9 @@ def _topic_dict(row: Any) -> dict:
         "ttl_ms": row.ttl_ms,
         "max_attempts": row.max_attempts,
         "channels": list(row.channels),
+        "cluster": row.cluster,
+        "draining": list(row.draining),
     }
-
-
-@contextmanager
-def _registry(args: argparse.Namespace) -> Iterator[Any]:
-    """The registry the topic and channel commands manage: ZooKeeper with --zk (a
-    cluster; every node mirrors it into its PostgreSQL within moments), else the
-    PostgreSQL tables of a single node."""
-    if args.zk:
-        from registry.model import RegistryError
-        from registry.zk import ZkRegistry, connect
-
-        try:
-            client = connect(args.zk, timeout=args.zk_timeout)
-        except (RegistryError, ValueError) as exc:
-            raise CliError(str(exc), 3) from exc
-        zk_registry = ZkRegistry(client)
-        try:
-            yield zk_registry
-        finally:
-            zk_registry.close()
-        return
-    from registry.pg import PgRegistry
-
-    with _database(args) as conn:
-        yield PgRegistry(conn)
 
 
 def cmd_topic(args: argparse.Namespace) -> None:
@@ -85,9 +61,10 @@ def cmd_topic(args: argparse.Namespace) -> None:
                     args.name,
                     store=args.store,
                     msg_timeout_ms=_duration_ms(args.msg_timeout),
+                    cluster=args.cluster,
                     **_limits(args),
                 )
-                print(f"created topic {args.name}")
+                print(f"created topic {args.name}" + (f" on cluster {args.cluster}" if args.cluster != "main" else ""))
             elif args.action == "delete":
                 reg.delete_topic(args.name)
                 print(f"deleted topic {args.name}")
@@ -97,7 +74,8 @@ def cmd_topic(args: argparse.Namespace) -> None:
                     print(json.dumps([_topic_dict(r) for r in rows], indent=2))
                 else:
                     for row in rows:
-                        print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}")
+                        where = row.cluster + "".join(f" (draining {c})" for c in row.draining)
+                        print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}\tcluster: {where}")
             elif args.action == "show":
                 print(json.dumps(_topic_dict(reg.get_topic(args.name)), indent=2))
         except registry.RegistryError as exc:
@@ -258,10 +236,23 @@ def cmd_stats(args: argparse.Namespace) -> None:
 def cmd_db(args: argparse.Namespace) -> None:
     from dmq_server.db.schema import schema_version
 
+    from dmq_server.admin.cli_support import cluster_dsns
+    from dmq_server.db.errors import StorageError
+    from dmq_server.db.schema import migrate
+
     # _database applies pending migrations before handing out the connection
     with _database(args) as conn:
         version = schema_version(conn)
     print(f"schema is at version {version}" if args.action == "migrate" else version)
+    for name, dsn in cluster_dsns(args).items():  # every --pg-cluster as well
+        try:
+            if args.action == "migrate":
+                migrate(dsn)
+            with connect_cluster(name, dsn) as conn:
+                other = schema_version(conn)
+        except StorageError as exc:
+            raise CliError(f"cluster {name!r}: {exc}", 3) from exc
+        print(f"cluster {name}: schema is at version {other}" if args.action == "migrate" else f"{name} {other}")
 
 
 def cmd_node(args: argparse.Namespace) -> None:
@@ -315,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--zk-timeout", type=float, default=10.0, help="seconds to wait for ZooKeeper (default 10)"
     )
+    parser.add_argument(
+        "--pg-cluster", action="append", metavar="NAME=DSN",
+        default=[os.environ["DMQ_PG_CLUSTER"]] if os.environ.get("DMQ_PG_CLUSTER") else [],
+        help="another PostgreSQL cluster, as the servers' --pg-cluster (repeat; env DMQ_PG_CLUSTER): "
+        "topic move and the dead-letter commands use them",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     node = sub.add_parser("node", help="cluster nodes (needs --zk)")
@@ -329,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     create.add_argument("--msg-timeout", default="60s", help="redelivery timeout (default 60s)")
     create.add_argument("--store", default="reliable", choices=["reliable", "fast"])
+    create.add_argument("--cluster", default="main",
+                        help="the PostgreSQL cluster its messages are stored on (default main; see --pg-cluster)")
     create.add_argument("--rate-limit", type=int, default=None, metavar="N",
                         help="most sends per second per node; more are refused and dead-lettered")
     create.add_argument("--ttl", default=None, metavar="DURATION",
@@ -357,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     lst = tsub.add_parser("list", help="list topics")
     lst.add_argument("--json", action="store_true")
     topic.set_defaults(func=cmd_topic)
+    from dmq_server.admin.cli_clusters import add_cluster_commands
+
+    add_cluster_commands(tsub)
 
     channel = sub.add_parser("channel", help="manage a topic's channels (consumer groups)")
     csub = channel.add_subparsers(dest="action", required=True)

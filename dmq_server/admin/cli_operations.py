@@ -38,7 +38,7 @@ from dmq_server.admin.operations import (
     show_dead_letter,
 )
 
-from dmq_server.admin.cli_support import CliError, open_database
+from dmq_server.admin.cli_support import CliError, cluster_of_id, open_clusters, open_database
 from dmq_server.core.errors import NotFound, Refused
 
 __all__ = ["add_admin_commands"]
@@ -117,17 +117,34 @@ def _print_letters(rows: list[dict], as_json: bool) -> None:
 
 
 def cmd_dlq(args: argparse.Namespace) -> None:
-    with open_database(args) as conn:
+    """Dead letters live on their topic's cluster: ``list`` looks in every cluster given
+    (``--pg-cluster``) or the one ``--cluster`` names, ``show`` in the one that drew the
+    id, ``replay`` and ``delete`` run on each in turn (named ids: on theirs)."""
+    if args.action == "show":
+        args.cluster = cluster_of_id(args, args.id)
+    elif args.action in ("replay", "delete") and getattr(args, "cluster", None) is None:
+        ids = list(getattr(args, "ids_opt", None) or []) + [str(i) for i in getattr(args, "id_list", None) or []]
+        named = {cluster_of_id(args, int(i)) for part in ids for i in part.split(",") if i.strip().isdigit()}
+        if len(named) == 1:
+            args.cluster = named.pop()
+    with open_clusters(args) as conns:
         try:
             if args.action == "list":
                 flt = _filter(args)
-                rows = list_dead_letters(conn, flt, parse_limit(args.limit), args.after)
-                _print_letters(rows, args.json)
+                limit = parse_limit(args.limit)
+                rows = []
+                for name, conn in conns.items():
+                    rows += [dict(r, cluster=name) if len(conns) > 1 else r
+                             for r in list_dead_letters(conn, flt, limit, args.after)]
+                _print_letters(sorted(rows, key=lambda r: r["id"])[:limit], args.json)
             elif args.action == "show":
-                row = show_dead_letter(conn, args.id)
+                row = show_dead_letter(next(iter(conns.values())), args.id)
                 print(json.dumps(row, indent=2))
             elif args.action in ("replay", "delete"):
-                _destructive(conn, args)
+                for name, conn in conns.items():
+                    if len(conns) > 1:
+                        print(f"cluster {name}:")
+                    _destructive(conn, args)
         except Refused as exc:
             raise CliError.of(exc) from exc
 
@@ -172,18 +189,23 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
 def cmd_delay(args: argparse.Namespace) -> None:
     from dmq_server.db.delays import delay_stats
 
-    with open_database(args) as conn:
-        fragments = delay_stats(conn)
-    pending = sum(f["pending"] for f in fragments)
+    with open_clusters(args) as conns:
+        per = {name: delay_stats(conn) for name, conn in conns.items()}
+    pending = sum(f["pending"] for fragments in per.values() for f in fragments)
     if args.json:
-        print(json.dumps({"pending": pending, "fragments": fragments}, indent=2))
+        out: dict[str, Any] = {"pending": pending, "fragments": [f for fs in per.values() for f in fs]}
+        if len(per) > 1:
+            out["clusters"] = {name: {"pending": sum(f["pending"] for f in fs), "fragments": fs} for name, fs in per.items()}
+        print(json.dumps(out, indent=2))
         return
     print(f"{pending} delayed messages waiting")
     now = int(time.time() * 1000)
-    for f in fragments:
-        due = (f["next_due_ms"] - now) / 1000
-        when = f"next due in {due:.1f}s" if due > 0 else f"next overdue by {-due:.1f}s"
-        print(f"  fragment {f['fragment']}: {f['pending']} waiting, {when}")
+    for name, fragments in per.items():
+        where = f" on cluster {name}" if len(per) > 1 else ""
+        for f in fragments:
+            due = (f["next_due_ms"] - now) / 1000
+            when = f"next due in {due:.1f}s" if due > 0 else f"next overdue by {-due:.1f}s"
+            print(f"  fragment {f['fragment']}{where}: {f['pending']} waiting, {when}")
 
 
 def cmd_clients(args: argparse.Namespace) -> None:
@@ -225,15 +247,18 @@ def cmd_trace(args: argparse.Namespace) -> None:
     from dmq_server.admin.inspect import describe_event
     from dmq_server.db.trace import find_message, read_trace
 
-    with open_database(args) as conn:
-        message_id = args.id
-        if message_id is None:
-            if not args.producer or args.session_id is None:
-                raise CliError("give a message id, or --producer and --session-id", 2)
-            message_id = find_message(conn, args.producer, args.session_id)
-            if message_id is None:
-                raise CliError(f"no message stored for producer {args.producer!r} and session id {args.session_id}", 1)
-        trace = read_trace(conn, message_id)
+    message_id = args.id
+    if message_id is None:
+        if not args.producer or args.session_id is None:
+            raise CliError("give a message id, or --producer and --session-id", 2)
+        with open_clusters(args) as conns:  # the producer's topic may be on any cluster
+            found = [m for m in (find_message(conn, args.producer, args.session_id) for conn in conns.values()) if m]
+        if not found:
+            raise CliError(f"no message stored for producer {args.producer!r} and session id {args.session_id}", 1)
+        message_id = found[0]
+    args.cluster = cluster_of_id(args, message_id)  # the id names its cluster
+    with open_clusters(args) as conns:
+        trace = read_trace(next(iter(conns.values())), message_id)
     if args.json:
         print(json.dumps(trace, indent=2))
         return
@@ -266,8 +291,14 @@ def cmd_peek(args: argparse.Namespace) -> None:
 
     if not 1 <= args.limit <= 500:
         raise CliError("--limit must be 1..500", 2)
+    from registry.pg import topics
+
     with open_database(args) as conn:
-        rows = peek_channel(conn, args.topic, args.channel, args.after, args.limit, preview=args.bytes)
+        placed = {t.name: t for t in topics(conn)}.get(args.topic)
+    args.cluster = placed.cluster if placed is not None else "main"  # the topic's cluster holds its copies
+    with open_clusters(args) as conns:
+        rows = peek_channel(next(iter(conns.values())), args.topic, args.channel, args.after, args.limit,
+                            preview=args.bytes)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -315,12 +346,17 @@ def add_admin_commands(sub: Any) -> None:
         if action == "replay":
             p.add_argument("--delay-fragments", type=int, default=8,
                            help="the servers' --delay-fragments (default 8)")
+    for p in (lst, *[dsub.choices[a] for a in ("replay", "delete")]):
+        p.add_argument("--cluster", default=None,
+                       help="only this PostgreSQL cluster (default: main and every --pg-cluster given)")
     dlq.set_defaults(func=cmd_dlq)
 
     delay = sub.add_parser("delay", help="delayed messages")
     delsub = delay.add_subparsers(dest="action", required=True)
     stats = delsub.add_parser("stats", help="waiting delayed messages per fragment")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument("--cluster", default=None,
+                       help="only this PostgreSQL cluster (default: main and every --pg-cluster given)")
     delay.set_defaults(func=cmd_delay)
 
     trace = sub.add_parser("trace", help="a message's life: stored, each delivery and why it came back, "

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from dmq_server.core.errors import DmqError, Invalid, Refused, Unavailable, reply_for
 
-__all__ = ["CliError", "open_database"]
+__all__ = ["CliError", "open_database", "open_registry", "cluster_dsns", "connect_cluster", "open_clusters", "cluster_of_id"]
 
 
 #: a refused request's exit status: 2 for input to fix (as argparse's usage errors), 1
@@ -74,3 +74,81 @@ def open_database(args: argparse.Namespace) -> Iterator[Any]:
     finally:
         if embedded is not None and started_here:
             embedded.stop()
+
+
+@contextmanager
+def open_registry(args: argparse.Namespace) -> Iterator[Any]:
+    """The registry the topic and channel commands manage: ZooKeeper with --zk (a
+    cluster; every node mirrors it into its PostgreSQL within moments), else the
+    PostgreSQL tables of a single node."""
+    if args.zk:
+        from registry.model import RegistryError
+        from registry.zk import ZkRegistry, connect
+
+        try:
+            client = connect(args.zk, timeout=args.zk_timeout)
+        except (RegistryError, ValueError) as exc:
+            raise CliError(str(exc), 3) from exc
+        zk_registry = ZkRegistry(client)
+        try:
+            yield zk_registry
+        finally:
+            zk_registry.close()
+        return
+    from registry.pg import PgRegistry
+
+    with open_database(args) as conn:
+        yield PgRegistry(conn)
+
+
+def cluster_dsns(args: argparse.Namespace) -> dict[str, str]:
+    """The CLI's ``--pg-cluster NAME=DSN`` entries (besides main), checked as the server does."""
+    from dmq_server.core.options import ConfigError, Options
+
+    entries: list[str] = []
+    for raw in args.pg_cluster or ():
+        entries += [e.strip() for e in raw.replace(";", "\n").splitlines() if e.strip()]
+    try:
+        return Options(pg_cluster=tuple(entries)).validate().pg_clusters
+    except ConfigError as exc:
+        raise CliError(str(exc), 2) from exc
+
+
+def connect_cluster(name: str, dsn: str) -> Any:
+    from dmq_server.db.errors import StorageError
+    from dmq_server.db.worker import connect
+
+    try:
+        return connect(dsn, autocommit=True)
+    except StorageError as exc:
+        raise CliError(f"cluster {name!r}: {exc}", 3) from exc
+
+
+@contextmanager
+def open_clusters(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Connections to the main cluster and to every ``--pg-cluster``, by name; only the
+    one ``--cluster`` names when given (refused when it is not among them)."""
+    from contextlib import ExitStack
+
+    wanted = getattr(args, "cluster", None)
+    others = cluster_dsns(args)
+    if wanted is not None and wanted != "main" and wanted not in others:
+        raise CliError(f"cluster {wanted!r} is not given: add --pg-cluster {wanted}=DSN", 2)
+    with ExitStack() as stack:
+        conns = {"main": stack.enter_context(open_database(args))}
+        for name, dsn in others.items():
+            if wanted in (None, name):
+                conns[name] = stack.enter_context(connect_cluster(name, dsn))
+        if wanted is not None and wanted != "main":
+            conns.pop("main")
+        yield conns
+
+
+def cluster_of_id(args: argparse.Namespace, any_id: int) -> str:
+    """The cluster that drew ``any_id`` (a message, delay or dead letter id), from the
+    slots the main cluster's database records."""
+    from registry.pg import clusters
+
+    with open_database(args) as conn:
+        by_slot = {slot: name for name, slot in clusters(conn).items()}
+    return by_slot.get(any_id >> 48, "main")

@@ -72,7 +72,7 @@ class Inspector:
             trace["node_id"] = self.ops.node_id
             return trace
 
-        return self.ops.db.run(read_trace, message_id).addCallback(add_live)
+        return self.ops.db_for_id(message_id).run(read_trace, message_id).addCallback(add_live)
 
     def find(self, producer: str, session_id: int) -> Deferred:
         def found(message_id: int | None) -> dict:
@@ -90,6 +90,7 @@ class Inspector:
         for row in self.ops.topics():
             settings = {k: row[k] for k in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")}
             topics[(row["store"], row["name"])] = {"topic": row["name"], "store": row["store"],
+                                                   "cluster": row["cluster"], "draining": row["draining"],
                                                    "settings": settings, "channels": []}
         for store, topic, name, stats in self._channels() if self._channels is not None else ():
             entry = topics.setdefault((store, topic), {"topic": topic, "store": store, "settings": {},
@@ -149,7 +150,7 @@ class Inspector:
             return {"topic": topic, "channel": name, "messages": rows,
                     "next_after": rows[-1]["message_id"] if len(rows) == limit else None}
 
-        return self.ops.db.run(peek_channel, topic, name, after, limit).addCallback(add_live)
+        return self.ops.db_for_topic(topic).run(peek_channel, topic, name, after, limit).addCallback(add_live)
 
     # -- the delay table ------------------------------------------------------------
     def delayed(self, topic: str | None, after_due: int, after_id: int, limit: int) -> Deferred:
@@ -158,7 +159,7 @@ class Inspector:
             return {"delayed": rows, "next": None if last is None else {"after_due": last["due_ms"],
                                                                          "after_id": last["delay_id"]}}
 
-        return self.ops.db.run(list_delayed, topic, after_due, after_id, limit).addCallback(page)
+        return self.ops.db_for_topic(topic).run(list_delayed, topic, after_due, after_id, limit).addCallback(page)
 
     def due_histogram(self, topic: str | None, width_ms: int) -> Deferred:
         """Waiting entries by due time, in buckets of ``width_ms`` from now (the last bucket
@@ -176,7 +177,7 @@ class Inspector:
                     "buckets": [{"from_ms": now_ms + b * width_ms, "count": n} for b, n in sorted(counts.items())],
                     "open_ended": MAX_HISTOGRAM_BUCKETS - 1 in counts}
 
-        return self.ops.db.run(due_histogram, topic, now_ms, width_ms).addCallback(shape)
+        return self.ops.db_for_topic(topic).run(due_histogram, topic, now_ms, width_ms).addCallback(shape)
 
     @inlineCallbacks
     def delay_action(self, action: str, ids: Sequence[int], surface: str, actor: str) -> Any:
@@ -184,14 +185,21 @@ class Inspector:
         (deleted); audited. Fires with the ids that changed."""
         if not ids:
             raise Invalid("give the delay entries' ids (ids=1,2,3)")
-        if action == "deliver-now":
-            changed = yield self.ops.db.run(deliver_delayed_now, list(ids), int(self.ops.clock.seconds() * 1000))
-            if changed and self.ops.delays is not None:
-                self.ops.delays.move_now()
-        elif action == "cancel":
-            changed = yield self.ops.db.run(cancel_delayed, list(ids))
-        else:
+        if action not in ("deliver-now", "cancel"):
             raise NotFound(f"no delay action {action!r} (deliver-now, cancel)")
+        changed: list = []
+        by_db: dict[Any, list[int]] = {}
+        for delay_id in ids:  # a delay id names its cluster
+            by_db.setdefault(self.ops.db_for_id(delay_id), []).append(delay_id)
+        for db, some in by_db.items():
+            if action == "cancel":
+                changed += yield db.run(cancel_delayed, some)
+                continue
+            changed += yield db.run(deliver_delayed_now, some, int(self.ops.clock.seconds() * 1000))
+        if action == "deliver-now" and changed:
+            for _, delays in self.ops.clusters.values():
+                if delays is not None:
+                    delays.move_now()
         yield self.ops.audit(surface, actor, f"delay.{action}", "ids=" + ",".join(map(str, ids)), len(changed))
         return changed
 

@@ -97,8 +97,9 @@ class DeadLetterFilter:
     ids: tuple[int, ...] | None = None
     message_ids: tuple[int, ...] | None = None
     replayed: bool | None = None
+    cluster: str | None = None  # the PostgreSQL cluster to look in (None: every cluster)
 
-    KEYS = ("topic", "channel", "reason", "since", "until", "ids", "message_ids", "replayed")
+    KEYS = ("topic", "channel", "reason", "since", "until", "ids", "message_ids", "replayed", "cluster")
 
     @classmethod
     def parse(cls, params: Mapping[str, str], now_ms: int | None = None) -> "DeadLetterFilter":
@@ -108,7 +109,7 @@ class DeadLetterFilter:
             if raw is None:
                 continue
             text = str(raw)
-            if key in ("topic", "channel"):
+            if key in ("topic", "channel", "cluster"):
                 if not text:
                     raise Invalid(f"{key}: empty name")
                 values[key] = text
@@ -135,7 +136,8 @@ class DeadLetterFilter:
         return flt
 
     def is_empty(self) -> bool:
-        return all(getattr(self, f.name) is None for f in fields(self))
+        """Nothing selected (the cluster alone selects nothing: every dead letter there)."""
+        return all(getattr(self, f.name) is None for f in fields(self) if f.name != "cluster")
 
     def params(self) -> dict:
         return {
@@ -333,10 +335,14 @@ class AdminOps:
         nsq: Any = None,
         port_factory: Any = None,
         batch_size: int = DEFAULT_BATCH,
+        clusters: Mapping[str, tuple[Any, Any]] | None = None,
     ):
         self.broker = broker
         self.delays = delays
         self.db = db
+        # every PostgreSQL cluster's (database worker, delay scheduler), main first: the
+        # dead letters and delayed messages of a topic are on its cluster
+        self.clusters: dict[str, tuple[Any, Any]] = {"main": (db, delays), **(clusters or {})}
         self.options = options
         self.clock = clock
         self.node_id = node_id
@@ -378,6 +384,8 @@ class AdminOps:
                     "rate_limit": row.rate_limit,
                     "ttl_ms": row.ttl_ms,
                     "max_attempts": row.max_attempts,
+                    "cluster": getattr(row, "cluster", "main"),
+                    "draining": list(getattr(row, "draining", ())),
                     "channels": [
                         self.broker.channels[(name, c)].stats()
                         if (name, c) in self.broker.channels
@@ -413,24 +421,68 @@ class AdminOps:
             out.append(stats)
         return out
 
-    def delay_stats(self) -> Deferred:
-        def combine(fragments: list[dict]) -> dict:
-            delays = self.delays
-            live = delays.stats() if delays is not None else {}
-            live["stored"] = fragments
-            live["pending"] = sum(f["pending"] for f in fragments)
-            return live
+    # -- several PostgreSQL clusters ------------------------------------------------------
+    def _selected(self, cluster: str | None) -> list[tuple[str, Any, Any]]:
+        """(name, database worker, delay scheduler) of ``cluster``, or of every cluster."""
+        if cluster is None:
+            return [(name, db, delays) for name, (db, delays) in self.clusters.items()]
+        if cluster not in self.clusters:
+            raise NotFound(f"no cluster {cluster!r}: the clusters are {', '.join(self.clusters)}")
+        db, delays = self.clusters[cluster]
+        return [(cluster, db, delays)]
 
-        return self.db.run(delay_stats).addCallback(combine)
+    def db_for_id(self, any_id: int) -> Any:
+        """The database worker of the cluster that drew ``any_id`` (a message, delayed
+        message or dead letter id names its cluster: ``db.clusters``)."""
+        placement = getattr(self.broker, "placement", None)
+        store = placement.store_of_id(any_id) if placement is not None and placement.several else None
+        if store is None or store.cluster not in self.clusters:
+            return self.db
+        return self.clusters[store.cluster][0]
 
-    def dlq_list(self, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> Deferred:
-        return self.db.run(list_dead_letters, flt, limit, after)
+    @inlineCallbacks
+    def delay_stats(self) -> Any:
+        """Main's scheduler and stored fragments, the pending count of every cluster,
+        and each cluster's own under ``clusters``."""
+        per: dict[str, dict] = {}
+        for name, db, delays in self._selected(None):
+            fragments = yield db.run(delay_stats)
+            per[name] = dict(delays.stats() if delays is not None else {}, stored=fragments,
+                             pending=sum(f["pending"] for f in fragments))
+        live = dict(per["main"], pending=sum(c["pending"] for c in per.values()))
+        if len(per) > 1:
+            live["clusters"] = per
+        return live
+
+    @inlineCallbacks
+    def dlq_list(self, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> Any:
+        """The selection in id order, over the clusters looked in (each row names its own)."""
+        rows: list[dict] = []
+        several = len(self.clusters) > 1
+        for name, db, _ in self._selected(flt.cluster):
+            for row in (yield db.run(list_dead_letters, flt, limit, after)):
+                if several:
+                    row["cluster"] = name
+                rows.append(row)
+        rows.sort(key=lambda r: r["id"])
+        return rows[:limit]
+
+    def db_for_topic(self, topic: str | None) -> Any:
+        """The database worker of the cluster ``topic`` is placed on (main's if unknown)."""
+        spec = getattr(self.broker, "topics", {}).get(topic) if topic is not None else None
+        name = getattr(spec, "cluster", "main")
+        return self.clusters[name][0] if name in self.clusters else self.db
 
     def dlq_show(self, letter_id: int) -> Deferred:
-        return self.db.run(show_dead_letter, letter_id)
+        return self.db_for_id(letter_id).run(show_dead_letter, letter_id)
 
-    def dlq_count(self, flt: DeadLetterFilter) -> Deferred:
-        return self.db.run(count_dead_letters, flt)
+    @inlineCallbacks
+    def dlq_count(self, flt: DeadLetterFilter) -> Any:
+        total, pending = 0, 0
+        for _, db, _ in self._selected(flt.cluster):
+            t, p = yield db.run(count_dead_letters, flt)
+            total, pending = total + t, pending + p
+        return total, pending
 
     # -- destructive ------------------------------------------------------------------
     @inlineCallbacks
@@ -444,23 +496,25 @@ class AdminOps:
     ) -> Any:
         """Replay the selection; fires with how many were queued for delivery."""
         require_selection(flt, everything, "replay")
-        total = (yield self.db.run(count_dead_letters, flt))[1]
+        total = (yield self.dlq_count(flt))[1]
         options = self.options
-        done, after = 0, 0
-        while True:
-            now_ms = int(self.clock.seconds() * 1000)
-            after_next, queued = yield self.db.run(
-                replay_batch, flt, after, self.batch_size, options.delay_fragments, now_ms,
-                self.node_id,
-            )
-            done += queued
-            if queued and self.delays is not None:
-                self.delays.move_now()
-            if progress is not None and queued:
-                progress(done, total)
-            if after_next is None:
-                break
-            after = after_next
+        done = 0
+        for _, db, delays in self._selected(flt.cluster):  # each cluster replays its own
+            after = 0
+            while True:
+                now_ms = int(self.clock.seconds() * 1000)
+                after_next, queued = yield db.run(
+                    replay_batch, flt, after, self.batch_size, options.delay_fragments, now_ms,
+                    self.node_id,
+                )
+                done += queued
+                if queued and delays is not None:
+                    delays.move_now()
+                if progress is not None and queued:
+                    progress(done, total)
+                if after_next is None:
+                    break
+                after = after_next
         yield self.audit(surface, actor, "dlq.replay", flt, done)
         return done
 
@@ -475,16 +529,18 @@ class AdminOps:
     ) -> Any:
         """Delete the selection; fires with how many were deleted."""
         require_selection(flt, everything, "delete")
-        total = (yield self.db.run(count_dead_letters, flt))[0]
-        done, after = 0, 0
-        while True:
-            after_next, deleted = yield self.db.run(delete_batch, flt, after, self.batch_size)
-            done += deleted
-            if progress is not None and deleted:
-                progress(done, total)
-            if after_next is None:
-                break
-            after = after_next
+        total = (yield self.dlq_count(flt))[0]
+        done = 0
+        for _, db, _ in self._selected(flt.cluster):
+            after = 0
+            while True:
+                after_next, deleted = yield db.run(delete_batch, flt, after, self.batch_size)
+                done += deleted
+                if progress is not None and deleted:
+                    progress(done, total)
+                if after_next is None:
+                    break
+                after = after_next
         yield self.audit(surface, actor, "dlq.delete", flt, done)
         return done
 
@@ -520,7 +576,7 @@ class AdminOps:
         log.info(
             "admin {surface} {actor}: dead letter reported for {topic}", surface=surface, actor=actor, topic=letter.topic
         )
-        return self.db.run(insert_dead_letters, [letter]).addCallback(lambda ids: ids[0])
+        return self.db_for_topic(letter.topic).run(insert_dead_letters, [letter]).addCallback(lambda ids: ids[0])
 
     def audit(self, surface: str, actor: str, operation: str, flt: DeadLetterFilter | str, affected: int) -> Deferred:
         """Write a destructive operation to the server log and ``dmq_admin_log``; ``flt``

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.logger import Logger
 
 from dmq_client.wire import valid_name
@@ -39,7 +39,8 @@ from dmq_server.db.errors import StorageError
 from dmq_server.db.messages import NewMessage
 from dmq_server.db.outage import Outage
 from dmq_server.db.topics import list_topics_steps
-from dmq_server.reliable.store import ReliableStore
+from dmq_server.broker.placement import Placement
+from dmq_server.db.errors import Misplaced
 from registry.model import TopicSpec
 
 __all__ = ["Broker", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
@@ -81,7 +82,9 @@ class Broker:
     """``workers`` are the database roles (``db.worker.DbWorker`` or the reactor's
     connection); ``fetch_topics`` reads the registry (PostgreSQL by default; a cluster
     passes ZooKeeper's reader, which also mirrors into PostgreSQL); ``fast`` is the fast
-    store, or None for reliable topics only."""
+    store, or None for reliable topics only. ``clusters`` are the roles of every other
+    PostgreSQL cluster and ``slots`` every cluster's id slot (``broker.placement``);
+    ``alone``: no other server uses these databases (default: no ``fetch_topics``)."""
 
     def __init__(
         self,
@@ -91,6 +94,9 @@ class Broker:
         node_id: str,
         fetch_topics: Callable[[], Deferred] | None = None,
         fast: Any = None,
+        clusters: dict[str, dict[str, Any]] | None = None,
+        slots: dict[str, int] | None = None,
+        alone: bool | None = None,
     ):
         self.options = options
         self.clock = clock
@@ -102,19 +108,26 @@ class Broker:
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
         self.started_at = time.time()
         self._session_ids = GuidFactory(default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9))
-        self.reliable = ReliableStore(options, clock, workers, node_id, self._set_health)
+        # one reliable store per PostgreSQL cluster (broker.placement); ``reliable`` is main's
+        self.placement = Placement(
+            options, clock, {"main": workers, **(clusters or {})}, slots or {"main": 0}, node_id, self._set_health
+        )
+        self.stores = self.placement.stores
+        self.reliable = self.stores["main"]
         # publish -> commit of each stored send (its wait for a batch included), /metrics
         self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
-        self.reliable.commit_latency = self.publish_commit_seconds
         # publish -> first delivery of each copy, /metrics
         self.publish_deliver_seconds = Buckets(DELIVERY_SECONDS)
-        self.reliable.deliver_latency = self.publish_deliver_seconds
+        for store in self.stores.values():
+            store.commit_latency = self.publish_commit_seconds
+            store.deliver_latency = self.publish_deliver_seconds
+            store.misplaced = self._misplaced
         self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
         self.limits = RateLimiter(clock)
         fetch = fetch_topics or (lambda: workers["admin"].run_steps(list_topics_steps))
         # without a cluster's registry this is the only server on the database: its start
         # retires every earlier incarnation (ReliableStore.start)
-        self._alone = fetch_topics is None
+        self._alone = fetch_topics is None if alone is None else alone
         self.cache = TopicCache(fetch, self._registry_read, lambda why: self._set_health(False, why))
         self.timers = self._timers()
 
@@ -127,7 +140,7 @@ class Broker:
     @property
     def channels(self) -> dict[tuple[str, str], Any]:
         """The reliable channels in memory, by (topic, channel)."""
-        return self.reliable.channels
+        return self.placement.channels()
 
     # -- lifecycle --------------------------------------------------------
     def _timers(self) -> MultiService:
@@ -135,13 +148,13 @@ class Broker:
         The service tree runs them while the broker's stage is up (each fires once
         when started, then every interval); nothing here starts them."""
         timers = MultiService()
-        reliable = self.reliable
+        each = self._each
         for name, fn, step in (
             ("scan", self.scan, self.options.scan_interval),
             ("registry-refresh", self._refresh_quietly, self.options.registry_refresh),
-            ("sweep", reliable.sweep, self.options.sweep_interval),
-            ("channel-state", reliable.read_channel_state, self.options.channel_state_interval),
-            ("heartbeat", reliable.heartbeat, self.options.owner_silence / 6),
+            ("sweep", each("sweep"), self.options.sweep_interval),
+            ("channel-state", each("read_channel_state"), self.options.channel_state_interval),
+            ("heartbeat", each("heartbeat"), self.options.owner_silence / 6),
         ):
             timer = TimerService(step, fn)
             timer.clock = self.clock
@@ -149,26 +162,38 @@ class Broker:
             timer.setServiceParent(timers)
         return timers
 
+    def _each(self, method: str) -> Callable[[], Deferred]:
+        """A timer's job over every cluster's store, done when all are."""
+
+        def run() -> Deferred:
+            return gatherResults(self.placement.each(method), consumeErrors=True)
+
+        return run
+
     def start(self) -> Deferred:
-        """Begin this server's incarnation, then read the registry and the operators'
-        pauses before the first push (a paused channel stays paused on restart)."""
-        if self.reliable.writes.owner:  # begun already (a cluster node does it under its lock)
-            d = succeed(None)
-        else:
-            d = self.reliable.start(alone=self._alone)
+        """Begin this server's incarnation on every cluster, then read the registry and
+        the operators' pauses before the first push (a paused channel stays paused on
+        restart)."""
+        begun = [
+            succeed(None) if store.writes.owner else store.start(alone=self._alone)  # begun: a cluster node's lock
+            for store in self.stores.values()
+        ]
+        d = gatherResults(begun, consumeErrors=True).addErrback(lambda f: f.value.subFailure)
         d.addCallback(lambda _: self.refresh_registry())
-        return d.addCallback(lambda _: self.reliable.read_channel_state())
+        return d.addCallback(lambda _: self._each("read_channel_state")())
 
     def stop(self) -> Deferred:
         """Stop taking sends, commit and answer what is queued, make acks durable."""
         if self.timers.running:  # stopped by the service tree first; a test may not have
             self.timers.stopService()
-        return self.reliable.stop()
+        return self._each("stop")()
 
     def scan(self) -> None:
         """The one scanner of both stores: copies whose deadline passed go back to
         their channel, deferred ones that are due become ready (``core.deadlines``)."""
-        self.reliable.scan(self.clock.seconds())
+        now = self.clock.seconds()
+        for store in self.stores.values():
+            store.scan(now)
         if self.fast is not None:
             self.fast.scan()
 
@@ -192,8 +217,13 @@ class Broker:
     def _refresh_quietly(self) -> None:
         self.refresh_registry().addErrback(lambda f: f.trap(StorageError))
 
+    def _misplaced(self) -> None:
+        """A send's topic was not placed on the cluster it was sent to (moved): read the
+        registry again, so that its producer's retry goes to the new cluster."""
+        self._refresh_quietly()
+
     def _registry_read(self, specs: list[TopicSpec]) -> None:
-        self.reliable.apply_topics(self.cache.reliable)
+        self.placement.apply(self.cache.reliable)
         self.limits.forget({spec.name for spec in specs if spec.rate_limit})
 
     # -- publishing -------------------------------------------------------
@@ -321,14 +351,20 @@ class Broker:
 
     def _admit(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], due_ms: int | None) -> None:
         """Rate limit, then store (delayed or not)."""
+        store = self.placement.store_of(spec)
+        if isinstance(store, BaseException):
+            done(store)
+            return
+        if self.placement.several:
+            done = self.placement.answer(store, done)
         if spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit):
-            self._rate_limited(spec, send, done)
+            self._rate_limited(spec, send, done, store)
         elif due_ms is None:
-            self.reliable.store(send, done)
+            store.store(send, done)
         else:
-            self.reliable.store_delayed(send, due_ms, done)
+            store.store_delayed(send, due_ms, done)
 
-    def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None]) -> None:
+    def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], store: Any) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
         letter (producer ``dmq-replay``) is refused without a new one: it already is one,
         and its replayer tries again later."""
@@ -349,7 +385,7 @@ class Broker:
             detail=f"over the topic's rate limit of {spec.rate_limit}/s",
             published_ms=send.produced_ms,
         )
-        self.reliable.dead_letters.record(letter, recorded)
+        store.dead_letters.record(letter, recorded)
 
     # -- subscribing ------------------------------------------------------
     def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred:
@@ -371,7 +407,7 @@ class Broker:
                 raise NoTopic(f"topic {topic!r} is not registered")
             if not ok:
                 raise NoChannel(f"channel {channel!r} is not registered on topic {topic!r}")
-            return self.reliable.subscribe(topic, channel, consumer)
+            return self.placement.subscribe(spec, channel, consumer)
 
         return self.cache.ensure(registered).addCallback(attach)
 
@@ -379,43 +415,65 @@ class Broker:
         channel.unsubscribe(consumer)
 
     def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
-        """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons)."""
-        return self.reliable.ack(topic, channel, message_id, consumer)
+        """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons). The
+        copy's cluster is the one that drew its id."""
+        if not self.placement.several:
+            return self.reliable.ack(topic, channel, message_id, consumer)
+        store = self.placement.store_of_id(message_id)
+        if store is None:
+            return "ID not in flight"
+        error = store.ack(topic, channel, message_id, consumer)
+        if error is None:
+            self.placement.acked(topic, channel)
+        return error
 
     # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
+    def _channel_stores(self, topic: str) -> list[Any]:
+        spec = self.cache.reliable.get(topic)
+        if spec is None or not self.placement.several:
+            return [self.reliable]
+        return self.placement.stores_of(spec)
+
     def pause_channel(self, topic: str, name: str, paused: bool = True) -> Deferred:
-        return self.reliable.pause_channel(topic, name, paused)
+        """On every cluster holding the topic's copies."""
+        done = [store.pause_channel(topic, name, paused) for store in self._channel_stores(topic)]
+        return _first_error(done).addCallback(lambda _: None)
 
     def empty_channel(self, topic: str, name: str) -> Deferred:
-        return self.reliable.empty_channel(topic, name)
+        """On every cluster holding the topic's copies; fires with how many were stored."""
+        done = [store.empty_channel(topic, name) for store in self._channel_stores(topic)]
+        return _first_error(done).addCallback(sum)
 
     # -- introspection ----------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """This node's counters, added up over the clusters (each alone in ``clusters``)."""
         reliable = self.reliable
-        writer = reliable.writer
+        clusters = self.placement.cluster_stats()
+        stores = clusters.values()
         return {
             "node_id": self.node_id,
             "health": "OK" if self.healthy else "ERROR",
             "health_detail": self.health_detail,
             "start_time": int(self.started_at),
-            "published": reliable.publish_count,
-            "writer": {
-                "unknown_outcomes": reliable.unknown_outcomes,
-                "pending": writer.pending,
-                "batches": writer.batches,
-                "messages": writer.messages,
-            },
+            "published": sum(c["published"] for c in stores),
+            "writer": {key: sum(c["writer"][key] for c in stores) for key in ("unknown_outcomes", "pending", "batches", "messages")},
             "acks": {
-                "pending": reliable.acker.pending,
-                "durable": reliable.acker.acked,
+                "pending": sum(c["acks"]["pending"] for c in stores),
+                "durable": sum(c["acks"]["durable"] for c in stores),
                 "refused": self.acks_refused,
             },
-            "delayed": reliable.delayed_count,
+            "delayed": sum(c["delayed"] for c in stores),
             "rate_limited": self.limits.refused,
             "dead_letters": reliable.dead_letters.stats(),
             "trace": reliable.trace.stats(),
-            "topics": reliable.topic_stats(),
+            "topics": self.placement.topic_stats(self.cache.reliable),
+            "clusters": clusters,
         }
+
+
+def _first_error(deferreds: list[Deferred]) -> Deferred:
+    """Every result, or the first failure itself (not wrapped)."""
+    return gatherResults(deferreds, consumeErrors=True).addErrback(lambda f: f.value.subFailure)
 
 
 def _refusing_duplicates(done: Callable[[Any], None], producer: str, session_id: int) -> Callable[[Any], None]:

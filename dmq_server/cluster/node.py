@@ -72,6 +72,8 @@ class ClusterNode:
         node_id: str,
         dsn: str,
         admin: DbWorker,
+        mirror: Any = None,
+        cluster_dsns: dict[str, str] | None = None,
     ):
         self.options = options
         self.reactor = reactor
@@ -79,6 +81,10 @@ class ClusterNode:
         self.instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._dsn = dsn
         self._admin = admin
+        self._mirror = mirror  # db.mirror.Mirror into the other clusters (--pg-cluster), or None
+        self._dsns = {"main": dsn, **(cluster_dsns or {})}
+        self._workers: dict[str, DbWorker] = {}  # a connection per cluster for takeovers
+        self.takeovers: dict[str, Takeover] = {}  # one per cluster: its incarnations are its own
         self.bridge = KazooBridge(reactor)
         self.client: Any = None
         self.membership: Any = None
@@ -130,11 +136,16 @@ class ClusterNode:
         self.watcher = RegistryWatcher(self.client, self.bridge.relay(self._changed))
         # the first node of a cluster brings the single-node registry along
         rows = yield self._admin.run(list_topics)
-        seeded = yield self._zk(zk.ZkRegistry(self.client).seed, rows)
+        registry = zk.ZkRegistry(self.client)
+        seeded = yield self._zk(registry.seed, rows)
+        for name in options.pg_clusters:  # `dmq topic create --cluster` checks the names
+            yield self._zk(registry.add_cluster, name)
         if seeded:
             log.info("seeded the ZooKeeper registry with {n} topics from PostgreSQL", n=len(rows))
-        self._worker = DbWorker(self.reactor, self._dsn, "cluster", timeout=options.pg_timeout)
-        self._worker.start()
+        for name, dsn in self._dsns.items():
+            self._workers[name] = DbWorker(self.reactor, dsn, "cluster", timeout=options.pg_timeout)
+            self._workers[name].start()
+        self._worker = self._workers["main"]
         log.info("connected to ZooKeeper at {zk}", zk=options.zk)
 
     def _zk(self, fn: Callable[..., Any], *args: Any, timeout: float | None = -1.0) -> defer.Deferred:
@@ -148,10 +159,10 @@ class ClusterNode:
         return d
 
     @defer.inlineCallbacks
-    def begin_incarnation(self, store: Any) -> Any:
-        """Begin this process's incarnation (``store.start``) holding the node's takeover
-        lock, and keep it until the first registration names the incarnation: a takeover
-        running meanwhile would see the node absent and retire it."""
+    def begin_incarnation(self, stores: dict[str, Any]) -> Any:
+        """Begin this process's incarnation on every cluster (``store.start``) holding the
+        node's takeover lock, and keep it until the first registration names them: a
+        takeover running meanwhile would see the node absent and retire them."""
         from registry.takeover_lock import TakeoverLock
 
         lock = TakeoverLock(self.client, self.node_id, f"start {self.instance}")
@@ -159,7 +170,8 @@ class ClusterNode:
         if not got:
             raise RegistryError(f"node {self.node_id!r}: its takeover lock stayed busy")
         try:
-            yield store.start(alone=False)
+            for store in stores.values():
+                yield store.start(alone=False)
         except BaseException:
             yield self._zk(lock.release)
             raise
@@ -169,18 +181,22 @@ class ClusterNode:
         """The broker delivers only owned copies, and nothing before registration."""
         self.broker = broker
         self._fast_topics = fast_topics
-        store = broker.reliable
-        store.load_owner = self.node_id
+        for store in broker.stores.values():
+            store.load_owner = self.node_id
         self._pause()
-        self.takeover = Takeover(
-            self._zk,
-            self.client,
-            self._worker,
-            store,
-            self.node_id,
-            self.options.takeover_batch_size,
-            can_claim=lambda: self.registered and not store.paused,
-        )
+        main = broker.reliable
+        for name, store in broker.stores.items():
+            self.takeovers[name] = Takeover(
+                self._zk,
+                self.client,
+                self._workers[name],
+                store,
+                self.node_id,
+                self.options.takeover_batch_size,
+                can_claim=lambda: self.registered and not main.paused,
+                cluster=name,
+            )
+        self.takeover = self.takeovers["main"]
         self._guard_scan(broker)
         store.delivery_gate = self._may_deliver
 
@@ -339,20 +355,26 @@ class ClusterNode:
         if lock is None:
             lock = yield self._zk(self.membership.lock, timeout=None)
         try:
-            store = self.broker.reliable if self.broker is not None else None
-            if store is not None:
-                owners = yield self._worker.run_steps(read_owners_steps)
+            stores = self.broker.stores if self.broker is not None else {}
+            for name, store in stores.items():
+                worker = self._workers[name]
+                owners = yield worker.run_steps(read_owners_steps)
                 mine = [o for o in owners if o.owner == store.writes.owner]
                 if not mine or mine[0].retired:
                     old = store.writes.owner
-                    new = yield self._worker.run_steps(create_owner_steps, self.node_id)
+                    new = yield worker.run_steps(create_owner_steps, self.node_id)
                     store.writes.retired.add(old)
                     store.writes.owner = new
                     log.warn(
-                        "incarnation {old} of node {node} was taken over while its session was lost: "
-                        "storing as incarnation {new} from now on", old=old, node=self.node_id, new=new,
+                        "incarnation {old} of node {node} on cluster {cluster} was taken over while its session "
+                        "was lost: storing as incarnation {new} from now on",
+                        old=old, node=self.node_id, new=new, cluster=name,
                     )
-                self.membership.update(incarnation=store.writes.owner)
+            if stores:
+                self.membership.update(
+                    incarnation=stores["main"].writes.owner,
+                    incarnations={name: s.writes.owner for name, s in stores.items() if name != "main"},
+                )
         except BaseException:
             yield self._zk(lock.release)
             raise
@@ -380,6 +402,8 @@ class ClusterNode:
 
         def mirror(specs: list[Any]) -> defer.Deferred:
             mirrored = self._admin.run(mirror_topics, specs)
+            if self._mirror is not None:
+                mirrored.addCallback(lambda _: self._mirror.mirror(specs))
             return mirrored.addCallback(lambda _: specs)
 
         def remember(specs: list[Any]) -> list[Any]:
@@ -445,8 +469,10 @@ class ClusterNode:
         d.addBoth(finished)
 
     def _check_takeover(self) -> None:
-        if self.takeover is not None and not self.stopping:
-            self.takeover.check({node: info.incarnation for node, info in self.nodes.items()})
+        if self.stopping:
+            return
+        for name, takeover in self.takeovers.items():
+            takeover.check({node: info.incarnation_on(name) for node, info in self.nodes.items()})
 
     # -- session states -----------------------------------------------------------------
     def _state_changed(self, state: str) -> None:
@@ -493,8 +519,9 @@ class ClusterNode:
         self.registered = False
         self._pause()
         if self.broker is not None:
-            for channel in list(self.broker.reliable.channels.values()):
-                channel.forget()
+            for store in self.broker.stores.values():
+                for channel in list(store.channels.values()):
+                    channel.forget()
 
     def _evicted(self) -> None:
         """Our znode vanished while the session lives (deleted by hand): others may be
@@ -507,13 +534,15 @@ class ClusterNode:
     def _pause(self) -> None:
         if self.broker is None:
             return
-        self.broker.reliable.pause_delivery(True)
+        for store in self.broker.stores.values():
+            store.pause_delivery(True)
 
     def _resume(self) -> None:
         if self.broker is None or not self.registered:
             return
         self._suspended_pause = False
-        self.broker.reliable.pause_delivery(False)
+        for store in self.broker.stores.values():
+            store.pause_delivery(False)
 
     # -- periodic work ------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -559,8 +588,8 @@ class ClusterNode:
         self._cancel_pause_timer()
         if self.timers.running:  # stopped by the service tree first
             self.timers.stopService()
-        if self.takeover is not None:
-            yield self.takeover.idle()
+        for takeover in self.takeovers.values():
+            yield takeover.idle()
         if self.membership is not None and self.registered:
             try:
                 yield self._zk(self.membership.leave)
@@ -571,8 +600,8 @@ class ClusterNode:
         if self.client is not None:
             yield self.bridge.close_client(self.client)
         self.bridge.stop()
-        if self._worker is not None:
-            self._worker.stop()
+        for worker in self._workers.values():
+            worker.stop()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -583,4 +612,5 @@ class ClusterNode:
             "re_registrations": self.re_registrations,
             "nodes": sorted(self.nodes),
             "takeover": self.takeover.stats() if self.takeover is not None else {},
+            "takeover_by_cluster": {name: t.stats() for name, t in self.takeovers.items()},
         }

@@ -48,6 +48,7 @@ class Takeover:
         node_id: str,
         batch_size: int,
         can_claim: Callable[[], bool],
+        cluster: str = "main",
     ):
         self._zk = zk_call  # ClusterNode._zk: bridge call, fails fast while disconnected
         self._client = client
@@ -56,6 +57,7 @@ class Takeover:
         self.node_id = node_id
         self.batch_size = batch_size
         self._can_claim = can_claim
+        self.cluster = cluster  # the PostgreSQL cluster of ``worker`` and ``store``
         self._running: defer.Deferred | None = None
         self._again: dict[str, int] | None = None
         self.claimed = 0
@@ -106,7 +108,7 @@ class Takeover:
     def _take(self, dead: str, incarnations: list[int], live: set[str]) -> Any:
         from registry.takeover_lock import TakeoverLock
 
-        lock = TakeoverLock(self._client, dead, f"takeover by {self.node_id}")
+        lock = TakeoverLock(self._client, dead, f"takeover by {self.node_id}", self.cluster)
         if incarnations:
             owners = yield self._zk(lock.try_acquire_for, incarnations)
             if not owners:
@@ -131,8 +133,8 @@ class Takeover:
             self.claimed += total
             self.claims[dead] = self.claims.get(dead, 0) + total
             log.info(
-                "took over {n} cursors of departed node {dead} (incarnations {owners} retired)",
-                n=total, dead=dead, owners=owners,
+                "took over {n} cursors of departed node {dead} on cluster {cluster} (incarnations {owners} retired)",
+                n=total, dead=dead, owners=owners, cluster=self.cluster,
             )
         return total
 

@@ -15,9 +15,9 @@ same interface (``start(on_change)``, ``stop()``, ``owned``).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-__all__ = ["FragmentAssignment", "StaticAssignment", "split_fragments", "all_fragments"]
+__all__ = ["FragmentAssignment", "StaticAssignment", "SharedAssignment", "split_fragments", "all_fragments"]
 
 
 def all_fragments(count: int) -> frozenset[int]:
@@ -73,3 +73,38 @@ class StaticAssignment:
 
     def describe(self) -> dict:
         return {"kind": "static", "fragments": self.count, "owned": sorted(self.owned)}
+
+
+class SharedAssignment:
+    """One node's assignment serving several delay schedulers (one per PostgreSQL
+    cluster): a node serves the same fragments on every cluster, and joins the
+    fragment party once. ``stop`` stops the assignment after the last scheduler's."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self._listeners: list[Callable[[frozenset[int]], None]] = []
+        self._running = 0
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return self.inner.owned
+
+    def start(self, on_change: Callable[[frozenset[int]], None]) -> None:
+        self._listeners.append(on_change)
+        self._running += 1
+        if self._running == 1:
+            self.inner.start(self._changed)
+        else:
+            on_change(self.inner.owned)
+
+    def _changed(self, owned: frozenset[int]) -> None:
+        for listener in list(self._listeners):
+            listener(owned)
+
+    def stop(self) -> Any:
+        self._running -= 1
+        return self.inner.stop() if self._running == 0 else None
+
+    def describe(self) -> dict:
+        describe = getattr(self.inner, "describe", None)
+        return describe() if describe else {}

@@ -40,6 +40,9 @@ from dmq_client.spelling import format_duration, parse_address, parse_duration
 
 __all__ = [
     "Options",
+    "MAIN_CLUSTER",
+    "MAX_CLUSTERS",
+    "check_cluster_name",
     "ConfigError",
     "build_parser",
     "options_from_args",
@@ -79,6 +82,13 @@ class Options:
     )
     pg_dsn: str = _opt(
         "", "PostgreSQL DSN; empty starts a private PostgreSQL under --data-path"
+    )
+    pg_cluster: tuple[str, ...] = _opt(
+        (),
+        "another PostgreSQL cluster topics may be placed on, as NAME=DSN (repeat the flag; in "
+        "the environment one per line or separated by ';'); the default cluster 'main' is "
+        "--pg-dsn or the embedded PostgreSQL (docs/operations.md#several-postgresql-clusters)",
+        kind="list",
     )
     pg_timeout: float = _opt(
         15.0,
@@ -397,6 +407,12 @@ class Options:
         return tuple(a.strip() for a in self.auth_http_address.split(",") if a.strip())
 
     @property
+    def pg_clusters(self) -> dict[str, str]:
+        """The clusters of ``--pg-cluster`` by name (without ``main``), in flag order;
+        ``validate`` has checked their spelling."""
+        return dict(_cluster_entry(entry) for entry in self.pg_cluster)
+
+    @property
     def data_dir(self) -> Path:
         return Path(self.data_path).resolve()
 
@@ -419,6 +435,17 @@ class Options:
                 parse_zk_address(self.zk)
             except ValueError as exc:
                 raise ConfigError(f"{_names('zk')}: {exc}") from None
+        seen: set[str] = set()
+        for entry in self.pg_cluster:
+            try:
+                name, _ = _cluster_entry(entry)
+            except ValueError as exc:
+                raise ConfigError(f"{_names('pg_cluster')}: {exc}") from None
+            if name in seen:
+                raise ConfigError(f"{_names('pg_cluster')}: cluster {name!r} is given twice")
+            seen.add(name)
+        if len(seen) >= MAX_CLUSTERS:
+            raise ConfigError(f"{_names('pg_cluster')}: at most {MAX_CLUSTERS - 1} clusters besides {MAIN_CLUSTER!r}")
         checks = [
             ("max_msg_size", self.max_msg_size >= 1, "must be at least 1"),
             ("msg_timeout", self.msg_timeout > 0, "must be more than 0"),
@@ -498,6 +525,34 @@ class Options:
 _FIELDS = {f.name: f for f in dataclasses.fields(Options)}
 
 
+#: the name of the default cluster (``--pg-dsn`` or the embedded PostgreSQL)
+MAIN_CLUSTER = "main"
+#: how many clusters there may be: each owns a range of message ids (``db.clusters``)
+MAX_CLUSTERS = 32
+_CLUSTER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def check_cluster_name(name: str) -> str | None:
+    """Why ``name`` cannot name a cluster, or None (lower-case letters, digits, ``_`` and
+    ``-``, at most 32: it is a label value of ``/metrics`` and a ZooKeeper node name)."""
+    if not name or len(name) > 32 or not set(name) <= _CLUSTER_NAME_CHARS:
+        return f"cluster name {name!r} must be 1 to 32 lower-case letters, digits, '_' or '-'"
+    return None
+
+
+def _cluster_entry(entry: str) -> tuple[str, str]:
+    name, sep, dsn = entry.partition("=")
+    name, dsn = name.strip(), dsn.strip()
+    if not sep or not dsn:
+        raise ValueError(f"expected NAME=DSN, got {entry!r}")
+    why = check_cluster_name(name)
+    if why is not None:
+        raise ValueError(why)
+    if name == MAIN_CLUSTER:
+        raise ValueError(f"cluster {MAIN_CLUSTER!r} is --pg-dsn (or the embedded PostgreSQL): name the others")
+    return name, dsn
+
+
 def flag_name(name: str) -> str:
     """The command-line flag of a field: ``--mem-queue-size``."""
     return _FIELDS[name].metadata.get("flag") or "--" + name.replace("_", "-")
@@ -529,6 +584,8 @@ def _from_text(kind: str, raw: str) -> Any:
         if value in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"expected true or false, got {raw!r}")
+    if kind == "list":
+        return tuple(item.strip() for item in raw.replace(";", "\n").splitlines() if item.strip())
     return raw
 
 
@@ -546,6 +603,10 @@ def _from_toml(kind: str, raw: Any) -> Any:
         if isinstance(raw, bool):
             return raw
         raise ValueError(f"expected true or false, got {raw!r}")
+    if kind == "list":
+        if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+            return tuple(raw)
+        raise ValueError(f"expected a list of strings, got {raw!r}")
     if isinstance(raw, str):
         return raw
     raise ValueError(f"expected a string, got {raw!r}")
@@ -594,10 +655,12 @@ def _default_text(f: dataclasses.Field) -> str:
         return format_duration(f.default)
     if f.metadata["kind"] == "bool":
         return "true" if f.default else "false"
+    if f.metadata["kind"] == "list":
+        return "none" if not f.default else ", ".join(f.default)
     return repr(f.default) if f.metadata["kind"] == "str" else str(f.default)
 
 
-_METAVARS = {"int": "N", "duration": "DURATION", "bool": "BOOL"}
+_METAVARS = {"int": "N", "duration": "DURATION", "bool": "BOOL", "list": "NAME=DSN"}
 
 
 def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
@@ -621,6 +684,7 @@ def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
             flag_name(f.name),
             dest=f.name,
             default=None,
+            action="append" if f.metadata["kind"] == "list" else "store",
             metavar=_METAVARS.get(f.metadata["kind"]),
             help=help_text.replace("%", "%%"),
         )
@@ -637,6 +701,8 @@ def _resolve(
             (environ.get(env_name(f.name)), env_name(f.name)),
         ):
             if raw is not None:
+                if isinstance(raw, list):  # a repeated flag (kind "list")
+                    raw = "\n".join(raw)
                 try:
                     values[f.name] = _from_text(f.metadata["kind"], raw)
                 except ValueError as exc:
@@ -682,6 +748,8 @@ def _toml_value(f: dataclasses.Field) -> str:
         return "true" if value else "false"
     if kind == "duration":
         value = format_duration(value)
+    if kind == "list":
+        value = list(value)
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
 
 

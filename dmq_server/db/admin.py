@@ -25,6 +25,7 @@ __all__ = [
     "log_operation",
     "dead_letter_counts",
     "table_counts",
+    "topic_leftovers",
     "stored_stats",
     "update_topic_settings",
     "list_admin_log",
@@ -127,6 +128,15 @@ def table_counts(conn: Any) -> dict:
             for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
         ],
     }
+
+
+def topic_leftovers(conn: Any, topic: str, fenced_at: Any = None) -> tuple[str | None, int, int, int, Any]:
+    """On this cluster: the topic's placement as its row says, its copies waiting, its
+    delayed messages, the transactions begun before ``fenced_at`` still running, and the
+    database's time now (``dmq topic move``)."""
+    row = conn.execute(queries["topic_leftovers"], {"name": topic, "fenced_at": fenced_at}).fetchone()
+    placed, pending, delayed, older, now = row
+    return placed, pending, delayed, older, now
 
 
 def stored_stats(conn: Any) -> dict:

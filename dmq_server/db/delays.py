@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from dmq_server.db.errors import Fenced
+from dmq_server.db.errors import Fenced, Misplaced
 from dmq_server.db.messages import send_columns
 from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.trace import body_preview
@@ -95,13 +95,14 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
         )
         for row_id, producer, session_id, due_ms, kind in found:
             fresh.setdefault((producer, session_id), StoredDelay(row_id, due_ms, 0, True, kind))
-    results: list[StoredDelay] = []
+    results: list[Any] = []
     seen: set[tuple[str, int]] = set()
     for m in batch:
         key = (m.producer, m.session_id)
         stored = fresh.get(key)
-        if stored is None:
-            raise RuntimeError(f"delayed message {key} neither stored nor found")
+        if stored is None:  # the statement stores only topics placed on its cluster
+            results.append(Misplaced(f"topic {m.topic!r} is not placed on this cluster (moved): not stored, send again"))
+            continue
         duplicate = stored.duplicate or key in seen
         seen.add(key)
         results.append(StoredDelay(stored.message_id, stored.due_ms, m.fragment, duplicate, stored.kind))

@@ -11,7 +11,7 @@ import psycopg
 from dmq_server.core.errors import Unavailable
 from dmq_sql.connection import describe_error
 
-__all__ = ["StorageError", "RefusedError", "Fenced", "storage_error", "describe_error"]
+__all__ = ["StorageError", "RefusedError", "Fenced", "Misplaced", "storage_error", "describe_error"]
 
 
 class StorageError(Unavailable):
@@ -47,6 +47,14 @@ class Fenced(StorageError):
     input's fault), and nothing will be until this server starts again."""
 
     code = "E_FENCED"
+
+
+class Misplaced(StorageError):
+    """The send's topic is not placed on this database's cluster (it was moved: the
+    sender's view of the registry was stale). Nothing was stored (a known outcome); a
+    retry goes to the topic's cluster once the registry is read again."""
+
+    code = "E_MOVED"
 
 
 # SQLSTATE classes that blame the statement's input, not the server or the link:

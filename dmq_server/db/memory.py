@@ -99,10 +99,12 @@ class MemoryDb:
     """Tables as dicts; ``run_steps`` answers named statements. One instance plays the
     whole database: pass it as every worker role the broker takes."""
 
-    def __init__(self, clock: Any = None, *, delay: float = 0.0, name: str = "memory"):
+    def __init__(self, clock: Any = None, *, delay: float = 0.0, name: str = "memory",
+                 cluster: str = "main", first_id: int = 1):
         self.clock = clock
         self.delay = delay
         self.name = name
+        self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, dict[str, Any]] = {}
         self.channels: dict[str, set[str]] = {}
@@ -118,7 +120,8 @@ class MemoryDb:
         self._delayed_pairs: dict[tuple[str, int], int] = {}
         self.dead_letters: dict[int, dict[str, Any]] = {}
         self.returns: list[dict[str, Any]] = []  # dmq_trace
-        self._ids = itertools.count(1)  # one sequence is enough: ids only need to grow
+        # one sequence is enough: ids only need to grow (``first_id``: the cluster's id slot)
+        self._ids = itertools.count(first_id)
         self.executed: list[tuple[str, dict[str, Any]]] = []  # every statement run, in order
         self._failures: list[_Failure] = []
         self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -164,6 +167,8 @@ class MemoryDb:
         rate_limit: int | None = None,
         ttl_ms: int | None = None,
         max_attempts: int | None = None,
+        cluster: str = "main",
+        draining: tuple[str, ...] = (),
     ) -> None:
         self.topics[name] = {
             "store": store,
@@ -171,6 +176,8 @@ class MemoryDb:
             "rate_limit": rate_limit,
             "ttl_ms": ttl_ms,
             "max_attempts": max_attempts,
+            "cluster": cluster,
+            "draining": list(draining),
         }
         for channel in channels:
             self.add_channel(name, channel)
@@ -306,7 +313,7 @@ class MemoryDb:
         return [
             (
                 name, t["store"], t["msg_timeout_ms"], t["rate_limit"], t["ttl_ms"], t["max_attempts"],
-                sorted(self.channels.get(name, ())),
+                sorted(self.channels.get(name, ())), t["cluster"], t["draining"],
             )
             for name, t in sorted(self.topics.items())
         ]
@@ -325,6 +332,8 @@ class MemoryDb:
         seen: set[tuple[str, int]] = set()
         fresh = []
         for item in items:
+            if not self._placed_here(item[0]):
+                continue  # moved to another cluster: not stored here
             key = (item[1], item[2])
             if key in self._pairs or key in seen:
                 if not on_conflict:
@@ -344,6 +353,10 @@ class MemoryDb:
             self._pairs[(producer, session_id)] = message.id
             rows.append((message.id, producer, session_id, now, self._channels_of(message)))
         return rows
+
+    def _placed_here(self, topic: str) -> bool:
+        row = self.topics.get(topic)
+        return row is not None and row["cluster"] == self.cluster
 
     def _find_messages(self, p: dict) -> list[tuple]:
         rows = []
@@ -533,7 +546,7 @@ class MemoryDb:
         rows = []
         for topic, producer, session_id, produced_ms, due_ms, fragment, body in items:
             key = (producer, session_id)
-            if key in self._pairs or key in self._delayed_pairs:
+            if key in self._pairs or key in self._delayed_pairs or not self._placed_here(topic):
                 continue
             delay_id = next(self._ids)
             self.delayed[delay_id] = {

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import psycopg
 
-from dmq_server.db.errors import Fenced, StorageError
+from dmq_server.db.errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
 
@@ -102,7 +102,8 @@ def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
 def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int) -> Steps:
     """Store a batch owned by incarnation ``owner``: one statement, atomic on its own
     (the writers run it in autocommit); resent pairs are then read back. One
-    StoredMessage per item, in order. ``Fenced`` if the owner was retired (a takeover
+    StoredMessage per item, in order (``Misplaced`` for one whose topic is not placed
+    on this database's cluster). ``Fenced`` if the owner was retired (a takeover
     presumed this node dead): nothing was stored."""
     params = send_columns(batch, node_id)
     params["owner"] = owner
@@ -130,13 +131,14 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
         )
         for r in found:
             fresh.setdefault((r[1], r[2]), StoredMessage(r[0], r[3], (), True))
-    results = []
+    results: list[Any] = []
     seen: set[tuple[str, int]] = set()
     for m in batch:
         key = (m.producer, m.session_id)
         stored = fresh.get(key)
-        if stored is None:
-            raise StorageError(f"message {key} neither stored nor found")
+        if stored is None:  # the statement stores only topics placed on its cluster
+            results.append(Misplaced(f"topic {m.topic!r} is not placed on this cluster (moved): not stored, send again"))
+            continue
         if key in seen and not stored.duplicate:
             # the same pair twice in one batch: the second is a resend
             stored = StoredMessage(stored.message_id, stored.published_ms, (), True)

@@ -17,4 +17,4 @@ __all__ = ["list_topics_steps"]
 def list_topics_steps() -> Steps:
     """Every topic (``TopicSpec``, channels sorted), in name order."""
     rows = yield Statement("list_topics", {})
-    return [TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6])) for r in rows]
+    return [TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8])) for r in rows]

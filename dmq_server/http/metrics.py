@@ -189,6 +189,7 @@ class DmqCollector:
         yield consumers
         yield paused
         yield from _deliveries(snap)
+        yield from _clusters(snap)
         yield from _stored(snap)
         yield from _db_pool(snap)
 
@@ -261,6 +262,33 @@ def _stored(snap: Snapshot) -> Iterator[Metric]:
         unreplayed.add_metric([reason], total - replayed)
     yield letters
     yield unreplayed
+
+
+def _clusters(snap: Snapshot) -> Iterator[Metric]:
+    """Per PostgreSQL cluster (``--pg-cluster``; the label's values are the configured
+    names, so bounded): is it taking writes, and what its store did."""
+    clusters = snap.broker.get("clusters") or {}
+    if not clusters:
+        return
+    up = GaugeMetricFamily("dmq_cluster_up", "1 while the cluster's PostgreSQL takes writes, 0 during an outage.",
+                           labels=["cluster"])
+    pending = GaugeMetricFamily("dmq_cluster_group_commit_pending", "Sends waiting for the cluster's next group commit.",
+                                labels=["cluster"])
+    counters = {
+        name: CounterMetricFamily(name, doc, labels=["cluster"])
+        for name, doc in (("dmq_cluster_published", "Messages stored on the cluster for producers."),
+                          ("dmq_cluster_group_commits", "Group-commit transactions on the cluster."),
+                          ("dmq_cluster_acks_durable", "Acknowledgements made durable on the cluster."))
+    }
+    for name, c in sorted(clusters.items()):
+        up.add_metric([name], 1 if c["health"] == "OK" else 0)
+        pending.add_metric([name], c["writer"]["pending"])
+        counters["dmq_cluster_published"].add_metric([name], c["published"])
+        counters["dmq_cluster_group_commits"].add_metric([name], c["writer"]["batches"])
+        counters["dmq_cluster_acks_durable"].add_metric([name], c["acks"]["durable"])
+    yield up
+    yield pending
+    yield from counters.values()
 
 
 def _db_pool(snap: Snapshot) -> Iterator[Metric]:

@@ -35,11 +35,31 @@ SAMPLED = ("depth", "in_flight_count", "deferred_count", "message_count", "ack_c
            "timeout_count")
 
 
+def merge_gauges(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
+    """Two clusters' ``read_gauges`` as one node's: the oldest of a channel's copies,
+    delayed messages and dead letters added up."""
+    oldest = dict(one["oldest_unacked_ms"])
+    for key, ms in two["oldest_unacked_ms"].items():
+        known = [m for m in (oldest.get(key), ms) if m is not None]
+        oldest[key] = min(known) if known else None
+    delayed = dict(one["delay_pending"])
+    for topic, (count, due) in two["delay_pending"].items():
+        have, have_due = delayed.get(topic, (0, None))
+        dues = [d for d in (have_due, due) if d is not None]
+        delayed[topic] = (have + count, min(dues) if dues else None)
+    letters = dict(one["dead_letters"])
+    for reason, (total, replayed) in two["dead_letters"].items():
+        t, r = letters.get(reason, (0, 0))
+        letters[reason] = (t + total, r + replayed)
+    return {"oldest_unacked_ms": oldest, "delay_pending": delayed, "dead_letters": letters}
+
+
 class StoredGauges:
     """The last database-derived figures, refreshed by ``refresh`` (a timer's call)."""
 
-    def __init__(self, db: Any, clock: Any):
+    def __init__(self, db: Any, clock: Any, others: Iterable[Any] = ()):
         self.db = db
+        self.others = list(others)  # the other PostgreSQL clusters' workers: their figures are added
         self.clock = clock
         self.values: dict[str, Any] | None = None  # db.trace.read_gauges' answer
         self.refreshed_at: float | None = None
@@ -55,7 +75,11 @@ class StoredGauges:
 
         def pinged(_: Any) -> Deferred:
             self.roundtrip = self.clock.seconds() - started
-            return self.db.run(read_gauges)
+            d = self.db.run(read_gauges)
+            for other in self.others:  # a cluster that fails to answer is left out this turn
+                d.addCallback(lambda values, db=other: db.run(read_gauges).addCallbacks(
+                    lambda more: merge_gauges(values, more), lambda _: values))
+            return d
 
         def read(values: dict[str, Any]) -> None:
             self.values = values
@@ -126,8 +150,8 @@ class Sampling:
     ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
 
     def __init__(self, db: Any, clock: Any, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
-                 gauges_interval: float):
-        self.gauges = StoredGauges(db, clock)
+                 gauges_interval: float, others: Iterable[Any] = ()):
+        self.gauges = StoredGauges(db, clock, others)
         self.history = History(channels, clock)
         self.timers = MultiService()
         for name, step, fn in (("stored-gauges", gauges_interval, self.gauges.refresh),

@@ -49,6 +49,7 @@ def reliable_topic_stats(broker: Any, name: str, row: Any, channel: str | None, 
         "paused": False,
         "e2e_processing_latency": {"count": 0, "percentiles": None},
         "store": "reliable",
+        "cluster": getattr(row, "cluster", "main"),  # the PostgreSQL cluster it is placed on
     }
 
 

@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from dmq_server.core.errors import Invalid
 from dmq_server.core.publish import Published
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
-from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
     AckRow,
     CursorProgress,
@@ -76,6 +76,9 @@ class ReliableStore:
         self.options = options
         self.clock = clock
         self.node_id = node_id
+        self.cluster = "main"  # the PostgreSQL cluster of ``workers`` (broker.placement)
+        # called when a send's topic was not placed on this cluster (moved; set by the broker)
+        self.misplaced: Callable[[], None] | None = None
         self._workers = workers
         self._set_health = set_health
         self.topics: dict[str, TopicSpec] = {}  # the reliable topics, from the broker's registry cache
@@ -352,7 +355,7 @@ class ReliableStore:
 
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
-                done(_answer_for(stored))
+                self._refused(stored, done)
                 return
             if self.commit_latency is not None:
                 self.commit_latency.observe(self.clock.seconds() - staged_at)
@@ -381,7 +384,7 @@ class ReliableStore:
 
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
-                done(_answer_for(stored))
+                self._refused(stored, done)
                 return
             if not stored.duplicate:
                 self.delayed_count += 1
@@ -391,6 +394,11 @@ class ReliableStore:
 
         item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body)
         self.delay_writer.submit_cb(item, committed)
+
+    def _refused(self, failure: BaseException, done: Callable[[Any], None]) -> None:
+        if isinstance(failure, Misplaced) and self.misplaced is not None:
+            self.misplaced()
+        done(_answer_for(failure))
 
     def deliver_moved(self, messages: list[MovedMessage]) -> None:
         """Delayed (or replayed) messages now stored with their deliveries: push them."""

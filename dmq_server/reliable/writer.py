@@ -165,7 +165,8 @@ class GroupCommitWriter:
         writes = self._writes
         if writes is not None:  # the batch's messages are in the channels: settled
             for stored in results:
-                writes.seen(stored.message_id)
+                if not isinstance(stored, BaseException):  # a Misplaced send stored nothing
+                    writes.seen(stored.message_id)
             writes.end(token)
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 

@@ -24,6 +24,8 @@ def test_topic_and_channel_lifecycle(pg_dsn):
             "ttl_ms": None,
             "max_attempts": None,
             "channels": ["audit", "billing"],
+            "cluster": "main",
+            "draining": [],
         }
     ]
     shown = json.loads(run_cli(pg_dsn, "topic", "show", "orders").stdout)

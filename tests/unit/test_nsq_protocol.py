@@ -67,6 +67,10 @@ class FakeBroker(Broker):
         self.channels[(topic, channel)] = ch
         return ch
 
+    @property
+    def channels(self):
+        return self.reliable.channels
+
     def refresh_registry(self, fresh=False):
         self.refreshes += 1
         return succeed(None)

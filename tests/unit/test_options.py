@@ -50,8 +50,8 @@ def test_every_field_is_documented_and_typed(f: dataclasses.Field) -> None:
     flags, the environment, the file and the example are all generated from them."""
     assert f.metadata["help"].strip(), f"{f.name} has no help text"
     kind = f.metadata["kind"]
-    assert kind in {"str", "int", "duration", "bool"}
-    expected_type = {"str": str, "int": int, "duration": float, "bool": bool}[kind]
+    assert kind in {"str", "int", "duration", "bool", "list"}
+    expected_type = {"str": str, "int": int, "duration": float, "bool": bool, "list": tuple}[kind]
     assert type(f.default) is expected_type, f"{f.name}: default {f.default!r} is not {kind}"
 
 
@@ -308,3 +308,26 @@ def test_boolean_setting_rejects_other_words() -> None:
     with pytest.raises(SystemExit) as info:
         options_from_args(["--deflate", "maybe"], environ={})
     assert "--deflate" in str(info.value)
+
+
+def test_pg_cluster_repeats_and_comes_from_the_environment_and_file(tmp_path: Path) -> None:
+    """--pg-cluster NAME=DSN may be given again and again; the environment separates
+    entries by lines or ';', the config file takes a list; each is checked."""
+    opts = options_from_args(["--pg-cluster", "b=dbname=b host=x", "--pg-cluster", "c=postgresql:///c"], environ={})
+    assert opts.pg_clusters == {"b": "dbname=b host=x", "c": "postgresql:///c"}
+    opts = options_from_args([], environ={"DMQ_PG_CLUSTER": "b=postgresql:///b; c=postgresql:///c"})
+    assert list(opts.pg_clusters) == ["b", "c"]
+    config = tmp_path / "dmq.toml"
+    config.write_text('pg_cluster = ["b=postgresql:///b"]\n')
+    assert options_from_args(["--config", str(config)], environ={}).pg_clusters == {"b": "postgresql:///b"}
+    for bad, why in (
+        ("main=postgresql:///x", "'main' is --pg-dsn"),
+        ("B=postgresql:///x", "lower-case"),
+        ("b", "expected NAME=DSN"),
+    ):
+        with pytest.raises(SystemExit) as excinfo:
+            options_from_args(["--pg-cluster", bad], environ={})
+        assert "--pg-cluster" in exit_message(excinfo) and why in exit_message(excinfo)
+    with pytest.raises(SystemExit) as excinfo:
+        options_from_args(["--pg-cluster", "b=x", "--pg-cluster", "b=y"], environ={})
+    assert "given twice" in exit_message(excinfo)

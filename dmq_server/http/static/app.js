@@ -197,9 +197,12 @@ async function topicsPage(page) {
     el("div", { class: "card" }, el("div", { class: "value" }, overview.healthy ? "OK" : "failing"),
       el("div", { class: "label" }, overview.healthy ? "storage" : overview.health_detail)));
   const rows = [];
+  // the PostgreSQL cluster of a reliable topic, when there are several (docs/operations.md)
+  const where = (topic) => (topic.cluster && topic.cluster !== "main") || (topic.draining || []).length
+    ? `${topic.store} on ${topic.cluster}${(topic.draining || []).map((d) => `, draining ${d}`).join("")}` : topic.store;
   for (const topic of overview.topics) {
     if (!topic.channels.length) {
-      rows.push(el("tr", { dataset: { topic: topic.topic } }, el("td", {}, topic.topic), el("td", {}, topic.store),
+      rows.push(el("tr", { dataset: { topic: topic.topic } }, el("td", {}, topic.topic), el("td", {}, where(topic)),
         el("td", { colspan: 11, class: "muted" }, "no channel: sends are refused")));
     }
     for (const c of topic.channels) {
@@ -210,7 +213,7 @@ async function topicsPage(page) {
       const oldest = (stored.oldest_unacked || {})[`${topic.topic}/${c.channel_name}`];
       rows.push(el("tr", { dataset: { topic: topic.topic, channel: c.channel_name, store: topic.store } },
         el("td", {}, topic.topic),
-        el("td", {}, topic.store),
+        el("td", {}, where(topic)),
         el("td", {}, topic.store === "reliable"
           ? el("a", { href: `#/channel/${enc(topic.topic)}/${enc(c.channel_name)}` }, c.channel_name) : c.channel_name),
         el("td", { class: "num depth" }, fmt(c.depth)),

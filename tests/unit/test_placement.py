@@ -1,0 +1,148 @@
+"""Unit tests of topics placed on two PostgreSQL clusters (``broker.placement``): the
+broker with a reliable store per cluster, each on its own in-memory database whose ids
+start in its slot, driven by a ``task.Clock``. Counted: every id acknowledged to a
+producer is pushed on the topic's channel, across a cluster's failure and a move."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.task import Clock
+
+from dmq_server.broker import Broker
+from dmq_server.broker.placement import ChannelGroup
+from dmq_server.core.errors import Unavailable
+from dmq_server.core.options import Options
+from dmq_server.core.publish import Published
+from dmq_server.db.clusters import first_id
+from dmq_server.db.errors import Misplaced
+from dmq_server.db.memory import MemoryDb
+from dmq_server.db.messages import NewMessage
+from tests.unit.test_broker import Consumer, Harness
+
+NODE = "node-1"
+
+
+class TwoClusters(Harness):
+    """``local`` on main, ``remote`` on b, channel ``c`` each; both databases hold both
+    topics' rows, as the registry mirror makes them."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1_700_000_000)
+        self.db = MemoryDb(self.clock)
+        self.b = MemoryDb(self.clock, cluster="b", first_id=first_id(1))
+        for db in (self.db, self.b):
+            db.create_topic("local", ["c"])
+            db.create_topic("remote", ["c"], cluster="b")
+        roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
+        b_roles = {"writer0": self.b, "acker": self.b, "loader": self.b, "admin": self.b}
+        self.broker = Broker(Options(), self.clock, roles, NODE, clusters={"b": b_roles}, slots={"main": 0, "b": 1})
+        self.acknowledged: dict[tuple[str, int], int] = {}
+        self.answers: dict[tuple[str, int], Any] = {}
+        started = self.broker.start()
+        self.settle()
+        assert started.called
+        self.broker.timers.startService()
+        self.settle()
+
+    def place(self, topic: str, cluster: str, draining: tuple[str, ...]) -> None:
+        """The registry's change, mirrored into both databases, then read by the broker."""
+        for db in (self.db, self.b):
+            db.topics[topic].update(cluster=cluster, draining=list(draining))
+        self.broker.refresh_registry()
+        self.settle()
+
+
+def test_each_topic_is_stored_on_its_cluster_and_acked_there():
+    h = TwoClusters()
+    local, remote = Consumer(), Consumer()
+    assert isinstance(h.subscribe("local", "c", local).result, ChannelGroup)
+    h.subscribe("remote", "c", remote)
+    for i in range(20):
+        h.send("local", "p", i)
+        h.send("remote", "p", 100 + i)
+    h.settle()
+    ids = h.acknowledged
+    assert {m >> 48 for (p, s), m in ids.items() if s < 100} == {0}
+    assert {m >> 48 for (p, s), m in ids.items() if s >= 100} == {1}
+    assert {m.topic for m in h.db.messages.values()} == {"local"}
+    assert {m.topic for m in h.b.messages.values()} == {"remote"}
+    h.ack_all("local", local)
+    h.ack_all("remote", remote)
+    h.settle()
+    assert not h.db.deliveries and not h.b.deliveries  # each ack durable on its own cluster
+    assert len(h.db.delivery_log) == 20 and len(h.b.delivery_log) == 20
+    stats = h.broker.stats()
+    assert stats["published"] == 40
+    assert {c: s["published"] for c, s in stats["clusters"].items()} == {"main": 20, "b": 20}
+    assert {t["topic_name"]: t["cluster"] for t in stats["topics"]} == {"local": "main", "remote": "b"}
+
+
+def test_a_cluster_that_fails_fails_only_its_topics():
+    h = TwoClusters()
+    h.b.fail_next("insert_new_messages", "lost")
+    h.send("remote", "p", 1)
+    h.send("local", "p", 2)
+    h.settle()
+    failed = h.answers[("p", 1)]
+    assert isinstance(failed, Unavailable) and "cluster 'b'" in failed.description
+    assert isinstance(h.answers[("p", 2)], Published)
+    assert h.broker.healthy  # the node's health is main's
+    assert h.broker.stats()["clusters"]["b"]["health"] == "ERROR"
+    h.send("remote", "p", 3)  # b is back: its writer's next batch goes through
+    h.settle()
+    assert isinstance(h.answers[("p", 3)], Published)
+    assert h.broker.stats()["clusters"]["b"]["health"] == "OK"
+
+
+def test_a_move_delivers_both_clusters_copies_then_leaves_the_old_one():
+    """A consumer attached before the move gets the copies left on main and the new ones
+    stored on b; a send that reaches main after the move is refused there (Misplaced) and
+    stores nothing; once main is drained the group has b's channel only."""
+    h = TwoClusters()
+    consumer = Consumer(credit=5)
+    group = h.subscribe("local", "c", consumer).result
+    for i in range(10):
+        h.send("local", "p", i)
+    h.settle()
+    h.place("local", "b", ("main",))
+    assert sorted(group.members) == [0, 1]
+    for i in range(10, 20):
+        h.send("local", "p", i)
+    h.settle()
+    stale: list[Any] = []
+    h.broker.stores["main"].store(NewMessage("local", "stale", 1, 0, b"x"), stale.append)
+    h.settle()
+    assert isinstance(stale[0], Misplaced) and not any(m.producer == "stale" for m in h.db.messages.values())
+    done = 0
+    for _ in range(10):  # credit 5: ack what arrived, let the rest come
+        new, done = consumer.pushed[done:], len(consumer.pushed)  # acks push more at once
+        for channel, message_id in new:
+            assert h.broker.ack("local", channel, message_id, consumer) is None
+        h.settle()
+    pushed = [mid for _, mid in consumer.pushed]
+    assert sorted(pushed) == sorted(h.acknowledged.values()) and len(pushed) == 20  # none lost, none twice
+    assert {mid >> 48 for (p, s), mid in h.acknowledged.items() if s >= 10} == {1}
+    assert not h.db.deliveries and not h.b.deliveries
+    h.place("local", "b", ())
+    assert sorted(group.members) == [1] and ("local", "c") not in h.broker.stores["main"].channels
+    h.send("local", "p", 99)
+    h.settle()
+    assert consumer.pushed[-1][1] == h.acknowledged[("p", 99)]
+
+
+def test_stored_gauges_of_two_clusters_add_up():
+    """/metrics' figures read from each cluster: a moving channel's oldest copy is the
+    older of the two, delayed messages and dead letters are added."""
+    from dmq_server.http.sampling import merge_gauges
+
+    main = {"oldest_unacked_ms": {("t", "c"): 2000, ("u", "c"): None}, "delay_pending": {"t": (2, 500)},
+            "dead_letters": {"expired": (3, 1)}}
+    b = {"oldest_unacked_ms": {("t", "c"): 1000, ("v", "c"): 7}, "delay_pending": {"t": (1, 400), "v": (4, None)},
+         "dead_letters": {"expired": (1, 0), "rate_limited": (2, 2)}}
+    assert merge_gauges(main, b) == {
+        "oldest_unacked_ms": {("t", "c"): 1000, ("u", "c"): None, ("v", "c"): 7},
+        "delay_pending": {"t": (3, 400), "v": (4, None)},
+        "dead_letters": {"expired": (4, 1), "rate_limited": (2, 2)},
+    }
