@@ -7,7 +7,9 @@ shutdown leaves the party; a crashed node's session expires), every member
 releases and the set is partitioned again among the survivors, so no fragment
 stays unserved while any node lives. During a rebalance a node owns nothing for
 a moment (``time_boundary`` plus lock handover): due rows only wait, since the
-delay table is the source of truth.
+delay table is the source of truth. A partitioner that fails starts over on a new
+session: kazoo's can fail still holding fragment locks, and only the end of the
+session that holds them lets the other members take them.
 
 kazoo's threads never touch reactor state: the partitioner is driven by a
 thread of this class, which announces changes with ``reactor.callFromThread``.
@@ -24,9 +26,15 @@ from twisted.logger import Logger
 
 from dmq_server.core.fragments import all_fragments, split_fragments
 
-__all__ = ["ZkFragmentAssignment", "PARTITION_PATH", "contiguous_partition"]
+__all__ = ["ZkFragmentAssignment", "PARTITION_PATH", "PartitionerFailed", "contiguous_partition"]
 
 log = Logger()
+
+
+class PartitionerFailed(Exception):
+    """kazoo's SetPartitioner gave up (a lock it could not take or release, a logic check);
+    the thread starts over with a new ZooKeeper session."""
+
 
 #: the partitioner's znode (party members and per-fragment locks below it)
 PARTITION_PATH = "/dmq/delay/fragments"
@@ -224,9 +232,13 @@ class ZkFragmentAssignment:
         while not self._stop.is_set():
             changed.clear()
             if partitioner.failed:
-                self.state = "failed"
-                self._announce(frozenset())
-                return  # a new partitioner (new party member) next
+                # kazoo's partitioner can fail holding fragment locks (it leaves the party
+                # without releasing them). A new partitioner on the same session waited
+                # for its own predecessor's locks, and every other member for them too:
+                # no node moved a delayed message again (chaos clock-jump: a node
+                # restarted under faketime). Only closing the session frees every lock
+                # it holds, so start over on a new one.
+                raise PartitionerFailed("kazoo's partitioner failed; its session is closed to free its locks")
             if partitioner.release:
                 self.state = "rebalancing"
                 self._announce(frozenset())

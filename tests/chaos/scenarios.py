@@ -277,7 +277,7 @@ def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
         "message": "SELECT id, node_id, published_at FROM dmq_message WHERE producer = %s AND session_id = %s",
         "pending": "SELECT d.channel, d.holder, d.attempts FROM dmq_pending d JOIN dmq_message m"
                    " ON m.id = d.message_id WHERE m.producer = %s AND m.session_id = %s",
-        "delay": "SELECT id, node_id, due_ms FROM dmq_delay WHERE producer = %s AND session_id = %s",
+        "delay": "SELECT id, node_id, due_ms, fragment FROM dmq_delay WHERE producer = %s AND session_id = %s",
     }
     try:
         with psycopg.connect(cluster.direct_dsn, autocommit=True, connect_timeout=5) as conn:
@@ -291,4 +291,29 @@ def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
     for node in cluster.nodes:
         noted = [line[:300] for line in node.log().splitlines() if "#warn" in line or "#error" in line]
         lines.append(f"--- {node.flags['node_id']}: last warnings\n" + "\n".join(noted[-15:]))
+        lines.append(f"    delay scheduler: {_delay_state(node)}")
     return "\n".join(lines)
+
+
+def _delay_state(node: Any) -> str:
+    """Which delay fragments a node holds and what its workers did (``/admin/delay``):
+    a delayed send lost is a row in a fragment nobody served."""
+    import json
+
+    from tests.integration.support import http_get
+
+    try:
+        status, body = http_get(node.http + "/admin/delay", timeout=3)
+        if status != 200:
+            return f"HTTP {status}"
+        out = []
+        for cluster, state in json.loads(body).get("clusters", {"main": json.loads(body)}).items():
+            assignment = state.get("assignment") or {}
+            workers = [(w["range"], w["polls"], w["moves"], w["moved"], w["timers_pending"], w["last_error"])
+                       for w in state.get("workers", [])]
+            out.append(f"{cluster}: owned {len(state.get('owned', []))} of {state.get('fragments')}, "
+                       f"assignment {assignment.get('state')} (rebalances {assignment.get('rebalances')}), "
+                       f"workers (range, polls, moves, moved, timers, last error) {workers}")
+        return "; ".join(out)
+    except Exception as exc:  # the node may be the thing that failed
+        return f"unreadable: {exc}"

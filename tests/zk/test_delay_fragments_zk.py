@@ -103,6 +103,31 @@ def test_a_dead_members_fragments_move_to_the_survivor(zk_address):
         b._stop_blocking()  # the dead member's session is gone: this only frees its client
 
 
+def test_a_partitioner_that_fails_holding_its_locks_lets_them_go(zk_address):
+    """kazoo's partitioner can fail while it holds fragment locks: it leaves the party and
+    keeps them. The member starts over on a new session, which frees them, so both members
+    own their runs again; a new partitioner on the old session waited for its own old
+    locks for ever, and no delayed message of those fragments moved (chaos clock-jump)."""
+    reactor, owned = ThreadReactor(), {}
+    a = member(zk_address, "node-a", reactor, owned)
+    b = member(zk_address, "node-b", reactor, owned)
+    try:
+        halves = {"node-a": frozenset({1, 2, 3, 4}), "node-b": frozenset({5, 6, 7, 8})}
+        settled(reactor, owned, halves)
+        first_session = b._client.client_id
+        b._partitioner._fail_out()  # what kazoo does on a lock it cannot release: locks kept
+        deadline = time.monotonic() + 30
+        while b._client is None or b._client.client_id == first_session or b.describe()["state"] != "acquired":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"b never acquired on a new session: {b.describe()} {owned}")
+            reactor.pump()
+        settled(reactor, owned, halves)
+        assert a.describe()["state"] == "acquired"
+    finally:
+        a._stop_blocking()
+        b._stop_blocking()
+
+
 def send_delayed(client, topic: str, body: bytes, due_ms: int):
     frame = client.send_frame(topic, body)
     frame.msg_type = MessageType.DELAY
