@@ -126,7 +126,7 @@ def render(results: dict) -> str:
     c = results.get("ceiling") or {}
     if c.get("runs"):
         parts += ["", "PostgreSQL alone (`insert_messages`, one connection, `synchronous_commit=on`, commit per batch, "
-                  "1 channel: each message is a message row and a delivery row):", ""]
+                  "1 channel: each message is one message row, covered by the channel's cursor):", ""]
         parts.append(_table(
             ["batch", "messages/s", "rows/s", "commits/s", "backend CPU per message",
              "all PostgreSQL processes (incl. autovacuum)"],
