@@ -56,6 +56,12 @@ def two_clusters(pg_dsn, pg_private, make_server):
     b_dsn = pg_private.dsn
     server = make_server(pg_cluster=f"b={b_dsn}", metrics_db_interval="500ms")
     register(pg_dsn, b_dsn)
+    # A channel reaches cluster b's database when a node mirrors the registry (its next
+    # registry read), and starts at b's next id then: a send stored on b before that is
+    # not for it. The CLI registers on main only, so wait for the node's mirror before
+    # sending (a CI run sent between the node's read of c1 and of c2: remote/c2 got 0 of 20).
+    wait_for(lambda: db_rows(b_dsn, "SELECT topic, name FROM dmq_channel ORDER BY topic, name")
+             == [("local", "c1"), ("local", "c2"), ("remote", "c1"), ("remote", "c2")], timeout=30)
     return server, pg_dsn, b_dsn, pg_private
 
 
