@@ -36,7 +36,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from dmq_sql.ports import fresh_port
 
 __all__ = ["PatroniCluster", "PatroniMember", "member_config", "DCS_SETTINGS"]
 
@@ -54,10 +55,15 @@ SCOPE = "dmq"
 # session timeout Patroni asks for (the server may cap it: with tickTime 250 ms at 5 s),
 # so a dead primary's leader key goes when its session expires; loop_wait 1 s lets the
 # standbys notice at once. Patroni requires loop_wait + 2 * retry_timeout <= ttl.
+# failsafe_mode: while ZooKeeper cannot be reached, the primary stays primary as long as
+# every member answers it over the REST API; without it Patroni demotes the primary
+# retry_timeout after losing the DCS, so a ZooKeeper restart stopped every write to dmq
+# (chaos zk-restart: 2-7 s of SEND_SERVER_ERROR after ZooKeeper was already back).
 DCS_SETTINGS: dict[str, Any] = {
     "ttl": 20,
     "loop_wait": 1,
     "retry_timeout": 5,
+    "failsafe_mode": True,
     "maximum_lag_on_failover": 1048576,
     "synchronous_mode": True,
     "synchronous_mode_strict": True,
@@ -100,9 +106,9 @@ def patroni_command() -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Outside the ephemeral range: a member restarted (after kill -9, a rejoin) on its
+    address finds its port free again."""
+    return fresh_port()
 
 
 def member_config(name: str, *, pg_port: int, api_port: int, data_dir: Path, run_dir: Path,

@@ -88,7 +88,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import tempfile
@@ -100,6 +99,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
+
+from dmq_sql.ports import pick_port, port_free
 
 __all__ = [
     "EmbeddedPostgres",
@@ -450,46 +451,6 @@ def _children(pid: int) -> list[int]:
         if len(fields) > 1 and fields[1] == str(pid):
             found.append(int(entry))
     return found
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # PostgreSQL sets SO_REUSEADDR too, so TIME_WAIT leftovers do not block it.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _pick_port(host: str, seed: str, avoid: set[int] = frozenset()) -> int:
-    """A free port, stable for a given ``seed`` (the data directory).
-
-    Ports are taken from 20000-29999, below the usual ephemeral range, so the
-    kernel does not hand ours to an outgoing connection while PostgreSQL is down.
-    """
-    low, high = _ephemeral_range()
-    start = 20000 + zlib.crc32(seed.encode()) % 10000
-    for offset in range(500):
-        port = 20000 + (start - 20000 + offset) % 10000
-        if low <= port <= high or port in avoid:
-            continue
-        if _port_free(host, port):
-            return port
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _conf_value(value: object) -> str:
@@ -1106,10 +1067,10 @@ class EmbeddedPostgres:
             recorded = self._recorded_port()
             port = self._explicit_port or recorded
             auto = self._explicit_port is None and not (keep_port and recorded is not None)
-            if port is None or (auto and not _port_free(self.host, port)):
+            if port is None or (auto and not port_free(self.host, port)):
                 if port is not None:
                     _log.warning("recorded port %s for %s is taken; choosing another", port, self.pgdata)
-                port = _pick_port(self.host, str(self.data_dir), avoid={port} if port else set())
+                port = pick_port(self.host, str(self.data_dir), avoid={port} if port else set())
             tried: set[int] = set()
             while True:
                 self._write_config(ident, port)
@@ -1123,7 +1084,7 @@ class EmbeddedPostgres:
                 log = self._log_tail()
                 if auto and "could not bind" in log and len(tried) < 5 and not self.is_running():
                     # Someone took the port between our check and the bind: pick again.
-                    port = _pick_port(self.host, str(self.data_dir), avoid=tried)
+                    port = pick_port(self.host, str(self.data_dir), avoid=tried)
                     continue
                 raise EmbeddedPostgresError(
                     f"pg_ctl start failed (exit code {result.returncode}) for {self.pgdata} on "

@@ -30,6 +30,8 @@ import sys
 from collections import deque
 from typing import Any
 
+from dmq_sql.ports import fresh_port
+
 __all__ = ["FaultProxy", "main"]
 
 MODES = ("pass", "latency", "blackhole", "reset", "trickle")
@@ -235,19 +237,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # --------------------------------------------------------------------------- the handle
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FaultProxy:
     """The proxy process and its routes: ``address(name)`` is where to connect instead
     of the route's target; ``set(name, mode, arg)`` changes what happens on the way."""
 
     def __init__(self, targets: dict[str, tuple[str, int]], log_path: Any = None):
-        self.control_port = _free_port()
-        self.ports = {name: _free_port() for name in targets}
+        self.control_port = fresh_port()
+        self.ports = {name: fresh_port() for name in targets}
         self.targets = dict(targets)
         cmd = [sys.executable, "-m", "tests.chaos.faultproxy", "--control", str(self.control_port)]
         for name, (host, port) in targets.items():

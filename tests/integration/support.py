@@ -21,6 +21,7 @@ from pathlib import Path
 import psycopg
 
 from dmq_client.blocking import BlockingClient
+from dmq_sql.ports import fresh_port
 from dmq_server.core.nsq_wire import (
     FRAME_MESSAGE,
     FRAME_RESPONSE,
@@ -33,9 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port outside the kernel's ephemeral range that no earlier caller was given
+    (``dmq_sql.ports``): a server restarted on its address finds it free again."""
+    return fresh_port()
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

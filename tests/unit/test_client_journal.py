@@ -10,7 +10,6 @@ real ``kill -9`` of a producer process against a real server is in
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ from dmq_client.journal import JournalError, JournalSendQueue, decode_record, en
 from dmq_client.pending import PendingSend
 from dmq_client.send_queue import Put
 from dmq_client.wire import Command, Frame, MessageType
+from dmq_sql.ports import fresh_port
 
 from .test_client_fake_server import WAIT, FakeClock, FakeServer, config, never_answer, success
 
@@ -588,8 +588,7 @@ def until(predicate, what: str, timeout: float = WAIT) -> None:
 
 
 def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
+    return fresh_port()
 
 
 def storage_errors(n: int):

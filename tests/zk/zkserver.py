@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dmq_sql.ports import fresh_port
+
 JAR = Path(os.environ.get("DMQ_ZK_JAR", "/usr/share/java/zookeeper.jar"))
 LOG_JARS = [Path("/usr/share/java/slf4j-simple.jar")]
 MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
@@ -35,9 +37,7 @@ def available() -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return fresh_port()
 
 
 def four_letter(port: int, word: str, timeout: float = 1.0) -> str:
