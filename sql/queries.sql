@@ -139,6 +139,9 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
 -- taken back (a floor only rises, done ranges only grow). Each acknowledged copy that
 -- was not done before is logged once, with the consumer that acknowledged it and when
 -- that delivery was pushed (the message trace); attempts kept for a copy go with it.
+-- "Done before" is read once per cursor of the batch (``before``), not once per ack: the
+-- per-ack join to dmq_cursor and dmq_channel cost ~2 us of PostgreSQL CPU per ack
+-- (bench/ack_cost.py).
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
                          %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
@@ -172,6 +175,13 @@ WITH input AS (
 ), cleared AS (
     DELETE FROM dmq_attempts a USING input u
     WHERE u.counted AND a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
+), before AS MATERIALIZED (
+    -- each cursor of the batch as it was before this statement (its own changes are not
+    -- visible here); a channel no longer registered has no row, so its acks are not logged
+    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor, c.done
+    FROM (SELECT DISTINCT topic, channel, owner FROM input) k
+    JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
+    LEFT JOIN dmq_cursor c ON c.topic = k.topic AND c.channel = k.channel AND c.owner = k.owner
 )
 INSERT INTO dmq_delivery_log (message_id, topic, channel, published_at, first_delivered_at,
                               acked_at, attempts, consumer, delivered_at)
@@ -180,10 +190,8 @@ SELECT u.message_id, u.topic, u.channel, to_timestamp(u.published_ms / 1000.0),
        to_timestamp(u.acked_ms / 1000.0), u.attempts, u.consumer,
        CASE WHEN u.delivered_ms > 0 THEN to_timestamp(u.delivered_ms / 1000.0) END
 FROM input u
-JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel
-LEFT JOIN dmq_cursor c ON c.topic = u.topic AND c.channel = u.channel AND c.owner = u.owner
--- the cursor as it was before this statement (its own changes are not visible here)
-WHERE u.message_id > coalesce(c.floor, ch.start_id) AND NOT coalesce(c.done @> u.message_id, false);
+JOIN before b ON b.topic = u.topic AND b.channel = u.channel AND b.owner = u.owner
+WHERE u.message_id > b.floor AND NOT coalesce(b.done @> u.message_id, false);
 
 -- name: load_backlog
 -- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one
