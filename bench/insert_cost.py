@@ -43,8 +43,19 @@ UNNEST = (
 MESSAGE_COLUMNS = "INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
 MESSAGE_ROWS = f"SELECT topic, producer, session_id, %(node_id)s, %(owner)s, body FROM {UNNEST}"
 
+# for comparison: until session 12 the statement built every row's channel list by its own
+# aggregate over the topic's channels, instead of once per topic and batch
+_HEAD = INSERT_NEW_MESSAGES[:INSERT_NEW_MESSAGES.index(", by_topic AS MATERIALIZED")]
+PER_ROW_CHANNELS = _HEAD + """
+SELECT ins.id, ins.producer, ins.session_id,
+       (extract(epoch FROM ins.published_at) * 1000)::bigint AS published_ms,
+       coalesce((SELECT array_agg(ch.name ORDER BY ch.name) FROM channels ch
+                 WHERE ch.topic = ins.topic AND ch.start_id < ins.id), '{}') AS channels
+FROM ins"""
+
 VARIANTS = [
     ("insert_messages without ON CONFLICT (the first try)", INSERT_NEW_MESSAGES, None),
+    ("  the same, channel lists built per row (before)", PER_ROW_CHANNELS, None),
     ("insert_messages as written (after a unique violation)", queries["insert_messages"], None),
     ("message rows only", MESSAGE_COLUMNS + MESSAGE_ROWS, None),
     ("+ ON CONFLICT (producer, session_id)", MESSAGE_COLUMNS + MESSAGE_ROWS
