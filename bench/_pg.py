@@ -146,3 +146,17 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def schema_with_topic(dsn: str, topic: str = "bench", channels: tuple[str, ...] = ("c",)) -> None:
+    """dmq's schema on a fresh database, and one reliable topic with its channels: what the
+    statement benchmarks (insert_cost.py, ack_cost.py) run against."""
+    import registry
+    from dmq_server.db.schema import migrate
+    from dmq_server.db.worker import connect
+
+    migrate(dsn)
+    with connect(dsn, autocommit=True) as conn:
+        registry.create_topic(conn, topic)
+        for channel in channels:
+            registry.add_channel(conn, topic, channel)

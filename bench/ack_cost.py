@@ -29,16 +29,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _common import cpu_seconds  # noqa: E402
-from _pg import PrivatePostgres  # noqa: E402
+from _pg import PrivatePostgres, schema_with_topic  # noqa: E402
 
-import registry  # noqa: E402
 from dmq_server.db.messages import (  # noqa: E402
     INSERT_NEW_MESSAGES,
     AckRow,
     CursorProgress,
     ack_deliveries_steps,
 )
-from dmq_server.db.schema import migrate  # noqa: E402
 from dmq_server.db.worker import connect  # noqa: E402
 from dmq_sql import queries  # noqa: E402
 
@@ -118,10 +116,7 @@ def main() -> int:
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-ack-"))
     try:
         dsn = pg.start()
-        migrate(dsn)
-        with connect(dsn, autocommit=True) as conn:
-            registry.create_topic(conn, "bench")
-            registry.add_channel(conn, "bench", "c")
+        schema_with_topic(dsn)
         owner, ids = store(dsn, args.acks * len(VARIANTS) * args.rounds)
         print(f"{args.acks:,} acks per variant and round, {args.rounds} rounds, batches of {args.batch}, "
               "one channel, one connection, synchronous_commit off")

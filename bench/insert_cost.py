@@ -28,11 +28,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _common import cpu_seconds  # noqa: E402
-from _pg import PrivatePostgres  # noqa: E402
+from _pg import PrivatePostgres, schema_with_topic  # noqa: E402
 
-import registry  # noqa: E402
 from dmq_server.db.messages import INSERT_NEW_MESSAGES
-from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
 from dmq_sql import queries  # noqa: E402
 
@@ -118,10 +116,7 @@ def main() -> int:
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-insert-"))
     try:
         dsn = pg.start()
-        migrate(dsn)
-        with connect(dsn, autocommit=True) as conn:
-            registry.create_topic(conn, "bench")
-            registry.add_channel(conn, "bench", "c")
+        schema_with_topic(dsn)
         print(f"{args.messages:,} messages per variant, batches of {args.batch}, one connection, "
               "synchronous_commit off, 200-byte bodies, 1 channel")
         print(f"{'variant':52s} {'backend us/msg':>15s} {'client us/msg':>14s} {'msgs/s':>9s}")
