@@ -119,7 +119,10 @@ class Options:
         2000, "most messages stored in one group-commit transaction", kind="int"
     )
     commit_writers: int = _opt(
-        2, "group-commit transactions in progress at once, each on its own connection", kind="int"
+        2,
+        "group-commit transactions in progress at once, each on its own connection (a further "
+        "one starts only once 64 sends wait)",
+        kind="int",
     )
     db_io: str = _opt(
         "reactor",

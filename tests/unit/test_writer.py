@@ -343,9 +343,37 @@ def test_a_failing_completion_does_not_starve_the_rest_of_the_batch() -> None:
     assert answered == [1, 3, 4]
 
 
-def make_writers(count: int, max_batch: int = 100) -> tuple[GroupCommitWriter, list[FakeDbWorker]]:
+def make_writers(count: int, max_batch: int = 100, parallel_min: int = 1) -> tuple[GroupCommitWriter, list[FakeDbWorker]]:
     workers = [FakeDbWorker() for _ in range(count)]
-    return GroupCommitWriter(workers, "node-1", max_batch), workers
+    return GroupCommitWriter(workers, "node-1", max_batch, parallel_min=parallel_min), workers
+
+
+def test_a_second_transaction_starts_only_for_enough_waiting_sends() -> None:
+    """While one transaction is in flight, sends wait for it until ``parallel_min`` of them
+    are queued; then the idle writer takes them all at once."""
+    writer, (w1, w2) = make_writers(2, parallel_min=3)
+    writer.submit(new_message(1))
+    running = w1 if w1.calls else w2
+    idle = w2 if running is w1 else w1
+    writer.submit(new_message(2))
+    writer.submit(new_message(3))
+    assert not idle.calls and writer.pending == 2
+    writer.submit(new_message(4))
+    assert session_ids(idle.last) == [2, 3, 4] and writer.pending == 0
+
+
+def test_sends_too_few_for_their_own_transaction_go_with_the_next_commit() -> None:
+    """Below ``parallel_min`` the waiting sends are one batch as soon as the running
+    transaction commits, whichever worker takes it."""
+    writer, workers = make_writers(2, parallel_min=64)
+    first = Outcome(writer.submit(new_message(1)))
+    rest = [Outcome(writer.submit(new_message(sid))) for sid in (2, 3, 4)]
+    (running,) = [w for w in workers if w.calls]
+    assert writer.pending == 3
+    running.last.commit(stored_for(running.last))
+    assert first.fired and not any(o.fired for o in rest)
+    (batch,) = [w.last for w in workers if w.calls and session_ids(w.last) != [1]]
+    assert session_ids(batch) == [2, 3, 4]
 
 
 def test_several_workers_run_batches_concurrently() -> None:
