@@ -123,6 +123,32 @@ def tree_cpu_seconds(root: int) -> float:
     return total
 
 
+_PG_BACKGROUND = ("checkpointer", "background writer", "walwriter", "autovacuum", "logical replication",
+                  "archiver", "stats collector", "walsender", "walreceiver", "startup")
+
+
+def pg_background_cpu_seconds(postmaster: int) -> float:
+    """CPU of a PostgreSQL's own work besides its client sessions: the postmaster, the
+    checkpointer, background and WAL writers, autovacuum (workers that ended are in the
+    postmaster's reaped time). The tree's CPU minus that of the live client backends, so
+    it is exact while no client session ends between two readings (dmq's connections
+    last the whole scenario)."""
+    clients = 0.0
+    for pid in _all_pids():
+        f = _stat_fields(pid)
+        if f is None or int(f[1]) != postmaster:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                title = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        role = title.split(":", 1)[1].strip() if title.startswith("postgres:") else ""
+        if role and not role.startswith(_PG_BACKGROUND):
+            clients += cpu_seconds(pid, with_children=True)
+    return max(0.0, tree_cpu_seconds(postmaster) - clients)
+
+
 def descendants(root: int) -> list[int]:
     """Live processes below ``root`` (children, grandchildren, ...), by parent pid."""
     children: dict[int, list[int]] = {}

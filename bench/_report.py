@@ -121,7 +121,7 @@ def render(results: dict) -> str:
                          "publish→delivery " + _lat(ne["publish_delivery_latency_ms"]),
                          _us(ne.get("cpu_us_per_message")), _cpu(ne.get("cpu_s"), ne.get("elapsed_s"))])
     parts.append(_table(["scenario", "throughput", "latency p50 / p99 / p99.9 (ms)",
-                         "CPU µs per message (server / PostgreSQL)",
+                         "CPU µs per message (server / PostgreSQL / its background part)",
                          "CPU seconds (% of one core) during the scenario"], rows))
     c = results.get("ceiling") or {}
     if c.get("runs"):

@@ -62,6 +62,7 @@ from _common import (  # noqa: E402
     percentiles,
     print_grid,
     print_table,
+    pg_background_cpu_seconds,
     tree_cpu_seconds,
 )
 from _pg import PrivatePostgres  # noqa: E402
@@ -147,7 +148,7 @@ def run_workers(
             if role == "consumer":
                 cpu["busiest consumer"] = round(max(mine), 2)
     if probes:
-        ours = sum(v for k, v in cpu.items() if k != "busiest consumer")
+        ours = sum(v for k, v in cpu.items() if k not in PARTS)
         # everything else on the machine (other users' jobs, this script): context for the figures
         cpu["other processes"] = round(max(0.0, (busy_after[0] - busy_before[0]) - ours), 2)
         cpu["kernel irq/softirq"] = round(busy_after[1] - busy_before[1], 2)
@@ -205,10 +206,14 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+# figures that are part of another one (not summed again)
+PARTS = ("busiest consumer", "PostgreSQL background")
+
+
 def per_message_us(cpu: dict, messages: int) -> dict:
     """CPU microseconds per message of the server and of PostgreSQL (load-independent cost)."""
     out = {}
-    for name in ("dmq-server", "PostgreSQL", "RabbitMQ", "nats-server"):
+    for name in ("dmq-server", "PostgreSQL", "PostgreSQL background", "RabbitMQ", "nats-server"):
         if name in cpu and messages:
             out[name] = round(cpu[name] / messages * 1e6, 1)
     return out
@@ -478,8 +483,14 @@ class Bench:
         pid = self.pg.postmaster_pid() if self.pg else None
         return tree_cpu_seconds(pid) if pid else 0.0
 
+    def pg_background_probe(self) -> float:
+        pid = self.pg.postmaster_pid() if self.pg else None
+        return pg_background_cpu_seconds(pid) if pid else 0.0
+
     def probes(self) -> dict[str, Callable[[], float]]:
-        return {"dmq-server": self.server.cpu, "PostgreSQL": self.pg_probe}
+        # "PostgreSQL background" is part of "PostgreSQL": autovacuum, checkpoints, WAL writer
+        return {"dmq-server": self.server.cpu, "PostgreSQL": self.pg_probe,
+                "PostgreSQL background": self.pg_background_probe}
 
     def connect(self):
         from dmq_server.db.worker import connect
