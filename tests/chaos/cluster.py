@@ -32,6 +32,7 @@ from .faultproxy import FaultProxy
 
 __all__ = ["ChaosCluster", "patroni_local", "FAKETIME_LIB"]
 
+FAKETIME_SITE = Path(__file__).resolve().parent / "faketime_site"
 # Debian's libfaketime, under the machine's multiarch directory
 FAKETIME_LIB = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
                     Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
@@ -181,9 +182,11 @@ class ChaosCluster:
             node.stop()
         node.env = None
         if faketime:
+            # FAKETIME_SITE replaces time.sleep, which this libfaketime breaks (its docstring)
+            path = os.pathsep.join(p for p in (str(FAKETIME_SITE), os.environ.get("PYTHONPATH", "")) if p)
             node.env = dict(os.environ, LD_PRELOAD=str(FAKETIME_LIB),
                             FAKETIME_TIMESTAMP_FILE=str(self.clock_file), FAKETIME_NO_CACHE="1",
-                            DONT_FAKE_MONOTONIC="1")
+                            DONT_FAKE_MONOTONIC="1", PYTHONPATH=path)
         node.start(timeout=60)
 
     def restore(self, timeout: float = 120.0) -> float:

@@ -131,6 +131,20 @@ def _prepare_faketime(cluster: ChaosCluster) -> None:
     cluster.restart_node(2, faketime=True)
 
 
+def _delay_moved(node: Any) -> int:
+    """Delayed messages the node's delay workers moved since it started (``/admin/delay``)."""
+    import json
+
+    from tests.integration.support import http_get
+
+    status, body = http_get(node.http + "/admin/delay", timeout=3)
+    if status != 200:
+        return -1
+    data = json.loads(body)
+    return sum(w["moved"] for state in data.get("clusters", {"main": data}).values()
+               for w in state.get("workers", []))
+
+
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
     "node-kill": (kill_node, None, {}),
     "node-pause": (pause_node, None, {}),
@@ -174,6 +188,8 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         load.stop_producing(timeout=timing.drain)
         delivered = load.wait_delivered(timing.drain)
         time.sleep(timing.linger)
+        if prepare is _prepare_faketime:  # the jumped node took part in delay moves too
+            load.notes["delay_moved_by_jumped_node"] = _delay_moved(cluster.nodes[2])
     finally:
         load.stop()
     counts = check(load.history)
