@@ -148,6 +148,9 @@ def run_workers(
             if role == "consumer":
                 cpu["busiest consumer"] = round(max(mine), 2)
     if probes:
+        for part in PARTS[1:]:  # a part read between two readings of its whole can dip below 0
+            if part in cpu:
+                cpu[part] = max(0.0, cpu[part])
         ours = sum(v for k, v in cpu.items() if k not in PARTS)
         # everything else on the machine (other users' jobs, this script): context for the figures
         cpu["other processes"] = round(max(0.0, (busy_after[0] - busy_before[0]) - ours), 2)

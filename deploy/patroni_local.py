@@ -105,12 +105,6 @@ def patroni_command() -> list[str]:
     return [exe]
 
 
-def free_port() -> int:
-    """Outside the ephemeral range: a member restarted (after kill -9, a rejoin) on its
-    address finds its port free again."""
-    return fresh_port()
-
-
 def member_config(name: str, *, pg_port: int, api_port: int, data_dir: Path, run_dir: Path,
                   zk_hosts: list[str], passwords: dict[str, str], bindir: Path) -> dict[str, Any]:
     """One member's Patroni configuration (YAML is a superset of JSON, so it is written as JSON)."""
@@ -306,7 +300,8 @@ class PatroniCluster:
         self.members: list[PatroniMember] = []
         for i in range(size):
             if first_port is None:
-                pg_port, api_port = free_port(), free_port()
+                # outside the ephemeral range: a member restarted on its address finds it free
+                pg_port, api_port = fresh_port(), fresh_port()
             else:
                 pg_port, api_port = first_port + 2 * i, first_port + 2 * i + 1
             self.members.append(PatroniMember(self, f"pg{i + 1}", pg_port, api_port))

@@ -132,17 +132,22 @@ def _prepare_faketime(cluster: ChaosCluster) -> None:
 
 
 def _delay_moved(node: Any) -> int:
-    """Delayed messages the node's delay workers moved since it started (``/admin/delay``)."""
+    """Delayed messages the node's delay workers moved since it started."""
+    return sum(w["moved"] for state in _delay_clusters(node).values() for w in state.get("workers", []))
+
+
+def _delay_clusters(node: Any) -> dict[str, Any]:
+    """The node's ``/admin/delay`` per PostgreSQL cluster (one node's answer has no
+    ``clusters`` key when it has only main)."""
     import json
 
     from tests.integration.support import http_get
 
     status, body = http_get(node.http + "/admin/delay", timeout=3)
     if status != 200:
-        return -1
+        raise RuntimeError(f"/admin/delay answered HTTP {status}")
     data = json.loads(body)
-    return sum(w["moved"] for state in data.get("clusters", {"main": data}).values()
-               for w in state.get("workers", []))
+    return data.get("clusters", {"main": data})
 
 
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
@@ -314,16 +319,9 @@ def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
 def _delay_state(node: Any) -> str:
     """Which delay fragments a node holds and what its workers did (``/admin/delay``):
     a delayed send lost is a row in a fragment nobody served."""
-    import json
-
-    from tests.integration.support import http_get
-
     try:
-        status, body = http_get(node.http + "/admin/delay", timeout=3)
-        if status != 200:
-            return f"HTTP {status}"
         out = []
-        for cluster, state in json.loads(body).get("clusters", {"main": json.loads(body)}).items():
+        for cluster, state in _delay_clusters(node).items():
             assignment = state.get("assignment") or {}
             workers = [(w["range"], w["polls"], w["moves"], w["moved"], w["timers_pending"], w["last_error"])
                        for w in state.get("workers", [])]

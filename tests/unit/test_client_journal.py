@@ -587,10 +587,6 @@ def until(predicate, what: str, timeout: float = WAIT) -> None:
         time.sleep(0.002)
 
 
-def free_port() -> int:
-    return fresh_port()
-
-
 def storage_errors(n: int):
     """A reply script: E_STORAGE for the first ``n`` sends or resends, then SUCCESS."""
     seen = []
@@ -612,7 +608,7 @@ def test_no_server_within_route_wait_keeps_the_message_and_retries_it_until_stor
     removed the message from the journal. Now the send stays journaled and pending, is
     tried again after a backoff (1 s, then 2 s, on the injected clock) as often as it
     takes, and is stored once a server is there; its one result is that SUCCESS."""
-    port = free_port()  # nothing listens here yet
+    port = fresh_port()  # nothing listens here yet
     clock = FakeClock()
     cfg = MqConfig(servers=(f"127.0.0.1:{port}",), journal_path=str(tmp_path), route_wait=0.0,
                    resend_check_interval=3600, reconnect_backoff=0.01, reconnect_backoff_max=0.05,
