@@ -1,9 +1,10 @@
 """Where PostgreSQL's CPU per acknowledgement goes: the ack statement taken apart.
 
 The reliable path makes acks durable with ``ack_deliveries`` (sql/queries.sql): the
-channel's cursor moves (one row per channel and storing incarnation), and each
-acknowledged copy that was not done before gets a ``dmq_delivery_log`` row, the fact
-the message trace and the data pipeline's report read. This runs that statement and
+channel's cursor moves (one row per channel and storing incarnation), and the
+acknowledged copies that were not done before are logged, the facts the message trace
+and the data pipeline's report read: since schema version 10 one ``dmq_delivery_batch``
+row of arrays per statement, before it a ``dmq_delivery_log`` row per copy. This runs that statement and
 variants of it on a private PostgreSQL from one connection, in batches of acks of one
 channel, and prints the backend's CPU per ack (from /proc: PostgreSQL's own work only)
 and the WAL it wrote per ack (what a synchronous standby receives and every commit flushes).
@@ -41,24 +42,33 @@ from dmq_server.db.worker import connect  # noqa: E402
 from dmq_sql import queries  # noqa: E402
 
 AS_WRITTEN = queries["ack_deliveries"]
-_LOG = AS_WRITTEN.index("INSERT INTO dmq_delivery_log")
-_BEFORE = AS_WRITTEN.index(", before AS MATERIALIZED")
-_FROM = AS_WRITTEN.index("FROM input u\nJOIN before")
-# for comparison: the statement before schema version 9 read the cursor once per ack
-PER_ACK_READ = (
-    AS_WRITTEN[:_BEFORE] + "\n" + AS_WRITTEN[_LOG:_FROM]
-    + "FROM input u\nJOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel\n"
-    "LEFT JOIN dmq_cursor c ON c.topic = u.topic AND c.channel = u.channel AND c.owner = u.owner\n"
-    "WHERE u.message_id > coalesce(c.floor, ch.start_id) AND NOT coalesce(c.done @> u.message_id, false)"
-)
-BTREE = "CREATE INDEX IF NOT EXISTS bench_acked_btree ON dmq_delivery_log (acked_at)"
-NO_BTREE = "DROP INDEX IF EXISTS bench_acked_btree"
+_FACTS = AS_WRITTEN.index(", batch AS MATERIALIZED")
+# for comparison: the statement up to schema version 9 wrote a row per acknowledged copy
+ROW_LOG = """CREATE TABLE IF NOT EXISTS bench_row_log (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, message_id bigint NOT NULL, topic text NOT NULL,
+    channel text NOT NULL, published_at timestamptz NOT NULL, first_delivered_at timestamptz,
+    acked_at timestamptz NOT NULL, attempts integer NOT NULL, consumer text, delivered_at timestamptz);
+CREATE INDEX IF NOT EXISTS bench_row_log_message_brin ON bench_row_log USING brin (message_id);
+CREATE INDEX IF NOT EXISTS bench_row_log_acked_brin ON bench_row_log USING brin (acked_at)"""
+ROW_PER_ACK = AS_WRITTEN[:_FACTS] + """
+INSERT INTO bench_row_log (message_id, topic, channel, published_at, first_delivered_at,
+                           acked_at, attempts, consumer, delivered_at)
+SELECT u.message_id, u.topic, u.channel, to_timestamp(u.published_ms / 1000.0),
+       CASE WHEN u.first_ms > 0 THEN to_timestamp(u.first_ms / 1000.0) END,
+       to_timestamp(u.acked_ms / 1000.0), u.attempts, u.consumer,
+       CASE WHEN u.delivered_ms > 0 THEN to_timestamp(u.delivered_ms / 1000.0) END
+FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
+            %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
+            %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[], %(delivered_ms)b::bigint[])
+     AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts, consumer, delivered_ms)
+JOIN before b ON b.topic = u.topic AND b.channel = u.channel AND b.owner = u.owner
+WHERE u.message_id > b.floor AND NOT coalesce(b.done @> u.message_id, false)"""
+NOTHING = "SELECT 1"
 
 VARIANTS = [
-    ("ack_deliveries as written", AS_WRITTEN, NO_BTREE),
-    ("the cursor alone (no delivery-log row)", AS_WRITTEN[:_LOG] + "SELECT 1", NO_BTREE),
-    ("+ a B-tree on acked_at (before version 9)", AS_WRITTEN, BTREE),
-    ("+ the cursor read per ack (before version 9)", PER_ACK_READ, BTREE),
+    ("ack_deliveries as written (schema 10)", AS_WRITTEN, NOTHING),
+    ("the cursor alone (no delivery facts)", AS_WRITTEN[:_FACTS] + "\nSELECT 1", NOTHING),
+    ("a log row per ack (schema 9)", ROW_PER_ACK, ROW_LOG),
 ]
 
 

@@ -138,7 +138,7 @@ class Bench:
         import psycopg
 
         with psycopg.connect(self.pg.dsn, autocommit=True) as conn:
-            conn.execute("TRUNCATE dmq_delivery, dmq_delivery_log, dmq_message")
+            conn.execute("TRUNCATE dmq_cursor, dmq_attempts, dmq_delivery_batch, dmq_message")
             conn.execute("VACUUM ANALYZE")
 
     def register(self, zk_address: str, topic: str, channels: list[str]) -> None:

@@ -16,17 +16,37 @@ FROM generate_series(1, %(messages)s) AS g,
      LATERAL (SELECT %(start)s::timestamptz + (g - 1) * %(spacing_ms)s * interval '1 millisecond') AS x(t);
 
 -- name: fill_log
--- One log row per message and channel, until `rows`: mostly quick, some redelivered.
-INSERT INTO dmq_delivery_log (message_id, topic, channel, published_at, first_delivered_at,
-                              acked_at, attempts)
-SELECT m.id, m.topic, c.name, m.published_at, m.published_at + interval '1 millisecond',
-       m.published_at + (2 + (m.id * 7 + length(c.name)) %% 40
-                         + CASE WHEN m.id %% 100 = 0 THEN 5000 ELSE 0 END
-                         + CASE WHEN m.id %% 1000 = 0 THEN 60000 ELSE 0 END) * interval '1 millisecond',
-       1 + (m.id %% 100 = 0)::int + (m.id %% 1000 = 0)::int
-FROM dmq_message m JOIN dmq_channel c ON c.topic = m.topic
-ORDER BY m.id, c.name
-LIMIT %(rows)s;
+-- One fact per message and channel, until `rows`: mostly quick, some redelivered; stored as
+-- the server stores them since schema version 10, in acknowledgement batches (of 100 here).
+WITH facts AS (
+    SELECT (row_number() OVER (ORDER BY m.id, c.name) - 1) / 100 AS g,
+           row_number() OVER (ORDER BY m.id, c.name) AS n, m.id, m.topic, c.name AS channel,
+           (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
+           2 + (m.id * 7 + length(c.name)) %% 40
+             + CASE WHEN m.id %% 100 = 0 THEN 5000 ELSE 0 END
+             + CASE WHEN m.id %% 1000 = 0 THEN 60000 ELSE 0 END AS ack_delay_ms,
+           1 + (m.id %% 100 = 0)::int + (m.id %% 1000 = 0)::int AS attempts
+    FROM dmq_message m JOIN dmq_channel c ON c.topic = m.topic
+    ORDER BY m.id, c.name
+    LIMIT %(rows)s
+), batches AS (
+    SELECT g, max(published_ms + ack_delay_ms) AS last_ms, min(id) AS low_id, max(id) AS high_id,
+           array_agg(topic ORDER BY n) AS topics, array_agg(channel ORDER BY n) AS channels,
+           array_agg(id ORDER BY n) AS message_ids, array_agg(published_ms ORDER BY n) AS published_ms,
+           array_agg(published_ms + 1 ORDER BY n) AS first_ms,
+           array_agg(published_ms + ack_delay_ms ORDER BY n) AS acked_ms,
+           array_agg(attempts ORDER BY n) AS attempts, array_agg(NULL::text ORDER BY n) AS consumers,
+           array_agg(0::bigint ORDER BY n) AS delivered_ms
+    FROM facts GROUP BY g
+), numbered AS (
+    SELECT nextval('dmq_delivery_batch_id_seq') AS id, b.*
+    FROM (SELECT * FROM batches ORDER BY g) AS b
+)
+INSERT INTO dmq_delivery_batch (id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids,
+                                published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms)
+SELECT id, id << 20, to_timestamp(last_ms / 1000.0), low_id, high_id, topics, channels, message_ids,
+       published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms
+FROM numbered;
 
 -- name: fill_pending
 -- Every channel is done with every message but the newest billing copies (backlog): the

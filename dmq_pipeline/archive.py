@@ -10,8 +10,9 @@ Layout: ``<archive>/delivery_log/topic=<topic>/day=<YYYY-MM-DD>/batch=<n>/``
 holding Parquet files; ``day`` is the UTC day of the acknowledgement,
 ``batch`` the archive batch that wrote the rows.
 
-Batches make it idempotent and resumable. A batch is the log id range
-``(low_id, high_id]`` after the watermark and is recorded in
+Batches make it idempotent and resumable. A batch is the range ``(low_id,
+high_id]`` of the log's acknowledgement batches (``dmq_delivery_batch`` ids, schema
+version 10; log row ids before it) after the watermark and is recorded in
 ``dmq_archive_batch`` before anything is written:
 
 1. *planned*: Spark reads the range and writes it with dynamic partition
@@ -239,8 +240,8 @@ def write_batch(spark, db: Database, opts: SparkOptions, location: str, batch: B
     ensure_utc(spark)
     rows = read_query(
         spark, db, opts, "jdbc_archive_rows", {"low": batch.low, "high": batch.high},
-        ids=IdRange(batch.low + 1, batch.high),
-    )
+        ids=IdRange(batch.low + 1, batch.high), column="ack_batch",
+    ).drop("ack_batch")
     seen = Observation(f"archive batch {batch.id}")
     (
         rows.withColumn("day", F.to_date("acked_at"))
@@ -264,7 +265,7 @@ def write_batch(spark, db: Database, opts: SparkOptions, location: str, batch: B
 def trim_batch(db: Database, batch: Batch) -> Batch:
     """Delete the batch's log rows if they are exactly its Parquet's; mark it trimmed."""
     with db.transaction():
-        deleted = db.execute("trim_delivery_log", low=batch.low, high=batch.high)
+        deleted = db.one("trim_delivery_log", low=batch.low, high=batch.high)[0]
         if deleted != batch.rows:
             raise RangeChanged(
                 f"batch {batch.id}: log ids ({batch.low}, {batch.high}] hold {deleted} rows, "

@@ -55,8 +55,10 @@ def read_query(
     params: dict[str, Any],
     ids: IdRange | None = None,
     partitions: int | None = None,
+    column: str = "id",
 ):
-    """A DataFrame over the rows of query ``name``; partitioned when ``ids`` is given."""
+    """A DataFrame over the rows of query ``name``; partitioned on ``column`` over
+    ``ids`` when they are given."""
     reader = (
         spark.read.format("jdbc")
         .option("url", db.jdbc_url)
@@ -68,7 +70,7 @@ def read_query(
     count = partitions or partition_count(spark, opts)
     if ids is not None and count > 1 and ids.size > 1:
         reader = (
-            reader.option("partitionColumn", "id")
+            reader.option("partitionColumn", column)
             .option("lowerBound", str(ids.first))
             .option("upperBound", str(ids.last + 1))
             .option("numPartitions", str(min(count, ids.size)))

@@ -89,7 +89,8 @@ def load_inputs(spark, db: Database, opts: SparkOptions, settings: ReportSetting
     if source in ("pg", "both"):
         count, low, high = db.one("report_log_bounds", **params)
         if count:
-            parts.append(read_query(spark, db, opts, "jdbc_report_log", params, ids=IdRange(low, high)))
+            parts.append(read_query(spark, db, opts, "jdbc_report_log", params, ids=IdRange(low, high),
+                                    column="ack_batch"))
     if source in ("archive", "both"):
         archived = _read_archive(spark, settings.archive)
         if archived is not None:

@@ -37,16 +37,21 @@ SELECT id, low_id, high_id, state, planned_rows, rows
 FROM dmq_archive_batch WHERE state <> 'trimmed';
 
 -- name: archive_watermark
--- Highest delivery-log id archived (or being archived).
+-- Highest delivery-log id archived (or being archived): a dmq_delivery_batch id (a log row
+-- id before schema version 10, which carried those over as batch ids).
 SELECT coalesce(max(high_id), 0) FROM dmq_archive_batch;
 
 -- name: next_archive_range
--- The next batch: at most max_rows log rows after the watermark, acknowledged before the cutoff.
-SELECT count(*), max(id)
-FROM (SELECT id FROM dmq_delivery_log
-      WHERE id > %(low)s AND acked_at < %(cutoff)s
-      ORDER BY id
-      LIMIT %(max_rows)s) AS next_rows;
+-- The next batch: the log's acknowledgement batches (dmq_delivery_batch rows, whose ids
+-- the watermark counts since schema version 10) after the watermark, acknowledged before
+-- the cutoff, as many as begin within max_rows facts; the facts they hold and the last id.
+SELECT coalesce(sum(facts), 0), max(id)
+FROM (SELECT id, facts, sum(facts) OVER (ORDER BY id) - facts AS facts_before
+      FROM (SELECT id, cardinality(message_ids) AS facts FROM dmq_delivery_batch
+            WHERE id > %(low)s AND acked_at < %(cutoff)s
+            ORDER BY id
+            LIMIT %(max_rows)s) AS next_batches) AS counted
+WHERE facts_before < %(max_rows)s;
 
 -- name: plan_archive_batch
 -- Record a planned batch before anything is written.
@@ -67,13 +72,19 @@ SET state = 'written', rows = %(rows)s, missing_messages = %(missing)s, written_
 WHERE id = %(id)s AND state = 'planned';
 
 -- name: trim_delivery_log
--- Delete an archived batch's log rows (same transaction as mark_archive_trimmed).
-DELETE FROM dmq_delivery_log WHERE id > %(low)s AND id <= %(high)s;
+-- Delete an archived batch's log rows (same transaction as mark_archive_trimmed); how
+-- many facts they held.
+WITH gone AS (
+    DELETE FROM dmq_delivery_batch WHERE id > %(low)s AND id <= %(high)s
+    RETURNING cardinality(message_ids) AS facts
+)
+SELECT coalesce(sum(facts), 0) FROM gone;
 
 -- name: trim_message_history
 -- Kept messages that no remaining log row refers to are in the archive (or never will be).
 DELETE FROM dmq_message_history h
-WHERE NOT EXISTS (SELECT 1 FROM dmq_delivery_log l WHERE l.message_id = h.id);
+WHERE NOT EXISTS (SELECT 1 FROM (SELECT unnest(message_ids) AS id FROM dmq_delivery_batch) AS l
+                  WHERE l.id = h.id);
 
 -- name: mark_archive_trimmed
 -- The batch is finished.
@@ -87,30 +98,33 @@ SELECT id, low_id, high_id, state, planned_rows, rows, missing_messages,
 FROM dmq_archive_batch ORDER BY id DESC;
 
 -- name: jdbc_archive_rows
--- Delivery-log rows of one batch with the message each refers to (NULL columns if it is gone).
+-- Delivery-log rows of one batch with the message each refers to (NULL columns if it is gone);
+-- ack_batch is what Spark partitions the read on (a range of it reaches dmq_delivery_batch's
+-- primary key through the view, a range of the fact id would not).
 (SELECT l.id, l.message_id, l.topic, l.channel, l.published_at, l.first_delivered_at,
-        l.acked_at, l.attempts, m.producer, m.session_id, m.produced_at, m.node_id, m.body
+        l.acked_at, l.attempts, m.producer, m.session_id, m.produced_at, m.node_id, m.body, l.ack_batch
  FROM dmq_delivery_log l
  LEFT JOIN (SELECT id, producer, session_id, produced_at, node_id, body FROM dmq_message
             UNION ALL
             SELECT id, producer, session_id, produced_at, node_id, body FROM dmq_message_history
            ) AS m ON m.id = l.message_id
- WHERE l.id > %(low)s AND l.id <= %(high)s) AS archive_rows
+ WHERE l.ack_batch > %(low)s AND l.ack_batch <= %(high)s) AS archive_rows
 
 -- name: report_log_bounds
--- Id range of the log rows a report reads (for partitioned reads).
-SELECT count(*), min(id), max(id)
+-- The acknowledgement batches holding the log rows a report reads (for partitioned reads):
+-- how many rows, the lowest and highest batch. A batch's newest ack bounds its facts'.
+SELECT count(*), min(ack_batch), max(ack_batch)
 FROM dmq_delivery_log
-WHERE acked_at >= %(since)s AND published_at < %(until)s
+WHERE ack_batch_at >= %(since)s AND acked_at >= %(since)s AND published_at < %(until)s
   AND (%(topic)s::text IS NULL OR topic = %(topic)s)
   AND (%(channel)s::text IS NULL OR channel = %(channel)s);
 
 -- name: jdbc_report_log
 -- Log rows that matter to a report over [since, until): acknowledged since `since`
 -- (throughput, latency, attempts) and published before `until` (backlog over time).
-(SELECT id, topic, channel, published_at, acked_at, attempts
+(SELECT id, topic, channel, published_at, acked_at, attempts, ack_batch
  FROM dmq_delivery_log
- WHERE acked_at >= %(since)s AND published_at < %(until)s
+ WHERE ack_batch_at >= %(since)s AND acked_at >= %(since)s AND published_at < %(until)s
    AND (%(topic)s::text IS NULL OR topic = %(topic)s)
    AND (%(channel)s::text IS NULL OR channel = %(channel)s)) AS report_log
 
@@ -182,7 +196,7 @@ WHERE c.conrelid = 'dmq_dead_letter'::regclass AND c.contype = 'c'
 
 -- name: archive_stragglers
 -- Log rows at or below the watermark: committed after their range was archived (rare).
-SELECT count(*) FROM dmq_delivery_log WHERE id <= %(watermark)s;
+SELECT coalesce(sum(cardinality(message_ids)), 0) FROM dmq_delivery_batch WHERE id <= %(watermark)s;
 
 -- name: database_time
 -- The database's clock (replay progress compares replayed_at with it).

@@ -146,16 +146,17 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
 -- taken back (a floor only rises, done ranges only grow). Each acknowledged copy that
 -- was not done before is logged once, with the consumer that acknowledged it and when
 -- that delivery was pushed (the message trace); attempts kept for a copy go with it.
--- "Done before" is read once per cursor of the batch (``before``), not once per ack: the
--- per-ack join to dmq_cursor and dmq_channel cost ~2 us of PostgreSQL CPU per ack
--- (bench/ack_cost.py).
-WITH input AS (
+-- The facts are one dmq_delivery_batch row of parallel arrays (schema version 10): when
+-- every ack is new, which is nearly always, the statement's own arrays go in as they came
+-- (a row per ack cost ~5-14 us of PostgreSQL CPU and 200 bytes of WAL each,
+-- bench/ack_cost.py); only a batch holding a repeat is built again from the new acks.
+-- "Done before" is read once per cursor of the batch (``before``), not once per ack.
+WITH acks AS (
+    -- what the cursors and attempts need of each ack (the other arrays are only
+    -- unnested when a batch must be built again, below)
     SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
-                         %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
-                         %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[],
-                         %(delivered_ms)b::bigint[], %(counted)b::boolean[])
-             AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts,
-                  consumer, delivered_ms, counted)
+                         %(message_ids)b::bigint[], %(counted)b::boolean[])
+             AS u(topic, channel, owner, message_id, counted)
 ), cursors AS (
     SELECT * FROM unnest(%(k_topics)b::text[], %(k_channels)b::text[], %(k_owners)b::integer[],
                          %(k_floors)b::bigint[])
@@ -180,25 +181,51 @@ WITH input AS (
         done = (c.done + EXCLUDED.done)
                - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]'))
 ), cleared AS (
-    DELETE FROM dmq_attempts a USING input u
+    DELETE FROM dmq_attempts a USING acks u
     WHERE u.counted AND a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
 ), before AS MATERIALIZED (
     -- each cursor of the batch as it was before this statement (its own changes are not
-    -- visible here); a channel no longer registered has no row, so its acks are not logged
-    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor, c.done
-    FROM (SELECT DISTINCT topic, channel, owner FROM input) k
+    -- visible here), with its acks' lowest and highest id and their number; a channel no
+    -- longer registered has no row, so its acks are not logged
+    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor, c.done, k.low, k.high, k.acks
+    FROM (SELECT topic, channel, owner, min(message_id) AS low, max(message_id) AS high, count(*) AS acks
+          FROM acks GROUP BY topic, channel, owner) k
     JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
     LEFT JOIN dmq_cursor c ON c.topic = k.topic AND c.channel = k.channel AND c.owner = k.owner
+), batch AS MATERIALIZED (
+    -- every ack is new when every ack's channel is registered and, per cursor, none lies
+    -- at or below the floor or among the done ranges: decided per cursor, not per ack
+    SELECT nextval('dmq_delivery_batch_id_seq') AS id,
+           coalesce((SELECT sum(acks) = cardinality(%(message_ids)b::bigint[])
+                            AND bool_and(low > floor AND NOT coalesce(done && int8range(low, high, '[]'), false))
+                     FROM before), false) AS all_new
 )
-INSERT INTO dmq_delivery_log (message_id, topic, channel, published_at, first_delivered_at,
-                              acked_at, attempts, consumer, delivered_at)
-SELECT u.message_id, u.topic, u.channel, to_timestamp(u.published_ms / 1000.0),
-       CASE WHEN u.first_ms > 0 THEN to_timestamp(u.first_ms / 1000.0) END,
-       to_timestamp(u.acked_ms / 1000.0), u.attempts, u.consumer,
-       CASE WHEN u.delivered_ms > 0 THEN to_timestamp(u.delivered_ms / 1000.0) END
-FROM input u
-JOIN before b ON b.topic = u.topic AND b.channel = u.channel AND b.owner = u.owner
-WHERE u.message_id > b.floor AND NOT coalesce(b.done @> u.message_id, false);
+INSERT INTO dmq_delivery_batch (id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids,
+                                published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms)
+SELECT b.id, b.id << 20, to_timestamp(%(last_acked_ms)s::bigint / 1000.0), %(low_id)s::bigint, %(high_id)s::bigint,
+       %(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[], %(published_ms)b::bigint[],
+       %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[],
+       %(delivered_ms)b::bigint[]
+FROM batch b
+WHERE b.all_new
+UNION ALL
+-- some ack was done before (a repeat) or its channel is gone: the others, one by one
+-- (the uncorrelated condition is checked once, before anything here is unnested)
+SELECT (SELECT id FROM batch), (SELECT id FROM batch) << 20, to_timestamp(max(u.acked_ms) / 1000.0),
+       min(u.message_id), max(u.message_id),
+       array_agg(u.topic ORDER BY u.n), array_agg(u.channel ORDER BY u.n), array_agg(u.message_id ORDER BY u.n),
+       array_agg(u.published_ms ORDER BY u.n), array_agg(u.first_ms ORDER BY u.n),
+       array_agg(u.acked_ms ORDER BY u.n), array_agg(u.attempts ORDER BY u.n),
+       array_agg(u.consumer ORDER BY u.n), array_agg(u.delivered_ms ORDER BY u.n)
+FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
+            %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
+            %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[], %(delivered_ms)b::bigint[])
+     WITH ORDINALITY AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts,
+                          consumer, delivered_ms, n)
+JOIN before k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
+WHERE NOT (SELECT all_new FROM batch)
+  AND u.message_id > k.floor AND NOT coalesce(k.done @> u.message_id, false)
+HAVING count(*) > 0;
 
 -- name: load_backlog
 -- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one
@@ -261,7 +288,7 @@ FROM dmq_pending GROUP BY topic, channel ORDER BY topic, channel;
 -- Row counts for `dmq stats`.
 SELECT (SELECT count(*) FROM dmq_message) AS messages,
        (SELECT count(*) FROM dmq_pending) AS deliveries,
-       (SELECT count(*) FROM dmq_delivery_log) AS delivery_log,
+       (SELECT coalesce(sum(cardinality(message_ids)), 0) FROM dmq_delivery_batch) AS delivery_log,
        (SELECT count(*) FROM dmq_dead_letter) AS dead_letters;
 
 -- ---------------------------------------------------------------------------
@@ -797,7 +824,10 @@ SELECT topic, channel, attempts, consumer,
        (extract(epoch FROM first_delivered_at) * 1000)::bigint,
        (extract(epoch FROM delivered_at) * 1000)::bigint,
        (extract(epoch FROM acked_at) * 1000)::bigint
-FROM dmq_delivery_log WHERE message_id = %(id)s ORDER BY acked_at, id;
+FROM dmq_delivery_log
+-- a batch's lowest and highest message id are what its BRIN index summarises
+WHERE ack_batch_low <= %(id)s AND ack_batch_high >= %(id)s AND message_id = %(id)s
+ORDER BY acked_at, id;
 
 -- name: trace_dead_letters
 -- Dead letters made of the message's copies, and the one it replays (a replay is stored by

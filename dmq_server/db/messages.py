@@ -249,15 +249,17 @@ def ack_deliveries_steps(
     acks: Sequence[AckRow], progress: Sequence[CursorProgress] = (), holder: str = ""
 ) -> Steps:
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
-    before is logged. One statement. Returns how many acks the batch held."""
+    before is logged (one dmq_delivery_batch row). One statement. Returns how many acks
+    the batch held."""
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
+    ids = [a.message_id for a in acks]
     yield Statement(
         "ack_deliveries",
         {
             "topics": [a.topic for a in acks],
             "channels": [a.channel for a in acks],
             "owners": [a.owner for a in acks],
-            "message_ids": [a.message_id for a in acks],
+            "message_ids": ids,
             "published_ms": [a.published_ms for a in acks],
             "first_ms": [a.first_ms for a in acks],
             "acked_ms": [a.acked_ms for a in acks],
@@ -273,6 +275,10 @@ def ack_deliveries_steps(
             "r_lo": [lo for _, lo, _ in spans],
             "r_hi": [hi for _, _, hi in spans],
             "holder": holder,
+            # the batch row's summary, when every ack is logged (else the statement's own)
+            "last_acked_ms": max((a.acked_ms for a in acks), default=0),
+            "low_id": min(ids, default=0),
+            "high_id": max(ids, default=0),
         },
     )
     return len(acks)

@@ -45,18 +45,23 @@ SELECT (SELECT count(*) FROM dmq_message) AS messages,
 -- Archive batches, oldest first.
 SELECT id, low_id, high_id, state, rows, missing_messages FROM dmq_archive_batch ORDER BY id;
 
--- name: take_log_row
--- Hide a log row (a transaction that has taken its id but not committed yet).
-DELETE FROM dmq_delivery_log WHERE id = %(id)s
-RETURNING id, message_id, topic, channel, published_at, first_delivered_at, acked_at, attempts;
+-- name: log_batches
+-- The log's acknowledgement batches (schema version 10): id and how many facts each holds.
+SELECT id, cardinality(message_ids) FROM dmq_delivery_batch ORDER BY id;
 
--- name: put_log_row
--- Commit a hidden log row late, with its original id.
-INSERT INTO dmq_delivery_log (id, message_id, topic, channel, published_at, first_delivered_at,
-                              acked_at, attempts)
-OVERRIDING SYSTEM VALUE
-VALUES (%(id)s, %(message_id)s, %(topic)s, %(channel)s, %(published_at)s, %(first_delivered_at)s,
-        %(acked_at)s, %(attempts)s);
+-- name: take_log_batch
+-- Hide an acknowledgement batch (a transaction that has taken its id but not committed yet).
+DELETE FROM dmq_delivery_batch WHERE id = %(id)s
+RETURNING id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids, published_ms,
+          first_ms, acked_ms, attempts, consumers, delivered_ms;
+
+-- name: put_log_batch
+-- Commit a hidden acknowledgement batch late, with its original id.
+INSERT INTO dmq_delivery_batch (id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids,
+                                published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms)
+VALUES (%(id)s, %(first_fact)s, %(acked_at)s, %(low_id)s, %(high_id)s, %(topics)s, %(channels)s,
+        %(message_ids)s, %(published_ms)s, %(first_ms)s, %(acked_ms)s, %(attempts)s, %(consumers)s,
+        %(delivered_ms)s);
 
 -- name: replayed_bodies
 -- Bodies of dead letters recorded as replayed whose message the server stored.

@@ -31,6 +31,7 @@ def test_archive_writes_log_rows_with_messages_and_trims(spark, make_server, top
     traffic = make_traffic(server, pg_dsn)
     expected = sql(pg_dsn, "log_rows")
     assert len(expected) == traffic.delivered
+    archived_high = sql(pg_dsn, "log_batches")[-1][0]  # the batch's range ends at the last ack batch
 
     result = archive.run_archive(spark, db, opts, settings(tmp_path / "arch"))
 
@@ -47,7 +48,7 @@ def test_archive_writes_log_rows_with_messages_and_trims(spark, make_server, top
     counts = sql(pg_dsn, "counts")[0]
     assert counts[2] == 0, "log trimmed"
     assert counts[1] == traffic.pending, "unacknowledged copies stay"
-    assert sql(pg_dsn, "batches") == [(1, 0, expected[-1][0], "trimmed", traffic.delivered, 0)]
+    assert sql(pg_dsn, "batches") == [(1, 0, archived_high, "trimmed", traffic.delivered, 0)]
 
     again = archive.run_archive(spark, db, opts, settings(tmp_path / "arch"))
     assert again.rows == 0 and len(archived(spark, str(tmp_path / "arch"))) == traffic.delivered
@@ -104,24 +105,28 @@ def test_late_commits_are_archived_once(spark, make_server, topic, pg_dsn, db, o
     traffic = make_traffic(server, pg_dsn, n=12)
     loc = str(tmp_path / "arch")
     archive.run_archive(spark, db, opts, ArchiveSettings(archive=loc, init_only=True))
-    first, middle = sql(pg_dsn, "log_ids")[0][0], sql(pg_dsn, "log_ids")[5][0]
-    hidden_first = sql(pg_dsn, "take_log_row", id=first)[0]
-    hidden_middle = sql(pg_dsn, "take_log_row", id=middle)[0]
+    batches = sql(pg_dsn, "log_batches")  # one row per acknowledgement batch (schema version 10)
+    assert len(batches) >= 2
+    (first, first_facts), (middle, middle_facts) = batches[0], batches[len(batches) // 2]
+    hidden_first = sql(pg_dsn, "take_log_batch", id=first)[0]
+    hidden_middle = sql(pg_dsn, "take_log_batch", id=middle)[0]
     batch = archive.plan_batch(db, settings(loc))
+    assert batch.high >= middle
     written = archive.write_batch(spark, db, opts, archive.normalize_location(loc), batch)
-    assert written.rows == traffic.delivered - 2
-    columns = ("id", "message_id", "topic", "channel", "published_at", "first_delivered_at",
-               "acked_at", "attempts")
-    sql(pg_dsn, "put_log_row", **dict(zip(columns, hidden_middle)))  # commits inside the batch
+    assert written.rows == traffic.delivered - first_facts - middle_facts
+    columns = ("id", "first_fact", "acked_at", "low_id", "high_id", "topics", "channels", "message_ids",
+               "published_ms", "first_ms", "acked_ms", "attempts", "consumers", "delivered_ms")
+    sql(pg_dsn, "put_log_batch", **dict(zip(columns, hidden_middle)))  # commits inside the batch
 
     archive.run_archive(spark, db, opts, settings(loc))
-    assert middle in {r.id for r in archived(spark, loc)}
-    sql(pg_dsn, "put_log_row", **dict(zip(columns, hidden_first)))  # commits below the watermark
+    middle_ids = {hidden_middle[1] + n for n in range(middle_facts)}  # first_fact and on
+    assert middle_ids <= {r.id for r in archived(spark, loc)}
+    sql(pg_dsn, "put_log_batch", **dict(zip(columns, hidden_first)))  # commits below the watermark
     result = archive.run_archive(spark, db, opts, settings(loc))
 
     ids = [r.id for r in archived(spark, loc)]
     assert len(ids) == len(set(ids)) == traffic.delivered
-    assert result.rows == 1
+    assert result.rows == first_facts
     assert sql(pg_dsn, "log_ids") == []
 
 

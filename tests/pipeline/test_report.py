@@ -106,7 +106,9 @@ def test_report_over_archive_and_database_equals_sql(spark, make_server, topic, 
     batch = archive.plan_batch(db, first_part)
     batch = archive.write_batch(spark, db, opts, archive.normalize_location(loc), batch)
     archive.trim_batch(db, batch)
-    assert batch.rows == 30 and sql(pg_dsn, "counts")[0][2] == traffic.delivered - 30
+    # whole acknowledgement batches, as many as begin within 30 rows: billing's 21, shipping's 24
+    assert 30 <= batch.rows < traffic.delivered
+    assert sql(pg_dsn, "counts")[0][2] == traffic.delivered - batch.rows
 
     both = report.run_report(spark, db, opts, ReportSettings(archive=loc, out=str(tmp_path / "r1")), span)
 
