@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import psycopg
 
+from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray
 from dmq_server.db.errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
@@ -90,11 +91,11 @@ def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
     """The array parameters every stored send carries (insert_messages, insert_delayed):
     one list per column, in batch order, and the storing node."""
     return {
-        "topics": [m.topic for m in batch],
-        "producers": [m.producer for m in batch],
-        "session_ids": [m.session_id for m in batch],
-        "produced_ms": [m.produced_ms for m in batch],
-        "bodies": [m.body for m in batch],
+        "topics": TextArray([m.topic for m in batch]),
+        "producers": TextArray([m.producer for m in batch]),
+        "session_ids": Int8Array([m.session_id for m in batch]),
+        "produced_ms": Int8Array([m.produced_ms for m in batch]),
+        "bodies": ByteaArray([m.body for m in batch]),
         "node_id": node_id,
     }
 
@@ -252,21 +253,21 @@ def ack_deliveries_steps(
     before is logged (one dmq_delivery_batch row). One statement. Returns how many acks
     the batch held."""
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
-    ids = [a.message_id for a in acks]
+    ids = Int8Array([a.message_id for a in acks])
     yield Statement(
         "ack_deliveries",
         {
-            "topics": [a.topic for a in acks],
-            "channels": [a.channel for a in acks],
-            "owners": [a.owner for a in acks],
+            "topics": TextArray([a.topic for a in acks]),
+            "channels": TextArray([a.channel for a in acks]),
+            "owners": Int4Array([a.owner for a in acks]),
             "message_ids": ids,
-            "published_ms": [a.published_ms for a in acks],
-            "first_ms": [a.first_ms for a in acks],
-            "acked_ms": [a.acked_ms for a in acks],
-            "attempts": [a.attempts for a in acks],
-            "consumers": [a.consumer for a in acks],
-            "delivered_ms": [a.delivered_ms for a in acks],
-            "counted": [a.counted for a in acks],
+            "published_ms": Int8Array([a.published_ms for a in acks]),
+            "first_ms": Int8Array([a.first_ms for a in acks]),
+            "acked_ms": Int8Array([a.acked_ms for a in acks]),
+            "attempts": Int4Array([a.attempts for a in acks]),
+            "consumers": TextArray([a.consumer for a in acks]),
+            "delivered_ms": Int8Array([a.delivered_ms for a in acks]),
+            "counted": BoolArray([a.counted for a in acks]),
             "k_topics": [p.topic for p in progress],
             "k_channels": [p.channel for p in progress],
             "k_owners": [p.owner for p in progress],

@@ -159,3 +159,16 @@ def test_the_trace_and_time_windows_reach_the_batches_through_their_brin_indexes
         "EXPLAIN SELECT count(*) FROM dmq_delivery_log WHERE ack_batch_at >= now() - interval '1 hour'"))
     assert "dmq_delivery_batch_acked_brin" in window
     assert conn.execute(queries["trace_acks"], {"id": a[0]}).fetchall()[0][:2] == ("orders", "billing")
+
+
+def test_packed_array_parameters_reach_postgresql_as_sent(pg_dsn):
+    """The list types of dmq_server.db.arrays (the hot statements' parameters) are read by
+    PostgreSQL as the values the server meant, NULLs and empty arrays included."""
+    from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray
+
+    params = {"a": Int8Array([2**63 - 1, -1, 0]), "b": Int4Array([7, -(2**31)]), "c": BoolArray([True, False]),
+              "d": TextArray(["zählung", None, ""]), "e": ByteaArray([b"\x00\xff", b""]), "f": Int8Array()}
+    with connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT %(a)b::bigint[], %(b)b::integer[], %(c)b::boolean[], %(d)b::text[], "
+                           "%(e)b::bytea[], cardinality(%(f)b::bigint[])", params).fetchone()
+    assert row == ([2**63 - 1, -1, 0], [7, -(2**31)], [True, False], ["zählung", None, ""], [b"\x00\xff", b""], 0)

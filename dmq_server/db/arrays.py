@@ -1,0 +1,122 @@
+"""Array parameters of the hot statements, packed in one pass each.
+
+The group commit sends five arrays per batch of sends and the ack batch eleven per batch
+of acks, a hundred elements or more each. psycopg dumps a list element by element in
+Python (``ListBinaryDumper``: about 0.55 us per element here), which py-spy found to be the
+largest single item of dmq-server's CPU under end-to-end load (docs/benchmarks.md,
+session 13). These list types say their element type, so their dumpers, registered with
+psycopg's adapters, can write PostgreSQL's binary array format (``array_send``: a header,
+one dimension, then each element's length and bytes) with ``struct`` in C loops: 0.14 us
+per bigint, 0.1 us per repeated text.
+
+They are lists, so everything that is not PostgreSQL (the in-memory double, the tests)
+reads them as it did. A value the element type cannot hold fails as PostgreSQL would
+fail the cast (``NumericValueOutOfRange``, SQLSTATE 22003): the writer then splits the
+batch until the bad send stands alone, as for any refused input.
+"""
+
+from __future__ import annotations
+
+import struct
+from itertools import repeat
+from typing import Any
+
+from psycopg import adapters
+from psycopg.adapt import Dumper
+from psycopg.errors import NumericValueOutOfRange
+from psycopg.pq import Format
+
+__all__ = ["Int8Array", "Int4Array", "BoolArray", "TextArray", "ByteaArray", "pack_array"]
+
+
+class Int8Array(list):
+    """A ``bigint[]`` parameter."""
+
+
+class Int4Array(list):
+    """An ``integer[]`` parameter."""
+
+
+class BoolArray(list):
+    """A ``boolean[]`` parameter."""
+
+
+class TextArray(list):
+    """A ``text[]`` parameter (UTF-8)."""
+
+
+class ByteaArray(list):
+    """A ``bytea[]`` parameter."""
+
+
+# element and array type oids (pg_type)
+_OIDS = {Int8Array: (20, 1016), Int4Array: (23, 1007), BoolArray: (16, 1000), TextArray: (25, 1009),
+         ByteaArray: (17, 1001)}
+
+_HEAD = struct.Struct("!iiIii")  # dimensions (1), has NULLs, element oid, length, lower bound
+_EMPTY = struct.Struct("!iiI")  # no dimensions, no NULLs, element oid
+_LEN = struct.Struct("!i")
+_NULL = _LEN.pack(-1)
+_FIXED = {Int8Array: struct.Struct("!iq"), Int4Array: struct.Struct("!ii"), BoolArray: struct.Struct("!i?")}
+_NAMES = {Int8Array: "bigint", Int4Array: "integer", BoolArray: "boolean"}
+
+# encoded text elements (length and bytes) by value: topics, channels, producers and
+# consumers repeat from one batch to the next; bounded, cleared when full
+_TEXT_CACHE: dict[str, bytes] = {}
+_TEXT_CACHE_MAX = 4096
+
+
+def _text_element(value: str) -> bytes:
+    data = value.encode()
+    element = _LEN.pack(len(data)) + data
+    if len(_TEXT_CACHE) >= _TEXT_CACHE_MAX:
+        _TEXT_CACHE.clear()
+    _TEXT_CACHE[value] = element
+    return element
+
+
+def _elements(kind: type, values: list) -> bytes:
+    """Each element as length and bytes (no NULLs among ``values``)."""
+    fixed = _FIXED.get(kind)
+    if fixed is not None:
+        size = fixed.size - 4
+        try:
+            return b"".join(map(fixed.pack, repeat(size), values))
+        except struct.error as exc:
+            raise NumericValueOutOfRange(f"a value out of range for {_NAMES[kind]}: {exc}") from None
+    if kind is TextArray:
+        cached = _TEXT_CACHE.get
+        return b"".join([cached(v) or _text_element(v) for v in values])
+    return b"".join([_LEN.pack(len(v)) + v for v in values])  # bytea
+
+
+def pack_array(values: list, kind: type | None = None) -> bytes:
+    """``values`` in PostgreSQL's binary array format, as elements of ``kind`` (one of
+    the list types above; by default the type of ``values``)."""
+    kind = kind or type(values)
+    element_oid = _OIDS[kind][0]
+    if not values:
+        return _EMPTY.pack(0, 0, element_oid)
+    if None not in values:
+        return _HEAD.pack(1, 0, element_oid, len(values), 1) + _elements(kind, values)
+    parts = [_NULL if v is None else _elements(kind, [v]) for v in values]
+    return _HEAD.pack(1, 1, element_oid, len(values), 1) + b"".join(parts)
+
+
+class _ArrayDumper(Dumper):
+    """Registered for a list type, and so (psycopg registers a dumper by its oid too) for
+    any list sent where the statement's parameter type is known to be that array type
+    (``Transformer.set_dumper_types``, as ``reactor.ReactorDb`` does): it packs by its own
+    element type, whatever the list's class."""
+
+    format = Format.BINARY
+    kind: type = list
+
+    def dump(self, obj: Any) -> bytes:
+        return pack_array(obj, self.kind)
+
+
+for _kind, (_, _array_oid) in _OIDS.items():
+    adapters.register_dumper(
+        _kind, type(f"{_kind.__name__}Dumper", (_ArrayDumper,), {"oid": _array_oid, "kind": _kind})
+    )

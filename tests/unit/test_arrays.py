@@ -1,0 +1,61 @@
+"""The packed array parameters (dmq_server.db.arrays) are byte for byte what psycopg's own
+list dumper writes for the same values, and refuse what the element type cannot hold as
+PostgreSQL's cast would."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from psycopg.adapt import PyFormat, Transformer
+
+from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray, pack_array
+
+
+def psycopg_dump(values: list) -> bytes:
+    """What psycopg writes for a plain list of the same values (binary format)."""
+    plain = list(values)
+    return bytes(Transformer().get_dumper(plain, PyFormat.BINARY).dump(plain))
+
+
+@pytest.mark.parametrize("values", [
+    Int8Array([1_700_000_000_123, -(2**40), 2**63 - 1, 2**32]),
+    Int4Array([100_000, -70_000, 2**31 - 1]),
+    BoolArray([True, False, True]),
+    TextArray(["orders", "", "zählung", "orders"]),
+    TextArray(["c1", None, "c2"]),
+    ByteaArray([b"\x00body\xff", b"", b"x" * 300]),
+])
+def test_a_packed_array_is_what_psycopg_writes(values):
+    assert pack_array(values) == psycopg_dump(values)
+
+
+@pytest.mark.parametrize("kind, oid", [(Int8Array, 20), (TextArray, 25), (ByteaArray, 17)])
+def test_an_empty_array_has_no_dimension_and_names_its_element_type(kind, oid):
+    assert pack_array(kind()) == b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00" + oid.to_bytes(4, "big")
+
+
+def test_a_value_beyond_bigint_is_refused_as_postgresql_refuses_it():
+    with pytest.raises(psycopg.errors.NumericValueOutOfRange) as caught:
+        pack_array(Int8Array([1, 2**63]))
+    assert caught.value.sqlstate == "22003" and "bigint" in str(caught.value)
+
+
+def test_the_text_cache_stays_bounded():
+    from dmq_server.db import arrays
+
+    for n in range(arrays._TEXT_CACHE_MAX + 10):
+        pack_array(TextArray([f"consumer-{n}"]))
+    assert len(arrays._TEXT_CACHE) <= arrays._TEXT_CACHE_MAX
+    assert pack_array(TextArray(["consumer-1"])) == psycopg_dump(["consumer-1"])
+
+
+def test_a_plain_list_sent_where_the_array_type_is_known_is_packed_by_that_type():
+    """psycopg finds a dumper by the parameter's oid too (``set_dumper_types``, as the
+    reactor's connection does for its statements): a plain list then reaches these dumpers."""
+    from psycopg import postgres
+
+    tx = Transformer()
+    oids = [postgres.types.get(name).array_oid for name in ("text", "int8", "bytea")]
+    tx.set_dumper_types(oids, psycopg.pq.Format.BINARY)
+    plain = [["a", None], [2**40, -1], [b"\x00"]]
+    assert [bytes(v) for v in tx.dump_sequence(plain, [PyFormat.BINARY] * 3)] == [psycopg_dump(v) for v in plain]
