@@ -82,12 +82,22 @@ def _elements(kind: type, values: list) -> bytes:
         size = fixed.size - 4
         try:
             return b"".join(map(fixed.pack, repeat(size), values))
-        except struct.error as exc:
-            raise NumericValueOutOfRange(f"a value out of range for {_NAMES[kind]}: {exc}") from None
+        except struct.error:
+            raise _refusal(kind, values) from None
     if kind is TextArray:
         cached = _TEXT_CACHE.get
         return b"".join([cached(v) or _text_element(v) for v in values])
     return b"".join([_LEN.pack(len(v)) + v for v in values])  # bytea
+
+
+def _refusal(kind: type, values: list) -> Exception:
+    """Why ``values`` cannot be ``kind``'s elements: a value of another type is a bug of the
+    caller (TypeError, as psycopg fails a value it cannot send); an integer too large
+    is refused input, as PostgreSQL refuses it."""
+    for value in values:
+        if not isinstance(value, int):
+            return TypeError(f"{_NAMES[kind]}[] cannot hold {type(value).__name__} {value!r}")
+    return NumericValueOutOfRange(f"{_NAMES[kind]} out of range: {max(values, key=abs)}")
 
 
 def pack_array(values: list, kind: type | None = None) -> bytes:

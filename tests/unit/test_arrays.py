@@ -37,7 +37,15 @@ def test_an_empty_array_has_no_dimension_and_names_its_element_type(kind, oid):
 def test_a_value_beyond_bigint_is_refused_as_postgresql_refuses_it():
     with pytest.raises(psycopg.errors.NumericValueOutOfRange) as caught:
         pack_array(Int8Array([1, 2**63]))
-    assert caught.value.sqlstate == "22003" and "bigint" in str(caught.value)
+    assert caught.value.sqlstate == "22003" and "bigint out of range" in str(caught.value)
+    with pytest.raises(psycopg.errors.NumericValueOutOfRange, match="integer out of range: -2147483649"):
+        pack_array(Int4Array([-(2**31) - 1]))
+
+
+def test_a_value_of_another_type_is_the_callers_bug_not_refused_input():
+    """As psycopg fails a value it cannot send: not a database error, so not a send to isolate."""
+    with pytest.raises(TypeError, match="integer\\[\\] cannot hold str 'x'"):
+        pack_array(Int4Array([1, "x"]))
 
 
 def test_the_text_cache_stays_bounded():
