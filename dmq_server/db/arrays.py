@@ -10,9 +10,10 @@ one dimension, then each element's length and bytes) with ``struct`` in C loops:
 per bigint, 0.1 us per repeated text.
 
 They are lists, so everything that is not PostgreSQL (the in-memory double, the tests)
-reads them as it did. A value the element type cannot hold fails as PostgreSQL would
+reads them as it did. An integer the element type cannot hold fails as PostgreSQL would
 fail the cast (``NumericValueOutOfRange``, SQLSTATE 22003): the writer then splits the
-batch until the bad send stands alone, as for any refused input.
+batch until the bad send stands alone, as for any refused input. A value of another type
+is the caller's bug and fails its run as a TypeError, as psycopg fails what it cannot send.
 """
 
 from __future__ import annotations
