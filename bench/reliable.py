@@ -199,6 +199,32 @@ def writer_delta(before: dict | None, after: dict | None, wall: float) -> dict |
     }
 
 
+def buckets_over(before: dict | None, after: dict | None, bounds: tuple[str, ...] = ("0.005", "0.01", "0.025")) -> dict | None:
+    """Observations above each bound (seconds, as ``le`` is written) between two
+    scrapes of one histogram's cumulative buckets: (all - at most bound) after, less before."""
+    if not before or not after:
+        return None
+    over = lambda h, b: h.get("+Inf", 0) - h.get(b, 0)  # noqa: E731
+    return {f"{float(b) * 1000:g}ms": int(over(after, b) - over(before, b)) for b in bounds}
+
+
+def stalls_in(stats: dict | None, t0: float, seconds: float) -> list[dict]:
+    """The server's recent stalls (``/stats``' ``pauses``) that began inside the window,
+    with the second of the window they fell in (to line up with ``per_second``)."""
+    pauses = (stats or {}).get("pauses") or {}
+    out = []
+    for kind, key in (("reactor", "reactor_lag"), ("gc", "gc")):
+        for stall in (pauses.get(key) or {}).get("stalls", []):
+            if t0 - 0.5 <= stall["at"] <= t0 + seconds + 0.5:
+                out.append({"second": int(stall["at"] - t0), "kind": kind if kind == "reactor" else f"gc{stall['generation']}",
+                            "ms": round(stall["seconds"] * 1000, 1)})
+    return sorted(out, key=lambda s: s["second"])
+
+
+def over_line(over: dict | None) -> str:
+    return " / ".join(str(v) for v in over.values()) if over else "n/a"
+
+
 def writer_line(w: dict | None) -> str:
     if not w or not w["commits"]:
         return "n/a"
@@ -312,6 +338,22 @@ class DmqServer(StartedServer):
                 return json.load(resp)
         except (OSError, ValueError):
             return None
+
+    def histograms(self) -> dict[str, dict[str, float]] | None:
+        """Every histogram's cumulative buckets from ``/metrics``, ``{name: {le: count}}``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None
+        out: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out.setdefault(sample.name.removesuffix("_bucket"), {})[sample.labels["le"]] = sample.value
+        return out
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -595,6 +637,11 @@ class Bench:
             ("publish->ack latency p50 / p99 / p99.9 (ms)", fmt_lat(lat)),
             ("publish->ack latency mean / max (ms)", f"{lat['mean']} / {lat['max']}"),
             ("server group commits", writer_line(res["group_commit"])),
+            ("commit round trips over 5 / 10 / 25 ms", over_line(res["commits_over"])),
+            ("sends waiting for their commit over 5 / 10 / 25 ms", over_line(res["publish_commit_over"])),
+            ("reactor timer late over 5 / 10 / 25 ms (40 calls/s)", over_line(res["reactor_late_over"])),
+            ("server stalls >= 10 ms (second: kind ms)",
+             "; ".join(f"{x['second']}: {x['kind']} {x['ms']:g}" for x in res["server_stalls"]) or "none"),
             ("CPU seconds", cpu_line(run["cpu"], elapsed)),
             ("CPU per acked message", per_message_line(res["cpu_us_per_message"])),
         ]
@@ -761,11 +808,12 @@ class Bench:
         self.create_topic(topic, ["c1"])
         n = int(a.rate * a.steady_seconds)
         t_before = time.time()
-        stats_before = self.server.stats()
+        stats_before, histograms_before = self.server.stats(), self.server.histograms()
         run = run_workers(
             self.producer_cfgs(topic, n, rate=a.rate), self.probes(), result_timeout=a.steady_seconds + a.timeout
         )
-        stats_after = self.server.stats()
+        stats_after, histograms_after = self.server.stats(), self.server.histograms()
+        hb, ha = histograms_before or {}, histograms_after or {}
         prods = list(run["results"].values())
         acked = sum(r["acked"] for r in prods)
         elapsed = max(r["t_end"] for r in prods) - run["t0"]
@@ -786,6 +834,13 @@ class Bench:
             "publish_ack_latency_ms": lat,
             "per_second": per_second,
             "group_commit": writer_delta(stats_before, stats_after, elapsed),
+            # where a tail came from: commits that took long (the database) against the reactor
+            # running late (callbacks, collections, the host), and the server's stalls by second
+            "commits_over": buckets_over(hb.get("dmq_group_commit_seconds"), ha.get("dmq_group_commit_seconds")),
+            "publish_commit_over": buckets_over(hb.get("dmq_publish_commit_seconds"),
+                                                ha.get("dmq_publish_commit_seconds")),
+            "reactor_late_over": buckets_over(hb.get("dmq_reactor_lag_seconds"), ha.get("dmq_reactor_lag_seconds")),
+            "server_stalls": stalls_in(stats_after, run["t0"], elapsed),
             "cpu_s": run["cpu"],
             "cpu_us_per_message": per_message_us(run["cpu"], acked),
             "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,

@@ -235,10 +235,17 @@ class DmqServer:
             return {}
         return {name: tuple(sorted(t.channels)) for name, t in self.fast_store.topics.items()}
 
+    def _stats(self) -> dict:
+        """``/stats``' JSON: the broker's, and what held the reactor up (``pauses``)."""
+        out = dict(self.broker.stats()) if self.broker is not None else {}
+        if self.sampling is not None:
+            out["pauses"] = self.sampling.pauses.stats()
+        return out
+
     def _metrics_snapshot(self) -> Snapshot:
         """One scrape's data (on the reactor thread): what /stats shows, both stores."""
         fast = self.fast_store.topics.values() if self.fast_store is not None else ()
-        return Snapshot(
+        snapshot = Snapshot(
             node_id=self.node_id,
             version=VERSION,
             broker=self.broker.stats() if self.broker is not None else {},
@@ -256,6 +263,10 @@ class DmqServer:
             if self.broker is not None
             else {},
         )
+        if self.sampling is not None:
+            snapshot.histograms["dmq_reactor_lag_seconds"] = self.sampling.pauses.lag.buckets.snapshot()
+            snapshot.histograms["dmq_gc_pause_seconds"] = self.sampling.pauses.collector.buckets.snapshot()
+        return snapshot
 
     def _channel_stats(self) -> Any:
         """Every channel of both stores, ``(store, topic, channel, stats)`` (the console's history)."""
@@ -434,7 +445,7 @@ class DmqServer:
         )
         self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
                                  others=[workers["adminops"] for workers in self.cluster_workers.values()])
-        site = make_site(self._ping, broker.stats, self.info, options)
+        site = make_site(self._ping, self._stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(
             site.resource,
@@ -444,6 +455,7 @@ class DmqServer:
             options=options,
             cluster=self.cluster,
             addresses=lambda: (self.tcp_address, self.http_address),
+            gc_pauses=self.sampling.pauses.collector,
         )
         http_host, _ = options.http_endpoint
         inspector = Inspector(ops, cluster=self.cluster, info=self.info, history=self.sampling.history,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.twisted import MetricsResource
 
@@ -61,6 +62,10 @@ HISTOGRAMS = {
     "dmq_group_commit_batch_size": "Messages per group-commit transaction.",
     "dmq_publish_deliver_seconds": "From a reliable message's commit to its first delivery to a consumer "
     "of a channel (once per channel): how long copies wait, backlogs included.",
+    "dmq_reactor_lag_seconds": "How late the reactor thread ran a call due every 25 ms: the time every answer "
+    "waits for the thread behind callbacks, collections and a busy host.",
+    "dmq_gc_pause_seconds": "Length of each garbage collection (every thread waits for it); "
+    "python_gc_collections_total counts them by generation.",
 }
 
 
@@ -308,9 +313,11 @@ def _db_pool(snap: Snapshot) -> Iterator[Metric]:
 
 
 def metrics_resource(take: Callable[[], Snapshot], reactor: Any) -> Any:
-    """The ``/metrics`` resource: dmq's collector and the process' CPU, memory and file
-    descriptors (``process_*``), in a registry of this server's own."""
+    """The ``/metrics`` resource: dmq's collector, the process' CPU, memory and file
+    descriptors (``process_*``) and the collector's counts by generation
+    (``python_gc_*``), in a registry of this server's own."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DmqCollector(take, reactor))
     ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
     return MetricsResource(registry=registry)

@@ -79,6 +79,7 @@ class NsqHttp(LookupdApi):
         dmq_ping: Resource | None,
         dmq_stats: Callable[[], dict] | None,
         dmq_info: Callable[[], dict] | None,
+        gc_pauses: Any = None,
     ):
         self.store = store
         self.ctx = ctx
@@ -89,6 +90,7 @@ class NsqHttp(LookupdApi):
         self.dmq_ping = dmq_ping
         self.dmq_stats = dmq_stats
         self.dmq_info = dmq_info
+        self.gc_pauses = gc_pauses  # core.pauses.GcPauses: nsqd's gc_pause_usec_* figures
         self.tombstones: dict[str, float] = {}
         self.started = time.time()
 
@@ -268,10 +270,10 @@ class NsqHttp(LookupdApi):
         if self.broker is not None and not self.broker.healthy:
             health = f"NOK - {self.broker.health_detail}"
         if fmt != "json":
-            return text_stats(topics, memory_stats() if include_mem else None, health, self.started, producers)
+            return text_stats(topics, memory_stats(self.gc_pauses) if include_mem else None, health, self.started, producers)
         out: dict[str, Any] = {"version": VERSION, "health": health, "start_time": int(self.started), "topics": topics}
         if include_mem:
-            out["memory"] = memory_stats()
+            out["memory"] = memory_stats(self.gc_pauses)
         out["producers"] = producers or None
         return out
 

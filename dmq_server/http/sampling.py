@@ -9,7 +9,10 @@
   counters rates come from), sampled from memory every few seconds, for the web console's
   charts. Bounded: ``points`` samples per channel, channels only while they exist.
 
-Both are ``TimerService``s on the injected clock, run by the listeners' stage.
+* ``Pauses``: the reactor's lateness on a timer and the garbage collector's pauses
+  (``core.pauses``), for ``/metrics``, ``/stats`` and nsqd's ``gc_pause_usec_*``.
+
+All are services on the injected clock, run by the listeners' stage.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 from twisted.application.internet import TimerService
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, succeed
 
+from dmq_server.core.pauses import GcPauses, ReactorLag
 from dmq_server.db.schema import ping
 from dmq_server.db.trace import read_gauges
 
-__all__ = ["StoredGauges", "History", "Sampling", "HISTORY_INTERVAL", "HISTORY_POINTS"]
+__all__ = ["StoredGauges", "History", "Pauses", "Sampling", "HISTORY_INTERVAL", "HISTORY_POINTS"]
 
 #: the console's charts: a sample every 5 s, the last 10 minutes
 HISTORY_INTERVAL = 5.0
@@ -145,6 +149,29 @@ class History:
         return {"interval": HISTORY_INTERVAL, "points": self.points, "channels": out}
 
 
+class Pauses(Service):
+    """The reactor's lag probe and the collector's hook, on while the service runs: the
+    hook is process-wide (``gc.callbacks``), so a stopped node takes it out again."""
+
+    def __init__(self, clock: Any, lag: ReactorLag | None = None, collector: GcPauses | None = None):
+        self.lag = lag if lag is not None else ReactorLag(clock)
+        self.collector = collector if collector is not None else GcPauses()
+
+    def startService(self) -> None:
+        super().startService()
+        self.lag.start()
+        self.collector.install()
+
+    def stopService(self) -> Any:
+        self.lag.stop()
+        self.collector.uninstall()
+        return super().stopService()
+
+    def stats(self) -> dict[str, Any]:
+        """``/stats``' ``pauses``: the worst lateness, the collections, the latest stalls."""
+        return {"reactor_lag": self.lag.stats(), "gc": self.collector.stats()}
+
+
 class Sampling:
     """The HTTP port's timers: stored gauges every ``gauges_interval``, history every
     ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
@@ -153,7 +180,10 @@ class Sampling:
                  gauges_interval: float, others: Iterable[Any] = ()):
         self.gauges = StoredGauges(db, clock, others)
         self.history = History(channels, clock)
+        self.pauses = Pauses(clock)
         self.timers = MultiService()
+        self.pauses.setName("pauses")
+        self.pauses.setServiceParent(self.timers)
         for name, step, fn in (("stored-gauges", gauges_interval, self.gauges.refresh),
                                ("history", HISTORY_INTERVAL, self.history.sample)):
             timer = TimerService(step, fn)

@@ -84,22 +84,24 @@ def consumer_stats(consumer: Any) -> dict:
     }
 
 
-def memory_stats() -> dict[str, int]:
-    """Go's memory stats keys, filled with what Python can tell cheaply."""
+def memory_stats(gc_pauses: Any = None) -> dict[str, int]:
+    """Go's memory stats keys, filled with what Python can tell cheaply; the GC pause
+    percentiles from ``gc_pauses`` (``core.pauses.GcPauses``) when the node records them."""
     rss = 0
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
+    pauses = gc_pauses.percentiles_usec() if gc_pauses is not None else {100: 0, 99: 0, 95: 0}
     return {
         "heap_objects": 0,
         "heap_idle_bytes": 0,
         "heap_in_use_bytes": rss,
         "heap_released_bytes": 0,
-        "gc_pause_usec_100": 0,
-        "gc_pause_usec_99": 0,
-        "gc_pause_usec_95": 0,
+        "gc_pause_usec_100": pauses[100],
+        "gc_pause_usec_99": pauses[99],
+        "gc_pause_usec_95": pauses[95],
         "next_gc_bytes": 0,
         "gc_total_runs": sum(s.get("collections", 0) for s in gc.get_stats()),
     }

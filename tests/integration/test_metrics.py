@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .support import wait_for
+from .support import http_get, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -165,3 +165,39 @@ def test_redeliveries_delays_dead_letters_and_the_database_are_counted(make_serv
                                   + [("timeout", f"nsq c@{port(c)}")])
     acked = db_rows(pg_dsn, "SELECT channel, consumer, delivered_at >= first_delivered_at FROM dmq_delivery_log")
     assert sorted(acked) == sorted([("billing", f"nsq b@{port(b)}", True)] * 6 + [("c", f"nsq c@{port(c)}", True)])
+
+
+def test_a_node_held_up_by_its_host_shows_the_stall_in_stats_and_metrics(make_server):
+    """SIGSTOP for 0.4 s (the host taking the CPU away, as a paused VM or a stopped
+    container): the reactor's timer runs late by about that much, and ``/stats`` names
+    when; ``/metrics`` counts it in the lag histogram next to the collector's figures."""
+    import json
+    import signal
+    import time
+
+    server = make_server()
+    status, body = http_get(server.http + "/stats")
+    assert status == 200 and json.loads(body)["pauses"]["reactor_lag"]["interval_s"] == 0.025
+    stopped = time.time()
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.4)  # the fault's length, not a wait for the server
+    finally:
+        resumed = time.time()
+        server.proc.send_signal(signal.SIGCONT)
+
+    def the_stall() -> list:
+        _, body = http_get(server.http + "/stats")
+        stalls = json.loads(body)["pauses"]["reactor_lag"]["stalls"]
+        return [s for s in stalls if s["seconds"] >= 0.3]
+
+    (stall,) = wait_for(the_stall)
+    assert stopped - 0.1 <= stall["at"] <= resumed and stall["seconds"] <= resumed - stopped + 0.5
+    s = scrape(server)
+    assert s[("dmq_reactor_lag_seconds_count", ())] > s[("dmq_reactor_lag_seconds_bucket", (("le", "0.25"),))]
+    assert s[("dmq_reactor_lag_seconds_sum", ())] >= 0.3
+    assert s[("python_gc_collections_total", (("generation", "2"),))] >= 1  # start-up's full collection
+    assert ("dmq_gc_pause_seconds_count", ()) in s
+    _, body = http_get(server.http + "/stats?format=json")
+    memory = json.loads(body)["memory"]
+    assert memory["gc_pause_usec_100"] >= memory["gc_pause_usec_99"] >= memory["gc_pause_usec_95"] >= 0
