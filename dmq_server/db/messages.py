@@ -332,23 +332,24 @@ def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> in
     return run_steps(conn, run_query_steps(name, params))
 
 
-def read_channel_state_steps() -> Steps:
-    """Stored copies per (topic, channel), the channels an operator paused, and the
-    incarnations that were retired."""
-    depth_rows = yield Statement("channel_depths", {})
+def read_channel_state_steps(count_depths: bool = True) -> Steps:
+    """Stored copies per (topic, channel) (None when not ``count_depths``: the count
+    reads every stored copy, see ``ReliableStore.read_channel_state``), the channels an
+    operator paused, and the incarnations that were retired."""
+    depth_rows = (yield Statement("channel_depths", {})) if count_depths else None
     pause_rows = yield Statement("channel_pauses", {})
     owner_rows = yield Statement("owner_states", {})
-    depths = {(t, c): n for t, c, n in depth_rows}
+    depths = {(t, c): n for t, c, n in depth_rows} if depth_rows is not None else None
     held = {(t, c) for t, c in pause_rows}
     retired = {int(r[0]) for r in owner_rows if r[2]}
     return depths, held, retired
 
 
 def read_channel_state(
-    conn: psycopg.Connection,
-) -> tuple[dict[tuple[str, str], int], set[tuple[str, str]], set[int]]:
+    conn: psycopg.Connection, count_depths: bool = True,
+) -> tuple[dict[tuple[str, str], int] | None, set[tuple[str, str]], set[int]]:
     """``read_channel_state_steps`` over a blocking connection."""
-    return run_steps(conn, read_channel_state_steps())
+    return run_steps(conn, read_channel_state_steps(count_depths))
 
 
 def sweep_messages_steps(retention_s: float, limit: int) -> Steps:

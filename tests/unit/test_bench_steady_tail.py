@@ -24,7 +24,7 @@ def test_observations_above_each_bound_are_counted_between_two_scrapes():
 
 def test_stalls_are_those_that_began_in_the_window_by_second():
     stats = {"pauses": {
-        "reactor_lag": {"stalls": [{"at": 990.0, "seconds": 0.02}, {"at": 1004.7, "seconds": 0.141},
+        "reactor_lag": {"stalls": [{"at": 999.8, "seconds": 0.02}, {"at": 1004.7, "seconds": 0.141},
                                    {"at": 1025.0, "seconds": 0.3}]},
         "gc": {"stalls": [{"at": 1012.2, "seconds": 0.037, "generation": 2}]},
     }}
