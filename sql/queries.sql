@@ -280,9 +280,32 @@ WHERE id IN (
 );
 
 -- name: channel_depths
--- Stored, unacknowledged copies per channel.
+-- Stored, unacknowledged copies per channel (`dmq stats`: reads every stored copy at once;
+-- the server counts in slices, below).
 SELECT topic, channel, count(*) AS depth
 FROM dmq_pending GROUP BY topic, channel ORDER BY topic, channel;
+
+-- name: depth_scan_start
+-- Where a pass of the server's depth count begins (reliable/depths.py): the lowest floor
+-- of any (channel, incarnation). Below it every copy is done, so the acknowledged messages
+-- that retention keeps there are not walked. Small tables only: no probe of dmq_message,
+-- whose plan could walk the primary key through other topics' messages.
+SELECT coalesce(min(greatest(c.start_id, coalesce(k.floor, c.start_id))), 0)
+FROM dmq_channel c
+CROSS JOIN dmq_owner o
+LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = o.id;
+
+-- name: depth_slice_end
+-- The last id of the next slice: the `rows`-th stored message above `low` (none: the
+-- slice runs to the end).
+SELECT id FROM dmq_message WHERE id > %(low)s ORDER BY id OFFSET %(rows)s - 1 LIMIT 1;
+
+-- name: channel_depth_slice
+-- Stored, unacknowledged copies per channel among the messages with ids in (low, high]:
+-- the bounds reach dmq_pending's scan of dmq_message as an index range.
+SELECT topic, channel, count(*) AS depth
+FROM dmq_pending WHERE message_id > %(low)s AND message_id <= %(high)s
+GROUP BY topic, channel ORDER BY topic, channel;
 
 -- name: table_counts
 -- Row counts for `dmq stats`.

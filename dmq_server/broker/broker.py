@@ -160,6 +160,9 @@ class Broker:
             timer.clock = self.clock
             timer.setName(name)
             timer.setServiceParent(timers)
+        for cluster, store in self.stores.items():  # each cluster's stored depths, a slice at a time
+            store.depths.setName(f"depth-count-{cluster}")
+            store.depths.setServiceParent(timers)
         return timers
 
     def _each(self, method: str) -> Callable[[], Deferred]:

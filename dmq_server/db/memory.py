@@ -132,6 +132,9 @@ class MemoryDb:
             "ack_deliveries": self._ack_deliveries,
             "load_backlog": self._load_backlog,
             "channel_depths": self._channel_depths,
+            "depth_scan_start": self._depth_scan_start,
+            "depth_slice_end": self._depth_slice_end,
+            "channel_depth_slice": self._channel_depth_slice,
             "create_owner": self._create_owner,
             "retire_silent_owners": self._retire_silent_owners,
             "owner_heartbeat": self._owner_heartbeat,
@@ -447,6 +450,23 @@ class MemoryDb:
         depths: dict[tuple[str, str], int] = {}
         for topic, channel, _ in self.deliveries:
             depths[(topic, channel)] = depths.get((topic, channel), 0) + 1
+        return [(t, c, n) for (t, c), n in sorted(depths.items())]
+
+    def _depth_scan_start(self, p: dict) -> list[tuple]:
+        floors = [self.start_ids.get((t, c), 0) if (t, c, o) not in self.cursors else
+                  max(self.start_ids.get((t, c), 0), self.cursors[(t, c, o)].floor)
+                  for t, c in self.start_ids for o in self.owners]
+        return [(min(floors, default=0),)]
+
+    def _depth_slice_end(self, p: dict) -> list[tuple]:
+        above = sorted(mid for mid in self.messages if mid > p["low"])
+        return [(above[p["rows"] - 1],)] if len(above) >= p["rows"] else []
+
+    def _channel_depth_slice(self, p: dict) -> list[tuple]:
+        depths: dict[tuple[str, str], int] = {}
+        for topic, channel, mid in self.deliveries:
+            if p["low"] < mid <= p["high"]:
+                depths[(topic, channel)] = depths.get((topic, channel), 0) + 1
         return [(t, c, n) for (t, c), n in sorted(depths.items())]
 
     # -- incarnations ------------------------------------------------------------------

@@ -49,6 +49,8 @@ __all__ = [
     "run_query_steps",
     "read_channel_state",
     "read_channel_state_steps",
+    "depth_slice_steps",
+    "MAX_ID",
 ]
 
 
@@ -332,24 +334,36 @@ def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> in
     return run_steps(conn, run_query_steps(name, params))
 
 
-def read_channel_state_steps(count_depths: bool = True) -> Steps:
-    """Stored copies per (topic, channel) (None when not ``count_depths``: the count
-    reads every stored copy, see ``ReliableStore.read_channel_state``), the channels an
-    operator paused, and the incarnations that were retired."""
-    depth_rows = (yield Statement("channel_depths", {})) if count_depths else None
+def read_channel_state_steps() -> Steps:
+    """The channels an operator paused, and the incarnations that were retired (the
+    stored depths are counted apart, a slice at a time: ``depth_slice_steps``)."""
     pause_rows = yield Statement("channel_pauses", {})
     owner_rows = yield Statement("owner_states", {})
-    depths = {(t, c): n for t, c, n in depth_rows} if depth_rows is not None else None
     held = {(t, c) for t, c in pause_rows}
     retired = {int(r[0]) for r in owner_rows if r[2]}
-    return depths, held, retired
+    return held, retired
 
 
-def read_channel_state(
-    conn: psycopg.Connection, count_depths: bool = True,
-) -> tuple[dict[tuple[str, str], int] | None, set[tuple[str, str]], set[int]]:
+def read_channel_state(conn: psycopg.Connection) -> tuple[set[tuple[str, str]], set[int]]:
     """``read_channel_state_steps`` over a blocking connection."""
-    return run_steps(conn, read_channel_state_steps(count_depths))
+    return run_steps(conn, read_channel_state_steps())
+
+
+#: above every message id: the last slice's upper bound
+MAX_ID = 2**63 - 1
+
+
+def depth_slice_steps(low: int | None, rows: int) -> Steps:
+    """One slice of the stored depths' count: the unacknowledged copies per (topic,
+    channel) among the next ``rows`` stored messages above id ``low`` (None: a new pass,
+    from the lowest cursor floor). ``(low, high, counts)``; ``high`` is None
+    when the slice reached the last stored message (the pass is complete)."""
+    if low is None:
+        ((low,),) = yield Statement("depth_scan_start", {})
+    bound = yield Statement("depth_slice_end", {"low": low, "rows": rows})
+    high = bound[0][0] if bound else None
+    counted = yield Statement("channel_depth_slice", {"low": low, "high": MAX_ID if high is None else high})
+    return low, high, {(t, c): n for t, c, n in counted}
 
 
 def sweep_messages_steps(retention_s: float, limit: int) -> Steps:

@@ -47,6 +47,7 @@ from dmq_server.db.messages import (
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.dead_letters import DeadLetterSink
+from dmq_server.reliable.depths import DepthCount
 from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.reliable.trace import TraceSink
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
@@ -56,8 +57,6 @@ __all__ = ["ReliableStore"]
 
 # sends of unknown outcome remembered at most (the oldest are forgotten beyond it)
 MAX_UNRESOLVED = 100_000
-#: the share of one PostgreSQL backend's time the stored-depth count may take (read_channel_state)
-DEPTH_DUTY = 0.02
 
 log = Logger()
 
@@ -151,9 +150,8 @@ class ReliableStore:
         # publish -> commit of each stored send (its wait for a batch included), for
         # /metrics; set by the broker (a core.buckets.Buckets), None: not recorded
         self.commit_latency: Any = None
-        # the stored depth's count: when the next is due, and when the last was read
-        self._depths_due = 0.0
-        self.depths_read_at: float | None = None
+        # every channel's stored depth, counted a slice at a time (run by the broker's timers)
+        self.depths = DepthCount(workers["admin"], clock, self._apply_depths, options.channel_state_interval)
         # publish -> first delivery of each copy, likewise
         self.deliver_latency: Any = None
 
@@ -541,52 +539,34 @@ class ReliableStore:
             # re-reads the store from the first id, so they are delivered, not lost
             channel.forget()
             channel.stored_count = None
+            self.depths.restart()  # a pass in progress counted the dropped copies
             channel.pump()
             return count
 
         return d.addCallback(emptied)
 
     def read_channel_state(self) -> Deferred:
-        """The operators' pauses (set on any node) and retired incarnations, every call;
-        every channel's stored depth when its count is due.
+        """The operators' pauses (set on any node) and the retired incarnations. The
+        stored depths are counted apart, a slice at a time (``self.depths``)."""
+        d = self._workers["admin"].run_steps(read_channel_state_steps)
 
-        The depth is for operators only (``/stats``, ``/metrics``, the console), and
-        counting it reads every stored copy: 0.3-0.45 s of a PostgreSQL backend for a
-        400,000-copy backlog on the 2-core test machine. Every ``channel_state_interval``
-        (5 s) that burst took CPU from the group commit's backends, and the commits
-        behind it made a publish->ack tail at the same second of every 5 (docs/benchmarks.md,
-        session 14). So the count's cost sets its own pace: after a count that took ``t``
-        seconds, the next is due ``t / DEPTH_DUTY`` later (a 0.4 s count: 20 s later),
-        never sooner than the interval; a small backlog is counted every call."""
-        started = self.clock.seconds()
-        count = started >= self._depths_due
-        if count:
-            self._depths_due = float("inf")  # one count at a time
-        d = self._workers["admin"].run_steps(read_channel_state_steps, count)
-
-        def apply(state: tuple[dict[tuple[str, str], int] | None, set[tuple[str, str]], set[int]]) -> None:
-            depths, held, retired = state
-            if depths is not None:
-                took = self.clock.seconds() - started
-                self.depths_read_at = self.clock.seconds()
-                self._depths_due = started + took / DEPTH_DUTY
+        def apply(state: tuple[set[tuple[str, str]], set[int]]) -> None:
+            held, retired = state
             self.writes.retired.update(retired)
             self._held = held
             for key, channel in self.channels.items():
-                if depths is not None:
-                    channel.stored_count = depths.get(key, 0)
                 was, channel.held = channel.held, key in held
                 if was and not channel.held:
                     channel.pump()
 
-        def failed(failure: Any) -> Any:
-            if count:
-                self._depths_due = 0.0  # try again next time
-            return failure
-
-        d.addCallbacks(apply, failed)
+        d.addCallback(apply)
         d.addErrback(lambda f: f.trap(StorageError))
         return d
+
+    def _apply_depths(self, depths: dict[tuple[str, str], int]) -> None:
+        """A complete pass of the depth count: every channel's stored copies."""
+        for key, channel in self.channels.items():
+            channel.stored_count = depths.get(key, 0)
 
     # -- periodic work ------------------------------------------------------
     def scan(self, now: float) -> None:

@@ -39,6 +39,7 @@ from dmq_server.db.messages import (
     retire_silent_owners_steps,
     load_backlog_steps,
     read_channel_state_steps,
+    depth_slice_steps,
     run_query_steps,
     sweep_messages_steps,
 )
@@ -153,10 +154,15 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("backlog after a cursor, limited", load_backlog_steps, lambda: ("orders", "audit", m["m1"], 1), same),
         ("backlog of this node's incarnation", load_backlog_steps, lambda: ("orders", "audit", 0, 10, NODE, OWNER), same),
         ("backlog of another node", load_backlog_steps, lambda: ("orders", "audit", 0, 10, "node-2", 2), same),
-        ("depths and pauses", read_channel_state_steps, lambda: (), lambda s: (s[0], sorted(s[1]), sorted(s[2]))),
+        ("pauses and retired incarnations", read_channel_state_steps, lambda: (), lambda s: (sorted(s[0]), sorted(s[1]))),
+        # the depth count's slices: what each counts, and whether the pass is complete
+        ("depths, a pass of one slice", depth_slice_steps, lambda: (None, 1000), lambda s: (s[1], s[2])),
+        ("depths, a first slice of one message", depth_slice_steps, lambda: (None, 1), lambda s: (s[1] is None, s[2])),
+        ("depths, the slices above a message", depth_slice_steps, lambda: (m["m1"], 1000),
+         lambda s: (s[1] is None, s[2])),
         ("pause", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
         ("pause again", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
-        ("paused", read_channel_state_steps, lambda: (), lambda s: sorted(s[1])),
+        ("paused", read_channel_state_steps, lambda: (), lambda s: sorted(s[0])),
         ("unpause", run_query_steps, lambda: ("unpause_channel", {"topic": "orders", "channel": "billing"}), same),
         (
             "record attempts",
@@ -191,7 +197,7 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda: ([NewDeadLetter("rate_limited", "orders", "p", 7, b"x"), NewDeadLetter("client_reported", "orders", "p", 8, b"y")],),
             lambda new_ids: len(new_ids) == 2 and new_ids[0] < new_ids[1],
         ),
-        ("depths at the end", read_channel_state_steps, lambda: (), lambda s: s[0]),
+        ("depths at the end", depth_slice_steps, lambda: (None, 1000), lambda s: (s[1], s[2])),
         ("nothing old enough to sweep", sweep_messages_steps, lambda: (3600, 100), same),
         ("sweep what no channel holds", sweep_messages_steps, lambda: (-60, 100), same),
         ("swept", find_steps, lambda: ([("p", 1), ("p", 2), ("p", 3), ("a", 9), ("q", 1)],), lambda rows: [(r[1], r[2]) for r in rows]),
@@ -261,6 +267,11 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0
-    assert answers["depths at the end"] == {("orders", "billing"): 1}  # a9; p1, p3 acked, p2 exhausted
+    assert answers["depths at the end"] == (None, {("orders", "billing"): 1})  # a9; p1, p3 acked, p2 exhausted
+    # a slice of one message leaves the pass open; one of 1000 ends it
+    whole = answers["depths, a pass of one slice"]
+    assert whole[0] is None and sum(whole[1].values()) > 1
+    first, rest = answers["depths, a first slice of one message"], answers["depths, the slices above a message"]
+    assert first[0] is False and sum(first[1].values()) >= 1 and rest[0] is True
     assert answers["a retired incarnation stores nothing"] == "Fenced"
     assert answers["sweep what no channel holds"] > 0

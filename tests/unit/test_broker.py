@@ -631,81 +631,14 @@ def test_an_ack_never_lets_the_cursor_pass_a_commit_whose_answer_is_still_coming
     assert cursor.floor >= max(later)  # all done: the floor passes them
 
 
-class RecordingAdmin(SlowAnswers):
-    """The admin role, answering ``delay`` seconds late, recording whether each channel
-    state read counted the depths."""
 
-    def __init__(self, db: MemoryDb, clock: Clock, delay: float):
-        super().__init__(db, clock, delay)
-        self.counted: list[tuple[float, bool]] = []
-
-    def run_steps(self, steps_fn: Any, *args: Any) -> Any:
-        from dmq_server.db.messages import read_channel_state_steps
-
-        if steps_fn is read_channel_state_steps:
-            self.counted.append((self.clock.seconds(), args[0] if args else True))
-        return super().run_steps(steps_fn, *args)
-
-
-def test_the_stored_depth_is_counted_at_the_pace_its_cost_allows_and_pauses_every_time():
-    """Counting a channel's stored depth reads every stored copy: a count that took 0.4 s
-    is not run again for 20 s (2% of a backend), while the operators' pauses are still
-    read on every call."""
-    from dmq_server.db.messages import run_query_steps
-    from dmq_server.reliable.store import DEPTH_DUTY
-
-    clock = Clock()
-    db = MemoryDb(clock)
-    db.create_topic("orders", ["billing"])
-    admin = RecordingAdmin(db, clock, 0.4)
-    broker = Broker(Options(), clock, {"writer0": db, "acker": db, "loader": db, "admin": admin}, NODE)
-    broker.start()  # every statement takes 0.4 s; the start's last read counts
-    for _ in range(600):
-        clock.advance(0.1)
-    store, answers = broker.reliable, []
-    broker.publish(PublishRequest("orders", "p", [b"x"] * 3, 1), answers.append)
-    clock.advance(0.5)
-    assert answers and answers[0].count == 3
-    clock.advance(max(0.0, store._depths_due - clock.seconds()))  # the next count is due
-    start = clock.seconds()
-    store.read_channel_state()
-    store.read_channel_state()  # while the count is out: no second count
-    clock.advance(0.4)
-    channel = store.channels[("orders", "billing")]
-    assert channel.stored_count == 3 and admin.counted[-2:] == [(start, True), (start, False)]
-    assert store.depths_read_at == pytest.approx(start + 0.4)
-
-    broker.publish(PublishRequest("orders", "p", [b"y"] * 2, 2), answers.append)
-    db.run_steps(run_query_steps, "pause_channel", {"topic": "orders", "channel": "billing"})
-    clock.advance(5.0)
-    store.read_channel_state()  # 5.4 s after a 0.4 s count: not due until start + 20 s
-    clock.advance(0.4)
-    assert admin.counted[-1] == (pytest.approx(start + 5.4), False)
-    assert channel.stored_count == 3 and channel.held  # the depth waits, the pause does not
-
-    clock.advance(start + 0.4 / DEPTH_DUTY - clock.seconds() - 0.01)
-    store.read_channel_state()  # 10 ms early
-    clock.advance(0.01)
-    store.read_channel_state()
-    clock.advance(0.4)
-    assert admin.counted[-2][1] is False and admin.counted[-1] == (pytest.approx(start + 20.0), True)
-    assert channel.stored_count == 5
-
-
-def test_a_failed_depth_count_is_tried_again_at_the_next_call():
-    clock = Clock()
-    db = MemoryDb(clock)
-    db.create_topic("orders", ["billing"])
-    broker = Broker(Options(), clock, {"writer0": db, "acker": db, "loader": db, "admin": db}, NODE)
-    broker.start()
-    store = broker.reliable
-    store.read_channel_state()
-    counted = db.names_run().count("channel_depths")
-    db.fail_next("channel_depths", "lost")
-    outcome: list[Any] = []
-    clock.advance(30)  # due again
-    store.read_channel_state().addBoth(outcome.append)
-    assert outcome == [StorageError]  # trapped: a storage error is the timer's to forget
-    assert db.names_run().count("channel_depths") == counted + 1
-    store.read_channel_state()  # at once, not 30 s later
-    assert db.names_run().count("channel_depths") == counted + 2
+def test_the_stored_depths_reach_the_channels_from_the_depth_count(h):
+    """The broker's timers run each store's depth count; a complete pass sets every
+    channel's stored count, which /stats' depth starts from."""
+    for session in range(3):
+        h.send("orders", "p", session)
+    h.settle(6.0)  # a period: the next pass has run since the sends
+    channels = h.broker.reliable.channels
+    assert channels[("orders", "billing")].stored_count == 3 and channels[("orders", "audit")].stored_count == 3
+    assert h.broker.reliable.depths.passes >= 2
+    assert "depth-count-main" in {t.name for t in h.broker.timers}

@@ -28,6 +28,7 @@ from dmq_server.db.messages import (
     insert_messages_steps,
     load_backlog_steps,
     read_channel_state_steps,
+    depth_slice_steps,
     run_query_steps,
     sweep_messages_steps,
 )
@@ -110,8 +111,12 @@ def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):
     result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "billing", ids[2], 5, 6, 1, owner=OWNER)],
                         [CursorProgress("orders", "billing", OWNER, ids[0], [(ids[2], ids[2])])], "node-1"))
     assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))] == [ids[1]]
-    depths, held, retired = result(db.run_steps(read_channel_state_steps))
-    assert depths == {("orders", "audit"): 3, ("orders", "billing"): 1} and held == set() and retired == set()
+    held, retired = result(db.run_steps(read_channel_state_steps))
+    assert held == set() and retired == set()
+    # the depth count's slices: two messages, then the rest (the pass is complete)
+    low, high, first = result(db.run_steps(depth_slice_steps, None, 2))
+    assert (low, high) == (ids[0] - 1, ids[1]) and first == {("orders", "audit"): 2, ("orders", "billing"): 1}
+    assert result(db.run_steps(depth_slice_steps, high, 2)) == (ids[1], None, {("orders", "audit"): 1})
 
 
 def test_pause_empty_and_sweep_count_the_rows_they_change(db):
@@ -119,7 +124,7 @@ def test_pause_empty_and_sweep_count_the_rows_they_change(db):
     params = {"topic": "orders", "channel": "billing"}
     assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 1
     assert result(db.run_steps(run_query_steps, "pause_channel", params)) == 0
-    assert result(db.run_steps(read_channel_state_steps))[1] == {("orders", "billing")}
+    assert result(db.run_steps(read_channel_state_steps))[0] == {("orders", "billing")}
     assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 1
     assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 0
     assert result(db.run_steps(sweep_messages_steps, 0, 100)) == 0  # audit still holds a copy
