@@ -444,7 +444,8 @@ class DmqServer:
             },
         )
         self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
-                                 others=[workers["adminops"] for workers in self.cluster_workers.values()])
+                                 others=[workers["adminops"] for workers in self.cluster_workers.values()],
+                                 lowest=lambda: {key: ch.oldest_stored_id for key, ch in broker.channels.items()})
         site = make_site(self._ping, self._stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(

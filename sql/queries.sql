@@ -301,9 +301,10 @@ LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner =
 SELECT id FROM dmq_message WHERE id > %(low)s ORDER BY id OFFSET %(rows)s - 1 LIMIT 1;
 
 -- name: channel_depth_slice
--- Stored, unacknowledged copies per channel among the messages with ids in (low, high]:
--- the bounds reach dmq_pending's scan of dmq_message as an index range.
-SELECT topic, channel, count(*) AS depth
+-- Stored, unacknowledged copies per channel among the messages with ids in (low, high],
+-- and the lowest of their ids: the bounds reach dmq_pending's scan of dmq_message as an
+-- index range.
+SELECT topic, channel, count(*) AS depth, min(message_id) AS lowest
 FROM dmq_pending WHERE message_id > %(low)s AND message_id <= %(high)s
 GROUP BY topic, channel ORDER BY topic, channel;
 
@@ -887,15 +888,10 @@ WHERE p.topic = %(topic)s AND p.channel = %(channel)s AND p.message_id > %(after
 ORDER BY p.message_id
 LIMIT %(limit)s;
 
--- name: oldest_unacked
--- Per registered channel, the publish time of its lowest unacknowledged message id (one
--- index probe each): the oldest unacknowledged message's age for /metrics.
-SELECT c.topic, c.name,
-       (SELECT (extract(epoch FROM m.published_at) * 1000)::bigint
-        FROM dmq_pending p JOIN dmq_message m ON m.id = p.message_id
-        WHERE p.topic = c.topic AND p.channel = c.name
-        ORDER BY p.message_id LIMIT 1)
-FROM dmq_channel c ORDER BY c.topic, c.name;
+-- name: published_at
+-- The publish times of some stored messages (each channel's lowest unacknowledged id, from
+-- the depth count's last pass): the oldest unacknowledged message's age for /metrics.
+SELECT id, (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: delay_pending_by_topic
 -- Delayed messages waiting, per topic, and the next due time.

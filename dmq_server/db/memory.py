@@ -463,11 +463,11 @@ class MemoryDb:
         return [(above[p["rows"] - 1],)] if len(above) >= p["rows"] else []
 
     def _channel_depth_slice(self, p: dict) -> list[tuple]:
-        depths: dict[tuple[str, str], int] = {}
+        depths: dict[tuple[str, str], list[int]] = {}
         for topic, channel, mid in self.deliveries:
             if p["low"] < mid <= p["high"]:
-                depths[(topic, channel)] = depths.get((topic, channel), 0) + 1
-        return [(t, c, n) for (t, c), n in sorted(depths.items())]
+                depths.setdefault((topic, channel), []).append(mid)
+        return [(t, c, len(ids), min(ids)) for (t, c), ids in sorted(depths.items())]
 
     # -- incarnations ------------------------------------------------------------------
 

@@ -356,14 +356,15 @@ MAX_ID = 2**63 - 1
 def depth_slice_steps(low: int | None, rows: int) -> Steps:
     """One slice of the stored depths' count: the unacknowledged copies per (topic,
     channel) among the next ``rows`` stored messages above id ``low`` (None: a new pass,
-    from the lowest cursor floor). ``(low, high, counts)``; ``high`` is None
-    when the slice reached the last stored message (the pass is complete)."""
+    from the lowest cursor floor), with the lowest of their ids. ``(low, high, counts,
+    lowest)``; ``high`` is None when the slice reached the last stored message (the pass
+    is complete)."""
     if low is None:
         ((low,),) = yield Statement("depth_scan_start", {})
     bound = yield Statement("depth_slice_end", {"low": low, "rows": rows})
     high = bound[0][0] if bound else None
     counted = yield Statement("channel_depth_slice", {"low": low, "high": MAX_ID if high is None else high})
-    return low, high, {(t, c): n for t, c, n in counted}
+    return low, high, {(t, c): n for t, c, n, _ in counted}, {(t, c): lowest for t, c, _, lowest in counted}
 
 
 def sweep_messages_steps(retention_s: float, limit: int) -> Steps:

@@ -212,11 +212,17 @@ def peek_channel(
     ]
 
 
-def read_gauges(conn: Any) -> dict[str, Any]:
+def read_gauges(conn: Any, lowest: dict[tuple[str, str], int | None] | None = None) -> dict[str, Any]:
     """The figures ``/metrics`` takes from PostgreSQL (refreshed on a timer, never in a
     scrape): each channel's oldest unacknowledged publish time, delayed messages per
-    topic, and stored dead letters by reason."""
-    oldest = {(t, c): ms for t, c, ms in conn.execute(queries["oldest_unacked"]).fetchall()}
+    topic, and stored dead letters by reason. The oldest is the publish time of the
+    channel's lowest unacknowledged id in ``lowest`` (the depth count's last pass, by
+    channel): one probe by primary key each, None where the id is None or not stored here
+    (another cluster's, or acknowledged and swept since)."""
+    lowest = lowest or {}
+    ids = sorted({i for i in lowest.values() if i is not None})
+    published = dict(conn.execute(queries["published_at"], {"ids": ids}).fetchall()) if ids else {}
+    oldest = {key: published.get(i) if i is not None else None for key, i in lowest.items()}
     delayed = {t: (n, due) for t, n, due in conn.execute(queries["delay_pending_by_topic"]).fetchall()}
     letters = {reason: (total, replayed) for reason, total, replayed in conn.execute(queries["dead_letter_counts"]).fetchall()}
     return {"oldest_unacked_ms": oldest, "delay_pending": delayed, "dead_letters": letters}

@@ -61,8 +61,12 @@ def merge_gauges(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
 class StoredGauges:
     """The last database-derived figures, refreshed by ``refresh`` (a timer's call)."""
 
-    def __init__(self, db: Any, clock: Any, others: Iterable[Any] = ()):
+    def __init__(self, db: Any, clock: Any, others: Iterable[Any] = (),
+                 lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
         self.db = db
+        # each channel's lowest unacknowledged id (the stores' depth counts), read on the
+        # reactor thread when a refresh starts: its publish time is the oldest's age
+        self.lowest = lowest
         self.others = list(others)  # the other PostgreSQL clusters' workers: their figures are added
         self.clock = clock
         self.values: dict[str, Any] | None = None  # db.trace.read_gauges' answer
@@ -79,9 +83,10 @@ class StoredGauges:
 
         def pinged(_: Any) -> Deferred:
             self.roundtrip = self.clock.seconds() - started
-            d = self.db.run(read_gauges)
+            lowest = self.lowest()
+            d = self.db.run(read_gauges, lowest)
             for other in self.others:  # a cluster that fails to answer is left out this turn
-                d.addCallback(lambda values, db=other: db.run(read_gauges).addCallbacks(
+                d.addCallback(lambda values, db=other: db.run(read_gauges, lowest).addCallbacks(
                     lambda more: merge_gauges(values, more), lambda _: values))
             return d
 
@@ -177,8 +182,9 @@ class Sampling:
     ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
 
     def __init__(self, db: Any, clock: Any, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
-                 gauges_interval: float, others: Iterable[Any] = ()):
-        self.gauges = StoredGauges(db, clock, others)
+                 gauges_interval: float, others: Iterable[Any] = (),
+                 lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
+        self.gauges = StoredGauges(db, clock, others, lowest)
         self.history = History(channels, clock)
         self.pauses = Pauses(clock)
         self.timers = MultiService()

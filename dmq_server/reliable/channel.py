@@ -144,6 +144,9 @@ class ReliableChannel:
         # stored, unacknowledged copies at the last count (Broker refreshes it on a
         # timer; None until then): what nsqd calls depth is mostly in PostgreSQL here
         self.stored_count: int | None = None
+        # the lowest id among the stored copies, as of the last pass of the depth count
+        # (reliable.depths): /metrics' oldest unacknowledged message
+        self.oldest_stored_id: int | None = None
 
     # -- arrivals ---------------------------------------------------------
     def add(self, message: ReliableMessage) -> None:

@@ -538,7 +538,7 @@ class ReliableStore:
             # copies committed after the delete's snapshot are still stored: forget()
             # re-reads the store from the first id, so they are delivered, not lost
             channel.forget()
-            channel.stored_count = None
+            channel.stored_count = channel.oldest_stored_id = None
             self.depths.restart()  # a pass in progress counted the dropped copies
             channel.pump()
             return count
@@ -563,10 +563,12 @@ class ReliableStore:
         d.addErrback(lambda f: f.trap(StorageError))
         return d
 
-    def _apply_depths(self, depths: dict[tuple[str, str], int]) -> None:
-        """A complete pass of the depth count: every channel's stored copies."""
+    def _apply_depths(self, depths: dict[tuple[str, str], int], lowest: dict[tuple[str, str], int]) -> None:
+        """A complete pass of the depth count: every channel's stored copies and the
+        lowest id among them."""
         for key, channel in self.channels.items():
             channel.stored_count = depths.get(key, 0)
+            channel.oldest_stored_id = lowest.get(key)
 
     # -- periodic work ------------------------------------------------------
     def scan(self, now: float) -> None:

@@ -38,7 +38,7 @@ def _pass(conn, rows: int) -> tuple[dict[tuple[str, str], int], list[tuple[int, 
     slices: list[tuple[int, int | None]] = []
     low = None
     while True:
-        low, high, counts = run_steps(conn, depth_slice_steps(low, rows))
+        low, high, counts, _ = run_steps(conn, depth_slice_steps(low, rows))
         slices.append((low, high))
         for key, n in counts.items():
             sums[key] = sums.get(key, 0) + n
@@ -89,10 +89,11 @@ def test_a_pass_starts_at_the_lowest_floor(pg_dsn):
         ids = sorted(s.message_id for s in stored)
         acks = [_ack("billing", owner, m) for m in ids[:15]]
         run_steps(conn, ack_deliveries_steps(acks, [CursorProgress("orders", "billing", owner, ids[14], [])], ""))
-        low, high, counts = run_steps(conn, depth_slice_steps(None, 3))
+        low, high, counts, lowest = run_steps(conn, depth_slice_steps(None, 3))
         assert low == ids[14] and high == ids[17] and counts == {("orders", "billing"): 3}
+        assert lowest == {("orders", "billing"): ids[15]}
         # nothing pending: a pass of one empty slice
         acks = [_ack("billing", owner, m) for m in ids[15:]]
         run_steps(conn, ack_deliveries_steps(acks, [CursorProgress("orders", "billing", owner, ids[19], [])], ""))
-        low, high, counts = run_steps(conn, depth_slice_steps(None, 3))
-        assert counts == {}
+        low, high, counts, lowest = run_steps(conn, depth_slice_steps(None, 3))
+        assert counts == {} and lowest == {}

@@ -115,6 +115,9 @@ def comparable(value: Any, ids: Ids) -> Any:
 
 
 def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple], Callable[[Any], Any]]]:
+    def depth_slice_view(s: tuple) -> tuple:  # (high, counts, lowest ids made comparable)
+        return s[1], s[2], {key: ids(message_id) for key, message_id in s[3].items()}
+
     """(label, steps, arguments (late: they may name ids seen before), view of the answer)."""
     same = lambda v: comparable(v, ids)  # noqa: E731
     m = ids.real
@@ -156,10 +159,10 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("backlog of another node", load_backlog_steps, lambda: ("orders", "audit", 0, 10, "node-2", 2), same),
         ("pauses and retired incarnations", read_channel_state_steps, lambda: (), lambda s: (sorted(s[0]), sorted(s[1]))),
         # the depth count's slices: what each counts, and whether the pass is complete
-        ("depths, a pass of one slice", depth_slice_steps, lambda: (None, 1000), lambda s: (s[1], s[2])),
-        ("depths, a first slice of one message", depth_slice_steps, lambda: (None, 1), lambda s: (s[1] is None, s[2])),
+        ("depths, a pass of one slice", depth_slice_steps, lambda: (None, 1000), depth_slice_view),
+        ("depths, a first slice of one message", depth_slice_steps, lambda: (None, 1), lambda s: (s[1] is None, *depth_slice_view(s)[1:])),
         ("depths, the slices above a message", depth_slice_steps, lambda: (m["m1"], 1000),
-         lambda s: (s[1] is None, s[2])),
+         lambda s: (s[1] is None, *depth_slice_view(s)[1:])),
         ("pause", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
         ("pause again", run_query_steps, lambda: ("pause_channel", {"topic": "orders", "channel": "billing"}), same),
         ("paused", read_channel_state_steps, lambda: (), lambda s: sorted(s[0])),
@@ -197,7 +200,7 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda: ([NewDeadLetter("rate_limited", "orders", "p", 7, b"x"), NewDeadLetter("client_reported", "orders", "p", 8, b"y")],),
             lambda new_ids: len(new_ids) == 2 and new_ids[0] < new_ids[1],
         ),
-        ("depths at the end", depth_slice_steps, lambda: (None, 1000), lambda s: (s[1], s[2])),
+        ("depths at the end", depth_slice_steps, lambda: (None, 1000), depth_slice_view),
         ("nothing old enough to sweep", sweep_messages_steps, lambda: (3600, 100), same),
         ("sweep what no channel holds", sweep_messages_steps, lambda: (-60, 100), same),
         ("swept", find_steps, lambda: ([("p", 1), ("p", 2), ("p", 3), ("a", 9), ("q", 1)],), lambda rows: [(r[1], r[2]) for r in rows]),
@@ -267,7 +270,7 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0
-    assert answers["depths at the end"] == (None, {("orders", "billing"): 1})  # a9; p1, p3 acked, p2 exhausted
+    assert answers["depths at the end"] == (None, {("orders", "billing"): 1}, {("orders", "billing"): "m3"})  # a9; p1, p3 acked, p2 exhausted
     # a slice of one message leaves the pass open; one of 1000 ends it
     whole = answers["depths, a pass of one slice"]
     assert whole[0] is None and sum(whole[1].values()) > 1

@@ -40,6 +40,15 @@ class Timed:
         return late
 
 
+def recorder(applied: list, lowest: list | None = None) -> Any:
+    """An ``apply`` that keeps each pass's counts (and its lowest ids)."""
+    def apply(depths: dict, low: dict) -> None:
+        applied.append(depths)
+        if lowest is not None:
+            lowest.append(low)
+    return apply
+
+
 def run_until(clock: Clock, done: Any, limit: float = 120.0) -> None:
     """Advance the clock from one delayed call to the next (each runs at its own time)
     until ``done()``."""
@@ -68,10 +77,12 @@ def test_a_pass_counts_every_channel_in_slices_paced_by_their_cost(world):
     clock, db, ids = world
     timed = Timed(db, clock, 0.02)  # every slice costs 20 ms
     applied: list[dict] = []
-    counter = DepthCount(timed, clock, applied.append, period=5.0, rows=3, min_rows=1)
+    lowest: list[dict] = []
+    counter = DepthCount(timed, clock, recorder(applied, lowest), period=5.0, rows=3, min_rows=1)
     counter.startService()
     run_until(clock, lambda: applied)
     assert applied == [{("orders", "billing"): 8, ("orders", "audit"): 12}]
+    assert lowest == [{("orders", "billing"): ids[4], ("orders", "audit"): ids[0]}]  # from the slices they fell in
     assert counter.passes == 1
     slices = timed.slices
     assert len(slices) >= 4  # 12 messages, 3 rows first, then fewer: 20 ms is twice the target
@@ -92,7 +103,7 @@ def test_a_pass_counts_every_channel_in_slices_paced_by_their_cost(world):
 def test_a_small_backlog_is_one_slice_a_period(world):
     clock, db, _ = world
     applied: list[dict] = []
-    counter = DepthCount(db, clock, applied.append, period=5.0)  # answers at once
+    counter = DepthCount(db, clock, recorder(applied), period=5.0)  # answers at once
     counter.startService()
     clock.advance(0)
     assert applied == [{("orders", "billing"): 8, ("orders", "audit"): 12}]
@@ -115,7 +126,7 @@ def test_a_restart_drops_the_slices_counted_so_far(world, slice_out):
     clock, db, _ = world
     timed = Timed(db, clock, 0.02)
     applied: list[dict] = []
-    counter = DepthCount(timed, clock, applied.append, period=5.0, rows=4, min_rows=4, max_rows=4)
+    counter = DepthCount(timed, clock, recorder(applied), period=5.0, rows=4, min_rows=4, max_rows=4)
     counter.startService()
     clock.advance(0)  # the first slice (4 messages) is out
     if not slice_out:
@@ -130,7 +141,7 @@ def test_a_restart_drops_the_slices_counted_so_far(world, slice_out):
 def test_a_failed_slice_drops_the_pass_and_the_next_begins_a_period_later(world):
     clock, db, _ = world
     applied: list[dict] = []
-    counter = DepthCount(db, clock, applied.append, period=5.0, rows=4, min_rows=4, max_rows=4)
+    counter = DepthCount(db, clock, recorder(applied), period=5.0, rows=4, min_rows=4, max_rows=4)
     db.fail_next("channel_depth_slice", "lost", when=lambda p: p["low"] > 4)  # the second slice
     counter.startService()
     run_until(clock, lambda: db.names_run().count("channel_depth_slice") == 2)  # the second fails
@@ -147,7 +158,7 @@ def test_apply_failing_does_not_stop_the_count(world):
     clock, db, _ = world
     calls: list[dict] = []
 
-    def apply(depths: dict) -> None:
+    def apply(depths: dict, lowest: dict) -> None:
         calls.append(depths)
         raise RuntimeError("a bug in the store")
 

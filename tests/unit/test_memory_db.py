@@ -114,9 +114,11 @@ def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):
     held, retired = result(db.run_steps(read_channel_state_steps))
     assert held == set() and retired == set()
     # the depth count's slices: two messages, then the rest (the pass is complete)
-    low, high, first = result(db.run_steps(depth_slice_steps, None, 2))
+    low, high, first, lowest = result(db.run_steps(depth_slice_steps, None, 2))
     assert (low, high) == (ids[0] - 1, ids[1]) and first == {("orders", "audit"): 2, ("orders", "billing"): 1}
-    assert result(db.run_steps(depth_slice_steps, high, 2)) == (ids[1], None, {("orders", "audit"): 1})
+    assert lowest == {("orders", "audit"): ids[0], ("orders", "billing"): ids[1]}
+    assert result(db.run_steps(depth_slice_steps, high, 2)) == (ids[1], None, {("orders", "audit"): 1},
+                                                                {("orders", "audit"): ids[2]})
 
 
 def test_pause_empty_and_sweep_count_the_rows_they_change(db):
