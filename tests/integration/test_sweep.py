@@ -1,0 +1,47 @@
+"""The retention sweep on PostgreSQL (``sweep_messages``): it removes exactly the messages
+past the retention window that every channel is done with, walking only the ids below the
+first message still inside the window."""
+
+from __future__ import annotations
+
+import pytest
+
+import registry
+from dmq_server.db.messages import (
+    CursorProgress,
+    NewMessage,
+    ack_deliveries_steps,
+    create_owner_steps,
+    insert_messages_steps,
+    sweep_messages_steps,
+)
+from dmq_server.db.steps import run_steps
+from dmq_server.db.worker import connect
+
+from .test_delivery_log import _ack
+
+pytestmark = pytest.mark.integration
+
+
+def test_old_messages_every_channel_is_done_with_go_and_nothing_else(pg_dsn):
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders")
+        registry.add_channel(conn, "orders", "billing")
+        owner = run_steps(conn, create_owner_steps("node-1"))
+        stored = run_steps(conn, insert_messages_steps([NewMessage("orders", "p", n, 0, b"x") for n in range(10)],
+                                                       "node-1", owner))
+        ids = sorted(s.message_id for s in stored)
+        # the first six were published an hour ago; billing is done with all but the third
+        conn.execute("UPDATE dmq_message SET published_at = now() - interval '1 hour' WHERE id <= %s", (ids[5],))
+        done = [m for m in ids if m != ids[2]]
+        run_steps(conn, ack_deliveries_steps([_ack("billing", owner, m) for m in done],
+                                             [CursorProgress("orders", "billing", owner, ids[1], [(ids[3], ids[9])])], ""))
+        assert run_steps(conn, sweep_messages_steps(600, 100)) == 5  # ids 0, 1, 3, 4, 5
+        left = [r[0] for r in conn.execute("SELECT id FROM dmq_message ORDER BY id").fetchall()]
+        assert left == [ids[2], *ids[6:]]  # the unacknowledged old one, and the recent ones
+        assert run_steps(conn, sweep_messages_steps(600, 100)) == 0
+        # a bounded batch: the lowest first
+        conn.execute("UPDATE dmq_message SET published_at = now() - interval '1 hour'")
+        assert run_steps(conn, sweep_messages_steps(600, 2)) == 2
+        left = [r[0] for r in conn.execute("SELECT id FROM dmq_message ORDER BY id").fetchall()]
+        assert left == [ids[2], ids[8], ids[9]]
