@@ -33,6 +33,16 @@ def _whole(conn) -> dict[tuple[str, str], int]:
     return {(t, c): n for t, c, n in conn.execute(queries["channel_depths"]).fetchall()}
 
 
+def store_billing(conn, count: int) -> tuple[int, list[int]]:
+    """Topic orders with channel billing, ``count`` messages stored by one incarnation:
+    (the incarnation, the ids in order)."""
+    registry.create_topic(conn, "orders")
+    registry.add_channel(conn, "orders", "billing")
+    owner = run_steps(conn, create_owner_steps("node-1"))
+    batch = [NewMessage("orders", "p", n, 0, b"x") for n in range(count)]
+    return owner, sorted(s.message_id for s in run_steps(conn, insert_messages_steps(batch, "node-1", owner)))
+
+
 def _pass(conn, rows: int) -> tuple[dict[tuple[str, str], int], list[tuple[int, int | None]]]:
     sums: dict[tuple[str, str], int] = {}
     slices: list[tuple[int, int | None]] = []
@@ -81,12 +91,7 @@ def test_small_slices_add_up_to_the_whole_count(pg_dsn):
 def test_a_pass_starts_at_the_lowest_floor(pg_dsn):
     """Acknowledged messages that retention keeps (below every floor) are not walked."""
     with connect(pg_dsn, autocommit=True) as conn:
-        registry.create_topic(conn, "orders")
-        registry.add_channel(conn, "orders", "billing")
-        owner = run_steps(conn, create_owner_steps("node-1"))
-        stored = run_steps(conn, insert_messages_steps([NewMessage("orders", "p", n, 0, b"x") for n in range(20)],
-                                                       "node-1", owner))
-        ids = sorted(s.message_id for s in stored)
+        owner, ids = store_billing(conn, 20)
         acks = [_ack("billing", owner, m) for m in ids[:15]]
         run_steps(conn, ack_deliveries_steps(acks, [CursorProgress("orders", "billing", owner, ids[14], [])], ""))
         low, high, counts, lowest = run_steps(conn, depth_slice_steps(None, 3))

@@ -6,31 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-import registry
-from dmq_server.db.messages import (
-    CursorProgress,
-    NewMessage,
-    ack_deliveries_steps,
-    create_owner_steps,
-    insert_messages_steps,
-    sweep_messages_steps,
-)
+from dmq_server.db.messages import CursorProgress, ack_deliveries_steps, sweep_messages_steps
 from dmq_server.db.steps import run_steps
 from dmq_server.db.worker import connect
 
 from .test_delivery_log import _ack
+from .test_depth_count import store_billing
 
 pytestmark = pytest.mark.integration
 
 
 def test_old_messages_every_channel_is_done_with_go_and_nothing_else(pg_dsn):
     with connect(pg_dsn, autocommit=True) as conn:
-        registry.create_topic(conn, "orders")
-        registry.add_channel(conn, "orders", "billing")
-        owner = run_steps(conn, create_owner_steps("node-1"))
-        stored = run_steps(conn, insert_messages_steps([NewMessage("orders", "p", n, 0, b"x") for n in range(10)],
-                                                       "node-1", owner))
-        ids = sorted(s.message_id for s in stored)
+        owner, ids = store_billing(conn, 10)
         # the first six were published an hour ago; billing is done with all but the third
         conn.execute("UPDATE dmq_message SET published_at = now() - interval '1 hour' WHERE id <= %s", (ids[5],))
         done = [m for m in ids if m != ids[2]]
