@@ -22,7 +22,7 @@ it costs, whatever the backlog:
   once per ``period``.
 
 A small backlog is one slice, counted every ``period`` as before. A large one is counted
-over several seconds (400,000 copies: 7 to 22 s): the depth is then as old as the last
+over several seconds (400,000 copies: an estimated 7 to 22 s): the depth is then as old as the last
 pass, and not a snapshot (a copy acknowledged after its slice was counted still counts
 until the next pass). New messages committed below the pass's position are counted by the
 next pass. A failed slice drops the pass; the next starts after ``period``.
