@@ -9,8 +9,8 @@ On disk, in ``data_path``::
 
     <name>.diskqueue.000000.dat     <name>.diskqueue.000001.dat  ...  (``%06d``, grows past 6 digits)
     +----------+---------+----------+---------+--     a data file is only records, no header,
-    | int32 BE | payload | int32 BE | payload | ..    no CRC and no index; each record is written
-    |  = len   | len B   |  = len   | len B   |       with a single write()
+    | int32 BE | payload | int32 BE | payload | ..    no CRC and no index; a record is written
+    |  = len   | len B   |  = len   | len B   |       by one write() (with others: write_buffer)
     +----------+---------+----------+---------+--
     <name>.diskqueue.meta.dat       text "%d\\n%d,%d\\n%d,%d\\n":
                                     depth \\n readFileNum,readPos \\n writeFileNum,writePos \\n
@@ -55,6 +55,12 @@ event it does the sync the event requires. The Go loop runs this same sequence (
 read-ahead, next event), so the files change in the same order. With no goroutine, work that
 waits for time happens only when a method is called: call :meth:`DiskQueue.tick` periodically
 (a LoopingCall) so an idle queue still syncs within ``sync_timeout``.
+
+With ``write_buffer`` (bytes, default 0: off) ``put`` keeps records in memory and writes
+them together, with one write(), when that many are waiting, on ``flush``, and before
+anything reads the write file, syncs, rotates or closes; ``on_buffered`` is told when a
+record starts a new wait, so an owner can flush once per batch (the server's NSQ store: once
+per reactor turn). The files are the same byte for byte; only the moment of the write moves.
 
 Other differences, none visible in the files: close() fsyncs the write file before writing
 the metadata (Go closes it unsynced), and calling it twice is harmless. A missing data_path
@@ -113,6 +119,8 @@ class DiskQueue:
         sync_timeout: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
+        write_buffer: int = 0,
+        on_buffered: Callable[[DiskQueue], None] | None = None,
     ):
         if max_bytes_per_file < 1:
             raise ValueError("max_bytes_per_file must be >= 1")
@@ -120,6 +128,8 @@ class DiskQueue:
             raise ValueError("need 0 <= min_msg_size <= max_msg_size <= 2**31-1")
         if sync_every < 1 or not sync_timeout > 0:
             raise ValueError("sync_every must be >= 1 and sync_timeout > 0")
+        if write_buffer < 0:
+            raise ValueError("write_buffer must be >= 0")
         self.name = name
         self.data_path = os.fspath(data_path)
         if not os.path.isdir(self.data_path):
@@ -145,6 +155,12 @@ class DiskQueue:
         self._rbuf = b""
         self._rbuf_off = 0
         self._write_fd: int | None = None
+        # Records put but not yet written (write_buffer > 0): already counted in writePos
+        # and depth, written by flush() or before anything reads or syncs the write file.
+        self._write_buffer = write_buffer
+        self._on_buffered = on_buffered
+        self._wbuf: list[bytes] = []
+        self._wbuf_bytes = 0
         self._retrieve_metadata()
         self._next_tick = clock() + sync_timeout
 
@@ -166,6 +182,22 @@ class DiskQueue:
                 self._write_one(payload)
             finally:
                 self._sync_if_needed()
+
+    def flush(self) -> None:
+        """Write the records ``put`` has buffered (``write_buffer``). On failure they are
+        dropped (writePos and depth go back to the last written record) and
+        DiskQueueError says why: the caller acknowledged them, so it must report it."""
+        with self._lock:
+            if self._wbuf and not self._closed:
+                try:
+                    self._flush()
+                except OSError as exc:
+                    raise DiskQueueError(f"write failed: {exc}") from exc
+
+    @property
+    def buffered(self) -> int:
+        """Bytes put and not yet written to the file."""
+        return self._wbuf_bytes
 
     def read(self) -> bytes | None:
         """Remove and return the oldest record, or None if the queue has none."""
@@ -250,6 +282,7 @@ class DiskQueue:
             self._begin()
             self._closed = True
             self._log.info("DISKQUEUE(%s): deleting", self.name)
+            self._flush_quietly()
             self._close_read()
             self._close_write()
 
@@ -307,6 +340,9 @@ class DiskQueue:
             self._sync_if_needed()
             if self._pending is not None or not self._has_data():
                 return
+            if self._wbuf and self._read_file_num == self._write_file_num:
+                self._flush_quietly()  # the next record may be among them
+                continue
             try:
                 if self._read_fd is None:
                     self._open_read_file()
@@ -345,6 +381,10 @@ class DiskQueue:
             )
         total = 4 + size
         if self._write_pos > 0 and self._write_pos + total > self.max_bytes_per_file:
+            try:
+                self._flush()  # the buffered records belong to the file being finished
+            except OSError as exc:
+                raise DiskQueueError(f"write failed: {exc}") from exc
             if self._read_file_num == self._write_file_num:
                 self._max_bytes_per_file_read = self._write_pos
             self._write_file_num += 1
@@ -354,29 +394,65 @@ class DiskQueue:
             except OSError as exc:
                 self._log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
             self._close_write()
+        was_empty = not self._wbuf
+        self._wbuf.append(_SIZE.pack(size) + data)
+        self._wbuf_bytes += total
+        self._write_pos += total
+        self._depth += 1
+        if self._wbuf_bytes >= self._write_buffer:
+            try:
+                self._flush()
+            except OSError as exc:
+                raise DiskQueueError(f"write failed: {exc}") from exc
+        elif was_empty and self._on_buffered is not None:
+            self._on_buffered(self)
+
+    def _flush(self) -> None:
+        """Write the buffered records in one write(). On OSError, drop them: writePos and
+        depth go back to the last record in the file."""
+        if not self._wbuf:
+            return
+        data = self._wbuf[0] if len(self._wbuf) == 1 else b"".join(self._wbuf)
+        start = self._write_pos - len(data)
         try:
             if self._write_fd is None:
                 file_name = self.file_name(self._write_file_num)
                 fd = os.open(file_name, os.O_RDWR | os.O_CREAT, 0o600)
                 self._log.info("DISKQUEUE(%s): writeOne() opened %s", self.name, file_name)
                 try:
-                    if self._write_pos > 0:
-                        os.lseek(fd, self._write_pos, os.SEEK_SET)
+                    if start > 0:
+                        os.lseek(fd, start, os.SEEK_SET)
                 except OSError:
                     os.close(fd)
                     raise
                 self._write_fd = fd
             try:
-                _write_all(self._write_fd, _SIZE.pack(size) + data)
+                _write_all(self._write_fd, data)
             except OSError:
                 self._close_write()  # reopening seeks to writePos, over any partial record
                 raise
+        except OSError:
+            self._drop_buffer()
+            raise
+        self._wbuf.clear()
+        self._wbuf_bytes = 0
+
+    def _flush_quietly(self) -> None:
+        try:
+            self._flush()
         except OSError as exc:
-            raise DiskQueueError(f"write failed: {exc}") from exc
-        self._write_pos += total
-        self._depth += 1
+            self._log.error("DISKQUEUE(%s) failed to write buffered records - %s", self.name, exc)
+
+    def _drop_buffer(self) -> None:
+        """Forget the buffered records (a failed write, or their file is abandoned)."""
+        if self._wbuf:
+            self._write_pos -= self._wbuf_bytes
+            self._depth -= len(self._wbuf)
+            self._wbuf.clear()
+            self._wbuf_bytes = 0
 
     def _sync(self) -> None:
+        self._flush()
         if self._write_fd is not None:
             try:
                 os.fsync(self._write_fd)
@@ -520,6 +596,7 @@ class DiskQueue:
     def _handle_read_error(self) -> None:
         if self._read_file_num == self._write_file_num:
             # cannot read the write file properly: do not append to it any more either
+            self._flush_quietly()  # empty here: reading the write file flushed it
             self._close_write()
             self._write_file_num += 1
             self._write_pos = 0
@@ -569,6 +646,7 @@ class DiskQueue:
     def _skip_to_next_rw_file(self) -> OSError | None:
         """Delete the data files from reader to writer and start both on a new file."""
         error = None
+        self._drop_buffer()
         self._close_read()
         self._close_write()
         for file_num in range(self._read_file_num, self._write_file_num + 1):

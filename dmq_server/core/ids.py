@@ -22,6 +22,8 @@ NODE_ID_SHIFT = SEQUENCE_BITS
 TIMESTAMP_SHIFT = SEQUENCE_BITS + NODE_ID_BITS
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_U64 = 0xFFFFFFFFFFFFFFFF
+_SEQUENCE_HEX = [b"%03x" % n for n in range(1 << SEQUENCE_BITS)]
 
 
 def default_node_id(hostname: str) -> int:
@@ -31,7 +33,7 @@ def default_node_id(hostname: str) -> int:
 
 def hex_id(n: int) -> bytes:
     """The 16-character wire form of an int64 id."""
-    return b"%016x" % (n & 0xFFFFFFFFFFFFFFFF)
+    return b"%016x" % (n & _U64)
 
 
 def parse_hex_id(data: bytes) -> int | None:
@@ -68,3 +70,35 @@ class GuidFactory:
 
     def new_hex(self) -> bytes:
         return hex_id(self.new())
+
+    def new_hex_many(self, count: int) -> list[bytes]:
+        """``count`` ids in wire form, exactly what as many calls of ``new_hex`` would
+        give, with one clock read: an NSQ ``MPUB`` of 100 spent a sixth of its CPU
+        making its ids one by one.
+
+        (tick, sequence) counts up as one number, tick * 4096 + sequence, so a batch is
+        a run of consecutive numbers; a sequence running out moves to the next tick,
+        as ``new`` borrows it. The sequence is the last three hex digits, so the ids
+        of one tick share their first thirteen and are a prefix plus a table entry."""
+        if count == 1:  # a PUB: the plain way is quicker for one
+            return [hex_id(self.new())]
+        ts = self._time_ns() >> 20
+        if ts <= self._last_ts:
+            first = (self._last_ts << SEQUENCE_BITS) + self._sequence + 1
+        else:
+            first = ts << SEQUENCE_BITS
+        if count <= 0:
+            return []
+        last = first + count - 1
+        self._last_ts = last >> SEQUENCE_BITS
+        self._sequence = last & SEQUENCE_MASK
+        node = self.node_id << NODE_ID_SHIFT
+        out: list[bytes] = []
+        k = first
+        while k <= last:
+            tick, sequence = k >> SEQUENCE_BITS, k & SEQUENCE_MASK
+            upto = min(SEQUENCE_MASK, sequence + last - k)
+            prefix = b"%013x" % ((((tick - TWEPOCH) << TIMESTAMP_SHIFT | node) & _U64) >> SEQUENCE_BITS)
+            out += [prefix + suffix for suffix in _SEQUENCE_HEX[sequence : upto + 1]]
+            k += upto - sequence + 1
+        return out

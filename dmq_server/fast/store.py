@@ -38,6 +38,12 @@ __all__ = ["FastStore", "DummyBackend"]
 
 log = Logger()
 
+#: Bytes a disk queue keeps before writing them: records put in one reactor turn
+#: (the PUBs of one read, an MPUB) are written by one write() at its end, not one
+#: each. Records of a fast topic are not durable until the next sync anyway, and a
+#: kill -9 loses its memory queue; this adds at most one turn's overflow to that.
+WRITE_BUFFER = 256 * 1024
+
 
 class DummyBackend:
     """The backend of ephemeral topics and channels: what overflows is dropped."""
@@ -99,6 +105,8 @@ class FastStore:
         self.sync_timeout = sync_timeout
         self.max_bytes_per_file = max_bytes_per_file
         self._backend_factory = backend_factory
+        self._unwritten: set[Any] = set()  # disk queues holding buffered records
+        self._write_call: Any = None
         if node_id is None:
             node_id = default_node_id(socket.gethostname())
         self.guid = GuidFactory(node_id, lambda: int(clock.seconds() * 1e9))
@@ -153,7 +161,29 @@ class FastStore:
             sync_every=self.sync_every,
             sync_timeout=self.sync_timeout,
             clock=self.clock.seconds,
+            write_buffer=WRITE_BUFFER,
+            on_buffered=self._buffered,
         )
+
+    def _buffered(self, queue: Any) -> None:
+        """A disk queue started buffering: write it out at the end of this turn."""
+        self._unwritten.add(queue)
+        if self._write_call is None:
+            self._write_call = self.clock.callLater(0, self.write_buffered)
+
+    def write_buffered(self) -> None:
+        """Write every disk queue's buffered records. A failed write dropped them (the
+        producers were answered OK): the store turns unhealthy, as for a failed put."""
+        if self._write_call is not None and self._write_call.active():
+            self._write_call.cancel()
+        self._write_call = None
+        queues, self._unwritten = self._unwritten, set()
+        for queue in queues:
+            try:
+                queue.flush()
+            except Exception as exc:
+                log.error("NSQ: disk queue {name} lost its buffered records - {why}", name=queue.name, why=exc)
+                self.set_health(exc)
 
     def set_health(self, error: BaseException | str | None) -> None:
         text = None if error is None else str(error)
@@ -212,6 +242,7 @@ class FastStore:
         self.closed = True
         if self.timers.running:  # stopped by the service tree first; a test may not have
             self.timers.stopService()
+        self.write_buffered()
         self.persist_metadata(force=False)
         for topic in list(self.topics.values()):
             try:
@@ -228,7 +259,11 @@ class FastStore:
         """Put ``bodies`` on ``topic`` (made on first use): in memory, overflowing to its
         disk queue, as nsqd does; the answer is known before this returns."""
         try:
-            messages = [self.new_message(body, deferred) for body in bodies]
+            now = int(self.clock.seconds() * 1e9)
+            messages = [
+                FastMessage(message_id, body, now, 0, deferred)
+                for message_id, body in zip(self.guid.new_hex_many(len(bodies)), bodies)
+            ]
             self.get_topic(topic).put_many(messages)
         except Exiting as exc:
             return exc

@@ -66,11 +66,58 @@ def test_restart_recovers_every_message(tmp_path):
 
 def test_delete_topic_removes_its_files(tmp_path):
     """Deleting a topic removes the topic's and its channels' disk-queue files."""
-    store = open_store(tmp_path, mem_queue_size=0)
+    clock = Clock()
+    store = open_store(tmp_path, clock, mem_queue_size=0)
     t = store.get_topic("gone")
     t.get_channel("c")
     t.put(store.new_message(b"x"))
+    clock.advance(0)  # the end of the reactor turn writes the buffered record
     assert any(p.name.startswith("gone:c.diskqueue") for p in tmp_path.iterdir())
     store.delete_topic("gone")
     assert not any(p.name.startswith("gone") for p in tmp_path.iterdir())
+    store.close()
+
+
+def test_overflow_is_written_once_per_turn_and_a_failed_write_makes_the_store_unhealthy(tmp_path, monkeypatch):
+    """Records overflowing in one reactor turn reach the file together, by one write()
+    at the turn's end (a read of the file writes them first); when that write
+    fails, the store reports the failure in its health and the queue's depth drops the
+    lost records."""
+    import os
+
+    clock = Clock()
+    store = open_store(tmp_path, clock, mem_queue_size=0)
+    topic = store.get_topic("spill")
+    channel = topic.get_channel("c")
+    data = tmp_path / "spill:c.diskqueue.000000.dat"
+    writes: list[int] = []
+    real_write = os.write
+
+    def counting(fd, chunk):
+        writes.append(len(chunk))
+        return real_write(fd, chunk)
+
+    monkeypatch.setattr(os, "write", counting)
+    topic.put_many([store.new_message(b"m%02d" % i) for i in range(50)])
+    # the queue reads one record ahead: the second put wrote the first to read it
+    assert channel.depth() == 50 and writes == [4 + 26 + 3]
+    clock.advance(0)
+    assert writes == [4 + 26 + 3, 49 * (4 + 26 + 3)] and data.stat().st_size == 50 * (4 + 26 + 3)
+    assert store.health_error is None
+
+    def failing(fd, chunk):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", failing)
+    topic.put_many([store.new_message(b"n%d" % i) for i in range(3)])
+    clock.advance(0)
+    assert "No space left" in store.health_error
+    assert channel.depth() == 50
+    monkeypatch.setattr(os, "write", real_write)
+    topic.put(store.new_message(b"after"))  # a put that works clears the health again
+    assert store.health_error is None
+    client = FakeClient(100)
+    channel.add_client(client)
+    channel.pump()
+    assert [m.body for m in client.received] == [b"m%02d" % i for i in range(50)] + [b"after"]
     store.close()

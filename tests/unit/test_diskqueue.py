@@ -778,3 +778,131 @@ def test_logger_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
         with DiskQueue("q", tmp_path, logger=logger, clock=FakeClock()) as dq:
             dq.put(b"x")
     assert "DISKQUEUE(q): writeOne() opened" in caplog.text
+
+
+class BufferedTwinMachine(RuleBasedStateMachine):
+    """A queue with a write buffer (the NSQ store's) against one without, fed the same
+    calls: every read, peek and depth agrees, and whenever the buffered one has written
+    its buffer (flush, sync, close, a read of the write file) the two directories hold
+    the same data and metadata files, byte for byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="dmq-dq-twin-"))
+        (self.root / "plain").mkdir()
+        (self.root / "buffered").mkdir()
+        self.clock = FakeClock()
+        self.noticed = self.noticed_at = 0
+        self.plain, self.buffered = self._open(64)
+
+    def _open(self, max_bytes: int) -> tuple[DiskQueue, DiskQueue]:
+        def noticed(queue: DiskQueue) -> None:
+            self.noticed += 1
+            self.noticed_at = queue.buffered
+
+        args = dict(max_bytes_per_file=max_bytes, sync_every=7, sync_timeout=1.0, clock=self.clock)
+        return (
+            DiskQueue("m", self.root / "plain", **args),
+            DiskQueue("m", self.root / "buffered", write_buffer=50, on_buffered=noticed, **args),
+        )
+
+    def _same_files(self) -> None:
+        assert self.buffered.buffered == 0
+        for plain in (self.root / "plain").glob("m.diskqueue.*.dat"):
+            if plain.name.endswith(".tmp"):
+                continue
+            assert (self.root / "buffered" / plain.name).read_bytes() == plain.read_bytes(), plain.name
+        plain_names = {p.name for p in (self.root / "plain").glob("*.dat")}
+        assert {p.name for p in (self.root / "buffered").glob("*.dat")} == plain_names
+
+    @rule(data=st.binary(max_size=40))
+    def put(self, data: bytes) -> None:
+        before = self.buffered.buffered
+        noticed = self.noticed
+        self.plain.put(data)
+        self.buffered.put(data)
+        # told once when records start waiting, not again while more join them; a
+        # rotation writes the waiting ones first, and this record starts a new wait
+        # (a sync due after this put may have written it already)
+        told = self.noticed - noticed
+        assert told in (0, 1)
+        if before == 0 and self.buffered.buffered:
+            assert told == 1
+        if told:
+            assert self.noticed_at == 4 + len(data)
+
+    @rule()
+    def read(self) -> None:
+        assert self.buffered.read() == self.plain.read()
+
+    @rule()
+    def peek(self) -> None:
+        assert self.buffered.peek() == self.plain.peek()
+
+    @rule()
+    def flush(self) -> None:
+        self.plain.flush()
+        self.buffered.flush()
+        self._same_files()
+
+    @rule(max_bytes=st.sampled_from([16, 30, 64, 100]))
+    def reopen(self, max_bytes: int) -> None:
+        self.plain.close()
+        self.buffered.close()
+        self._same_files()
+        self.plain, self.buffered = self._open(max_bytes)
+
+    @rule()
+    def empty(self) -> None:
+        self.plain.empty()
+        self.buffered.empty()
+        self._same_files()
+
+    @rule(seconds=st.sampled_from([0.3, 1.0, 2.5]))
+    def tick(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.plain.tick()
+        self.buffered.tick()
+
+    @invariant()
+    def same_view(self) -> None:
+        assert self.buffered.depth() == self.plain.depth()
+        assert (self.buffered.write_file_num, self.buffered.write_pos) == (self.plain.write_file_num, self.plain.write_pos)
+        assert (self.buffered.read_file_num, self.buffered.read_pos) == (self.plain.read_file_num, self.plain.read_pos)
+
+    def teardown(self) -> None:
+        self.plain.close()
+        self.buffered.close()
+        self._same_files()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+TestBufferedTwin = BufferedTwinMachine.TestCase
+
+
+def test_a_failed_write_of_buffered_records_drops_them_and_says_so(tmp_path: Path, monkeypatch) -> None:
+    """The buffered records' write fails: flush raises DiskQueueError, depth and writePos
+    go back to the last record written, and the queue goes on with the next puts (the
+    file is reopened at writePos, over any partial record)."""
+    dq = DiskQueue("f", tmp_path, write_buffer=1000)
+    dq.put(b"kept")
+    dq.flush()
+    dq.put(b"lost-1")
+    dq.put(b"lost-2")
+    assert dq.depth() == 3 and dq.buffered == 2 * (4 + 6)
+
+    real_write = os.write
+
+    def failing(fd: int, data) -> int:  # noqa: ANN001 - os.write's signature
+        real_write(fd, bytes(data)[:5])  # a partial record reaches the file
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", failing)
+    with pytest.raises(DiskQueueError, match="No space left"):
+        dq.flush()
+    monkeypatch.setattr(os, "write", real_write)
+    assert dq.depth() == 1 and dq.buffered == 0 and dq.write_pos == 4 + 4
+    dq.put(b"after")
+    assert [dq.read(), dq.read(), dq.read()] == [b"kept", b"after", None]
+    dq.close()
+    assert data_file(tmp_path, "f", 0).read_bytes() == rec(b"kept") + rec(b"after")
