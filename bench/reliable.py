@@ -804,9 +804,12 @@ class Bench:
         n = int(a.rate * a.steady_seconds)
         t_before = time.time()
         stats_before, histograms_before = self.server.stats(), self.server.histograms()
+        if self.profiler.outdir:
+            self.profiler.start(self.server.pid, "steady")
         run = run_workers(
             self.producer_cfgs(topic, n, rate=a.rate), self.probes(), result_timeout=a.steady_seconds + a.timeout
         )
+        prof = self.profiler.stop()
         stats_after, histograms_after = self.server.stats(), self.server.histograms()
         hb, ha = histograms_before or {}, histograms_after or {}
         prods = list(run["results"].values())
@@ -839,6 +842,7 @@ class Bench:
             "cpu_s": run["cpu"],
             "cpu_us_per_message": per_message_us(run["cpu"], acked),
             "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+            "profile": prof,
         }
         rows = [
             ("offered / achieved msgs/s", f"{fmt_int(a.rate)} / {fmt_int(res['achieved_msgs_s'])}"),
@@ -863,6 +867,7 @@ class Bench:
             f"{a.steady_seconds:g} s",
             rows,
         )
+        print_profile("steady", prof, a.profile_gil)
         return res
 
     # -- PostgreSQL ceiling --------------------------------------------------

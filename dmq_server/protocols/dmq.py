@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
-from dmq_client.wire.codec import MIN_FRAME_SIZE, SendReplyEncoder
+from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
 from dmq_server.broker import Broker
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
@@ -87,19 +87,20 @@ class DmqSubscription:
 
     def push(self, channel: Any, delivery: Any) -> None:
         message = delivery.message
-        self.connection.write(
-            Frame(
-                Command.CONSUMER_PUSH,
-                session_id=message.session_id,
-                message_id=message.message_id,
-                topic=message.topic,
-                channel=channel.name,
-                producer=message.producer,
-                timestamp_ms=message.published_ms,
-                attempts=min(delivery.attempts, 0xFFFF),
-                body=message.body,
+        connection = self.connection
+        if not connection.closed:
+            connection.transport.write(
+                connection.push_frame(
+                    message.message_id,
+                    message.session_id,
+                    message.producer,
+                    message.topic,
+                    channel.name,
+                    message.published_ms,
+                    min(delivery.attempts, 0xFFFF),
+                    message.body,
+                )
             )
-        )
 
     def channel_closed(self, channel: Any) -> None:
         self.connection.subscriptions.pop((channel.topic, channel.name), None)
@@ -115,6 +116,7 @@ class DmqConnection:
         options = broker.options
         self.decoder = FrameDecoder(options.max_msg_size + MIN_FRAME_SIZE + 3 * 255 + 4096 + 4)
         self._send_reply = SendReplyEncoder()  # one answer per message: no Frame built
+        self.push_frame = PushEncoder()  # one push per delivery: no Frame either
         self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
         self.last_heard = clock.seconds()

@@ -25,6 +25,7 @@ from dmq_client.wire.codec import (
     MIN_FRAME_SIZE,
     FrameDecoder,
     FrameError,
+    PushEncoder,
     SendReplyEncoder,
     encode,
     frame_overhead,
@@ -667,3 +668,41 @@ def test_importing_wire_pulls_in_no_io_libraries():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- pushes
+
+
+@SLOW
+@given(st.lists(st.tuples(i64, i64, ascii_names, ascii_names, ascii_names, i64, st.integers(0, 0xFFFF),
+                          st.binary(max_size=300)), max_size=20))
+def test_pushes_are_what_encode_makes_of_the_frame(pushes):
+    """The server's shortcut for CONSUMER_PUSH gives encode's bytes exactly, whether its
+    cached names are fresh or reused (the same encoder makes the whole list twice)."""
+    push = PushEncoder()
+    for message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body in pushes + pushes:
+        expected = encode(
+            Frame(Command.CONSUMER_PUSH, session_id=session_id, message_id=message_id, topic=topic,
+                  channel=channel, producer=producer, timestamp_ms=timestamp_ms, attempts=attempts, body=body)
+        )
+        assert push(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body) == expected
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (I64_MAX + 1, 1, "p", "t", "c", 0, 1, b""),
+        (1, I64_MIN - 1, "p", "t", "c", 0, 1, b""),
+        (1, 1, "p", "t", "c", I64_MAX + 1, 1, b""),
+        (1, 1, "p", "t", "c", 0, 0x10000, b""),
+        (1, 1, "p", "t" * 256, "c", 0, 1, b""),
+        (1, 1, "prodüct", "t", "c", 0, 1, b""),
+    ],
+    ids=["message-id", "session-id", "timestamp", "attempts", "long-topic", "non-ascii"],
+)
+def test_pushes_refuse_what_encode_refuses(args):
+    push = PushEncoder()
+    push(1, 1, "p", "t", "c", 0, 1, b"x")  # a cached tail must not let a bad value through
+    with pytest.raises(FrameError) as info:
+        push(*args)
+    assert info.value.code == "E_INVALID"
