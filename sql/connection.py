@@ -28,14 +28,16 @@ DEAD_PEER_SETTINGS = {
 
 
 def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5,
-            application_name: str = "dmq") -> psycopg.Connection:
-    """A connection with durable commits, UTC and dead peers noticed; psycopg.Error if not."""
+            application_name: str = "dmq", settings: dict[str, str] | None = None) -> psycopg.Connection:
+    """A connection with durable commits, UTC and dead peers noticed; psycopg.Error if not.
+    ``settings``: more session settings (``name: value``) for this caller's connections."""
     given = psycopg.conninfo.conninfo_to_dict(dsn)
+    options = {"synchronous_commit": "on", "TimeZone": "UTC", **(settings or {})}
     return psycopg.connect(
         dsn,
         autocommit=autocommit,
         connect_timeout=connect_timeout,
-        options="-c synchronous_commit=on -c TimeZone=UTC",
+        options=" ".join(f"-c {name}={value}" for name, value in options.items()),
         application_name=application_name,
         **{k: v for k, v in DEAD_PEER_SETTINGS.items() if k not in given},
     )

@@ -261,20 +261,29 @@ LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND 
 ORDER BY m.id
 LIMIT %(limit)s;
 
+-- name: sweep_bounds
+-- The retention sweep's range: the lowest stored id and the first message still inside the
+-- window (two probes of the primary key). With nothing older than the window stored, the two
+-- are the same id and the sweep stops here.
+SELECT (SELECT min(id) FROM dmq_message) AS lowest,
+       (SELECT n.id FROM dmq_message n
+        WHERE n.published_at >= now() - make_interval(secs => %(retention_s)s)
+        ORDER BY n.id LIMIT 1) AS first_kept;
+
 -- name: sweep_messages
 -- Remove messages older than the retention window that every channel of their topic is
 -- done with (bounded batch). Ids grow with the publish time (up to the few milliseconds by
 -- which two writers' transactions overlap), so the candidates are the ids below the first
--- message still inside the window: a walk of the primary key over the old messages only.
--- Filtering `published_at` alone read the whole table every --sweep-interval (60-90 ms with
--- 400,000 recent messages stored, 0.35 s before they were vacuumed; docs/benchmarks.md,
--- session 14); a message skipped for being published out of order goes at the next sweep.
+-- message still inside the window (sweep_bounds): a walk of the primary key over the old
+-- messages only; a message skipped for being published out of order goes at the next sweep.
+-- The victims are deleted by id (= ANY of an array): as `id IN (subquery)` the planner joined
+-- the whole table against the candidates it expected to be few, a sequential scan of every
+-- stored message each --sweep-interval (0.6-0.9 s with 1,000,000 stored; docs/benchmarks.md,
+-- session 15).
 DELETE FROM dmq_message
-WHERE id IN (
+WHERE id = ANY (ARRAY(
     SELECT m.id FROM dmq_message m
-    WHERE m.id < coalesce((SELECT n.id FROM dmq_message n
-                           WHERE n.published_at >= now() - make_interval(secs => %(retention_s)s)
-                           ORDER BY n.id LIMIT 1), 9223372036854775807)
+    WHERE m.id < %(below)s
       AND m.published_at < now() - make_interval(secs => %(retention_s)s)
       AND NOT EXISTS (
           SELECT 1 FROM dmq_channel c
@@ -285,7 +294,7 @@ WHERE id IN (
             AND NOT coalesce(k.done @> m.id, false))
     ORDER BY m.id
     LIMIT %(limit)s
-);
+));
 
 -- name: channel_depths
 -- Stored, unacknowledged copies per channel (`dmq stats`: reads every stored copy at once;

@@ -145,6 +145,7 @@ class MemoryDb:
             "pause_channel": self._pause_channel,
             "unpause_channel": self._unpause_channel,
             "empty_channel": self._empty_channel,
+            "sweep_bounds": self._sweep_bounds,
             "sweep_messages": self._sweep_messages,
             "insert_delayed": self._insert_delayed,
             "find_delayed": self._find_delayed,
@@ -544,12 +545,21 @@ class MemoryDb:
             del self.attempts[key]
         return [(waiting,)]
 
+    def _sweep_bounds(self, p: dict) -> list[tuple]:
+        """The lowest stored id and the first (by id) still inside the retention window."""
+        cutoff = self._now_ms() - p["retention_s"] * 1000
+        ids = sorted(self.messages)
+        kept = [i for i in ids if self.messages[i].published_ms >= cutoff]
+        return [(ids[0] if ids else None, kept[0] if kept else None)]
+
     def _sweep_messages(self, p: dict) -> int:
-        """Messages older than the retention that every channel of their topic is done with."""
+        """Messages below ``below``, older than the retention, that every channel of their
+        topic is done with."""
         cutoff = self._now_ms() - p["retention_s"] * 1000
         pending = {message_id for _, _, message_id in self.deliveries}
         gone = sorted(
-            m.id for m in self.messages.values() if m.published_ms < cutoff and m.id not in pending
+            m.id for m in self.messages.values()
+            if m.id < p["below"] and m.published_ms < cutoff and m.id not in pending
         )[: p["limit"]]
         for message_id in gone:
             m = self.messages.pop(message_id)

@@ -371,7 +371,13 @@ def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
     """Drop up to ``limit`` messages older than ``retention_s`` that every channel is
     done with, then the retired incarnations nothing is left of; returns how many
     messages went."""
-    swept = yield Statement("sweep_messages", {"retention_s": retention_s, "limit": limit}, count=True)
+    ((lowest, first_kept),) = yield Statement("sweep_bounds", {"retention_s": retention_s})
+    swept = 0
+    if lowest is not None and (first_kept is None or lowest < first_kept):  # something is old
+        below = MAX_ID if first_kept is None else first_kept
+        swept = yield Statement(
+            "sweep_messages", {"retention_s": retention_s, "below": below, "limit": limit}, count=True
+        )
     yield Statement("prune_owners", {}, count=True)
     return swept
 

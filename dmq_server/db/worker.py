@@ -36,11 +36,19 @@ __all__ = ["connect", "DbWorker"]
 T = TypeVar("T")
 
 
+#: The server's statements are short, and a few of its periodic ones (the retention sweep,
+#: the TTL cursors) have plans whose estimated cost passes PostgreSQL's jit_above_cost: JIT
+#: then compiled 44 functions in 0.3-0.45 s for a statement that ran in a millisecond, a
+#: stall in the group commit's way (docs/benchmarks.md, session 15). The pipeline keeps JIT.
+SERVER_SETTINGS = {"jit": "off"}
+
+
 def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5) -> psycopg.Connection:
     """A connection with the settings dmq relies on (durable commits, UTC, dead peers
-    noticed: ``dmq_sql.connection``, shared with the pipeline); StorageError if not."""
+    noticed: ``dmq_sql.connection``, shared with the pipeline; no JIT); StorageError if not."""
     try:
-        return shared_connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout)
+        return shared_connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout,
+                              settings=SERVER_SETTINGS)
     except psycopg.Error as exc:
         raise StorageError(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
 
