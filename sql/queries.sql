@@ -263,11 +263,14 @@ LIMIT %(limit)s;
 
 -- name: sweep_bounds
 -- The retention sweep's range: the lowest stored id and the first message still inside the
--- window (two probes of the primary key). With nothing older than the window stored, the two
--- are the same id and the sweep stops here.
+-- window, looked for from `start` (the previous sweep's answer: the walk of the primary key
+-- then passes only the messages that left the window since, not every old one a channel still
+-- holds). With nothing older than the window stored, the two are the same id and the sweep
+-- stops here.
 SELECT (SELECT min(id) FROM dmq_message) AS lowest,
        (SELECT n.id FROM dmq_message n
-        WHERE n.published_at >= now() - make_interval(secs => %(retention_s)s)
+        WHERE n.id >= %(start)s
+          AND n.published_at >= now() - make_interval(secs => %(retention_s)s)
         ORDER BY n.id LIMIT 1) AS first_kept;
 
 -- name: sweep_messages

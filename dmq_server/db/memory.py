@@ -549,7 +549,7 @@ class MemoryDb:
         """The lowest stored id and the first (by id) still inside the retention window."""
         cutoff = self._now_ms() - p["retention_s"] * 1000
         ids = sorted(self.messages)
-        kept = [i for i in ids if self.messages[i].published_ms >= cutoff]
+        kept = [i for i in ids if i >= p["start"] and self.messages[i].published_ms >= cutoff]
         return [(ids[0] if ids else None, kept[0] if kept else None)]
 
     def _sweep_messages(self, p: dict) -> int:

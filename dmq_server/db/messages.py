@@ -45,6 +45,7 @@ __all__ = [
     "load_backlog_steps",
     "sweep_messages",
     "sweep_messages_steps",
+    "sweep_batch_steps",
     "run_query",
     "run_query_steps",
     "read_channel_state",
@@ -367,11 +368,12 @@ def depth_slice_steps(low: int | None, rows: int) -> Steps:
     return low, high, {(t, c): n for t, c, n, _ in counted}, {(t, c): lowest for t, c, _, lowest in counted}
 
 
-def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
+def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps:
     """Drop up to ``limit`` messages older than ``retention_s`` that every channel is
     done with, then the retired incarnations nothing is left of; returns how many
-    messages went."""
-    ((lowest, first_kept),) = yield Statement("sweep_bounds", {"retention_s": retention_s})
+    messages went and the first id still inside the window (None: none is), from which
+    the next batch may look (``start``: no message below it is inside the window)."""
+    ((lowest, first_kept),) = yield Statement("sweep_bounds", {"retention_s": retention_s, "start": start})
     swept = 0
     if lowest is not None and (first_kept is None or lowest < first_kept):  # something is old
         below = MAX_ID if first_kept is None else first_kept
@@ -379,6 +381,12 @@ def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
             "sweep_messages", {"retention_s": retention_s, "below": below, "limit": limit}, count=True
         )
     yield Statement("prune_owners", {}, count=True)
+    return swept, first_kept
+
+
+def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
+    """One batch of the sweep (``sweep_batch_steps``) from the lowest id: how many went."""
+    swept, _ = yield from sweep_batch_steps(retention_s, limit)
     return swept
 
 

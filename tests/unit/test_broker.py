@@ -642,3 +642,56 @@ def test_the_stored_depths_reach_the_channels_from_the_depth_count(h):
     assert channels[("orders", "billing")].stored_count == 3 and channels[("orders", "audit")].stored_count == 3
     assert h.broker.reliable.depths.passes >= 2
     assert "depth-count-main" in {t.name for t in h.broker.timers}
+
+
+def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_after_each():
+    """A backlog of old, fully acknowledged messages goes in one pass of batches: the next
+    batch starts three times the last batch's duration after it ended (SWEEP_DUTY), the
+    pass stops at a batch that is not full, a timer firing meanwhile starts no second pass,
+    and the store's stop cancels a batch that is waiting."""
+    h = Harness(db_delay=0.01, message_retention=60.0, sweep_interval=3600.0)
+    store = h.broker.reliable
+    store.sweep_batch = 10
+    billing, audit = Consumer(), Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.subscribe("orders", "audit", audit)
+    for n in range(25):
+        h.send("orders", "p", n)
+    h.settle()
+    h.ack_all("orders", billing)
+    h.ack_all("orders", audit)
+    h.settle(61)  # past the retention, the acks durable
+    assert len(h.db.messages) == 25
+
+    started = h.clock.seconds()
+    store.sweep()
+    done: list[tuple[float, int]] = []  # (when, swept so far), at each change
+    for _ in range(2000):
+        h.clock.advance(0.001)
+        if store.swept_count != (done[-1][1] if done else 0):
+            done.append((h.clock.seconds(), store.swept_count))
+            if len(done) == 1:  # the timer fires during the pause: no second pass
+                waiting = store._sweep_call
+                assert waiting is not None and store.sweep().called and store._sweep_call is waiting
+    assert [count for _, count in done] == [10, 20, 25] and not h.db.messages
+    first = done[0][0] - started
+    assert first > 0
+    for (before, _), (after, _) in zip(done, done[1:]):  # a pause of 3x the batch, then a batch
+        assert 4 * first - 0.003 <= after - before <= 4 * first + 0.003
+    assert store._sweep_call is None  # the pass ended at the batch of 5
+
+    # a pass cut short by the store's stop
+    billing.pushed.clear()
+    audit.pushed.clear()
+    for n in range(25, 45):
+        h.send("orders", "p", n)
+    h.settle()
+    h.ack_all("orders", billing)
+    h.ack_all("orders", audit)
+    h.settle(61)
+    store.sweep()
+    h.settle(first + 0.002)
+    assert store.swept_count == 35 and store._sweep_call is not None
+    store.stop()
+    h.settle(1)
+    assert store.swept_count == 35 and store._sweep_call is None
