@@ -466,6 +466,7 @@ class Broker:
                 "refused": self.acks_refused,
             },
             "delayed": sum(c["delayed"] for c in stores),
+            "swept": sum(c["swept"] for c in stores),
             "rate_limited": self.limits.refused,
             "dead_letters": reliable.dead_letters.stats(),
             "trace": reliable.trace.stats(),

@@ -313,6 +313,7 @@ class Placement:
                 "incarnation": store.writes.owner,
                 "published": store.publish_count,
                 "delayed": store.delayed_count,
+                "swept": store.swept_count,
                 "writer": {
                     "unknown_outcomes": store.unknown_outcomes,
                     "pending": store.writer.pending,

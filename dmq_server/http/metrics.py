@@ -161,6 +161,8 @@ class DmqCollector:
             ("dmq_rate_limited_publishes", "Publishes refused by a topic's rate limit.",
              broker.get("rate_limited", 0)),
             ("dmq_delayed_messages", "Messages stored for later delivery.", broker.get("delayed", 0)),
+            ("dmq_swept_messages", "Messages every channel had acknowledged, removed past --message-retention "
+             "by this node's sweep.", broker.get("swept", 0)),
         ):
             yield CounterMetricFamily(name, documentation, value=value)
         yield GaugeMetricFamily("dmq_group_commit_pending", "Sends waiting for the next group commit.",

@@ -134,6 +134,7 @@ class ChaosCluster:
             node.dsn = self.node_dsn
             node.flags["zk"] = self.zk_address
             node.start(timeout=60)
+        self.flags = [dict(node.flags) for node in self.nodes]  # what restore() puts back
         return self
 
     def register_topic(self, topic: str, channels: list[str], msg_timeout_ms: int = 5000) -> None:
@@ -175,12 +176,15 @@ class ChaosCluster:
         on every call: FAKETIME_NO_CACHE)."""
         self.clock_file.write_text(f"{offset_seconds:+.0f}\n")
 
-    def restart_node(self, index: int, *, faketime: bool = False) -> None:
+    def restart_node(self, index: int, *, faketime: bool = False, flags: dict[str, str] | None = None) -> None:
+        """Stop (if it runs) and start node ``index``, with ``flags`` over the cluster's
+        own until ``restore()``."""
         node = self.nodes[index]
         if node.proc is not None and node.proc.poll() is None:
             node.proc.send_signal(signal.SIGCONT)
             node.stop()
         node.env = None
+        node.flags = {**self.flags[index], **(flags or {})}
         if faketime:
             # FAKETIME_SITE replaces time.sleep, which this libfaketime breaks (its docstring)
             path = os.pathsep.join(p for p in (str(FAKETIME_SITE), os.environ.get("PYTHONPATH", "")) if p)
@@ -206,7 +210,8 @@ class ChaosCluster:
         for i, node in enumerate(self.nodes):
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.send_signal(signal.SIGCONT)
-            if node.proc is None or node.proc.poll() is not None or node.env is not None:
+            if (node.proc is None or node.proc.poll() is not None or node.env is not None
+                    or node.flags != self.flags[i]):
                 self.restart_node(i)
         return time.monotonic() - started
 

@@ -61,6 +61,11 @@ class Producer(threading.Thread):
     def key(self, session_id: int) -> bytes:
         return f"{self.producer}/{session_id}".encode()
 
+    def delayed(self, session_id: int) -> bool:
+        """Sent as a delayed message: acknowledged with a dmq_delay id, stored in
+        dmq_message under another id when it is due."""
+        return bool(self.delay_every) and session_id % self.delay_every == 0
+
     def run(self) -> None:
         try:
             self._run()
@@ -71,7 +76,7 @@ class Producer(threading.Thread):
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def _frame(self, sid: int, resend: bool) -> Frame:
-        delayed = self.delay_every and sid % self.delay_every == 0
+        delayed = self.delayed(sid)
         now_ms = int(time.time() * 1000)
         return Frame(
             Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
@@ -291,10 +296,11 @@ class Load:
         for p in self.producers:
             p.start()
 
-    def add_consumers(self, per_channel: int, start: bool = True) -> None:
-        """``per_channel`` more consumers on each channel, each connected to every node."""
+    def add_consumers(self, per_channel: int, start: bool = True, channels: list[str] | None = None) -> None:
+        """``per_channel`` more consumers on each channel (or on ``channels``), each
+        connected to every node."""
         nodes = len(self.addresses())
-        for ch in self.channels:
+        for ch in channels or self.channels:
             for _ in range(per_channel):
                 instance = self.instances[ch]
                 self.instances[ch] += 1
@@ -334,6 +340,12 @@ class Load:
         conn = self.confirmer.once()  # a last look, after the consumers stopped
         if conn is not None:
             conn.close()
+
+    def immediate(self, key: bytes) -> bool:
+        """Whether the send ``key`` was stored at once (its acknowledged id is its
+        dmq_message id), not delayed."""
+        producer, sid = key.decode().rsplit("/", 1)
+        return not any(p.producer == producer and p.delayed(int(sid)) for p in self.producers)
 
     def failures(self) -> list[str]:
         return [f"{t.name}: {t.failure!r}" for t in (*self.producers, *self.consumers) if t.failure]

@@ -28,6 +28,7 @@ SNAPSHOT = Snapshot(
         "acks": {"durable": 90, "refused": 3, "pending": 0},
         "rate_limited": 5,
         "delayed": 7,
+        "swept": 11,
         "dead_letters": {"recorded_since_start": {"max_attempts": 2, "expired": 1}, "pending": 0},
         "topics": [
             {"topic_name": "orders", "channels": [
@@ -86,6 +87,7 @@ def test_node_wide_families():
     assert s[("dmq_unknown_outcomes_total", ())] == 1
     assert (s[("dmq_acks_durable_total", ())], s[("dmq_acks_refused_total", ())]) == (90, 3)
     assert s[("dmq_rate_limited_publishes_total", ())] == 5
+    assert s[("dmq_swept_messages_total", ())] == 11
     assert s[("dmq_dead_lettered_messages_total", (("reason", "max_attempts"),))] == 2
     assert s[("dmq_connections", (("protocol", "nsq"),))] == 2
     assert s[("dmq_zookeeper_session", (("state", "SUSPENDED"),))] == 1
