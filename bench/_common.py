@@ -338,7 +338,31 @@ def machine_info() -> dict:
         "cpu_model": model,
         "mem_total_gb": round(mem_kb / 1024 / 1024, 1),
         "kernel": os.uname().release,
+        "writeback": kernel_writeback(),
     }
+
+
+def kernel_writeback() -> dict:
+    """The kernel's dirty page cache limits: how much PostgreSQL's unsynced writes pile up
+    before the kernel writes them back, which decides the commit stalls of the steady
+    scenario (docs/operations.md, "The kernel's writeback")."""
+    out = {}
+    for name in ("dirty_background_bytes", "dirty_background_ratio", "dirty_expire_centisecs"):
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                out[name] = int(f.read())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def writeback_text(w: dict) -> str:
+    """``kernel_writeback()`` in words, for the reports."""
+    if not w:
+        return "unknown"
+    start = (f"{w['dirty_background_bytes'] / 2**20:g} MB" if w.get("dirty_background_bytes")
+             else f"{w.get('dirty_background_ratio')} % of memory")
+    return f"starts at {start} dirty, after {w.get('dirty_expire_centisecs', 0) / 100:g} s at the latest"
 
 
 # ---------------------------------------------------------------- output

@@ -26,8 +26,9 @@ SETTINGS = {
     "fsync": "on",
     "synchronous_commit": "on",
     "full_page_writes": "on",
-    # as dmq's embedded PostgreSQL (dmq_server/db/embedded.py says why)
+    # as dmq's embedded PostgreSQL (sql/embedded.py, dmq_sql.embedded, says why)
     "wal_init_zero": "off",
+    "backend_flush_after": "256kB",
     # room for the 1,000,000-message backlog fill without checkpoint storms
     "max_wal_size": "4GB",
 }

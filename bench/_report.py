@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from _common import writeback_text
+
 
 def _n(value: Any) -> str:
     return "n/a" if value is None else f"{value:,.0f}"
@@ -41,7 +43,8 @@ def render(results: dict) -> str:
         f"Machine: {m.get('nproc')} cores ({m.get('cpu_model')}), {m.get('mem_total_gb')} GB RAM, "
         f"Linux {m.get('kernel')}, Python {meta.get('python')}, PostgreSQL {meta.get('postgresql', '?')}, "
         f"RabbitMQ {results.get('rabbit', {}).get('version', '?')}, "
-        f"nats-server {results.get('nats', {}).get('version', '?')}.",
+        f"nats-server {results.get('nats', {}).get('version', '?')}. Kernel writeback: "
+        f"{writeback_text(m.get('writeback') or {})}.",
         "",
         *([f"Background load: processes outside the benchmark used on average "
            f"{results['background_other_processes_pct_of_core']:.0f}% of one core (of {100 * (m.get('nproc') or 1)}%) "

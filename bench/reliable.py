@@ -58,6 +58,7 @@ from _common import (  # noqa: E402
     free_port,
     machine_busy_seconds,
     machine_info,
+    writeback_text,
     memory_kb,
     percentiles,
     print_grid,
@@ -1226,6 +1227,7 @@ class Bench:
         print(f"dmq reliable benchmark  {self.results['meta']['date_utc']} UTC")
         print(f"  machine: {info['nproc']} cores, {info['cpu_model']}, {info['mem_total_gb']} GB RAM, "
               f"Linux {info['kernel']}, Python {self.results['meta']['python']}")
+        print(f"  kernel writeback: {writeback_text(info['writeback'])} (docs/operations.md)")
         print(f"  scenarios: {', '.join(wanted)}{'  (--quick)' if a.quick else ''}", flush=True)
         try:
             dmq_scenarios = [s for s in wanted if s not in PEERS]

@@ -611,6 +611,13 @@ class EmbeddedPostgres:
             # the WAL crossed a segment (every 3.6 s at 5,000 msgs/s; a fresh cluster has no
             # recycled segments). The last byte is still written, so the size is fixed.
             "wal_init_zero": "off",
+            # A backend that writes data pages out of shared_buffers asks the kernel to
+            # write them back every 256 kB, instead of leaving them dirty in the page cache:
+            # the kernel wrote 130-310 MB of them back at once 30 s later, and the WAL
+            # fdatasync of every commit waited behind it (stalls of 120-200 ms in the steady
+            # scenario, 55-85 ms with this setting; docs/benchmarks.md, session 16). The
+            # rest is the kernel's to fix (docs/operations.md: vm.dirty_background_bytes).
+            "backend_flush_after": "256kB",
             "logging_collector": "off",
             "log_timezone": "UTC",
             "timezone": "UTC",

@@ -147,6 +147,7 @@ def test_listens_only_on_loopback_tcp(pg_private: EmbeddedPostgres) -> None:
         assert conn.execute("SHOW fsync").fetchone()[0] == "on"
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
         assert conn.execute("SHOW wal_init_zero").fetchone()[0] == "off"
+        assert conn.execute("SHOW backend_flush_after").fetchone()[0] == "256kB"
     assert _listening_addresses(port) == {"127.0.0.1"}
     # 127.0.0.2 is another loopback address: a wildcard listener would accept there.
     with pytest.raises(OSError):
