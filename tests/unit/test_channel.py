@@ -692,6 +692,24 @@ def test_failed_load_does_not_lose_a_copy_committed_behind_the_cursor() -> None:
     assert 3 in a.ids, "copy 3 is in PostgreSQL but no load after cursor 6 will return it"
 
 
+def test_a_copy_pushed_at_once_still_asks_for_the_backlog() -> None:
+    """An arrival with nothing ready goes straight to a consumer with credit
+    (``_push_at_once``), and still does what the pump it skips would have done: with
+    copies left in PostgreSQL and no load running (the last one failed), it asks for the
+    next page, without waiting for the scanner."""
+    h = Harness(mem_queue_size=2)
+    a = FakeConsumer("a", credit=2)
+    channel = h.channel
+    channel.subscribe(a)
+    channel.loaded([row(5), row(6)], 2)
+    assert a.ids == [5, 6] and len(h.loads) == 2
+    channel.load_failed()
+    a.credit = 3
+    channel.add(message(3))  # committed behind the cursor: kept, and pushed at once
+    assert a.ids == [5, 6, 3] and not channel.ready
+    assert len(h.loads) == 3 and h.loads[-1] == (6, 2) and channel.loading
+
+
 # -- property: exactly once under any interleaving --------------------------
 #: Interleavings that hit a known bug are excluded from the property test so it keeps
 #: checking everything else; set each to True once its bug is fixed.
