@@ -15,11 +15,18 @@ publish time: one probe by primary key, where reading it per channel from the pe
 view took 3.1 s of a backend with 400,000 stored). Two rules bound what
 it costs, whatever the backlog:
 
-* each slice aims at ``SLICE_SECONDS`` (10 ms): the next slice's rows are scaled by how long
-  this one took;
+* each slice aims at ``SLICE_SECONDS`` (2 ms): the next slice's rows are scaled by how long
+  this one took, and at most doubled (one slice answered fast, from cached pages, must not
+  make the next ten times as long);
 * after a slice that took ``t``, the next starts ``t / DUTY`` later (at least ``MIN_PAUSE``):
   the count keeps one backend busy at most ``DUTY`` (5 %) of the time; a pass starts at most
   once per ``period``.
+
+Why 2 ms and not 10: a slice holds one of the machine's cores while the group commit's
+backends need it. Over three alternated full sequences on the 2-core test machine the steady
+scenario's median per-second p99 was 5.2-6.3 ms with 2 ms slices against 6.5-7.0 ms with
+10 ms ones, and 11-18 commits over 5 ms against 20-34 (docs/benchmarks.md, session 16). The
+pass takes as long (the same share of a backend), in more, smaller statements.
 
 A small backlog is one slice, counted every ``period`` as before. A large one is counted
 over several seconds (400,000 copies: an estimated 7 to 22 s): the depth is then as old as the last
@@ -45,9 +52,10 @@ log = Logger()
 #: the share of one PostgreSQL backend the count may keep busy
 DUTY = 0.05
 #: what a slice aims to cost
-SLICE_SECONDS = 0.01
-#: the shortest pause between slices (a database answering at once: tests, the double)
-MIN_PAUSE = 0.05
+SLICE_SECONDS = 0.002
+#: the shortest pause between slices (a database answering at once: tests, the double);
+#: below SLICE_SECONDS / DUTY, so the duty, not this, paces slices of the aimed cost
+MIN_PAUSE = 0.02
 #: bounds of a slice's size in stored messages
 MIN_ROWS, FIRST_ROWS, MAX_ROWS = 500, 5_000, 200_000
 
@@ -125,7 +133,7 @@ class DepthCount(Service):
         for key, message_id in lowest.items():  # slices go up in id order: the first one seen is lowest
             self._lowest.setdefault(key, message_id)
         scaled = self.rows * SLICE_SECONDS / took if took > 0 else self.rows * 2
-        self.rows = int(min(self.max_rows, max(self.min_rows, scaled)))
+        self.rows = int(min(self.max_rows, self.rows * 2, max(self.min_rows, scaled)))
         pause = max(MIN_PAUSE, took / DUTY)
         if high is None:  # the pass reached the last stored message
             self._low = None

@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 
 from dmq_server.db.memory import MemoryDb
 from dmq_server.db.messages import CursorProgress, AckRow, ack_deliveries_steps, create_owner_steps, insert_messages_steps
-from dmq_server.reliable.depths import DUTY, DepthCount
+from dmq_server.reliable.depths import DUTY, MIN_PAUSE, DepthCount
 from tests.unit.test_memory_db import msg, result
 
 OWNER = 1
@@ -88,7 +88,7 @@ def test_a_pass_counts_every_channel_in_slices_paced_by_their_cost(world):
     assert len(slices) >= 4  # 12 messages, 3 rows first, then fewer: 20 ms is twice the target
     for (_, ended), (next_start, _) in zip(slices, slices[1:]):
         assert next_start - ended == pytest.approx(0.02 / DUTY)  # one backend busy 5 % of the time
-    assert counter.rows < 3  # scaled towards 10 ms a slice
+    assert counter.rows < 3  # scaled towards 2 ms a slice
 
     # the next pass starts one period after this one started, and sees what changed
     result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "audit", i, 1, 2, 1, owner=OWNER) for i in ids[:6]],
@@ -98,6 +98,22 @@ def test_a_pass_counts_every_channel_in_slices_paced_by_their_cost(world):
     run_until(clock, lambda: len(applied) == 2)
     assert timed.slices[count][0] == pytest.approx(first_pass_started + 5.0)
     assert applied[1] == {("orders", "billing"): 8, ("orders", "audit"): 6}
+
+
+def test_a_fast_slice_at_most_doubles_the_next(world):
+    """A slice answered far under the aim (its pages cached) would scale the next one by the
+    same factor, and that one could hold a core for many times the aim: the next slice's
+    rows at most double."""
+    clock, db, _ = world
+    timed = Timed(db, clock, 0.0001)  # 20 times under the 2 ms aim
+    applied: list[dict] = []
+    counter = DepthCount(timed, clock, recorder(applied), period=5.0, rows=2, min_rows=1, max_rows=1000)
+    counter.startService()
+    clock.advance(0)
+    clock.advance(0.0001)  # the first slice, 2 rows, is counted
+    assert len(timed.slices) == 1 and counter.rows == 4
+    run_until(clock, lambda: applied)
+    assert applied == [{("orders", "billing"): 8, ("orders", "audit"): 12}]
 
 
 def test_a_small_backlog_is_one_slice_a_period(world):
@@ -145,10 +161,10 @@ def test_a_failed_slice_drops_the_pass_and_the_next_begins_a_period_later(world)
     db.fail_next("channel_depth_slice", "lost", when=lambda p: p["low"] > 4)  # the second slice
     counter.startService()
     run_until(clock, lambda: db.names_run().count("channel_depth_slice") == 2)  # the second fails
-    assert clock.seconds() == pytest.approx(0.05)  # one pause after the first
+    assert clock.seconds() == pytest.approx(MIN_PAUSE)  # one pause after the first
     assert applied == [] and db.names_run().count("depth_scan_start") == 1
     [retry] = clock.getDelayedCalls()
-    assert retry.getTime() == pytest.approx(0.05 + 5.0)  # a period later
+    assert retry.getTime() == pytest.approx(MIN_PAUSE + 5.0)  # a period later
     run_until(clock, lambda: db.names_run().count("depth_scan_start") == 2)  # from the start again
     run_until(clock, lambda: applied)
     assert applied == [{("orders", "billing"): 8, ("orders", "audit"): 12}]
