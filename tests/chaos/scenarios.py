@@ -153,7 +153,7 @@ def _delay_clusters(node: Any) -> dict[str, Any]:
 class RetentionSweep:
     """The retention sweep under a node's kill -9 and a channel left behind. The nodes
     keep a fully acknowledged message ``RETENTION`` seconds (not 600) and sweep every
-    ``INTERVAL``, so every node sweeps all through the run: what both channels finished
+    250 ms (``FLAGS``), so every node sweeps all through the run: what both channels finished
     goes within seconds, while what the stalled channel holds grows older than the
     retention and must stay. The held copies are counted in the store at the heal, before
     any of them can be acknowledged (a row swept too early could still be delivered from
