@@ -58,13 +58,13 @@ from _common import (  # noqa: E402
     free_port,
     machine_busy_seconds,
     machine_info,
-    writeback_text,
     memory_kb,
     percentiles,
     print_grid,
     print_table,
     pg_background_cpu_seconds,
     tree_cpu_seconds,
+    writeback_text,
 )
 from _pg import PrivatePostgres  # noqa: E402
 

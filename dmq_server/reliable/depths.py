@@ -25,8 +25,9 @@ it costs, whatever the backlog:
 Why 2 ms and not 10: a slice holds one of the machine's cores while the group commit's
 backends need it. Over three alternated full sequences on the 2-core test machine the steady
 scenario's median per-second p99 was 5.2-6.3 ms with 2 ms slices against 6.5-7.0 ms with
-10 ms ones, and 11-18 commits over 5 ms against 20-34 (docs/benchmarks.md, session 16). The
-pass takes as long (the same share of a backend), in more, smaller statements.
+10 ms ones, and 11-18 commits over 5 ms against 20-34 (docs/benchmarks.md, session 16). A
+pass keeps the same share of a backend in more, smaller statements, whose fixed cost makes it
+somewhat longer (not measured).
 
 A small backlog is one slice, counted every ``period`` as before. A large one is counted
 over several seconds (400,000 copies: an estimated 7 to 22 s): the depth is then as old as the last

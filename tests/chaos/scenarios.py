@@ -210,18 +210,9 @@ def _stored(cluster: ChaosCluster, topic: str, ids: list[int]) -> int:
 
 def _swept(node: Any) -> int:
     """The node's ``dmq_swept_messages_total`` since it started."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tests.integration.support import scrape_metrics
 
-    from tests.integration.support import http_get
-
-    status, body = http_get(node.http + "/metrics", timeout=3)
-    if status != 200:
-        raise RuntimeError(f"/metrics answered HTTP {status}")
-    for family in text_string_to_metric_families(body):
-        for sample in family.samples:
-            if sample.name == "dmq_swept_messages_total":
-                return int(sample.value)
-    raise RuntimeError("no dmq_swept_messages_total in /metrics")
+    return int(scrape_metrics(node.http)[("dmq_swept_messages_total", ())])
 
 
 _retention_sweep = RetentionSweep()

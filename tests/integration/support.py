@@ -47,6 +47,18 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def scrape_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    """A server's ``/metrics`` as Prometheus' own parser reads it: (name, sorted labels)
+    to value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = http_get(base_url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered HTTP {status}")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 class ServerProcess:
     """A dmq-server subprocess with fixed ports, so a restart keeps its address."""
 

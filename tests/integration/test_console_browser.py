@@ -19,7 +19,7 @@ import pytest
 
 from dmq_client.wire import Command
 
-from .support import REPO, wait_for
+from .support import REPO, scrape_metrics, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -121,12 +121,7 @@ def setup_data(pg_dsn):
 
 
 def scrape(server) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(server.http + "/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return scrape_metrics(server.http)
 
 
 def test_an_operator_sees_and_repairs_the_system_in_the_console(make_server, pg_dsn, browser):
