@@ -26,7 +26,8 @@ from typing import Any
 
 from _common import run_worker
 
-from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
+from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, pack_ids, unpack_ids
+from dmq_client.wire.codec import MAX_ACK_IDS
 
 U32 = struct.Struct(">I")
 U16 = struct.Struct(">H")
@@ -89,13 +90,35 @@ class SendTemplate:
 
 
 class AckTemplate:
-    def __init__(self, topic: str, channel: str):
+    """Acks for a list of ids: one UP_CONSUMER_ACKS frame per MAX_ACK_IDS (as the client
+    library sends them), or with ``single`` one UP_CONSUMER_ACK per id (as before that
+    frame, and as a client reading one push at a time)."""
+
+    def __init__(self, topic: str, channel: str, single: bool = False):
+        self.topic, self.channel, self.single = topic, channel, single
         raw = encode(Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=0))
         self.head = raw[:OFF_MESSAGE_ID]
         self.tail = raw[OFF_MESSAGE_ID + 8 :]
         (frame,) = FrameDecoder().feed(self.head + I64.pack(77) + self.tail)
         assert frame.command == Command.UP_CONSUMER_ACK and frame.message_id == 77
         assert frame.topic == topic and frame.channel == channel
+        frames = FrameDecoder().feed(self.frames([77, 78]))
+        if single:
+            assert [(f.command, f.message_id) for f in frames] == [(Command.UP_CONSUMER_ACK, 77),
+                                                                   (Command.UP_CONSUMER_ACK, 78)]
+        else:
+            (frame,) = frames
+            assert frame.command == Command.UP_CONSUMER_ACKS and list(unpack_ids(frame.body)) == [77, 78]
+
+    def frames(self, ids: list[int]) -> bytes:
+        if self.single:
+            head, tail, pack = self.head, self.tail, I64.pack
+            return b"".join(head + pack(mid) + tail for mid in ids)
+        return b"".join(
+            encode(Frame(Command.UP_CONSUMER_ACKS, topic=self.topic, channel=self.channel,
+                         body=pack_ids(ids[i : i + MAX_ACK_IDS])))
+            for i in range(0, len(ids), MAX_ACK_IDS)
+        )
 
 
 def _status_of(buf: bytes | bytearray, pos: int, end: int) -> str:
@@ -252,8 +275,8 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
 def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
     """One consumer subscription.
 
-    cfg: host, port, topic, channel, credit, expected (unique messages to wait
-    for, 0 = no target), timeout (seconds after start), phases: list of
+    cfg: host, port, topic, channel, credit, single_acks (one UP_CONSUMER_ACK per push,
+    not one UP_CONSUMER_ACKS per read), expected (unique messages to wait for, 0 = no target), timeout (seconds after start), phases: list of
     (seconds or None, ack: bool); None = until ``expected`` is reached.
     Records publish->delivery latency from the body's first 8 bytes
     (producer time.time_ns()) when cfg["latency"].
@@ -263,9 +286,7 @@ def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
 
 def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
     topic, channel = cfg["topic"], cfg["channel"]
-    acks = AckTemplate(topic, channel)
-    ack_head, ack_tail = acks.head, acks.tail
-    pack = I64.pack
+    acks = AckTemplate(topic, channel, single=cfg.get("single_acks", False))
     u32_from = U32.unpack_from
     u16_from = U16.unpack_from
     i64_from = I64.unpack_from
@@ -319,7 +340,7 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         phase_received = phase_acked = 0
         phase_deadline = overall_deadline if seconds is None else min(overall_deadline, time.monotonic() + seconds)
         if do_ack and held:
-            sock.sendall(b"".join(ack_head + pack(mid) + ack_tail for mid in held))
+            sock.sendall(acks.frames(held))
             acked += len(held)
             phase_acked += len(held)
             held = []
@@ -374,7 +395,7 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                 received += len(ids)
                 phase_received += len(ids)
                 if do_ack:
-                    sock.sendall(b"".join(ack_head + pack(mid) + ack_tail for mid in ids))
+                    sock.sendall(acks.frames(ids))
                     acked += len(ids)
                     phase_acked += len(ids)
                     t_last = time.time()

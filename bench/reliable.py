@@ -711,6 +711,7 @@ class Bench:
                     "topic": topic,
                     "channel": name,
                     "credit": a.credit,
+                    "single_acks": a.single_acks,
                     "expected": n,
                     "timeout": a.timeout,
                     "latency": True,
@@ -999,6 +1000,7 @@ class Bench:
             "topic": topic,
             "channel": "c1",
             "credit": a.credit,
+            "single_acks": a.single_acks,
             "expected": 0,
             "timeout": a.backlog_noack_seconds + a.backlog_ack_seconds + 60,
             "latency": False,
@@ -1524,6 +1526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--body-size", type=int, default=200, help="message body bytes")
     p.add_argument("--mpub-batch", type=int, default=100, help="messages per NSQ MPUB in the mpub scenario")
     p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
+    p.add_argument("--single-acks", action="store_true",
+                   help="consumers send one UP_CONSUMER_ACK per push, not one UP_CONSUMER_ACKS per read")
     p.add_argument("--rate", type=float, default=5000, help="offered msgs/s in the steady-load scenario")
     p.add_argument("--steady-seconds", type=float, help="length of the steady-load scenario (default 20, quick 8)")
     p.add_argument("--backlog-messages", type=int, help="stored messages for the backlog scenario "

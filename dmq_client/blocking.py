@@ -21,7 +21,7 @@ from typing import Iterable
 
 from .session import default_producer_id
 from .tls import TlsSocket, client_context
-from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode
+from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode, pack_ids
 
 __all__ = ["BlockingClient", "ClientError"]
 
@@ -218,6 +218,18 @@ class BlockingClient:
     def ack(self, push: Frame) -> None:
         self.write(
             Frame(Command.UP_CONSUMER_ACK, topic=push.topic, channel=push.channel, message_id=push.message_id)
+        )
+
+    def ack_many(self, pushes: list[Frame]) -> None:
+        """Acknowledge pushes in one UP_CONSUMER_ACKS frame per subscription."""
+        ids: dict[tuple[str, str], list[int]] = {}
+        for push in pushes:
+            ids.setdefault((push.topic, push.channel), []).append(push.message_id)
+        self.write(
+            *(
+                Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel, body=pack_ids(batch))
+                for (topic, channel), batch in ids.items()
+            )
         )
 
     def drain(self, timeout: float = 5.0) -> list[Frame]:

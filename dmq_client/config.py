@@ -68,6 +68,10 @@ class MqConfig:
     reconnect_backoff_max: float = _opt(10.0, "longest delay between reconnect attempts")
     send_batch_size: int = _opt(256, "most frames the send runner writes in one socket write")
     handler_threads: int = _opt(4, "threads calling handlers' on_message")
+    ack_wait: float = _opt(
+        0.005, "longest a handler thread's ack is held while more messages wait, to go with others in one "
+        "UP_CONSUMER_ACKS frame; 0 = every ack written at once"
+    )
     default_credit: int = _opt(100, "unacknowledged pushes per subscription and server (subscribe credit)")
     subscribe_timeout: float = _opt(10.0, "how long subscribe() waits for the servers' answers")
     dedup_max_entries: int = _opt(50000, "pushes remembered for duplicate suppression (size bound)")
@@ -196,7 +200,7 @@ class MqConfig:
             raise ValueError("tls_key_file: needs tls_cert_file")
         if self.auth_secret is not None and not isinstance(self.auth_secret, str):
             raise ValueError(f"auth_secret: must be a string or None, not {type(self.auth_secret).__name__}")
-        for name in ("route_wait", "subscribe_timeout", "close_timeout"):
+        for name in ("route_wait", "subscribe_timeout", "close_timeout", "ack_wait"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}: must be >= 0 seconds, not {value!r}")

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import CancelledError, Future
 from typing import Any, Callable
 
+from .acks import AckBatcher
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
 from .dedup import Admit, DedupWindow
@@ -96,6 +97,8 @@ class Consumer:
         self._waiters: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.acks = AckBatcher(pool.get, clock, max_wait=config.ack_wait)
+        self._in_handler = threading.local()
         self._closing = False
         self._threads = [
             threading.Thread(target=self._handle_loop, name=f"dmq-handler-{i}", daemon=True)
@@ -105,6 +108,7 @@ class Consumer:
 
     def start(self) -> None:
         self._started = True
+        self.acks.start()
         for thread in self._threads:
             thread.start()
 
@@ -205,6 +209,7 @@ class Consumer:
             return  # not acked: the server delivers them again, to us or another consumer
         now = self.clock()
         dedup = self.dedup
+        reacked = False
         for frame in frames:
             sub = self.subscriptions.get((frame.topic, frame.channel))
             if sub is None:
@@ -232,13 +237,24 @@ class Consumer:
             log.debug("duplicate push %s/%s session %d from %s (%s)",
                       frame.topic, frame.channel, frame.session_id, conn.name, verdict.value)
             if verdict is Admit.DUPLICATE_ACKED:
-                self._write(conn, _ack_frame(frame.topic, frame.channel, frame.message_id))
+                self.acks.add(conn.name, frame.topic, frame.channel, frame.message_id)
+                reacked = True
+        if reacked:
+            self.acks.flush()
 
     def _handle_loop(self) -> None:
-        get = self._queue.get
+        """Acks made here wait in ``acks`` while more messages are queued, and go when
+        the queue runs dry, when a batch is full, or from ``acks``'s thread."""
+        get, get_nowait, acks = self._queue.get, self._queue.get_nowait, self.acks
+        self._in_handler.active = True
         while True:
-            entry = get()
+            try:
+                entry = get_nowait()
+            except queue.Empty:
+                acks.flush()  # nothing more to handle now: what was acknowledged goes
+                entry = get()
             if entry is None:
+                acks.flush()
                 return
             sub, message, key = entry
             try:
@@ -247,15 +263,19 @@ class Consumer:
                 log.exception("handler of %s/%s raised on %r; it will be redelivered", sub.topic, sub.channel, message)
                 if not message.acked:
                     self.dedup.forget(key)
-                continue
-            if sub.auto_ack:
-                message.ack()
+            else:
+                if sub.auto_ack:
+                    message.ack()
+            if acks.full():
+                acks.flush()
 
     def _ack(self, message: ReceivedMessage) -> None:
+        """Held with the batch when made on a handler thread (flushed by its loop);
+        written at once from any other thread, which may never ack again."""
         self.dedup.acked(self.dedup.key(message.producer, message.session_id, message.channel))
-        conn = self.pool.get(message.server)
-        if conn is None or not self._write(conn, _ack_frame(message.topic, message.channel, message.message_id)):
-            log.debug("ack of %r not sent (no connection); the server will redeliver it", message)
+        self.acks.add(message.server, message.topic, message.channel, message.message_id)
+        if not getattr(self._in_handler, "active", False) or not self.config.ack_wait:
+            self.acks.flush()
 
     def _write(self, conn: ServerConnection, frame: Frame) -> bool:
         try:
@@ -287,7 +307,6 @@ class Consumer:
         for thread in self._threads:
             if thread is not me:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        self.acks.stop()  # what the handlers acknowledged goes before the connections close
 
 
-def _ack_frame(topic: str, channel: str, message_id: int) -> Frame:
-    return Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=message_id)

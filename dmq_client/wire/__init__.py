@@ -4,7 +4,7 @@ Imports nothing from Twisted, psycopg or socket, so it serves the server, the
 blocking client and the client library alike.
 """
 
-from .codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, FrameError, encode
+from .codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, FrameError, encode, pack_ids, unpack_ids
 from .frames import (
     DOWNSTREAM,
     MAGIC,
@@ -30,5 +30,7 @@ __all__ = [
     "FrameError",
     "MessageType",
     "encode",
+    "pack_ids",
+    "unpack_ids",
     "valid_name",
 ]

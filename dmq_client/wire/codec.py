@@ -22,6 +22,8 @@ bytes are buffered, so a hostile peer cannot make the reader allocate.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 
 from .frames import (
     STATUS_MAX_LENGTH,
@@ -40,6 +42,9 @@ __all__ = [
     "MIN_FRAME_SIZE",
     "DEFAULT_MAX_FRAME_SIZE",
     "frame_overhead",
+    "pack_ids",
+    "unpack_ids",
+    "MAX_ACK_IDS",
 ]
 
 _SIZE = struct.Struct(">I")
@@ -71,6 +76,48 @@ class FrameError(Exception):
         super().__init__(f"{code} {message}")
         self.code = code
         self.message = message
+
+
+#: Most ids one UP_CONSUMER_ACKS frame may carry: a consumer's credit is at most a few
+#: thousand, so a frame beyond this is not a batch of acks but a peer to stop.
+MAX_ACK_IDS = 65536
+_SWAP = sys.byteorder == "little"
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """The body of an UP_CONSUMER_ACKS frame: each id as a big-endian i64, in order.
+
+    Raises FrameError (E_INVALID) for an empty batch, one above MAX_ACK_IDS, or an id
+    outside 1..2**63-1 (the server's ids start at 1)."""
+    if not 1 <= len(ids) <= MAX_ACK_IDS:
+        raise FrameError("E_INVALID", f"an ack batch holds 1..{MAX_ACK_IDS} ids, not {len(ids)}")
+    try:
+        packed = array("q", ids)
+    except (OverflowError, TypeError):
+        packed = None
+    if packed is None or min(packed) < 1:
+        bad = next(i for i in ids if not isinstance(i, int) or not 1 <= i <= _I64_MAX)
+        raise FrameError("E_INVALID", f"message id {bad!r} is not an integer in 1..{_I64_MAX}")
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(body: bytes) -> array:
+    """The ids of an UP_CONSUMER_ACKS body (``pack_ids``'s inverse). Raises FrameError
+    (E_BAD_FRAME) when the body is not 1..MAX_ACK_IDS whole 8-byte ids: the sender is
+    broken, and no id of such a frame can be trusted."""
+    count, rest = divmod(len(body), 8)
+    if rest or not 1 <= count <= MAX_ACK_IDS:
+        raise FrameError(
+            "E_BAD_FRAME",
+            f"UP_CONSUMER_ACKS body of {len(body)} bytes is not 1..{MAX_ACK_IDS} ids of 8 bytes",
+        )
+    ids = array("q")
+    ids.frombytes(body)
+    if _SWAP:
+        ids.byteswap()
+    return ids
 
 
 def frame_overhead(frame: Frame) -> int:

@@ -63,6 +63,7 @@ class Command(enum.IntEnum):
     UP_CREDIT = 5
     UP_HEARTBEAT = 6
     UP_AUTH = 7
+    UP_CONSUMER_ACKS = 8
     # server -> client
     SUBSCRIBE_ACK = 32
     SEND_SUCCESS_ACK = 33

@@ -27,7 +27,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode
+from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
 from dmq_server.broker import Broker
@@ -288,6 +288,8 @@ class DmqConnection:
         command = frame.command
         if command in (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND):
             self._send(frame)
+        elif command == Command.UP_CONSUMER_ACKS:
+            self._ack_many(frame)
         elif command == Command.UP_CONSUMER_ACK:
             self._ack(frame)
         elif command == Command.UP_SUBSCRIBE:
@@ -309,6 +311,25 @@ class DmqConnection:
         sub = self.subscriptions.get((frame.topic, frame.channel))
         if sub is None or self.broker.ack(frame.topic, frame.channel, frame.message_id, sub) is not None:
             self.broker.acks_refused += 1
+
+    def _ack_many(self, frame: Frame) -> None:
+        """Acknowledge each id of the body, as ``_ack`` does one: an id refused fails no
+        other. One frame for a whole read of pushes is what makes a consumer's acks cheap:
+        an ``UP_CONSUMER_ACK`` costs a decode and a dispatch per copy."""
+        try:
+            ids = unpack_ids(frame.body)
+        except FrameError as exc:
+            self.protocol_error(exc.code, exc.message)
+            return
+        broker = self.broker
+        sub = self.subscriptions.get((frame.topic, frame.channel))
+        if sub is None:
+            broker.acks_refused += len(ids)
+            return
+        ack, topic, channel = broker.ack, frame.topic, frame.channel
+        for message_id in ids:
+            if ack(topic, channel, message_id, sub) is not None:
+                broker.acks_refused += 1
 
     def _send(self, frame: Frame) -> None:
         allowed = self._allowed(frame, "send", PUBLISH)

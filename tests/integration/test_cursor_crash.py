@@ -52,7 +52,8 @@ class Producer(threading.Thread):
 
 
 class Consumer(threading.Thread):
-    """Receives, holds up to ``hold`` copies, and acknowledges them in random order."""
+    """Receives, holds up to ``hold`` copies, and acknowledges them in random order, half
+    the time one frame each, half the time all chosen in one UP_CONSUMER_ACKS frame."""
 
     def __init__(self, port: int, topic: str, channel: str, seed: int, hold: int = 40):
         super().__init__(daemon=True)
@@ -76,9 +77,14 @@ class Consumer(threading.Thread):
                     self.delivered.append(push.message_id)
                     held.append(push)
                 if len(held) >= self.hold or (push is None and held):
-                    for push in self.rng.sample(held, len(held) // 2 or 1):
+                    chosen = self.rng.sample(held, len(held) // 2 or 1)
+                    for push in chosen:
                         held.remove(push)
-                        client.ack(push)
+                    if self.rng.random() < 0.5:
+                        client.ack_many(chosen)  # one UP_CONSUMER_ACKS frame
+                    else:
+                        for push in chosen:
+                            client.ack(push)
         except (ClientError, OSError):
             pass
         finally:

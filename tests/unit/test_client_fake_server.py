@@ -20,7 +20,7 @@ import pytest
 
 from dmq_client import Message, MqClient, MqConfig, SendResult, Status
 from dmq_client.connection import ConnState
-from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
+from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, unpack_ids
 
 WAIT = 10.0
 
@@ -519,11 +519,11 @@ def test_duplicate_push_is_suppressed_and_a_duplicate_of_an_acked_one_is_acked(s
         first = got.get(timeout=WAIT)
         server.send(push(1, 100))  # redelivered while the handler still runs
         release.set()
-        _, ack = server.next(Command.UP_CONSUMER_ACK)
-        assert (ack.message_id, ack.channel) == (100, "billing")
+        _, ack = server.next(Command.UP_CONSUMER_ACKS)
+        assert (list(unpack_ids(ack.body)), ack.channel) == ([100], "billing")
         server.send(push(1, 100))  # redelivered after the ack was lost
-        _, ack = server.next(Command.UP_CONSUMER_ACK)
-        assert ack.message_id == 100
+        _, ack = server.next(Command.UP_CONSUMER_ACKS)
+        assert list(unpack_ids(ack.body)) == [100]
         server.send(push(1, 101, producer="p2"))
         server.send(push(1, 100, channel="audit"))
         others = {(m.producer, m.channel) for m in (got.get(timeout=WAIT), got.get(timeout=WAIT))}
@@ -531,6 +531,50 @@ def test_duplicate_push_is_suppressed_and_a_duplicate_of_an_acked_one_is_acked(s
     assert first.session_id == 1 and first.body == b"body 1"
     assert others == {("p2", "billing"), ("p1", "audit")}
     assert got.empty()
+
+
+def test_acks_of_a_backlog_go_out_in_batches_of_256_in_order(servers):
+    """While received messages wait for a handler, the acks of those handled are held
+    and go in one UP_CONSUMER_ACKS frame per 256, the rest when the queue runs dry."""
+    server = servers()
+    release = threading.Event()
+
+    def handler(message) -> None:
+        if message.message_id == 1:
+            release.wait(WAIT)  # until all 300 are queued behind it
+
+    with MqClient(config(server, handler_threads=1, ack_wait=30.0)) as client:
+        client.subscribe("orders", "billing", handler)
+        server.next(Command.UP_SUBSCRIBE)
+        server.connections[-1].sendall(b"".join(encode(push(i, i)) for i in range(1, 301)))
+        deadline = time.monotonic() + WAIT
+        while client._consumer._queue.qsize() < 299:
+            assert time.monotonic() < deadline, "the pushes were not all queued"
+            time.sleep(0.005)
+        release.set()
+        batches = [list(unpack_ids(server.next(Command.UP_CONSUMER_ACKS)[1].body)) for _ in range(2)]
+    assert batches == [list(range(1, 257)), list(range(257, 301))]
+
+
+def test_a_slow_handler_does_not_hold_back_the_acks_made_before_it(servers):
+    """The ack of a message handled before a slow one goes within ``ack_wait``, not when
+    the slow handler returns: a held ack is an ack the server does not have."""
+    server = servers()
+    slow_done = threading.Event()
+
+    def handler(message) -> None:
+        if message.message_id == 2:
+            slow_done.wait(WAIT)
+
+    with MqClient(config(server, handler_threads=1, ack_wait=0.05)) as client:
+        client.subscribe("orders", "billing", handler)
+        server.next(Command.UP_SUBSCRIBE)
+        server.connections[-1].sendall(encode(push(1, 1)) + encode(push(2, 2)))
+        _, first = server.next(Command.UP_CONSUMER_ACKS)  # while message 2's handler still runs
+        assert not slow_done.is_set() and list(unpack_ids(first.body)) == [1]
+        slow_done.set()
+        _, second = server.next(Command.UP_CONSUMER_ACKS)
+    assert list(unpack_ids(second.body)) == [2]
 
 
 def test_manual_ack_is_sent_only_when_called(servers):
@@ -545,9 +589,9 @@ def test_manual_ack_is_sent_only_when_called(servers):
         assert not message.acked
         message.ack()
         message.ack()
-        _, ack = server.next(Command.UP_CONSUMER_ACK)
-        assert ack.message_id == 500 and ack.topic == "orders" and ack.channel == "billing"
-    assert all(f.command != Command.UP_CONSUMER_ACK for _, f in list(server.received.queue))
+        _, ack = server.next(Command.UP_CONSUMER_ACKS)
+        assert list(unpack_ids(ack.body)) == [500] and ack.topic == "orders" and ack.channel == "billing"
+    assert all(f.command != Command.UP_CONSUMER_ACKS for _, f in list(server.received.queue))
 
 
 # -- closing ---------------------------------------------------------------------------------------------

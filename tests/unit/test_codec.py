@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 
 from dmq_client.wire import Command, Frame, MessageType, valid_name
 from dmq_client.wire.codec import (
+    MAX_ACK_IDS,
+    pack_ids,
+    unpack_ids,
     DEFAULT_MAX_FRAME_SIZE,
     HEADER_SIZE,
     MIN_FRAME_SIZE,
@@ -467,7 +470,7 @@ def test_encode_refuses_names_longer_than_the_layout(field):
     assert info.value.code == "E_INVALID"
 
 
-@pytest.mark.parametrize("command", [0, 8, 31, 48, 255, 256, -1])
+@pytest.mark.parametrize("command", [0, 9, 31, 48, 255, 256, -1])
 def test_encode_refuses_unknown_commands(command):
     """encode only emits command codes the decoder accepts."""
     with pytest.raises(FrameError) as info:
@@ -706,3 +709,29 @@ def test_pushes_refuse_what_encode_refuses(args):
     with pytest.raises(FrameError) as info:
         push(*args)
     assert info.value.code == "E_INVALID"
+
+
+# -- UP_CONSUMER_ACKS bodies -------------------------------------------------------
+
+
+@given(st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=300))
+def test_ack_ids_round_trip_in_order_as_big_endian_i64(ids):
+    body = pack_ids(ids)
+    assert body == b"".join(struct.pack(">q", i) for i in ids)
+    assert list(unpack_ids(body)) == ids
+
+
+@pytest.mark.parametrize(
+    "ids", [[], [0], [5, -1], [2**63], [1.5], ["7"], list(range(1, MAX_ACK_IDS + 2))]
+)
+def test_pack_ids_refuses_what_is_not_a_batch_of_server_ids(ids):
+    with pytest.raises(FrameError) as caught:
+        pack_ids(ids)
+    assert caught.value.code == "E_INVALID"
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 9, 8 * (MAX_ACK_IDS + 1)])
+def test_unpack_ids_refuses_a_body_that_is_not_whole_ids(size):
+    with pytest.raises(FrameError) as caught:
+        unpack_ids(b"\x01" * size)
+    assert caught.value.code == "E_BAD_FRAME" and str(size) in caught.value.message

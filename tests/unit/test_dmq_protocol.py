@@ -13,7 +13,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_client.wire import Command, Frame, FrameDecoder, encode
+from dmq_client.wire import Command, Frame, FrameDecoder, encode, pack_ids
 from dmq_server.broker import Broker
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
@@ -182,6 +182,62 @@ def test_an_ack_by_a_stranger_is_refused(server):
     holder.send(Frame(Command.UP_CONSUMER_ACK, topic="orders", channel="billing", message_id=push.message_id))
     server.settle()
     assert not server.db.deliveries and server.broker.acks_refused == 2
+
+
+def acks(ids: list[int], channel: str = "billing") -> Frame:
+    return Frame(Command.UP_CONSUMER_ACKS, topic="orders", channel=channel, body=pack_ids(ids))
+
+
+def test_one_acks_frame_acknowledges_each_id_and_a_refused_id_fails_no_other(server):
+    producer, holder, rival = server.connect(), server.connect(), server.connect()
+    holder.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10))
+    rival.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10))
+    server.settle()
+    producer.send(*(send_frame(i) for i in range(8)))
+    server.settle()
+    mine = [f.message_id for f in holder.received() if f.command == Command.CONSUMER_PUSH]
+    theirs = [f.message_id for f in rival.received() if f.command == Command.CONSUMER_PUSH]
+    assert len(mine) + len(theirs) == 8 and mine and theirs
+    # the rival's copies, an unknown id, and the holder's first copy twice more
+    holder.send(acks(mine[:1] + theirs + [10**12] + mine + mine[:1]))
+    server.settle()
+    assert holder.received() == [] and not holder.transport.disconnecting
+    assert server.broker.acks_refused == len(theirs) + 3
+    assert {mid for (_, _, mid) in server.db.deliveries} == set(theirs)  # the rival's still held
+    rival.send(acks(theirs))
+    server.settle()
+    assert not server.db.deliveries and server.broker.acks_refused == len(theirs) + 3
+    assert len(server.db.delivery_log) == 8
+
+
+def test_acks_for_a_subscription_the_connection_lacks_are_all_refused(server):
+    producer, holder, stranger = server.connect(), server.connect(), server.connect()
+    holder.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10))
+    server.settle()
+    producer.send(send_frame(1), send_frame(2))
+    server.settle()
+    ids = [f.message_id for f in holder.received() if f.command == Command.CONSUMER_PUSH]
+    stranger.send(acks(ids))
+    server.settle()
+    assert server.broker.acks_refused == 2 and len(server.db.deliveries) == 2
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00" * 7, b"\x00" * 12, b"\x00" * 8 * 65537])
+def test_an_acks_body_that_is_not_whole_ids_is_a_protocol_error_and_acks_nothing(server, body):
+    producer, holder = server.connect(), server.connect()
+    holder.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=10))
+    server.settle()
+    producer.send(send_frame(1))
+    server.settle()
+    [push] = [f for f in holder.received() if f.command == Command.CONSUMER_PUSH]
+    good = encode(acks([push.message_id]))
+    bad = encode(Frame(Command.UP_CONSUMER_ACKS, topic="orders", channel="billing", body=body))
+    holder.conn.data_received(bad + good)
+    [error] = holder.received()
+    assert error.command == Command.PROTOCOL_ERROR and error.status.startswith("E_BAD_FRAME ")
+    assert holder.conn.closed
+    server.settle()
+    assert len(server.db.delivery_log) == 0  # the good frame after it was not read
 
 
 @pytest.mark.parametrize(
