@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
@@ -429,6 +429,13 @@ class Broker:
         if error is None:
             self.placement.acked(topic, channel)
         return error
+
+    def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> int:
+        """``ack`` of each id (a consumer's ``UP_CONSUMER_ACKS``); returns how many were
+        refused. With one cluster, one call to its store for the whole batch."""
+        if not self.placement.several:
+            return self.reliable.ack_many(topic, channel, message_ids, consumer)
+        return sum(1 for mid in message_ids if self.ack(topic, channel, mid, consumer) is not None)
 
     # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
     def _channel_stores(self, topic: str) -> list[Any]:

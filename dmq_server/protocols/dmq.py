@@ -321,15 +321,11 @@ class DmqConnection:
         except FrameError as exc:
             self.protocol_error(exc.code, exc.message)
             return
-        broker = self.broker
         sub = self.subscriptions.get((frame.topic, frame.channel))
         if sub is None:
-            broker.acks_refused += len(ids)
-            return
-        ack, topic, channel = broker.ack, frame.topic, frame.channel
-        for message_id in ids:
-            if ack(topic, channel, message_id, sub) is not None:
-                broker.acks_refused += 1
+            self.broker.acks_refused += len(ids)
+        else:
+            self.broker.acks_refused += self.broker.ack_many(frame.topic, frame.channel, ids, sub)
 
     def _send(self, frame: Frame) -> None:
         allowed = self._allowed(frame, "send", PUBLISH)

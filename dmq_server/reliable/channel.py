@@ -436,18 +436,40 @@ class ReliableChannel:
         delivery = self.in_flight.pop(message_id, None)
         if delivery is None:
             return False
+        self._settle(message_id, delivery, int(self.clock.seconds() * 1000))
+        self.pump()
+        return True
+
+    def ack_held(self, message_ids: Iterable[int], consumer: Receiver) -> int:
+        """Acknowledge each copy ``consumer`` holds among ``message_ids`` (a consumer's
+        batch of acks, ``UP_CONSUMER_ACKS``), then fill the credit they freed in one
+        pump; returns how many were refused (``owner_error``'s cases)."""
+        in_flight = self.in_flight
+        now_ms = int(self.clock.seconds() * 1000)
+        refused = 0
+        for message_id in message_ids:
+            delivery = in_flight.get(message_id)
+            if delivery is None or delivery.consumer is not consumer:
+                refused += 1
+                continue
+            del in_flight[message_id]
+            self._settle(message_id, delivery, now_ms)
+        self.pump()
+        return refused
+
+    def _settle(self, message_id: int, delivery: Delivery, acked_ms: int) -> None:
+        """An acknowledged copy, out of flight: counted, its deadline dropped, its ack on
+        its way to the store, its consumer's credit freed."""
         self.deferred.discard(message_id)
         self.ack_count += 1
         self._deadlines.discard(message_id)
         self.finishing[message_id] = delivery.message.owner
         # stays in `known` until the durable ack commits, so a load cannot resurrect it;
         # on_ack sees the consumer that held it (the ack's row names it)
-        self._on_ack(self, delivery, int(self.clock.seconds() * 1000))
+        self._on_ack(self, delivery, acked_ms)
         if delivery.consumer is not None:
             delivery.consumer.in_flight -= 1
             delivery.consumer = None
-        self.pump()
-        return True
 
     def ack_durable(self, message_ids: Iterable[int]) -> None:
         for mid in message_ids:

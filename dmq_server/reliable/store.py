@@ -20,7 +20,7 @@ read together to see that no copy is lost or handed out twice.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
@@ -449,6 +449,13 @@ class ReliableStore:
         if error is not None:
             return error
         return None if channel.ack(message_id) else "ID not in flight"
+
+    def ack_many(self, topic: str, name: str, message_ids: Iterable[int], consumer: Any) -> int:
+        """``ack`` of each id, the channel found once; returns how many were refused."""
+        channel = self.channels.get((topic, name))
+        if channel is None:
+            return sum(1 for _ in message_ids)
+        return channel.ack_held(message_ids, consumer)
 
     def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
         message = delivery.message

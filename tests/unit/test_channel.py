@@ -355,6 +355,25 @@ def test_ack_of_a_copy_not_in_flight_returns_false() -> None:
     assert [ack[0] for ack in h.acks] == [1]
 
 
+def test_ack_held_acks_what_the_consumer_holds_and_refuses_the_rest() -> None:
+    """A batch of acks: each copy the consumer holds is acknowledged as ack() would; a
+    copy held by another consumer, one not in flight, an unknown id and a repeat are
+    refused and counted, failing no other; the credit freed is filled afterwards."""
+    h = Harness()
+    h.clock.advance(2.0)
+    a, b = FakeConsumer("a", credit=2), FakeConsumer("b", credit=2)
+    channel = h.start(a, b)
+    for mid in range(1, 8):
+        channel.add(message(mid))
+    assert a.ids == [1, 3] and b.ids == [2, 4] and ready_ids(channel) == [5, 6, 7]
+    h.clock.advance(0.5)
+    assert channel.ack_held([3, 2, 5, 99, 1, 3], a) == 4  # b's 2, ready 5, 99, 3 again
+    assert h.acks == [(3, 1, 2000, 2500), (1, 1, 2000, 2500)]
+    assert sorted(channel.in_flight) == [2, 4, 5, 6] and channel.ack_count == 2
+    assert a.ids == [1, 3, 5, 6] and a.in_flight == 2 and b.in_flight == 2
+    assert sorted(channel.finishing) == [1, 3]
+
+
 def overflow_after_acking_one(h: Harness, a: FakeConsumer) -> None:
     """Drive a channel (mem_queue_size=2, ``a`` with credit 1) through public calls only
     to this state: copy 1 was pushed directly and acked, a burst overflowed the window
