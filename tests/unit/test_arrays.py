@@ -4,6 +4,8 @@ PostgreSQL's cast would."""
 
 from __future__ import annotations
 
+import struct
+
 import psycopg
 import pytest
 from psycopg.adapt import PyFormat, Transformer
@@ -20,6 +22,8 @@ def psycopg_dump(values: list) -> bytes:
 @pytest.mark.parametrize("values", [
     Int8Array([1_700_000_000_123, -(2**40), 2**63 - 1, 2**32]),
     Int4Array([100_000, -70_000, 2**31 - 1]),
+    Int8Array([2**40, None, -(2**40)]),
+    Int4Array([None, 100_000, -70_000]),
     BoolArray([True, False, True]),
     TextArray(["orders", "", "zählung", "orders"]),
     TextArray(["c1", None, "c2"]),
@@ -27,6 +31,25 @@ def psycopg_dump(values: list) -> bytes:
 ])
 def test_a_packed_array_is_what_psycopg_writes(values):
     assert pack_array(values) == psycopg_dump(values)
+
+
+@pytest.mark.parametrize("count", [1, 63, 64, 65, 128, 129, 1000])
+@pytest.mark.parametrize("kind", [Int8Array, Int4Array, BoolArray])
+def test_fixed_size_arrays_of_any_length_are_packed_element_by_element(kind, count):
+    """Packed a chunk of 64 elements per call: every split of the chunks, and the rest, is
+    the array header then each element's length and value (``array_send``)."""
+    code, oid = {Int8Array: ("q", 20), Int4Array: ("i", 23), BoolArray: ("?", 16)}[kind]
+    values = kind([i % 2 == 0 for i in range(count)] if kind is BoolArray else
+                  [(i * 7919) * (-1) ** i for i in range(count)])
+    element = struct.Struct("!i" + code)
+    expected = struct.pack("!iiIii", 1, 0, oid, count, 1) + b"".join(
+        element.pack(element.size - 4, v) for v in values)
+    assert pack_array(values) == expected
+
+
+def test_an_out_of_range_value_beyond_the_first_chunk_is_still_refused():
+    with pytest.raises(psycopg.errors.NumericValueOutOfRange, match="integer out of range: 2147483648"):
+        pack_array(Int4Array([1] * 100 + [2**31]))
 
 
 @pytest.mark.parametrize("kind, oid", [(Int8Array, 20), (TextArray, 25), (ByteaArray, 17)])
