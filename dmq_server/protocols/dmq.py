@@ -89,7 +89,7 @@ class DmqSubscription:
         message = delivery.message
         connection = self.connection
         if not connection.closed:
-            connection.transport.write(
+            connection.queue_write(
                 connection.push_frame(
                     message.message_id,
                     message.session_id,
@@ -119,6 +119,7 @@ class DmqConnection:
         self.push_frame = PushEncoder()  # one push per delivery: no Frame either
         self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
+        self._out: list[bytes] = []  # pushes and send replies of this reactor turn (queue_write)
         self.last_heard = clock.seconds()
         self._registry = registry
         registry.add(self)
@@ -135,8 +136,30 @@ class DmqConnection:
 
     # -- transport side ---------------------------------------------------
     def write(self, frame: Frame) -> None:
+        """Written now, after what ``queue_write`` holds (the order is the client's)."""
         if not self.closed:
+            if self._out:
+                self._flush_out()
             self.transport.write(encode(frame))
+
+    def queue_write(self, data: bytes) -> None:
+        """Written at the end of this reactor turn, with the rest of the turn's. One group
+        commit answers hundreds of sends and pushes hundreds of copies, many to one
+        connection; Twisted's ``write`` is a chain of calls and a writer registration
+        each time, a tenth of dmq-server's CPU in e2e4 (docs/benchmarks.md, session 17).
+        Bounded: a turn's pushes by the subscriptions' credit, its replies by its sends."""
+        if not self.closed:
+            out = self._out
+            out.append(data)
+            if len(out) == 1:
+                self.clock.callLater(0, self._flush_out)
+
+    def _flush_out(self) -> None:
+        out = self._out
+        if out:
+            self._out = []
+            if not self.closed:
+                self.transport.write(b"".join(out))
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = self.clock.seconds()
@@ -173,6 +196,7 @@ class DmqConnection:
 
     def close(self) -> None:
         if not self.closed:
+            self._flush_out()
             self.transport.loseConnection()
             self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
@@ -331,7 +355,7 @@ class DmqConnection:
         allowed = self._allowed(frame, "send", PUBLISH)
         if allowed is not True:
             if allowed:  # a refusal: this send only
-                self.transport.write(
+                self.queue_write(
                     self._send_reply(Command.SEND_INVALID_ACK, frame.session_id, 0, frame.topic, frame.producer, allowed.status)
                 )
             return
@@ -339,10 +363,7 @@ class DmqConnection:
         self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
 
         def reply(command: Command, message_id: int = 0, status: str = "") -> None:
-            if not self.closed:
-                self.transport.write(
-                    self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status)
-                )
+            self.queue_write(self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status))
 
         def done(outcome: Any) -> None:
             self.flow.send_done(size)

@@ -184,6 +184,45 @@ def test_an_ack_by_a_stranger_is_refused(server):
     assert not server.db.deliveries and server.broker.acks_refused == 2
 
 
+class CountingTransport(StringTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        super().write(data)
+
+
+def test_a_turns_pushes_and_send_replies_go_out_in_one_write_each_connection(server):
+    producer = Client(server, CountingTransport(), None)  # type: ignore[arg-type]
+    producer.conn = DmqConnection(producer.transport, server.broker, server.clock, server.registry)
+    consumer = Client(server, CountingTransport(), None)  # type: ignore[arg-type]
+    consumer.conn = DmqConnection(consumer.transport, server.broker, server.clock, server.registry)
+    producer.received(), consumer.received()
+    consumer.send(Frame(Command.UP_SUBSCRIBE, topic="orders", channel="billing", credit=100))
+    server.settle()
+    consumer.received()
+    before = producer.transport.writes, consumer.transport.writes
+    producer.send(*(send_frame(i) for i in range(50)))  # one read: one group commit
+    server.settle()
+    replies, pushes = producer.received(), consumer.received()
+    assert [f.session_id for f in replies] == list(range(50))
+    assert [f.session_id for f in pushes] == list(range(50))
+    assert producer.transport.writes - before[0] <= 2 and consumer.transport.writes - before[1] <= 2
+
+
+def test_what_the_turn_queued_goes_before_a_frame_written_at_once_and_before_closing(server):
+    client = server.connect()
+    client.received()
+    queued = Frame(Command.SERVER_HEARTBEAT, credit=7)
+    client.conn.queue_write(encode(queued))
+    client.conn.protocol_error("E_INVALID", "a test's reason")  # written now, then closed
+    assert [f.command for f in client.received()] == [Command.SERVER_HEARTBEAT, Command.PROTOCOL_ERROR]
+    server.settle()
+    assert client.received() == []  # nothing twice
+
+
 def acks(ids: list[int], channel: str = "billing") -> Frame:
     return Frame(Command.UP_CONSUMER_ACKS, topic="orders", channel=channel, body=pack_ids(ids))
 

@@ -64,6 +64,7 @@ def test_sends_awaiting_commit_past_the_cap_stop_reading_until_half_are_answered
     assert transport.producerState == "producing"
     for i, (_, done) in enumerate(port.broker.sends[7:], 7):
         done(published(i))
+    port.clock.advance(0)  # the turn ends: its replies are written (DmqConnection.queue_write)
     acks = [f for f in dmq_frames(transport) if f.command == Command.SEND_SUCCESS_ACK]
     assert [(f.session_id, f.message_id) for f in acks] == [(i, i) for i in range(12)]
     assert protocol.gate.pending_sends == 0 and port.factory.budget.held == 0
