@@ -29,9 +29,13 @@ class ResponseQueue:
     ``after`` callbacks run right after their answer is written (e.g. a compression
     upgrade, or letting messages flow once SUB's OK is out)."""
 
-    def __init__(self, write: Callable[[bytes], None], close: Callable[[], None]):
+    def __init__(self, write: Callable[[bytes], None], close: Callable[[], None],
+                 flush: Callable[[], None] = lambda: None):
+        """``write`` may hold bytes back (the connection's turn buffer); ``flush`` writes
+        them out, and runs before an ``after`` callback, which may change the transport."""
         self._write = write
         self._close = close
+        self._flush = flush
         self._slots: deque[Slot] = deque()
         self.done = False
 
@@ -73,4 +77,5 @@ class ResponseQueue:
             self.clear()
             self._close()
         elif after is not None:
+            self._flush()
             after()

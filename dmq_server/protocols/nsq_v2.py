@@ -87,7 +87,8 @@ class NsqConnection:
         self.clock = ctx.clock
         self.store = ctx.store
         self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
-        self.replies = ResponseQueue(self.write, self.close)
+        self._out: list[bytes] = []  # messages and responses of this reactor turn (queue_write)
+        self.replies = ResponseQueue(self.queue_write, self.close, self._flush_out)
         self.state = STATE_INIT
         peer = peer_address(transport)
         self.remote_address = peer
@@ -139,7 +140,7 @@ class NsqConnection:
         return self.settings.heartbeat_interval
 
     def send_message(self, channel: Any, msg: Any) -> None:
-        self.write(msg.frame())
+        self.queue_write(msg.frame())
 
     def channel_closed(self, channel: Any) -> None:
         """The channel was deleted (or unregistered): nsqd closes its clients."""
@@ -148,9 +149,32 @@ class NsqConnection:
 
     # -- transport side ---------------------------------------------------------------------
     def write(self, data: bytes) -> None:
-        """Every byte to the client goes here (so compression applies to all of it)."""
+        """Written now, after what ``queue_write`` holds (the order is the client's)."""
         if self.closed:
             return
+        if self._out:
+            self._flush_out()
+        self._emit(data)
+
+    def queue_write(self, data: bytes) -> None:
+        """Written at the end of this reactor turn, with the rest of the turn's: a
+        consumer with RDY 256 gets its messages in one transport write (and one deflate
+        flush), a producer's window of PUBs its OKs (as dmq's ``DmqConnection.queue_write``)."""
+        if not self.closed:
+            out = self._out
+            out.append(data)
+            if len(out) == 1:
+                self.clock.callLater(0, self._flush_out)
+
+    def _flush_out(self) -> None:
+        out = self._out
+        if out:
+            self._out = []
+            if not self.closed:
+                self._emit(b"".join(out))
+
+    def _emit(self, data: bytes) -> None:
+        """Every byte to the client goes here (so compression applies to all of it)."""
         if self._compress is not None:
             data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
         self.transport.write(data)
@@ -293,6 +317,7 @@ class NsqConnection:
 
     def close(self) -> None:
         if not self.closed:
+            self._flush_out()
             self.transport.loseConnection()
             self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()

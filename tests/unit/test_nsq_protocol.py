@@ -105,6 +105,7 @@ class Peer:
         return self
 
     def frames(self):
+        self.conn.clock.advance(0)  # the reactor turn ends: what it queued is written
         out = self.reader.feed(self.transport.value())
         self.transport.clear()
         return out
@@ -175,6 +176,7 @@ def test_deflate_upgrade_compresses_both_directions(env):
     assert FrameReader().feed(inflate.decompress(rest)) == [OK]
     deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
     p.send(deflate.compress(encode_command(b"PUB", b"z", body=b"squeezed")) + deflate.flush(zlib.Z_SYNC_FLUSH))
+    env.clock.advance(0)  # the reactor turn ends: its answers are written
     assert FrameReader().feed(inflate.decompress(p.transport.value())) == [OK]
     assert [m.body for m in env.store.topics["z"].memory] == [b"squeezed"]
     assert p.conn.stats()["deflate"] is True
@@ -285,6 +287,22 @@ def test_sub_rdy_delivers_message_frames_and_fin(env):
     consumer.send(b"FIN " + mid + b"\n")
     assert consumer.frames() == []
     assert env.store.topics["t"].channels["c"].in_flight == {}
+
+
+def test_a_turns_messages_and_answers_go_out_in_one_write(env):
+    """A window of PUBs is answered, and a RDY's worth of messages pushed, in one
+    transport write each (NsqConnection.queue_write), in order."""
+    writes = []
+    producer = env.peer()
+    producer.transport.write = lambda data, write=producer.transport.write: (writes.append("p"), write(data))
+    producer.send(b"".join(encode_command(b"PUB", b"t", body=b"m%d" % i) for i in range(40)))
+    assert producer.frames() == [OK] * 40 and writes == ["p"]
+    consumer = env.peer()
+    consumer.transport.write = lambda data, write=consumer.transport.write: (writes.append("c"), write(data))
+    consumer.send(b"SUB t c\nRDY 40\n")
+    frames = consumer.frames()
+    assert frames[0] == OK and [decode_message(f[1])[3] for f in frames[1:]] == [b"m%d" % i for i in range(40)]
+    assert writes == ["p", "c", "c"]  # SUB's OK goes before messages may flow, then all 40
 
 
 def test_fin_failures_are_not_fatal(env):
