@@ -46,6 +46,7 @@ from dmq_server.core.errors import (
 from dmq_server.core.peers import peer_address, peer_host
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.protocols.flow import AUTH, NO_GATE
+from dmq_server.protocols.turn import TurnBuffer
 from dmq_server.security.session import ClientAuth
 from dmq_server.security.tls import PeerTls, peer_tls
 
@@ -119,7 +120,7 @@ class DmqConnection:
         self.push_frame = PushEncoder()  # one push per delivery: no Frame either
         self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
-        self._out: list[bytes] = []  # pushes and send replies of this reactor turn (queue_write)
+        self._turn = TurnBuffer(clock, self._emit)  # pushes and send replies of this reactor turn
         self.last_heard = clock.seconds()
         self._registry = registry
         registry.add(self)
@@ -138,28 +139,17 @@ class DmqConnection:
     def write(self, frame: Frame) -> None:
         """Written now, after what ``queue_write`` holds (the order is the client's)."""
         if not self.closed:
-            if self._out:
-                self._flush_out()
+            self._turn.flush()
             self.transport.write(encode(frame))
 
     def queue_write(self, data: bytes) -> None:
-        """Written at the end of this reactor turn, with the rest of the turn's. One group
-        commit answers hundreds of sends and pushes hundreds of copies, many to one
-        connection; Twisted's ``write`` is a chain of calls and a writer registration
-        each time, a tenth of dmq-server's CPU in e2e4 (docs/benchmarks.md, session 17).
-        Bounded: a turn's pushes by the subscriptions' credit, its replies by its sends."""
+        """Written when this reactor turn ends, with the rest of the turn's (``TurnBuffer``)."""
         if not self.closed:
-            out = self._out
-            out.append(data)
-            if len(out) == 1:
-                self.clock.callLater(0, self._flush_out)
+            self._turn.add(data)
 
-    def _flush_out(self) -> None:
-        out = self._out
-        if out:
-            self._out = []
-            if not self.closed:
-                self.transport.write(b"".join(out))
+    def _emit(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = self.clock.seconds()
@@ -196,7 +186,7 @@ class DmqConnection:
 
     def close(self) -> None:
         if not self.closed:
-            self._flush_out()
+            self._turn.flush()
             self.transport.loseConnection()
             self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()

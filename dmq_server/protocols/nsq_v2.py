@@ -52,6 +52,7 @@ from dmq_server.core.nsq_identify import (
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_responses import ResponseQueue, Slot
 from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub
+from dmq_server.protocols.turn import TurnBuffer
 from dmq_server.security.session import ClientAuth
 from dmq_server.security.tls import PeerTls, peer_tls
 from dmq_server.core.nsq_wire import (
@@ -87,8 +88,8 @@ class NsqConnection:
         self.clock = ctx.clock
         self.store = ctx.store
         self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
-        self._out: list[bytes] = []  # messages and responses of this reactor turn (queue_write)
-        self.replies = ResponseQueue(self.queue_write, self.close, self._flush_out)
+        self._turn = TurnBuffer(self.clock, self._emit)  # messages and answers of this reactor turn
+        self.replies = ResponseQueue(self.queue_write, self.close, self._turn.flush)
         self.state = STATE_INIT
         peer = peer_address(transport)
         self.remote_address = peer
@@ -150,31 +151,20 @@ class NsqConnection:
     # -- transport side ---------------------------------------------------------------------
     def write(self, data: bytes) -> None:
         """Written now, after what ``queue_write`` holds (the order is the client's)."""
-        if self.closed:
-            return
-        if self._out:
-            self._flush_out()
-        self._emit(data)
+        if not self.closed:
+            self._turn.flush()
+            self._emit(data)
 
     def queue_write(self, data: bytes) -> None:
-        """Written at the end of this reactor turn, with the rest of the turn's: a
-        consumer with RDY 256 gets its messages in one transport write (and one deflate
-        flush), a producer's window of PUBs its OKs (as dmq's ``DmqConnection.queue_write``)."""
+        """Written when this reactor turn ends, with the rest of the turn's (``TurnBuffer``):
+        a RDY window's messages, a window of PUBs' OKs, in one write and one deflate flush."""
         if not self.closed:
-            out = self._out
-            out.append(data)
-            if len(out) == 1:
-                self.clock.callLater(0, self._flush_out)
-
-    def _flush_out(self) -> None:
-        out = self._out
-        if out:
-            self._out = []
-            if not self.closed:
-                self._emit(b"".join(out))
+            self._turn.add(data)
 
     def _emit(self, data: bytes) -> None:
         """Every byte to the client goes here (so compression applies to all of it)."""
+        if self.closed:
+            return
         if self._compress is not None:
             data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
         self.transport.write(data)
@@ -317,7 +307,7 @@ class NsqConnection:
 
     def close(self) -> None:
         if not self.closed:
-            self._flush_out()
+            self._turn.flush()
             self.transport.loseConnection()
             self.flow.closing()  # aborted later if the client never reads the rest
             self.connection_lost()
