@@ -1,0 +1,54 @@
+"""protocols/turn.py: a connection's bytes of one reactor turn go out in one write, when
+the turn ends, and one timer call serves every connection's buffer."""
+
+from __future__ import annotations
+
+import gc
+
+from twisted.internet.task import Clock
+
+from dmq_server.protocols import turn
+from dmq_server.protocols.turn import TurnBuffer
+
+
+def test_a_turns_bytes_are_written_once_joined_when_it_ends():
+    clock, written = Clock(), []
+    buffer = TurnBuffer(clock, written.append)
+    buffer.add(b"a")
+    buffer.add(b"bc")
+    assert written == [] and buffer
+    clock.advance(0)
+    assert written == [b"abc"] and not buffer
+    clock.advance(0)
+    assert written == [b"abc"]
+
+
+def test_one_timer_call_serves_every_buffer_of_a_turn():
+    clock, written = Clock(), []
+    buffers = [TurnBuffer(clock, lambda data, i=i: written.append((i, data))) for i in range(4)]
+    for i, buffer in enumerate(buffers):
+        buffer.add(b"x%d" % i)
+        buffer.add(b"y")
+    assert len(clock.getDelayedCalls()) == 1
+    clock.advance(0)
+    assert sorted(written) == [(i, b"x%dy" % i) for i in range(4)]
+
+
+def test_a_flush_before_the_turn_ends_writes_at_once_and_nothing_twice():
+    clock, written = Clock(), []
+    buffer = TurnBuffer(clock, written.append)
+    buffer.add(b"a")
+    buffer.flush()
+    buffer.add(b"b")  # after a direct write: held again, for the same turn's end
+    clock.advance(0)
+    assert written == [b"a", b"b"]
+
+
+def test_a_clock_gone_takes_its_turn_end_with_it():
+    clock = Clock()
+    TurnBuffer(clock, lambda data: None).add(b"x")
+    clock.advance(0)
+    before = len(turn._TURN_ENDS)
+    del clock
+    gc.collect()
+    assert len(turn._TURN_ENDS) == before - 1
