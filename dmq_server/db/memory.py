@@ -386,13 +386,13 @@ class MemoryDb:
             start = self.start_ids[(topic, channel)]
             self._cursor(topic, channel, owner, p["holder"]).merge(max(floor, start), spans.get(n, ()))
         logged = 0
+        for topic, channel, message_id in zip(p["c_topics"], p["c_channels"], p["c_ids"]):
+            self.attempts.pop((topic, channel, message_id), None)
         columns = ("topics", "channels", "owners", "message_ids", "published_ms", "first_ms", "acked_ms",
-                   "attempts", "consumers", "delivered_ms", "counted")
-        for topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts, consumer, delivered_ms, counted in zip(
+                   "attempts", "consumers", "delivered_ms")
+        for topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts, consumer, delivered_ms in zip(
             *(p[c] for c in columns)
         ):
-            if counted:
-                self.attempts.pop((topic, channel, message_id), None)
             if channel not in self.channels.get(topic, ()):
                 continue
             cursor = before.get((topic, channel, owner))

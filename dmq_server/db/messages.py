@@ -7,6 +7,11 @@ Delivery state is a cursor per (topic, channel, owner) (migration 0007): a store
 message is one row owned by the incarnation that stored it, an acknowledgement moves
 its channel's cursor (``CursorProgress``, computed by the node that holds the copies in
 memory), and a backlog read is an index range above the cursor.
+
+Why one long module: the rows each statement takes and returns (``NewMessage``,
+``AckRow``, ``BacklogRow``…) are defined beside the steps that pack them into the
+statements' array parameters, which ``sql/queries.sql`` names one for one; split, a
+parameter and its column would be read in different files.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any, Sequence
 
 import psycopg
 
-from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray
+from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray
 from dmq_server.db.errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
@@ -257,6 +262,11 @@ def ack_deliveries_steps(
     the batch held."""
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
     ids = Int8Array([a.message_id for a in acks])
+    groups: dict[tuple[str, str, int], list[int]] = {}  # [low, high, acks] of each cursor's acks
+    for a in acks:
+        g = groups.setdefault((a.topic, a.channel, a.owner), [a.message_id, a.message_id, 0])
+        g[0], g[1], g[2] = min(g[0], a.message_id), max(g[1], a.message_id), g[2] + 1
+    counted = [a for a in acks if a.counted]
     yield Statement(
         "ack_deliveries",
         {
@@ -270,7 +280,12 @@ def ack_deliveries_steps(
             "attempts": Int4Array([a.attempts for a in acks]),
             "consumers": TextArray([a.consumer for a in acks]),
             "delivered_ms": Int8Array([a.delivered_ms for a in acks]),
-            "counted": BoolArray([a.counted for a in acks]),
+            "c_topics": TextArray([a.topic for a in counted]),
+            "c_channels": TextArray([a.channel for a in counted]),
+            "c_ids": Int8Array([a.message_id for a in counted]),
+            **{f"g_{name}": kind([key[i] for key in groups]) for i, (name, kind) in
+               enumerate((("topics", TextArray), ("channels", TextArray), ("owners", Int4Array)))},
+            **{f"g_{name}": Int8Array([g[i] for g in groups.values()]) for i, name in enumerate(("low", "high", "acks"))},
             "k_topics": [p.topic for p in progress],
             "k_channels": [p.channel for p in progress],
             "k_owners": [p.owner for p in progress],

@@ -17,7 +17,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+from twisted.logger import Logger
+
 __all__ = ["TurnBuffer"]
+
+log = Logger()
 
 
 class _TurnEnd:
@@ -40,7 +44,10 @@ class _TurnEnd:
     def _run(self) -> None:
         held, self._held = self._held, []
         for buffer in held:
-            buffer.flush()
+            try:
+                buffer.flush()
+            except Exception:  # one connection's failure must not leave the others' bytes held
+                log.failure("writing a connection's turn failed")
 
 
 _TURN_ENDS: weakref.WeakKeyDictionary[Any, _TurnEnd] = weakref.WeakKeyDictionary()

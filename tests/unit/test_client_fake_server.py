@@ -120,6 +120,8 @@ class FakeServer:
         self._closed = True
         self._listener.close()
         self.drop()
+        for sock in self.connections:  # shut down is not closed: left to the GC, each warned
+            sock.close()
 
 
 @pytest.fixture

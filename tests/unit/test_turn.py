@@ -4,6 +4,7 @@ the turn ends, and one timer call serves every connection's buffer."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 from twisted.internet.task import Clock
 
@@ -48,7 +49,23 @@ def test_a_clock_gone_takes_its_turn_end_with_it():
     clock = Clock()
     TurnBuffer(clock, lambda data: None).add(b"x")
     clock.advance(0)
-    before = len(turn._TURN_ENDS)
+    end = weakref.ref(turn._TURN_ENDS[clock])
     del clock
     gc.collect()
-    assert len(turn._TURN_ENDS) == before - 1
+    assert end() is None
+
+
+def test_one_connection_failing_to_write_does_not_hold_back_the_others():
+    clock, written = Clock(), []
+
+    def broken(data: bytes) -> None:
+        raise OSError("transport gone")
+
+    first, second = TurnBuffer(clock, broken), TurnBuffer(clock, written.append)
+    first.add(b"lost")
+    second.add(b"kept")
+    clock.advance(0)
+    assert written == [b"kept"] and not first and not second
+    second.add(b"again")  # held again and written at the next turn's end
+    clock.advance(0)
+    assert written == [b"kept", b"again"]
