@@ -219,6 +219,9 @@ class ChaosCluster:
         out = [self.patroni.log_tails(8)]
         for node in self.nodes:
             out.append(f"--- {node.flags['node_id']}\n{node.log()[-2500:]}")
+        proxy_log = self.base / "faultproxy.log"
+        if proxy_log.exists():
+            out.append(f"--- fault proxy\n{proxy_log.read_text(errors='replace')[-2500:]}")
         return "\n".join(out)
 
     def close(self) -> None:

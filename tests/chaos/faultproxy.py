@@ -27,6 +27,7 @@ import argparse
 import socket
 import subprocess
 import sys
+import traceback
 from collections import deque
 from typing import Any
 
@@ -155,11 +156,14 @@ def _program(argv: list[str]) -> None:
         def abort(self) -> None:
             """Close with a RST (SO_LINGER 0), both sides, nothing flushed."""
             for transport in (self.transport, self.upstream.transport if self.upstream else None):
-                if transport is None:
+                # a side already gone (the server closed it; this side's close is on its
+                # way) has no socket left: getHandle() raised AttributeError here, which
+                # took the control connection down with it (CI, session 17)
+                if transport is None or transport.disconnected:
                     continue
                 try:
                     transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                except OSError:
+                except (OSError, AttributeError):
                     pass
                 transport.abortConnection()
 
@@ -190,7 +194,12 @@ def _program(argv: list[str]) -> None:
         delimiter = b"\n"
 
         def lineReceived(self, line: bytes) -> None:
-            self.sendLine(self.factory.command(line.decode(errors="replace").split()).encode())
+            try:
+                answer = self.factory.command(line.decode(errors="replace").split())
+            except Exception as exc:  # answered, so the test names it; the control line stays up
+                traceback.print_exc(file=sys.stderr)  # into the proxy's log (ChaosCluster.logs)
+                answer = f"ERR {type(exc).__name__}: {exc}"
+            self.sendLine(answer.encode())
 
     class ControlFactory(protocol.Factory):
         protocol = Control
