@@ -23,9 +23,9 @@ import threading
 from typing import Callable
 
 from .connection import ConnectionUnavailable
-from .wire import Command, Frame, encode, pack_ids
+from .wire import Command, Frame, FrameError, encode, pack_ids
 
-__all__ = ["AckBatcher"]
+__all__ = ["AckSender"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ MAX_WAIT = 0.005
 Key = tuple[str, str, str]  # server, topic, channel
 
 
-class AckBatcher:
+class AckSender:
     """Held acks by (server, topic, channel). Thread-safe: handlers add, any thread
     flushes; ``start`` runs the thread that sends what waited ``max_wait``."""
 
@@ -108,11 +108,16 @@ class AckBatcher:
         frames: dict[str, list[bytes]] = {}
         counts: dict[str, int] = {}
         for (server, topic, channel), ids in held.items():
-            counts[server] = counts.get(server, 0) + len(ids)
             for start in range(0, len(ids), self.max_ids):
                 batch = ids[start : start + self.max_ids]
-                frame = Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel, body=pack_ids(batch))
-                frames.setdefault(server, []).append(encode(frame))
+                try:
+                    frame = encode(Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel,
+                                         body=pack_ids(batch)))
+                except FrameError as exc:  # not from a decoded push; never kills a handler thread
+                    log.error("acks for %s/%s on %s not sent: %s", topic, channel, server, exc)
+                    continue
+                frames.setdefault(server, []).append(frame)
+                counts[server] = counts.get(server, 0) + len(batch)
         written = 0
         for server, encoded in frames.items():
             conn = self._connection_of(server)

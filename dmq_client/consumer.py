@@ -28,7 +28,7 @@ import time
 from concurrent.futures import CancelledError, Future
 from typing import Any, Callable
 
-from .acks import AckBatcher
+from .acks import AckSender
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
 from .dedup import Admit, DedupWindow
@@ -97,7 +97,7 @@ class Consumer:
         self._waiters: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.acks = AckBatcher(pool.get, clock, max_wait=config.ack_wait)
+        self.acks = AckSender(pool.get, clock, max_wait=config.ack_wait)
         self._in_handler = threading.local()
         self._closing = False
         self._threads = [

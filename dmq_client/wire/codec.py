@@ -87,17 +87,16 @@ _SWAP = sys.byteorder == "little"
 def pack_ids(ids: list[int]) -> bytes:
     """The body of an UP_CONSUMER_ACKS frame: each id as a big-endian i64, in order.
 
-    Raises FrameError (E_INVALID) for an empty batch, one above MAX_ACK_IDS, or an id
-    outside 1..2**63-1 (the server's ids start at 1)."""
+    Raises FrameError (E_INVALID) for an empty batch, one above MAX_ACK_IDS, or an id that
+    is not an i64. Any i64 goes, as in UP_CONSUMER_ACK's message_id: an id the server does
+    not hold (0, negative: a peer's mistake) is refused there, one id at a time."""
     if not 1 <= len(ids) <= MAX_ACK_IDS:
         raise FrameError("E_INVALID", f"an ack batch holds 1..{MAX_ACK_IDS} ids, not {len(ids)}")
     try:
         packed = array("q", ids)
     except (OverflowError, TypeError):
-        packed = None
-    if packed is None or min(packed) < 1:
-        bad = next(i for i in ids if not isinstance(i, int) or not 1 <= i <= _I64_MAX)
-        raise FrameError("E_INVALID", f"message id {bad!r} is not an integer in 1..{_I64_MAX}")
+        bad = next(i for i in ids if not isinstance(i, int) or not _I64_MIN <= i <= _I64_MAX)
+        raise FrameError("E_INVALID", f"message id {bad!r} is not an integer in {_I64_MIN}..{_I64_MAX}") from None
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()

@@ -58,8 +58,8 @@ _EMPTY = struct.Struct("!iiI")  # no dimensions, no NULLs, element oid
 _LEN = struct.Struct("!i")
 _NULL = _LEN.pack(-1)
 # each fixed-size element is its length and its value: packed CHUNK pairs per struct call
-# from the list with the lengths interleaved (twice as fast as a call per element at
-# 10 or more elements; docs/benchmarks.md, session 17). The struct for each count up to
+# from the list with the lengths interleaved (two to three times as fast as a call per
+# element from 30 elements on; docs/benchmarks.md, session 17). The struct for each count up to
 # CHUNK is compiled once, when first needed: compiling costs as much as packing.
 _FIXED = {Int8Array: ("q", 8), Int4Array: ("i", 4), BoolArray: ("?", 1)}
 CHUNK = 64

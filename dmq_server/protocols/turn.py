@@ -2,8 +2,8 @@
 
 One group commit answers hundreds of sends and pushes hundreds of copies, many of them
 to the same few connections; an NSQ consumer's RDY window fills the same way. Twisted's
-``transport.write`` is a chain of calls and a writer registration each time (about a
-tenth of dmq-server's CPU in e2e4, docs/benchmarks.md session 17), so the hot frames
+``transport.write`` is a chain of calls and a writer registration each time (6–8 % of
+dmq-server's profile samples in e2e4, docs/benchmarks.md session 17), so the hot frames
 (pushes, messages, send answers) are held here and written as one ``bytes`` when the
 turn ends (``callLater(0)`` runs after the turn's I/O). Both wire protocols use it.
 

@@ -157,8 +157,9 @@ def _program(argv: list[str]) -> None:
             """Close with a RST (SO_LINGER 0), both sides, nothing flushed."""
             for transport in (self.transport, self.upstream.transport if self.upstream else None):
                 # a side already gone (the server closed it; this side's close is on its
-                # way) has no socket left: getHandle() raised AttributeError here, which
-                # took the control connection down with it (CI, session 17)
+                # way) has no socket left, and getHandle() raises AttributeError: our reading
+                # of a CI run whose proxy dropped its control connection at a reset
+                # (session 17; the proxy's log was lost with the cluster)
                 if transport is None or transport.disconnected:
                     continue
                 try:

@@ -579,6 +579,22 @@ def test_a_slow_handler_does_not_hold_back_the_acks_made_before_it(servers):
     assert list(unpack_ids(second.body)) == [2]
 
 
+def test_a_push_with_an_id_no_server_draws_is_acked_and_the_handler_thread_goes_on(servers):
+    """A server's mistake (id 0, a negative id) is acked like any push, for the server to
+    refuse; it never kills the handler thread that acks it."""
+    server = servers()
+    got: queue.Queue = queue.Queue()
+    with MqClient(config(server, handler_threads=1)) as client:
+        client.subscribe("orders", "billing", lambda m: got.put(m.message_id))
+        server.next(Command.UP_SUBSCRIBE)
+        acked = []
+        for session_id, message_id in ((1, 0), (2, -5), (3, 42)):
+            server.send(push(session_id, message_id))
+            assert got.get(timeout=WAIT) == message_id
+            acked += list(unpack_ids(server.next(Command.UP_CONSUMER_ACKS)[1].body))
+    assert acked == [0, -5, 42]
+
+
 def test_manual_ack_is_sent_only_when_called(servers):
     """With auto_ack off nothing is acked until ``message.ack()``; a second ack is a no-op."""
     server = servers()
