@@ -3,7 +3,10 @@
 An ``UP_CONSUMER_ACK`` per message costs a write system call here and a frame decode
 and dispatch at the server, for eight bytes of news. So acks wait here, grouped by
 server and subscription, and go out as one ``UP_CONSUMER_ACKS`` frame per group
-(``docs/protocol.md`` §4.13), one write per server.
+(``docs/protocol.md`` §4.13), one write per server. A server that did not list that
+frame in its ``SUBSCRIBE_ACK`` (one older than it, §4.1) gets an ``UP_CONSUMER_ACK``
+per id instead, still in one write: it would close the connection on a command it
+does not know.
 
 When they go is the consumer's choice (``dmq_client.consumer``): at once for an ack
 made outside the handler threads, and from the handler threads when the receive
@@ -23,7 +26,7 @@ import threading
 from typing import Callable
 
 from .connection import ConnectionUnavailable
-from .wire import Command, Frame, FrameError, encode, pack_ids
+from .wire import FEATURE_ACKS, Command, Frame, FrameError, encode, pack_ids
 
 __all__ = ["AckSender"]
 
@@ -105,29 +108,47 @@ class AckSender:
             if not self._count:
                 return 0
             held, self._held, self._count = self._held, {}, 0
-        frames: dict[str, list[bytes]] = {}
-        counts: dict[str, int] = {}
+        by_server: dict[str, list[tuple[str, str, list[int]]]] = {}
         for (server, topic, channel), ids in held.items():
-            for start in range(0, len(ids), self.max_ids):
-                batch = ids[start : start + self.max_ids]
-                try:
-                    frame = encode(Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel,
-                                         body=pack_ids(batch)))
-                except FrameError as exc:  # not from a decoded push; never kills a handler thread
-                    log.error("acks for %s/%s on %s not sent: %s", topic, channel, server, exc)
-                    continue
-                frames.setdefault(server, []).append(frame)
-                counts[server] = counts.get(server, 0) + len(batch)
+            by_server.setdefault(server, []).append((topic, channel, ids))
         written = 0
-        for server, encoded in frames.items():
+        for server, groups in by_server.items():
             conn = self._connection_of(server)
             try:
                 if conn is None:
                     raise ConnectionUnavailable(f"{server} is not in the pool")
-                conn.write(b"".join(encoded))  # type: ignore[attr-defined]
+                # a server that did not list the batch frame (an older one) gets a frame per ack
+                batched = FEATURE_ACKS in getattr(conn, "features", ())
+                encoded, count = self._encode(server, groups, batched)
+                if encoded:
+                    conn.write(b"".join(encoded))  # type: ignore[attr-defined]
             except ConnectionUnavailable as exc:
                 log.debug("acks to %s not sent (%s); the server will redeliver those copies", server, exc)
                 continue
             self.frames_sent += len(encoded)
-            written += counts[server]
+            written += count
         return written
+
+    def _encode(self, server: str, groups: list[tuple[str, str, list[int]]], batched: bool) -> tuple[list[bytes], int]:
+        """The frames for one server's held acks, and how many acks they carry."""
+        encoded: list[bytes] = []
+        count = 0
+        for topic, channel, ids in groups:
+            try:
+                if batched:
+                    frames = [
+                        encode(Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel,
+                                     body=pack_ids(ids[start : start + self.max_ids])))
+                        for start in range(0, len(ids), self.max_ids)
+                    ]
+                else:
+                    frames = [
+                        encode(Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=mid))
+                        for mid in ids
+                    ]
+            except FrameError as exc:  # not from a decoded push; never kills a handler thread
+                log.error("acks for %s/%s on %s not sent: %s", topic, channel, server, exc)
+                continue
+            encoded += frames
+            count += len(ids)
+        return encoded, count

@@ -210,6 +210,8 @@ class MqClient:
             "dedup_entries": len(self._consumer.dedup),
             "duplicates_suppressed": self._consumer.dedup.suppressed,
             "servers": {c.name: c.state.value for c in self.pool},
+            # what each server said it accepts beyond v1's first commands (docs/protocol.md §4.1)
+            "features": {c.name: sorted(c.features) for c in self.pool},
             "subscriptions": [
                 {"topic": s.topic, "channel": s.channel, "received": s.received, "suppressed": s.suppressed}
                 for s in list(self._consumer.subscriptions.values())

@@ -99,6 +99,9 @@ class ServerConnection:
         self.server_interval: float | None = None  # from SERVER_HEARTBEAT
         self.health_detail = ""
         self.identity: dict | None = None  # the server's AUTH_ACK (identity, permission_count)
+        # the commands beyond version 1's first set this server accepts, as its
+        # SUBSCRIBE_ACK listed them (wire.features); none until then, on each connection
+        self.features: frozenset[str] = frozenset()
         self._tls_context = (
             client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if config.tls else None
         )
@@ -188,6 +191,7 @@ class ServerConnection:
             now = self.clock()
             self._last_heard = self._last_write = now
             self.server_interval = None
+            self.features = frozenset()  # maybe another server now: it says again
             self._probation_until = 0.0
             with self._write_lock:
                 self._sock = sock

@@ -34,7 +34,7 @@ from .connection import ConnectionUnavailable, ServerConnection
 from .dedup import Admit, DedupWindow
 from .message import ReceivedMessage
 from .routing import ServerPool
-from .wire import Command, Frame, encode, valid_name
+from .wire import Command, Frame, encode, features, valid_name
 
 __all__ = ["Consumer", "SubscribeError", "Subscription"]
 
@@ -186,6 +186,7 @@ class Consumer:
             sub = self.subscriptions.get((frame.topic, frame.channel))
             if frame.command == Command.SUBSCRIBE_ACK:
                 log.info("subscribed to %s/%s on %s", frame.topic, frame.channel, conn.name)
+                conn.features = features(frame.status)  # before its pushes: same reader thread
                 if sub is not None:
                     sub.error = None
             else:

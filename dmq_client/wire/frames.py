@@ -83,6 +83,20 @@ class Command(enum.IntEnum):
     AUTH_ACK = 47
 
 
+#: The commands a server accepts beyond the first set of version 1, as it lists them,
+#: space separated, in ``SUBSCRIBE_ACK``'s status (docs/protocol.md §4.1). A client
+#: sends one only over a connection whose server listed it, so a new client keeps
+#: working against an older server during a rolling upgrade.
+FEATURE_ACKS = "ACKS"  # UP_CONSUMER_ACKS (§4.13)
+SERVER_FEATURES = FEATURE_ACKS
+
+
+def features(status: str) -> frozenset[str]:
+    """The commands a ``SUBSCRIBE_ACK``'s status lists (unknown words included: a
+    client ignores what it does not know)."""
+    return frozenset(status.split())
+
+
 UPSTREAM = frozenset(c for c in Command if c < 32)
 DOWNSTREAM = frozenset(c for c in Command if c >= 32)
 

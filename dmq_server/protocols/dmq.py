@@ -27,7 +27,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_client.wire import Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
+from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
 from dmq_server.broker import Broker
@@ -405,7 +405,7 @@ class DmqConnection:
         existing = self.subscriptions.get(key)
         if existing is not None:
             existing.credit = credit
-            reply(Command.SUBSCRIBE_ACK)
+            reply(Command.SUBSCRIBE_ACK, SERVER_FEATURES)  # what this server accepts beyond v1's first set
             if existing.channel is not None:
                 existing.channel.pump()
             return
@@ -417,7 +417,7 @@ class DmqConnection:
                 self.broker.unsubscribe(channel, sub)
                 return
             sub.channel = channel
-            reply(Command.SUBSCRIBE_ACK)
+            reply(Command.SUBSCRIBE_ACK, SERVER_FEATURES)
             channel.pump()
 
         def failed(failure: Any) -> None:

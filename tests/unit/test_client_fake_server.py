@@ -20,7 +20,7 @@ import pytest
 
 from dmq_client import Message, MqClient, MqConfig, SendResult, Status
 from dmq_client.connection import ConnState
-from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, unpack_ids
+from dmq_client.wire import MAGIC, SERVER_FEATURES, Command, Frame, FrameDecoder, encode, unpack_ids
 
 WAIT = 10.0
 
@@ -38,8 +38,14 @@ def default_reply(frame: Frame) -> list[Frame]:
     if frame.command in (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND):
         return success(frame)
     if frame.command == Command.UP_SUBSCRIBE:
-        return [Frame(Command.SUBSCRIBE_ACK, session_id=frame.session_id, topic=frame.topic, channel=frame.channel)]
+        return [subscribed(frame)]
     return []
+
+
+def subscribed(frame: Frame, status: str = SERVER_FEATURES) -> Frame:
+    """A SUBSCRIBE_ACK listing what this version's server accepts, or ``status``."""
+    return Frame(Command.SUBSCRIBE_ACK, session_id=frame.session_id, topic=frame.topic, channel=frame.channel,
+                 status=status)
 
 
 class FakeServer:
@@ -83,10 +89,10 @@ class FakeServer:
                 if not data:
                     return
                 for frame in decoder.feed(data):
-                    self.received.put((number, frame))
                     answers = self.reply(frame)
-                    if answers:
+                    if answers:  # before a test sees the frame: what it sends next comes after
                         sock.sendall(b"".join(encode(f) for f in answers))
+                    self.received.put((number, frame))
         except OSError:
             return
 
@@ -535,25 +541,36 @@ def test_duplicate_push_is_suppressed_and_a_duplicate_of_an_acked_one_is_acked(s
     assert got.empty()
 
 
+class FirstWaits:
+    """A handler that holds message 1 until ``release``: the others queue behind it."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, message) -> None:
+        if message.message_id == 1:
+            self.release.wait(WAIT)
+
+
+def push_backlog(server: FakeServer, client: MqClient, count: int) -> None:
+    """Push messages 1..count in one write; return once all but the first are queued."""
+    server.connections[-1].sendall(b"".join(encode(push(i, i)) for i in range(1, count + 1)))
+    deadline = time.monotonic() + WAIT
+    while client._consumer._queue.qsize() < count - 1:
+        assert time.monotonic() < deadline, "the pushes were not all queued"
+        time.sleep(0.005)
+
+
 def test_acks_of_a_backlog_go_out_in_batches_of_256_in_order(servers):
     """While received messages wait for a handler, the acks of those handled are held
     and go in one UP_CONSUMER_ACKS frame per 256, the rest when the queue runs dry."""
     server = servers()
-    release = threading.Event()
-
-    def handler(message) -> None:
-        if message.message_id == 1:
-            release.wait(WAIT)  # until all 300 are queued behind it
-
+    handler = FirstWaits()
     with MqClient(config(server, handler_threads=1, ack_wait=30.0)) as client:
         client.subscribe("orders", "billing", handler)
         server.next(Command.UP_SUBSCRIBE)
-        server.connections[-1].sendall(b"".join(encode(push(i, i)) for i in range(1, 301)))
-        deadline = time.monotonic() + WAIT
-        while client._consumer._queue.qsize() < 299:
-            assert time.monotonic() < deadline, "the pushes were not all queued"
-            time.sleep(0.005)
-        release.set()
+        push_backlog(server, client, 300)
+        handler.release.set()
         batches = [list(unpack_ids(server.next(Command.UP_CONSUMER_ACKS)[1].body)) for _ in range(2)]
     assert batches == [list(range(1, 257)), list(range(257, 301))]
 
@@ -593,6 +610,42 @@ def test_a_push_with_an_id_no_server_draws_is_acked_and_the_handler_thread_goes_
             assert got.get(timeout=WAIT) == message_id
             acked += list(unpack_ids(server.next(Command.UP_CONSUMER_ACKS)[1].body))
     assert acked == [0, -5, 42]
+
+
+def test_a_server_that_does_not_list_the_batch_frame_gets_an_ack_frame_per_message(servers):
+    """A server older than UP_CONSUMER_ACKS answers SUBSCRIBE_ACK with an empty status
+    and would close the connection on that frame: it gets an UP_CONSUMER_ACK per id.
+    After a reconnect the client asks again: the
+    same address may now be a newer server (a rolling upgrade), or an older one."""
+    old = {"server": True}
+
+    def reply(frame: Frame) -> list[Frame]:
+        if frame.command == Command.UP_SUBSCRIBE:
+            return [subscribed(frame, "" if old["server"] else "ACKS SOMETHING-NEWER")]
+        return default_reply(frame)
+
+    server = servers(reply=reply)
+    handler = FirstWaits()
+    with MqClient(config(server, handler_threads=1, ack_wait=30.0)) as client:
+        client.subscribe("orders", "billing", handler)
+        server.next(Command.UP_SUBSCRIBE)
+        push_backlog(server, client, 5)  # the acks of 2..5 are held while 1's handler waits
+        handler.release.set()
+        acks = [server.next(Command.UP_CONSUMER_ACK)[1] for _ in range(5)]
+        assert [(a.message_id, a.topic, a.channel) for a in acks] == [(i, "orders", "billing") for i in range(1, 6)]
+
+        old["server"] = False  # upgraded behind the same address
+        server.drop()
+        server.next(Command.UP_SUBSCRIBE)  # resubscribed on the new connection
+        server.send(push(6, 6))
+        _, batch = server.next(Command.UP_CONSUMER_ACKS)
+        assert list(unpack_ids(batch.body)) == [6]
+
+        old["server"] = True  # and rolled back
+        server.drop()
+        server.next(Command.UP_SUBSCRIBE)
+        server.send(push(7, 7))
+        assert server.next(Command.UP_CONSUMER_ACK)[1].message_id == 7
 
 
 def test_manual_ack_is_sent_only_when_called(servers):

@@ -13,7 +13,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_client.wire import Command, Frame, FrameDecoder, encode, pack_ids
+from dmq_client.wire import Command, Frame, FrameDecoder, encode, features, pack_ids
 from dmq_server.broker import Broker
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
@@ -138,6 +138,7 @@ def test_subscribe_push_ack(server):
     server.settle()
     [ack] = consumer.received()
     assert ack.command == Command.SUBSCRIBE_ACK and ack.session_id == 9
+    assert "ACKS" in features(ack.status)  # UP_CONSUMER_ACKS is accepted: the client may batch
     producer.send(*(send_frame(i, b"m%d" % i) for i in range(3)))
     server.settle()
     acknowledged = {f.message_id for f in producer.received() if f.command == Command.SEND_SUCCESS_ACK}
