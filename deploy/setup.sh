@@ -10,7 +10,7 @@
 #   bash deploy/setup.sh --bench  # --dev plus what bench/ compares dmq with: the bench
 #                                 # extra (nats-py, py-spy), Debian's nats-server,
 #                                 # rabbitmq-server and golang-go (to build nsqd from
-#                                 # its source, bench/build_nsqd.sh)
+#                                 # its source, bench/build_nsqd.sh), valgrind
 #   bash deploy/setup.sh --ha     # also Patroni (Debian's, with kazoo for its ZooKeeper
 #                                 # DCS), PostgreSQL's server and ZooKeeper, for
 #                                 # deploy/ha-local.sh; --dev adds faketime (tests/chaos)
@@ -108,6 +108,8 @@ if [ "$extras" != "embedded" ]; then
         command -v nats-server >/dev/null 2>&1 || missing+=(nats-server)
         [ -d /usr/lib/rabbitmq ] || missing+=(rabbitmq-server)
         command -v go >/dev/null 2>&1 || missing+=(golang-go)
+        # instruction counts for bench/channel_cost.py --instructions (noise-free A/B)
+        command -v valgrind >/dev/null 2>&1 || missing+=(valgrind)
     fi
     # faketime for the chaos tier's clock jumps (libfaketime, LD_PRELOAD)
     [ -x /usr/bin/faketime ] || missing+=(faketime)

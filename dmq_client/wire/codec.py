@@ -300,6 +300,12 @@ class PushEncoder:
 
     def __call__(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
                  timestamp_ms: int, attempts: int, body: bytes) -> bytes:
+        return b"".join(self.parts(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body))
+
+    def parts(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
+              timestamp_ms: int, attempts: int, body: bytes) -> tuple[bytes, bytes, bytes]:
+        """The frame as (head, names, body), for a buffer that joins many frames at once:
+        the body is then copied once, into the write, instead of twice."""
         tail = self._tails.get((topic, channel, producer))
         if tail is None:
             tail = self._tail(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body)
@@ -312,7 +318,7 @@ class PushEncoder:
         except struct.error:
             self._refuse(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body)
             raise
-        return b"".join((head, tail, body))
+        return head, tail, body
 
     def _tail(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
               timestamp_ms: int, attempts: int, body: bytes) -> bytes:

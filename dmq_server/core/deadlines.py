@@ -6,34 +6,45 @@ passed, so no message ever has a timer of its own (nsqd's design). Both stores k
 their deadlines here: the reliable channel (copies in flight and deferred, keyed by
 message id) and the fast channel (nsqd's in-flight and deferred queues).
 
-A binary heap (``heapq``, in C) with lazy deletion: ``set`` pushes a new entry and
-remembers which one is current, ``discard`` only forgets the key, and ``pop_due``
-skips the entries that are no longer current. Acks and touches, the common case,
-cost a dict operation instead of a heap removal. Stale entries are bounded: when they
-outnumber the live keys four to one (plus 1024), the heap is rebuilt from the live ones.
+Nearly every deadline is a push's: now plus the channel's fixed message timeout, so
+each is at or after the one set before it. Those are appended to a FIFO, which is in
+order by construction; only a deadline earlier than the FIFO's last (a REQ with a
+short delay, a TOUCH on another timeout) goes to a binary heap (``heapq``). ``pop_due``
+merges the two fronts. Deletion is lazy: ``discard`` forgets the key, and an entry
+counts only while it is its key's current one. Acks mostly come in push order, so
+``discard`` also drops the stale entries at the FIFO's front, which keeps the FIFO
+about as long as what is in flight; a ``set`` that finds more than STALE_RATIO entries
+per live key (plus SLACK) compacts both. The FIFO spares the common case the heap's
+sift and its tuple comparisons (bench/deadlines.py).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import Hashable, Iterator
 
 __all__ = ["Deadlines"]
 
-#: rebuild once the heap holds more than this many entries per live key (plus SLACK)
+#: after a ``set``, at most this many entries per live key (plus SLACK) are kept
 STALE_RATIO = 4
 SLACK = 1024
+
+# an entry is (deadline, sequence number, key); the sequence number orders equal
+# deadlines by arrival and keeps keys from ever being compared (ints and bytes occur)
+_Entry = tuple[float, int, Hashable]
 
 
 class Deadlines:
     """Keys with one deadline each (seconds, any clock); ``pop_due(now)`` yields the
     keys whose deadline is at or before ``now``, earliest first, and forgets them."""
 
-    __slots__ = ("_heap", "_current", "_seq")
+    __slots__ = ("_fifo", "_heap", "_current", "_seq")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Hashable]] = []
-        self._current: dict[Hashable, tuple[float, int]] = {}
+        self._fifo: deque[_Entry] = deque()  # deadlines in order, appended
+        self._heap: list[_Entry] = []  # the deadlines that were earlier than the FIFO's last
+        self._current: dict[Hashable, _Entry] = {}  # each live key's entry (by identity)
         self._seq = 0
 
     def __len__(self) -> int:
@@ -49,29 +60,52 @@ class Deadlines:
         entry = self._current.get(key)
         return None if entry is None else entry[0]
 
+    def entries(self) -> int:
+        """Entries held, stale ones included (what the bound limits)."""
+        return len(self._fifo) + len(self._heap)
+
     def set(self, key: Hashable, deadline: float) -> None:
         """Give ``key`` this deadline (a new one, or a later or earlier one: TOUCH, REQ)."""
-        self._seq += 1
-        entry = (deadline, self._seq)
-        self._current[key] = entry
-        # the sequence number orders equal deadlines by arrival and keeps keys from
-        # ever being compared (ints and bytes both occur)
-        heapq.heappush(self._heap, (deadline, self._seq, key))
-        self._bound()
+        self._seq = seq = self._seq + 1
+        entry = (deadline, seq, key)
+        current = self._current
+        current[key] = entry
+        fifo = self._fifo
+        if not fifo or deadline >= fifo[-1][0]:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+        if len(fifo) + len(self._heap) > STALE_RATIO * len(current) + SLACK:
+            self._compact()
 
     def discard(self, key: Hashable) -> None:
         """Forget ``key`` (acked, requeued, dropped); nothing if it has no deadline."""
-        if self._current.pop(key, None) is not None:
-            self._bound()
+        entry = self._current.pop(key, None)
+        if entry is not None:
+            fifo = self._fifo
+            if fifo and fifo[0] is entry:
+                fifo.popleft()
+                current = self._current
+                while fifo and current.get(fifo[0][2]) is not fifo[0]:
+                    fifo.popleft()
 
     def pop_due(self, now: float) -> Iterator[Hashable]:
         """The keys due at ``now``, earliest deadline first, each forgotten as it is
         yielded (a consumer of the iterator may set a key again meanwhile)."""
         current = self._current
-        # self._heap is read on every turn: a ``set`` between two yields may rebuild it
-        while self._heap and self._heap[0][0] <= now:
-            deadline, seq, key = heapq.heappop(self._heap)
-            if current.get(key) == (deadline, seq):
+        while True:
+            # read on every turn: a ``set`` between two yields may compact them
+            fifo, heap = self._fifo, self._heap
+            if fifo and (not heap or fifo[0] < heap[0]):
+                if fifo[0][0] > now:
+                    return
+                entry = fifo.popleft()
+            elif heap and heap[0][0] <= now:
+                entry = heapq.heappop(heap)
+            else:
+                return
+            key = entry[2]
+            if current.get(key) is entry:
                 del current[key]
                 yield key
 
@@ -79,10 +113,12 @@ class Deadlines:
         """Forget every key; returns them (in no particular order)."""
         keys = list(self._current)
         self._current.clear()
+        self._fifo.clear()
         self._heap.clear()
         return keys
 
-    def _bound(self) -> None:
-        if len(self._heap) > STALE_RATIO * len(self._current) + SLACK:
-            self._heap = [(deadline, seq, key) for key, (deadline, seq) in self._current.items()]
-            heapq.heapify(self._heap)
+    def _compact(self) -> None:
+        current = self._current
+        self._fifo = deque(entry for entry in self._fifo if current.get(entry[2]) is entry)
+        self._heap = [entry for entry in self._heap if current.get(entry[2]) is entry]
+        heapq.heapify(self._heap)

@@ -90,15 +90,16 @@ class DmqSubscription:
         message = delivery.message
         connection = self.connection
         if not connection.closed:
-            connection.queue_write(
-                connection.push_frame(
+            attempts = delivery.attempts
+            connection.queue_parts(
+                connection.push_frame.parts(
                     message.message_id,
                     message.session_id,
                     message.producer,
                     message.topic,
                     channel.name,
                     message.published_ms,
-                    min(delivery.attempts, 0xFFFF),
+                    attempts if attempts < 0xFFFF else 0xFFFF,
                     message.body,
                 )
             )
@@ -146,6 +147,11 @@ class DmqConnection:
         """Written when this reactor turn ends, with the rest of the turn's (``TurnBuffer``)."""
         if not self.closed:
             self._turn.add(data)
+
+    def queue_parts(self, parts: tuple[bytes, ...]) -> None:
+        """``queue_write`` of a frame in parts (``PushEncoder.parts``); the caller checked
+        ``closed`` (one push per delivered copy: the hot path)."""
+        self._turn.extend(parts)
 
     def _emit(self, data: bytes) -> None:
         if not self.closed:

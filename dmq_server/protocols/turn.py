@@ -76,6 +76,13 @@ class TurnBuffer:
         if len(out) == 1:
             self._turn_end.hold(self)
 
+    def extend(self, parts: tuple[bytes, ...]) -> None:
+        """``add`` of the parts' concatenation, without making it."""
+        out = self._out
+        if not out:
+            self._turn_end.hold(self)
+        out += parts
+
     def flush(self) -> None:
         out = self._out
         if out:

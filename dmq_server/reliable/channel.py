@@ -157,20 +157,19 @@ class ReliableChannel:
         cursor is always kept: its commit overtook no scan (concurrent writers
         can commit ids out of order), so no later load would find it.
         """
-        if self.closed or message.message_id in self.known:
+        mid = message.message_id
+        if self.closed or mid in self.known:
             return
         self.message_count += 1
         delivery = Delivery(message)
         if self.loading:
             self._arrived_while_loading.append(delivery)
             return
-        if message.message_id <= self.cursor or (
-            not self.backlog and len(self.ready) < self.mem_queue_size
-        ):
-            if not self.backlog:
+        if mid <= self.cursor or (not self.backlog and len(self.ready) < self.mem_queue_size):
+            if not self.backlog and mid > self.cursor:
                 # Nothing older waits in PostgreSQL, so the cursor may move past this
                 # copy: a later load must not find it again after its ack is durable.
-                self.cursor = max(self.cursor, message.message_id)
+                self.cursor = mid
             if not self.ready and self._push_at_once(delivery):
                 return
             self._enqueue(delivery)
@@ -394,21 +393,22 @@ class ReliableChannel:
 
     def _start_flight(self, delivery: Delivery, consumer: Receiver) -> None:
         now = self.clock.seconds()
-        delivery.attempts += 1
+        message = delivery.message
+        attempts = delivery.attempts = delivery.attempts + 1
         self.delivery_count += 1
-        if not delivery.first_delivered_ms:
+        if not delivery.first_delivered_ms:  # attempts loaded with a copy may predate this node
             delivery.first_delivered_ms = int(now * 1000)
-        if delivery.attempts > 1:
+        if attempts > 1:
             self.redelivery_count += 1
         elif self.deliver_latency is not None:
-            self.deliver_latency.observe(now - delivery.message.published_ms / 1000.0)
+            self.deliver_latency.observe(now - message.published_ms / 1000.0)
         delivery.delivered_at = now
         delivery.consumer = consumer
-        delivery.deadline = now + self.msg_timeout
-        if self._on_attempt is not None and (delivery.attempts > 1 or self.max_attempts is not None):
+        delivery.deadline = deadline = now + self.msg_timeout
+        if self._on_attempt is not None and (attempts > 1 or self.max_attempts is not None):
             self._on_attempt(self, delivery)
-        self.in_flight[delivery.message.message_id] = delivery
-        self._deadlines.set(delivery.message.message_id, delivery.deadline)
+        self.in_flight[message.message_id] = delivery
+        self._deadlines.set(message.message_id, deadline)
         consumer.in_flight += 1
         consumer.push(self, delivery)
 
@@ -433,43 +433,45 @@ class ReliableChannel:
 
     # -- acks and timeouts -----------------------------------------------
     def ack(self, message_id: int) -> bool:
-        delivery = self.in_flight.pop(message_id, None)
+        delivery = self.in_flight.get(message_id)
         if delivery is None:
             return False
-        self._settle(message_id, delivery, int(self.clock.seconds() * 1000))
-        self.pump()
+        self.ack_held((message_id,), delivery.consumer)
         return True
 
-    def ack_held(self, message_ids: Iterable[int], consumer: Receiver) -> int:
+    def ack_held(self, message_ids: Iterable[int], consumer: Receiver | None) -> int:
         """Acknowledge each copy ``consumer`` holds among ``message_ids`` (a consumer's
-        batch of acks, ``UP_CONSUMER_ACKS``), then fill the credit they freed in one
-        pump; returns how many were refused (``owner_error``'s cases)."""
-        in_flight = self.in_flight
+        batch of acks, ``UP_CONSUMER_ACKS``; None holds the deferred copies), then fill
+        the credit they freed in one pump; returns how many were refused
+        (``owner_error``'s cases).
+
+        Each copy leaves flight counted, its deadline dropped, its ack on its way to
+        the store (``on_ack`` sees the consumer that held it: the ack's row names it),
+        its consumer's credit freed. It stays in ``known`` until the durable ack
+        commits, so a load cannot resurrect it. One loop with its lookups hoisted: it
+        runs once per acknowledged copy (bench/channel_cost.py)."""
+        in_flight, deferred, finishing = self.in_flight, self.deferred, self.finishing
+        forget_deadline, on_ack = self._deadlines.discard, self._on_ack
         now_ms = int(self.clock.seconds() * 1000)
-        refused = 0
+        refused = acked = 0
         for message_id in message_ids:
             delivery = in_flight.get(message_id)
             if delivery is None or delivery.consumer is not consumer:
                 refused += 1
                 continue
             del in_flight[message_id]
-            self._settle(message_id, delivery, now_ms)
+            acked += 1
+            if deferred:
+                deferred.discard(message_id)
+            forget_deadline(message_id)
+            finishing[message_id] = delivery.message.owner
+            on_ack(self, delivery, now_ms)
+            if consumer is not None:
+                consumer.in_flight -= 1
+                delivery.consumer = None
+        self.ack_count += acked
         self.pump()
         return refused
-
-    def _settle(self, message_id: int, delivery: Delivery, acked_ms: int) -> None:
-        """An acknowledged copy, out of flight: counted, its deadline dropped, its ack on
-        its way to the store, its consumer's credit freed."""
-        self.deferred.discard(message_id)
-        self.ack_count += 1
-        self._deadlines.discard(message_id)
-        self.finishing[message_id] = delivery.message.owner
-        # stays in `known` until the durable ack commits, so a load cannot resurrect it;
-        # on_ack sees the consumer that held it (the ack's row names it)
-        self._on_ack(self, delivery, acked_ms)
-        if delivery.consumer is not None:
-            delivery.consumer.in_flight -= 1
-            delivery.consumer = None
 
     def ack_durable(self, message_ids: Iterable[int]) -> None:
         for mid in message_ids:

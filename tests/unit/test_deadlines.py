@@ -50,16 +50,47 @@ def test_a_discarded_key_never_fires_and_equal_deadlines_keep_arrival_order():
 
 
 def test_stale_entries_stay_bounded(monkeypatch):
-    """Acks leave entries behind in the heap; it is rebuilt before they outnumber the
-    live keys more than STALE_RATIO to one (plus SLACK)."""
+    """Acks leave entries behind; after every ``set`` there are at most STALE_RATIO
+    entries per live key (plus SLACK), whether acks come in push order or not."""
     monkeypatch.setattr(module, "SLACK", 10)
+    rng = random.Random(7)
+    for shuffled in (False, True):
+        d = Deadlines()
+        live: list[int] = []
+        for i in range(10_000):
+            d.set(i, float(i))
+            live.append(i)
+            assert d.entries() <= module.STALE_RATIO * len(d) + 10
+            if len(live) > 5:  # five in flight at any time, acked oldest first or at random
+                d.discard(live.pop(rng.randrange(len(live)) if shuffled else 0))
+        assert sorted(d.pop_due(1e9)) == sorted(live)
+
+
+def test_acks_in_push_order_leave_no_entries_behind():
+    """The common case: every deadline later than the last and acks in push order, so
+    ``discard`` drops the FIFO's stale front and it stays as long as what is live."""
     d = Deadlines()
-    for i in range(10_000):
-        d.set(i, float(i))
-        if i >= 5:
-            d.discard(i - 5)  # five in flight at any time
-        assert len(d._heap) <= module.STALE_RATIO * len(d) + 10 + 1
-    assert sorted(d.pop_due(1e9)) == list(range(9995, 10_000))
+    for i in range(5000):
+        d.set(i, 100.0 + i)
+        if i >= 3:
+            d.discard(i - 3)
+        assert d.entries() <= 4
+    d.discard(4998)  # out of order: its entry waits behind 4997's
+    assert d.entries() == 3
+    d.discard(4997)  # 4997 goes, and 4998's stale entry behind it
+    assert d.entries() == 1 and list(d.pop_due(1e9)) == [4999]
+
+
+def test_earlier_deadlines_merge_with_later_ones_in_order():
+    """A deadline earlier than the last one set (REQ with a short delay) goes to the
+    heap; the two are merged by (deadline, order of setting)."""
+    d = Deadlines()
+    d.set("a", 10.0)
+    d.set("b", 20.0)
+    d.set("c", 5.0)  # earlier than b: the heap
+    d.set("d", 20.0)  # equal to b, set after it
+    d.set("e", 15.0)
+    assert list(d.pop_due(20.0)) == ["c", "a", "e", "b", "d"]
 
 
 @given(st.lists(st.tuples(st.sampled_from(["set", "discard", "pop"]), st.integers(0, 20), st.floats(0, 100))))
@@ -93,7 +124,7 @@ def test_clear_returns_every_key():
 
 def test_keys_set_while_due_ones_are_taken_are_kept(monkeypatch):
     """A scanner that redelivers each due key (setting a new deadline) while it iterates
-    may make the heap rebuild itself; no key is lost or popped twice."""
+    may make it compact its entries; no key is lost or popped twice."""
     monkeypatch.setattr(module, "SLACK", 0)
     d = Deadlines()
     for key in range(100):

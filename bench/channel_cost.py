@@ -1,0 +1,162 @@
+"""dmq-server's CPU per delivered copy, without sockets or PostgreSQL: the push and ack path.
+
+In the fan-out benchmark (``bench/reliable.py`` e2e4) each message is pushed and acked
+once per channel, and the profile puts about half of dmq-server's samples in that
+path: ``ReliableChannel.add`` down to the frame the connection writes, and
+``ack_held`` down to the row the durable ack batches. This runs exactly that code, 4
+channels with a consumer each (``DmqSubscription`` on a stand-in connection that keeps
+the bytes), in rounds of 100 messages pushed to every channel and then acked in one
+``UP_CONSUMER_ACKS``'s worth per channel, and prints the CPU per copy for each half.
+The durable-ack callback builds the ``AckRow`` the store's does (``ReliableStore._on_ack``).
+
+Time on a shared 2-core virtual machine drifts by a third from minute to minute, which
+hides a change of a few per cent. ``--instructions`` counts the instructions the
+interpreter runs instead (valgrind's cachegrind, Debian's ``valgrind``; two runs of
+different length, so that start-up cancels out): the same code gives the same count to
+a fraction of a per cent, whatever else the machine does.
+
+    python bench/channel_cost.py                               # this tree, 5 rounds
+    python bench/channel_cost.py --tree /tmp/old --tree . --rounds 7
+    python bench/channel_cost.py --tree /tmp/old --tree . --instructions
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHANNELS = 4
+BATCH = 100
+
+
+def child(messages: int) -> dict:
+    """Run in a fresh interpreter whose path starts with the tree under test."""
+    from dmq_client.wire.codec import PushEncoder
+    from dmq_server.core.buckets import Buckets
+    from dmq_server.db.messages import AckRow
+    from dmq_server.protocols.dmq import DmqSubscription
+    from dmq_server.reliable.channel import ReliableChannel, ReliableMessage
+
+    class Clock:
+        def seconds(self) -> float:
+            return 1000.0
+
+    class Connection:
+        """What DmqSubscription.push needs of a DmqConnection."""
+
+        closed = False
+        peer = "127.0.0.1:1"
+
+        def __init__(self) -> None:
+            self.push_frame = PushEncoder()
+            self.subscriptions: dict = {}
+            self.out: list[bytes] = []
+
+        def queue_write(self, data: bytes) -> None:
+            self.out.append(data)
+
+        def queue_parts(self, parts: tuple[bytes, ...]) -> None:
+            self.out += parts
+
+    rows: list = []
+
+    def on_ack(channel, delivery, acked_ms) -> None:
+        message = delivery.message
+        rows.append(AckRow(channel.topic, channel.name, message.message_id, delivery.first_delivered_ms, acked_ms,
+                           delivery.attempts, getattr(delivery.consumer, "name", ""),
+                           int(delivery.delivered_at * 1000), message.owner, message.published_ms,
+                           delivery.attempts > 1))
+
+    clock = Clock()
+    pairs = []
+    for i in range(CHANNELS):
+        channel = ReliableChannel("orders", f"c{i}", clock=clock, msg_timeout=60.0, mem_queue_size=10_000,
+                                  load=lambda *a: None, on_ack=on_ack,
+                                  deliver_latency=Buckets([0.001 * 2**k for k in range(16)]))
+        channel.backlog = False  # nothing waits in PostgreSQL: every copy is pushed at once
+        connection = Connection()
+        subscription = DmqSubscription(connection, 256)
+        channel.subscribe(subscription)
+        pairs.append((channel, subscription, connection))
+    body = b"x" * 200
+    push_cpu = ack_cpu = 0.0
+    next_id = 0
+    gc.disable()  # the server runs with GC on, but its pauses would land in one half at random
+    for _ in range(messages // BATCH):
+        batch = []
+        for _ in range(BATCH):
+            next_id += 1
+            batch.append(ReliableMessage(next_id, "orders", "p1", next_id, 1_000_000, body, 1))
+        ids = [m.message_id for m in batch]
+        start = time.process_time()
+        for message in batch:
+            for channel, _, _ in pairs:
+                channel.add(message)
+        pushed = time.process_time()
+        for channel, subscription, connection in pairs:
+            channel.ack_held(ids, subscription)
+            channel.ack_durable(ids)
+            connection.out.clear()
+        push_cpu += pushed - start
+        ack_cpu += time.process_time() - pushed
+        rows.clear()
+    gc.enable()
+    copies = max(1, messages // BATCH * BATCH * CHANNELS)
+    return {"push_ns": push_cpu / copies * 1e9, "ack_ns": ack_cpu / copies * 1e9}
+
+
+def run_child(tree: str, messages: int, valgrind: str | None = None) -> dict | int:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(HERE)]), PYTHONDONTWRITEBYTECODE="1")
+    command = [sys.executable, "-c", f"import channel_cost, json; print(json.dumps(channel_cost.child({messages})))"]
+    if valgrind:
+        command = [valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *command]
+    done = subprocess.run(command, env=env, cwd="/", capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{tree}: the measurement failed:\n{done.stderr[-3000:]}")
+    if valgrind:
+        for line in done.stderr.splitlines():
+            if "I   refs:" in line or "I refs:" in line:
+                return int(line.split(":")[1].replace(",", ""))
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", help="a source tree to measure (repeat to compare; default: this one)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--messages", type=int, default=40_000, help="messages per round (each to 4 channels)")
+    parser.add_argument("--instructions", action="store_true", help="count instructions with valgrind instead")
+    args = parser.parse_args()
+    trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
+    if args.instructions:
+        valgrind = shutil.which("valgrind")
+        if valgrind is None:
+            sys.exit("--instructions needs valgrind (apt-get install valgrind)")
+        small, large = 200, 200 + min(args.messages, 4000)
+        for tree in trees:
+            extra = run_child(tree, large, valgrind) - run_child(tree, small, valgrind)  # type: ignore[operator]
+            print(f"{tree}: {extra / ((large - small) * CHANNELS):,.0f} instructions per copy (push and ack)")
+        return
+    results: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(args.rounds):
+        for tree in trees:  # alternated, so that a slower minute falls on every tree alike
+            results[tree].append(run_child(tree, args.messages))  # type: ignore[arg-type]
+    for tree, runs in results.items():
+        for half in ("push_ns", "ack_ns"):
+            values = [r[half] for r in runs]
+            print(f"{tree}: {half[:-3]} CPU per copy: min {min(values):,.0f} ns, median "
+                  f"{statistics.median(values):,.0f} ns  ({' '.join(f'{v:,.0f}' for v in values)})")
+
+
+if __name__ == "__main__":
+    main()
