@@ -69,6 +69,7 @@ class GroupCommitWriter:
         clock: Any = None,
         writes: Any = None,
         parallel_min: int = PARALLEL_MIN,
+        on_batch: Callable[[], None] = lambda: None,
     ):
         # ``insert(batch, node_id)``: steps (``db.steps.Statement``) returning one result per
         # item, run by a worker's ``run_steps`` (a DbWorker thread or a ReactorDb):
@@ -87,6 +88,9 @@ class GroupCommitWriter:
         self._parallel_min = max(1, min(parallel_min, max_batch))
         self._on_health = on_health
         self._on_unknown = on_unknown
+        # called once a committed batch's items were each answered, before the batch's
+        # write is settled (the store hands the batch's copies to its channels then)
+        self._on_batch = on_batch
         self._queue: list[tuple[NewMessage, Callable[[Any], None]]] = []
         # parts of a refused batch, each run on its own until the bad rows are found
         self._isolated: list[list[tuple[NewMessage, Callable[[Any], None]]]] = []
@@ -177,6 +181,10 @@ class GroupCommitWriter:
                 done(stored)
             except Exception:
                 log.failure("send completion failed")
+        try:
+            self._on_batch()
+        except Exception:
+            log.failure("handing a committed batch on failed")
         writes = self._writes
         if writes is not None:  # the batch's messages are in the channels: settled
             for stored in results:

@@ -823,11 +823,16 @@ class World:
         self.committed.extend(ids)
         self.to_arrive.extend(ids)
 
-    def arrive(self) -> None:
-        mid = self.to_arrive.pop(0)
+    def arrive(self, count: int = 1) -> None:
+        """The next ``count`` committed copies reach the channel in one call, as a
+        group commit's do (``ReliableStore._hand_on``); one goes through ``add``."""
+        ids, self.to_arrive = self.to_arrive[:count], self.to_arrive[count:]
         if self.channel.loading:
-            self.arrived_during_load.append(mid)
-        self.channel.add(message(mid))
+            self.arrived_during_load.extend(ids)
+        if len(ids) == 1:
+            self.channel.add(message(ids[0]))
+        else:
+            self.channel.add_many([message(mid) for mid in ids])
 
     def query(self) -> None:
         after, limit = self.request
@@ -926,6 +931,8 @@ def test_every_stored_message_is_delivered_exactly_once(
             world.commit(arg)
         elif step == "ack":
             world.ack(arg)
+        elif step == "arrive":
+            world.arrive(1 + arg % 4)
         elif step == "credit":
             world.credit(arg % 3, arg // 4)
         else:
@@ -936,6 +943,66 @@ def test_every_stored_message_is_delivered_exactly_once(
     assert world.delivered() == sorted(world.committed)
     assert world.db == set()
     assert world.channel.ready == deque() and world.channel.in_flight == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    credits=st.lists(st.integers(0, 4), max_size=3),
+    earlier=st.lists(st.integers(1, 14), max_size=6),
+    ids=st.lists(st.integers(1, 14), min_size=1, max_size=10),
+    mem_queue_size=st.integers(1, 6),
+    state=st.sampled_from(["", "held", "paused", "gate closed", "max_attempts"]),
+)
+def test_add_many_does_what_add_does_for_each_copy(
+    credits: list[int], earlier: list[int], ids: list[int], mem_queue_size: int, state: str
+) -> None:
+    """A group commit's copies in one call end where adding them one by one ends:
+    the same pushes to the same consumers, the same ready queue, cursor, backlog and
+    loads, whatever the credit (running out mid-batch), the ids already known, and the
+    channel's state."""
+
+    def run(many: bool) -> tuple:
+        h = Harness(mem_queue_size=mem_queue_size)
+        consumers = [FakeConsumer(f"c{i}", credit) for i, credit in enumerate(credits)]
+        channel = h.start(*consumers) if consumers else h.channel
+        for mid in earlier:
+            channel.add(message(mid))
+        if state == "held":
+            channel.held = True
+        elif state == "paused":
+            channel.paused = True
+        elif state == "gate closed":
+            channel.gate = lambda: False
+        elif state == "max_attempts":
+            channel.max_attempts = 3
+        batch = [message(mid) for mid in ids]
+        if many:
+            channel.add_many(batch)
+        else:
+            for m in batch:
+                channel.add(m)
+        return (
+            [c.ids for c in consumers],
+            [d.message.message_id for d in channel.ready],
+            sorted(channel.in_flight),
+            channel.cursor,
+            channel.backlog,
+            channel.message_count,
+            h.loads,
+            [c.in_flight for c in consumers],
+        )
+
+    assert run(True) == run(False)
+
+
+def test_add_many_pushes_round_robin_until_credit_runs_out_then_queues_in_order() -> None:
+    h = Harness(mem_queue_size=100)
+    a, b = FakeConsumer("a", credit=2), FakeConsumer("b", credit=1)
+    channel = h.start(a, b)
+    channel.add_many([message(mid) for mid in range(1, 7)])
+    assert (a.ids, b.ids) == ([1, 3], [2])
+    assert [d.message.message_id for d in channel.ready] == [4, 5, 6]
+    assert channel.cursor == 6 and channel.message_count == 6
 
 
 def test_deadline_heap_stays_bounded_by_what_is_in_flight() -> None:

@@ -343,6 +343,50 @@ def test_a_failing_completion_does_not_starve_the_rest_of_the_batch() -> None:
     assert answered == [1, 3, 4]
 
 
+def test_on_batch_runs_after_the_answers_and_before_the_write_is_settled() -> None:
+    """The store hands a batch's copies to its channels in ``on_batch``: after every
+    send of the batch is answered (a failing answer included) and before the write is
+    settled, which says the batch's messages are in the channels (horizon.OwnWrites)."""
+    events: list[str] = []
+
+    class Writes:
+        owner = 3
+
+        def begin(self) -> int:
+            return 1
+
+        def seen(self, message_id: int) -> None:
+            events.append(f"seen {message_id}")
+
+        def end(self, token: int) -> None:
+            events.append("end")
+
+    def explode(outcome: object) -> None:
+        events.append("answered 2")
+        raise RuntimeError("client went away badly")
+
+    def on_batch() -> None:
+        events.append("on_batch")
+        raise RuntimeError("a bug in a channel")  # logged: the write is still settled
+
+    worker = FakeDbWorker()
+    writer = GroupCommitWriter(worker, "node-1", 100, writes=Writes(), on_batch=on_batch)
+    writer.submit_cb(new_message(0), lambda o: None)  # a transaction at once: the next two wait for it
+    writer.submit_cb(new_message(1), lambda o: events.append("answered 1"))
+    writer.submit_cb(new_message(2), explode)
+    logged: list[dict] = []
+    globalLogPublisher.addObserver(logged.append)
+    try:
+        worker.last.commit(stored_for(worker.last, first_id=6))
+        assert session_ids(worker.last) == [1, 2]
+        events.clear()
+        worker.last.commit(stored_for(worker.last, first_id=7))
+    finally:
+        globalLogPublisher.removeObserver(logged.append)
+    assert events == ["answered 1", "answered 2", "on_batch", "seen 7", "seen 8", "end"]
+    assert sum(1 for e in logged if e.get("log_failure") is not None) == 3  # on_batch twice, explode once
+
+
 def make_writers(count: int, max_batch: int = 100, parallel_min: int = 1) -> tuple[GroupCommitWriter, list[FakeDbWorker]]:
     workers = [FakeDbWorker() for _ in range(count)]
     return GroupCommitWriter(workers, "node-1", max_batch, parallel_min=parallel_min), workers
