@@ -263,9 +263,17 @@ def ack_deliveries_steps(
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
     ids = Int8Array([a.message_id for a in acks])
     groups: dict[tuple[str, str, int], list[int]] = {}  # [low, high, acks] of each cursor's acks
-    for a in acks:
-        g = groups.setdefault((a.topic, a.channel, a.owner), [a.message_id, a.message_id, 0])
-        g[0], g[1], g[2] = min(g[0], a.message_id), max(g[1], a.message_id), g[2] + 1
+    for a in acks:  # once per ack: no list made for a group already there, no min()/max() call
+        key, mid = (a.topic, a.channel, a.owner), a.message_id
+        g = groups.get(key)
+        if g is None:
+            groups[key] = [mid, mid, 1]
+            continue
+        if mid < g[0]:
+            g[0] = mid
+        elif mid > g[1]:
+            g[1] = mid
+        g[2] += 1
     counted = [a for a in acks if a.counted]
     yield Statement(
         "ack_deliveries",

@@ -678,3 +678,20 @@ def test_an_outage_of_several_components_is_logged_once_when_it_starts_and_once_
     lines = [e for e in events if e.get("dependency") == "PostgreSQL" and e["log_level"] > LogLevel.debug]
     assert [(e["log_level"], e["what"]) for e in lines] == [(LogLevel.warn, "durable ack"), (LogLevel.info, "durable ack")]
     assert lines[1]["failures"] == 10 and lines[1]["seconds"] == 25.0
+
+
+def test_the_ack_statement_gets_each_cursors_lowest_and_highest_id_and_count() -> None:
+    """The common path of ``ack_deliveries`` reads only these per-cursor figures (g_*),
+    whatever order a batch's acks come in."""
+    def ack(channel: str, message_id: int, owner: int = 1) -> AckRow:
+        return AckRow("orders", channel, message_id, 5, 6, 1, "c", 7, owner, 4)
+
+    acks = [ack("a", 7), ack("b", 3), ack("a", 2), ack("a", 9), ack("b", 4), ack("a", 5, owner=2), ack("a", 8)]
+    [statement] = list(ack_deliveries_steps(acks))
+    p = statement.params
+    assert list(zip(p["g_topics"], p["g_channels"], p["g_owners"], p["g_low"], p["g_high"], p["g_acks"])) == [
+        ("orders", "a", 1, 2, 9, 4),
+        ("orders", "b", 1, 3, 4, 2),
+        ("orders", "a", 2, 5, 5, 1),
+    ]
+    assert (p["low_id"], p["high_id"], list(p["message_ids"])) == (2, 9, [7, 3, 2, 9, 4, 5, 8])
