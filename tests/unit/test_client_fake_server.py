@@ -526,6 +526,10 @@ def test_duplicate_push_is_suppressed_and_a_duplicate_of_an_acked_one_is_acked(s
         server.send(push(1, 100))
         first = got.get(timeout=WAIT)
         server.send(push(1, 100))  # redelivered while the handler still runs
+        deadline = time.monotonic() + WAIT
+        while client.stats()["duplicates_suppressed"] < 1:  # read before the handler returns
+            assert time.monotonic() < deadline, "the redelivered copy was not suppressed"
+            time.sleep(0.005)
         release.set()
         _, ack = server.next(Command.UP_CONSUMER_ACKS)
         assert (list(unpack_ids(ack.body)), ack.channel) == ([100], "billing")
