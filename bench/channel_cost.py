@@ -12,8 +12,8 @@ The durable-ack callback builds the ``AckRow`` the store's does (``ReliableStore
 Time on a shared 2-core virtual machine drifts by a third from minute to minute, which
 hides a change of a few per cent. ``--instructions`` counts the instructions the
 interpreter runs instead (valgrind's cachegrind, Debian's ``valgrind``; two runs of
-different length, so that start-up cancels out): the same code gives the same count to
-a fraction of a per cent, whatever else the machine does.
+different length, so that start-up cancels out): repeated runs of the same code agree
+within 1 % (0.8 % at most in session 18's runs), whatever else the machine does.
 
     python bench/channel_cost.py                               # this tree, 5 rounds
     python bench/channel_cost.py --tree /tmp/old --tree . --rounds 7
