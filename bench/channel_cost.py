@@ -38,8 +38,11 @@ CHANNELS = 4
 BATCH = 100
 
 
-def child(messages: int) -> dict:
-    """Run in a fresh interpreter whose path starts with the tree under test."""
+def child(messages: int, check: bool = False) -> dict:
+    """Run in a fresh interpreter whose path starts with the tree under test. ``check``
+    decodes each round's frames and counts its ack rows (the unit test's run): off for a
+    measurement, whose instruction count would include the decoding."""
+    from dmq_client.wire import Command, FrameDecoder
     from dmq_client.wire.codec import PushEncoder
     from dmq_server.core.buckets import Buckets
     from dmq_server.db.messages import AckRow
@@ -108,9 +111,20 @@ def child(messages: int) -> dict:
         for channel, subscription, connection in pairs:
             channel.ack_held(ids, subscription)
             channel.ack_durable(ids)
-            connection.out.clear()
         push_cpu += pushed - start
         ack_cpu += time.process_time() - pushed
+        for channel, _, connection in pairs:
+            if not check:
+                connection.out.clear()
+                continue
+            # every copy pushed as its frame, every ack made a row
+            frames = FrameDecoder().feed(b"".join(connection.out))
+            if [f.message_id for f in frames] != ids or len(channel.in_flight) or any(
+                    f.command != Command.CONSUMER_PUSH or f.channel != channel.name for f in frames):
+                raise AssertionError(f"{channel.name}: the round's pushes or acks went wrong")
+            connection.out.clear()
+        if check and len(rows) != BATCH * CHANNELS:
+            raise AssertionError(f"{len(rows)} ack rows for {BATCH * CHANNELS} acks")
         rows.clear()
     gc.enable()
     copies = max(1, messages // BATCH * BATCH * CHANNELS)
