@@ -10,10 +10,10 @@ the bytes), in rounds of 100 messages pushed to every channel and then acked in 
 The durable-ack callback builds the ``AckRow`` the store's does (``ReliableStore._on_ack``).
 
 Time on a shared 2-core virtual machine drifts by a third from minute to minute, which
-hides a change of a few per cent. ``--instructions`` counts the instructions the
-interpreter runs instead (valgrind's cachegrind, Debian's ``valgrind``; two runs of
-different length, so that start-up cancels out): repeated runs of the same code agree
-within 1 % (0.8 % at most in session 18's runs), whatever else the machine does.
+hides a change of a few per cent; ``--instructions`` counts instructions instead
+(``_cost.py``: valgrind's cachegrind, repeated counts agree within 1 %).
+``message_cost.py`` measures the whole path of a message with one channel, the
+publish half included.
 
     python bench/channel_cost.py                               # this tree, 5 rounds
     python bench/channel_cost.py --tree /tmp/old --tree . --rounds 7
@@ -22,18 +22,16 @@ within 1 % (0.8 % at most in session 18's runs), whatever else the machine does.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
-import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _cost as cost  # noqa: E402
+
 CHANNELS = 4
 BATCH = 100
 
@@ -131,48 +129,8 @@ def child(messages: int, check: bool = False) -> dict:
     return {"push_ns": push_cpu / copies * 1e9, "ack_ns": ack_cpu / copies * 1e9}
 
 
-def run_child(tree: str, messages: int, valgrind: str | None = None) -> dict | int:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(HERE)]), PYTHONDONTWRITEBYTECODE="1")
-    command = [sys.executable, "-c", f"import channel_cost, json; print(json.dumps(channel_cost.child({messages})))"]
-    if valgrind:
-        command = [valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *command]
-    done = subprocess.run(command, env=env, cwd="/", capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{tree}: the measurement failed:\n{done.stderr[-3000:]}")
-    if valgrind:
-        for line in done.stderr.splitlines():
-            if "I   refs:" in line or "I refs:" in line:
-                return int(line.split(":")[1].replace(",", ""))
-        raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", help="a source tree to measure (repeat to compare; default: this one)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--messages", type=int, default=40_000, help="messages per round (each to 4 channels)")
-    parser.add_argument("--instructions", action="store_true", help="count instructions with valgrind instead")
-    args = parser.parse_args()
-    trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
-    if args.instructions:
-        valgrind = shutil.which("valgrind")
-        if valgrind is None:
-            sys.exit("--instructions needs valgrind (apt-get install valgrind)")
-        small, large = 200, 200 + min(args.messages, 4000)
-        for tree in trees:
-            extra = run_child(tree, large, valgrind) - run_child(tree, small, valgrind)  # type: ignore[operator]
-            print(f"{tree}: {extra / ((large - small) * CHANNELS):,.0f} instructions per copy (push and ack)")
-        return
-    results: dict[str, list[dict]] = {t: [] for t in trees}
-    for _ in range(args.rounds):
-        for tree in trees:  # alternated, so that a slower minute falls on every tree alike
-            results[tree].append(run_child(tree, args.messages))  # type: ignore[arg-type]
-    for tree, runs in results.items():
-        for half in ("push_ns", "ack_ns"):
-            values = [r[half] for r in runs]
-            print(f"{tree}: {half[:-3]} CPU per copy: min {min(values):,.0f} ns, median "
-                  f"{statistics.median(values):,.0f} ns  ({' '.join(f'{v:,.0f}' for v in values)})")
+    cost.main("channel_cost", __doc__, "copy (push and ack)", ("push_ns", "ack_ns"), 200, 1, CHANNELS)
 
 
 if __name__ == "__main__":
