@@ -64,9 +64,18 @@ FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
 JOIN before b ON b.topic = u.topic AND b.channel = u.channel AND b.owner = u.owner
 WHERE u.message_id > b.floor AND NOT coalesce(b.done @> u.message_id, false)"""
 NOTHING = "SELECT 1"
+# the batch row's arrays: compressed with lz4 since schema version 11, pglz before
+_ARRAYS = ("topics", "channels", "message_ids", "published_ms", "first_ms", "acked_ms", "attempts",
+           "consumers", "delivered_ms")
+
+
+def _compression(method: str) -> str:
+    return "ALTER TABLE dmq_delivery_batch " + ", ".join(f"ALTER COLUMN {c} SET COMPRESSION {method}" for c in _ARRAYS)
+
 
 VARIANTS = [
-    ("ack_deliveries as written (schema 10)", AS_WRITTEN, NOTHING),
+    ("ack_deliveries as written (schema 11, lz4)", AS_WRITTEN, _compression("lz4")),
+    ("  the same, arrays compressed with pglz (10)", AS_WRITTEN, _compression("pglz")),
     ("the cursor alone (no delivery facts)", AS_WRITTEN[:_FACTS] + "\nSELECT 1", NOTHING),
     ("a log row per ack (schema 9)", ROW_PER_ACK, ROW_LOG),
 ]
