@@ -33,7 +33,7 @@ from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Una
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published, PublishRequest, check_request
+from dmq_server.core.publish import Published, PublishRequest, check_request, stored_before
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.messages import NewMessage
@@ -246,7 +246,7 @@ class Broker:
             registered=request.topic in self.cache.reliable,
             max_msg_size=self.options.max_msg_size,
             max_delay_s=self.options.max_delay,
-            now_s=self.clock.seconds(),
+            now_s=self.clock.seconds() if request.due_ms is not None else 0.0,  # only a delay reads it
         )
         if error is not None:
             done(error)
@@ -336,11 +336,9 @@ class Broker:
         which would acknowledge a message that was never stored.
         With ``due_ms`` the message is delayed: stored in the delay table, and
         ``Published.message_id`` is the delay entry's id."""
-        if not resend:
-            done = _refusing_duplicates(done, send.producer, send.session_id)
         spec = self.cache.reliable.get(send.topic)
         if spec is not None and spec.channels:
-            self._admit(spec, send, done, due_ms)
+            self._admit(spec, send, done, due_ms, resend)
             return
 
         def refreshed(_: Any) -> None:
@@ -348,12 +346,14 @@ class Broker:
             if spec is None or not spec.channels:
                 done(NoTopic(f"topic {send.topic!r} is not registered or has no channel"))
             else:
-                self._admit(spec, send, done, due_ms)
+                self._admit(spec, send, done, due_ms, resend)
 
         self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
 
-    def _admit(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], due_ms: int | None) -> None:
-        """Rate limit, then store (delayed or not)."""
+    def _admit(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], due_ms: int | None,
+               resend: bool) -> None:
+        """Rate limit, then store (delayed or not); a stored pair refuses a send that is
+        not a ``resend``."""
         store = self.placement.store_of(spec)
         if isinstance(store, BaseException):
             done(store)
@@ -363,9 +363,9 @@ class Broker:
         if spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit):
             self._rate_limited(spec, send, done, store)
         elif due_ms is None:
-            store.store(send, done)
+            store.store(send, done, resend)
         else:
-            store.store_delayed(send, due_ms, done)
+            store.store_delayed(send, due_ms, done if resend else _refusing_duplicates(done, send))
 
     def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], store: Any) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
@@ -487,14 +487,10 @@ def _first_error(deferreds: list[Deferred]) -> Deferred:
     return gatherResults(deferreds, consumeErrors=True).addErrback(lambda f: f.value.subFailure)
 
 
-def _refusing_duplicates(done: Callable[[Any], None], producer: str, session_id: int) -> Callable[[Any], None]:
+def _refusing_duplicates(done: Callable[[Any], None], send: NewMessage) -> Callable[[Any], None]:
     def answer(outcome: Any) -> None:
         if isinstance(outcome, Published) and outcome.duplicate:
-            outcome = Invalid(
-                f"session id {session_id} of producer {producer!r} is already stored "
-                f"(message {outcome.message_id}): a new message needs a new session id, a retry "
-                "of this one must be sent as UP_PRODUCER_RESEND",
-            )
+            outcome = stored_before(send.producer, send.session_id, outcome.message_id)
         done(outcome)
 
     return answer

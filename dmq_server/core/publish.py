@@ -49,6 +49,17 @@ class Published:
     count: int = 1
 
 
+def stored_before(producer: str, session_id: int, message_id: int) -> Invalid:
+    """The answer to a plain send (not a resend) whose (producer, session id) is already
+    stored: answering it with the stored message would acknowledge a message that was
+    never stored, so it is refused."""
+    return Invalid(
+        f"session id {session_id} of producer {producer!r} is already stored "
+        f"(message {message_id}): a new message needs a new session id, a retry "
+        "of this one must be sent as UP_PRODUCER_RESEND",
+    )
+
+
 def check_request(
     request: PublishRequest, *, registered: bool, max_msg_size: int, max_delay_s: float, now_s: float
 ) -> DmqError | None:

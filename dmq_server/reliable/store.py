@@ -26,7 +26,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Invalid
-from dmq_server.core.publish import Published
+from dmq_server.core.publish import Published, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.db.errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
@@ -370,10 +370,11 @@ class ReliableStore:
         return channel
 
     # -- storing ------------------------------------------------------------
-    def store(self, send: NewMessage, done: Callable[[Any], None]) -> None:
+    def store(self, send: NewMessage, done: Callable[[Any], None], resend: bool = True) -> None:
         """Commit ``send`` with a delivery per subscribed channel, then hand it to those
         channels and call ``done`` with ``Published`` (or the ``DmqError``). Called once
-        per message: no Deferreds, one queue append."""
+        per message: no Deferreds, one queue append. A pair stored before answers a
+        ``resend`` with its stored message and refuses any other send (``stored_before``)."""
         staged_at = self.clock.seconds()
 
         def committed(stored: Any) -> None:
@@ -390,6 +391,9 @@ class ReliableStore:
                     self.writes.owner,
                 )
                 self._arrived.append((message, stored.channels))  # to its channels: _hand_on
+            elif not resend:
+                done(stored_before(send.producer, send.session_id, stored.message_id))
+                return
             done(Published(stored.message_id, stored.duplicate))
 
         self.writer.submit_cb(send, committed)

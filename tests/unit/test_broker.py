@@ -150,6 +150,22 @@ def test_a_plain_send_of_a_stored_pair_is_refused(h):
     assert isinstance(answer, Invalid) and answer.code == "E_INVALID"
     assert "UP_PRODUCER_RESEND" in answer.description
     assert len(h.db.messages) == 1
+    assert f"already stored (message {h.acknowledged[('p', 1)]})" in answer.description
+
+
+def test_a_plain_delayed_send_of_a_stored_pair_is_refused(h):
+    """The delay table's group commit refuses a stored pair as the message table's does:
+    the stored entry's id is in the refusal, and nothing is stored twice."""
+    due = int(h.clock.seconds() * 1000) + 60_000
+    h.send("orders", "p", 1, due_ms=due, resend=False)
+    h.settle()
+    first = h.answers[("p", 1)]
+    h.send("orders", "p", 1, due_ms=due, resend=False)
+    h.settle()
+    answer = h.answers[("p", 1)]
+    assert isinstance(first, Published) and isinstance(answer, Invalid) and answer.code == "E_INVALID"
+    assert f"already stored (message {first.message_id})" in answer.description
+    assert len(h.db.delayed) == 1
 
 
 def test_a_send_over_the_rate_limit_becomes_a_dead_letter(h):
