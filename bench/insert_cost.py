@@ -45,8 +45,7 @@ MESSAGE_ROWS = f"SELECT topic, producer, session_id, %(node_id)s, %(owner)s, bod
 # aggregate over the topic's channels, instead of once per topic and batch
 _HEAD = INSERT_NEW_MESSAGES[:INSERT_NEW_MESSAGES.index(", by_topic AS MATERIALIZED")]
 PER_ROW_CHANNELS = _HEAD + """
-SELECT ins.id, ins.producer, ins.session_id,
-       (extract(epoch FROM ins.published_at) * 1000)::bigint AS published_ms,
+SELECT ins.id, ins.producer, ins.session_id, (SELECT published_ms FROM stamp) AS published_ms,
        coalesce((SELECT array_agg(ch.name ORDER BY ch.name) FROM channels ch
                  WHERE ch.topic = ins.topic AND ch.start_id < ins.id), '{}') AS channels
 FROM ins"""

@@ -1,0 +1,175 @@
+"""PostgreSQL's instructions per message for the two statements on the reliable path, counted
+by valgrind: the send statement (``insert_messages`` as the writers first try it) and the
+ack statement (``ack_deliveries``), each as a source tree builds it.
+
+``insert_cost.py`` and ``ack_cost.py`` time the backend's CPU, and on this shared 2-core
+machine that time spreads by a quarter from one run to the next, which hides a change of
+a few per cent (session 19: a variant's six runs spread from 12 to 19 us a row). Here the
+postmaster runs under valgrind's cachegrind (Debian's ``valgrind``; each backend it forks
+writes its own count when it exits), so the figure is the instructions the backend ran:
+repeated runs of one tree agree within about 1 %. Each statement runs on two connections,
+one for a few batches and one for more; the difference, divided by the extra rows, leaves
+out connecting, planning and the first executions before psycopg prepares the statement,
+as the server's connections have them prepared.
+
+The database is dmq's schema as the tree migrates it, with 200,000 messages stored first
+(so that the indexes are as deep as under a retention window's worth of rows). A batch is
+200 sends from 4 producers interleaved, each counting its own session ids, as
+``bench/reliable.py``'s producers send them; an ack batch is 200 acks of one channel in
+id order, the cursor moving with them.
+
+    python bench/pg_cost.py                           # this tree
+    python bench/pg_cost.py --tree /tmp/old --tree .  # two builds, the same workload
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _cost as cost  # noqa: E402
+
+BATCH = 200
+PRODUCERS = 4
+PREFILL = 200_000
+SMALL = 5  # batches on the first connection of each statement
+
+
+def child(batches: int) -> dict:
+    """Run with the tree under test first on the path: the instructions a send and an ack
+    cost PostgreSQL over ``batches`` batches beyond the first connection's."""
+    import psycopg
+
+    from _pg import PrivatePostgres, schema_with_topic
+    from dmq_server.db.messages import AckRow, CursorProgress, NewMessage, ack_deliveries_steps, insert_messages_steps
+    from dmq_server.db.worker import connect
+
+    pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-pgcost-"))
+    counts = Path(tempfile.mkdtemp(prefix="dmq-bench-pgcost-cg-"))
+    os.chmod(counts, 0o777)  # the postmaster's user writes its counts here
+    postmaster = None
+    try:
+        dsn = pg.start()
+        schema_with_topic(dsn)
+        with connect(dsn, autocommit=True) as conn:
+            owner = conn.execute("INSERT INTO dmq_owner (node_id) VALUES ('node-1') RETURNING id").fetchone()[0]
+            conn.execute(
+                "INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
+                "SELECT 'bench', 'prefill-' || (i %% 4), i, 'node-1', %s, repeat('x', 200)::bytea "
+                "FROM generate_series(1, %s) AS i", (owner, PREFILL))
+            conn.execute("VACUUM ANALYZE")
+        embedded = pg._embedded
+        if embedded is None:
+            raise RuntimeError("pg_cost.py needs dmq's embedded PostgreSQL (dmq_server.db.embedded)")
+        pgdata, ident = embedded.pgdata, embedded._identity()
+        postgres = embedded._choose_bindir() / "postgres"
+        embedded.stop()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        postmaster = subprocess.Popen(
+            ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={counts}/cg.%p",
+             str(postgres), "-D", str(pgdata)],
+            env=env, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **ident.popen_kwargs())
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                psycopg.connect(dsn).close()
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline or postmaster.poll() is not None:
+                    raise
+                time.sleep(0.5)
+
+        def instructions(statements: list) -> int:
+            """Run ``statements`` on a new connection; the instructions its backend ran."""
+            with connect(dsn, autocommit=True) as conn:
+                conn.execute("SET synchronous_commit = off")  # CPU, not the fsync
+                pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+                for stmt in statements:
+                    cur = conn.execute(stmt.sql, stmt.params)
+                    if cur.description:
+                        cur.fetchall()
+            path = counts / f"cg.{pid}"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # written when the backend exits
+                text = path.read_text() if path.exists() else ""
+                if "summary:" in text:
+                    return int(text.split("summary:")[1].split()[0])
+                time.sleep(0.1)
+            raise RuntimeError(f"no instruction count from backend {pid}")
+
+        session = iter(range(1, 10**9))
+        stored: list[int] = []
+
+        def sends(count: int) -> list:
+            out = []
+            for _ in range(count):
+                batch = [NewMessage("bench", f"producer-{i % PRODUCERS}", 0, 1_700_000_000_000, b"x" * 200)
+                         for i in range(BATCH)]
+                for i in range(0, BATCH, PRODUCERS):  # each producer's next session ids
+                    number = next(session)
+                    for m in batch[i:i + PRODUCERS]:
+                        m.session_id = number
+                out.append(next(insert_messages_steps(batch, "node-1", owner)))
+            return out
+
+        def acks(count: int) -> list:
+            out = []
+            now = int(time.time() * 1000)
+            for _ in range(count):
+                chunk, stored[:BATCH] = stored[:BATCH], []
+                rows = [AckRow("bench", "c", i, now, now, 1, "dmq 127.0.0.1:40000", now, owner, now) for i in chunk]
+                out.append(next(ack_deliveries_steps(rows, [CursorProgress("bench", "c", owner, chunk[-1], [])])))
+            return out
+
+        def store_ids(statements: list) -> None:
+            with connect(dsn, autocommit=True) as conn:
+                for stmt in statements:
+                    stored.extend(r[0] for r in conn.execute(stmt.sql, stmt.params).fetchall())
+
+        small = instructions(sends(SMALL))
+        large = instructions(sends(SMALL + batches))
+        send = (large - small) / (batches * BATCH)
+        store_ids(sends(2 * SMALL + batches))  # the messages the acks acknowledge, in id order
+        stored.sort()
+        small = instructions(acks(SMALL))
+        large = instructions(acks(SMALL + batches))
+        ack = (large - small) / (batches * BATCH)
+        return {"send": send, "ack": ack}
+    finally:
+        if postmaster is not None:
+            postmaster.terminate()
+            try:
+                postmaster.wait(120)
+            except subprocess.TimeoutExpired:
+                postmaster.kill()
+        pg.stop()
+        shutil.rmtree(counts, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", help="a source tree to measure (repeat to compare; default: this one)")
+    parser.add_argument("--batches", type=int, default=20, help="batches of 200 beyond the first connection's")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per tree, alternated")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        sys.exit("pg_cost.py needs valgrind (apt-get install valgrind, or bash deploy/setup.sh --bench)")
+    trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
+    for _ in range(args.rounds):
+        for tree in trees:
+            result = cost.run_child("pg_cost", tree, args.batches)
+            print(f"{tree}: PostgreSQL instructions per message: send statement {result['send']:,.0f}, "  # type: ignore[index]
+                  f"ack statement {result['ack']:,.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
