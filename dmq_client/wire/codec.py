@@ -382,13 +382,27 @@ class FrameDecoder:
             # a fresh exception each time: re-raising the stored one would grow its
             # traceback with every call
             raise FrameError(self._failed.code, self._failed.message)
-        self._buffer += data
-        frames: list[Frame] = []
         buf = self._buffer
+        if buf:  # the rest of a frame begun in an earlier read
+            buf += data
+            if len(buf) < _SIZE.size:
+                return []
+            (size,) = _SIZE.unpack_from(buf, 0)
+            if MIN_FRAME_SIZE <= size <= self.max_frame_size and len(buf) < _SIZE.size + size:
+                return []  # still incomplete: appended, not copied again (a large frame's many reads)
+            data = bytes(buf)  # whole: parsed from one bytes object, as a fresh read is
+            buf.clear()
+        elif type(data) is not bytes:
+            data = bytes(data)  # frames' bodies are bytes, whatever the caller read into
+        # else parse ``data`` itself: each frame's bytes are sliced from it once, where a
+        # buffer would copy every read in and every frame out twice (a read of one
+        # frame is the common case for a paced producer)
+        frames: list[Frame] = []
         offset = 0
+        n = len(data)
         try:
-            while len(buf) - offset >= _SIZE.size:
-                (size,) = _SIZE.unpack_from(buf, offset)
+            while n - offset >= _SIZE.size:
+                (size,) = _SIZE.unpack_from(data, offset)
                 if size > self.max_frame_size:
                     raise FrameError(
                         "E_FRAME_TOO_LARGE",
@@ -399,16 +413,16 @@ class FrameDecoder:
                         "E_BAD_FRAME", f"frame of {size} bytes is shorter than {MIN_FRAME_SIZE}"
                     )
                 end = offset + _SIZE.size + size
-                if len(buf) < end:
+                if n < end:
                     break
-                frames.append(_decode_payload(bytes(buf[offset + _SIZE.size : end])))
+                frames.append(_decode_payload(data[offset + _SIZE.size : end]))
                 offset = end
         except FrameError as exc:
             self._failed = exc
             self._buffer = bytearray()
             raise
-        if offset:
-            del buf[:offset]
+        if offset < n:
+            buf += data[offset:] if offset else data  # an incomplete frame waits for the next read
         return frames
 
 

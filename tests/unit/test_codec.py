@@ -162,6 +162,21 @@ def test_frame_stream_round_trips_however_it_is_chunked(data):
 
 
 @FAST
+@given(small_frames, st.integers(0, 3))
+def test_frames_read_into_any_buffer_type_have_bytes_bodies(frame, kind):
+    """Whatever a reader hands over (bytes, a bytearray, a memoryview, or a read that
+    completes a buffered frame), a frame's body is bytes, equal to the one sent."""
+    encoded = encode(frame)
+    decoder = FrameDecoder()
+    if kind == 3:
+        assert decoder.feed(encoded[:3]) == []
+        (got,) = decoder.feed(bytearray(encoded[3:]))
+    else:
+        (got,) = decoder.feed((bytes, bytearray, memoryview)[kind](encoded))
+    assert type(got.body) is bytes and got == frame
+
+
+@FAST
 @given(small_frames, st.data())
 def test_truncated_stream_waits_then_completes(frame, data):
     """A frame missing its tail yields nothing and buffers exactly what arrived;
