@@ -314,6 +314,39 @@ def apt_get_install(package: str, log: Any = print) -> None:
 
 
 
+def reference_loop_ns(rounds: int = 5, iterations: int = 20_000) -> float:
+    """The machine's speed as a fixed pure-Python workload: ns per iteration of a loop of
+    the kinds of work dmq-server's hot path does (a dict, a small object, struct, a bytes
+    join), the fastest of ``rounds``. The same code on every run and every tree, so two
+    runs' figures say how fast the machine was, not what changed in dmq: on this shared
+    VM the same build's CPU per message differs by half between days (session 19)."""
+    import struct
+
+    pack = struct.Struct(">IHqq").pack
+
+    class Item:
+        __slots__ = ("key", "value")
+
+        def __init__(self, key: int, value: bytes) -> None:
+            self.key, self.value = key, value
+
+    body = b"x" * 200
+    best = float("inf")
+    for _ in range(rounds):
+        table: dict[int, Item] = {}
+        out: list[bytes] = []
+        start = time.process_time()
+        for i in range(iterations):
+            item = Item(i, body)
+            table[i & 1023] = item
+            out.append(pack(i & 0xFFFF, 1, i, item.key) + item.value)
+            if len(out) == 64:
+                b"".join(out)
+                out.clear()
+        best = min(best, time.process_time() - start)
+    return best / iterations * 1e9
+
+
 def machine_info() -> dict:
     model = "unknown"
     try:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 import _dmq_load  # noqa: E402
 from _common import (  # noqa: E402
     RssSampler,
+    reference_loop_ns,
     Scraper,
     StartedServer,
     cpu_seconds,
@@ -1230,6 +1231,9 @@ class Bench:
         print(f"  machine: {info['nproc']} cores, {info['cpu_model']}, {info['mem_total_gb']} GB RAM, "
               f"Linux {info['kernel']}, Python {self.results['meta']['python']}")
         print(f"  kernel writeback: {writeback_text(info['writeback'])} (docs/operations.md)")
+        speed = self.results["meta"]["reference_loop_ns"] = [round(reference_loop_ns(7, 50_000), 1)]
+        print(f"  machine speed: reference loop {speed[0]:.0f} ns (bench/_common.py reference_loop_ns: the same "
+              "pure-Python work in every run; compare runs' CPU per message only at similar speeds)")
         print(f"  scenarios: {', '.join(wanted)}{'  (--quick)' if a.quick else ''}", flush=True)
         try:
             dmq_scenarios = [s for s in wanted if s not in PEERS]
@@ -1448,6 +1452,11 @@ class Bench:
             print(f"  background: other processes on this machine (not part of the benchmark) used on average "
                   f"{background:.0f}% of one core during the load scenarios (of {100 * (os.cpu_count() or 1)}%"
                   f" available);{' the figures are lower than on an idle machine.' if background > 20 else ''}")
+        speed = r.get("meta", {}).get("reference_loop_ns")
+        if speed:
+            speed.append(round(reference_loop_ns(7, 50_000), 1))
+            print(f"  machine speed: reference loop {speed[0]:.0f} ns before the scenarios, {speed[-1]:.0f} ns after "
+                  "(lower is faster; the same code on every run)")
         stolen = stolen_share(r)
         if stolen is not None:
             r["stolen_by_hypervisor_pct"] = stolen
