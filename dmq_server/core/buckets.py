@@ -46,6 +46,13 @@ class Buckets:
         self.total += value
         self.count += 1
 
+    def observe_many(self, value: float, times: int) -> None:
+        """``observe(value)`` ``times`` times (copies published by one commit and pushed
+        in one turn share their latency)."""
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.total += value * times
+        self.count += times
+
     def snapshot(self) -> tuple[list[tuple[str, int]], float]:
         """``([(le, cumulative count), ..., ("+Inf", count)], sum)``, as Prometheus
         writes a histogram."""

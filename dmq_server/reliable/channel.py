@@ -192,25 +192,49 @@ class ReliableChannel:
             self.closed or self.loading or self.backlog or self.ready or self.paused or self.held
             or self.max_attempts is not None or (self.gate is not None and not self.gate())
         ):
-            known, consumers, start_flight = self.known, self.consumers, self._start_flight
-            for message in rest:
-                mid = message.message_id
-                if mid in known:
-                    continue
-                for _ in range(len(consumers)):
-                    consumer = consumers[0]
-                    consumers.rotate(-1)
-                    if consumer.in_flight < consumer.credit:
+            # every copy here is a first attempt pushed in this reactor turn: what
+            # _start_flight computes from the clock is computed once, and the delivery
+            # latency is counted once per run of copies published by one commit
+            now = self.clock.seconds()
+            now_ms, deadline = int(now * 1000), now + self.msg_timeout
+            known, consumers, in_flight = self.known, self.consumers, self.in_flight
+            set_deadline = self._deadlines.set
+            latency = self.deliver_latency
+            published, same = 0, 0  # the current run of one published_ms, and its length
+            pushed = 0
+            try:
+                for message in rest:
+                    mid = message.message_id
+                    if mid in known:
+                        continue
+                    for _ in range(len(consumers)):
+                        consumer = consumers[0]
+                        consumers.rotate(-1)
+                        if consumer.in_flight < consumer.credit:
+                            break
+                    else:  # nobody has credit: this one, and the rest, wait in ready
+                        self.add(message)
                         break
-                else:  # nobody has credit: this one, and the rest, wait in ready
-                    self.add(message)
-                    break
-                self.message_count += 1
-                if mid > self.cursor:  # nothing older waits in PostgreSQL (see add)
-                    self.cursor = mid
-                known.add(mid)
-                # a push only queues bytes for the connection: nothing checked above changes
-                start_flight(Delivery(message), consumer)
+                    if mid > self.cursor:  # nothing older waits in PostgreSQL (see add)
+                        self.cursor = mid
+                    known.add(mid)
+                    delivery = Delivery(message, 1, now_ms, consumer, deadline, now)
+                    in_flight[mid] = delivery
+                    set_deadline(mid, deadline)
+                    consumer.in_flight += 1
+                    pushed += 1
+                    if latency is not None and message.published_ms != published:
+                        if same:
+                            latency.observe_many(now - published / 1000.0, same)
+                        published, same = message.published_ms, 0
+                    same += 1
+                    # a push only queues bytes for the connection: nothing checked above changes
+                    consumer.push(self, delivery)
+            finally:  # as _start_flight counts: before a push that may raise
+                self.message_count += pushed
+                self.delivery_count += pushed
+                if latency is not None and same:
+                    latency.observe_many(now - published / 1000.0, same)
         for message in rest:
             self.add(message)
 

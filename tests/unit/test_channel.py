@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
+from dmq_server.core.buckets import DELIVERY_SECONDS, Buckets
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.db.messages import BacklogRow
 
@@ -952,21 +953,31 @@ def test_every_stored_message_is_delivered_exactly_once(
     ids=st.lists(st.integers(1, 14), min_size=1, max_size=10),
     mem_queue_size=st.integers(1, 6),
     state=st.sampled_from(["", "held", "paused", "gate closed", "max_attempts"]),
+    commits=st.integers(1, 3),
 )
 def test_add_many_does_what_add_does_for_each_copy(
-    credits: list[int], earlier: list[int], ids: list[int], mem_queue_size: int, state: str
+    credits: list[int], earlier: list[int], ids: list[int], mem_queue_size: int, state: str, commits: int
 ) -> None:
     """A group commit's copies in one call end where adding them one by one ends:
     the same pushes to the same consumers, the same ready queue, cursor, backlog and
-    loads, whatever the credit (running out mid-batch), the ids already known, and the
-    channel's state."""
+    loads, the same deliveries in flight (attempt, times, deadline, consumer), counters
+    and delivery-latency histogram, whatever the credit (running out mid-batch), the ids
+    already known, the channel's state, and how many commits' publish times the batch
+    holds (one latency per run of copies of one commit)."""
+
+    def stamped(mid: int) -> ReliableMessage:
+        m = message(mid)
+        m.published_ms = 1_000 + 700 * (mid % commits)
+        return m
 
     def run(many: bool) -> tuple:
         h = Harness(mem_queue_size=mem_queue_size)
+        h.clock.advance(3.25)
         consumers = [FakeConsumer(f"c{i}", credit) for i, credit in enumerate(credits)]
         channel = h.start(*consumers) if consumers else h.channel
+        channel.deliver_latency = latency = Buckets(DELIVERY_SECONDS)
         for mid in earlier:
-            channel.add(message(mid))
+            channel.add(stamped(mid))
         if state == "held":
             channel.held = True
         elif state == "paused":
@@ -975,21 +986,27 @@ def test_add_many_does_what_add_does_for_each_copy(
             channel.gate = lambda: False
         elif state == "max_attempts":
             channel.max_attempts = 3
-        batch = [message(mid) for mid in ids]
+        h.clock.advance(0.5)  # the batch's commit, later than the earlier copies'
+        batch = [stamped(mid) for mid in ids]
         if many:
             channel.add_many(batch)
         else:
             for m in batch:
                 channel.add(m)
+        counts, total = latency.snapshot()
         return (
             [c.ids for c in consumers],
             [d.message.message_id for d in channel.ready],
-            sorted(channel.in_flight),
+            sorted((mid, d.attempts, d.first_delivered_ms, d.deadline, d.delivered_at, d.consumer.name)
+                   for mid, d in channel.in_flight.items()),
             channel.cursor,
             channel.backlog,
             channel.message_count,
+            channel.delivery_count,
             h.loads,
             [c.in_flight for c in consumers],
+            counts,
+            round(total, 9),  # value * n and n additions of value may differ in the last bit
         )
 
     assert run(True) == run(False)
