@@ -281,6 +281,11 @@ class SendReplyEncoder:
                      producer=producer, status=status))
 
 
+# the command as a plain int: struct packs an IntEnum member through __index__, which
+# cost a push 130 of its 340 ns (timeit)
+_CONSUMER_PUSH = int(Command.CONSUMER_PUSH)
+
+
 class PushEncoder:
     """The server's CONSUMER_PUSH, byte for byte what ``encode`` makes of
     ``Frame(CONSUMER_PUSH, session_id=..., message_id=..., topic=..., channel=...,
@@ -313,7 +318,7 @@ class PushEncoder:
         try:
             if size > 0xFFFFFFFF:
                 raise struct.error
-            head = self._HEAD.pack(size, Command.CONSUMER_PUSH, 0, attempts, 0, session_id, message_id,
+            head = self._HEAD.pack(size, _CONSUMER_PUSH, 0, attempts, 0, session_id, message_id,
                                    timestamp_ms, 0)
         except struct.error:
             self._refuse(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body)
