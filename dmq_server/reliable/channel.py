@@ -76,7 +76,7 @@ class ReliableChannel:
         msg_timeout: float,
         mem_queue_size: int,
         load: Callable[["ReliableChannel", int, int], None],
-        on_ack: Callable[["ReliableChannel", Delivery, int], None],
+        on_acks: Callable[["ReliableChannel", list[Delivery], int, Any], None],
         max_attempts: int | None = None,
         on_attempt: Callable[["ReliableChannel", Delivery], None] | None = None,
         on_exhausted: Callable[["ReliableChannel", Delivery], None] | None = None,
@@ -89,7 +89,9 @@ class ReliableChannel:
         self.msg_timeout = msg_timeout
         self.mem_queue_size = mem_queue_size
         self._load = load
-        self._on_ack = on_ack
+        # ``on_acks(channel, deliveries, acked_ms, consumer)``: the copies one ``ack_held``
+        # call acknowledged, once per call (the store makes their durable-ack rows)
+        self._on_acks = on_acks
         # the topic's max delivery attempts (None = unlimited): a copy that comes back
         # after that many goes to ``on_exhausted`` (a dead letter) instead of a consumer;
         # ``on_attempt`` records redeliveries so the count survives a restart
@@ -504,31 +506,36 @@ class ReliableChannel:
         the credit they freed in one pump; returns how many were refused
         (``owner_error``'s cases).
 
-        Each copy leaves flight counted, its deadline dropped, its ack on its way to
-        the store (``on_ack`` sees the consumer that held it: the ack's row names it),
-        its consumer's credit freed. It stays in ``known`` until the durable ack
-        commits, so a load cannot resurrect it. One loop with its lookups hoisted: it
-        runs once per acknowledged copy (bench/channel_cost.py)."""
+        Each copy leaves flight counted, its deadline dropped, its consumer's credit
+        freed; the copies go to the store in one ``on_acks`` call, which makes their
+        durable-ack rows (the consumer that held them is named in each). A copy stays in
+        ``known`` until the durable ack commits, so a load cannot resurrect it. One loop
+        with its lookups hoisted: it runs once per acknowledged copy
+        (bench/channel_cost.py)."""
         in_flight, deferred, finishing = self.in_flight, self.deferred, self.finishing
-        forget_deadline, on_ack = self._deadlines.discard, self._on_ack
+        forget_deadline = self._deadlines.discard
         now_ms = int(self.clock.seconds() * 1000)
-        refused = acked = 0
+        refused = 0
+        acked: list[Delivery] = []
         for message_id in message_ids:
             delivery = in_flight.get(message_id)
             if delivery is None or delivery.consumer is not consumer:
                 refused += 1
                 continue
             del in_flight[message_id]
-            acked += 1
+            acked.append(delivery)
             if deferred:
                 deferred.discard(message_id)
             forget_deadline(message_id)
             finishing[message_id] = delivery.message.owner
-            on_ack(self, delivery, now_ms)
+        if acked:
+            self.ack_count += len(acked)
             if consumer is not None:
-                consumer.in_flight -= 1
-                delivery.consumer = None
-        self.ack_count += acked
+                consumer.in_flight -= len(acked)
+            self._on_acks(self, acked, now_ms, consumer)
+            if consumer is not None:
+                for delivery in acked:
+                    delivery.consumer = None
         self.pump()
         return refused
 

@@ -356,7 +356,7 @@ class ReliableStore:
                 msg_timeout=timeout,
                 mem_queue_size=self.options.mem_queue_size,
                 load=self._load,
-                on_ack=self._on_ack,
+                on_acks=self._on_acks,
                 max_attempts=spec.max_attempts if spec else None,
                 on_attempt=self.dead_letters.on_attempt,
                 on_exhausted=self.dead_letters.on_exhausted,
@@ -483,24 +483,20 @@ class ReliableStore:
             return sum(1 for _ in message_ids)
         return channel.ack_held(message_ids, consumer)
 
-    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
-        message = delivery.message
-        self.acker.add(
-            AckRow(
-                channel.topic,
-                channel.name,
-                message.message_id,
-                delivery.first_delivered_ms,
-                acked_ms,
-                delivery.attempts,
-                getattr(delivery.consumer, "name", ""),
-                int(delivery.delivered_at * 1000),
-                message.owner,
-                message.published_ms,
-                # attempts were kept for it (dead_letters.on_attempt) only in these cases
-                delivery.attempts > 1 or channel.max_attempts is not None,
-            )
-        )
+    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Any) -> None:
+        """The durable-ack rows of the copies one ``ack_held`` call acknowledged, to the
+        acker in one call: what the copies share (channel, consumer, the topic's
+        max_attempts) is read once."""
+        topic, name = channel.topic, channel.name
+        who = getattr(consumer, "name", "")
+        # attempts were kept for a copy (dead_letters.on_attempt) only if it was delivered
+        # again, or the topic counts attempts
+        counted = channel.max_attempts is not None
+        self.acker.add_many([
+            AckRow(topic, name, d.message.message_id, d.first_delivered_ms, acked_ms, d.attempts, who,
+                   int(d.delivered_at * 1000), d.message.owner, d.message.published_ms, counted or d.attempts > 1)
+            for d in deliveries
+        ])
 
     def _ack_progress(self, batch: list[AckRow]) -> tuple[list[CursorProgress], str]:
         """For each (channel, owner) of a batch of acks about to be made durable, what

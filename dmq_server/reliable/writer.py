@@ -19,6 +19,11 @@ that nothing arrived.
 retried (with a growing pause) until PostgreSQL answers again, because the
 consumer has already been told nothing, and losing the ack would only cause a
 redelivery after a restart.
+
+Why one long module: both batchers decide what a failed transaction means for the
+items in it (refused input halved, an unknown outcome re-read, a durable ack retried
+with backoff), and those rules must be read side by side to see that every item is
+either answered or tried again, never dropped.
 """
 
 from __future__ import annotations
@@ -301,6 +306,16 @@ class RetryingBatcher:
     def add(self, item: Any) -> None:
         self._queue.append(item)
         if self._busy or self._retry:
+            return
+        if len(self._queue) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = self.clock.callLater(self.interval, self._flush)
+
+    def add_many(self, items: list) -> None:
+        """``add`` of each, with the flush decided once."""
+        self._queue += items
+        if self._busy or self._retry or not items:
             return
         if len(self._queue) >= self.max_batch:
             self._flush()

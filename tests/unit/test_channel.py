@@ -84,18 +84,16 @@ class Harness:
             msg_timeout=TIMEOUT,
             mem_queue_size=self.mem_queue_size,
             load=self._load,
-            on_ack=self._on_ack,
+            on_acks=self._on_acks,
         )
 
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         assert channel is self.channel
         self.loads.append((after, limit))
 
-    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
+    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: object) -> None:
         assert channel is self.channel
-        self.acks.append(
-            (delivery.message.message_id, delivery.attempts, delivery.first_delivered_ms, acked_ms)
-        )
+        self.acks.extend((d.message.message_id, d.attempts, d.first_delivered_ms, acked_ms) for d in deliveries)
 
     def start(self, *consumers: FakeConsumer) -> ReliableChannel:
         """Subscribe consumers and answer the first backlog load with an empty table."""
@@ -325,7 +323,7 @@ def test_subscribing_twice_does_not_double_the_share() -> None:
 
 # -- acks ----------------------------------------------------------------
 def test_ack_removes_from_flight_reports_and_frees_credit() -> None:
-    """ack() takes the copy out of flight, reports it to on_ack with its attempts and
+    """ack() takes the copy out of flight, reports it to on_acks with its attempts and
     times, and the freed credit pulls the next ready copy."""
     h = Harness()
     h.clock.advance(2.0)
@@ -775,7 +773,7 @@ class World:
             msg_timeout=TIMEOUT,
             mem_queue_size=mem_queue_size,
             load=self._load,
-            on_ack=self._on_ack,
+            on_acks=self._on_acks,
         )
         for consumer in self.consumers:
             self.channel.subscribe(consumer)
@@ -784,8 +782,8 @@ class World:
         assert self.request is None, "a second load was issued while one is outstanding"
         self.request = (after, limit)
 
-    def _on_ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
-        self.acked.append(delivery.message.message_id)
+    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: object) -> None:
+        self.acked.extend(d.message.message_id for d in deliveries)
 
     # -- which steps can happen now -------------------------------------------
     def possible(self) -> list[str]:

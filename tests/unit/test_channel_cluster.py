@@ -30,7 +30,7 @@ def make(mem: int = 10) -> tuple[ReliableChannel, list[tuple[int, int]]]:
         msg_timeout=10.0,
         mem_queue_size=mem,
         load=lambda ch, after, limit: loads.append((after, limit)),
-        on_ack=lambda ch, d, ms: None,
+        on_acks=lambda ch, ds, ms, who: None,
     )
     return channel, loads
 

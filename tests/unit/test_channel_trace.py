@@ -26,15 +26,16 @@ class Recorder:
         self.channel = ReliableChannel(
             "orders", "billing", clock=self.clock, msg_timeout=MSG_TIMEOUT, mem_queue_size=100,
             load=lambda channel, after, limit: channel.loaded([], limit),
-            on_ack=self._ack, on_return=self._returned, deliver_latency=self.latency,
+            on_acks=self._acks, on_return=self._returned, deliver_latency=self.latency,
         )
 
     def _returned(self, channel: ReliableChannel, delivery: Delivery, reason: str) -> None:
         self.returns.append((delivery.message.message_id, reason, delivery.consumer.name,
                              delivery.attempts, delivery.delivered_at))
 
-    def _ack(self, channel: ReliableChannel, delivery: Delivery, acked_ms: int) -> None:
-        self.acks.append((delivery.message.message_id, delivery.consumer.name, delivery.delivered_at))
+    def _acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: object) -> None:
+        for delivery in deliveries:  # the consumer that held it is still named on it
+            self.acks.append((delivery.message.message_id, delivery.consumer.name, delivery.delivered_at))
 
 
 def test_each_return_is_reported_with_its_reason_and_the_consumer_that_held_it() -> None:

@@ -49,7 +49,7 @@ def channel_with(*ids: int, credit: int = 1000, mem: int = 100) -> tuple[Reliabl
     ch = ReliableChannel(
         "orders", "billing", clock=Clock(), msg_timeout=30.0, mem_queue_size=mem,
         load=lambda c, after, limit: None,
-        on_ack=lambda c, d, ms: acks.append(d.message.message_id),
+        on_acks=lambda c, ds, ms, who: acks.extend(d.message.message_id for d in ds),
     )
     consumer = Consumer(credit)
     ch.subscribe(consumer)
@@ -182,7 +182,7 @@ class World:
         self.writes = OwnWrites(OWNER)
         self.channel = ReliableChannel(
             "orders", "billing", clock=Clock(), msg_timeout=30.0, mem_queue_size=4,
-            load=self._load, on_ack=lambda c, d, ms: self.ack_queue.append(d.message.message_id),
+            load=self._load, on_acks=lambda c, ds, ms, who: self.ack_queue.extend(d.message.message_id for d in ds),
         )
         self.consumers = [Consumer(credit=2), Consumer(credit=3)]
         for consumer in self.consumers:

@@ -78,7 +78,7 @@ def make_channel(clock: Clock, **kw) -> tuple[ReliableChannel, list, list, list]
         msg_timeout=1.0,
         mem_queue_size=100,
         load=lambda ch, after, limit: ch.loaded([], limit),
-        on_ack=lambda ch, d, ms: acks.append(d.message.message_id),
+        on_acks=lambda ch, ds, ms, who: acks.extend(d.message.message_id for d in ds),
         on_attempt=lambda ch, d: attempts.append((d.message.message_id, d.attempts)),
         on_exhausted=lambda ch, d: exhausted.append((d.message.message_id, d.attempts)),
         **kw,
@@ -159,7 +159,7 @@ def test_drop_during_a_load_keeps_the_loaded_copy_out():
     loads: list = []
     channel = ReliableChannel(
         "t", "c", clock=clock, msg_timeout=1.0, mem_queue_size=100,
-        load=lambda ch, after, limit: loads.append(limit), on_ack=lambda ch, d, ms: None,
+        load=lambda ch, after, limit: loads.append(limit), on_acks=lambda ch, ds, ms, who: None,
     )
     consumer = Consumer()
     channel.subscribe(consumer)  # starts a load

@@ -62,7 +62,7 @@ class FakeBroker(Broker):
             msg_timeout=30.0,
             mem_queue_size=100,
             load=lambda c, after, limit: c.loaded([], limit),
-            on_ack=lambda c, d, ms: self.acked.append(d.message.message_id),
+            on_acks=lambda c, ds, ms, who: self.acked.extend(d.message.message_id for d in ds),
         )
         self.channels[(topic, channel)] = ch
         return ch

@@ -529,6 +529,25 @@ def test_acks_arriving_during_a_flush_follow_in_the_next_batch() -> None:
     assert acker.acked == 7
 
 
+def test_acks_added_together_are_batched_as_acks_added_one_by_one() -> None:
+    """``add_many`` (one ack_held call's rows) waits for the interval below max_batch,
+    flushes at once from max_batch on, never sends more than max_batch in one
+    transaction, and queues behind a transaction in flight: the batches ``add`` makes."""
+    batches = []
+    for together in (False, True):
+        acker, worker, clock, _ = make_acker(max_batch=3, interval=0.01)
+        add = acker.add_many if together else (lambda rows: [acker.add(row) for row in rows])
+        for group in ([1, 2], [3, 4, 5, 6, 7], [8]):
+            add([ack_row(mid) for mid in group])
+        acker.add_many([])  # nothing: no flush, no timer of its own
+        while worker.calls and not worker.last.deferred.called:
+            worker.last.commit(None)
+            clock.advance(1.0)
+        batches.append([ack_ids(c) for c in worker.calls])
+        assert acker.acked == 8 and acker.pending == 0
+    assert batches[0] == batches[1] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+
+
 def test_failed_batch_is_retried_after_a_growing_backoff_without_losing_rows() -> None:
     """A failed ack transaction is retried after 0.1 s, then 0.2 s, ..., with its rows
     first and newer acks behind them; the consumer already moved on, so nothing is dropped."""
