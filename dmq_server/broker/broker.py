@@ -33,7 +33,7 @@ from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Una
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published, PublishRequest, check_request, stored_before
+from dmq_server.core.publish import Published, PublishRequest, check_request
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.messages import NewMessage
@@ -365,7 +365,7 @@ class Broker:
         elif due_ms is None:
             store.store(send, done, resend)
         else:
-            store.store_delayed(send, due_ms, done if resend else _refusing_duplicates(done, send))
+            store.store_delayed(send, due_ms, done, resend)
 
     def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], store: Any) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
@@ -485,12 +485,3 @@ class Broker:
 def _first_error(deferreds: list[Deferred]) -> Deferred:
     """Every result, or the first failure itself (not wrapped)."""
     return gatherResults(deferreds, consumeErrors=True).addErrback(lambda f: f.value.subFailure)
-
-
-def _refusing_duplicates(done: Callable[[Any], None], send: NewMessage) -> Callable[[Any], None]:
-    def answer(outcome: Any) -> None:
-        if isinstance(outcome, Published) and outcome.duplicate:
-            outcome = stored_before(send.producer, send.session_id, outcome.message_id)
-        done(outcome)
-
-    return answer

@@ -424,9 +424,10 @@ class ReliableStore:
                 channel = self.channel(*key)
             channel.add_many(messages)
 
-    def store_delayed(self, send: NewMessage, due_ms: int, done: Callable[[Any], None]) -> None:
+    def store_delayed(self, send: NewMessage, due_ms: int, done: Callable[[Any], None], resend: bool = True) -> None:
         """Commit ``send`` into the delay table; ``Published.message_id`` is the delay
-        entry's id. The delay scheduler moves it to the channels when due."""
+        entry's id. The delay scheduler moves it to the channels when due. A stored pair
+        is answered or refused as in ``store``."""
         delays = self.delays
         fragment = delays.pick_fragment() if delays is not None else 1
 
@@ -438,6 +439,9 @@ class ReliableStore:
                 self.delayed_count += 1
                 if delays is not None:
                     delays.notify([stored])
+            elif not resend:
+                done(stored_before(send.producer, send.session_id, stored.message_id))
+                return
             done(Published(stored.message_id, stored.duplicate))
 
         item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body)
