@@ -74,7 +74,7 @@ def child(messages: int, check: bool = False) -> dict:
         def execute(self, stmt):  # type: ignore[override]
             if stmt.name == "ack_deliveries":
                 self.acks += len(stmt.params["message_ids"])
-                return 0
+                return []
             return super().execute(stmt)
 
     class Writer:

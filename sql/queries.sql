@@ -153,7 +153,13 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
 -- Make a batch of acknowledgements durable. The acker's node, which holds the copies in
 -- memory, proposes for each (topic, channel, owner) a floor and the ranges it knows to be
 -- done (the acknowledged copies among them): both are merged into the cursor, never
--- taken back (a floor only rises, done ranges only grow). Each acknowledged copy that
+-- taken back (a floor only rises, done ranges only grow). In a cluster (``fenced``) only
+-- a cursor the proposing node still holds moves: a node frozen past its ZooKeeper
+-- session wakes with acks queued (or unread in its sockets) for copies another node has
+-- taken over and may not have pushed yet; applied, they would make that node's next push
+-- a delivery after a durable ack (the chaos suite's node-pause counted one). The holder
+-- is checked on the row as locked, so a claim and an ack are ordered either way. The
+-- statement returns the cursors it did not move; their acks are not logged either. Each acknowledged copy that
 -- was not done before is logged once, with the consumer that acknowledged it and when
 -- that delivery was pushed (the message trace); attempts kept for a copy go with it.
 -- The facts are one dmq_delivery_batch row of parallel arrays (schema version 10): when
@@ -188,18 +194,24 @@ WITH cursors AS (
     SET floor = greatest(c.floor, EXCLUDED.floor),
         done = (c.done + EXCLUDED.done)
                - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]'))
+    WHERE NOT %(fenced)s::boolean OR c.holder = EXCLUDED.holder
+    RETURNING topic, channel, owner
 ), cleared AS (
     DELETE FROM dmq_attempts a
-    USING unnest(%(c_topics)b::text[], %(c_channels)b::text[], %(c_ids)b::bigint[]) AS u(topic, channel, message_id)
+    USING unnest(%(c_topics)b::text[], %(c_channels)b::text[], %(c_owners)b::integer[], %(c_ids)b::bigint[])
+          AS u(topic, channel, owner, message_id)
+    JOIN saved s ON s.topic = u.topic AND s.channel = u.channel AND s.owner = u.owner
     WHERE a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
 ), before AS MATERIALIZED (
-    -- each cursor of the batch as it was before this statement (its own changes are not
-    -- visible here), with its acks' lowest and highest id and their number; a channel no
-    -- longer registered has no row, so its acks are not logged
+    -- each cursor the batch moved as it was before this statement (its own changes are
+    -- not visible here), with its acks' lowest and highest id and their number; a channel
+    -- no longer registered, or a cursor held by another node, has no row, so its acks are
+    -- not logged
     SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor, c.done, k.low, k.high, k.acks
     FROM unnest(%(g_topics)b::text[], %(g_channels)b::text[], %(g_owners)b::integer[],
                 %(g_low)b::bigint[], %(g_high)b::bigint[], %(g_acks)b::bigint[])
          AS k(topic, channel, owner, low, high, acks)
+    JOIN saved s ON s.topic = k.topic AND s.channel = k.channel AND s.owner = k.owner
     JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
     LEFT JOIN dmq_cursor c ON c.topic = k.topic AND c.channel = k.channel AND c.owner = k.owner
 ), batch AS MATERIALIZED (
@@ -209,33 +221,39 @@ WITH cursors AS (
            coalesce((SELECT sum(acks) = cardinality(%(message_ids)b::bigint[])
                             AND bool_and(low > floor AND NOT coalesce(done && int8range(low, high, '[]'), false))
                      FROM before), false) AS all_new
+), logged AS (
+    INSERT INTO dmq_delivery_batch (id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids,
+                                    published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms)
+    SELECT b.id, b.id << 20, to_timestamp(%(last_acked_ms)s::bigint / 1000.0), %(low_id)s::bigint, %(high_id)s::bigint,
+           %(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[], %(published_ms)b::bigint[],
+           %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[],
+           %(delivered_ms)b::bigint[]
+    FROM batch b
+    WHERE b.all_new
+    UNION ALL
+    -- some ack was done before (a repeat), its channel is gone or its cursor is held by
+    -- another node: the others, one by one
+    -- (the uncorrelated condition is checked once, before anything here is unnested)
+    SELECT (SELECT id FROM batch), (SELECT id FROM batch) << 20, to_timestamp(max(u.acked_ms) / 1000.0),
+           min(u.message_id), max(u.message_id),
+           array_agg(u.topic ORDER BY u.n), array_agg(u.channel ORDER BY u.n), array_agg(u.message_id ORDER BY u.n),
+           array_agg(u.published_ms ORDER BY u.n), array_agg(u.first_ms ORDER BY u.n),
+           array_agg(u.acked_ms ORDER BY u.n), array_agg(u.attempts ORDER BY u.n),
+           array_agg(u.consumer ORDER BY u.n), array_agg(u.delivered_ms ORDER BY u.n)
+    FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
+                %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
+                %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[], %(delivered_ms)b::bigint[])
+         WITH ORDINALITY AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts,
+                              consumer, delivered_ms, n)
+    JOIN before k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
+    WHERE NOT (SELECT all_new FROM batch)
+      AND u.message_id > k.floor AND NOT coalesce(k.done @> u.message_id, false)
+    HAVING count(*) > 0
 )
-INSERT INTO dmq_delivery_batch (id, first_fact, acked_at, low_id, high_id, topics, channels, message_ids,
-                                published_ms, first_ms, acked_ms, attempts, consumers, delivered_ms)
-SELECT b.id, b.id << 20, to_timestamp(%(last_acked_ms)s::bigint / 1000.0), %(low_id)s::bigint, %(high_id)s::bigint,
-       %(topics)b::text[], %(channels)b::text[], %(message_ids)b::bigint[], %(published_ms)b::bigint[],
-       %(first_ms)b::bigint[], %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[],
-       %(delivered_ms)b::bigint[]
-FROM batch b
-WHERE b.all_new
-UNION ALL
--- some ack was done before (a repeat) or its channel is gone: the others, one by one
--- (the uncorrelated condition is checked once, before anything here is unnested)
-SELECT (SELECT id FROM batch), (SELECT id FROM batch) << 20, to_timestamp(max(u.acked_ms) / 1000.0),
-       min(u.message_id), max(u.message_id),
-       array_agg(u.topic ORDER BY u.n), array_agg(u.channel ORDER BY u.n), array_agg(u.message_id ORDER BY u.n),
-       array_agg(u.published_ms ORDER BY u.n), array_agg(u.first_ms ORDER BY u.n),
-       array_agg(u.acked_ms ORDER BY u.n), array_agg(u.attempts ORDER BY u.n),
-       array_agg(u.consumer ORDER BY u.n), array_agg(u.delivered_ms ORDER BY u.n)
-FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
-            %(message_ids)b::bigint[], %(published_ms)b::bigint[], %(first_ms)b::bigint[],
-            %(acked_ms)b::bigint[], %(attempts)b::integer[], %(consumers)b::text[], %(delivered_ms)b::bigint[])
-     WITH ORDINALITY AS u(topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts,
-                          consumer, delivered_ms, n)
-JOIN before k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
-WHERE NOT (SELECT all_new FROM batch)
-  AND u.message_id > k.floor AND NOT coalesce(k.done @> u.message_id, false)
-HAVING count(*) > 0;
+-- the cursors another node holds (nearly always none)
+SELECT p.topic, p.channel, p.owner FROM proposed p
+WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE s.topic = p.topic AND s.channel = p.channel AND s.owner = p.owner)
+ORDER BY p.topic, p.channel, p.owner;
 
 -- name: load_backlog
 -- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one

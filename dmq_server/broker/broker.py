@@ -470,6 +470,7 @@ class Broker:
             "acks": {
                 "pending": sum(c["acks"]["pending"] for c in stores),
                 "durable": sum(c["acks"]["durable"] for c in stores),
+                "fenced": sum(c["acks"]["fenced"] for c in stores),
                 "refused": self.acks_refused,
             },
             "delayed": sum(c["delayed"] for c in stores),

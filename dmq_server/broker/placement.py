@@ -320,7 +320,8 @@ class Placement:
                     "batches": store.writer.batches,
                     "messages": store.writer.messages,
                 },
-                "acks": {"pending": store.acker.pending, "durable": store.acker.acked},
+                "acks": {"pending": store.acker.pending, "durable": store.acker.acked - store.acks_fenced,
+                         "fenced": store.acks_fenced},
                 "dead_letters": store.dead_letters.stats(),
             }
         return out

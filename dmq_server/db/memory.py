@@ -371,36 +371,41 @@ class MemoryDb:
                 rows.append((m.id, m.producer, m.session_id, m.published_ms))
         return rows
 
-    def _ack_deliveries(self, p: dict) -> int:
-        """The cursors take the proposals (floors rise, spans add); each ack of a copy not
-        done before this statement is logged."""
+    def _ack_deliveries(self, p: dict) -> list[tuple[str, str, int]]:
+        """The cursors take the proposals (floors rise, spans add), in a cluster only
+        those the proposing node holds; each ack of a copy not done before this statement
+        is logged, unless its cursor is another node's. Returns those cursors."""
         before = {key: _Cursor(c.holder, c.floor, list(c.done)) for key, c in self.cursors.items()}
         spans: dict[int, list[tuple[int, int]]] = {}
         for n, lo, hi in zip(p["r_cursors"], p["r_lo"], p["r_hi"]):
             spans.setdefault(n, []).append((lo, hi))
+        taken: set[tuple[str, str, int]] = set()
         for n, (topic, channel, owner, floor) in enumerate(
             zip(p["k_topics"], p["k_channels"], p["k_owners"], p["k_floors"]), 1
         ):
             if channel not in self.channels.get(topic, ()):
                 continue
+            held = self.cursors.get((topic, channel, owner))
+            if p["fenced"] and held is not None and held.holder != p["holder"]:
+                taken.add((topic, channel, owner))
+                continue
             start = self.start_ids[(topic, channel)]
             self._cursor(topic, channel, owner, p["holder"]).merge(max(floor, start), spans.get(n, ()))
-        logged = 0
-        for topic, channel, message_id in zip(p["c_topics"], p["c_channels"], p["c_ids"]):
-            self.attempts.pop((topic, channel, message_id), None)
+        for topic, channel, owner, message_id in zip(p["c_topics"], p["c_channels"], p["c_owners"], p["c_ids"]):
+            if (topic, channel, owner) not in taken:
+                self.attempts.pop((topic, channel, message_id), None)
         columns = ("topics", "channels", "owners", "message_ids", "published_ms", "first_ms", "acked_ms",
                    "attempts", "consumers", "delivered_ms")
         for topic, channel, owner, message_id, published_ms, first_ms, acked_ms, attempts, consumer, delivered_ms in zip(
             *(p[c] for c in columns)
         ):
-            if channel not in self.channels.get(topic, ()):
+            if channel not in self.channels.get(topic, ()) or (topic, channel, owner) in taken:
                 continue
             cursor = before.get((topic, channel, owner))
             floor = cursor.floor if cursor is not None else self.start_ids[(topic, channel)]
             if message_id <= floor or (cursor is not None and cursor.covers(message_id)):
                 continue
             before.setdefault((topic, channel, owner), _Cursor("", floor)).done.append((message_id, message_id))
-            logged += 1
             self.delivery_log.append(
                 {
                     "message_id": message_id,
@@ -414,7 +419,7 @@ class MemoryDb:
                     "delivered_ms": delivered_ms if delivered_ms > 0 else None,
                 }
             )
-        return logged
+        return sorted(taken)
 
     def _record_returns(self, p: dict) -> int:
         keys = ("message_id", "topic", "channel", "attempt", "reason", "consumer", "delivered_ms", "returned_ms")

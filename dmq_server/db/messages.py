@@ -262,11 +262,13 @@ class CursorProgress:
 
 
 def ack_deliveries_steps(
-    acks: Sequence[AckRow], progress: Sequence[CursorProgress] = (), holder: str = ""
+    acks: Sequence[AckRow], progress: Sequence[CursorProgress] = (), holder: str = "", fenced: bool = False
 ) -> Steps:
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
-    before is logged (one dmq_delivery_batch row). One statement. Returns how many acks
-    the batch held."""
+    before is logged (one dmq_delivery_batch row). One statement. In a cluster
+    (``fenced``) only cursors ``holder`` still holds move: returns the (topic, channel,
+    owner) of those another node took over, whose acks were neither applied nor logged
+    (empty on one node, and nearly always in a cluster)."""
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
     ids = Int8Array([a.message_id for a in acks])
     groups: dict[tuple[str, str, int], list[int]] = {}  # [low, high, acks] of each cursor's acks
@@ -282,7 +284,7 @@ def ack_deliveries_steps(
             g[1] = mid
         g[2] += 1
     counted = [a for a in acks if a.counted]
-    yield Statement(
+    taken = yield Statement(
         "ack_deliveries",
         {
             "topics": TextArray([a.topic for a in acks]),
@@ -297,6 +299,7 @@ def ack_deliveries_steps(
             "delivered_ms": Int8Array([a.delivered_ms for a in acks]),
             "c_topics": TextArray([a.topic for a in counted]),
             "c_channels": TextArray([a.channel for a in counted]),
+            "c_owners": Int4Array([a.owner for a in counted]),
             "c_ids": Int8Array([a.message_id for a in counted]),
             **{f"g_{name}": kind([key[i] for key in groups]) for i, (name, kind) in
                enumerate((("topics", TextArray), ("channels", TextArray), ("owners", Int4Array)))},
@@ -309,13 +312,14 @@ def ack_deliveries_steps(
             "r_lo": [lo for _, lo, _ in spans],
             "r_hi": [hi for _, _, hi in spans],
             "holder": holder,
+            "fenced": fenced,
             # the batch row's summary, when every ack is logged (else the statement's own)
             "last_acked_ms": max((a.acked_ms for a in acks), default=0),
             "low_id": min(ids, default=0),
             "high_id": max(ids, default=0),
         },
     )
-    return len(acks)
+    return [tuple(row) for row in taken]
 
 
 @dataclass(slots=True)

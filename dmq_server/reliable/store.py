@@ -108,6 +108,8 @@ class ReliableStore:
         # channels are re-read from the store now and again after the next commit
         self._unknown_topics: set[str] = set()
         self.unknown_outcomes = 0
+        # acks not applied because another node holds their cursor now (_acks_done)
+        self.acks_fenced = 0
         # the sends of those writes, looked for in the store until it shows them: a
         # commit cut off while it waited (for its synchronous standby, say) becomes
         # visible when it ends, maybe after every rescan (see _resolve_unknown)
@@ -502,9 +504,10 @@ class ReliableStore:
             for d in deliveries
         ])
 
-    def _ack_progress(self, batch: list[AckRow]) -> tuple[list[CursorProgress], str]:
+    def _ack_progress(self, batch: list[AckRow]) -> tuple[list[CursorProgress], str, bool]:
         """For each (channel, owner) of a batch of acks about to be made durable, what
-        the channel in memory knows to be done (``ReliableChannel.progress``)."""
+        the channel in memory knows to be done (``ReliableChannel.progress``); in a
+        cluster the statement moves only the cursors this node still holds."""
         acked: dict[tuple[str, str, int], list[int]] = {}
         for row in batch:
             acked.setdefault((row.topic, row.channel, row.owner), []).append(row.message_id)
@@ -516,16 +519,29 @@ class ReliableStore:
             else:
                 floor, spans = channel.progress(owner, ids, self.writes.limit(owner))
             progress.append(CursorProgress(topic, name, owner, floor, spans))
-        return progress, self.node_id
+        return progress, self.node_id, self.load_owner is not None
 
-    def _acks_done(self, rows: list[AckRow], ok: bool) -> None:
+    def _acks_done(self, rows: list[AckRow], taken: list[tuple[str, str, int]]) -> None:
+        """The batch committed: its copies are done, but for cursors another node took
+        over meanwhile (this node's session was lost, ``ack_deliveries``). Their acks were
+        not applied: the new holder delivers those copies, and this node forgets them."""
         by_channel: dict[tuple[str, str], list[int]] = {}
+        refused: dict[tuple[str, str], list[int]] = {}
+        fenced = set(taken)
         for row in rows:
-            by_channel.setdefault((row.topic, row.channel), []).append(row.message_id)
+            into = refused if fenced and (row.topic, row.channel, row.owner) in fenced else by_channel
+            into.setdefault((row.topic, row.channel), []).append(row.message_id)
         for key, ids in by_channel.items():
             channel = self.channels.get(key)
             if channel is not None:
                 channel.ack_durable(ids)
+        for (topic, name), ids in refused.items():
+            self.acks_fenced += len(ids)
+            log.warn("{n} acks on {topic}/{channel} not applied: another node holds their cursor now "
+                     "(it delivers them)", n=len(ids), topic=topic, channel=name)
+            channel = self.channels.get((topic, name))
+            if channel is not None:
+                channel.ack_not_durable(ids)
 
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         d = self._workers["loader"].run_steps(

@@ -378,9 +378,11 @@ class RetryingBatcher:
 
 class AckBatcher(RetryingBatcher):
     """Durable acknowledgements in batches: the channels' cursors move and the acks are
-    logged. ``progress(batch)`` gives the ``CursorProgress`` list and the holder, computed
-    when the batch is sent (again if it is sent again), from what the channels hold then.
-    ``on_done(batch, True)`` runs after each commit."""
+    logged. ``progress(batch)`` gives the ``CursorProgress`` list, the holder and whether
+    the cursors are fenced (a cluster), computed when the batch is sent (again if it is
+    sent again), from what the channels hold then. ``on_done(batch, taken)`` runs after
+    each commit, ``taken`` naming the (topic, channel, owner) cursors another node holds,
+    whose acks did not become durable."""
 
     def __init__(
         self,
@@ -388,7 +390,7 @@ class AckBatcher(RetryingBatcher):
         clock: Any,
         max_batch: int,
         flush_interval: float,
-        on_done: Callable[[list[AckRow], bool], None],
+        on_done: Callable[[list[AckRow], list], None],
         progress: Callable[[list[AckRow]], tuple] = lambda batch: ((), ""),
     ):
         super().__init__(
@@ -397,7 +399,7 @@ class AckBatcher(RetryingBatcher):
             ack_deliveries_steps,
             interval=flush_interval,
             max_batch=max_batch,
-            on_done=lambda batch, _result: on_done(batch, True),
+            on_done=on_done,
             name="durable ack",
             steps=True,
             args=progress,

@@ -55,10 +55,19 @@ def kill_node(cluster: ChaosCluster, load: Load) -> Heal:
 
 def pause_node(cluster: ChaosCluster, load: Load) -> Heal:
     """SIGSTOP of one dmq node for longer than its ZooKeeper session: the others take
-    over its copies while it is frozen; on SIGCONT it finds its session lost."""
+    over its copies while it is frozen; on SIGCONT it finds its session lost, with
+    acks of its consumers (who hold each copy half a second) waiting unread"""
     node = cluster.nodes[1]
     node.proc.send_signal(signal.SIGSTOP)
     return lambda: node.proc.send_signal(signal.SIGCONT)
+
+
+def _acks_fenced(cluster: ChaosCluster, load: Load) -> None:
+    """How many acks the paused node read on waking for cursors taken over meanwhile
+    (not applied: the taker delivered those copies again)."""
+    from tests.integration.support import scrape_metrics
+
+    load.notes["acks_fenced_on_paused_node"] = int(scrape_metrics(cluster.nodes[1].http)[("dmq_acks_fenced_total", ())])
 
 
 def kill_primary(cluster: ChaosCluster, load: Load) -> Heal:
@@ -219,7 +228,7 @@ _retention_sweep = RetentionSweep()
 
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
     "node-kill": (kill_node, None, {}),
-    "node-pause": (pause_node, None, {}),
+    "node-pause": (pause_node, None, {"hold_acks": 0.5, "after": _acks_fenced}),
     "pg-primary-kill": (kill_primary, None, {}),
     "pg-standby-kill": (kill_standby, None, {}),
     "pg-primary-pause": (pause_primary, None, {}),

@@ -79,7 +79,7 @@ def test_small_slices_add_up_to_the_whole_count(pg_dsn):
         acks = [_ack("billing", o1, m) for m in a[:5] + a[7:9]] + [_ack("audit", o2, b[2])]
         progress = [CursorProgress("orders", "billing", o1, a[4], [(a[7], a[8])]),
                     CursorProgress("orders", "audit", o2, 0, [(b[2], b[2])])]
-        assert run_steps(conn, ack_deliveries_steps(acks, progress, "")) == 8
+        assert run_steps(conn, ack_deliveries_steps(acks, progress, "")) == []
         whole = _whole(conn)
         assert whole == {("orders", "billing"): 30 - 7, ("orders", "audit"): 30 - 1, ("clicks", "stats"): 30}
         sums, slices = _pass(conn, rows=4)

@@ -153,6 +153,12 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             same,
         ),
         ("a floor below the cursor's changes nothing", ack_deliveries_steps, lambda: ([], cursor("billing", 0), NODE), same),
+        (
+            "in a cluster, another node's ack of a cursor it does not hold is fenced",
+            ack_deliveries_steps,
+            lambda: ([ack("billing", m["m2"])], cursor("billing", 0, (m["m2"], m["m2"])), "node-2", True),
+            same,
+        ),
         ("backlog", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
         ("backlog after a cursor, limited", load_backlog_steps, lambda: ("orders", "audit", m["m1"], 1), same),
         ("backlog of this node's incarnation", load_backlog_steps, lambda: ("orders", "audit", 0, 10, NODE, OWNER), same),
@@ -267,7 +273,9 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert resend[3]["channels"] == ()
     # ids follow (producer, session_id) order in a batch, in both: a9 (m3) got the first id
     # p1 (m1) and p3 (m4) acknowledged out of order: spans above the floor
-    assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]
+    assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]  # m2: its fenced ack changed nothing
+    assert answers["in a cluster, another node's ack of a cursor it does not hold is fenced"] == [("orders", "billing", OWNER)]
+    assert answers["ack of a copy already done"] == []  # the node holding the cursor: applied
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0
     assert answers["depths at the end"] == (None, {("orders", "billing"): 1}, {("orders", "billing"): "m3"})  # a9; p1, p3 acked, p2 exhausted

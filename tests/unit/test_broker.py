@@ -275,6 +275,39 @@ def test_acks_survive_a_failed_ack_batch(h):
     assert h.broker.reliable.acker.acked == 5
 
 
+def test_acks_flushed_after_another_node_took_the_cursor_are_not_made_durable(h):
+    """In a cluster, acks still queued when another node claimed the cursor (this node
+    froze past its ZooKeeper session) are refused by the ack statement: not counted
+    durable, not logged, and the copies forgotten here, so only the new holder delivers
+    them; the acks flushed before the claim stay durable."""
+    store = h.broker.reliable
+    store.load_owner = NODE  # a cluster node: its acks are fenced
+    billing = Consumer()
+    h.subscribe("orders", "billing", billing)
+    for i in range(5):
+        h.send("orders", "p", i)
+    h.settle()
+    ids = [mid for _, mid in billing.pushed]
+    assert len(ids) == 5
+    for mid in ids[:2]:
+        assert h.broker.ack("orders", "billing", mid, billing) is None
+    h.settle()
+    for mid in ids[2:]:
+        assert h.broker.ack("orders", "billing", mid, billing) is None
+    # before the acker's flush, another node claims the cursor of this incarnation
+    [cursor] = [c for (topic, name, _), c in h.db.cursors.items() if (topic, name) == ("orders", "billing")]
+    cursor.holder = "node-2"
+    h.settle()
+    waiting = sorted(mid for (topic, name, mid) in h.db.deliveries if name == "billing")
+    assert waiting == ids[2:]  # still the new holder's to deliver: nothing it pushes is a duplicate
+    assert sorted(row["message_id"] for row in h.db.delivery_log) == ids[:2]
+    assert store.acks_fenced == 3
+    acks = h.broker.stats()["acks"]
+    assert (acks["durable"], acks["fenced"]) == (2, 3)
+    channel = store.channels[("orders", "billing")]
+    assert not set(ids) & (channel.known | set(channel.finishing))  # forgotten here
+
+
 def test_an_ack_by_another_consumer_is_refused(h):
     billing, stranger = Consumer(), Consumer(credit=0)
     h.subscribe("orders", "billing", billing)

@@ -97,9 +97,9 @@ def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):
     ids = [s.message_id for s in stored]
     acks = [AckRow("orders", "billing", ids[0], 5, 6, 1, owner=OWNER), AckRow("orders", "billing", ids[0], 5, 6, 1, owner=OWNER)]
     progress = [CursorProgress("orders", "billing", OWNER, ids[0], [])]
-    assert result(db.run_steps(ack_deliveries_steps, acks, progress, "node-1")) == 2
+    assert result(db.run_steps(ack_deliveries_steps, acks, progress, "node-1")) == []
     assert len(db.delivery_log) == 1  # the same copy twice in a batch is logged once
-    assert result(db.run_steps(ack_deliveries_steps, acks[:1], progress, "node-1")) == 1
+    assert result(db.run_steps(ack_deliveries_steps, acks[:1], progress, "node-1")) == []
     assert len(db.delivery_log) == 1  # an ack of a copy already done changes nothing
     backlog = result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))
     assert [r.message_id for r in backlog] == ids[1:] and {r.owner for r in backlog} == {OWNER}

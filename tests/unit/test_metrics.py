@@ -25,7 +25,7 @@ SNAPSHOT = Snapshot(
         "health": "OK",
         "published": 120,
         "writer": {"batches": 4, "messages": 120, "pending": 2, "unknown_outcomes": 1},
-        "acks": {"durable": 90, "refused": 3, "pending": 0},
+        "acks": {"durable": 90, "refused": 3, "fenced": 2, "pending": 0},
         "rate_limited": 5,
         "delayed": 7,
         "swept": 11,
@@ -86,6 +86,7 @@ def test_node_wide_families():
     assert s[("dmq_group_commits_total", ())] == 4 and s[("dmq_group_commit_messages_total", ())] == 120
     assert s[("dmq_unknown_outcomes_total", ())] == 1
     assert (s[("dmq_acks_durable_total", ())], s[("dmq_acks_refused_total", ())]) == (90, 3)
+    assert s[("dmq_acks_fenced_total", ())] == 2
     assert s[("dmq_rate_limited_publishes_total", ())] == 5
     assert s[("dmq_swept_messages_total", ())] == 11
     assert s[("dmq_dead_lettered_messages_total", (("reason", "max_attempts"),))] == 2
