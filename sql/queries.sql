@@ -196,11 +196,15 @@ WITH cursors AS (
                - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]'))
     WHERE NOT %(fenced)s::boolean OR c.holder = EXCLUDED.holder
     RETURNING topic, channel, owner
+), counted AS MATERIALIZED (
+    -- the acks whose attempts were kept (nearly always none), of the cursors moved: read
+    -- first, so that the DELETE looks up only their keys
+    SELECT u.topic, u.channel, u.message_id
+    FROM unnest(%(c_topics)b::text[], %(c_channels)b::text[], %(c_owners)b::integer[], %(c_ids)b::bigint[])
+         AS u(topic, channel, owner, message_id)
+    WHERE EXISTS (SELECT 1 FROM saved s WHERE s.topic = u.topic AND s.channel = u.channel AND s.owner = u.owner)
 ), cleared AS (
-    DELETE FROM dmq_attempts a
-    USING unnest(%(c_topics)b::text[], %(c_channels)b::text[], %(c_owners)b::integer[], %(c_ids)b::bigint[])
-          AS u(topic, channel, owner, message_id)
-    JOIN saved s ON s.topic = u.topic AND s.channel = u.channel AND s.owner = u.owner
+    DELETE FROM dmq_attempts a USING counted u
     WHERE a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
 ), before AS MATERIALIZED (
     -- each cursor the batch moved as it was before this statement (its own changes are
@@ -250,10 +254,11 @@ WITH cursors AS (
       AND u.message_id > k.floor AND NOT coalesce(k.done @> u.message_id, false)
     HAVING count(*) > 0
 )
--- the cursors another node holds (nearly always none)
-SELECT p.topic, p.channel, p.owner FROM proposed p
-WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE s.topic = p.topic AND s.channel = p.channel AND s.owner = p.owner)
-ORDER BY p.topic, p.channel, p.owner;
+-- the cursors of registered channels another node holds (nearly always none)
+SELECT k.topic, k.channel, k.owner FROM cursors k
+WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE s.topic = k.topic AND s.channel = k.channel AND s.owner = k.owner)
+  AND EXISTS (SELECT 1 FROM dmq_channel ch WHERE ch.topic = k.topic AND ch.name = k.channel)
+ORDER BY k.topic, k.channel, k.owner;
 
 -- name: load_backlog
 -- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one
