@@ -40,6 +40,19 @@ def run_child(module: str, tree: str, messages: int, valgrind: str | None = None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def connect(factory, magic: bytes, port: int):
+    """A connection of ``factory`` (a ``PortFactory``) from a client at ``port`` on a
+    string transport, past its protocol's magic: (protocol, transport)."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.testing import StringTransport
+
+    protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port))
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    protocol.dataReceived(magic)
+    return protocol, transport
+
+
 def instructions_per_unit(module: str, tree: str, small: int, large: int, units_per_message: int = 1) -> float:
     """Instructions per unit of work between a run of ``small`` and one of ``large``
     messages (each message ``units_per_message`` units: copies, for the channel)."""

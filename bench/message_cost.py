@@ -47,10 +47,8 @@ def child(messages: int, check: bool = False) -> dict:
     measurement, whose instruction count would include the decoding."""
     import struct
 
-    from twisted.internet.address import IPv4Address
     from twisted.internet.defer import Deferred
     from twisted.internet.task import Clock
-    from twisted.internet.testing import StringTransport
 
     from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, pack_ids
     from dmq_server.broker.broker import Broker
@@ -130,16 +128,8 @@ def child(messages: int, check: bool = False) -> dict:
     assert started.called
     broker.timers.startService()
     factory = PortFactory(clock, {MAGIC: lambda t: DmqConnection(t, broker, clock, set())}, FlowLimits())
-
-    def connect(port: int):
-        protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port))
-        transport = StringTransport()
-        protocol.makeConnection(transport)
-        protocol.dataReceived(MAGIC)
-        return protocol, transport
-
-    producer, produced = connect(50001)
-    consumer, consumed = connect(50002)
+    producer, produced = cost.connect(factory, MAGIC, 50001)
+    consumer, consumed = cost.connect(factory, MAGIC, 50002)
     consumer.dataReceived(encode(Frame(Command.UP_SUBSCRIBE, session_id=1, topic="orders", channel="c1",
                                        credit=4 * ROUND)))
     clock.advance(0)

@@ -84,6 +84,7 @@ MIN_VALID_MSG_LENGTH = 26
 MAX_LINE = 16 * 1024
 #: Commands followed by a body.
 BODY_COMMANDS = frozenset({b"IDENTIFY", b"AUTH", b"PUB", b"DPUB", b"MPUB"})
+_ONE_BODY = frozenset({b"PUB", b"DPUB"})  # a message body, within max_msg_size
 
 _FRAME_HEAD = struct.Struct(">iI")
 _MESSAGE_HEAD = struct.Struct(">qH16s")
@@ -291,6 +292,21 @@ class CommandParser:
                     self.precheck(params)
                 self._params = params
                 self._state = _SIZE
+                if params[0] in _ONE_BODY and len(buf) - idx > 4:
+                    # a PUB (or DPUB) whose size has come with its line, nearly always
+                    # with its body: taken here, not by two more turns of this loop
+                    pos = idx + 1
+                    size = _INT32.unpack_from(buf, pos)[0]
+                    if size <= 0 or size > self.max_msg_size:
+                        self._check_size(size)  # raises nsqd's error
+                    end = pos + 4 + size
+                    if end <= len(buf):
+                        self._pos = end
+                        self._state = _LINE
+                        return Command(params, bytes(buf[pos + 4 : end]))
+                    self._pos = pos + 4
+                    self._need = size
+                    self._state = _BODY
             elif state == _SIZE:
                 size = self._take_int32()
                 if size is None:

@@ -124,8 +124,8 @@ class FastChannel:
         if self._pumping:
             self._again = True
             return
-        if self.paused or not self._rotation:
-            return
+        if self.paused or not self._rotation or not (self.memory or self._backend_has_data):
+            return  # the last: a FIN with nothing waiting, as under a steady flow
         self._pumping = True
         try:
             self._again = True

@@ -29,7 +29,7 @@ from dmq_server.core.errors import DmqError, Exiting, QueueFailed
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
 from dmq_server.fast.channel import FastChannel
-from dmq_server.core.ids import GuidFactory, default_node_id
+from dmq_server.core.ids import GuidFactory, default_node_id, hex_id
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.topic import FastTopic
 from dmq_server.core.nsq_wire import MIN_VALID_MSG_LENGTH, valid_name_bytes
@@ -260,10 +260,15 @@ class FastStore:
         disk queue, as nsqd does; the answer is known before this returns."""
         try:
             now = int(self.clock.seconds() * 1e9)
-            messages = [
-                FastMessage(message_id, body, now, 0, deferred)
-                for message_id, body in zip(self.guid.new_hex_many(len(bodies)), bodies)
-            ]
+            if len(bodies) == 1:  # a PUB: its id made as a number, not read back from hex
+                first = self.guid.new() & 0xFFFF_FFFF_FFFF_FFFF  # as the hex form reads back
+                messages = [FastMessage(hex_id(first), bodies[0], now, 0, deferred)]
+            else:
+                messages = [
+                    FastMessage(message_id, body, now, 0, deferred)
+                    for message_id, body in zip(self.guid.new_hex_many(len(bodies)), bodies)
+                ]
+                first = int(messages[0].id, 16) if messages else 0
             self.get_topic(topic).put_many(messages)
         except Exiting as exc:
             return exc
@@ -271,7 +276,7 @@ class FastStore:
             self.set_health(exc)
             return QueueFailed(str(exc))
         self.publish_count += len(messages)
-        return Published(int(messages[0].id, 16) if messages else 0, False, len(messages))
+        return Published(first, False, len(messages))
 
     def get_topic(self, name: str) -> FastTopic:
         topic = self.topics.get(name)
