@@ -524,7 +524,10 @@ ON CONFLICT (topic, channel, message_id) DO UPDATE SET attempts = greatest(a.att
 
 -- name: exhaust_deliveries
 -- Copies that used up their topic's max attempts become dead letters and are done for
--- their channel (a copy already done is left alone: one dead letter per copy).
+-- their channel (a copy already done is left alone: one dead letter per copy). In a
+-- cluster (``fenced``) only for cursors the proposing node still holds, as ack_deliveries:
+-- a node that woke after its copies were taken over must not dead-letter what another
+-- node now delivers.
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
                          %(message_ids)b::bigint[], %(attempts)b::integer[])
@@ -539,8 +542,12 @@ WITH input AS (
     SELECT topic, channel, owner, %(holder)s::text, min(start_id), range_agg(int8range(message_id, message_id, '[]'))
     FROM fresh GROUP BY topic, channel, owner
     ON CONFLICT (topic, channel, owner) DO UPDATE SET done = k.done + EXCLUDED.done
+    WHERE NOT %(fenced)s::boolean OR k.holder = EXCLUDED.holder
+    RETURNING topic, channel, owner
+), moved AS MATERIALIZED (
+    SELECT f.* FROM fresh f JOIN marked k ON k.topic = f.topic AND k.channel = f.channel AND k.owner = f.owner
 ), kept AS (
-    DELETE FROM dmq_attempts a USING fresh f
+    DELETE FROM dmq_attempts a USING moved f
     WHERE a.topic = f.topic AND a.channel = f.channel AND a.message_id = f.message_id
     RETURNING a.topic, a.channel, a.message_id, a.attempts
 )
@@ -549,7 +556,7 @@ INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_i
 SELECT 'max_attempts', 'delivered ' || greatest(f.attempts, coalesce(kp.attempts, 0)) || ' times without acknowledgement',
        f.topic, f.channel, m.producer, m.session_id, m.id, greatest(f.attempts, coalesce(kp.attempts, 0)),
        m.body, m.published_at
-FROM fresh f
+FROM moved f
 JOIN dmq_message m ON m.id = f.message_id
 LEFT JOIN kept kp ON kp.topic = f.topic AND kp.channel = f.channel AND kp.message_id = f.message_id
 RETURNING topic, channel, message_id;

@@ -100,10 +100,11 @@ def record_attempts_steps(rows: Sequence[CopyRef]) -> Steps:
     return (yield Statement("record_attempts", _copy_params(rows), count=True))
 
 
-def exhaust_deliveries_steps(rows: Sequence[CopyRef], holder: str = "") -> Steps:
+def exhaust_deliveries_steps(rows: Sequence[CopyRef], holder: str = "", fenced: bool = False) -> Steps:
     """Copies that used up their attempts -> dead letters, done for their channel;
-    [(topic, channel, message_id)] of the copies that were still waiting."""
-    found = yield Statement("exhaust_deliveries", dict(_copy_params(rows), holder=holder))
+    [(topic, channel, message_id)] of the copies that were still waiting. ``fenced`` (a
+    cluster): only those of cursors ``holder`` still holds."""
+    found = yield Statement("exhaust_deliveries", dict(_copy_params(rows), holder=holder, fenced=fenced))
     return [tuple(r) for r in found]
 
 
@@ -120,8 +121,8 @@ def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
     return run_steps(conn, record_attempts_steps(rows))
 
 
-def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef], holder: str = "") -> list[tuple[str, str, int]]:
-    return run_steps(conn, exhaust_deliveries_steps(rows, holder))
+def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef], holder: str = "", fenced: bool = False) -> list[tuple[str, str, int]]:
+    return run_steps(conn, exhaust_deliveries_steps(rows, holder, fenced))
 
 
 def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:

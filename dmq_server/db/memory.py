@@ -649,6 +649,9 @@ class MemoryDb:
         for key, owner, attempts in self._copies(p):
             if not self._waiting(key, owner):
                 continue
+            held = self.cursors.get((key[0], key[1], owner))
+            if p["fenced"] and held is not None and held.holder != p["holder"]:
+                continue  # another node's cursor now
             m = self.messages[key[2]]
             self._cursor(key[0], key[1], owner, p["holder"]).merge(0, [(m.id, m.id)])
             tries = max(self.attempts.pop(key, 0), attempts)

@@ -50,6 +50,7 @@ class DeadLetterSink:
         batch_size: int = 2000,
         flush_interval: float = 0.05,
         expiry_batch: int = 5000,
+        fenced: Callable[[], bool] = lambda: False,
     ):
         self.db = db
         self.clock = clock
@@ -71,7 +72,8 @@ class DeadLetterSink:
             on_done=self._exhausted_done,
             name="max-attempts dead letters",
             steps=True,
-            args=lambda batch: (node_id,),  # the holder named by a cursor this opens
+            # the holder named by a cursor this opens; in a cluster, only cursors it holds
+            args=lambda batch: (node_id, fenced()),
         )
         self._sweeping = False
         self.counts: dict[str, int] = {}

@@ -145,6 +145,7 @@ class ReliableStore:
             clock,
             node_id,
             lambda topic, name: self.channels.get((topic, name)),
+            fenced=lambda: self.load_owner is not None,
         )
         # deliveries that come back unacknowledged, for the message trace
         self.trace = TraceSink(workers.get("deadletter") or workers["admin"], clock, node_id)

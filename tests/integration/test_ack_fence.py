@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 import registry
-from dmq_server.db.dead_letters import CopyRef, record_attempts_steps
+from dmq_server.db.dead_letters import CopyRef, exhaust_deliveries_steps, record_attempts_steps
 from dmq_server.db.messages import AckRow, CursorProgress, NewMessage, ack_deliveries_steps
 from dmq_server.db.messages import create_owner_steps, insert_messages_steps, load_backlog_steps
 from dmq_server.db.steps import run_steps
@@ -130,3 +130,17 @@ def test_on_one_node_an_ack_moves_a_cursor_named_for_another_node(pg_dsn, frozen
     assert _ack_as(conn, "renamed", owner, ids[3:], fenced=False) == []
     assert _pending(pg_dsn) == []
     assert _logged(pg_dsn) == ids
+
+
+def test_a_node_whose_cursor_was_claimed_dead_letters_nothing_of_it(pg_dsn, frozen):
+    """Its scan on waking may find copies past max_attempts: in a cluster they are not
+    made dead letters (the taker delivers them), on one node they are."""
+    conn, owner, ids = frozen
+    claim_owners(conn, FROZEN, [owner], TAKER, [TAKER])
+    refs = [CopyRef("orders", "billing", ids[3], 5, owner)]
+    assert run_steps(conn, exhaust_deliveries_steps(refs, FROZEN, True)) == []
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_dead_letter") == [(0,)]
+    assert _pending(pg_dsn) == ids[3:]
+    assert run_steps(conn, exhaust_deliveries_steps(refs, TAKER, True)) == [("orders", "billing", ids[3])]
+    assert db_rows(pg_dsn, "SELECT message_id FROM dmq_dead_letter") == [(ids[3],)]
+    assert _pending(pg_dsn) == ids[4:]

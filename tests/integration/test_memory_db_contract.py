@@ -193,6 +193,12 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda: ([CopyRef("orders", "billing", m["m2"], 2, OWNER), CopyRef("orders", "audit", 999_999_999, 2, OWNER)], NODE),
             lambda rows: [(t, c, ids(i)) for t, c, i in rows],
         ),
+        (
+            "in a cluster, another node's exhaust of a cursor it does not hold is fenced",
+            exhaust_deliveries_steps,
+            lambda: ([CopyRef("orders", "billing", m["m3"], 2, OWNER)], "node-2", True),
+            lambda rows: [(t, c, ids(i)) for t, c, i in rows],
+        ),
         ("after the exhaust", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
         ("empty a channel", empty_channel_steps, lambda: ("orders", "audit"), same),
         ("empty it again", empty_channel_steps, lambda: ("orders", "audit"), same),
@@ -276,6 +282,8 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert [r["message_id"] for r in answers["backlog"]] == ["m3", "m2"]  # m2: its fenced ack changed nothing
     assert answers["in a cluster, another node's ack of a cursor it does not hold is fenced"] == [("orders", "billing", OWNER)]
     assert answers["ack of a copy already done"] == []  # the node holding the cursor: applied
+    assert answers["exhaust"] == [("orders", "billing", "m2")]
+    assert answers["in a cluster, another node's exhaust of a cursor it does not hold is fenced"] == []
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0
     assert answers["depths at the end"] == (None, {("orders", "billing"): 1}, {("orders", "billing"): "m3"})  # a9; p1, p3 acked, p2 exhausted
