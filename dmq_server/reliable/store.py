@@ -528,10 +528,14 @@ class ReliableStore:
         not applied: the new holder delivers those copies, and this node forgets them."""
         by_channel: dict[tuple[str, str], list[int]] = {}
         refused: dict[tuple[str, str], list[int]] = {}
-        fenced = set(taken)
-        for row in rows:
-            into = refused if fenced and (row.topic, row.channel, row.owner) in fenced else by_channel
-            into.setdefault((row.topic, row.channel), []).append(row.message_id)
+        if taken:
+            fenced = set(taken)
+            for row in rows:
+                into = refused if (row.topic, row.channel, row.owner) in fenced else by_channel
+                into.setdefault((row.topic, row.channel), []).append(row.message_id)
+        else:
+            for row in rows:
+                by_channel.setdefault((row.topic, row.channel), []).append(row.message_id)
         for key, ids in by_channel.items():
             channel = self.channels.get(key)
             if channel is not None:
