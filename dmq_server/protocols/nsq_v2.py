@@ -233,11 +233,12 @@ class NsqConnection:
                 self.close()
 
     def _run(self, cmd: Any) -> None:
-        handler = _HANDLERS.get(cmd.name)
+        name = cmd.params[0]
+        handler = _HANDLERS.get(name)
         if handler is None:
-            name = cmd.name.decode("utf-8", "replace")
-            raise FatalClientError("E_INVALID", f"invalid command {name}")
-        self._check_tls(cmd.name)
+            raise FatalClientError("E_INVALID", f"invalid command {name.decode('utf-8', 'replace')}")
+        if self.ctx.tls_required:
+            self._check_tls(name)
         handler(self, cmd)
 
     def _check_tls(self, name: bytes) -> None:
