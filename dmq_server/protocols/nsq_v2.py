@@ -98,6 +98,7 @@ class NsqConnection:
         self.producer_id = ctx.producer_for(peer)
         self.settings = ClientSettings(ctx.heartbeat_interval, ctx.msg_timeout)
         self.rdy = 0
+        self.ready_count = 0  # _update_ready
         self.in_flight_count = 0
         self.message_count = self.finish_count = self.requeue_count = 0
         self.pub_counts: dict[str, int] = {}
@@ -123,10 +124,10 @@ class NsqConnection:
         ctx.connections.add(self)
 
     # -- what the fast channel reads ------------------------------------------------------
-    @property
-    def ready_count(self) -> int:
-        """RDY, or 0 until the SUB's OK has gone out and after CLS."""
-        return self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED else 0
+    def _update_ready(self) -> None:
+        """``ready_count``, which a channel reads for every message it pumps: RDY, or 0
+        until the SUB's OK has gone out and after CLS. Set when one of those changes."""
+        self.ready_count = self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED else 0
 
     @property
     def msg_timeout(self) -> float:
@@ -497,6 +498,7 @@ class NsqConnection:
         if not self._allowed(cmd, "SUB", SUBSCRIBE, topic, channel):
             return
         self.state = STATE_SUBSCRIBED
+        self._update_ready()
         slot = self.replies.reserve()
         self.ctx.broker.route(topic, True, lambda store: self._subscribe(slot, topic, channel, store))
 
@@ -539,6 +541,7 @@ class NsqConnection:
 
     def _sub_confirmed(self) -> None:
         self._sub_answered = True
+        self._update_ready()
         if self.sub is not None:
             self.sub.pump()
 
@@ -557,6 +560,7 @@ class NsqConnection:
         if count < 0 or count > self.ctx.max_rdy_count:
             raise FatalClientError("E_INVALID", f"RDY count {count} out of range 0-{self.ctx.max_rdy_count}")
         self.rdy = count
+        self._update_ready()
         if self.sub is not None and self._sub_answered:
             self.sub.pump()
 
@@ -601,6 +605,7 @@ class NsqConnection:
             raise FatalClientError("E_INVALID", "cannot CLS in current state")
         self.rdy = 0
         self.state = STATE_CLOSING
+        self._update_ready()
         self.replies.reply(response(CLOSE_WAIT))
 
     def cmd_nop(self, cmd: Any) -> None:
