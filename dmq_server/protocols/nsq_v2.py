@@ -96,7 +96,7 @@ class NsqConnection:
         self.client_id = self.hostname = peer.rsplit(":", 1)[0]
         self.user_agent = ""
         self.producer_id = ctx.producer_for(peer)
-        self.settings = ClientSettings(ctx.heartbeat_interval, ctx.msg_timeout)
+        self._use_settings(ClientSettings(ctx.heartbeat_interval, ctx.msg_timeout))
         self.rdy = 0
         self.ready_count = 0  # _update_ready
         self.in_flight_count = 0
@@ -124,18 +124,17 @@ class NsqConnection:
         ctx.connections.add(self)
 
     # -- what the fast channel reads ------------------------------------------------------
+    def _use_settings(self, settings: ClientSettings) -> None:
+        """The negotiated settings, and the two a channel reads for every message it
+        delivers (``msg_timeout``, ``sample_rate``) as plain attributes."""
+        self.settings = settings
+        self.msg_timeout = settings.msg_timeout
+        self.sample_rate = settings.sample_rate
+
     def _update_ready(self) -> None:
         """``ready_count``, which a channel reads for every message it pumps: RDY, or 0
         until the SUB's OK has gone out and after CLS. Set when one of those changes."""
         self.ready_count = self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED else 0
-
-    @property
-    def msg_timeout(self) -> float:
-        return self.settings.msg_timeout
-
-    @property
-    def sample_rate(self) -> int:
-        return self.settings.sample_rate
 
     @property
     def heartbeat_interval(self) -> float:
@@ -409,7 +408,8 @@ class NsqConnection:
             settings = negotiate(fields, self.settings, ctx.max_msg_timeout)
         except ValueError as exc:
             raise FatalClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
-        old_interval, self.settings = self.settings.heartbeat_interval, settings
+        old_interval = self.settings.heartbeat_interval
+        self._use_settings(settings)
         if settings.heartbeat_interval != old_interval:
             self._start_heartbeats()
         if not fields.get("feature_negotiation", False):
