@@ -615,7 +615,12 @@ class NsqConnection:
     def cmd_pub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "PUB", PUBLISH, topic):
-            self._publish(topic, [cmd.body], 0, "PUB")
+            outcome = self.ctx.broker.publish_fast_now(topic, cmd.body)
+            if outcome is None:  # reliable, registered, or new: the broker's whole path
+                self._publish(topic, [cmd.body], 0, "PUB")
+            else:
+                self._answer(self.replies.reserve() if len(self.replies) else None,
+                             self._publish_reply(topic, outcome, "PUB"))
 
     def cmd_mpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()

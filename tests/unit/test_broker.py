@@ -545,6 +545,29 @@ def test_a_registered_fast_topics_rate_limit_refuses_a_whole_request():
     assert isinstance(answer, Published)
 
 
+def test_a_fast_topic_made_on_first_use_takes_a_body_at_once_and_others_take_the_whole_path():
+    """``publish_fast_now`` (an NSQ PUB's short way) stores one body in a fast topic the
+    registry does not name, answered as ``publish`` answers; it declines (None, storing
+    nothing) for a reliable topic, a registered fast topic (its rate limit is the
+    broker's) and a name not known yet (the registry may have it)."""
+    h = Harness()
+    h.db.create_topic("metered", store="fast", rate_limit=1)
+    h.broker.refresh_registry()
+    h.settle()
+    [made] = publish(h, PublishRequest("clicks2", "nsq:p", [b"first"], create_fast=True))
+    assert isinstance(made, Published)
+    answer = h.broker.publish_fast_now("clicks2", b"second")
+    assert isinstance(answer, Published) and answer.count == 1 and answer.message_id > made.message_id
+    topic = h.fast.topics["clicks2"]
+    assert [(int(m.id, 16), m.body) for m in topic.memory] == [(made.message_id, b"first"),
+                                                               (answer.message_id, b"second")]
+    for name in ("orders", "metered", "unknown"):
+        before = {t: h.fast.topics[t].message_count for t in h.fast.topics}
+        assert h.broker.publish_fast_now(name, b"x") is None, name
+        assert {t: h.fast.topics[t].message_count for t in h.fast.topics} == before
+    assert not h.db.messages  # nothing reached the reliable store
+
+
 def test_one_scanner_times_out_copies_of_both_stores():
     """The broker's scan timer is the only scanner: with it stopped, neither a reliable
     copy nor a fast message comes back after its timeout; with it running, both do."""
