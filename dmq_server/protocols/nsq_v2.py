@@ -615,17 +615,22 @@ class NsqConnection:
     def cmd_pub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "PUB", PUBLISH, topic):
-            outcome = self.ctx.broker.publish_fast_now(topic, cmd.body)
-            if outcome is None:  # reliable, registered, or new: the broker's whole path
-                self._publish(topic, [cmd.body], 0, "PUB")
-            else:
-                self._answer(self.replies.reserve() if len(self.replies) else None,
-                             self._publish_reply(topic, outcome, "PUB"))
+            self._publish_now_or_later(topic, [cmd.body], "PUB")
 
     def cmd_mpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "MPUB", PUBLISH, topic):
-            self._publish(topic, cmd.bodies, 0, "MPUB")
+            self._publish_now_or_later(topic, cmd.bodies, "MPUB")
+
+    def _publish_now_or_later(self, topic: str, bodies: list[bytes], name: str) -> None:
+        """A fast topic made on first use takes the bodies at once
+        (``Broker.publish_fast_now``); any other goes the broker's whole way."""
+        outcome = self.ctx.broker.publish_fast_now(topic, bodies)
+        if outcome is None:
+            self._publish(topic, bodies, 0, name)
+        else:
+            self._answer(self.replies.reserve() if len(self.replies) else None,
+                         self._publish_reply(topic, outcome, name))
 
     def cmd_dpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()

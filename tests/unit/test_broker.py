@@ -556,14 +556,17 @@ def test_a_fast_topic_made_on_first_use_takes_a_body_at_once_and_others_take_the
     h.settle()
     [made] = publish(h, PublishRequest("clicks2", "nsq:p", [b"first"], create_fast=True))
     assert isinstance(made, Published)
-    answer = h.broker.publish_fast_now("clicks2", b"second")
+    answer = h.broker.publish_fast_now("clicks2", [b"second"])
     assert isinstance(answer, Published) and answer.count == 1 and answer.message_id > made.message_id
+    batch = h.broker.publish_fast_now("clicks2", [b"third", b"fourth"])  # an MPUB's
+    assert isinstance(batch, Published) and batch.count == 2 and batch.message_id > answer.message_id
     topic = h.fast.topics["clicks2"]
-    assert [(int(m.id, 16), m.body) for m in topic.memory] == [(made.message_id, b"first"),
-                                                               (answer.message_id, b"second")]
+    assert [(int(m.id, 16), m.body) for m in topic.memory][:3] == [
+        (made.message_id, b"first"), (answer.message_id, b"second"), (batch.message_id, b"third")]
+    assert [m.body for m in topic.memory] == [b"first", b"second", b"third", b"fourth"]
     for name in ("orders", "metered", "unknown"):
         before = {t: h.fast.topics[t].message_count for t in h.fast.topics}
-        assert h.broker.publish_fast_now(name, b"x") is None, name
+        assert h.broker.publish_fast_now(name, [b"x"]) is None, name
         assert {t: h.fast.topics[t].message_count for t in h.fast.topics} == before
     assert not h.db.messages  # nothing reached the reliable store
 
