@@ -382,6 +382,20 @@ def test_cls_answers_close_wait_and_stops_delivery(env):
     assert not c.closed
 
 
+def test_ready_count_follows_rdy_the_subs_answer_and_cls(env):
+    """What a channel reads as the connection's window (``ready_count``, kept as an
+    attribute): 0 before SUB, RDY once SUB is answered, 0 after CLS (a later RDY changes
+    nothing); IDENTIFY's msg_timeout reaches the attribute the channel reads too."""
+    c = env.peer().send(b"IDENTIFY\n" + struct.pack(">I", 20) + b'{"msg_timeout":5000}')
+    assert c.conn.ready_count == 0 and c.conn.msg_timeout == 5.0
+    c.send(b"SUB t c\nRDY 3\n")
+    assert c.conn.ready_count == 3
+    c.send(b"RDY 7\n")
+    assert c.conn.ready_count == 7
+    c.send(b"CLS\nRDY 5\n")
+    assert c.conn.ready_count == 0
+
+
 def test_ephemeral_channel_goes_with_its_last_client(env):
     """A #ephemeral channel is deleted when its last consumer disconnects."""
     c = env.peer().send(b"SUB t c#ephemeral\n")
