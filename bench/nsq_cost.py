@@ -24,7 +24,9 @@ import gc
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cost import connect, main as cost_main  # noqa: E402
@@ -35,11 +37,10 @@ BODY = b"x" * 200
 PUSH = 4 + 4 + 8 + 2 + 16 + len(BODY)
 
 
-def child(messages: int, check: bool = False) -> dict:
-    """Run in a fresh interpreter whose path starts with the tree under test. ``check``
-    decodes the replies of each round (the unit test's run)."""
-    import struct
-
+@contextmanager
+def nsq_server(**options: object) -> Iterator[tuple]:
+    """The NSQ path of one dmq-server on string transports: (clock, fast store, a
+    function that connects a client). ``options`` override ``Options``' defaults."""
     from twisted.internet.task import Clock
 
     from dmq_server.broker.broker import Broker
@@ -53,22 +54,34 @@ def child(messages: int, check: bool = False) -> dict:
 
     clock = Clock()
     clock.advance(1_700_000_000)
-    options = Options()
+    config = Options(**options)
     with tempfile.TemporaryDirectory(prefix="nsq-cost-") as data:
-        fast = FastStore.from_options(options, clock, Path(data))
+        fast = FastStore.from_options(config, clock, Path(data))
         fast.start()
         db = MemoryDb(clock)
         roles = {"writer0": db, "acker": db, "loader": db, "admin": db}
-        broker = Broker(options, clock, roles, "bench-node", fast=fast)
+        broker = Broker(config, clock, roles, "bench-node", fast=fast)
         started = broker.start()
         clock.advance(0)
         assert started.called
         fast.timers.startService()
         broker.timers.startService()
-        ctx = NsqContext(fast, broker, options, clock)
+        ctx = NsqContext(fast, broker, config, clock)
         factory = PortFactory(clock, {NSQ_MAGIC: lambda t: NsqConnection(t, ctx)}, FlowLimits())
-        producer, produced = connect(factory, NSQ_MAGIC, 50001)
-        consumer, consumed = connect(factory, NSQ_MAGIC, 50002)
+        yield clock, fast, lambda port: connect(factory, NSQ_MAGIC, port)
+        fast.timers.stopService()
+        broker.timers.stopService()
+        fast.close()
+
+
+def child(messages: int, check: bool = False) -> dict:
+    """Run in a fresh interpreter whose path starts with the tree under test. ``check``
+    decodes the replies of each round (the unit test's run)."""
+    import struct
+
+    with nsq_server() as (clock, fast, connect_client):
+        producer, produced = connect_client(50001)
+        consumer, consumed = connect_client(50002)
         # the topic exists before the consumer subscribes (as nsq.py's first PUB makes it)
         producer.dataReceived(b"PUB events\n" + struct.pack(">I", len(BODY)) + BODY)
         consumer.dataReceived(b"SUB events c1\nRDY %d\n" % (2 * ROUND))
@@ -110,9 +123,6 @@ def child(messages: int, check: bool = False) -> dict:
         gc.enable()
         if check and fast.topics["events"].channels["c1"].in_flight:
             raise AssertionError("messages still in flight after every FIN")
-        fast.timers.stopService()
-        broker.timers.stopService()
-        fast.close()
     done_messages = rounds * ROUND
     return {"publish_ns": publish_cpu / max(1, done_messages) * 1e9,
             "consume_ns": consume_cpu / max(1, done_messages) * 1e9}

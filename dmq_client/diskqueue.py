@@ -183,6 +183,22 @@ class DiskQueue:
             finally:
                 self._sync_if_needed()
 
+    def put_many(self, records: list[bytes]) -> None:
+        """Append records in order, as ``put`` one after another would, under one lock and
+        one look at the clock: a queue taking a batch (a topic's backlog moved to a
+        channel) pays the per-call bookkeeping once. If one fails, those before it are
+        stored and DiskQueueError says why."""
+        with self._lock:
+            self._check_open()
+            self._begin()
+            for data in records:
+                self._loop_top()  # what the next put's _begin would do, the clock aside
+                self._count += 1
+                try:
+                    self._write_one(data if isinstance(data, bytes) else bytes(data))
+                finally:
+                    self._sync_if_needed()
+
     def flush(self) -> None:
         """Write the records ``put`` has buffered (``write_buffer``). On failure they are
         dropped (writePos and depth go back to the last written record) and
@@ -210,6 +226,27 @@ class DiskQueue:
                 self._move_forward()
                 self._sync_if_needed()
             return data
+
+    def read_many(self, limit: int) -> list[bytes]:
+        """Remove and return up to ``limit`` of the oldest records (fewer, or none, when
+        the queue has fewer), as ``read`` called that many times in one instant would:
+        the files, syncs and read-ahead change in the same order."""
+        records: list[bytes] = []
+        with self._lock:
+            self._check_open()
+            self._begin()
+            while len(records) < limit:
+                data, self._pending = self._pending, None
+                if data is None:
+                    break
+                records.append(data)
+                self._count += 1
+                self._move_forward()
+                if len(records) == limit:
+                    self._sync_if_needed()  # as read ends
+                else:
+                    self._loop_top()  # that, then what the next read's _begin would do
+        return records
 
     def peek(self) -> bytes | None:
         """Return the oldest record without removing it, or None if the queue has none."""
@@ -537,6 +574,27 @@ class DiskQueue:
         self._move_forward(consumed=False)
 
     def _read_one(self) -> bytes:
+        buf, start = self._rbuf, self._rbuf_off
+        if len(buf) - start >= 4:  # most records: the whole of it already in the buffer
+            (size,) = _SIZE.unpack_from(buf, start)
+            end = start + 4 + size
+            if end <= len(buf) and self.min_msg_size <= size <= self.max_msg_size:
+                self._rbuf_off = end
+                data = buf[start + 4 : end]
+            else:
+                data, size = self._read_slowly()
+        else:
+            data, size = self._read_slowly()
+        self._next_read_pos = self._read_pos + 4 + size
+        self._next_read_file_num = self._read_file_num
+        if self._read_file_num < self._write_file_num and self._next_read_pos >= self._max_bytes_per_file_read:
+            self._close_read()
+            self._next_read_file_num += 1
+            self._next_read_pos = 0
+        return data
+
+    def _read_slowly(self) -> tuple[bytes, int]:
+        """A record that crosses the buffer's end, or is bad: (its payload, its size)."""
         try:
             header = self._read_exact(4)
             if len(header) < 4:
@@ -551,13 +609,7 @@ class DiskQueue:
         except (OSError, _BadRecord):
             self._close_read()
             raise
-        self._next_read_pos = self._read_pos + 4 + size
-        self._next_read_file_num = self._read_file_num
-        if self._read_file_num < self._write_file_num and self._next_read_pos >= self._max_bytes_per_file_read:
-            self._close_read()
-            self._next_read_file_num += 1
-            self._next_read_pos = 0
-        return data
+        return data, size
 
     def _read_exact(self, n: int) -> bytes:
         """Up to ``n`` bytes from the read file (fewer only at its end), buffered like bufio."""

@@ -12,6 +12,10 @@ A client is any object with ``ready_count``, ``in_flight_count``, ``sample_rate`
 ``msg_timeout`` and ``send_message(channel, message)`` (plus counters for /stats
 and ``close()``); the channel keeps ``in_flight_count`` up to date and delivers
 while ``in_flight_count < ready_count`` (RDY is a window, never decremented).
+
+Why one long module: it is nsqd's ``channel.go``, whose state (the memory queue, the disk
+queue and what was read ahead from it, in flight, deferred, the clients' windows) every
+operation touches and must leave consistent; split, each part would reach into the others.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ __all__ = ["FastChannel"]
 
 log = Logger()
 
+#: Records a channel takes from its disk queue in one read (one lock, one look at the
+#: clock), at most ``--mem-queue-size``: they wait in memory until delivered, so a crash
+#: can lose them as it loses the memory queue; a shutdown writes them back to disk.
+READ_AHEAD = 64
+
 
 class FastChannel:
     def __init__(self, topic_name: str, name: str, store: StoreServices):
@@ -43,6 +52,10 @@ class FastChannel:
         self.memory: deque[FastMessage] = deque()
         self.backend = store.make_backend(f"{topic_name}:{name}", self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
+        # records taken from the disk queue in one read and not yet delivered: still
+        # waiting, counted in the backend's depth (``backend_depth``)
+        self._ahead: deque[bytes] = deque()
+        self._read_ahead = max(1, min(READ_AHEAD, self.mem_queue_size))
         self.in_flight: dict[bytes, FastMessage] = {}
         self.deferred: dict[bytes, FastMessage] = {}
         # when each in-flight message times out, each deferred one is due (the
@@ -70,6 +83,34 @@ class FastChannel:
         else:
             self.put(msg)
 
+    def receive_many(self, msgs: list[FastMessage]) -> None:
+        """``receive`` for a batch of the topic's backlog: what overflows memory goes to
+        the disk queue in one call, and the clients are served once, after it."""
+        if self.exiting:
+            raise Exiting()
+        if self.ephemeral:  # its overflow depends on the clients' room, message by message
+            for msg in msgs:
+                self.receive(msg)
+            return
+        self.message_count += len(msgs)
+        memory = self.memory
+        room = self.mem_queue_size - len(memory)
+        overflow: list[bytes] = []
+        for msg in msgs:
+            if msg.deferred:
+                self.start_deferred(msg, msg.deferred)
+            elif room > 0 and not overflow:
+                memory.append(msg)
+                room -= 1
+            else:
+                overflow.append(msg.encode())
+        if overflow:
+            self._backend_has_data = True
+            self.backend.put_many(overflow)
+            if self.store.health_error is not None:
+                self.store.set_health(None)
+        self.pump()
+
     def put(self, msg: FastMessage) -> None:
         """Queue for delivery: memory while it has room, else the disk queue."""
         if self.exiting:
@@ -85,7 +126,7 @@ class FastChannel:
 
     def depth(self) -> int:
         """Waiting messages (memory + disk); not in flight, not deferred."""
-        return len(self.memory) + self.backend.depth()
+        return len(self.memory) + len(self._ahead) + self.backend.depth()
 
     # -- clients ------------------------------------------------------------------------
     def add_client(self, client: Any) -> str | None:
@@ -158,11 +199,14 @@ class FastChannel:
         memory = self.memory
         if self._backend_has_data and (self._disk_turn or not memory):
             self._disk_turn = False
+            ahead = self._ahead
             while True:
-                data = self.backend.read()
-                if data is None:
-                    self._backend_has_data = False
-                    break
+                if not ahead:
+                    ahead.extend(self.backend.read_many(self._read_ahead))
+                    if not ahead:
+                        self._backend_has_data = False
+                        break
+                data = ahead.popleft()
                 try:
                     return FastMessage.decode(data)
                 except ValueError as exc:
@@ -315,6 +359,7 @@ class FastChannel:
         for client in self._rotation:
             client.in_flight_count = 0
         self.memory.clear()
+        self._ahead.clear()
         self.backend.empty()
         self._backend_has_data = False
         self.pump()
@@ -341,7 +386,8 @@ class FastChannel:
 
     def flush(self) -> None:
         """Write memory, in-flight and deferred messages to the disk queue (deferral and
-        in-flight state are lost, as in nsqd; attempts are kept)."""
+        in-flight state are lost, as in nsqd; attempts are kept), and the records read
+        ahead from it (behind the ones still there: the order changes, as in nsqd)."""
         backend = self.backend
         pending = len(self.memory) + len(self.in_flight) + len(self.deferred)
         if pending and not self.ephemeral:
@@ -349,6 +395,9 @@ class FastChannel:
                 "CHANNEL({topic}:{channel}): flushing {n} memory/in-flight/deferred messages to backend",
                 topic=self.topic_name, channel=self.name, n=pending,
             )
+        if self._ahead:
+            backend.put_many(list(self._ahead))
+            self._ahead.clear()
         for msg in self.memory:
             backend.put(msg.encode())
         for msg in self.in_flight.values():
@@ -377,7 +426,7 @@ class FastChannel:
         return {
             "channel_name": self.name,
             "depth": self.depth(),
-            "backend_depth": self.backend.depth(),
+            "backend_depth": len(self._ahead) + self.backend.depth(),
             "in_flight_count": len(self.in_flight),
             "deferred_count": len(self.deferred),
             "message_count": self.message_count,

@@ -51,8 +51,14 @@ class DummyBackend:
     def put(self, data: bytes) -> None:
         pass
 
+    def put_many(self, records: list[bytes]) -> None:
+        pass
+
     def read(self) -> bytes | None:
         return None
+
+    def read_many(self, limit: int) -> list[bytes]:
+        return []
 
     def depth(self) -> int:
         return 0

@@ -17,3 +17,13 @@ def test_a_run_answers_pushes_and_finishes_every_message_and_reports_its_cost():
     result = nsq_cost.child(1000, check=True)
     assert set(result) == {"publish_ns", "consume_ns"}
     assert result["publish_ns"] > 0 and result["consume_ns"] > 0
+
+
+def test_a_backlog_run_answers_pushes_and_finishes_every_message_once():
+    """bench/nsq_backlog_cost.py: 1,200 PUBs to a channel without consumers (1,000 in its
+    memory window, the rest on disk), then one consumer takes and finishes each once."""
+    import nsq_backlog_cost
+
+    result = nsq_backlog_cost.child(1200, check=True)
+    assert set(result) == {"publish_ns", "consume_ns"}
+    assert result["publish_ns"] > 0 and result["consume_ns"] > 0

@@ -23,8 +23,14 @@ class MemoryBackend:
     def put(self, data):
         self.items.append(bytes(data))
 
+    def put_many(self, records):
+        self.items.extend(bytes(data) for data in records)
+
     def read(self):
         return self.items.popleft() if self.items else None
+
+    def read_many(self, limit):
+        return [self.items.popleft() for _ in range(min(limit, len(self.items)))]
 
     def depth(self):
         return len(self.items)
@@ -133,6 +139,99 @@ def test_topic_overflow_before_a_channel_exists():
     assert backends["t"].depth() == 7
     ch = store.topics["t"].get_channel("c")
     assert ch.depth() == 10 and store.topics["t"].depth() == 0
+
+
+class CountingBackend(MemoryBackend):
+    """Counts the calls the store makes, to see a batch taken in one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def put(self, data):
+        self.calls.append(("put", 1))
+        super().put(data)
+
+    def put_many(self, records):
+        self.calls.append(("put_many", len(records)))
+        super().put_many(records)
+
+    def read(self):
+        self.calls.append(("read", 1))
+        return super().read()
+
+    def read_many(self, limit):
+        self.calls.append(("read_many", limit))
+        return super().read_many(limit)
+
+
+def test_a_backlog_moves_to_a_new_channel_in_batches_and_keeps_its_order():
+    """A topic's backlog (memory, then disk) moves to its first channel a batch at a
+    time: one read of the topic's disk queue and one write to the channel's per batch;
+    the consumer then gets every message once, in publish order, the channel's disk
+    read ahead a few records at a time (counted in its backend depth meanwhile)."""
+    backends: dict = {}
+    store, clock, _ = make_store(backends=backends, mem_queue_size=100)
+    for name in ("t", "t:c"):
+        backends[name] = CountingBackend()
+    bodies = [b"m%04d" % i for i in range(1000)]
+    for body in bodies:  # PUBs: 100 in the topic's memory, 900 on its disk
+        publish(store, "t", body)
+    topic = store.topics["t"]
+    assert len(topic.memory) == 100 and backends["t"].depth() == 900
+    backends["t"].calls.clear()
+    ch = topic.get_channel("c")  # drains DRAIN_BATCH (2000) at once: all of it
+    assert backends["t"].calls == [("read_many", 1900)] + [("read_many", 1000)]
+    assert backends["t:c"].calls == [("put_many", 900)]
+    assert ch.depth() == 1000 and len(ch.memory) == 100
+    client = FakeClient(1)
+    ch.add_client(client)
+    ch.pump()
+    assert ch.stats()["backend_depth"] == 900 and ch.depth() == 999
+    got = [client.received[-1]]
+    for _ in range(999):
+        ch.finish(client, got[-1].id)
+        got.append(client.received[-1])
+    assert sorted(m.body for m in got) == bodies and len({m.id for m in got}) == 1000
+    # memory and disk take turns, each in order
+    from_disk = [m.body for m in got if m.body >= b"m0100"]
+    assert from_disk == bodies[100:]
+    reads = [n for call, n in backends["t:c"].calls if call == "read_many"]
+    assert reads and set(reads) == {64} and len(reads) <= 900 // 64 + 2
+
+
+def test_read_ahead_never_holds_more_than_the_memory_window():
+    """With --mem-queue-size 1 (fast topics kept on disk) the channel reads its disk
+    one record at a time, so no more than before waits in memory."""
+    backends: dict = {}
+    store, clock, _ = make_store(backends=backends, mem_queue_size=1)
+    ch = store.get_topic("t").get_channel("c")
+    backends["t:c"] = ch.backend = CountingBackend()
+    publish(store, "t", *[b"d%d" % i for i in range(6)])
+    client = FakeClient(2)
+    ch.add_client(client)
+    ch.pump()
+    assert {n for call, n in ch.backend.calls if call == "read_many"} == {1}
+    assert len(client.received) == 2 and ch.depth() == 4
+
+
+def test_an_mpub_goes_to_each_channel_in_one_batch():
+    """An MPUB with nothing waiting before it reaches each channel in one call: what
+    overflows a channel's memory is one disk write; each channel holds its own copies."""
+    backends: dict = {}
+    store, clock, _ = make_store(backends=backends, mem_queue_size=3)
+    topic = store.get_topic("t")
+    a, b = topic.get_channel("a"), topic.get_channel("b")
+    backends["t:a"] = a.backend = CountingBackend()
+    publish(store, "t", *[b"x%d" % i for i in range(10)])
+    assert a.backend.calls == [("put_many", 7)]
+    assert len(a.memory) == 3 and a.depth() == 10 and b.depth() == 10
+    assert {id(m) for m in a.memory}.isdisjoint(id(m) for m in b.memory)
+    assert topic.message_count == 10 and topic.message_bytes == 20
+    client = FakeClient(100)
+    a.add_client(client)
+    a.pump()
+    assert sorted(m.body for m in client.received) == sorted(b"x%d" % i for i in range(10))
 
 
 def test_rdy_is_a_window_on_messages_in_flight():
@@ -396,6 +495,35 @@ def test_clean_shutdown_flushes_memory_in_flight_and_deferred():
     ch2.pump()
     got = {m.body: m.attempts for m in c2.received}
     assert got == {b"inflight": 2, b"waiting": 1, b"deferred": 1}
+
+
+def test_clean_shutdown_writes_back_what_was_read_ahead_from_disk():
+    """Records a channel read ahead from its disk queue and had not delivered go back to
+    disk on close: after a restart every message not finished is delivered, none twice."""
+    backends: dict = {}
+    store, clock, _ = make_store(backends=backends, mem_queue_size=10)
+    ch = store.get_topic("t").get_channel("c")
+    publish(store, "t", *[b"r%02d" % i for i in range(40)])  # 10 in memory, 30 on disk
+    client = FakeClient(1)
+    ch.add_client(client)
+    ch.pump()
+    finished = set()
+    for _ in range(9):  # memory and disk in turn: the disk's reads take 10 ahead
+        finished.add(client.received[-1].body)
+        ch.finish(client, client.received[-1].id)
+    assert ch._ahead and ch.stats()["backend_depth"] == len(ch._ahead) + backends["t:c"].depth()
+    assert ch.depth() == 40 - 9 - 1  # the one in flight aside, all still wait
+    in_flight = client.received[-1].body
+    store.close()
+    again, _, _ = make_store(backends=backends, mem_queue_size=10)
+    ch2 = again.get_topic("t").get_channel("c")
+    assert ch2.depth() == 40 - len(finished)
+    c2 = FakeClient(100)
+    ch2.add_client(c2)
+    ch2.pump()
+    rest = [m.body for m in c2.received]
+    assert len(rest) == len(set(rest)) and set(rest) | finished == {b"r%02d" % i for i in range(40)}
+    assert in_flight in rest and not finished & set(rest)
 
 
 def test_sample_rate_drops_messages():
