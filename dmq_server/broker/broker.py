@@ -267,10 +267,14 @@ class Broker:
         server's own; only a registered topic has a rate limit. An NSQ PUB so skips the
         request object and the checks: 15 % of its cost from PUB to FIN
         (bench/nsq_cost.py)."""
-        fast = self.fast
-        if fast is None or topic not in fast.topics or self.cache.store_of(topic) is not None:
+        if not self.takes_fast_now(topic):
             return None
-        return fast.publish(topic, bodies)
+        return self.fast.publish(topic, bodies)
+
+    def takes_fast_now(self, topic: str) -> bool:
+        """Whether ``publish_fast_now`` would take bodies for ``topic``."""
+        fast = self.fast
+        return fast is not None and topic in fast.topics and self.cache.store_of(topic) is None
 
     def _publish_to(self, store: Any, request: PublishRequest, done: Callable[[Any], None]) -> None:
         if store == RELIABLE:

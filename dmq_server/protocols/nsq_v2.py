@@ -120,6 +120,11 @@ class NsqConnection:
         self.start_tls: Any = None  # the port's in-band upgrade, when the server has TLS
         self.auth = ClientAuth(ctx.authorizer, self.clock, peer_host(peer), peer, self._peer_tls) if ctx.authorizer else None
         self._held: Any = None  # a command waiting for the authorizer; nothing runs meanwhile
+        # PUBs of one read to one fast topic, published together when the run ends
+        # (_flush_pubs); _reading: inside _process, where a run is sure to be flushed
+        self._reading = False
+        self._pub_topic = ""
+        self._pub_bodies: list[bytes] = []
         self._start_heartbeats()
         ctx.connections.add(self)
 
@@ -217,20 +222,34 @@ class NsqConnection:
         self._answer(None, FatalClientError("E_TIMEOUT", description))
 
     def _process(self) -> None:
+        """Run the commands read so far, in order. A run of PUBs to one fast topic is
+        published together, its OKs answered in turn, before anything else is answered
+        or run (``cmd_pub``)."""
         parser = self.parser
-        while not self._stopped and not self.closed and self._held is None:
-            try:
-                cmd = parser.next_command()
-                if cmd is None:
-                    return
-                self.flow.frame_completed()
-                self._run(cmd)
-            except NsqError as err:
-                self._answer(None, err)
-            except CloseSilently:
-                log.info("{peer}: command line too long, closing", peer=self.remote_address)
-                self._stopped = True
-                self.close()
+        self._reading = True
+        try:
+            while not self._stopped and not self.closed and self._held is None:
+                try:
+                    cmd = parser.next_command()
+                    if cmd is None:
+                        return
+                    self.flow.frame_completed()
+                    if self._pub_bodies and cmd.params[0] != b"PUB":
+                        self._flush_pubs()
+                        if self._stopped or self.closed:
+                            return  # the run failed: nothing after it runs (nsqd)
+                    self._run(cmd)
+                except NsqError as err:
+                    self._flush_pubs()
+                    self._answer(None, err)
+                except CloseSilently:
+                    self._flush_pubs()
+                    log.info("{peer}: command line too long, closing", peer=self.remote_address)
+                    self._stopped = True
+                    self.close()
+        finally:
+            self._reading = False
+            self._flush_pubs()
 
     def _run(self, cmd: Any) -> None:
         name = cmd.params[0]
@@ -614,8 +633,40 @@ class NsqConnection:
     # -- publishing -----------------------------------------------------------------------
     def cmd_pub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
-        if self._allowed(cmd, "PUB", PUBLISH, topic):
-            self._publish_now_or_later(topic, [cmd.body], "PUB")
+        if not self._allowed(cmd, "PUB", PUBLISH, topic):
+            return
+        if self._pub_bodies:
+            if topic == self._pub_topic:
+                self._pub_bodies.append(cmd.body)
+                return
+            self._flush_pubs()
+            if self._stopped or self.closed:
+                return  # the run failed: nothing after it runs (nsqd)
+        if self._reading and self.ctx.broker.takes_fast_now(topic):
+            self._pub_topic = topic
+            self._pub_bodies.append(cmd.body)
+            return
+        self._publish_now_or_later(topic, [cmd.body], "PUB")
+
+    def _flush_pubs(self) -> None:
+        """Publish the run of PUBs ``cmd_pub`` kept, as one batch (what an MPUB of them
+        would store: the fast store's and the disk queue's work per call paid once),
+        and answer each in turn: OK, or the batch's error (a fatal one, nsqd's
+        E_PUB_FAILED, closes the connection after the first)."""
+        bodies = self._pub_bodies
+        if not bodies:
+            return
+        topic, self._pub_bodies = self._pub_topic, []
+        outcome = self.ctx.broker.publish_fast_now(topic, bodies)
+        if outcome is None:  # no longer a fast topic made on first use: each its own way
+            for body in bodies:
+                self._publish(topic, [body], 0, "PUB")
+            return
+        reply = self._publish_reply(topic, outcome, "PUB")
+        for _ in bodies:
+            if self._stopped or self.closed:
+                break
+            self._answer(self.replies.reserve() if len(self.replies) else None, reply)
 
     def cmd_mpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()

@@ -256,6 +256,48 @@ def test_pub_mpub_dpub_answer_ok_and_create_the_topic(env):
     assert p.conn.stats()["pub_counts"] == [{"topic": "t", "count": 4}]
 
 
+def test_a_run_of_pubs_in_one_read_is_stored_as_one_batch_and_answered_in_order(env):
+    """PUBs of one read to one fast topic are stored by one call of the fast store (as an
+    MPUB of them would be); a PUB to another topic, or any other command, ends the run
+    first, so messages are stored, and answers given, in the order the client sent them."""
+    p = env.peer().send(encode_command(b"PUB", b"t", body=b"0") + encode_command(b"PUB", b"u", body=b"0"))
+    assert p.frames() == [OK, OK]  # the topics now exist: made by their first PUB
+    calls = []
+    publish = env.store.publish
+
+    def counted(topic, bodies, deferred=0.0):
+        calls.append((topic, len(bodies)))
+        return publish(topic, bodies, deferred)
+
+    env.store.publish = counted
+    p.send(
+        encode_command(b"PUB", b"t", body=b"a") + encode_command(b"PUB", b"t", body=b"b")
+        + encode_command(b"PUB", b"u", body=b"c") + encode_command(b"PUB", b"t", body=b"d")
+        + encode_command(b"MPUB", b"t", body=mpub_body([b"e", b"f"])) + encode_command(b"PUB", b"t", body=b"g")
+        + encode_command(b"PUB", b"t", body=b"h") + b"BAD\n" + encode_command(b"PUB", b"t", body=b"never")
+    )
+    assert p.frames() == [OK] * 7 + [err("E_INVALID invalid command BAD")] and p.closed
+    assert calls == [("t", 2), ("u", 1), ("t", 1), ("t", 2), ("t", 2)]
+    assert [m.body for m in env.store.topics["t"].memory] == [b"0", b"a", b"b", b"d", b"e", b"f", b"g", b"h"]
+    assert {c["topic"]: c["count"] for c in p.conn.stats()["pub_counts"]} == {"t": 8, "u": 2}
+
+
+@pytest.mark.parametrize("after", [
+    encode_command(b"PUB", b"other", body=b"y"),
+    encode_command(b"MPUB", b"other", body=mpub_body([b"y"])),
+    encode_command(b"SUB", b"other", b"c"),
+])
+def test_a_run_of_pubs_that_fails_answers_one_fatal_error(env, after):
+    """A fast topic closing under a run of PUBs: the run's first PUB gets nsqd's fatal
+    E_PUB_FAILED and the connection closes; nothing after it runs or is answered."""
+    p = env.peer().send(encode_command(b"PUB", b"t", body=b"0"))
+    assert p.frames() == [OK]
+    env.store.topics["t"].exiting = True
+    p.send(encode_command(b"PUB", b"t", body=b"x") * 3 + after)
+    assert p.frames() == [err("E_PUB_FAILED PUB failed exiting")] and p.closed
+    assert "other" not in env.store.topics
+
+
 def test_pub_errors_have_nsqd_texts(env):
     """Bad topic names, missing params and bad DPUB timeouts are fatal with nsqd's texts."""
     cases = [
