@@ -244,14 +244,16 @@ class FastChannel:
         msg.client = None
         return msg
 
-    def finish(self, client: Any, message_id: bytes) -> str | None:
+    def finish(self, client: Any, message_id: bytes, pump: bool = True) -> str | None:
+        """FIN. ``pump`` False: the caller pumps once after a run of them (a read's FINs)."""
         msg = self._pop_in_flight(client, message_id)
         if isinstance(msg, str):
             return msg
         client.in_flight_count -= 1
         client.finish_count += 1
         self.finish_count += 1
-        self.pump()
+        if pump:
+            self.pump()
         return None
 
     def requeue(self, client: Any, message_id: bytes, timeout: float) -> str | None:

@@ -27,8 +27,8 @@ class FastSub:
     def pump(self) -> None:
         self.channel.pump()
 
-    def finish(self, conn: Any, message_id: bytes) -> str | None:
-        return self.channel.finish(conn, message_id)
+    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+        return self.channel.finish(conn, message_id, pump)
 
     def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
         return self.channel.requeue(conn, message_id, timeout)
@@ -92,7 +92,8 @@ class ReliableSub:
     def pump(self) -> None:
         self.channel.pump()
 
-    def finish(self, conn: Any, message_id: bytes) -> str | None:
+    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+        """An ack; ``pump`` is ignored: the reliable channel pushes as acks free credit."""
         mid = parse_hex_id(message_id)
         if mid is None:
             return "ID not in flight"

@@ -123,6 +123,7 @@ class NsqConnection:
         # PUBs of one read to one fast topic, published together when the run ends
         # (_flush_pubs); _reading: inside _process, where a run is sure to be flushed
         self._reading = False
+        self._pump_later: Any = None  # the subscription a read's FINs left to pump
         self._pub_topic = ""
         self._pub_bodies: list[bytes] = []
         self._start_heartbeats()
@@ -224,7 +225,8 @@ class NsqConnection:
     def _process(self) -> None:
         """Run the commands read so far, in order. A run of PUBs to one fast topic is
         published together, its OKs answered in turn, before anything else is answered
-        or run (``cmd_pub``)."""
+        or run (``cmd_pub``); the slots the read's FINs free are filled by one pump at
+        its end (``cmd_fin``)."""
         parser = self.parser
         self._reading = True
         try:
@@ -250,6 +252,9 @@ class NsqConnection:
         finally:
             self._reading = False
             self._flush_pubs()
+            sub, self._pump_later = self._pump_later, None
+            if sub is not None:
+                sub.pump()  # even if this connection closed meanwhile: others may wait
 
     def _run(self, cmd: Any) -> None:
         name = cmd.params[0]
@@ -595,7 +600,14 @@ class NsqConnection:
 
     def cmd_fin(self, cmd: Any) -> None:
         message_id = self._message_id(cmd, "FIN", 2)
-        error = self.sub.finish(self, message_id) if self.sub is not None else "ID not in flight"
+        sub = self.sub
+        if sub is None:
+            error: str | None = "ID not in flight"
+        elif self._reading:  # the read's FINs free their slots, then one pump fills them
+            error = sub.finish(self, message_id, False)
+            self._pump_later = sub
+        else:
+            error = sub.finish(self, message_id)
         if error is not None:
             raise ClientError("E_FIN_FAILED", f"FIN {_text(message_id)} failed {error}")
 

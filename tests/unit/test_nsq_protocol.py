@@ -331,6 +331,48 @@ def test_sub_rdy_delivers_message_frames_and_fin(env):
     assert env.store.topics["t"].channels["c"].in_flight == {}
 
 
+def test_a_reads_fins_free_their_slots_and_one_pump_fills_them(env):
+    """The FINs of one read each finish their message (one refused answers its own
+    non-fatal error), then the channel pumps once: the freed slots are filled after the
+    read, in one go, not one message per FIN."""
+    producer = env.peer().send(b"".join(encode_command(b"PUB", b"t", body=b"m%d" % i) for i in range(8)))
+    consumer = env.peer().send(b"SUB t c\nRDY 3\n")
+    assert producer.frames() == [OK] * 8
+    first = [decode_message(d)[2] for kind, d in consumer.frames() if kind == FRAME_MESSAGE]
+    assert len(first) == 3
+    channel = env.store.topics["t"].channels["c"]
+    pumps = []
+    pump = channel.pump
+    channel.pump = lambda: (pumps.append(len(channel.in_flight)), pump())
+    consumer.send(b"FIN " + first[0] + b"\nFIN " + b"f" * 16 + b"\nFIN " + first[1] + b"\nFIN " + first[2] + b"\n")
+    frames = consumer.frames()
+    assert pumps == [0]  # once, after the read, with all three slots free
+    assert frames[0] == err("E_FIN_FAILED FIN " + "f" * 16 + " failed ID not in flight")
+    pushed = [decode_message(d)[3] for kind, d in frames[1:] if kind == FRAME_MESSAGE]
+    assert pushed == [b"m3", b"m4", b"m5"] and len(channel.in_flight) == 3
+    assert channel.finish_count == 3 and channel.depth() == 2
+
+
+def test_fins_before_a_fatal_error_in_the_same_read_are_applied(env):
+    """FINs then a fatal error in one read: the connection closes with its messages
+    finished (none goes back to the queue), and the channel's other consumer goes on."""
+    producer = env.peer().send(b"".join(encode_command(b"PUB", b"t", body=b"m%d" % i) for i in range(4)))
+    a = env.peer().send(b"SUB t c\nRDY 2\n")
+    b = env.peer().send(b"SUB t c\n")
+    assert producer.frames() == [OK] * 4 and b.frames() == [OK]
+    held = [decode_message(d)[2] for kind, d in a.frames() if kind == FRAME_MESSAGE]
+    assert len(held) == 2
+    b.send(b"RDY 1\n")
+    assert [decode_message(d)[3] for kind, d in b.frames() if kind == FRAME_MESSAGE] == [b"m2"]
+    a.send(b"FIN " + held[0] + b"\nFIN " + held[1] + b"\nBAD\n")
+    assert a.frames() == [err("E_INVALID invalid command BAD")] and a.closed
+    channel = env.store.topics["t"].channels["c"]
+    assert channel.finish_count == 2 and channel.depth() == 1
+    b_id = next(m.id for m in channel.in_flight.values())
+    b.send(b"FIN " + b_id + b"\nRDY 2\n")
+    assert [decode_message(d)[3] for kind, d in b.frames() if kind == FRAME_MESSAGE] == [b"m3"]
+
+
 def test_a_turns_messages_and_answers_go_out_in_one_write(env):
     """A window of PUBs is answered, and a RDY's worth of messages pushed, in one
     transport write each (NsqConnection.queue_write), in order."""
