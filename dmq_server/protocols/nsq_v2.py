@@ -243,7 +243,8 @@ class NsqConnection:
                     self._run(cmd)
                 except NsqError as err:
                     self._flush_pubs()
-                    self._answer(None, err)
+                    if not (self._stopped or self.closed):  # else the run failed before it
+                        self._answer(None, err)
                 except CloseSilently:
                     self._flush_pubs()
                     log.info("{peer}: command line too long, closing", peer=self.remote_address)

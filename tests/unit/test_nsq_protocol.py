@@ -286,6 +286,7 @@ def test_a_run_of_pubs_in_one_read_is_stored_as_one_batch_and_answered_in_order(
     encode_command(b"PUB", b"other", body=b"y"),
     encode_command(b"MPUB", b"other", body=mpub_body([b"y"])),
     encode_command(b"SUB", b"other", b"c"),
+    b"PUB bad!name\n",  # refused by the parser, before any command runs
 ])
 def test_a_run_of_pubs_that_fails_answers_one_fatal_error(env, after):
     """A fast topic closing under a run of PUBs: the run's first PUB gets nsqd's fatal
