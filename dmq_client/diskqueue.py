@@ -242,11 +242,41 @@ class DiskQueue:
                 records.append(data)
                 self._count += 1
                 self._move_forward()
+                if len(records) < limit:
+                    self._take_buffered(records, limit)
                 if len(records) == limit:
                     self._sync_if_needed()  # as read ends
                 else:
                     self._loop_top()  # that, then what the next read's _begin would do
         return records
+
+    def _take_buffered(self, records: list[bytes], limit: int) -> None:
+        """Take the records that follow whole in the read buffer, in one loop, where the
+        single steps (read ahead, hand out, move forward) would do nothing else: no sync
+        falls due, the file does not end, nothing waits to be written to it. Stops before
+        anything else (that step does it), leaving the state a move forward leaves."""
+        if self._need_sync or self._read_fd is None or (self._wbuf and self._read_file_num == self._write_file_num):
+            return
+        finished = self._read_file_num < self._write_file_num
+        end = self._max_bytes_per_file_read if finished else self._write_pos
+        buf, off, pos, count = self._rbuf, self._rbuf_off, self._read_pos, self._count
+        have, lo, hi, last = len(buf), self.min_msg_size, self.max_msg_size, self.sync_every - 1
+        unpack = _SIZE.unpack_from
+        taken = 0
+        while len(records) < limit and count < last and pos < end and have - off >= 4:
+            size = unpack(buf, off)[0]
+            following = pos + 4 + size
+            if size < lo or size > hi or off + 4 + size > have or (finished and following >= end):
+                break
+            records.append(buf[off + 4 : off + 4 + size])
+            off += 4 + size
+            pos = following
+            count += 1
+            taken += 1
+        if taken:
+            self._rbuf_off, self._count, self._depth = off, count, self._depth - taken
+            self._read_pos = self._next_read_pos = pos
+            self._check_tail_corruption()
 
     def peek(self) -> bytes | None:
         """Return the oldest record without removing it, or None if the queue has none."""
