@@ -84,8 +84,9 @@ class FastChannel:
             self.put(msg)
 
     def receive_many(self, msgs: list[FastMessage]) -> None:
-        """``receive`` for a batch of the topic's backlog: what overflows memory goes to
-        the disk queue in one call, and the clients are served once, after it."""
+        """``receive`` for the topic's messages of one publish (or one batch of its
+        backlog): what overflows memory goes to the disk queue in one call, and the
+        clients are served once, after it."""
         if self.exiting:
             raise Exiting()
         if self.ephemeral:  # its overflow depends on the clients' room, message by message
@@ -391,10 +392,10 @@ class FastChannel:
         in-flight state are lost, as in nsqd; attempts are kept), and the records read
         ahead from it (behind the ones still there: the order changes, as in nsqd)."""
         backend = self.backend
-        pending = len(self.memory) + len(self.in_flight) + len(self.deferred)
+        pending = len(self.memory) + len(self.in_flight) + len(self.deferred) + len(self._ahead)
         if pending and not self.ephemeral:
             log.info(
-                "CHANNEL({topic}:{channel}): flushing {n} memory/in-flight/deferred messages to backend",
+                "CHANNEL({topic}:{channel}): flushing {n} memory/in-flight/deferred/read-ahead messages to backend",
                 topic=self.topic_name, channel=self.name, n=pending,
             )
         if self._ahead:

@@ -57,19 +57,15 @@ class FastTopic:
         write fails (nsqd's E_PUB_FAILED)."""
         if self.exiting:
             raise Exiting()
-        if (len(msgs) > 1 and self.channels and not self.paused  # an MPUB nothing waits before
-                and not self.memory and not self._backend_has_data):
-            self._fan_out_many(msgs)
-            self.message_count += len(msgs)
-            self.message_bytes += sum(len(msg.body) for msg in msgs)
-            return
-        for msg in msgs:
-            if self.channels and not self.paused and not self.memory and not self._backend_has_data:
-                self._fan_out(msg)
-            else:
+        # Nothing waits before them: straight to the channels, all of them (copying one
+        # cannot make anything wait); else each waits in turn, behind what waits already.
+        if self.channels and not self.paused and not self.memory and not self._backend_has_data:
+            self._fan_out(list(msgs))
+        else:
+            for msg in msgs:
                 self._queue(msg)
-            self.message_count += 1
-            self.message_bytes += len(msg.body)
+        self.message_count += len(msgs)
+        self.message_bytes += sum(len(msg.body) for msg in msgs)
 
     def _queue(self, msg: FastMessage) -> None:
         if msg.deferred or len(self.memory) < self.mem_queue_size:
@@ -80,21 +76,10 @@ class FastTopic:
             if self.store.health_error is not None:
                 self.store.set_health(None)
 
-    def _fan_out(self, msg: FastMessage) -> None:
-        first = True
-        for channel in list(self.channels.values()):
-            copy = msg if first else msg.copy()
-            first = False
-            try:
-                channel.receive(copy)
-            except Exiting:
-                pass
-            except Exception as exc:  # a channel's disk write failed
-                self._put_failed(channel, f"msg {msg.id}", exc)
-
-    def _fan_out_many(self, msgs: list[FastMessage]) -> None:
-        """``_fan_out`` for a batch of the backlog: each channel takes it in one call, so
-        what overflows its memory goes to its disk queue in one write."""
+    def _fan_out(self, msgs: list[FastMessage]) -> None:
+        """Copy messages to every channel; each channel takes them in one call, so what
+        overflows its memory goes to its disk queue in one write. A channel whose disk
+        write fails is logged and the store turns unhealthy; the others still get them."""
         first = True
         for channel in list(self.channels.values()):
             copies = msgs if first else [msg.copy() for msg in msgs]
@@ -104,12 +89,10 @@ class FastTopic:
             except Exiting:
                 pass
             except Exception as exc:  # a channel's disk write failed
-                self._put_failed(channel, f"{len(msgs)} msgs", exc)
-
-    def _put_failed(self, channel: FastChannel, what: str, exc: Exception) -> None:
-        log.error("TOPIC({topic}): failed to put {what} to channel({channel}) - {why}",
-                  topic=self.name, what=what, channel=channel.name, why=exc)
-        self.store.set_health(exc)
+                what = f"msg {msgs[0].id}" if len(msgs) == 1 else f"{len(msgs)} msgs"
+                log.error("TOPIC({topic}): failed to put {what} to channel({channel}) - {why}",
+                          topic=self.name, what=what, channel=channel.name, why=exc)
+                self.store.set_health(exc)
 
     def depth(self) -> int:
         return len(self.memory) + self.backend.depth()
@@ -140,7 +123,7 @@ class FastTopic:
                 except ValueError as exc:
                     log.error("TOPIC({topic}): failed to decode message - {why}", topic=self.name, why=exc)
         if batch:
-            self._fan_out_many(batch)
+            self._fan_out(batch)
         if self.memory or self._backend_has_data:
             self._drain_call = self.store.clock.callLater(0, self.drain)
 
