@@ -5,12 +5,9 @@ every ack became a row. A round that measured nothing would fail here."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from tests.bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import channel_cost  # noqa: E402
+channel_cost = import_bench("channel_cost")
 
 
 def test_a_run_pushes_and_acks_every_copy_and_reports_its_cost():

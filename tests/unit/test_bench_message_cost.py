@@ -7,12 +7,9 @@ that drifted from what the store runs, fails here."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from tests.bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import message_cost  # noqa: E402
+message_cost = import_bench("message_cost")
 
 
 def test_a_run_answers_pushes_and_acks_every_message_and_reports_its_cost():

@@ -5,12 +5,9 @@ left in flight after the FINs. A round that measured nothing fails here."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from tests.bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import nsq_cost  # noqa: E402
+nsq_cost = import_bench("nsq_cost")
 
 
 def test_a_run_answers_pushes_and_finishes_every_message_and_reports_its_cost():
@@ -22,7 +19,7 @@ def test_a_run_answers_pushes_and_finishes_every_message_and_reports_its_cost():
 def test_a_backlog_run_answers_pushes_and_finishes_every_message_once():
     """bench/nsq_backlog_cost.py: 1,200 PUBs to a channel without consumers (1,000 in its
     memory window, the rest on disk), then one consumer takes and finishes each once."""
-    import nsq_backlog_cost
+    nsq_backlog_cost = import_bench("nsq_backlog_cost")
 
     result = nsq_backlog_cost.child(1200, check=True)
     assert set(result) == {"publish_ns", "consume_ns"}

@@ -9,17 +9,13 @@ compatibility tests hold to nsqd's bytes.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dmq_server.core.nsq_wire import FRAME_MESSAGE, FRAME_RESPONSE, message_frame, response
+from tests.bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import _nsq_load  # noqa: E402
+_nsq_load = import_bench("_nsq_load")
 
 
 def _stream(count: int) -> tuple[bytes, list[tuple[bytes, int]]]:

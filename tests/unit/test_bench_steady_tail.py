@@ -5,12 +5,9 @@ and the stalls into seconds of the window."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from tests.bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import reliable  # noqa: E402
+reliable = import_bench("reliable")
 
 
 def test_observations_above_each_bound_are_counted_between_two_scrapes():
