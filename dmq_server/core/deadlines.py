@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Hashable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 __all__ = ["Deadlines"]
 
@@ -78,14 +78,40 @@ class Deadlines:
         if len(fifo) + len(self._heap) > STALE_RATIO * len(current) + SLACK:
             self._compact()
 
+    def set_many(self, keys: Iterable[Hashable], deadline: float) -> None:
+        """``set`` of each key, in order, to one deadline (a batch pushed at once): where
+        the entries go (the FIFO, or the heap when the deadline is earlier than the
+        FIFO's last) is decided once for the lot, and the bound checked once after it."""
+        current = self._current
+        fifo, heap = self._fifo, self._heap
+        seq = self._seq
+        if not fifo or deadline >= fifo[-1][0]:
+            append = fifo.append
+            for key in keys:
+                seq += 1
+                current[key] = entry = (deadline, seq, key)
+                append(entry)
+        else:
+            for key in keys:
+                seq += 1
+                current[key] = entry = (deadline, seq, key)
+                heapq.heappush(heap, entry)
+        self._seq = seq
+        if len(fifo) + len(heap) > STALE_RATIO * len(current) + SLACK:
+            self._compact()
+
     def discard(self, key: Hashable) -> None:
         """Forget ``key`` (acked, requeued, dropped); nothing if it has no deadline."""
-        entry = self._current.pop(key, None)
-        if entry is not None:
-            fifo = self._fifo
-            if fifo and fifo[0] is entry:
+        self.discard_many((key,))
+
+    def discard_many(self, keys: Iterable[Hashable]) -> None:
+        """``discard`` of each key (a read of FINs): the stale entries a discard leaves at
+        the FIFO's front are dropped as they come to it."""
+        current, fifo = self._current, self._fifo
+        for key in keys:
+            entry = current.pop(key, None)
+            if entry is not None and fifo and fifo[0] is entry:
                 fifo.popleft()
-                current = self._current
                 while fifo and current.get(fifo[0][2]) is not fifo[0]:
                     fifo.popleft()
 

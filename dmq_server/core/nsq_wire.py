@@ -190,6 +190,8 @@ class Command:
 
 
 _LINE, _SIZE, _BODY, _MPUB_COUNT, _MPUB_LEN, _MPUB_DATA, _FAILED = range(7)
+#: ``FIN <16-byte id>\n``
+_FIN_LINE = len(b"FIN ") + MSG_ID_LENGTH + len(b"\n")
 
 
 class CommandParser:
@@ -254,6 +256,24 @@ class CommandParser:
             self._buf = bytearray()
             self._pos = 0
             raise
+
+    def take_fins(self, ids: list[bytes]) -> None:
+        """Take the FINs that follow whole in the input, appending their ids: a consumer
+        writes a read of FINs at once, and each taken here skips a command's parse and
+        dispatch. Only the plain form is taken, ``FIN`` and a 16-byte id without a space
+        or a carriage return on a line of its own; anything else stops the loop, for
+        ``next_command`` to read (and answer, or refuse with nsqd's error) as before."""
+        if self._state != _LINE or self.max_line < _FIN_LINE:
+            return
+        buf, pos = self._buf, self._pos
+        end = len(buf) - _FIN_LINE
+        while pos <= end and buf[pos + _FIN_LINE - 1] == 10 and buf.startswith(b"FIN ", pos):
+            message_id = bytes(buf[pos + 4 : pos + _FIN_LINE - 1])
+            if b" " in message_id or b"\n" in message_id or message_id[-1] == 13:
+                break
+            ids.append(message_id)
+            pos += _FIN_LINE
+        self._pos = pos
 
     def _take(self, n: int) -> bytes | None:
         pos = self._pos

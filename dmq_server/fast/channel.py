@@ -5,11 +5,11 @@ Waiting messages sit in a bounded memory queue (``--mem-queue-size``) and overfl
 to the channel's disk queue (``<topic>:<channel>``; ephemeral channels drop the
 overflow). A delivered message is *in flight* until FIN, REQ or its deadline;
 a deferred one (DPUB, REQ with a delay) waits for its due time. Both sit in a map
-by id plus an indexed min-heap by deadline, which the store's single queue
+by id plus their deadlines (``core.deadlines``), which the store's single queue
 scanner drains (``process_in_flight`` / ``process_deferred``); no timer per message.
 
 A client is any object with ``ready_count``, ``in_flight_count``, ``sample_rate``,
-``msg_timeout`` and ``send_message(channel, message)`` (plus counters for /stats
+``msg_timeout`` and ``send_messages(channel, messages)`` (plus counters for /stats
 and ``close()``); the channel keeps ``in_flight_count`` up to date and delivers
 while ``in_flight_count < ready_count`` (RDY is a window, never decremented).
 
@@ -179,6 +179,9 @@ class FastChannel:
 
     def _pump(self) -> None:
         rotation = self._rotation
+        if len(rotation) == 1 and not rotation[0].sample_rate:
+            self._fill(rotation[0])
+            return
         while rotation and not self.paused:
             for _ in range(len(rotation)):
                 client = rotation[0]
@@ -194,7 +197,25 @@ class FastChannel:
             rate = client.sample_rate
             if rate and random.randrange(100) > rate:
                 continue  # sampled out: consumed, never delivered (nsqd)
-            self._deliver(msg, client)
+            self._deliver([msg], client)
+
+    def _fill(self, client: Any) -> None:
+        """The round robin of one client without sampling: as many messages as its RDY
+        window has room for, taken in the order the round robin would take them and
+        delivered in one call (one look at the clock, one write for the lot)."""
+        room = client.ready_count - client.in_flight_count
+        if room <= 0 or self.paused:
+            return
+        msgs: list[FastMessage] = []
+        take = self._next_message
+        while room:
+            msg = take()
+            if msg is None:
+                break
+            msgs.append(msg)
+            room -= 1
+        if msgs:
+            self._deliver(msgs, client)
 
     def _next_message(self) -> FastMessage | None:
         memory = self.memory
@@ -220,18 +241,22 @@ class FastChannel:
             return memory.popleft()
         return None
 
-    def _deliver(self, msg: FastMessage, client: Any) -> None:
-        if msg.attempts < 0xFFFF:
-            msg.attempts += 1
+    def _deliver(self, msgs: list[FastMessage], client: Any) -> None:
+        """In flight to ``client`` until FIN, REQ or the client's message timeout."""
         now = self.clock.seconds()
-        msg.client = client
-        msg.delivery_ts = now
-        self.in_flight[msg.id] = msg
-        self.in_flight_due.set(msg.id, now + client.msg_timeout)
+        deadline = now + client.msg_timeout
+        in_flight = self.in_flight
+        for msg in msgs:
+            if msg.attempts < 0xFFFF:
+                msg.attempts += 1
+            msg.client = client
+            msg.delivery_ts = now
+            in_flight[msg.id] = msg
+        self.in_flight_due.set_many([msg.id for msg in msgs], deadline)
         self.store.arm(self)
-        client.in_flight_count += 1
-        client.message_count += 1
-        client.send_message(self, msg)
+        client.in_flight_count += len(msgs)
+        client.message_count += len(msgs)
+        client.send_messages(self, msgs)
 
     # -- FIN / REQ / TOUCH --------------------------------------------------------------
     def _pop_in_flight(self, client: Any, message_id: bytes) -> FastMessage | str:
@@ -247,15 +272,33 @@ class FastChannel:
 
     def finish(self, client: Any, message_id: bytes, pump: bool = True) -> str | None:
         """FIN. ``pump`` False: the caller pumps once after a run of them (a read's FINs)."""
-        msg = self._pop_in_flight(client, message_id)
-        if isinstance(msg, str):
-            return msg
-        client.in_flight_count -= 1
-        client.finish_count += 1
-        self.finish_count += 1
+        failed = self.finish_many(client, [message_id])
         if pump:
             self.pump()
-        return None
+        return failed[0][1] if failed else None
+
+    def finish_many(self, client: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """FIN of each id, in order, without a pump (the caller pumps once after them);
+        returns the ids refused, each with nsqd's reason. One refused fails no other."""
+        in_flight = self.in_flight
+        failed: list[tuple[bytes, str]] = []
+        finished: list[bytes] = []
+        for message_id in message_ids:
+            msg = in_flight.get(message_id)
+            if msg is None:
+                failed.append((message_id, "ID not in flight"))
+            elif msg.client is not client:
+                failed.append((message_id, "client does not own message"))
+            else:
+                del in_flight[message_id]
+                msg.client = None
+                finished.append(message_id)
+        self.in_flight_due.discard_many(finished)
+        done = len(finished)
+        client.in_flight_count -= done
+        client.finish_count += done
+        self.finish_count += done
+        return failed
 
     def requeue(self, client: Any, message_id: bytes, timeout: float) -> str | None:
         """Back to the queue now (``timeout`` 0) or after ``timeout`` seconds."""

@@ -1,8 +1,8 @@
 """A message of the fast store, as nsqd's ``Message`` (``nsqd/message.go``).
 
-The same object is the wire message (``wire.message_frame``) and the disk-queue
-record (``wire.encode_message``): 8-byte timestamp, 2-byte attempts, 16-byte hex
-id, body. While in flight or deferred it also carries its owner, its deadline
+The same fields make the wire message (``wire.message_frame``, built by the NSQ
+connection) and the disk-queue record (``wire.encode_message``): 8-byte timestamp,
+2-byte attempts, 16-byte hex id, body. While in flight or deferred it also carries its owner, its deadline
 (``pri``, seconds on the store's clock) and its index in the priority queue.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmq_server.core.nsq_wire import decode_message, encode_message, message_frame
+from dmq_server.core.nsq_wire import decode_message, encode_message
 
 __all__ = ["FastMessage"]
 
@@ -35,9 +35,6 @@ class FastMessage:
 
     def encode(self) -> bytes:
         return encode_message(self.timestamp, self.attempts, self.id, self.body)
-
-    def frame(self) -> bytes:
-        return message_frame(self.timestamp, self.attempts, self.id, self.body)
 
     @classmethod
     def decode(cls, data: bytes) -> "FastMessage":

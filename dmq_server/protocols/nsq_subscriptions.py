@@ -30,6 +30,10 @@ class FastSub:
     def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
         return self.channel.finish(conn, message_id, pump)
 
+    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """A read's FINs, without a pump; the ids refused, each with its reason."""
+        return self.channel.finish_many(conn, message_ids)
+
     def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
         return self.channel.requeue(conn, message_id, timeout)
 
@@ -102,6 +106,15 @@ class ReliableSub:
             return error
         conn.finish_count += 1
         return None
+
+    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """Each FIN an ack, in order (``finish``); the ids refused, each with its reason."""
+        failed = []
+        for message_id in message_ids:
+            error = self.finish(conn, message_id)
+            if error is not None:
+                failed.append((message_id, error))
+        return failed
 
     def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
         mid = parse_hex_id(message_id)

@@ -64,6 +64,7 @@ from dmq_server.core.nsq_wire import (
     as_int64,
     error_frame,
     go_quote,
+    message_frame,
     parse_base10,
     response,
     valid_name_bytes,
@@ -146,8 +147,10 @@ class NsqConnection:
     def heartbeat_interval(self) -> float:
         return self.settings.heartbeat_interval
 
-    def send_message(self, channel: Any, msg: Any) -> None:
-        self.queue_write(msg.frame())
+    def send_messages(self, channel: Any, msgs: list[Any]) -> None:
+        """A fast channel's pushes, written when this reactor turn ends."""
+        if not self.closed:
+            self._turn.extend([message_frame(m.timestamp, m.attempts, m.id, m.body) for m in msgs])
 
     def channel_closed(self, channel: Any) -> None:
         """The channel was deleted (or unregistered): nsqd closes its clients."""
@@ -600,13 +603,24 @@ class NsqConnection:
         return message_id
 
     def cmd_fin(self, cmd: Any) -> None:
+        """FIN. In a read, the FINs that follow this one whole in the input are taken
+        with it (``CommandParser.take_fins``) and finished in one call; each refused one
+        is answered, in turn, with its own non-fatal ``E_FIN_FAILED``, and the slots they
+        free are filled by one pump at the read's end (``_process``)."""
         message_id = self._message_id(cmd, "FIN", 2)
         sub = self.sub
         if sub is None:
             error: str | None = "ID not in flight"
-        elif self._reading:  # the read's FINs free their slots, then one pump fills them
-            error = sub.finish(self, message_id, False)
+        elif self._reading:
+            ids = [message_id]
+            self.parser.take_fins(ids)
             self._pump_later = sub
+            failed = sub.finish_many(self, ids)
+            if not failed:
+                return
+            for message_id, error in failed[:-1]:
+                self._answer(None, ClientError("E_FIN_FAILED", f"FIN {_text(message_id)} failed {error}"))
+            message_id, error = failed[-1]
         else:
             error = sub.finish(self, message_id)
         if error is not None:

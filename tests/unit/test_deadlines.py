@@ -49,6 +49,16 @@ def test_a_discarded_key_never_fires_and_equal_deadlines_keep_arrival_order():
     assert not d
 
 
+def test_a_batch_set_at_once_is_bounded_as_single_sets_are(monkeypatch):
+    monkeypatch.setattr(module, "SLACK", 4)
+    d = Deadlines()
+    for _ in range(50):
+        d.set_many(range(5), 1.0)  # the same keys again: their old entries go stale
+        d.set_many(range(5), 0.5)  # earlier than the FIFO's last: the heap
+        assert d.entries() <= module.STALE_RATIO * len(d) + 4
+    assert list(d.pop_due(0.5)) == list(range(5)) and len(d) == 0
+
+
 def test_stale_entries_stay_bounded(monkeypatch):
     """Acks leave entries behind; after every ``set`` there are at most STALE_RATIO
     entries per live key (plus SLACK), whether acks come in push order or not."""
@@ -93,16 +103,23 @@ def test_earlier_deadlines_merge_with_later_ones_in_order():
     assert list(d.pop_due(20.0)) == ["c", "a", "e", "b", "d"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["set", "discard", "pop"]), st.integers(0, 20), st.floats(0, 100))))
+@given(st.lists(st.tuples(st.sampled_from(["set", "set_many", "discard", "pop"]), st.integers(0, 20),
+                          st.floats(0, 100))))
 def test_it_agrees_with_a_plain_dict(operations):
-    """Whatever the sequence of set, discard and pop_due, the keys popped are exactly the
-    live keys due, in (deadline, order of setting) order."""
+    """Whatever the sequence of set, set_many, discard and pop_due, the keys popped are
+    exactly the live keys due, in (deadline, order of setting) order."""
     d, model, order = Deadlines(), {}, 0
     for op, key, at in operations:
         if op == "set":
             order += 1
             d.set(key, at)
             model[key] = (at, order)
+        elif op == "set_many":  # a run of keys from ``key``, one of them twice
+            keys = [key, key + 1, key + 2, key]
+            d.set_many(keys, at)
+            for k in keys:
+                order += 1
+                model[k] = (at, order)
         elif op == "discard":
             d.discard(key)
             model.pop(key, None)

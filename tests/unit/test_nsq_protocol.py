@@ -354,6 +354,36 @@ def test_a_reads_fins_free_their_slots_and_one_pump_fills_them(env):
     assert channel.finish_count == 3 and channel.depth() == 2
 
 
+def test_a_run_of_fins_answers_each_refused_one_in_turn(env):
+    """A read of FINs is finished in one call, but each refused FIN (an id not in flight,
+    one another consumer holds) still gets its own E_FIN_FAILED, in the order sent, and a
+    REQ in the run runs in its place: the FINs after it are taken after it."""
+    producer = env.peer().send(b"".join(encode_command(b"PUB", b"t", body=b"m%d" % i) for i in range(6)))
+    a = env.peer().send(b"SUB t c\nRDY 4\n")
+    b = env.peer().send(b"SUB t c\nRDY 1\n")
+    assert producer.frames() == [OK] * 6
+    held = [decode_message(d)[2] for kind, d in a.frames() if kind == FRAME_MESSAGE]
+    other = [decode_message(d)[2] for kind, d in b.frames() if kind == FRAME_MESSAGE]
+    assert len(held) == 4 and len(other) == 1
+    channel = env.store.topics["t"].channels["c"]
+    a.send(b"".join([
+        b"FIN " + held[0] + b"\n", b"FIN " + b"f" * 16 + b"\n", b"FIN " + other[0] + b"\n",
+        b"REQ " + held[1] + b" 60000\n", b"FIN " + held[1] + b"\n", b"FIN " + held[2] + b"\n",
+        b"FIN " + held[3] + b"\n", b"NOP\n",
+    ]))
+    frames = a.frames()
+    assert [f for f in frames if f[0] != FRAME_MESSAGE] == [
+        err("E_FIN_FAILED FIN " + "f" * 16 + " failed ID not in flight"),
+        err("E_FIN_FAILED FIN " + other[0].decode() + " failed client does not own message"),
+        err("E_FIN_FAILED FIN " + held[1].decode() + " failed ID not in flight"),  # deferred before it
+    ]
+    pushed = [decode_message(d) for kind, d in frames if kind == FRAME_MESSAGE]
+    assert [body for _, _, _, body in pushed] == [b"m5"]
+    assert channel.finish_count == 3 and channel.requeue_count == 1 and held[1] in channel.deferred
+    assert channel.in_flight[other[0]].client is not None  # b's copy untouched by a's FIN
+    assert set(channel.in_flight) == {other[0], pushed[0][2]} and channel.depth() == 0
+
+
 def test_fins_before_a_fatal_error_in_the_same_read_are_applied(env):
     """FINs then a fatal error in one read: the connection closes with its messages
     finished (none goes back to the queue), and the channel's other consumer goes on."""
@@ -579,6 +609,25 @@ def test_sub_on_reliable_channel_pushes_hex_ids_and_fin_acks(env):
     assert other.frames() == [err("E_FIN_FAILED FIN 0000000000001234 failed client does not own message")]
     c.send(b"FIN " + mid + b"\n")
     assert c.frames() == [] and env.broker.acked == [0x1234]
+
+
+def test_a_read_of_fins_on_a_reliable_channel_acks_each_and_refuses_each_bad_one(env):
+    """A read of FINs to a reliable channel: each is an ack, in order; an id that is not
+    hex, one not held and one acked twice each answer their own E_FIN_FAILED, in turn."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 5\n")
+    assert c.frames() == [OK]
+    for i in (0x11, 0x12):
+        ch.add(ReliableMessage(i, "orders", "p", i, 1_700_000_000_000, b"m"))
+    first, second = (decode_message(data)[2] for _, data in c.frames())
+    c.send(b"FIN " + first + b"\nFIN zzzzzzzzzzzzzzzz\nFIN " + b"0" * 16 + b"\nFIN " + second
+           + b"\nFIN " + first + b"\n")
+    assert c.frames() == [
+        err("E_FIN_FAILED FIN zzzzzzzzzzzzzzzz failed ID not in flight"),
+        err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight"),
+        err("E_FIN_FAILED FIN 0000000000000011 failed ID not in flight"),
+    ]
+    assert env.broker.acked == [0x11, 0x12] and not c.closed
 
 
 def test_reliable_req_with_delay_and_touch(env):

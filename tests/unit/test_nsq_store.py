@@ -59,8 +59,8 @@ class FakeClient:
         self.received = []
         self.closed = False
 
-    def send_message(self, channel, msg):
-        self.received.append(msg)
+    def send_messages(self, channel, msgs):
+        self.received.extend(msgs)
 
     def channel_closed(self, channel):
         self.closed = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmq_server.core.nsq_errors import CloseSilently, FatalClientError
@@ -282,3 +282,76 @@ def test_response_queue_keeps_order_and_closes_after_a_fatal_answer():
     assert out == [b"a"]
     q.fill(slot, b"b")
     assert out == [b"a", b"b", b"c", b"after-c", b"fatal"] and closed == [True]
+
+
+# ids of 16 bytes from an alphabet where the bytes that matter are common: a space splits
+# the line into more parameters, a carriage return at the end is stripped
+_FIN_ID = st.lists(st.sampled_from(b"0af \r\x00\xff"), min_size=16, max_size=16).map(bytes)
+_FIN_LIKE = st.one_of(
+    _FIN_ID.map(lambda i: b"FIN " + i + b"\n"),  # the plain form, whatever its bytes
+    st.sampled_from([b"0123456789abcdef", b"fedcba9876543210", b"0123456789abcde\r", b"01234567 9abcdef"]).map(
+        lambda i: b"FIN " + i + b"\n"),
+    _FIN_ID.map(lambda i: b"FIN " + i + b"\r\n"),
+    st.binary(min_size=0, max_size=20).filter(lambda b: b"\n" not in b).map(lambda i: b"FIN " + i + b"\n"),
+    _FIN_ID.map(lambda i: b"FIN " + i + b" extra\n"),
+    st.sampled_from([b"NOP\n", b"RDY 1\n", b"FIN\n", b"FINISH 0123456789abcdef\n", b"FIX 0123456789abcdef\n",
+                     b"REQ 0123456789abcdef 0\n"]),
+    st.binary(min_size=1, max_size=30).map(lambda body: encode_command(b"PUB", b"t", body=body)),
+)
+
+
+def _commands(parser: CommandParser, take_fins: bool, out: list) -> None:
+    while (cmd := parser.next_command()) is not None:
+        out.append((tuple(cmd.params), cmd.body, cmd.bodies))
+        if take_fins and cmd.params[0] == b"FIN":
+            ids: list[bytes] = []
+            parser.take_fins(ids)
+            out.extend(((b"FIN", message_id), None, None) for message_id in ids)
+
+
+def _parse_in_pieces(stream: bytes, cuts: list[int], max_line: int, take_fins: bool) -> tuple[list, str]:
+    parser = CommandParser(max_line=max_line)
+    out: list = []
+    pos = i = 0
+    try:
+        while pos < len(stream):
+            step = cuts[i % len(cuts)]
+            parser.receive_data(stream[pos : pos + step])
+            pos, i = pos + step, i + 1
+            _commands(parser, take_fins, out)
+    except (FatalClientError, CloseSilently) as exc:
+        return out, f"{type(exc).__name__} {exc}"
+    return out, f"{parser.buffered()} left"
+
+
+@given(
+    st.lists(_FIN_LIKE, max_size=20),
+    st.lists(st.integers(min_value=1, max_value=500), min_size=1, max_size=6),
+    st.sampled_from([20, 21, 64, 16 * 1024]),
+)
+@settings(max_examples=400)
+def test_a_run_of_fins_taken_at_once_reads_as_the_steps_would(lines, cuts, max_line):
+    """``take_fins`` after each FIN the steps read gives the same commands, in the same
+    order, as the steps alone, cut anywhere: FINs with a carriage return, a space in the
+    id, a short or long id, an extra parameter, a line above ``max_line`` and other
+    commands stop the run and are read (or refused) by the steps."""
+    stream = b"".join(lines)
+    assert _parse_in_pieces(stream, cuts, max_line, True) == _parse_in_pieces(stream, cuts, max_line, False)
+
+
+def test_take_fins_takes_only_whole_plain_fins():
+    parser = CommandParser()
+    a, b = b"0123456789abcdef", b"fedcba9876543210"
+    parser.receive_data(b"FIN " + a + b"\nFIN " + b + b"\nFIN " + a + b"\r\nFIN " + b + b"\n")
+    ids: list[bytes] = []
+    parser.take_fins(ids)
+    assert ids == [a, b] and parser.next_command().params == [b"FIN", a]
+    parser.take_fins(ids)
+    assert ids == [a, b, b] and parser.buffered() == 0
+    parser.receive_data(b"FIN " + a[:10])  # not whole yet: left for the steps
+    parser.take_fins(ids)
+    assert ids == [a, b, b] and parser.buffered() == 14
+    short = CommandParser(max_line=20)  # its steps refuse a FIN line: so does this
+    short.receive_data(b"FIN " + a + b"\n")
+    short.take_fins(ids)
+    assert ids == [a, b, b] and short.buffered() == 21
