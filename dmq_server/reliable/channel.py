@@ -513,10 +513,10 @@ class ReliableChannel:
         with its lookups hoisted: it runs once per acknowledged copy
         (bench/channel_cost.py)."""
         in_flight, deferred, finishing = self.in_flight, self.deferred, self.finishing
-        forget_deadline = self._deadlines.discard
         now_ms = int(self.clock.seconds() * 1000)
         refused = 0
         acked: list[Delivery] = []
+        acked_ids: list[int] = []
         for message_id in message_ids:
             delivery = in_flight.get(message_id)
             if delivery is None or delivery.consumer is not consumer:
@@ -524,11 +524,12 @@ class ReliableChannel:
                 continue
             del in_flight[message_id]
             acked.append(delivery)
+            acked_ids.append(message_id)
             if deferred:
                 deferred.discard(message_id)
-            forget_deadline(message_id)
             finishing[message_id] = delivery.message.owner
         if acked:
+            self._deadlines.discard_many(acked_ids)
             self.ack_count += len(acked)
             if consumer is not None:
                 consumer.in_flight -= len(acked)

@@ -103,11 +103,11 @@ def test_earlier_deadlines_merge_with_later_ones_in_order():
     assert list(d.pop_due(20.0)) == ["c", "a", "e", "b", "d"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["set", "set_many", "discard", "pop"]), st.integers(0, 20),
+@given(st.lists(st.tuples(st.sampled_from(["set", "set_many", "discard", "discard_many", "pop"]), st.integers(0, 20),
                           st.floats(0, 100))))
 def test_it_agrees_with_a_plain_dict(operations):
-    """Whatever the sequence of set, set_many, discard and pop_due, the keys popped are
-    exactly the live keys due, in (deadline, order of setting) order."""
+    """Whatever the sequence of set, set_many, discard, discard_many and pop_due, the
+    keys popped are exactly the live keys due, in (deadline, order of setting) order."""
     d, model, order = Deadlines(), {}, 0
     for op, key, at in operations:
         if op == "set":
@@ -123,6 +123,11 @@ def test_it_agrees_with_a_plain_dict(operations):
         elif op == "discard":
             d.discard(key)
             model.pop(key, None)
+        elif op == "discard_many":  # a run of keys from ``key``, one of them twice
+            keys = [key, key + 1, key, key + 3]
+            d.discard_many(keys)
+            for k in keys:
+                model.pop(k, None)
         else:
             due = sorted((v, k) for k, v in model.items() if v[0] <= at)
             assert list(d.pop_due(at)) == [k for _, k in due]
