@@ -10,6 +10,7 @@ countdown over a batch, the choice of store and the checks of a send exist once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dmq_client.spelling import MAX_TIME_MS
@@ -17,7 +18,7 @@ from dmq_client.wire import valid_name
 
 from dmq_server.core.errors import DmqError, Invalid
 
-__all__ = ["PublishRequest", "Published", "check_request"]
+__all__ = ["PublishRequest", "Published", "check_request", "check_send", "check_sender"]
 
 
 @dataclass(slots=True)
@@ -66,26 +67,10 @@ def check_request(
     """The rules every send obeys, whichever store takes it, checked before it joins a
     group-commit batch: a value PostgreSQL would refuse must fail its own send, not the
     batch. ``registered``: the topic is in the registry (its name was checked then)."""
-    topic, producer = request.topic, request.producer
-    if not registered and not valid_name(topic):
-        return Invalid(f"topic name {topic!r} is not valid", code="E_BAD_TOPIC")
-    if not producer or len(producer) > 64:
-        return Invalid("producer id must be 1..64 characters")
-    if not producer.isprintable():
-        # PostgreSQL text cannot hold NUL; control characters are never meant
-        return Invalid(f"producer id {producer!r} holds a control character")
-    session_id = request.session_id
-    if session_id is not None and session_id < 0:
-        return Invalid(f"session id {session_id} is negative")
-    for body in request.bodies:
-        if len(body) > max_msg_size:
-            return Invalid(f"message too big {len(body)} > {max_msg_size}", code="E_BAD_BODY")
-    produced_ms = request.produced_ms
-    if not 0 <= produced_ms <= MAX_TIME_MS:
-        return Invalid(
-            f"timestamp_ms {produced_ms} is not Unix milliseconds "
-            f"(0 for none, or up to {MAX_TIME_MS} = 9999-12-31)"
-        )
+    error = check_sender(request.topic, request.producer, registered=registered) or check_send(
+        request.session_id, request.bodies, request.produced_ms, max_msg_size)
+    if error is not None:
+        return error
     due_ms = request.due_ms
     if due_ms is not None:
         if due_ms <= 0:
@@ -93,4 +78,34 @@ def check_request(
         limit_ms = int((now_s + max_delay_s) * 1000)
         if due_ms > limit_ms:
             return Invalid(f"due_ms {due_ms} is more than --max-delay ({max_delay_s:g}s) ahead")
+    return None
+
+
+def check_sender(topic: str, producer: str, *, registered: bool) -> DmqError | None:
+    """``check_request``'s rules of the topic and the producer: what every send of a run
+    from one producer to one topic shares (``Broker.publish_sends``)."""
+    if not registered and not valid_name(topic):
+        return Invalid(f"topic name {topic!r} is not valid", code="E_BAD_TOPIC")
+    if not producer or len(producer) > 64:
+        return Invalid("producer id must be 1..64 characters")
+    if not producer.isprintable():
+        # PostgreSQL text cannot hold NUL; control characters are never meant
+        return Invalid(f"producer id {producer!r} holds a control character")
+    return None
+
+
+def check_send(
+    session_id: int | None, bodies: Sequence[bytes], produced_ms: int, max_msg_size: int
+) -> DmqError | None:
+    """``check_request``'s rules of a send's own fields (a delay's aside)."""
+    if session_id is not None and session_id < 0:
+        return Invalid(f"session id {session_id} is negative")
+    for body in bodies:
+        if len(body) > max_msg_size:
+            return Invalid(f"message too big {len(body)} > {max_msg_size}", code="E_BAD_BODY")
+    if not 0 <= produced_ms <= MAX_TIME_MS:
+        return Invalid(
+            f"timestamp_ms {produced_ms} is not Unix milliseconds "
+            f"(0 for none, or up to {MAX_TIME_MS} = 9999-12-31)"
+        )
     return None

@@ -74,6 +74,23 @@ _SUBSCRIBE_REPLY = {
 }
 
 
+_SENDS = (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND)
+
+
+def _run_end(frames: list[Frame], start: int) -> int:
+    """The end of the run of sends at ``start``: the frames after it that are sends too,
+    not delayed, from the same producer to the same topic."""
+    first = frames[start]
+    topic, producer = first.topic, first.producer
+    end = start + 1
+    for frame in frames[start + 1:]:
+        if (frame.command not in _SENDS or frame.topic != topic or frame.producer != producer
+                or frame.msg_type == MessageType.DELAY):
+            break
+        end += 1
+    return end
+
+
 class DmqSubscription:
     """One (topic, channel) a connection consumes, with its own credit window: the
     consumer a reliable channel (``reliable.channel.ReliableChannel``) pushes deliveries to."""
@@ -169,13 +186,22 @@ class DmqConnection:
         if self._backlog is not None:
             self._backlog.extend(frames)
             return
-        for i, frame in enumerate(frames):
+        i, count = 0, len(frames)
+        while i < count:
             if self.closed:
                 return
+            frame = frames[i]
+            if frame.command in _SENDS and self.auth is None and frame.msg_type != MessageType.DELAY:
+                end = _run_end(frames, i)
+                if end - i > 1:
+                    self._send_run(frames[i:end])
+                    i = end
+                    continue
             self._dispatch(frame)
             if self._backlog is not None:
                 self._backlog.extend(frames[i + 1 :])
                 return
+            i += 1
 
     def buffered(self) -> int:
         """Bytes of an incomplete frame held (the port's flow control counts them)."""
@@ -355,10 +381,37 @@ class DmqConnection:
                     self.queue_write(self._send_reply(
                         Command.SEND_INVALID_ACK, frame.session_id, 0, frame.topic, frame.producer, allowed.status))
                 return
-        size = len(frame.body)
-        self.flow.send_started(size)  # counted until answered (backpressure, dmq_server.protocols.flow)
+        delayed = frame.msg_type == MessageType.DELAY
+        request = PublishRequest(
+            frame.topic,
+            frame.producer,
+            [frame.body],
+            frame.session_id,
+            frame.timestamp_ms,
+            frame.due_ms if delayed else None,
+            frame.command == Command.UP_PRODUCER_RESEND,
+        )
+        self.broker.publish(request, self._answer_send(frame))
 
-        def done(outcome: Any) -> None:  # one closure per send: the reply is built here
+    def _send_run(self, frames: list[Frame]) -> None:
+        """Sends of one read from one producer to one topic, none delayed, no authorizer
+        (``_run_end``): handed to the broker in one call (``Broker.publish_sends``), each
+        answered on its own as ``_send`` answers it."""
+        answer = self._answer_send
+        first = frames[0]
+        self.broker.publish_sends(first.topic, first.producer, [
+            (frame.session_id, frame.timestamp_ms, frame.body, frame.command == Command.UP_PRODUCER_RESEND,
+             answer(frame))
+            for frame in frames
+        ])
+
+    def _answer_send(self, frame: Frame) -> Callable[[Any], None]:
+        """The send counted until answered (backpressure, dmq_server.protocols.flow), and
+        the ``done`` that answers it: one closure per send, the reply built there."""
+        size = len(frame.body)
+        self.flow.send_started(size)
+
+        def done(outcome: Any) -> None:
             self.flow.send_done(size)
             message_id = 0
             if isinstance(outcome, Published):
@@ -371,17 +424,7 @@ class DmqConnection:
                 command, status = Command.SEND_SERVER_ERROR, f"E_INTERNAL {outcome!r}"
             self.queue_write(self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status))
 
-        delayed = frame.msg_type == MessageType.DELAY
-        request = PublishRequest(
-            frame.topic,
-            frame.producer,
-            [frame.body],
-            frame.session_id,
-            frame.timestamp_ms,
-            frame.due_ms if delayed else None,
-            frame.command == Command.UP_PRODUCER_RESEND,
-        )
-        self.broker.publish(request, done)
+        return done
 
     def _subscribe(self, frame: Frame) -> None:
         options = self.broker.options

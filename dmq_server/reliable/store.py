@@ -378,7 +378,20 @@ class ReliableStore:
         channels and call ``done`` with ``Published`` (or the ``DmqError``). Called once
         per message: no Deferreds, one queue append. A pair stored before answers a
         ``resend`` with its stored message and refuses any other send (``stored_before``)."""
+        self.writer.submit_cb(send, self._on_commit(send, done, resend, self.clock.seconds()))
+
+    def store_many(self, sends: list[tuple[NewMessage, Callable[[Any], None], bool]]) -> None:
+        """``store`` of each (send, done, resend), in order, queued for the group commit
+        in one call (a read's sends from one producer to one topic, ``Broker.publish_sends``)."""
         staged_at = self.clock.seconds()
+        on_commit = self._on_commit
+        self.writer.submit_many([(send, on_commit(send, done, resend, staged_at)) for send, done, resend in sends])
+
+    def _on_commit(
+        self, send: NewMessage, done: Callable[[Any], None], resend: bool, staged_at: float
+    ) -> Callable[[Any], None]:
+        """What the writer calls with ``send``'s outcome: the answer to its producer, and
+        the message to its channels (``_hand_on``)."""
 
         def committed(stored: Any) -> None:
             if isinstance(stored, BaseException):
@@ -399,7 +412,7 @@ class ReliableStore:
                 return
             done(Published(stored.message_id, stored.duplicate))
 
-        self.writer.submit_cb(send, committed)
+        return committed
 
     def _hand_on(self) -> None:
         """A committed batch's new messages, to their channels. Run by the writer after

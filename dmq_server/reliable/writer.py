@@ -133,10 +133,16 @@ class GroupCommitWriter:
     def submit_cb(self, message: NewMessage, done: Callable[[Any], None]) -> None:
         """Like submit, without a Deferred per message (the send hot path):
         ``done`` gets the StoredMessage, or the exception."""
+        self.submit_many([(message, done)])
+
+    def submit_many(self, items: list[tuple[NewMessage, Callable[[Any], None]]]) -> None:
+        """``submit_cb`` of each (message, done), in order, queued together: a batch
+        starts with all of them waiting, not with the first alone."""
         if self._closing:
-            done(ShuttingDown())
+            for _, done in items:
+                done(ShuttingDown())
             return
-        self._queue.append((message, done))
+        self._queue.extend(items)
         if self._free:
             self._kick()
 

@@ -130,15 +130,19 @@ class ResendingProducer(threading.Thread):
     """Sends ``bodies`` to ``topic`` with up to ``window`` unanswered, resending (same
     producer and session id, ``UP_PRODUCER_RESEND``) whatever was answered with an
     error or not answered before the connection broke, until every body is
-    acknowledged or ``deadline`` (monotonic) passes. ``acked`` maps message id to body."""
+    acknowledged or ``deadline`` (monotonic) passes. ``acked`` maps message id to body.
+    ``burst``: the window is refilled only once empty, all of it in one write, so the
+    server reads runs of sends (``Broker.publish_sends``) rather than one at a time."""
 
-    def __init__(self, port: int, topic: str, bodies: list[bytes], *, window: int = 32, deadline: float):
+    def __init__(self, port: int, topic: str, bodies: list[bytes], *, window: int = 32, deadline: float,
+                 burst: bool = False):
         super().__init__(daemon=True, name=f"producer-{topic}")
         self.port = port
         self.topic = topic
         self.bodies = bodies
         self.window = window
         self.deadline = deadline
+        self.burst = burst
         self.producer = f"fault-test-{id(self):x}"
         self.acked: dict[int, bytes] = {}
         self.errors: list[str] = []
@@ -161,10 +165,13 @@ class ResendingProducer(threading.Thread):
             try:
                 if client is None:
                     client = BlockingClient("127.0.0.1", self.port, producer=self.producer, timeout=5)
-                while todo and len(outstanding) < self.window:
+                frames = []
+                while todo and len(outstanding) < self.window and not (self.burst and outstanding and not frames):
                     sid, body, resend = todo.popleft()
                     outstanding[sid] = body
-                    client.write(client.send_frame(self.topic, body, sid, resend=resend))
+                    frames.append(client.send_frame(self.topic, body, sid, resend=resend))
+                if frames:
+                    client.write(*frames)
                 reply = client.next_send_reply(timeout=10)
             except (ClientError, OSError) as exc:
                 self.errors.append(f"connection: {exc}")

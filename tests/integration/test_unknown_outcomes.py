@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import uuid
+from typing import Any
 
 import psycopg
 
@@ -48,6 +49,36 @@ def _await_all_delivered(consumer: CountingConsumer, acked: dict[int, bytes], ti
                 f"(e.g. {sorted(set().union(*missing.values()))[:5]})"
             )
         time.sleep(0.05)
+
+
+def _served(make_server, pg_private) -> tuple[str, Any, CountingConsumer]:
+    """A private PostgreSQL, a dmq-server on it with ``orders`` registered, and a
+    consumer subscribed to each of its channels."""
+    dsn = pg_private.start()
+    _register(dsn)
+    server = make_server(dsn=dsn)
+    consumer = CountingConsumer(server.tcp_port, "orders", CHANNELS)
+    consumer.start()
+    assert consumer.subscribed.wait(15) and consumer.failure is None
+    return dsn, server, consumer
+
+
+def _check_every_acknowledged(producers: list[ResendingProducer], consumer: CountingConsumer, dsn: str,
+                              deadline: float, expected: int) -> None:
+    """Every producer had each of its bodies acknowledged (after resends: the faults
+    were felt), every id acknowledged reached every channel, and each holds its body."""
+    for producer in producers:
+        producer.join(max(deadline - time.monotonic(), 1) + 10)
+        assert producer.failure is None, producer.failure
+        assert len(producer.acked) == len(producer.bodies), (len(producer.acked), producer.errors[-3:])
+    all_acked = {mid: body for p in producers for mid, body in p.acked.items()}
+    assert len(all_acked) == expected
+    assert sum(p.resends for p in producers) > 0
+
+    _await_all_delivered(consumer, all_acked, timeout=60)
+    consumer.stop.set()
+    consumer.join(10)
+    _check_stored(dsn, all_acked)
 
 
 def _check_stored(dsn: str, acked: dict[int, bytes]) -> None:
@@ -110,12 +141,7 @@ def test_postgres_failures_under_load_lose_nothing_acknowledged(make_server, pg_
     restarts every backend; ``pg_ctl stop -m immediate``; the postmaster SIGKILLed), each
     followed by PostgreSQL coming back. dmq is never restarted. Every id acknowledged to
     a producer is delivered to both channels, and holds its body."""
-    dsn = pg_private.start()
-    _register(dsn)
-    server = make_server(dsn=dsn)
-    consumer = CountingConsumer(server.tcp_port, "orders", CHANNELS)
-    consumer.start()
-    assert consumer.subscribed.wait(15) and consumer.failure is None
+    dsn, server, consumer = _served(make_server, pg_private)
 
     deadline = time.monotonic() + 150
     producers = [
@@ -153,16 +179,38 @@ def test_postgres_failures_under_load_lose_nothing_acknowledged(make_server, pg_
     faults.append("postmaster SIGKILL")
     restart()
 
-    for producer in producers:
-        producer.join(max(deadline - time.monotonic(), 1) + 10)
-        assert producer.failure is None, producer.failure
-        assert len(producer.acked) == len(producer.bodies), (len(producer.acked), producer.errors[-3:])
-    all_acked = {mid: body for p in producers for mid, body in p.acked.items()}
-    assert len(all_acked) == 12000
-    assert sum(p.resends for p in producers) > 0  # the faults were felt
-
-    _await_all_delivered(consumer, all_acked, timeout=60)
-    consumer.stop.set()
-    consumer.join(10)
-    _check_stored(dsn, all_acked)
+    _check_every_acknowledged(producers, consumer, dsn, deadline, 12000)
     assert server.proc.poll() is None, faults
+
+
+def test_runs_of_sends_in_one_read_lose_nothing_acknowledged_when_postgres_fails(make_server, pg_private):
+    """Producers that write their whole window of sends at once (the server admits each
+    read's run of sends in one call, ``Broker.publish_sends``), resending after every
+    error or broken connection, while PostgreSQL's backends are SIGKILLed and then its
+    postmaster is, and it comes back. Every id acknowledged reaches both channels and
+    holds its body; no body is stored twice."""
+    dsn, server, consumer = _served(make_server, pg_private)
+
+    deadline = time.monotonic() + 120
+    producers = [
+        ResendingProducer(server.tcp_port, "orders", [b"r%d-%d" % (p, i) for i in range(3000)],
+                          window=64, burst=True, deadline=deadline)
+        for p in range(2)
+    ]
+    for producer in producers:
+        producer.start()
+
+    def acked() -> int:
+        return sum(len(p.acked) for p in producers)
+
+    wait_for(lambda: acked() >= 1000, timeout=60)
+    os.kill(_backend_pids(dsn)[0], signal.SIGKILL)  # every backend restarts: commits in flight are lost
+    wait_for(lambda: _backend_pids(dsn), timeout=30)
+    mark = acked()
+    wait_for(lambda: acked() >= mark + 1000, timeout=60)
+    pg_private.kill()
+    pg_private.start()
+    wait_for(lambda: _backend_pids(dsn), timeout=30)
+
+    _check_every_acknowledged(producers, consumer, dsn, deadline, 6000)
+    assert server.proc.poll() is None

@@ -8,12 +8,16 @@ the broker's Python API looks like.
 
 from __future__ import annotations
 
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_client.wire import Command, Frame, FrameDecoder, encode, features, pack_ids
+from dmq_client.spelling import MAX_TIME_MS
+from dmq_client.wire import Command, Frame, FrameDecoder, MessageType, encode, features, pack_ids
 from dmq_server.broker import Broker
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
@@ -21,13 +25,14 @@ from dmq_server.protocols.dmq import DmqConnection
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.db = MemoryDb(self.clock)
         self.db.create_topic("orders", ["billing"])
+        self.db.create_topic("other", ["billing"])
         roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
-        self.broker = Broker(Options(), self.clock, roles, "node-1")
+        self.broker = Broker(Options(**options), self.clock, roles, "node-1")
         self.broker.start()
         self.registry: set = set()
 
@@ -101,6 +106,74 @@ def test_a_resend_is_a_duplicate_and_a_plain_send_of_a_stored_pair_is_invalid(se
     server.settle()
     [refused] = client.received()
     assert refused.command == Command.SEND_INVALID_ACK and "UP_PRODUCER_RESEND" in refused.status
+
+
+def test_a_reads_sends_to_one_topic_join_the_group_commit_together(server):
+    """Sends of one read from one producer to one topic reach the writer in one call: the
+    first does not start a transaction alone, so the read is one commit, not two."""
+    client = server.connect()
+    client.received()
+    client.send(*(send_frame(i) for i in range(1, 51)))
+    server.settle()
+    replies = client.received()
+    assert [(f.command, f.session_id) for f in replies] == [(Command.SEND_SUCCESS_ACK, i) for i in range(1, 51)]
+    assert server.broker.reliable.writer.batches == 1
+
+
+# a send of a read, by what it is: valid or bad in each of the ways a send can be refused,
+# to one of two topics (or none), from one of two producers (or an invalid one)
+_SEND = st.tuples(
+    st.sampled_from(["ok", "ok", "ok", "big", "time", "resend", "delay", "bad-delay"]),
+    st.sampled_from(["orders", "orders", "other", "nowhere"]),
+    st.sampled_from(["p", "p", "q", "bad\x01"]),
+    st.integers(1, 6),
+)
+
+
+def _frame(kind: str, topic: str, producer: str, session_id: int) -> Frame:
+    body, stamp, command = b"b%d" % session_id, 1_700_000_000_000, Command.UP_PRODUCER_SEND
+    msg_type, due = MessageType.RELIABLE, 0
+    if kind == "big":
+        body = b"x" * 65
+    elif kind == "time":
+        stamp = MAX_TIME_MS + 1
+    elif kind == "resend":
+        command = Command.UP_PRODUCER_RESEND
+    elif kind in ("delay", "bad-delay"):
+        msg_type, due = MessageType.DELAY, (1_700_000_060_000 if kind == "delay" else 0)
+    return Frame(command, session_id=session_id, topic=topic, producer=producer, body=body,
+                 timestamp_ms=stamp, msg_type=msg_type, due_ms=due)
+
+
+def _outcome(frames: list[Frame], one_read: bool) -> tuple[list, set]:
+    server = Server(max_msg_size=64)
+    client = server.connect()
+    client.received()
+    if one_read:
+        client.send(*frames)
+    else:
+        for frame in frames:
+            client.send(frame)
+    server.settle()
+    replies = [(f.session_id, f.command, f.status) for f in client.received()]
+    stored = {(m.topic, m.producer, m.session_id, m.body) for m in server.db.messages.values()}
+    return replies, stored
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_SEND, min_size=1, max_size=12))
+def test_sends_in_one_read_are_answered_and_stored_as_sent_one_by_one(sends):
+    """A read of sends, whatever they are, gets the answers and stores the messages that
+    the same sends read one at a time would: each refused send (too big, a bad time, an
+    unknown topic, an invalid producer, a stored pair sent again without RESEND) its own
+    refusal, each stored one its id, in the same order among those a commit answers."""
+    frames = [_frame(*send) for send in sends]
+    together, stored_together = _outcome(frames, True)
+    apart, stored_apart = _outcome(frames, False)
+    assert stored_together == stored_apart
+    assert sorted(together) == sorted(apart) and len(together) == len(frames)
+    committed = [r for r in together if r[1] == Command.SEND_SUCCESS_ACK]
+    assert committed == [r for r in apart if r[1] == Command.SEND_SUCCESS_ACK]
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,9 @@ class FakeBroker:
     def publish(self, request, done):
         self.sends.append((request.bodies[0], done))
 
+    def publish_sends(self, topic, producer, sends):
+        self.sends.extend((body, done) for _, _, body, _, done in sends)
+
     def unsubscribe(self, channel, sub):
         pass
 
