@@ -272,11 +272,8 @@ class Broker:
         (``ReliableStore.store_many``): the per-send routing ``publish`` repeats cost
         about an eighth of the server's CPU a message (bench/message_cost.py). Any other
         topic takes ``publish``, send by send."""
-        spec = self.cache.reliable.get(topic)
-        store: Any = None
-        if spec is not None and spec.channels and not spec.rate_limit and not self.placement.several:
-            store = self.placement.store_of(spec)
-        if store is None or isinstance(store, BaseException):
+        store = self._direct_store(topic)
+        if store is None:
             for session_id, produced_ms, body, resend, done in sends:
                 self.publish(PublishRequest(topic, producer, [body], session_id, produced_ms, None, resend), done)
             return
@@ -295,6 +292,16 @@ class Broker:
                 done(error)
         if admitted:
             store.store_many(admitted)
+
+    def _direct_store(self, topic: str) -> Any:
+        """The store that takes sends to ``topic`` with nothing to decide per send: a
+        reliable topic this node has cached, with channels, no rate limit (its count and
+        dead letters are per send) and one cluster; else None (``publish``'s way)."""
+        spec = self.cache.reliable.get(topic)
+        if spec is None or not spec.channels or spec.rate_limit or self.placement.several:
+            return None
+        store = self.placement.store_of(spec)
+        return None if isinstance(store, BaseException) else store
 
     def publish_fast_now(self, topic: str, bodies: list[bytes]) -> Any:
         """Bodies (a PUB's, an MPUB's) to a fast topic the fast store holds and the
@@ -381,6 +388,13 @@ class Broker:
             return
         countdown = _Countdown(len(bodies), done)
         topic, producer, produced_ms = request.topic, request.producer, request.produced_ms
+        store = self._direct_store(topic) if request.due_ms is None else None
+        if store is not None:  # an MPUB's bodies reach the group commit together
+            new_id, resend = self.new_session_id, request.resend
+            store.store_many([
+                (NewMessage(topic, producer, new_id(), produced_ms, body), countdown, resend) for body in bodies
+            ])
+            return
         for body in bodies:
             send = NewMessage(topic, producer, self.new_session_id(), produced_ms, body)
             self._publish_one(send, countdown, request.due_ms, request.resend)

@@ -24,6 +24,7 @@ import psycopg
 
 from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.wire import Command
+from dmq_server.core.nsq_wire import FRAME_RESPONSE, HEARTBEAT, MAGIC_V2, FrameReader, encode_command, mpub_body
 
 __all__ = ["PgProxy", "ResendingProducer", "CountingConsumer"]
 
@@ -126,7 +127,28 @@ class PgProxy:
                 sock.close()
 
 
-class ResendingProducer(threading.Thread):
+class _FaultProducer(threading.Thread):
+    """A producer of a fault test: what it met is kept (errors, resends), and an exception
+    is kept for the test to report, never swallowed."""
+
+    def __init__(self, name: str, deadline: float):
+        super().__init__(daemon=True, name=name)
+        self.deadline = deadline
+        self.errors: list[str] = []
+        self.resends = 0
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.failure = exc
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class ResendingProducer(_FaultProducer):
     """Sends ``bodies`` to ``topic`` with up to ``window`` unanswered, resending (same
     producer and session id, ``UP_PRODUCER_RESEND``) whatever was answered with an
     error or not answered before the connection broke, until every body is
@@ -136,24 +158,14 @@ class ResendingProducer(threading.Thread):
 
     def __init__(self, port: int, topic: str, bodies: list[bytes], *, window: int = 32, deadline: float,
                  burst: bool = False):
-        super().__init__(daemon=True, name=f"producer-{topic}")
+        super().__init__(f"producer-{topic}", deadline)
         self.port = port
         self.topic = topic
         self.bodies = bodies
         self.window = window
-        self.deadline = deadline
         self.burst = burst
         self.producer = f"fault-test-{id(self):x}"
         self.acked: dict[int, bytes] = {}
-        self.errors: list[str] = []
-        self.resends = 0
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # reported by the test, never swallowed
-            self.failure = exc
 
     def _run(self) -> None:
         todo: deque[tuple[int, bytes, bool]] = deque(
@@ -199,6 +211,61 @@ class ResendingProducer(threading.Thread):
             client.close()
 
 
+class NsqMpubProducer(_FaultProducer):
+    """Publishes ``bodies`` to ``topic`` over NSQ, ``MPUB``s of ``batch`` bodies, one
+    unanswered at a time, until each ``MPUB`` is answered ``OK`` or ``deadline``
+    (monotonic) passes: one answered with an error, or unanswered when the connection
+    broke, is sent again (NSQ has no ids: a retry of a commit whose answer was lost stores
+    its bodies twice, as nsqd's would). ``acked``: the bodies of the ``MPUB``s answered OK."""
+
+    def __init__(self, port: int, topic: str, bodies: list[bytes], *, batch: int = 50, deadline: float):
+        super().__init__(f"nsq-mpub-{topic}", deadline)
+        self.port = port
+        self.topic = topic.encode()
+        self.batches = [bodies[i:i + batch] for i in range(0, len(bodies), batch)]
+        self.acked: list[bytes] = []
+
+    def _run(self) -> None:
+        sock: socket.socket | None = None
+        reader = FrameReader()
+        while self.batches and time.monotonic() < self.deadline:
+            try:
+                if sock is None:
+                    sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+                    sock.sendall(MAGIC_V2)
+                    reader = FrameReader()
+                sock.sendall(encode_command(b"MPUB", self.topic, body=mpub_body(self.batches[0])))
+                kind, data = self._answer(sock, reader)
+            except OSError as exc:
+                self.errors.append(f"connection: {exc}")
+                if sock is not None:
+                    sock.close()
+                sock = None
+                self.resends += 1
+                time.sleep(0.1)  # a retry pause, as a client's; not synchronisation
+                continue
+            if kind == FRAME_RESPONSE and data == b"OK":
+                self.acked.extend(self.batches.pop(0))
+            else:
+                self.errors.append(data.decode("utf-8", "replace"))
+                self.resends += 1
+        if sock is not None:
+            sock.close()
+
+    @staticmethod
+    def _answer(sock: socket.socket, reader: FrameReader) -> tuple[int, bytes]:
+        """The next frame that is not a heartbeat (answered with NOP)."""
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("closed by the server")
+            for kind, frame in reader.feed(data):
+                if kind == FRAME_RESPONSE and frame == HEARTBEAT:
+                    sock.sendall(b"NOP\n")
+                    continue
+                return kind, frame
+
+
 class CountingConsumer(threading.Thread):
     """Subscribes to ``channels`` of ``topic`` on one connection and acknowledges
     everything, recording each delivery per channel, until ``stop`` is set."""
@@ -232,6 +299,12 @@ class CountingConsumer(threading.Thread):
         except BaseException as exc:
             self.failure = exc
             self.subscribed.set()
+
+    def missing_bodies(self, bodies: list[bytes]) -> dict[str, int]:
+        """Per channel, how many of ``bodies`` were not delivered (yet): for publishers
+        that learn no ids (NSQ's ``MPUB``)."""
+        with self._lock:
+            return {c: len(set(bodies) - set(got.values())) for c, got in self.delivered.items()}
 
     def missing(self, acked: dict[int, bytes]) -> dict[str, set[int]]:
         """Per channel, the acknowledged ids not delivered (yet)."""

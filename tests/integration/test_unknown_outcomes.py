@@ -21,7 +21,7 @@ from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
 import registry
 
-from .faults import CountingConsumer, PgProxy, ResendingProducer
+from .faults import CountingConsumer, NsqMpubProducer, PgProxy, ResendingProducer
 from .support import db_rows, wait_for
 
 CHANNELS = ["billing", "audit"]
@@ -64,7 +64,7 @@ def _served(make_server, pg_private) -> tuple[str, Any, CountingConsumer]:
 
 
 def _check_every_acknowledged(producers: list[ResendingProducer], consumer: CountingConsumer, dsn: str,
-                              deadline: float, expected: int) -> None:
+                              deadline: float, expected: int, unique_prefix: bytes = b"") -> None:
     """Every producer had each of its bodies acknowledged (after resends: the faults
     were felt), every id acknowledged reached every channel, and each holds its body."""
     for producer in producers:
@@ -78,15 +78,18 @@ def _check_every_acknowledged(producers: list[ResendingProducer], consumer: Coun
     _await_all_delivered(consumer, all_acked, timeout=60)
     consumer.stop.set()
     consumer.join(10)
-    _check_stored(dsn, all_acked)
+    _check_stored(dsn, all_acked, unique_prefix)
 
 
-def _check_stored(dsn: str, acked: dict[int, bytes]) -> None:
-    """Each acknowledged id holds the body it was acknowledged for, and no body was
-    stored twice (a resend is recognised as a resend)."""
+def _check_stored(dsn: str, acked: dict[int, bytes], unique_prefix: bytes = b"") -> None:
+    """Each acknowledged id holds the body it was acknowledged for, and no body (of those
+    starting with ``unique_prefix``: the dmq producers') was stored twice (a resend is
+    recognised as a resend)."""
     rows = dict(db_rows(dsn, "SELECT id, body FROM dmq_message WHERE id = ANY(%s)", list(acked)))
     assert {mid: bytes(body) for mid, body in rows.items()} == acked
-    (total, distinct), = db_rows(dsn, "SELECT count(*), count(DISTINCT body) FROM dmq_message")
+    (total, distinct), = db_rows(
+        dsn, "SELECT count(*), count(DISTINCT body) FROM dmq_message WHERE position(%s IN body) = 1",
+        unique_prefix)
     assert total == distinct
 
 
@@ -186,22 +189,24 @@ def test_postgres_failures_under_load_lose_nothing_acknowledged(make_server, pg_
 def test_runs_of_sends_in_one_read_lose_nothing_acknowledged_when_postgres_fails(make_server, pg_private):
     """Producers that write their whole window of sends at once (the server admits each
     read's run of sends in one call, ``Broker.publish_sends``), resending after every
-    error or broken connection, while PostgreSQL's backends are SIGKILLed and then its
+    error or broken connection, and an NSQ producer of ``MPUB``s (whose bodies reach the
+    group commit in one call too), while PostgreSQL's backends are SIGKILLed and then its
     postmaster is, and it comes back. Every id acknowledged reaches both channels and
-    holds its body; no body is stored twice."""
+    holds its body, no dmq send is stored twice, and every body of an ``MPUB`` answered
+    OK is stored and reaches both channels."""
     dsn, server, consumer = _served(make_server, pg_private)
-
     deadline = time.monotonic() + 120
     producers = [
         ResendingProducer(server.tcp_port, "orders", [b"r%d-%d" % (p, i) for i in range(3000)],
                           window=64, burst=True, deadline=deadline)
         for p in range(2)
     ]
-    for producer in producers:
+    nsq = NsqMpubProducer(server.tcp_port, "orders", [b"n-%d" % i for i in range(3000)], deadline=deadline)
+    for producer in [*producers, nsq]:
         producer.start()
 
     def acked() -> int:
-        return sum(len(p.acked) for p in producers)
+        return sum(len(p.acked) for p in producers) + len(nsq.acked)
 
     wait_for(lambda: acked() >= 1000, timeout=60)
     os.kill(_backend_pids(dsn)[0], signal.SIGKILL)  # every backend restarts: commits in flight are lost
@@ -212,5 +217,15 @@ def test_runs_of_sends_in_one_read_lose_nothing_acknowledged_when_postgres_fails
     pg_private.start()
     wait_for(lambda: _backend_pids(dsn), timeout=30)
 
-    _check_every_acknowledged(producers, consumer, dsn, deadline, 6000)
+    nsq.join(max(deadline - time.monotonic(), 1) + 10)
+    assert nsq.failure is None, nsq.failure
+    assert sorted(nsq.acked) == sorted(b"n-%d" % i for i in range(3000)), nsq.errors[-3:]
+    try:
+        wait_for(lambda: not any(consumer.missing_bodies(nsq.acked).values()), timeout=60)
+    except AssertionError:
+        counts = consumer.missing_bodies(nsq.acked)
+        raise AssertionError(f"MPUB bodies answered OK, never delivered, per channel: {counts}") from None
+    _check_every_acknowledged(producers, consumer, dsn, deadline, 6000, unique_prefix=b"r")
+    stored = {bytes(body) for (body,) in db_rows(dsn, "SELECT body FROM dmq_message")}
+    assert set(nsq.acked) <= stored
     assert server.proc.poll() is None

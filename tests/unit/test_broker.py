@@ -378,6 +378,7 @@ def test_a_batch_is_answered_once_after_every_body_is_stored():
     assert len(stored) == 3 and answer.message_id in stored
     assert {mid for _, mid in billing.pushed} == stored
     assert len({(m.producer, m.session_id) for m in h.db.messages.values()}) == 3
+    assert h.broker.reliable.writer.batches == 1  # the bodies reach the group commit together
 
 
 def test_a_batch_with_one_refused_body_answers_that_failure_once(h):

@@ -78,6 +78,13 @@ class FakeBroker(Broker):
     def _publish_one(self, send, done, due_ms, resend):
         self.published.append((send.topic, send.producer, send.session_id, send.body, done))
 
+    def _direct_store(self, topic):
+        """A registered topic's sends go to a store that records them, as ``_publish_one``."""
+        if topic not in self.cache.reliable:
+            return None
+        return SimpleNamespace(store_many=lambda sends: [self._publish_one(send, done, None, resend)
+                                                         for send, done, resend in sends])
+
     def subscribe(self, topic, channel, consumer):
         ch = self.channels.get((topic, channel))
         if ch is None:
