@@ -200,7 +200,7 @@ class ReliableChannel:
             now = self.clock.seconds()
             now_ms, deadline = int(now * 1000), now + self.msg_timeout
             known, consumers, in_flight = self.known, self.consumers, self.in_flight
-            set_deadline = self._deadlines.set
+            timed: list[int] = []  # the copies pushed, whose deadline is set together after
             latency = self.deliver_latency
             published, same = 0, 0  # the current run of one published_ms, and its length
             pushed = 0
@@ -222,7 +222,7 @@ class ReliableChannel:
                     known.add(mid)
                     delivery = Delivery(message, 1, now_ms, consumer, deadline, now)
                     in_flight[mid] = delivery
-                    set_deadline(mid, deadline)
+                    timed.append(mid)
                     consumer.in_flight += 1
                     pushed += 1
                     if latency is not None and message.published_ms != published:
@@ -233,6 +233,7 @@ class ReliableChannel:
                     # a push only queues bytes for the connection: nothing checked above changes
                     consumer.push(self, delivery)
             finally:  # as _start_flight counts: before a push that may raise
+                self._deadlines.set_many(timed, deadline)
                 self.message_count += pushed
                 self.delivery_count += pushed
                 if latency is not None and same:
