@@ -191,9 +191,9 @@ class DmqConnection:
             if self.closed:
                 return
             frame = frames[i]
-            if frame.command in _SENDS and self.auth is None and frame.msg_type != MessageType.DELAY:
+            if frame.command in _SENDS and frame.msg_type != MessageType.DELAY:
                 end = _run_end(frames, i)
-                if end - i > 1:
+                if end - i > 1 and (self.auth is None or self.auth.allows_now(PUBLISH, frame.topic)):
                     self._send_run(frames[i:end])
                     i = end
                     continue
@@ -394,9 +394,11 @@ class DmqConnection:
         self.broker.publish(request, self._answer_send(frame))
 
     def _send_run(self, frames: list[Frame]) -> None:
-        """Sends of one read from one producer to one topic, none delayed, no authorizer
-        (``_run_end``): handed to the broker in one call (``Broker.publish_sends``), each
-        answered on its own as ``_send`` answers it."""
+        """Sends of one read from one producer to one topic, none delayed (``_run_end``),
+        that the authorizer (if any) allows now: handed to the broker in one call
+        (``Broker.publish_sends``), each answered on its own as ``_send`` answers it. A run
+        the authorizer must be asked about again, or refuses, goes send by send, so each
+        send waits or is refused as it would be alone."""
         answer = self._answer_send
         first = frames[0]
         self.broker.publish_sends(first.topic, first.producer, [

@@ -240,3 +240,43 @@ def test_the_admin_console_with_authentication_on(make_server, tmp_path):
         assert token.cmd("auth break-glass")[1] == "OK authenticated"
         assert token.cmd("topics")[1].startswith("OK")
         token.close()
+
+
+def _window(client: BlockingClient, sends: list[tuple[str, bytes]]) -> list[Frame]:
+    """The sends written at once (the server reads them together), their replies in the
+    order sent."""
+    frames = [client.send_frame(topic, body) for topic, body in sends]
+    client.write(*frames)
+    replies = {}
+    while len(replies) < len(frames):
+        reply = client.next_send_reply(timeout=10)
+        replies[reply.session_id] = reply
+    return [replies[f.session_id] for f in frames]
+
+
+def test_a_window_of_sends_is_checked_send_by_send_where_the_authorizer_says_no(make_server, topic, pg_dsn):
+    """One write of sends from an authorized producer, alternating between a topic it may
+    publish to and one it may not (the server admits a run of sends the authorizer allows
+    in one call, ``DmqConnection._send_run``): each send to the allowed topic is stored and
+    acknowledged, each to the other refused with E_UNAUTHORIZED. Then the authorization's
+    ttl (1 s) runs out and a second window waits for the authorizer, asked once, and is
+    stored whole. Every id acknowledged is stored, and nothing else."""
+    with AuthServer() as authd:
+        authd.allow("producer", "producer", [grant(f"^{topic}$", permissions=["publish"])], ttl=1)
+        server = make_server(auth_http_address=authd.address)
+        producer = BlockingClient("127.0.0.1", server.tcp_port, auth_secret="producer")
+        authed_at = time.monotonic()
+        plan = [topic] * 3 + ["denied"] * 2 + [topic] * 3 + ["denied"] + [topic] * 4
+        replies = _window(producer, [(t, b"w1-%d" % i) for i, t in enumerate(plan)])
+        assert [r.command for r in replies] == [
+            Command.SEND_SUCCESS_ACK if t == topic else Command.SEND_INVALID_ACK for t in plan]
+        assert all(r.status.startswith("E_UNAUTHORIZED") for r, t in zip(replies, plan) if t != topic)
+        time.sleep(max(0.0, authed_at + 1.05 - time.monotonic()))  # the ttl itself is under test
+        asked = authd.count("producer")
+        again = _window(producer, [(topic, b"w2-%d" % i) for i in range(20)])
+        assert [r.command for r in again] == [Command.SEND_SUCCESS_ACK] * 20
+        assert authd.count("producer") == asked + 1
+        acked = {r.message_id for r in replies + again if r.command == Command.SEND_SUCCESS_ACK}
+        stored = {row[0] for row in db_rows(pg_dsn, "SELECT id FROM dmq_message WHERE topic = %s", topic)}
+        assert stored == acked and len(acked) == 30
+        producer.close()
