@@ -19,7 +19,10 @@ from twisted.internet.testing import StringTransport
 
 from dmq_client.spelling import MAX_TIME_MS
 from dmq_client.wire import Command, Frame, FrameDecoder, MessageType, encode, features, pack_ids
+from twisted.internet.defer import succeed
+
 from dmq_server.broker import Broker
+from dmq_server.core.auth import PUBLISH, AuthState, Grant
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
 from dmq_server.protocols.dmq import DmqConnection
@@ -37,9 +40,10 @@ class Server:
         self.broker.start()
         self.registry: set = set()
 
-    def connect(self) -> Client:
+    def connect(self, authorizer: Any = None) -> Client:
         transport = StringTransport()
-        return Client(self, transport, DmqConnection(transport, self.broker, self.clock, self.registry))
+        conn = DmqConnection(transport, self.broker, self.clock, self.registry, authorizer=authorizer)
+        return Client(self, transport, conn)
 
     def settle(self) -> None:
         for _ in range(50):  # the ack batcher's flush interval, the scan timer
@@ -119,6 +123,38 @@ def test_a_reads_sends_to_one_topic_join_the_group_commit_together(server):
     replies = client.received()
     assert [(f.command, f.session_id) for f in replies] == [(Command.SEND_SUCCESS_ACK, i) for i in range(1, 51)]
     assert server.broker.reliable.writer.batches == 1
+
+
+class Authorizer:
+    """Answers every secret at once: publish on ``orders`` for ``ttl`` seconds."""
+
+    def __init__(self, clock: Clock, ttl: int):
+        self.clock, self.ttl, self.asked = clock, ttl, 0
+
+    def query(self, secret: str, remote_ip: str, tls: bool, common_name: str) -> Any:
+        self.asked += 1
+        grant = Grant(re.compile("^orders$"), (re.compile(""),), frozenset({PUBLISH}))
+        return succeed(AuthState("app", "", self.ttl, self.clock.seconds() + self.ttl, (grant,)))
+
+
+def test_with_an_authorizer_a_run_it_allows_is_one_commit_and_an_expired_answer_asks_once(server):
+    """With an authorizer, a read's sends the answer in hand allows reach the group commit
+    together; once the answer's ttl has run out, the first send of the next read asks
+    again, the others wait for it, and all are stored (the authorizer asked once more)."""
+    authorizer = Authorizer(server.clock, ttl=2)
+    client = server.connect(authorizer)
+    client.send(Frame(Command.UP_AUTH, body=b"secret"))
+    assert [f.command for f in client.received()][-1] == Command.AUTH_ACK
+    client.send(*(send_frame(i) for i in range(1, 21)))
+    server.settle()
+    assert [f.command for f in client.received()] == [Command.SEND_SUCCESS_ACK] * 20
+    assert server.broker.reliable.writer.batches == 1 and authorizer.asked == 1
+    server.clock.advance(2)  # the answer's ttl runs out (well within the heartbeat interval)
+    client.send(*(send_frame(i) for i in range(21, 41)))
+    server.settle()
+    assert [(f.command, f.session_id) for f in client.received()] == [
+        (Command.SEND_SUCCESS_ACK, i) for i in range(21, 41)]
+    assert authorizer.asked == 2 and len(server.db.messages) == 40
 
 
 # a send of a read, by what it is: valid or bad in each of the ways a send can be refused,
