@@ -15,6 +15,7 @@ one connection: its subscriptions' credit in pushes, its own sends in answers.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from twisted.logger import Logger
@@ -76,7 +77,7 @@ class TurnBuffer:
         if len(out) == 1:
             self._turn_end.hold(self)
 
-    def extend(self, parts: tuple[bytes, ...]) -> None:
+    def extend(self, parts: Sequence[bytes]) -> None:
         """``add`` of the parts' concatenation, without making it."""
         out = self._out
         if not out:

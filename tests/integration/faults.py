@@ -227,15 +227,15 @@ class NsqMpubProducer(_FaultProducer):
 
     def _run(self) -> None:
         sock: socket.socket | None = None
-        reader = FrameReader()
+        reader, frames = FrameReader(), deque()
         while self.batches and time.monotonic() < self.deadline:
             try:
                 if sock is None:
                     sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
                     sock.sendall(MAGIC_V2)
-                    reader = FrameReader()
+                    reader, frames = FrameReader(), deque()
                 sock.sendall(encode_command(b"MPUB", self.topic, body=mpub_body(self.batches[0])))
-                kind, data = self._answer(sock, reader)
+                kind, data = self._answer(sock, reader, frames)
             except OSError as exc:
                 self.errors.append(f"connection: {exc}")
                 if sock is not None:
@@ -253,17 +253,20 @@ class NsqMpubProducer(_FaultProducer):
             sock.close()
 
     @staticmethod
-    def _answer(sock: socket.socket, reader: FrameReader) -> tuple[int, bytes]:
-        """The next frame that is not a heartbeat (answered with NOP)."""
+    def _answer(sock: socket.socket, reader: FrameReader, frames: deque) -> tuple[int, bytes]:
+        """The next frame that is not a heartbeat (answered with NOP); frames read past it
+        wait in ``frames`` for the next call."""
         while True:
-            data = sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("closed by the server")
-            for kind, frame in reader.feed(data):
+            while frames:
+                kind, frame = frames.popleft()
                 if kind == FRAME_RESPONSE and frame == HEARTBEAT:
                     sock.sendall(b"NOP\n")
                     continue
                 return kind, frame
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("closed by the server")
+            frames.extend(reader.feed(data))
 
 
 class CountingConsumer(threading.Thread):
