@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
 
@@ -552,3 +554,37 @@ def test_message_ids_and_timestamps_shared_by_channel_copies(n):
     msgs = [c.received[0] for c in clients]
     assert len({(m.id, m.body, m.timestamp) for m in msgs}) == 1
     assert len({id(m) for m in msgs}) == n
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pub", "rdy", "fin"]), st.integers(1, 12)), max_size=25))
+def test_a_lone_consumer_is_filled_as_the_round_robin_would_fill_it(steps):
+    """One consumer without sampling takes its whole RDY room in one call
+    (``FastChannel._fill``); a twin channel whose consumer has ``sample_rate`` 100 (never
+    sampled out) goes the round robin, message by message. Through publishes (past the
+    memory window, so memory and disk take turns), RDY changes and FINs, both consumers
+    get the same messages in the same order, with the same attempts and in flight."""
+    store, clock, _ = make_store(mem_queue_size=5)
+    topic = store.get_topic("t")
+    batched, stepped = topic.get_channel("batched"), topic.get_channel("stepped")
+    one, two = FakeClient(0), FakeClient(0)
+    two.sample_rate = 100
+    batched.add_client(one), stepped.add_client(two)
+    sent = 0
+    for op, n in steps:
+        if op == "pub":
+            publish(store, "t", *[b"m%d" % (sent + i) for i in range(n)])
+            sent += n
+        elif op == "rdy":
+            for client, channel in ((one, batched), (two, stepped)):
+                client.ready_count = n
+                channel.pump()
+        else:
+            for client, channel in ((one, batched), (two, stepped)):
+                ids = [m.id for m in client.received[-n:] if m.id in channel.in_flight]
+                failed = channel.finish_many(client, ids)
+                assert failed == []
+                channel.pump()
+        assert [(m.body, m.attempts) for m in one.received] == [(m.body, m.attempts) for m in two.received]
+        assert one.in_flight_count == two.in_flight_count == len(batched.in_flight) == len(stepped.in_flight)
+        assert batched.depth() == stepped.depth()
