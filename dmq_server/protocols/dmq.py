@@ -20,7 +20,7 @@ would be read in different files.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.task import LoopingCall
@@ -103,23 +103,29 @@ class DmqSubscription:
         # how the message trace and the console name this consumer
         self.name = f"dmq {connection.peer}"
 
-    def push(self, channel: Any, delivery: Any) -> None:
-        message = delivery.message
+    def push_many(self, channel: Any, deliveries: Sequence[Any]) -> None:
+        """Each copy as a CONSUMER_PUSH, queued for this reactor turn's write in one call
+        (a lone consumer's credit filled by one commit or one batch of acks)."""
         connection = self.connection
-        if not connection.closed:
+        if connection.closed:
+            return
+        encode = connection.push_frame.parts
+        name = channel.name
+        parts: list[bytes] = []
+        for delivery in deliveries:
+            message = delivery.message
             attempts = delivery.attempts
-            connection.queue_parts(
-                connection.push_frame.parts(
-                    message.message_id,
-                    message.session_id,
-                    message.producer,
-                    message.topic,
-                    channel.name,
-                    message.published_ms,
-                    attempts if attempts < 0xFFFF else 0xFFFF,
-                    message.body,
-                )
+            parts += encode(
+                message.message_id,
+                message.session_id,
+                message.producer,
+                message.topic,
+                name,
+                message.published_ms,
+                attempts if attempts < 0xFFFF else 0xFFFF,
+                message.body,
             )
+        connection.queue_parts(parts)
 
     def channel_closed(self, channel: Any) -> None:
         self.connection.subscriptions.pop((channel.topic, channel.name), None)

@@ -10,7 +10,7 @@ wire id is the 16-hex-char form of the int64 message id, ``FIN`` is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from dmq_server.core.ids import hex_id, parse_hex_id
 from dmq_server.core.nsq_wire import message_frame
@@ -66,20 +66,17 @@ class ReliableConsumer:
         conn = self.conn
         return f"nsq {conn.client_id}@{conn.remote_address}"
 
-    def push(self, channel: Any, delivery: Any) -> None:
+    def push_many(self, channel: Any, deliveries: Sequence[Any]) -> None:
+        """Each copy as an NSQ message frame, written when this reactor turn ends with the
+        rest of the turn's (a RDY window's worth in one write, as a fast channel's)."""
         conn = self.conn
         if conn.closed:
             return
-        message = delivery.message
-        conn.message_count += 1
-        conn.write(
-            message_frame(
-                message.published_ms * 1_000_000,
-                delivery.attempts,
-                hex_id(message.message_id),
-                message.body,
-            )
-        )
+        conn.message_count += len(deliveries)
+        conn.queue_writes([
+            message_frame(d.message.published_ms * 1_000_000, d.attempts, hex_id(d.message.message_id), d.message.body)
+            for d in deliveries
+        ])
 
     def channel_closed(self, channel: Any) -> None:
         self.conn.channel_closed(channel)

@@ -27,7 +27,7 @@ different files.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.task import LoopingCall
@@ -169,6 +169,11 @@ class NsqConnection:
         a RDY window's messages, a window of PUBs' OKs, in one write and one deflate flush."""
         if not self.closed:
             self._turn.add(data)
+
+    def queue_writes(self, frames: Sequence[bytes]) -> None:
+        """``queue_write`` of each frame, in order (a reliable channel's pushes)."""
+        if not self.closed:
+            self._turn.extend(frames)
 
     def _emit(self, data: bytes) -> None:
         """Every byte to the client goes here (so compression applies to all of it)."""

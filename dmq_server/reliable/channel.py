@@ -21,7 +21,7 @@ import heapq
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from dmq_server.core.deadlines import Deadlines
 
@@ -63,7 +63,8 @@ class Receiver(Protocol):
     credit: int
     in_flight: int
 
-    def push(self, channel: "ReliableChannel", delivery: Delivery) -> None: ...
+    def push_many(self, channel: "ReliableChannel", deliveries: Sequence[Delivery]) -> None:
+        """Send these copies (counted in ``in_flight`` already), in order."""
 
 
 class ReliableChannel:
@@ -184,62 +185,98 @@ class ReliableChannel:
     def add_many(self, messages: Iterable[ReliableMessage]) -> None:
         """``add`` of each, in order: a group commit's copies for this channel.
 
-        While nothing waits (not in ``ready``, not in PostgreSQL) and pushes may go, one
-        loop hands each copy to the next consumer with credit, with the checks ``add``
-        and ``_push_at_once`` make per copy made once; the first copy that no consumer
-        has room for, and everything after it, goes through ``add``. The loop runs once
-        per copy of every message fanned out (bench/channel_cost.py)."""
+        While nothing waits (not in ``ready``, not in PostgreSQL) and pushes may go, the
+        copies are handed to the consumers with credit without passing through ``ready``,
+        the checks ``add`` and ``_push_at_once`` make per copy made once: a lone consumer
+        gets as many as its credit takes in one ``_start_flights``; several take turns
+        copy by copy. The first copy no consumer has room for, and everything after it,
+        goes through ``add``. This runs once per copy of every message fanned out
+        (bench/channel_cost.py)."""
         rest = iter(messages)
         if not (
             self.closed or self.loading or self.backlog or self.ready or self.paused or self.held
             or self.max_attempts is not None or (self.gate is not None and not self.gate())
         ):
-            # every copy here is a first attempt pushed in this reactor turn: what
-            # _start_flight computes from the clock is computed once, and the delivery
-            # latency is counted once per run of copies published by one commit
-            now = self.clock.seconds()
-            now_ms, deadline = int(now * 1000), now + self.msg_timeout
-            known, consumers, in_flight = self.known, self.consumers, self.in_flight
-            timed: list[int] = []  # the copies pushed, whose deadline is set together after
-            latency = self.deliver_latency
-            published, same = 0, 0  # the current run of one published_ms, and its length
-            pushed = 0
-            try:
-                for message in rest:
-                    mid = message.message_id
-                    if mid in known:
-                        continue
-                    for _ in range(len(consumers)):
-                        consumer = consumers[0]
-                        consumers.rotate(-1)
-                        if consumer.in_flight < consumer.credit:
-                            break
-                    else:  # nobody has credit: this one, and the rest, wait in ready
-                        self.add(message)
-                        break
-                    if mid > self.cursor:  # nothing older waits in PostgreSQL (see add)
-                        self.cursor = mid
-                    known.add(mid)
-                    delivery = Delivery(message, 1, now_ms, consumer, deadline, now)
-                    in_flight[mid] = delivery
-                    timed.append(mid)
-                    consumer.in_flight += 1
-                    pushed += 1
-                    if latency is not None and message.published_ms != published:
-                        if same:
-                            latency.observe_many(now - published / 1000.0, same)
-                        published, same = message.published_ms, 0
-                    same += 1
-                    # a push only queues bytes for the connection: nothing checked above changes
-                    consumer.push(self, delivery)
-            finally:  # as _start_flight counts: before a push that may raise
-                self._deadlines.set_many(timed, deadline)
-                self.message_count += pushed
-                self.delivery_count += pushed
-                if latency is not None and same:
-                    latency.observe_many(now - published / 1000.0, same)
+            if len(self.consumers) == 1:
+                self._add_to_one(rest, self.consumers[0])
+            else:
+                self._add_in_turns(rest)
         for message in rest:
             self.add(message)
+
+    def _add_to_one(self, messages: Iterator[ReliableMessage], consumer: Receiver) -> None:
+        """``add_many``'s copies for a lone consumer, as many as its credit takes (the
+        rest stay in ``messages``)."""
+        room = consumer.credit - consumer.in_flight
+        if room <= 0:
+            return
+        known = self.known
+        cursor = self.cursor
+        run: list[Delivery] = []
+        for message in messages:
+            mid = message.message_id
+            if mid in known:
+                continue
+            known.add(mid)
+            if mid > cursor:  # nothing older waits in PostgreSQL (see add)
+                cursor = mid
+            run.append(Delivery(message))
+            room -= 1
+            if not room:
+                break
+        self.cursor = cursor
+        if run:
+            self.message_count += len(run)
+            self._start_flights(run, consumer)
+
+    def _add_in_turns(self, rest: Iterator[ReliableMessage]) -> None:
+        """``add_many``'s copies for several consumers, each to the next one with credit
+        in the rotation, until none has room (that copy is ``add``ed, the rest stay in
+        ``rest``)."""
+        # every copy here is a first attempt pushed in this reactor turn: what
+        # _start_flights computes from the clock is computed once, and the delivery
+        # latency is counted once per run of copies published by one commit
+        now = self.clock.seconds()
+        now_ms, deadline = int(now * 1000), now + self.msg_timeout
+        known, consumers, in_flight = self.known, self.consumers, self.in_flight
+        timed: list[int] = []  # the copies pushed, whose deadline is set together after
+        latency = self.deliver_latency
+        published, same = 0, 0  # the current run of one published_ms, and its length
+        pushed = 0
+        try:
+            for message in rest:
+                mid = message.message_id
+                if mid in known:
+                    continue
+                for _ in range(len(consumers)):
+                    consumer = consumers[0]
+                    consumers.rotate(-1)
+                    if consumer.in_flight < consumer.credit:
+                        break
+                else:  # nobody has credit: this one, and the rest, wait in ready
+                    self.add(message)
+                    break
+                if mid > self.cursor:  # nothing older waits in PostgreSQL (see add)
+                    self.cursor = mid
+                known.add(mid)
+                delivery = Delivery(message, 1, now_ms, consumer, deadline, now)
+                in_flight[mid] = delivery
+                timed.append(mid)
+                consumer.in_flight += 1
+                pushed += 1
+                if latency is not None and message.published_ms != published:
+                    if same:
+                        latency.observe_many(now - published / 1000.0, same)
+                    published, same = message.published_ms, 0
+                same += 1
+                # a push only queues bytes for the connection: nothing checked above changes
+                consumer.push_many(self, (delivery,))
+        finally:  # as _start_flights counts: before a push that may raise
+            self._deadlines.set_many(timed, deadline)
+            self.message_count += pushed
+            self.delivery_count += pushed
+            if latency is not None and same:
+                latency.observe_many(now - published / 1000.0, same)
 
     def _push_at_once(self, delivery: Delivery) -> bool:
         """With nothing ready, what ``pump`` would do with this one copy: to the next
@@ -257,7 +294,7 @@ class ReliableChannel:
             consumers.rotate(-1)
             if consumer.in_flight < consumer.credit:
                 self.known.add(delivery.message.message_id)
-                self._start_flight(delivery, consumer)
+                self._start_flights([delivery], consumer)
                 if self.backlog:
                     self._maybe_load()
                 return True
@@ -430,6 +467,15 @@ class ReliableChannel:
         if self.gate is not None and self.ready and not self.gate():
             return
         consumers = self.consumers
+        if len(consumers) == 1:
+            consumer = consumers[0]
+            room = consumer.credit - consumer.in_flight
+            if room > 0 and self.ready:
+                run = self._take_ready(room)
+                if run:
+                    self._start_flights(run, consumer)
+            self._maybe_load()
+            return
         while self.ready and consumers:
             for _ in range(len(consumers)):
                 consumer = consumers[0]
@@ -440,39 +486,85 @@ class ReliableChannel:
                 break  # nobody has credit
             delivery = self.ready.popleft()
             self._ready_ids.discard(delivery.message.message_id)
-            if (
-                self.max_attempts is not None
-                and delivery.attempts >= self.max_attempts
-                and self._on_exhausted is not None
-            ):
-                # stays in `known` until its dead letter commits (see ack_durable)
-                self.exhausted_count += 1
-                self.finishing[delivery.message.message_id] = delivery.message.owner
-                self._on_exhausted(self, delivery)
+            if self._exhausted(delivery):
                 continue
-            self._start_flight(delivery, consumer)
+            self._start_flights([delivery], consumer)
         self._maybe_load()
 
-    def _start_flight(self, delivery: Delivery, consumer: Receiver) -> None:
+    def _take_ready(self, room: int) -> list[Delivery]:
+        """Up to ``room`` copies from the front of ``ready`` for one consumer (a lone
+        consumer's free credit, filled in one ``_start_flights``: the copies an ack batch
+        made room for go out in one push call, not one call chain each)."""
+        ready, ready_ids = self.ready, self._ready_ids
+        run: list[Delivery] = []
+        if self.max_attempts is None or self._on_exhausted is None:
+            if room >= len(ready):
+                run = list(ready)
+                ready.clear()
+            else:
+                popleft = ready.popleft
+                run = [popleft() for _ in range(room)]
+            ready_ids.difference_update([d.message.message_id for d in run])
+            return run
+        while ready and len(run) < room:
+            delivery = ready.popleft()
+            ready_ids.discard(delivery.message.message_id)
+            if not self._exhausted(delivery):
+                run.append(delivery)
+        return run
+
+    def _exhausted(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` (out of ``ready``) has had its attempts: then it goes to
+        its dead letter instead of a consumer."""
+        if self.max_attempts is None or delivery.attempts < self.max_attempts or self._on_exhausted is None:
+            return False
+        # stays in `known` until its dead letter commits (see ack_durable)
+        self.exhausted_count += 1
+        self.finishing[delivery.message.message_id] = delivery.message.owner
+        self._on_exhausted(self, delivery)
+        return True
+
+    def _start_flights(self, run: list[Delivery], consumer: Receiver) -> None:
+        """Push each copy of ``run`` (out of ``ready``, or new) to ``consumer``, which has
+        credit for them all: one clock read, one ``Deadlines.set_many`` and one
+        ``push_many`` for the lot. Counted before the push, which may raise."""
         now = self.clock.seconds()
-        message = delivery.message
-        attempts = delivery.attempts = delivery.attempts + 1
-        self.delivery_count += 1
-        if not delivery.first_delivered_ms:  # attempts loaded with a copy may predate this node
-            delivery.first_delivered_ms = int(now * 1000)
-        if attempts > 1:
-            self.redelivery_count += 1
-        elif self.deliver_latency is not None:
-            self.deliver_latency.observe(now - message.published_ms / 1000.0)
-        delivery.delivered_at = now
-        delivery.consumer = consumer
-        delivery.deadline = deadline = now + self.msg_timeout
-        if self._on_attempt is not None and (attempts > 1 or self.max_attempts is not None):
-            self._on_attempt(self, delivery)
-        self.in_flight[message.message_id] = delivery
-        self._deadlines.set(message.message_id, deadline)
-        consumer.in_flight += 1
-        consumer.push(self, delivery)
+        now_ms = int(now * 1000)
+        deadline = now + self.msg_timeout
+        latency = self.deliver_latency
+        on_attempt = self._on_attempt
+        in_flight = self.in_flight
+        ids: list[int] = []
+        redelivered = 0
+        published, same = 0, 0  # the current run of first attempts of one published_ms
+        for delivery in run:
+            message = delivery.message
+            attempts = delivery.attempts = delivery.attempts + 1
+            if not delivery.first_delivered_ms:  # attempts loaded with a copy may predate this node
+                delivery.first_delivered_ms = now_ms
+            if attempts > 1:
+                redelivered += 1
+            elif latency is not None:
+                if message.published_ms != published:
+                    if same:
+                        latency.observe_many(now - published / 1000.0, same)
+                    published, same = message.published_ms, 0
+                same += 1
+            delivery.delivered_at = now
+            delivery.consumer = consumer
+            delivery.deadline = deadline
+            if on_attempt is not None and (attempts > 1 or self.max_attempts is not None):
+                on_attempt(self, delivery)
+            mid = message.message_id
+            in_flight[mid] = delivery
+            ids.append(mid)
+        if same:
+            latency.observe_many(now - published / 1000.0, same)
+        self.delivery_count += len(run)
+        self.redelivery_count += redelivered
+        self._deadlines.set_many(ids, deadline)
+        consumer.in_flight += len(run)
+        consumer.push_many(self, run)
 
     def _requeue(self, delivery: Delivery, *, counted: bool = True) -> None:
         """Back to the front of the queue; ``counted`` as a requeue (a consumer gave it

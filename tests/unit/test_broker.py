@@ -37,8 +37,8 @@ class Consumer:
         self.in_flight = 0
         self.pushed: list[tuple[str, int]] = []  # (channel, message id)
 
-    def push(self, channel: Any, delivery: Any) -> None:
-        self.pushed.append((channel.name, delivery.message.message_id))
+    def push_many(self, channel: Any, deliveries: Any) -> None:
+        self.pushed += [(channel.name, d.message.message_id) for d in deliveries]
 
 
 class Harness:

@@ -47,16 +47,17 @@ class FakeConsumer:
         self.in_flight = 0
         self.pushes: list[Push] = []
 
-    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
-        assert delivery.consumer is self
-        self.pushes.append(
-            Push(
-                delivery.message.message_id,
-                delivery.attempts,
-                delivery.first_delivered_ms,
-                delivery.deadline,
+    def push_many(self, channel: ReliableChannel, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            assert delivery.consumer is self
+            self.pushes.append(
+                Push(
+                    delivery.message.message_id,
+                    delivery.attempts,
+                    delivery.first_delivered_ms,
+                    delivery.deadline,
+                )
             )
-        )
 
     @property
     def ids(self) -> list[int]:
@@ -1045,3 +1046,134 @@ def test_expired_copies_return_to_the_front_in_deadline_order() -> None:
     h.clock.advance(channel.msg_timeout)
     assert channel.scan(h.clock.seconds()) == 3
     assert ready_ids(channel) == [1, 2, 3]
+
+
+# -- a lone consumer served in runs (``_start_flights``) ---------------------
+class _Turns(FakeConsumer):
+    """Records each ``push_many`` call's ids, to see how copies were grouped."""
+
+    def __init__(self, name: str, credit: int):
+        super().__init__(name, credit)
+        self.calls: list[list[int]] = []
+
+    def push_many(self, channel: ReliableChannel, deliveries: list[Delivery]) -> None:
+        self.calls.append([d.message.message_id for d in deliveries])
+        super().push_many(channel, deliveries)
+
+
+def test_acks_free_a_lone_consumers_credit_and_the_ready_copies_go_in_one_push() -> None:
+    """Ten copies wait behind a full credit of four; an ack of three pushes the next three
+    in one call, in id order, each with its first attempt, the deadline and the clock."""
+    h = Harness()
+    a = _Turns("a", credit=4)
+    channel = h.start(a)
+    channel.add_many([message(mid) for mid in range(1, 11)])
+    assert a.calls == [[1, 2, 3, 4]] and ready_ids(channel) == list(range(5, 11))
+    h.clock.advance(2.5)
+    assert channel.ack_held([2, 3, 4], a) == 0
+    assert a.calls[1:] == [[5, 6, 7]]
+    assert a.pushes[4:] == [Push(mid, 1, 2500, 2.5 + TIMEOUT) for mid in (5, 6, 7)]
+    assert ready_ids(channel) == [8, 9, 10] and a.in_flight == 4 == len(channel.in_flight)
+    assert channel.delivery_count == 7 and channel.redelivery_count == 0
+
+
+def test_a_lone_consumers_refill_skips_exhausted_copies_without_spending_credit() -> None:
+    """With max attempts 2, copies that came back twice go to their dead letter as the
+    refill reaches them; the credit they would have taken goes to the copies behind."""
+    exhausted: list[int] = []
+    attempts: list[tuple[int, int]] = []
+    h = Harness()
+    channel = h.channel
+    channel.max_attempts = 2
+    channel._on_exhausted = lambda ch, d: exhausted.append(d.message.message_id)
+    channel._on_attempt = lambda ch, d: attempts.append((d.message.message_id, d.attempts))
+    a = _Turns("a", credit=3)
+    h.start(a)
+    for mid in range(1, 7):
+        channel.add(message(mid))
+    assert a.ids == [1, 2, 3]
+    h.clock.advance(TIMEOUT)
+    channel.scan(h.clock.seconds())  # 1-3 back (attempt 1 done), redelivered as their second
+    assert a.calls[-1] == [1, 2, 3] and [p.attempts for p in a.pushes[-3:]] == [2, 2, 2]
+    h.clock.advance(TIMEOUT)
+    a.credit = 0
+    channel.scan(h.clock.seconds())  # 1-3 back after their second attempt: exhausted when pumped
+    a.credit = 3
+    channel.pump()
+    assert exhausted == [1, 2, 3] and a.calls[-1] == [4, 5, 6]
+    assert [p.attempts for p in a.pushes[-3:]] == [1, 1, 1] and channel.exhausted_count == 3
+    assert attempts[-3:] == [(4, 1), (5, 1), (6, 1)]
+
+
+@st.composite
+def _lone_consumer_ops(draw: st.DrawFn) -> tuple[int | None, list[tuple]]:
+    ops = draw(st.lists(st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("ack"), st.lists(st.integers(0, 20), max_size=8)),
+        st.tuples(st.just("requeue"), st.integers(0, 20), st.sampled_from([0.0, 3.0])),
+        st.tuples(st.just("credit"), st.integers(0, 9)),
+        st.tuples(st.just("advance"), st.sampled_from([1.0, 4.0, TIMEOUT])),
+        st.tuples(st.just("durable"),),
+    ), max_size=40))
+    return draw(st.sampled_from([None, 3])), ops
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_lone_consumer_ops())
+def test_a_lone_consumer_gets_what_it_gets_beside_a_consumer_without_credit(case) -> None:
+    """Twin channels under the same random publishes, acks, requeues, credit changes and
+    timeouts: one with a lone consumer (filled in runs, ``_start_flights``), one whose
+    consumer shares the channel with another that never has credit (the round robin,
+    copy by copy). The consumers see the same pushes (ids, attempts, first delivery,
+    deadline) and the channels end in the same state, dead letters and attempts included.
+    Fails with the credit miscounted, ``ready`` taken out of order, or exhausted copies
+    spending credit (what ``_start_flights`` does to each copy is the same for both, and
+    checked by the tests above and the redelivery tests)."""
+    max_attempts, ops = case
+
+    def build(lone: bool) -> tuple:
+        h = Harness(mem_queue_size=1000)
+        channel = h.channel
+        channel.deliver_latency = Buckets(DELIVERY_SECONDS)
+        out: dict[str, list] = {"exhausted": [], "attempts": []}
+        channel.max_attempts = max_attempts
+        channel._on_exhausted = lambda ch, d: out["exhausted"].append(d.message.message_id)
+        channel._on_attempt = lambda ch, d: out["attempts"].append((d.message.message_id, d.attempts))
+        consumer = FakeConsumer("c", credit=4)
+        h.start(*((consumer,) if lone else (consumer, FakeConsumer("idle", credit=0))))
+        return h, channel, consumer, out
+
+    twins = [build(True), build(False)]
+    next_id = 0
+    for op in ops:
+        if op[0] == "publish":
+            batch = [ReliableMessage(next_id + i, "orders", "p", next_id + i, 1_000 + (next_id + i) // (op[2] + 1),
+                                     b"x") for i in range(1, op[1] + 1)]
+            next_id += op[1]
+        for h, channel, consumer, out in twins:
+            held = sorted(mid for mid, d in channel.in_flight.items() if d.consumer is consumer)
+            if op[0] == "publish":
+                channel.add_many(batch)
+            elif op[0] == "ack":
+                channel.ack_held([held[i] for i in op[1] if i < len(held)], consumer)
+            elif op[0] == "requeue" and op[1] < len(held):
+                channel.requeue(held[op[1]], consumer, op[2])
+            elif op[0] == "credit":
+                consumer.credit = op[1]
+                channel.pump()
+            elif op[0] == "advance":
+                h.clock.advance(op[1])
+                channel.scan(h.clock.seconds())
+            elif op[0] == "durable":
+                channel.ack_durable([a[0] for a in h.acks])
+    states = []
+    for h, channel, consumer, out in twins:
+        stats = channel.stats()
+        stats.pop("clients")
+        states.append((
+            consumer.pushes, consumer.in_flight, ready_ids(channel), sorted(channel.known),
+            sorted((mid, d.attempts, d.first_delivered_ms, d.deadline, d.consumer and d.consumer.name)
+                   for mid, d in channel.in_flight.items()),
+            stats, out, h.acks, channel.deliver_latency.snapshot()[0], sorted(channel._deadlines.pop_due(1e9)),
+        ))
+    assert states[0] == states[1]

@@ -17,8 +17,8 @@ class Consumer:
         self.in_flight = 0
         self.ids: list[int] = []
 
-    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
-        self.ids.append(delivery.message.message_id)
+    def push_many(self, channel: ReliableChannel, deliveries: list[Delivery]) -> None:
+        self.ids += [d.message.message_id for d in deliveries]
 
 
 def make(mem: int = 10) -> tuple[ReliableChannel, list[tuple[int, int]]]:

@@ -36,8 +36,8 @@ class Consumer:
         self.in_flight = 0
         self.held: list[int] = []
 
-    def push(self, channel: ReliableChannel, delivery: Delivery) -> None:
-        self.held.append(delivery.message.message_id)
+    def push_many(self, channel: ReliableChannel, deliveries: list[Delivery]) -> None:
+        self.held += [d.message.message_id for d in deliveries]
 
 
 def message(mid: int, owner: int = OWNER) -> ReliableMessage:

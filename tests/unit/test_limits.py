@@ -63,8 +63,8 @@ class Consumer:
         self.in_flight = 0
         self.pushed: list[tuple[int, int]] = []
 
-    def push(self, channel, delivery):
-        self.pushed.append((delivery.message.message_id, delivery.attempts))
+    def push_many(self, channel, deliveries):
+        self.pushed += [(d.message.message_id, d.attempts) for d in deliveries]
 
 
 def make_channel(clock: Clock, **kw) -> tuple[ReliableChannel, list, list, list]:

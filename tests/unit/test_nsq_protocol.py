@@ -637,6 +637,26 @@ def test_a_read_of_fins_on_a_reliable_channel_acks_each_and_refuses_each_bad_one
     assert env.broker.acked == [0x11, 0x12] and not c.closed
 
 
+def test_a_reliable_channels_window_reaches_an_nsq_consumer_in_one_write_in_order(env):
+    """A group commit's copies for a reliable channel go to an NSQ consumer as the fast
+    path's do: queued for the turn and written together, after what the connection wrote
+    before them (fails with a write per message, or the turn's bytes reordered)."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 3\n")
+    assert c.frames() == [OK]
+    writes = []
+    write = c.transport.write
+    c.transport.write = lambda data: (writes.append(data), write(data))
+    ch.add_many([ReliableMessage(i, "orders", "p", i, 1_700_000_000_000, b"m%d" % i) for i in range(1, 6)])
+    assert writes == []  # nothing before the turn ends
+    frames = c.frames()
+    assert len(writes) == 1
+    assert [decode_message(data)[2:] for _, data in frames] == [(b"%016x" % i, b"m%d" % i) for i in (1, 2, 3)]
+    assert c.conn.stats()["message_count"] == 3
+    c.send(b"FIN " + b"%016x" % 2 + b"\nNOP\n")  # an ack frees one: the next copy follows
+    assert [decode_message(data)[2] for _, data in c.frames()] == [b"%016x" % 4]
+
+
 def test_reliable_req_with_delay_and_touch(env):
     """REQ with a delay holds a reliable copy back until due; TOUCH restarts its timeout."""
     ch = env.broker.register("orders", "billing")
