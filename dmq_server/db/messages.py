@@ -32,6 +32,7 @@ __all__ = [
     "StoredMessage",
     "BacklogRow",
     "AckRow",
+    "AckRun",
     "CursorProgress",
     "OwnerState",
     "create_owner",
@@ -235,6 +236,9 @@ def empty_channel_steps(topic: str, channel: str) -> Steps:
 
 @dataclass(slots=True)
 class AckRow:
+    """One acknowledged copy, as tests, benchmarks and tools name one; the server batches
+    ``AckRun``s, and ``ack_deliveries_steps`` takes an ``AckRow`` as a run of one."""
+
     topic: str
     channel: str
     message_id: int
@@ -246,6 +250,63 @@ class AckRow:
     owner: int = 0  # the incarnation that stored the message
     published_ms: int = 0  # when it was stored (the delivery log's published_at)
     counted: bool = False  # its attempts may be kept in dmq_attempts (delivered again, or max_attempts)
+
+
+@dataclass(slots=True)
+class AckRun:
+    """The acks one consumer sent together for one channel (one ``ack_held`` call): what
+    they share once, what differs as columns, in the order acknowledged. The ack batch
+    is made of these: a copy's ack costs a place in six lists instead of an ``AckRow``
+    of eleven fields, and the statement's arrays are the columns joined, the shared
+    values repeated (bench/channel_cost.py)."""
+
+    topic: str
+    channel: str
+    consumer: str  # who acknowledged them (the message trace)
+    acked_ms: int
+    counts_all: bool  # the channel keeps attempts (max_attempts): every ack is ``counted``
+    message_ids: list[int]
+    owners: list[int]  # the incarnation that stored each message
+    published_ms: list[int]
+    first_ms: list[int]
+    attempts: list[int]
+    delivered_ms: list[int]  # when each acknowledged delivery was pushed
+
+    def __len__(self) -> int:
+        return len(self.message_ids)
+
+    def split(self, at: int) -> tuple[AckRun, AckRun]:
+        """The first ``at`` acks and the rest, as two runs (a batch's size limit)."""
+        head, tail = (AckRun(self.topic, self.channel, self.consumer, self.acked_ms, self.counts_all,
+                             *(column[part] for column in self.columns()))
+                      for part in (slice(None, at), slice(at, None)))
+        return head, tail
+
+    def columns(self) -> tuple[list[int], ...]:
+        return self.message_ids, self.owners, self.published_ms, self.first_ms, self.attempts, self.delivered_ms
+
+    def counted(self) -> list[int]:
+        """The positions of the acks whose attempts may be kept in dmq_attempts: all when
+        the channel counts attempts, else those delivered more than once (nearly none)."""
+        if self.counts_all:
+            return list(range(len(self.message_ids)))
+        attempts = self.attempts
+        if max(attempts, default=0) <= 1:
+            return []
+        return [i for i, n in enumerate(attempts) if n > 1]
+
+    def single_owner(self) -> int | None:
+        """The owner of every ack of the run when they share one (nearly always), else None."""
+        owners = self.owners
+        if owners and owners.count(owners[0]) == len(owners):
+            return owners[0]
+        return None
+
+    @classmethod
+    def of(cls, row: AckRow) -> AckRun:
+        """One ack as a run of one."""
+        return cls(row.topic, row.channel, row.consumer, row.acked_ms, row.counted, [row.message_id], [row.owner],
+                   [row.published_ms], [row.first_ms], [row.attempts], [row.delivered_ms])
 
 
 @dataclass(slots=True)
@@ -262,45 +323,62 @@ class CursorProgress:
 
 
 def ack_deliveries_steps(
-    acks: Sequence[AckRow], progress: Sequence[CursorProgress] = (), holder: str = "", fenced: bool = False
+    acks: Sequence[AckRun | AckRow], progress: Sequence[CursorProgress] = (), holder: str = "", fenced: bool = False
 ) -> Steps:
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
     before is logged (one dmq_delivery_batch row). One statement. In a cluster
     (``fenced``) only cursors ``holder`` still holds move: returns the (topic, channel,
     owner) of those another node took over, whose acks were neither applied nor logged
-    (empty on one node, and nearly always in a cluster)."""
+    (empty on one node, and nearly always in a cluster). ``acks``: the server's runs
+    (``AckRun``), or single acks (``AckRow``, each a run of one)."""
+    runs = [a if isinstance(a, AckRun) else AckRun.of(a) for a in acks]
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
-    ids = Int8Array([a.message_id for a in acks])
+    ids, published, first, delivered = Int8Array(), Int8Array(), Int8Array(), Int8Array()
+    owners, attempts = Int4Array(), Int4Array()
+    topics, channels, consumers, acked_ms = TextArray(), TextArray(), TextArray(), Int8Array()
+    c_topics, c_channels, c_owners, c_ids = TextArray(), TextArray(), Int4Array(), Int8Array()
     groups: dict[tuple[str, str, int], list[int]] = {}  # [low, high, acks] of each cursor's acks
-    for a in acks:  # once per ack: no list made for a group already there, no min()/max() call
-        key, mid = (a.topic, a.channel, a.owner), a.message_id
-        g = groups.get(key)
-        if g is None:
-            groups[key] = [mid, mid, 1]
-            continue
-        if mid < g[0]:
-            g[0] = mid
-        elif mid > g[1]:
-            g[1] = mid
-        g[2] += 1
-    counted = [a for a in acks if a.counted]
+    for run in runs:
+        n = len(run.message_ids)
+        for column, values in zip((ids, owners, published, first, attempts, delivered), run.columns()):
+            column += values
+        topics += [run.topic] * n
+        channels += [run.channel] * n
+        consumers += [run.consumer] * n
+        acked_ms += [run.acked_ms] * n
+        owner = run.single_owner()
+        keyed = [((run.topic, run.channel, owner), run.message_ids)] if owner is not None else [
+            ((run.topic, run.channel, o), [mid]) for mid, o in zip(run.message_ids, run.owners)
+        ]
+        for key, mids in keyed:
+            low, high = min(mids), max(mids)
+            g = groups.get(key)
+            if g is None:
+                groups[key] = [low, high, len(mids)]
+            else:
+                g[0], g[1], g[2] = min(g[0], low), max(g[1], high), g[2] + len(mids)
+        for i in run.counted():
+            c_topics.append(run.topic)
+            c_channels.append(run.channel)
+            c_owners.append(run.owners[i])
+            c_ids.append(run.message_ids[i])
     taken = yield Statement(
         "ack_deliveries",
         {
-            "topics": TextArray([a.topic for a in acks]),
-            "channels": TextArray([a.channel for a in acks]),
-            "owners": Int4Array([a.owner for a in acks]),
+            "topics": topics,
+            "channels": channels,
+            "owners": owners,
             "message_ids": ids,
-            "published_ms": Int8Array([a.published_ms for a in acks]),
-            "first_ms": Int8Array([a.first_ms for a in acks]),
-            "acked_ms": Int8Array([a.acked_ms for a in acks]),
-            "attempts": Int4Array([a.attempts for a in acks]),
-            "consumers": TextArray([a.consumer for a in acks]),
-            "delivered_ms": Int8Array([a.delivered_ms for a in acks]),
-            "c_topics": TextArray([a.topic for a in counted]),
-            "c_channels": TextArray([a.channel for a in counted]),
-            "c_owners": Int4Array([a.owner for a in counted]),
-            "c_ids": Int8Array([a.message_id for a in counted]),
+            "published_ms": published,
+            "first_ms": first,
+            "acked_ms": acked_ms,
+            "attempts": attempts,
+            "consumers": consumers,
+            "delivered_ms": delivered,
+            "c_topics": c_topics,
+            "c_channels": c_channels,
+            "c_owners": c_owners,
+            "c_ids": c_ids,
             **{f"g_{name}": kind([key[i] for key in groups]) for i, (name, kind) in
                enumerate((("topics", TextArray), ("channels", TextArray), ("owners", Int4Array)))},
             **{f"g_{name}": Int8Array([g[i] for g in groups.values()]) for i, name in enumerate(("low", "high", "acks"))},
@@ -314,7 +392,7 @@ def ack_deliveries_steps(
             "holder": holder,
             "fenced": fenced,
             # the batch row's summary, when every ack is logged (else the statement's own)
-            "last_acked_ms": max((a.acked_ms for a in acks), default=0),
+            "last_acked_ms": max((run.acked_ms for run in runs), default=0),
             "low_id": min(ids, default=0),
             "high_id": max(ids, default=0),
         },

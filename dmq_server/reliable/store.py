@@ -30,7 +30,7 @@ from dmq_server.core.publish import Published, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.db.errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
-    AckRow,
+    AckRun,
     CursorProgress,
     NewMessage,
     backends_alive_steps,
@@ -504,27 +504,35 @@ class ReliableStore:
         return channel.ack_held(message_ids, consumer)
 
     def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Any) -> None:
-        """The durable-ack rows of the copies one ``ack_held`` call acknowledged, to the
-        acker in one call: what the copies share (channel, consumer, the topic's
-        max_attempts) is read once."""
-        topic, name = channel.topic, channel.name
-        who = getattr(consumer, "name", "")
-        # attempts were kept for a copy (dead_letters.on_attempt) only if it was delivered
-        # again, or the topic counts attempts
-        counted = channel.max_attempts is not None
-        self.acker.add_many([
-            AckRow(topic, name, d.message.message_id, d.first_delivered_ms, acked_ms, d.attempts, who,
-                   int(d.delivered_at * 1000), d.message.owner, d.message.published_ms, counted or d.attempts > 1)
-            for d in deliveries
-        ])
+        """The copies one ``ack_held`` call acknowledged, to the acker as one ``AckRun``:
+        what they share (channel, consumer, time, whether the topic keeps attempts) once,
+        the rest as columns."""
+        messages = [d.message for d in deliveries]
+        self.acker.add_many([AckRun(
+            channel.topic, channel.name, getattr(consumer, "name", ""), acked_ms,
+            # attempts were kept for a copy (dead_letters.on_attempt) only if it was
+            # delivered again, or the topic counts attempts
+            channel.max_attempts is not None,
+            [m.message_id for m in messages],
+            [m.owner for m in messages],
+            [m.published_ms for m in messages],
+            [d.first_delivered_ms for d in deliveries],
+            [d.attempts for d in deliveries],
+            [int(d.delivered_at * 1000) for d in deliveries],
+        )])
 
-    def _ack_progress(self, batch: list[AckRow]) -> tuple[list[CursorProgress], str, bool]:
+    def _ack_progress(self, batch: list[AckRun]) -> tuple[list[CursorProgress], str, bool]:
         """For each (channel, owner) of a batch of acks about to be made durable, what
         the channel in memory knows to be done (``ReliableChannel.progress``); in a
         cluster the statement moves only the cursors this node still holds."""
         acked: dict[tuple[str, str, int], list[int]] = {}
-        for row in batch:
-            acked.setdefault((row.topic, row.channel, row.owner), []).append(row.message_id)
+        for run in batch:
+            owner = run.single_owner()
+            if owner is not None:
+                acked.setdefault((run.topic, run.channel, owner), []).extend(run.message_ids)
+                continue
+            for mid, owner in zip(run.message_ids, run.owners):
+                acked.setdefault((run.topic, run.channel, owner), []).append(mid)
         progress = []
         for (topic, name, owner), ids in acked.items():
             channel = self.channels.get((topic, name))
@@ -535,20 +543,21 @@ class ReliableStore:
             progress.append(CursorProgress(topic, name, owner, floor, spans))
         return progress, self.node_id, self.load_owner is not None
 
-    def _acks_done(self, rows: list[AckRow], taken: list[tuple[str, str, int]]) -> None:
+    def _acks_done(self, runs: list[AckRun], taken: list[tuple[str, str, int]]) -> None:
         """The batch committed: its copies are done, but for cursors another node took
         over meanwhile (this node's session was lost, ``ack_deliveries``). Their acks were
         not applied: the new holder delivers those copies, and this node forgets them."""
         by_channel: dict[tuple[str, str], list[int]] = {}
         refused: dict[tuple[str, str], list[int]] = {}
-        if taken:
-            fenced = set(taken)
-            for row in rows:
-                into = refused if (row.topic, row.channel, row.owner) in fenced else by_channel
-                into.setdefault((row.topic, row.channel), []).append(row.message_id)
-        else:
-            for row in rows:
-                by_channel.setdefault((row.topic, row.channel), []).append(row.message_id)
+        fenced = set(taken)
+        for run in runs:
+            key = (run.topic, run.channel)
+            if not fenced:
+                by_channel.setdefault(key, []).extend(run.message_ids)
+                continue
+            for mid, owner in zip(run.message_ids, run.owners):
+                into = refused if (run.topic, run.channel, owner) in fenced else by_channel
+                into.setdefault(key, []).append(mid)
         for key, ids in by_channel.items():
             channel = self.channels.get(key)
             if channel is not None:

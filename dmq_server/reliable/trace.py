@@ -3,8 +3,8 @@
 A channel reports each copy that returns before its ack (``reliable.channel``: the
 message timeout passed, the consumer went away, the consumer gave it back with REQ)
 together with the consumer that held it. That is the exceptional path: a message
-delivered once and acknowledged writes nothing here (its ack row names the consumer,
-``db.messages.AckRow``), so the reliable path's cost per message does not change.
+delivered once and acknowledged writes nothing here (its durable ack names the consumer,
+``db.messages.AckRun``), so the reliable path's cost per message does not change.
 
 Returns are diagnostic facts, not the promise: while PostgreSQL is down they wait in a
 queue of at most ``max_pending`` rows and later ones are counted and dropped, so a long

@@ -37,7 +37,7 @@ from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
 from dmq_server.db.errors import Fenced, RefusedError, StorageError
-from dmq_server.db.messages import AckRow, NewMessage, ack_deliveries_steps, insert_messages_steps
+from dmq_server.db.messages import AckRun, NewMessage, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher"]
 
@@ -287,8 +287,12 @@ class RetryingBatcher:
         name: str = "batch",
         steps: bool = False,
         args: Callable[[list], tuple] = lambda batch: (),
+        runs: bool = False,
     ):
         self.db = db
+        # ``runs``: each item holds ``len(item)`` of what ``max_batch`` counts and splits
+        # (``item.split(at)``) where a batch ends: the durable acks' ``AckRun``s
+        self._runs = runs
         self._args = args  # more arguments for ``fn``, computed when the batch is sent
         self._run = db.run_steps if steps else db.run
         self.clock = clock
@@ -298,6 +302,7 @@ class RetryingBatcher:
         self.on_done = on_done
         self.name = name
         self._queue: list = []
+        self._queued = 0  # what max_batch counts: items, or the runs' lengths
         self._timer: Any = None
         self._busy = False
         self._retry = 0.0
@@ -307,26 +312,42 @@ class RetryingBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return self._queued
+
+    def _size(self, items: list) -> int:
+        return sum(map(len, items)) if self._runs else len(items)
 
     def add(self, item: Any) -> None:
-        self._queue.append(item)
-        if self._busy or self._retry:
-            return
-        if len(self._queue) >= self.max_batch:
-            self._flush()
-        elif self._timer is None:
-            self._timer = self.clock.callLater(self.interval, self._flush)
+        self.add_many([item])
 
     def add_many(self, items: list) -> None:
         """``add`` of each, with the flush decided once."""
         self._queue += items
+        self._queued += self._size(items)
         if self._busy or self._retry or not items:
             return
-        if len(self._queue) >= self.max_batch:
+        if self._queued >= self.max_batch:
             self._flush()
         elif self._timer is None:
             self._timer = self.clock.callLater(self.interval, self._flush)
+
+    def _take(self) -> list:
+        """The next batch off the queue's front: ``max_batch`` items, or runs holding
+        that many, the last one split if it holds more."""
+        queue, limit = self._queue, self.max_batch
+        if not self._runs:
+            batch, self._queue = queue[:limit], queue[limit:]
+        else:
+            count = taken = 0
+            while taken < len(queue) and count < limit:
+                count += len(queue[taken])
+                taken += 1
+            batch, self._queue = queue[:taken], queue[taken:]
+            if count > limit:  # the last run passes the limit: its rest stays first in line
+                batch[-1], rest = batch[-1].split(len(batch[-1]) - (count - limit))
+                self._queue.insert(0, rest)
+        self._queued -= self._size(batch)
+        return batch
 
     def _flush(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -339,7 +360,7 @@ class RetryingBatcher:
             for w in waiters:
                 w.callback(None)
             return
-        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+        batch = self._take()
         self._busy = True
         d = self._run(self.fn, batch, *self._args(batch))
         d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
@@ -348,7 +369,7 @@ class RetryingBatcher:
         self._busy = False
         self._retry = 0.0
         self._outage.recovered()
-        self.done += len(batch)
+        self.done += self._size(batch)
         try:
             self.on_done(batch, result)
         except Exception:
@@ -359,6 +380,7 @@ class RetryingBatcher:
         self._busy = False
         self._outage.failed(failure.value)
         self._queue[:0] = batch
+        self._queued += self._size(batch)
         self._retry = min(max(self._retry * 2, 0.1), 5.0)
         if self._timer is None:
             self._timer = self.clock.callLater(self._retry, self._retry_now)
@@ -383,7 +405,8 @@ class RetryingBatcher:
 
 
 class AckBatcher(RetryingBatcher):
-    """Durable acknowledgements in batches: the channels' cursors move and the acks are
+    """Durable acknowledgements in batches of ``AckRun``s (``max_batch`` counts acks, and
+    a run is split where a batch ends): the channels' cursors move and the acks are
     logged. ``progress(batch)`` gives the ``CursorProgress`` list, the holder and whether
     the cursors are fenced (a cluster), computed when the batch is sent (again if it is
     sent again), from what the channels hold then. ``on_done(batch, taken)`` runs after
@@ -396,8 +419,8 @@ class AckBatcher(RetryingBatcher):
         clock: Any,
         max_batch: int,
         flush_interval: float,
-        on_done: Callable[[list[AckRow], list], None],
-        progress: Callable[[list[AckRow]], tuple] = lambda batch: ((), ""),
+        on_done: Callable[[list[AckRun], list], None],
+        progress: Callable[[list[AckRun]], tuple] = lambda batch: ((), ""),
     ):
         super().__init__(
             worker,
@@ -409,6 +432,7 @@ class AckBatcher(RetryingBatcher):
             name="durable ack",
             steps=True,
             args=progress,
+            runs=True,
         )
 
     @property

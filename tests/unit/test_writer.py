@@ -18,7 +18,7 @@ from twisted.logger import LogLevel, globalLogPublisher
 from twisted.python.failure import Failure
 
 from dmq_server.db.errors import RefusedError, StorageError
-from dmq_server.db.messages import AckRow, NewMessage, StoredMessage, ack_deliveries_steps, insert_messages_steps
+from dmq_server.db.messages import AckRow, AckRun, NewMessage, StoredMessage, ack_deliveries_steps, insert_messages_steps
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter, ShuttingDown
 
 
@@ -462,8 +462,14 @@ def test_close_waits_for_every_worker() -> None:
 
 
 # -- AckBatcher ---------------------------------------------------------------
-def ack_row(message_id: int) -> AckRow:
-    return AckRow("orders", "billing", message_id, 1_000, 2_000, 1)
+def ack_row(message_id: int) -> AckRun:
+    return AckRun.of(AckRow("orders", "billing", message_id, 1_000, 2_000, 1))
+
+
+def ack_run(ids: list[int]) -> AckRun:
+    """One consumer's acks of several copies together, as ``ReliableStore._on_acks`` makes them."""
+    return AckRun("orders", "billing", "c", 2_000, False, list(ids), [7] * len(ids), [i + 10 for i in ids],
+                  [1_000] * len(ids), [1] * len(ids), [1_500 + i for i in ids])
 
 
 def make_acker(
@@ -473,13 +479,18 @@ def make_acker(
     clock = Clock()
     done: list[tuple[list[int], list]] = []
     acker = AckBatcher(
-        worker, clock, max_batch, interval, lambda rows, ok: done.append(([r.message_id for r in rows], ok))
+        worker, clock, max_batch, interval, lambda runs, ok: done.append(([i for r in runs for i in r.message_ids], ok))
     )
     return acker, worker, clock, done
 
 
+def run_statement(call: Call) -> dict[str, Any]:
+    """The parameters of the statement the call's steps send (the batch's arrays)."""
+    return dict(next(call.fn(*call.args)).params)
+
+
 def ack_ids(call: Call) -> list[int]:
-    return [row.message_id for row in call.batch]
+    return [mid for run in call.batch for mid in run.message_ids]
 
 
 def test_acks_wait_for_the_flush_interval() -> None:
@@ -534,18 +545,47 @@ def test_acks_added_together_are_batched_as_acks_added_one_by_one() -> None:
     flushes at once from max_batch on, never sends more than max_batch in one
     transaction, and queues behind a transaction in flight: the batches ``add`` makes."""
     batches = []
-    for together in (False, True):
+    for way in ("one by one", "together", "as runs"):
         acker, worker, clock, _ = make_acker(max_batch=3, interval=0.01)
-        add = acker.add_many if together else (lambda rows: [acker.add(row) for row in rows])
+        add = {
+            "one by one": lambda ids: [acker.add(ack_row(mid)) for mid in ids],
+            "together": lambda ids: acker.add_many([ack_row(mid) for mid in ids]),
+            "as runs": lambda ids: acker.add_many([ack_run(ids)]),  # split where a batch ends
+        }[way]
         for group in ([1, 2], [3, 4, 5, 6, 7], [8]):
-            add([ack_row(mid) for mid in group])
+            add(group)
         acker.add_many([])  # nothing: no flush, no timer of its own
         while worker.calls and not worker.last.deferred.called:
             worker.last.commit(None)
             clock.advance(1.0)
         batches.append([ack_ids(c) for c in worker.calls])
         assert acker.acked == 8 and acker.pending == 0
-    assert batches[0] == batches[1] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert batches[0] == batches[1] == batches[2] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+
+
+def test_a_run_split_where_a_batch_ends_keeps_each_acks_columns_together() -> None:
+    """A run of 5 with room for 2 in the batch: the batch's statement gets the first 2
+    acks with their own owner, times and attempts, and the next batch the other 3; an
+    ack delivered twice stays counted (its attempts row is cleared) in the part it went to."""
+    acker, worker, clock, done = make_acker(max_batch=4, interval=0.01)
+    acker.add_many([ack_run([1, 2])])
+    run = ack_run([3, 4, 5, 6, 7])
+    run.attempts[3] = 2  # id 6 was delivered twice
+    acker.add_many([run])
+    first = worker.last
+    assert ack_ids(first) == [1, 2, 3, 4] and acker.pending == 3
+    params = run_statement(first)
+    assert params["message_ids"] == [1, 2, 3, 4] and params["published_ms"] == [11, 12, 13, 14]
+    assert params["delivered_ms"] == [1_501, 1_502, 1_503, 1_504] and params["c_ids"] == []
+    assert params["g_low"] == [1] and params["g_high"] == [4] and params["g_acks"] == [4]
+    first.commit([])
+    clock.advance(0.01)
+    params = run_statement(worker.last)
+    assert params["message_ids"] == [5, 6, 7] and params["attempts"] == [1, 2, 1]
+    assert params["consumers"] == ["c"] * 3 and params["owners"] == [7] * 3
+    assert (params["c_ids"], params["c_owners"]) == ([6], [7])
+    worker.last.commit([])
+    assert [ids for ids, _ in done] == [[1, 2, 3, 4], [5, 6, 7]] and acker.acked == 7
 
 
 def test_failed_batch_is_retried_after_a_growing_backoff_without_losing_rows() -> None:
