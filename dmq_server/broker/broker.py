@@ -64,6 +64,11 @@ class _Countdown:
         self.first_id: int | None = None
         self.failure: BaseException | None = None
 
+    def many(self, start: int, outcomes: list) -> None:
+        """The outcomes of several bodies (``ReliableStore.store_many``'s answer)."""
+        for outcome in outcomes:
+            self(outcome)
+
     def __call__(self, outcome: Any) -> None:
         if isinstance(outcome, Published):
             if self.first_id is None:
@@ -258,40 +263,48 @@ class Broker:
         self.route(request.topic, request.create_fast, lambda found: self._publish_to(found, request, done))
 
     def publish_sends(
-        self, topic: str, producer: str, sends: list[tuple[int, int, bytes, bool, Callable[[Any], None]]]
+        self, topic: str, producer: str, sends: list[tuple[int, int, bytes, bool]],
+        answer: Callable[[int, list], None],
     ) -> None:
         """Single sends from one producer to one topic (the dmq protocol's
         ``UP_PRODUCER_SEND``s of one read: a producer with a window of unanswered sends
-        writes them together), each ``(session_id, produced_ms, body, resend, done)``;
-        each ``done`` is called once, as ``publish`` would call it for that send alone.
+        writes them together), each ``(session_id, produced_ms, body, resend)``.
+        ``answer(start, outcomes)`` gets the outcomes of the sends from position ``start``
+        on, each send's as ``publish`` would give it for that send alone; every send is
+        answered once, a refused one at once, the stored ones together when their commit
+        is answered (``ReliableStore.store_many``).
 
         To a reliable topic this node has cached, with channels, no rate limit and one
         cluster (nearly every send), the topic is looked up, its store found and the
         producer checked once for the run, each send checked on its own (one refused
-        fails no other), and the rest queued for the group commit in one call
-        (``ReliableStore.store_many``): the per-send routing ``publish`` repeats cost
-        about an eighth of the server's CPU a message (bench/message_cost.py). Any other
-        topic takes ``publish``, send by send."""
+        fails no other), and the rest queued for the group commit in one call: the
+        per-send routing ``publish`` repeats cost about an eighth of the server's CPU a
+        message (bench/message_cost.py). Any other topic takes ``publish``, send by send."""
         store = self._direct_store(topic)
         if store is None:
-            for session_id, produced_ms, body, resend, done in sends:
-                self.publish(PublishRequest(topic, producer, [body], session_id, produced_ms, None, resend), done)
+            for i, (session_id, produced_ms, body, resend) in enumerate(sends):
+                self.publish(PublishRequest(topic, producer, [body], session_id, produced_ms, None, resend),
+                             lambda outcome, i=i: answer(i, [outcome]))
             return
         error = check_sender(topic, producer, registered=True)
         if error is not None:
-            for send in sends:
-                send[4](error)
+            answer(0, [error] * len(sends))
             return
         largest = self.options.max_msg_size
-        admitted = []
-        for session_id, produced_ms, body, resend, done in sends:
+        admitted: list[tuple[NewMessage, bool]] = []
+        places: list[int] = []  # each admitted send's position in the run
+        for i, (session_id, produced_ms, body, resend) in enumerate(sends):
             error = check_send(session_id, (body,), produced_ms, largest)
             if error is None:
-                admitted.append((NewMessage(topic, producer, session_id, produced_ms, body), done, resend))
+                admitted.append((NewMessage(topic, producer, session_id, produced_ms, body), resend))
+                places.append(i)
             else:
-                done(error)
-        if admitted:
-            store.store_many(admitted)
+                answer(i, [error])
+        if len(admitted) == len(sends):
+            store.store_many(admitted, answer)
+        elif admitted:  # some were refused: each stored one answered at its own place
+            store.store_many(admitted, lambda start, outcomes: [
+                answer(places[k], [outcome]) for k, outcome in enumerate(outcomes, start)])
 
     def _direct_store(self, topic: str) -> Any:
         """The store that takes sends to ``topic`` with nothing to decide per send: a
@@ -391,9 +404,9 @@ class Broker:
         store = self._direct_store(topic) if request.due_ms is None else None
         if store is not None:  # an MPUB's bodies reach the group commit together
             new_id, resend = self.new_session_id, request.resend
-            store.store_many([
-                (NewMessage(topic, producer, new_id(), produced_ms, body), countdown, resend) for body in bodies
-            ])
+            store.store_many(
+                [(NewMessage(topic, producer, new_id(), produced_ms, body), resend) for body in bodies], countdown.many
+            )
             return
         for body in bodies:
             send = NewMessage(topic, producer, self.new_session_id(), produced_ms, body)

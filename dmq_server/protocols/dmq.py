@@ -402,25 +402,33 @@ class DmqConnection:
     def _send_run(self, frames: list[Frame]) -> None:
         """Sends of one read from one producer to one topic, none delayed (``_run_end``),
         that the authorizer (if any) allows now: handed to the broker in one call
-        (``Broker.publish_sends``), each answered on its own as ``_send`` answers it. A run
-        the authorizer must be asked about again, or refuses, goes send by send, so each
-        send waits or is refused as it would be alone."""
-        answer = self._answer_send
+        (``Broker.publish_sends``) and answered together (``_answer_run``), each send's
+        reply what ``_send`` would answer. A run the authorizer must be asked about
+        again, or refuses, goes send by send, so each send waits or is refused as it
+        would be alone."""
         first = frames[0]
-        self.broker.publish_sends(first.topic, first.producer, [
-            (frame.session_id, frame.timestamp_ms, frame.body, frame.command == Command.UP_PRODUCER_RESEND,
-             answer(frame))
-            for frame in frames
-        ])
+        self.flow.sends_started(len(frames), sum([len(frame.body) for frame in frames]))
+        resend = Command.UP_PRODUCER_RESEND
+        self.broker.publish_sends(
+            first.topic, first.producer,
+            [(frame.session_id, frame.timestamp_ms, frame.body, frame.command == resend) for frame in frames],
+            lambda start, outcomes: self._answer_run(frames, start, outcomes),
+        )
 
     def _answer_send(self, frame: Frame) -> Callable[[Any], None]:
         """The send counted until answered (backpressure, dmq_server.protocols.flow), and
-        the ``done`` that answers it: one closure per send, the reply built there."""
-        size = len(frame.body)
-        self.flow.send_started(size)
+        the ``done`` that answers it."""
+        self.flow.sends_started(1, len(frame.body))
+        return lambda outcome: self._answer_run((frame,), 0, (outcome,))
 
-        def done(outcome: Any) -> None:
-            self.flow.send_done(size)
+    def _answer_run(self, frames: Sequence[Frame], start: int, outcomes: Sequence[Any]) -> None:
+        """The replies to ``frames[start:]``'s sends, one per outcome (``Published`` or
+        the ``DmqError``), queued for this turn's write together."""
+        encode = self._send_reply
+        replies = []
+        size = 0
+        for frame, outcome in zip(frames[start : start + len(outcomes)], outcomes):
+            size += len(frame.body)
             message_id = 0
             if isinstance(outcome, Published):
                 command, message_id, status = (
@@ -430,9 +438,10 @@ class DmqConnection:
             else:
                 log.error("send failed: {error!r}", error=outcome)
                 command, status = Command.SEND_SERVER_ERROR, f"E_INTERNAL {outcome!r}"
-            self.queue_write(self._send_reply(command, frame.session_id, message_id, frame.topic, frame.producer, status))
-
-        return done
+            replies.append(encode(command, frame.session_id, message_id, frame.topic, frame.producer, status))
+        self.flow.sends_done(len(outcomes), size)
+        if not self.closed:
+            self._turn.extend(replies)
 
     def _subscribe(self, frame: Frame) -> None:
         options = self.broker.options

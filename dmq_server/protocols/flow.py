@@ -182,8 +182,9 @@ class ReadGate:
             self.hold(BUDGET)
             self.budget.wait(self)
 
-    def send_started(self, size: int) -> None:
-        self.pending_sends += 1
+    def sends_started(self, count: int, size: int) -> None:
+        """``count`` sends of ``size`` bytes in all were read and wait for their answers."""
+        self.pending_sends += count
         self.pending_bytes += size
         self.budget.change(size)
         limits = self.limits
@@ -193,8 +194,9 @@ class ReadGate:
             self.hold(BUDGET)
             self.budget.wait(self)
 
-    def send_done(self, size: int) -> None:
-        self.pending_sends -= 1
+    def sends_done(self, count: int, size: int) -> None:
+        """``count`` of them, ``size`` bytes in all, were answered."""
+        self.pending_sends -= count
         self.pending_bytes -= size
         self.budget.change(-size)
         limits = self.limits
@@ -324,10 +326,10 @@ class NoGate:
 
     paused = server_paused = False
 
-    def send_started(self, size: int) -> None:
+    def sends_started(self, count: int, size: int) -> None:
         pass
 
-    def send_done(self, size: int) -> None:
+    def sends_done(self, count: int, size: int) -> None:
         pass
 
     def frame_completed(self) -> None:

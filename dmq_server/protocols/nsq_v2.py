@@ -737,7 +737,7 @@ class NsqConnection:
                 answered.append(outcome)
                 return
             slot, size = waiting
-            self.flow.send_done(size)
+            self.flow.sends_done(1, size)
             if not self.closed:  # the client left before the commit answered
                 self._answer(slot, self._publish_reply(topic, outcome, name))
 
@@ -748,7 +748,7 @@ class NsqConnection:
             return
         size = sum(map(len, bodies))
         waiting[:] = [self.replies.reserve(), size]
-        self.flow.send_started(size)
+        self.flow.sends_started(1, size)
 
     def _publish_reply(self, topic: str, outcome: Any, name: str) -> bytes | NsqError:
         """OK, or the error frame of a failed publish: fatal with nsqd's text when the

@@ -375,44 +375,46 @@ class ReliableStore:
     # -- storing ------------------------------------------------------------
     def store(self, send: NewMessage, done: Callable[[Any], None], resend: bool = True) -> None:
         """Commit ``send`` with a delivery per subscribed channel, then hand it to those
-        channels and call ``done`` with ``Published`` (or the ``DmqError``). Called once
-        per message: no Deferreds, one queue append. A pair stored before answers a
-        ``resend`` with its stored message and refuses any other send (``stored_before``)."""
-        self.writer.submit_cb(send, self._on_commit(send, done, resend, self.clock.seconds()))
+        channels and call ``done`` with ``Published`` (or the ``DmqError``). A pair stored
+        before answers a ``resend`` with its stored message and refuses any other send
+        (``stored_before``)."""
+        self.store_many([(send, resend)], lambda start, outcomes: done(outcomes[0]))
 
-    def store_many(self, sends: list[tuple[NewMessage, Callable[[Any], None], bool]]) -> None:
-        """``store`` of each (send, done, resend), in order, queued for the group commit
-        in one call (a read's sends from one producer to one topic, ``Broker.publish_sends``)."""
+    def store_many(self, sends: list[tuple[NewMessage, bool]], answer: Callable[[int, list], None]) -> None:
+        """``store`` of each (send, resend), in order, queued for the group commit in one
+        call (a read's sends from one producer to one topic, ``Broker.publish_sends``; an
+        MPUB's bodies). ``answer(start, outcomes)`` gets the outcomes of the sends from
+        position ``start`` on, in order: the whole run in one call, unless a batch ended
+        inside it (``GroupCommitWriter.submit_run``)."""
         staged_at = self.clock.seconds()
-        on_commit = self._on_commit
-        self.writer.submit_many([(send, on_commit(send, done, resend, staged_at)) for send, done, resend in sends])
+        latency = self.commit_latency
 
-    def _on_commit(
-        self, send: NewMessage, done: Callable[[Any], None], resend: bool, staged_at: float
-    ) -> Callable[[Any], None]:
-        """What the writer calls with ``send``'s outcome: the answer to its producer, and
-        the message to its channels (``_hand_on``)."""
+        def committed(start: int, results: list) -> None:
+            arrived, owner = self._arrived, self.writes.owner  # _hand_on takes the list after each batch
+            outcomes: list[Any] = []
+            timed = stored_now = 0
+            for (send, resend), stored in zip(sends[start : start + len(results)], results):
+                if isinstance(stored, BaseException):
+                    outcomes.append(self._refusal(stored))
+                    continue
+                timed += 1
+                if not stored.duplicate:
+                    stored_now += 1
+                    message = ReliableMessage(
+                        stored.message_id, send.topic, send.producer, send.session_id, stored.published_ms,
+                        send.body, owner,
+                    )
+                    arrived.append((message, stored.channels))  # to its channels: _hand_on
+                elif not resend:
+                    outcomes.append(stored_before(send.producer, send.session_id, stored.message_id))
+                    continue
+                outcomes.append(Published(stored.message_id, stored.duplicate))
+            self.publish_count += stored_now
+            if latency is not None and timed:
+                latency.observe_many(self.clock.seconds() - staged_at, timed)
+            answer(start, outcomes)
 
-        def committed(stored: Any) -> None:
-            if isinstance(stored, BaseException):
-                self._refused(stored, done)
-                return
-            if self.commit_latency is not None:
-                self.commit_latency.observe(self.clock.seconds() - staged_at)
-            if not stored.duplicate:
-                self.publish_count += 1
-                topic = send.topic
-                message = ReliableMessage(
-                    stored.message_id, topic, send.producer, send.session_id, stored.published_ms, send.body,
-                    self.writes.owner,
-                )
-                self._arrived.append((message, stored.channels))  # to its channels: _hand_on
-            elif not resend:
-                done(stored_before(send.producer, send.session_id, stored.message_id))
-                return
-            done(Published(stored.message_id, stored.duplicate))
-
-        return committed
+        self.writer.submit_run([send for send, _ in sends], committed)
 
     def _hand_on(self) -> None:
         """A committed batch's new messages, to their channels. Run by the writer after
@@ -464,9 +466,14 @@ class ReliableStore:
         self.delay_writer.submit_cb(item, committed)
 
     def _refused(self, failure: BaseException, done: Callable[[Any], None]) -> None:
+        done(self._refusal(failure))
+
+    def _refusal(self, failure: BaseException) -> BaseException:
+        """What the producer of a send that was not stored hears (``_answer_for``); a send
+        this node may no longer store (``Misplaced``) is reported first."""
         if isinstance(failure, Misplaced) and self.misplaced is not None:
             self.misplaced()
-        done(_answer_for(failure))
+        return _answer_for(failure)
 
     def deliver_moved(self, messages: list[MovedMessage]) -> None:
         """Delayed (or replayed) messages now stored with their deliveries: push them."""

@@ -54,6 +54,28 @@ log = Logger()
 PARALLEL_MIN = 64
 
 
+# ``answer(start, outcomes)``: the outcomes of a run's messages from position ``start`` on
+Answer = Callable[[int, list], None]
+# a queued message, the answer of its run, its position in the run
+_Item = tuple[NewMessage, Answer, int]
+
+
+def _answer(batch: list[_Item], outcomes: list) -> None:
+    """Each run's part of ``batch`` (consecutive items of one answer, positions in order)
+    answered in one call with its outcomes; one answer failing fails no other."""
+    i, n = 0, len(batch)
+    while i < n:
+        _, answer, start = batch[i]
+        j = i + 1
+        while j < n and batch[j][1] is answer and batch[j][2] == start + (j - i):
+            j += 1
+        try:
+            answer(start, outcomes[i:j])
+        except Exception:
+            log.failure("send completion failed")
+        i = j
+
+
 class GroupCommitWriter:
     """Group commit over one or more writer connections.
 
@@ -96,9 +118,10 @@ class GroupCommitWriter:
         # called once a committed batch's items were each answered, before the batch's
         # write is settled (the store hands the batch's copies to its channels then)
         self._on_batch = on_batch
-        self._queue: list[tuple[NewMessage, Callable[[Any], None]]] = []
+        # each queued message with the answer of its run and its place in the run
+        self._queue: list[_Item] = []
         # parts of a refused batch, each run on its own until the bad rows are found
-        self._isolated: list[list[tuple[NewMessage, Callable[[Any], None]]]] = []
+        self._isolated: list[list[_Item]] = []
         self._closing = False
         self._idle_waiters: list[Deferred] = []
         self.batches = 0
@@ -131,18 +154,21 @@ class GroupCommitWriter:
         return d
 
     def submit_cb(self, message: NewMessage, done: Callable[[Any], None]) -> None:
-        """Like submit, without a Deferred per message (the send hot path):
-        ``done`` gets the StoredMessage, or the exception."""
-        self.submit_many([(message, done)])
+        """Like submit, without a Deferred per message: ``done`` gets the StoredMessage,
+        or the exception."""
+        self.submit_run([message], lambda start, outcomes: done(outcomes[0]))
 
-    def submit_many(self, items: list[tuple[NewMessage, Callable[[Any], None]]]) -> None:
-        """``submit_cb`` of each (message, done), in order, queued together: a batch
-        starts with all of them waiting, not with the first alone."""
+    def submit_run(self, messages: list[NewMessage], answer: Answer) -> None:
+        """Queue ``messages`` together (a batch starts with all of them waiting, not with
+        the first alone); ``answer(start, outcomes)`` gets, for the messages from
+        position ``start`` on, each one's StoredMessage or exception, in order. Each
+        message is answered exactly once; a run is answered in one call, or in several
+        when a batch ends inside it or a refused batch is split (the send path: one call
+        per run of a read's sends instead of a callback per send)."""
         if self._closing:
-            for _, done in items:
-                done(ShuttingDown())
+            answer(0, [ShuttingDown() for _ in messages])
             return
-        self._queue.extend(items)
+        self._queue += [(message, answer, i) for i, message in enumerate(messages)]
         if self._free:
             self._kick()
 
@@ -160,10 +186,10 @@ class GroupCommitWriter:
             writes = self._writes
             if writes is None:
                 token = 0
-                d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id)
+                d = worker.run_steps(self._insert, [item[0] for item in batch], self._node_id)
             else:
                 token = writes.begin()
-                d = worker.run_steps(self._insert, [m for m, _ in batch], self._node_id, writes.owner)
+                d = worker.run_steps(self._insert, [item[0] for item in batch], self._node_id, writes.owner)
             d.addCallbacks(
                 self._committed,
                 self._failed,
@@ -187,11 +213,7 @@ class GroupCommitWriter:
         # works on it while the reactor writes the acknowledgements.
         if self._queue or self._isolated:
             self._kick()
-        for (_, done), stored in zip(batch, results):
-            try:
-                done(stored)
-            except Exception:
-                log.failure("send completion failed")
+        _answer(batch, results)
         try:
             self._on_batch()
         except Exception:
@@ -222,13 +244,9 @@ class GroupCommitWriter:
             log.failure("unexpected error in group commit", failure)
             error = StorageError(f"internal error: {error!r}")
         self._on_health(False, str(error))
-        for _, done in batch:
-            try:
-                done(StorageError(str(error)))
-            except Exception:
-                log.failure("send completion failed")
+        _answer(batch, [StorageError(str(error)) for _ in batch])
         try:
-            self._on_unknown([m for m, _ in batch])
+            self._on_unknown([item[0] for item in batch])
         except Exception:
             log.failure("handling a batch of unknown outcome failed")
         self._kick()
@@ -236,11 +254,7 @@ class GroupCommitWriter:
     def _fenced(self, error: Fenced, batch: list) -> None:
         """This incarnation was retired: nothing was stored, nothing ever will be."""
         self._on_health(False, str(error))
-        for _, done in batch:
-            try:
-                done(error)
-            except Exception:
-                log.failure("send completion failed")
+        _answer(batch, [error] * len(batch))
         self._kick()
 
     def _refused(self, error: RefusedError, batch: list) -> None:
@@ -248,11 +262,7 @@ class GroupCommitWriter:
         the refused rows stand alone; only their sends fail."""
         if len(batch) == 1:
             log.warn("a send was refused by PostgreSQL: {why}", why=error)
-            _, done = batch[0]
-            try:
-                done(RefusedError(f"message refused by PostgreSQL: {error}", error.sqlstate))
-            except Exception:
-                log.failure("send completion failed")
+            _answer(batch, [RefusedError(f"message refused by PostgreSQL: {error}", error.sqlstate)])
         else:
             half = len(batch) // 2
             self._isolated[:0] = [batch[:half], batch[half:]]

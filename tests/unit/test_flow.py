@@ -208,7 +208,7 @@ def test_a_deflate_bomb_is_inflated_in_steps_while_the_connection_is_read(env): 
     p.send(encode_command(b"IDENTIFY", body=json.dumps({"feature_negotiation": True, "deflate": True}).encode()))
     p.transport.clear()
     gate = SimpleNamespace(paused=False, server_paused=False, frame_completed=lambda: None,
-                           send_started=lambda n: None, send_done=lambda n: None)
+                           sends_started=lambda n, size: None, sends_done=lambda n, size: None)
     p.conn.flow = gate
     deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
     nops = b"NOP\n" * 1_000_000  # 4 MB of commands

@@ -82,8 +82,11 @@ class FakeBroker(Broker):
         """A registered topic's sends go to a store that records them, as ``_publish_one``."""
         if topic not in self.cache.reliable:
             return None
-        return SimpleNamespace(store_many=lambda sends: [self._publish_one(send, done, None, resend)
-                                                         for send, done, resend in sends])
+        def store_many(sends, answer):
+            for i, (send, resend) in enumerate(sends):
+                self._publish_one(send, lambda outcome, i=i: answer(i, [outcome]), None, resend)
+
+        return SimpleNamespace(store_many=store_many)
 
     def subscribe(self, topic, channel, consumer):
         ch = self.channels.get((topic, channel))

@@ -48,8 +48,8 @@ class FakeBroker:
     def publish(self, request, done):
         self.sends.append((request.bodies[0], done))
 
-    def publish_sends(self, topic, producer, sends):
-        self.sends.extend((body, done) for _, _, body, _, done in sends)
+    def publish_sends(self, topic, producer, sends, answer):
+        self.sends.extend((body, lambda outcome, i=i: answer(i, [outcome])) for i, (_, _, body, _) in enumerate(sends))
 
     def unsubscribe(self, channel, sub):
         pass

@@ -208,6 +208,90 @@ def test_a_refused_batch_is_split_until_only_the_bad_send_fails() -> None:
     assert (False, "writer0: timestamp out of range") not in health  # not a storage outage
 
 
+class RunAnswers:
+    """An ``answer(start, outcomes)`` that records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[Any]]] = []
+
+    def __call__(self, start: int, outcomes: list[Any]) -> None:
+        self.calls.append((start, list(outcomes)))
+
+    def by_place(self) -> dict[int, Any]:
+        """Each position's outcome; fails if any position was answered twice."""
+        places: dict[int, Any] = {}
+        for start, outcomes in self.calls:
+            for place, outcome in enumerate(outcomes, start):
+                assert place not in places, f"position {place} answered twice"
+                places[place] = outcome
+        return places
+
+
+def test_a_run_is_answered_in_one_call_per_batch_it_lands_in() -> None:
+    """Two runs queued behind a commit: the next batch (max 4) ends inside the second run,
+    so the first run is answered in one call, the second in two (its first two sends,
+    then from position 2 on), each send once, with its own stored message."""
+    writer, worker, _ = make_writer(max_batch=4)
+    writer.submit(new_message(0))
+    first, second = RunAnswers(), RunAnswers()
+    writer.submit_run([new_message(sid) for sid in (1, 2)], first)
+    writer.submit_run([new_message(sid) for sid in (3, 4, 5, 6)], second)
+    worker.last.commit(stored_for(worker.last))
+    assert session_ids(worker.last) == [1, 2, 3, 4]
+    worker.last.commit(stored_for(worker.last, first_id=101))
+    assert [(start, [m.message_id for m in out]) for start, out in first.calls] == [(0, [101, 102])]
+    assert [(start, [m.message_id for m in out]) for start, out in second.calls] == [(0, [103, 104])]
+    assert session_ids(worker.last) == [5, 6]
+    worker.last.commit(stored_for(worker.last, first_id=105))
+    assert [(start, [m.message_id for m in out]) for start, out in second.calls[1:]] == [(2, [105, 106])]
+
+
+def test_a_refused_run_is_split_and_each_part_answered_at_its_place() -> None:
+    """A run of six with one bad send: the halving answers every send once, at its
+    position, the bad one with the refusal (fails if a part's start is lost)."""
+    writer, worker, _ = make_writer()
+    writer.submit(new_message(0))
+    run = RunAnswers()
+    writer.submit_run([new_message(sid) for sid in range(1, 7)], run)
+    worker.last.commit(stored_for(worker.last))
+    bad = 4
+    while not worker.last.deferred.called:
+        call = worker.last
+        if bad in session_ids(call):
+            call.fail(RefusedError("writer0: value too long", "22001"))
+        else:
+            call.commit(stored_for(call, first_id=100 + session_ids(call)[0]))
+    places = run.by_place()
+    assert sorted(places) == list(range(6)) and len(run.calls) > 2
+    for place, outcome in places.items():
+        if place + 1 == bad:
+            assert isinstance(outcome, RefusedError)
+        else:
+            assert outcome.message_id == 101 + place
+
+
+def test_runs_of_unknown_outcome_and_a_failing_answer() -> None:
+    """A batch of unknown outcome answers each run's sends with the error, once; an answer
+    that raises fails no other run; the same answer given two runs answers each at its
+    own positions (fails if runs that share an answer are merged)."""
+    writer, worker, _ = make_writer()
+    writer.submit(new_message(0))
+    shared, other = RunAnswers(), RunAnswers()
+
+    def raising(start: int, outcomes: list[Any]) -> None:
+        raise RuntimeError("a broken connection's answer")
+
+    writer.submit_run([new_message(1), new_message(2)], shared)
+    writer.submit_run([new_message(3), new_message(4)], shared)
+    writer.submit_run([new_message(5)], raising)
+    writer.submit_run([new_message(6)], other)
+    worker.last.commit(stored_for(worker.last))
+    worker.last.fail(StorageError("writer0: server closed the connection unexpectedly"))
+    assert [start for start, _ in shared.calls] == [0, 0] and [len(o) for _, o in shared.calls] == [2, 2]
+    assert all(isinstance(o, StorageError) for _, out in shared.calls + other.calls for o in out)
+    assert len(other.calls) == 1
+
+
 def test_sends_queued_behind_a_refused_batch_wait_for_its_parts() -> None:
     """The parts of a refused batch run before newer sends, and newer sends are never mixed
     into a part (a part is the smallest set known to hold the bad row)."""
