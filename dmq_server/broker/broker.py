@@ -515,6 +515,13 @@ class Broker:
             self.placement.acked(topic, channel)
         return error
 
+    def ack_each(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> list[str | None]:
+        """``ack`` of each id, in order, each with its own answer (an NSQ read's FINs). With
+        one cluster, one call to its store for the whole list."""
+        if not self.placement.several:
+            return self.reliable.ack_each(topic, channel, message_ids, consumer)
+        return [self.ack(topic, channel, mid, consumer) for mid in message_ids]
+
     def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> int:
         """``ack`` of each id (a consumer's ``UP_CONSUMER_ACKS``); returns how many were
         refused. With one cluster, one call to its store for the whole batch."""

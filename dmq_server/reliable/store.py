@@ -20,7 +20,7 @@ read together to see that no copy is lost or handed out twice.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
@@ -502,6 +502,27 @@ class ReliableStore:
         if error is not None:
             return error
         return None if channel.ack(message_id) else "ID not in flight"
+
+    def ack_each(self, topic: str, name: str, message_ids: Sequence[int], consumer: Any) -> list[str | None]:
+        """``ack`` of each id in order, each answered as ``ack`` answers it alone (an id
+        ``consumer`` does not hold, or one acknowledged earlier in the list, refused with
+        its reason), the held ones acknowledged in one ``ack_held`` (an NSQ read's FINs:
+        one durable-ack run and one pump, not one each)."""
+        channel = self.channels.get((topic, name))
+        if channel is None:
+            return ["ID not in flight"] * len(message_ids)
+        errors: list[str | None] = []
+        held: list[int] = []
+        taken: set[int] = set()
+        for mid in message_ids:
+            error = "ID not in flight" if mid in taken else channel.owner_error(mid, consumer)
+            if error is None:
+                taken.add(mid)
+                held.append(mid)
+            errors.append(error)
+        if held:
+            channel.ack_held(held, consumer)
+        return errors
 
     def ack_many(self, topic: str, name: str, message_ids: Iterable[int], consumer: Any) -> int:
         """``ack`` of each id, the channel found once; returns how many were refused."""

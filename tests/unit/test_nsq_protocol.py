@@ -51,6 +51,8 @@ class FakeBroker(Broker):
         self.reliable = SimpleNamespace(channels={})
         self.published: list = []
         self.acked: list = []
+        self.ack_calls = 0  # ack_each calls (a read's FINs)
+        self.ack_runs: list[int] = []  # the copies of each durable-ack run
         self.refreshes = 0
 
     def register(self, topic, channel):
@@ -62,7 +64,8 @@ class FakeBroker(Broker):
             msg_timeout=30.0,
             mem_queue_size=100,
             load=lambda c, after, limit: c.loaded([], limit),
-            on_acks=lambda c, ds, ms, who: self.acked.extend(d.message.message_id for d in ds),
+            on_acks=lambda c, ds, ms, who: (self.acked.extend(d.message.message_id for d in ds),
+                                            self.ack_runs.append(len(ds))),
         )
         self.channels[(topic, channel)] = ch
         return ch
@@ -100,6 +103,10 @@ class FakeBroker(Broker):
 
     def ack(self, topic, channel, message_id, consumer):
         return ReliableStore.ack(self.reliable, topic, channel, message_id, consumer)  # uses only .channels
+
+    def ack_each(self, topic, channel, message_ids, consumer):
+        self.ack_calls += 1
+        return ReliableStore.ack_each(self.reliable, topic, channel, message_ids, consumer)
 
 
 class Peer:
@@ -658,6 +665,31 @@ def test_a_reliable_channels_window_reaches_an_nsq_consumer_in_one_write_in_orde
     assert c.conn.stats()["message_count"] == 3
     c.send(b"FIN " + b"%016x" % 2 + b"\nNOP\n")  # an ack frees one: the next copy follows
     assert [decode_message(data)[2] for _, data in c.frames()] == [b"%016x" % 4]
+
+
+def test_a_read_of_fins_on_a_reliable_channel_is_one_ack_run_and_one_refill(env):
+    """Four FINs in one read (one of them for a copy another consumer holds): one call to the
+    broker, the three held copies one durable-ack run, and the credit they free filled by one
+    pump, in one write (fails with an ack per FIN, or the other consumer's copy taken)."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 3\n")
+    other = env.peer().send(b"SUB orders billing\nRDY 1\n")
+    assert c.frames() == [OK] and other.frames() == [OK]
+    ch.add_many([ReliableMessage(i, "orders", "p", i, 1_700_000_000_000, b"m") for i in range(1, 11)])
+    mine = [decode_message(data)[2] for _, data in c.frames()]
+    (theirs,) = [decode_message(data)[2] for _, data in other.frames()]
+    assert len(mine) == 3
+    writes = []
+    write = c.transport.write
+    c.transport.write = lambda data: (writes.append(data), write(data))
+    c.send(b"".join(b"FIN " + mid + b"\n" for mid in [*mine, theirs]))
+    frames = c.frames()
+    assert env.broker.ack_calls == 1 and env.broker.ack_runs == [3]
+    # the refill queued by the one pump, then the refusal
+    assert [decode_message(data)[2] for _, data in frames[:-1]] == [b"%016x" % i for i in (5, 6, 7)]
+    assert frames[-1] == err(f"E_FIN_FAILED FIN {theirs.decode()} failed client does not own message")
+    assert len(writes) == 1  # the refill and the refusal in the turn's one write
+    assert c.conn.stats()["finish_count"] == 3 and theirs in (b"%016x" % i for i in range(1, 5))
 
 
 def test_reliable_req_with_delay_and_touch(env):
