@@ -20,8 +20,9 @@ import pytest
 
 from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.wire import Command
+from dmq_server.core.nsq_wire import FRAME_MESSAGE, decode_message
 
-from .support import db_rows, run_cli, wait_for
+from .support import NsqSocket, db_rows, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +92,39 @@ class Consumer(threading.Thread):
             client.close()
 
 
+class NsqConsumer(Consumer):
+    """The same habits over NSQ (a raw V2 socket): holds up to ``hold`` messages and
+    FINs a random half of them in one write, so the server reads a run of FINs
+    (``ReliableSub.finish_many``: one durable-ack run)."""
+
+    def run(self) -> None:
+        try:
+            sock = NsqSocket(self.port)
+            sock.sub(self.topic, self.channel, rdy=2 * self.hold)
+        except (OSError, AssertionError):
+            return
+        held: list[bytes] = []
+        try:
+            while not self.stop.is_set():
+                try:
+                    kind, data = sock.frame(timeout=0.2)
+                except TimeoutError:
+                    kind = None
+                if kind == FRAME_MESSAGE:
+                    hex_id = decode_message(data)[2]
+                    self.delivered.append(int(hex_id, 16))
+                    held.append(hex_id)
+                if len(held) >= self.hold or (kind is None and held):
+                    chosen = self.rng.sample(held, len(held) // 2 or 1)
+                    for hex_id in chosen:
+                        held.remove(hex_id)
+                    sock.send(b"".join(b"FIN " + hex_id + b"\n" for hex_id in chosen))
+        except OSError:  # the server was killed (ConnectionError is one)
+            pass
+        finally:
+            sock.close()
+
+
 def _durable(pg_dsn: str) -> dict[str, set[int]]:
     rows = db_rows(pg_dsn, "SELECT channel, message_id FROM dmq_delivery_log")
     out: dict[str, set[int]] = {c: set() for c in CHANNELS}
@@ -99,10 +133,13 @@ def _durable(pg_dsn: str) -> dict[str, set[int]]:
     return out
 
 
-@pytest.mark.parametrize("ack_batch", [None, 7], ids=["as shipped", "ack batches of 7"])
-def test_kill_9_at_random_moments_loses_nothing_and_repeats_no_durable_ack(make_server, topic, pg_dsn, ack_batch):
+@pytest.mark.parametrize("ack_batch,billing", [(None, Consumer), (7, Consumer), (None, NsqConsumer)],
+                         ids=["as shipped", "ack batches of 7", "NSQ consumers on billing"])
+def test_kill_9_at_random_moments_loses_nothing_and_repeats_no_durable_ack(
+        make_server, topic, pg_dsn, ack_batch, billing):
     """With ``--ack-batch-size 7`` nearly every consumer's run of acks (``db.messages.AckRun``)
-    is split across durable-ack transactions, and a kill finds some runs half durable."""
+    is split across durable-ack transactions, and a kill finds some runs half durable. With
+    NSQ consumers on one channel, their reads of FINs are the runs."""
     run_cli(pg_dsn, "channel", "add", topic, "audit").check_returncode()
     rng = random.Random(18)
     server = make_server(**({} if ack_batch is None else {"ack_batch_size": str(ack_batch)}))
@@ -113,8 +150,8 @@ def test_kill_9_at_random_moments_loses_nothing_and_repeats_no_durable_ack(make_
     for round_ in range(3):
         producers = [Producer(server.tcp_port, topic, f"p{round_}-{i}") for i in range(3)]
         consumers = [
-            Consumer(server.tcp_port, topic, "billing", rng.random()),
-            Consumer(server.tcp_port, topic, "billing", rng.random()),
+            billing(server.tcp_port, topic, "billing", rng.random()),
+            billing(server.tcp_port, topic, "billing", rng.random()),
             Consumer(server.tcp_port, topic, "audit", rng.random()),
         ]
         for t in producers + consumers:
@@ -135,6 +172,10 @@ def test_kill_9_at_random_moments_loses_nothing_and_repeats_no_durable_ack(make_
             delivered[c.channel].extend(c.delivered)
         durable_before = _durable(pg_dsn)  # the server is dead: this is what survives
         server.start()
+
+    # every kind of consumer's acks became durable under the load (not only in the drain)
+    assert all(len(durable_before[channel]) > 500 for channel in CHANNELS), {
+        c: len(ids) for c, ids in durable_before.items()}
 
     # drain what is left, acknowledging everything
     with server.client() as billing, server.client() as audit:
