@@ -115,16 +115,20 @@ class DmqSubscription:
         for delivery in deliveries:
             message = delivery.message
             attempts = delivery.attempts
-            parts += encode(
-                message.message_id,
-                message.session_id,
-                message.producer,
-                message.topic,
-                name,
-                message.published_ms,
-                attempts if attempts < 0xFFFF else 0xFFFF,
-                message.body,
-            )
+            try:
+                parts += encode(
+                    message.message_id,
+                    message.session_id,
+                    message.producer,
+                    message.topic,
+                    name,
+                    message.published_ms,
+                    attempts if attempts < 0xFFFF else 0xFFFF,
+                    message.body,
+                )
+            except FrameError as error:  # this copy only: it stays in flight and times out
+                log.error("message {id} of {topic}/{channel} cannot be pushed: {error}", id=message.message_id,
+                          topic=message.topic, channel=name, error=error)
         connection.queue_parts(parts)
 
     def channel_closed(self, channel: Any) -> None:
@@ -438,7 +442,10 @@ class DmqConnection:
             else:
                 log.error("send failed: {error!r}", error=outcome)
                 command, status = Command.SEND_SERVER_ERROR, f"E_INTERNAL {outcome!r}"
-            replies.append(encode(command, frame.session_id, message_id, frame.topic, frame.producer, status))
+            try:
+                replies.append(encode(command, frame.session_id, message_id, frame.topic, frame.producer, status))
+            except FrameError:  # this send's reply only (a name the frame cannot carry back)
+                log.failure("the reply to send {session_id} cannot be encoded", session_id=frame.session_id)
         self.flow.sends_done(len(outcomes), size)
         if not self.closed:
             self._turn.extend(replies)

@@ -447,3 +447,25 @@ def test_frames_split_anywhere_are_read_whole(server):
         client.conn.data_received(data[i : i + 1])
     server.settle()
     assert [f.session_id for f in client.received()] == [1, 2]
+
+
+def test_a_copy_that_cannot_be_pushed_fails_no_other_of_its_run() -> None:
+    """``DmqSubscription.push_many``: a copy whose push frame cannot be encoded (a
+    producer name longer than the frame's 255 bytes: the server never stores one, but a
+    run must not depend on it) is left out and logged; the copies around it go out."""
+    from types import SimpleNamespace
+
+    from dmq_client.wire.codec import PushEncoder
+    from dmq_server.protocols.dmq import DmqSubscription
+    from dmq_server.reliable.channel import Delivery, ReliableMessage
+
+    out: list[bytes] = []
+    connection = SimpleNamespace(closed=False, peer="127.0.0.1:1", push_frame=PushEncoder(),
+                                 queue_parts=out.extend)
+    subscription = DmqSubscription(connection, credit=10)
+    copies = [Delivery(ReliableMessage(mid, "orders", producer, mid, 1_000, b"body", 1), attempts=1)
+              for mid, producer in ((1, "p"), (2, "p" * 300), (3, "p"))]
+    subscription.push_many(SimpleNamespace(name="billing"), copies)
+    frames = FrameDecoder().feed(b"".join(out))
+    assert [(f.command, f.message_id, f.channel) for f in frames] == [
+        (Command.CONSUMER_PUSH, 1, "billing"), (Command.CONSUMER_PUSH, 3, "billing")]
