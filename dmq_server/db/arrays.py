@@ -26,7 +26,7 @@ from psycopg.adapt import Dumper
 from psycopg.errors import NumericValueOutOfRange
 from psycopg.pq import Format
 
-__all__ = ["Int8Array", "Int4Array", "BoolArray", "TextArray", "ByteaArray", "pack_array"]
+__all__ = ["Int8Array", "Int4Array", "BoolArray", "TextArray", "TextRuns", "ByteaArray", "pack_array"]
 
 
 class Int8Array(list):
@@ -43,6 +43,20 @@ class BoolArray(list):
 
 class TextArray(list):
     """A ``text[]`` parameter (UTF-8)."""
+
+
+class TextRuns(TextArray):
+    """A ``text[]`` parameter given as runs of one value, ``(value, count)``: a list of
+    every element, as any ``TextArray``, packed a run at a time (one element's bytes
+    times its count). The ack batch's topics, channels and consumers are a few runs of
+    hundreds of equal values each (``db.messages.ack_deliveries_steps``), whose element
+    by element packing was 6 % of dmq-server's e2e4 samples (session 23)."""
+
+    def __init__(self, runs: list[tuple[str, int]]):
+        super().__init__()
+        self.runs = runs
+        for value, count in runs:
+            self += [value] * count
 
 
 class ByteaArray(list):
@@ -111,6 +125,9 @@ def _elements(kind: type, values: list) -> bytes:
             raise _refusal(kind, values) from None
     if kind is TextArray:
         cached = _TEXT_CACHE.get
+        runs = getattr(values, "runs", None)
+        if runs is not None:
+            return b"".join([(cached(v) or _text_element(v)) * count for v, count in runs])
         return b"".join([cached(v) or _text_element(v) for v in values])
     return b"".join([_LEN.pack(len(v)) + v for v in values])  # bytea
 
@@ -133,6 +150,8 @@ def pack_array(values: list, kind: type | None = None) -> bytes:
     """``values`` in PostgreSQL's binary array format, as elements of ``kind`` (one of
     the list types above; by default the type of ``values``)."""
     kind = kind or type(values)
+    if kind is TextRuns:  # a TextArray given as runs: packed by TextArray's rules
+        kind = TextArray
     element_oid = _OIDS[kind][0]
     if not values:
         return _EMPTY.pack(0, 0, element_oid)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import psycopg
 
-from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray
+from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
 from dmq_server.db.errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
@@ -282,6 +282,17 @@ class AckRun:
                       for part in (slice(None, at), slice(at, None)))
         return head, tail
 
+    def absorb(self, other: AckRun) -> bool:
+        """Take ``other``'s acks after this run's when they share what a run shares (a
+        consumer acknowledging one copy a frame: one run for a read's acks, not one each);
+        False, with nothing changed, when they do not."""
+        if (other.acked_ms != self.acked_ms or other.channel != self.channel or other.topic != self.topic
+                or other.consumer != self.consumer or other.counts_all != self.counts_all):
+            return False
+        for mine, theirs in zip(self.columns(), other.columns()):
+            mine += theirs
+        return True
+
     def columns(self) -> tuple[list[int], ...]:
         return self.message_ids, self.owners, self.published_ms, self.first_ms, self.attempts, self.delivered_ms
 
@@ -335,16 +346,21 @@ def ack_deliveries_steps(
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
     ids, published, first, delivered = Int8Array(), Int8Array(), Int8Array(), Int8Array()
     owners, attempts = Int4Array(), Int4Array()
-    topics, channels, consumers, acked_ms = TextArray(), TextArray(), TextArray(), Int8Array()
+    topics: list[tuple[str, int]] = []  # runs of (value, count) for the text arrays
+    channels: list[tuple[str, int]] = []
+    consumers: list[tuple[str, int]] = []
+    acked_ms = Int8Array()
     c_topics, c_channels, c_owners, c_ids = TextArray(), TextArray(), Int4Array(), Int8Array()
     groups: dict[tuple[str, str, int], list[int]] = {}  # [low, high, acks] of each cursor's acks
     for run in runs:
         n = len(run.message_ids)
         for column, values in zip((ids, owners, published, first, attempts, delivered), run.columns()):
             column += values
-        topics += [run.topic] * n
-        channels += [run.channel] * n
-        consumers += [run.consumer] * n
+        for column, value in ((topics, run.topic), (channels, run.channel), (consumers, run.consumer)):
+            if column and column[-1][0] == value:  # one consumer's runs one after another (acks sent one by one)
+                column[-1] = (value, column[-1][1] + n)
+            else:
+                column.append((value, n))
         acked_ms += [run.acked_ms] * n
         owner = run.single_owner()
         keyed = [((run.topic, run.channel, owner), run.message_ids)] if owner is not None else [
@@ -365,15 +381,15 @@ def ack_deliveries_steps(
     taken = yield Statement(
         "ack_deliveries",
         {
-            "topics": topics,
-            "channels": channels,
+            "topics": TextRuns(topics),
+            "channels": TextRuns(channels),
             "owners": owners,
             "message_ids": ids,
             "published_ms": published,
             "first_ms": first,
             "acked_ms": acked_ms,
             "attempts": attempts,
-            "consumers": consumers,
+            "consumers": TextRuns(consumers),
             "delivered_ms": delivered,
             "c_topics": c_topics,
             "c_channels": c_channels,

@@ -300,8 +300,9 @@ class RetryingBatcher:
         runs: bool = False,
     ):
         self.db = db
-        # ``runs``: each item holds ``len(item)`` of what ``max_batch`` counts and splits
-        # (``item.split(at)``) where a batch ends: the durable acks' ``AckRun``s
+        # ``runs``: each item holds ``len(item)`` of what ``max_batch`` counts, splits
+        # (``item.split(at)``) where a batch ends, and takes in the next one when they
+        # share what a run shares (``item.absorb(next)``): the durable acks' ``AckRun``s
         self._runs = runs
         self._args = args  # more arguments for ``fn``, computed when the batch is sent
         self._run = db.run_steps if steps else db.run
@@ -332,7 +333,11 @@ class RetryingBatcher:
 
     def add_many(self, items: list) -> None:
         """``add`` of each, with the flush decided once."""
-        self._queue += items
+        queue = self._queue
+        if self._runs and len(items) == 1 and queue and queue[-1].absorb(items[0]):
+            pass  # one more ack of the run queued last (taken off the queue, a run is not changed)
+        else:
+            queue += items
         self._queued += self._size(items)
         if self._busy or self._retry or not items:
             return

@@ -10,7 +10,10 @@ import psycopg
 import pytest
 from psycopg.adapt import PyFormat, Transformer
 
-from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray, pack_array
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmq_server.db.arrays import BoolArray, ByteaArray, Int4Array, Int8Array, TextArray, TextRuns, pack_array
 
 
 def psycopg_dump(values: list) -> bytes:
@@ -90,3 +93,24 @@ def test_a_plain_list_sent_where_the_array_type_is_known_is_packed_by_that_type(
     tx.set_dumper_types(oids, psycopg.pq.Format.BINARY)
     plain = [["a", None], [2**40, -1], [b"\x00"]]
     assert [bytes(v) for v in tx.dump_sequence(plain, [PyFormat.BINARY] * 3)] == [psycopg_dump(v) for v in plain]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["orders", "", "zählung", "c" * 300, "billing"]), st.integers(0, 70)),
+                max_size=6))
+def test_text_given_as_runs_is_packed_as_psycopg_writes_every_element(runs):
+    """``TextRuns`` (the ack batch's topics, channels and consumers) packs a run as one
+    element times its count: the same bytes as the elements one by one, and as psycopg
+    writes the flat list (fails with a count off by one, or a run left out)."""
+    values = TextRuns(runs)
+    assert list(values) == [v for v, n in runs for _ in range(n)]
+    assert pack_array(values) == pack_array(TextArray(values))
+    if values:  # psycopg cannot tell an empty list's element type (test_an_empty_array_...)
+        assert pack_array(values) == psycopg_dump(values)
+
+
+def test_psycopg_picks_the_packing_dumper_for_text_runs():
+    """Sent where the statement's types are not known (a DbWorker's cursor), psycopg
+    chooses the dumper by the list's class: a ``TextRuns`` gets ``TextArray``'s."""
+    dumper = Transformer().get_dumper(TextRuns([("a", 2)]), PyFormat.BINARY)
+    assert type(dumper).__name__ == "TextArrayDumper"
+    assert bytes(dumper.dump(TextRuns([("a", 2), ("bc", 1)]))) == psycopg_dump(["a", "a", "bc"])

@@ -672,6 +672,26 @@ def test_a_run_split_where_a_batch_ends_keeps_each_acks_columns_together() -> No
     assert [ids for ids, _ in done] == [[1, 2, 3, 4], [5, 6, 7]] and acker.acked == 7
 
 
+def test_a_consumers_single_acks_queue_as_one_run() -> None:
+    """Runs of one ack each (a consumer acknowledging one copy a frame) that share channel,
+    consumer and time join the run queued last: the batch holds one run, its columns in
+    order; a run that differs (another time) starts its own (fails without ``absorb``, or
+    with it taking a run that differs)."""
+    acker, worker, clock, done = make_acker(max_batch=100, interval=0.01)
+    for mid in (1, 2, 3):
+        acker.add_many([ack_run([mid])])
+    later = ack_run([4])
+    later.acked_ms += 1
+    acker.add_many([later])
+    assert acker.pending == 4
+    clock.advance(0.01)
+    batch = worker.last.batch
+    assert [(run.message_ids, run.published_ms, run.acked_ms) for run in batch] == [
+        ([1, 2, 3], [11, 12, 13], 2_000), ([4], [14], 2_001)]
+    worker.last.commit([])
+    assert [ids for ids, _ in done] == [[1, 2, 3, 4]] and acker.acked == 4
+
+
 def test_failed_batch_is_retried_after_a_growing_backoff_without_losing_rows() -> None:
     """A failed ack transaction is retried after 0.1 s, then 0.2 s, ..., with its rows
     first and newer acks behind them; the consumer already moved on, so nothing is dropped."""
