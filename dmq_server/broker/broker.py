@@ -303,8 +303,12 @@ class Broker:
         if len(admitted) == len(sends):
             store.store_many(admitted, answer)
         elif admitted:  # some were refused: each stored one answered at its own place
-            store.store_many(admitted, lambda start, outcomes: [
-                answer(places[k], [outcome]) for k, outcome in enumerate(outcomes, start)])
+
+            def at_places(start: int, outcomes: list) -> None:
+                for k, outcome in enumerate(outcomes, start):
+                    answer(places[k], [outcome])
+
+            store.store_many(admitted, at_places)
 
     def _direct_store(self, topic: str) -> Any:
         """The store that takes sends to ``topic`` with nothing to decide per send: a
