@@ -146,3 +146,39 @@ def test_stored_gauges_of_two_clusters_add_up():
         "delay_pending": {"t": (3, 400), "v": (4, None)},
         "dead_letters": {"expired": (4, 1), "rate_limited": (2, 2)},
     }
+
+
+def test_a_read_of_acks_during_a_move_is_answered_id_by_id_on_each_copys_cluster():
+    """While a move leaves copies on both clusters, an NSQ read's FINs (``ack_each``) and a
+    consumer's ``UP_CONSUMER_ACKS`` (``ack_many``) mixing main's and b's copies are each
+    acked on the cluster that drew the id, answered as ``ack`` answers it alone (an id
+    never pushed, one already acked, one repeated in the read refused), and made durable
+    on both: nothing is pushed again."""
+    h = TwoClusters()
+    consumer = Consumer(credit=100)
+    h.subscribe("local", "c", consumer)
+    for i in range(6):
+        h.send("local", "p", i)
+    h.settle()
+    h.place("local", "b", ("main",))
+    for i in range(6, 12):
+        h.send("local", "p", i)
+    h.settle()
+    pushed = [mid for _, mid in consumer.pushed]
+    assert sorted(pushed) == sorted(h.acknowledged.values())
+    mains = [m for m in pushed if m >> 48 == 0]
+    bs = [m for m in pushed if m >> 48 == 1]
+    assert len(mains) == 6 and len(bs) == 6
+    unknown = (1 << 48) + 999_999
+    fins = [mains[0], bs[0], mains[0], unknown, bs[1], mains[1]]
+    assert h.broker.ack_each("local", "c", fins, consumer) == [
+        None, None, "ID not in flight", "ID not in flight", None, None]
+    assert h.broker.ack_each("local", "c", [bs[0]], consumer) == ["ID not in flight"]  # acked before
+    rest = mains[2:] + bs[2:]
+    assert h.broker.ack_many("local", "c", [*rest, mains[1], unknown], consumer) == 2
+    h.settle(5)
+    assert not h.db.deliveries and not h.b.deliveries  # every ack durable on its own cluster
+    assert len(h.db.delivery_log) == 6 and len(h.b.delivery_log) == 6
+    h.clock.advance(120)  # past the message timeout: an ack that was lost would push again
+    h.settle()
+    assert sorted(mid for _, mid in consumer.pushed) == sorted(pushed)
