@@ -31,6 +31,7 @@ import gc
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -41,22 +42,85 @@ ROUND = 200
 BODY = b"x" * 200
 
 
+class StandInWriter:
+    """The group commit's connection: each batch is answered when the bench releases
+    it, with the rows ``insert_messages`` returns (PostgreSQL's RETURNING, parsed)."""
+
+    def __init__(self, clock) -> None:
+        from twisted.internet.defer import Deferred  # the tree under test's Twisted
+
+        self._deferred = Deferred
+        self.held: list[tuple[Any, object, list[int]]] = []
+        self.next_id = 1
+        self.published_ms = int(clock.seconds() * 1000)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def run_steps(self, steps_fn, *args) -> Any:
+        steps = steps_fn(*args)
+        stmt = next(steps)
+        assert stmt.name == "insert_new_messages", stmt.name
+        p = stmt.params
+        first, channels, ms = self.next_id, ["c1"], self.published_ms
+        rows = [(first + i, producer, session, ms, channels)
+                for i, (producer, session) in enumerate(zip(p["producers"], p["session_ids"]))]
+        self.next_id += len(rows)
+        try:
+            steps.send(rows)
+        except StopIteration as stop:
+            outcome = stop.value
+        else:
+            raise AssertionError("insert_messages_steps ran a second statement for fresh sends")
+        d = self._deferred()
+        self.held.append((d, outcome, [row[0] for row in rows]))
+        return d
+
+    def release(self) -> list[int]:
+        """Answer the batches in flight; the ids they stored."""
+        held, self.held = self.held, []
+        ids: list[int] = []
+        for d, outcome, stored in held:
+            ids += stored
+            d.callback(outcome)
+        return ids
+
+
+def serve(clock: Any, options: Any, database: Any, writer: StandInWriter) -> tuple[Any, Any]:
+    """A started ``Broker`` on a ``database(clock)`` (a ``MemoryDb``; topic ``orders``,
+    channel ``c1``) whose group commit is ``writer``: the ``PortFactory`` of its
+    dmq-protocol connections, and the database."""
+    from dmq_client.wire import MAGIC
+    from dmq_server.broker.broker import Broker  # first: the statements a MemoryDb checks for
+    from dmq_server.protocols.dmq import DmqConnection
+    from dmq_server.protocols.flow import FlowLimits
+    from dmq_server.protocols.listener import PortFactory
+
+    db = database(clock)
+    db.create_topic("orders", ["c1"])
+    roles = {"writer0": writer, "acker": db, "loader": db, "admin": db}
+    broker = Broker(options, clock, roles, "bench-node")
+    started = broker.start()
+    clock.advance(0)
+    assert started.called
+    broker.timers.startService()
+    return PortFactory(clock, {MAGIC: lambda t: DmqConnection(t, broker, clock, set())}, FlowLimits()), db
+
+
 def child(messages: int, check: bool = False) -> dict:
     """Run in a fresh interpreter whose path starts with the tree under test. ``check``
     decodes what each round wrote to both connections (the unit test's run): off for a
     measurement, whose instruction count would include the decoding."""
     import struct
 
-    from twisted.internet.defer import Deferred
     from twisted.internet.task import Clock
 
     from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, pack_ids
-    from dmq_server.broker.broker import Broker
     from dmq_server.core.options import Options
     from dmq_server.db.memory import MemoryDb
-    from dmq_server.protocols.dmq import DmqConnection
-    from dmq_server.protocols.flow import FlowLimits
-    from dmq_server.protocols.listener import PortFactory
 
     clock = Clock()
     clock.advance(1_700_000_000)
@@ -75,59 +139,8 @@ def child(messages: int, check: bool = False) -> dict:
                 return []
             return super().execute(stmt)
 
-    class Writer:
-        """The group commit's connection: each batch is answered when the bench releases
-        it, with the rows ``insert_messages`` returns (PostgreSQL's RETURNING, parsed)."""
-
-        def __init__(self) -> None:
-            self.held: list[tuple[Deferred, object, list[int]]] = []
-            self.next_id = 1
-            self.published_ms = int(clock.seconds() * 1000)
-
-        def start(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
-        def run_steps(self, steps_fn, *args) -> Deferred:
-            steps = steps_fn(*args)
-            stmt = next(steps)
-            assert stmt.name == "insert_new_messages", stmt.name
-            p = stmt.params
-            first, channels, ms = self.next_id, ["c1"], self.published_ms
-            rows = [(first + i, producer, session, ms, channels)
-                    for i, (producer, session) in enumerate(zip(p["producers"], p["session_ids"]))]
-            self.next_id += len(rows)
-            try:
-                steps.send(rows)
-            except StopIteration as stop:
-                outcome = stop.value
-            else:
-                raise AssertionError("insert_messages_steps ran a second statement for fresh sends")
-            d: Deferred = Deferred()
-            self.held.append((d, outcome, [row[0] for row in rows]))
-            return d
-
-        def release(self) -> list[int]:
-            """Answer the batches in flight; the ids they stored."""
-            held, self.held = self.held, []
-            ids: list[int] = []
-            for d, outcome, stored in held:
-                ids += stored
-                d.callback(outcome)
-            return ids
-
-    db = Database(clock)
-    db.create_topic("orders", ["c1"])
-    writer = Writer()
-    roles = {"writer0": writer, "acker": db, "loader": db, "admin": db}
-    broker = Broker(options, clock, roles, "bench-node")
-    started = broker.start()
-    clock.advance(0)
-    assert started.called
-    broker.timers.startService()
-    factory = PortFactory(clock, {MAGIC: lambda t: DmqConnection(t, broker, clock, set())}, FlowLimits())
+    writer = StandInWriter(clock)
+    factory, db = serve(clock, options, Database, writer)
     producer, produced = cost.connect(factory, MAGIC, 50001)
     consumer, consumed = cost.connect(factory, MAGIC, 50002)
     consumer.dataReceived(encode(Frame(Command.UP_SUBSCRIBE, session_id=1, topic="orders", channel="c1",

@@ -202,8 +202,10 @@ class DmqConnection:
                 return
             frame = frames[i]
             if frame.command in _SENDS and frame.msg_type != MessageType.DELAY:
+                # a lone send too: at a paced producer's rate each read holds one, and the
+                # run path costs 6 % fewer instructions a message (bench/steady_cost.py)
                 end = _run_end(frames, i)
-                if end - i > 1 and (self.auth is None or self.auth.allows_now(PUBLISH, frame.topic)):
+                if self.auth is None or self.auth.allows_now(PUBLISH, frame.topic):
                     self._send_run(frames[i:end])
                     i = end
                     continue
