@@ -7,7 +7,8 @@ broke or went quiet is resent with the same (producer, session id) as
 ``UP_PRODUCER_RESEND``, to the next node if the connection failed: what the client
 library does, with shorter pauses. ``Consumer``: one connection of a consumer to one
 node, subscribed to one channel; it records every push and acks it (after ``hold``
-seconds, so a consumer killed mid-run has copies in flight) and connects again when
+seconds, so a consumer killed mid-run has copies in flight; never while ``stalled``,
+so it fills its credit and the node must keep what comes next) and connects again when
 its connection fails. A consumer has one on every node, as NSQ's readers do: each
 node delivers the copies it stored (and those it took over from nodes that died).
 ``Confirmer``: looks in the store (dmq_pending) for the acked copies; a copy no longer pending
@@ -162,7 +163,11 @@ class Consumer(threading.Thread):
         self.stop = threading.Event()
         self.killed = threading.Event()
         self.subscribed = threading.Event()
+        # while set, pushes are taken and recorded but none is acknowledged: a consumer
+        # slow to let go of its copies, whose node has no credit to push more
+        self.stalled = threading.Event()
         self.in_flight: deque[tuple[float, Frame]] = deque()
+        self.acks_sent = 0  # acks written to its connections
         self.errors: dict[str, int] = {}
         self.failure: BaseException | None = None
         self._client: BlockingClient | None = None
@@ -187,6 +192,10 @@ class Consumer(threading.Thread):
             except OSError:
                 pass
         return held
+
+    def held_ids(self) -> list[int]:
+        """The message ids of the copies it holds, not acknowledged yet."""
+        return [push.message_id for _, push in list(self.in_flight)]
 
     def _run(self) -> None:
         while not self.stop.is_set() and not self.killed.is_set():
@@ -220,7 +229,8 @@ class Consumer(threading.Thread):
                 self.in_flight.append((now + self.hold, push))
                 push = client.receive(timeout=0) if batch else None
             due = []
-            while self.in_flight and self.in_flight[0][0] <= now and not self.killed.is_set():
+            while (self.in_flight and self.in_flight[0][0] <= now and not self.killed.is_set()
+                   and not self.stalled.is_set()):
                 due.append(self.in_flight.popleft()[1])
             if batch and due:
                 client.ack_many(due)
@@ -228,6 +238,7 @@ class Consumer(threading.Thread):
                 if not batch:
                     client.ack(held)
                 self.history.consumer_ack(held.channel, held.message_id, time.monotonic())
+            self.acks_sent += len(due)
 
 
 class Confirmer(threading.Thread):
@@ -346,7 +357,13 @@ class Load:
             c.join(10)
         self.confirmer.stop.set()
         self.confirmer.join(10)
-        conn = self.confirmer.once()  # a last look, after the consumers stopped
+        self.confirm_now()  # a last look, after the consumers stopped
+
+    def confirm_now(self) -> None:
+        """One look of the confirmer's, from the calling thread: every ack durable by
+        now is confirmed by the time it returns (the confirmer's own looks come every
+        ``interval``)."""
+        conn = self.confirmer.once()
         if conn is not None:
             conn.close()
 

@@ -70,6 +70,105 @@ def _acks_fenced(cluster: ChaosCluster, load: Load) -> None:
     load.notes["acks_fenced_on_paused_node"] = int(scrape_metrics(cluster.nodes[1].http)[("dmq_acks_fenced_total", ())])
 
 
+class SlowTaker:
+    """node-pause with the race the ack fence exists for, set up on purpose rather than
+    left to timing. Every consumer stops acknowledging until it holds its full credit,
+    so no node can push another copy; then node 1 is frozen past its ZooKeeper session
+    and another node claims its cursors and loads its copies, which wait there unpushed.
+    While node 1 is still frozen its consumers acknowledge the copies they hold: the
+    acks wait unread in its sockets, for copies the taker holds ready. On SIGCONT node 1
+    reads them at once (learning that its session is gone takes a round trip to
+    ZooKeeper) and its acker flushes them; only once every one of them is counted
+    (durable, fenced or refused, on node 1's metrics) and the confirmer has looked may
+    the consumers acknowledge again, and the taker push.
+
+    With the fence, the statement refuses those acks (the taker holds the cursors), so
+    the taker's push is a redelivery of a copy not yet done. Without it, the acks move
+    the cursors the taker now holds: the confirmer sees the copies done, then the taker
+    pushes them from memory, a delivery after a durable ack on every one (the checker's
+    **duplicated**). The topic's message timeout is a minute so that nothing held comes
+    back by itself while the consumers stall (10-20 s)."""
+
+    MSG_TIMEOUT_MS = 60_000
+    PAUSED = 1  # the index of the frozen node
+
+    def fault(self, cluster: ChaosCluster, load: Load) -> Heal:
+        """every consumer stops acknowledging until each holds its full credit, then SIGSTOP
+        of one dmq node past its ZooKeeper session; its consumers acknowledge what they hold
+        while it is frozen and the others go on only once it has read those acks on waking"""
+        node = cluster.nodes[self.PAUSED]
+        frozen = [c for c in load.consumers if c.node == self.PAUSED]
+        for c in load.consumers:
+            c.stalled.set()
+        _await(lambda: all(len(c.in_flight) >= c.credit for c in load.consumers), 60,
+               "every consumer holding its full credit")
+        before = _ack_counts(node)  # its consumers acknowledged nothing since they began to fill
+        node.proc.send_signal(signal.SIGSTOP)
+
+        def heal() -> None:
+            # the copies node 1's consumers hold are ready, unpushed, on the node that took
+            # its cursors over: the highest of each channel, as a load goes in id order
+            highest = {ch: max(mid for c in frozen if c.channel == ch for mid in c.held_ids())
+                       for ch in load.channels}
+            others = [n for i, n in enumerate(cluster.nodes) if i != self.PAUSED]
+            _await(lambda: all(any(_held_ready(n, load.topic, ch, mid) for n in others)
+                               for ch, mid in highest.items()), 60,
+                   f"another node holding {highest} ready (node {self.PAUSED + 1}'s copies claimed and loaded)")
+            stale = [(c.channel, mid) for c in frozen for mid in c.held_ids()]
+            sent = sum(c.acks_sent for c in frozen)
+            for c in frozen:
+                c.stalled.clear()
+            _await(lambda: sum(c.acks_sent for c in frozen) - sent >= len(stale), 10,
+                   f"node {self.PAUSED + 1}'s consumers acknowledging the {len(stale)} copies they hold")
+            for c in frozen:  # nothing more from them until the taker has pushed
+                c.stalled.set()
+            load.notes["stale_acks_on_paused_node"] = len(stale)
+            node.proc.send_signal(signal.SIGCONT)
+            _await(lambda: sum(_ack_counts(node).values()) >= sum(before.values()) + len(stale), 30,
+                   f"node {self.PAUSED + 1} counting the {len(stale)} acks it read on waking")
+            after = _ack_counts(node)
+            load.notes["stale_acks_on_waking"] = {what: after[what] - n for what, n in before.items()}
+            load.confirm_now()
+            confirmed = load.history.snapshot().confirmed
+            load.notes["stale_acks_durable_before_taker_pushed"] = sum(1 for key in stale if key in confirmed)
+            for c in load.consumers:
+                c.stalled.clear()
+
+        return heal
+
+
+def _ack_counts(node: Any) -> dict[str, int]:
+    """The acks a node has made durable, seen fenced, and refused, since it started."""
+    from tests.integration.support import scrape_metrics
+
+    metrics = scrape_metrics(node.http)
+    return {what: int(metrics[(f"dmq_acks_{what}_total", ())]) for what in ("durable", "fenced", "refused")}
+
+
+def _held_ready(node: Any, topic: str, channel: str, message_id: int) -> bool:
+    """Whether ``node`` holds the channel's copy of the message in memory, waiting for a
+    consumer with credit (``/admin/messages/ID``: the trace's live copies)."""
+    import json
+
+    from tests.integration.support import http_get
+
+    status, body = http_get(f"{node.http}/admin/messages/{message_id}", timeout=3)
+    if status != 200:
+        raise RuntimeError(f"/admin/messages/{message_id} answered HTTP {status}: {body[:200]}")
+    trace = json.loads(body)
+    return trace["topic"] == topic and trace["live"].get(channel, {}).get("state") == "ready"
+
+
+def _await(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` (records of the load or of the nodes) until it holds; a
+    RuntimeError naming ``what`` past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
 def kill_primary(cluster: ChaosCluster, load: Load) -> Heal:
     """kill -9 of the PostgreSQL primary's host (Patroni and every PostgreSQL process):
     Patroni promotes the synchronous standby; the old primary comes back a standby."""
@@ -225,10 +324,12 @@ def _swept(node: Any) -> int:
 
 
 _retention_sweep = RetentionSweep()
+_slow_taker = SlowTaker()
 
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
     "node-kill": (kill_node, None, {}),
     "node-pause": (pause_node, None, {"hold_acks": 0.5, "after": _acks_fenced}),
+    "node-pause-slow-taker": (_slow_taker.fault, None, {"topic": {"msg_timeout_ms": SlowTaker.MSG_TIMEOUT_MS}}),
     "pg-primary-kill": (kill_primary, None, {}),
     "pg-standby-kill": (kill_standby, None, {}),
     "pg-primary-pause": (pause_primary, None, {}),
@@ -252,7 +353,7 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
     if prepare is not None:
         prepare(cluster)
     topic = f"chaos_{name.replace('-', '_')}_{uuid.uuid4().hex[:6]}"
-    cluster.register_topic(topic, CHANNELS)
+    cluster.register_topic(topic, CHANNELS, **extra.get("topic", {}))
     load = Load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn,
                 producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0))
     load.start()

@@ -49,6 +49,13 @@ def test_no_acknowledged_message_is_lost(chaos_cluster, name):
         assert report["producer_errors"] == {}, text
     if name == "clock-jump":  # its delayed messages were not all left to the other nodes
         assert report["notes"]["delay_moved_by_jumped_node"] > 0, text
+    if name == "node-pause-slow-taker":
+        notes = report["notes"]
+        # the race was set up: the frozen node woke with acks of copies the taker held
+        # unpushed; the fence refused them, so none was durable before the taker pushed it
+        assert notes["stale_acks_on_paused_node"] > 100, text
+        assert notes["stale_acks_on_waking"]["fenced"] > 0, text
+        assert notes["stale_acks_durable_before_taker_pushed"] == 0, text
     if name == "retention-sweep":
         notes = report["notes"]
         # audit's copies older than the retention were all in the store when it came back,
