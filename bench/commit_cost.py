@@ -68,13 +68,13 @@ def main() -> int:
     if args.transactions < 100 or args.rounds < 1:
         parser.error("--transactions must be at least 100 (the CPU is read in 10 ms ticks), --rounds at least 1")
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-commit-"))
+    best: dict[tuple[str, str], tuple[float, float]] = {}
     try:
         dsn = pg.start()
         schema_with_topic(dsn)
         with connect(dsn, autocommit=True) as conn:
             # the incarnation every batch is stored as (insert_messages share-locks its row)
             conn.execute("INSERT INTO dmq_owner (id, node_id) VALUES (1, 'node-1') ON CONFLICT (id) DO NOTHING")
-        best: dict[tuple[str, str], tuple[float, float]] = {}
         first = 0
         for _ in range(args.rounds):  # alternated, so that a slower minute falls on every case alike
             for name, sql, batch in CASES:
@@ -83,17 +83,20 @@ def main() -> int:
                     first += args.transactions + 10
                     old = best.get((name, sync))
                     best[(name, sync)] = (min(cpu, old[0]), min(wall, old[1])) if old else (cpu, wall)
-        print(f"{args.transactions:,} transactions per case and round, best of {args.rounds} rounds, one connection")
-        print(f"{'statement, sends':28s} {'sync commit':>11s} {'backend us/tx':>14s} {'us/message':>11s} "
-              f"{'wall us/tx':>11s}")
-        for name, _, batch in CASES:
-            for sync in ("on", "off"):
-                cpu, wall = best[(name, sync)]
-                per = f"{cpu / batch:11.1f}" if batch else f"{'-':>11s}"
-                print(f"{name:28s} {sync:>11s} {cpu:14.0f} {per} {wall:11.0f}")
     finally:
         pg.stop()
+    report(best, args.transactions, args.rounds)
     return 0
+
+
+def report(best: dict[tuple[str, str], tuple[float, float]], transactions: int, rounds: int) -> None:
+    print(f"{transactions:,} transactions per case and round, best of {rounds} rounds, one connection")
+    print(f"{'statement, sends':28s} {'sync commit':>11s} {'backend us/tx':>14s} {'us/message':>11s} {'wall us/tx':>11s}")
+    for name, _, batch in CASES:
+        for sync in ("on", "off"):
+            cpu, wall = best[(name, sync)]
+            per = f"{cpu / batch:11.1f}" if batch else f"{'-':>11s}"
+            print(f"{name:28s} {sync:>11s} {cpu:14.0f} {per} {wall:11.0f}")
 
 
 if __name__ == "__main__":
