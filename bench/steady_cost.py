@@ -16,9 +16,9 @@ goes out with the sends queued meanwhile, and the clock moves by the time those 
 take at 5,000 msgs/s, so the server's timers run as often as in the scenario. The
 channel has no consumer, as in the scenario (its copies wait in memory).
 
-Not in the figure: the kernel's socket work and the reactor's own loop (about one
-``epoll_wait``, ``recv`` and ``send`` a message in the scenario, counted with ``perf
-stat``), psycopg and PostgreSQL.
+Not in the figure: the kernel's socket work and the reactor's own loop (its wake-up,
+``recv`` and callback chain for each read, a writer registration and a ``send`` for each
+reply), psycopg and PostgreSQL.
 
     python bench/steady_cost.py                            # this tree, CPU time, 5 rounds
     python bench/steady_cost.py --tree /tmp/old --tree . --instructions

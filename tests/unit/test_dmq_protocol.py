@@ -193,7 +193,12 @@ def _outcome(frames: list[Frame], one_read: bool) -> tuple[list, set]:
         client.send(*frames)
     else:
         conn = client.conn
-        conn._send_run = lambda run: [conn._dispatch(frame) for frame in run]  # type: ignore[method-assign]
+
+        def one_by_one(run: list[Frame]) -> None:
+            for frame in run:
+                conn._dispatch(frame)
+
+        conn._send_run = one_by_one  # type: ignore[method-assign]
         for frame in frames:
             client.send(frame)
     server.settle()
