@@ -91,9 +91,9 @@ def store(dsn: str, count: int) -> tuple[int, list[int]]:
             rows = conn.execute(INSERT_NEW_MESSAGES, {
                 "topics": ["bench"] * size, "producers": ["producer"] * size,
                 "session_ids": list(range(start + 1, start + size + 1)), "produced_ms": [1_700_000_000_000] * size,
-                "bodies": [b"x" * 200] * size, "node_id": "node-1", "owner": owner,
+                "bodies": [b"x" * 200] * size, "node_id": "node-1", "owner": owner, "batch_topics": ["bench"],
             }).fetchall()
-            ids += [r[0] for r in rows]
+            ids += [r[0] for r in rows if r[0] is not None]  # not the topic's row
         conn.execute("VACUUM ANALYZE")
     return owner, sorted(ids)
 

@@ -43,11 +43,11 @@ MESSAGE_ROWS = f"SELECT topic, producer, session_id, %(node_id)s, %(owner)s, bod
 
 # for comparison: until session 12 the statement built every row's channel list by its own
 # aggregate over the topic's channels, instead of once per topic and batch
-_HEAD = INSERT_NEW_MESSAGES[:INSERT_NEW_MESSAGES.index(", by_topic AS MATERIALIZED")]
+_HEAD = INSERT_NEW_MESSAGES[:INSERT_NEW_MESSAGES.index("\nSELECT id, producer, session_id")]
 PER_ROW_CHANNELS = _HEAD + """
 SELECT ins.id, ins.producer, ins.session_id, (SELECT published_ms FROM stamp) AS published_ms,
-       coalesce((SELECT array_agg(ch.name ORDER BY ch.name) FROM channels ch
-                 WHERE ch.topic = ins.topic AND ch.start_id < ins.id), '{}') AS channels
+       coalesce((SELECT array_agg(c.name ORDER BY c.name) FROM dmq_channel c
+                 WHERE c.topic = ins.topic AND c.start_id < ins.id), '{}') AS channels
 FROM ins"""
 
 VARIANTS = [
@@ -79,6 +79,7 @@ def batch_params(n: int, size: int) -> dict:
         "bodies": [b"x" * 200] * size,
         "node_id": "node-1",
         "owner": 1,
+        "batch_topics": ["bench"],
     }
 
 

@@ -66,11 +66,16 @@ class StandInWriter:
         assert stmt.name == "insert_new_messages", stmt.name
         p = stmt.params
         first, channels, ms = self.next_id, ["c1"], self.published_ms
-        rows = [(first + i, producer, session, ms, channels)
-                for i, (producer, session) in enumerate(zip(p["producers"], p["session_ids"]))]
+        pairs = zip(p["producers"], p["session_ids"], p["topics"])
+        if "batch_topics" in p:  # from session 25 on: the channels once per topic
+            rows = [(first + i, producer, session, ms, topic, None, None)
+                    for i, (producer, session, topic) in enumerate(pairs)]
+            answer = rows + [(None, None, None, None, topic, channels, [0]) for topic in p["batch_topics"]]
+        else:  # a tree before it: the channels with every row
+            rows = answer = [(first + i, producer, session, ms, channels) for i, (producer, session, _) in enumerate(pairs)]
         self.next_id += len(rows)
         try:
-            steps.send(rows)
+            steps.send(answer)
         except StopIteration as stop:
             outcome = stop.value
         else:

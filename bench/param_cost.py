@@ -45,7 +45,7 @@ from dmq_server.db.messages import (  # noqa: E402
     CursorProgress,
     NewMessage,
     ack_deliveries_steps,
-    send_columns,
+    insert_params,
 )
 from dmq_server.db.reactor import PreparedSql  # noqa: E402
 from dmq_sql import queries  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> int:
         parser.error("--batch, --reps and --rounds must be at least 1, --runs 1..--batch")
     now = 1_700_000_000_000
     sends = [NewMessage("orders", "producer-7", 1000 + i, now + i, b"x" * 200) for i in range(args.batch)]
-    send_params = send_columns(sends, "node-1:4150") | {"owner": 3}
+    send_params = insert_params(sends, "node-1:4150", 3)
     k = args.runs
     acks = [AckRow("orders", f"c{i % k}", 5000 + i, now, now + 3, 1, consumer=f"consumer-{i % k}", owner=3,
                    published_ms=now - 2, delivered_ms=now + 1) for i in range(args.batch)]

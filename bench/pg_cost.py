@@ -140,7 +140,7 @@ def child(batches: int) -> dict:
         def store_ids(statements: list) -> None:
             with connect(dsn, autocommit=True) as conn:
                 for stmt in statements:
-                    stored.extend(r[0] for r in conn.execute(stmt.sql, stmt.params).fetchall())
+                    stored.extend(r[0] for r in conn.execute(stmt.sql, stmt.params).fetchall() if r[0] is not None)
 
         small = instructions(sends(SMALL))
         large = instructions(sends(SMALL + batches))

@@ -903,6 +903,7 @@ class Bench:
                 "bodies": [body] * size,
                 "node_id": "bench-ceiling",
                 "owner": owner,
+                "batch_topics": [topic],  # from session 25 on (a tree before it ignores it)
             }
 
         def measure(batch: int, seconds: float) -> dict:

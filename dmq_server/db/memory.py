@@ -326,13 +326,13 @@ class MemoryDb:
 
     def _insert_messages(self, p: dict, *, on_conflict: bool) -> list[tuple]:
         """insert_messages (resent pairs skipped) and insert_new_messages (any stored
-        pair is a unique violation and nothing is inserted); nothing for a retired owner."""
+        pair is a unique violation and nothing is inserted); nothing for a retired owner
+        (but the topics' rows, as PostgreSQL answers them)."""
         owner = self.owners.get(p["owner"])
         if owner is None or owner["retired"]:
-            return []
+            return self._topic_rows(p["batch_topics"])
+        # PostgreSQL inserts in the order sent (the server sorts by pair): the ids follow it
         items = list(zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["bodies"]))
-        # PostgreSQL inserts in (producer, session_id) order: the ids follow it
-        items.sort(key=lambda i: (i[1], i[2]))
         seen: set[tuple[str, int]] = set()
         fresh = []
         for item in items:
@@ -355,7 +355,17 @@ class MemoryDb:
             )
             self.messages[message.id] = message
             self._pairs[(producer, session_id)] = message.id
-            rows.append((message.id, producer, session_id, now, self._channels_of(message)))
+            rows.append((message.id, producer, session_id, now, topic, None, None))
+        return rows + self._topic_rows(p["batch_topics"])
+
+    def _topic_rows(self, topics: list[str]) -> list[tuple]:
+        """insert_messages' row per topic of the batch that has channels: their names and
+        start ids, in name order."""
+        rows = []
+        for topic in dict.fromkeys(topics):
+            names = sorted(self.channels.get(topic, ()))
+            if names:
+                rows.append((None, None, None, None, topic, names, [self.start_ids[(topic, c)] for c in names]))
         return rows
 
     def _placed_here(self, topic: str) -> bool:

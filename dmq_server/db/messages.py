@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import psycopg
 
@@ -46,6 +46,7 @@ __all__ = [
     "insert_messages_steps",
     "send_columns",
     "INSERT_NEW_MESSAGES",
+    "insert_params",
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
     "load_backlog",
@@ -113,22 +114,30 @@ def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
     }
 
 
+def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict[str, Any]:
+    """insert_messages' parameters for ``batch``. The rows are sorted by pair: the
+    statement inserts them in the order sent, and that order is what keeps two writers
+    from deadlocking on a pair both insert (see the statement); its answer is matched by
+    pair, not by place. The batch's topics go once each, on their own."""
+    params = send_columns(sorted(batch, key=_PAIR), node_id)
+    params["owner"] = owner
+    params["batch_topics"] = TextArray(list(dict.fromkeys(m.topic for m in batch)))
+    return params
+
+
 def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int) -> Steps:
     """Store a batch owned by incarnation ``owner``: one statement, atomic on its own
     (the writers run it in autocommit); resent pairs are then read back. One
     StoredMessage per item, in order (``Misplaced`` for one whose topic is not placed
     on this database's cluster). ``Fenced`` if the owner was retired (a takeover
     presumed this node dead): nothing was stored."""
-    # in the statement's lock order (its ORDER BY): PostgreSQL's sort then finds its input
-    # sorted after one comparison a row (bench/pg_cost.py: 7,000 of 85,000 instructions a
-    # row less); the answer is matched by pair, not by place
-    params = send_columns(sorted(batch, key=_PAIR), node_id)
-    params["owner"] = owner
+    params = insert_params(batch, node_id, owner)
     try:
-        rows = yield Statement("insert_new_messages", params, may_fail=True)
+        answer = yield Statement("insert_new_messages", params, may_fail=True)
     except psycopg.errors.UniqueViolation:
-        rows = yield Statement("insert_messages", params)
-    fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], tuple(r[4]), False) for r in rows}
+        answer = yield Statement("insert_messages", params)
+    rows, channels_of = _stored_rows(answer)
+    fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], channels_of(r[4], r[0]), False) for r in rows}
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
     if missing and not rows:
         # nothing inserted: every pair was stored before, or the owner is retired
@@ -162,6 +171,28 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
         seen.add(key)
         results.append(stored)
     return results
+
+
+def _stored_rows(answer: Sequence[Any]) -> tuple[list[Any], Callable[[str, int], tuple[str, ...]]]:
+    """insert_messages' answer taken apart: the rows of the messages stored, and the
+    channels a stored message is for (those of its topic registered before it: a lower
+    start_id), from the one row per topic that names them."""
+    rows = []
+    topics: dict[str, tuple[tuple[str, ...], list[int]]] = {}
+    for r in answer:
+        if r[0] is None:
+            topics[r[4]] = (tuple(r[5]), r[6])
+        else:
+            rows.append(r)
+    newest = {topic: max(starts) for topic, (_, starts) in topics.items()}
+
+    def channels_of(topic: str, message_id: int) -> tuple[str, ...]:
+        names, starts = topics.get(topic, ((), []))
+        if message_id > newest.get(topic, 0):
+            return names  # newer than every channel (nearly always): the topic's whole list
+        return tuple(name for name, start in zip(names, starts) if start < message_id)
+
+    return rows, channels_of
 
 
 def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps:

@@ -134,6 +134,9 @@ class ReliableChannel:
         self.gate: Callable[[], bool] | None = None
         self._load_stale = False
         self._rescan_pending = False
+        # False: an answer of its topic did not name it, and none has since
+        # (ReliableStore._confirm_channels)
+        self.confirmed = True
         # counters for /stats
         self.message_count = 0
         self.requeue_count = 0

@@ -68,6 +68,7 @@ def insert_new_steps(batch: list[NewMessage]) -> Steps:
         "topics": [m.topic for m in batch], "producers": [m.producer for m in batch],
         "session_ids": [m.session_id for m in batch], "produced_ms": [0] * len(batch),
         "bodies": [m.body for m in batch], "node_id": NODE, "owner": OWNER,
+        "batch_topics": sorted({m.topic for m in batch}),
     }
     try:
         rows = yield Statement("insert_new_messages", params, may_fail=True)

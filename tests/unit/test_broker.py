@@ -771,3 +771,81 @@ def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_af
     store.stop()
     h.settle(1)
     assert store.swept_count == 35 and store._sweep_call is None
+
+
+def _hide_channel(h: Harness, monkeypatch: Any, name: str) -> Any:
+    """The database's next answers as from a snapshot taken before ``name``'s registration
+    committed (its start_id is already taken); returns the real answer to put back."""
+    real = h.db._topic_rows
+
+    def unseen(topics: list[str]) -> list[tuple]:
+        return [(*r[:5], [n for n in r[5] if n != name], [s for n, s in zip(r[5], r[6]) if n != name])
+                for r in real(topics)]
+
+    monkeypatch.setattr(h.db, "_topic_rows", unseen)
+    return real
+
+
+def _send_and_ack(h: Harness, sessions: range, consumers: list[Consumer], acked: set) -> None:
+    """Sends, each committed alone, and every copy pushed acknowledged as it comes: the
+    channels' cursors move."""
+    for i in sessions:
+        h.send("orders", "p", i)
+        h.settle()
+        for consumer in consumers:
+            for channel, message_id in consumer.pushed:
+                if (channel, message_id) not in acked:
+                    acked.add((channel, message_id))
+                    assert h.broker.ack("orders", channel, message_id, consumer) is None
+        h.settle()
+
+
+@pytest.mark.parametrize("opened", ["before", "after"])
+def test_a_channel_registered_during_a_commit_reads_the_copies_its_answer_missed(monkeypatch, opened):
+    """A channel's registration commits while a batch is being stored: its start_id is
+    below the batch's ids, so the copies are its own, but the statement's snapshot did
+    not see it and the answer names only the other channels. The channel has loaded
+    (nothing to find; opened before that answer, or after it but before its registration
+    was visible), so no load would see them, and acks of later copies would move its
+    cursor past them (lost). The next answer that names it makes it read the store."""
+    h = Harness()
+    billing, late = Consumer(), Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.db.add_channel("orders", "late")
+    real = _hide_channel(h, monkeypatch, "late")
+    if opened == "before":
+        h.subscribe("orders", "late", late)  # its first load: nothing stored yet
+    h.send("orders", "p", 1)
+    h.settle()
+    first = h.acknowledged[("p", 1)]
+    assert first > h.db.start_ids[("orders", "late")]  # the copy is the late channel's
+    if opened == "after":
+        h.db.channels["orders"].discard("late")  # its load too sees no registration yet
+        h.subscribe("orders", "late", late)
+        h.db.channels["orders"].add("late")
+    assert ("late", first) not in late.pushed  # nothing handed it over
+    monkeypatch.setattr(h.db, "_topic_rows", real)
+    acked: set[tuple[str, int]] = set()
+    _send_and_ack(h, range(2, 6), [billing, late], acked)
+    h.settle(2.0)
+    h.assert_none_lost("orders", {"billing": billing, "late": late})
+    assert Counter(late.pushed)[("late", first)] == 1
+    assert not [k for k in h.db.deliveries if k[1] == "late"], "every copy of the late channel acked"
+
+
+def test_channels_named_by_every_answer_are_not_read_again(monkeypatch):
+    """Nothing is read again while the answers name every channel in memory (a load
+    without ZooKeeper reads every owner's copies: nodes sharing a database would
+    deliver each other's twice)."""
+    h = Harness()
+    billing, audit = Consumer(), Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.subscribe("orders", "audit", audit)
+    loads: list[str] = []
+    for channel in h.broker.reliable.channels.values():
+        real_load = channel._load
+        monkeypatch.setattr(channel, "_load", lambda ch, after, limit, real_load=real_load: (
+            loads.append(ch.name), real_load(ch, after, limit)))
+    _send_and_ack(h, range(1, 6), [billing, audit], set())
+    assert loads == []
+    h.assert_none_lost("orders", {"billing": billing, "audit": audit})
