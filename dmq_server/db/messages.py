@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import psycopg
 
@@ -121,7 +121,7 @@ def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict
     pair, not by place. The batch's topics go once each, on their own."""
     params = send_columns(sorted(batch, key=_PAIR), node_id)
     params["owner"] = owner
-    params["batch_topics"] = TextArray(list(dict.fromkeys(m.topic for m in batch)))
+    params["batch_topics"] = TextArray(dict.fromkeys(params["topics"]))
     return params
 
 
@@ -136,8 +136,14 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
         answer = yield Statement("insert_new_messages", params, may_fail=True)
     except psycopg.errors.UniqueViolation:
         answer = yield Statement("insert_messages", params)
-    rows, channels_of = _stored_rows(answer)
-    fresh = {(r[1], r[2]): StoredMessage(r[0], r[3], channels_of(r[4], r[0]), False) for r in rows}
+    rows, topics = _stored_rows(answer)
+    fresh = {}
+    for r in rows:
+        message_id = r[0]
+        names, starts, newest = topics.get(r[4], _NO_CHANNELS)
+        if message_id <= newest:  # older than a channel of its topic (rare): not that one's
+            names = tuple(name for name, start in zip(names, starts) if start < message_id)
+        fresh[(r[1], r[2])] = StoredMessage(message_id, r[3], names, False)
     missing = [m for m in batch if (m.producer, m.session_id) not in fresh]
     if missing and not rows:
         # nothing inserted: every pair was stored before, or the owner is retired
@@ -173,26 +179,23 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
     return results
 
 
-def _stored_rows(answer: Sequence[Any]) -> tuple[list[Any], Callable[[str, int], tuple[str, ...]]]:
-    """insert_messages' answer taken apart: the rows of the messages stored, and the
-    channels a stored message is for (those of its topic registered before it: a lower
-    start_id), from the one row per topic that names them."""
-    rows = []
-    topics: dict[str, tuple[tuple[str, ...], list[int]]] = {}
-    for r in answer:
-        if r[0] is None:
-            topics[r[4]] = (tuple(r[5]), r[6])
-        else:
-            rows.append(r)
-    newest = {topic: max(starts) for topic, (_, starts) in topics.items()}
+# a topic without channels: no names, and every id newer than its newest
+_NO_CHANNELS: tuple[tuple[str, ...], list[int], int] = ((), [], 0)
 
-    def channels_of(topic: str, message_id: int) -> tuple[str, ...]:
-        names, starts = topics.get(topic, ((), []))
-        if message_id > newest.get(topic, 0):
-            return names  # newer than every channel (nearly always): the topic's whole list
-        return tuple(name for name, start in zip(names, starts) if start < message_id)
 
-    return rows, channels_of
+def _stored_rows(answer: list[Any]) -> tuple[list[Any], dict[str, tuple[tuple[str, ...], list[int], int]]]:
+    """insert_messages' answer taken apart: the rows of the messages stored, and per topic
+    its channels' names, their start ids and the newest of them (a message is for the
+    channels with a lower start_id: nearly always all). The topics' rows come last, so
+    they are looked for from the end: the statement's UNION ALL is run part after part (a
+    statement that writes is never given a parallel plan)."""
+    topics = {}
+    end = len(answer)
+    while end and answer[end - 1][0] is None:
+        end -= 1
+        r = answer[end]
+        topics[r[4]] = (tuple(r[5]), r[6], max(r[6]))
+    return (answer[:end] if end < len(answer) else answer), topics
 
 
 def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps:

@@ -464,10 +464,16 @@ class ReliableStore:
         load reads every owner's copies when there is no ZooKeeper, and nodes sharing a
         database so would deliver each other's copies twice."""
         last = self._named_last
+        changed = set()
         for topic in topics:
-            last[topic] = {name for (t, name) in named if t == topic}
+            names = {name for (t, name) in named if t == topic}
+            if names != last.get(topic):  # else nothing to do: each channel is as the last answer left it
+                last[topic] = names
+                changed.add(topic)
+        if not changed:
+            return
         for (topic, name), channel in self.channels.items():
-            if topic not in topics:
+            if topic not in changed:
                 continue
             if (topic, name) in named:
                 if not channel.confirmed:
