@@ -110,8 +110,9 @@ SELECT name FROM gone;
 -- The answer: a row (id, producer, session_id, published_ms, topic, NULL, NULL) per
 -- message stored, and a row (NULL, NULL, NULL, NULL, topic, names, start_ids) per topic
 -- of the batch that has channels, in name order: a message is for the channels registered
--- in this snapshot with a lower start_id (a channel registered concurrently finds its
--- messages by reading its cursor).
+-- in this snapshot with a lower start_id. A channel whose registration commits while this
+-- runs can own some of these rows without being named: the server has it read them from
+-- the store once an answer names it (ReliableStore._confirm_channels).
 WITH owner AS MATERIALIZED (
     SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
 ), stamp AS MATERIALIZED (

@@ -330,6 +330,8 @@ class ReliableStore:
         """The registry's reliable topics changed: open the channels registered since,
         close those unregistered (their consumers are told), update timeouts."""
         self.topics = topics
+        for topic in [t for t in self._named_last if t not in topics]:
+            del self._named_last[topic]  # bounded by the topics registered
         wanted = {(t.name, c) for t in topics.values() for c in t.channels}
         for key in list(self.channels):
             if key not in wanted:
@@ -424,12 +426,13 @@ class ReliableStore:
         """A committed batch's new messages, to their channels. Run by the writer after
         the batch's answers and before its write is settled."""
         arrived, self._arrived = self._arrived, []
-        self._to_channels(arrived)
+        named = self._to_channels(arrived)
+        self._confirm_channels({message.topic for message, _ in arrived}, named)
 
-    def _to_channels(self, arrived: list[tuple[ReliableMessage, Any]]) -> None:
+    def _to_channels(self, arrived: list[tuple[ReliableMessage, Any]]) -> dict[tuple[str, str], list]:
         """Each channel gets its copies of these messages in one call, in this order
         (``ReliableChannel.add_many``: one loop per channel instead of a call chain per
-        copy, bench/channel_cost.py)."""
+        copy, bench/channel_cost.py). Returns the copies by (topic, channel)."""
         copies: dict[tuple[str, str], list[ReliableMessage]] = {}
         for message, names in arrived:
             topic = message.topic
@@ -445,7 +448,7 @@ class ReliableStore:
             if channel is None:
                 channel = self.channel(*key)
             channel.add_many(messages)
-        self._confirm_channels({message.topic for message, _ in arrived}, copies)
+        return copies
 
     def _confirm_channels(self, topics: set[str], named: dict[tuple[str, str], Any]) -> None:
         """A channel registered while a batch was being stored can miss copies: the
@@ -462,7 +465,9 @@ class ReliableStore:
         (``rescan``), once its registration and every batch committed before that answer
         are visible. Nothing is read again while answers name the channels in memory: a
         load reads every owner's copies when there is no ZooKeeper, and nodes sharing a
-        database so would deliver each other's copies twice."""
+        database so would deliver each other's copies twice.
+        Only the group commit's answers count (``_hand_on``): they name every channel of
+        the topic in their snapshot, where a delay move's names one channel for a replay."""
         last = self._named_last
         changed = set()
         for topic in topics:

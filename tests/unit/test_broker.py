@@ -834,9 +834,12 @@ def test_a_channel_registered_during_a_commit_reads_the_copies_its_answer_missed
 
 
 def test_channels_named_by_every_answer_are_not_read_again(monkeypatch):
-    """Nothing is read again while the answers name every channel in memory (a load
-    without ZooKeeper reads every owner's copies: nodes sharing a database would
-    deliver each other's twice)."""
+    """Nothing is read again while the group commit's answers name every channel in
+    memory (a load without ZooKeeper reads every owner's copies: nodes sharing a database
+    would deliver each other's twice), also after a replayed dead letter was moved to
+    one channel only (a delay move names only that one)."""
+    from dmq_server.db.delays import MovedMessage
+
     h = Harness()
     billing, audit = Consumer(), Consumer()
     h.subscribe("orders", "billing", billing)
@@ -846,6 +849,11 @@ def test_channels_named_by_every_answer_are_not_read_again(monkeypatch):
         real_load = channel._load
         monkeypatch.setattr(channel, "_load", lambda ch, after, limit, real_load=real_load: (
             loads.append(ch.name), real_load(ch, after, limit)))
-    _send_and_ack(h, range(1, 6), [billing, audit], set())
+    acked: set[tuple[str, int]] = set()
+    _send_and_ack(h, range(1, 4), [billing, audit], acked)
+    h.broker.reliable.deliver_moved([MovedMessage(10_000, "orders", "replayer", 1, 0, ("audit",), 0, b"r")])
+    assert ("audit", 10_000) in audit.pushed
+    acked.add(("audit", 10_000))  # not stored: never acked
+    _send_and_ack(h, range(4, 7), [billing, audit], acked)
     assert loads == []
     h.assert_none_lost("orders", {"billing": billing, "audit": audit})
