@@ -342,7 +342,7 @@ class MemoryDb:
             if key in self._pairs or key in seen:
                 if not on_conflict:
                     raise psycopg.errors.UniqueViolation(
-                        "duplicate key value violates unique constraint \"dmq_message_producer_session_id_key\""
+                        "duplicate key value violates unique constraint \"dmq_message_session_producer_key\""
                     )
                 continue
             seen.add(key)

@@ -1,0 +1,177 @@
+"""Schema version 12 (``sql/migrations/0012_message_keys.sql``): dmq_message's resend key is
+(session_id, producer) and its placement index (hashtext(topic), owner, id), both led by
+fixed-width keys because the send statement inserts into them for every message.
+
+Real PostgreSQL. A statement that reads a topic's messages of one owner must say
+``hashtext(m.topic) = hashtext(...)`` or the planner cannot use the index: it still answers
+right, by walking the primary key through every topic's messages, so only the plan shows the
+mistake. The migration is run on a database holding waiting copies (cursors with acked ranges,
+a channel's own message, two owners), which must wait and load exactly as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import registry
+from dmq_server.db.messages import (
+    CursorProgress,
+    NewMessage,
+    StoredMessage,
+    ack_deliveries_steps,
+    create_owner_steps,
+    insert_messages_steps,
+    empty_channel_steps,
+    load_backlog_steps,
+)
+from dmq_server.db.schema import migrate
+from dmq_server.db.steps import STATEMENTS, run_steps
+from dmq_server.db.worker import connect
+from dmq_sql import migrations
+
+from .support import db_rows
+from .test_delivery_log import _ack
+from .test_migrate_cursors import _migrate_to
+
+pytestmark = pytest.mark.integration
+
+INDEX = "dmq_message_topic_owner_idx"
+
+#: Every statement that reads one topic's messages of an owner, and the view that does.
+BY_TOPIC = ("load_backlog", "open_ttl_cursors", "expire_deliveries", "claim_owners", "prune_owners",
+            "empty_channel", "channel_depths", "topic_leftovers", "owner_depths")
+
+PARAMS = {"topic": "t1", "channel": "c", "after": 0, "limit": 100, "holder": None, "owner": 1, "now_ms": 0,
+          "owners": [1], "me": "node-2", "dead": "node-1", "live": ["node-2"], "name": "t1", "fenced_at": None,
+          "id": 1}
+
+
+def _fill(conn, owners: list[int], per_topic: int, others: int | None = None) -> None:
+    """Topics t1, t2, t3 with a channel c each; ``per_topic`` messages of t1 stored by each
+    owner, ``others`` (default the same) of t2 and t3."""
+    for topic in ("t1", "t2", "t3"):
+        registry.create_topic(conn, topic)
+        registry.add_channel(conn, topic, "c")
+        count = per_topic if topic == "t1" or others is None else others
+        for owner in owners:
+            batch = [NewMessage(topic, f"p-{owner}-{topic}", n, 0, b"x") for n in range(count)]
+            run_steps(conn, insert_messages_steps(batch, f"node-{owner}", owner))
+
+
+def _plan(conn, name: str) -> str:
+    params = {key: PARAMS[key] for key in set(re.findall(r"%\((\w+)\)[sb]", STATEMENTS[name]))}
+    return "\n".join(r[0] for r in conn.execute("EXPLAIN " + STATEMENTS[name], params).fetchall())
+
+
+def test_every_statement_reading_a_topic_of_an_owner_uses_the_placement_index(pg_dsn):
+    with connect(pg_dsn, autocommit=True) as conn:
+        owners = [run_steps(conn, create_owner_steps(f"node-{n}")) for n in (1, 2)]
+        # the topic asked about is a small share of the table, as one of many topics is
+        _fill(conn, owners, 100, others=5000)
+        conn.execute("UPDATE dmq_topic SET ttl_ms = 60000")  # the TTL statements' topics
+        conn.execute("ANALYZE")
+        # what the planner would take on a large table: no walk of every row
+        conn.execute("SET enable_seqscan = off")
+        for name in BY_TOPIC:
+            plan = _plan(conn, name)
+            conditions = _conditions(plan, INDEX)
+            assert conditions, f"{name} does not use {INDEX}:\n{plan}"
+            # the hash leads each probe: not a walk of every topic's entries of an owner
+            assert all(c.lstrip("(").startswith("hashtext(topic) = ") for c in conditions), f"{name}:\n{plan}"
+            # the primary key only finds one id, it does not walk the table
+            assert all(c.startswith("(id = ") for c in _conditions(plan, "dmq_message_pkey")), f"{name}:\n{plan}"
+            assert "Seq Scan on dmq_message " not in plan, f"{name}:\n{plan}"
+
+
+def _conditions(plan: str, index: str) -> list[str]:
+    """The index condition of each scan of ``index`` in an EXPLAIN text."""
+    lines = plan.splitlines()
+    return [next((c.split("Index Cond: ", 1)[1] for c in lines[at + 1:] if "Index Cond: " in c), "")
+            for at, line in enumerate(lines) if f"using {index} on " in line or line.endswith(f"Scan on {index}")
+            or f"Scan on {index}  (" in line]
+
+
+def test_the_resend_key_leads_with_the_session_id(pg_dsn):
+    (definition,) = db_rows(
+        pg_dsn, "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'dmq_message_session_producer_key'")
+    assert definition == ("UNIQUE (session_id, producer)",)
+    with connect(pg_dsn, autocommit=True) as conn:
+        owner = run_steps(conn, create_owner_steps("node-1"))
+        _fill(conn, [owner], 3)
+        # a resend is found by the reordered key: the stored id, nothing inserted
+        first = run_steps(conn, insert_messages_steps([NewMessage("t1", f"p-{owner}-t1", 1, 0, b"again")], "node-1", owner))
+        (count,) = db_rows(pg_dsn, "SELECT count(*) FROM dmq_message")
+        assert count == (9,)
+        (stored,) = db_rows(pg_dsn, "SELECT id, body FROM dmq_message WHERE producer = %s AND session_id = 1 "
+                                    "AND topic = 't1'", f"p-{owner}-t1")
+        assert isinstance(first[0], StoredMessage) and first[0].message_id == stored[0] and bytes(stored[1]) == b"x"
+        # the same number from another producer is another message
+        other = run_steps(conn, insert_messages_steps([NewMessage("t1", "q", 1, 0, b"y")], "node-1", owner))
+        assert other[0].message_id > stored[0]
+
+
+def _waiting(dsn: str) -> list[tuple]:
+    return db_rows(dsn, "SELECT topic, channel, message_id, owner FROM dmq_pending ORDER BY 1, 2, 3")
+
+
+def test_the_migration_keeps_every_waiting_copy(pg_empty_dsn):
+    _migrate_to(pg_empty_dsn, 11)
+    with connect(pg_empty_dsn, autocommit=True) as conn:
+        owners = [run_steps(conn, create_owner_steps(f"node-{n}")) for n in (1, 2)]
+        _fill(conn, owners, 40)
+        registry.add_channel(conn, "t1", "d")
+        ids = [r[0] for r in conn.execute("SELECT id FROM dmq_message WHERE topic = 't1' AND owner = %s "
+                                          "ORDER BY id", (owners[0],)).fetchall()]
+        # channel c of t1 acknowledged a prefix and a range above it; d nothing
+        acked = ids[:10] + ids[20:25]
+        run_steps(conn, ack_deliveries_steps([dataclasses.replace(_ack("c", owners[0], m), topic="t1") for m in acked],
+                                             [CursorProgress("t1", "c", owners[0], ids[9], [(ids[20], ids[24])])], ""))
+        # a message for channel d alone (as a replayed dead letter is stored)
+        conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, channel, body) "
+                     "VALUES ('t1', 'replay', 1, 'node-1', %s, 'd', 'r')", (owners[0],))
+    before = _waiting(pg_empty_dsn)
+    with connect(pg_empty_dsn, autocommit=True) as conn:
+        loads = {(t, ch): run_steps(conn, load_backlog_steps(t, ch, 0, 1000)) for t in ("t1", "t2") for ch in ("c", "d")}
+    assert len(before) == 3 * 2 * 40 - len(acked) + 1  # every c's copies less the acked ones, and d's own
+
+    assert migrate(pg_empty_dsn) == [v for v, _, _ in migrations() if v > 11]
+
+    assert _waiting(pg_empty_dsn) == before
+    with connect(pg_empty_dsn, autocommit=True) as conn:
+        for (topic, channel), rows in loads.items():
+            assert run_steps(conn, load_backlog_steps(topic, channel, 0, 1000)) == rows
+        # resends of stored pairs are still found, a new pair is stored
+        again = run_steps(conn, insert_messages_steps(
+            [NewMessage("t1", f"p-{owners[0]}-t1", 3, 0, b"x"), NewMessage("t1", f"p-{owners[0]}-t1", 40, 0, b"new")],
+            "node-1", owners[0]))
+        assert again[0].message_id == ids[3] and again[1].message_id > max(ids)
+    assert [r[2] for r in _waiting(pg_empty_dsn) if r[:2] == ("t1", "c")][-1] == again[1].message_id
+
+
+def test_a_topic_sharing_a_hash_reads_only_its_own_messages(pg_dsn):
+    """Two topic names with one hashtext value share the index's entries; the text
+    comparison next to the hash keeps them apart."""
+    first, second = COLLIDING
+    with connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT hashtext(%s) = hashtext(%s)", (first, second)).fetchone() == (True,)
+        owner = run_steps(conn, create_owner_steps("node-1"))
+        for topic in (first, second):
+            registry.create_topic(conn, topic)
+            registry.add_channel(conn, topic, "c")
+        run_steps(conn, insert_messages_steps([NewMessage(first, "p", n, 0, b"1") for n in range(5)], "n", owner))
+        run_steps(conn, insert_messages_steps([NewMessage(second, "p", n + 5, 0, b"2") for n in range(3)], "n", owner))
+        assert {r.body for r in run_steps(conn, load_backlog_steps(first, "c", 0, 100))} == {b"1"}
+        assert {r.body for r in run_steps(conn, load_backlog_steps(second, "c", 0, 100))} == {b"2"}
+        depths = {(t, c): n for t, c, n in conn.execute(STATEMENTS["channel_depths"]).fetchall()}
+        assert depths == {(first, "c"): 5, (second, "c"): 3}
+        # a channel emptied on one leaves the other's copies waiting
+        run_steps(conn, empty_channel_steps(first, "c"))
+        depths = {(t, c): n for t, c, n in conn.execute(STATEMENTS["channel_depths"]).fetchall()}
+        assert depths == {(second, "c"): 3}
+
+
+#: Two names with one hashtext value, found by grouping hashtext('topic-' || i) for i up to
+#: 400,000 (a birthday search over 32 bits; the test checks the pair still collides).
+COLLIDING = ("topic-168169", "topic-374847")
