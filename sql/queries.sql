@@ -432,7 +432,8 @@ LIMIT %(limit)s;
 -- replayed dead letter at its new message, and keep a row whose channels are all gone
 -- as a dead letter. An incarnation retired by a takeover moves nothing (the owner row is
 -- share-locked first, as the group commit does). Returns how many rows were taken, and
--- the messages for the in-memory channels.
+-- the messages for the in-memory channels with the row's own channel (NULL: the names are
+-- every channel of the topic in this snapshot, as the group commit's answer has them).
 WITH owner AS MATERIALIZED (
     SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
 ), due AS MATERIALIZED (
@@ -490,7 +491,7 @@ WITH owner AS MATERIALIZED (
 SELECT (SELECT count(*) FROM moved) AS taken,  -- always one row, also when nothing was placed
        p.id, p.topic, p.producer, p.session_id,
        (extract(epoch FROM p.published_at) * 1000)::bigint AS published_ms,
-       p.names, p.due_ms, p.body
+       p.names, p.due_ms, p.body, p.channel
 FROM (SELECT 1) AS one LEFT JOIN placed p ON true
 ORDER BY p.id;
 

@@ -72,6 +72,10 @@ class MovedMessage:
     due_ms: int
     body: bytes = field(repr=False)
     owner: int = 0  # the incarnation that moved it (stored it as a message)
+    # the row's own channel (a replayed dead letter's); None: for every channel of the
+    # topic registered in the move's snapshot, which ``channels`` then names, as a group
+    # commit's answer does (ReliableStore._confirm_channels counts it)
+    channel: str | None = None
 
 
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
@@ -155,7 +159,7 @@ def move_due(
         if not any(r[0] == owner and not r[2] for r in retired):
             raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
-        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner)
+        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9])
         for r in rows
         if r[1] is not None
     ]

@@ -107,7 +107,7 @@ class ReliableStore:
         # topics with a write whose outcome is unknown (its answer was lost): their
         # channels are re-read from the store now and again after the next commit
         self._unknown_topics: set[str] = set()
-        # per topic, the channels its last group commit answer named (_confirm_channels)
+        # per topic, the channels its last answer naming them all named (_confirm_channels)
         self._named_last: dict[str, set[str]] = {}
         self.unknown_outcomes = 0
         # acks not applied because another node holds their cursor now (_acks_done)
@@ -466,8 +466,9 @@ class ReliableStore:
         are visible. Nothing is read again while answers name the channels in memory: a
         load reads every owner's copies when there is no ZooKeeper, and nodes sharing a
         database so would deliver each other's copies twice.
-        Only the group commit's answers count (``_hand_on``): they name every channel of
-        the topic in their snapshot, where a delay move's names one channel for a replay."""
+        Only answers that name every channel of the topic in their snapshot count: the
+        group commit's (``_hand_on``) and a delayed send's move (``deliver_moved``), not
+        a replay's move, which names its one channel."""
         last = self._named_last
         changed = set()
         for topic in topics:
@@ -521,12 +522,18 @@ class ReliableStore:
         return _answer_for(failure)
 
     def deliver_moved(self, messages: list[MovedMessage]) -> None:
-        """Delayed (or replayed) messages now stored with their deliveries: push them."""
-        self._to_channels([
+        """Delayed (or replayed) messages now stored with their deliveries: push them.
+        A delayed send's move names every channel of its topic in the move's snapshot, as
+        a group commit's answer does, and confirms them the same way; a replay's names its
+        own channel only and confirms nothing (``_confirm_channels``)."""
+        named = self._to_channels([
             (ReliableMessage(moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms,
                              moved.body, moved.owner), moved.channels)
             for moved in messages
         ])
+        whole = {moved.topic for moved in messages if moved.channel is None}
+        if whole:
+            self._confirm_channels(whole, named)
 
     # -- consuming ----------------------------------------------------------
     def subscribe(self, topic: str, name: str, consumer: Any) -> ReliableChannel:

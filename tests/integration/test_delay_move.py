@@ -55,6 +55,7 @@ def test_moved_messages_are_the_stored_rows(pg_dsn, topic, owner):
     for m in moved:
         assert stored[m.message_id] == (m.producer, m.session_id, m.published_ms, m.body)
         assert m.channels == ("billing",)
+        assert m.channel is None  # a delayed send: for every channel (the names are all of them)
     assert all(m.owner == owner for m in moved)
     # the moved messages wait on the channel, as the one stored before does
     assert deliveries == sorted([(m.message_id, "billing") for m in moved] + [(old, "billing")])
@@ -75,6 +76,7 @@ def test_many_rows_due_after_the_last_analyze_all_move_once(pg_dsn, topic, owner
         moved += batch
     assert _move(pg_dsn, owner)[0] == 0
     assert len({m.message_id for m in moved}) == 3000
+    assert {m.channel for m in moved} == {"billing"}  # rows for one channel say which
     with connect(pg_dsn, autocommit=True) as conn:
         pairs = conn.execute(
             "SELECT m.producer, m.session_id FROM dmq_message m JOIN dmq_pending d ON d.message_id = m.id "

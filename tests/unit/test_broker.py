@@ -833,6 +833,38 @@ def test_a_channel_registered_during_a_commit_reads_the_copies_its_answer_missed
     assert not [k for k in h.db.deliveries if k[1] == "late"], "every copy of the late channel acked"
 
 
+def test_a_channel_registered_during_a_delay_move_reads_the_copy_its_answer_missed():
+    """As a group commit, a delayed send's move names the channels registered in its
+    snapshot: one whose registration commits during the move owns the moved message
+    (its start_id is lower) without being named. The move's answer makes it
+    unconfirmed, and the next answer that names it has it read the store; with the move
+    not counted, the channel stays confirmed, never sees the copy, and acks of later
+    copies move its cursor past it."""
+    from dmq_server.db.delays import MovedMessage
+    from dmq_server.db.memory import _Message
+
+    h = Harness()
+    billing, late = Consumer(), Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.db.add_channel("orders", "late")
+    h.subscribe("orders", "late", late)
+    acked: set[tuple[str, int]] = set()
+    _send_and_ack(h, range(1, 3), [billing, late], acked)  # answers name both: both confirmed
+    # the move stores a message (as move_due does) in a snapshot without late's registration
+    owner = h.broker.reliable.writes.owner
+    moved_id = next(h.db._ids)
+    assert moved_id > h.db.start_ids[("orders", "late")]
+    h.db.messages[moved_id] = _Message(moved_id, "orders", "delayer", 1, 0, 0, NODE, b"d", owner)
+    h.broker.reliable.deliver_moved([MovedMessage(moved_id, "orders", "delayer", 1, 0, ("billing",), 0, b"d", owner)])
+    h.settle()
+    assert ("late", moved_id) not in late.pushed  # the answer did not hand it over
+    _send_and_ack(h, range(3, 7), [billing, late], acked)
+    h.settle(2.0)
+    h.assert_none_lost("orders", {"billing": billing, "late": late})
+    assert Counter(late.pushed)[("late", moved_id)] == 1
+    assert not [k for k in h.db.deliveries if k[1] == "late"], "every copy of the late channel acked"
+
+
 def test_channels_named_by_every_answer_are_not_read_again(monkeypatch):
     """Nothing is read again while the group commit's answers name every channel in
     memory (a load without ZooKeeper reads every owner's copies: nodes sharing a database
@@ -851,7 +883,7 @@ def test_channels_named_by_every_answer_are_not_read_again(monkeypatch):
             loads.append(ch.name), real_load(ch, after, limit)))
     acked: set[tuple[str, int]] = set()
     _send_and_ack(h, range(1, 4), [billing, audit], acked)
-    h.broker.reliable.deliver_moved([MovedMessage(10_000, "orders", "replayer", 1, 0, ("audit",), 0, b"r")])
+    h.broker.reliable.deliver_moved([MovedMessage(10_000, "orders", "replayer", 1, 0, ("audit",), 0, b"r", 0, "audit")])
     assert ("audit", 10_000) in audit.pushed
     acked.add(("audit", 10_000))  # not stored: never acked
     _send_and_ack(h, range(4, 7), [billing, audit], acked)
