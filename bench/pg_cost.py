@@ -20,12 +20,13 @@ where its generic executions cost 10,634 (a custom plan cost 26,964).
 
 The database is dmq's schema as the tree migrates it, with 200,000 messages stored first
 (so that the indexes are as deep as under a retention window's worth of rows). A batch is
-200 sends from 4 producers interleaved, each counting its own session ids, as
+200 sends (`--batch`) from 4 producers interleaved, each counting its own session ids, as
 ``bench/reliable.py``'s producers send them; an ack batch is 200 acks of one channel in
 id order, the cursor moving with them.
 
     python bench/pg_cost.py                           # this tree
     python bench/pg_cost.py --tree /tmp/old --tree .  # two builds, the same workload
+    python bench/pg_cost.py --batch 20                # small statements: their fixed cost shows
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import _cost as cost  # noqa: E402
 
-BATCH = 200
+BATCH = int(os.environ.get("DMQ_BENCH_PG_BATCH", "200"))  # --batch, handed to the child
 PRODUCERS = 4
 PREFILL = 200_000
 SMALL = 10  # batches on the first connection of each statement: PostgreSQL's 5 custom plans and more
@@ -167,14 +168,18 @@ def main() -> None:
     parser.add_argument("--tree", action="append", help="a source tree to measure (repeat to compare; default: this one)")
     parser.add_argument("--batches", type=int, default=20, help="batches of 200 beyond the first connection's")
     parser.add_argument("--rounds", type=int, default=1, help="runs per tree, alternated")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help="sends and acks a statement (two sizes tell a statement's fixed cost from a row's)")
     args = parser.parse_args()
+    os.environ["DMQ_BENCH_PG_BATCH"] = str(args.batch)
     if shutil.which("valgrind") is None:
         sys.exit("pg_cost.py needs valgrind (apt-get install valgrind, or bash deploy/setup.sh --bench)")
     trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
     for _ in range(args.rounds):
         for tree in trees:
             result = cost.run_child("pg_cost", tree, args.batches)
-            print(f"{tree}: PostgreSQL instructions per message: send statement {result['send']:,.0f}, "  # type: ignore[index]
+            print(f"{tree}: PostgreSQL instructions per message (batches of {args.batch}): "
+                  f"send statement {result['send']:,.0f}, "  # type: ignore[index]
                   f"ack statement {result['ack']:,.0f}", flush=True)
 
 
