@@ -29,19 +29,12 @@ def run(start: int, messages: int, topics: int) -> dict:
 
     from _pg import PrivatePostgres
     from dmq_server.db.schema import migrate
-    from dmq_sql import migrations
 
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-migration-"))
     dsn = pg.start()
     try:
+        migrate(dsn, up_to=start)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE dmq_schema_version (version integer PRIMARY KEY, "
-                         "description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
-            for version, description, sql in migrations():
-                if version <= start:
-                    conn.execute(sql)
-                    conn.execute("INSERT INTO dmq_schema_version (version, description) VALUES (%s, %s)",
-                                 (version, description))
             owner = conn.execute("INSERT INTO dmq_owner (node_id) VALUES ('node-1') RETURNING id").fetchone()[0]
             began = time.monotonic()
             conn.execute(

@@ -166,7 +166,7 @@ def child(batches: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", help="a source tree to measure (repeat to compare; default: this one)")
-    parser.add_argument("--batches", type=int, default=20, help="batches of 200 beyond the first connection's")
+    parser.add_argument("--batches", type=int, default=20, help="batches (of --batch) beyond the first connection's")
     parser.add_argument("--rounds", type=int, default=1, help="runs per tree, alternated")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="sends and acks a statement (two sizes tell a statement's fixed cost from a row's)")

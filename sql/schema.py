@@ -13,9 +13,10 @@ from . import migrations, queries
 __all__ = ["migrate", "schema_version", "ping"]
 
 
-def migrate(conn: psycopg.Connection) -> list[int]:
-    """Apply every migration not yet recorded, in one transaction on ``conn``;
-    returns the versions applied now."""
+def migrate(conn: psycopg.Connection, up_to: int | None = None) -> list[int]:
+    """Apply every migration not yet recorded (up to version ``up_to``: tests and
+    bench/migration.py build a database as an older server left it), in one
+    transaction on ``conn``; returns the versions applied now."""
     applied_now: list[int] = []
     with conn.transaction():
         # the lock comes first: two nodes creating the ledger table at once race
@@ -24,7 +25,7 @@ def migrate(conn: psycopg.Connection) -> list[int]:
         conn.execute(queries["create_schema_version"])
         done = {row[0] for row in conn.execute(queries["schema_versions"])}
         for version, description, sql in migrations():
-            if version in done:
+            if version in done or (up_to is not None and version > up_to):
                 continue
             conn.execute(sql)
             conn.execute(queries["record_migration"], {"version": version, "description": description})

@@ -192,6 +192,17 @@ class MemoryDb:
             self.channels[topic].add(name)
             self.start_ids[(topic, name)] = next(self._ids)
 
+    def store_moved(
+        self, topic: str, producer: str, session_id: int, body: bytes, owner: int, channel: str | None = None
+    ) -> int:
+        """Store a message as move_due stores a due delayed row (for ``channel`` alone: a
+        replay); its id. move_due itself runs on PostgreSQL only (its answer is handed to
+        the store as ``MovedMessage``s)."""
+        message = _Message(next(self._ids), topic, producer, session_id, 0, self._now_ms(), "", body, owner, channel)
+        self.messages[message.id] = message
+        self._pairs[(producer, session_id)] = message.id
+        return message.id
+
     @property
     def deliveries(self) -> dict[tuple[str, str, int], int]:
         """The copies waiting, as ``dmq_pending`` shows them: (topic, channel, id) -> attempts."""

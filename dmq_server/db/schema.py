@@ -13,10 +13,11 @@ from dmq_sql.schema import migrate as _migrate
 __all__ = ["migrate", "schema_version", "ping"]
 
 
-def migrate(dsn: str) -> list[int]:
-    """Apply every migration not yet recorded; returns the versions applied now."""
+def migrate(dsn: str, up_to: int | None = None) -> list[int]:
+    """Apply every migration not yet recorded (up to version ``up_to``); returns the
+    versions applied now."""
     with connect(dsn) as conn:
         try:
-            return _migrate(conn)
+            return _migrate(conn, up_to)
         except psycopg.Error as exc:
             raise StorageError(f"migration failed: {describe_error(exc)}") from exc

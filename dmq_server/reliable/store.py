@@ -107,7 +107,7 @@ class ReliableStore:
         # topics with a write whose outcome is unknown (its answer was lost): their
         # channels are re-read from the store now and again after the next commit
         self._unknown_topics: set[str] = set()
-        # per topic, the channels its last answer naming them all named (_confirm_channels)
+        # per topic, the channels named by its last answer that names them all (_confirm_channels)
         self._named_last: dict[str, set[str]] = {}
         self.unknown_outcomes = 0
         # acks not applied because another node holds their cursor now (_acks_done)

@@ -25,17 +25,8 @@ pytestmark = pytest.mark.integration
 
 
 def _migrate_to(dsn: str, version: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE dmq_schema_version (version integer PRIMARY KEY, description text NOT NULL, "
-            "applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for number, description, sql in migrations():
-            if number <= version:
-                conn.execute(sql)
-                conn.execute(
-                    "INSERT INTO dmq_schema_version (version, description) VALUES (%s, %s)", (number, description)
-                )
+    """The schema as a server of ``version`` left it."""
+    assert migrate(dsn, up_to=version) == list(range(1, version + 1))
 
 
 def _fill_version_6(dsn: str) -> dict[tuple[str, int], int]:

@@ -841,7 +841,6 @@ def test_a_channel_registered_during_a_delay_move_reads_the_copy_its_answer_miss
     not counted, the channel stays confirmed, never sees the copy, and acks of later
     copies move its cursor past it."""
     from dmq_server.db.delays import MovedMessage
-    from dmq_server.db.memory import _Message
 
     h = Harness()
     billing, late = Consumer(), Consumer()
@@ -852,9 +851,8 @@ def test_a_channel_registered_during_a_delay_move_reads_the_copy_its_answer_miss
     _send_and_ack(h, range(1, 3), [billing, late], acked)  # answers name both: both confirmed
     # the move stores a message (as move_due does) in a snapshot without late's registration
     owner = h.broker.reliable.writes.owner
-    moved_id = next(h.db._ids)
+    moved_id = h.db.store_moved("orders", "delayer", 1, b"d", owner)
     assert moved_id > h.db.start_ids[("orders", "late")]
-    h.db.messages[moved_id] = _Message(moved_id, "orders", "delayer", 1, 0, 0, NODE, b"d", owner)
     h.broker.reliable.deliver_moved([MovedMessage(moved_id, "orders", "delayer", 1, 0, ("billing",), 0, b"d", owner)])
     h.settle()
     assert ("late", moved_id) not in late.pushed  # the answer did not hand it over
