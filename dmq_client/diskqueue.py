@@ -191,13 +191,43 @@ class DiskQueue:
         with self._lock:
             self._check_open()
             self._begin()
-            for data in records:
+            i, n = 0, len(records)
+            while i < n:
                 self._loop_top()  # what the next put's _begin would do, the clock aside
+                if self._write_buffer and self._pending is not None:
+                    taken = self._buffer_many(records, i)
+                    if taken:
+                        i += taken
+                        continue
+                data = records[i]
+                i += 1
                 self._count += 1
                 try:
                     self._write_one(data if isinstance(data, bytes) else bytes(data))
                 finally:
                     self._sync_if_needed()
+
+    def _buffer_many(self, records: list[bytes], start: int) -> int:
+        """Buffer the records from ``start`` up to the next sync in one step, as many
+        ``_write_one`` calls would (0: they must go one by one). Only while a record is
+        read ahead: the loop's read-ahead between them then does nothing, so only the
+        counters and the buffer change. A record of a bad size, or a rotation among them,
+        sends them one by one, where the rules for those are."""
+        chunk = records[start:start + self.sync_every - self._count]
+        if len(chunk) < 2:
+            return 0
+        sizes = list(map(len, chunk))
+        total = sum(sizes) + 4 * len(sizes)
+        if (min(sizes) < self.min_msg_size or max(sizes) > self.max_msg_size
+                or self._write_pos + total > self.max_bytes_per_file):
+            return 0
+        pack = _SIZE.pack
+        self._count += len(sizes)
+        try:
+            self._take_in([pack(size) + data for size, data in zip(sizes, chunk)], total)
+        finally:
+            self._sync_if_needed()
+        return len(sizes)
 
     def flush(self) -> None:
         """Write the records ``put`` has buffered (``write_buffer``). On failure they are
@@ -461,11 +491,17 @@ class DiskQueue:
             except OSError as exc:
                 self._log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
             self._close_write()
+        self._take_in([_SIZE.pack(size) + data], total)
+
+    def _take_in(self, records: list[bytes], total: int) -> None:
+        """Records (length prefix and payload, ``total`` bytes) into the write buffer,
+        counted in writePos and depth; written at once when the buffer is full, else the
+        owner is told when they start a new wait."""
         was_empty = not self._wbuf
-        self._wbuf.append(_SIZE.pack(size) + data)
+        self._wbuf += records
         self._wbuf_bytes += total
         self._write_pos += total
-        self._depth += 1
+        self._depth += len(records)
         if self._wbuf_bytes >= self._write_buffer:
             try:
                 self._flush()

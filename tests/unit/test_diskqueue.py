@@ -17,6 +17,7 @@ import struct
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -938,6 +939,80 @@ class BatchTwinMachine(RuleBasedStateMachine):
 
 TestBatchTwin = BatchTwinMachine.TestCase
 TestBatchTwin.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class BufferedBatchTwinMachine(BatchTwinMachine):
+    """The same twins with a write buffer (the NSQ store's queues): ``put_many`` buffers a
+    read-ahead queue's records up to the next sync in one step (``_buffer_many``), and
+    after every step, once both have written their buffers, the files are the same byte
+    for byte and each queue was told once for each wait its buffer began. Files of up to
+    1,000 bytes let runs of records go in one step; 16 and 64 make them rotate among them."""
+
+    def _open(self, max_bytes: int) -> tuple[DiskQueue, DiskQueue]:
+        self.told = {"single": 0, "batch": 0}
+
+        def noticed(name: str) -> Callable[[DiskQueue], None]:
+            return lambda queue: self.told.__setitem__(name, self.told[name] + 1)
+
+        args = dict(max_bytes_per_file=max_bytes, sync_every=7, sync_timeout=1.0, clock=self.clock, write_buffer=90)
+        return (
+            DiskQueue("m", self.root / "single", on_buffered=noticed("single"), **args),
+            DiskQueue("m", self.root / "batch", on_buffered=noticed("batch"), **args),
+        )
+
+    @rule(records=st.lists(st.binary(max_size=40), max_size=12))
+    def put_many(self, records: list[bytes]) -> None:
+        had = self.batch.buffered
+        told = self.told["batch"]
+        super().put_many(records)
+        if self.batch.buffered and not had:
+            assert self.told["batch"] > told  # a wait that began was told
+        assert self.batch.depth() == self.single.depth()
+        assert self.batch.write_pos == self.single.write_pos
+
+    @rule(max_bytes=st.sampled_from([16, 64, 400, 1000]))
+    def reopen(self, max_bytes: int) -> None:
+        super().reopen(max_bytes)
+
+    @invariant()
+    def same_files(self) -> None:
+        self.single.flush()
+        self.batch.flush()
+        super().same_files()
+
+
+TestBufferedBatchTwin = BufferedBatchTwinMachine.TestCase
+TestBufferedBatchTwin.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+def test_put_many_buffers_a_read_ahead_queues_records_up_to_each_sync_in_one_step(tmp_path: Path) -> None:
+    """The NSQ store's case: a buffered queue already holding a record (read ahead) takes a
+    batch without a ``_write_one`` per record, syncing where one put at a time would
+    (every ``sync_every``), and its files equal those of puts one at a time."""
+    args = dict(sync_every=40, write_buffer=4096, clock=FakeClock())
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    one, many = DiskQueue("q", tmp_path / "one", **args), DiskQueue("q", tmp_path / "many", **args)
+    records = [bytes([i % 251]) * (20 + i % 13) for i in range(100)]
+    one.put(b"first")
+    many.put(b"first")
+    for data in records:
+        one.put(data)
+    calls = []
+    real = many._write_one
+    many._write_one = lambda data: (calls.append(len(data)), real(data))[1]  # type: ignore[method-assign]
+    synced = []
+    real_sync = many._sync
+    many._sync = lambda: (synced.append(many._depth), real_sync())[1]  # type: ignore[method-assign]
+    many.put_many(records)
+    assert calls == []  # every record went in by the run
+    assert synced == [40, 80]  # as one at a time: the 40th and the 80th put
+    assert many.depth() == one.depth() == 101
+    one.close()
+    many.close()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "many").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()
+    }
 
 
 def test_read_many_takes_records_across_files_and_a_torn_buffer(tmp_path: Path) -> None:
