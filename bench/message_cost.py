@@ -49,7 +49,11 @@ class StandInWriter:
     def __init__(self, clock) -> None:
         from twisted.internet.defer import Deferred  # the tree under test's Twisted
 
+        from dmq_server.db.messages import INSERT_NEW_MESSAGES
+
         self._deferred = Deferred
+        # trees of sessions 25 and 26 answer a topic's channels as arrays in one row
+        self._channel_arrays = "array_agg(c.name" in INSERT_NEW_MESSAGES
         self.held: list[tuple[Any, object, list[int]]] = []
         self.next_id = 1
         self.published_ms = int(clock.seconds() * 1000)
@@ -67,10 +71,14 @@ class StandInWriter:
         p = stmt.params
         first, channels, ms = self.next_id, ["c1"], self.published_ms
         pairs = zip(p["producers"], p["session_ids"], p["topics"])
-        if "batch_topics" in p:  # from session 25 on: the channels once per topic
+        if "batch_topics" in p:  # from session 25 on: the channels after the rows
             rows = [(first + i, producer, session, ms, topic, None, None)
                     for i, (producer, session, topic) in enumerate(pairs)]
-            answer = rows + [(None, None, None, None, topic, channels, [0]) for topic in p["batch_topics"]]
+            if self._channel_arrays:
+                answer = rows + [(None, None, None, None, topic, channels, [0]) for topic in p["batch_topics"]]
+            else:  # from session 27 on: a row per channel
+                answer = rows + [(None, None, None, None, topic, name, 0)
+                                 for topic in p["batch_topics"] for name in channels]
         else:  # a tree before it: the channels with every row
             rows = answer = [(first + i, producer, session, ms, channels) for i, (producer, session, _) in enumerate(pairs)]
         self.next_id += len(rows)

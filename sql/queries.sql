@@ -110,9 +110,11 @@ SELECT name FROM gone;
 -- order. (An ORDER BY here cost ~4,500 instructions a row even on sorted input: the sort
 -- copies every row, body included.)
 -- The answer: a row (id, producer, session_id, published_ms, topic, NULL, NULL) per
--- message stored, and a row (NULL, NULL, NULL, NULL, topic, names, start_ids) per topic
--- of the batch that has channels, in name order: a message is for the channels registered
--- in this snapshot with a lower start_id. A channel whose registration commits while this
+-- message stored, and a row (NULL, NULL, NULL, NULL, topic, name, start_id) per channel of
+-- the batch's topics, in no order (the server orders a topic's names; two aggregates with
+-- ORDER BY, a sort each, cost ~46,000 instructions a statement, bench/pg_cost.py --batch 1,
+-- session 27): a message is for the channels registered in this snapshot with a lower
+-- start_id. A channel whose registration commits while this
 -- runs can own some of these rows without being named: the server has it read them from
 -- the store once an answer names it (ReliableStore._confirm_channels).
 WITH owner AS MATERIALIZED (
@@ -138,13 +140,12 @@ WITH owner AS MATERIALIZED (
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id, topic, producer, session_id
 )
-SELECT id, producer, session_id, (SELECT published_ms FROM stamp), topic, NULL::text[], NULL::bigint[]
+SELECT id, producer, session_id, (SELECT published_ms FROM stamp), topic, NULL::text, NULL::bigint
 FROM ins
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, c.topic, array_agg(c.name ORDER BY c.name), array_agg(c.start_id ORDER BY c.name)
+SELECT NULL, NULL, NULL, NULL, c.topic, c.name, c.start_id
 FROM dmq_channel c
-WHERE c.topic = ANY(%(batch_topics)b::text[])
-GROUP BY c.topic;
+WHERE c.topic = ANY(%(batch_topics)b::text[]);
 
 -- name: find_messages
 -- The stored rows for resent (producer, session_id) pairs.

@@ -370,13 +370,13 @@ class MemoryDb:
         return rows + self._topic_rows(p["batch_topics"])
 
     def _topic_rows(self, topics: list[str]) -> list[tuple]:
-        """insert_messages' row per topic of the batch that has channels: their names and
-        start ids, in name order."""
+        """insert_messages' row per channel of the batch's topics: its name and start id
+        (PostgreSQL answers them in no order; here in reverse name order, so a server that
+        relied on an order would show it)."""
         rows = []
         for topic in dict.fromkeys(topics):
-            names = sorted(self.channels.get(topic, ()))
-            if names:
-                rows.append((None, None, None, None, topic, names, [self.start_ids[(topic, c)] for c in names]))
+            for name in sorted(self.channels.get(topic, ()), reverse=True):
+                rows.append((None, None, None, None, topic, name, self.start_ids[(topic, name)]))
         return rows
 
     def _placed_here(self, topic: str) -> bool:

@@ -185,16 +185,21 @@ _NO_CHANNELS: tuple[tuple[str, ...], list[int], int] = ((), [], 0)
 
 def _stored_rows(answer: list[Any]) -> tuple[list[Any], dict[str, tuple[tuple[str, ...], list[int], int]]]:
     """insert_messages' answer taken apart: the rows of the messages stored, and per topic
-    its channels' names, their start ids and the newest of them (a message is for the
-    channels with a lower start_id: nearly always all). The topics' rows come last, so
-    they are looked for from the end: the statement's UNION ALL is run part after part (a
-    statement that writes is never given a parallel plan)."""
-    topics = {}
+    its channels' names in name order, their start ids and the newest of them (a message
+    is for the channels with a lower start_id: nearly always all). The channels' rows come
+    last, so they are looked for from the end: the statement's UNION ALL is run part
+    after part (a statement that writes is never given a parallel plan)."""
+    channels: dict[str, list[tuple[str, int]]] = {}
     end = len(answer)
     while end and answer[end - 1][0] is None:
         end -= 1
         r = answer[end]
-        topics[r[4]] = (tuple(r[5]), r[6], max(r[6]))
+        channels.setdefault(r[4], []).append((r[5], r[6]))
+    topics = {}
+    for topic, named in channels.items():
+        named.sort()
+        starts = [start for _, start in named]
+        topics[topic] = (tuple(name for name, _ in named), starts, max(starts))
     return (answer[:end] if end < len(answer) else answer), topics
 
 

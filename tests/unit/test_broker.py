@@ -779,8 +779,7 @@ def _hide_channel(h: Harness, monkeypatch: Any, name: str) -> Any:
     real = h.db._topic_rows
 
     def unseen(topics: list[str]) -> list[tuple]:
-        return [(*r[:5], [n for n in r[5] if n != name], [s for n, s in zip(r[5], r[6]) if n != name])
-                for r in real(topics)]
+        return [r for r in real(topics) if r[5] != name]
 
     monkeypatch.setattr(h.db, "_topic_rows", unseen)
     return real
