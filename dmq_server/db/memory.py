@@ -129,6 +129,7 @@ class MemoryDb:
             "insert_new_messages": lambda p: self._insert_messages(p, on_conflict=False),
             "insert_messages": lambda p: self._insert_messages(p, on_conflict=True),
             "find_messages": self._find_messages,
+            "ack_new_deliveries": self._ack_new_deliveries,
             "ack_deliveries": self._ack_deliveries,
             "load_backlog": self._load_backlog,
             "channel_depths": self._channel_depths,
@@ -391,6 +392,28 @@ class MemoryDb:
                 m = self.messages[message_id]
                 rows.append((m.id, m.producer, m.session_id, m.published_ms))
         return rows
+
+    def _ack_new_deliveries(self, p: dict) -> list[tuple[str, str, int]]:
+        """ack_deliveries when every ack is new, as PostgreSQL decides it (per cursor the
+        batch moves: its acks' lowest id above the floor and no done span between its
+        lowest and highest, and every ack's cursor among those); else the division by
+        zero that fails the statement whole."""
+        total = 0
+        for topic, channel, owner, low, high, acks in zip(
+            p["g_topics"], p["g_channels"], p["g_owners"], p["g_low"], p["g_high"], p["g_acks"]
+        ):
+            if channel not in self.channels.get(topic, ()):
+                continue
+            cursor = self.cursors.get((topic, channel, owner))
+            if p["fenced"] and cursor is not None and cursor.holder != p["holder"]:
+                continue
+            floor = cursor.floor if cursor is not None else self.start_ids[(topic, channel)]
+            if low <= floor or (cursor is not None and any(lo <= high and low <= hi for lo, hi in cursor.done)):
+                raise psycopg.errors.DivisionByZero("division by zero")
+            total += acks
+        if total != len(p["message_ids"]):
+            raise psycopg.errors.DivisionByZero("division by zero")
+        return self._ack_deliveries(p)
 
     def _ack_deliveries(self, p: dict) -> list[tuple[str, str, int]]:
         """The cursors take the proposals (floors rise, spans add), in a cluster only

@@ -16,6 +16,7 @@ parameter and its column would be read in different files.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "insert_messages_steps",
     "send_columns",
     "INSERT_NEW_MESSAGES",
+    "ACK_NEW_DELIVERIES",
     "insert_params",
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
@@ -96,6 +98,22 @@ if queries["insert_messages"].count(_ON_CONFLICT) != 1:
 INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
 # its own name, so the in-memory double answers it (a stored pair: a unique violation)
 add_statement("insert_new_messages", INSERT_NEW_MESSAGES)
+
+# Likewise an ack batch holds a repeat (an ack of a copy done before: a redelivery after a
+# restart or a takeover) only rarely, and the part of ack_deliveries that builds the log's
+# row again from the new acks alone is prepared and set up on every execution: ~240,000
+# of PostgreSQL's ~1,050,000 instructions a statement (bench/pg_cost.py --batch 1, session
+# 27). So a batch is first tried without that part, with a guard that divides by zero
+# when not every ack is new: the statement fails whole (nothing applied, nothing logged)
+# and ack_deliveries as written runs instead.
+_REBUILD = re.compile(r"\n    UNION ALL\n    -- some ack was done before.*?\n    HAVING count\(\*\) > 0\n", re.S)
+_TAKEN = "WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE"
+if len(_REBUILD.findall(queries["ack_deliveries"])) != 1 or queries["ack_deliveries"].count(_TAKEN) != 1:
+    raise RuntimeError("sql/queries.sql: ack_deliveries must hold its rebuild branch and its taken-cursor query once")
+ACK_NEW_DELIVERIES = _REBUILD.sub("\n", queries["ack_deliveries"]).replace(
+    _TAKEN, "WHERE (SELECT 1 / all_new::integer FROM batch) = 1  -- a repeat: division by zero\n  AND " + _TAKEN[6:]
+)
+add_statement("ack_new_deliveries", ACK_NEW_DELIVERIES)
 
 
 _PAIR = attrgetter("producer", "session_id")
@@ -214,7 +232,7 @@ def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps:
 
 
 # prepared once per connection by the reactor-driven writers and acker (reactor_db)
-HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], queries["ack_deliveries"])
+HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], ACK_NEW_DELIVERIES, queries["ack_deliveries"])
 
 
 def insert_messages(
@@ -417,9 +435,7 @@ def ack_deliveries_steps(
             c_channels.append(run.channel)
             c_owners.append(run.owners[i])
             c_ids.append(run.message_ids[i])
-    taken = yield Statement(
-        "ack_deliveries",
-        {
+    params = {
             "topics": TextRuns(topics),
             "channels": TextRuns(channels),
             "owners": owners,
@@ -450,8 +466,11 @@ def ack_deliveries_steps(
             "last_acked_ms": max((run.acked_ms for run in runs), default=0),
             "low_id": min(ids, default=0),
             "high_id": max(ids, default=0),
-        },
-    )
+    }
+    try:
+        taken = yield Statement("ack_new_deliveries", params, may_fail=True)
+    except psycopg.errors.DivisionByZero:  # a repeat among the acks: nothing was applied
+        taken = yield Statement("ack_deliveries", params)
     return [tuple(row) for row in taken]
 
 

@@ -60,6 +60,24 @@ class Statement:
 Steps = Generator[Statement, list, T]
 
 
+def _in_savepoint(conn: psycopg.Connection, stmt: Statement) -> psycopg.Cursor:
+    """``stmt`` in a savepoint of the caller's transaction, begun by it if need be (as
+    every statement on a connection that is not autocommit begins one). Not
+    ``conn.transaction()``: on a connection with no transaction yet that is a transaction
+    of its own, committed at once, and the caller's rollback would not take it back."""
+    conn.execute("SAVEPOINT dmq_may_fail")
+    try:
+        cur = conn.execute(stmt.sql, stmt.params)
+    except psycopg.Error:
+        try:
+            conn.execute("ROLLBACK TO SAVEPOINT dmq_may_fail")
+        except psycopg.Error:
+            pass  # the connection is gone: the error that matters is the statement's
+        raise
+    conn.execute("RELEASE SAVEPOINT dmq_may_fail")
+    return cur
+
+
 def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
     """Drive ``steps`` over a blocking connection; returns what the steps return."""
     advance: Callable[[], Statement] = functools.partial(next, steps)
@@ -70,8 +88,7 @@ def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
             return stop.value
         try:
             if stmt.may_fail and not conn.autocommit:
-                with conn.transaction():
-                    cur = conn.execute(stmt.sql, stmt.params)
+                cur = _in_savepoint(conn, stmt)
             else:
                 cur = conn.execute(stmt.sql, stmt.params)
             if stmt.count:

@@ -77,6 +77,17 @@ def insert_new_steps(batch: list[NewMessage]) -> Steps:
     return len(rows)
 
 
+def ack_new_steps(*args: Any) -> Steps:
+    """The fast ack alone: a repeat among its acks must fail it whole, as a division by zero."""
+    first = next(ack_deliveries_steps(*args))
+    assert first.name == "ack_new_deliveries", first.name
+    try:
+        rows = yield Statement(first.name, first.params, may_fail=True)
+    except psycopg.errors.DivisionByZero:
+        return "division by zero"
+    return [tuple(row) for row in rows]
+
+
 def ack(channel: str, message_id: int) -> AckRow:
     return AckRow("orders", channel, message_id, 1_700_000_000_000, 1_700_000_001_000, 1, owner=OWNER)
 
@@ -146,6 +157,7 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda: ([ack("billing", m["m1"]), ack("billing", m["m1"])], cursor("billing", 0, (m["m1"], m["m1"])), NODE),
             same,
         ),
+        ("a repeat fails the fast ack", ack_new_steps, lambda: ([ack("billing", m["m1"])], cursor("billing", 0), NODE), same),
         ("ack of a copy already done", ack_deliveries_steps, lambda: ([ack("billing", m["m1"])], cursor("billing", 0), NODE), same),
         (
             "an ack out of order: a span above the floor",
@@ -275,6 +287,7 @@ def test_the_script_is_not_trivial(pg_dsn):
     with connect(pg_dsn, autocommit=True) as conn:
         answers = dict(run_script(lambda steps_fn, *args: run_steps(conn, steps_fn(*args))))
     assert answers["a stored pair fails the fast insert"] == "unique violation"
+    assert answers["a repeat fails the fast ack"] == "division by zero"
     resend = answers["a batch with a resend, a new pair twice, a topic without channels"]
     assert [s["duplicate"] for s in resend] == [True, False, True, False]
     assert resend[3]["channels"] == ()

@@ -84,3 +84,18 @@ def test_a_batch_is_stored_in_the_statements_lock_order_and_answered_in_its_own(
     assert [(r[1], r[2]) for r in rows] == sorted((m.producer, m.session_id) for m in batch)
     by_pair = {(r[1], r[2]): r[0] for r in rows}
     assert [s.message_id for s in stored] == [by_pair[(m.producer, m.session_id)] for m in batch]
+
+
+def test_inside_a_callers_transaction_the_first_try_is_the_callers_to_roll_back(pg_dsn, topic, owner):
+    """The first try runs in a savepoint of the caller's transaction, even as the
+    transaction's first statement: the caller's rollback takes it back, with or without
+    the fallback (``conn.transaction()`` there was a transaction of its own, committed)."""
+    with connect(pg_dsn) as conn:
+        insert_messages(conn, [_msg("p", 1)], "node-1", owner)  # the first try stores it
+        conn.rollback()
+        assert _counts(pg_dsn) == (0, 0)
+        insert_messages(conn, [_msg("p", 2)], "node-1", owner)
+        conn.commit()
+        insert_messages(conn, [_msg("p", 2), _msg("p", 3)], "node-1", owner)  # a resend: the fallback
+        conn.rollback()
+    assert _counts(pg_dsn) == (1, 1)

@@ -268,7 +268,7 @@ def test_acks_survive_a_failed_ack_batch(h):
     for i in range(5):
         h.send("orders", "p", i)
     h.settle()
-    h.db.fail_next("ack_deliveries", "lost")
+    h.db.fail_next("ack_new_deliveries", "lost")
     h.ack_all("orders", billing)
     h.settle(2)  # the batch fails, waits, and is retried
     assert not [k for k in h.db.deliveries if k[1] == "billing"]

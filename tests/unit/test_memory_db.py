@@ -175,7 +175,7 @@ def test_an_unknown_outcome_is_applied_and_its_answer_lost(db):
 
 
 def test_a_lost_statement_is_not_applied(db):
-    db.fail_next("ack_deliveries", "lost")
+    db.fail_next("ack_new_deliveries", "lost")
     stored = result(db.run_steps(insert_messages_steps, [msg("p", 1)], "node-1", OWNER))
     error = result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "audit", stored[0].message_id, 0, 1, 1, owner=OWNER)],
                                 [CursorProgress("orders", "audit", OWNER, stored[0].message_id, [])], "node-1"))
