@@ -394,7 +394,8 @@ def ack_deliveries_steps(
     acks: Sequence[AckRun | AckRow], progress: Sequence[CursorProgress] = (), holder: str = "", fenced: bool = False
 ) -> Steps:
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
-    before is logged (one dmq_delivery_batch row). One statement. In a cluster
+    before is logged (one dmq_delivery_batch row). One statement, atomic on its own
+    (a second only when some ack was done before: see ACK_NEW_DELIVERIES). In a cluster
     (``fenced``) only cursors ``holder`` still holds move: returns the (topic, channel,
     owner) of those another node took over, whose acks were neither applied nor logged
     (empty on one node, and nearly always in a cluster). ``acks``: the server's runs
@@ -436,36 +437,36 @@ def ack_deliveries_steps(
             c_owners.append(run.owners[i])
             c_ids.append(run.message_ids[i])
     params = {
-            "topics": TextRuns(topics),
-            "channels": TextRuns(channels),
-            "owners": owners,
-            "message_ids": ids,
-            "published_ms": published,
-            "first_ms": first,
-            "acked_ms": acked_ms,
-            "attempts": attempts,
-            "consumers": TextRuns(consumers),
-            "delivered_ms": delivered,
-            "c_topics": c_topics,
-            "c_channels": c_channels,
-            "c_owners": c_owners,
-            "c_ids": c_ids,
-            **{f"g_{name}": kind([key[i] for key in groups]) for i, (name, kind) in
-               enumerate((("topics", TextArray), ("channels", TextArray), ("owners", Int4Array)))},
-            **{f"g_{name}": Int8Array([g[i] for g in groups.values()]) for i, name in enumerate(("low", "high", "acks"))},
-            "k_topics": [p.topic for p in progress],
-            "k_channels": [p.channel for p in progress],
-            "k_owners": [p.owner for p in progress],
-            "k_floors": [p.floor for p in progress],
-            "r_cursors": [n for n, _, _ in spans],
-            "r_lo": [lo for _, lo, _ in spans],
-            "r_hi": [hi for _, _, hi in spans],
-            "holder": holder,
-            "fenced": fenced,
-            # the batch row's summary, when every ack is logged (else the statement's own)
-            "last_acked_ms": max((run.acked_ms for run in runs), default=0),
-            "low_id": min(ids, default=0),
-            "high_id": max(ids, default=0),
+        "topics": TextRuns(topics),
+        "channels": TextRuns(channels),
+        "owners": owners,
+        "message_ids": ids,
+        "published_ms": published,
+        "first_ms": first,
+        "acked_ms": acked_ms,
+        "attempts": attempts,
+        "consumers": TextRuns(consumers),
+        "delivered_ms": delivered,
+        "c_topics": c_topics,
+        "c_channels": c_channels,
+        "c_owners": c_owners,
+        "c_ids": c_ids,
+        **{f"g_{name}": kind([key[i] for key in groups]) for i, (name, kind) in
+           enumerate((("topics", TextArray), ("channels", TextArray), ("owners", Int4Array)))},
+        **{f"g_{name}": Int8Array([g[i] for g in groups.values()]) for i, name in enumerate(("low", "high", "acks"))},
+        "k_topics": [p.topic for p in progress],
+        "k_channels": [p.channel for p in progress],
+        "k_owners": [p.owner for p in progress],
+        "k_floors": [p.floor for p in progress],
+        "r_cursors": [n for n, _, _ in spans],
+        "r_lo": [lo for _, lo, _ in spans],
+        "r_hi": [hi for _, _, hi in spans],
+        "holder": holder,
+        "fenced": fenced,
+        # the batch row's summary, when every ack is logged (else the statement's own)
+        "last_acked_ms": max((run.acked_ms for run in runs), default=0),
+        "low_id": min(ids, default=0),
+        "high_id": max(ids, default=0),
     }
     try:
         taken = yield Statement("ack_new_deliveries", params, may_fail=True)
