@@ -259,6 +259,7 @@ class DmqServer:
                 "dmq_publish_deliver_seconds": self.broker.publish_deliver_seconds.snapshot(),
                 "dmq_group_commit_seconds": self.broker.reliable.writer.commit_seconds.snapshot(),
                 "dmq_group_commit_batch_size": self.broker.reliable.writer.batch_sizes.snapshot(),
+                "dmq_ack_batch_size": self.broker.reliable.acker.batch_sizes.snapshot(),
             }
             if self.broker is not None
             else {},

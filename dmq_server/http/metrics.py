@@ -60,6 +60,7 @@ HISTOGRAMS = {
     "answering (the wait for a batch included): when the producer can be acknowledged.",
     "dmq_group_commit_seconds": "Round trip of one group-commit transaction (statement sent to commit answered).",
     "dmq_group_commit_batch_size": "Messages per group-commit transaction.",
+    "dmq_ack_batch_size": "Acknowledgements per durable-ack transaction (its fixed cost is shared by them).",
     "dmq_publish_deliver_seconds": "From a reliable message's commit to its first delivery to a consumer "
     "of a channel (once per channel): how long copies wait, backlogs included.",
     "dmq_reactor_lag_seconds": "How late the reactor thread ran a call due every 25 ms: the time every answer "

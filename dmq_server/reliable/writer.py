@@ -320,6 +320,7 @@ class RetryingBatcher:
         self._idle: list[Deferred] = []
         self._outage = Outage(name, clock)
         self.done = 0
+        self.batch_sizes = Buckets(BATCH_SIZES)  # what max_batch counts, per committed batch (/metrics)
 
     @property
     def pending(self) -> int:
@@ -384,7 +385,9 @@ class RetryingBatcher:
         self._busy = False
         self._retry = 0.0
         self._outage.recovered()
-        self.done += self._size(batch)
+        size = self._size(batch)
+        self.done += size
+        self.batch_sizes.observe(size)
         try:
             self.on_done(batch, result)
         except Exception:

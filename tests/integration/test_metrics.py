@@ -77,6 +77,8 @@ def test_metrics_count_what_producers_and_consumers_did(make_server, topic, pg_d
     assert s[("dmq_group_commit_batch_size_sum", ())] == 20
     assert s[("dmq_group_commit_batch_size_count", ())] == s[("dmq_group_commits_total", ())]
     assert s[("dmq_group_commit_seconds_count", ())] == s[("dmq_group_commits_total", ())]
+    assert s[("dmq_ack_batch_size_sum", ())] == 15  # every durable ack, in one batch or more
+    assert 1 <= s[("dmq_ack_batch_size_count", ())] <= 15
     assert s[("dmq_connections", (("protocol", "nsq"),))] == 3
     assert s[("dmq_connections", (("protocol", "dmq"),))] == 0
     assert s[("process_cpu_seconds_total", ())] > 0  # the process collector, for CPU per message
