@@ -371,12 +371,13 @@ class MemoryDb:
         return rows + self._topic_rows(p["batch_topics"])
 
     def _topic_rows(self, topics: list[str]) -> list[tuple]:
-        """insert_messages' row per channel of the batch's topics: its name and start id
-        (PostgreSQL answers them in no order; here in reverse name order, so a server that
-        relied on an order would show it)."""
+        """insert_messages' row per channel of the batch's topics: its name and start id.
+        PostgreSQL answers them in no order promised; here in name order, which the
+        server, reading the answer from its end, gets reversed unless it orders them
+        itself (test_memory_db's channel tuples fail without that)."""
         rows = []
         for topic in dict.fromkeys(topics):
-            for name in sorted(self.channels.get(topic, ()), reverse=True):
+            for name in sorted(self.channels.get(topic, ())):
                 rows.append((None, None, None, None, topic, name, self.start_ids[(topic, name)]))
         return rows
 

@@ -320,7 +320,8 @@ class RetryingBatcher:
         self._idle: list[Deferred] = []
         self._outage = Outage(name, clock)
         self.done = 0
-        self.batch_sizes = Buckets(BATCH_SIZES)  # what max_batch counts, per committed batch (/metrics)
+        # what max_batch counts, per committed batch (the acker's: /metrics dmq_ack_batch_size)
+        self.batch_sizes = Buckets(BATCH_SIZES)
 
     @property
     def pending(self) -> int:

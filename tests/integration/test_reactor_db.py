@@ -254,3 +254,33 @@ def test_placeholders_the_reactor_cannot_send_are_refused(sql, why):
 def test_the_hot_statements_parse():
     for sql in HOT_STATEMENTS:
         assert PreparedSql.parse(sql).names
+
+
+def test_an_ack_batch_holding_a_repeat_falls_back_on_the_reactor_and_logs_each_ack_once(pg_dsn, topic, owner):
+    """On the reactor's prepared connection, a batch acking a copy already done fails the
+    fast ack whole (its division by zero is thrown into the steps) and the statement as
+    written applies the rest: every stored id is acknowledged, each logged exactly once."""
+    from dmq_server.db.messages import AckRow, CursorProgress, ack_deliveries_steps
+
+    def acks(ids: list[int]) -> tuple[list[AckRow], list[CursorProgress]]:
+        rows = [AckRow("orders", "billing", i, 1, 2, 1, "c", 1, owner, 1) for i in ids]
+        return rows, [CursorProgress("orders", "billing", owner, 0, [(i, i) for i in ids])]
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        ids = [s.message_id for s in insert_messages(conn, [_msg("p", n) for n in range(1, 6)], "node-1", owner)]
+
+    async def scenario(reactor: Any) -> Any:
+        db = ReactorDb(reactor, pg_dsn, "acker", prepare=HOT_STATEMENTS)
+        try:
+            first = await db.run_steps(ack_deliveries_steps, *acks(ids[:2]), "node-1")
+            repeat = await db.run_steps(ack_deliveries_steps, *acks(ids[1:]), "node-1")  # ids[1] again
+            return first, repeat
+        finally:
+            db.stop()
+
+    assert on_reactor(scenario) == ([], [])
+    with connect(pg_dsn, autocommit=True) as conn:
+        logged = [r[0] for r in conn.execute("SELECT message_id FROM dmq_delivery_log ORDER BY 1").fetchall()]
+        pending = conn.execute("SELECT count(*) FROM dmq_pending").fetchone()[0]
+    assert logged == ids  # acknowledged 6 times, 5 ids: each logged once
+    assert pending == 0
