@@ -45,6 +45,7 @@ from dmq_server.core.errors import (
 )
 from dmq_server.core.peers import peer_address, peer_host
 from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.protocols.turn import TurnBuffer
 from dmq_server.security.session import ClientAuth
@@ -140,6 +141,7 @@ class DmqConnection:
 
     def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
         self.transport = transport
+        self._write = direct_writer(transport)  # every byte to the client, in order
         self.broker = broker
         self.clock = clock
         options = broker.options
@@ -168,7 +170,7 @@ class DmqConnection:
         """Written now, after what ``queue_write`` holds (the order is the client's)."""
         if not self.closed:
             self._turn.flush()
-            self.transport.write(encode(frame))
+            self._write(encode(frame))
 
     def queue_write(self, data: bytes) -> None:
         """Written when this reactor turn ends, with the rest of the turn's (``TurnBuffer``)."""
@@ -182,7 +184,7 @@ class DmqConnection:
 
     def _emit(self, data: bytes) -> None:
         if not self.closed:
-            self.transport.write(data)
+            self._write(data)
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = self.clock.seconds()

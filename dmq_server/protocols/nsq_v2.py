@@ -39,6 +39,7 @@ from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import AuthFailed, DmqError
 from dmq_server.core.peers import peer_address, peer_host
 from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
 from dmq_server.core.nsq_identify import (
@@ -85,6 +86,7 @@ class NsqConnection:
 
     def __init__(self, transport: Any, ctx: NsqContext):
         self.transport = transport
+        self._write = direct_writer(transport)  # every byte to the client, in order
         self.ctx = ctx
         self.clock = ctx.clock
         self.store = ctx.store
@@ -181,7 +183,7 @@ class NsqConnection:
             return
         if self._compress is not None:
             data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
-        self.transport.write(data)
+        self._write(data)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:

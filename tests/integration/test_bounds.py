@@ -35,6 +35,11 @@ def flow(server) -> dict:
     return json.loads(body)
 
 
+def _kernel_send_buffer_max() -> int:
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        return int(f.read().split()[2])
+
+
 def gate_of(server, sock: socket.socket) -> dict | None:
     port = sock.getsockname()[1]
     for gate in flow(server)["gates"]:
@@ -45,7 +50,11 @@ def gate_of(server, sock: socket.socket) -> dict | None:
 
 def test_non_reading_producer_is_paused_and_everything_it_sent_is_answered_and_stored(make_server, topic):
     server = make_server(max_output_buffer=OUTPUT_CAP, max_pending_bytes=PENDING_BYTES_CAP)
-    count, body = 60_000, b"f" * 200
+    # The replies must be more than the server's socket takes in before its own buffer
+    # holds any: the kernel queues up to tcp_wmem's maximum (4 MB by default) for a
+    # client that does not read, and a reply written at once (protocols/direct.py) fills
+    # it to that maximum. About 40 bytes a reply.
+    count, body = max(60_000, 2 * _kernel_send_buffer_max() // 40), b"f" * 200
     blob = b"".join(
         encode(Frame(Command.UP_PRODUCER_SEND, session_id=i, topic=topic, producer="flood", timestamp_ms=1, body=body))
         for i in range(count)
