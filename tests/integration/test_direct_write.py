@@ -203,3 +203,14 @@ def test_a_transport_that_is_not_a_plain_tcp_connection_keeps_its_own_write():
     transport.write = lambda data, write=transport.write: (writes.append(data), write(data))
     direct_writer(transport)(b"abc")
     assert writes == [b"abc"] and transport.value() == b"abc"
+
+
+def test_the_write_cost_bench_runs_its_round_trips_both_ways():
+    """bench/write_cost.py (the figures in docs/benchmarks.md, session 28): each way
+    completes its round trips on a fresh reactor and reports a cost per round trip."""
+    from tests.bench_modules import import_bench
+
+    write_cost = import_bench("write_cost")
+    for direct in (False, True):
+        cpu_us, wall_us = write_cost.round_trips(direct, 200)
+        assert 0 < cpu_us and 0 < wall_us < 100_000
