@@ -12,16 +12,14 @@ other address       nothing (no token configured:   read and change
                     nothing at all)
 ==================  ==============================  ==================================
 
-and, for every request that changes something (any method but GET and HEAD):
+and an ``Origin`` header, when the browser sends one, must be this port's own, on reads
+too (a page elsewhere has no business reading bodies out of dead letters, even where CORS
+would stop it seeing the answer).
 
-* it must carry the token in a header (``Authorization: Bearer``, ``X-DMQ-Admin-Token``)
-  or, when none is configured, the header ``X-Requested-By`` (any value): headers an
-  HTML form on another site cannot send, so a page the operator visits cannot make the
-  browser replay or delete dead letters on its behalf (cross-site request forgery);
-* an ``Origin`` header, when the browser sends one, must be this port's own origin.
-
-Reads refuse a foreign ``Origin`` too (a page elsewhere has no business reading bodies
-out of dead letters, even where CORS would stop it seeing the answer).
+A change a page on another site makes the operator's browser send (replay or delete dead
+letters: cross-site request forgery) is refused before this, on every path of the port, by
+``http.guard`` (Fetch metadata, as Go's ``CrossOriginProtection``). So no header is asked of
+a change here: curl and scripts need only the token, where one is configured.
 
 With authentication on (``--auth-file``, ``--auth-http-address``), ``http.guard`` has
 decided already, before any resource (a credential with the ``admin`` permission, or the
@@ -39,11 +37,9 @@ from urllib.parse import urlsplit
 from dmq_server.admin.operations import is_loopback
 from dmq_server.core.errors import Forbidden, Unauthorized
 
-__all__ = ["Access", "authorize", "actor_of", "SAFE_METHODS", "INTENT_HEADER", "GRANTED"]
+__all__ = ["Access", "authorize", "actor_of", "SAFE_METHODS", "GRANTED"]
 
 SAFE_METHODS = (b"GET", b"HEAD")
-#: the header a same-origin script (the console, curl) adds to a change without a token
-INTENT_HEADER = b"x-requested-by"
 #: the request attribute where http.guard leaves what authentication granted
 GRANTED = "dmq_granted_access"
 
@@ -107,7 +103,4 @@ def authorize(request: Any, listen_host: str, token: str) -> Access:
         return Access(actor, admin=False)
     if not is_loopback(listen_host):
         raise Forbidden(f"admin surfaces listening on non-loopback address {listen_host} need --admin-token")
-    if changes and request.getHeader(INTENT_HEADER) is None and given is None:
-        raise Forbidden("a change needs the header X-Requested-By (any value), which a form on "
-                        "another site cannot send")
     return Access(actor, admin=True)

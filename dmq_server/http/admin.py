@@ -25,7 +25,7 @@ table, the audit log) are ``http.admin_inspect``'s.
 
 Answers are JSON; errors are ``{"error": CODE, "message": TEXT}`` with a 4xx/5xx
 status. Who may read and who may change is ``http.access.authorize`` (the admin token,
-the listener's address, and a header or same origin for every change).
+the listener's address, and the Origin; a change from another origin is ``http.guard``'s).
 """
 
 from __future__ import annotations

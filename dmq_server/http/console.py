@@ -4,8 +4,8 @@ JSON admin API (``/admin``), with the API's rights (``http.access``): the files 
 hold no data, so they are served to anyone who can reach the port.
 
 The page may load nothing from elsewhere (``Content-Security-Policy``), may not be framed
-by another site (clickjacking), and sends its changes with ``X-Requested-By`` from its
-own origin, which is what the admin API requires of a change.
+by another site (clickjacking), and sends its changes from its own origin, which is what
+``http.guard`` requires of a change a browser sends.
 """
 
 from __future__ import annotations

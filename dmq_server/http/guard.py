@@ -9,13 +9,17 @@ Host, cross-site protection and authorization, in this order, written once.
 3. **The Host** (no authentication, a loopback listener): a request naming a host other
    than a loopback one or ``--broadcast-address`` is refused: a web page whose name was
    rebound to 127.0.0.1 (DNS rebinding) would otherwise be same-origin with this port.
-4. **Cross-site requests** (every method but GET, HEAD and OPTIONS): an ``Origin`` other
-   than this listener's, or ``Sec-Fetch-Site: cross-site``/``same-site``, is refused; and
-   the request must carry what a cross-site HTML form cannot: a credential
-   (``Authorization``, a client certificate), the header ``X-Requested-By`` (the web
-   console's, ``http.access``), or a ``Content-Type`` other than a form's (``application/x-www-form-urlencoded``,
-   ``multipart/form-data``, ``text/plain``). A request without a body type (``curl -X
-   POST``, nsqadmin, ``requests.post(data=bytes)``) passes: browsers give form posts one.
+4. **Requests from another origin** (every method but GET, HEAD and OPTIONS), decided as
+   Go 1.25's ``net/http.CrossOriginProtection`` decides, from what browsers add to every
+   request and a page cannot forge: when ``Sec-Fetch-Site`` is present, only ``same-origin``
+   (a page of this listener) and ``none`` (the user: a typed URL, a bookmark) pass, and
+   ``cross-site``, ``same-site`` (another port or subdomain) or anything else is refused;
+   without it (an older browser, or a plain-HTTP origin that is not loopback: browsers send
+   Fetch metadata to trustworthy origins only), an ``Origin`` must be this listener's own,
+   ``scheme://Host``. A request with neither header comes from no browser (browsers send
+   ``Origin`` with every POST a page makes): curl, urllib, nsqadmin, client libraries; it
+   passes whatever its body's type, as nsqd's API expects
+   (``tests/integration/test_security_browser.py`` tries both sides, with Chromium).
 5. **Authorization.** Without authentication (no ``--auth-file``/``--auth-http-address``)
    only the admin API is guarded, by ``http.access.authorize`` (the admin token and the
    listener's address). With it, a request needs a
@@ -48,16 +52,22 @@ from twisted.web.server import NOT_DONE_YET
 
 from dmq_server.core.auth import ADMIN, PUBLISH, AuthState
 from dmq_server.core.peers import is_loopback
-from dmq_server.http.access import GRANTED, INTENT_HEADER, Access, actor_of
+from dmq_server.http.access import GRANTED, Access, actor_of
 from dmq_server.security.tls import peer_tls
 
-__all__ = ["HttpGuard", "classify", "cross_site_refusal", "READ", "OPEN"]
+__all__ = ["HttpGuard", "classify", "cross_origin_refusal", "READ", "OPEN"]
 
 log = Logger()
 
 OPEN, READ = "open", "read"
 _SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
-_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
+#: Sec-Fetch-Site of a request a page of this origin sent, or the user (a typed URL, a bookmark)
+_OWN_FETCH_SITES = ("same-origin", "none")
+#: who sent a request, by its Sec-Fetch-Site, for the refusal's message
+_FOREIGN_FETCH_SITES = {
+    "cross-site": "a page of another site",
+    "same-site": "a page of another origin on the same site (another port or subdomain)",
+}
 _LOOPBACK_NAMES = ("localhost",)
 
 
@@ -85,30 +95,34 @@ def classify(method: bytes, path: bytes, query: str) -> tuple[str, str, str]:
     return ADMIN, "", ""
 
 
-def cross_site_refusal(
-    method: bytes,
-    origin: str | None,
-    own_origins: tuple[str, ...],
-    fetch_site: str | None,
-    content_type: str | None,
-    has_credential: bool,
-    has_custom_header: bool,
+def cross_origin_refusal(
+    method: bytes, fetch_site: str | None, origin: str | None, own_origin: str | None
 ) -> str | None:
-    """Why a request may be a browser's cross-site request (None: it is not)."""
+    """Why a state-changing request was sent by a page of another origin (None: it was
+    not, or no browser sent it). ``own_origin`` is this listener's ``scheme://host[:port]``
+    (None: the request named no Host). Fetch metadata decides where the browser sent it,
+    since it also tells the user's own navigation (``none``) from a page's; ``Origin`` is
+    the fallback, compared whole, as Go compares it with the Host."""
     if method in _SAFE_METHODS:
         return None
-    if origin is not None and origin.lower() not in own_origins:
-        return f"cross-origin request from {origin}"
-    if fetch_site in ("cross-site", "same-site"):
-        return f"cross-site request (Sec-Fetch-Site: {fetch_site})"
-    if has_credential or has_custom_header:
+    if fetch_site is not None:
+        site = fetch_site.strip().lower()
+        if site in _OWN_FETCH_SITES:
+            return None
+        if site in _FOREIGN_FETCH_SITES:
+            return (f"{_FOREIGN_FETCH_SITES[site]} sent this change (Sec-Fetch-Site: {fetch_site}); "
+                    "only this listener's own pages may")
+        return f"Sec-Fetch-Site: {fetch_site}: a browser's request neither same-origin nor the user's own (none)"
+    if origin is None:
         return None
-    kind = (content_type or "").split(";", 1)[0].strip().lower()
-    if kind in _FORM_TYPES:
-        return (
-            f"a {kind} request without a credential could come from a cross-site form: "
-            "send the header X-Requested-By (any value), another Content-Type, or a credential"
-        )
+    given = origin.strip().lower()
+    if given == "null":
+        return ("a page of an opaque origin sent this change (Origin: null: a sandboxed frame, a local file, "
+                "or a redirect from another origin)")
+    if own_origin is None:
+        return f"Origin {origin} came without a Host header to compare it with"
+    if given != own_origin:
+        return f"a page of {origin} sent this change (Origin), not one of this listener's {own_origin}"
     return None
 
 
@@ -199,15 +213,8 @@ class HttpGuard:
             return self._refuse(request, 403, "E_HOST", f"host {host!r} is not this loopback listener's", admin)
         tls = peer_tls(request.channel.transport, self.server_tls) if self.secure else None
         bearer = _bearer(request)
-        why = cross_site_refusal(
-            request.method,
-            _text(request.getHeader(b"origin")),
-            self._own_origins(request),
-            _text(request.getHeader(b"sec-fetch-site")),
-            _text(request.getHeader(b"content-type")),
-            bearer is not None or request.getHeader(b"x-dmq-admin-token") is not None or bool(tls and tls.proven_name),
-            request.getHeader(INTENT_HEADER) is not None,
-        )
+        why = cross_origin_refusal(request.method, _text(request.getHeader(b"sec-fetch-site")),
+                                   _text(request.getHeader(b"origin")), self._own_origin(request))
         if why is not None:
             return self._refuse(request, 403, "E_CROSS_SITE", why, admin)
         if self.credentials is None:
@@ -253,11 +260,11 @@ class HttpGuard:
         return _Refusal(status, code, why, admin)
 
     # -- helpers ---------------------------------------------------------------------
-    def _own_origins(self, request: Any) -> tuple[str, ...]:
+    def _own_origin(self, request: Any) -> str | None:
         host = _text(request.getHeader(b"host"))
         if not host:
-            return ()
-        return (f"{'https' if self.secure else 'http'}://{host.lower()}",)
+            return None
+        return f"{'https' if self.secure else 'http'}://{host.strip().lower()}"
 
     def _local_host(self, host: str) -> bool:
         host = host.lower()

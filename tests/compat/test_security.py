@@ -118,3 +118,32 @@ def test_gnsq_publishes_and_consumes_over_tls_with_an_auth_secret(make_server, c
         consumer.close()
         consumer.join(timeout=5)
     assert sorted(got) == [b"one", b"three", b"two"]
+
+
+def test_nsq_clients_http_publishers_are_not_taken_for_browsers(nsq_server):
+    """What NSQ clients post to nsqd's HTTP API carries no Origin and no Fetch metadata,
+    so dmq's guard lets it through whatever its body's type: gnsq's NsqdHTTPClient
+    (publish, multipublish as text and binary, create_topic: urllib3, no Content-Type)
+    and pynsq's HTTP stack (pynsq 0.9.1 has no HTTP writer: its Reader asks lookupd with
+    tornado's AsyncHTTPClient, which gives any POST body a form's Content-Type). Each is
+    answered OK, and /stats counts every message."""
+    import asyncio
+
+    import gnsq
+    from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+    client = gnsq.NsqdHTTPClient("127.0.0.1", nsq_server.http_port)
+    assert client.publish("http_pub", b"gnsq one") == b"OK"
+    assert client.multipublish("http_pub", [b"gnsq two", b"gnsq three"]) == b"OK"
+    assert client.multipublish("http_pub", [b"gnsq\nfour", b"gnsq five"], binary=True) == b"OK"
+    assert client.create_topic("http_made") == b""
+
+    async def tornado_publish() -> tuple[int, bytes, str]:
+        request = HTTPRequest(f"{nsq_server.http}/pub?topic=http_pub", method="POST", body=b"tornado")
+        reply = await AsyncHTTPClient().fetch(request)
+        return reply.code, reply.body, request.headers["Content-Type"]
+
+    assert asyncio.run(tornado_publish()) == (200, b"OK", "application/x-www-form-urlencoded")
+    with urllib.request.urlopen(f"{nsq_server.http}/stats?format=json", timeout=10) as resp:
+        topics = {t["topic_name"]: t for t in json.load(resp)["topics"]}
+    assert topics["http_pub"]["message_count"] == 6 and "http_made" in topics

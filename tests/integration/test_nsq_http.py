@@ -16,8 +16,8 @@ pytestmark = pytest.mark.integration
 
 def call(server, method: str, path: str, body: bytes | None = None):
     """(status, headers, body) of one request; HTTP errors are answers too."""
-    # a body's type is declared, as programs do (a form's type without a credential or
-    # X-Requested-By is refused as a possible cross-site request: http/guard.py)
+    # a body's type is declared, as programs do (any type passes: http/guard.py refuses only
+    # what a browser marks as sent by a page of another origin)
     headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
     req = urllib.request.Request(server.http + path, data=body, method=method, headers=headers)
     try:

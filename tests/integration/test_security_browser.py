@@ -1,37 +1,63 @@
 """A real browser (Debian's chromium, headless, through selenium) on a page of another
-origin tries what the issue found: a form post (text/plain body) to the admin API that
-deletes every dead letter, and a no-cors fetch that publishes. Both reach dmq and are
-refused; the dead letter survives and nothing is published."""
+origin, served by a second HTTP server, tries to change dmq through the operator's browser:
+an HTML form post and ``fetch()`` posts (``no-cors``, and a simple CORS request, whose
+answer the page may not read but which is sent) to ``/pub``, ``/topic/delete`` and the
+admin API's dead-letter delete. Chromium tells dmq where each came from in three ways,
+each a case: a page on another port of 127.0.0.1 (``Sec-Fetch-Site: same-site``), a page
+on ``localhost`` (``cross-site``), and names that are no trustworthy origin, to which
+Chromium sends no Fetch metadata, only ``Origin`` (``evil.test`` and ``dmq.test``, both
+resolved to 127.0.0.1 by the browser). Every one reaches dmq and is refused 403
+E_CROSS_SITE with the reason; the server's state shows nothing published, deleted or
+emptied. The same requests from dmq's own origin (a script on the console's page) are
+done."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from .support import wait_for
+from .test_console_browser import CHROMEDRIVER, CHROMIUM, FLAGS
 from .test_security_http import call
 
-EVIL_PAGE = """<!doctype html><html><body>
-<form id="f" method="POST" enctype="text/plain" action="{dmq}/admin/dead-letters/delete?all=true">
-<input name="x" value="y"></form>
-<script>
-fetch("{dmq}/pub?topic=forged", {{method: "POST", mode: "no-cors", body: "forged"}})
-  .finally(() => {{ document.title = "fetched"; document.getElementById("f").submit(); }});
+pytestmark = pytest.mark.integration
+
+#: what the page of another origin posts to, on dmq
+TARGETS = ("/pub?topic=forged", "/topic/delete?topic=kept", "/admin/dead-letters/delete?all=true")
+
+FORM_PAGE = """<!doctype html><html><body>
+<form id="f" method="POST" action="{action}"><input name="message" value="forged"></form>
+<script>document.getElementById("f").submit();</script></body></html>"""
+
+FETCH_PAGE = """<!doctype html><html><body><script>
+const urls = {urls};
+Promise.allSettled(urls.flatMap(url => [
+  fetch(url, {{method: "POST", mode: "no-cors", body: "forged"}}),
+  fetch(url, {{method: "POST", body: "forged"}}),
+])).then(() => {{ document.title = "sent"; }});
 </script></body></html>"""
+
+#: run on dmq's own page: (status, body) of a POST, or the error
+OWN_POST = """const done = arguments[arguments.length - 1];
+fetch(arguments[0], {method: "POST", body: "mine"})
+  .then(reply => reply.text().then(text => done([reply.status, text])), error => done(["error", String(error)]));"""
 
 
 @pytest.fixture
-def evil_site():
-    """A page on another origin (another port of 127.0.0.1)."""
-    page = {"html": ""}
+def other_origin():
+    """A second HTTP server: ``pages[path]`` is the HTML it serves at ``path``."""
+    pages: dict[str, str] = {}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            data = page["html"].encode()
-            self.send_response(200)
+            data = pages.get(self.path, "").encode()
+            self.send_response(200 if self.path in pages else 404)
             self.send_header("content-type", "text/html")
             self.send_header("content-length", str(len(data)))
             self.end_headers()
@@ -44,7 +70,7 @@ def evil_site():
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield page, f"http://127.0.0.1:{httpd.server_address[1]}/"
+        yield pages, httpd.server_address[1]
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -56,30 +82,80 @@ def browser():
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    options.binary_location = CHROMIUM
+    for flag in (*FLAGS, "--host-resolver-rules=MAP *.test 127.0.0.1"):
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="dmq-chromium-")
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
     try:
         yield driver
     finally:
         driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
 
 
-def test_a_cross_site_page_cannot_delete_dead_letters_or_publish(make_server, evil_site, browser):
-    server = make_server()
-    report = json.dumps({"topic": "t", "producer": "p", "session_id": 1, "body": "x", "detail": "kept"}).encode()
-    assert call(server.http + "/admin/dead-letters", "POST", report,
-                **{"Content-Type": "application/json", "X-Requested-By": "test"})[0] == 200
-    page, url = evil_site
-    page["html"] = EVIL_PAGE.format(dmq=server.http)
-    browser.get(url)
-    # the form's navigation lands on dmq's answer: the refusal
-    wait_for(lambda: browser.current_url.startswith(server.http), timeout=20)
-    answer = json.loads(browser.find_element("tag name", "body").text)
-    assert answer["error"] == "E_CROSS_SITE" and "cross-origin request from http://127.0.0.1" in answer["message"]
+def _state(server) -> dict:
+    """What the forged requests would have changed, read from the server."""
+    def topic(name):
+        topics = json.loads(call(server.http + f"/stats?format=json&topic={name}")[1])["topics"]
+        return topics[0]["message_count"] if topics else None
+
     letters = json.loads(call(server.http + "/admin/dead-letters")[1])["dead_letters"]
-    assert [letter["detail"] for letter in letters] == ["kept"]
-    stats = json.loads(call(server.http + "/stats?format=json")[1])
-    assert not [t for t in stats["topics"] if t["topic_name"] == "forged"]
-    log = server.log()
-    assert "POST /admin/dead-letters/delete" in log and "POST /pub" in log  # both reached dmq, both refused
+    return {"kept": topic("kept"), "forged": topic("forged"), "dead letters": [d["detail"] for d in letters]}
+
+
+def _refusals(server, path: str) -> int:
+    log = server.log_path.read_text(errors="replace")
+    return sum(1 for line in log.splitlines() if f"HTTP POST {path} from " in line and "refused 403 E_CROSS_SITE" in line)
+
+
+@pytest.mark.parametrize(
+    "page_host, dmq_host, told_by",
+    [
+        ("127.0.0.1", "127.0.0.1", "same-site"),  # another port of the same host
+        ("localhost", "127.0.0.1", "cross-site"),
+        ("evil.test", "dmq.test", "Origin"),  # not a trustworthy origin: no Fetch metadata
+    ],
+)
+def test_a_page_of_another_origin_cannot_publish_delete_or_empty(make_server, other_origin, browser,
+                                                                 page_host, dmq_host, told_by):
+    server = make_server(broadcast_address="dmq.test")  # a name of this node's: its Host passes
+    dmq = f"http://{dmq_host}:{server.http_port}"
+    urllib.request.urlopen(urllib.request.Request(server.http + "/pub?topic=kept", b"kept", method="POST"), timeout=10)
+    report = json.dumps({"topic": "t", "producer": "p", "session_id": 1, "body": "x", "detail": "kept"}).encode()
+    assert call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json"})[0] == 200
+    before = _state(server)
+    assert before == {"kept": 1, "forged": None, "dead letters": ["kept"]}
+    pages, port = other_origin
+    page = f"http://{page_host}:{port}"
+    why = {
+        "same-site": "a page of another origin on the same site (another port or subdomain) sent this change "
+                     "(Sec-Fetch-Site: same-site); only this listener's own pages may",
+        "cross-site": "a page of another site sent this change (Sec-Fetch-Site: cross-site); only this "
+                      "listener's own pages may",
+        "Origin": f"a page of {page} sent this change (Origin), not one of this listener's {dmq}",
+    }[told_by]
+
+    for i, target in enumerate(TARGETS):  # a form post navigates: the browser shows dmq's answer
+        pages[f"/form{i}"] = FORM_PAGE.format(action=dmq + target)
+        browser.get(f"{page}/form{i}")
+        wait_for(lambda: browser.current_url.startswith(dmq), timeout=20)
+        answer = json.loads(browser.find_element("tag name", "body").text)
+        expected = {"error": "E_CROSS_SITE", "message": why} if "/admin/" in target else {"message": f"E_CROSS_SITE {why}"}
+        assert answer == expected, target
+    pages["/fetch"] = FETCH_PAGE.format(urls=json.dumps([dmq + target for target in TARGETS]))
+    browser.get(f"{page}/fetch")
+    wait_for(lambda: browser.title == "sent", timeout=20)
+
+    for target in TARGETS:  # all three posts to each reached dmq and were refused
+        path = target.split("?")[0]
+        wait_for(lambda: _refusals(server, path) == 3, timeout=10)
+    assert _state(server) == before
+
+    browser.get(f"{dmq}/console/")  # dmq's own origin: the same posts are done
+    for target in TARGETS:
+        status, body = browser.execute_async_script(OWN_POST, target)
+        assert status == 200, (target, body)
+    assert _state(server) == {"kept": None, "forged": 1, "dead letters": []}

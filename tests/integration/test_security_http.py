@@ -1,18 +1,20 @@
 """The HTTP side against a real server: HTTPS /pub with and without a token, client
 certificates as the credential, per-topic permissions on nsqd's API and the admin API,
-TLS required on the plaintext port, and requests a browser could forge cross-site
-(a foreign Origin, a form's body type, a rebound Host name) refused while /ping stays
-open."""
+TLS required on the plaintext port, and changes a page of another origin sends (told
+by Fetch metadata or Origin) or a rebound Host name refused while /ping stays open."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import shutil
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 
 from .authserver import AuthServer, grant
-from .support import free_port
+from .support import free_port, wait_for
 
 
 def call(url: str, method: str = "GET", body: bytes | None = None, context=None, **headers: str):
@@ -100,31 +102,112 @@ def test_tls_required_refuses_plain_http_but_ping(make_server, certs):
     assert call(server.https + "/stats?format=json", context=tls)[0] == 200
 
 
-def test_requests_a_browser_could_forge_are_refused(make_server):
-    """On the default loopback listener without auth, the attack this replaces: a form
-    post (text/plain body, foreign Origin) to delete every dead letter is refused 403
-    and the dead letter survives; so is the same post without an Origin (an old
-    browser), a form-typed /pub, and a request naming a foreign Host (DNS rebinding).
-    A program's request passes: a JSON body, an octet-stream /pub, or any body with
-    X-Requested-By; a same-origin Origin is fine."""
+def test_changes_a_page_of_another_origin_sends_are_refused(make_server):
+    """On the default loopback listener without auth, with the headers browsers add (the
+    real browser is test_security_browser.py's): a change whose Sec-Fetch-Site is
+    cross-site or same-site, or, without Fetch metadata, whose Origin is another's or
+    opaque, is refused 403 E_CROSS_SITE with its reason, to the admin API (a form's text
+    body deleting every dead letter) and to /pub alike; the dead letter survives and
+    nothing is published. A request naming a foreign Host (DNS rebinding) is E_HOST. The
+    same change from this listener's own page (Sec-Fetch-Site same-origin, or its Origin)
+    or from no browser (neither header, a form's body type) is done."""
     server = make_server()
     report = json.dumps({"topic": "t", "producer": "p", "session_id": 1, "body": "x", "detail": "test"}).encode()
-    created = call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json", "X-Requested-By": "test"})
+    created = call(server.http + "/admin/dead-letters", "POST", report, **{"Content-Type": "application/json"})
     assert created[0] == 200, created
     delete = server.http + "/admin/dead-letters/delete?all=true"
-    forged = call(delete, "POST", b"x=1", **{"Content-Type": "text/plain", "Origin": "http://evil.example"})
-    assert forged[0] == 403 and payload(forged)["error"] == "E_CROSS_SITE"
-    no_origin = call(delete, "POST", b"x=1", **{"Content-Type": "text/plain"})
-    assert no_origin[0] == 403 and "X-Requested-By" in payload(no_origin)["message"]
-    sec_fetch = call(delete, "POST", None, **{"Sec-Fetch-Site": "cross-site"})
-    assert sec_fetch[0] == 403
+    form = {"Content-Type": "text/plain"}
+    own = f"http://127.0.0.1:{server.http_port}"
+    refusals = [
+        ({"Sec-Fetch-Site": "cross-site", "Origin": "http://evil.example"},
+         "a page of another site sent this change (Sec-Fetch-Site: cross-site); only this listener's own pages may"),
+        ({"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:8000"},
+         "a page of another origin on the same site (another port or subdomain) sent this change "
+         "(Sec-Fetch-Site: same-site); only this listener's own pages may"),
+        ({"Origin": "http://evil.example"},
+         f"a page of http://evil.example sent this change (Origin), not one of this listener's {own}"),
+        ({"Origin": "null"}, "a page of an opaque origin sent this change (Origin: null: a sandboxed frame, "
+                             "a local file, or a redirect from another origin)"),
+    ]
+    for headers, why in refusals:
+        forged = call(delete, "POST", b"x=1", **form, **headers)
+        assert forged[0] == 403 and payload(forged) == {"error": "E_CROSS_SITE", "message": why}, forged
+        forged_pub = call(server.http + "/pub?topic=forged", "POST", b"m", **form, **headers)
+        assert forged_pub[0] == 403 and payload(forged_pub) == {"message": f"E_CROSS_SITE {why}"}, forged_pub
+        assert f"refused 403 E_CROSS_SITE {why}" in server.log()
     assert len(payload(call(server.http + "/admin/dead-letters"))["dead_letters"]) == 1
-    form_pub = call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "application/x-www-form-urlencoded"})
-    assert form_pub[0] == 403 and payload(form_pub)["message"].startswith("E_CROSS_SITE")
+    assert payload(call(server.http + "/stats?format=json&topic=forged"))["topics"] is None
     rebound = call(server.http + "/admin/dead-letters", Host=f"attacker.example:{server.http_port}")
     assert rebound[0] == 403 and payload(rebound)["error"] == "E_HOST"
-    assert call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "application/octet-stream"}) == (200, "OK")
-    assert call(server.http + "/pub?topic=t", "POST", b"m", **{"Content-Type": "text/plain", "X-Requested-By": "test"}) == (200, "OK")
-    own = {"Origin": server.http, "X-Requested-By": "test"}
-    assert payload(call(delete, "POST", None, **own)) == {"deleted": 1}
-    assert "refused 403 E_CROSS_SITE cross-origin request from http://evil.example" in server.log()
+    for headers in ({"Sec-Fetch-Site": "same-origin", "Origin": own}, {"Origin": own}, {"Sec-Fetch-Site": "none"}, {}):
+        assert call(server.http + "/pub?topic=t", "POST", b"m", **form, **headers) == (200, "OK"), headers
+    assert payload(call(server.http + "/stats?format=json&topic=t"))["topics"][0]["message_count"] == 4
+    assert payload(call(delete, "POST", b"x=1", **form)) == {"deleted": 1}
+
+
+def curl(*args: str) -> tuple[int, str]:
+    """The real curl binary (what nsqd's documentation runs): (status, body)."""
+    assert shutil.which("curl"), "curl is installed by deploy/setup.sh"
+    done = subprocess.run(["curl", "-sS", "-w", "\\n%{http_code}", *args], capture_output=True, text=True,
+                          timeout=30, check=True)
+    body, _, status = done.stdout.rpartition("\n")
+    return int(status), body
+
+
+def go_post(server, path: str) -> tuple[int, bytes]:
+    """A POST as nsqadmin sends it (``http_api.Client.POSTV1``: Go's client, no body),
+    header for header as Go writes it: no Origin, no Fetch metadata, no body type."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    try:
+        conn.putrequest("POST", path, skip_host=True, skip_accept_encoding=True)
+        for name, value in (("Host", f"127.0.0.1:{server.http_port}"), ("User-Agent", "Go-http-client/1.1"),
+                            ("Content-Length", "0"), ("Accept", "application/vnd.nsq; version=1.0"),
+                            ("Accept-Encoding", "gzip")):
+            conn.putheader(name, value)
+        conn.endheaders()
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+def test_changes_from_programs_pass_whatever_their_body_type(make_server, tmp_path):
+    """What nsqd's documentation, scripts and tools send: no Origin, no Fetch metadata.
+    curl -d (a form's type: nsqd's quickstart) to /pub, /mpub and /topic/create; urllib's
+    POST (a form's type too) and multipart and text bodies; nsqadmin's actions as Go's
+    client sends them (a bodiless POST) to create, pause, unpause, empty and delete a
+    channel and a topic. Each is answered 200 and done, as /stats shows after it."""
+    server = make_server(data_path=str(tmp_path / "data"))
+
+    def topic_stats(name: str) -> dict | None:
+        topics = payload(call(server.http + f"/stats?format=json&topic={name}"))["topics"]
+        return topics[0] if topics else None
+
+    assert curl("-d", "hello world 1", server.http + "/pub?topic=test") == (200, "OK")
+    assert curl("-fsS", "-d", "hello", server.http + "/pub?topic=events") == (200, "OK")
+    assert curl("--data-binary", "one\ntwo\n", server.http + "/mpub?topic=test") == (200, "OK")
+    assert curl("-d", "", server.http + "/topic/create?topic=made") == (200, "")
+    assert curl("-F", "part=multipart", server.http + "/pub?topic=test") == (200, "OK")  # multipart/form-data
+    form = urllib.request.Request(server.http + "/pub?topic=test", data=b"from urllib", method="POST")
+    with urllib.request.urlopen(form, timeout=10) as resp:
+        assert resp.status == 200 and form.get_header("Content-type") == "application/x-www-form-urlencoded"
+    assert call(server.http + "/pub?topic=test", "POST", b"text", **{"Content-Type": "text/plain"}) == (200, "OK")
+    assert topic_stats("test")["message_count"] == 6
+    assert topic_stats("events")["message_count"] == 1 and topic_stats("made") is not None
+
+    assert go_post(server, "/channel/create?topic=test&channel=c")[0] == 200
+    assert go_post(server, "/channel/pause?topic=test&channel=c")[0] == 200
+    assert go_post(server, "/topic/pause?topic=test")[0] == 200
+    assert topic_stats("test")["paused"] is True and topic_stats("test")["channels"][0]["paused"] is True
+    assert go_post(server, "/topic/unpause?topic=test")[0] == 200
+    assert go_post(server, "/channel/unpause?topic=test&channel=c")[0] == 200
+    assert curl("-d", "for c", server.http + "/pub?topic=test") == (200, "OK")
+    wait_for(lambda: topic_stats("test")["channels"][0]["depth"] == 7)  # the 6 before the channel, and this one
+    assert topic_stats("test")["paused"] is False and topic_stats("test")["channels"][0]["paused"] is False
+    assert go_post(server, "/channel/empty?topic=test&channel=c")[0] == 200
+    assert topic_stats("test")["channels"][0]["depth"] == 0
+    assert go_post(server, "/channel/delete?topic=test&channel=c")[0] == 200
+    assert topic_stats("test")["channels"] == []
+    assert go_post(server, "/topic/empty?topic=events")[0] == 200 and topic_stats("events")["depth"] == 0
+    assert go_post(server, "/topic/delete?topic=events")[0] == 200 and topic_stats("events") is None
+    assert "E_CROSS_SITE" not in server.log()

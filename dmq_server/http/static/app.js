@@ -1,7 +1,8 @@
 // dmq console: a few pages over the JSON admin API (/admin). Plain JavaScript, no build
 // step, no library. Every value from the server is put in the page as text (textContent),
-// never as HTML. Changes are sent with X-Requested-By from this origin and, once signed in,
-// the admin token; the server decides what is allowed (read-only without the token).
+// never as HTML. Changes are sent from this origin (the browser says so: Sec-Fetch-Site, Origin)
+// and, once signed in, with the admin token; the server decides what is allowed (read-only
+// without the token).
 "use strict";
 
 const REFRESH_MS = 5000;
@@ -16,7 +17,6 @@ async function api(method, path, params) {
   const query = params ? "?" + new URLSearchParams(Object.entries(params).filter(([, v]) => v !== "" && v != null)) : "";
   const headers = { "Accept": "application/json" };
   if (state.token) headers["Authorization"] = "Bearer " + state.token;
-  if (method !== "GET") headers["X-Requested-By"] = "dmq-console";
   const reply = await fetch("/admin/" + path + query, { method, headers, credentials: "omit", cache: "no-store" });
   let payload = null;
   try { payload = await reply.json(); } catch (e) { payload = null; }
