@@ -202,10 +202,16 @@ def _channel_on_server(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
+    import registry
     from dmq_server.db.admin import table_counts
 
     with _database(args) as conn:
         stored = table_counts(conn)
+        # every registered reliable channel, 0 where nothing waits (the count lists only the others)
+        waiting = {(c["topic"], c["channel"]): c["stored_depth"] for c in stored["channels"]}
+        named = {(t.name, c) for t in registry.topics(conn) if t.store == "reliable" for c in t.channels}
+        stored["channels"] = [{"topic": t, "channel": c, "stored_depth": waiting.get((t, c), 0)}
+                              for t, c in sorted(named | set(waiting))]
     live = None
     try:
         with urllib.request.urlopen(f"http://{args.http_address}/stats", timeout=2) as resp:

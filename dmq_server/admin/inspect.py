@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
 from dmq_server.admin.operations import AdminOps
 from dmq_server.core.errors import Invalid, NotFound
@@ -21,10 +21,45 @@ from dmq_server.db.admin import list_admin_log
 from dmq_server.db.delays import cancel_delayed, deliver_delayed_now, due_histogram, list_delayed
 from dmq_server.db.trace import find_message, peek_channel, read_trace
 
-__all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "RETURN_TEXT"]
+__all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read", "RETURN_TEXT",
+           "REGISTRY_WAIT"]
 
 MAX_PEEK = 500
 MAX_HISTOGRAM_BUCKETS = 200
+
+#: the longest a view of the channels (``/stats``, the console's overview) waits for the
+#: registry read it asks for; past it, the view answers from what the node knows
+REGISTRY_WAIT = 2.0
+
+
+def registry_read(broker: Any, clock: Any, wait: float = REGISTRY_WAIT) -> Deferred:
+    """Fires with None once a read of the registry begun after this call has been applied
+    (or failed), or after ``wait`` seconds, whichever is first.
+
+    Why: ``dmq channel add`` registers a channel in the registry, and a node reads the
+    registry every ``--registry-refresh`` (or on a ZooKeeper watch), so a view that answered
+    from memory left out a channel registered a moment ago, where nsqd lists a channel at
+    once. A view that reads first lists it, opened, with its depth as last counted (until
+    the depth count's next pass, what waits for it in memory: 0 at first). A failed read
+    leaves the node's view as it was (the broker's health says why); a slow one does not
+    hold the view past ``wait``."""
+    if broker is None:
+        return succeed(None)
+    done: Deferred = Deferred()
+
+    def end(_: Any = None) -> None:
+        if not done.called:
+            done.callback(None)
+
+    timer = clock.callLater(wait, end)
+
+    def read(_: Any) -> None:
+        if timer.active():
+            timer.cancel()
+        end()
+
+    broker.refresh_registry(fresh=True).addBoth(read)
+    return done
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -83,9 +118,13 @@ class Inspector:
         return self.ops.db.run(find_message, producer, session_id).addCallback(found)
 
     # -- every channel ---------------------------------------------------------------
-    def overview(self) -> dict[str, Any]:
+    def overview(self) -> Deferred:
         """Every topic of both stores with its settings and its channels' figures on this
-        node (a reliable channel's depth counts what PostgreSQL holds for every node)."""
+        node (a reliable channel's depth counts what PostgreSQL holds for every node), once
+        the registry has been read (``registry_read``)."""
+        return registry_read(self.ops.broker, self.ops.clock).addCallback(lambda _: self._overview())
+
+    def _overview(self) -> dict[str, Any]:
         topics: dict[tuple[str, str], dict[str, Any]] = {}
         for row in self.ops.topics():
             settings = {k: row[k] for k in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")}

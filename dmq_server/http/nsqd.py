@@ -28,6 +28,7 @@ from twisted.internet.defer import Deferred, DeferredList, FirstError
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
+from dmq_server.admin.inspect import registry_read
 from dmq_server.core.errors import DmqError
 from dmq_server.core.nsq_errors import NsqError
 from dmq_server.core.publish import Published, PublishRequest
@@ -253,8 +254,13 @@ class NsqHttp(LookupdApi):
         return later[0]
 
     # -- stats ----------------------------------------------------------------------------
-    def stats(self, request: Any) -> Any:
+    def stats(self, request: Any) -> Deferred:
+        """Every form of ``/stats``, after a read of the registry (``registry_read``), so a
+        reliable channel registered a moment ago is listed, as nsqd lists a new channel."""
         params = params_of(request)
+        return registry_read(self.broker, self.ctx.clock).addCallback(lambda _: self._stats(params))
+
+    def _stats(self, params: dict[str, list[str]]) -> Any:
         fmt = get_param(params, "format")
         if fmt is None and self.dmq_stats is not None:
             out = dict(self.dmq_stats())
