@@ -480,6 +480,14 @@ class Broker:
         store.dead_letters.record(letter, recorded)
 
     # -- subscribing ------------------------------------------------------
+    def may_push(self) -> bool:
+        """Whether this node may push reliable copies now: always alone; in a cluster,
+        not while its ZooKeeper session is in doubt or lost, or after it stood still,
+        until ZooKeeper confirms it (the cluster node's delivery gate). Asked by the wire
+        protocols before bytes held since before a stall leave (``protocols.turn``)."""
+        gate = self.reliable.delivery_gate
+        return gate is None or gate()
+
     def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred:
         """Deferred firing with the reliable channel once the consumer is attached."""
         for kind, name in (("topic", topic), ("channel", channel)):

@@ -150,7 +150,8 @@ class DmqConnection:
         self.push_frame = PushEncoder()  # one push per delivery: no Frame either
         self.subscriptions: dict[tuple[str, str], DmqSubscription] = {}
         self.closed = False
-        self._turn = TurnBuffer(clock, self._emit)  # pushes and send replies of this reactor turn
+        # pushes and send replies of this reactor turn; held past a stall: _stale_turn
+        self._turn = TurnBuffer(clock, self._emit, getattr(broker, "may_push", None), self._stale_turn)
         self.last_heard = clock.seconds()
         self._registry = registry
         registry.add(self)
@@ -170,7 +171,7 @@ class DmqConnection:
         """Written now, after what ``queue_write`` holds (the order is the client's)."""
         if not self.closed:
             self._turn.flush()
-            self._write(encode(frame))
+            self._emit(encode(frame))
 
     def queue_write(self, data: bytes) -> None:
         """Written when this reactor turn ends, with the rest of the turn's (``TurnBuffer``)."""
@@ -185,6 +186,17 @@ class DmqConnection:
     def _emit(self, data: bytes) -> None:
         if not self.closed:
             self._write(data)
+
+    def _stale_turn(self) -> bool:
+        """This turn's bytes were held while the process stood still, and the node may no
+        longer push (``protocols.turn``): with copies in flight here they may carry pushes
+        of copies another node has taken over, so the connection closes without them
+        (its copies go back; the client connects again). None in flight: the bytes are
+        answers, and go (False)."""
+        if not any(sub.in_flight for sub in self.subscriptions.values()):
+            return False
+        self.close()
+        return True
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = self.clock.seconds()

@@ -91,7 +91,8 @@ class NsqConnection:
         self.clock = ctx.clock
         self.store = ctx.store
         self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
-        self._turn = TurnBuffer(self.clock, self._emit)  # messages and answers of this reactor turn
+        # messages and answers of this reactor turn; held past a stall: _stale_turn
+        self._turn = TurnBuffer(self.clock, self._emit, getattr(ctx.broker, "may_push", None), self._stale_turn)
         self.replies = ResponseQueue(self.queue_write, self.close, self._turn.flush)
         self.state = STATE_INIT
         peer = peer_address(transport)
@@ -176,6 +177,16 @@ class NsqConnection:
         """``queue_write`` of each frame, in order (a reliable channel's pushes)."""
         if not self.closed:
             self._turn.extend(frames)
+
+    def _stale_turn(self) -> bool:
+        """This turn's bytes were held while the process stood still, and the node may no
+        longer push (``protocols.turn``): a subscribed client holding messages may be sent
+        copies another node has taken over, so it is closed without them (nsqd's clients
+        connect again; its messages go back). Otherwise the bytes are answers, and go."""
+        if self.sub is None or not self.sub.in_flight(self):
+            return False
+        self.close()
+        return True
 
     def _emit(self, data: bytes) -> None:
         """Every byte to the client goes here (so compression applies to all of it)."""

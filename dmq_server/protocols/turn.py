@@ -10,6 +10,20 @@ turn ends (``callLater(0)`` runs after the turn's I/O). Both wire protocols use 
 The connection keeps the order its client sees: a frame it writes at once flushes this
 buffer first, and so does closing. Memory is bounded by what one turn can produce for
 one connection: its subscriptions' credit in pushes, its own sends in answers.
+
+**Bytes that outlived a stall.** The pushes held here were decided while this node held
+their copies. If the process stands still before the turn ends (SIGSTOP, a paused VM, a
+long stall) past its ZooKeeper session, another node takes the copies over, pushes them
+again and may see them acknowledged for good; the held pushes would then reach their
+consumer after a durable ack (the chaos suite's node-pause counted one in about 25 runs:
+the woken node's turn end ran before anything told it). So a buffer with a ``guard``
+asks it, when its bytes are older than ``STALL`` seconds at the flush, whether this node
+may still push (the cluster's delivery gate, which finds the gap itself and pauses
+until ZooKeeper answers). If not, ``on_stale`` decides: a connection holding copies in
+flight closes (True: the bytes are dropped; its copies go back, its client connects
+again, and a send answer among the bytes is lost with it: its client resends,
+idempotent by session id); one holding none (a producer) gets its answers (False). Bytes
+already in the kernel left before the stall: nothing in user space can call them back.
 """
 
 from __future__ import annotations
@@ -20,9 +34,14 @@ from typing import Any, Callable
 
 from twisted.logger import Logger
 
-__all__ = ["TurnBuffer"]
+__all__ = ["TurnBuffer", "STALL"]
 
 log = Logger()
+
+#: a turn whose bytes are older than this at their flush spanned a stall of the process:
+#: the guard is asked (a turn takes microseconds to milliseconds; the cluster's own gap
+#: threshold is a third of the ZooKeeper session, seconds)
+STALL = 0.25
 
 
 class _TurnEnd:
@@ -58,15 +77,25 @@ class TurnBuffer:
     """``add`` holds bytes until the turn ends (or ``flush``), then ``emit`` gets them
     joined. ``emit`` decides whether a closed connection still writes."""
 
-    __slots__ = ("_turn_end", "_emit", "_out")
+    __slots__ = ("_turn_end", "_emit", "_out", "_clock", "_guard", "_on_stale", "_since")
 
-    def __init__(self, clock: Any, emit: Callable[[bytes], None]):
+    def __init__(
+        self,
+        clock: Any,
+        emit: Callable[[bytes], None],
+        guard: Callable[[], bool] | None = None,
+        on_stale: Callable[[], bool] | None = None,
+    ):
         turn_end = _TURN_ENDS.get(clock)
         if turn_end is None:
             turn_end = _TURN_ENDS[clock] = _TurnEnd(clock)
         self._turn_end = turn_end
         self._emit = emit
         self._out: list[bytes] = []
+        self._clock = clock
+        self._guard = guard  # None: no node can take this one's copies over (no cluster)
+        self._on_stale = on_stale
+        self._since = 0.0  # when the held bytes began (read only with a guard)
 
     def __bool__(self) -> bool:
         return bool(self._out)
@@ -75,17 +104,30 @@ class TurnBuffer:
         out = self._out
         out.append(data)
         if len(out) == 1:
-            self._turn_end.hold(self)
+            self._held()
 
     def extend(self, parts: Sequence[bytes]) -> None:
         """``add`` of the parts' concatenation, without making it."""
         out = self._out
         if not out:
-            self._turn_end.hold(self)
+            self._held()
         out += parts
+
+    def _held(self) -> None:
+        self._turn_end.hold(self)
+        if self._guard is not None:
+            self._since = self._clock.seconds()
 
     def flush(self) -> None:
         out = self._out
         if out:
             self._out = []
+            guard = self._guard
+            if guard is not None and self._clock.seconds() - self._since > STALL and not guard():
+                age = self._clock.seconds() - self._since
+                if self._on_stale is not None and self._on_stale():
+                    log.warn("{n} bytes held for a consumer since before this process stood still {age:.1f}s "
+                             "were not sent, and its connection is closed: their copies may be another node's "
+                             "now", n=sum(len(part) for part in out), age=age)
+                    return
             self._emit(b"".join(out))

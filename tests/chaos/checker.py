@@ -64,6 +64,11 @@ class History:
         self.delivery_times: list[float] = []
         self.consumer_acks: dict[tuple[str, int], float] = {}  # (channel, message id) -> when acked
         self.confirmed: dict[tuple[str, int], float] = {}  # (channel, message id) -> seen durable at
+        # which node pushed each delivery and took each ack (the consumer's connection), for
+        # the timeline of a failed run: (channel, key) -> [(when, message id, node)] and
+        # (channel, message id) -> [(when, node)]
+        self.pushed_by: dict[tuple[str, bytes], list[tuple[float, int, int]]] = {}
+        self.acked_by: dict[tuple[str, int], list[tuple[float, int]]] = {}
 
     # -- recording -------------------------------------------------------------------
     def attempt(self, key: bytes) -> None:
@@ -76,14 +81,16 @@ class History:
                 self.acked[key] = (now, message_id)
                 self.ack_times.append(now)
 
-    def deliver(self, channel: str, key: bytes, message_id: int, now: float) -> None:
+    def deliver(self, channel: str, key: bytes, message_id: int, now: float, node: int = -1) -> None:
         with self._lock:
             self.deliveries[channel].setdefault(key, []).append((now, message_id))
             self.delivery_times.append(now)
+            self.pushed_by.setdefault((channel, key), []).append((now, message_id, node))
 
-    def consumer_ack(self, channel: str, message_id: int, now: float) -> None:
+    def consumer_ack(self, channel: str, message_id: int, now: float, node: int = -1) -> None:
         with self._lock:
             self.consumer_acks.setdefault((channel, message_id), now)
+            self.acked_by.setdefault((channel, message_id), []).append((now, node))
 
     def unconfirmed(self) -> list[tuple[str, int]]:
         """Acks sent whose durability has not been seen yet (for the confirmer)."""
@@ -112,7 +119,29 @@ class History:
             copy.delivery_times = list(self.delivery_times)
             copy.consumer_acks = dict(self.consumer_acks)
             copy.confirmed = dict(self.confirmed)
+            copy.pushed_by = {k: list(v) for k, v in self.pushed_by.items()}
+            copy.acked_by = {k: list(v) for k, v in self.acked_by.items()}
         return copy
+
+    def timeline(self, channel: str, key: bytes, origin: float = 0.0) -> list[str]:
+        """What happened to one send on one channel, in time order (seconds from
+        ``origin``): each push and the node that made it, each ack and the node it went
+        to, when the confirmer saw an ack durable. A duplicate's cause starts here."""
+        h = self.snapshot()
+        events: list[tuple[float, str]] = []
+        if key in h.acked:
+            when, mid = h.acked[key]
+            events.append((when, f"send acknowledged to its producer as id {mid}"))
+        ids = set()
+        for when, mid, node in h.pushed_by.get((channel, key), []):
+            ids.add(mid)
+            events.append((when, f"pushed id {mid} by node {node + 1}"))
+        for mid in sorted(ids):
+            for when, node in h.acked_by.get((channel, mid), []):
+                events.append((when, f"ack of id {mid} sent to node {node + 1}"))
+            if (channel, mid) in h.confirmed:
+                events.append((h.confirmed[(channel, mid)], f"ack of id {mid} seen durable"))
+        return [f"{when - origin:+9.3f} s  {what}" for when, what in sorted(events)]
 
 
 def check(history: History, examples: int = 5) -> list[ChannelCount]:

@@ -225,7 +225,7 @@ class Consumer(threading.Thread):
             now = time.monotonic()
             while push is not None:
                 key = push.body.split(b" ", 1)[0]
-                self.history.deliver(push.channel, key, push.message_id, now)
+                self.history.deliver(push.channel, key, push.message_id, now, self.node)
                 self.in_flight.append((now + self.hold, push))
                 push = client.receive(timeout=0) if batch else None
             due = []
@@ -237,7 +237,7 @@ class Consumer(threading.Thread):
             for held in due:
                 if not batch:
                     client.ack(held)
-                self.history.consumer_ack(held.channel, held.message_id, time.monotonic())
+                self.history.consumer_ack(held.channel, held.message_id, time.monotonic(), self.node)
             self.acks_sent += len(due)
 
 

@@ -58,16 +58,21 @@ def pause_node(cluster: ChaosCluster, load: Load) -> Heal:
     over its copies while it is frozen; on SIGCONT it finds its session lost, with
     acks of its consumers (who hold each copy half a second) waiting unread"""
     node = cluster.nodes[1]
+    load.notes["acks_fenced_on_paused_node"] = -_fenced_count(node)  # the node outlives scenarios
     node.proc.send_signal(signal.SIGSTOP)
     return lambda: node.proc.send_signal(signal.SIGCONT)
+
+
+def _fenced_count(node: Any) -> int:
+    from tests.integration.support import scrape_metrics
+
+    return int(scrape_metrics(node.http)[("dmq_acks_fenced_total", ())])
 
 
 def _acks_fenced(cluster: ChaosCluster, load: Load) -> None:
     """How many acks the paused node read on waking for cursors taken over meanwhile
     (not applied: the taker delivered those copies again)."""
-    from tests.integration.support import scrape_metrics
-
-    load.notes["acks_fenced_on_paused_node"] = int(scrape_metrics(cluster.nodes[1].http)[("dmq_acks_fenced_total", ())])
+    load.notes["acks_fenced_on_paused_node"] += _fenced_count(cluster.nodes[1])
 
 
 class SlowTaker:
@@ -406,6 +411,11 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         "producer_errors": _merge(p.errors for p in load.producers),
         "resends": sum(p.resends for p in load.producers),
         "notes": dict(load.notes),
+        # for a failed run: each example's history, in seconds from the fault (healed at
+        # ``heal_at_s``), the pushes and acks with the nodes that made and took them
+        "heal_at_s": round(healed - injected, 3),
+        "timelines": {f"{c.channel} {key}": h.timeline(c.channel, key.encode(), injected)
+                      for c in counts for key in (*c.duplicated_examples, *c.lost_examples)[:5]},
     }
 
 
@@ -470,7 +480,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
     """For a failed scenario: where its lost sends are in the store (message, delivery and
-    delay rows, read from the primary) and the warnings the nodes logged, to start from."""
+    delay rows, read from the primary), the timeline of each lost or duplicated example,
+    and the warnings the nodes logged, to start from."""
     import psycopg
 
     lines = []
@@ -489,6 +500,9 @@ def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
                     lines.append(f"lost on {channel['channel']}: {key}: {found}")
     except Exception as exc:  # the store may be the thing that failed
         lines.append(f"(the store could not be read: {exc})")
+    for example, events in report.get("timelines", {}).items():
+        lines.append(f"timeline of {example} (the fault at +0, healed at +{report.get('heal_at_s')} s):")
+        lines.extend(f"  {event}" for event in events)
     for node in cluster.nodes:
         noted = [line[:300] for line in node.log().splitlines() if "#warn" in line or "#error" in line]
         lines.append(f"--- {node.flags['node_id']}: last warnings\n" + "\n".join(noted[-15:]))

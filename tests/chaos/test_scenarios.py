@@ -8,6 +8,11 @@ counts and recovery time of each scenario are printed in the "chaos reports" sec
 
 from __future__ import annotations
 
+import os
+import time
+import traceback
+from pathlib import Path
+
 import pytest
 
 from . import conftest, scenarios
@@ -21,22 +26,36 @@ SHORT = scenarios.Timing(before=2.0, hold=4.0, after=2.0, drain=60.0, linger=1.5
 NO_ERRORS = {"pg-standby-kill", "zk-restart"}
 
 
+# A failed scenario's whole story is written here at once, before the cluster is restored
+# (which restarts nodes): the report, the timelines of its examples, every node's log. It
+# outlives the run (a CI clone keeps it; pytest prints only the assertion, and only at the
+# end, so a run stopped early kept nothing).
+FAILURES = Path(os.environ.get("DMQ_CHAOS_FAILURES") or Path(__file__).resolve().parents[2] / "chaos-failures")
+
+
 @pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
 def test_no_acknowledged_message_is_lost(chaos_cluster, name):
     """Under the fault, every send acknowledged to a producer reaches both channels,
     nothing is delivered again once its ack was durable, nothing unknown appears, and
     the cluster serves producers again by itself."""
+    text = ""
     try:
         report = scenarios.run(chaos_cluster, name, SHORT)
         text = scenarios.format_report(report)
         conftest.REPORTS.append(text)
         if not report["ok"]:
             text += "\n" + scenarios.diagnose(chaos_cluster, report)
+        _check(name, report, text)
     except BaseException:
+        kept = _keep_failure(chaos_cluster, name, text)
         print(chaos_cluster.logs())
+        print(f"the whole failure is kept in {kept}")
         raise
     finally:
         chaos_cluster.restore()
+
+
+def _check(name: str, report: dict, text: str) -> None:
     assert report["acked"] > 500, text  # the load ran: there was something to lose
     for channel in report["channels"]:
         assert channel["lost"] == 0, text
@@ -64,3 +83,23 @@ def test_no_acknowledged_message_is_lost(chaos_cluster, name):
         assert notes["audit_old_held_missing_at_heal"] == 0, text
         assert notes["audit_old_held_stored_at_end"] == 0, text
         assert notes["swept_by_nodes"] > notes["audit_old_held_at_heal"], text
+
+
+def _keep_failure(cluster, name: str, text: str) -> Path:
+    """Write what is known of a failed scenario to a file of its own; returns its path."""
+    FAILURES.mkdir(parents=True, exist_ok=True)
+    path = FAILURES / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{name}.txt"
+    parts = [f"chaos scenario {name} failed at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+             traceback.format_exc(), text]
+    for node in cluster.nodes:
+        try:
+            log = node.log_path.read_text(errors="replace")[-400_000:]
+        except OSError as exc:
+            log = f"(unreadable: {exc})"
+        parts.append(f"=== log of {node.flags['node_id']} (its last 400,000 characters)\n{log}")
+    try:
+        parts.append(f"=== the cluster's log tails\n{cluster.logs()}")
+    except Exception as exc:  # noqa: BLE001 - what failed may be what logs() reads
+        parts.append(f"(the cluster's log tails could not be read: {exc!r})")
+    path.write_text("\n\n".join(parts))
+    return path

@@ -59,3 +59,22 @@ def test_unconfirmed_lists_the_acks_not_yet_seen_durable():
 def test_throughput_counts_events_in_a_window():
     assert throughput([0.5, 1.0, 1.5, 2.5], 1.0, 2.0) == 2.0
     assert throughput([], 1.0, 1.0) == 0.0
+
+
+def test_a_timeline_orders_the_pushes_and_acks_of_one_send_with_their_nodes():
+    h = History(["a"])
+    h.attempt(b"p/1")
+    h.ack(b"p/1", 7, now=10.0)
+    h.deliver("a", b"p/1", 7, now=10.5, node=1)
+    h.consumer_ack("a", 7, now=11.0, node=1)
+    h.deliver("a", b"p/1", 7, now=12.0, node=2)  # taken over: pushed again by another node
+    h.consumer_ack("a", 7, now=12.5, node=2)
+    h.confirm([("a", 7)], now=13.0)
+    assert h.timeline("a", b"p/1", origin=10.0) == [
+        "   +0.000 s  send acknowledged to its producer as id 7",
+        "   +0.500 s  pushed id 7 by node 2",
+        "   +1.000 s  ack of id 7 sent to node 2",
+        "   +2.000 s  pushed id 7 by node 3",
+        "   +2.500 s  ack of id 7 sent to node 3",
+        "   +3.000 s  ack of id 7 seen durable",
+    ]

@@ -26,6 +26,7 @@ from dmq_server.core.auth import PUBLISH, AuthState, Grant
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
 from dmq_server.protocols.dmq import DmqConnection
+from dmq_server.reliable.channel import ReliableMessage
 
 
 class Server:
@@ -479,3 +480,29 @@ def test_a_copy_that_cannot_be_pushed_fails_no_other_of_its_run() -> None:
     frames = FrameDecoder().feed(b"".join(out))
     assert [(f.command, f.message_id, f.channel) for f in frames] == [
         (Command.CONSUMER_PUSH, 1, "billing"), (Command.CONSUMER_PUSH, 3, "billing")]
+
+
+def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node_may_not_push(server):
+    """A push queued for the end of its reactor turn, then a stall (SIGSTOP) past the node's
+    ZooKeeper session: the woken node's gate is closed (another node may hold the copy and
+    have seen it acknowledged), so the consumer's connection closes without the push and
+    the copy goes back; a producer's answers in such a turn still go out."""
+    gate = [True]
+    server.broker.reliable.delivery_gate = lambda: gate[0]  # the cluster node's, in a cluster
+    producer, consumer = server.connect(), server.connect()
+    producer.received(), consumer.received()
+    consumer.send(Frame(Command.UP_SUBSCRIBE, session_id=9, topic="orders", channel="billing", credit=10))
+    server.settle()
+    consumer.received()
+    producer.send(send_frame(1))
+    server.settle()
+    [push] = [f for f in consumer.received() if f.command == Command.CONSUMER_PUSH]  # before: as usual
+    producer.received()
+    channel = server.broker.channels[("orders", "billing")]
+    channel.add(ReliableMessage(77, "orders", "p", 2, 1_700_000_000_000, b"late"))  # queued for the turn's end
+    producer.conn.queue_write(b"answer")  # a producer's bytes of the same turn
+    gate[0] = False  # what the gate answers on waking: ZooKeeper has not confirmed the session
+    server.clock.advance(4.0)
+    assert consumer.received() == [] and consumer.conn.closed and consumer.transport.disconnecting
+    assert producer.transport.value() == b"answer" and not producer.conn.closed
+    assert 77 in channel.known and 77 not in channel.in_flight  # back, for whoever holds it

@@ -48,7 +48,7 @@ class FakeBroker(Broker):
         self.limits = RateLimiter(clock)
         self._session_ids = GuidFactory(1, lambda: int(clock.seconds() * 1e9))
         self.cache = TopicCache(lambda: succeed([]), lambda specs: None, lambda why: None)
-        self.reliable = SimpleNamespace(channels={})
+        self.reliable = SimpleNamespace(channels={}, delivery_gate=None)
         self.published: list = []
         self.acked: list = []
         self.ack_calls = 0  # ack_each calls (a read's FINs)
@@ -765,3 +765,17 @@ def test_publish_failures_are_answered_by_their_family(env):
     env.store.get_topic("fast").exiting = True
     p.send(encode_command(b"PUB", b"fast", body=b"x"))
     assert p.frames() == [err("E_PUB_FAILED PUB failed exiting")] and p.closed
+
+
+def test_a_reliable_message_held_while_the_process_stood_still_is_not_written_once_the_node_may_not_push(env):
+    """A message queued for the end of its reactor turn, then a stall past the node's
+    ZooKeeper session with the cluster's gate closed on waking: the NSQ consumer is closed
+    without it (another node may have taken the copy over) and the copy goes back."""
+    ch = env.broker.register("orders", "billing")
+    c = env.peer().send(b"SUB orders billing\nRDY 5\n")
+    assert c.frames() == [OK]
+    ch.add(ReliableMessage(5, "orders", "p", 1, 0, b"late"))  # queued for the turn's end
+    env.broker.reliable.delivery_gate = lambda: False
+    env.clock.advance(4.0)
+    assert c.frames() == [] and c.closed
+    assert len(ch.ready) == 1 and not ch.in_flight

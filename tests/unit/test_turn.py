@@ -69,3 +69,51 @@ def test_one_connection_failing_to_write_does_not_hold_back_the_others():
     second.add(b"again")  # held again and written at the next turn's end
     clock.advance(0)
     assert written == [b"kept", b"again"]
+
+
+def _guarded(clock, may_push, holds_copies=True):
+    written, stale = [], []
+
+    def on_stale() -> bool:
+        stale.append(clock.seconds())
+        return holds_copies
+
+    return TurnBuffer(clock, written.append, lambda: may_push[0], on_stale), written, stale
+
+
+def test_bytes_held_while_the_process_stood_still_do_not_leave_once_the_node_may_not_push():
+    """A push decided before a stall (SIGSTOP) past the node's ZooKeeper session may be a
+    copy another node took over and saw acknowledged: it must not reach its consumer."""
+    clock, may_push = Clock(), [True]
+    buffer, written, stale = _guarded(clock, may_push)
+    buffer.add(b"push")
+    may_push[0] = False  # what the gate answers after a gap: ZooKeeper has not confirmed yet
+    clock.advance(4.0)  # frozen before the turn ended
+    assert written == [] and stale == [4.0] and not buffer
+    buffer.add(b"next")  # decided after the stall: the gate was asked then
+    clock.advance(0)
+    assert written == [b"next"]
+
+
+def test_a_stalled_turn_still_writes_when_the_node_may_push_or_holds_no_copies():
+    clock, may_push = Clock(), [True]
+    buffer, written, stale = _guarded(clock, may_push)
+    buffer.add(b"confirmed")
+    clock.advance(4.0)  # a long stall, but ZooKeeper confirmed the session meanwhile
+    clock.advance(0)
+    assert written == [b"confirmed"] and stale == []
+    may_push[0] = False
+    producer, answers, asked = _guarded(clock, may_push, holds_copies=False)
+    producer.add(b"SEND_SUCCESS_ACK")  # a producer's answers: true whoever holds the copies
+    clock.advance(4.0)
+    clock.advance(0)
+    assert answers == [b"SEND_SUCCESS_ACK"] and len(asked) == 1
+
+
+def test_a_turn_of_normal_length_does_not_ask_the_gate():
+    clock, may_push = Clock(), [False]
+    buffer, written, stale = _guarded(clock, may_push)
+    buffer.add(b"push")
+    clock.advance(turn.STALL / 2)
+    clock.advance(0)
+    assert written == [b"push"] and stale == []
