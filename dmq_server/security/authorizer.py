@@ -9,8 +9,18 @@ is for the log only (nsqd does not tell untrusted clients why).
 answers; ``GET http://ADDRESS/auth?remote_ip=&tls=&secret=&common_name=`` (an address
 with ``://`` is used as the whole URL; ``--auth-http-request-method post`` sends the same
 fields as a form); status 200 and a valid answer, within the connect and request
-timeouts. Over https the auth server's certificate is verified against
-``--tls-root-ca-file`` when given, else the system's CAs.
+timeouts (the request timeout covers the whole exchange, the answer's body included, as
+Go's ``http.Client.Timeout`` does). Over https the auth server's certificate is verified
+against ``--tls-root-ca-file`` when given, else the system's CAs.
+
+The answer is read as Go's client, nsqd's, reads it: to its ``Content-Length``, to its
+last chunk, or, when it declares neither (HTTP/1.0, e.g. an auth server written on
+Python's ``http.server``), to the close of the connection, which is then its end (Twisted's
+``readBody`` calls that a partial download). A body cut short of what it declared is a
+failure, and no more than ``MAX_ANSWER`` bytes are held: a larger answer is refused and its
+connection closed. Every failure is logged with what went wrong (cannot connect, no answer
+within the timeout, the status, a body cut short, not JSON...); the client hears nsqd's
+``E_AUTH_FAILED`` only.
 
 ``FileAuthorizer`` answers from a file read at start and again on SIGHUP (a file that
 no longer parses keeps the previous one, and the reload says why).
@@ -25,14 +35,18 @@ from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from twisted.internet import defer
+from twisted.internet.error import ConnectError, TimeoutError as ConnectTimeout
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, FileBodyProducer, readBody
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, FileBodyProducer, ResponseDone, ResponseFailed
+from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH
 
 from dmq_server.core.auth import AnswerError, AuthFile, AuthState, parse_answer, parse_auth_file
 from dmq_server.core.errors import AuthFailed
 
-__all__ = ["Authorizer", "HttpAuthorizer", "FileAuthorizer", "make_authorizer"]
+__all__ = ["Authorizer", "HttpAuthorizer", "FileAuthorizer", "make_authorizer", "read_answer"]
 
 log = Logger()
 
@@ -113,9 +127,20 @@ class HttpAuthorizer:
             return state
         raise AuthFailed("; ".join(reasons) or "no auth server")
 
-    @defer.inlineCallbacks
-    def _ask(self, url: str, fields: dict[str, str]) -> Any:
+    def _ask(self, url: str, fields: dict[str, str]) -> defer.Deferred:
+        """The answer's ``AuthState``, or a failure whose message says what went wrong."""
         self.queries += 1
+        timeout = self.request_timeout
+
+        def timed_out(result: Any, _: float) -> None:
+            raise AnswerError(f"no answer within {timeout:g} s (--http-client-request-timeout)")
+
+        d = self._exchange(url, fields)
+        d.addTimeout(timeout, self.reactor, onTimeoutCancel=timed_out)
+        return d.addErrback(_explain)
+
+    @defer.inlineCallbacks
+    def _exchange(self, url: str, fields: dict[str, str]) -> Any:
         query = urlencode(fields)
         headers = Headers({b"accept": [b"application/json"]})
         body = None
@@ -124,18 +149,100 @@ class HttpAuthorizer:
             body = FileBodyProducer(BytesIO(query.encode()))
         else:
             url = f"{url}{'&' if '?' in url else '?'}{query}"
-        d = self.agent.request(self.method, url.encode(), headers, body)
-        d.addTimeout(self.request_timeout, self.reactor)
-        response = yield d
-        read = readBody(response)
-        read.addTimeout(self.request_timeout, self.reactor)
-        data = yield read
+        response = yield self.agent.request(self.method, url.encode(), headers, body)
+        data = yield read_answer(response)
         if response.code != 200:
-            raise AnswerError(f"status {response.code}")
-        if len(data) > MAX_ANSWER:
-            raise AnswerError(f"answer of {len(data)} bytes")
+            phrase = response.phrase.decode("latin-1", "replace")
+            raise AnswerError(f"status {response.code} {phrase}: {data[:200]!r}")
         state: AuthState = parse_answer(data, self.reactor.seconds())
         return state
+
+
+def read_answer(response: Any, limit: int = MAX_ANSWER) -> defer.Deferred:
+    """The whole body of an auth server's ``response`` (bytes), or an ``AnswerError``."""
+    declared = None if response.length is UNKNOWN_LENGTH else response.length
+    reader = _AnswerBody(limit, declared)
+    response.deliverBody(reader)
+    return reader.done
+
+
+class _AnswerBody(Protocol):
+    """Collects a body up to ``limit`` bytes. Twisted ends a body with ``ResponseDone``
+    (its Content-Length or last chunk reached), ``PotentialDataLoss`` (the connection
+    closed, and the response declared neither a length nor chunks: that close is its end,
+    the body is whole) or a failure (a declared length or a chunked body cut short: the
+    chunked decoder's ``_DataLoss``; Twisted keeps ``Transfer-Encoding`` to itself, so a
+    chunked body is told from a close-ended one only by how it fails)."""
+
+    def __init__(self, limit: int, declared: int | None):
+        self.limit, self.declared = limit, declared
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.done: defer.Deferred = defer.Deferred(self._cancel)
+        self._waiting = True
+
+    def connectionMade(self) -> None:
+        if self.declared is not None and self.declared > self.limit:
+            self._fail(f"an answer of {self.declared} bytes (Content-Length), over the limit of {self.limit}")
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._waiting:
+            return
+        self.size += len(data)
+        if self.size > self.limit:
+            self._fail(f"an answer over the limit of {self.limit} bytes (not read further)")
+            return
+        self.parts.append(data)
+
+    def connectionLost(self, reason: Any = None) -> None:
+        if not self._waiting:
+            return
+        self._waiting = False
+        if reason.check(ResponseDone) or (reason.check(PotentialDataLoss) and self.declared is None):
+            self.done.callback(b"".join(self.parts))
+        elif self.declared is not None:
+            self.done.errback(AnswerError(f"the answer ended after {self.size} of the {self.declared} bytes "
+                                          "its Content-Length declared"))
+        else:
+            self.done.errback(AnswerError(f"the answer ended after {self.size} bytes, short of its end: "
+                                          f"{_reasons(reason)}"))
+
+    def _fail(self, why: str) -> None:
+        self._waiting = False
+        self.parts = []
+        self._abort()
+        self.done.errback(AnswerError(why))
+
+    def _cancel(self, _: defer.Deferred) -> None:
+        self._waiting = False
+        self._abort()
+
+    def _abort(self) -> None:
+        abort = getattr(self.transport, "abortConnection", None) or self.transport.stopProducing
+        abort()
+
+
+def _explain(failure: Any) -> None:
+    """Raise what went wrong as an ``AnswerError`` a person can act on."""
+    error = failure.value
+    if isinstance(error, AnswerError):
+        failure.raiseException()
+    if isinstance(error, ConnectTimeout):
+        raise AnswerError(f"cannot connect within the connect timeout (--http-client-connect-timeout): {error}")
+    if isinstance(error, ConnectError):
+        raise AnswerError(f"cannot connect: {error}")
+    if isinstance(error, ResponseFailed):
+        raise AnswerError(f"no valid HTTP answer: {_reasons(failure)}")
+    failure.raiseException()
+
+
+def _reasons(failure: Any) -> str:
+    """The message of a failure, or of each failure a ``ResponseFailed`` wraps."""
+    error = failure.value
+    nested = getattr(error, "reasons", None)
+    if isinstance(error, ResponseFailed) and nested:
+        return "; ".join(f"{type(r.value).__name__}: {r.getErrorMessage()}" for r in nested)
+    return f"{type(error).__name__}: {failure.getErrorMessage()}"
 
 
 def _trust_root(path: str) -> Any:

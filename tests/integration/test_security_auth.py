@@ -1,7 +1,9 @@
 """AUTH against a real auth server run by the test (nsqd's contract: allow, deny, regex, ttl
 expiry, unreachable), the same rules on the dmq protocol, and counting: a connection that
 failed auth publishes nothing and receives nothing, while every message acknowledged to an
-authorized producer reaches the authorized consumer."""
+authorized producer reaches the authorized consumer. Auth servers framing their answers
+each way nsqd accepts (a length, chunks, the connection's close), and failing each way
+(hung, down, not JSON, cut short, too large, 500): clear errors, nothing hangs."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import socket
 import struct
 import time
 
-from dmq_client.blocking import BlockingClient
+from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.wire import Command, Frame, encode
 
-from .authserver import AuthServer, grant
+from .authserver import CHUNKED, CLOSE, CUT_CHUNKED, CUT_LENGTH, LENGTH, AuthServer, grant
 from .support import db_rows, free_port
 
 
@@ -280,3 +282,106 @@ def test_a_window_of_sends_is_checked_send_by_send_where_the_authorizer_says_no(
         stored = {row[0] for row in db_rows(pg_dsn, "SELECT id FROM dmq_message WHERE topic = %s", topic)}
         assert stored == acked and len(acked) == 30
         producer.close()
+
+
+@pytest.mark.parametrize("framing", [LENGTH, CHUNKED, CLOSE])
+def test_auth_servers_of_each_framing_are_understood(make_server, framing):
+    """An auth server's 200 answer read whole however it is framed, as nsqd's Go client
+    reads it: with a Content-Length, chunked, or ended by closing the connection (HTTP/1.0
+    without a length: a BaseHTTPRequestHandler's plain answer). AUTH succeeds on both
+    protocols and the client publishes."""
+    with AuthServer(framing) as authd:
+        authd.allow("s", "app", [grant("^t$")])
+        server = make_server(auth_http_address=authd.address)
+        c = Nsq(server.tcp_port)
+        c.send(identify(), auth("s"))
+        c.frame()
+        assert json.loads(c.frame()[1]) == {"identity": "app", "identity_url": "https://id/app", "permission_count": 1}
+        c.send(pub("t", b"nsq"))
+        assert c.frame() == (0, b"OK")
+        dmq = BlockingClient("127.0.0.1", server.tcp_port, auth_secret="s")
+        assert dmq.identity == {"identity": "app", "identity_url": "https://id/app", "permission_count": 1}
+        assert dmq.send("t", b"dmq").command == Command.SEND_SUCCESS_ACK
+        dmq.close()
+        assert authd.count("s") == 2
+        assert " failed: " not in server.log_path.read_text()
+
+
+def _refused_on_both_protocols(server, secret: str) -> None:
+    """AUTH with ``secret`` is answered nsqd's E_AUTH_FAILED on NSQ (and the connection
+    closed) and on the dmq protocol (PROTOCOL_ERROR, closed)."""
+    c = Nsq(server.tcp_port)
+    c.send(identify(), auth(secret))
+    c.frame()
+    assert c.frame() == (1, b"E_AUTH_FAILED AUTH failed"), secret
+    assert c.closed()
+    with pytest.raises(ClientError, match="server closed the connection: E_AUTH_FAILED AUTH failed"):
+        BlockingClient("127.0.0.1", server.tcp_port, auth_secret=secret).close()
+
+
+def _serves(server, secret: str = "ok") -> None:
+    """An authorized client on each protocol authenticates and publishes."""
+    c = Nsq(server.tcp_port)
+    c.send(identify(), auth(secret))
+    c.frame()
+    assert json.loads(c.frame()[1])["identity"] == "app"
+    c.send(pub("t", b"nsq"))
+    assert c.frame() == (0, b"OK")
+    with BlockingClient("127.0.0.1", server.tcp_port, auth_secret=secret) as dmq:
+        assert dmq.send("t", b"dmq").command == Command.SEND_SUCCESS_ACK
+
+
+def test_an_auth_server_that_fails_is_a_clear_error_and_the_node_keeps_serving(make_server):
+    """Auth servers that fail each their way, against a request timeout of 1 s: one that
+    never answers (AUTH fails after the timeout, while other clients authenticate and
+    publish meanwhile), one answering a body that is not JSON, one cut short of its
+    Content-Length or of its last chunk, one over the size limit (declared, or sent
+    without a length), one answering 500, and one that is down (nothing listens). Each
+    AUTH is answered E_AUTH_FAILED on both protocols, at once or at the timeout, never
+    later; the log says what went wrong, in words; and the node serves after all of it."""
+    from dmq_server.security.authorizer import MAX_ANSWER
+
+    with AuthServer() as authd:
+        authd.allow("ok", "app", [grant("^t$")])
+        for secret, framing in (("cut", CUT_LENGTH), ("cut-chunked", CUT_CHUNKED)):
+            authd.allow(secret, "app", [grant("^t$")])
+            authd.framings[secret] = framing
+        authd.answers["garbage"] = (200, b"<html>not JSON</html>")
+        authd.answers["huge"] = authd.answers["huge-declared"] = (200, b" " * (MAX_ANSWER + 1))
+        authd.framings["huge"] = CLOSE
+        authd.answers["error"] = (500, {"message": "boom"})
+        authd.held.add("slow")
+        server = make_server(auth_http_address=authd.address, http_client_request_timeout="1s")
+
+        slow = Nsq(server.tcp_port)
+        slow.send(identify(), auth("slow"))
+        asked_at = time.monotonic()
+        slow.frame()
+        _serves(server)  # while the slow AUTH waits
+        assert slow.frame() == (1, b"E_AUTH_FAILED AUTH failed")
+        assert 1.0 <= time.monotonic() - asked_at < 4.0
+        for secret in ("slow", "garbage", "cut", "cut-chunked", "huge", "huge-declared", "error"):
+            _refused_on_both_protocols(server, secret)
+        _serves(server)
+
+        log = server.log_path.read_text()
+        failed = f"auth server http://{authd.address}/auth failed: "
+        size = len(json.dumps(authd.answers["cut"][1]))
+        for why, times in (
+            ("no answer within 1 s (--http-client-request-timeout)", 3),
+            ("answer is not JSON: Expecting value: line 1 column 1 (char 0)", 2),
+            (f"the answer ended after {size} of the {size + 100} bytes its Content-Length declared", 2),
+            (f"the answer ended after {size // 2} bytes, short of its end: ConnectionDone: Connection was "
+             "closed cleanly.; _DataLoss: Chunked decoder in 'CHUNK_LENGTH' state", 2),
+            (f"an answer over the limit of {MAX_ANSWER} bytes (not read further)", 2),
+            (f"an answer of {MAX_ANSWER + 1} bytes (Content-Length), over the limit of {MAX_ANSWER}", 2),
+            ("status 500 Internal Server Error: b'{\"message\": \"boom\"}'", 2),
+        ):
+            assert log.count(failed + why) == times, why
+        assert "PartialDownloadError" not in log
+
+    down = make_server(auth_http_address=f"127.0.0.1:{free_port()}")
+    asked_at = time.monotonic()
+    _refused_on_both_protocols(down, "ok")
+    assert time.monotonic() - asked_at < 4.0
+    assert "failed: cannot connect: Connection was refused by other side" in down.log_path.read_text()

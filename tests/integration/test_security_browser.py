@@ -108,7 +108,8 @@ def _state(server) -> dict:
 
 def _refusals(server, path: str) -> int:
     log = server.log_path.read_text(errors="replace")
-    return sum(1 for line in log.splitlines() if f"HTTP POST {path} from " in line and "refused 403 E_CROSS_SITE" in line)
+    return sum(1 for line in log.splitlines()
+               if f"HTTP POST {path} from " in line and "refused 403 E_CROSS_SITE" in line)
 
 
 @pytest.mark.parametrize(
@@ -143,8 +144,9 @@ def test_a_page_of_another_origin_cannot_publish_delete_or_empty(make_server, ot
         browser.get(f"{page}/form{i}")
         wait_for(lambda: browser.current_url.startswith(dmq), timeout=20)
         answer = json.loads(browser.find_element("tag name", "body").text)
-        expected = {"error": "E_CROSS_SITE", "message": why} if "/admin/" in target else {"message": f"E_CROSS_SITE {why}"}
-        assert answer == expected, target
+        admin_api = "/admin/" in target  # its answers are {"error", "message"}, nsqd's {"message"}
+        assert answer == ({"error": "E_CROSS_SITE", "message": why} if admin_api
+                          else {"message": f"E_CROSS_SITE {why}"}), target
     pages["/fetch"] = FETCH_PAGE.format(urls=json.dumps([dmq + target for target in TARGETS]))
     browser.get(f"{page}/fetch")
     wait_for(lambda: browser.title == "sent", timeout=20)

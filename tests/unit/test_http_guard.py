@@ -52,7 +52,8 @@ OWN = "http://127.0.0.1:4151"
         # ... and decides even where the Origin would not (a proxy that rewrote the Host)
         (b"POST", "same-origin", "https://dmq.example", None),
         # another site, another port of this host, or a value no browser sends
-        (b"POST", "cross-site", "http://evil.example", "a page of another site sent this change (Sec-Fetch-Site: cross-site)"),
+        (b"POST", "cross-site", "http://evil.example",
+         "a page of another site sent this change (Sec-Fetch-Site: cross-site)"),
         (b"POST", "same-site", "http://127.0.0.1:8000", "another origin on the same site (another port or subdomain)"),
         (b"DELETE", "cross-site", None, "Sec-Fetch-Site: cross-site"),
         (b"PUT", "nested-document", OWN, "Sec-Fetch-Site: nested-document: a browser's request neither same-origin"),
