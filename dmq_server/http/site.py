@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
@@ -212,10 +213,16 @@ class BoundedSite(Site):
         )
 
     def body_limit(self, target: bytes) -> tuple[int, str, bytes]:
-        """``(bytes, nsqd's error text, kind)`` for a request target (path and query)."""
+        """``(bytes, nsqd's error text, kind)`` for a request target (path and query).
+
+        The resource that will answer is named by the path's first segment as twisted.web
+        finds it: percent-decoded, after any empty segments (the root resource answers
+        ``""`` with itself), so ``/pub/``, ``//pub`` and ``/%70ub`` are ``/pub`` and get its
+        limit, not the larger one of ``/mpub``."""
         path = target.split(b"?", 1)[0]
-        if path == b"/pub":
+        first = next((unquote_to_bytes(p) for p in path.split(b"/") if p), b"")
+        if first == b"pub":
             return self.max_msg_size, "MSG_TOO_BIG", b"nsq"
-        if path == b"/admin" or path.startswith(b"/admin/"):
+        if first == b"admin":
             return self.max_body_size, "BODY_TOO_BIG", b"admin"
         return self.max_body_size, "BODY_TOO_BIG", b"nsq"
