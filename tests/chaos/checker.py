@@ -15,7 +15,12 @@ A run records, with timestamps on one monotonic clock:
 * **duplicated**: delivered again after an ack of an earlier delivery of it on that
   channel was confirmed durable. The bar is 0: at-least-once allows a redelivery
   only while the ack is not yet durable (a timeout, a consumer or node that died,
-  an ack batch whose outcome was unknown).
+  an ack batch whose outcome was unknown). A delivery counts when the consumer reads
+  it, not when a node decided it: a node frozen with a push still in its own buffers
+  must not write it on waking if its copies may have moved (``protocols/turn.py``;
+  node-pause once counted such a push as a duplicate). Only a push already in the
+  kernel or the network could still arrive late, and the suite's faults that delay
+  those (the fault proxy's) take no node's copies away.
 * **redelivered**: the deliveries again that are allowed (before confirmation).
 * **unexpected**: delivered but never sent by any producer of the run.
 * **unacknowledged delivered**: sends that failed or went unanswered but were stored
