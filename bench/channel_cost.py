@@ -55,6 +55,8 @@ def child(messages: int, check: bool = False) -> dict:
     class Connection:
         """What DmqSubscription.push needs of a DmqConnection."""
 
+        blocked = False  # its client reads what it is sent (DmqSubscription.credit)
+
         closed = False
         peer = "127.0.0.1:1"
 

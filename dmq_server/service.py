@@ -44,6 +44,7 @@ from dmq_client.wire import MAGIC
 from dmq_server.admin.console import AdminConsoleFactory
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps
+from dmq_server.core.memory import ClientMemory
 from dmq_server.core.peers import is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
@@ -54,7 +55,7 @@ from dmq_server.http.guard import HttpGuard
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.http.sampling import Sampling
 from dmq_server.http.site import BoundedSite
-from dmq_server.protocols.flow import FlowLimits
+from dmq_server.protocols.flow import FlowLimits, MemoryWatch
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.http.nsqd import install as install_nsq_http
@@ -67,7 +68,7 @@ from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.clusters import describe as describe_clusters, place_clusters
 from dmq_server.db.mirror import Mirror
 from dmq_server.db.topics import list_topics_steps
-from dmq_server.db.schema import migrate, ping
+from dmq_server.db.schema import migrate, ping_steps
 from dmq_server.core.fragments import SharedAssignment
 from dmq_server.db.worker import DbWorker
 from dmq_server.security.authorizer import make_authorizer
@@ -130,6 +131,10 @@ class DmqServer:
         self.https_port: Any = None  # --https-address
         self.tls: ServerTls | None = None
         self.authorizer: Any = None
+        # the one budget of bytes held for clients (--max-client-memory): the TCP ports'
+        # connections and both stores' channel windows count against it
+        self.client_memory = ClientMemory(options.max_client_memory)
+        self.memory_watch: MemoryWatch | None = None
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -254,6 +259,7 @@ class DmqServer:
             zk_state=self.cluster.zk_state if self.cluster is not None else None,
             stored=self.sampling.gauges.snapshot() if self.sampling is not None else None,
             db_pool={role: worker.state() for role, worker in self.workers.items()},
+            client_memory=self.client_memory.stats(),
             histograms={
                 "dmq_publish_commit_seconds": self.broker.publish_commit_seconds.snapshot(),
                 "dmq_publish_deliver_seconds": self.broker.publish_deliver_seconds.snapshot(),
@@ -280,7 +286,7 @@ class DmqServer:
                 yield "fast", stats["topic_name"], channel["channel_name"], dict(channel, ack_count=channel.get("finish_count", 0))
 
     def _ping(self) -> Any:
-        d = self.workers["health"].run(ping)
+        d = self.workers["health"].run_steps(ping_steps)
         d.addTimeout(5, self.reactor)
         return d
 
@@ -318,7 +324,8 @@ class DmqServer:
     def _open_fast_store(self) -> None:
         """NSQ's fast store: topics registered with store=fast and NSQ's topics made on
         first use (nsqd's semantics); the broker routes publishes to it."""
-        self.fast_store = FastStore.from_options(self.options, self.reactor, self.options.data_dir / "nsq")
+        self.fast_store = FastStore.from_options(self.options, self.reactor, self.options.data_dir / "nsq",
+                                                 client_memory=self.client_memory)
         self.fast_store.start()
 
     def _close_fast_store(self) -> None:
@@ -338,6 +345,8 @@ class DmqServer:
             clusters=self.cluster_workers, slots=self.slots, alone=self.cluster is None,
         )
         self.broker.health_listeners.append(self._health_changed)
+        for store in self.broker.stores.values():
+            store.client_memory = self.client_memory
         if self.cluster is None:
             return self.broker.start()
         self.cluster.attach(self.broker, self._fast_topics)
@@ -418,8 +427,10 @@ class DmqServer:
         # its budget is the port's flow-control state (/admin/flow), shared with the TLS port
         self.port_factory = PortFactory(
             reactor, handlers, FlowLimits.from_options(options), tls=self.tls,
-            handshake_timeout=options.tls_handshake_timeout, refused=refused,
+            handshake_timeout=options.tls_handshake_timeout, refused=refused, memory=self.client_memory,
         )
+        self.memory_watch = MemoryWatch(self.client_memory, self.port_factory.budget, reactor)
+        self.memory_watch.start()
         host, port = options.tcp_endpoint
         self.tcp_port = yield _endpoint(reactor, host, port).listen(self.port_factory)
         if options.tls_address:
@@ -543,6 +554,8 @@ class DmqServer:
         """SERVER_REBOOT first, so dmq clients send elsewhere while queued sends are
         still committed and answered (the broker's stage, next)."""
         log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
+        if self.memory_watch is not None:
+            self.memory_watch.stop()
         if self.console_port is not None:
             yield self.console_port.stopListening()
         for conn in list(self.connections):

@@ -198,6 +198,14 @@ class Options:
         "their answer; above it connections holding any wait until it is under three quarters",
         kind="int",
     )
+    max_client_memory: int = _opt(
+        268435456,
+        "bytes the server may hold on its clients' behalf, all kinds together: incomplete "
+        "frames, sends awaiting their commit, unread replies and pushes, and the channels' "
+        "memory windows (reliable and fast); over it the connections holding any are not "
+        "read until it is under three quarters (docs/operations.md, Memory)",
+        kind="int",
+    )
     read_timeout: float = _opt(
         30.0,
         "longest an incomplete frame (TCP) or request (HTTP) may take to arrive once it has "
@@ -478,6 +486,11 @@ class Options:
                 "max_buffered_bytes",
                 self.max_buffered_bytes >= max(self.max_msg_size, self.max_body_size),
                 "must be at least --max-msg-size and --max-body-size: one whole frame must fit",
+            ),
+            (
+                "max_client_memory",
+                self.max_client_memory >= max(16 << 20, 4 * max(self.max_msg_size, self.max_body_size)),
+                "must be at least 16 MiB and four times --max-msg-size and --max-body-size",
             ),
             ("delay_fragments", 1 <= self.delay_fragments <= 32767, "must be 1..32767"),
             ("delay_workers", self.delay_workers >= 1, "must be at least 1"),

@@ -1,9 +1,11 @@
 """A channel of a fast topic, with nsqd's semantics (``nsqd/channel.go``).
 
 Each message a topic copies to this channel goes to exactly one of its clients.
-Waiting messages sit in a bounded memory queue (``--mem-queue-size``) and overflow
-to the channel's disk queue (``<topic>:<channel>``; ephemeral channels drop the
-overflow). A delivered message is *in flight* until FIN, REQ or its deadline;
+Waiting messages sit in a bounded memory queue (``--mem-queue-size`` messages, and in
+bytes what the server's ``--max-client-memory`` grants a channel window:
+``core.memory.ClientMemory.window_room``) and overflow to the channel's disk queue
+(``<topic>:<channel>``; ephemeral channels drop the overflow). Records read ahead from
+the disk queue are bounded in bytes too (a quarter of a channel window). A delivered message is *in flight* until FIN, REQ or its deadline;
 a deferred one (DPUB, REQ with a delay) waits for its due time. Both sit in a map
 by id plus their deadlines (``core.deadlines``), which the store's single queue
 scanner drains (``process_in_flight`` / ``process_deferred``); no timer per message.
@@ -27,6 +29,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
+from dmq_server.core.memory import FAST_WINDOW, WindowBytes
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
 from dmq_server.core.deadlines import Deadlines
@@ -50,6 +53,7 @@ class FastChannel:
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = store.mem_queue_size
         self.memory: deque[FastMessage] = deque()
+        self.window = WindowBytes(store.client_memory, FAST_WINDOW)  # the bodies in ``memory``
         self.backend = store.make_backend(f"{topic_name}:{name}", self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
         # records taken from the disk queue in one read and not yet delivered: still
@@ -97,14 +101,19 @@ class FastChannel:
         memory = self.memory
         room = self.mem_queue_size - len(memory)
         overflow: list[bytes] = []
+        fits = self.window.fits
+        kept = 0
         for msg in msgs:
             if msg.deferred:
                 self.start_deferred(msg, msg.deferred)
-            elif room > 0 and not overflow:
+            elif room > 0 and not overflow and fits(len(msg.body), kept):
                 memory.append(msg)
+                kept += len(msg.body)
                 room -= 1
             else:
                 overflow.append(msg.encode())
+        if kept:
+            self.window.add(kept)
         if overflow:
             self._backend_has_data = True
             self.backend.put_many(overflow)
@@ -116,14 +125,21 @@ class FastChannel:
         """Queue for delivery: memory while it has room, else the disk queue."""
         if self.exiting:
             raise Exiting()
-        if len(self.memory) < self.mem_queue_size or (self.ephemeral and self._has_ready_client()):
+        size = len(msg.body)
+        if (len(self.memory) < self.mem_queue_size and self.window.fits(size)) or (
+                self.ephemeral and self._has_ready_client()):
             self.memory.append(msg)
+            self.window.add(size)
         else:
             self.backend.put(msg.encode())
             self._backend_has_data = not self.ephemeral
             if self.store.health_error is not None:
                 self.store.set_health(None)
         self.pump()
+
+    def _memory_cleared(self) -> None:
+        self.memory.clear()
+        self.window.clear()
 
     def depth(self) -> int:
         """Waiting messages (memory + disk); not in flight, not deferred."""
@@ -228,6 +244,7 @@ class FastChannel:
                     if not ahead:
                         self._backend_has_data = False
                         break
+                    self._size_read_ahead(ahead)
                 data = ahead.popleft()
                 try:
                     return FastMessage.decode(data)
@@ -238,8 +255,19 @@ class FastChannel:
                     )
         self._disk_turn = True  # memory and disk take turns, so neither starves
         if memory:
-            return memory.popleft()
+            msg = memory.popleft()
+            self.window.add(-len(msg.body))
+            return msg
         return None
+
+    def _size_read_ahead(self, records: deque[bytes]) -> None:
+        """The next read from the disk queue takes as many records as a quarter of a
+        channel window holds, at the size of these (at most ``READ_AHEAD``)."""
+        budget = self.window.memory
+        if budget is None:
+            return
+        average = max(1, sum(map(len, records)) // len(records))
+        self._read_ahead = max(1, min(READ_AHEAD, self.mem_queue_size, budget.channel_limit // 4 // average))
 
     def _deliver(self, msgs: list[FastMessage], client: Any) -> None:
         """In flight to ``client`` until FIN, REQ or the client's message timeout."""
@@ -404,7 +432,7 @@ class FastChannel:
         self.deferred_due.clear()
         for client in self._rotation:
             client.in_flight_count = 0
-        self.memory.clear()
+        self._memory_cleared()
         self._ahead.clear()
         self.backend.empty()
         self._backend_has_data = False
@@ -450,7 +478,7 @@ class FastChannel:
             backend.put(msg.encode())
         for msg in self.deferred.values():
             backend.put(msg.encode())
-        self.memory.clear()
+        self._memory_cleared()
         self.in_flight.clear()
         self.in_flight_due.clear()
         self.deferred.clear()

@@ -16,6 +16,7 @@ __all__ = ["StoreServices"]
 class StoreServices(Protocol):
     clock: Any  # IReactorTime: the injected clock
     mem_queue_size: int
+    client_memory: Any  # core.memory.ClientMemory: memory queues are bounded in bytes by it too (None: not)
     max_msg_timeout: float
     max_channel_consumers: int
     health_error: str | None

@@ -98,8 +98,10 @@ class FastStore:
         max_bytes_per_file: int = 100 * 1024 * 1024,
         node_id: int | None = None,
         backend_factory: Callable[[str], Any] | None = None,
+        client_memory: Any = None,
     ):
         self.clock = clock
+        self.client_memory = client_memory  # core.memory.ClientMemory: the memory queues' bytes
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.mem_queue_size = mem_queue_size
         self.max_msg_size = max_msg_size
@@ -126,7 +128,7 @@ class FastStore:
         self.closed = False
 
     @classmethod
-    def from_options(cls, options: Any, clock: Any, data_dir: Path | None) -> "FastStore":
+    def from_options(cls, options: Any, clock: Any, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
         """Built from ``dmq_server.core.options.Options`` (nsqd's defaults where a field is absent)."""
 
         def opt(name: str, default: Any) -> Any:
@@ -144,6 +146,7 @@ class FastStore:
             sync_every=opt("sync_every", 2500),
             sync_timeout=opt("sync_timeout", 2.0),
             max_bytes_per_file=opt("max_bytes_per_file", 100 * 1024 * 1024),
+            client_memory=client_memory,
         )
 
     # -- backends -----------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 Every message published to a topic is copied to each of its channels (same id,
 body and timestamp; attempts start at 0 per channel). While the topic has no
-channel, or is paused, messages wait in the topic itself: a bounded memory queue
-that overflows to the topic's disk queue (``<topic>``), so the first channel
-created gets everything published before it. Deferred messages (DPUB) wait in
+channel, or is paused, messages wait in the topic itself: a memory queue bounded in
+messages (``--mem-queue-size``) and in bytes (a channel window of the server's
+``--max-client-memory``, ``core.memory.ClientMemory``) that overflows to the topic's
+disk queue (``<topic>``), so the first channel created gets everything published
+before it. A drain reads at most a channel window's bytes from the disk queue at once. Deferred messages (DPUB) wait in
 memory, never on disk, so they keep their delay.
 
 Where nsqd runs a pump goroutine per topic, this topic copies a message straight
@@ -20,6 +22,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
+from dmq_server.core.memory import FAST_WINDOW, WindowBytes
 from dmq_server.fast.channel import FastChannel
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
@@ -30,6 +33,8 @@ log = Logger()
 
 #: Messages moved from a topic's backlog to its channels per reactor turn.
 DRAIN_BATCH = 2000
+#: Records a drain asks the disk queue for before it knows their size.
+DRAIN_PROBE = 16
 
 
 class FastTopic:
@@ -39,6 +44,7 @@ class FastTopic:
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = store.mem_queue_size
         self.memory: deque[FastMessage] = deque()
+        self.window = WindowBytes(store.client_memory, FAST_WINDOW)  # the bodies in ``memory``
         self.backend = store.make_backend(name, self.ephemeral)
         self._backend_has_data = self.backend.depth() > 0
         self.channels: dict[str, FastChannel] = {}
@@ -68,8 +74,10 @@ class FastTopic:
         self.message_bytes += sum(len(msg.body) for msg in msgs)
 
     def _queue(self, msg: FastMessage) -> None:
-        if msg.deferred or len(self.memory) < self.mem_queue_size:
+        size = len(msg.body)
+        if msg.deferred or (len(self.memory) < self.mem_queue_size and self.window.fits(size)):
             self.memory.append(msg)
+            self.window.add(size)
         elif not self.ephemeral:  # ephemeral overflow is dropped (nsqd's dummy backend)
             self.backend.put(msg.encode())
             self._backend_has_data = True
@@ -94,6 +102,10 @@ class FastTopic:
                           topic=self.name, what=what, channel=channel.name, why=exc)
                 self.store.set_health(exc)
 
+    def _memory_cleared(self) -> None:
+        self.memory.clear()
+        self.window.clear()
+
     def depth(self) -> int:
         return len(self.memory) + self.backend.depth()
 
@@ -110,13 +122,22 @@ class FastTopic:
             return
         memory = self.memory
         batch = [memory.popleft() for _ in range(min(len(memory), DRAIN_BATCH))]
+        if batch:
+            self.window.add(-sum(len(msg.body) for msg in batch))
         moved = len(batch)
-        while self._backend_has_data and moved < DRAIN_BATCH:
-            records = self.backend.read_many(DRAIN_BATCH - moved)
+        # at most a channel window's bytes from disk at once: records may be a megabyte each
+        room = self.window.memory.channel_limit if self.window.memory is not None else None
+        step = DRAIN_PROBE if room is not None else DRAIN_BATCH
+        while self._backend_has_data and moved < DRAIN_BATCH and (room is None or room > 0):
+            records = self.backend.read_many(min(DRAIN_BATCH - moved, step))
             if not records:
                 self._backend_has_data = False
                 break
             moved += len(records)
+            if room is not None:
+                size = sum(map(len, records))
+                room -= size
+                step = max(1, room // max(1, size // len(records)))
             for data in records:
                 try:
                     batch.append(FastMessage.decode(data))
@@ -159,7 +180,7 @@ class FastTopic:
         self.drain()
 
     def empty(self) -> None:
-        self.memory.clear()
+        self._memory_cleared()
         self.backend.empty()
         self._backend_has_data = False
 
@@ -172,7 +193,7 @@ class FastTopic:
             channel = self.channels.pop(name)
             channel.delete()
             self.store.disarm(channel)
-        self.memory.clear()
+        self._memory_cleared()
         self.backend.destroy()
 
     def close(self) -> None:
@@ -189,7 +210,7 @@ class FastTopic:
             log.info("TOPIC({topic}): flushing {n} memory messages to backend", topic=self.name, n=len(self.memory))
         for msg in self.memory:
             self.backend.put(msg.encode())
-        self.memory.clear()
+        self._memory_cleared()
         self.backend.close()
 
     def stats(self, channel: str | None = None, include_clients: bool = True) -> dict[str, Any]:

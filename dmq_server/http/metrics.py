@@ -52,6 +52,8 @@ class Snapshot:
     stored: dict[str, Any] | None = None
     #: each database connection's state by role (``DbWorker.state()``, ``ReactorDb.state()``)
     db_pool: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``core.memory.ClientMemory.stats()``: the bytes held for clients, by kind, and the budget
+    client_memory: dict[str, Any] | None = None
 
 
 #: the histograms a snapshot may carry, and what they measure
@@ -203,6 +205,7 @@ class DmqCollector:
         yield from _clusters(snap)
         yield from _stored(snap)
         yield from _db_pool(snap)
+        yield from _client_memory(snap)
 
         for name, (buckets, total) in sorted(snap.histograms.items()):
             histogram = HistogramMetricFamily(name, HISTOGRAMS.get(name, name))
@@ -316,6 +319,27 @@ def _db_pool(snap: Snapshot) -> Iterator[Metric]:
         families["queued"].add_metric([role], state.get("queued", 0))
     if snap.db_pool:
         yield from families.values()
+
+
+def _client_memory(snap: Snapshot) -> Iterator[Metric]:
+    """The bytes held on clients' behalf against ``--max-client-memory`` (core.memory)."""
+    memory = snap.client_memory
+    if memory is None:
+        return
+    held = GaugeMetricFamily(
+        "dmq_client_memory_bytes", "Bytes held on clients' behalf, by kind: incomplete frames, sends awaiting "
+        "their commit, unsent replies and pushes, the channels' memory windows.", labels=["kind"])
+    for kind, size in memory["held"].items():
+        held.add_metric([kind], size)
+    yield held
+    yield GaugeMetricFamily("dmq_client_memory_limit_bytes", "The budget of bytes held for clients "
+                            "(--max-client-memory).", value=memory["limit"])
+    yield GaugeMetricFamily("dmq_client_memory_stopped_connections", "Connections not read now because the "
+                            "budget is spent.", value=memory["stopped"])
+    yield CounterMetricFamily("dmq_client_memory_pauses", "Times a connection stopped being read because the "
+                              "budget was spent.", value=memory["pauses"])
+    yield CounterMetricFamily("dmq_client_memory_episodes", "Times the bytes held for clients went over the "
+                              "budget (each logged once, when it starts and when it ends).", value=memory["episodes"])
 
 
 def metrics_resource(take: Callable[[], Snapshot], reactor: Any) -> Any:

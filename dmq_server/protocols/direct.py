@@ -15,6 +15,10 @@ they were: the kernel's buffer fills first either way. Anything else takes
 TLS-only port's wrapper), a connection turned to TLS in band (NSQ's ``tls_v1``, whose
 writes must go through the TLS layer), one closing or closed, or a send that failed
 (Twisted then finds the loss on its own write and reports it as usual).
+
+``queued``, when given, is called after a write left bytes in Twisted's buffer: the
+port's flow control counts them against the server's memory budget
+(``protocols.flow.ReadGate.output_queued``); a write the socket took whole costs nothing more.
 """
 
 from __future__ import annotations
@@ -26,12 +30,24 @@ from twisted.internet.tcp import Connection
 __all__ = ["direct_writer"]
 
 
-def direct_writer(transport: Any) -> Callable[[bytes], None]:
+def direct_writer(transport: Any, queued: Callable[[], None] | None = None) -> Callable[[bytes], None]:
     """``transport.write``, sending at once where that cannot reorder or lose a byte."""
     if not isinstance(transport, Connection):
-        # looked up at each write: the unit tests wrap a string transport's write to count writes
-        return lambda data: transport.write(data)
-    queue = transport.write
+        if queued is None:
+            # looked up at each write: the unit tests wrap a string transport's write to count writes
+            return lambda data: transport.write(data)
+
+        def write_counted(data: bytes) -> None:
+            transport.write(data)
+            queued()
+
+        return write_counted
+    if queued is None:
+        queue = transport.write
+    else:
+        def queue(data: bytes) -> None:
+            transport.write(data)
+            queued()
     send = transport.writeSomeData
 
     def write(data: bytes) -> None:

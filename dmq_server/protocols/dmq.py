@@ -98,11 +98,21 @@ class DmqSubscription:
 
     def __init__(self, connection: "DmqConnection", credit: int):
         self.connection = connection
-        self.credit = credit
+        self._credit = credit
         self.in_flight = 0
         self.channel: Any = None
         # how the message trace and the console name this consumer
         self.name = f"dmq {connection.peer}"
+
+    @property
+    def credit(self) -> int:
+        """The client's credit, or 0 while it has not read what was written to it
+        (``DmqConnection.output_blocked``): a consumer that does not read gets no more."""
+        return 0 if self.connection.blocked else self._credit
+
+    @credit.setter
+    def credit(self, value: int) -> None:
+        self._credit = value
 
     def push_many(self, channel: Any, deliveries: Sequence[Any]) -> None:
         """Each copy as a CONSUMER_PUSH, queued for this reactor turn's write in one call
@@ -141,7 +151,8 @@ class DmqConnection:
 
     def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
         self.transport = transport
-        self._write = direct_writer(transport)  # every byte to the client, in order
+        self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
+        self.blocked = False  # the client does not read what it is sent: no pushes (output_blocked)
         self.broker = broker
         self.clock = clock
         options = broker.options
@@ -186,6 +197,18 @@ class DmqConnection:
     def _emit(self, data: bytes) -> None:
         if not self.closed:
             self._write(data)
+
+    def _queued(self) -> None:
+        self.flow.output_queued()
+
+    def output_blocked(self, blocked: bool) -> None:
+        """The port's gate: the client's unread bytes passed ``--max-output-buffer``
+        (True), or were all sent (False: pushes go on where its credit allows)."""
+        self.blocked = blocked
+        if not blocked:
+            for sub in list(self.subscriptions.values()):
+                if sub.channel is not None and not self.closed:
+                    sub.channel.pump()
 
     def _stale_turn(self) -> bool:
         """This turn's bytes were held while the process stood still, and the node may no
@@ -257,6 +280,8 @@ class DmqConnection:
             self._deadline.cancel()
         self._deadline = None
         self._registry.discard(self)
+        # what a partial frame held goes now, not when the collector finds this object
+        self.decoder = FrameDecoder(self.decoder.max_frame_size)
         subs, self.subscriptions = self.subscriptions, {}
         for sub in subs.values():
             if sub.channel is not None:

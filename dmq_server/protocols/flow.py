@@ -19,6 +19,16 @@ capped here (the options are in ``dmq_server/core/options.py``):
   back under three quarters of the cap. An incomplete frame must be completed
   within ``--read-timeout`` (the timer runs from the frame's first byte), so
   connections trickling bytes cannot keep that memory forever.
+* **everything, in bytes.** The same bytes, and the unsent replies and pushes in the
+  transports' buffers, count against the server's one ``--max-client-memory``
+  (``core.memory.ClientMemory``, which the channels' memory windows share). Over it, a
+  connection holding many bytes of its own (``ClientMemory.should_stop``) is not read
+  (``MEMORY``) until the total is under three quarters; the episode is logged once when it starts and once when it
+  ends. A connection whose unsent bytes passed ``--max-output-buffer`` gets no more
+  pushes until they are sent (``pushes_blocked``; its handler's ``output_blocked``
+  hears the change), so a consumer that does not read is not written to without end.
+  ``MemoryWatch`` refreshes the unsent counts each second (they only shrink between
+  writes) and hands freed memory back to the operating system after large frees.
 
 One read can still deliver up to 64 KiB (Twisted's read size) before a gate
 closes; the bounds below are therefore "cap + one read" per connection. Time comes
@@ -29,19 +39,35 @@ This module does not know the protocols: a handler tells its gate how many bytes
 it holds (``input_held``), when a send starts and ends, and asks whether it is
 paused for a reason of the server's own (``server_paused``; then a silent peer is
 not the peer's fault).
+
+Why one long module: a connection's gate, the port's budget and the watch over the
+server's client memory act on the same few fields (a gate's reasons and the bytes it
+holds); split, one pause would be decided in three files.
 """
 
 from __future__ import annotations
 
+import select
 from typing import Any, Callable
 
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
 from zope.interface import implementer
 
-__all__ = ["BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "OUTPUT", "PENDING", "BUDGET", "AUTH"]
+from dmq_server.core import memory as kinds
+from dmq_server.core.memory import ClientMemory, release_to_os
 
-#: why a connection is not being read (AUTH: its handler waits for the authorizer)
-OUTPUT, PENDING, BUDGET, AUTH = "output", "pending", "budget", "auth"
+__all__ = [
+    "BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "MemoryWatch",
+    "OUTPUT", "PENDING", "BUDGET", "AUTH", "MEMORY",
+]
+
+log = Logger()
+
+#: why a connection is not being read (AUTH: its handler waits for the authorizer;
+#: MEMORY: the server's --max-client-memory)
+OUTPUT, PENDING, BUDGET, AUTH, MEMORY = "output", "pending", "budget", "auth", "memory"
 
 
 class FlowLimits:
@@ -54,12 +80,14 @@ class FlowLimits:
         max_pending_bytes: int = 8 * 1024 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         read_timeout: float = 30.0,
+        max_client_memory: int = 256 * 1024 * 1024,
     ):
         self.max_output_buffer = max_output_buffer
         self.max_pending_sends = max_pending_sends
         self.max_pending_bytes = max_pending_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.read_timeout = read_timeout
+        self.max_client_memory = max_client_memory
 
     @classmethod
     def from_options(cls, options: Any) -> "FlowLimits":
@@ -71,9 +99,11 @@ class FlowLimits:
 
 class BufferBudget:
     """Bytes held by all connections of one port (incomplete frames, pending send
-    bodies), and the gates waiting for the total to fall."""
+    bodies), and the gates waiting for the total to fall; ``memory``, the server's
+    budget of every byte held for clients, which these count against too."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, memory: ClientMemory | None = None):
+        self.memory = memory if memory is not None else ClientMemory(max(limit * 4, 256 * 1024 * 1024))
         self.limit = limit
         self.resume_below = limit * 3 // 4
         self.held = 0
@@ -107,6 +137,7 @@ class BufferBudget:
             "held_bytes": self.held,
             "peak_held_bytes": self.peak,
             "max_buffered_bytes": self.limit,
+            "client_memory": self.memory.stats(),
             "connections": len(gates),
             "paused": sum(1 for g in gates if g.paused),
             "gates": [g.stats() for g in gates],
@@ -139,6 +170,9 @@ class ReadGate:
         self.pending_sends = 0
         self.pending_bytes = 0
         self.input_bytes = 0  # the handler's incomplete frame
+        self.output_bytes = 0  # unsent, as last seen (ClientMemory's OUTPUT)
+        self.memory = budget.memory
+        self.on_output: Callable[[bool], None] | None = None  # the handler hears pushes_blocked change
         self.bytes_read = 0
         self.pauses = 0
         self.closed = False
@@ -159,9 +193,16 @@ class ReadGate:
 
     @property
     def server_paused(self) -> bool:
-        """Not read for a reason of the server's (commits, the port's budget): the
-        client cannot be blamed for silence or a slow frame meanwhile."""
-        return PENDING in self.reasons or BUDGET in self.reasons or AUTH in self.reasons
+        """Not read for a reason of the server's (commits, the port's budget, the
+        server's memory): the client cannot be blamed for silence meanwhile."""
+        reasons = self.reasons
+        return PENDING in reasons or BUDGET in reasons or AUTH in reasons or MEMORY in reasons
+
+    @property
+    def pushes_blocked(self) -> bool:
+        """The client has not read what was written to it (over ``--max-output-buffer``):
+        no more pushes until it has."""
+        return OUTPUT in self.reasons
 
     @property
     def held(self) -> int:
@@ -175,18 +216,66 @@ class ReadGate:
         frame remain buffered."""
         if self.closed:
             return
-        self.budget.change(count - self.input_bytes)
+        delta = count - self.input_bytes
+        self.budget.change(delta)
+        self.memory.add(kinds.FRAMES, delta)
         self.input_bytes = count
         self._arm_timer()
         if count and self.budget.over:
             self.hold(BUDGET)
             self.budget.wait(self)
+        if count and self.memory.over:
+            self._stop_for_memory()
+
+    def _stop_for_memory(self) -> None:
+        """Over the server's budget (``ClientMemory.should_stop``, by the bytes this
+        connection holds): not read until the total is under the resume mark."""
+        if (
+            not self.closed
+            and MEMORY not in self.reasons
+            and self.memory.should_stop(self.input_bytes + self.pending_bytes + self.output_bytes)
+        ):
+            self.hold(MEMORY)
+            self.memory.stop(self, self._memory_resumed)
+
+    def _memory_resumed(self) -> None:
+        self.release(MEMORY)
+
+    def let_close(self) -> None:
+        """The peer closed its side while the port was not reading it for memory (the
+        budgets): read it again, so the rest it sent (at most a socket buffer) and its
+        end are read and the connection, with what it holds, goes."""
+        held = self.reasons & {MEMORY, BUDGET}
+        if not held or self.closed:
+            return
+        self.reasons -= held
+        self.memory.forget(self)
+        self.budget.forget(self)
+        self.budget.gates.add(self)
+        if not self.reasons:
+            self.transport.resumeProducing()
+
+    def output_queued(self) -> None:
+        """The handler's write left bytes in the transport's buffer (or the watch looks
+        again): count what is unsent now."""
+        if self.closed:
+            return
+        now = output_buffered(self.transport)
+        delta = now - self.output_bytes
+        if delta:
+            self.output_bytes = now
+            self.memory.add(kinds.OUTPUT, delta)
+            if delta > 0 and self.memory.over:
+                self._stop_for_memory()
 
     def sends_started(self, count: int, size: int) -> None:
         """``count`` sends of ``size`` bytes in all were read and wait for their answers."""
         self.pending_sends += count
         self.pending_bytes += size
         self.budget.change(size)
+        self.memory.add(kinds.PENDING, size)
+        if self.memory.over:
+            self._stop_for_memory()
         limits = self.limits
         if self.pending_sends >= limits.max_pending_sends or self.pending_bytes >= limits.max_pending_bytes:
             self.hold(PENDING)
@@ -199,6 +288,7 @@ class ReadGate:
         self.pending_sends -= count
         self.pending_bytes -= size
         self.budget.change(-size)
+        self.memory.add(kinds.PENDING, -size)
         limits = self.limits
         if (
             PENDING in self.reasons
@@ -231,14 +321,22 @@ class ReadGate:
 
     # IPushProducer: the transport's write buffer
     def pauseProducing(self) -> None:
+        blocked = OUTPUT in self.reasons
         self.hold(OUTPUT)
+        self.output_queued()
+        if not blocked and self.on_output is not None and not self.closed:
+            self.on_output(True)
 
     def resumeProducing(self) -> None:
         if getattr(self.transport, "disconnecting", False):
             # a registered producer keeps a closing transport open: let it go
             self.transport.unregisterProducer()
             return
+        blocked = OUTPUT in self.reasons
+        self.output_queued()  # drained: nothing unsent
         self.release(OUTPUT)
+        if blocked and self.on_output is not None and not self.closed:
+            self.on_output(False)
 
     def stopProducing(self) -> None:
         self.close()
@@ -304,8 +402,12 @@ class ReadGate:
         self._timer = self._abort = None
         # the bodies of sends still awaiting their commit stay counted until answered
         self.budget.change(-self.input_bytes)
-        self.input_bytes = 0
+        self.memory.add(kinds.FRAMES, -self.input_bytes)
+        self.memory.add(kinds.OUTPUT, -self.output_bytes)
+        self.input_bytes = self.output_bytes = 0
         self.budget.forget(self)
+        self.memory.forget(self)
+        self.on_output = None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -324,7 +426,10 @@ class ReadGate:
 class NoGate:
     """A handler's gate when nothing limits it (unit tests that drive a handler alone)."""
 
-    paused = server_paused = False
+    paused = server_paused = pushes_blocked = False
+
+    def output_queued(self) -> None:
+        pass
 
     def sends_started(self, count: int, size: int) -> None:
         pass
@@ -348,9 +453,75 @@ class NoGate:
 NO_GATE = NoGate()
 
 
+_HUNG_UP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
+
+
+def peer_closed(transport: Any) -> bool:
+    """Whether the peer closed (or reset) a connection the port is not reading: a paused
+    transport does not see the end of its stream, so a client gone while stopped would
+    keep what it holds until a timeout. False where there is no socket to ask."""
+    try:
+        fd = transport.fileno()
+    except (AttributeError, ValueError, OSError):
+        return False
+    if not isinstance(fd, int) or fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, _HUNG_UP)
+    return bool(poller.poll(0))
+
+
 def output_buffered(transport: Any) -> int:
     """Bytes the transport has not sent yet (Twisted keeps them in two buffers)."""
     try:
         return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
     except AttributeError:
         return 0
+
+
+class MemoryWatch:
+    """The ``ClientMemory`` adapter on the reactor: logs each episode over the budget
+    once when it starts and once when it ends; every ``interval`` seconds looks at the
+    connections' unsent bytes again (written bytes leave Twisted's buffer without a
+    word to the gate) and, once enough was freed (``ClientMemory.trim_due``), hands it
+    back to the operating system (``core.memory.release_to_os``)."""
+
+    def __init__(self, memory: ClientMemory, budget: BufferBudget | None, clock: Any, interval: float = 1.0):
+        self.memory = memory
+        self.budget = budget
+        memory.on_episode = self._episode
+        self._loop = LoopingCall(self.tick)
+        self._loop.clock = clock
+        self.interval = interval
+
+    def start(self) -> None:
+        if not self._loop.running:
+            self._loop.start(self.interval, now=False)
+
+    def stop(self) -> None:
+        if self._loop.running:
+            self._loop.stop()
+
+    def tick(self) -> None:
+        if self.budget is not None:
+            for gate in list(self.budget.gates):
+                gate.output_queued()
+                if (MEMORY in gate.reasons or BUDGET in gate.reasons) and peer_closed(gate.transport):
+                    gate.let_close()
+        if self.memory.trim_due() and release_to_os():
+            self.memory.trims += 1
+
+    def _episode(self, started: bool) -> None:
+        memory = self.memory
+        held = ", ".join(f"{kind} {size}" for kind, size in memory.held.items() if size)
+        if started:
+            log.warn(
+                "client memory over its budget: {total} of {limit} bytes held ({held}); connections "
+                "holding frames or sends are not read until it is under {resume}",
+                total=memory.total, limit=memory.limit, held=held or "nothing", resume=memory.resume_below,
+            )
+        else:
+            log.info(
+                "client memory back under its budget: {total} of {limit} bytes held; reading again",
+                total=memory.total, limit=memory.limit,
+            )

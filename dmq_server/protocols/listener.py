@@ -11,7 +11,10 @@ their cap, or while the port's buffered bytes are over theirs, and closes one wh
 incomplete frame is not finished within the read timeout (see ``dmq_server.protocols.flow``).
 A handler offers ``buffered()`` (bytes of an incomplete frame it holds),
 ``timed_out(description)`` and, optionally, ``resume_reading()`` (called before the
-port reads again, to drain input the handler kept while paused).
+port reads again, to drain input the handler kept while paused) and
+``output_blocked(blocked)`` (its client stopped or started reading what it was sent:
+no pushes meanwhile). Every byte those connections hold counts against the server's
+``--max-client-memory`` (``core.memory.ClientMemory``, the factory's ``budget.memory``).
 
 TLS (``dmq_server.security.tls``): on the TLS-only port (``--tls-address``) the factory is
 wrapped in Twisted's TLS layer, so the magic is read after the handshake; a handler may
@@ -34,6 +37,7 @@ from zope.interface import implementer
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
 from dmq_server.protocols.flow import BufferBudget, FlowLimits, ReadGate
+from dmq_server.core.memory import ClientMemory
 from dmq_server.core.peers import peer_address
 
 __all__ = ["PortProtocol", "PortFactory"]
@@ -141,6 +145,7 @@ class PortProtocol(Protocol):
         if self.factory.tls is not None and not self.factory.tls_port:
             self._handler.start_tls = self.start_tls
         self.gate.on_resume = getattr(self._handler, "resume_reading", None)
+        self.gate.on_output = getattr(self._handler, "output_blocked", None)
         if rest:
             self._handler.data_received(rest)
         self._account()
@@ -173,7 +178,9 @@ class PortFactory(Factory):
     """``protocols`` maps a 4-byte magic to ``handler(transport)``; ``limits`` are the
     flow-control bounds (``FlowLimits.from_options``), shared by every connection (and
     by the TLS port's factory: ``budget`` may be shared). ``tls`` is the server's
-    ``ServerTls`` (None: no TLS); ``tls_port`` says TLS starts with the connection."""
+    ``ServerTls`` (None: no TLS); ``tls_port`` says TLS starts with the connection.
+    ``memory``: the server's one ``ClientMemory`` (a budget of its own when not given:
+    a port alone in a test)."""
 
     def __init__(
         self,
@@ -186,11 +193,13 @@ class PortFactory(Factory):
         handshake_timeout: float = 5.0,
         refused: dict[bytes, str] | None = None,
         budget: BufferBudget | None = None,
+        memory: ClientMemory | None = None,
     ):
         self.clock = clock
         self.protocols = protocols
         self.limits = limits or FlowLimits()
-        self.budget = budget or BufferBudget(self.limits.max_buffered_bytes)
+        self.budget = budget or BufferBudget(
+            self.limits.max_buffered_bytes, memory or ClientMemory(self.limits.max_client_memory))
         self.tls = tls
         self.tls_port = tls_port
         self.handshake_timeout = handshake_timeout

@@ -86,7 +86,8 @@ class NsqConnection:
 
     def __init__(self, transport: Any, ctx: NsqContext):
         self.transport = transport
-        self._write = direct_writer(transport)  # every byte to the client, in order
+        self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
+        self.blocked = False  # the client does not read what it is sent: no messages (output_blocked)
         self.ctx = ctx
         self.clock = ctx.clock
         self.store = ctx.store
@@ -144,7 +145,19 @@ class NsqConnection:
     def _update_ready(self) -> None:
         """``ready_count``, which a channel reads for every message it pumps: RDY, or 0
         until the SUB's OK has gone out and after CLS. Set when one of those changes."""
-        self.ready_count = self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED else 0
+        self.ready_count = (
+            self.rdy if self._sub_answered and self.state == STATE_SUBSCRIBED and not self.blocked else 0)
+
+    def _queued(self) -> None:
+        self.flow.output_queued()
+
+    def output_blocked(self, blocked: bool) -> None:
+        """The port's gate: the client's unread bytes passed ``--max-output-buffer``
+        (True: its RDY counts as 0, so no channel sends it more), or were all sent."""
+        self.blocked = blocked
+        self._update_ready()
+        if not blocked and self.sub is not None and not self.closed:
+            self.sub.pump()
 
     @property
     def heartbeat_interval(self) -> float:
@@ -350,6 +363,10 @@ class NsqConnection:
         if sub is not None:
             sub.detach(self)
         self.replies.clear()
+        # what a partial command or kept input held goes now, not when the collector finds this object
+        self.parser = CommandParser(self.ctx.max_msg_size, self.ctx.max_body_size)
+        self._inflate_tail = b""
+        self._pub_bodies = []
         self.closed = True
 
     def close(self) -> None:

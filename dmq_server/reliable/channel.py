@@ -1,9 +1,12 @@
 """A channel (consumer group) of a reliable topic: memory window, in flight, redelivery.
 
 PostgreSQL holds every unacknowledged copy; the channel holds only a window of
-them (``mem_queue_size``) plus what is in flight, so a backlog of millions costs
-the server no memory. When the window runs low and the database may hold more
-(``backlog``), the channel asks its loader for rows after ``cursor``.
+them (``mem_queue_size`` copies, and in bytes what the server's ``--max-client-memory``
+grants a channel window: ``core.memory.ClientMemory.window_room``) plus what is in
+flight, so a backlog of millions, or of megabyte bodies, costs the server little
+memory. When the window runs low and the database may hold more (``backlog``), the
+channel asks its loader for rows after ``cursor``: as many as the window's free bytes
+hold at the bodies' size seen so far (``LOAD_PROBE`` before any was seen).
 
 Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
 ``push(delivery)``. Time comes from an injected clock (``seconds()``), and
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from dmq_server.core.deadlines import Deadlines
+from dmq_server.core.memory import RELIABLE_WINDOW
 
 __all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
 
@@ -32,6 +36,9 @@ TIMEOUT = "timeout"  # not acknowledged within the message timeout
 CONSUMER_GONE = "consumer_gone"  # its consumer disconnected or unsubscribed
 REQUEUED = "requeued"  # the consumer gave it back (NSQ's REQ), at once or after a delay
 RETURN_REASONS = (TIMEOUT, CONSUMER_GONE, REQUEUED)
+
+#: rows a load asks for while the channel has seen no body to size them by
+LOAD_PROBE = 16
 
 
 @dataclass(slots=True)
@@ -83,6 +90,7 @@ class ReliableChannel:
         on_exhausted: Callable[["ReliableChannel", Delivery], None] | None = None,
         on_return: Callable[["ReliableChannel", Delivery, str], None] | None = None,
         deliver_latency: Any = None,
+        memory: Any = None,
     ):
         self.topic = topic
         self.name = name
@@ -106,6 +114,11 @@ class ReliableChannel:
         self._on_return = on_return
         self.deliver_latency = deliver_latency
         self.ready: deque[Delivery] = deque()
+        # the bodies in ``ready``, counted in the server's ClientMemory (None: no byte bound),
+        # and the size a body had on average lately (what a load's row count is sized by)
+        self.ready_bytes = 0
+        self._memory = memory
+        self._body_size = 0
         self.in_flight: dict[int, Delivery] = {}
         self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
         # for the cursor (``progress``): ready ids and each owner's lowest one (heaps with
@@ -171,7 +184,9 @@ class ReliableChannel:
         if self.loading:
             self._arrived_while_loading.append(delivery)
             return
-        if mid <= self.cursor or (not self.backlog and len(self.ready) < self.mem_queue_size):
+        if mid <= self.cursor or (
+            not self.backlog and len(self.ready) < self.mem_queue_size and self._room(len(message.body))
+        ):
             if not self.backlog and mid > self.cursor:
                 # Nothing older waits in PostgreSQL, so the cursor may move past this
                 # copy: a later load must not find it again after its ack is durable.
@@ -307,6 +322,37 @@ class ReliableChannel:
         self.known.add(delivery.message.message_id)
         self.ready.append(delivery)
         self._now_ready(delivery.message)
+        self._ready_changed(len(delivery.message.body))
+
+    # -- the window in bytes ------------------------------------------------------------
+    def _room(self, size: int) -> bool:
+        """Whether the window may keep a copy of ``size`` bytes more (the count is the
+        caller's); a body's size also updates the running average loads are sized by."""
+        self._body_size = (self._body_size * 7 + size) // 8 if self._body_size else size
+        memory = self._memory
+        return memory is None or memory.window_room(self.ready_bytes, size)
+
+    def _ready_changed(self, delta: int) -> None:
+        """``delta`` bytes more (or fewer) of bodies in ``ready``."""
+        if delta:
+            self.ready_bytes += delta
+            if self._memory is not None:
+                self._memory.add(RELIABLE_WINDOW, delta)
+
+    def _load_size(self) -> int:
+        """Rows the next load asks for: the window's free places, no more than its free
+        bytes hold at the average body size (``LOAD_PROBE`` while none is known); at least
+        one when nothing is ready, so a consumer always gets something."""
+        count = self.mem_queue_size - len(self.ready)
+        memory = self._memory
+        if memory is None:
+            return count
+        if self._body_size:
+            free = min(memory.channel_limit - self.ready_bytes, memory.window_limit - memory.windows)
+            count = min(count, free // self._body_size)
+        else:
+            count = min(count, LOAD_PROBE)
+        return max(count, 0 if self.ready else 1)
 
     def _now_ready(self, message: ReliableMessage) -> None:
         mid = message.message_id
@@ -336,9 +382,13 @@ class ReliableChannel:
             and not self.paused
             and self.consumers
             and len(self.ready) < self.mem_queue_size // 2 + 1
+            and (self._memory is None or self.ready_bytes <= self._memory.channel_limit // 2)
         ):
+            limit = self._load_size()
+            if limit <= 0:
+                return
             self.loading = True
-            self._load(self, self.cursor, self.mem_queue_size - len(self.ready))
+            self._load(self, self.cursor, limit)
 
     def loaded(self, rows: Iterable[Any], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order."""
@@ -353,6 +403,8 @@ class ReliableChannel:
         for row in rows:
             count += 1
             self.cursor = max(self.cursor, row.message_id)
+            if self._memory is not None:
+                self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
             if row.message_id in self.known or row.message_id in dropped:
                 continue
             message = ReliableMessage(
@@ -368,7 +420,10 @@ class ReliableChannel:
             mid = delivery.message.message_id
             if mid in self.known:
                 continue
-            if mid <= self.cursor or (not self.backlog and len(self.ready) < self.mem_queue_size):
+            if mid <= self.cursor or (
+                not self.backlog and len(self.ready) < self.mem_queue_size
+                and self._room(len(delivery.message.body))
+            ):
                 self._enqueue(delivery)
             else:
                 self.backlog = True
@@ -428,6 +483,7 @@ class ReliableChannel:
         held.update(self.in_flight)
         self.known -= held  # what stays: acks and dead letters still being made durable
         self.ready.clear()
+        self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
         self._ready_heaps.clear()
         self.in_flight.clear()
@@ -489,6 +545,7 @@ class ReliableChannel:
                 break  # nobody has credit
             delivery = self.ready.popleft()
             self._ready_ids.discard(delivery.message.message_id)
+            self._ready_changed(-len(delivery.message.body))
             if self._exhausted(delivery):
                 continue
             self._start_flights([delivery], consumer)
@@ -508,10 +565,12 @@ class ReliableChannel:
                 popleft = ready.popleft
                 run = [popleft() for _ in range(room)]
             ready_ids.difference_update([d.message.message_id for d in run])
+            self._ready_changed(-self.ready_bytes if not ready else -sum([len(d.message.body) for d in run]))
             return run
         while ready and len(run) < room:
             delivery = ready.popleft()
             ready_ids.discard(delivery.message.message_id)
+            self._ready_changed(-len(delivery.message.body))
             if not self._exhausted(delivery):
                 run.append(delivery)
         return run
@@ -583,6 +642,7 @@ class ReliableChannel:
             self.requeue_count += 1
         self.ready.appendleft(delivery)
         self._now_ready(delivery.message)
+        self._ready_changed(len(delivery.message.body))
 
     def _returned(self, delivery: Delivery, reason: str) -> None:
         if self._on_return is not None:
@@ -670,6 +730,7 @@ class ReliableChannel:
             self.finishing.pop(mid, None)
             self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
+        self._ready_changed(sum([len(d.message.body) for d in self.ready]) - self.ready_bytes)
         self.pump()
         return len(ids)
 
@@ -747,6 +808,7 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
         self.consumers.clear()
         self.ready.clear()
+        self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
         self._ready_heaps.clear()
         self.finishing.clear()

@@ -87,6 +87,8 @@ class ReliableStore:
         self.cluster = "main"  # the PostgreSQL cluster of ``workers`` (broker.placement)
         # called when a send's topic was not placed on this cluster (moved; set by the broker)
         self.misplaced: Callable[[], None] | None = None
+        # the server's core.memory.ClientMemory: channel windows bounded in bytes (set by the service)
+        self.client_memory: Any = None
         self._workers = workers
         self._set_health = set_health
         self.topics: dict[str, TopicSpec] = {}  # the reliable topics, from the broker's registry cache
@@ -369,6 +371,7 @@ class ReliableStore:
                 on_exhausted=self.dead_letters.on_exhausted,
                 on_return=self.trace.returned,
                 deliver_latency=self.deliver_latency,
+                memory=self.client_memory,
             )
             channel.paused = self.paused
             channel.gate = self.delivery_gate
