@@ -539,7 +539,8 @@ class DmqServer:
         if not is_loopback(host) and not options.admin_token:
             log.warn("admin console on non-loopback {host} without --admin-token: it will refuse every command", host=host)
         factory = AdminConsoleFactory(
-            ops, host, options.admin_token, self.reactor, options.admin_idle_timeout, credentials
+            ops, host, options.admin_token, self.reactor, options.admin_idle_timeout, credentials,
+            read_timeout=options.read_timeout,
         )
         try:
             tls = self.tls if options.admin_tls else None

@@ -29,7 +29,9 @@ Bounds: a line longer than ``MAX_LENGTH`` (16 KiB) is answered ``ERR E_LINE_TOO_
 in its turn and the lines after it are still run. At most ``MAX_QUEUED`` lines wait
 for their turn: then the console stops reading the connection, and it runs no
 further command while its answers are not being read (the transport's write buffer
-is full). A session without a command for ``--admin-idle-timeout`` is closed. When
+is full). A session without a command for ``--admin-idle-timeout`` is closed, and so
+is one whose line, once started, is not finished within ``--read-timeout`` (a client
+trickling bytes, as the TCP ports close one: ``protocols.flow``). When
 the client half-closes (``nc -N``, ``printf ... | nc``), every command already sent
 is answered before the connection closes.
 
@@ -131,11 +133,13 @@ class AdminConsole(Protocol):
 
     def __init__(
         self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
-        credentials: Any = None,
+        credentials: Any = None, read_timeout: float = 0.0,
     ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
+        self.read_timeout = read_timeout
+        self._line_timer: Any = None  # runs from a line's first byte to its end
         # with authentication on (security.session.CredentialCache): `auth SECRET` whose
         # answer has the admin permission opens the session too, and nothing is open without
         self.credentials = credentials
@@ -230,6 +234,7 @@ class AdminConsole(Protocol):
             self._discarding = True
         if self._discarding:
             del buf[:]
+        self._time_line(bool(buf) or self._discarding)
         if len(self._queue) >= self.MAX_QUEUED and not self._reading_paused:
             self._reading_paused = True
             self.transport.pauseProducing()
@@ -284,6 +289,7 @@ class AdminConsole(Protocol):
         self._gone = True
         self._queue.clear()
         self._cancel_idle()
+        self._time_line(False)
         if self._abort_timer is not None and self._abort_timer.active():
             self._abort_timer.cancel()
         self._abort_timer = None
@@ -320,6 +326,25 @@ class AdminConsole(Protocol):
             return
         log.info("admin console {peer}: idle for {t}s, closing", peer=self.peer, t=self.idle_timeout)
         self.info(f"no command for {self.idle_timeout:g}s; closing the session")
+        self._close()
+
+    # -- the read timeout: a line must be finished once started ----------------------
+    def _time_line(self, partial: bool) -> None:
+        if partial and self._line_timer is None and self.read_timeout > 0 and not self._gone:
+            self._line_timer = self.clock.callLater(self.read_timeout, self._line_late)
+        elif not partial and self._line_timer is not None:
+            if self._line_timer.active():
+                self._line_timer.cancel()
+            self._line_timer = None
+
+    def _line_late(self) -> None:
+        self._line_timer = None
+        if self._gone:
+            return
+        log.info("admin console {peer}: a line not finished within {t}s, closing", peer=self.peer, t=self.read_timeout)
+        self._buffer.clear()
+        self._queue.clear()
+        self.error("E_TIMEOUT", f"line not finished within {self.read_timeout:g}s; closing the session")
         self._close()
 
     def _failed(self, failure: Any) -> None:
@@ -472,7 +497,7 @@ class AdminConsoleFactory(Factory):
 
     def __init__(
         self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
-        credentials: Any = None,
+        credentials: Any = None, read_timeout: float = 0.0,
     ):
         self.ops = ops
         self.listen_host = listen_host
@@ -480,8 +505,10 @@ class AdminConsoleFactory(Factory):
         self.clock = clock
         self.idle_timeout = idle_timeout
         self.credentials = credentials
+        self.read_timeout = read_timeout
 
     def buildProtocol(self, addr: Any) -> AdminConsole:
-        proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout, self.credentials)
+        proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout, self.credentials,
+                             self.read_timeout)
         proto.factory = self
         return proto

@@ -181,3 +181,27 @@ def test_admin_console_answers_before_closing_a_half_closed_session(make_server)
     lines = received.decode().splitlines()
     assert lines[0].startswith("# dmq admin console")
     assert "OK stats" in lines and lines[-1].startswith("OK ") and "topics" in lines[-1]
+
+
+def test_admin_console_closes_a_line_trickled_past_the_read_timeout(make_server):
+    """Slowloris on the admin console's real socket: a line's bytes one every 0.4 s, never
+    finished; --read-timeout 1s closes the session with ERR E_TIMEOUT."""
+    server = make_server(read_timeout="1s")
+    with socket.create_connection(("127.0.0.1", server.admin_port), timeout=10) as sock:
+        started = time.monotonic()
+        received = b""
+        try:
+            for _ in range(20):
+                sock.sendall(b"x")
+                time.sleep(0.4)  # the client's pace, not synchronisation
+        except OSError:
+            pass
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        elapsed = time.monotonic() - started
+    assert b"E_TIMEOUT line not finished within 1s" in received, received
+    assert 1.0 <= elapsed < 8

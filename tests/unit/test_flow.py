@@ -359,3 +359,26 @@ def test_nsq_publishes_to_a_reliable_topic_awaiting_commit_past_the_cap_stop_rea
         done(published(i))
     assert p.frames() == [(FRAME_RESPONSE, b"OK")] * 4
     assert p.conn.flow.pending_sends == 0 and p.conn.flow.pending_bytes == 0
+
+
+def test_admin_console_line_trickled_past_the_read_timeout_is_closed():
+    """Slowloris on the admin console: a line's bytes one every 2 s, never finished, close
+    the session ``read_timeout`` after its first byte (idle or not); whole lines in time
+    before it do not start it (injected clock)."""
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import StringTransport
+
+    from dmq_server.admin.console import AdminConsole
+
+    clock = Clock()
+    proto = AdminConsole(Ops(), "127.0.0.1", "", clock, 900.0, read_timeout=10.0)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    clock.advance(100)
+    for _ in range(4):
+        proto.dataReceived(b"x")
+        clock.advance(2)
+    assert not transport.disconnecting  # 8 s into the line
+    clock.advance(2)
+    assert transport.disconnecting
+    assert "ERR E_TIMEOUT line not finished within 10s" in transport.value().decode()
