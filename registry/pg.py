@@ -32,6 +32,7 @@ __all__ = [
     "add_channel",
     "remove_channel",
     "mirror_topics",
+    "mirror_changes",
     "clusters",
     "check_cluster",
     "place_topic",
@@ -152,14 +153,23 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
     undelivered copies with it, exactly as ``dmq topic delete`` does on one node.
     """
     conn.execute(queries["lock_registry_mirror"])
-    current = {row.name: row for row in list_topics(conn)}
+    changes = mirror_changes(list_topics(conn), specs)
+    for name, params in changes:
+        conn.execute(queries[name], params)
+    return bool(changes)
+
+
+def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The statements (query name, parameters) that make the tables holding ``current``
+    equal to ``specs``, in the order to run them (the server runs them as steps:
+    ``dmq_server.db.topics``)."""
+    have = {row.name: row for row in current}
     wanted = {spec.name: spec for spec in specs}
-    changed = False
-    for name in sorted(set(current) - set(wanted)):
-        conn.execute(queries["delete_topic"], {"name": name})
-        changed = True
+    changes: list[tuple[str, dict[str, Any]]] = []
+    for name in sorted(set(have) - set(wanted)):
+        changes.append(("delete_topic", {"name": name}))
     for name, spec in sorted(wanted.items()):
-        row = current.get(name)
+        row = have.get(name)
         settings = (
             spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts, spec.cluster,
             tuple(spec.draining),
@@ -173,8 +183,8 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
             row.cluster,
             row.draining,
         ):
-            conn.execute(
-                queries["upsert_topic"],
+            changes.append((
+                "upsert_topic",
                 {
                     "name": name,
                     "store": spec.store,
@@ -185,16 +195,13 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
                     "cluster": spec.cluster,
                     "draining": list(spec.draining),
                 },
-            )
-            changed = True
-        have = set(row.channels) if row is not None else set()
-        for channel in sorted(set(spec.channels) - have):
-            conn.execute(queries["add_channel"], {"topic": name, "name": channel})
-            changed = True
-        for channel in sorted(have - set(spec.channels)):
-            conn.execute(queries["remove_channel"], {"topic": name, "name": channel})
-            changed = True
-    return changed
+            ))
+        channels = set(row.channels) if row is not None else set()
+        for channel in sorted(set(spec.channels) - channels):
+            changes.append(("add_channel", {"topic": name, "name": channel}))
+        for channel in sorted(channels - set(spec.channels)):
+            changes.append(("remove_channel", {"topic": name, "name": channel}))
+    return changes
 
 
 class PgRegistry(Registry):

@@ -111,7 +111,8 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
     import registry
     from registry.interface import check_name
 
-    from dmq_server.admin.operations import TOPIC_SETTINGS, merge_topic_settings, update_topic
+    from dmq_server.admin.operations import TOPIC_SETTINGS, merge_topic_settings, update_topic_steps
+    from dmq_server.db.steps import run_steps
 
     changes = {key: getattr(args, key) for key in TOPIC_SETTINGS if getattr(args, key) is not _UNSET}
     try:
@@ -123,8 +124,8 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
                 after = merge_topic_settings(before, changes)
                 reg.update_topic(dataclasses.replace(spec, **after))
         else:
-            with _database(args) as conn:
-                before, after = update_topic(conn, args.name, changes)
+            with _database(args) as conn, conn.transaction():
+                before, after = run_steps(conn, update_topic_steps(args.name, changes))
     except registry.RegistryError as exc:
         raise CliError(str(exc)) from exc
     except Refused as exc:
@@ -203,10 +204,11 @@ def _channel_on_server(args: argparse.Namespace) -> None:
 
 def cmd_stats(args: argparse.Namespace) -> None:
     import registry
-    from dmq_server.db.admin import table_counts
+    from dmq_server.db.admin import table_counts_steps
+    from dmq_server.db.steps import run_steps
 
     with _database(args) as conn:
-        stored = table_counts(conn)
+        stored = run_steps(conn, table_counts_steps())
         # every registered reliable channel, 0 where nothing waits (the count lists only the others)
         waiting = {(c["topic"], c["channel"]): c["stored_depth"] for c in stored["channels"]}
         named = {(t.name, c) for t in registry.topics(conn) if t.store == "reliable" for c in t.channels}

@@ -27,19 +27,20 @@ from typing import Any
 from dmq_server.admin.operations import (
     DEFAULT_BATCH,
     DeadLetterFilter,
-    count_dead_letters,
-    delete_batch,
-    list_dead_letters,
-    log_operation,
+    count_dead_letters_steps,
+    delete_batch_steps,
+    list_dead_letters_steps,
+    log_operation_steps,
     parse_limit,
-    replay_batch,
+    replay_batch_steps,
     require_selection,
     run_batches,
-    show_dead_letter,
+    show_dead_letter_steps,
 )
 
 from dmq_server.admin.cli_support import CliError, cluster_of_id, open_clusters, open_database
 from dmq_server.core.errors import NotFound, Refused
+from dmq_server.db.steps import run_steps
 
 __all__ = ["add_admin_commands"]
 
@@ -135,10 +136,10 @@ def cmd_dlq(args: argparse.Namespace) -> None:
                 rows = []
                 for name, conn in conns.items():
                     rows += [dict(r, cluster=name) if len(conns) > 1 else r
-                             for r in list_dead_letters(conn, flt, limit, args.after)]
+                             for r in run_steps(conn, list_dead_letters_steps(flt, limit, args.after))]
                 _print_letters(sorted(rows, key=lambda r: r["id"])[:limit], args.json)
             elif args.action == "show":
-                row = show_dead_letter(next(iter(conns.values())), args.id)
+                row = run_steps(next(iter(conns.values())), show_dead_letter_steps(args.id))
                 print(json.dumps(row, indent=2))
             elif args.action in ("replay", "delete"):
                 for name, conn in conns.items():
@@ -154,7 +155,7 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
     require_selection(flt, args.all, args.action)
     if args.batch < 1:
         raise CliError("--batch must be at least 1", 2)
-    total, not_replayed = count_dead_letters(conn, flt)
+    total, not_replayed = run_steps(conn, count_dead_letters_steps(flt))
     if total == 0 and flt.ids:
         # named ids that are not there: the same answer as the HTTP API's 404, exit 1
         # (a filter that matches nothing is not an error: "deleted 0")
@@ -167,19 +168,19 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
         progress = _Progress("replayed", not_replayed, args.quiet)
 
         def step(after: int):
-            return replay_batch(conn, flt, after, batch, fragments, int(time.time() * 1000), "cli")
+            return run_steps(conn, replay_batch_steps(flt, after, batch, fragments, int(time.time() * 1000), "cli"))
 
         verb = "replayed"
     else:
         progress = _Progress("deleted", total, args.quiet)
 
         def step(after: int):
-            return delete_batch(conn, flt, after, batch)
+            return run_steps(conn, delete_batch_steps(flt, after, batch))
 
         verb = "deleted"
     done = run_batches(step, progress)
     seconds = progress.finish()
-    log_operation(conn, "cli", _actor(), f"dlq.{args.action}", flt.describe(), done)
+    run_steps(conn, log_operation_steps("cli", _actor(), f"dlq.{args.action}", flt.describe(), done))
     rate = f", {done / seconds:.0f}/s" if seconds > 0 and done else ""
     print(f"{verb} {done} dead letters in {seconds:.2f}s{rate}")
     if args.action == "replay" and done:
@@ -187,10 +188,10 @@ def _destructive(conn: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_delay(args: argparse.Namespace) -> None:
-    from dmq_server.db.delays import delay_stats
+    from dmq_server.db.delays import delay_stats_steps
 
     with open_clusters(args) as conns:
-        per = {name: delay_stats(conn) for name, conn in conns.items()}
+        per = {name: run_steps(conn, delay_stats_steps()) for name, conn in conns.items()}
     pending = sum(f["pending"] for fragments in per.values() for f in fragments)
     if args.json:
         out: dict[str, Any] = {"pending": pending, "fragments": [f for fs in per.values() for f in fs]}
@@ -245,20 +246,21 @@ def cmd_trace(args: argparse.Namespace) -> None:
     """A message's life from the stored facts (what a running node holds in memory right
     now is the admin API's ``/admin/messages/ID``)."""
     from dmq_server.admin.inspect import describe_event
-    from dmq_server.db.trace import find_message, read_trace
+    from dmq_server.db.trace import find_message_steps, read_trace_steps
 
     message_id = args.id
     if message_id is None:
         if not args.producer or args.session_id is None:
             raise CliError("give a message id, or --producer and --session-id", 2)
         with open_clusters(args) as conns:  # the producer's topic may be on any cluster
-            found = [m for m in (find_message(conn, args.producer, args.session_id) for conn in conns.values()) if m]
+            found = [m for m in (run_steps(conn, find_message_steps(args.producer, args.session_id))
+                                  for conn in conns.values()) if m]
         if not found:
             raise CliError(f"no message stored for producer {args.producer!r} and session id {args.session_id}", 1)
         message_id = found[0]
     args.cluster = cluster_of_id(args, message_id)  # the id names its cluster
     with open_clusters(args) as conns:
-        trace = read_trace(next(iter(conns.values())), message_id)
+        trace = run_steps(next(iter(conns.values())), read_trace_steps(message_id))
     if args.json:
         print(json.dumps(trace, indent=2))
         return
@@ -287,7 +289,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 def cmd_peek(args: argparse.Namespace) -> None:
     """A channel's waiting messages, oldest first, read without consuming them."""
-    from dmq_server.db.trace import peek_channel
+    from dmq_server.db.trace import peek_channel_steps
 
     if not 1 <= args.limit <= 500:
         raise CliError("--limit must be 1..500", 2)
@@ -297,8 +299,8 @@ def cmd_peek(args: argparse.Namespace) -> None:
         placed = {t.name: t for t in topics(conn)}.get(args.topic)
     args.cluster = placed.cluster if placed is not None else "main"  # the topic's cluster holds its copies
     with open_clusters(args) as conns:
-        rows = peek_channel(next(iter(conns.values())), args.topic, args.channel, args.after, args.limit,
-                            preview=args.bytes)
+        rows = run_steps(next(iter(conns.values())),
+                         peek_channel_steps(args.topic, args.channel, args.after, args.limit, preview=args.bytes))
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -17,9 +17,11 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
 from dmq_server.admin.operations import AdminOps
 from dmq_server.core.errors import Invalid, NotFound
-from dmq_server.db.admin import list_admin_log
-from dmq_server.db.delays import cancel_delayed, deliver_delayed_now, due_histogram, list_delayed
-from dmq_server.db.trace import find_message, peek_channel, read_trace
+from dmq_server.db.admin import list_admin_log_steps
+from dmq_server.db.delays import (
+    cancel_delayed_steps, deliver_delayed_now_steps, due_histogram_steps, list_delayed_steps,
+)
+from dmq_server.db.trace import find_message_steps, peek_channel_steps, read_trace_steps
 
 __all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read", "RETURN_TEXT",
            "REGISTRY_WAIT"]
@@ -107,7 +109,7 @@ class Inspector:
             trace["node_id"] = self.ops.node_id
             return trace
 
-        return self.ops.db_for_id(message_id).run(read_trace, message_id).addCallback(add_live)
+        return self.ops.db_for_id(message_id).run_steps(read_trace_steps, message_id).addCallback(add_live)
 
     def find(self, producer: str, session_id: int) -> Deferred:
         def found(message_id: int | None) -> dict:
@@ -115,7 +117,7 @@ class Inspector:
                 raise NotFound(f"no message stored for producer {producer!r} and session id {session_id}")
             return {"message_id": message_id}
 
-        return self.ops.db.run(find_message, producer, session_id).addCallback(found)
+        return self.ops.db.run_steps(find_message_steps, producer, session_id).addCallback(found)
 
     # -- every channel ---------------------------------------------------------------
     def overview(self) -> Deferred:
@@ -189,7 +191,7 @@ class Inspector:
             return {"topic": topic, "channel": name, "messages": rows,
                     "next_after": rows[-1]["message_id"] if len(rows) == limit else None}
 
-        return self.ops.db_for_topic(topic).run(peek_channel, topic, name, after, limit).addCallback(add_live)
+        return self.ops.db_for_topic(topic).run_steps(peek_channel_steps, topic, name, after, limit).addCallback(add_live)
 
     # -- the delay table ------------------------------------------------------------
     def delayed(self, topic: str | None, after_due: int, after_id: int, limit: int) -> Deferred:
@@ -198,7 +200,7 @@ class Inspector:
             return {"delayed": rows, "next": None if last is None else {"after_due": last["due_ms"],
                                                                          "after_id": last["delay_id"]}}
 
-        return self.ops.db_for_topic(topic).run(list_delayed, topic, after_due, after_id, limit).addCallback(page)
+        return self.ops.db_for_topic(topic).run_steps(list_delayed_steps, topic, after_due, after_id, limit).addCallback(page)
 
     def due_histogram(self, topic: str | None, width_ms: int) -> Deferred:
         """Waiting entries by due time, in buckets of ``width_ms`` from now (the last bucket
@@ -216,7 +218,7 @@ class Inspector:
                     "buckets": [{"from_ms": now_ms + b * width_ms, "count": n} for b, n in sorted(counts.items())],
                     "open_ended": MAX_HISTOGRAM_BUCKETS - 1 in counts}
 
-        return self.ops.db_for_topic(topic).run(due_histogram, topic, now_ms, width_ms).addCallback(shape)
+        return self.ops.db_for_topic(topic).run_steps(due_histogram_steps, topic, now_ms, width_ms).addCallback(shape)
 
     @inlineCallbacks
     def delay_action(self, action: str, ids: Sequence[int], surface: str, actor: str) -> Any:
@@ -232,9 +234,9 @@ class Inspector:
             by_db.setdefault(self.ops.db_for_id(delay_id), []).append(delay_id)
         for db, some in by_db.items():
             if action == "cancel":
-                changed += yield db.run(cancel_delayed, some)
+                changed += yield db.run_steps(cancel_delayed_steps, some)
                 continue
-            changed += yield db.run(deliver_delayed_now, some, int(self.ops.clock.seconds() * 1000))
+            changed += yield db.run_steps(deliver_delayed_now_steps, some, int(self.ops.clock.seconds() * 1000))
         if action == "deliver-now" and changed:
             for _, delays in self.ops.clusters.values():
                 if delays is not None:
@@ -263,7 +265,7 @@ class Inspector:
         return {"cluster": True, "zk_state": self.cluster.zk_state, "nodes": out}
 
     def audit_log(self, before: int | None, limit: int) -> Deferred:
-        return self.ops.db.run(list_admin_log, before or 2**62, limit)
+        return self.ops.db.run_steps(list_admin_log_steps, before or 2**62, limit)
 
     def history(self, topic: str | None) -> dict[str, Any]:
         if self._history is None:

@@ -7,8 +7,9 @@ replay, delete (and report, for clients); delay stats.
 
 Two layers:
 
-* plain functions over a database connection (``list_dead_letters(conn, ...)``),
-  used directly by the CLI and run on a ``DbWorker`` thread by the server;
+* steps (``dmq_server.db.steps``: ``list_dead_letters_steps(flt, ...)``), which the CLI
+  runs on its connection (``run_steps``) and the server on a ``DbWorker`` thread (or a
+  unit test on the in-memory double);
 * ``AdminOps``, the server's asynchronous facade: the same operations plus what
   only a running server knows (live stats, connected clients, in-memory delay
   timers), each returning a Deferred.
@@ -38,24 +39,24 @@ from dmq_client.spelling import parse_time_ms
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.core.peers import is_loopback
 from dmq_server.db import admin as db_admin
-from dmq_server.db.admin import dead_letter_counts, log_operation, stored_stats
-from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters
-from dmq_server.db.delays import delay_stats
+from dmq_server.db.admin import log_operation_steps, stored_stats_steps
+from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db.delays import delay_stats_steps
+from dmq_server.db.steps import Steps
 
 __all__ = [
     "DeadLetterFilter",
     "is_loopback",
     "check_token",
-    "list_dead_letters",
-    "count_dead_letters",
-    "show_dead_letter",
-    "replay_batch",
-    "delete_batch",
-    "log_operation",
-    "dead_letter_counts",
+    "list_dead_letters_steps",
+    "count_dead_letters_steps",
+    "show_dead_letter_steps",
+    "replay_batch_steps",
+    "delete_batch_steps",
+    "log_operation_steps",
     "TOPIC_SETTINGS",
     "merge_topic_settings",
-    "update_topic",
+    "update_topic_steps",
     "AdminOps",
     "REPLAY_PRODUCER",
 ]
@@ -194,34 +195,34 @@ def check_token(listen_host: str, configured: str, given: str | None) -> None:
         raise Forbidden(f"admin surfaces listening on non-loopback address {listen_host} need --admin-token")
 
 
-# -- database operations (a connection; the CLI and the server's DbWorker) ------------
+# -- database operations (steps: the CLI's connection and the server's DbWorker) --------
 # The statements are dmq_server.db.admin's; these add the filter and the error codes.
 
 
-def list_dead_letters(conn: Any, flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> list[dict]:
-    return db_admin.list_dead_letters(conn, flt.params(), limit, after)
+def list_dead_letters_steps(flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> Steps:
+    return (yield from db_admin.list_dead_letters_steps(flt.params(), limit, after))
 
 
-def count_dead_letters(conn: Any, flt: DeadLetterFilter) -> tuple[int, int]:
-    return db_admin.count_dead_letters(conn, flt.params())
+def count_dead_letters_steps(flt: DeadLetterFilter) -> Steps:
+    return (yield from db_admin.count_dead_letters_steps(flt.params()))
 
 
-def show_dead_letter(conn: Any, letter_id: int) -> dict:
-    letter = db_admin.show_dead_letter(conn, letter_id)
+def show_dead_letter_steps(letter_id: int) -> Steps:
+    letter = yield from db_admin.show_dead_letter_steps(letter_id)
     if letter is None:
         raise NotFound(f"no dead letter {letter_id}")
     return letter
 
 
-def replay_batch(
-    conn: Any, flt: DeadLetterFilter, after: int, limit: int, fragments: int, now_ms: int, node_id: str
-) -> tuple[int | None, int]:
+def replay_batch_steps(
+    flt: DeadLetterFilter, after: int, limit: int, fragments: int, now_ms: int, node_id: str
+) -> Steps:
     """Replay one batch; returns (next cursor or None when done, how many were queued)."""
-    return db_admin.replay_batch(conn, flt.params(), after, limit, fragments, now_ms, node_id)
+    return (yield from db_admin.replay_batch_steps(flt.params(), after, limit, fragments, now_ms, node_id))
 
 
-def delete_batch(conn: Any, flt: DeadLetterFilter, after: int, limit: int) -> tuple[int | None, int]:
-    return db_admin.delete_batch(conn, flt.params(), after, limit)
+def delete_batch_steps(flt: DeadLetterFilter, after: int, limit: int) -> Steps:
+    return (yield from db_admin.delete_batch_steps(flt.params(), after, limit))
 
 
 #: what ``topic update`` may change; not the store, since a topic's stored messages
@@ -253,12 +254,14 @@ def merge_topic_settings(current: Mapping[str, Any], changes: Mapping[str, int |
     return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
 
 
-def update_topic(conn: Any, name: str, changes: Mapping[str, int | None]) -> tuple[dict, dict]:
+def update_topic_steps(name: str, changes: Mapping[str, int | None]) -> Steps:
     """Change a topic's settings in the PostgreSQL registry (one node; a cluster's
-    registry is ZooKeeper's). The row is locked while read and written, so two updates
-    of different settings both stick. Returns (before, after); running servers apply
-    the new settings at their next registry refresh."""
-    result = db_admin.update_topic_settings(conn, name, lambda before: merge_topic_settings(before, changes))
+    registry is ZooKeeper's), in one transaction (the caller's): the row is locked while
+    read and written, so two updates of different settings both stick. Returns (before,
+    after); running servers apply the new settings at their next registry refresh."""
+    result = yield from db_admin.update_topic_settings_steps(
+        name, lambda before: merge_topic_settings(before, changes)
+    )
     if result is None:
         raise NotFound(f"no such topic {name!r}")
     return result
@@ -360,7 +363,7 @@ class AdminOps:
 
     def stats(self) -> Deferred:
         live = self.broker.stats()
-        d = self.db.run(stored_stats)
+        d = self.db.run_steps(stored_stats_steps)
 
         def combine(stored: dict) -> dict:
             delays = self.delays
@@ -446,7 +449,7 @@ class AdminOps:
         and each cluster's own under ``clusters``."""
         per: dict[str, dict] = {}
         for name, db, delays in self._selected(None):
-            fragments = yield db.run(delay_stats)
+            fragments = yield db.run_steps(delay_stats_steps)
             per[name] = dict(delays.stats() if delays is not None else {}, stored=fragments,
                              pending=sum(f["pending"] for f in fragments))
         live = dict(per["main"], pending=sum(c["pending"] for c in per.values()))
@@ -460,7 +463,7 @@ class AdminOps:
         rows: list[dict] = []
         several = len(self.clusters) > 1
         for name, db, _ in self._selected(flt.cluster):
-            for row in (yield db.run(list_dead_letters, flt, limit, after)):
+            for row in (yield db.run_steps(list_dead_letters_steps, flt, limit, after)):
                 if several:
                     row["cluster"] = name
                 rows.append(row)
@@ -474,13 +477,13 @@ class AdminOps:
         return self.clusters[name][0] if name in self.clusters else self.db
 
     def dlq_show(self, letter_id: int) -> Deferred:
-        return self.db_for_id(letter_id).run(show_dead_letter, letter_id)
+        return self.db_for_id(letter_id).run_steps(show_dead_letter_steps, letter_id)
 
     @inlineCallbacks
     def dlq_count(self, flt: DeadLetterFilter) -> Any:
         total, pending = 0, 0
         for _, db, _ in self._selected(flt.cluster):
-            t, p = yield db.run(count_dead_letters, flt)
+            t, p = yield db.run_steps(count_dead_letters_steps, flt)
             total, pending = total + t, pending + p
         return total, pending
 
@@ -503,8 +506,8 @@ class AdminOps:
             after = 0
             while True:
                 now_ms = int(self.clock.seconds() * 1000)
-                after_next, queued = yield db.run(
-                    replay_batch, flt, after, self.batch_size, options.delay_fragments, now_ms,
+                after_next, queued = yield db.run_steps(
+                    replay_batch_steps, flt, after, self.batch_size, options.delay_fragments, now_ms,
                     self.node_id,
                 )
                 done += queued
@@ -534,7 +537,7 @@ class AdminOps:
         for _, db, _ in self._selected(flt.cluster):
             after = 0
             while True:
-                after_next, deleted = yield db.run(delete_batch, flt, after, self.batch_size)
+                after_next, deleted = yield db.run_steps(delete_batch_steps, flt, after, self.batch_size)
                 done += deleted
                 if progress is not None and deleted:
                     progress(done, total)
@@ -576,7 +579,7 @@ class AdminOps:
         log.info(
             "admin {surface} {actor}: dead letter reported for {topic}", surface=surface, actor=actor, topic=letter.topic
         )
-        return self.db_for_topic(letter.topic).run(insert_dead_letters, [letter]).addCallback(lambda ids: ids[0])
+        return self.db_for_topic(letter.topic).run_steps(insert_dead_letters_steps, [letter]).addCallback(lambda ids: ids[0])
 
     def audit(self, surface: str, actor: str, operation: str, flt: DeadLetterFilter | str, affected: int) -> Deferred:
         """Write a destructive operation to the server log and ``dmq_admin_log``; ``flt``
@@ -586,4 +589,4 @@ class AdminOps:
             "admin {surface} {actor}: {op} {filters} -> {n}",
             surface=surface, actor=actor, op=operation, filters=filters, n=affected,
         )
-        return self.db.run(log_operation, surface, actor, operation, filters, affected)
+        return self.db.run_steps(log_operation_steps, surface, actor, operation, filters, affected)

@@ -54,7 +54,7 @@ from registry.model import NodeInfo, RegistryError
 
 from dmq_server.db.errors import StorageError
 from dmq_server.db.worker import DbWorker
-from registry.pg import list_topics
+from dmq_server.db.topics import list_topics_steps, mirror_topics_steps
 from dmq_server.cluster.takeover import Takeover
 
 __all__ = ["ClusterNode"]
@@ -135,7 +135,7 @@ class ClusterNode:
         self.client.add_listener(self.bridge.relay(self._state_changed))
         self.watcher = RegistryWatcher(self.client, self.bridge.relay(self._changed))
         # the first node of a cluster brings the single-node registry along
-        rows = yield self._admin.run(list_topics)
+        rows = yield self._admin.run_steps(list_topics_steps)
         registry = zk.ZkRegistry(self.client)
         seeded = yield self._zk(registry.seed, rows)
         for name in options.pg_clusters:  # `dmq topic create --cluster` checks the names
@@ -390,8 +390,6 @@ class ClusterNode:
 
         While ZooKeeper cannot be read, the last snapshot stands (the node keeps
         serving what it knew); with none yet, StorageError."""
-        from registry.pg import mirror_topics
-
         d = self._zk(self.watcher.read_topics)
 
         def unreadable(failure: Any) -> Any:
@@ -401,7 +399,7 @@ class ClusterNode:
             raise StorageError(f"ZooKeeper registry unreadable: {failure.getErrorMessage()}")
 
         def mirror(specs: list[Any]) -> defer.Deferred:
-            mirrored = self._admin.run(mirror_topics, specs)
+            mirrored = self._admin.run_steps(mirror_topics_steps, specs)
             if self._mirror is not None:
                 mirrored.addCallback(lambda _: self._mirror.mirror(specs))
             return mirrored.addCallback(lambda _: specs)

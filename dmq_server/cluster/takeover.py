@@ -31,9 +31,9 @@ from typing import Any, Callable
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from dmq_server.db.takeover import claim_owners, owner_depths, takeover_candidates
+from dmq_server.db.takeover import claim_owners_steps, takeover_candidates_steps
 
-__all__ = ["Takeover", "takeover_candidates", "claim_owners", "owner_depths"]
+__all__ = ["Takeover"]
 
 log = Logger()
 
@@ -94,7 +94,7 @@ class Takeover:
     def _run(self, live: dict[str, int]) -> Any:
         if not self._can_claim():
             return
-        candidates = yield self._worker.run(takeover_candidates)
+        candidates = yield self._worker.run_steps(takeover_candidates_steps)
         for node, incarnations in sorted(candidates.items()):
             if not self._can_claim():
                 break
@@ -123,7 +123,7 @@ class Takeover:
             valid = yield self._zk(lock.still_valid, owners)
             if valid and self._can_claim():
                 holders = sorted(live - {dead})
-                rows = yield self._worker.run(claim_owners, dead, owners, self.node_id, holders)
+                rows = yield self._worker.run_steps(claim_owners_steps, dead, owners, self.node_id, holders)
                 total = sum(n for _, _, n in rows)
                 self._store.writes.retired.update(owners)
                 self._rescan({(topic, channel) for topic, channel, _ in rows})

@@ -2,9 +2,10 @@
 admin log, stored counts, and topic settings.
 
 The rules around them (filters, tokens, confirmations, batching, progress, error
-codes) are ``dmq_server.admin.operations``; these functions take a blocking
-connection (the CLI's, or a ``DbWorker``'s in the server), build the parameters,
-run the named statements of ``sql/queries.sql`` and turn rows into values.
+codes) are ``dmq_server.admin.operations``; these are steps (``db.steps``): they build
+the parameters, yield the named statements of ``sql/queries.sql`` and turn rows into
+values, so the CLI (``run_steps`` on its connection), a ``DbWorker`` in the server and
+the in-memory double (``db.memory``) run the same code.
 """
 
 from __future__ import annotations
@@ -12,23 +13,23 @@ from __future__ import annotations
 import base64
 from typing import Any, Callable, Mapping
 
-from dmq_server.db.delays import delay_stats
-from dmq_sql import queries
+from dmq_server.db.delays import delay_stats_steps
+from dmq_server.db.steps import Statement, Steps
 
 __all__ = [
     "TOPIC_SETTINGS",
-    "list_dead_letters",
-    "count_dead_letters",
-    "show_dead_letter",
-    "replay_batch",
-    "delete_batch",
-    "log_operation",
-    "dead_letter_counts",
-    "table_counts",
-    "topic_leftovers",
-    "stored_stats",
-    "update_topic_settings",
-    "list_admin_log",
+    "list_dead_letters_steps",
+    "count_dead_letters_steps",
+    "show_dead_letter_steps",
+    "replay_batch_steps",
+    "delete_batch_steps",
+    "log_operation_steps",
+    "dead_letter_counts_steps",
+    "table_counts_steps",
+    "topic_leftovers_steps",
+    "stored_stats_steps",
+    "update_topic_settings_steps",
+    "list_admin_log_steps",
 ]
 
 #: the topic settings an operator may change, in the column order of lock_topic_settings
@@ -66,48 +67,48 @@ def _letter(row: tuple, with_body: bool = False) -> dict:
 # ``selection``: a dead-letter filter's parameters (admin.operations.DeadLetterFilter.params)
 
 
-def list_dead_letters(conn: Any, selection: Mapping[str, Any], limit: int, after: int) -> list[dict]:
-    params = dict(selection, limit=limit, after=after)
-    return [_letter(r) for r in conn.execute(queries["list_dead_letters"], params).fetchall()]
+def list_dead_letters_steps(selection: Mapping[str, Any], limit: int, after: int) -> Steps:
+    rows = yield Statement("list_dead_letters", dict(selection, limit=limit, after=after))
+    return [_letter(r) for r in rows]
 
 
-def count_dead_letters(conn: Any, selection: Mapping[str, Any]) -> tuple[int, int]:
+def count_dead_letters_steps(selection: Mapping[str, Any]) -> Steps:
     """(how many match, how many of them were not replayed yet)."""
-    row = conn.execute(queries["count_dead_letters"], dict(selection)).fetchone()
-    return row[0], row[1]
+    ((total, waiting),) = yield Statement("count_dead_letters", dict(selection))
+    return total, waiting
 
 
-def show_dead_letter(conn: Any, letter_id: int) -> dict | None:
+def show_dead_letter_steps(letter_id: int) -> Steps:
     """One dead letter with its body, or None."""
-    row = conn.execute(queries["show_dead_letter"], {"id": letter_id}).fetchone()
-    return None if row is None else _letter(row, with_body=True)
+    rows = yield Statement("show_dead_letter", {"id": letter_id})
+    return _letter(rows[0], with_body=True) if rows else None
 
 
-def replay_batch(
-    conn: Any, selection: Mapping[str, Any], after: int, limit: int, fragments: int, now_ms: int, node_id: str
-) -> tuple[int | None, int]:
+def replay_batch_steps(
+    selection: Mapping[str, Any], after: int, limit: int, fragments: int, now_ms: int, node_id: str
+) -> Steps:
     """Replay one batch; returns (next cursor or None when done, how many were queued)."""
     params = dict(selection, after=after, limit=limit, fragments=fragments, now_ms=now_ms, node_id=node_id)
-    last, queued = conn.execute(queries["replay_dead_letters"], params).fetchone()
+    ((last, queued),) = yield Statement("replay_dead_letters", params)
     return last, queued
 
 
-def delete_batch(conn: Any, selection: Mapping[str, Any], after: int, limit: int) -> tuple[int | None, int]:
+def delete_batch_steps(selection: Mapping[str, Any], after: int, limit: int) -> Steps:
     """Delete one batch; returns (next cursor or None when done, how many were deleted)."""
-    params = dict(selection, after=after, limit=limit)
-    ids = [r[0] for r in conn.execute(queries["delete_dead_letters"], params).fetchall()]
+    rows = yield Statement("delete_dead_letters", dict(selection, after=after, limit=limit))
+    ids = [r[0] for r in rows]
     return (max(ids) if ids else None), len(ids)
 
 
-def log_operation(conn: Any, surface: str, actor: str, operation: str, filters: str, affected: int) -> None:
-    conn.execute(
-        queries["log_admin_operation"],
+def log_operation_steps(surface: str, actor: str, operation: str, filters: str, affected: int) -> Steps:
+    yield Statement(
+        "log_admin_operation",
         {"surface": surface, "actor": actor, "operation": operation, "filters": filters, "affected": affected},
     )
 
 
-def dead_letter_counts(conn: Any) -> dict:
-    rows = conn.execute(queries["dead_letter_counts"]).fetchall()
+def dead_letter_counts_steps() -> Steps:
+    rows = yield Statement("dead_letter_counts", {})
     return {
         "total": sum(r[1] for r in rows),
         "replayed": sum(r[2] for r in rows),
@@ -115,64 +116,62 @@ def dead_letter_counts(conn: Any) -> dict:
     }
 
 
-def table_counts(conn: Any) -> dict:
+def table_counts_steps() -> Steps:
     """Row counts of the stored tables and the stored depth of every channel."""
-    counts = conn.execute(queries["table_counts"]).fetchone()
+    ((messages, pending, logged, letters),) = yield Statement("table_counts", {})
+    depths = yield Statement("channel_depths", {})
     return {
-        "messages": counts[0],
-        "deliveries_pending": counts[1],
-        "delivery_log": counts[2],
-        "dead_letters": counts[3],
-        "channels": [
-            {"topic": t, "channel": c, "stored_depth": d}
-            for t, c, d in conn.execute(queries["channel_depths"]).fetchall()
-        ],
+        "messages": messages,
+        "deliveries_pending": pending,
+        "delivery_log": logged,
+        "dead_letters": letters,
+        "channels": [{"topic": t, "channel": c, "stored_depth": d} for t, c, d in depths],
     }
 
 
-def topic_leftovers(conn: Any, topic: str, fenced_at: Any = None) -> tuple[str | None, int, int, int, Any]:
+def topic_leftovers_steps(topic: str, fenced_at: Any = None) -> Steps:
     """On this cluster: the topic's placement as its row says, its copies waiting, its
     delayed messages, the transactions begun before ``fenced_at`` still running, and the
     database's time now (``dmq topic move``)."""
-    row = conn.execute(queries["topic_leftovers"], {"name": topic, "fenced_at": fenced_at}).fetchone()
-    placed, pending, delayed, older, now = row
+    ((placed, pending, delayed, older, now),) = yield Statement(
+        "topic_leftovers", {"name": topic, "fenced_at": fenced_at}
+    )
     return placed, pending, delayed, older, now
 
 
-def stored_stats(conn: Any) -> dict:
+def stored_stats_steps() -> Steps:
     """What the store holds, for the admin surfaces' stats (dead letters by reason,
     delayed messages waiting)."""
-    counts = table_counts(conn)
-    fragments = delay_stats(conn)
+    counts = yield from table_counts_steps()
+    fragments = yield from delay_stats_steps()
+    letters = yield from dead_letter_counts_steps()
     return {
         "messages": counts["messages"],
         "deliveries_pending": counts["deliveries_pending"],
         "delivery_log": counts["delivery_log"],
-        "dead_letters": dead_letter_counts(conn),
+        "dead_letters": letters,
         "delayed_pending": sum(f["pending"] for f in fragments),
         "channels": counts["channels"],
     }
 
 
-def update_topic_settings(
-    conn: Any, name: str, change: Callable[[dict], dict]
-) -> tuple[dict, dict] | None:
-    """Lock the topic's row, read its settings, store ``change(before)``: one
-    transaction, so two updates of different settings both stick. Returns (before,
-    after), or None if there is no such topic. An exception from ``change`` rolls back."""
-    with conn.transaction():
-        row = conn.execute(queries["lock_topic_settings"], {"name": name}).fetchone()
-        if row is None:
-            return None
-        before = dict(zip(TOPIC_SETTINGS, row))
-        after = change(before)
-        conn.execute(queries["update_topic_settings"], {"name": name, **after})
+def update_topic_settings_steps(name: str, change: Callable[[dict], dict]) -> Steps:
+    """Lock the topic's row, read its settings, store ``change(before)``. Run in one
+    transaction (a ``DbWorker``'s, or ``conn.transaction()`` around ``run_steps``), so
+    two updates of different settings both stick. Returns (before, after), or None if
+    there is no such topic. An exception from ``change`` rolls the transaction back."""
+    rows = yield Statement("lock_topic_settings", {"name": name})
+    if not rows:
+        return None
+    before = dict(zip(TOPIC_SETTINGS, rows[0]))
+    after = change(before)
+    yield Statement("update_topic_settings", {"name": name, **after})
     return before, after
 
 
-def list_admin_log(conn: Any, before: int, limit: int) -> list[dict]:
+def list_admin_log_steps(before: int, limit: int) -> Steps:
     """The audit log, newest first, ids below ``before``."""
-    rows = conn.execute(queries["list_admin_log"], {"before": before, "limit": limit}).fetchall()
+    rows = yield Statement("list_admin_log", {"before": before, "limit": limit})
     return [
         {"id": r[0], "at_ms": r[1], "surface": r[2], "actor": r[3], "operation": r[4], "filters": r[5],
          "affected": r[6]}

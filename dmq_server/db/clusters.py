@@ -19,13 +19,13 @@ that
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from dmq_sql import queries
-
+from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.worker import connect
 
-__all__ = ["SLOT_SHIFT", "ClusterMismatch", "place_clusters", "slot_of_id", "first_id"]
+__all__ = ["SLOT_SHIFT", "ClusterMismatch", "place_clusters", "assign_slots_steps", "claim_cluster_steps",
+           "slot_of_id", "first_id"]
 
 SLOT_SHIFT = 48
 
@@ -49,29 +49,37 @@ def place_clusters(dsns: Mapping[str, str]) -> dict[str, int]:
     belongs to another cluster; ``StorageError`` if one cannot be reached."""
     with connect(dsns["main"]) as conn:
         with conn.transaction():
-            conn.execute(queries["lock_clusters"])
-            for name in dsns:
-                conn.execute(queries["add_cluster"], {"name": name})
-            slots = {name: slot for name, slot in conn.execute(queries["list_clusters"])}
+            slots = run_steps(conn, assign_slots_steps(list(dsns)))
     missing = [name for name in dsns if name not in slots]
     if missing:
         raise ClusterMismatch(f"no id slot left for clusters {missing}: at most 32 clusters, ever")
     for name, dsn in dsns.items():
-        _claim(dsn, name, slots[name])
+        with connect(dsn, autocommit=True) as conn:
+            run_steps(conn, claim_cluster_steps(name, slots[name]))
     return {name: slots[name] for name in dsns}
 
 
-def _claim(dsn: str, name: str, slot: int) -> None:
-    with connect(dsn, autocommit=True) as conn:
-        row = conn.execute(queries["claim_cluster_self"], {"name": name, "slot": slot}).fetchone()
-        if row is None:
-            other, other_slot, _ = conn.execute(queries["cluster_self"]).fetchone()
-            raise ClusterMismatch(
-                f"the database of cluster {name!r} is already claimed by cluster {other!r} (slot {other_slot}): "
-                "is one DSN given for two clusters?"
-            )
-        if slot:
-            conn.execute(queries["raise_id_sequences"], {"floor": first_id(slot)}).fetchall()
+def assign_slots_steps(names: Sequence[str]) -> Steps:
+    """On the main cluster's database, in one transaction: a slot for every name that has
+    none (the lowest free one, while one is free); returns every cluster's name -> slot."""
+    yield Statement("lock_clusters", {})
+    for name in names:
+        yield Statement("add_cluster", {"name": name})
+    return {name: slot for name, slot in (yield Statement("list_clusters", {}))}
+
+
+def claim_cluster_steps(name: str, slot: int) -> Steps:
+    """Claim this database for cluster ``name`` (once) and move its id sequences into the
+    slot; ``ClusterMismatch`` if another cluster claimed it."""
+    claimed = yield Statement("claim_cluster_self", {"name": name, "slot": slot})
+    if not claimed:
+        ((other, other_slot, _),) = yield Statement("cluster_self", {})
+        raise ClusterMismatch(
+            f"the database of cluster {name!r} is already claimed by cluster {other!r} (slot {other_slot}): "
+            "is one DSN given for two clusters?"
+        )
+    if slot:
+        yield Statement("raise_id_sequences", {"floor": first_id(slot)})
 
 
 def describe(slots: Mapping[str, int]) -> Any:

@@ -19,11 +19,8 @@ __all__ = [
     "CopyRef",
     "insert_dead_letters",
     "insert_dead_letters_steps",
-    "record_attempts",
     "record_attempts_steps",
-    "exhaust_deliveries",
     "exhaust_deliveries_steps",
-    "expire_deliveries",
     "expire_deliveries_steps",
 ]
 
@@ -80,7 +77,7 @@ def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "")
 
 
 def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
-    """``insert_dead_letters_steps`` over a blocking connection."""
+    """``insert_dead_letters_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, insert_dead_letters_steps(batch, node_id))
 
 
@@ -115,15 +112,3 @@ def expire_deliveries_steps(now_ms: int, limit: int) -> Steps:
     yield Statement("open_ttl_cursors", {}, count=True)
     found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit})
     return [tuple(r) for r in found]
-
-
-def record_attempts(conn: Any, rows: Sequence[CopyRef]) -> int:
-    return run_steps(conn, record_attempts_steps(rows))
-
-
-def exhaust_deliveries(conn: Any, rows: Sequence[CopyRef], holder: str = "", fenced: bool = False) -> list[tuple[str, str, int]]:
-    return run_steps(conn, exhaust_deliveries_steps(rows, holder, fenced))
-
-
-def expire_deliveries(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, int]]:
-    return run_steps(conn, expire_deliveries_steps(now_ms, limit))

@@ -1,5 +1,6 @@
 """The delay table (``dmq_delay``): storing delayed sends, peeking at due times,
-moving due rows into the reliable flow, and its statistics.
+moving due rows into the reliable flow, and its statistics; all steps (``db.steps``),
+so the in-memory double answers them too.
 
 The scheduling around it (fragments, timers, polls) is ``dmq_server.reliable.delay``;
 this module only builds the parameters, runs the named statements and turns rows
@@ -15,7 +16,6 @@ from dmq_server.db.errors import Fenced, Misplaced
 from dmq_server.db.messages import send_columns
 from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.trace import body_preview
-from dmq_sql import queries
 
 __all__ = [
     "NewDelayed",
@@ -23,13 +23,14 @@ __all__ = [
     "MovedMessage",
     "insert_delayed",
     "insert_delayed_steps",
-    "peek_delayed",
+    "peek_delayed_steps",
     "move_due",
-    "delay_stats",
-    "list_delayed",
-    "due_histogram",
-    "deliver_delayed_now",
-    "cancel_delayed",
+    "move_due_steps",
+    "delay_stats_steps",
+    "list_delayed_steps",
+    "due_histogram_steps",
+    "deliver_delayed_now_steps",
+    "cancel_delayed_steps",
 ]
 
 
@@ -114,7 +115,7 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
 
 
 def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
-    """``insert_delayed_steps`` over a blocking connection."""
+    """``insert_delayed_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, insert_delayed_steps(batch, node_id))
 
 
@@ -128,35 +129,27 @@ def _fragment_params(fragments: Sequence[int], max_fragment: int) -> dict:
     }
 
 
-def peek_delayed(
-    conn: Any, fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int
-) -> list[int]:
+def peek_delayed_steps(fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int) -> Steps:
     """Due times (ms) in ``fragments`` up to ``until_ms``, soonest first, at most ``limit``."""
     params = _fragment_params(fragments, max_fragment)
     params.update(until_ms=until_ms, limit=limit)
-    return [r[0] for r in conn.execute(queries["peek_delayed"], params).fetchall()]
+    return [r[0] for r in (yield Statement("peek_delayed", params))]
 
 
-def move_due(
-    conn: Any,
-    fragments: Sequence[int],
-    max_fragment: int,
-    now_ms: int,
-    limit: int,
-    node_id: str,
-    owner: int,
-) -> tuple[int, list[MovedMessage]]:
-    """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (the caller's
-    transaction), as messages of incarnation ``owner``. Returns (rows taken, messages
-    stored); rows whose channels are all gone became dead letters and are counted but
-    not returned. A retired owner moves nothing (``Fenced``)."""
+def move_due_steps(
+    fragments: Sequence[int], max_fragment: int, now_ms: int, limit: int, node_id: str, owner: int
+) -> Steps:
+    """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (run in a
+    transaction: a ``DbWorker``'s), as messages of incarnation ``owner``. Returns (rows
+    taken, messages stored); rows whose channels are all gone became dead letters and
+    are counted but not returned. A retired owner moves nothing (``Fenced``)."""
     params = _fragment_params(fragments, max_fragment)
     params.update(now_ms=now_ms, limit=limit, node_id=node_id, owner=owner)
-    rows = conn.execute(queries["move_due"], params).fetchall()
+    rows = yield Statement("move_due", params)
     taken = rows[0][0] if rows else 0
     if not taken:
-        retired = conn.execute(queries["owner_states"]).fetchall()
-        if not any(r[0] == owner and not r[2] for r in retired):
+        owners = yield Statement("owner_states", {})
+        if not any(r[0] == owner and not r[2] for r in owners):
             raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
         MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9])
@@ -166,24 +159,31 @@ def move_due(
     return taken, moved
 
 
-def delay_stats(conn: Any) -> list[dict]:
+def move_due(
+    conn: Any, fragments: Sequence[int], max_fragment: int, now_ms: int, limit: int, node_id: str, owner: int
+) -> tuple[int, list[MovedMessage]]:
+    """``move_due_steps`` over a blocking connection, in its transaction (tests, tools)."""
+    return run_steps(conn, move_due_steps(fragments, max_fragment, now_ms, limit, node_id, owner))
+
+
+def delay_stats_steps() -> Steps:
     return [
         {"fragment": r[0], "pending": r[1], "next_due_ms": r[2], "last_due_ms": r[3]}
-        for r in conn.execute(queries["delay_stats"]).fetchall()
+        for r in (yield Statement("delay_stats", {}))
     ]
 
 
 # -- for operators: browse, deliver now, cancel (the console's delay view) ----------------
 
 
-def list_delayed(
-    conn: Any, topic: str | None, after_due: int, after_id: int, limit: int, preview: int = 256
-) -> list[dict]:
+def list_delayed_steps(
+    topic: str | None, after_due: int, after_id: int, limit: int, preview: int = 256
+) -> Steps:
     """Waiting entries in due-time order after the keyset ``(after_due, after_id)``."""
-    rows = conn.execute(
-        queries["list_delayed"],
+    rows = yield Statement(
+        "list_delayed",
         {"topic": topic, "after_due": after_due, "after_id": after_id, "limit": limit, "preview": preview},
-    ).fetchall()
+    )
     return [
         {"delay_id": r[0], "topic": r[1], "channel": r[2], "producer": r[3], "session_id": r[4],
          "due_ms": r[5], "fragment": r[6], "replay_of": r[9], **body_preview(r[8], r[7])}
@@ -191,20 +191,18 @@ def list_delayed(
     ]
 
 
-def due_histogram(conn: Any, topic: str | None, now_ms: int, width_ms: int) -> list[tuple[int, int]]:
+def due_histogram_steps(topic: str | None, now_ms: int, width_ms: int) -> Steps:
     """``[(bucket, count)]``: waiting entries by due time in buckets of ``width_ms`` from
     ``now_ms`` (bucket 0 also holds what is already due)."""
-    rows = conn.execute(
-        queries["delay_due_histogram"], {"topic": topic, "now_ms": now_ms, "width_ms": width_ms}
-    ).fetchall()
+    rows = yield Statement("delay_due_histogram", {"topic": topic, "now_ms": now_ms, "width_ms": width_ms})
     return [(int(b), int(n)) for b, n in rows]
 
 
-def deliver_delayed_now(conn: Any, ids: Sequence[int], now_ms: int) -> list[int]:
+def deliver_delayed_now_steps(ids: Sequence[int], now_ms: int) -> Steps:
     """Make the entries due now; returns the ids changed (gone or already due: not listed)."""
-    return [r[0] for r in conn.execute(queries["deliver_delayed_now"], {"ids": list(ids), "now_ms": now_ms})]
+    return [r[0] for r in (yield Statement("deliver_delayed_now", {"ids": list(ids), "now_ms": now_ms}))]
 
 
-def cancel_delayed(conn: Any, ids: Sequence[int]) -> list[int]:
+def cancel_delayed_steps(ids: Sequence[int]) -> Steps:
     """Delete the entries before they fall due; returns the ids deleted."""
-    return [r[0] for r in conn.execute(queries["cancel_delayed"], {"ids": list(ids)})]
+    return [r[0] for r in (yield Statement("cancel_delayed", {"ids": list(ids)}))]

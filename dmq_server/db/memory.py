@@ -39,18 +39,34 @@ holds them to the same answers.
 from __future__ import annotations
 
 import itertools
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import psycopg
 from twisted.internet.defer import Deferred
 
+from dmq_server.db import messages as _variants  # noqa: F401  registers insert_new_messages, ack_new_deliveries
 from dmq_server.db.errors import StorageError, storage_error
 from dmq_server.db.steps import STATEMENTS, Statement, Steps
 
-__all__ = ["MemoryDb", "UnknownStatement", "FAILURE_KINDS"]
+__all__ = ["MemoryDb", "UnknownStatement", "FAILURE_KINDS", "MIGRATOR_STATEMENTS"]
 
 FAILURE_KINDS = ("refused", "unknown", "lost")
+
+#: the statements of sql/queries.sql the double does not answer: the migrator's
+#: (``dmq_sql.schema``, shared with the pipeline), which builds the tables the double
+#: holds as dicts. Every other statement has a handler here and a case in
+#: tests/integration/test_memory_db_contract.py, which fails naming any that has neither.
+MIGRATOR_STATEMENTS = ("create_schema_version", "lock_migrations", "schema_versions", "record_migration")
+
+#: timestamps PostgreSQL's statements make of Unix milliseconds (``CASE WHEN ms BETWEEN
+#: 1 AND ...``): others are NULL
+_MAX_MS = 253402300799999
+
+
+def _ms_or_none(ms: int | None) -> int | None:
+    return ms if ms is not None and 1 <= ms <= _MAX_MS else None
 
 
 class UnknownStatement(KeyError):
@@ -120,41 +136,97 @@ class MemoryDb:
         self._delayed_pairs: dict[tuple[str, int], int] = {}
         self.dead_letters: dict[int, dict[str, Any]] = {}
         self.returns: list[dict[str, Any]] = []  # dmq_trace
+        self.admin_log: list[dict[str, Any]] = []  # dmq_admin_log
+        self.cluster_slot = 0  # dmq_cluster_self.slot, and whether a node claimed it
+        self.cluster_claimed = False
+        self.cluster_slots: dict[str, int] = {"main": 0}  # dmq_cluster (the main cluster's)
         # one sequence is enough: ids only need to grow (``first_id``: the cluster's id slot)
         self._ids = itertools.count(first_id)
+        self._log_ids = itertools.count(1)  # dmq_admin_log's and dmq_trace's identities
+        self._trace_ids = itertools.count(1)
+        self._owner_ids = itertools.count(1)
         self.executed: list[tuple[str, dict[str, Any]]] = []  # every statement run, in order
         self._failures: list[_Failure] = []
+        # in the order of sql/queries.sql; MIGRATOR_STATEMENTS are not the server's
         self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "ping": lambda p: [(1,)],
             "list_topics": self._list_topics,
-            "insert_new_messages": lambda p: self._insert_messages(p, on_conflict=False),
+            "create_topic": self._create_topic,
+            "place_topic": self._place_topic,
+            "lock_topic_settings": self._lock_topic_settings,
+            "update_topic_settings": self._update_topic_settings,
+            "delete_topic": self._delete_topic,
+            "add_channel": self._add_channel,
+            "remove_channel": self._remove_channel,
             "insert_messages": lambda p: self._insert_messages(p, on_conflict=True),
+            "insert_new_messages": lambda p: self._insert_messages(p, on_conflict=False),
             "find_messages": self._find_messages,
-            "ack_new_deliveries": self._ack_new_deliveries,
             "ack_deliveries": self._ack_deliveries,
+            "ack_new_deliveries": self._ack_new_deliveries,
             "load_backlog": self._load_backlog,
+            "sweep_bounds": self._sweep_bounds,
+            "sweep_messages": self._sweep_messages,
             "channel_depths": self._channel_depths,
             "depth_scan_start": self._depth_scan_start,
             "depth_slice_end": self._depth_slice_end,
             "channel_depth_slice": self._channel_depth_slice,
+            "table_counts": self._table_counts,
+            "insert_delayed": self._insert_delayed,
+            "find_delayed": self._find_delayed,
+            "peek_delayed": self._peek_delayed,
+            "move_due": self._move_due,
+            "delay_stats": self._delay_stats,
+            "insert_dead_letters": self._insert_dead_letters,
+            "record_attempts": self._record_attempts,
+            "exhaust_deliveries": self._exhaust_deliveries,
+            "open_ttl_cursors": self._open_ttl_cursors,
+            "expire_deliveries": self._expire_deliveries,
+            "list_dead_letters": self._list_dead_letters,
+            "count_dead_letters": self._count_dead_letters,
+            "show_dead_letter": self._show_dead_letter,
+            "replay_dead_letters": self._replay_dead_letters,
+            "delete_dead_letters": self._delete_dead_letters,
+            "dead_letter_counts": self._dead_letter_counts,
+            "log_admin_operation": self._log_admin_operation,
+            "lock_registry_mirror": lambda p: [(None,)],  # one database, one caller at a time
+            "upsert_topic": self._upsert_topic,
             "create_owner": self._create_owner,
             "retire_silent_owners": self._retire_silent_owners,
             "owner_heartbeat": self._owner_heartbeat,
             "owner_states": self._owner_states,
-            "backends_alive": lambda p: [],  # the double's "connections" end with the failure
+            "takeover_candidates": self._takeover_candidates,
+            "claim_owners": self._claim_owners,
             "prune_owners": self._prune_owners,
+            "backends_alive": lambda p: [],  # the double's "connections" end with the failure
+            "owner_depths": self._owner_depths,
             "channel_pauses": self._channel_pauses,
             "pause_channel": self._pause_channel,
             "unpause_channel": self._unpause_channel,
             "empty_channel": self._empty_channel,
-            "sweep_bounds": self._sweep_bounds,
-            "sweep_messages": self._sweep_messages,
-            "insert_delayed": self._insert_delayed,
-            "find_delayed": self._find_delayed,
-            "insert_dead_letters": self._insert_dead_letters,
-            "record_attempts": self._record_attempts,
-            "exhaust_deliveries": self._exhaust_deliveries,
-            "open_ttl_cursors": lambda p: 0,  # the double has no expiry sweep
             "record_returns": self._record_returns,
+            "sweep_trace": self._sweep_trace,
+            "trace_stored": self._trace_stored,
+            "trace_pending": self._trace_pending,
+            "trace_returns": self._trace_returns,
+            "trace_acks": self._trace_acks,
+            "trace_dead_letters": self._trace_dead_letters,
+            "trace_delayed": self._trace_delayed,
+            "find_message_by_session": self._find_message_by_session,
+            "peek_channel": self._peek_channel,
+            "published_at": self._published_at,
+            "delay_pending_by_topic": self._delay_pending_by_topic,
+            "delay_due_histogram": self._delay_due_histogram,
+            "list_delayed": self._list_delayed,
+            "deliver_delayed_now": self._deliver_delayed_now,
+            "cancel_delayed": self._cancel_delayed,
+            "list_admin_log": self._list_admin_log,
+            "lock_clusters": lambda p: [(None,)],
+            "list_clusters": self._list_clusters,
+            "add_cluster": self._add_cluster,
+            "cluster_self": lambda p: [(self.cluster, self.cluster_slot, self.cluster_claimed)],
+            "claim_cluster_self": self._claim_cluster_self,
+            "raise_id_sequences": self._raise_id_sequences,
+            "topic_leftovers": self._topic_leftovers,
         }
         unknown = set(self._handlers) - set(STATEMENTS)
         if unknown:  # a handler for a query that sql/queries.sql does not have
@@ -334,6 +406,77 @@ class MemoryDb:
             for name, t in sorted(self.topics.items())
         ]
 
+    def _create_topic(self, p: dict) -> list[tuple]:
+        if p["name"] in self.topics:
+            return []
+        self.create_topic(p["name"], store=p["store"], msg_timeout_ms=p["msg_timeout_ms"], rate_limit=p["rate_limit"],
+                          ttl_ms=p["ttl_ms"], max_attempts=p["max_attempts"], cluster=p["cluster"])
+        return [(p["name"],)]
+
+    def _place_topic(self, p: dict) -> list[tuple]:
+        row = self.topics.get(p["name"])
+        if row is None:
+            return []
+        old = (row["cluster"], list(row["draining"]))
+        row["cluster"], row["draining"] = p["cluster"], list(p["draining"])
+        return [old]
+
+    def _lock_topic_settings(self, p: dict) -> list[tuple]:
+        row = self.topics.get(p["name"])
+        return [] if row is None else [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"])]
+
+    def _update_topic_settings(self, p: dict) -> int:
+        row = self.topics.get(p["name"])
+        if row is None:
+            return 0
+        row.update({key: p[key] for key in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")})
+        return 1
+
+    def _upsert_topic(self, p: dict) -> int:
+        settings = {key: p[key] for key in ("store", "msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "cluster")}
+        settings["draining"] = list(p["draining"])
+        self.topics.setdefault(p["name"], {}).update(settings)
+        return 1
+
+    def _delete_topic(self, p: dict) -> list[tuple]:
+        """The topic, its channels (and their pauses: cascades), cursors and kept attempts."""
+        name = p["name"]
+        for key in [k for k in self.cursors if k[0] == name]:
+            del self.cursors[key]
+        for key in [k for k in self.attempts if k[0] == name]:
+            del self.attempts[key]
+        if name not in self.topics:
+            return []
+        del self.topics[name]
+        for channel in self.channels.pop(name, set()):
+            del self.start_ids[(name, channel)]
+            self.pauses.discard((name, channel))
+        return [(name,)]
+
+    def _add_channel(self, p: dict) -> list[tuple]:
+        topic, name = p["topic"], p["name"]
+        if topic not in self.topics:  # dmq_channel's foreign key to dmq_topic
+            raise psycopg.errors.ForeignKeyViolation(f"topic {topic!r} is not registered")
+        start = next(self._ids)  # nextval, drawn also when the channel is there
+        if name in self.channels.setdefault(topic, set()):
+            return []
+        self.channels[topic].add(name)
+        self.start_ids[(topic, name)] = start
+        return [(name,)]
+
+    def _remove_channel(self, p: dict) -> list[tuple]:
+        topic, name = p["topic"], p["name"]
+        for key in [k for k in self.cursors if k[:2] == (topic, name)]:
+            del self.cursors[key]
+        for key in [k for k in self.attempts if k[:2] == (topic, name)]:
+            del self.attempts[key]
+        if name not in self.channels.get(topic, ()):
+            return []
+        self.channels[topic].discard(name)
+        del self.start_ids[(topic, name)]
+        self.pauses.discard((topic, name))
+        return [(name,)]
+
     # -- messages and deliveries ----------------------------------------------------
 
     def _insert_messages(self, p: dict, *, on_conflict: bool) -> list[tuple]:
@@ -470,7 +613,8 @@ class MemoryDb:
         keys = ("message_id", "topic", "channel", "attempt", "reason", "consumer", "delivered_ms", "returned_ms")
         columns = ("message_ids", "topics", "channels", "attempts", "reasons", "consumers", "delivered_ms",
                    "returned_ms")
-        rows = [dict(zip(keys, values), node_id=p["node_id"]) for values in zip(*(p[c] for c in columns))]
+        rows = [dict(zip(keys, values), node_id=p["node_id"], id=next(self._trace_ids))
+                for values in zip(*(p[c] for c in columns))]
         self.returns.extend(rows)
         return len(rows)
 
@@ -520,10 +664,15 @@ class MemoryDb:
                 depths.setdefault((topic, channel), []).append(mid)
         return [(t, c, len(ids), min(ids)) for (t, c), ids in sorted(depths.items())]
 
+    def _table_counts(self, p: dict) -> list[tuple]:
+        return [(len(self.messages), len(self.deliveries), len(self.delivery_log), len(self.dead_letters))]
+
     # -- incarnations ------------------------------------------------------------------
 
     def _create_owner(self, p: dict) -> list[tuple]:
-        owner = len(self.owners) + 1
+        owner = next(self._owner_ids)  # an identity: never reused, also once pruned
+        while owner in self.owners:  # one a test placed by hand
+            owner = next(self._owner_ids)
         self.owners[owner] = {"node_id": p["node_id"], "retired": False, "seen_ms": self._now_ms()}
         return [(owner,)]
 
@@ -551,7 +700,7 @@ class MemoryDb:
     def _prune_owners(self, p: dict) -> int:
         gone = [
             o for o, row in self.owners.items()
-            if row["retired"] and not any(m.owner == o for m in self.messages.values())
+            if row["retired"] and not any(m.owner == o and m.topic in self.topics for m in self.messages.values())
         ]
         for o in gone:
             del self.owners[o]
@@ -632,6 +781,7 @@ class MemoryDb:
             self.delayed[delay_id] = {
                 "id": delay_id, "fragment": fragment, "due_ms": due_ms, "topic": topic, "producer": producer,
                 "session_id": session_id, "produced_ms": produced_ms, "node_id": p["node_id"], "body": bytes(body),
+                "channel": None, "replay_of": None, "created_ms": self._now_ms(),
             }
             self._delayed_pairs[key] = delay_id
             rows.append((delay_id, producer, session_id, due_ms))
@@ -655,16 +805,25 @@ class MemoryDb:
         columns = ("reasons", "details", "topics", "channels", "producers", "session_ids", "message_ids",
                    "attempts", "bodies", "published_ms")
         rows = []
-        now = self._now_ms()
         for values in zip(*(p[c] for c in columns)):
             letter = dict(zip(("reason", "detail", "topic", "channel", "producer", "session_id", "message_id",
                                "attempts", "body", "published_ms"), values))
-            letter["id"] = next(self._ids)
-            letter["dead_ms"] = now
-            letter["body"] = bytes(letter["body"])
-            self.dead_letters[letter["id"]] = letter
-            rows.append((letter["id"],))
+            letter["published_ms"] = _ms_or_none(letter["published_ms"])
+            rows.append((self._add_letter(**letter),))
         return rows
+
+    def _add_letter(self, reason: str, detail: str, topic: str, channel: str | None, producer: str,
+                    session_id: int | None, body: bytes, message_id: int | None = None, attempts: int = 0,
+                    published_ms: int | None = None) -> int:
+        """A dmq_dead_letter row, dead now; its id."""
+        letter_id = next(self._ids)
+        self.dead_letters[letter_id] = {
+            "id": letter_id, "reason": reason, "detail": detail, "topic": topic, "channel": channel,
+            "producer": producer, "session_id": session_id, "message_id": message_id, "attempts": attempts,
+            "body": bytes(body), "published_ms": published_ms, "dead_ms": self._now_ms(), "replayed_ms": None,
+            "replay_message_id": None,
+        }
+        return letter_id
 
     def _copies(self, p: dict) -> Iterable[tuple[tuple[str, str, int], int, int]]:
         for topic, channel, owner, message_id, attempts in zip(
@@ -690,7 +849,6 @@ class MemoryDb:
 
     def _exhaust_deliveries(self, p: dict) -> list[tuple]:
         rows = []
-        now = self._now_ms()
         for key, owner, attempts in self._copies(p):
             if not self._waiting(key, owner):
                 continue
@@ -700,16 +858,385 @@ class MemoryDb:
             m = self.messages[key[2]]
             self._cursor(key[0], key[1], owner, p["holder"]).merge(0, [(m.id, m.id)])
             tries = max(self.attempts.pop(key, 0), attempts)
-            letter_id = next(self._ids)
-            self.dead_letters[letter_id] = {
-                "id": letter_id, "reason": "max_attempts",
-                "detail": f"delivered {tries} times without acknowledgement",
-                "topic": key[0], "channel": key[1], "producer": m.producer, "session_id": m.session_id,
-                "message_id": m.id, "attempts": tries, "body": m.body, "published_ms": m.published_ms,
-                "dead_ms": now,
-            }
+            self._add_letter("max_attempts", f"delivered {tries} times without acknowledgement", key[0], key[1],
+                             m.producer, m.session_id, m.body, m.id, tries, m.published_ms)
             rows.append(key)
         return rows
+
+    # -- delayed sends: the delay workers' statements ----------------------------------
+
+    @staticmethod
+    def _in_fragments(row: dict, p: dict) -> bool:
+        return row["fragment"] in p["fragments"] or (p["overflow"] and row["fragment"] > p["max_fragment"])
+
+    def _peek_delayed(self, p: dict) -> list[tuple]:
+        due = sorted(r["due_ms"] for r in self.delayed.values()
+                     if self._in_fragments(r, p) and r["due_ms"] <= p["until_ms"])
+        return [(d,) for d in due[: p["limit"]]]
+
+    def _move_due(self, p: dict) -> list[tuple]:
+        """Due rows of the fragments become messages of ``owner`` for their channels (the
+        row's own for a replay), in due order; a row whose channels are all gone becomes
+        a dead letter; a pair already stored is dropped (a resend). Nothing for a retired
+        owner. One row with the count taken, then one per message stored."""
+        owner = self.owners.get(p["owner"])
+        due = [] if owner is None or owner["retired"] else sorted(
+            (r for r in self.delayed.values() if self._in_fragments(r, p) and r["due_ms"] <= p["now_ms"]),
+            key=lambda r: (r["due_ms"], r["id"]),
+        )[: p["limit"]]
+        now = self._now_ms()
+        placed = []
+        for row in due:
+            del self.delayed[row["id"]]
+            del self._delayed_pairs[(row["producer"], row["session_id"])]
+            names = sorted(c for c in self.channels.get(row["topic"], ()) if row["channel"] in (None, c))
+            if not names:
+                detail = ("topic had no registered channel when the delayed message fell due" if row["channel"] is None
+                          else f"channel {row['channel']} was not registered when the replay fell due")
+                self._add_letter("operator", detail, row["topic"], row["channel"], row["producer"],
+                                 row["session_id"], row["body"])
+                continue
+            message_id = next(self._ids)
+            key = (row["producer"], row["session_id"])
+            if key in self._pairs:
+                continue  # stored before (ON CONFLICT DO NOTHING)
+            self.messages[message_id] = _Message(
+                message_id, row["topic"], row["producer"], row["session_id"], _ms_or_none(row["produced_ms"]) or 0,
+                now, p["node_id"], row["body"], p["owner"], row["channel"],
+            )
+            self._pairs[key] = message_id
+            letter = self.dead_letters.get(row["replay_of"]) if row["replay_of"] is not None else None
+            if letter is not None:
+                letter["replay_message_id"] = message_id
+            placed.append((len(due), message_id, row["topic"], row["producer"], row["session_id"], now, names,
+                           row["due_ms"], row["body"], row["channel"]))
+        return placed or [(len(due),) + (None,) * 9]
+
+    def _delay_stats(self, p: dict) -> list[tuple]:
+        by: dict[int, list[int]] = {}
+        for r in self.delayed.values():
+            by.setdefault(r["fragment"], []).append(r["due_ms"])
+        return [(f, len(d), min(d), max(d)) for f, d in sorted(by.items())]
+
+    # -- the time to live ----------------------------------------------------------------
+
+    def _open_ttl_cursors(self, p: dict) -> int:
+        opened = 0
+        for (topic, channel), start in sorted(self.start_ids.items()):
+            if self.topics.get(topic, {}).get("ttl_ms") is None:
+                continue
+            for owner, row in sorted(self.owners.items()):
+                key = (topic, channel, owner)
+                if key not in self.cursors and any(
+                    m.topic == topic and m.owner == owner and m.id > start for m in self.messages.values()
+                ):
+                    self.cursors[key] = _Cursor(row["node_id"], start)
+                    opened += 1
+        return opened
+
+    def _expire_deliveries(self, p: dict) -> list[tuple]:
+        """Copies older than their topic's time to live -> dead letters, done for their
+        channel: only those of cursors that exist (open_ttl_cursors makes them)."""
+        expired = []
+        for (topic, channel, owner), cursor in self.cursors.items():
+            ttl = self.topics.get(topic, {}).get("ttl_ms")
+            if ttl is None or channel not in self.channels.get(topic, ()):
+                continue
+            floor = max(cursor.floor, self.start_ids[(topic, channel)])
+            old = sorted(
+                m.id for m in self.messages.values()
+                if m.topic == topic and m.owner == owner and m.id > floor and m.channel in (None, channel)
+                and m.published_ms < p["now_ms"] - ttl and not cursor.covers(m.id)
+            )[: p["limit"]]
+            expired += [(message_id, topic, channel, owner, ttl) for message_id in old]
+        expired.sort()
+        rows = []
+        for message_id, topic, channel, owner, ttl in expired[: p["limit"]]:
+            self.cursors[(topic, channel, owner)].merge(0, [(message_id, message_id)])
+            m = self.messages[message_id]
+            self._add_letter("expired", f"not acknowledged within the topic's time to live of {ttl} ms", topic,
+                             channel, m.producer, m.session_id, m.body, m.id,
+                             self.attempts.pop((topic, channel, message_id), 0), m.published_ms)
+            rows.append((topic, channel, message_id))
+        return rows
+
+    # -- dead letters for operators ----------------------------------------------------
+
+    def _selected(self, p: dict) -> list[dict]:
+        """The dead letters the dead_letter_filter fragment selects, in id order."""
+        def match(d: dict) -> bool:
+            return (
+                (p["topic"] is None or d["topic"] == p["topic"])
+                and (p["channel"] is None or d["channel"] == p["channel"])
+                and (p["reason"] is None or d["reason"] == p["reason"])
+                and (p["since_ms"] is None or d["dead_ms"] >= p["since_ms"])
+                and (p["until_ms"] is None or d["dead_ms"] < p["until_ms"])
+                and (p["ids"] is None or d["id"] in p["ids"])
+                and (p["message_ids"] is None or d["message_id"] in p["message_ids"])
+                and (p["replayed"] is None or (d["replayed_ms"] is not None) == p["replayed"])
+            )
+
+        return [d for _, d in sorted(self.dead_letters.items()) if match(d)]
+
+    @staticmethod
+    def _letter_row(d: dict) -> tuple:
+        return (d["id"], d["reason"], d["detail"], d["topic"], d["channel"], d["producer"], d["session_id"],
+                d["message_id"], d["attempts"], len(d["body"]), d["published_ms"], d["dead_ms"], d["replayed_ms"],
+                d["replay_message_id"])
+
+    def _list_dead_letters(self, p: dict) -> list[tuple]:
+        return [self._letter_row(d) for d in self._selected(p) if d["id"] > p["after"]][: p["limit"]]
+
+    def _count_dead_letters(self, p: dict) -> list[tuple]:
+        selected = self._selected(p)
+        return [(len(selected), sum(1 for d in selected if d["replayed_ms"] is None))]
+
+    def _show_dead_letter(self, p: dict) -> list[tuple]:
+        d = self.dead_letters.get(p["id"])
+        return [] if d is None else [self._letter_row(d) + (d["body"],)]
+
+    def _replay_dead_letters(self, p: dict) -> list[tuple]:
+        """Mark a batch replayed and queue each, due now, for its own channel (producer
+        dmq-replay, the letter's id as session id: queued once); not the letters of a topic
+        placed on another cluster."""
+        picked = [
+            d for d in self._selected(p)
+            if d["replayed_ms"] is None and d["id"] > p["after"] and self.topics.get(d["topic"], {}).get(
+                "cluster", self.cluster) == self.cluster
+        ][: p["limit"]]
+        queued = 0
+        now = self._now_ms()
+        for d in picked:
+            d["replayed_ms"] = now
+            key = ("dmq-replay", d["id"])
+            if key in self._delayed_pairs:
+                continue
+            delay_id = next(self._ids)
+            self.delayed[delay_id] = {
+                "id": delay_id, "fragment": 1 + d["id"] % p["fragments"], "due_ms": p["now_ms"], "topic": d["topic"],
+                "channel": d["channel"], "producer": "dmq-replay", "session_id": d["id"], "produced_ms": 0,
+                "replay_of": d["id"], "node_id": p["node_id"], "created_ms": now, "body": d["body"],
+            }
+            self._delayed_pairs[key] = delay_id
+            queued += 1
+        return [(max((d["id"] for d in picked), default=None), queued)]
+
+    def _delete_dead_letters(self, p: dict) -> list[tuple]:
+        gone = [d["id"] for d in self._selected(p) if d["id"] > p["after"]][: p["limit"]]
+        for letter_id in gone:
+            del self.dead_letters[letter_id]
+        return [(i,) for i in gone]
+
+    def _dead_letter_counts(self, p: dict) -> list[tuple]:
+        by: dict[str, list[int]] = {}
+        for d in self.dead_letters.values():
+            counts = by.setdefault(d["reason"], [0, 0])
+            counts[0] += 1
+            counts[1] += d["replayed_ms"] is not None
+        return [(reason, n, replayed) for reason, (n, replayed) in sorted(by.items())]
+
+    def _log_admin_operation(self, p: dict) -> int:
+        self.admin_log.append(dict(p, id=next(self._log_ids), at_ms=self._now_ms()))
+        return 1
+
+    # -- takeover ------------------------------------------------------------------------
+
+    def _takeover_candidates(self, p: dict) -> list[tuple]:
+        nodes = {row["node_id"] for row in self.owners.values() if not row["retired"]}
+        nodes |= {c.holder for c in self.cursors.values()}
+        return [
+            (node, [o for o, row in sorted(self.owners.items()) if row["node_id"] == node and not row["retired"]])
+            for node in sorted(nodes)
+        ]
+
+    def _claim_owners(self, p: dict) -> list[tuple]:
+        """Retire the owners, open their cursors on the channels with their messages, and
+        hold every cursor of theirs (or of the departed node) no live node holds."""
+        owners = list(dict.fromkeys(p["owners"]))
+        for o in owners:
+            row = self.owners.get(o)
+            if row is not None and not row["retired"]:
+                row["retired"] = True
+        changed: dict[tuple[str, str], int] = {}
+        moved = [  # of the cursors as they were: those opened now are counted once
+            key for key, c in self.cursors.items()
+            if (key[2] in owners or c.holder == p["dead"]) and c.holder != p["me"] and c.holder not in p["live"]
+        ]
+        for (topic, channel), start in sorted(self.start_ids.items()):
+            for o in owners:
+                key = (topic, channel, o)
+                if key not in self.cursors and any(
+                    m.topic == topic and m.owner == o and m.id > start for m in self.messages.values()
+                ):
+                    self.cursors[key] = _Cursor(p["me"], start)
+                    changed[(topic, channel)] = changed.get((topic, channel), 0) + 1
+        for key in moved:
+            self.cursors[key].holder = p["me"]
+            changed[key[:2]] = changed.get(key[:2], 0) + 1
+        return [(t, c, n) for (t, c), n in sorted(changed.items())]
+
+    def _holder(self, topic: str, channel: str, owner: int) -> str:
+        """The node delivering a copy, as dmq_pending names it."""
+        cursor = self.cursors.get((topic, channel, owner))
+        return cursor.holder if cursor is not None else self.owners[owner]["node_id"]
+
+    def _owner_depths(self, p: dict) -> list[tuple]:
+        by: dict[str, int] = {}
+        for topic, channel, message_id in self.deliveries:
+            holder = self._holder(topic, channel, self.messages[message_id].owner)
+            by[holder] = by.get(holder, 0) + 1
+        return sorted(by.items())
+
+    # -- the message trace, peeking, gauges ------------------------------------------------
+
+    def _sweep_trace(self, p: dict) -> int:
+        cutoff = self._now_ms() - p["retention_s"] * 1000
+        old = sorted((r for r in self.returns if r["returned_ms"] < cutoff), key=lambda r: r["returned_ms"])
+        gone = {id(r) for r in old[: p["limit"]]}
+        self.returns = [r for r in self.returns if id(r) not in gone]
+        return len(gone)
+
+    def _trace_stored(self, p: dict) -> list[tuple]:
+        m = self.messages.get(p["id"])  # no archive here: dmq_message_history stays empty
+        if m is None:
+            return []
+        return [(m.id, m.topic, m.producer, m.session_id, _ms_or_none(m.produced_ms), m.published_ms, m.node_id,
+                 len(m.body), m.body[: p["preview"]], False)]
+
+    def _trace_pending(self, p: dict) -> list[tuple]:
+        return sorted(
+            (channel, attempts, self._holder(topic, channel, self.messages[message_id].owner))
+            for (topic, channel, message_id), attempts in self.deliveries.items()
+            if topic == p["topic"] and message_id == p["id"]
+        )
+
+    def _trace_returns(self, p: dict) -> list[tuple]:
+        rows = sorted((r for r in self.returns if r["message_id"] == p["id"]), key=lambda r: (r["returned_ms"], r["id"]))
+        return [(r["channel"], r["attempt"], r["reason"], r["consumer"], r["node_id"], r["delivered_ms"],
+                 r["returned_ms"]) for r in rows]
+
+    def _trace_acks(self, p: dict) -> list[tuple]:
+        return [
+            (r["topic"], r["channel"], r["attempts"], r["consumer"], r["published_ms"], r["first_ms"],
+             r["delivered_ms"], r["acked_ms"])
+            for _, r in sorted(
+                ((r["acked_ms"], n), r) for n, r in enumerate(self.delivery_log) if r["message_id"] == p["id"]
+            )
+        ]
+
+    def _trace_dead_letters(self, p: dict) -> list[tuple]:
+        return [
+            (d["id"], d["reason"], d["detail"], d["topic"], d["channel"], d["attempts"], d["dead_ms"],
+             d["replayed_ms"], d["replay_message_id"], d["message_id"])
+            for _, d in sorted(self.dead_letters.items())
+            if d["message_id"] == p["id"] or d["id"] == p["replay_of"]
+        ]
+
+    def _trace_delayed(self, p: dict) -> list[tuple]:
+        r = self.delayed.get(p["id"])
+        if r is None:
+            return []
+        return [(r["id"], r["topic"], r["channel"], r["producer"], r["session_id"], r["due_ms"], r["fragment"],
+                 r["node_id"], r["created_ms"], len(r["body"]), r["body"][: p["preview"]], r["replay_of"])]
+
+    def _find_message_by_session(self, p: dict) -> list[tuple]:
+        message_id = self._pairs.get((p["producer"], p["session_id"]))
+        return [] if message_id is None else [(message_id,)]
+
+    def _peek_channel(self, p: dict) -> list[tuple]:
+        rows = []
+        for (topic, channel, message_id), attempts in sorted(self.deliveries.items(), key=lambda kv: kv[0][2]):
+            if (topic, channel) != (p["topic"], p["channel"]) or message_id <= p["after"]:
+                continue
+            m = self.messages[message_id]
+            rows.append((m.id, attempts, self._holder(topic, channel, m.owner), m.producer, m.session_id,
+                         m.published_ms, len(m.body), m.body[: p["preview"]]))
+        return rows[: p["limit"]]
+
+    def _published_at(self, p: dict) -> list[tuple]:
+        return [(i, self.messages[i].published_ms) for i in sorted(set(p["ids"])) if i in self.messages]
+
+    def _delay_pending_by_topic(self, p: dict) -> list[tuple]:
+        by: dict[str, list[int]] = {}
+        for r in self.delayed.values():
+            by.setdefault(r["topic"], []).append(r["due_ms"])
+        return [(t, len(d), min(d)) for t, d in sorted(by.items())]
+
+    # -- delayed sends for operators -----------------------------------------------------
+
+    def _delay_due_histogram(self, p: dict) -> list[tuple]:
+        by: dict[int, int] = {}
+        for r in self.delayed.values():
+            if p["topic"] is None or r["topic"] == p["topic"]:
+                ahead = r["due_ms"] - p["now_ms"]
+                bucket = ahead // p["width_ms"] if ahead > 0 else 0  # SQL's division truncates
+                by[bucket] = by.get(bucket, 0) + 1
+        return sorted(by.items())
+
+    def _list_delayed(self, p: dict) -> list[tuple]:
+        rows = sorted(
+            (r for r in self.delayed.values()
+             if (p["topic"] is None or r["topic"] == p["topic"]) and (r["due_ms"], r["id"]) > (p["after_due"], p["after_id"])),
+            key=lambda r: (r["due_ms"], r["id"]),
+        )[: p["limit"]]
+        return [(r["id"], r["topic"], r["channel"], r["producer"], r["session_id"], r["due_ms"], r["fragment"],
+                 len(r["body"]), r["body"][: p["preview"]], r["replay_of"]) for r in rows]
+
+    def _deliver_delayed_now(self, p: dict) -> list[tuple]:
+        rows = []
+        for delay_id in dict.fromkeys(p["ids"]):
+            r = self.delayed.get(delay_id)
+            if r is not None and r["due_ms"] > p["now_ms"]:
+                r["due_ms"] = p["now_ms"]
+                rows.append((delay_id,))
+        return rows
+
+    def _cancel_delayed(self, p: dict) -> list[tuple]:
+        rows = []
+        for delay_id in dict.fromkeys(p["ids"]):
+            r = self.delayed.pop(delay_id, None)
+            if r is not None:
+                del self._delayed_pairs[(r["producer"], r["session_id"])]
+                rows.append((delay_id,))
+        return rows
+
+    def _list_admin_log(self, p: dict) -> list[tuple]:
+        rows = sorted((r for r in self.admin_log if r["id"] < p["before"]), key=lambda r: -r["id"])[: p["limit"]]
+        return [(r["id"], r["at_ms"], r["surface"], r["actor"], r["operation"], r["filters"], r["affected"])
+                for r in rows]
+
+    # -- several clusters ------------------------------------------------------------------
+
+    def _list_clusters(self, p: dict) -> list[tuple]:
+        return sorted(self.cluster_slots.items(), key=lambda kv: kv[1])
+
+    def _add_cluster(self, p: dict) -> list[tuple]:
+        free = sorted(set(range(32)) - set(self.cluster_slots.values()))
+        if p["name"] in self.cluster_slots or not free:
+            return []
+        self.cluster_slots[p["name"]] = free[0]
+        return [(free[0],)]
+
+    def _claim_cluster_self(self, p: dict) -> list[tuple]:
+        if self.cluster_claimed and (self.cluster, self.cluster_slot) != (p["name"], p["slot"]):
+            return []
+        self.cluster, self.cluster_slot, self.cluster_claimed = p["name"], p["slot"], True
+        return [(p["name"],)]
+
+    def _raise_id_sequences(self, p: dict) -> list[tuple]:
+        following = next(self._ids)
+        self._ids = itertools.count(max(following, p["floor"]))
+        return [(p["floor"],)] * 3 if following < p["floor"] else []
+
+    def _topic_leftovers(self, p: dict) -> list[tuple]:
+        """Placement, copies waiting, delayed; no transaction of the double outlives its
+        statement (``older``: 0); the time now, as PostgreSQL's now()."""
+        name = p["name"]
+        row = self.topics.get(name)
+        pending = sum(1 for topic, _, _ in self.deliveries if topic == name)
+        delayed = sum(1 for r in self.delayed.values() if r["topic"] == name)
+        now = datetime.fromtimestamp(self._now_ms() / 1000, timezone.utc)
+        return [(row["cluster"] if row is not None else None, pending, delayed, 0, now)]
 
 
 def _fire(d: Deferred, outcome: Any) -> None:

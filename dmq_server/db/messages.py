@@ -51,14 +51,10 @@ __all__ = [
     "insert_params",
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
-    "load_backlog",
     "load_backlog_steps",
-    "sweep_messages",
     "sweep_messages_steps",
     "sweep_batch_steps",
-    "run_query",
     "run_query_steps",
-    "read_channel_state",
     "read_channel_state_steps",
     "depth_slice_steps",
     "MAX_ID",
@@ -499,27 +495,11 @@ def load_backlog_steps(
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6]) for r in rows]
 
 
-def load_backlog(
-    conn: psycopg.Connection,
-    topic: str,
-    channel: str,
-    after: int,
-    limit: int,
-    holder: str | None = None,
-    owner: int = 0,
-) -> list[BacklogRow]:
-    """``load_backlog_steps`` over a blocking connection."""
-    return run_steps(conn, load_backlog_steps(topic, channel, after, limit, holder, owner))
-
 
 def run_query_steps(name: str, params: dict[str, Any]) -> Steps:
     """The named statement of ``sql/queries.sql``; returns the rows it changed."""
     return (yield Statement(name, params, count=True))
 
-
-def run_query(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> int:
-    """``run_query_steps`` over a blocking connection."""
-    return run_steps(conn, run_query_steps(name, params))
 
 
 def read_channel_state_steps() -> Steps:
@@ -531,10 +511,6 @@ def read_channel_state_steps() -> Steps:
     retired = {int(r[0]) for r in owner_rows if r[2]}
     return held, retired
 
-
-def read_channel_state(conn: psycopg.Connection) -> tuple[set[tuple[str, str]], set[int]]:
-    """``read_channel_state_steps`` over a blocking connection."""
-    return run_steps(conn, read_channel_state_steps())
 
 
 #: above every message id: the last slice's upper bound
@@ -575,7 +551,3 @@ def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
     """One batch of the sweep (``sweep_batch_steps``) from the lowest id: how many went."""
     swept, _ = yield from sweep_batch_steps(retention_s, limit)
     return swept
-
-
-def sweep_messages(conn: psycopg.Connection, retention_s: float, limit: int) -> int:
-    return run_steps(conn, sweep_messages_steps(retention_s, limit))

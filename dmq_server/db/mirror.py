@@ -3,8 +3,8 @@
 ``start_id`` there and checks the topic's placement (``insert_messages``).
 
 The registry itself is ZooKeeper (``--zk``) or, without it, the main cluster's tables;
-``mirror_to`` copies a read of it into the other clusters' databases (``registry.pg``
-``mirror_topics``: idempotent, serialised between nodes). A cluster that cannot be
+``mirror_to`` copies a read of it into the other clusters' databases (``db.topics``
+``mirror_topics_steps``: idempotent, serialised between nodes). A cluster that cannot be
 reached is skipped, logged once per outage: its topics' sends fail on it anyway, and
 the next read mirrors again.
 """
@@ -17,13 +17,13 @@ from twisted.internet.defer import Deferred, gatherResults
 
 from dmq_server.db.errors import StorageError
 from dmq_server.db.outage import Outage
-from registry.pg import mirror_topics
+from dmq_server.db.topics import mirror_topics_steps
 
 __all__ = ["Mirror"]
 
 
 class Mirror:
-    """``targets``: cluster name -> a worker on its database (``run(fn, ...)``)."""
+    """``targets``: cluster name -> a worker on its database (``run_steps(steps_fn, ...)``)."""
 
     def __init__(self, targets: Mapping[str, Any], clock: Any):
         self.targets = dict(targets)
@@ -41,4 +41,4 @@ class Mirror:
             failure.trap(StorageError)
             outage.failed(str(failure.value))
 
-        return worker.run(mirror_topics, list(specs)).addCallbacks(lambda _: outage.recovered(), failed)
+        return worker.run_steps(mirror_topics_steps, list(specs)).addCallbacks(lambda _: outage.recovered(), failed)

@@ -1,16 +1,18 @@
 """The schema as the server sees it: ``dmq_sql.schema``'s migrations, failing as
-``StorageError``. The migration runner itself is shared with the pipeline."""
+``StorageError``, and the server's health check. The migration runner itself is shared
+with the pipeline."""
 
 from __future__ import annotations
 
 import psycopg
 
 from dmq_server.db.errors import StorageError, describe_error
+from dmq_server.db.steps import Statement, Steps
 from dmq_server.db.worker import connect
-from dmq_sql.schema import ping, schema_version
+from dmq_sql.schema import schema_version
 from dmq_sql.schema import migrate as _migrate
 
-__all__ = ["migrate", "schema_version", "ping"]
+__all__ = ["migrate", "schema_version", "ping_steps"]
 
 
 def migrate(dsn: str, up_to: int | None = None) -> list[int]:
@@ -21,3 +23,9 @@ def migrate(dsn: str, up_to: int | None = None) -> list[int]:
             return _migrate(conn, up_to)
         except psycopg.Error as exc:
             raise StorageError(f"migration failed: {describe_error(exc)}") from exc
+
+
+def ping_steps() -> Steps:
+    """Is the database answering? (``/ping``, the metrics' round trip)"""
+    rows = yield Statement("ping", {})
+    return rows[0][0] == 1

@@ -11,29 +11,31 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dmq_sql import queries
+from dmq_server.db.steps import Statement, Steps, run_steps
 
-__all__ = ["takeover_candidates", "claim_owners", "owner_depths"]
+__all__ = ["takeover_candidates_steps", "claim_owners_steps", "claim_owners", "owner_depths_steps"]
 
 
-def takeover_candidates(conn: Any) -> dict[str, list[int]]:
+def takeover_candidates_steps() -> Steps:
     """Every node that still has an incarnation storing messages, or holds a cursor:
     ``{node_id: [its incarnations not retired]}``."""
-    return {row[0]: [int(i) for i in row[1]] for row in conn.execute(queries["takeover_candidates"])}
+    rows = yield Statement("takeover_candidates", {})
+    return {row[0]: [int(i) for i in row[1]] for row in rows}
 
 
-def claim_owners(
-    conn: Any, dead: str, owners: Sequence[int], me: str, live: Sequence[str]
-) -> list[tuple[str, str, int]]:
+def claim_owners_steps(dead: str, owners: Sequence[int], me: str, live: Sequence[str]) -> Steps:
     """Retire ``owners`` (incarnations of ``dead`` that are not live) and hold every
     cursor of theirs, or held by ``dead``, that no node in ``live`` holds. The channels
     whose cursors changed hands: [(topic, channel, cursors)]."""
-    rows = conn.execute(
-        queries["claim_owners"], {"dead": dead, "owners": list(owners), "me": me, "live": list(live)}
-    ).fetchall()
+    rows = yield Statement("claim_owners", {"dead": dead, "owners": list(owners), "me": me, "live": list(live)})
     return [(r[0], r[1], int(r[2])) for r in rows]
 
 
-def owner_depths(conn: Any) -> dict[str, int]:
+def claim_owners(conn: Any, dead: str, owners: Sequence[int], me: str, live: Sequence[str]) -> list[tuple[str, str, int]]:
+    """``claim_owners_steps`` over a blocking connection (tests, tools)."""
+    return run_steps(conn, claim_owners_steps(dead, owners, me, live))
+
+
+def owner_depths_steps() -> Steps:
     """Unacknowledged copies per node delivering them."""
-    return {row[0]: int(row[1]) for row in conn.execute(queries["owner_depths"])}
+    return {row[0]: int(row[1]) for row in (yield Statement("owner_depths", {}))}

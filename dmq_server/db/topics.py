@@ -1,20 +1,37 @@
-"""Reading the PostgreSQL registry as steps: every topic with its settings and channels.
+"""Reading the PostgreSQL registry as steps, and mirroring ZooKeeper's into it.
 
 ``registry.pg`` holds the registry's own operations over a blocking connection (the
-CLI, the cluster's mirror); the broker reads the registry through the steps here,
-so a ``DbWorker``, a ``ReactorDb`` or the in-memory double can answer it.
+CLI); the broker reads the registry through the steps here, and a cluster's node
+mirrors ZooKeeper's topics into every database with them, so a ``DbWorker``, a
+``ReactorDb`` or the in-memory double can answer both.
 """
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from registry.model import TopicSpec
+from registry.pg import mirror_changes
 
 from dmq_server.db.steps import Statement, Steps
 
-__all__ = ["list_topics_steps"]
+__all__ = ["list_topics_steps", "mirror_topics_steps"]
 
 
 def list_topics_steps() -> Steps:
     """Every topic (``TopicSpec``, channels sorted), in name order."""
     rows = yield Statement("list_topics", {})
     return [TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8])) for r in rows]
+
+
+def mirror_topics_steps(specs: Sequence[Any]) -> Steps:
+    """Make ``dmq_topic``/``dmq_channel`` equal to ``specs`` (ZooKeeper's view), serialised
+    between nodes by an advisory lock (run in a transaction: a ``DbWorker``'s); whether
+    anything changed. A topic or channel that disappears takes its undelivered copies with
+    it, as ``dmq topic delete`` does on one node (``registry.pg.mirror_changes``)."""
+    yield Statement("lock_registry_mirror", {})
+    current = yield from list_topics_steps()
+    changes = mirror_changes(current, specs)
+    for name, params in changes:
+        yield Statement(name, params)
+    return bool(changes)

@@ -1,8 +1,9 @@
 """The message trace's statements: recording returned deliveries, reading one message's
-stored facts, peeking at a channel's waiting copies, and the stored gauges of ``/metrics``.
+stored facts, peeking at a channel's waiting copies, and the stored gauges of ``/metrics``;
+all steps (``db.steps``), so the in-memory double answers them too.
 
 A message's life is spread over the tables that hold it (``sql/migrations/0006_trace.sql``
-says which): ``read_trace`` reads each with one indexed lookup and puts the facts in time
+says which): ``read_trace_steps`` reads each with one indexed lookup and puts the facts in time
 order, so the CLI (``dmq trace``), the admin API and the console show the same story. What
 only a running node knows (a copy in flight right now) is added by ``admin.inspect``.
 """
@@ -14,17 +15,16 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dmq_server.db.steps import Statement, Steps
-from dmq_sql import queries
 
 __all__ = [
     "ReturnRow",
     "record_returns_steps",
     "sweep_trace_steps",
-    "read_trace",
-    "find_message",
-    "peek_channel",
+    "read_trace_steps",
+    "find_message_steps",
+    "peek_channel_steps",
     "body_preview",
-    "read_gauges",
+    "read_gauges_steps",
     "PREVIEW_BYTES",
 ]
 
@@ -83,19 +83,20 @@ def body_preview(data: Any, size: int) -> dict[str, Any]:
     return out
 
 
-def find_message(conn: Any, producer: str, session_id: int) -> int | None:
+def find_message_steps(producer: str, session_id: int) -> Steps:
     """The id stored for (producer, session id), or None."""
-    row = conn.execute(queries["find_message_by_session"], {"producer": producer, "session_id": session_id}).fetchone()
-    return None if row is None else row[0]
+    rows = yield Statement("find_message_by_session", {"producer": producer, "session_id": session_id})
+    return rows[0][0] if rows else None
 
 
-def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict[str, Any]:
+def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
     """Every stored fact about ``message_id``: ``stored`` (None once swept without an
     archive), ``pending`` copies, ``events`` in time order (stored, delivered, returned,
     acked, dead_letter, replayed), and ``delayed`` when the id names a delay entry
     instead. Times are Unix milliseconds."""
     params = {"id": message_id, "preview": preview}
-    stored_row = conn.execute(queries["trace_stored"], params).fetchone()
+    stored_rows = yield Statement("trace_stored", params)
+    stored_row = stored_rows[0] if stored_rows else None
     events: list[dict[str, Any]] = []
     stored = None
     replay_of = None
@@ -116,16 +117,16 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
             replay_of = session_id
         events.append({"at_ms": published_ms, "event": "stored", "node_id": node_id, "producer": producer,
                        "session_id": session_id})
-    for channel, attempt, reason, consumer, node_id, delivered_ms, returned_ms in conn.execute(
-        queries["trace_returns"], params
-    ).fetchall():
+    for channel, attempt, reason, consumer, node_id, delivered_ms, returned_ms in (
+        yield Statement("trace_returns", params)
+    ):
         events.append({"at_ms": delivered_ms, "event": "delivered", "channel": channel, "attempt": attempt,
                        "consumer": consumer, "node_id": node_id})
         events.append({"at_ms": returned_ms, "event": "returned", "channel": channel, "attempt": attempt,
                        "reason": reason, "consumer": consumer, "node_id": node_id})
-    for log_topic, channel, attempts, consumer, published_ms, first_ms, delivered_ms, acked_ms in conn.execute(
-        queries["trace_acks"], params
-    ).fetchall():
+    for log_topic, channel, attempts, consumer, published_ms, first_ms, delivered_ms, acked_ms in (
+        yield Statement("trace_acks", params)
+    ):
         topic = topic or log_topic
         if stored is None and not any(e["event"] == "stored" for e in events):
             events.append({"at_ms": published_ms, "event": "stored", "topic": log_topic})
@@ -136,7 +137,7 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
                            "consumer": consumer})
         events.append({"at_ms": acked_ms, "event": "acked", "channel": channel, "attempt": attempts,
                        "consumer": consumer})
-    letters = conn.execute(queries["trace_dead_letters"], dict(params, replay_of=replay_of or 0)).fetchall()
+    letters = yield Statement("trace_dead_letters", dict(params, replay_of=replay_of or 0))
     for letter_id, reason, detail, letter_topic, channel, attempts, dead_ms, replayed_ms, replay_id, of_id in letters:
         if of_id != message_id:
             continue  # the letter this message replays, below
@@ -150,9 +151,7 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
     if topic is not None:
         pending = [
             {"channel": channel, "attempts": attempts, "owner": owner}
-            for channel, attempts, owner in conn.execute(
-                queries["trace_pending"], dict(params, topic=topic)
-            ).fetchall()
+            for channel, attempts, owner in (yield Statement("trace_pending", dict(params, topic=topic)))
         ]
     replayed_from = None
     for letter_id, reason, detail, letter_topic, channel, attempts, dead_ms, _, _, of_id in letters:
@@ -171,8 +170,9 @@ def read_trace(conn: Any, message_id: int, preview: int = PREVIEW_BYTES) -> dict
         "delayed": None,
     }
     if not out["found"]:
-        row = conn.execute(queries["trace_delayed"], params).fetchone()
-        if row is not None:
+        delayed_rows = yield Statement("trace_delayed", params)
+        if delayed_rows:
+            row = delayed_rows[0]
             did, d_topic, channel, producer, session_id, due_ms, fragment, node_id, created_ms, size, body, r_of = row
             out["delayed"] = {
                 "delay_id": did, "topic": d_topic, "channel": channel, "producer": producer,
@@ -194,15 +194,12 @@ def _in_order(event: dict[str, Any]) -> tuple[int, int, int]:
     return event["at_ms"] or 0, attempt, _ORDER.get(kind, 9)
 
 
-def peek_channel(
-    conn: Any, topic: str, channel: str, after: int = 0, limit: int = 20, preview: int = 512
-) -> list[dict[str, Any]]:
+def peek_channel_steps(topic: str, channel: str, after: int = 0, limit: int = 20, preview: int = 512) -> Steps:
     """A channel's stored, unacknowledged copies after ``after``, oldest first; the rows
     are read, nothing is locked or changed (in-flight copies are among them)."""
-    rows = conn.execute(
-        queries["peek_channel"],
-        {"topic": topic, "channel": channel, "after": after, "limit": limit, "preview": preview},
-    ).fetchall()
+    rows = yield Statement(
+        "peek_channel", {"topic": topic, "channel": channel, "after": after, "limit": limit, "preview": preview}
+    )
     return [
         {
             "message_id": mid, "attempts": attempts, "owner": owner, "producer": producer,
@@ -212,7 +209,7 @@ def peek_channel(
     ]
 
 
-def read_gauges(conn: Any, lowest: dict[tuple[str, str], int | None] | None = None) -> dict[str, Any]:
+def read_gauges_steps(lowest: dict[tuple[str, str], int | None] | None = None) -> Steps:
     """The figures ``/metrics`` takes from PostgreSQL (refreshed on a timer, never in a
     scrape): each channel's oldest unacknowledged publish time, delayed messages per
     topic, and stored dead letters by reason. The oldest is the publish time of the
@@ -221,8 +218,8 @@ def read_gauges(conn: Any, lowest: dict[tuple[str, str], int | None] | None = No
     (another cluster's, or acknowledged and swept since)."""
     lowest = lowest or {}
     ids = sorted({i for i in lowest.values() if i is not None})
-    published = dict(conn.execute(queries["published_at"], {"ids": ids}).fetchall()) if ids else {}
+    published = dict((yield Statement("published_at", {"ids": ids}))) if ids else {}
     oldest = {key: published.get(i) if i is not None else None for key, i in lowest.items()}
-    delayed = {t: (n, due) for t, n, due in conn.execute(queries["delay_pending_by_topic"]).fetchall()}
-    letters = {reason: (total, replayed) for reason, total, replayed in conn.execute(queries["dead_letter_counts"]).fetchall()}
+    delayed = {t: (n, due) for t, n, due in (yield Statement("delay_pending_by_topic", {}))}
+    letters = {reason: (total, replayed) for reason, total, replayed in (yield Statement("dead_letter_counts", {}))}
     return {"oldest_unacked_ms": oldest, "delay_pending": delayed, "dead_letters": letters}

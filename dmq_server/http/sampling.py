@@ -25,8 +25,8 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, succeed
 
 from dmq_server.core.pauses import GcPauses, ReactorLag
-from dmq_server.db.schema import ping
-from dmq_server.db.trace import read_gauges
+from dmq_server.db.schema import ping_steps
+from dmq_server.db.trace import read_gauges_steps
 
 __all__ = ["StoredGauges", "History", "Pauses", "Sampling", "HISTORY_INTERVAL", "HISTORY_POINTS"]
 
@@ -84,9 +84,9 @@ class StoredGauges:
         def pinged(_: Any) -> Deferred:
             self.roundtrip = self.clock.seconds() - started
             lowest = self.lowest()
-            d = self.db.run(read_gauges, lowest)
+            d = self.db.run_steps(read_gauges_steps, lowest)
             for other in self.others:  # a cluster that fails to answer is left out this turn
-                d.addCallback(lambda values, db=other: db.run(read_gauges, lowest).addCallbacks(
+                d.addCallback(lambda values, db=other: db.run_steps(read_gauges_steps, lowest).addCallbacks(
                     lambda more: merge_gauges(values, more), lambda _: values))
             return d
 
@@ -100,7 +100,7 @@ class StoredGauges:
         def done(_: Any) -> None:
             self._busy = False
 
-        return self.db.run(ping).addCallback(pinged).addCallbacks(read, failed).addBoth(done)
+        return self.db.run_steps(ping_steps).addCallback(pinged).addCallbacks(read, failed).addBoth(done)
 
     def snapshot(self) -> dict[str, Any]:
         """A copy for a scrape (taken on the reactor thread)."""

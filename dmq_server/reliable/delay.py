@@ -39,8 +39,8 @@ from dmq_server.core.fragments import FragmentAssignment, split_fragments
 from dmq_server.db.delays import (
     MovedMessage,
     StoredDelay,
-    move_due,
-    peek_delayed,
+    move_due_steps,
+    peek_delayed_steps,
 )
 from dmq_server.db.errors import Fenced, RefusedError
 from dmq_server.db.outage import Outage
@@ -58,9 +58,9 @@ log = Logger()
 class DelayWorker:
     """Serves one contiguous run of fragments: poll, timers, moves. Reactor thread only.
 
-    ``db.run(fn, *args)`` runs ``fn(conn, *args)`` in a transaction and returns a
-    Deferred (a ``db.worker.DbWorker``); ``peek`` and ``move`` are ``db.delays``' statements,
-    injectable for tests. ``tick`` is the shortest gap between two moves, so a
+    ``db.run_steps(steps_fn, *args)`` runs the steps in a transaction and returns a
+    Deferred (a ``db.worker.DbWorker``, or the in-memory double); ``peek`` and ``move``
+    are ``db.delays``' steps, injectable for tests. ``tick`` is the shortest gap between two moves, so a
     steady stream of due times costs at most 1/tick transactions a second.
     """
 
@@ -76,8 +76,8 @@ class DelayWorker:
         tick: float,
         node_id: str,
         on_moved: Callable[[list[MovedMessage]], None],
-        peek: Callable[..., list[int]] = peek_delayed,
-        move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+        peek: Callable[..., Any] = peek_delayed_steps,
+        move: Callable[..., Any] = move_due_steps,
         on_unknown: Callable[[], None] = lambda: None,
         writes: Any = None,
     ):
@@ -156,7 +156,7 @@ class DelayWorker:
         self._polling_until = until
         self._notified_while_polling = []
         fragments = self.fragments
-        d = self.db.run(self._peek, fragments, self.max_fragment, until, self._peek_limit)
+        d = self.db.run_steps(self._peek, fragments, self.max_fragment, until, self._peek_limit)
         d.addCallbacks(self._polled, self._failed, callbackArgs=(until, fragments))
 
     def _polled(self, due: list[int], until: int, fragments: tuple[int, ...]) -> None:
@@ -228,7 +228,7 @@ class DelayWorker:
         now_ms = int(round(now * 1000))
         writes = self.writes
         token = writes.begin()
-        d = self.db.run(
+        d = self.db.run_steps(
             self._move, self.fragments, self.max_fragment, now_ms, self.batch_size, self.node_id, writes.owner
         )
         d.addCallbacks(self._moved, self._move_failed, callbackArgs=(now_ms, token), errbackArgs=(token,))
@@ -343,8 +343,8 @@ class DelayScheduler:
         on_unknown: Callable[[], None] = lambda: None,
         scheduler: Any = None,
         rng: random.Random | None = None,
-        peek: Callable[..., list[int]] = peek_delayed,
-        move: Callable[..., tuple[int, list[MovedMessage]]] = move_due,
+        peek: Callable[..., Any] = peek_delayed_steps,
+        move: Callable[..., Any] = move_due_steps,
         writes: Any = None,
     ):
         self.clock = clock

@@ -20,6 +20,7 @@ from dmq_server.db.delays import NewDelayed, insert_delayed
 from dmq_server.reliable.delay import DelayWorker
 from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.db.schema import migrate
+from dmq_server.db.steps import run_steps
 from dmq_server.db.worker import connect
 
 from .support import db_rows, wait_for
@@ -156,10 +157,10 @@ class PgNow:
     def __init__(self, conn: psycopg.Connection):
         self.conn = conn
 
-    def run(self, fn, *args):
+    def run_steps(self, fn, *args):
         try:
             with self.conn.transaction():
-                return succeed(fn(self.conn, *args))
+                return succeed(run_steps(self.conn, fn(*args)))
         except Exception as exc:  # surfaces as the worker's failure path
             return fail(exc)
 

@@ -47,12 +47,12 @@ class Table:
     def _mine(row: Row, fragments, max_fragment) -> bool:
         return row.fragment in fragments or (max_fragment in fragments and row.fragment > max_fragment)
 
-    def peek(self, conn, fragments, max_fragment, until_ms, limit):
+    def peek(self, fragments, max_fragment, until_ms, limit):
         self.peeks += 1
         due = sorted(r.due_ms for r in self.rows if self._mine(r, fragments, max_fragment) and r.due_ms <= until_ms)
         return due[:limit]
 
-    def move(self, conn, fragments, max_fragment, now_ms, limit, node_id, owner=0):
+    def move(self, fragments, max_fragment, now_ms, limit, node_id, owner=0):
         due = sorted(
             (r for r in self.rows if self._mine(r, fragments, max_fragment) and r.due_ms <= now_ms),
             key=lambda r: (r.due_ms, r.id),
@@ -71,12 +71,12 @@ class SyncDb:
         self.fail_next = fail_next
         self.calls = 0
 
-    def run(self, fn, *args):
+    def run_steps(self, fn, *args):
         self.calls += 1
         if self.fail_next:
             self.fail_next -= 1
             return fail(StorageError("database unreachable"))
-        return succeed(fn(None, *args))
+        return succeed(fn(*args))
 
 
 class HeldDb:
@@ -85,7 +85,7 @@ class HeldDb:
     def __init__(self):
         self.pending: list[tuple[Deferred, object, tuple]] = []
 
-    def run(self, fn, *args):
+    def run_steps(self, fn, *args):
         d: Deferred = Deferred()
         self.pending.append((d, fn, args))
         return d
@@ -93,7 +93,7 @@ class HeldDb:
     def release_all(self):
         while self.pending:
             d, fn, args = self.pending.pop(0)
-            d.callback(fn(None, *args))
+            d.callback(fn(*args))
 
 
 def make_worker(table: Table, clock: task.Clock, db=None, **kw) -> tuple[DelayWorker, list]:

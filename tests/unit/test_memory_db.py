@@ -196,7 +196,7 @@ def test_answers_wait_for_the_clock_when_given_a_delay():
 
 def test_a_statement_without_a_handler_fails_loudly(db):
     def steps() -> Any:
-        yield Statement("move_due", {})
+        yield Statement("record_migration", {})  # the migrator's: the double has no tables to migrate
 
     assert isinstance(result(db.run_steps(steps)), UnknownStatement)
     with pytest.raises(UnknownStatement):
