@@ -33,10 +33,9 @@ from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Una
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published, PublishRequest, check_request, check_send, check_sender
+from dmq_server.core.publish import Published, PublishRequest, Send, check_request, check_send, check_sender
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
-from dmq_server.db.messages import NewMessage
 from dmq_server.db.outage import Outage
 from dmq_server.db.topics import list_topics_steps
 from dmq_server.broker.placement import Placement
@@ -237,8 +236,8 @@ class Broker:
     # -- publishing -------------------------------------------------------
     def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
         """Route ``request`` to its topic's store; ``done`` is called once, with
-        ``Published`` when every body is stored, else with the first body's
-        ``DmqError`` (a batch is answered as one, as NSQ's MPUB is; bodies stored
+        ``Published`` when every message is stored, else with the first message's
+        ``DmqError`` (a batch is answered as one, as NSQ's MPUB is; messages stored
         before a failure stay stored, so a producer's retry may store them twice).
 
         A registered reliable topic goes to the group-commit writer; a fast topic
@@ -246,6 +245,10 @@ class Broker:
         store, answered before this returns. A name neither knows costs one registry
         refresh, then is reliable, fast (``request.create_fast``, NSQ's rule) or
         refused with E_NO_TOPIC."""
+        outcome = self._fast_now(request)
+        if outcome is not None:
+            done(outcome)
+            return
         error = check_request(
             request,
             registered=request.topic in self.cache.reliable,
@@ -262,45 +265,51 @@ class Broker:
             return
         self.route(request.topic, request.create_fast, lambda found: self._publish_to(found, request, done))
 
-    def publish_sends(
-        self, topic: str, producer: str, sends: list[tuple[int, int, bytes, bool]],
-        answer: Callable[[int, list], None],
-    ) -> None:
-        """Single sends from one producer to one topic (the dmq protocol's
-        ``UP_PRODUCER_SEND``s of one read: a producer with a window of unanswered sends
-        writes them together), each ``(session_id, produced_ms, body, resend)``.
-        ``answer(start, outcomes)`` gets the outcomes of the sends from position ``start``
-        on, each send's as ``publish`` would give it for that send alone; every send is
-        answered once, a refused one at once, the stored ones together when their commit
-        is answered (``ReliableStore.store_many``).
+    def publish_each(self, request: PublishRequest, answer: Callable[[int, list], None]) -> None:
+        """Each message of ``request`` answered as ``publish`` would answer it alone (the
+        dmq protocol's ``UP_PRODUCER_SEND``s of one read: a producer with a window of
+        unanswered sends writes them together; an NSQ read's PUBs to one topic).
+        ``answer(start, outcomes)`` gets the outcomes of the messages from position
+        ``start`` on; every message is answered once, a refused one at once, the stored
+        ones together when their commit is answered (``ReliableStore.store_many``), a
+        fast topic's all before this returns.
 
         To a reliable topic this node has cached, with channels, no rate limit and one
         cluster (nearly every send), the topic is looked up, its store found and the
         producer checked once for the run, each send checked on its own (one refused
         fails no other), and the rest queued for the group commit in one call: the
         per-send routing ``publish`` repeats cost about an eighth of the server's CPU a
-        message (bench/message_cost.py). Any other topic takes ``publish``, send by send."""
-        store = self._direct_store(topic)
+        message (bench/message_cost.py). A fast topic made on first use takes the run's
+        bodies in one call (``_fast_now``). Any other topic takes ``publish``, message by
+        message."""
+        count = len(request)
+        outcome = self._fast_now(request)
+        if outcome is not None:
+            answer(0, [outcome] * count)
+            return
+        topic = request.topic
+        store = self._direct_store(topic) if request.due_ms is None else None
         if store is None:
-            for i, (session_id, produced_ms, body, resend) in enumerate(sends):
-                self.publish(PublishRequest(topic, producer, [body], session_id, produced_ms, None, resend),
-                             lambda outcome, i=i: answer(i, [outcome]))
+            alone = request.alone
+            for i in range(count):
+                self.publish(alone(i), lambda outcome, i=i: answer(i, [outcome]))
             return
-        error = check_sender(topic, producer, registered=True)
+        error = check_sender(topic, request.producer, registered=True)
         if error is not None:
-            answer(0, [error] * len(sends))
+            answer(0, [error] * count)
             return
+        sends = request.numbered(self.new_session_id)
         largest = self.options.max_msg_size
-        admitted: list[tuple[NewMessage, bool]] = []
+        admitted: list[Send] = []
         places: list[int] = []  # each admitted send's position in the run
-        for i, (session_id, produced_ms, body, resend) in enumerate(sends):
-            error = check_send(session_id, (body,), produced_ms, largest)
+        for i, send in enumerate(sends):
+            error = check_send(send.session_id, (send.body,), send.produced_ms, largest)
             if error is None:
-                admitted.append((NewMessage(topic, producer, session_id, produced_ms, body), resend))
+                admitted.append(send)
                 places.append(i)
             else:
                 answer(i, [error])
-        if len(admitted) == len(sends):
+        if len(admitted) == count:
             store.store_many(admitted, answer)
         elif admitted:  # some were refused: each stored one answered at its own place
 
@@ -320,24 +329,21 @@ class Broker:
         store = self.placement.store_of(spec)
         return None if isinstance(store, BaseException) else store
 
-    def publish_fast_now(self, topic: str, bodies: list[bytes]) -> Any:
-        """Bodies (a PUB's, an MPUB's) to a fast topic the fast store holds and the
-        registry does not name (an NSQ topic made on first use: nsq.py's and most NSQ
-        users' case), answered at once: the outcome, or None when the topic needs
-        ``publish`` (registered, reliable, or not yet known). ``publish`` would check
-        nothing more here: the NSQ connection has checked the topic's name and each
-        body's size (the same ``max_msg_size``), and the producer id and the time are the
-        server's own; only a registered topic has a rate limit. An NSQ PUB so skips the
-        request object and the checks: 15 % of its cost from PUB to FIN
-        (bench/nsq_cost.py)."""
-        if not self.takes_fast_now(topic):
-            return None
-        return self.fast.publish(topic, bodies)
-
-    def takes_fast_now(self, topic: str) -> bool:
-        """Whether ``publish_fast_now`` would take bodies for ``topic``."""
+    def _fast_now(self, request: PublishRequest) -> Any:
+        """The outcome of ``request`` when it is bodies, not delayed, to a fast topic the
+        fast store holds and the registry does not name (an NSQ topic made on first use:
+        nsq.py's and most NSQ users' case), taken at once; else None (the whole way).
+        The checks would find nothing here: the name is one the fast store holds, such
+        bodies come from the edges that check each body's size against the same
+        ``max_msg_size`` (NSQ TCP, HTTP), their producer id and time are the server's
+        own, and only a registered topic has a rate limit. An NSQ PUB so skips the
+        checks and the routing: 15 % of its cost from PUB to FIN (bench/nsq_cost.py)."""
         fast = self.fast
-        return fast is not None and topic in fast.topics and self.cache.store_of(topic) is None
+        topic = request.topic
+        if (fast is None or request.bodies is None or request.due_ms is not None or topic not in fast.topics
+                or self.cache.store_of(topic) is not None):
+            return None
+        return fast.publish(topic, request.bodies)
 
     def _publish_to(self, store: Any, request: PublishRequest, done: Callable[[Any], None]) -> None:
         if store == RELIABLE:
@@ -382,42 +388,34 @@ class Broker:
         """Into the fast store, answered before this returns. A registered fast topic's
         rate limit refuses the whole request (the fast store keeps no dead letters)."""
         spec = self.cache.fast.get(request.topic)
-        if spec is not None and spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit, len(request.bodies)):
+        if spec is not None and spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit, len(request)):
             done(RateLimited(f"topic {spec.name!r} accepts at most {spec.rate_limit} messages per second"))
             return
         deferred = 0.0
         if request.due_ms is not None:
             deferred = max(request.due_ms - int(self.clock.seconds() * 1000), 0) / 1000.0
-        done(self.fast.publish(request.topic, request.bodies, deferred))
+        done(self.fast.publish(request.topic, request.payloads(), deferred))
 
     def _publish_reliable(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
-        """Each body through the group commit; one countdown answers the request."""
-        bodies = request.bodies
-        if len(bodies) == 1:
-            session_id = request.session_id
-            if session_id is None:
-                session_id = self.new_session_id()
-            send = NewMessage(request.topic, request.producer, session_id, request.produced_ms, bodies[0])
-            self._publish_one(send, done, request.due_ms, request.resend)
+        """Each message through the group commit; one countdown answers the request."""
+        count = len(request)
+        if count == 1:
+            self._publish_one(request.numbered(self.new_session_id)[0], done, request.due_ms)
             return
-        if not bodies:
+        if not count:
             done(Published(0, False, 0))
             return
-        countdown = _Countdown(len(bodies), done)
-        topic, producer, produced_ms = request.topic, request.producer, request.produced_ms
-        store = self._direct_store(topic) if request.due_ms is None else None
+        countdown = _Countdown(count, done)
+        sends = request.numbered(self.new_session_id)
+        store = self._direct_store(request.topic) if request.due_ms is None else None
         if store is not None:  # an MPUB's bodies reach the group commit together
-            new_id, resend = self.new_session_id, request.resend
-            store.store_many(
-                [(NewMessage(topic, producer, new_id(), produced_ms, body), resend) for body in bodies], countdown.many
-            )
+            store.store_many(sends, countdown.many)
             return
-        for body in bodies:
-            send = NewMessage(topic, producer, self.new_session_id(), produced_ms, body)
-            self._publish_one(send, countdown, request.due_ms, request.resend)
+        for send in sends:
+            self._publish_one(send, countdown, request.due_ms)
 
-    def _publish_one(self, send: NewMessage, done: Callable[[Any], None], due_ms: int | None, resend: bool) -> None:
-        """One checked body of a reliable topic, without Deferreds: ``done`` gets
+    def _publish_one(self, send: Send, done: Callable[[Any], None], due_ms: int | None) -> None:
+        """One checked message of a reliable topic, without Deferreds: ``done`` gets
         Published, or the DmqError. Called once per message, so the common case
         (topic cached) is a few dict lookups and one queue append.
         A send that is not a ``resend`` must be new: if its (producer, session id) is
@@ -427,7 +425,7 @@ class Broker:
         ``Published.message_id`` is the delay entry's id."""
         spec = self.cache.reliable.get(send.topic)
         if spec is not None and spec.channels:
-            self._admit(spec, send, done, due_ms, resend)
+            self._admit(spec, send, done, due_ms)
             return
 
         def refreshed(_: Any) -> None:
@@ -435,12 +433,11 @@ class Broker:
             if spec is None or not spec.channels:
                 done(NoTopic(f"topic {send.topic!r} is not registered or has no channel"))
             else:
-                self._admit(spec, send, done, due_ms, resend)
+                self._admit(spec, send, done, due_ms)
 
         self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
 
-    def _admit(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], due_ms: int | None,
-               resend: bool) -> None:
+    def _admit(self, spec: TopicSpec, send: Send, done: Callable[[Any], None], due_ms: int | None) -> None:
         """Rate limit, then store (delayed or not); a stored pair refuses a send that is
         not a ``resend``."""
         store = self.placement.store_of(spec)
@@ -452,11 +449,11 @@ class Broker:
         if spec.rate_limit and not self.limits.allow(spec.name, spec.rate_limit):
             self._rate_limited(spec, send, done, store)
         elif due_ms is None:
-            store.store(send, done, resend)
+            store.store(send, done)
         else:
-            store.store_delayed(send, due_ms, done, resend)
+            store.store_delayed(send, due_ms, done)
 
-    def _rate_limited(self, spec: TopicSpec, send: NewMessage, done: Callable[[Any], None], store: Any) -> None:
+    def _rate_limited(self, spec: TopicSpec, send: Send, done: Callable[[Any], None], store: Any) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
         letter (producer ``dmq-replay``) is refused without a new one: it already is one,
         and its replayer tries again later."""

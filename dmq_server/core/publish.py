@@ -1,16 +1,26 @@
 """A publish as every edge hands it to the broker, and its answer.
 
-The dmq protocol's SEND/RESEND, NSQ's PUB/MPUB/DPUB and HTTP ``/pub`` ``/mpub`` each
-build one ``PublishRequest`` from their own wire fields and call
-``Broker.publish(request, done)``; the broker routes it to the reliable or the fast
-store by the topic's settings and calls ``done`` exactly once, with ``Published`` or a
-``core.errors.DmqError``, when every body of the request has an outcome. So the
-countdown over a batch, the choice of store and the checks of a send exist once.
+Every way a message enters (the dmq protocol's SEND and RESEND, alone or a read's run
+of them, delayed or not; NSQ's PUB, a read's run of PUBs, MPUB, DPUB; HTTP ``/pub`` and
+``/mpub``) builds one ``PublishRequest`` with keyword fields and hands it to the
+broker: ``Broker.publish(request, done)`` answers the request once (an MPUB's batch),
+``Broker.publish_each(request, answer)`` answers each message as if sent alone (a
+read's run of sends or PUBs). The broker routes it to the reliable or the fast store by
+the topic's settings, and the stores take its messages as they are: a ``Send`` is the
+value the reliable store's group commit writes (its fields are the columns), and a
+request's ``bodies`` are what the fast store puts on its queues. So the countdown over
+a batch, the choice of store and the checks of a send exist once.
+
+A request carries its messages in one of two forms, whichever its edge has at no cost:
+``bodies``, which the broker numbers (NSQ and HTTP publishers have no ids of their own;
+one time for all), or ``sends``, each with its producer's own session id, time and
+resend flag (the dmq protocol). Headers and a key, when a later issue adds them, are
+one more optional keyword field on ``Send`` and on the request; nothing is positional.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dmq_client.spelling import MAX_TIME_MS
@@ -18,25 +28,68 @@ from dmq_client.wire import valid_name
 
 from dmq_server.core.errors import DmqError, Invalid
 
-__all__ = ["PublishRequest", "Published", "check_request", "check_send", "check_sender"]
+__all__ = ["PublishRequest", "Published", "Send", "check_request", "check_send", "check_sender"]
 
 
-@dataclass(slots=True)
-class PublishRequest:
+@dataclass(slots=True, kw_only=True)
+class Send:
+    """One message as the reliable store takes it: the group commit writes these
+    fields as they are (``topic`` and ``producer`` are the request's, shared, not
+    copied). ``session_id`` is the producer's duplicate-suppression key (dmq), or the
+    broker's number for a body that came without one (NSQ, HTTP)."""
+
     topic: str
     producer: str
-    bodies: list[bytes]  # one body, or a batch (MPUB, /mpub): answered together
-    # The producer's own id of a single body (dmq: its duplicate-suppression key);
-    # None: the broker numbers each body (NSQ publishers have no ids of their own).
-    session_id: int | None = None
+    session_id: int
+    body: bytes
     produced_ms: int = 0  # the producer's clock (Unix ms), 0 for none
-    due_ms: int | None = None  # deliver not before this (Unix ms): a delayed message
     # False for a plain dmq SEND: refused if its (producer, session id) is already
     # stored, since answering with the stored row would ack a message never stored.
     resend: bool = True
+
+
+@dataclass(slots=True, kw_only=True)
+class PublishRequest:
+    """What a producer asked to publish to one topic: ``bodies`` (numbered by the
+    broker) or ``sends`` (numbered by their producer), not both."""
+
+    topic: str
+    producer: str
+    bodies: list[bytes] | None = None  # numbered by the broker (NSQ, HTTP), one time for all
+    sends: list[Send] | None = None  # each with its producer's session id, time, resend (dmq)
+    produced_ms: int = 0  # the time of ``bodies`` (Unix ms), 0 for none
+    due_ms: int | None = None  # deliver not before this (Unix ms): a delayed message
     # What an unregistered name means: a fast topic made on first use (NSQ's rule),
     # or an unknown topic to refuse with E_NO_TOPIC (the dmq protocol's rule).
     create_fast: bool = False
+
+    def __len__(self) -> int:
+        """How many messages: each is answered (``publish_each``) or counted once."""
+        bodies = self.bodies
+        return len(bodies) if bodies is not None else len(self.sends or ())
+
+    def payloads(self) -> list[bytes]:
+        """Every message's body, in order (what the fast store puts on its queues)."""
+        bodies = self.bodies
+        return bodies if bodies is not None else [send.body for send in self.sends or ()]
+
+    def numbered(self, new_id: Callable[[], int]) -> list[Send]:
+        """Every message as a ``Send``; ``new_id`` numbers ``bodies``."""
+        sends = self.sends
+        if sends is not None:
+            return sends
+        topic, producer, produced_ms = self.topic, self.producer, self.produced_ms
+        return [Send(topic=topic, producer=producer, session_id=new_id(), body=body, produced_ms=produced_ms)
+                for body in self.bodies or ()]
+
+    def alone(self, index: int) -> PublishRequest:
+        """Message ``index`` as a request of its own (answered as if sent alone)."""
+        sends = self.sends
+        if sends is not None:
+            return PublishRequest(topic=self.topic, producer=self.producer, sends=[sends[index]], due_ms=self.due_ms,
+                                  create_fast=self.create_fast)
+        return PublishRequest(topic=self.topic, producer=self.producer, bodies=[(self.bodies or [])[index]],
+                              produced_ms=self.produced_ms, due_ms=self.due_ms, create_fast=self.create_fast)
 
 
 @dataclass(slots=True)
@@ -67,8 +120,17 @@ def check_request(
     """The rules every send obeys, whichever store takes it, checked before it joins a
     group-commit batch: a value PostgreSQL would refuse must fail its own send, not the
     batch. ``registered``: the topic is in the registry (its name was checked then)."""
-    error = check_sender(request.topic, request.producer, registered=registered) or check_send(
-        request.session_id, request.bodies, request.produced_ms, max_msg_size)
+    error = check_sender(request.topic, request.producer, registered=registered)
+    if error is not None:
+        return error
+    sends = request.sends
+    if sends is None:
+        error = check_send(None, request.bodies or (), request.produced_ms, max_msg_size)
+    else:
+        for send in sends:
+            error = check_send(send.session_id, (send.body,), send.produced_ms, max_msg_size)
+            if error is not None:
+                break
     if error is not None:
         return error
     due_ms = request.due_ms
@@ -83,7 +145,7 @@ def check_request(
 
 def check_sender(topic: str, producer: str, *, registered: bool) -> DmqError | None:
     """``check_request``'s rules of the topic and the producer: what every send of a run
-    from one producer to one topic shares (``Broker.publish_sends``)."""
+    from one producer to one topic shares (``Broker.publish_each``)."""
     if not registered and not valid_name(topic):
         return Invalid(f"topic name {topic!r} is not valid", code="E_BAD_TOPIC")
     if not producer or len(producer) > 64:

@@ -233,9 +233,8 @@ class NsqHttp(LookupdApi):
         """One request to the broker (see ``protocols.nsq_v2``): "OK" at once for a
         fast topic, a Deferred firing after commit for a reliable one."""
         now_ms = int(self.ctx.clock.seconds() * 1000)  # the injected clock, as the TCP path
-        request = PublishRequest(
-            topic, self.ctx.http_producer, bodies, None, now_ms, now_ms + defer_ms if defer_ms else None, True, True
-        )
+        request = PublishRequest(topic=topic, producer=self.ctx.http_producer, bodies=bodies, produced_ms=now_ms,
+                                 due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
         later: list[Deferred] = []
         answered: list[Any] = []
 

@@ -44,7 +44,7 @@ from dmq_server.core.errors import (
     reply_for,
 )
 from dmq_server.core.peers import peer_address, peer_host
-from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.core.publish import Published, PublishRequest, Send
 from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.protocols.turn import TurnBuffer
@@ -432,31 +432,32 @@ class DmqConnection:
                     self.queue_write(self._send_reply(
                         Command.SEND_INVALID_ACK, frame.session_id, 0, frame.topic, frame.producer, allowed.status))
                 return
-        delayed = frame.msg_type == MessageType.DELAY
-        request = PublishRequest(
-            frame.topic,
-            frame.producer,
-            [frame.body],
-            frame.session_id,
-            frame.timestamp_ms,
-            frame.due_ms if delayed else None,
-            frame.command == Command.UP_PRODUCER_RESEND,
-        )
+        topic, producer = frame.topic, frame.producer
+        send = Send(topic=topic, producer=producer, session_id=frame.session_id, body=frame.body,
+                    produced_ms=frame.timestamp_ms, resend=frame.command == Command.UP_PRODUCER_RESEND)
+        request = PublishRequest(topic=topic, producer=producer, sends=[send],
+                                 due_ms=frame.due_ms if frame.msg_type == MessageType.DELAY else None)
         self.broker.publish(request, self._answer_send(frame))
 
     def _send_run(self, frames: list[Frame]) -> None:
         """Sends of one read from one producer to one topic, none delayed (``_run_end``),
         that the authorizer (if any) allows now: handed to the broker in one call
-        (``Broker.publish_sends``) and answered together (``_answer_run``), each send's
+        (``Broker.publish_each``, one request holding the run) and answered together
+        (``_answer_run``), each send's
         reply what ``_send`` would answer. A run the authorizer must be asked about
         again, or refuses, goes send by send, so each send waits or is refused as it
         would be alone."""
         first = frames[0]
         self.flow.sends_started(len(frames), sum([len(frame.body) for frame in frames]))
         resend = Command.UP_PRODUCER_RESEND
-        self.broker.publish_sends(
-            first.topic, first.producer,
-            [(frame.session_id, frame.timestamp_ms, frame.body, frame.command == resend) for frame in frames],
+        topic, producer = first.topic, first.producer
+        sends = [
+            Send(topic=topic, producer=producer, session_id=frame.session_id, body=frame.body,
+                 produced_ms=frame.timestamp_ms, resend=frame.command == resend)
+            for frame in frames
+        ]
+        self.broker.publish_each(
+            PublishRequest(topic=topic, producer=producer, sends=sends),
             lambda start, outcomes: self._answer_run(frames, start, outcomes),
         )
 

@@ -34,10 +34,10 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_server.broker import FAST
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import AuthFailed, DmqError
 from dmq_server.core.peers import peer_address, peer_host
+from dmq_server.broker import FAST
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
@@ -79,6 +79,9 @@ STATE_INIT, STATE_SUBSCRIBED, STATE_CLOSING = 0, 3, 4
 #: most bytes inflated from a deflate stream at a time: a small packet can inflate to
 #: gigabytes, so the stream is inflated in steps, each parsed before the next
 INFLATE_STEP = 65536
+
+#: an answer not given yet when ``Broker.publish`` or ``publish_each`` returned
+_PENDING = object()
 
 
 class NsqConnection:
@@ -704,81 +707,80 @@ class NsqConnection:
             self._flush_pubs()
             if self._stopped or self.closed:
                 return  # the run failed: nothing after it runs (nsqd)
-        if self._reading and self.ctx.broker.takes_fast_now(topic):
+        if self._reading:
             self._pub_topic = topic
             self._pub_bodies.append(cmd.body)
             return
-        self._publish_now_or_later(topic, [cmd.body], "PUB")
+        self._publish(topic, [cmd.body], 0, "PUB", each=True)
 
     def _flush_pubs(self) -> None:
-        """Publish the run of PUBs ``cmd_pub`` kept, as one batch (what an MPUB of them
-        would store: the fast store's and the disk queue's work per call paid once),
-        and answer each in turn: OK, or the batch's error (a fatal one, nsqd's
-        E_PUB_FAILED, closes the connection after the first)."""
+        """Publish the run of PUBs ``cmd_pub`` kept as one request, each answered as if
+        sent alone (``Broker.publish_each``: a fast topic's run is put on its queues in
+        one call, a reliable topic's reaches the group commit in one call), in turn: OK,
+        or its error (a fatal one, nsqd's E_PUB_FAILED, closes the connection after the
+        first)."""
         bodies = self._pub_bodies
         if not bodies:
             return
         topic, self._pub_bodies = self._pub_topic, []
-        outcome = self.ctx.broker.publish_fast_now(topic, bodies)
-        if outcome is None:  # no longer a fast topic made on first use: each its own way
-            for body in bodies:
-                self._publish(topic, [body], 0, "PUB")
-            return
-        reply = self._publish_reply(topic, outcome, "PUB")
-        for _ in bodies:
-            if self._stopped or self.closed:
-                break
-            self._answer(self.replies.reserve() if len(self.replies) else None, reply)
+        self._publish(topic, bodies, 0, "PUB", each=True)
 
     def cmd_mpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "MPUB", PUBLISH, topic):
-            self._publish_now_or_later(topic, cmd.bodies, "MPUB")
-
-    def _publish_now_or_later(self, topic: str, bodies: list[bytes], name: str) -> None:
-        """A fast topic made on first use takes the bodies at once
-        (``Broker.publish_fast_now``); any other goes the broker's whole way."""
-        outcome = self.ctx.broker.publish_fast_now(topic, bodies)
-        if outcome is None:
-            self._publish(topic, bodies, 0, name)
-        else:
-            self._answer(self.replies.reserve() if len(self.replies) else None,
-                         self._publish_reply(topic, outcome, name))
+            self._publish(topic, cmd.bodies, 0, "MPUB")
 
     def cmd_dpub(self, cmd: Any) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "DPUB", PUBLISH, topic):
             self._publish(topic, [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
 
-    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str) -> None:
-        """One request to the broker. A fast topic's answer comes before ``publish``
-        returns and is written at once (in turn behind earlier answers still
-        awaited); a reliable one's fills a reserved reply slot after commit, and its
-        bytes count against the port's budget until then (dmq_server.protocols.flow)."""
+    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str, each: bool = False) -> None:
+        """One request to the broker: answered once (MPUB, DPUB: ``Broker.publish``) or
+        each body alone (a run of PUBs: ``Broker.publish_each``). Answers given before
+        the call returns (a fast topic's, a refusal) are written at once, in turn
+        behind earlier answers still awaited; the others (a reliable topic's, after
+        commit) fill reply slots reserved in command order, and their bytes count
+        against the port's budget until then (dmq_server.protocols.flow)."""
         now_ms = int(self.clock.seconds() * 1000)
-        request = PublishRequest(
-            topic, self.producer_id, bodies, None, now_ms, now_ms + defer_ms if defer_ms else None, True, True
-        )
-        waiting: list[Any] = []  # [slot, size] once the answer is known to come later
-        answered: list[Any] = []
+        request = PublishRequest(topic=topic, producer=self.producer_id, bodies=bodies, produced_ms=now_ms,
+                                 due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
+        count = len(bodies) if each else 1
+        outcomes: list[Any] = [_PENDING] * count  # the answers given before the call returns
+        slots: list[Any] = []  # once it returned: the reply slot of each answer still to come
 
-        def done(outcome: Any) -> None:
-            if not waiting:
-                answered.append(outcome)
+        def answer(start: int, results: list) -> None:
+            if not slots:
+                outcomes[start : start + len(results)] = results
                 return
-            slot, size = waiting
-            self.flow.sends_done(1, size)
-            if not self.closed:  # the client left before the commit answered
-                self._answer(slot, self._publish_reply(topic, outcome, name))
+            for i, outcome in enumerate(results, start):
+                slot = slots[i]
+                if slot is None:
+                    continue  # answered already, or after a fatal error: nothing to write
+                self.flow.sends_done(1, len(bodies[i]) if each else sum(map(len, bodies)))
+                if not self.closed:  # the client left before the commit answered
+                    self._answer(slot, self._publish_reply(topic, outcome, name))
 
-        self.ctx.broker.publish(request, done)
-        if answered:
-            slot = self.replies.reserve() if len(self.replies) else None
-            self._answer(slot, self._publish_reply(topic, answered[0], name))
-            return
-        size = sum(map(len, bodies))
-        waiting[:] = [self.replies.reserve(), size]
-        self.flow.sends_started(1, size)
+        if each:
+            self.ctx.broker.publish_each(request, answer)
+        else:
+            self.ctx.broker.publish(request, lambda outcome: answer(0, [outcome]))
+        replies = self.replies
+        reserved: list[Any] = []
+        last: Any = None
+        reply: Any = None
+        for i, outcome in enumerate(outcomes):
+            if self._stopped or self.closed:
+                reserved.append(None)
+            elif outcome is _PENDING:
+                reserved.append(replies.reserve())
+                self.flow.sends_started(1, len(bodies[i]) if each else sum(map(len, bodies)))
+            else:
+                reserved.append(None)
+                if outcome is not last:  # a fast run's one outcome: counted and framed once
+                    last, reply = outcome, self._publish_reply(topic, outcome, name)
+                self._answer(replies.reserve() if len(replies) else None, reply)
+        slots[:] = reserved or [None]
 
     def _publish_reply(self, topic: str, outcome: Any, name: str) -> bytes | NsqError:
         """OK, or the error frame of a failed publish: fatal with nsqd's text when the

@@ -9,7 +9,8 @@ operator's pause and empty, the expiry sweep and the re-read after a commit whos
 answer was lost live here too, because each of them changes what a channel holds.
 
 The store knows neither protocols nor the registry: the broker hands it the reliable
-topics' settings (``apply_topics``) and calls it with values (``NewMessage``), and a
+topics' settings (``apply_topics``) and calls it with the publish value's messages
+(``core.publish.Send``, written by the group commit as they are), and a
 consumer is anything ``reliable.channel`` can push to.
 
 Why one long module: every part of it changes what a channel holds (commits add,
@@ -26,7 +27,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Invalid
-from dmq_server.core.publish import Published, stored_before
+from dmq_server.core.publish import Published, Send, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.db.errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
@@ -382,19 +383,20 @@ class ReliableStore:
         return channel
 
     # -- storing ------------------------------------------------------------
-    def store(self, send: NewMessage, done: Callable[[Any], None], resend: bool = True) -> None:
+    def store(self, send: Send, done: Callable[[Any], None]) -> None:
         """Commit ``send`` with a delivery per subscribed channel, then hand it to those
         channels and call ``done`` with ``Published`` (or the ``DmqError``). A pair stored
-        before answers a ``resend`` with its stored message and refuses any other send
-        (``stored_before``)."""
-        self.store_many([(send, resend)], lambda start, outcomes: done(outcomes[0]))
+        before answers a ``send.resend`` with its stored message and refuses any other
+        send (``stored_before``)."""
+        self.store_many([send], lambda start, outcomes: done(outcomes[0]))
 
-    def store_many(self, sends: list[tuple[NewMessage, bool]], answer: Callable[[int, list], None]) -> None:
-        """``store`` of each (send, resend), in order, queued for the group commit in one
-        call (a read's sends from one producer to one topic, ``Broker.publish_sends``; an
-        MPUB's bodies). ``answer(start, outcomes)`` gets the outcomes of the sends from
-        position ``start`` on, in order: the whole run in one call, unless a batch ended
-        inside it (``GroupCommitWriter.submit_run``)."""
+    def store_many(self, sends: list[Send], answer: Callable[[int, list], None]) -> None:
+        """``store`` of each send, in order, queued for the group commit in one call (a
+        read's sends from one producer to one topic, ``Broker.publish_each``; an MPUB's
+        bodies). The sends go to the writer as they are: their fields are its columns.
+        ``answer(start, outcomes)`` gets the outcomes of the sends from position
+        ``start`` on, in order: the whole run in one call, unless a batch ended inside it
+        (``GroupCommitWriter.submit_run``)."""
         staged_at = self.clock.seconds()
         latency = self.commit_latency
 
@@ -402,7 +404,7 @@ class ReliableStore:
             arrived, owner = self._arrived, self.writes.owner  # _hand_on takes the list after each batch
             outcomes: list[Any] = []
             timed = stored_now = 0
-            for (send, resend), stored in zip(sends[start : start + len(results)], results):
+            for send, stored in zip(sends[start : start + len(results)], results):
                 if isinstance(stored, BaseException):
                     outcomes.append(self._refusal(stored))
                     continue
@@ -414,7 +416,7 @@ class ReliableStore:
                         send.body, owner,
                     )
                     arrived.append((message, stored.channels))  # to its channels: _hand_on
-                elif not resend:
+                elif not send.resend:
                     outcomes.append(stored_before(send.producer, send.session_id, stored.message_id))
                     continue
                 outcomes.append(Published(stored.message_id, stored.duplicate))
@@ -423,7 +425,7 @@ class ReliableStore:
                 latency.observe_many(self.clock.seconds() - staged_at, timed)
             answer(start, outcomes)
 
-        self.writer.submit_run([send for send, _ in sends], committed)
+        self.writer.submit_run(sends, committed)
 
     def _hand_on(self) -> None:
         """A committed batch's new messages, to their channels. Run by the writer after
@@ -491,7 +493,7 @@ class ReliableStore:
             else:
                 channel.confirmed = False
 
-    def store_delayed(self, send: NewMessage, due_ms: int, done: Callable[[Any], None], resend: bool = True) -> None:
+    def store_delayed(self, send: Send, due_ms: int, done: Callable[[Any], None]) -> None:
         """Commit ``send`` into the delay table; ``Published.message_id`` is the delay
         entry's id. The delay scheduler moves it to the channels when due. A stored pair
         is answered or refused as in ``store``."""
@@ -506,7 +508,7 @@ class ReliableStore:
                 self.delayed_count += 1
                 if delays is not None:
                     delays.notify([stored])
-            elif not resend:
+            elif not send.resend:
                 done(stored_before(send.producer, send.session_id, stored.message_id))
                 return
             done(Published(stored.message_id, stored.duplicate))

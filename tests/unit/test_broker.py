@@ -18,7 +18,7 @@ from twisted.internet.task import Clock
 
 from dmq_server.broker import Broker
 from dmq_server.core.errors import Exiting, Invalid, NoTopic, QueueFailed, RateLimited
-from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.core.publish import Published, PublishRequest, Send
 from dmq_server.core.options import Options
 from dmq_server.db.errors import StorageError
 from dmq_server.db.memory import MemoryDb
@@ -75,7 +75,7 @@ class Harness:
             if isinstance(outcome, Published):
                 self.acknowledged[key] = outcome.message_id
 
-        self.broker.publish(PublishRequest(topic, producer, [body], session_id, 0, due_ms, resend), done)
+        self.broker.publish(one_send(topic, producer, body, session_id, resend=resend, due_ms=due_ms), done)
 
     def subscribe(self, topic: str, channel: str, consumer: Consumer) -> Any:
         d = self.broker.subscribe(topic, channel, consumer)
@@ -356,6 +356,13 @@ def test_a_delayed_send_is_stored_in_the_delay_table_once(h):
 
 
 # -- routing: one request value, one answer, the store chosen by the topic ---------------
+def one_send(topic: str, producer: str, body: bytes, session_id: int, *, resend: bool = True,
+             due_ms: int | None = None) -> PublishRequest:
+    """A dmq protocol's send: one message with its producer's session id."""
+    send = Send(topic=topic, producer=producer, session_id=session_id, body=body, resend=resend)
+    return PublishRequest(topic=topic, producer=producer, sends=[send], due_ms=due_ms)
+
+
 def publish(h: Harness, request: PublishRequest) -> list[Any]:
     """``request`` through ``Broker.publish``; the answers ``done`` got (one, or none yet)."""
     answers: list[Any] = []
@@ -369,7 +376,7 @@ def test_a_batch_is_answered_once_after_every_body_is_stored():
     h = Harness(db_delay=0.005)
     billing = Consumer()
     h.subscribe("orders", "billing", billing)
-    answers = publish(h, PublishRequest("orders", "nsq:peer@x", [b"a", b"b", b"c"]))
+    answers = publish(h, PublishRequest(topic="orders", producer="nsq:peer@x", bodies=[b"a", b"b", b"c"]))
     assert answers == []  # not before commit
     h.settle()
     [answer] = answers
@@ -387,7 +394,7 @@ def test_a_batch_with_one_refused_body_answers_that_failure_once(h):
     billing = Consumer()
     h.subscribe("orders", "billing", billing)
     h.db.fail_next("insert_new_messages", "refused", times=100, when=lambda p: b"bad" in p["bodies"])
-    answers = publish(h, PublishRequest("orders", "nsq:peer@x", [b"ok1", b"bad", b"ok2"]))
+    answers = publish(h, PublishRequest(topic="orders", producer="nsq:peer@x", bodies=[b"ok1", b"bad", b"ok2"]))
     h.settle()
     [answer] = answers
     assert isinstance(answer, Invalid)
@@ -396,13 +403,13 @@ def test_a_batch_with_one_refused_body_answers_that_failure_once(h):
 
 
 def test_an_empty_batch_is_published_at_once(h):
-    assert publish(h, PublishRequest("orders", "nsq-http@x", [])) == [Published(0, False, 0)]
+    assert publish(h, PublishRequest(topic="orders", producer="nsq-http@x", bodies=[])) == [Published(0, False, 0)]
 
 
 def test_a_dmq_send_to_a_registered_fast_topic_goes_to_the_fast_store(h):
     """dmq clients reach fast topics: answered before publish returns, with the fast
     store's id, and the message is in the fast topic (not in PostgreSQL)."""
-    [answer] = publish(h, PublishRequest("clicks", "p", [b"hit"], 7, resend=False))
+    [answer] = publish(h, one_send("clicks", "p", b"hit", 7, resend=False))
     assert isinstance(answer, Published) and not answer.duplicate
     topic = h.fast.topics["clicks"]
     assert topic.message_count == 1
@@ -413,7 +420,7 @@ def test_a_dmq_send_to_a_registered_fast_topic_goes_to_the_fast_store(h):
 
 def test_a_delayed_send_to_a_fast_topic_is_deferred_there(h):
     due = int(h.clock.seconds() * 1000) + 5_000
-    [answer] = publish(h, PublishRequest("clicks", "p", [b"later"], 1, due_ms=due))
+    [answer] = publish(h, one_send("clicks", "p", b"later", 1, due_ms=due))
     assert isinstance(answer, Published)
     [message] = h.fast.topics["clicks"].memory
     assert message.deferred == 5.0
@@ -422,18 +429,18 @@ def test_a_delayed_send_to_a_fast_topic_is_deferred_there(h):
 def test_an_unregistered_name_is_refused_for_dmq_and_made_fast_for_nsq(h):
     """One registry refresh decides; dmq's rule refuses the name, NSQ's makes a fast topic."""
     refreshes = h.db.names_run().count("list_topics")
-    answers = publish(h, PublishRequest("nowhere", "p", [b"x"], 1))
+    answers = publish(h, one_send("nowhere", "p", b"x", 1))
     h.clock.advance(0.001)  # the refresh's answer, before any periodic one
     assert h.db.names_run().count("list_topics") == refreshes + 1
     h.settle()
     assert len(answers) == 1 and isinstance(answers[0], NoTopic)
     assert answers[0].status == "E_NO_TOPIC topic 'nowhere' is not registered or has no channel"
     assert "nowhere" not in h.fast.topics
-    answers = publish(h, PublishRequest("nowhere", "nsq:peer@x", [b"x"], create_fast=True))
+    answers = publish(h, PublishRequest(topic="nowhere", producer="nsq:peer@x", bodies=[b"x"], create_fast=True))
     h.settle()
     assert len(answers) == 1 and isinstance(answers[0], Published)
     assert h.fast.topics["nowhere"].message_count == 1
-    again = publish(h, PublishRequest("nowhere", "nsq:peer@x", [b"y"], create_fast=True))
+    again = publish(h, PublishRequest(topic="nowhere", producer="nsq:peer@x", bodies=[b"y"], create_fast=True))
     assert isinstance(again[0], Published)  # known now: answered at once, no refresh
 
 
@@ -442,7 +449,7 @@ def test_an_unknown_name_while_the_registry_is_unreadable_is_not_made_fast(h):
     while the registry cannot be read, it is refused with the storage error, never
     published to a fast topic of the same name."""
     h.db.fail_next("list_topics", "refused")
-    answers = publish(h, PublishRequest("fresh", "nsq:peer@x", [b"x"], create_fast=True))
+    answers = publish(h, PublishRequest(topic="fresh", producer="nsq:peer@x", bodies=[b"x"], create_fast=True))
     h.settle()
     assert len(answers) == 1 and answers[0].code == "E_STORAGE"
     assert "fresh" not in h.fast.topics
@@ -453,7 +460,7 @@ def test_fast_store_failures_are_fatal_errors(h):
     and marks the fast store unhealthy. Both are fatal (NSQ closes, as nsqd does)."""
     topic = h.fast.get_topic("clicks")
     topic.exiting = True
-    [answer] = publish(h, PublishRequest("clicks", "p", [b"x"], 1))
+    [answer] = publish(h, one_send("clicks", "p", b"x", 1))
     assert isinstance(answer, Exiting) and answer.fatal and answer.status == "E_EXITING exiting"
     topic.exiting = False
 
@@ -461,7 +468,7 @@ def test_fast_store_failures_are_fatal_errors(h):
         raise OSError("disk full")
 
     topic.put_many = broken
-    [answer] = publish(h, PublishRequest("clicks", "p", [b"x"], 2))
+    [answer] = publish(h, one_send("clicks", "p", b"x", 2))
     assert isinstance(answer, QueueFailed) and answer.fatal and "disk full" in answer.description
     assert h.fast.health_error is not None
 
@@ -471,9 +478,9 @@ def test_every_check_runs_for_both_stores(h):
     whether the topic is reliable or fast, and nothing is stored."""
     big = b"x" * (h.broker.options.max_msg_size + 1)
     for topic in ("orders", "clicks"):
-        [answer] = publish(h, PublishRequest(topic, "p", [b"ok", big]))
+        [answer] = publish(h, PublishRequest(topic=topic, producer="p", bodies=[b"ok", big]))
         assert isinstance(answer, Invalid) and answer.code == "E_BAD_BODY"
-        [answer] = publish(h, PublishRequest(topic, "p\x00", [b"ok"], 1))
+        [answer] = publish(h, one_send(topic, "p\x00", b"ok", 1))
         assert isinstance(answer, Invalid) and "control character" in answer.description
     h.settle()
     assert not h.db.messages and "clicks" not in h.fast.topics
@@ -535,41 +542,51 @@ def test_a_registered_fast_topics_rate_limit_refuses_a_whole_request():
     h.db.create_topic("metered", store="fast", rate_limit=3)
     h.broker.refresh_registry()
     h.settle()
-    [answer] = publish(h, PublishRequest("metered", "p", [b"1", b"2", b"3"]))
+    [answer] = publish(h, PublishRequest(topic="metered", producer="p", bodies=[b"1", b"2", b"3"]))
     assert isinstance(answer, Published) and answer.count == 3
-    [answer] = publish(h, PublishRequest("metered", "p", [b"4"]))
+    [answer] = publish(h, PublishRequest(topic="metered", producer="p", bodies=[b"4"]))
     assert isinstance(answer, RateLimited) and answer.code == "E_RATE_LIMITED"
     assert h.fast.topics["metered"].message_count == 3
     assert not h.db.dead_letters
     h.clock.advance(1)
-    [answer] = publish(h, PublishRequest("metered", "p", [b"4"]))
+    [answer] = publish(h, PublishRequest(topic="metered", producer="p", bodies=[b"4"]))
     assert isinstance(answer, Published)
 
 
-def test_a_fast_topic_made_on_first_use_takes_a_body_at_once_and_others_take_the_whole_path():
-    """``publish_fast_now`` (an NSQ PUB's short way) stores one body in a fast topic the
-    registry does not name, answered as ``publish`` answers; it declines (None, storing
-    nothing) for a reliable topic, a registered fast topic (its rate limit is the
-    broker's) and a name not known yet (the registry may have it)."""
+def test_a_fast_topic_made_on_first_use_takes_a_run_at_once_and_others_take_the_whole_path():
+    """A run of bodies (an NSQ read's PUBs) to a fast topic the registry does not name
+    is put on its queues in one call and each body answered with that outcome, before
+    ``publish_each`` returns; a registered fast topic takes the whole way (its rate
+    limit refuses the second body), as does a reliable one (each answered after its
+    commit) and a name not known yet (refused for a producer without NSQ's rule)."""
     h = Harness()
     h.db.create_topic("metered", store="fast", rate_limit=1)
     h.broker.refresh_registry()
     h.settle()
-    [made] = publish(h, PublishRequest("clicks2", "nsq:p", [b"first"], create_fast=True))
+    [made] = publish(h, PublishRequest(topic="clicks2", producer="nsq:p", bodies=[b"first"], create_fast=True))
     assert isinstance(made, Published)
-    answer = h.broker.publish_fast_now("clicks2", [b"second"])
-    assert isinstance(answer, Published) and answer.count == 1 and answer.message_id > made.message_id
-    batch = h.broker.publish_fast_now("clicks2", [b"third", b"fourth"])  # an MPUB's
-    assert isinstance(batch, Published) and batch.count == 2 and batch.message_id > answer.message_id
+    answers: list[tuple[int, list]] = []
+    run = PublishRequest(topic="clicks2", producer="nsq:p", bodies=[b"second", b"third"])
+    h.broker.publish_each(run, lambda start, outcomes: answers.append((start, outcomes)))
+    [(start, [one, other])] = answers
+    assert start == 0 and one is other and one.count == 2 and one.message_id > made.message_id
     topic = h.fast.topics["clicks2"]
-    assert [(int(m.id, 16), m.body) for m in topic.memory][:3] == [
-        (made.message_id, b"first"), (answer.message_id, b"second"), (batch.message_id, b"third")]
-    assert [m.body for m in topic.memory] == [b"first", b"second", b"third", b"fourth"]
-    for name in ("orders", "metered", "unknown"):
-        before = {t: h.fast.topics[t].message_count for t in h.fast.topics}
-        assert h.broker.publish_fast_now(name, [b"x"]) is None, name
-        assert {t: h.fast.topics[t].message_count for t in h.fast.topics} == before
-    assert not h.db.messages  # nothing reached the reliable store
+    assert [m.body for m in topic.memory] == [b"first", b"second", b"third"]
+
+    def each(name: str) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        h.broker.publish_each(PublishRequest(topic=name, producer="p", bodies=[b"x", b"y"]),
+                              lambda start, outcomes: got.update(enumerate(outcomes, start)))
+        h.settle()
+        return got
+
+    metered = each("metered")
+    assert isinstance(metered[0], Published) and isinstance(metered[1], RateLimited)
+    orders = each("orders")
+    assert all(isinstance(orders[i], Published) for i in (0, 1)) and orders[0].message_id != orders[1].message_id
+    assert sorted(m.body for m in h.db.messages.values()) == [b"x", b"y"]
+    unknown = each("unknown")
+    assert all(isinstance(unknown[i], NoTopic) for i in (0, 1)) and "unknown" not in h.fast.topics
 
 
 def test_one_scanner_times_out_copies_of_both_stores():
@@ -582,7 +599,7 @@ def test_one_scanner_times_out_copies_of_both_stores():
     fast_client = FakeClient(ready=1)
     fast_channel.add_client(fast_client)
     h.send("orders", "p", 1)
-    publish(h, PublishRequest("clicks", "p", [b"hit"]))
+    publish(h, PublishRequest(topic="clicks", producer="p", bodies=[b"hit"]))
     h.settle()
     assert len(reliable.pushed) == 1 and len(fast_client.received) == 1
     h.broker.timers.getServiceNamed("scan").stopService()
@@ -687,9 +704,9 @@ def test_an_ack_never_lets_the_cursor_pass_a_commit_whose_answer_is_still_coming
     consumer = Consumer()
     broker.subscribe("orders", "billing", consumer)
     answers: list[Any] = []
-    broker.publish(PublishRequest("orders", "p", [b"first"], 1), answers.append)  # to writer1 (slow)
+    broker.publish(one_send("orders", "p", b"first", 1), answers.append)  # to writer1 (slow)
     # enough sends at once for a second transaction while the first is in flight
-    broker.publish(PublishRequest("orders", "q", [b"second"] * PARALLEL_MIN), answers.append)  # to writer0
+    broker.publish(PublishRequest(topic="orders", producer="q", bodies=[b"second"] * PARALLEL_MIN), answers.append)  # to writer0
     [second] = answers
     first_id = min(db.messages)
     later = [message_id for _, message_id in consumer.pushed]

@@ -16,7 +16,7 @@ from twisted.internet.testing import StringTransport
 from dmq_server.broker import Broker, TopicCache
 from dmq_server.core.limits import RateLimiter
 from dmq_server.reliable.store import ReliableStore
-from dmq_server.core.errors import NoChannel, NoTopic, ShuttingDown
+from dmq_server.core.errors import Invalid, NoChannel, NoTopic, ShuttingDown
 from dmq_server.core.ids import GuidFactory
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
@@ -54,6 +54,7 @@ class FakeBroker(Broker):
         self.ack_calls = 0  # ack_each calls (a read's FINs)
         self.ack_runs: list[int] = []  # the copies of each durable-ack run
         self.refreshes = 0
+        self.runs: list[int] = []  # the sends of each call of the reliable store
 
     def register(self, topic, channel):
         self.cache.reliable[topic] = SimpleNamespace(name=topic, channels=(channel,), rate_limit=None)
@@ -78,7 +79,7 @@ class FakeBroker(Broker):
         self.refreshes += 1
         return succeed(None)
 
-    def _publish_one(self, send, done, due_ms, resend):
+    def _publish_one(self, send, done, due_ms):
         self.published.append((send.topic, send.producer, send.session_id, send.body, done))
 
     def _direct_store(self, topic):
@@ -86,8 +87,9 @@ class FakeBroker(Broker):
         if topic not in self.cache.reliable:
             return None
         def store_many(sends, answer):
-            for i, (send, resend) in enumerate(sends):
-                self._publish_one(send, lambda outcome, i=i: answer(i, [outcome]), None, resend)
+            self.runs.append(len(sends))
+            for i, send in enumerate(sends):
+                self._publish_one(send, lambda outcome, i=i: answer(i, [outcome]), None)
 
         return SimpleNamespace(store_many=store_many)
 
@@ -586,6 +588,24 @@ def test_responses_keep_command_order_while_a_reliable_pub_commits(env):
     done(Published(42, False))
     assert p.frames() == [OK, OK, err("E_INVALID invalid command BAD")]
     assert p.closed
+
+
+def test_a_run_of_pubs_to_a_reliable_topic_reaches_the_store_in_one_call(env):
+    """PUBs of one read to a reliable topic are one request (``Broker.publish_each``):
+    one call of the store for the run, and each PUB answered on its own after its
+    commit, in the order sent (a refused one with its own non-fatal error)."""
+    env.broker.register("orders", "billing")
+    p = env.peer().send(b"".join(encode_command(b"PUB", b"orders", body=b) for b in (b"a", b"b", b"c")))
+    assert p.frames() == [] and env.broker.runs == [3]
+    (_, _, _, a, done1), (_, _, _, b, done2), (_, _, _, c, done3) = env.broker.published
+    assert (a, b, c) == (b"a", b"b", b"c")
+    done2(Invalid("too late"))
+    assert p.frames() == []  # held behind the first PUB's answer
+    done1(Published(1, False))
+    assert p.frames() == [OK, err("E_PUB_FAILED PUB failed E_INVALID too late")]
+    done3(Published(3, False))
+    assert p.frames() == [OK] and not p.closed
+    assert {c["topic"]: c["count"] for c in p.conn.stats()["pub_counts"]} == {"orders": 2}
 
 
 def test_reliable_publish_failure_is_a_non_fatal_error(env):

@@ -13,11 +13,10 @@ from dmq_server.broker import Broker
 from dmq_server.broker.placement import ChannelGroup
 from dmq_server.core.errors import Unavailable
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published
+from dmq_server.core.publish import Published, Send
 from dmq_server.db.clusters import first_id
 from dmq_server.db.errors import Misplaced
 from dmq_server.db.memory import MemoryDb
-from dmq_server.db.messages import NewMessage
 from tests.unit.test_broker import Consumer, Harness
 
 NODE = "node-1"
@@ -112,7 +111,7 @@ def test_a_move_delivers_both_clusters_copies_then_leaves_the_old_one():
         h.send("local", "p", i)
     h.settle()
     stale: list[Any] = []
-    h.broker.stores["main"].store(NewMessage("local", "stale", 1, 0, b"x"), stale.append)
+    h.broker.stores["main"].store(Send(topic="local", producer="stale", session_id=1, body=b"x"), stale.append)
     h.settle()
     assert isinstance(stale[0], Misplaced) and not any(m.producer == "stale" for m in h.db.messages.values())
     done = 0

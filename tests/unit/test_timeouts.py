@@ -46,10 +46,10 @@ class FakeBroker:
         self.sends: list[tuple[bytes, Any]] = []
 
     def publish(self, request, done):
-        self.sends.append((request.bodies[0], done))
+        self.sends.append((request.payloads()[0], done))
 
-    def publish_sends(self, topic, producer, sends, answer):
-        self.sends.extend((body, lambda outcome, i=i: answer(i, [outcome])) for i, (_, _, body, _) in enumerate(sends))
+    def publish_each(self, request, answer):
+        self.sends.extend((body, lambda outcome, i=i: answer(i, [outcome])) for i, body in enumerate(request.payloads()))
 
     def unsubscribe(self, channel, sub):
         pass
