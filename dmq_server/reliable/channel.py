@@ -5,29 +5,32 @@ them (``mem_queue_size`` copies, and in bytes what the server's ``--max-client-m
 grants a channel window: ``core.memory.ClientMemory.window_room``) plus what is in
 flight, so a backlog of millions, or of megabyte bodies, costs the server little
 memory. When the window runs low and the database may hold more (``backlog``), the
-channel asks its loader for rows after ``cursor``: as many as the window's free bytes
-hold at the bodies' size seen so far (``LOAD_PROBE`` before any was seen).
+channel asks its loader for rows after its read position: as many as the window's free
+bytes hold at the bodies' size seen so far (``LOAD_PROBE`` before any was seen). What is
+read, held and done (the delivery cursor: loads racing arrivals and acks, takeovers,
+the proposal a durable-ack batch makes) is ``reliable.cursor.ChannelCursor``'s; the
+channel is the window and the flights over it.
 
 Protocol-agnostic: a consumer is anything with ``credit``, ``in_flight`` and
 ``push(delivery)``. Time comes from an injected clock (``seconds()``), and
 deadlines sit in one ``core.deadlines.Deadlines`` (the tracker the fast store uses
 too) scanned by the broker, never one timer per message.
 
-Why one long module: one channel's invariants (the memory window, the cursor, the known
-ids, loads racing arrivals, redelivery) must be read together; the comments are most of
-its length.
+Why one long module: one channel's invariants (the memory window, in flight, redelivery,
+the push paths tuned per copy) must be read together; the comments are most of its
+length.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from dmq_server.core.deadlines import Deadlines
 from dmq_server.core.memory import RELIABLE_WINDOW
+from dmq_server.reliable.cursor import ChannelCursor
 
 __all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
 
@@ -120,20 +123,16 @@ class ReliableChannel:
         self._memory = memory
         self._body_size = 0
         self.in_flight: dict[int, Delivery] = {}
-        self.known: set[int] = set()  # ids in ready, in flight or awaiting a durable ack
-        # for the cursor (``progress``): ready ids and each owner's lowest one (heaps with
-        # lazy deletion), and the ids awaiting a durable ack or dead letter, by owner
+        # the delivery state (reliable.cursor): read position, backlog, load races, the
+        # ids held or awaiting a durable ack (``known``, the same set, read on every copy)
+        # and those awaiting a durable ack or dead letter; what a durable-ack batch proposes
+        self.cursor = ChannelCursor()
+        self.known = self.cursor.known
+        # for the proposal: ready ids and each owner's lowest one (heaps with lazy deletion)
         self._ready_ids: set[int] = set()
         self._ready_heaps: dict[int, list[int]] = {}
-        self.finishing: dict[int, int] = {}
         self.consumers: deque[Receiver] = deque()
         self._deadlines = Deadlines()  # in flight and deferred copies, by message id
-        # Start assuming the database holds copies we have not seen (restart, takeover).
-        self.backlog = True
-        self.cursor = 0
-        self.loading = False
-        self._arrived_while_loading: list[Delivery] = []
-        self._dropped_while_loading: set[int] = set()  # expired during a load: keep them out
         self.closed = False
         # cluster (dmq_server.cluster.node): no pushes or loads while paused; a load that
         # was out during forget() is stale, one out during rescan() is followed by a
@@ -145,8 +144,6 @@ class ReliableChannel:
         # cluster: asked before each push round; False holds pushes (a node that stood
         # still must learn whether its copies were taken over before it pushes any)
         self.gate: Callable[[], bool] | None = None
-        self._load_stale = False
-        self._rescan_pending = False
         # False: an answer of its topic did not name it, and none has since
         # (ReliableStore._confirm_channels)
         self.confirmed = True
@@ -181,23 +178,24 @@ class ReliableChannel:
             return
         self.message_count += 1
         delivery = Delivery(message)
-        if self.loading:
-            self._arrived_while_loading.append(delivery)
+        cursor = self.cursor
+        if cursor.loading:
+            cursor.arrived.append(delivery)
             return
-        if mid <= self.cursor or (
-            not self.backlog and len(self.ready) < self.mem_queue_size and self._room(len(message.body))
+        if mid <= cursor.position or (
+            not cursor.backlog and len(self.ready) < self.mem_queue_size and self._room(len(message.body))
         ):
-            if not self.backlog and mid > self.cursor:
-                # Nothing older waits in PostgreSQL, so the cursor may move past this
+            if not cursor.backlog and mid > cursor.position:
+                # Nothing older waits in PostgreSQL, so the position may move past this
                 # copy: a later load must not find it again after its ack is durable.
-                self.cursor = mid
+                cursor.position = mid
             if not self.ready and self._push_at_once(delivery):
                 return
             self._enqueue(delivery)
             self.pump()
             return
         # leave it in PostgreSQL; the next load picks it up in id order
-        self.backlog = True
+        cursor.backlog = True
         self._maybe_load()
 
     def add_many(self, messages: Iterable[ReliableMessage]) -> None:
@@ -211,8 +209,9 @@ class ReliableChannel:
         goes through ``add``. This runs once per copy of every message fanned out
         (bench/channel_cost.py)."""
         rest = iter(messages)
+        cursor = self.cursor
         if not (
-            self.closed or self.loading or self.backlog or self.ready or self.paused or self.held
+            self.closed or cursor.loading or cursor.backlog or self.ready or self.paused or self.held
             or self.max_attempts is not None or (self.gate is not None and not self.gate())
         ):
             if len(self.consumers) == 1:
@@ -229,20 +228,20 @@ class ReliableChannel:
         if room <= 0:
             return
         known = self.known
-        cursor = self.cursor
+        position = self.cursor.position
         run: list[Delivery] = []
         for message in messages:
             mid = message.message_id
             if mid in known:
                 continue
             known.add(mid)
-            if mid > cursor:  # nothing older waits in PostgreSQL (see add)
-                cursor = mid
+            if mid > position:  # nothing older waits in PostgreSQL (see add)
+                position = mid
             run.append(Delivery(message))
             room -= 1
             if not room:
                 break
-        self.cursor = cursor
+        self.cursor.position = position
         if run:
             self.message_count += len(run)
             self._start_flights(run, consumer)
@@ -256,7 +255,7 @@ class ReliableChannel:
         # latency is counted once per run of copies published by one commit
         now = self.clock.seconds()
         now_ms, deadline = int(now * 1000), now + self.msg_timeout
-        known, consumers, in_flight = self.known, self.consumers, self.in_flight
+        known, consumers, in_flight, cursor = self.known, self.consumers, self.in_flight, self.cursor
         timed: list[int] = []  # the copies pushed, whose deadline is set together after
         latency = self.deliver_latency
         published, same = 0, 0  # the current run of one published_ms, and its length
@@ -274,8 +273,8 @@ class ReliableChannel:
                 else:  # nobody has credit: this one, and the rest, wait in ready
                     self.add(message)
                     break
-                if mid > self.cursor:  # nothing older waits in PostgreSQL (see add)
-                    self.cursor = mid
+                if mid > cursor.position:  # nothing older waits in PostgreSQL (see add)
+                    cursor.position = mid
                 known.add(mid)
                 delivery = Delivery(message, 1, now_ms, consumer, deadline, now)
                 in_flight[mid] = delivery
@@ -313,7 +312,7 @@ class ReliableChannel:
             if consumer.in_flight < consumer.credit:
                 self.known.add(delivery.message.message_id)
                 self._start_flights([delivery], consumer)
-                if self.backlog:
+                if self.cursor.backlog:
                     self._maybe_load()
                 return True
         return False
@@ -375,9 +374,10 @@ class ReliableChannel:
 
     # -- loading the backlog ---------------------------------------------
     def _maybe_load(self) -> None:
+        cursor = self.cursor
         if (
-            self.backlog
-            and not self.loading
+            cursor.backlog
+            and not cursor.loading
             and not self.closed
             and not self.paused
             and self.consumers
@@ -387,84 +387,42 @@ class ReliableChannel:
             limit = self._load_size()
             if limit <= 0:
                 return
-            self.loading = True
-            self._load(self, self.cursor, limit)
+            self._load(self, cursor.load_from(), limit)
 
     def loaded(self, rows: Iterable[Any], limit: int) -> None:
-        """Loader callback: rows are BacklogRow-like, in id order."""
-        self.loading = False
-        dropped, self._dropped_while_loading = self._dropped_while_loading, set()
-        if self._load_stale:
-            self._load_stale = False
-            self._restart_from_database()
-            self.pump()
-            return
-        count = 0
-        for row in rows:
-            count += 1
-            self.cursor = max(self.cursor, row.message_id)
-            if self._memory is not None:
+        """Loader callback: rows are BacklogRow-like, in id order (``ChannelCursor.loaded``
+        decides which are new and where the copies committed meanwhile go)."""
+        if self._memory is not None and not self.cursor.load_stale:
+            rows = list(rows)
+            for row in rows:  # every row read sizes the next load, new or not
                 self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
-            if row.message_id in self.known or row.message_id in dropped:
-                continue
-            message = ReliableMessage(
-                row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
-                getattr(row, "owner", 0),
-            )
-            self._enqueue(Delivery(message, attempts=row.attempts))
-        if count < limit:
-            # the table had nothing more when we looked; later arrivals were kept aside
-            self.backlog = False
-        arrived, self._arrived_while_loading = self._arrived_while_loading, []
-        for delivery in arrived:
-            mid = delivery.message.message_id
-            if mid in self.known:
-                continue
-            if mid <= self.cursor or (
-                not self.backlog and len(self.ready) < self.mem_queue_size
-                and self._room(len(delivery.message.body))
-            ):
-                self._enqueue(delivery)
-            else:
-                self.backlog = True
-        if self._rescan_pending:
-            self._rescan_pending = False
-            self.cursor = 0
-            self.backlog = True
+        self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room)
         self.pump()
 
-    def load_failed(self) -> None:
-        """Loader callback on a storage error: keep the backlog flag, retry later.
+    def _enqueue_row(self, row: Any) -> None:
+        message = ReliableMessage(
+            row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
+            getattr(row, "owner", 0),
+        )
+        self._enqueue(Delivery(message, attempts=row.attempts))
 
-        Copies that arrived during the failed load and sit at or below the cursor
-        are kept: a later load starts after the cursor and would never see them.
-        """
-        self.loading = False
-        self.backlog = True
-        self._dropped_while_loading = set()
-        if self._load_stale:
-            self._load_stale = False
-            self._restart_from_database()
-            return
-        arrived, self._arrived_while_loading = self._arrived_while_loading, []
-        for delivery in arrived:
-            if delivery.message.message_id <= self.cursor and delivery.message.message_id not in self.known:
-                self._enqueue(delivery)
-        if self._rescan_pending:
-            self._rescan_pending = False
-            self.cursor = 0
+    def _window_room(self, delivery: Delivery) -> bool:
+        """Whether the memory window keeps a copy committed during a load."""
+        return len(self.ready) < self.mem_queue_size and self._room(len(delivery.message.body))
+
+    def load_failed(self) -> None:
+        """Loader callback on a storage error: keep the backlog flag, retry later
+        (``ChannelCursor.load_failed``: copies committed meanwhile at or below the
+        position are kept)."""
+        self.cursor.load_failed(self._enqueue)
 
     # -- cluster: ownership changes (dmq_server.cluster.node, dmq_server.cluster.takeover) ----------
     def rescan(self) -> None:
-        """Copies this channel has not seen may now sit below the cursor (a takeover
-        gave this node another node's copies): the next load starts from the first id.
-        Copies already held are skipped by ``known``."""
-        if self.loading:
-            self._rescan_pending = True
-            return
-        self.cursor = 0
-        self.backlog = True
-        self._maybe_load()
+        """Copies this channel has not seen may now sit below the read position (a
+        takeover gave this node another node's copies): the next load starts from the
+        first id. Copies already held are skipped by ``known``."""
+        if self.cursor.rescan():
+            self._maybe_load()
 
     def forget(self) -> None:
         """Drop every copy held in memory and start again from PostgreSQL.
@@ -481,7 +439,6 @@ class ReliableChannel:
                 delivery.consumer = None
         held = {d.message.message_id for d in self.ready}
         held.update(self.in_flight)
-        self.known -= held  # what stays: acks and dead letters still being made durable
         self.ready.clear()
         self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
@@ -489,15 +446,7 @@ class ReliableChannel:
         self.in_flight.clear()
         self.deferred.clear()
         self._deadlines.clear()
-        if self.loading:
-            self._load_stale = True
-        self._restart_from_database()
-
-    def _restart_from_database(self) -> None:
-        self._rescan_pending = False
-        self._arrived_while_loading = []  # stored and owned here: the next load finds them
-        self.cursor = 0
-        self.backlog = True
+        self.cursor.forget(held)  # what stays known: acks and dead letters still being made durable
 
     # -- consumers --------------------------------------------------------
     def subscribe(self, consumer: Receiver) -> None:
@@ -582,7 +531,7 @@ class ReliableChannel:
             return False
         # stays in `known` until its dead letter commits (see ack_durable)
         self.exhausted_count += 1
-        self.finishing[delivery.message.message_id] = delivery.message.owner
+        self.cursor.exhausted(delivery.message.message_id, delivery.message.owner)
         self._on_exhausted(self, delivery)
         return True
 
@@ -668,7 +617,7 @@ class ReliableChannel:
         ``known`` until the durable ack commits, so a load cannot resurrect it. One loop
         with its lookups hoisted: it runs once per acknowledged copy
         (bench/channel_cost.py)."""
-        in_flight, deferred, finishing = self.in_flight, self.deferred, self.finishing
+        in_flight, deferred = self.in_flight, self.deferred
         now_ms = int(self.clock.seconds() * 1000)
         refused = 0
         acked: list[Delivery] = []
@@ -683,8 +632,8 @@ class ReliableChannel:
             acked_ids.append(message_id)
             if deferred:
                 deferred.discard(message_id)
-            finishing[message_id] = delivery.message.owner
         if acked:
+            self.cursor.acknowledged(acked)
             self._deadlines.discard_many(acked_ids)
             self.ack_count += len(acked)
             if consumer is not None:
@@ -697,26 +646,14 @@ class ReliableChannel:
         return refused
 
     def ack_durable(self, message_ids: Iterable[int]) -> None:
-        for mid in message_ids:
-            if mid not in self.in_flight:
-                self.known.discard(mid)
-                self.finishing.pop(mid, None)
-                if self.loading:
-                    # its row is deleted now, but the load under way may have read it
-                    # first (a rescan reads ids it delivered before): keep it out
-                    self._dropped_while_loading.add(mid)
+        """Their durable ack (or dead letter) committed (``ChannelCursor.durable``)."""
+        self.cursor.durable(message_ids, self.in_flight)
 
     def drop(self, message_ids: Iterable[int]) -> int:
         """Forget copies whose delivery rows are gone (expired into dead letters):
         out of ready and in flight, their consumers' credit freed. Returns how many
         were held."""
-        gone = set(message_ids)
-        if self.loading:  # the load's snapshot may predate the delete: keep them out
-            self._dropped_while_loading |= gone
-            self._arrived_while_loading = [
-                d for d in self._arrived_while_loading if d.message.message_id not in gone
-            ]
-        ids = {mid for mid in gone if mid in self.known}
+        ids = self.cursor.drop(set(message_ids))
         if not ids:
             return 0
         for mid in ids:
@@ -726,8 +663,6 @@ class ReliableChannel:
             if delivery is not None and delivery.consumer is not None:
                 delivery.consumer.in_flight -= 1
                 delivery.consumer = None
-            self.known.discard(mid)
-            self.finishing.pop(mid, None)
             self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
         self._ready_changed(sum([len(d.message.body) for d in self.ready]) - self.ready_bytes)
@@ -735,11 +670,8 @@ class ReliableChannel:
         return len(ids)
 
     def ack_not_durable(self, message_ids: Iterable[int]) -> None:
-        """The durable ack failed for good: forget them so they may be loaded again."""
-        for mid in message_ids:
-            if mid not in self.in_flight:
-                self.known.discard(mid)
-                self.finishing.pop(mid, None)
+        """The fence refused their durable ack: forget them (``ChannelCursor.refused``)."""
+        self.cursor.refused(message_ids, self.in_flight)
 
     def scan(self, now: float) -> int:
         """Requeue copies whose deadline passed; returns how many."""
@@ -811,10 +743,9 @@ class ReliableChannel:
         self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
         self._ready_heaps.clear()
-        self.finishing.clear()
+        self.cursor.close()
         self.in_flight.clear()
         self.deferred.clear()
-        self.known.clear()
         self._deadlines.clear()
         return consumers
 
@@ -829,48 +760,32 @@ class ReliableChannel:
 
     # -- the cursor ---------------------------------------------------------------------
     def progress(self, owner: int, acked: Iterable[int], limit: float | None) -> tuple[int, list[tuple[int, int]]]:
-        """What this channel knows to be done of ``owner``'s copies, for its cursor: a
-        floor (every id up to it) and inclusive spans above it covering ``acked`` (the
-        acks being made durable now). ``limit``: how far ``owner``'s ids are settled
-        (``reliable.horizon``); None: nothing is, so only the acks themselves.
+        """What this channel knows to be done of ``owner``'s copies, for its cursor row
+        (``ChannelCursor.progress``, with the copies this channel holds in flight and the
+        owner's lowest one in ``ready``)."""
+        return self.cursor.progress(owner, acked, limit, self.in_flight, self._ready_min(owner))
 
-        Every copy with an id up to ``bound`` (the least of ``limit``, the load cursor,
-        and one below the owner's lowest ready copy) is in memory or done: loads go in
-        id order, a late commit at or below the cursor is kept, and the horizon holds
-        back ids of writes not yet handed over. So the holes are the copies in flight,
-        awaiting a durable ack or dead letter (other than ``acked``), or set aside by a
-        load; everything else up to the bound is done, whatever ids of other topics or
-        owners lie between."""
-        points = sorted(set(acked))
-        if limit is None:
-            return 0, [(x, x) for x in points]
-        cursor = 0 if (self._rescan_pending or self._load_stale) else self.cursor
-        bound = min(limit, cursor)
-        lowest_ready = self._ready_min(owner)
-        if lowest_ready is not None:
-            bound = min(bound, lowest_ready - 1)
-        bound = int(bound)
-        done = set(points)
-        holes = [mid for mid, d in self.in_flight.items() if mid <= bound and d.message.owner == owner]
-        holes += [mid for mid, o in self.finishing.items() if o == owner and mid <= bound and mid not in done]
-        holes += [
-            d.message.message_id for d in self._arrived_while_loading
-            if d.message.owner == owner and d.message.message_id <= bound
-        ]
-        holes.sort()
-        floor = holes[0] - 1 if holes else bound
-        spans: list[tuple[int, int]] = []
-        for x in points:
-            if x <= floor:
-                continue
-            if x <= bound:
-                i = bisect_left(holes, x)
-                span = (holes[i - 1] + 1 if i else floor + 1, holes[i] - 1 if i < len(holes) else bound)
-            else:
-                span = (x, x)
-            if not spans or spans[-1] != span:
-                spans.append(span)
-        return floor, spans
+    @property
+    def backlog(self) -> bool:
+        """PostgreSQL may hold copies after the read position that memory does not."""
+        return self.cursor.backlog
+
+    @backlog.setter
+    def backlog(self, value: bool) -> None:
+        self.cursor.backlog = value
+
+    @property
+    def loading(self) -> bool:
+        return self.cursor.loading
+
+    @loading.setter
+    def loading(self, value: bool) -> None:
+        self.cursor.loading = value
+
+    @property
+    def finishing(self) -> dict[int, int]:
+        """The ids awaiting a durable ack or dead letter, with their owner."""
+        return self.cursor.finishing
 
     # -- for operators (the admin API's trace, peek and channel page) ---------------
     def locate(self, message_id: int) -> dict[str, Any] | None:

@@ -47,6 +47,7 @@ from dmq_server.db.messages import (
 )
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
+from dmq_server.reliable.cursor import acks_by_cursor, split_fenced
 from dmq_server.reliable.dead_letters import DeadLetterSink
 from dmq_server.reliable.depths import DepthCount
 from dmq_server.reliable.horizon import OwnWrites
@@ -608,18 +609,11 @@ class ReliableStore:
 
     def _ack_progress(self, batch: list[AckRun]) -> tuple[list[CursorProgress], str, bool]:
         """For each (channel, owner) of a batch of acks about to be made durable, what
-        the channel in memory knows to be done (``ReliableChannel.progress``); in a
-        cluster the statement moves only the cursors this node still holds."""
-        acked: dict[tuple[str, str, int], list[int]] = {}
-        for run in batch:
-            owner = run.single_owner()
-            if owner is not None:
-                acked.setdefault((run.topic, run.channel, owner), []).extend(run.message_ids)
-                continue
-            for mid, owner in zip(run.message_ids, run.owners):
-                acked.setdefault((run.topic, run.channel, owner), []).append(mid)
+        the channel in memory knows to be done (``ReliableChannel.progress``, its
+        ``reliable.cursor``); in a cluster the statement moves only the cursors this node
+        still holds."""
         progress = []
-        for (topic, name, owner), ids in acked.items():
+        for (topic, name, owner), ids in acks_by_cursor(batch).items():
             channel = self.channels.get((topic, name))
             if channel is None:  # unregistered meanwhile: the acks alone
                 floor, spans = 0, [(x, x) for x in sorted(set(ids))]
@@ -632,17 +626,7 @@ class ReliableStore:
         """The batch committed: its copies are done, but for cursors another node took
         over meanwhile (this node's session was lost, ``ack_deliveries``). Their acks were
         not applied: the new holder delivers those copies, and this node forgets them."""
-        by_channel: dict[tuple[str, str], list[int]] = {}
-        refused: dict[tuple[str, str], list[int]] = {}
-        fenced = set(taken)
-        for run in runs:
-            key = (run.topic, run.channel)
-            if not fenced:
-                by_channel.setdefault(key, []).extend(run.message_ids)
-                continue
-            for mid, owner in zip(run.message_ids, run.owners):
-                into = refused if (run.topic, run.channel, owner) in fenced else by_channel
-                into.setdefault(key, []).append(mid)
+        by_channel, refused = split_fenced(runs, taken)
         for key, ids in by_channel.items():
             channel = self.channels.get(key)
             if channel is not None:

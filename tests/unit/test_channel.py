@@ -460,7 +460,7 @@ def test_load_is_requested_only_with_a_consumer_and_low_ready() -> None:
     channel.subscribe(a)
     assert h.loads == [(0, n)]
     channel.loaded([row(1), row(2), row(3), row(4)], n)
-    assert channel.cursor == 4 and channel.backlog  # a full page: maybe more
+    assert channel.cursor.position == 4 and channel.backlog  # a full page: maybe more
     assert h.loads == [(0, n)]  # ready is full
 
     a.credit = 1
@@ -492,13 +492,13 @@ def test_loaded_skips_known_ids_and_advances_the_cursor() -> None:
     channel = h.start(a)
     for mid in (1, 2, 3, 4, 5):  # 1..4 fill the window, 5 stays in the database
         channel.add(message(mid))
-    assert channel.backlog and channel.cursor == 4  # direct enqueues moved the cursor
+    assert channel.backlog and channel.cursor.position == 4  # direct enqueues moved the cursor
     a.credit = 2
     channel.pump()  # 1 and 2 go out, ready is [3, 4]: low, so load after 4 for 2 rows
     assert h.loads[-1] == (4, 2)
     # a row already in memory (a stale snapshot, a takeover) is skipped yet moves the cursor
     channel.loaded([row(3), row(5)], 2)
-    assert ready_ids(channel) == [3, 4, 5] and channel.cursor == 5 and channel.backlog
+    assert ready_ids(channel) == [3, 4, 5] and channel.cursor.position == 5 and channel.backlog
     a.credit = 5
     channel.pump()
     assert h.loads[-1] == (5, 4)
@@ -667,7 +667,7 @@ def test_copy_committed_behind_the_cursor_is_kept_even_with_a_backlog() -> None:
     channel = h.channel
     channel.subscribe(a)
     channel.loaded([row(5), row(6)], 2)
-    assert channel.cursor == 6 and channel.backlog
+    assert channel.cursor.position == 6 and channel.backlog
     channel.add(message(3))
     assert ready_ids(channel) == [5, 6, 3]
     a.credit = 3
@@ -789,7 +789,7 @@ class World:
     # -- which steps can happen now -------------------------------------------
     def possible(self) -> list[str]:
         channel = self.channel
-        late = [mid for mid in self.arrived_during_load if mid <= channel.cursor]
+        late = [mid for mid in self.arrived_during_load if mid <= channel.cursor.position]
         conditions = {
             "begin": len(self.open) < WRITERS,
             "commit": bool(self.open),
@@ -998,7 +998,7 @@ def test_add_many_does_what_add_does_for_each_copy(
             [d.message.message_id for d in channel.ready],
             sorted((mid, d.attempts, d.first_delivered_ms, d.deadline, d.delivered_at, d.consumer.name)
                    for mid, d in channel.in_flight.items()),
-            channel.cursor,
+            channel.cursor.position,
             channel.backlog,
             channel.message_count,
             channel.delivery_count,
@@ -1018,7 +1018,7 @@ def test_add_many_pushes_round_robin_until_credit_runs_out_then_queues_in_order(
     channel.add_many([message(mid) for mid in range(1, 7)])
     assert (a.ids, b.ids) == ([1, 3], [2])
     assert [d.message.message_id for d in channel.ready] == [4, 5, 6]
-    assert channel.cursor == 6 and channel.message_count == 6
+    assert channel.cursor.position == 6 and channel.message_count == 6
 
 
 def test_deadline_heap_stays_bounded_by_what_is_in_flight() -> None:

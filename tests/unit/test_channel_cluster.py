@@ -65,7 +65,7 @@ def test_rescan_loads_again_from_the_first_id_skipping_what_is_held():
     consumer = Consumer(credit=1)
     channel.subscribe(consumer)
     channel.loaded(rows(5, 6), 10)  # our own copies; 5 in flight, 6 ready
-    assert consumer.ids == [5] and channel.cursor == 6 and not channel.backlog
+    assert consumer.ids == [5] and channel.cursor.position == 6 and not channel.backlog
     channel.rescan()
     assert loads[-1] == (0, 9)
     channel.loaded(rows(2, 3, 5, 6), 9)  # 2 and 3 were claimed from a departed node
@@ -83,7 +83,7 @@ def test_rescan_during_a_load_applies_after_it():
     assert loads == [(0, 10)]
     channel.rescan()
     channel.loaded(rows(7, 8), 10)
-    assert channel.cursor == 0 and channel.backlog
+    assert channel.cursor.position == 0 and channel.backlog
 
 
 def test_forget_drops_everything_held_and_frees_credit():
@@ -99,7 +99,7 @@ def test_forget_drops_everything_held_and_frees_credit():
     channel.forget()
     assert consumer.in_flight == 0
     assert not channel.ready and not channel.in_flight and not channel.known
-    assert channel.cursor == 0 and channel.backlog
+    assert channel.cursor.position == 0 and channel.backlog
     assert channel.ack(1) is False
     channel.scan(1000.0)  # no deadline left to fire
     assert consumer.ids == [1, 2]
@@ -116,7 +116,7 @@ def test_forget_during_a_load_discards_its_rows():
     channel.paused = True
     channel.forget()
     channel.loaded(rows(1, 2), 10)
-    assert not channel.ready and channel.cursor == 0 and channel.backlog
+    assert not channel.ready and channel.cursor.position == 0 and channel.backlog
     channel.paused = False
     channel.pump()
     assert loads[-1] == (0, 10)

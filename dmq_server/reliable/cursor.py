@@ -1,0 +1,304 @@
+"""A channel's delivery cursor on this node: what is read, what is done, what a restart loads.
+
+PostgreSQL keeps a channel's progress over the messages of each owner (the incarnation
+that stored them) as one ``dmq_cursor`` row: a floor (every id up to it done) and the
+ids done above it (``sql/migrations/0007_cursors.sql``). The node delivering those
+copies is the only one that knows how far that row may move, because only it knows
+which copies it holds: ``ChannelCursor`` is that knowledge for one channel, every owner
+of it, kept in memory and free of IO (the channel calls it; the store hands its
+proposals to the ack statement, which merges them: a floor only rises, done ranges only
+grow). Its state:
+
+- ``position``: how far the channel has read its copies (a load asks for ids after it;
+  a copy committed at or below it is kept in memory, since no later load finds it) and
+  ``backlog``: PostgreSQL may hold copies after it that memory does not;
+- ``known``: the ids held (ready, in flight) or awaiting a durable outcome, so a load
+  never brings back a copy this node still holds or has just acknowledged;
+- ``finishing``: the ids acknowledged, or handed to their dead letter, whose statement
+  has not committed yet, with their owner: holes in every proposal until then;
+- a load's races: copies committed while it was out (``arrived``), and ids finished
+  while it was out, which its snapshot may still hold (``dropped``); and the two
+  ownership changes that may meet a load: a takeover (``rescan``: read again from the
+  first id after it) and a lost session (``forget``: the load's rows are stale).
+
+What the proposal may cover of an owner is bounded by how far that owner's ids are
+settled (``reliable.horizon.OwnWrites``, one per store: it spans every channel). The
+fence (in a cluster a cursor moves only while this node holds it) is the ack
+statement's; what the cursor does with a refused ack is ``refused``.
+
+The shape is that of a managed cursor (Pulsar's read position, mark-delete position and
+individually deleted ranges), computed from memory when a batch of acks is made durable
+instead of kept as ranges: a channel's holes are few (what is in flight), its acks many.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+__all__ = ["ChannelCursor", "acks_by_cursor", "split_fenced"]
+
+
+class ChannelCursor:
+    """The delivery state of one channel on this node (every owner's copies)."""
+
+    __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
+                 "rescan_pending", "load_stale")
+
+    def __init__(self) -> None:
+        self.position = 0
+        # Start assuming the database holds copies not seen yet (restart, takeover).
+        self.backlog = True
+        self.loading = False
+        self.known: set[int] = set()
+        self.finishing: dict[int, int] = {}  # id -> owner, until its durable outcome
+        self.arrived: list[Any] = []  # Deliveries committed while a load was out
+        self.dropped: set[int] = set()  # finished while a load was out: keep them out of it
+        self.rescan_pending = False  # a takeover during a load: read from the first id after it
+        self.load_stale = False  # a lost session during a load: discard its rows
+
+    # -- acknowledgements and their durable outcome --------------------------------------
+    def acknowledged(self, deliveries: Sequence[Any]) -> None:
+        """Consumers acknowledged these copies (out of flight now): holes in every
+        proposal until their durable ack commits. They stay ``known``, so a load cannot
+        resurrect them. Runs once per acknowledged copy (bench/channel_cost.py)."""
+        finishing = self.finishing
+        for delivery in deliveries:
+            message = delivery.message
+            finishing[message.message_id] = message.owner
+
+    def exhausted(self, message_id: int, owner: int) -> None:
+        """The copy had its attempts: it awaits its dead letter as an ack awaits its row."""
+        self.finishing[message_id] = owner
+
+    def durable(self, message_ids: Iterable[int], in_flight: Mapping[int, Any]) -> None:
+        """Their durable ack (or dead letter) committed: done, and no longer held. A copy
+        in flight again (a newer delivery of the same id) keeps its place."""
+        known, finishing = self.known, self.finishing
+        for mid in message_ids:
+            if mid not in in_flight:
+                known.discard(mid)
+                finishing.pop(mid, None)
+                if self.loading:
+                    # its row is done now, but the load under way may have read it
+                    # first (a rescan reads ids it delivered before): keep it out
+                    self.dropped.add(mid)
+
+    def refused(self, message_ids: Iterable[int], in_flight: Mapping[int, Any]) -> None:
+        """The fence refused their durable ack: another node holds their cursor now and
+        delivers them (a batch that fails is retried, and its copies stay finishing).
+        Forgotten here, so their next delivery is a redelivery: at least once."""
+        known, finishing = self.known, self.finishing
+        for mid in message_ids:
+            if mid not in in_flight:
+                known.discard(mid)
+                finishing.pop(mid, None)
+
+    def drop(self, gone: set[int]) -> set[int]:
+        """Copies whose stored state is gone (expired into dead letters): out of the
+        cursor and of a load under way. Returns those that were held."""
+        if self.loading:  # the load's snapshot may predate the delete: keep them out
+            self.dropped |= gone
+            self.arrived = [d for d in self.arrived if d.message.message_id not in gone]
+        known, finishing = self.known, self.finishing
+        ids = {mid for mid in gone if mid in known}
+        for mid in ids:
+            known.discard(mid)
+            finishing.pop(mid, None)
+        return ids
+
+    # -- loads ----------------------------------------------------------------------------
+    def load_from(self) -> int:
+        """A load goes out: the id after which it reads."""
+        self.loading = True
+        return self.position
+
+    def loaded(
+        self,
+        rows: Iterable[Any],
+        limit: int,
+        enqueue_row: Callable[[Any], None],
+        enqueue: Callable[[Any], None],
+        room: Callable[[Any], bool],
+    ) -> bool:
+        """A load's ``rows`` arrived (in id order, at most ``limit``). False, with the
+        rows dropped and the cursor back at the first id, when a ``forget`` made them
+        stale. Otherwise each row not held nor finished meanwhile goes to
+        ``enqueue_row``; the copies committed meanwhile go to ``enqueue`` when at or below
+        the position (no later load would find them) or when nothing waits in
+        PostgreSQL and the window has ``room``, else back to the backlog; a takeover met
+        meanwhile starts the next load from the first id."""
+        self.loading = False
+        dropped, self.dropped = self.dropped, set()
+        if self.load_stale:
+            self.load_stale = False
+            self.restart()
+            return False
+        known = self.known
+        count = 0
+        for row in rows:
+            count += 1
+            mid = row.message_id
+            if mid > self.position:
+                self.position = mid
+            if mid in known or mid in dropped:
+                continue
+            enqueue_row(row)
+        if count < limit:
+            # the table had nothing more when it was read; later arrivals were kept aside
+            self.backlog = False
+        arrived, self.arrived = self.arrived, []
+        for delivery in arrived:
+            mid = delivery.message.message_id
+            if mid in known:
+                continue
+            if mid <= self.position or (not self.backlog and room(delivery)):
+                enqueue(delivery)
+            else:
+                self.backlog = True
+        if self.rescan_pending:
+            self.rescan_pending = False
+            self.position = 0
+            self.backlog = True
+        return True
+
+    def load_failed(self, enqueue: Callable[[Any], None]) -> None:
+        """The load failed (storage error): the backlog stays, a later load retries. Copies
+        committed meanwhile at or below the position go to ``enqueue``: a later load
+        starts after the position and would never see them."""
+        self.loading = False
+        self.backlog = True
+        self.dropped = set()
+        if self.load_stale:
+            self.load_stale = False
+            self.restart()
+            return
+        arrived, self.arrived = self.arrived, []
+        for delivery in arrived:
+            mid = delivery.message.message_id
+            if mid <= self.position and mid not in self.known:
+                enqueue(delivery)
+        if self.rescan_pending:
+            self.rescan_pending = False
+            self.position = 0
+
+    # -- ownership changes (cluster takeover, lost session, an emptied channel) ------------
+    def rescan(self) -> bool:
+        """Copies not seen here may now sit below the position (a takeover gave this node
+        another node's copies): read again from the first id; copies held are skipped by
+        ``known``. False while a load is out: its answer starts the next from the first id."""
+        if self.loading:
+            self.rescan_pending = True
+            return False
+        self.position = 0
+        self.backlog = True
+        return True
+
+    def forget(self, held: set[int]) -> None:
+        """Nothing of ``held`` (the copies ready or in flight) is this node's any more
+        (its session was lost: a takeover may have moved them): read everything again
+        from the first id. What is finishing stays ``known`` until its outcome; a load
+        out now is stale."""
+        self.known -= held
+        if self.loading:
+            self.load_stale = True
+        self.restart()
+
+    def restart(self) -> None:
+        """Read again from the first id; copies committed during a load are stored and
+        owned here, so that read finds them."""
+        self.rescan_pending = False
+        self.arrived = []
+        self.position = 0
+        self.backlog = True
+
+    def close(self) -> None:
+        """The channel was unregistered."""
+        self.finishing.clear()
+        self.known.clear()
+
+    # -- the proposal ---------------------------------------------------------------------
+    def progress(
+        self,
+        owner: int,
+        acked: Iterable[int],
+        limit: float | None,
+        in_flight: Mapping[int, Any],
+        lowest_ready: int | None,
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """What is known to be done of ``owner``'s copies: a floor (every id up to it)
+        and inclusive spans above it covering ``acked`` (the acks being made durable
+        now). ``limit``: how far ``owner``'s ids are settled (``reliable.horizon``);
+        None: nothing is, so only the acks themselves. ``in_flight``: the channel's
+        copies out to consumers (Deliveries by id); ``lowest_ready``: the owner's lowest
+        id waiting in memory.
+
+        Every copy with an id up to ``bound`` (the least of ``limit``, the position, and
+        one below the lowest ready copy) is in memory or done: loads go in id order, a
+        late commit at or below the position is kept, and the horizon holds back ids of
+        writes not yet handed over. So the holes are the copies in flight, finishing
+        (other than ``acked``), or set aside by a load; everything else up to the bound
+        is done, whatever ids of other topics or owners lie between."""
+        points = sorted(set(acked))
+        if limit is None:
+            return 0, [(x, x) for x in points]
+        position = 0 if (self.rescan_pending or self.load_stale) else self.position
+        bound = min(limit, position)
+        if lowest_ready is not None:
+            bound = min(bound, lowest_ready - 1)
+        bound = int(bound)
+        done = set(points)
+        holes = [mid for mid, d in in_flight.items() if mid <= bound and d.message.owner == owner]
+        holes += [mid for mid, o in self.finishing.items() if o == owner and mid <= bound and mid not in done]
+        holes += [
+            d.message.message_id for d in self.arrived
+            if d.message.owner == owner and d.message.message_id <= bound
+        ]
+        holes.sort()
+        floor = holes[0] - 1 if holes else bound
+        spans: list[tuple[int, int]] = []
+        for x in points:
+            if x <= floor:
+                continue
+            if x <= bound:
+                i = bisect_left(holes, x)
+                span = (holes[i - 1] + 1 if i else floor + 1, holes[i] - 1 if i < len(holes) else bound)
+            else:
+                span = (x, x)
+            if not spans or spans[-1] != span:
+                spans.append(span)
+        return floor, spans
+
+
+# -- a batch of durable acks, over every channel -------------------------------------------
+def acks_by_cursor(runs: Iterable[Any]) -> dict[tuple[str, str, int], list[int]]:
+    """The acks of a batch (``db.messages.AckRun``s) by the cursor they move: (topic,
+    channel, owner) -> ids, in the order acknowledged."""
+    acked: dict[tuple[str, str, int], list[int]] = {}
+    for run in runs:
+        owner = run.single_owner()
+        if owner is not None:
+            acked.setdefault((run.topic, run.channel, owner), []).extend(run.message_ids)
+            continue
+        for mid, owner in zip(run.message_ids, run.owners):
+            acked.setdefault((run.topic, run.channel, owner), []).append(mid)
+    return acked
+
+
+def split_fenced(
+    runs: Iterable[Any], taken: Iterable[tuple[str, str, int]]
+) -> tuple[dict[tuple[str, str], list[int]], dict[tuple[str, str], list[int]]]:
+    """A committed batch's acks by channel: those applied (durable), and those the fence
+    refused because another node holds their cursor (``taken``: (topic, channel, owner))."""
+    applied: dict[tuple[str, str], list[int]] = {}
+    refused: dict[tuple[str, str], list[int]] = {}
+    fenced = set(taken)
+    for run in runs:
+        key = (run.topic, run.channel)
+        if not fenced:
+            applied.setdefault(key, []).extend(run.message_ids)
+            continue
+        for mid, owner in zip(run.message_ids, run.owners):
+            into = refused if (run.topic, run.channel, owner) in fenced else applied
+            into.setdefault(key, []).append(mid)
+    return applied, refused
