@@ -3,8 +3,9 @@
 * ``StoredGauges``: the figures ``/metrics`` needs from PostgreSQL (each channel's oldest
   unacknowledged message, delayed messages per topic, stored dead letters by reason) and
   the database's round-trip time, read every ``--metrics-db-interval`` on a connection of
-  their own. A scrape reads the last values: Prometheus' client renders synchronously, and
-  a scrape must not queue behind (or add to) a slow database.
+  their own, and sooner when a channel's oldest copy has no age yet (``refresh_unread``).
+  A scrape reads the last values: Prometheus' client renders synchronously, and a scrape
+  must not queue behind (or add to) a slow database.
 * ``History``: the last minutes of every channel (depth, in flight, deferred, and the
   counters rates come from), sampled from memory every few seconds, for the web console's
   charts. Bounded: ``points`` samples per channel, channels only while they exist.
@@ -74,6 +75,7 @@ class StoredGauges:
         self.roundtrip: float | None = None  # seconds, the last ping through the worker
         self.failures = 0
         self._busy = False
+        self._asked: dict[tuple[str, str], int | None] = {}  # the lowest ids the last read looked up
 
     def refresh(self) -> Deferred:
         if self._busy:  # the last refresh is still out (a slow database): skip this turn
@@ -81,9 +83,12 @@ class StoredGauges:
         self._busy = True
         started = self.clock.seconds()
 
+        asked: dict[tuple[str, str], int | None] = {}
+
         def pinged(_: Any) -> Deferred:
             self.roundtrip = self.clock.seconds() - started
             lowest = self.lowest()
+            asked.update(lowest)
             d = self.db.run_steps(read_gauges_steps, lowest)
             for other in self.others:  # a cluster that fails to answer is left out this turn
                 d.addCallback(lambda values, db=other: db.run_steps(read_gauges_steps, lowest).addCallbacks(
@@ -93,6 +98,7 @@ class StoredGauges:
         def read(values: dict[str, Any]) -> None:
             self.values = values
             self.refreshed_at = self.clock.seconds()
+            self._asked = asked
 
         def failed(failure: Any) -> None:
             self.failures += 1  # the last values stay; their age says how stale they are
@@ -101,6 +107,22 @@ class StoredGauges:
             self._busy = False
 
         return self.db.run_steps(ping_steps).addCallback(pinged).addCallbacks(read, failed).addBoth(done)
+
+    def refresh_unread(self) -> Deferred:
+        """``refresh`` now if a channel has an oldest copy (the depth count's lowest id)
+        that the last read did not look up and so shows no age. Why: the depth and the
+        age come from two timers (``--channel-state-interval``, 5 s; ``--metrics-db-interval``,
+        15 s), so a channel whose first copies a pass had just counted showed its depth
+        (500) and no oldest ("–") for up to 15 s; checked every ``HISTORY_INTERVAL``, the
+        age follows the depth within one. A channel that already shows an age keeps it
+        until the next timed read (if that copy was acknowledged meanwhile, the age shown is
+        its own: older than the oldest now)."""
+        shown = (self.values or {}).get("oldest_unacked_ms", {})
+        unread = any(
+            message_id is not None and shown.get(key) is None and message_id != self._asked.get(key)
+            for key, message_id in self.lowest().items()
+        )
+        return self.refresh() if unread else succeed(None)
 
     def snapshot(self) -> dict[str, Any]:
         """A copy for a scrape (taken on the reactor thread)."""
@@ -191,6 +213,7 @@ class Sampling:
         self.pauses.setName("pauses")
         self.pauses.setServiceParent(self.timers)
         for name, step, fn in (("stored-gauges", gauges_interval, self.gauges.refresh),
+                               ("stored-gauges-unread", HISTORY_INTERVAL, self.gauges.refresh_unread),
                                ("history", HISTORY_INTERVAL, self.history.sample)):
             timer = TimerService(step, fn)
             timer.clock = clock

@@ -247,3 +247,48 @@ def test_an_operator_sees_and_repairs_the_system_in_the_console(make_server, pg_
     assert s[("dmq_delay_pending", (("topic", "orders"),))] == 3
     for sock in (ledger, billing, delayed):
         sock.close()
+
+
+def _post(server, path: str, body: bytes = b"") -> bytes:
+    request = urllib.request.Request(server.http + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/octet-stream"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return reply.read()
+
+
+def _seconds(shown: str) -> int:
+    """The console's age ("7 s"), as a number; fails on anything else ("–")."""
+    number, unit = shown.split(" ")
+    assert unit == "s", shown
+    return int(number)
+
+
+def test_every_fast_topic_and_how_long_messages_wait(make_server, pg_dsn, browser):
+    """A fast topic without channels is listed (nsqadmin lists it), with what waits in it
+    for its first channel; "Oldest" gives the age of a channel's oldest waiting message for
+    both stores. --metrics-db-interval is an hour: the reliable channel's age must follow
+    its depth, not wait for that timer."""
+    setup_data(pg_dsn)
+    server = make_server(channel_state_interval="0.3s", metrics_db_interval="1h", mem_queue_size="100")
+    started = time.monotonic()
+    batch = b"\n".join(b'{"n": %d}' % i for i in range(500))
+    assert _post(server, "/mpub?topic=orders", batch) == b"OK"  # reliable: billing, audit
+    assert _post(server, "/topic/create?topic=lonely") == b""
+    assert _post(server, "/mpub?topic=lonely", b"a\nb\nc") == b"OK"
+    assert _post(server, "/topic/create?topic=events") == b""
+    assert _post(server, "/channel/create?topic=events&channel=tail") == b""
+    assert _post(server, "/mpub?topic=events", batch) == b"OK"  # 100 in memory, 400 on disk
+    console = Console(browser, server)
+    console.open("#/")
+
+    lonely = "#topics tr[data-topic='lonely'][data-store='fast']"
+    assert console.text(lonely + " td.depth") == "3"
+    assert "wait in the topic for its first channel" in console.text(lonely)
+    tail = "#topics tr[data-topic='events'][data-channel='tail']"
+    assert console.text(tail + " td.depth") == "500"
+    assert 0 <= _seconds(console.text(tail + " td.oldest")) <= time.monotonic() - started + 1
+    billing = "#topics tr[data-topic='orders'][data-channel='billing']"
+    wait_for(lambda: console.text(billing + " td.depth") == "500", timeout=20)
+    shown = wait_for(lambda: (text := console.text(billing + " td.oldest")) != "–" and text, timeout=20)
+    assert 0 <= _seconds(shown) <= time.monotonic() - started + 1
+    console.shot("topics-fast-and-oldest")

@@ -201,16 +201,18 @@ async function topicsPage(page) {
   const where = (topic) => (topic.cluster && topic.cluster !== "main") || (topic.draining || []).length
     ? `${topic.store} on ${topic.cluster}${(topic.draining || []).map((d) => `, draining ${d}`).join("")}` : topic.store;
   for (const topic of overview.topics) {
-    if (!topic.channels.length) {
-      rows.push(el("tr", { dataset: { topic: topic.topic } }, el("td", {}, topic.topic), el("td", {}, where(topic)),
-        el("td", { colspan: 11, class: "muted" }, "no channel: sends are refused")));
+    if (!topic.channels.length) {  // a fast topic keeps what it gets for its first channel (nsqd)
+      rows.push(el("tr", { dataset: { topic: topic.topic, store: topic.store } }, el("td", {}, topic.topic), el("td", {}, where(topic)),
+        topic.store === "fast"
+          ? [el("td", { class: "muted" }, "no channel"), el("td", { class: "num depth" }, fmt(topic.depth)),
+            el("td", { colspan: 9, class: "muted" }, "messages wait in the topic for its first channel")]
+          : el("td", { colspan: 11, class: "muted" }, "no channel: sends are refused")));
     }
     for (const c of topic.channels) {
       const key = `${topic.store}/${topic.topic}/${c.channel_name}`;
       const h = series[key];
       const inRate = h ? rates(h.t, h.message_count) : [];
       const ackRate = h ? rates(h.t, h.ack_count) : [];
-      const oldest = (stored.oldest_unacked || {})[`${topic.topic}/${c.channel_name}`];
       rows.push(el("tr", { dataset: { topic: topic.topic, channel: c.channel_name, store: topic.store } },
         el("td", {}, topic.topic),
         el("td", {}, where(topic)),
@@ -222,7 +224,7 @@ async function topicsPage(page) {
         el("td", { class: "num" }, fmt(topic.store === "reliable" ? c.clients : c.client_count)),
         el("td", { class: "num" }, fmt(inRate.length ? inRate[inRate.length - 1] : null)),
         el("td", { class: "num" }, fmt(ackRate.length ? ackRate[ackRate.length - 1] : null)),
-        el("td", { class: "num" }, topic.store === "reliable" ? age(oldest) : "–"),
+        el("td", { class: "num oldest" }, age(c.oldest_age)),
         el("td", {}, h ? sparkline([h.depth], { title: "depth, last 10 minutes" }) : "", " ",
           h ? sparkline([inRate, ackRate], { title: "in (blue) and acknowledged (green) per second" }) : ""),
         el("td", {}, c.paused ? el("span", { class: "paused" }, "paused") : ""),
