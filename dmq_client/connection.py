@@ -41,6 +41,9 @@ from .wire import MAGIC, Command, Frame, FrameDecoder, FrameError, encode
 
 __all__ = ["ConnState", "ConnectionListener", "ConnectionUnavailable", "ServerConnection"]
 
+#: what a session reads and writes: the TCP socket, or the TLS layer over it
+Stream = socket.socket | TlsSocket
+
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +108,7 @@ class ServerConnection:
         self._tls_context = (
             client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if config.tls else None
         )
-        self._sock: socket.socket | None = None
+        self._sock: Stream | None = None
         self._write_lock = threading.Lock()
         self._closing = threading.Event()
         self._last_write = 0.0
@@ -175,6 +178,7 @@ class ServerConnection:
 
     def _session(self) -> str:
         """Connect, greet, read until the connection ends; the reason it ended."""
+        sock: Stream
         try:
             sock = socket.create_connection(self.address, timeout=self.config.connect_timeout)
         except OSError as exc:
@@ -183,8 +187,9 @@ class ServerConnection:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls_context is not None:
-                sock = TlsSocket(sock, self._tls_context, self.config.tls_server_name or self.address[0])
-                sock.handshake(self.config.connect_timeout)
+                tls = TlsSocket(sock, self._tls_context, self.config.tls_server_name or self.address[0])
+                tls.handshake(self.config.connect_timeout)
+                sock = tls
             decoder = FrameDecoder()
             pending = self._handshake(sock, decoder)
             sock.settimeout(self.config.write_timeout)
@@ -226,7 +231,7 @@ class ServerConnection:
                 self._set_state(ConnState.DISCONNECTED)
                 self.listener.connection_lost(self, "connection lost")
 
-    def _handshake(self, sock: socket.socket, decoder: FrameDecoder) -> list[Frame]:
+    def _handshake(self, sock: Stream, decoder: FrameDecoder) -> list[Frame]:
         """Send the magic (and UP_AUTH); return the frames up to and including
         SERVER_HEALTH, once AUTH_ACK came too when a secret is configured."""
         deadline = self.clock() + self.config.connect_timeout
@@ -264,7 +269,7 @@ class ServerConnection:
             if healthy and authed:
                 return frames
 
-    def _read_loop(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+    def _read_loop(self, sock: Stream, decoder: FrameDecoder) -> None:
         with selectors.DefaultSelector() as selector:
             selector.register(sock, selectors.EVENT_READ)
             while not self._closing.is_set():
@@ -367,7 +372,7 @@ class ServerConnection:
             self.listener.state_changed(self)
 
 
-def _shutdown(sock: socket.socket) -> None:
+def _shutdown(sock: Stream) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -52,7 +52,8 @@ class DedupWindow:
     def __init__(self, max_entries: int, max_age: float):
         self.max_entries = max_entries
         self.max_age = max_age
-        self._entries: OrderedDict[Key, list] = OrderedDict()
+        # key -> 1 + admitted at (seconds); negated once acknowledged
+        self._entries: OrderedDict[Key, float] = OrderedDict()
         self._names: dict[str, str] = {}
         self._lock = threading.Lock()
         self.suppressed = 0

@@ -240,6 +240,7 @@ class JournalSendQueue(MemorySendQueue):
         self._held = 0  # journaled items the producer holds for a retry: they count against capacity
         self._marks: list[int] = []  # finishes to append to done.log at the next sync
         self._written = self._synced = 0  # puts so far / puts whose data file was synced
+        self._next_seq = 0  # the next record's sequence number (set again by the recovery)
         self._full_synced = 0  # puts covered by a full sync (positions too)
         self._data_fd: int | None = None  # the write file, opened to fdatasync it
         self._data_fd_file = -1
@@ -484,13 +485,14 @@ class JournalSendQueue(MemorySendQueue):
                 return
             target = self._written
             write_file = self._dq.write_file_num
-        if self._data_fd_file != write_file:
-            if self._data_fd is not None:
-                os.close(self._data_fd)
+        fd = self._data_fd
+        if fd is None or self._data_fd_file != write_file:
+            if fd is not None:
+                os.close(fd)
                 self._data_fd = None
-            self._data_fd = os.open(self._dq.file_name(write_file), os.O_RDONLY)
+            fd = self._data_fd = os.open(self._dq.file_name(write_file), os.O_RDONLY)
             self._data_fd_file = write_file
-        os.fdatasync(self._data_fd)
+        os.fdatasync(fd)
         self._sync_dir(write_file)
         self._synced = max(self._synced, target)
         self.syncs += 1

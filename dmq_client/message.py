@@ -132,7 +132,8 @@ class Message:
             due_s = due.timestamp()
         else:
             due_s = float(due)  # type: ignore[arg-type]
-        return cls(topic, body, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000))
+        data = body.encode("utf-8") if isinstance(body, str) else body
+        return cls(topic, data, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000))
 
 
 @dataclass(slots=True, eq=False)

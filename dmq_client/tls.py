@@ -90,7 +90,7 @@ class TlsSocket:
             data = self.raw.recv(max(size, 16384))
             if not data:
                 return b""
-            chunks = []
+            chunks: list[bytes] = []
             with self._lock:
                 self._incoming.write(data)
                 while True:

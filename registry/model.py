@@ -73,10 +73,11 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         values = {}
     if not isinstance(values, dict):
         values = {}
-    store = values.get("store") if values.get("store") in STORES else "reliable"
+    raw_store, raw_cluster, raw_draining = values.get("store"), values.get("cluster"), values.get("draining")
+    store = raw_store if isinstance(raw_store, str) and raw_store in STORES else "reliable"
     timeout = _optional_int(values, "msg_timeout_ms") or 60000
-    cluster = values.get("cluster") if isinstance(values.get("cluster"), str) and values.get("cluster") else "main"
-    draining = values.get("draining") if isinstance(values.get("draining"), list) else []
+    cluster = raw_cluster if isinstance(raw_cluster, str) and raw_cluster else "main"
+    draining = raw_draining if isinstance(raw_draining, list) else []
     return TopicSpec(
         name,
         store,
