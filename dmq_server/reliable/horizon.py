@@ -20,6 +20,10 @@ failed before reaching PostgreSQL, or was refused, is settled at once.
 Owners other than this incarnation: a retired one stores nothing more, so everything
 of it is settled (``math.inf``); one that is not retired belongs to a live process this
 node cannot see into, so nothing of it is (``None``: only exact acknowledgements).
+
+One per store, not per channel: a write spans every channel of its topics. Each
+channel's cursor (``reliable.cursor.ChannelCursor.progress``) is handed ``limit(owner)``
+when a durable-ack batch asks what it may propose.
 """
 
 from __future__ import annotations

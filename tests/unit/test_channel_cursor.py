@@ -169,6 +169,18 @@ def test_an_ack_whose_durable_ack_failed_stays_a_hole_until_its_retry_commits():
     assert node.row.floor == 2 and node.restart_loads() == [3]
 
 
+def test_a_copy_handed_to_its_dead_letter_is_a_hole_until_that_commits():
+    node = Node([1, 2, 3])
+    node.load(limit=10)
+    node.in_flight.pop(1)
+    node.cursor.exhausted(1, OWNER)  # out of ready to its dead letter, not to a consumer
+    node.commit(node.ack(2, 3))
+    assert node.row.floor == 0 and node.restart_loads() == [1]  # a kill now: 1 is still stored
+    node.cursor.durable([1], node.in_flight)  # the dead letter committed (its cursor marked)
+    node.commit([])
+    assert node.row.floor == 3 and node.restart_loads() == []
+
+
 def test_acks_refused_by_the_fence_are_forgotten_and_move_no_cursor():
     node = Node([1, 2, 3])
     node.load(limit=10)
