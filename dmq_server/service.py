@@ -411,7 +411,7 @@ class DmqServer:
         options, reactor, broker = self.options, self.reactor, self.broker
         self.tls = ServerTls.from_options(options)  # a bad certificate fails the start, naming it
         self.authorizer = make_authorizer(options, reactor)
-        self.nsq = NsqContext(self.fast_store, broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
+        self.nsq = NsqContext(broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
 
         def make_dmq(transport: Any) -> DmqConnection:
             return DmqConnection(transport, broker, reactor, self.connections, tls=self.tls, authorizer=self.authorizer)
@@ -462,7 +462,6 @@ class DmqServer:
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(
             site.resource,
-            store=self.fast_store,
             ctx=self.nsq,
             broker=broker,
             options=options,

@@ -27,9 +27,10 @@ from twisted.logger import Logger
 
 from dmq_client.wire import valid_name
 
+from dmq_server.broker.topic_admin import TopicAdmin
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
-from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Unavailable
+from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
@@ -37,6 +38,7 @@ from dmq_server.core.publish import Published, PublishRequest, Send, check_reque
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.outage import Outage
+from dmq_server.reliable.subscription import ReliableSubscription
 from dmq_server.db.topics import list_topics_steps
 from dmq_server.broker.placement import Placement
 from dmq_server.db.errors import Misplaced
@@ -133,6 +135,8 @@ class Broker:
         # retires every earlier incarnation (ReliableStore.start)
         self._alone = fetch_topics is None if alone is None else alone
         self.cache = TopicCache(fetch, self._registry_read, lambda why: self._set_health(False, why))
+        # nsqd's topic and channel actions on whichever store holds the topic (http.nsqd)
+        self.topic_admin = TopicAdmin(self, fast)
         self.timers = self._timers()
 
     # -- what the adapters read ---------------------------------------------
@@ -245,10 +249,11 @@ class Broker:
         store, answered before this returns. A name neither knows costs one registry
         refresh, then is reliable, fast (``request.create_fast``, NSQ's rule) or
         refused with E_NO_TOPIC."""
-        outcome = self._fast_now(request)
-        if outcome is not None:
-            done(outcome)
-            return
+        if request.bodies is not None:
+            outcome = self._fast_now(request)
+            if outcome is not None:
+                done(outcome)
+                return
         error = check_request(
             request,
             registered=request.topic in self.cache.reliable,
@@ -282,11 +287,15 @@ class Broker:
         message (bench/message_cost.py). A fast topic made on first use takes the run's
         bodies in one call (``_fast_now``). Any other topic takes ``publish``, message by
         message."""
-        count = len(request)
-        outcome = self._fast_now(request)
-        if outcome is not None:
-            answer(0, [outcome] * count)
-            return
+        sends = request.sends
+        if sends is None:
+            count = len(request.bodies or ())
+            outcome = self._fast_now(request)
+            if outcome is not None:
+                answer(0, [outcome] * count)
+                return
+        else:
+            count = len(sends)
         topic = request.topic
         store = self._direct_store(topic) if request.due_ms is None else None
         if store is None:
@@ -298,7 +307,8 @@ class Broker:
         if error is not None:
             answer(0, [error] * count)
             return
-        sends = request.numbered(self.new_session_id)
+        if sends is None:
+            sends = request.numbered(self.new_session_id)
         largest = self.options.max_msg_size
         admitted: list[Send] = []
         places: list[int] = []  # each admitted send's position in the run
@@ -340,10 +350,11 @@ class Broker:
         checks and the routing: 15 % of its cost from PUB to FIN (bench/nsq_cost.py)."""
         fast = self.fast
         topic = request.topic
-        if (fast is None or request.bodies is None or request.due_ms is not None or topic not in fast.topics
+        bodies = request.bodies
+        if (fast is None or bodies is None or request.due_ms is not None or topic not in fast.topics
                 or self.cache.store_of(topic) is not None):
             return None
-        return fast.publish(topic, request.bodies)
+        return fast.publish(topic, bodies)
 
     def _publish_to(self, store: Any, request: PublishRequest, done: Callable[[Any], None]) -> None:
         if store == RELIABLE:
@@ -507,6 +518,32 @@ class Broker:
             return self.placement.subscribe(spec, channel, consumer)
 
         return self.cache.ensure(registered).addCallback(attach)
+
+    def attach(self, topic: str, channel: str, client: Any, consumer: Any) -> Deferred:
+        """A SUB of a wire protocol that may meet either store (NSQ's; an unregistered
+        name is a fast topic, made on first use): Deferred firing with the subscription
+        the store serving ``topic`` made (``ports.Subscription``), or failing with the
+        ``DmqError`` why not. A fast channel takes ``client`` (nsqd's client interface),
+        a registered channel ``consumer`` (the consumer interface of ``subscribe``); the
+        connection offers both and never learns which the topic uses."""
+        attached: Deferred = Deferred()
+
+        def routed(store: Any) -> None:
+            if isinstance(store, BaseException):
+                attached.errback(store)
+            elif store == FAST:
+                try:
+                    sub = self.fast.subscribe(topic, channel, client)
+                except Refused as refusal:
+                    attached.errback(refusal)
+                else:
+                    attached.callback(sub)
+            else:
+                d = self.subscribe(topic, channel, consumer)
+                d.addCallback(lambda ch: ReliableSubscription(self, ch, consumer)).chainDeferred(attached)
+
+        self.route(topic, True, routed)
+        return attached
 
     def unsubscribe(self, channel: Any, consumer: Any) -> None:
         channel.unsubscribe(consumer)

@@ -25,12 +25,13 @@ from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
-from dmq_server.core.errors import DmqError, Exiting, QueueFailed
+from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
 from dmq_server.fast.channel import FastChannel
 from dmq_server.core.ids import GuidFactory, default_node_id, hex_id
 from dmq_server.fast.message import FastMessage
+from dmq_server.fast.subscription import FastSubscription
 from dmq_server.fast.topic import FastTopic
 from dmq_server.core.nsq_wire import MIN_VALID_MSG_LENGTH, valid_name_bytes
 
@@ -286,6 +287,16 @@ class FastStore:
             return QueueFailed(str(exc))
         self.publish_count += len(messages)
         return Published(first, False, len(messages))
+
+    def subscribe(self, topic: str, channel: str, client: Any) -> FastSubscription:
+        """``client`` on ``channel`` of ``topic`` (both made on first use, as nsqd's SUB
+        makes them); refused with the channel's reason (closing, or over
+        ``--max-channel-consumers``) as ``Refused`` with code ``E_SUB_FAILED``."""
+        ch = self.get_topic(topic).get_channel(channel)
+        error = ch.add_client(client)
+        if error is not None:
+            raise Refused(error, code="E_SUB_FAILED")
+        return FastSubscription(ch)
 
     def get_topic(self, name: str) -> FastTopic:
         topic = self.topics.get(name)

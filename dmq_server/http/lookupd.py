@@ -2,10 +2,11 @@
 ``/channels``, ``/nodes``, ``/topic/tombstone``.
 
 A single dmq node answers for itself: ``/lookup`` lists this node as the producer of
-every topic it has (fast or reliable), so a consumer configured with this HTTP port as
-its lookupd finds the node. In a cluster (``--zk``) every node answers for the whole
-cluster from the registry (``cluster_lookup``): a reliable topic lists every live
-node, a fast topic the nodes that announced it. Replies follow nsqlookupd's shapes;
+every topic it has (the broker's listing, ``broker.topic_admin``), so a consumer
+configured with this HTTP port as its lookupd finds the node. In a cluster (``--zk``)
+every node answers for the whole cluster from the registry (``cluster_lookup``): a
+topic every node serves (registered, waiting in PostgreSQL) lists every live node, a
+topic of this node's own queues the nodes that announced it. Replies follow nsqlookupd's shapes;
 ``/lookup`` of an unknown topic is ``404 TOPIC_NOT_FOUND`` after one registry refresh.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dmq_server.broker.ports import BrokerPort
 from dmq_server.cluster.lookup import ClusterView
 from dmq_server.http.nsq_v1 import HttpError, get_param, params_of
 
@@ -23,11 +25,10 @@ TOMBSTONE_LIFETIME = 45.0
 
 
 class LookupdApi:
-    """Mixed into the HTTP handlers; needs ``store``, ``broker``, ``peer_info()`` and
+    """Mixed into the HTTP handlers; needs ``broker``, ``peer_info()`` and
     ``tombstones``."""
 
-    store: Any
-    broker: Any
+    broker: BrokerPort
     tombstones: dict[str, float]
 
     def peer_info(self) -> dict[str, Any]:  # provided by the class it is mixed into
@@ -38,10 +39,9 @@ class LookupdApi:
         cluster = getattr(self, "cluster", None)
         if cluster is None:
             return None
-        reliable = {name: tuple(row.channels) for name, row in self.broker.topics.items()}
-        local_fast = {name: tuple(sorted(t.channels)) for name, t in self.store.topics.items()}
+        here, everywhere = self.broker.topic_admin.announced()
         me = self.peer_info()
-        return ClusterView(cluster.live_nodes(), cluster.node_id, me, local_fast, reliable, me["version"])
+        return ClusterView(cluster.live_nodes(), cluster.node_id, me, here, everywhere, me["version"])
 
     def _peer_tombstoned(self, topic: str, peer: dict[str, Any]) -> bool:
         me = self.peer_info()
@@ -58,20 +58,7 @@ class LookupdApi:
 
     def _known_channels(self, topic: str) -> list[str] | None:
         view = self._cluster_view()
-        return view.channels(topic) if view is not None else self._channels_of(topic)
-
-    def _channels_of(self, topic: str) -> list[str] | None:
-        """This node's channels of ``topic``, or None if it has no such topic."""
-        if self._reliable(topic):
-            return sorted(self.broker.topics[topic].channels)
-        t = self.store.topics.get(topic)
-        return None if t is None else sorted(t.channels)
-
-    def _all_topics(self) -> list[str]:
-        names = set(self.store.topics)
-        if self.broker is not None:
-            names.update(self.broker.topics)
-        return sorted(names)
+        return view.channels(topic) if view is not None else self.broker.topic_admin.channels_of(topic)
 
     def _tombstoned(self, topic: str) -> bool:
         until = self.tombstones.get(topic)
@@ -95,13 +82,13 @@ class LookupdApi:
                     return HttpError(404, "TOPIC_NOT_FOUND")
                 producers = [p for _, p in view.carriers(topic) if not self._peer_tombstoned(topic, p)]
                 return {"channels": channels, "producers": producers}
-            channels = self._channels_of(topic)
+            channels = self.broker.topic_admin.channels_of(topic)
             if channels is None:
                 return HttpError(404, "TOPIC_NOT_FOUND")
             producers = [] if self._tombstoned(topic) else [self.peer_info()]
             return {"channels": channels, "producers": producers}
 
-        if self._known_channels(topic) is None and self.broker is not None:
+        if self._known_channels(topic) is None:
             # maybe registered a moment ago: look again after one registry refresh
             return self.broker.refresh_registry().addBoth(answer)
         result = answer()
@@ -111,7 +98,7 @@ class LookupdApi:
 
     def topics(self, request: Any) -> dict:
         view = self._cluster_view()
-        return {"topics": view.topics() if view is not None else self._all_topics()}
+        return {"topics": view.topics() if view is not None else self.broker.topic_admin.topic_names()}
 
     def channels(self, request: Any) -> dict:
         topic = get_param(params_of(request), "topic")
@@ -128,7 +115,7 @@ class LookupdApi:
                 marks = [self._peer_tombstoned(t, peer) for t in topics]
                 producers.append(dict(peer, tombstones=marks, topics=topics))
             return {"producers": producers}
-        topics = self._all_topics()
+        topics = self.broker.topic_admin.topic_names()
         node = dict(self.peer_info(), tombstones=[self._tombstoned(t) for t in topics], topics=topics)
         return {"producers": [node]}
 

@@ -24,12 +24,14 @@ import socket
 import time
 from typing import Any, Callable
 
-from twisted.internet.defer import Deferred, DeferredList, FirstError
+from twisted.internet.defer import Deferred, FirstError
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from dmq_server.admin.inspect import registry_read
-from dmq_server.core.errors import DmqError
+from dmq_server.broker.ports import BrokerPort
+from dmq_server.broker.topic_admin import RegistryOnly
+from dmq_server.core.errors import DmqError, NoChannel, NoTopic
 from dmq_server.core.nsq_errors import NsqError
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.http.nsq_v1 import (
@@ -63,17 +65,16 @@ _INT = re.compile(r"^[+-]?[0-9]+$")
 
 
 class NsqHttp(LookupdApi):
-    """The handlers. Their collaborators are passed in: the fast store, what NSQ
-    connections share (``ctx``), the broker, the options, the cluster (None on a
-    single node) and ``addresses``, which gives the TCP and HTTP ports' (host, port)
-    once they listen."""
+    """The handlers. Their collaborators are passed in: what NSQ connections share
+    (``ctx``), the broker (the one way to either store: ``broker.ports.BrokerPort``),
+    the options, the cluster (None on a single node) and ``addresses``, which gives the
+    TCP and HTTP ports' (host, port) once they listen."""
 
     def __init__(
         self,
         *,
-        store: Any,
         ctx: Any,
-        broker: Any,
+        broker: BrokerPort,
         options: Any,
         cluster: Any,
         addresses: Callable[[], tuple[tuple[str, int], tuple[str, int]]],
@@ -82,7 +83,6 @@ class NsqHttp(LookupdApi):
         dmq_info: Callable[[], dict] | None,
         gc_pauses: Any = None,
     ):
-        self.store = store
         self.ctx = ctx
         self.broker = broker
         self.options = options
@@ -94,9 +94,6 @@ class NsqHttp(LookupdApi):
         self.gc_pauses = gc_pauses  # core.pauses.GcPauses: nsqd's gc_pause_usec_* figures
         self.tombstones: dict[str, float] = {}
         self.started = time.time()
-
-    def _reliable(self, topic: str) -> bool:
-        return self.broker is not None and topic in self.broker.topics
 
     # -- node identity --------------------------------------------------------------------
     def broadcast_address(self) -> str:
@@ -124,8 +121,9 @@ class NsqHttp(LookupdApi):
 
     # -- shared ---------------------------------------------------------------------------
     def ping(self, request: Any) -> Any:
-        if self.store is not None and self.store.health_error:
-            return PlainText(500, f"NOK - {self.store.health_error}")
+        failing = self.broker.topic_admin.queue_health()
+        if failing:
+            return PlainText(500, f"NOK - {failing}")
         cluster = self.cluster
         if cluster is not None and not cluster.registered:
             return PlainText(500, "NOK - not registered in the cluster (ZooKeeper) yet")
@@ -263,7 +261,7 @@ class NsqHttp(LookupdApi):
         fmt = get_param(params, "format")
         if fmt is None and self.dmq_stats is not None:
             out = dict(self.dmq_stats())
-            out["fast_topics"] = self.store.stats() or []
+            out["fast_topics"] = self.broker.topic_admin.node_stats(None, True)
             return out
         topic = get_param(params, "topic")
         channel = get_param(params, "channel")
@@ -271,8 +269,9 @@ class NsqHttp(LookupdApi):
         include_mem = _BOOL.get(get_param(params, "include_mem") or "", True)
         topics = self._topic_stats(topic or None, channel or None, include_clients)
         producers = [c.stats() for c in sorted(self.ctx.connections, key=lambda c: c.connect_ts) if c.pub_counts]
-        health = f"NOK - {self.store.health_error}" if self.store.health_error else "OK"
-        if self.broker is not None and not self.broker.healthy:
+        failing = self.broker.topic_admin.queue_health()
+        health = f"NOK - {failing}" if failing else "OK"
+        if not self.broker.healthy:
             health = f"NOK - {self.broker.health_detail}"
         if fmt != "json":
             return text_stats(topics, memory_stats(self.gc_pauses) if include_mem else None, health, self.started, producers)
@@ -283,75 +282,37 @@ class NsqHttp(LookupdApi):
         return out
 
     def _topic_stats(self, topic: str | None, channel: str | None, include_clients: bool) -> list | None:
-        fast = self.store.stats(None, channel, include_clients) or []
-        by_name = {t["topic_name"]: dict(t, store="fast") for t in fast}
-        if self.broker is not None:
-            for name, row in self.broker.topics.items():
-                by_name[name] = reliable_topic_stats(self.broker, name, row, channel, include_clients)
+        by_name = {t["topic_name"]: t for t in self.broker.topic_admin.node_stats(channel, include_clients)}
+        for name, row in self.broker.topics.items():
+            by_name[name] = reliable_topic_stats(self.broker, name, row, channel, include_clients)
         if topic is not None:
             return [by_name[topic]] if topic in by_name else None
         return [by_name[n] for n in sorted(by_name)]
 
     # -- topic and channel admin (nsqd) ---------------------------------------------------
-    # On a reliable topic, channel pause, unpause and empty work as on nsqd (the broker
-    # stores the pause in PostgreSQL); topic pause and unpause apply to every channel; a
-    # topic empty has nothing to drop (copies go straight to the channels). Creating and
-    # deleting reliable topics and channels changes the registry: that is `dmq topic` /
-    # `dmq channel`, refused here with 400 (never 403, which the Go tools read as "TLS
-    # required"). Deleting what is not there answers 200: nsqadmin in lookupd mode sends
-    # the same delete to the lookupd and to the node, which on dmq are one URL.
-    def _existing_topic(self, topic: str) -> Any:
-        t = self.store.topics.get(topic)
-        if t is None:
-            if self._reliable(topic):
-                raise HttpError(400, _REGISTRY_ONLY)
-            raise HttpError(404, "TOPIC_NOT_FOUND")
-        return t
+    # The broker acts on whichever store holds the topic (``broker.topic_admin``): on a
+    # registered topic channel pause, unpause and empty work as on nsqd, creating and
+    # deleting are `dmq topic` / `dmq channel`'s, refused here with 400 (never 403, which
+    # the Go tools read as "TLS required"). Deleting what is not there answers 200:
+    # nsqadmin in lookupd mode sends the same delete to the lookupd and to the node,
+    # which on dmq are one URL.
+    def topic_create(self, request: Any) -> Any:
+        return _answer(self.broker.topic_admin.create_topic(self._topic_param(params_of(request))))
 
-    def topic_create(self, request: Any) -> None:
-        topic = self._topic_param(params_of(request))
-        if not self._reliable(topic):
-            self.store.get_topic(topic)
-        return None
-
-    def topic_delete(self, request: Any) -> None:
-        params = params_of(request)
-        topic = get_param(params, "topic")
+    def topic_delete(self, request: Any) -> Any:
+        topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
-        if self._reliable(topic):
-            raise HttpError(400, _REGISTRY_ONLY)
-        if topic in self.store.topics:
-            self.store.delete_topic(topic)
-        return None
+        return _answer(self.broker.topic_admin.delete_topic(topic))
 
-    def topic_empty(self, request: Any) -> None:
-        name = self._topic_param(params_of(request))
-        if self._reliable(name):
-            return None
-        topic = self._existing_topic(name)
-        try:
-            topic.empty()
-        except Exception:
-            raise HttpError(500, "INTERNAL_ERROR") from None
-        return None
+    def topic_empty(self, request: Any) -> Any:
+        return _answer(self.broker.topic_admin.empty_topic(self._topic_param(params_of(request))))
 
     def topic_pause(self, request: Any, pause: bool = True) -> Any:
-        params = params_of(request)
-        name = get_param(params, "topic")
-        if name is None:
+        topic = get_param(params_of(request), "topic")
+        if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
-        if self._reliable(name):
-            channels = self.broker.topics[name].channels
-            return _answer(DeferredList(
-                [self.broker.pause_channel(name, c, pause) for c in channels],
-                fireOnOneErrback=True,
-                consumeErrors=True,
-            ))
-        topic = self._existing_topic(name)
-        topic.pause() if pause else topic.unpause()
-        self.store.persist_metadata()
-        return None
+        return _answer(self.broker.topic_admin.pause_topic(topic, pause))
 
     def _topic_channel(self, request: Any) -> tuple[str, str]:
         params = params_of(request)
@@ -363,46 +324,18 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, "INVALID_ARG_CHANNEL")
         return topic, channel
 
-    def _existing_channel(self, request: Any) -> Any:
-        topic, name = self._topic_channel(request)
-        channel = self._existing_topic(topic).channels.get(name)
-        if channel is None:
-            raise HttpError(404, "CHANNEL_NOT_FOUND")
-        return channel
+    def channel_create(self, request: Any) -> Any:
+        return _answer(self.broker.topic_admin.create_channel(*self._topic_channel(request)))
 
-    def channel_create(self, request: Any) -> None:
-        topic, name = self._topic_channel(request)
-        self._existing_topic(topic).get_channel(name)
-        return None
-
-    def channel_delete(self, request: Any) -> None:
-        topic, name = self._topic_channel(request)
-        if self._reliable(topic):
-            raise HttpError(400, _REGISTRY_ONLY)
-        fast = self.store.topics.get(topic)
-        if fast is not None and name in fast.channels:
-            fast.delete_channel(name)
-        return None
+    def channel_delete(self, request: Any) -> Any:
+        return _answer(self.broker.topic_admin.delete_channel(*self._topic_channel(request)))
 
     def channel_empty(self, request: Any) -> Any:
-        topic, name = self._topic_channel(request)
-        if self._reliable(topic):
-            return _answer(self.broker.empty_channel(topic, name))
-        channel = self._existing_channel(request)
-        try:
-            channel.empty()
-        except Exception:
-            raise HttpError(500, "INTERNAL_ERROR") from None
-        return None
+        return _answer(self.broker.topic_admin.empty_channel(*self._topic_channel(request)))
 
     def channel_pause(self, request: Any, pause: bool = True) -> Any:
         topic, name = self._topic_channel(request)
-        if self._reliable(topic):
-            return _answer(self.broker.pause_channel(topic, name, pause))
-        channel = self._existing_channel(request)
-        channel.pause() if pause else channel.unpause()
-        self.store.persist_metadata()
-        return None
+        return _answer(self.broker.topic_admin.pause_channel(topic, name, pause))
 
 
 
@@ -412,20 +345,32 @@ _REGISTRY_ONLY = (
 )
 
 
-def _answer(d: Deferred) -> Deferred:
-    """A broker operation's outcome as an nsqd answer: 200 with no data, 404 for what
-    is not registered, 500 when PostgreSQL failed."""
+def _answer(d: Deferred) -> Any:
+    """A broker action's outcome as an nsqd answer: 200 with no data; 404 for what is not
+    there (``TOPIC_NOT_FOUND``, ``CHANNEL_NOT_FOUND``, or a registered channel's name);
+    400 for what only the registry changes; 500 when a disk queue or PostgreSQL failed.
+    An answer known at once is given at once (a fast store's), raised if an error."""
 
     def failed(failure: Any) -> HttpError:
         error = failure.value
         if isinstance(error, FirstError):
             error = error.subFailure.value
+        if isinstance(error, RegistryOnly):
+            return HttpError(400, _REGISTRY_ONLY)
+        if isinstance(error, (NoTopic, NoChannel)):
+            return HttpError(404, error.description)
         if isinstance(error, KeyError):
             return HttpError(404, str(error.args[0]))
-        log.warn("channel admin failed: {why}", why=error)
+        log.warn("topic or channel admin failed: {why}", why=error)
         return HttpError(500, "INTERNAL_ERROR")
 
-    return d.addCallbacks(lambda _: None, failed)
+    now: list[Any] = []
+    d.addCallbacks(lambda _: None, failed).addBoth(now.append)
+    if not now:
+        return d
+    if isinstance(now[0], HttpError):
+        raise now[0]
+    return now[0]
 
 
 def install(root: Resource, **collaborators: Any) -> NsqHttp:

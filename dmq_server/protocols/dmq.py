@@ -44,7 +44,7 @@ from dmq_server.core.errors import (
     reply_for,
 )
 from dmq_server.core.peers import peer_address, peer_host
-from dmq_server.core.publish import Published, PublishRequest, Send
+from dmq_server.core.publish import Published, PublishRequest, Send, new_request, new_send
 from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.protocols.turn import TurnBuffer
@@ -452,12 +452,12 @@ class DmqConnection:
         resend = Command.UP_PRODUCER_RESEND
         topic, producer = first.topic, first.producer
         sends = [
-            Send(topic=topic, producer=producer, session_id=frame.session_id, body=frame.body,
-                 produced_ms=frame.timestamp_ms, resend=frame.command == resend)
+            new_send(topic=topic, producer=producer, session_id=frame.session_id, body=frame.body,
+                     produced_ms=frame.timestamp_ms, resend=frame.command == resend)
             for frame in frames
         ]
         self.broker.publish_each(
-            PublishRequest(topic=topic, producer=producer, sends=sends),
+            new_request(topic=topic, producer=producer, sends=sends),
             lambda start, outcomes: self._answer_run(frames, start, outcomes),
         )
 

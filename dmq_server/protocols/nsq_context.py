@@ -1,11 +1,12 @@
-"""What all NSQ connections of a server share: the broker (which routes each topic to
-the reliable or the fast store), the fast store, the limits, and the producer ids."""
+"""What all NSQ connections of a server share: the broker (the one way to either store:
+it routes each topic), the limits, and the producer ids."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from dmq_server.broker.ports import BrokerPort
 from dmq_server.core.nsq_identify import MAX_DEFLATE_LEVEL
 
 __all__ = ["NsqContext"]
@@ -14,11 +15,10 @@ __all__ = ["NsqContext"]
 class NsqContext:
     """What every NSQ connection of a server shares."""
 
-    def __init__(self, store: Any, broker: Any, options: Any, clock: Any, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, broker: BrokerPort, options: Any, clock: Any, *, tls: Any = None, authorizer: Any = None):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 
-        self.store = store
         self.broker = broker
         self.clock = clock
         self.connections: set[Any] = set()

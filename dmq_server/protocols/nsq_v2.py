@@ -6,11 +6,13 @@ checks state and parameters in nsqd's order and raises ``ClientError`` or
 (after a fatal error's frame is written). Answers leave in command order
 (``responses.ResponseQueue``). Messages and heartbeats go out at once.
 
-Publishes go to ``Broker.publish`` as one ``PublishRequest`` each (PUB, MPUB and
-DPUB alike); the broker routes them to the store of the topic: a reliable topic's
-PUB is answered OK only after commit, a fast topic's (nsqd's semantics, made on
-first use) at once. SUB asks ``Broker.route`` the same question and attaches to a
-reliable channel (FIN is a durable ack) or to the fast store's channel.
+The connection knows the broker only (``broker.ports.BrokerPort``), never which store
+serves a topic. Publishes go to it as one ``PublishRequest`` each (a read's run of PUBs
+to one topic, an MPUB, a DPUB): ``Broker.publish_each`` answers each PUB of a run,
+``Broker.publish`` an MPUB or DPUB once; an answer given before the call returns (a
+fast topic's, nsqd's semantics) is written at once, a later one (after a commit) fills
+its reserved slot. SUB is ``Broker.attach``, which returns the subscription of the
+store serving the topic (``broker.ports.Subscription``: FIN a durable ack or nsqd's).
 
 Security is nsqd's: IDENTIFY with ``tls_v1`` (when the server has a certificate) is
 answered in plaintext, then the port runs the TLS handshake and ``OK`` follows over TLS
@@ -37,8 +39,8 @@ from twisted.python.failure import Failure
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import AuthFailed, DmqError
 from dmq_server.core.peers import peer_address, peer_host
-from dmq_server.broker import FAST
-from dmq_server.core.publish import Published, PublishRequest
+from dmq_server.broker.ports import BrokerPort, Subscription
+from dmq_server.core.publish import Published, new_request
 from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE
 from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
@@ -52,7 +54,7 @@ from dmq_server.core.nsq_identify import (
 )
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_responses import ResponseQueue, Slot
-from dmq_server.protocols.nsq_subscriptions import FastSub, ReliableConsumer, ReliableSub
+from dmq_server.protocols.nsq_subscriptions import NsqConsumer
 from dmq_server.protocols.turn import TurnBuffer
 from dmq_server.security.session import ClientAuth
 from dmq_server.security.tls import PeerTls, peer_tls
@@ -93,7 +95,6 @@ class NsqConnection:
         self.blocked = False  # the client does not read what it is sent: no messages (output_blocked)
         self.ctx = ctx
         self.clock = ctx.clock
-        self.store = ctx.store
         self.parser = CommandParser(ctx.max_msg_size, ctx.max_body_size, precheck=self._precheck)
         # messages and answers of this reactor turn; held past a stall: _stale_turn
         self._turn = TurnBuffer(self.clock, self._emit, getattr(ctx.broker, "may_push", None), self._stale_turn)
@@ -111,7 +112,7 @@ class NsqConnection:
         self.message_count = self.finish_count = self.requeue_count = 0
         self.pub_counts: dict[str, int] = {}
         self.connect_ts = int(self.clock.seconds())
-        self.sub: FastSub | ReliableSub | None = None
+        self.sub: Subscription | None = None
         self._sub_answered = False
         self.deflate_level = 0  # > 0 once the stream is deflate-compressed
         self._compress: Any = None
@@ -566,44 +567,28 @@ class NsqConnection:
         self.state = STATE_SUBSCRIBED
         self._update_ready()
         slot = self.replies.reserve()
-        self.ctx.broker.route(topic, True, lambda store: self._subscribe(slot, topic, channel, store))
+        attached = self.ctx.broker.attach(topic, channel, self, NsqConsumer(self))
+        attached.addCallbacks(self._subscribed, self._sub_refused, callbackArgs=(slot,), errbackArgs=(slot, topic, channel))
 
-    def _subscribe(self, slot: Slot, topic: str, channel: str, store: Any) -> None:
+    def _subscribed(self, sub: Subscription, slot: Slot) -> None:
+        if self.closed:  # the client left while the broker looked the topic up
+            sub.detach(self)
+            return
+        self.sub = sub
+        self._answer(slot, OK, self._sub_confirmed)
+
+    def _sub_refused(self, failure: Any, slot: Slot, topic: str, channel: str) -> None:
+        """nsqd's E_SUB_FAILED, with the broker's code and description, or the
+        channel's own reason (a fast channel closing or full: ``E_SUB_FAILED`` already)."""
         if self.closed:
             return
-        if isinstance(store, BaseException):
-            why = store.status if isinstance(store, DmqError) else str(store)
-            self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
-            return
-        if store == FAST:
-            ch = self.store.get_topic(topic).get_channel(channel)
-            error = ch.add_client(self)
-            if error is not None:
-                self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {error}"))
-                return
-            self.sub = FastSub(ch)
-            self._answer(slot, OK, self._sub_confirmed)
-            return
-        broker = self.ctx.broker
-        consumer = ReliableConsumer(self)
-
-        def attached(ch: Any) -> None:
-            if self.closed:
-                broker.unsubscribe(ch, consumer)
-                return
-            self.sub = ReliableSub(broker, ch, consumer)
-            self._answer(slot, OK, self._sub_confirmed)
-
-        def refused(failure: Any) -> None:
-            error = failure.value
-            if isinstance(error, DmqError):
-                why = error.status
-            else:
-                log.failure("SUB {topic}/{channel} failed", failure, topic=topic, channel=channel)
-                why = str(error)
-            self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
-
-        broker.subscribe(topic, channel, consumer).addCallbacks(attached, refused)
+        error = failure.value
+        if isinstance(error, DmqError):
+            why = error.description if error.code == "E_SUB_FAILED" else error.status
+        else:
+            log.failure("SUB {topic}/{channel} failed", failure, topic=topic, channel=channel)
+            why = str(error)
+        self._answer(slot, FatalClientError("E_SUB_FAILED", f"SUB failed {why}"))
 
     def _sub_confirmed(self) -> None:
         self._sub_answered = True
@@ -743,8 +728,8 @@ class NsqConnection:
         commit) fill reply slots reserved in command order, and their bytes count
         against the port's budget until then (dmq_server.protocols.flow)."""
         now_ms = int(self.clock.seconds() * 1000)
-        request = PublishRequest(topic=topic, producer=self.producer_id, bodies=bodies, produced_ms=now_ms,
-                                 due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
+        request = new_request(topic=topic, producer=self.producer_id, bodies=bodies, produced_ms=now_ms,
+                              due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
         count = len(bodies) if each else 1
         outcomes: list[Any] = [_PENDING] * count  # the answers given before the call returns
         slots: list[Any] = []  # once it returned: the reply slot of each answer still to come

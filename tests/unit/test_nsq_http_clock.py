@@ -28,13 +28,9 @@ class Context:
         self.clock = clock
 
 
-class Store:
-    topics: dict = {}
-
-
 def api(clock: Clock, broker: Broker) -> NsqHttp:
     return NsqHttp(
-        store=Store(), ctx=Context(clock), broker=broker, options=None, cluster=None,
+        ctx=Context(clock), broker=broker, options=None, cluster=None,
         addresses=lambda: (("127.0.0.1", 4150), ("127.0.0.1", 4151)),
         dmq_ping=None, dmq_stats=None, dmq_info=None,
     )

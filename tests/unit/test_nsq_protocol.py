@@ -148,7 +148,7 @@ def env():
     scanner.startService()
     broker = FakeBroker(clock, store)
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
-    ctx = NsqContext(store, broker, options, clock)
+    ctx = NsqContext(broker, options, clock)
     return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, peer=lambda: Peer(ctx))
 
 
@@ -750,7 +750,7 @@ def test_nsq_producer_ids_are_unique_per_server_process(env):
     """Two servers (or two runs of one) on one host draw the same snowflake session ids
     at the same instant; their producer ids differ, so a new message is never taken for
     a resend of the other's. The id stays within 64 characters, instance included."""
-    other = NsqContext(env.store, env.broker, SimpleNamespace(), env.clock)
+    other = NsqContext(env.broker, SimpleNamespace(), env.clock)
     assert env.ctx.http_producer != other.http_producer
     assert env.ctx.producer_for("127.0.0.1:5000") != other.producer_for("127.0.0.1:5000")
     longest = "[ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255]:65535"

@@ -65,7 +65,7 @@ class Port:
         self.registry: set = set()
         store = FastStore(self.clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
         store.start()
-        self.nsq = NsqContext(store, self.broker, self.options, self.clock)
+        self.nsq = NsqContext(self.broker, self.options, self.clock)
         self.factory = PortFactory(
             self.clock,
             {

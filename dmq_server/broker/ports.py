@@ -1,0 +1,122 @@
+"""What the adapters may ask of the broker: the one seam between them and the stores.
+
+The protocol, HTTP and admin adapters (``dmq_server.protocols``, ``dmq_server.http``,
+``dmq_server.admin``) hold the broker as a ``BrokerPort`` and the subscriptions it
+hands out as ``Subscription``s. Nothing here says which store serves a topic or on
+which PostgreSQL cluster: the broker decides that for each call, so an adapter written
+against these interfaces cannot branch on it. ``tests/unit/test_layers.py`` checks that
+no adapter module imports or names a store, or reaches past the broker into its stores.
+
+These are ``typing.Protocol``s: the broker satisfies them by shape, and the tests'
+stand-ins do too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from twisted.internet.defer import Deferred
+
+from dmq_server.core.options import Options
+from dmq_server.core.publish import PublishRequest
+from registry.model import TopicSpec
+
+__all__ = ["BrokerPort", "Subscription", "TopicAdminPort"]
+
+
+class Subscription(Protocol):
+    """A SUB of a wire protocol that may meet either store (NSQ's): what the connection
+    does with the channel it is attached to. The store serving the topic made it
+    (``Broker.attach``); message ids are the wire's (NSQ's 16 bytes), errors nsqd's
+    texts ("ID not in flight", "client does not own message")."""
+
+    def pump(self) -> None:
+        """Push what the client's credit allows now."""
+
+    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+        """FIN: None, or why not."""
+
+    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """A read's FINs, without a pump; the ids refused, each with its reason."""
+
+    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+        """REQ: None, or why not."""
+
+    def touch(self, conn: Any, message_id: bytes) -> str | None:
+        """TOUCH: None, or why not."""
+
+    def in_flight(self, conn: Any) -> int:
+        """How many of the channel's messages the client holds."""
+
+    def detach(self, conn: Any) -> None:
+        """The client leaves the channel (its held messages go back)."""
+
+
+class TopicAdminPort(Protocol):
+    """nsqd's topic and channel actions and nsqlookupd's listings, on whichever store
+    holds the topic (``broker.topic_admin``). Each action's Deferred fails with a
+    ``DmqError``: ``NoTopic``/``NoChannel`` for what is not there, ``RegistryOnly`` for
+    what only the registry changes (creating or deleting a registered topic)."""
+
+    def create_topic(self, topic: str) -> Deferred: ...
+    def delete_topic(self, topic: str) -> Deferred: ...
+    def empty_topic(self, topic: str) -> Deferred: ...
+    def pause_topic(self, topic: str, paused: bool) -> Deferred: ...
+    def create_channel(self, topic: str, channel: str) -> Deferred: ...
+    def delete_channel(self, topic: str, channel: str) -> Deferred: ...
+    def empty_channel(self, topic: str, channel: str) -> Deferred: ...
+    def pause_channel(self, topic: str, channel: str, paused: bool) -> Deferred: ...
+
+    def channels_of(self, topic: str) -> list[str] | None:
+        """This node's channels of ``topic``, sorted; None if it has no such topic."""
+
+    def topic_names(self) -> list[str]:
+        """Every topic this node serves, sorted."""
+
+    def announced(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """(the topics this node alone serves, the topics every node serves), each
+        with its channels: what a cluster's lookup answers (``cluster.lookup``)."""
+
+    def node_stats(self, channel: str | None, include_clients: bool) -> list[dict[str, Any]]:
+        """nsqd's TopicStats of the topics held on this node's queues (each with its
+        ``store``); the registry's topics are ``BrokerPort.topics``."""
+
+    def queue_health(self) -> str | None:
+        """Why this node's queues fail (nsqd's health text), or None."""
+
+
+class BrokerPort(Protocol):
+    """What an adapter may ask of the broker (``broker.broker.Broker``)."""
+
+    options: Options
+    healthy: bool
+    health_detail: str
+    acks_refused: int
+    health_listeners: list[Callable[[bool], None]]
+    topic_admin: TopicAdminPort
+
+    @property
+    def topics(self) -> Mapping[str, TopicSpec]:
+        """The registered topics that wait in PostgreSQL, by name."""
+
+    @property
+    def channels(self) -> Mapping[tuple[str, str], Any]:
+        """Their channels in memory, by (topic, channel)."""
+
+    # publishing: core.publish
+    def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None: ...
+    def publish_each(self, request: PublishRequest, answer: Callable[[int, list], None]) -> None: ...
+
+    # subscribing and acknowledging
+    def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred: ...
+    def attach(self, topic: str, channel: str, client: Any, consumer: Any) -> Deferred: ...
+    def unsubscribe(self, channel: Any, consumer: Any) -> None: ...
+    def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None: ...
+    def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> int: ...
+    def may_push(self) -> bool: ...
+
+    # operators
+    def pause_channel(self, topic: str, name: str, paused: bool = True) -> Deferred: ...
+    def empty_channel(self, topic: str, name: str) -> Deferred: ...
+    def refresh_registry(self, fresh: bool = False) -> Deferred: ...
+    def stats(self) -> dict[str, Any]: ...

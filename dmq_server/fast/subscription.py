@@ -1,0 +1,45 @@
+"""A SUB on a fast channel, as the broker hands it to a wire protocol.
+
+``FastStore.subscribe`` makes the client (an NSQ connection, nsqd's client interface:
+``ready_count``, ``in_flight_count``, ``msg_timeout``, its pushes) a client of the
+channel and returns this; the connection then drives the channel through it with the
+operations every subscription offers (``broker.ports.Subscription``), whichever store
+the topic is on. Message ids are the fast store's 16 hex bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmq_server.fast.channel import FastChannel
+
+__all__ = ["FastSubscription"]
+
+
+class FastSubscription:
+    """The client is the channel's own: the channel pushes to it and checks its ids."""
+
+    def __init__(self, channel: FastChannel):
+        self.channel = channel
+
+    def pump(self) -> None:
+        self.channel.pump()
+
+    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+        return self.channel.finish(conn, message_id, pump)
+
+    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """A read's FINs, without a pump; the ids refused, each with its reason."""
+        return self.channel.finish_many(conn, message_ids)
+
+    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+        return self.channel.requeue(conn, message_id, timeout)
+
+    def touch(self, conn: Any, message_id: bytes) -> str | None:
+        return self.channel.touch(conn, message_id, conn.msg_timeout)
+
+    def in_flight(self, conn: Any) -> int:
+        return conn.in_flight_count
+
+    def detach(self, conn: Any) -> None:
+        self.channel.remove_client(conn)
