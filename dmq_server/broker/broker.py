@@ -34,7 +34,7 @@ from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Ref
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published, PublishRequest, Send, check_request, check_send, check_sender
+from dmq_server.core.publish import Published, PublishRequest, Send, check_request, check_sender, check_sends
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.outage import Outage
@@ -309,19 +309,16 @@ class Broker:
             return
         if sends is None:
             sends = request.numbered(self.new_session_id)
-        largest = self.options.max_msg_size
-        admitted: list[Send] = []
-        places: list[int] = []  # each admitted send's position in the run
-        for i, send in enumerate(sends):
-            error = check_send(send.session_id, (send.body,), send.produced_ms, largest)
-            if error is None:
-                admitted.append(send)
-                places.append(i)
-            else:
-                answer(i, [error])
-        if len(admitted) == count:
-            store.store_many(admitted, answer)
-        elif admitted:  # some were refused: each stored one answered at its own place
+        refused = check_sends(sends, self.options.max_msg_size)
+        if not refused:
+            store.store_many(sends, answer)
+            return
+        for i, error in refused:
+            answer(i, [error])
+        out = {i for i, _ in refused}
+        places = [i for i in range(count) if i not in out]  # each admitted send's position in the run
+        admitted = [sends[i] for i in places]
+        if admitted:  # some were refused: each stored one answered at its own place
 
             def at_places(start: int, outcomes: list) -> None:
                 for k, outcome in enumerate(outcomes, start):

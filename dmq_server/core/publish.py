@@ -29,7 +29,8 @@ from dmq_client.wire import valid_name
 from dmq_server.core.errors import DmqError, Invalid
 
 __all__ = [
-    "PublishRequest", "Published", "Send", "check_request", "check_send", "check_sender", "new_request", "new_send",
+    "PublishRequest", "Published", "Send", "check_request", "check_send", "check_sender", "check_sends", "new_request",
+    "new_send",
 ]
 
 
@@ -190,6 +191,20 @@ def check_sender(topic: str, producer: str, *, registered: bool) -> DmqError | N
         # PostgreSQL text cannot hold NUL; control characters are never meant
         return Invalid(f"producer id {producer!r} holds a control character")
     return None
+
+
+def check_sends(sends: Sequence[Send], max_msg_size: int) -> list[tuple[int, DmqError]]:
+    """``check_send`` of each send of a run, in one call (``Broker.publish_each``): the
+    refused ones, each with its position. A send is tested against ``check_send``'s
+    rules here inline and only a refused one calls it for its error: the run's sends
+    pass without a call each (tests/unit/test_publish_value.py holds the two together)."""
+    refused: list[tuple[int, DmqError]] = []
+    for i, send in enumerate(sends):
+        session_id, body, produced_ms = send.session_id, send.body, send.produced_ms
+        if session_id < 0 or len(body) > max_msg_size or not 0 <= produced_ms <= MAX_TIME_MS:
+            error = check_send(session_id, (body,), produced_ms, max_msg_size)
+            refused.append((i, error or Invalid(f"send {i} refused")))
+    return refused
 
 
 def check_send(

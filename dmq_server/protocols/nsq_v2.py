@@ -731,12 +731,12 @@ class NsqConnection:
         request = new_request(topic=topic, producer=self.producer_id, bodies=bodies, produced_ms=now_ms,
                               due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
         count = len(bodies) if each else 1
-        outcomes: list[Any] = [_PENDING] * count  # the answers given before the call returns
+        early: list[tuple[int, list]] = []  # the answers given before the call returns
         slots: list[Any] = []  # once it returned: the reply slot of each answer still to come
 
         def answer(start: int, results: list) -> None:
             if not slots:
-                outcomes[start : start + len(results)] = results
+                early.append((start, results))
                 return
             for i, outcome in enumerate(results, start):
                 slot = slots[i]
@@ -750,22 +750,36 @@ class NsqConnection:
             self.ctx.broker.publish_each(request, answer)
         else:
             self.ctx.broker.publish(request, lambda outcome: answer(0, [outcome]))
+        if len(early) == 1 and len(early[0][1]) == count:  # all at once: a fast topic's run, a refusal
+            self._answer_now(topic, early[0][1], name)
+            return
+        outcomes: list[Any] = [_PENDING] * count
+        for start, results in early:
+            outcomes[start : start + len(results)] = results
         replies = self.replies
         reserved: list[Any] = []
-        last: Any = None
-        reply: Any = None
         for i, outcome in enumerate(outcomes):
-            if self._stopped or self.closed:
-                reserved.append(None)
-            elif outcome is _PENDING:
+            if outcome is _PENDING and not (self._stopped or self.closed):
                 reserved.append(replies.reserve())
                 self.flow.sends_started(1, len(bodies[i]) if each else sum(map(len, bodies)))
             else:
                 reserved.append(None)
-                if outcome is not last:  # a fast run's one outcome: counted and framed once
-                    last, reply = outcome, self._publish_reply(topic, outcome, name)
-                self._answer(replies.reserve() if len(replies) else None, reply)
-        slots[:] = reserved or [None]
+                if outcome is not _PENDING:
+                    self._answer_now(topic, (outcome,), name)
+        slots[:] = reserved
+
+    def _answer_now(self, topic: str, outcomes: Sequence[Any], name: str) -> None:
+        """Answers known now, each in turn (behind earlier ones still awaited); a fast
+        run's one outcome is counted and framed once. Nothing after a fatal one."""
+        replies = self.replies
+        last: Any = None
+        reply: Any = None
+        for outcome in outcomes:
+            if self._stopped or self.closed:
+                return
+            if outcome is not last:
+                last, reply = outcome, self._publish_reply(topic, outcome, name)
+            self._answer(replies.reserve() if len(replies) else None, reply)
 
     def _publish_reply(self, topic: str, outcome: Any, name: str) -> bytes | NsqError:
         """OK, or the error frame of a failed publish: fatal with nsqd's text when the

@@ -70,3 +70,21 @@ def test_each_send_of_a_request_is_checked():
         assert isinstance(error, Invalid)
     error = check(PublishRequest(topic="t", producer="p", bodies=[b"x" * 11]))
     assert isinstance(error, Invalid) and error.code == "E_BAD_BODY"
+
+
+def test_a_runs_check_refuses_exactly_what_each_sends_check_refuses():
+    """``check_sends`` tests ``check_send``'s rules inline: on every edge of each rule
+    (session id, body size, time) the two agree, with the same error."""
+    from dmq_client.spelling import MAX_TIME_MS
+
+    from dmq_server.core.publish import check_send, check_sends
+
+    grid = [
+        Send(topic="t", producer="p", session_id=sid, body=b"x" * size, produced_ms=ms)
+        for sid in (-1, 0, 1) for size in (0, 10, 11) for ms in (-1, 0, MAX_TIME_MS, MAX_TIME_MS + 1)
+    ]
+    each = [(i, check_send(s.session_id, (s.body,), s.produced_ms, 10)) for i, s in enumerate(grid)]
+    expected = [(i, e) for i, e in each if e is not None]
+    got = check_sends(grid, 10)
+    assert [(i, e.status) for i, e in got] == [(i, e.status) for i, e in expected]
+    assert len(expected) == len(grid) - 2 * 2 * 2  # passing: session ids 0, 1; sizes 0, 10; times 0, the last
