@@ -30,7 +30,7 @@ from twisted.python.failure import Failure
 from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
-from dmq_server.broker import Broker
+from dmq_server.broker.ports import BrokerPort
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import (
     AuthFailed,
@@ -149,7 +149,7 @@ class DmqSubscription:
 class DmqConnection:
     """Serves one client that opened with the dmq magic."""
 
-    def __init__(self, transport: Any, broker: Broker, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, transport: Any, broker: BrokerPort, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
         self.transport = transport
         self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
         self.blocked = False  # the client does not read what it is sent: no pushes (output_blocked)
