@@ -389,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dmq_server.admin.cli_operations import add_admin_commands
 
     add_admin_commands(sub)
+    from dmq_server.admin.cli_outbox import add_outbox_commands
+
+    add_outbox_commands(sub)
 
     db = sub.add_parser("db", help="schema management")
     dsub = db.add_subparsers(dest="action", required=True)

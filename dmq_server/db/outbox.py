@@ -1,0 +1,169 @@
+"""The outbox schema in an *application's* database: install, uninstall, prune its inbox.
+
+Not dmq's own database: ``dmq outbox install --dsn APP_DSN`` creates a schema (default
+``dmq_outbox``) beside the application's tables, so its transactions can send messages
+(the outbox) and record what they consumed (the inbox) in the same commit as their own
+writes. The SQL is in ``sql/outbox/`` (``NNNN_desc.sql`` migrations with ``@schema@`` and
+``@channel@`` in place of the schema's name, and ``queries.sql``); this module fills in
+the name, applies what is missing in one transaction and records each version in the
+schema's own ``schema_version`` table, as ``dmq_sql.schema`` does for dmq's database.
+Failures leave as ``StorageError``; a refused request (a schema that is not an outbox's,
+unrelayed rows in the way) as ``Refused``/``Invalid`` with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from importlib import resources
+from typing import Iterator
+
+import psycopg
+
+from dmq_server.core.errors import Invalid, Refused
+from dmq_server.db.errors import StorageError, describe_error
+from dmq_server.db.worker import connect
+from dmq_sql import load_queries
+
+__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "prune_inbox",
+           "installed_version", "migrations"]
+
+DEFAULT_SCHEMA = "dmq_outbox"
+
+#: what an application role needs, and nothing more: add messages and inbox records in its
+#: own transactions; never read, change or delete the outbox
+GRANTS = (
+    "GRANT USAGE ON SCHEMA {schema} TO {role};",
+    "GRANT EXECUTE ON FUNCTION {schema}.send(text, bytea, bigint, bigint),"
+    " {schema}.send(text, text, bigint, bigint) TO {role};",
+    "GRANT INSERT ON {schema}.outbox TO {role};",
+    "GRANT INSERT, SELECT ON {schema}.inbox TO {role};",
+)
+
+# lower case only: the name is both an identifier and the relay's NOTIFY channel, unquoted
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_MIGRATION = re.compile(r"^(?P<version>\d{4})_(?P<desc>[a-z0-9_]+)\.sql$")
+
+
+def check_schema(schema: str) -> str:
+    if not _SCHEMA.fullmatch(schema or ""):
+        raise Invalid(f"invalid schema name {schema!r}: use 1-63 characters from [a-z0-9_], not starting with a digit")
+    return schema
+
+
+def grants_for(schema: str, role: str = "APP_ROLE") -> list[str]:
+    """The GRANT statements an application role needs, for ``schema``."""
+    return [line.format(schema=check_schema(schema), role=role) for line in GRANTS]
+
+
+def _folder():
+    return resources.files("dmq_sql").joinpath("outbox")
+
+
+def _fill(sql: str, schema: str) -> str:
+    return sql.replace("@schema@", schema).replace("@channel@", f"'{schema}'")
+
+
+def migrations(schema: str = DEFAULT_SCHEMA) -> list[tuple[int, str, str]]:
+    """``[(version, description, sql)]`` in version order, for ``schema``."""
+    check_schema(schema)
+    found = []
+    for entry in _folder().iterdir():
+        match = _MIGRATION.match(entry.name)
+        if match:
+            found.append((int(match["version"]), match["desc"], _fill(entry.read_text(encoding="utf-8"), schema)))
+    found.sort()
+    versions = [v for v, _, _ in found]
+    if versions != list(range(1, len(versions) + 1)):
+        raise RuntimeError(f"outbox migrations must be numbered 1..N without gaps, found {versions}")
+    return found
+
+
+def _queries(schema: str) -> dict[str, str]:
+    text = _folder().joinpath("queries.sql").read_text(encoding="utf-8")
+    return {name: _fill(sql, schema) for name, sql in load_queries(text).items()}
+
+
+@contextmanager
+def _database(dsn: str, what: str) -> Iterator[psycopg.Connection]:
+    with connect(dsn) as conn:
+        try:
+            yield conn
+        except psycopg.Error as exc:
+            raise StorageError(f"{what} failed: {describe_error(exc)}") from exc
+
+
+def _state(conn: psycopg.Connection, q: dict[str, str], schema: str) -> tuple[bool, bool]:
+    exists, ours = conn.execute(q["schema_state"], {"schema": schema}).fetchone()
+    return exists, ours
+
+
+def install(dsn: str, schema: str = DEFAULT_SCHEMA) -> tuple[list[int], int]:
+    """Create or bring up to date the outbox schema; returns (versions applied now, the
+    version it is at). Installing again applies nothing. An existing schema of that name
+    that is not an outbox's is refused, never written into."""
+    q = _queries(check_schema(schema))
+    applied: list[int] = []
+    with _database(dsn, "outbox install") as conn, conn.transaction():
+        conn.execute(q["lock_install"], {"schema": schema})
+        exists, ours = _state(conn, q, schema)
+        if exists and not ours:
+            raise Refused(f"schema {schema} exists and is not a dmq outbox (no {schema}.schema_version): "
+                          "choose another --schema")
+        conn.execute(q["create_schema"])
+        conn.execute(q["create_version_table"])
+        done = {row[0] for row in conn.execute(q["installed_versions"])}
+        for version, description, sql in migrations(schema):
+            if version not in done:
+                conn.execute(sql)
+                conn.execute(q["record_version"], {"version": version, "description": description})
+                applied.append(version)
+                done.add(version)
+    return applied, max(done)
+
+
+def installed_version(dsn: str, schema: str = DEFAULT_SCHEMA) -> int:
+    """The outbox schema's version, 0 when not installed."""
+    q = _queries(check_schema(schema))
+    with _database(dsn, "outbox version") as conn:
+        _, ours = _state(conn, q, schema)
+        return max((row[0] for row in conn.execute(q["installed_versions"])), default=0) if ours else 0
+
+
+def uninstall(dsn: str, schema: str = DEFAULT_SCHEMA, *, force: bool = False) -> int:
+    """Drop the outbox schema (its inbox records with it); returns the outbox rows dropped.
+    Refused while rows wait to be relayed, unless ``force``: they would be lost. A schema
+    that is not an outbox's is refused; one that is not there is not an error."""
+    q = _queries(check_schema(schema))
+    with _database(dsn, "outbox uninstall") as conn, conn.transaction():
+        conn.execute(q["lock_install"], {"schema": schema})
+        exists, ours = _state(conn, q, schema)
+        if not exists:
+            return 0
+        if not ours:
+            raise Refused(f"schema {schema} is not a dmq outbox (no {schema}.schema_version): not dropped")
+        pending = conn.execute(q["pending_count"]).fetchone()[0]
+        if pending and not force:
+            raise Refused(f"{pending} message(s) in {schema}.outbox are not relayed yet and would be lost: "
+                          "relay them first, or uninstall with --force")
+        conn.execute(q["drop_schema"])
+        return pending
+
+
+def prune_inbox(dsn: str, older_than_s: float, schema: str = DEFAULT_SCHEMA, *, batch: int = 10000) -> int:
+    """Delete inbox records processed more than ``older_than_s`` seconds ago, ``batch`` at
+    a time, each batch committed on its own (short transactions, few locks); returns how
+    many went."""
+    if older_than_s <= 0:
+        raise Invalid(f"older than must be positive, got {older_than_s}s")
+    if batch < 1:
+        raise Invalid(f"batch must be 1 or more, got {batch}")
+    q = _queries(check_schema(schema))
+    removed = 0
+    with _database(dsn, "inbox prune") as conn:
+        conn.autocommit = True
+        while True:
+            count = conn.execute(q["prune_inbox"], {"older_than_s": older_than_s, "batch": batch}).fetchone()[0]
+            removed += count
+            if count < batch:
+                return removed

@@ -1,0 +1,202 @@
+"""`dmq outbox install|uninstall|prune-inbox` on a real application database: the schema,
+its version, the grants an application role needs (and that they are enough and no more),
+the relay's NOTIFY, the SQL function from plain SQL."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+
+from .support import db_rows, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def outbox_cli(dsn: str, *args: str):
+    # run_cli passes dmq's --pg-dsn; the outbox commands ignore it and use --dsn
+    return run_cli(dsn, "outbox", *args, "--dsn", dsn)
+
+
+@pytest.fixture
+def app_dsn(pg_empty_dsn):
+    """An application's database with the outbox installed (through the CLI)."""
+    done = outbox_cli(pg_empty_dsn, "install")
+    assert done.returncode == 0, done.stderr
+    return pg_empty_dsn
+
+
+@pytest.fixture
+def app_role(app_dsn):
+    """A role holding exactly the grants `dmq outbox install` prints, used by SET ROLE."""
+    role = f"app_{uuid.uuid4().hex[:12]}"
+    printed = outbox_cli(app_dsn, "install", "--role", role).stdout
+    grants = [line.strip() for line in printed.splitlines() if line.strip().startswith("GRANT")]
+    assert len(grants) == 4
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        for grant in grants:
+            conn.execute(grant)
+    yield role
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP OWNED BY {role}")
+        conn.execute(f"DROP ROLE {role}")
+
+
+def test_install_twice_applies_once_and_prints_the_grants(pg_empty_dsn):
+    """The first install applies version 1 and records it; the second applies nothing;
+    both print the four grants."""
+    first = outbox_cli(pg_empty_dsn, "install")
+    assert first.returncode == 0, first.stderr
+    assert "outbox schema dmq_outbox is at version 1 (applied 1)" in first.stdout
+    second = outbox_cli(pg_empty_dsn, "install")
+    assert second.returncode == 0, second.stderr
+    assert "at version 1 (already up to date)" in second.stdout
+    for out in (first.stdout, second.stdout):
+        assert "GRANT USAGE ON SCHEMA dmq_outbox TO APP_ROLE;" in out
+        assert "GRANT INSERT ON dmq_outbox.outbox TO APP_ROLE;" in out
+        assert "GRANT INSERT, SELECT ON dmq_outbox.inbox TO APP_ROLE;" in out
+    assert db_rows(pg_empty_dsn, "SELECT version, description FROM dmq_outbox.schema_version") == [(1, "outbox")]
+    tables = db_rows(pg_empty_dsn, "SELECT tablename FROM pg_tables WHERE schemaname = 'dmq_outbox' ORDER BY 1")
+    assert tables == [("inbox",), ("outbox",), ("schema_version",)]
+
+
+def test_another_schema_name_and_a_bad_one(pg_empty_dsn):
+    """--schema installs under that name; a name that is not a plain identifier is refused
+    with exit status 2 and the rule."""
+    assert outbox_cli(pg_empty_dsn, "install", "--schema", "shop_outbox").returncode == 0
+    assert db_rows(pg_empty_dsn, "SELECT count(*) FROM shop_outbox.outbox") == [(0,)]
+    bad = outbox_cli(pg_empty_dsn, "install", "--schema", "Shop; DROP")
+    assert bad.returncode == 2
+    assert "invalid schema name 'Shop; DROP'" in bad.stderr
+
+
+def test_a_foreign_schema_is_neither_installed_into_nor_dropped(pg_empty_dsn):
+    """A schema of that name that the installer did not create is refused both ways."""
+    with psycopg.connect(pg_empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA billing; CREATE TABLE billing.invoices (id int)")
+    for action in ("install", "uninstall"):
+        done = outbox_cli(pg_empty_dsn, action, "--schema", "billing")
+        assert done.returncode == 1
+        assert "is not a dmq outbox" in done.stderr
+    assert db_rows(pg_empty_dsn, "SELECT count(*) FROM billing.invoices") == [(0,)]
+
+
+def test_uninstall_refuses_unrelayed_messages_unless_forced(app_dsn):
+    """An outbox holding messages is kept (they would be lost) until --force; an empty
+    one, or none at all, uninstalls."""
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dmq_outbox.send('orders', 'created')")
+    refused = outbox_cli(app_dsn, "uninstall")
+    assert refused.returncode == 1
+    assert "1 message(s) in dmq_outbox.outbox are not relayed yet" in refused.stderr
+    forced = outbox_cli(app_dsn, "uninstall", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "dropped outbox schema dmq_outbox with 1 unrelayed message(s)" in forced.stdout
+    assert db_rows(app_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'dmq_outbox'") == [(0,)]
+    assert outbox_cli(app_dsn, "uninstall").returncode == 0  # nothing there: nothing to do
+    reinstalled = outbox_cli(app_dsn, "install")
+    assert "(applied 1)" in reinstalled.stdout
+
+
+def test_the_sql_function_from_plain_sql_text_and_bytes(app_dsn):
+    """Any language can call send(): a bare literal is the text variant (stored as UTF-8),
+    a bytea the other; delay and session id land in their columns; bad arguments fail with
+    the reason and add nothing."""
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dmq_outbox.send('orders', 'héllo')")
+        conn.execute("SELECT dmq_outbox.send('orders', '\\x00ff'::bytea, delay_ms => 5000, session_id => 7)")
+        for call, reason in [
+            ("SELECT dmq_outbox.send('no topic!', 'x')", "invalid topic name 'no topic!'"),
+            ("SELECT dmq_outbox.send('orders', 'x', -1)", "delay_ms must be 0 or more, got -1"),
+            ("SELECT dmq_outbox.send('orders', 'x', NULL, -2)", "session_id must be 0 or more, got -2"),
+            ("SELECT dmq_outbox.send('orders', NULL::bytea)", "body must not be NULL"),
+        ]:
+            with pytest.raises(psycopg.Error, match=reason):
+                conn.execute(call)
+        rows = conn.execute(
+            "SELECT topic, body, due_ms IS NULL, session_id,"
+            " due_ms - floor(extract(epoch FROM now()) * 1000)::bigint BETWEEN 4000 AND 6000"
+            " FROM dmq_outbox.outbox ORDER BY id"
+        ).fetchall()
+    assert rows == [("orders", "héllo".encode(), True, None, None), ("orders", b"\x00\xff", False, 7, True)]
+
+
+def test_the_application_role_sends_and_records_but_cannot_read_or_delete(app_dsn, app_role):
+    """With only the printed grants a role can call send and use the inbox; it cannot read,
+    change or delete the outbox, delete inbox records or prune them."""
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute(f"SET ROLE {app_role}")
+        conn.execute("SELECT dmq_outbox.send('orders', 'as the app')")
+        conn.execute("SELECT dmq_outbox.send('orders', 'as bytes'::bytea)")
+        cur = conn.execute("INSERT INTO dmq_outbox.inbox (channel, message_id) VALUES ('orders/billing', '1')"
+                           " ON CONFLICT DO NOTHING")
+        assert cur.rowcount == 1
+        assert conn.execute("SELECT count(*) FROM dmq_outbox.inbox").fetchone() == (1,)
+        for forbidden in [
+            "SELECT * FROM dmq_outbox.outbox",
+            "DELETE FROM dmq_outbox.outbox",
+            "UPDATE dmq_outbox.outbox SET topic = 'x'",
+            "DELETE FROM dmq_outbox.inbox",
+            "SELECT dmq_outbox.prune_inbox('1 second')",
+        ]:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(forbidden)
+    assert db_rows(app_dsn, "SELECT body FROM dmq_outbox.outbox ORDER BY id") == [(b"as the app",), (b"as bytes",)]
+
+
+def test_a_role_without_the_execute_grant_cannot_send(app_dsn):
+    """send() is not executable by PUBLIC: a role with every other grant still needs
+    EXECUTE on it."""
+    role = f"other_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA dmq_outbox TO {role}")
+        conn.execute(f"GRANT INSERT ON dmq_outbox.outbox TO {role}")
+        try:
+            conn.execute(f"SET ROLE {role}")
+            for body in ("'x'", "'x'::bytea"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function send"):
+                    conn.execute(f"SELECT dmq_outbox.send('orders', {body})")
+        finally:
+            conn.execute("RESET ROLE")
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_one_notify_per_statement_on_the_relays_channel(app_dsn):
+    """A listener on the channel named after the schema hears one notification per
+    committed INSERT statement (three rows in one statement: one), with the statement's
+    highest id; a rolled-back send notifies nobody."""
+    with psycopg.connect(app_dsn, autocommit=True) as listener, psycopg.connect(app_dsn) as app:
+        listener.execute("LISTEN dmq_outbox")
+        with app.transaction():
+            app.execute("INSERT INTO dmq_outbox.outbox (topic, body) VALUES ('a', 'x'), ('a', 'y'), ('a', 'z')")
+            app.execute("SELECT dmq_outbox.send('a', 'one more')")
+        with app.transaction(force_rollback=True):
+            app.execute("SELECT dmq_outbox.send('a', 'rolled back')")
+        with app.transaction():
+            app.execute("SELECT dmq_outbox.send('a', 'last')")
+        heard = [(n.channel, n.payload) for n in listener.notifies(timeout=1.0, stop_after=4)]
+        ids = [row[0] for row in app.execute("SELECT id FROM dmq_outbox.outbox ORDER BY id")]
+    assert len(ids) == 5
+    assert heard == [("dmq_outbox", str(ids[2])), ("dmq_outbox", str(ids[3])), ("dmq_outbox", str(ids[4]))]
+
+
+def test_prune_inbox_removes_old_records_in_batches(app_dsn):
+    """prune-inbox deletes records older than the duration, in batches, and keeps newer
+    ones; a non-positive duration is refused."""
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO dmq_outbox.inbox (channel, message_id, processed_at)"
+            " SELECT 't/c', i::text, now() - interval '8 days' FROM generate_series(1, 25) AS i"
+        )
+        conn.execute("INSERT INTO dmq_outbox.inbox (channel, message_id) VALUES ('t/c', 'new')")
+    done = outbox_cli(app_dsn, "prune-inbox", "--older-than", "7d", "--batch", "10")
+    assert done.returncode == 0, done.stderr
+    assert "pruned 25 inbox record(s) older than 604800s from dmq_outbox.inbox" in done.stdout
+    assert db_rows(app_dsn, "SELECT message_id FROM dmq_outbox.inbox") == [("new",)]
+    bad = outbox_cli(app_dsn, "prune-inbox", "--older-than", "0s")
+    assert bad.returncode == 2
+    assert "older than must be positive" in bad.stderr
