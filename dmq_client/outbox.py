@@ -91,8 +91,8 @@ def send(conn: Any, topic: str, body: bytes | str, *, delay: float | datetime.ti
 
     ``body`` is bytes (a str is sent as UTF-8). ``delay``: seconds (or a timedelta) after
     the send until it is due. ``session_id``: your own id for the message (0 to 2**63-1),
-    by which dmq stores it once however often it is relayed; by default the relay numbers
-    it. Nothing is committed: the message leaves when the caller's transaction commits,
+    under which the relay is to store it once however often it relays it; by default the
+    relay numbers it. Nothing is committed: the message leaves when the caller's transaction commits,
     and never if it rolls back. A psycopg connection in autocommit mode outside
     ``conn.transaction()`` is refused (the message would be committed on its own)."""
     if not isinstance(topic, str) or not valid_name(topic):
