@@ -1,13 +1,17 @@
 """The broker: every publish, subscribe and ack of every protocol comes here first.
 
-Wire adapters (the dmq protocol, NSQ V2, the HTTP APIs) build one ``PublishRequest``
-and call ``publish``; the broker checks it once (``core.publish.check_request``),
+Wire adapters (the dmq protocol, NSQ V2, the HTTP APIs) hold the broker as a
+``interfaces.BrokerPort`` and never learn which store serves a topic. They build one
+``PublishRequest`` and call ``publish`` (answered once) or ``publish_each`` (each
+message as if sent alone: a read's run); the broker checks it once (``core.publish``),
 applies the topic's rate limit, finds the store that serves the topic in its
 registry cache (``broker.topics``) and hands each body to that store: the reliable
 store (``reliable.store``, group commit in PostgreSQL) or the fast store
 (``fast.store``, nsqd's memory and disk queues). One countdown answers a batch once
-every body has an outcome. The broker knows neither which protocol asked nor how a
-store keeps its messages; the stores know nothing of each other or of the registry.
+every body has an outcome. A SUB that may meet either store (NSQ's) is ``attach``,
+which returns the store's own subscription; nsqd's topic and channel actions are
+``topic_admin``'s. The broker knows neither which protocol asked nor how a store keeps
+its messages; the stores know nothing of each other or of the registry.
 
 Why one long module: a publish's path (check, route, batch countdown, rate limit, the
 refusal of a duplicate SEND) is read in one place; the registry cache is
@@ -38,7 +42,7 @@ from dmq_server.core.publish import Published, PublishRequest, Send, check_reque
 from dmq_server.db.dead_letters import NewDeadLetter
 from dmq_server.db.errors import StorageError
 from dmq_server.db.outage import Outage
-from dmq_server.reliable.subscription import ReliableSubscription
+from dmq_server.reliable.nsq_subscription import ReliableSubscription
 from dmq_server.db.topics import list_topics_steps
 from dmq_server.broker.placement import Placement
 from dmq_server.db.errors import Misplaced
@@ -519,7 +523,7 @@ class Broker:
     def attach(self, topic: str, channel: str, client: Any, consumer: Any) -> Deferred:
         """A SUB of a wire protocol that may meet either store (NSQ's; an unregistered
         name is a fast topic, made on first use): Deferred firing with the subscription
-        the store serving ``topic`` made (``ports.Subscription``), or failing with the
+        the store serving ``topic`` made (``interfaces.Subscription``), or failing with the
         ``DmqError`` why not. A fast channel takes ``client`` (nsqd's client interface),
         a registered channel ``consumer`` (the consumer interface of ``subscribe``); the
         connection offers both and never learns which the topic uses."""

@@ -1,6 +1,6 @@
 """nsqd's topic and channel actions and nsqlookupd's listings, on whichever store holds
 the topic: what the HTTP adapter (``http.nsqd``, ``http.lookupd``) asks, so that it
-never chooses a store itself (``broker.ports.TopicAdminPort``).
+never chooses a store itself (``broker.interfaces.TopicAdminPort``).
 
 A registered topic waiting in PostgreSQL: channel pause, unpause and empty work as on
 nsqd (the broker stores the pause in PostgreSQL, on every cluster holding the topic's

@@ -3,7 +3,7 @@
 ``FastStore.subscribe`` makes the client (an NSQ connection, nsqd's client interface:
 ``ready_count``, ``in_flight_count``, ``msg_timeout``, its pushes) a client of the
 channel and returns this; the connection then drives the channel through it with the
-operations every subscription offers (``broker.ports.Subscription``), whichever store
+operations every subscription offers (``broker.interfaces.Subscription``), whichever store
 the topic is on. Message ids are the fast store's 16 hex bytes.
 """
 

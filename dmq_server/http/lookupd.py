@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dmq_server.broker.ports import BrokerPort
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.cluster.lookup import ClusterView
 from dmq_server.http.nsq_v1 import HttpError, get_param, params_of
 

@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from dmq_server.admin.inspect import registry_read
-from dmq_server.broker.ports import BrokerPort
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.broker.topic_admin import RegistryOnly
 from dmq_server.core.errors import DmqError, NoChannel, NoTopic
 from dmq_server.core.nsq_errors import NsqError
@@ -66,7 +66,7 @@ _INT = re.compile(r"^[+-]?[0-9]+$")
 
 class NsqHttp(LookupdApi):
     """The handlers. Their collaborators are passed in: what NSQ connections share
-    (``ctx``), the broker (the one way to either store: ``broker.ports.BrokerPort``),
+    (``ctx``), the broker (the one way to either store: ``broker.interfaces.BrokerPort``),
     the options, the cluster (None on a single node) and ``addresses``, which gives the
     TCP and HTTP ports' (host, port) once they listen."""
 

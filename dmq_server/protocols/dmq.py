@@ -30,7 +30,7 @@ from twisted.python.failure import Failure
 from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
-from dmq_server.broker.ports import BrokerPort
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import (
     AuthFailed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dmq_server.broker.ports import BrokerPort
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.nsq_identify import MAX_DEFLATE_LEVEL
 
 __all__ = ["NsqContext"]

@@ -1,7 +1,7 @@
 """What an NSQ connection offers a channel when it SUBs, whichever store the topic is on.
 
 ``Broker.attach`` gets both sides of the connection and returns the subscription of
-the store serving the topic (``broker.ports.Subscription``): a fast channel pushes to
+the store serving the topic (``broker.interfaces.Subscription``): a fast channel pushes to
 the connection itself (nsqd's client interface), a channel of a registered topic to
 its ``NsqConsumer`` (the broker's consumer interface). The connection never learns
 which.

@@ -6,13 +6,13 @@ checks state and parameters in nsqd's order and raises ``ClientError`` or
 (after a fatal error's frame is written). Answers leave in command order
 (``responses.ResponseQueue``). Messages and heartbeats go out at once.
 
-The connection knows the broker only (``broker.ports.BrokerPort``), never which store
+The connection knows the broker only (``broker.interfaces.BrokerPort``), never which store
 serves a topic. Publishes go to it as one ``PublishRequest`` each (a read's run of PUBs
 to one topic, an MPUB, a DPUB): ``Broker.publish_each`` answers each PUB of a run,
 ``Broker.publish`` an MPUB or DPUB once; an answer given before the call returns (a
 fast topic's, nsqd's semantics) is written at once, a later one (after a commit) fills
 its reserved slot. SUB is ``Broker.attach``, which returns the subscription of the
-store serving the topic (``broker.ports.Subscription``: FIN a durable ack or nsqd's).
+store serving the topic (``broker.interfaces.Subscription``: FIN a durable ack or nsqd's).
 
 Security is nsqd's: IDENTIFY with ``tls_v1`` (when the server has a certificate) is
 answered in plaintext, then the port runs the TLS handshake and ``OK`` follows over TLS
@@ -39,7 +39,7 @@ from twisted.python.failure import Failure
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
 from dmq_server.core.errors import AuthFailed, DmqError
 from dmq_server.core.peers import peer_address, peer_host
-from dmq_server.broker.ports import BrokerPort, Subscription
+from dmq_server.broker.interfaces import BrokerPort, Subscription
 from dmq_server.core.publish import Published, new_request
 from dmq_server.protocols.direct import direct_writer
 from dmq_server.protocols.flow import AUTH, NO_GATE

@@ -1,7 +1,7 @@
 """An NSQ SUB on a registered channel of a reliable topic, as the broker hands it over.
 
 The connection drives it with the operations every subscription offers
-(``broker.ports.Subscription``), whichever store the topic is on. Here the wire id is
+(``broker.interfaces.Subscription``), whichever store the topic is on. Here the wire id is
 the 16-hex-char form of the int64 message id, ``FIN`` is an ack made durable in a batch,
 and the consumer is what the channel pushes to (the connection's side of the broker's
 consumer interface: ``credit``, ``in_flight``, ``push_many``). Acks go through the

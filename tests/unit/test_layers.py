@@ -73,7 +73,7 @@ def seam_breaches(source: str) -> list[str]:
 
 def test_no_adapter_names_a_store_or_reaches_past_the_broker():
     """The protocol, HTTP and admin adapters hand the broker requests and get answers
-    (``dmq_server/broker/ports.py``): none imports a store, the broker's store labels,
+    (``dmq_server/broker/interfaces.py``): none imports a store, the broker's store labels,
     or reads the broker's stores, its placement over PostgreSQL clusters or its routing."""
     server = REPO / "dmq_server"
     breaches = set()
