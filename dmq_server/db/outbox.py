@@ -26,7 +26,7 @@ from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
 __all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "prune_inbox",
-           "installed_version", "migrations"]
+           "migrations"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
 
@@ -120,14 +120,6 @@ def install(dsn: str, schema: str = DEFAULT_SCHEMA) -> tuple[list[int], int]:
                 applied.append(version)
                 done.add(version)
     return applied, max(done)
-
-
-def installed_version(dsn: str, schema: str = DEFAULT_SCHEMA) -> int:
-    """The outbox schema's version, 0 when not installed."""
-    q = _queries(check_schema(schema))
-    with _database(dsn, "outbox version") as conn:
-        _, ours = _state(conn, q, schema)
-        return max((row[0] for row in conn.execute(q["installed_versions"])), default=0) if ours else 0
 
 
 def uninstall(dsn: str, schema: str = DEFAULT_SCHEMA, *, force: bool = False) -> int:

@@ -5,9 +5,12 @@ the relay's NOTIFY, the SQL function from plain SQL."""
 from __future__ import annotations
 
 import uuid
+from types import SimpleNamespace
 
 import psycopg
 import pytest
+
+from dmq_client import inbox, outbox
 
 from .support import db_rows, run_cli
 
@@ -143,7 +146,20 @@ def test_the_application_role_sends_and_records_but_cannot_read_or_delete(app_ds
         ]:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(forbidden)
-    assert db_rows(app_dsn, "SELECT body FROM dmq_outbox.outbox ORDER BY id") == [(b"as the app",), (b"as bytes",)]
+    with psycopg.connect(app_dsn) as conn:  # and through the client's helpers
+        conn.execute(f"SET ROLE {app_role}")
+        conn.commit()
+        with conn.transaction():
+            outbox.send(conn, "orders", b"from the client", session_id=3)
+        message = SimpleNamespace(topic="orders", channel="billing", message_id=2)
+        acked: list = []
+        for _ in range(2):
+            with inbox.transaction(conn, message, ack=acked.append) as fresh:
+                acked.append(fresh)
+        assert acked == [True, message, False, message]
+    assert db_rows(app_dsn, "SELECT body FROM dmq_outbox.outbox ORDER BY id") == [
+        (b"as the app",), (b"as bytes",), (b"from the client",)
+    ]
 
 
 def test_a_role_without_the_execute_grant_cannot_send(app_dsn):
