@@ -437,11 +437,10 @@ class AdminOps:
     def db_for_id(self, any_id: int) -> Any:
         """The database worker of the cluster that drew ``any_id`` (a message, delayed
         message or dead letter id names its cluster: ``db.clusters``)."""
-        placement = getattr(self.broker, "placement", None)
-        store = placement.store_of_id(any_id) if placement is not None and placement.several else None
-        if store is None or store.cluster not in self.clusters:
+        cluster = self.broker.cluster_of_id(any_id) if self.broker is not None else None
+        if cluster is None or cluster not in self.clusters:
             return self.db
-        return self.clusters[store.cluster][0]
+        return self.clusters[cluster][0]
 
     @inlineCallbacks
     def delay_stats(self) -> Any:

@@ -549,6 +549,16 @@ class Broker:
     def unsubscribe(self, channel: Any, consumer: Any) -> None:
         channel.unsubscribe(consumer)
 
+    def cluster_of_id(self, any_id: int) -> str | None:
+        """The PostgreSQL cluster that drew ``any_id`` (a message, delayed message or dead
+        letter id names its cluster: ``db.clusters``), or None with one cluster: where an
+        operator's look at one id goes (``admin.operations``)."""
+        placement = self.placement
+        if not placement.several:
+            return None
+        store = placement.store_of_id(any_id)
+        return None if store is None else store.cluster
+
     def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
         """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons). The
         copy's cluster is the one that drew its id."""

@@ -76,6 +76,10 @@ def test_each_topic_is_stored_on_its_cluster_and_acked_there():
     assert stats["published"] == 40
     assert {c: s["published"] for c, s in stats["clusters"].items()} == {"main": 20, "b": 20}
     assert {t["topic_name"]: t["cluster"] for t in stats["topics"]} == {"local": "main", "remote": "b"}
+    # an operator's look at one id goes to the cluster that drew it (admin.operations)
+    assert {h.broker.cluster_of_id(m) for (p, sid), m in ids.items()} == {"main", "b"}
+    assert all(h.broker.cluster_of_id(m) == ("b" if sid >= 100 else "main") for (p, sid), m in ids.items())
+    assert Harness().broker.cluster_of_id(next(iter(ids.values()))) is None  # one cluster: no choice
 
 
 def test_a_cluster_that_fails_fails_only_its_topics():
