@@ -7,9 +7,9 @@ ack goes to dmq only after that commit::
         if fresh:
             conn.execute("INSERT INTO payments ...")   # the handler's business writes
 
-``transaction`` begins a transaction on the caller's psycopg 3 connection, inserts
-(channel, message id) into the inbox table that ``dmq outbox install`` created, and
-yields True; the block's writes join the transaction, which commits when the block ends
+``transaction`` begins a transaction on the caller's connection (psycopg 3, or a
+SQLAlchemy 2 Session or Connection), inserts (channel, message id) into the inbox table
+that ``dmq outbox install`` created, and yields True; the block's writes join the transaction, which commits when the block ends
 (and rolls back, re-raising, when it raises: no record, no ack, so the redelivery runs the
 handler again). Then it acknowledges the message. If the record exists already, the
 message was handled and committed before but its ack was lost (a consumer killed between
@@ -50,28 +50,40 @@ def inbox_key(message: Any, channel: str | None = None) -> tuple[str, str]:
 def transaction(conn: Any, message: Any, *, channel: str | None = None,
                 ack: Callable[[Any], Any] | None = None, schema: str = DEFAULT_SCHEMA) -> Iterator[bool]:
     """Run a handler's writes and the message's inbox record in one transaction on
-    ``conn`` (psycopg 3), then acknowledge ``message``; yields whether the handler should
-    run (False: handled and committed before).
+    ``conn``, then acknowledge ``message``; yields whether the handler should run (False:
+    handled and committed before).
 
+    ``conn`` is a psycopg 3 ``Connection`` or a SQLAlchemy 2 ``Session`` or ``Connection``.
     ``message`` is an MqClient ``ReceivedMessage`` (acknowledged by its ``ack()``) or
     anything with ``topic``, ``channel`` and ``message_id`` plus an ``ack`` callable taking
     it: ``ack=client.ack`` for a blocking client's push. The transaction must be this
     helper's own: a connection already inside one is refused, since the ack must wait for a
     real commit, not a savepoint's release."""
     check_schema(schema)
-    if driver_of(conn) != "psycopg" or not hasattr(conn, "transaction"):
-        raise TypeError("inbox.transaction needs a psycopg 3 Connection")
+    driver = driver_of(conn)
     key = inbox_key(message, channel)
     if ack is None:
         ack = getattr(type(message), "ack", None)
         if ack is None:
             raise TypeError(f"{type(message).__name__} has no ack(): pass ack=, e.g. ack=client.ack")
-    if conn.info.transaction_status.name != "IDLE":
-        raise ValueError("inbox.transaction begins the transaction itself (the ack waits for its commit): "
-                         "commit or roll back the connection's open transaction first")
-    with conn.transaction():
-        inserted = conn.execute(
-            f"INSERT INTO {schema}.inbox (channel, message_id) VALUES (%s, %s) ON CONFLICT DO NOTHING", key
-        )
-        yield inserted.rowcount == 1
+    record = f"INSERT INTO {schema}.inbox (channel, message_id) VALUES "
+    if driver == "psycopg":
+        if not hasattr(conn, "transaction"):
+            raise TypeError("inbox.transaction needs a psycopg 3 Connection, not a cursor")
+        if conn.info.transaction_status.name != "IDLE":
+            raise ValueError(_OPEN)
+        with conn.transaction():
+            yield conn.execute(record + "(%s, %s) ON CONFLICT DO NOTHING", key).rowcount == 1
+    else:
+        from sqlalchemy import text  # the caller's object is SQLAlchemy's: it is imported already
+
+        if conn.in_transaction():
+            raise ValueError(_OPEN)
+        with conn.begin():
+            params = {"channel": key[0], "message_id": key[1]}
+            yield conn.execute(text(record + "(:channel, :message_id) ON CONFLICT DO NOTHING"), params).rowcount == 1
     ack(message)
+
+
+_OPEN = ("inbox.transaction begins the transaction itself (the ack waits for its commit): "
+         "commit or roll back the connection's open transaction first")

@@ -144,6 +144,42 @@ def test_a_concurrent_redelivery_waits_for_the_first_transaction(app_dsn):
     assert db_rows(app_dsn, "SELECT body FROM effects") == [(b"first",)]
 
 
+@pytest.mark.parametrize("kind", ["Session", "Connection"])
+def test_sqlalchemy_session_and_connection(app_dsn, kind):
+    """The same with SQLAlchemy: handled once, a committed redelivery skipped, a raise
+    rolled back with its record; a Session or Connection already in a transaction refused."""
+    import sqlalchemy
+    from sqlalchemy.orm import Session
+
+    engine = sqlalchemy.create_engine(app_dsn.replace("postgresql://", "postgresql+psycopg://", 1))
+    acked: list = []
+
+    def run(conn, message_id: int, fail: bool = False) -> bool:
+        with inbox.transaction(conn, push(message_id), ack=acked.append) as fresh:
+            if fresh:
+                conn.execute(sqlalchemy.text("INSERT INTO effects VALUES (:id, 'x')"), {"id": message_id})
+            if fail:
+                raise RuntimeError("handler failed")
+        return fresh
+
+    try:
+        with (Session(engine) if kind == "Session" else engine.connect()) as conn:
+            assert run(conn, 1) is True
+            assert run(conn, 1) is False
+            with pytest.raises(RuntimeError):
+                run(conn, 2, fail=True)
+            assert run(conn, 2) is True
+            conn.execute(sqlalchemy.text("SELECT 1"))  # autobegins
+            with pytest.raises(ValueError, match="begins the transaction itself"):
+                run(conn, 3)
+            conn.rollback()
+    finally:
+        engine.dispose()
+    assert [m.message_id for m in acked] == [1, 1, 2]
+    assert db_rows(app_dsn, "SELECT message_id FROM effects ORDER BY 1") == [(1,), (2,)]
+    assert db_rows(app_dsn, "SELECT message_id FROM dmq_outbox.inbox ORDER BY 1") == [("1",), ("2",)]
+
+
 # -- end to end: a real server, MqClient consumers killed at the two points ---------------
 
 CONSUMER = r"""
