@@ -216,3 +216,10 @@ def test_prune_inbox_removes_old_records_in_batches(app_dsn):
     bad = outbox_cli(app_dsn, "prune-inbox", "--older-than", "0s")
     assert bad.returncode == 2
     assert "older than must be positive" in bad.stderr
+
+
+def test_an_unreachable_database_exits_3_with_the_reason(pg_empty_dsn):
+    """No database at --dsn: exit status 3 (as dmq's other commands) and why."""
+    done = run_cli(pg_empty_dsn, "outbox", "install", "--dsn", "postgresql://nobody@127.0.0.1:1/app?connect_timeout=2")
+    assert done.returncode == 3
+    assert "cannot connect to PostgreSQL" in done.stderr
