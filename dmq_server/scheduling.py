@@ -21,7 +21,7 @@ from twisted.logger import Logger
 
 from dmq_server.reliable.store import ReliableStore
 from dmq_server.reliable.delay import DelayScheduler
-from dmq_server.core.fragments import FragmentAssignment, StaticAssignment
+from dmq_server.core.fragment_ranges import FragmentAssignment, StaticAssignment
 
 __all__ = ["worker_roles", "Scheduling", "make_assignment", "make_scheduler"]
 

@@ -41,15 +41,15 @@ from twisted.logger import Logger
 from dmq_client.spelling import parse_address
 from dmq_client.wire import MAGIC
 
-from dmq_server.admin.console import AdminConsoleFactory
+from dmq_server.admin.line_console import AdminConsoleFactory
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps
-from dmq_server.core.memory import ClientMemory
+from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.peers import is_loopback
 from dmq_server.broker import Broker
 from dmq_server.protocols.dmq import DmqConnection
-from dmq_server.http import admin as admin_api
-from dmq_server.http.console import install as install_console
+from dmq_server.http import admin_api as admin_api
+from dmq_server.http.web_console import install as install_console
 from dmq_server.http.metrics import Snapshot, metrics_resource
 from dmq_server.http.guard import HttpGuard
 from dmq_server.http.root import VERSION, make_site
@@ -59,7 +59,7 @@ from dmq_server.protocols.flow import FlowLimits, MemoryWatch
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.http.nsqd import install as install_nsq_http
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.protocols.nsq_v2 import NsqConnection
 from dmq_server.core.options import Options
 from dmq_server.scheduling import Scheduling, make_assignment, worker_roles
@@ -67,9 +67,9 @@ from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.clusters import describe as describe_clusters, place_clusters
 from dmq_server.db.mirror import Mirror
-from dmq_server.db.topics import list_topics_steps
+from dmq_server.db.topic_steps import list_topics_steps
 from dmq_server.db.schema import migrate, ping_steps
-from dmq_server.core.fragments import SharedAssignment
+from dmq_server.core.fragment_ranges import SharedAssignment
 from dmq_server.db.worker import DbWorker
 from dmq_server.security.authorizer import make_authorizer
 from dmq_server.security.exposure import exposure_warnings
@@ -382,7 +382,7 @@ class DmqServer:
     # -- scheduler ------------------------------------------------------------------
     def _start_scheduling(self) -> None:
         """A delay scheduler per cluster; the node serves the same delay fragments on
-        each (one assignment, one party: ``core.fragments.SharedAssignment``)."""
+        each (one assignment, one party: ``core.fragment_ranges.SharedAssignment``)."""
         options = self.options
         shared = SharedAssignment(make_assignment(options, self.reactor, self.node_id))
         made = []

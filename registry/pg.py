@@ -162,7 +162,7 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
 def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
     """The statements (query name, parameters) that make the tables holding ``current``
     equal to ``specs``, in the order to run them (the server runs them as steps:
-    ``dmq_server.db.topics``)."""
+    ``dmq_server.db.topic_steps``)."""
     have = {row.name: row for row in current}
     wanted = {spec.name: spec for spec in specs}
     changes: list[tuple[str, dict[str, Any]]] = []

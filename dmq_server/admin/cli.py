@@ -204,7 +204,7 @@ def _channel_on_server(args: argparse.Namespace) -> None:
 
 def cmd_stats(args: argparse.Namespace) -> None:
     import registry
-    from dmq_server.db.admin import table_counts_steps
+    from dmq_server.db.admin_steps import table_counts_steps
     from dmq_server.db.steps import run_steps
 
     with _database(args) as conn:
@@ -245,7 +245,7 @@ def cmd_db(args: argparse.Namespace) -> None:
     from dmq_server.db.schema import schema_version
 
     from dmq_server.admin.cli_support import cluster_dsns
-    from dmq_server.db.errors import StorageError
+    from dmq_server.db.storage_errors import StorageError
     from dmq_server.db.schema import migrate
 
     # _database applies pending migrations before handing out the connection

@@ -47,7 +47,7 @@ def cmd_topic_move(args: argparse.Namespace) -> None:
     import registry
     from registry.pg import mirror_topics
 
-    from dmq_server.db.admin import topic_leftovers_steps
+    from dmq_server.db.admin_steps import topic_leftovers_steps
     from dmq_server.db.steps import run_steps
 
     def topic_leftovers(conn: Any, topic: str, fenced_at: Any = None) -> Any:

@@ -246,7 +246,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
     """A message's life from the stored facts (what a running node holds in memory right
     now is the admin API's ``/admin/messages/ID``)."""
     from dmq_server.admin.inspect import describe_event
-    from dmq_server.db.trace import find_message_steps, read_trace_steps
+    from dmq_server.db.trace_steps import find_message_steps, read_trace_steps
 
     message_id = args.id
     if message_id is None:
@@ -289,7 +289,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 def cmd_peek(args: argparse.Namespace) -> None:
     """A channel's waiting messages, oldest first, read without consuming them."""
-    from dmq_server.db.trace import peek_channel_steps
+    from dmq_server.db.trace_steps import peek_channel_steps
 
     if not 1 <= args.limit <= 500:
         raise CliError("--limit must be 1..500", 2)

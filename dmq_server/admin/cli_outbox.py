@@ -15,7 +15,7 @@ from typing import Any
 
 from dmq_server.admin.cli_support import CliError
 from dmq_server.core.errors import DmqError
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_client.spelling import parse_duration
 
 __all__ = ["add_outbox_commands"]

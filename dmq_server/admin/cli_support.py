@@ -39,7 +39,7 @@ class CliError(Exception):
 
 @contextmanager
 def open_database(args: argparse.Namespace) -> Iterator[Any]:
-    from dmq_server.db.errors import StorageError
+    from dmq_server.db.storage_errors import StorageError
     from dmq_server.db.schema import migrate
     from dmq_server.db.worker import connect
 
@@ -115,7 +115,7 @@ def cluster_dsns(args: argparse.Namespace) -> dict[str, str]:
 
 
 def connect_cluster(name: str, dsn: str) -> Any:
-    from dmq_server.db.errors import StorageError
+    from dmq_server.db.storage_errors import StorageError
     from dmq_server.db.worker import connect
 
     try:

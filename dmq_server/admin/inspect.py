@@ -3,7 +3,7 @@ a channel's waiting copies (peek), a channel's consumers, the delay table by due
 the nodes of the cluster, the audit log; and the delay view's two actions (deliver now,
 cancel), audited like every destructive admin operation.
 
-The stored facts come from ``db.trace`` (the same the ``dmq trace`` CLI prints); this
+The stored facts come from ``db.trace_steps`` (the same the ``dmq trace`` CLI prints); this
 module adds what only the running node knows: which of the message's copies it holds
 right now (in flight to whom, since and until when; deferred; waiting in memory). The
 JSON admin API (``http.admin_inspect``) and through it the web console call these.
@@ -18,11 +18,11 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from dmq_client.diskqueue import DiskQueueError
 from dmq_server.admin.operations import AdminOps
 from dmq_server.core.errors import Invalid, NotFound
-from dmq_server.db.admin import list_admin_log_steps
+from dmq_server.db.admin_steps import list_admin_log_steps
 from dmq_server.db.delays import (
     cancel_delayed_steps, deliver_delayed_now_steps, due_histogram_steps, list_delayed_steps,
 )
-from dmq_server.db.trace import find_message_steps, peek_channel_steps, read_trace_steps
+from dmq_server.db.trace_steps import find_message_steps, peek_channel_steps, read_trace_steps
 
 __all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read", "waiting_since",
            "RETURN_TEXT", "REGISTRY_WAIT"]

@@ -1,7 +1,7 @@
 """The admin operations every admin surface offers, written once.
 
 The ``dmq`` CLI (straight to PostgreSQL), the JSON admin API on the HTTP port
-(``dmq_server.http.admin``) and the line-based admin console (``admin.console``) all call
+(``dmq_server.http.admin_api``) and the line-based admin console (``admin.line_console``) all call
 these: stats; topics and channels; connected clients; dead letters list, show,
 replay, delete (and report, for clients); delay stats.
 
@@ -38,9 +38,9 @@ from twisted.logger import Logger
 from dmq_client.spelling import parse_time_ms
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.core.peers import is_loopback
-from dmq_server.db import admin as db_admin
-from dmq_server.db.admin import log_operation_steps, stored_stats_steps
-from dmq_server.db.dead_letters import REASONS, NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db import admin_steps as db_admin
+from dmq_server.db.admin_steps import log_operation_steps, stored_stats_steps
+from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import delay_stats_steps
 from dmq_server.db.steps import Steps
 
@@ -196,7 +196,7 @@ def check_token(listen_host: str, configured: str, given: str | None) -> None:
 
 
 # -- database operations (steps: the CLI's connection and the server's DbWorker) --------
-# The statements are dmq_server.db.admin's; these add the filter and the error codes.
+# The statements are dmq_server.db.admin_steps's; these add the filter and the error codes.
 
 
 def list_dead_letters_steps(flt: DeadLetterFilter, limit: int = DEFAULT_LIST_LIMIT, after: int = 0) -> Steps:

@@ -7,7 +7,7 @@ message as if sent alone: a read's run); the broker checks it once (``core.publi
 applies the topic's rate limit, finds the store that serves the topic in its
 registry cache (``broker.topics``) and hands each body to that store: the reliable
 store (``reliable.store``, group commit in PostgreSQL) or the fast store
-(``fast.store``, nsqd's memory and disk queues). One countdown answers a batch once
+(``fast.fast_store``, nsqd's memory and disk queues). One countdown answers a batch once
 every body has an outcome. A SUB that may meet either store (NSQ's) is ``attach``,
 which returns the store's own subscription; nsqd's topic and channel actions are
 ``topic_admin``'s. The broker knows neither which protocol asked nor how a store keeps
@@ -39,13 +39,13 @@ from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, PublishRequest, Send, check_request, check_sender, check_sends
-from dmq_server.db.dead_letters import NewDeadLetter
-from dmq_server.db.errors import StorageError
+from dmq_server.db.dead_letter_steps import NewDeadLetter
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
-from dmq_server.db.topics import list_topics_steps
+from dmq_server.db.topic_steps import list_topics_steps
 from dmq_server.broker.placement import Placement
-from dmq_server.db.errors import Misplaced
+from dmq_server.db.storage_errors import Misplaced
 from registry.model import TopicSpec
 
 __all__ = ["Broker", "RELIABLE", "FAST", "REPLAY_PRODUCER"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from twisted.logger import Logger
 
-from dmq_server.core.fragments import all_fragments, split_fragments
+from dmq_server.core.fragment_ranges import all_fragments, split_fragments
 
 __all__ = ["ZkFragmentAssignment", "PARTITION_PATH", "PartitionerFailed", "contiguous_partition"]
 

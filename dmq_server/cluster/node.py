@@ -52,9 +52,9 @@ from twisted.logger import Logger
 from dmq_server.cluster.bridge import KazooBridge
 from registry.model import NodeInfo, RegistryError
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.worker import DbWorker
-from dmq_server.db.topics import list_topics_steps, mirror_topics_steps
+from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
 from dmq_server.cluster.takeover import Takeover
 
 __all__ = ["ClusterNode"]

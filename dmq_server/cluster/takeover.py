@@ -31,7 +31,7 @@ from typing import Any, Callable
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from dmq_server.db.takeover import claim_owners_steps, takeover_candidates_steps
+from dmq_server.db.takeover_steps import claim_owners_steps, takeover_candidates_steps
 
 __all__ = ["Takeover"]
 

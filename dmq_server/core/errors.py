@@ -3,7 +3,7 @@
 Everything below the protocol adapters (broker, stores, database seam) fails with a
 ``DmqError`` subclass; each adapter turns it into its own reply with one table keyed
 by the subclass (``protocols.dmq``: a reply command; ``protocols.nsq_v2``: an error
-frame; ``http.nsqd`` and ``http.admin``: a status code; the admin console: an ``ERR``
+frame; ``http.nsqd`` and ``http.admin_api``: a status code; the admin console: an ``ERR``
 line; the ``dmq`` CLI: an exit status). The subclass says what the client can do about
 it, so adapters never compare class names or parse texts:
 

@@ -24,7 +24,7 @@ import time
 
 import psycopg
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 
 __all__ = ["Watchdog", "cut", "hung_error"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from dmq_server.db.errors import Fenced, Misplaced
+from dmq_server.db.storage_errors import Fenced, Misplaced
 from dmq_server.db.messages import send_columns
 from dmq_server.db.steps import Statement, Steps, run_steps
-from dmq_server.db.trace import body_preview
+from dmq_server.db.trace_steps import body_preview
 
 __all__ = [
     "NewDelayed",

@@ -14,7 +14,7 @@ runs the same steps here and on a migrated PostgreSQL and compares the answers, 
 the double cannot drift from the SQL unnoticed.
 
 Failures are injected by name (``fail_next``), with the two outcomes callers must
-tell apart (see ``dmq_server.db.errors``):
+tell apart (see ``dmq_server.db.storage_errors``):
 
 * ``"refused"``: PostgreSQL refused the statement's input; nothing of it is applied
   and the error reaches the steps as psycopg's (the runners turn an unhandled one
@@ -47,7 +47,7 @@ import psycopg
 from twisted.internet.defer import Deferred
 
 from dmq_server.db import messages as _variants  # noqa: F401  registers insert_new_messages, ack_new_deliveries
-from dmq_server.db.errors import StorageError, storage_error
+from dmq_server.db.storage_errors import StorageError, storage_error
 from dmq_server.db.steps import STATEMENTS, Statement, Steps
 
 __all__ = ["MemoryDb", "UnknownStatement", "FAILURE_KINDS", "MIGRATOR_STATEMENTS"]

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import psycopg
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
-from dmq_server.db.errors import Fenced, Misplaced, StorageError
+from dmq_server.db.storage_errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
 

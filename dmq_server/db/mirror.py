@@ -3,7 +3,7 @@
 ``start_id`` there and checks the topic's placement (``insert_messages``).
 
 The registry itself is ZooKeeper (``--zk``) or, without it, the main cluster's tables;
-``mirror_to`` copies a read of it into the other clusters' databases (``db.topics``
+``mirror_to`` copies a read of it into the other clusters' databases (``db.topic_steps``
 ``mirror_topics_steps``: idempotent, serialised between nodes). A cluster that cannot be
 reached is skipped, logged once per outage: its topics' sends fail on it anyway, and
 the next read mirrors again.
@@ -15,9 +15,9 @@ from typing import Any, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, gatherResults
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
-from dmq_server.db.topics import mirror_topics_steps
+from dmq_server.db.topic_steps import mirror_topics_steps
 
 __all__ = ["Mirror"]
 

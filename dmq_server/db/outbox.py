@@ -21,7 +21,7 @@ from typing import Iterator
 import psycopg
 
 from dmq_server.core.errors import Invalid, Refused
-from dmq_server.db.errors import StorageError, describe_error
+from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 

@@ -43,7 +43,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from dmq_server.db.outage import Outage
-from dmq_server.db.errors import StorageError, describe_error, storage_error
+from dmq_server.db.storage_errors import StorageError, describe_error, storage_error
 from dmq_server.db.steps import Statement, Steps
 from dmq_server.db.deadline import Watchdog, hung_error
 from dmq_server.db.worker import connect

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import psycopg
 
-from dmq_server.db.errors import StorageError, describe_error
+from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.steps import Statement, Steps
 from dmq_server.db.worker import connect
 from dmq_sql.schema import schema_version

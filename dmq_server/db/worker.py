@@ -27,7 +27,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
 from dmq_server.db.deadline import Watchdog, hung_error
-from dmq_server.db.errors import StorageError, describe_error, storage_error
+from dmq_server.db.storage_errors import StorageError, describe_error, storage_error
 from dmq_server.db.steps import Steps, run_steps
 from dmq_sql.connection import connect as shared_connect
 

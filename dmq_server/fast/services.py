@@ -1,8 +1,8 @@
 """What a fast topic and a fast channel need from the store that holds them.
 
 nsqd hands its topics and channels a context rather than the daemon itself; so does
-dmq. ``fast.store.FastStore`` provides this protocol, and ``fast.topic`` and
-``fast.channel`` depend on the protocol only, so the store imports them and never
+dmq. ``fast.fast_store.FastStore`` provides this protocol, and ``fast.topic`` and
+``fast.fast_channel`` depend on the protocol only, so the store imports them and never
 the other way round (no import cycle inside the package).
 """
 
@@ -16,7 +16,7 @@ __all__ = ["StoreServices"]
 class StoreServices(Protocol):
     clock: Any  # IReactorTime: the injected clock
     mem_queue_size: int
-    client_memory: Any  # core.memory.ClientMemory: memory queues are bounded in bytes by it too (None: not)
+    client_memory: Any  # core.client_memory.ClientMemory: memory queues are bounded in bytes by it too (None: not)
     max_msg_timeout: float
     max_channel_consumers: int
     health_error: str | None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmq_server.fast.channel import FastChannel
+from dmq_server.fast.fast_channel import FastChannel
 
 __all__ = ["FastSubscription"]
 

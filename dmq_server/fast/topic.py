@@ -4,7 +4,7 @@ Every message published to a topic is copied to each of its channels (same id,
 body and timestamp; attempts start at 0 per channel). While the topic has no
 channel, or is paused, messages wait in the topic itself: a memory queue bounded in
 messages (``--mem-queue-size``) and in bytes (a channel window of the server's
-``--max-client-memory``, ``core.memory.ClientMemory``) that overflows to the topic's
+``--max-client-memory``, ``core.client_memory.ClientMemory``) that overflows to the topic's
 disk queue (``<topic>``), so the first channel created gets everything published
 before it. A drain reads at most a channel window's bytes from the disk queue at once. Deferred messages (DPUB) wait in
 memory, never on disk, so they keep their delay.
@@ -22,8 +22,8 @@ from typing import Any
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
-from dmq_server.core.memory import FAST_WINDOW, WindowBytes
-from dmq_server.fast.channel import FastChannel
+from dmq_server.core.client_memory import FAST_WINDOW, WindowBytes
+from dmq_server.fast.fast_channel import FastChannel
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
 

@@ -1,5 +1,5 @@
 """The admin API's endpoints for looking inside the node (``admin.inspect``), routed by
-``http.admin`` under ``/admin``; the web console is built on them.
+``http.admin_api`` under ``/admin``; the web console is built on them.
 
 =======  =======================================  ==========================================
 GET      /admin/whoami                            this caller's rights (the console's mode)

@@ -52,7 +52,7 @@ class Snapshot:
     stored: dict[str, Any] | None = None
     #: each database connection's state by role (``DbWorker.state()``, ``ReactorDb.state()``)
     db_pool: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: ``core.memory.ClientMemory.stats()``: the bytes held for clients, by kind, and the budget
+    #: ``core.client_memory.ClientMemory.stats()``: the bytes held for clients, by kind, and the budget
     client_memory: dict[str, Any] | None = None
 
 
@@ -322,7 +322,7 @@ def _db_pool(snap: Snapshot) -> Iterator[Metric]:
 
 
 def _client_memory(snap: Snapshot) -> Iterator[Metric]:
-    """The bytes held on clients' behalf against ``--max-client-memory`` (core.memory)."""
+    """The bytes held on clients' behalf against ``--max-client-memory`` (core.client_memory)."""
     memory = snap.client_memory
     if memory is None:
         return

@@ -91,7 +91,7 @@ class NsqHttp(LookupdApi):
         self.dmq_ping = dmq_ping
         self.dmq_stats = dmq_stats
         self.dmq_info = dmq_info
-        self.gc_pauses = gc_pauses  # core.pauses.GcPauses: nsqd's gc_pause_usec_* figures
+        self.gc_pauses = gc_pauses  # core.stalls.GcPauses: nsqd's gc_pause_usec_* figures
         self.tombstones: dict[str, float] = {}
         self.started = time.time()
 

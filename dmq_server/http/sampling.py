@@ -11,7 +11,7 @@
   charts. Bounded: ``points`` samples per channel, channels only while they exist.
 
 * ``Pauses``: the reactor's lateness on a timer and the garbage collector's pauses
-  (``core.pauses``), for ``/metrics``, ``/stats`` and nsqd's ``gc_pause_usec_*``.
+  (``core.stalls``), for ``/metrics``, ``/stats`` and nsqd's ``gc_pause_usec_*``.
 
 All are services on the injected clock, run by the listeners' stage.
 """
@@ -25,9 +25,9 @@ from twisted.application.internet import TimerService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, succeed
 
-from dmq_server.core.pauses import GcPauses, ReactorLag
+from dmq_server.core.stalls import GcPauses, ReactorLag
 from dmq_server.db.schema import ping_steps
-from dmq_server.db.trace import read_gauges_steps
+from dmq_server.db.trace_steps import read_gauges_steps
 
 __all__ = ["StoredGauges", "History", "Pauses", "Sampling", "HISTORY_INTERVAL", "HISTORY_POINTS"]
 
@@ -70,7 +70,7 @@ class StoredGauges:
         self.lowest = lowest
         self.others = list(others)  # the other PostgreSQL clusters' workers: their figures are added
         self.clock = clock
-        self.values: dict[str, Any] | None = None  # db.trace.read_gauges' answer
+        self.values: dict[str, Any] | None = None  # db.trace_steps.read_gauges' answer
         self.refreshed_at: float | None = None
         self.roundtrip: float | None = None  # seconds, the last ping through the worker
         self.failures = 0

@@ -86,7 +86,7 @@ def consumer_stats(consumer: Any) -> dict:
 
 def memory_stats(gc_pauses: Any = None) -> dict[str, int]:
     """Go's memory stats keys, filled with what Python can tell cheaply; the GC pause
-    percentiles from ``gc_pauses`` (``core.pauses.GcPauses``) when the node records them."""
+    percentiles from ``gc_pauses`` (``core.stalls.GcPauses``) when the node records them."""
     rss = 0
     try:
         with open("/proc/self/statm") as f:

@@ -21,7 +21,7 @@ capped here (the options are in ``dmq_server/core/options.py``):
   connections trickling bytes cannot keep that memory forever.
 * **everything, in bytes.** The same bytes, and the unsent replies and pushes in the
   transports' buffers, count against the server's one ``--max-client-memory``
-  (``core.memory.ClientMemory``, which the channels' memory windows share). Over it, a
+  (``core.client_memory.ClientMemory``, which the channels' memory windows share). Over it, a
   connection holding many bytes of its own (``ClientMemory.should_stop``) is not read
   (``MEMORY``) until the total is under three quarters; the episode is logged once when it starts and once when it
   ends. A connection whose unsent bytes passed ``--max-output-buffer`` gets no more
@@ -55,8 +55,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from dmq_server.core import memory as kinds
-from dmq_server.core.memory import ClientMemory, release_to_os
+from dmq_server.core import client_memory as kinds
+from dmq_server.core.client_memory import ClientMemory, release_to_os
 
 __all__ = [
     "BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "MemoryWatch",
@@ -484,7 +484,7 @@ class MemoryWatch:
     once when it starts and once when it ends; every ``interval`` seconds looks at the
     connections' unsent bytes again (written bytes leave Twisted's buffer without a
     word to the gate) and, once enough was freed (``ClientMemory.trim_due``), hands it
-    back to the operating system (``core.memory.release_to_os``)."""
+    back to the operating system (``core.client_memory.release_to_os``)."""
 
     def __init__(self, memory: ClientMemory, budget: BufferBudget | None, clock: Any, interval: float = 1.0):
         self.memory = memory

@@ -14,7 +14,7 @@ A handler offers ``buffered()`` (bytes of an incomplete frame it holds),
 port reads again, to drain input the handler kept while paused) and
 ``output_blocked(blocked)`` (its client stopped or started reading what it was sent:
 no pushes meanwhile). Every byte those connections hold counts against the server's
-``--max-client-memory`` (``core.memory.ClientMemory``, the factory's ``budget.memory``).
+``--max-client-memory`` (``core.client_memory.ClientMemory``, the factory's ``budget.memory``).
 
 TLS (``dmq_server.security.tls``): on the TLS-only port (``--tls-address``) the factory is
 wrapped in Twisted's TLS layer, so the magic is read after the handshake; a handler may
@@ -37,7 +37,7 @@ from zope.interface import implementer
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
 from dmq_server.protocols.flow import BufferBudget, FlowLimits, ReadGate
-from dmq_server.core.memory import ClientMemory
+from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.peers import peer_address
 
 __all__ = ["PortProtocol", "PortFactory"]

@@ -2,7 +2,7 @@
 
 PostgreSQL holds every unacknowledged copy; the channel holds only a window of
 them (``mem_queue_size`` copies, and in bytes what the server's ``--max-client-memory``
-grants a channel window: ``core.memory.ClientMemory.window_room``) plus what is in
+grants a channel window: ``core.client_memory.ClientMemory.window_room``) plus what is in
 flight, so a backlog of millions, or of megabyte bodies, costs the server little
 memory. When the window runs low and the database may hold more (``backlog``), the
 channel asks its loader for rows after its read position: as many as the window's free
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from dmq_server.core.deadlines import Deadlines
-from dmq_server.core.memory import RELIABLE_WINDOW
+from dmq_server.core.client_memory import RELIABLE_WINDOW
 from dmq_server.reliable.cursor import ChannelCursor
 
 __all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]

@@ -10,7 +10,7 @@ storage works again), ``storage_failure`` and ``operator`` (a delayed or replaye
 message whose channels were all unregistered when it fell due).
 
 Reading, replaying and deleting dead letters is ``dmq_server.admin.operations``; the
-statements are ``dmq_server.db.dead_letters`` (re-exported here).
+statements are ``dmq_server.db.dead_letter_steps`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from dmq_server.db.dead_letters import (
+from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
     exhaust_deliveries_steps,
@@ -31,7 +31,7 @@ from dmq_server.db.dead_letters import (
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.writer import GroupCommitWriter, RetryingBatcher
 
-# the statements and their values live in dmq_server.db.dead_letters
+# the statements and their values live in dmq_server.db.dead_letter_steps
 __all__ = ["DeadLetterSink"]
 
 log = Logger()

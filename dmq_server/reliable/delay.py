@@ -35,14 +35,14 @@ from typing import Any, Callable, Sequence
 
 from twisted.logger import Logger
 
-from dmq_server.core.fragments import FragmentAssignment, split_fragments
+from dmq_server.core.fragment_ranges import FragmentAssignment, split_fragments
 from dmq_server.db.delays import (
     MovedMessage,
     StoredDelay,
     move_due_steps,
     peek_delayed_steps,
 )
-from dmq_server.db.errors import Fenced, RefusedError
+from dmq_server.db.storage_errors import Fenced, RefusedError
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.horizon import OwnWrites
 

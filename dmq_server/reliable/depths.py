@@ -43,7 +43,7 @@ from typing import Any, Callable
 from twisted.application.service import Service
 from twisted.logger import Logger
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.messages import depth_slice_steps
 
 __all__ = ["DepthCount", "DUTY", "SLICE_SECONDS"]

@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from dmq_server.core.errors import Invalid
 from dmq_server.core.publish import Published, Send, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
-from dmq_server.db.errors import Misplaced, RefusedError, StorageError
+from dmq_server.db.storage_errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
     AckRun,
     CursorProgress,
@@ -89,7 +89,7 @@ class ReliableStore:
         self.cluster = "main"  # the PostgreSQL cluster of ``workers`` (broker.placement)
         # called when a send's topic was not placed on this cluster (moved; set by the broker)
         self.misplaced: Callable[[], None] | None = None
-        # the server's core.memory.ClientMemory: channel windows bounded in bytes (set by the service)
+        # the server's core.client_memory.ClientMemory: channel windows bounded in bytes (set by the service)
         self.client_memory: Any = None
         self._workers = workers
         self._set_health = set_health

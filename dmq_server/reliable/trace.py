@@ -19,8 +19,8 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from dmq_server.db.errors import StorageError
-from dmq_server.db.trace import ReturnRow, record_returns_steps, sweep_trace_steps
+from dmq_server.db.storage_errors import StorageError
+from dmq_server.db.trace_steps import ReturnRow, record_returns_steps, sweep_trace_steps
 from dmq_server.reliable.writer import RetryingBatcher
 
 __all__ = ["TraceSink"]

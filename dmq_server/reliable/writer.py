@@ -36,7 +36,7 @@ from twisted.logger import Logger
 from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
-from dmq_server.db.errors import Fenced, RefusedError, StorageError
+from dmq_server.db.storage_errors import Fenced, RefusedError, StorageError
 from dmq_server.db.messages import AckRun, NewMessage, ack_deliveries_steps, insert_messages_steps
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher"]

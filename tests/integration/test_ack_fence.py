@@ -19,11 +19,11 @@ import psycopg
 import pytest
 
 import registry
-from dmq_server.db.dead_letters import CopyRef, exhaust_deliveries_steps, record_attempts_steps
+from dmq_server.db.dead_letter_steps import CopyRef, exhaust_deliveries_steps, record_attempts_steps
 from dmq_server.db.messages import AckRow, CursorProgress, NewMessage, ack_deliveries_steps
 from dmq_server.db.messages import create_owner_steps, insert_messages_steps, load_backlog_steps
 from dmq_server.db.steps import run_steps
-from dmq_server.db.takeover import claim_owners
+from dmq_server.db.takeover_steps import claim_owners
 from dmq_server.db.worker import connect
 
 from .support import db_rows

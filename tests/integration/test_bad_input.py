@@ -16,7 +16,7 @@ from twisted.internet.defer import ensureDeferred
 from dmq_client.blocking import BlockingClient
 from dmq_client.wire import Command, Frame, MessageType
 from dmq_server.db.reactor import ReactorDb
-from dmq_server.db.errors import RefusedError
+from dmq_server.db.storage_errors import RefusedError
 from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, create_owner, insert_messages_steps
 from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from dmq_server.db.dead_letters import NewDeadLetter, insert_dead_letters
+from dmq_server.db.dead_letter_steps import NewDeadLetter, insert_dead_letters
 from dmq_server.db.schema import migrate
 from dmq_server.db.worker import connect
 

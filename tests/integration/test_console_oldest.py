@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from dmq_server.admin.inspect import waiting_since
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from tests.unit.test_nsq_store import FakeClient
 
 

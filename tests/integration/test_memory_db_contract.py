@@ -1,7 +1,7 @@
 """The in-memory double answers as PostgreSQL does: one script, two databases.
 
-The same steps (the server's own: ``db.messages``, ``db.dead_letters``, ``db.topics``,
-``db.delays``, ``db.admin``, ``db.trace``, ``db.takeover``, ``db.clusters``) run in the
+The same steps (the server's own: ``db.messages``, ``db.dead_letter_steps``, ``db.topic_steps``,
+``db.delays``, ``db.admin_steps``, ``db.trace_steps``, ``db.takeover_steps``, ``db.clusters``) run in the
 same order on ``MemoryDb`` and on a migrated PostgreSQL (autocommit, as the writers run
 them), and every answer must be equal once the values that differ by nature are made
 comparable: ids (of messages, dead letters, delayed messages) become their order of
@@ -23,14 +23,14 @@ from typing import Any, Callable
 import psycopg
 
 import registry
-from dmq_server.db.dead_letters import (
+from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
     exhaust_deliveries_steps,
     insert_dead_letters_steps,
     record_attempts_steps,
 )
-from dmq_server.db.admin import (
+from dmq_server.db.admin_steps import (
     count_dead_letters_steps,
     dead_letter_counts_steps,
     delete_batch_steps,
@@ -44,7 +44,7 @@ from dmq_server.db.admin import (
     update_topic_settings_steps,
 )
 from dmq_server.db.clusters import ClusterMismatch, assign_slots_steps, claim_cluster_steps
-from dmq_server.db.dead_letters import expire_deliveries_steps
+from dmq_server.db.dead_letter_steps import expire_deliveries_steps
 from dmq_server.db.delays import (
     NewDelayed,
     cancel_delayed_steps,
@@ -56,7 +56,7 @@ from dmq_server.db.delays import (
     move_due_steps,
     peek_delayed_steps,
 )
-from dmq_server.db.errors import Fenced, StorageError
+from dmq_server.db.storage_errors import Fenced, StorageError
 from dmq_server.db.memory import MIGRATOR_STATEMENTS, MemoryDb
 from dmq_server.db.messages import (
     AckRow,
@@ -78,9 +78,9 @@ from dmq_server.db.messages import (
 )
 from dmq_server.db.schema import migrate, ping_steps
 from dmq_server.db.steps import STATEMENTS, Statement, Steps, run_steps
-from dmq_server.db.takeover import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
-from dmq_server.db.topics import list_topics_steps, mirror_topics_steps
-from dmq_server.db.trace import (
+from dmq_server.db.takeover_steps import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
+from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
+from dmq_server.db.trace_steps import (
     ReturnRow,
     find_message_steps,
     peek_channel_steps,

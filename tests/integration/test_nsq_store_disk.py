@@ -6,7 +6,7 @@ from twisted.internet.task import Clock
 
 from dmq_client.diskqueue import DiskQueue
 from dmq_server.fast.message import FastMessage
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from tests.unit.test_nsq_store import FakeClient
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.reactor import ReactorDb
 from dmq_server.db.worker import DbWorker
 from tests.chaos.faultproxy import FaultProxy

@@ -18,7 +18,7 @@ from twisted.internet.epollreactor import EPollReactor
 from twisted.python.failure import Failure
 
 from dmq_server.db.reactor import PreparedSql, ReactorDb
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps, run_query_steps
 from dmq_server.db.steps import Statement, add_statement
 from dmq_server.db.worker import connect

@@ -15,9 +15,9 @@ import pytest
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, update_topic_steps
 from dmq_server.core.errors import Invalid, NotFound
 from dmq_server.core.options import Options
-from dmq_server.db.dead_letters import NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db.dead_letter_steps import NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import move_due_steps
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from tests.unit.test_broker import NODE, Consumer, Harness
 from tests.unit.test_memory_db import result
 

@@ -7,7 +7,7 @@ import pytest
 from twisted.internet.defer import succeed
 from twisted.internet.testing import StringTransport
 
-from dmq_server.admin.console import AdminConsole, parse_line
+from dmq_server.admin.line_console import AdminConsole, parse_line
 from dmq_server.core.errors import Forbidden, Invalid, Refused, Unauthorized
 from dmq_server.admin.operations import (
     DeadLetterFilter,

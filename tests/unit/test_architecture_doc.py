@@ -58,3 +58,14 @@ def test_a_long_module_says_why_in_its_docstring():
         if "Why one long module:" not in doc and "Still too long" not in doc:
             unexplained.append(str(path.relative_to(SERVER)))
     assert unexplained == [], f"over 400 lines without a reason in the docstring: {unexplained}"
+
+
+def test_no_two_server_modules_share_a_file_name():
+    """A file's name says what it holds: ``console.py`` in two packages (the admin line
+    console and the web console) or ``store.py`` for both stores sent readers to the wrong
+    one (issue 43)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "dmq_server").rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(REPO / "dmq_server")))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

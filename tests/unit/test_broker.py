@@ -20,9 +20,9 @@ from dmq_server.broker import Broker
 from dmq_server.core.errors import Exiting, Invalid, NoTopic, QueueFailed, RateLimited
 from dmq_server.core.publish import Published, PublishRequest, Send
 from dmq_server.core.options import Options
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.memory import MemoryDb
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.reliable.writer import PARALLEL_MIN
 from tests.unit.test_nsq_store import FakeClient, MemoryBackend
 

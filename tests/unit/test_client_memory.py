@@ -1,4 +1,4 @@
-"""``core.memory.ClientMemory`` and the gates and windows that count against it (no IO:
+"""``core.client_memory.ClientMemory`` and the gates and windows that count against it (no IO:
 string transports, an injected clock, the fast store's windows over in-memory backends)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_server.core.memory import FAST_WINDOW, FRAMES, OUTPUT, PENDING, ClientMemory, WindowBytes
+from dmq_server.core.client_memory import FAST_WINDOW, FRAMES, OUTPUT, PENDING, ClientMemory, WindowBytes
 from dmq_server.protocols.flow import MEMORY, BufferBudget, FlowLimits, MemoryWatch, ReadGate
 
 MB = 1024 * 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dmq_server.core.fragments import StaticAssignment, all_fragments, split_fragments
+from dmq_server.core.fragment_ranges import StaticAssignment, all_fragments, split_fragments
 
 
 def test_eight_fragments_over_two_workers_is_one_to_four_and_five_to_eight():

@@ -14,8 +14,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 
 from dmq_server.db.delays import MovedMessage, StoredDelay
 from dmq_server.reliable.delay import DelayScheduler, DelayWorker
-from dmq_server.core.fragments import StaticAssignment
-from dmq_server.db.errors import StorageError
+from dmq_server.core.fragment_ranges import StaticAssignment
+from dmq_server.db.storage_errors import StorageError
 
 T0 = 1_700_000_000.0  # the clock's start, in seconds
 

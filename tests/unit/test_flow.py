@@ -23,7 +23,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.web.resource import Resource
 
 from dmq_client.wire import MAGIC, Command
-from dmq_server.admin.console import AdminConsole
+from dmq_server.admin.line_console import AdminConsole
 from dmq_server.core.publish import Published
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.http.site import BoundedSite
@@ -368,7 +368,7 @@ def test_admin_console_line_trickled_past_the_read_timeout_is_closed():
     from twisted.internet.task import Clock
     from twisted.internet.testing import StringTransport
 
-    from dmq_server.admin.console import AdminConsole
+    from dmq_server.admin.line_console import AdminConsole
 
     clock = Clock()
     proto = AdminConsole(Ops(), "127.0.0.1", "", clock, 900.0, read_timeout=10.0)

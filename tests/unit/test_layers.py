@@ -88,7 +88,7 @@ def test_the_seam_check_sees_each_kind_of_breach():
     """The walk is not blind: each way past the broker is found, and a plain broker
     call is not."""
     source = (
-        "import dmq_server.fast.store\n"
+        "import dmq_server.fast.fast_store\n"
         "from dmq_server.reliable.channel import ReliableChannel\n"
         "from dmq_server.broker import FAST, Broker\n"
         "self.broker.fast.get_topic('t')\n"
@@ -100,7 +100,7 @@ def test_the_seam_check_sees_each_kind_of_breach():
         "print(row.store)\n"
     )
     assert sorted(seam_breaches(source)) == sorted([
-        "import dmq_server.fast.store",
+        "import dmq_server.fast.fast_store",
         "from dmq_server.reliable.channel import ...",
         "from dmq_server.broker import FAST",
         "self.broker.fast",

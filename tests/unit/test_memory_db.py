@@ -1,6 +1,6 @@
 """Unit tests of ``dmq_server.db.memory.MemoryDb``, the in-memory double of the database seam.
 
-It runs the server's own steps (``db.messages``, ``db.dead_letters``, ``db.topics``)
+It runs the server's own steps (``db.messages``, ``db.dead_letter_steps``, ``db.topic_steps``)
 and must answer them as PostgreSQL does (the contract test on real PostgreSQL is
 ``tests/integration/test_memory_db_contract.py``); here: the answers that matter to
 the broker, and the injected failures arriving as the runners deliver them.
@@ -14,8 +14,8 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from dmq_server.db.dead_letters import NewDeadLetter, insert_dead_letters_steps
-from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.dead_letter_steps import NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db.storage_errors import RefusedError, StorageError
 from dmq_server.db.memory import MemoryDb, UnknownStatement
 from dmq_server.db.messages import (
     AckRow,
@@ -33,7 +33,7 @@ from dmq_server.db.messages import (
     sweep_messages_steps,
 )
 from dmq_server.db.steps import Statement
-from dmq_server.db.topics import list_topics_steps
+from dmq_server.db.topic_steps import list_topics_steps
 
 
 def result(d: Deferred) -> Any:

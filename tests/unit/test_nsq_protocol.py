@@ -21,7 +21,7 @@ from dmq_server.core.ids import GuidFactory
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
 from dmq_server.reliable.channel import ReliableChannel, ReliableMessage
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.protocols.nsq_v2 import NsqConnection
 from dmq_server.core.nsq_wire import (
@@ -763,7 +763,7 @@ def test_publish_failures_are_answered_by_their_family(env):
     """Told apart by type (the DmqError family), not by class name strings: a broker
     error is a non-fatal E_PUB_FAILED with its code; a fatal one (the fast store)
     closes the connection with nsqd's text."""
-    from dmq_server.db.errors import StorageError
+    from dmq_server.db.storage_errors import StorageError
 
     env.broker.register("orders", "billing")
     p = env.peer().send(encode_command(b"PUB", b"orders", body=b"a") * 3)

@@ -11,7 +11,7 @@ from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
 
 from dmq_server.fast import metadata
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 
 
 class MemoryBackend:

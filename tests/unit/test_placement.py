@@ -15,7 +15,7 @@ from dmq_server.core.errors import Unavailable
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, Send
 from dmq_server.db.clusters import first_id
-from dmq_server.db.errors import Misplaced
+from dmq_server.db.storage_errors import Misplaced
 from dmq_server.db.memory import MemoryDb
 from tests.unit.test_broker import Consumer, Harness
 

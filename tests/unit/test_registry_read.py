@@ -9,7 +9,7 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
 
 from dmq_server.admin.inspect import REGISTRY_WAIT, registry_read
-from dmq_server.db.errors import StorageError
+from dmq_server.db.storage_errors import StorageError
 
 
 class Broker:

@@ -14,7 +14,7 @@ from twisted.internet.task import Clock
 from dmq_server.broker import Broker
 from dmq_server.core.options import options_from_args
 from dmq_server.db.memory import MemoryDb
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.service import DmqServer
 from dmq_server.tree import ServiceTree, Stage, StoppedWhileStarting
 

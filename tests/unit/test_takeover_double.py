@@ -19,7 +19,7 @@ from twisted.internet.defer import succeed
 
 import registry.takeover_lock
 from dmq_server.cluster.takeover import Takeover
-from dmq_server.db.errors import Fenced
+from dmq_server.db.storage_errors import Fenced
 from dmq_server.db.memory import MemoryDb
 from dmq_server.db.messages import (
     CursorProgress,
@@ -29,7 +29,7 @@ from dmq_server.db.messages import (
     insert_messages_steps,
     load_backlog_steps,
 )
-from dmq_server.db.takeover import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
+from dmq_server.db.takeover_steps import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
 from tests.unit.test_memory_db import result
 
 

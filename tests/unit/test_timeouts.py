@@ -20,13 +20,13 @@ from twisted.internet.testing import StringTransport, StringTransportWithDisconn
 from twisted.web.resource import Resource
 
 from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
-from dmq_server.admin.console import AdminConsole
+from dmq_server.admin.line_console import AdminConsole
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.protocols.flow import FlowLimits
 from dmq_server.http.site import BoundedSite
 from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
-from dmq_server.fast.store import FastStore
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.protocols.nsq_v2 import NsqConnection
 from dmq_server.core.nsq_wire import FRAME_ERROR, FrameReader, encode_command
 from dmq_server.core.options import Options

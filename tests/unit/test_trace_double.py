@@ -1,7 +1,7 @@
 """The message trace (``dmq trace``, the admin API's message view) on the in-memory double.
 
 A real ``Broker`` on ``MemoryDb`` delivers, times out, redelivers and acknowledges; the
-trace's steps (``db.trace``) then read the story back from what was stored: the same
+trace's steps (``db.trace_steps``) then read the story back from what was stored: the same
 statements PostgreSQL answers (tests/integration/test_memory_db_contract.py), in
 milliseconds. Also a dead letter's replay, finding by session, peeking, and the gauges.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from dmq_server.db.admin import replay_batch_steps
-from dmq_server.db.dead_letters import NewDeadLetter, insert_dead_letters_steps
+from dmq_server.db.admin_steps import replay_batch_steps
+from dmq_server.db.dead_letter_steps import NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import move_due_steps
-from dmq_server.db.trace import (
+from dmq_server.db.trace_steps import (
     find_message_steps,
     peek_channel_steps,
     read_gauges_steps,

@@ -17,7 +17,7 @@ from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.python.failure import Failure
 
-from dmq_server.db.errors import RefusedError, StorageError
+from dmq_server.db.storage_errors import RefusedError, StorageError
 from dmq_server.db.messages import AckRow, AckRun, NewMessage, StoredMessage, ack_deliveries_steps, insert_messages_steps
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter, ShuttingDown
 

@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
-from dmq_server.fast.channel import FastChannel
+from dmq_server.fast.fast_channel import FastChannel
 from dmq_server.core.ids import GuidFactory, default_node_id, hex_id
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.subscription import FastSubscription
@@ -102,7 +102,7 @@ class FastStore:
         client_memory: Any = None,
     ):
         self.clock = clock
-        self.client_memory = client_memory  # core.memory.ClientMemory: the memory queues' bytes
+        self.client_memory = client_memory  # core.client_memory.ClientMemory: the memory queues' bytes
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.mem_queue_size = mem_queue_size
         self.max_msg_size = max_msg_size

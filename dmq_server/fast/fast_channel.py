@@ -3,7 +3,7 @@
 Each message a topic copies to this channel goes to exactly one of its clients.
 Waiting messages sit in a bounded memory queue (``--mem-queue-size`` messages, and in
 bytes what the server's ``--max-client-memory`` grants a channel window:
-``core.memory.ClientMemory.window_room``) and overflow to the channel's disk queue
+``core.client_memory.ClientMemory.window_room``) and overflow to the channel's disk queue
 (``<topic>:<channel>``; ephemeral channels drop the overflow). Records read ahead from
 the disk queue are bounded in bytes too (a quarter of a channel window). A delivered message is *in flight* until FIN, REQ or its deadline;
 a deferred one (DPUB, REQ with a delay) waits for its due time. Both sit in a map
@@ -29,7 +29,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
-from dmq_server.core.memory import FAST_WINDOW, WindowBytes
+from dmq_server.core.client_memory import FAST_WINDOW, WindowBytes
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.services import StoreServices
 from dmq_server.core.deadlines import Deadlines

@@ -1,4 +1,4 @@
-"""core.pauses: the reactor's lateness on an injected clock, and collections timed by
+"""core.stalls: the reactor's lateness on an injected clock, and collections timed by
 the interpreter's own ``gc.callbacks`` (a fake timer for exact lengths, the real
 collector for the hook itself)."""
 
@@ -9,7 +9,7 @@ import gc
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.core.pauses import GcPauses, ReactorLag
+from dmq_server.core.stalls import GcPauses, ReactorLag
 
 
 def test_a_call_on_time_is_not_late_and_a_held_up_one_is_counted_with_when_it_was_due():

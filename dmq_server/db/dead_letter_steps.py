@@ -3,7 +3,7 @@ dead letters, persisting delivery attempts, and moving exhausted or expired copi
 
 How messages get there (the broker's sink, its batchers and sweep) is
 ``dmq_server.reliable.dead_letters``; reading, replaying and deleting them is
-``dmq_server.db.admin``.
+``dmq_server.db.admin_steps``.
 """
 
 from __future__ import annotations
