@@ -2,14 +2,19 @@
 
 mypy reads the annotations the code already has and finds where they disagree (a
 socket that may be a TLS layer, a file descriptor that may be None, a body that may
-still be text), before a user does. It covers the client library and the registry's
-model today; the server joins as its objects get types of their own (issue 43: the
-seam between adapters and the broker is a ``typing.Protocol``). pyproject pins the
-version in the dev extra, so a new release cannot turn the suite red by itself.
+still be text), before a user does. It covers the client library, the registry's
+model, the server and the shared database tools; the server modules that do not pass
+yet are listed in one ``[[tool.mypy.overrides]]`` with ``ignore_errors`` (issue 43).
+That list may only shrink: a module that starts failing cannot hide in it, and a
+module that passes must leave it, so the checked part of the server only grows.
+pyproject pins the version in the dev extra, so a new release cannot turn the suite
+red by itself.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -17,11 +22,43 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+# How many modules the override held when the server joined the checker; lower it as
+# modules leave the list, never raise it
+MOST_MODULES_LEFT_UNCHECKED = 38
 
-def test_the_typed_packages_pass_the_type_checker():
+ERROR_LINE = re.compile(r"^(\S+\.py):\d+: error:", re.M)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # strings and lists of strings: JSON is valid TOML here
+
+
+def _module_of(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def test_the_typed_packages_pass_the_type_checker(tmp_path):
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]
-    assert {"dmq_client", "registry"} <= set(config["packages"])
-    done = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert done.stdout.startswith("Success"), done.stdout
+    assert {"dmq_client", "registry", "dmq_server", "dmq_sql"} <= set(config["packages"])
+    unchecked = [name for override in config.get("overrides", []) if override.get("ignore_errors")
+                 for name in ([override["module"]] if isinstance(override["module"], str)
+                              else override["module"])]
+    assert len(unchecked) <= MOST_MODULES_LEFT_UNCHECKED, (
+        "the list of modules the type checker skips may only shrink: fix the types instead")
+    assert not any(name.endswith("*") for name in unchecked), "name each skipped module"
+    # one run without the override: the modules with errors must be exactly the listed
+    # ones (none new, none that already pass), so the real configuration passes too
+    plain = tmp_path / "mypy.toml"
+    plain.write_text("[tool.mypy]\n" + "".join(
+        f"{key} = {_toml_value(value)}\n" for key, value in config.items() if key != "overrides"))
+    done = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--config-file", str(plain)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stdout[-6000:] + done.stderr[-2000:]
+    failing = {_module_of(path) for path in ERROR_LINE.findall(done.stdout)}
+    new = sorted(failing - set(unchecked))
+    assert not new, "type errors outside the override list:\n" + "\n".join(
+        line for line in done.stdout.splitlines() if _module_of(line.split(":")[0]) in new)
+    passing = sorted(set(unchecked) - failing)
+    assert not passing, f"these modules pass now: take them out of [[tool.mypy.overrides]]: {passing}"
