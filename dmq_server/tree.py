@@ -13,12 +13,15 @@ the stage is up: adopted once ``start`` has finished, stopped before ``stop`` ru
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from dmq_server.core.clock import Clock
 
 __all__ = ["ServiceTree", "Stage", "StoppedWhileStarting"]
 
@@ -42,7 +45,7 @@ class Stage(MultiService):
         stop: Callable[[], Any] | None = None,
         *,
         timers: Callable[[], MultiService] | None = None,
-        clock: Any = None,
+        clock: Clock | None = None,
         grace: float = 5.0,
     ):
         super().__init__()
@@ -73,7 +76,8 @@ class Stage(MultiService):
                 [defer.maybeDeferred(child.stopService) for child in reversed(children)], consumeErrors=True
             )
             if self._clock is not None:
-                stopped.addTimeout(self._grace, self._clock)
+                # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+                stopped.addTimeout(self._grace, cast(IReactorTime, self._clock))
             try:
                 yield stopped
             except defer.TimeoutError:

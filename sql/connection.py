@@ -33,13 +33,14 @@ def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5,
     ``settings``: more session settings (``name: value``) for this caller's connections."""
     given = psycopg.conninfo.conninfo_to_dict(dsn)
     options = {"synchronous_commit": "on", "TimeZone": "UTC", **(settings or {})}
+    # the dead-peer settings the DSN leaves out join it as conninfo keywords
+    dead_peer = {k: v for k, v in DEAD_PEER_SETTINGS.items() if k not in given}
     return psycopg.connect(
-        dsn,
+        psycopg.conninfo.make_conninfo(dsn, **dead_peer),
         autocommit=autocommit,
         connect_timeout=connect_timeout,
         options=" ".join(f"-c {name}={value}" for name, value in options.items()),
         application_name=application_name,
-        **{k: v for k, v in DEAD_PEER_SETTINGS.items() if k not in given},
     )
 
 

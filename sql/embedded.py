@@ -260,14 +260,14 @@ def find_pg_bindir() -> Path:
             )
         return path
     tried = []
-    for how, path in _candidate_bindirs():
-        if path is None:
+    for how, candidate in _candidate_bindirs():
+        if candidate is None:
             tried.append(f"{how}: not found")
             continue
-        missing = _missing_binaries(path)
+        missing = _missing_binaries(candidate)
         if not missing:
-            return path
-        tried.append(f"{how}: {path} lacks {', '.join(missing)}")
+            return candidate
+        tried.append(f"{how}: {candidate} lacks {', '.join(missing)}")
     raise EmbeddedPostgresError(
         "no PostgreSQL server binaries found; install them with "
         "`pip install 'dmq-server[embedded]'` (PyPI package pgserver) or your system's "
@@ -434,7 +434,7 @@ def _is_postgres(pid: int) -> bool:
 
 def _children(pid: int) -> list[int]:
     """PIDs whose parent is ``pid`` (PostgreSQL's backends and auxiliary processes)."""
-    found = []
+    found: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:

@@ -40,4 +40,5 @@ def schema_version(conn: psycopg.Connection) -> int:
 
 
 def ping(conn: psycopg.Connection) -> bool:
-    return conn.execute(queries["ping"]).fetchone()[0] == 1
+    row = conn.execute(queries["ping"]).fetchone()
+    return row is not None and row[0] == 1

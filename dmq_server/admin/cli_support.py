@@ -21,7 +21,7 @@ __all__ = ["CliError", "open_database", "open_registry", "cluster_dsns", "connec
 #: a refused request's exit status: 2 for input to fix (as argparse's usage errors), 1
 #: for anything else refused (a dead letter that is not there); 3 is for an unreachable
 #: database or server, raised where it is found
-_EXIT_STATUS = {Invalid: 2, Refused: 1, Unavailable: 3}
+_EXIT_STATUS: dict[type[DmqError], int] = {Invalid: 2, Refused: 1, Unavailable: 3}
 
 
 class CliError(Exception):

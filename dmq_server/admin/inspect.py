@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
 from dmq_client.diskqueue import DiskQueueError
 from dmq_server.admin.operations import AdminOps
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid, NotFound
 from dmq_server.db.admin_steps import list_admin_log_steps
 from dmq_server.db.delays import (
@@ -35,7 +36,7 @@ MAX_HISTOGRAM_BUCKETS = 200
 REGISTRY_WAIT = 2.0
 
 
-def registry_read(broker: Any, clock: Any, wait: float = REGISTRY_WAIT) -> Deferred:
+def registry_read(broker: Any, clock: Clock, wait: float = REGISTRY_WAIT) -> Deferred:
     """Fires with None once a read of the registry begun after this call has been applied
     (or failed), or after ``wait`` seconds, whichever is first.
 

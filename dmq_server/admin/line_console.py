@@ -55,6 +55,7 @@ from zope.interface import implementer
 
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
 from dmq_server.core.auth import ADMIN
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import DmqError, Invalid, NotPermitted, Refused, Unauthorized
 
 __all__ = ["AdminConsole", "AdminConsoleFactory", "parse_line", "HELP"]
@@ -132,7 +133,7 @@ class AdminConsole(Protocol):
     OUTPUT_HIGH_WATER = 262144
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
+        self, ops: AdminOps, listen_host: str, token: str, clock: Clock | None = None, idle_timeout: float = 900.0,
         credentials: Any = None, read_timeout: float = 0.0,
     ):
         self.ops = ops
@@ -496,7 +497,7 @@ class AdminConsoleFactory(Factory):
     noisy = False
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Any = None, idle_timeout: float = 900.0,
+        self, ops: AdminOps, listen_host: str, token: str, clock: Clock | None = None, idle_timeout: float = 900.0,
         credentials: Any = None, read_timeout: float = 0.0,
     ):
         self.ops = ops

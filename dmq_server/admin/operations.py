@@ -36,6 +36,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
 from dmq_client.spelling import parse_time_ms
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.core.peers import is_loopback
 from dmq_server.db import admin_steps as db_admin
@@ -332,7 +333,7 @@ class AdminOps:
         delays: Any,
         db: Any,
         options: Any,
-        clock: Any,
+        clock: Clock,
         node_id: str,
         dmq_connections: Any = (),
         nsq: Any = None,

@@ -34,6 +34,7 @@ from dmq_client.wire import valid_name
 from dmq_server.broker.topic_admin import TopicAdmin
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
@@ -99,7 +100,7 @@ class Broker:
     def __init__(
         self,
         options: Options,
-        clock: Any,
+        clock: Clock,
         workers: dict[str, Any],
         node_id: str,
         fetch_topics: Callable[[], Deferred] | None = None,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Unavailable
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
@@ -143,7 +144,7 @@ class Placement:
     def __init__(
         self,
         options: Any,
-        clock: Any,
+        clock: Clock,
         workers: dict[str, dict[str, Any]],
         slots: dict[str, int],
         node_id: str,

@@ -21,7 +21,10 @@ clients match on, ``description`` the sentence after it (``status`` joins the tw
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TypeVar, overload
+
+_Reply = TypeVar("_Reply")
 
 __all__ = [
     "DmqError",
@@ -170,11 +173,16 @@ class QueueFailed(Unavailable):
     fatal = True
 
 
-def reply_for(error: BaseException, table: dict[type, Any], default: Any = None) -> Any:
+@overload
+def reply_for(error: BaseException, table: Mapping[type[DmqError], _Reply]) -> _Reply | None: ...
+@overload
+def reply_for(error: BaseException, table: Mapping[type[DmqError], _Reply], default: _Reply) -> _Reply: ...
+def reply_for(error: BaseException, table: Mapping[type[DmqError], _Reply],
+              default: _Reply | None = None) -> _Reply | None:
     """The entry of ``table`` for ``error``'s class or its nearest base in it: how an
     adapter writes its table once (``{NoTopic: …, Refused: …, Unavailable: …}``)."""
     for cls in type(error).__mro__:
-        found = table.get(cls)
+        found = table.get(cls) if issubclass(cls, DmqError) else None
         if found is not None:
             return found
     return default

@@ -14,7 +14,7 @@ Time comes from an injected clock (``seconds()``), so tests drive it with
 
 from __future__ import annotations
 
-from typing import Any
+from dmq_server.core.clock import Clock
 
 __all__ = ["TokenBucket", "RateLimiter"]
 
@@ -47,7 +47,7 @@ class TokenBucket:
 class RateLimiter:
     """Token buckets by topic; a changed limit (registry refresh) starts a new bucket."""
 
-    def __init__(self, clock: Any):
+    def __init__(self, clock: Clock):
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
         self.refused = 0

@@ -86,7 +86,7 @@ def parse_identify(body: bytes) -> dict[str, Any]:
         value = data.get(key)
         if value is None:
             continue
-        if type(value) is not kind or (kind is int and not -(2**63) <= value < 2**63):
+        if type(value) is not kind or (type(value) is int and not -(2**63) <= value < 2**63):
             raise FatalClientError(*_BAD_JSON)
         fields[key] = value
     if not -(2**31) <= fields.get("sample_rate", 0) < 2**31:  # an int32 in Go

@@ -30,6 +30,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dmq_server.core.buckets import Buckets
+from dmq_server.core.clock import Clock
 
 __all__ = ["ReactorLag", "GcPauses", "LAG_SECONDS", "GC_SECONDS", "STALL_SECONDS", "RECENT_PAUSES"]
 
@@ -48,7 +49,7 @@ RECENT_PAUSES = 256
 class ReactorLag:
     """Lateness of a call asked for every ``interval`` seconds on ``clock``."""
 
-    def __init__(self, clock: Any, interval: float = 0.025, wall: Callable[[], float] = time.time):
+    def __init__(self, clock: Clock, interval: float = 0.025, wall: Callable[[], float] = time.time):
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.clock = clock

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable
 import psycopg
 from twisted.internet.defer import Deferred
 
+from dmq_server.core.clock import Clock
 from dmq_server.db import messages as _variants  # noqa: F401  registers insert_new_messages, ack_new_deliveries
 from dmq_server.db.storage_errors import StorageError, storage_error
 from dmq_server.db.steps import STATEMENTS, Statement, Steps
@@ -115,7 +116,7 @@ class MemoryDb:
     """Tables as dicts; ``run_steps`` answers named statements. One instance plays the
     whole database: pass it as every worker role the broker takes."""
 
-    def __init__(self, clock: Any = None, *, delay: float = 0.0, name: str = "memory",
+    def __init__(self, clock: Clock | None = None, *, delay: float = 0.0, name: str = "memory",
                  cluster: str = "main", first_id: int = 1):
         self.clock = clock
         self.delay = delay

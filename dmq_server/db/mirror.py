@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, gatherResults
 
+from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
 from dmq_server.db.topic_steps import mirror_topics_steps
@@ -25,7 +26,7 @@ __all__ = ["Mirror"]
 class Mirror:
     """``targets``: cluster name -> a worker on its database (``run_steps(steps_fn, ...)``)."""
 
-    def __init__(self, targets: Mapping[str, Any], clock: Any):
+    def __init__(self, targets: Mapping[str, Any], clock: Clock):
         self.targets = dict(targets)
         self._outages = {name: Outage(f"registry mirror into cluster {name!r}", clock) for name in targets}
 

@@ -18,9 +18,9 @@ failure after the end is a new outage.
 
 from __future__ import annotations
 
-from typing import Any
-
 from twisted.logger import Logger
+
+from dmq_server.core.clock import Clock
 
 __all__ = ["Outage", "Dependency", "POSTGRESQL"]
 
@@ -66,7 +66,7 @@ POSTGRESQL = Dependency("PostgreSQL")
 class Outage:
     """The failing/working state of one component, as the log sees it."""
 
-    def __init__(self, what: str, clock: Any, dependency: Dependency | None = None):
+    def __init__(self, what: str, clock: Clock, dependency: Dependency | None = None):
         self.what = what
         self.clock = clock
         self.dependency = dependency or POSTGRESQL

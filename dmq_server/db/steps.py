@@ -56,8 +56,9 @@ class Statement:
 
 # yields Statements, receives each one's rows (a list of tuples, [] if it returns
 # none; the changed row count for a ``count`` statement) or has its psycopg error
-# thrown in; returns the result
-Steps = Generator[Statement, list, T]
+# thrown in; returns the result. What it receives is Any: a list or an int, which one
+# the statement it yielded says, so a step unpacks it without narrowing
+Steps = Generator[Statement, Any, T]
 
 
 def _in_savepoint(conn: psycopg.Connection, stmt: Statement) -> psycopg.Cursor:
@@ -91,6 +92,7 @@ def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
                 cur = _in_savepoint(conn, stmt)
             else:
                 cur = conn.execute(stmt.sql, stmt.params)
+            rows: list[tuple[Any, ...]] | int
             if stmt.count:
                 rows = cur.rowcount
             else:

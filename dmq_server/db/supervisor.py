@@ -37,6 +37,8 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from dmq_server.core.clock import Clock
+
 __all__ = ["PostgresSupervisor", "MIN_BACKOFF", "MAX_BACKOFF", "POLL_INTERVAL"]
 
 #: Seconds before the second restart attempt; doubled after each failure.
@@ -101,7 +103,7 @@ def pidfd_watch(reactor: Any) -> Watch | None:
     return watch
 
 
-def polling_watch(clock: Any, alive: Callable[[int], defer.Deferred], interval: float = POLL_INTERVAL) -> Watch:
+def polling_watch(clock: Clock, alive: Callable[[int], defer.Deferred], interval: float = POLL_INTERVAL) -> Watch:
     """A :data:`Watch` that asks ``alive(pid)`` (a Deferred of a bool) every ``interval``."""
 
     def watch(pid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
@@ -147,7 +149,7 @@ class PostgresSupervisor:
         embedded: Any,
         reactor: Any,
         *,
-        clock: Any = None,
+        clock: Clock | None = None,
         run_in_thread: Callable[..., defer.Deferred] | None = None,
         watch: Watch | None = None,
         min_backoff: float = MIN_BACKOFF,

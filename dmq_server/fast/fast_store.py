@@ -25,6 +25,7 @@ from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
@@ -85,7 +86,7 @@ class FastStore:
 
     def __init__(
         self,
-        clock: Any,
+        clock: Clock,
         data_dir: Path | None,
         *,
         mem_queue_size: int = 10000,
@@ -129,7 +130,7 @@ class FastStore:
         self.closed = False
 
     @classmethod
-    def from_options(cls, options: Any, clock: Any, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
+    def from_options(cls, options: Any, clock: Clock, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
         """Built from ``dmq_server.core.options.Options`` (nsqd's defaults where a field is absent)."""
 
         def opt(name: str, default: Any) -> Any:

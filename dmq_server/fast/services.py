@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from dmq_server.core.clock import Clock
+
 __all__ = ["StoreServices"]
 
 
 class StoreServices(Protocol):
-    clock: Any  # IReactorTime: the injected clock
+    clock: Clock  # IReactorTime: the injected clock
     mem_queue_size: int
     client_memory: Any  # core.client_memory.ClientMemory: memory queues are bounded in bytes by it too (None: not)
     max_msg_timeout: float

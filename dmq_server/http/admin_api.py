@@ -49,7 +49,7 @@ __all__ = ["AdminResource", "install"]
 log = Logger()
 
 #: an admin API error's HTTP status, by its family (PostgreSQL failing is Unavailable: 503)
-_STATUS = {NotFound: 404, Unauthorized: 401, Forbidden: 403, Refused: 400, Unavailable: 503}
+_STATUS: dict[type[DmqError], int] = {NotFound: 404, Unauthorized: 401, Forbidden: 403, Refused: 400, Unavailable: 503}
 
 _ENDPOINTS = [
     "GET /admin/stats",

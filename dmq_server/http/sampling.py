@@ -25,6 +25,7 @@ from twisted.application.internet import TimerService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, succeed
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.stalls import GcPauses, ReactorLag
 from dmq_server.db.schema import ping_steps
 from dmq_server.db.trace_steps import read_gauges_steps
@@ -62,7 +63,7 @@ def merge_gauges(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
 class StoredGauges:
     """The last database-derived figures, refreshed by ``refresh`` (a timer's call)."""
 
-    def __init__(self, db: Any, clock: Any, others: Iterable[Any] = (),
+    def __init__(self, db: Any, clock: Clock, others: Iterable[Any] = (),
                  lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
         self.db = db
         # each channel's lowest unacknowledged id (the stores' depth counts), read on the
@@ -139,13 +140,13 @@ class History:
     """Per channel, the last ``points`` samples of its figures. ``channels()`` yields
     ``(store, topic, channel, stats)`` for every channel there is now."""
 
-    def __init__(self, channels: Callable[[], Iterable[tuple[str, str, str, dict]]], clock: Any,
+    def __init__(self, channels: Callable[[], Iterable[tuple[str, str, str, dict]]], clock: Clock,
                  points: int = HISTORY_POINTS):
         self._channels = channels
         self.clock = clock
         self.points = points
         self.times: deque[float] = deque(maxlen=points)
-        self.series: dict[tuple[str, str, str], deque[tuple[int, ...]]] = {}
+        self.series: dict[tuple[str, str, str], deque[tuple[float, ...]]] = {}
 
     def sample(self) -> None:
         now = self.clock.seconds()
@@ -180,7 +181,7 @@ class Pauses(Service):
     """The reactor's lag probe and the collector's hook, on while the service runs: the
     hook is process-wide (``gc.callbacks``), so a stopped node takes it out again."""
 
-    def __init__(self, clock: Any, lag: ReactorLag | None = None, collector: GcPauses | None = None):
+    def __init__(self, clock: Clock, lag: ReactorLag | None = None, collector: GcPauses | None = None):
         self.lag = lag if lag is not None else ReactorLag(clock)
         self.collector = collector if collector is not None else GcPauses()
 
@@ -203,7 +204,7 @@ class Sampling:
     """The HTTP port's timers: stored gauges every ``gauges_interval``, history every
     ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
 
-    def __init__(self, db: Any, clock: Any, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
+    def __init__(self, db: Any, clock: Clock, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
                  gauges_interval: float, others: Iterable[Any] = (),
                  lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
         self.gauges = StoredGauges(db, clock, others, lowest)

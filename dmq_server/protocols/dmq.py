@@ -32,6 +32,7 @@ from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import (
     AuthFailed,
     DmqError,
@@ -58,14 +59,14 @@ log = Logger()
 # The reply to each broker error (core.errors) a send or subscribe can end with; the
 # status carries the error's code and description. An error of no family is a bug,
 # answered as a server error and logged.
-_SEND_REPLY = {
+_SEND_REPLY: dict[type[DmqError], Command] = {
     Invalid: Command.SEND_INVALID_ACK,
     NoTopic: Command.SEND_NO_TOPIC_ACK,
     RateLimited: Command.SEND_EXCEED_LIMIT_ACK,
     Refused: Command.SEND_INVALID_ACK,
     DmqError: Command.SEND_SERVER_ERROR,
 }
-_SUBSCRIBE_REPLY = {
+_SUBSCRIBE_REPLY: dict[type[DmqError], Command] = {
     Invalid: Command.SUBSCRIBE_INVALID_ACK,
     NoTopic: Command.SUBSCRIBE_NO_TOPIC_ACK,
     NoChannel: Command.SUBSCRIBE_NO_CLIENT_ID_ACK,
@@ -149,7 +150,7 @@ class DmqSubscription:
 class DmqConnection:
     """Serves one client that opened with the dmq magic."""
 
-    def __init__(self, transport: Any, broker: BrokerPort, clock: Any, registry: set, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, transport: Any, broker: BrokerPort, clock: Clock, registry: set, *, tls: Any = None, authorizer: Any = None):
         self.transport = transport
         self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
         self.blocked = False  # the client does not read what it is sent: no pushes (output_blocked)
@@ -480,7 +481,7 @@ class DmqConnection:
                 command, message_id, status = (
                     Command.SEND_SUCCESS_ACK, outcome.message_id, "duplicate" if outcome.duplicate else "")
             elif isinstance(outcome, DmqError):
-                command, status = reply_for(outcome, _SEND_REPLY), outcome.status
+                command, status = reply_for(outcome, _SEND_REPLY, Command.SEND_SERVER_ERROR), outcome.status
             else:
                 log.error("send failed: {error!r}", error=outcome)
                 command, status = Command.SEND_SERVER_ERROR, f"E_INTERNAL {outcome!r}"
@@ -539,7 +540,7 @@ class DmqConnection:
             self.subscriptions.pop(key, None)
             error = failure.value
             if isinstance(error, DmqError):
-                reply(reply_for(error, _SUBSCRIBE_REPLY), error.status)
+                reply(reply_for(error, _SUBSCRIBE_REPLY, Command.SUBSCRIBE_SERVER_ERROR), error.status)
             else:
                 log.failure("subscribe failed", failure)
                 reply(Command.SUBSCRIBE_SERVER_ERROR, f"E_INTERNAL {error!r}")

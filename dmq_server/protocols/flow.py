@@ -48,15 +48,16 @@ holds); split, one pause would be decided in three files.
 from __future__ import annotations
 
 import select
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from dmq_server.core import client_memory as kinds
 from dmq_server.core.client_memory import ClientMemory, release_to_os
+from dmq_server.core.clock import Clock
 
 __all__ = [
     "BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "MemoryWatch",
@@ -154,7 +155,7 @@ class ReadGate:
     def __init__(
         self,
         transport: Any,
-        clock: Any,
+        clock: Clock,
         limits: FlowLimits,
         budget: BufferBudget,
         on_timeout: Callable[[str], None],
@@ -486,12 +487,13 @@ class MemoryWatch:
     word to the gate) and, once enough was freed (``ClientMemory.trim_due``), hands it
     back to the operating system (``core.client_memory.release_to_os``)."""
 
-    def __init__(self, memory: ClientMemory, budget: BufferBudget | None, clock: Any, interval: float = 1.0):
+    def __init__(self, memory: ClientMemory, budget: BufferBudget | None, clock: Clock, interval: float = 1.0):
         self.memory = memory
         self.budget = budget
         memory.on_episode = self._episode
         self._loop = LoopingCall(self.tick)
-        self._loop.clock = clock
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        self._loop.clock = cast(IReactorTime, clock)
         self.interval = interval
 
     def start(self) -> None:

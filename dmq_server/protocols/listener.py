@@ -36,6 +36,7 @@ from zope.interface import implementer
 
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
+from dmq_server.core.clock import Clock
 from dmq_server.protocols.flow import BufferBudget, FlowLimits, ReadGate
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.peers import peer_address
@@ -184,7 +185,7 @@ class PortFactory(Factory):
 
     def __init__(
         self,
-        clock: Any,
+        clock: Clock,
         protocols: dict[bytes, Callable[[Any], Any]],
         limits: FlowLimits | None = None,
         *,

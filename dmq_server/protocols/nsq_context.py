@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from dmq_server.broker.interfaces import BrokerPort
+from dmq_server.core.clock import Clock
 from dmq_server.core.nsq_identify import MAX_DEFLATE_LEVEL
 
 __all__ = ["NsqContext"]
@@ -15,7 +16,7 @@ __all__ = ["NsqContext"]
 class NsqContext:
     """What every NSQ connection of a server shares."""
 
-    def __init__(self, broker: BrokerPort, options: Any, clock: Any, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, broker: BrokerPort, options: Any, clock: Clock, *, tls: Any = None, authorizer: Any = None):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 

@@ -29,9 +29,9 @@ different files.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
-from twisted.internet.interfaces import ISSLTransport
+from twisted.internet.interfaces import IReactorTime, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -405,7 +405,8 @@ class NsqConnection:
         if interval <= 0:
             return
         self._heartbeat = LoopingCall(self._beat)
-        self._heartbeat.clock = self.clock
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        self._heartbeat.clock = cast(IReactorTime, self.clock)
         self._heartbeat.start(interval, now=False)
         self._deadline = self.clock.callLater(2 * interval, self._check_deadline)
 

@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
+
 __all__ = ["TurnBuffer", "STALL"]
 
 log = Logger()
@@ -51,7 +53,7 @@ class _TurnEnd:
 
     __slots__ = ("_clock", "_held", "__weakref__")
 
-    def __init__(self, clock: Any):
+    def __init__(self, clock: Clock):
         self._clock = weakref.ref(clock)  # a strong one would keep its entry in _TURN_ENDS forever
         self._held: list[TurnBuffer] = []
 
@@ -81,7 +83,7 @@ class TurnBuffer:
 
     def __init__(
         self,
-        clock: Any,
+        clock: Clock,
         emit: Callable[[bytes], None],
         guard: Callable[[], bool] | None = None,
         on_stale: Callable[[], bool] | None = None,

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.deadlines import Deadlines
 from dmq_server.core.client_memory import RELIABLE_WINDOW
 from dmq_server.reliable.cursor import ChannelCursor
@@ -83,7 +84,7 @@ class ReliableChannel:
         topic: str,
         name: str,
         *,
-        clock: Any,
+        clock: Clock,
         msg_timeout: float,
         mem_queue_size: int,
         load: Callable[["ReliableChannel", int, int], None],

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
@@ -43,7 +44,7 @@ class DeadLetterSink:
     def __init__(
         self,
         db: Any,
-        clock: Any,
+        clock: Clock,
         node_id: str,
         channel: Callable[[str, str], Any],
         *,

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.fragment_ranges import FragmentAssignment, split_fragments
 from dmq_server.db.delays import (
     MovedMessage,
@@ -68,7 +69,7 @@ class DelayWorker:
         self,
         index: int,
         db: Any,
-        clock: Any,
+        clock: Clock,
         *,
         max_fragment: int,
         poll_interval: float,
@@ -331,7 +332,7 @@ class DelayScheduler:
     def __init__(
         self,
         *,
-        clock: Any,
+        clock: Clock,
         dbs: Sequence[Any],
         assignment: FragmentAssignment,
         fragments: int,

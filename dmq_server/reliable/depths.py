@@ -43,6 +43,7 @@ from typing import Any, Callable
 from twisted.application.service import Service
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.messages import depth_slice_steps
 
@@ -69,7 +70,7 @@ class DepthCount(Service):
     lowest ids handed to ``apply({(topic, channel): copies}, {(topic, channel): id})``
     when complete."""
 
-    def __init__(self, db: Any, clock: Any, apply: Callable[[Counts, Counts], None], period: float,
+    def __init__(self, db: Any, clock: Clock, apply: Callable[[Counts, Counts], None], period: float,
                  *, rows: int = FIRST_ROWS, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS):
         self.db = db
         self.clock = clock

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid
 from dmq_server.core.publish import Published, Send, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
@@ -78,7 +79,7 @@ class ReliableStore:
     def __init__(
         self,
         options: Any,
-        clock: Any,
+        clock: Clock,
         workers: dict[str, Any],
         node_id: str,
         set_health: Callable[[bool, str], None],

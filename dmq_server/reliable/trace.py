@@ -19,6 +19,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.trace_steps import ReturnRow, record_returns_steps, sweep_trace_steps
 from dmq_server.reliable.writer import RetryingBatcher
@@ -35,7 +36,7 @@ class TraceSink:
     def __init__(
         self,
         db: Any,
-        clock: Any,
+        clock: Clock,
         node_id: str,
         *,
         max_pending: int = 10000,

@@ -34,6 +34,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
 from dmq_server.db.storage_errors import Fenced, RefusedError, StorageError
@@ -93,7 +94,7 @@ class GroupCommitWriter:
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
         insert: Callable[..., Any] = insert_messages_steps,
         on_unknown: Callable[[list[Any]], None] = lambda items: None,
-        clock: Any = None,
+        clock: Clock | None = None,
         writes: Any = None,
         parallel_min: int = PARALLEL_MIN,
         on_batch: Callable[[], None] = lambda: None,
@@ -288,7 +289,7 @@ class RetryingBatcher:
     def __init__(
         self,
         db: Any,
-        clock: Any,
+        clock: Clock,
         fn: Callable[[Any, list], Any],
         *,
         interval: float,
@@ -435,7 +436,7 @@ class AckBatcher(RetryingBatcher):
     def __init__(
         self,
         worker: Any,
-        clock: Any,
+        clock: Clock,
         max_batch: int,
         flush_interval: float,
         on_done: Callable[[list[AckRun], list], None],

@@ -44,6 +44,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 
 from dmq_server.core.auth import AnswerError, AuthFile, AuthState, parse_answer, parse_auth_file
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import AuthFailed
 
 __all__ = ["Authorizer", "HttpAuthorizer", "FileAuthorizer", "make_authorizer", "read_answer"]
@@ -63,7 +64,7 @@ class Authorizer(Protocol):
 class FileAuthorizer:
     """Answers from ``--auth-file`` (``core.auth.parse_auth_file`` describes it)."""
 
-    def __init__(self, path: str, clock: Any):
+    def __init__(self, path: str, clock: Clock):
         self.path = path
         self.clock = clock
         self._file = self._read()

@@ -29,6 +29,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from dmq_server.core.auth import AuthState
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import AuthFailed, AuthFirst, Invalid, NotPermitted
 from dmq_server.security.tls import PeerTls
 
@@ -48,7 +49,7 @@ def _ask(authorizer: Any, secret: str, remote_ip: str, tls: PeerTls | None) -> d
 class ClientAuth:
     """One TCP connection's authentication state."""
 
-    def __init__(self, authorizer: Any, clock: Any, remote_ip: str, peer: str, tls: Callable[[], PeerTls | None]):
+    def __init__(self, authorizer: Any, clock: Clock, remote_ip: str, peer: str, tls: Callable[[], PeerTls | None]):
         self.authorizer = authorizer
         self.clock = clock
         self.remote_ip = remote_ip
@@ -157,7 +158,7 @@ class ClientAuth:
 class CredentialCache:
     """Answers for HTTP credentials, kept until their ttl; at most ``size`` of them."""
 
-    def __init__(self, authorizer: Any, clock: Any, size: int = 4096):
+    def __init__(self, authorizer: Any, clock: Clock, size: int = 4096):
         self.authorizer = authorizer
         self.clock = clock
         self.size = size
