@@ -126,7 +126,8 @@ class StdlibBridge(logging.Handler):
 def start_logging(stream: IO[str], fmt: str, level: str, node_id: str = "") -> LineObserver:
     """Route every source to one ``LineObserver`` (the server's log, from start to exit)."""
     observer = LineObserver(stream, fmt, node_id, LEVELS.get(level, LogLevel.info))
-    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    # @implementer(ILogObserver) is invisible to mypy (no zope plugin)
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)  # type: ignore[list-item]
     root = logging.getLogger()
     root.handlers = [StdlibBridge()]
     root.setLevel(logging.WARNING)

@@ -186,9 +186,9 @@ class Inspector:
     def _stored(self) -> dict[str, Any] | None:
         """The last figures the timer read from PostgreSQL, shaped for the console."""
         snap = self._gauges.snapshot() if self._gauges is not None else None
-        values = snap and snap["values"]
-        if not values:
+        if snap is None or not snap["values"]:
             return None
+        values = snap["values"]
         now_ms = snap["now"] * 1000
         return {
             "age": snap["age"],

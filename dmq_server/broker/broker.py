@@ -20,6 +20,7 @@ refusal of a duplicate SEND) is read in one place; the registry cache is
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from typing import Any, Callable, Sequence
@@ -306,7 +307,7 @@ class Broker:
         if store is None:
             alone = request.alone
             for i in range(count):
-                self.publish(alone(i), lambda outcome, i=i: answer(i, [outcome]))
+                self.publish(alone(i), functools.partial(_answer_one, answer, i))
             return
         error = check_sender(topic, request.producer, registered=True)
         if error is not None:
@@ -631,6 +632,11 @@ class Broker:
             "topics": self.placement.topic_stats(self.cache.reliable),
             "clusters": clusters,
         }
+
+
+def _answer_one(answer: Callable[[int, list], None], i: int, outcome: Any) -> None:
+    """``publish_each``'s answer for its ``i``-th send when it went through ``publish``."""
+    answer(i, [outcome])
 
 
 def _first_error(deferreds: list[Deferred]) -> Deferred:

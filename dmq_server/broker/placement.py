@@ -231,11 +231,11 @@ class Placement:
                              "(--pg-cluster): its sends fail here", topic=spec.name, cluster=cluster)
         # consumers leave the channels of clusters a topic no longer has before they close
         for key, group in list(self.groups.items()):
-            spec = reliable.get(key[0])
-            if spec is None or key[1] not in spec.channels:
+            current = reliable.get(key[0])
+            if current is None or key[1] not in current.channels:
                 del self.groups[key]  # unregistered: the store tells its consumers
                 continue
-            keep = {self.slot_of[s.cluster]: group.members.get(self.slot_of[s.cluster]) for s in self.stores_of(spec)}
+            keep = {self.slot_of[s.cluster]: group.members.get(self.slot_of[s.cluster]) for s in self.stores_of(current)}
             group.set_members({slot: ch for slot, ch in keep.items() if ch is not None})
         for name, store in self.stores.items():
             store.apply_topics({n: s for n, s in reliable.items() if name in s.clusters})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Hashable, Iterable, Iterator
+from typing import Generic, Hashable, Iterable, Iterator, TypeVar
 
 __all__ = ["Deadlines"]
 
@@ -32,19 +32,20 @@ SLACK = 1024
 
 # an entry is (deadline, sequence number, key); the sequence number orders equal
 # deadlines by arrival and keeps keys from ever being compared (ints and bytes occur)
-_Entry = tuple[float, int, Hashable]
+K = TypeVar("K", bound=Hashable)  # a message id (int) or a fast message id (bytes)
+_Entry = tuple[float, int, K]
 
 
-class Deadlines:
+class Deadlines(Generic[K]):
     """Keys with one deadline each (seconds, any clock); ``pop_due(now)`` yields the
     keys whose deadline is at or before ``now``, earliest first, and forgets them."""
 
     __slots__ = ("_fifo", "_heap", "_current", "_seq")
 
     def __init__(self) -> None:
-        self._fifo: deque[_Entry] = deque()  # deadlines in order, appended
-        self._heap: list[_Entry] = []  # the deadlines that were earlier than the FIFO's last
-        self._current: dict[Hashable, _Entry] = {}  # each live key's entry (by identity)
+        self._fifo: deque[_Entry[K]] = deque()  # deadlines in order, appended
+        self._heap: list[_Entry[K]] = []  # the deadlines that were earlier than the FIFO's last
+        self._current: dict[K, _Entry[K]] = {}  # each live key's entry (by identity)
         self._seq = 0
 
     def __len__(self) -> int:
@@ -53,10 +54,10 @@ class Deadlines:
     def __bool__(self) -> bool:
         return bool(self._current)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._current
 
-    def deadline(self, key: Hashable) -> float | None:
+    def deadline(self, key: K) -> float | None:
         entry = self._current.get(key)
         return None if entry is None else entry[0]
 
@@ -64,7 +65,7 @@ class Deadlines:
         """Entries held, stale ones included (what the bound limits)."""
         return len(self._fifo) + len(self._heap)
 
-    def set(self, key: Hashable, deadline: float) -> None:
+    def set(self, key: K, deadline: float) -> None:
         """Give ``key`` this deadline (a new one, or a later or earlier one: TOUCH, REQ)."""
         self._seq = seq = self._seq + 1
         entry = (deadline, seq, key)
@@ -78,7 +79,7 @@ class Deadlines:
         if len(fifo) + len(self._heap) > STALE_RATIO * len(current) + SLACK:
             self._compact()
 
-    def set_many(self, keys: Iterable[Hashable], deadline: float) -> None:
+    def set_many(self, keys: Iterable[K], deadline: float) -> None:
         """``set`` of each key, in order, to one deadline (a batch pushed at once): where
         the entries go (the FIFO, or the heap when the deadline is earlier than the
         FIFO's last) is decided once for the lot, and the bound checked once after it."""
@@ -100,11 +101,11 @@ class Deadlines:
         if len(fifo) + len(heap) > STALE_RATIO * len(current) + SLACK:
             self._compact()
 
-    def discard(self, key: Hashable) -> None:
+    def discard(self, key: K) -> None:
         """Forget ``key`` (acked, requeued, dropped); nothing if it has no deadline."""
         self.discard_many((key,))
 
-    def discard_many(self, keys: Iterable[Hashable]) -> None:
+    def discard_many(self, keys: Iterable[K]) -> None:
         """``discard`` of each key (a read of FINs): the stale entries a discard leaves at
         the FIFO's front are dropped as they come to it."""
         current, fifo = self._current, self._fifo
@@ -115,7 +116,7 @@ class Deadlines:
                 while fifo and current.get(fifo[0][2]) is not fifo[0]:
                     fifo.popleft()
 
-    def pop_due(self, now: float) -> Iterator[Hashable]:
+    def pop_due(self, now: float) -> Iterator[K]:
         """The keys due at ``now``, earliest deadline first, each forgotten as it is
         yielded (a consumer of the iterator may set a key again meanwhile)."""
         current = self._current
@@ -135,7 +136,7 @@ class Deadlines:
                 del current[key]
                 yield key
 
-    def clear(self) -> list[Hashable]:
+    def clear(self) -> list[K]:
         """Forget every key; returns them (in no particular order)."""
         keys = list(self._current)
         self._current.clear()

@@ -667,14 +667,23 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 # -- flags, environment, file, defaults --------------------------------------------
+def _default_of(f: dataclasses.Field) -> object:
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"option {f.name} has no default")  # every Options field has one
+    return f.default
+
+
 def _default_text(f: dataclasses.Field) -> str:
+    default = _default_of(f)
     if f.metadata["kind"] == "duration":
-        return format_duration(f.default)
+        assert isinstance(default, (int, float))
+        return format_duration(default)
     if f.metadata["kind"] == "bool":
-        return "true" if f.default else "false"
+        return "true" if default else "false"
     if f.metadata["kind"] == "list":
-        return "none" if not f.default else ", ".join(f.default)
-    return repr(f.default) if f.metadata["kind"] == "str" else str(f.default)
+        assert isinstance(default, (list, tuple))
+        return "none" if not default else ", ".join(default)
+    return repr(default) if f.metadata["kind"] == "str" else str(default)
 
 
 _METAVARS = {"int": "N", "duration": "DURATION", "bool": "BOOL", "list": "NAME=DSN"}
@@ -758,14 +767,16 @@ _EXAMPLE_HEADER = """\
 
 
 def _toml_value(f: dataclasses.Field) -> str:
-    kind, value = f.metadata["kind"], f.default
+    kind, value = f.metadata["kind"], _default_of(f)
     if kind == "int":
         return str(value)
     if kind == "bool":
         return "true" if value else "false"
     if kind == "duration":
+        assert isinstance(value, (int, float))
         value = format_duration(value)
     if kind == "list":
+        assert isinstance(value, (list, tuple))
         value = list(value)
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
 

@@ -38,6 +38,7 @@ holds them to the same answers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
@@ -345,7 +346,7 @@ class MemoryDb:
         return d
 
     def _drive(self, steps: Steps) -> Any:
-        send: Callable[[], Statement] = lambda: next(steps)  # noqa: E731
+        send: Callable[[], Statement] = functools.partial(next, steps)
         while True:
             try:
                 stmt = send()
@@ -354,12 +355,12 @@ class MemoryDb:
             try:
                 rows = self.execute(stmt)
             except psycopg.Error as exc:
-                send = lambda exc=exc: steps.throw(exc)  # noqa: E731
+                send = functools.partial(steps.throw, exc)
             except StorageError:
                 steps.close()
                 raise
             else:
-                send = lambda rows=rows: steps.send(rows)  # noqa: E731
+                send = functools.partial(steps.send, rows)
 
     def execute(self, stmt: Statement) -> Any:
         """One statement: its rows (a list of tuples), or the changed row count for a
@@ -886,7 +887,7 @@ class MemoryDb:
             key=lambda r: (r["due_ms"], r["id"]),
         )[: p["limit"]]
         now = self._now_ms()
-        placed = []
+        placed: list[tuple[Any, ...]] = []
         for row in due:
             del self.delayed[row["id"]]
             del self._delayed_pairs[(row["producer"], row["session_id"])]

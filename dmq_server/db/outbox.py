@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from importlib import resources
-from typing import Iterator
+from typing import Any, Iterator
 
 import psycopg
 
@@ -93,8 +93,16 @@ def _database(dsn: str, what: str) -> Iterator[psycopg.Connection]:
             raise StorageError(f"{what} failed: {describe_error(exc)}") from exc
 
 
+def _one(cur: psycopg.Cursor) -> tuple[Any, ...]:
+    """The row of a statement that always returns one (a count, the schema's state)."""
+    row = cur.fetchone()
+    if row is None:
+        raise StorageError("the outbox statement returned no row")
+    return row
+
+
 def _state(conn: psycopg.Connection, q: dict[str, str], schema: str) -> tuple[bool, bool]:
-    exists, ours = conn.execute(q["schema_state"], {"schema": schema}).fetchone()
+    exists, ours = _one(conn.execute(q["schema_state"], {"schema": schema}))
     return exists, ours
 
 
@@ -134,7 +142,7 @@ def uninstall(dsn: str, schema: str = DEFAULT_SCHEMA, *, force: bool = False) ->
             return 0
         if not ours:
             raise Refused(f"schema {schema} is not a dmq outbox (no {schema}.schema_version): not dropped")
-        pending = conn.execute(q["pending_count"]).fetchone()[0]
+        pending = _one(conn.execute(q["pending_count"]))[0]
         if pending and not force:
             raise Refused(f"{pending} message(s) in {schema}.outbox are not relayed yet and would be lost: "
                           "relay them first, or uninstall with --force")
@@ -155,7 +163,7 @@ def prune_inbox(dsn: str, older_than_s: float, schema: str = DEFAULT_SCHEMA, *, 
     with _database(dsn, "inbox prune") as conn:
         conn.autocommit = True
         while True:
-            count = conn.execute(q["prune_inbox"], {"older_than_s": older_than_s, "batch": batch}).fetchone()[0]
+            count = _one(conn.execute(q["prune_inbox"], {"older_than_s": older_than_s, "batch": batch}))[0]
             removed += count
             if count < batch:
                 return removed

@@ -64,8 +64,8 @@ class FastChannel:
         self.deferred: dict[bytes, FastMessage] = {}
         # when each in-flight message times out, each deferred one is due (the
         # reliable channel's tracker too: core.deadlines)
-        self.in_flight_due = Deadlines()
-        self.deferred_due = Deadlines()
+        self.in_flight_due: Deadlines[bytes] = Deadlines()
+        self.deferred_due: Deadlines[bytes] = Deadlines()
         self.clients: dict[int, Any] = {}
         self._rotation: deque[Any] = deque()
         self.paused = False

@@ -97,7 +97,7 @@ class FastTopic:
             except Exiting:
                 pass
             except Exception as exc:  # a channel's disk write failed
-                what = f"msg {msgs[0].id}" if len(msgs) == 1 else f"{len(msgs)} msgs"
+                what = f"msg {msgs[0].id!r}" if len(msgs) == 1 else f"{len(msgs)} msgs"
                 log.error("TOPIC({topic}): failed to put {what} to channel({channel}) - {why}",
                           topic=self.name, what=what, channel=channel.name, why=exc)
                 self.store.set_health(exc)

@@ -219,5 +219,5 @@ class AdminResource(Resource):
 
 def install(root: Resource, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None) -> AdminResource:
     resource = AdminResource(ops, listen_host, token, inspector)
-    root.putChild(b"admin", resource)
+    root.putChild(b"admin", resource)  # type: ignore[arg-type]  # zope's @implementer(IResource) on Resource is invisible to mypy (no zope plugin)
     return resource

@@ -193,7 +193,7 @@ class DmqCollector:
             for name, _, key in _CHANNEL_GAUGES:
                 gauges[name].add_metric(labels, channel.get(key, 0))
             acked.add_metric(labels, channel.get("ack_count", channel.get("finish_count", 0)))
-            consumers.add_metric(labels, channel.get("clients") if labels[0] == "reliable"
+            consumers.add_metric(labels, channel.get("clients", 0) if labels[0] == "reliable"
                                  else channel.get("client_count", 0))
             paused.add_metric(labels, 1 if channel.get("paused") else 0)
         yield from counters.values()

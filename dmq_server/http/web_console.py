@@ -79,5 +79,5 @@ class _Entry(Resource):
 
 def install(root: Resource) -> ConsoleResource:
     console = ConsoleResource()
-    root.putChild(b"console", _Entry(console))
+    root.putChild(b"console", _Entry(console))  # type: ignore[arg-type]  # zope's @implementer(IResource) on Resource is invisible to mypy (no zope plugin)
     return console

@@ -20,9 +20,9 @@ would be read in different files.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
-from twisted.internet.interfaces import ISSLTransport
+from twisted.internet.interfaces import IReactorTime, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -173,7 +173,8 @@ class DmqConnection:
         self.auth = ClientAuth(authorizer, clock, peer_host(self.peer), self.peer, self._peer_tls) if authorizer else None
         self._backlog: deque[Frame] | None = None  # frames waiting for the authorizer
         self._heartbeat = LoopingCall(self._beat)
-        self._heartbeat.clock = clock
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        self._heartbeat.clock = cast(IReactorTime, clock)
         self._heartbeat.start(options.heartbeat_interval, now=False)
         self._deadline: Any = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
         self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail))
@@ -190,7 +191,7 @@ class DmqConnection:
         if not self.closed:
             self._turn.add(data)
 
-    def queue_parts(self, parts: tuple[bytes, ...]) -> None:
+    def queue_parts(self, parts: Sequence[bytes]) -> None:
         """``queue_write`` of a frame in parts (``PushEncoder.parts``); the caller checked
         ``closed`` (one push per delivered copy: the hot path)."""
         self._turn.extend(parts)

@@ -60,8 +60,9 @@ class _TurnEnd:
     def hold(self, buffer: TurnBuffer) -> None:
         held = self._held
         held.append(buffer)
-        if len(held) == 1:
-            self._clock().callLater(0, self._run)
+        clock = self._clock()
+        if len(held) == 1 and clock is not None:  # None: the reactor is gone (it never is while it runs)
+            clock.callLater(0, self._run)
 
     def _run(self) -> None:
         held, self._held = self._held, []

@@ -133,7 +133,7 @@ class ReliableChannel:
         self._ready_ids: set[int] = set()
         self._ready_heaps: dict[int, list[int]] = {}
         self.consumers: deque[Receiver] = deque()
-        self._deadlines = Deadlines()  # in flight and deferred copies, by message id
+        self._deadlines: Deadlines[int] = Deadlines()  # in flight and deferred copies, by message id
         self.closed = False
         # cluster (dmq_server.cluster.node): no pushes or loads while paused; a load that
         # was out during forget() is stale, one out during rescan() is followed by a

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # How many modules the override held when the server joined the checker; lower it as
 # modules leave the list, never raise it
-MOST_MODULES_LEFT_UNCHECKED = 31
+MOST_MODULES_LEFT_UNCHECKED = 15
 
 ERROR_LINE = re.compile(r"^(\S+\.py):\d+: error:", re.M)
 
