@@ -47,7 +47,10 @@ def nsq_server(**options: object) -> Iterator[tuple]:
     from dmq_server.broker.broker import Broker
     from dmq_server.core.options import Options
     from dmq_server.db.memory import MemoryDb
-    from dmq_server.fast.fast_store import FastStore
+    try:
+        from dmq_server.fast.fast_store import FastStore
+    except ModuleNotFoundError:  # a tree from before the module's rename (issue 43), for --tree
+        from dmq_server.fast.store import FastStore  # type: ignore[no-redef]
     from dmq_server.protocols.flow import FlowLimits
     from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
     from dmq_server.protocols.nsq_context import NsqContext

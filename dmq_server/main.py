@@ -8,7 +8,9 @@ import sys
 from typing import Any, Sequence
 
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
+from dmq_server.core.options import Options
 from dmq_server.core.options import options_from_args
 from dmq_server.logs import start_logging
 
@@ -28,7 +30,7 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-def _console_line(server: Any, options: Any) -> str:
+def _console_line(server: Any, options: Options) -> str:
     """The banner's admin console line: where it listens, or why it does not."""
     address = server.console_address
     if address is not None:
@@ -38,7 +40,7 @@ def _console_line(server: Any, options: Any) -> str:
     return f"console NOT listening on {options.admin_address} (see the log above)"
 
 
-def _secure_lines(server: Any, options: Any) -> list[str]:
+def _secure_lines(server: Any, options: Options) -> list[str]:
     """The banner's TLS and auth lines (none when neither is configured)."""
     info = server.info()
     lines = []
@@ -145,7 +147,7 @@ def _serve(argv: Sequence[str] | None) -> int:
         except BrokenPipeError:  # nobody reads our stdout (`dmq-server | head -1`): serve on
             pass
 
-    def failed(failure: Any) -> None:
+    def failed(failure: Failure) -> None:
         print(f"dmq-server: failed to start: {failure.getErrorMessage()}", file=sys.stderr, flush=True)
         exit_code[0] = 1
         from twisted.internet.error import ReactorNotRunning

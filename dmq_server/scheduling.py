@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from twisted.internet import defer
 from twisted.logger import Logger
 
+from dmq_server.core.options import Options
 from dmq_server.reliable.store import ReliableStore
 from dmq_server.reliable.delay import DelayScheduler
 from dmq_server.core.fragment_ranges import FragmentAssignment, StaticAssignment
@@ -28,7 +29,7 @@ __all__ = ["worker_roles", "Scheduling", "make_assignment", "make_scheduler"]
 log = Logger()
 
 
-def worker_roles(options: Any) -> tuple[str, ...]:
+def worker_roles(options: Options) -> tuple[str, ...]:
     """The DbWorker roles (one connection each) this module needs."""
     delay = tuple(f"delay{i + 1}" for i in range(options.delay_workers))
     return ("delay-writer", "deadletter", *delay)
@@ -41,7 +42,7 @@ def make_scheduler(reactor: Any) -> Any:
     return TwistedScheduler(reactor=reactor, executors={"default": DebugExecutor()}, timezone="UTC")
 
 
-def make_assignment(options: Any, reactor: Any, node_id: str) -> FragmentAssignment:
+def make_assignment(options: Options, reactor: Any, node_id: str) -> FragmentAssignment:
     """With ZooKeeper (``--zk``), fragments are shared among live nodes; without it this
     node owns every fragment."""
     if options.zk:
@@ -68,7 +69,7 @@ class Scheduling:
 
     def __init__(
         self,
-        options: Any,
+        options: Options,
         reactor: Any,
         node_id: str,
         store: ReliableStore,

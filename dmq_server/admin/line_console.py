@@ -51,6 +51,7 @@ from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
@@ -286,7 +287,7 @@ class AdminConsole(Protocol):
             if abort is not None:
                 abort()
 
-    def connectionLost(self, reason: Any = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._gone = True
         self._queue.clear()
         self._cancel_idle()
@@ -348,7 +349,7 @@ class AdminConsole(Protocol):
         self.error("E_TIMEOUT", f"line not finished within {self.read_timeout:g}s; closing the session")
         self._close()
 
-    def _failed(self, failure: Any) -> None:
+    def _failed(self, failure: Failure) -> None:
         error = failure.value
         if isinstance(error, DmqError):  # refused, or PostgreSQL failing (E_STORAGE)
             self.error(error.code, error.description)

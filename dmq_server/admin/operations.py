@@ -34,10 +34,12 @@ from typing import Any, Callable, Mapping
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_client.spelling import parse_time_ms
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
+from dmq_server.core.options import Options
 from dmq_server.core.peers import is_loopback
 from dmq_server.db import admin_steps as db_admin
 from dmq_server.db.admin_steps import log_operation_steps, stored_stats_steps
@@ -332,7 +334,7 @@ class AdminOps:
         broker: Any,
         delays: Any,
         db: Any,
-        options: Any,
+        options: Options,
         clock: Clock,
         node_id: str,
         dmq_connections: Any = (),
@@ -566,7 +568,7 @@ class AdminOps:
             )
             return f"{action} {topic}/{channel}" + (f": {result} stored copies dropped" if action == "empty" else "")
 
-        def missing(failure: Any) -> Any:
+        def missing(failure: Failure) -> Any:
             failure.trap(KeyError)
             what = "topic" if failure.value.args[0] == "TOPIC_NOT_FOUND" else "channel"
             raise NotFound(f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}")

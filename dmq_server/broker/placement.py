@@ -27,6 +27,7 @@ from twisted.logger import Logger
 
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Unavailable
+from dmq_server.core.options import Options
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.store import ReliableStore
@@ -143,7 +144,7 @@ class Placement:
 
     def __init__(
         self,
-        options: Any,
+        options: Options,
         clock: Clock,
         workers: dict[str, dict[str, Any]],
         slots: dict[str, int],

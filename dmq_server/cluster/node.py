@@ -48,10 +48,12 @@ from twisted.internet import defer
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.cluster.bridge import KazooBridge
 from registry.model import NodeInfo, RegistryError
 
+from dmq_server.core.options import Options
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.worker import DbWorker
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
@@ -67,7 +69,7 @@ VERSION = "0.1.0"
 class ClusterNode:
     def __init__(
         self,
-        options: Any,
+        options: Options,
         reactor: Any,
         node_id: str,
         dsn: str,
@@ -258,7 +260,7 @@ class ClusterNode:
                 log.info("node {node}: session confirmed, delivering again", node=self.node_id)
                 self._resume()
 
-        def unanswered(failure: Any) -> None:
+        def unanswered(failure: Failure) -> None:
             # disconnected: kazoo's state changes decide (CONNECTED resumes, LOST drops
             # what is held); ask again at the next scan meanwhile
             self._gap_check = "again"
@@ -328,7 +330,7 @@ class ClusterNode:
             self._read_nodes()
             self._refresh_topics()
 
-        def failed(failure: Any) -> Any:
+        def failed(failure: Failure) -> Any:
             self._registering = None
             if self.stopping:
                 return None
@@ -392,7 +394,7 @@ class ClusterNode:
         serving what it knew); with none yet, StorageError."""
         d = self._zk(self.watcher.read_topics)
 
-        def unreadable(failure: Any) -> Any:
+        def unreadable(failure: Failure) -> Any:
             if self._last_specs is not None:
                 log.warn("ZooKeeper registry unreadable, keeping the last view: {why}", why=failure.getErrorMessage())
                 return self._last_specs

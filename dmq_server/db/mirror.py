@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, gatherResults
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
@@ -38,7 +39,7 @@ class Mirror:
     def _one(self, name: str, worker: Any, specs: Sequence[Any]) -> Deferred:
         outage = self._outages[name]
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             failure.trap(StorageError)
             outage.failed(str(failure.value))
 

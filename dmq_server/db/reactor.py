@@ -40,6 +40,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReadWriteDescriptor
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_server.db.outage import Outage
@@ -320,7 +321,7 @@ class ReactorDb:
         except psycopg.Error as exc:
             self._broken(exc)
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure) -> None:
         # the reactor is shutting down with the connection still registered
         self._broken(psycopg.OperationalError("connection closed by the reactor"))
 
@@ -387,7 +388,7 @@ class ReactorDb:
             return
         self._next()
 
-    def _connect_failed(self, failure: Any) -> None:
+    def _connect_failed(self, failure: Failure) -> None:
         self._connecting = False
         error = failure.value
         if not isinstance(error, StorageError):

@@ -35,6 +35,7 @@ from twisted.internet import defer, task
 from twisted.internet.interfaces import IReadDescriptor
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_server.core.clock import Clock
@@ -71,7 +72,7 @@ class _PidfdReader:
         self.cancel()
         self._on_exit()
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure) -> None:
         self.cancel()
 
     def cancel(self) -> None:
@@ -251,7 +252,7 @@ class PostgresSupervisor:
         self._down_since = None
         self._watch_pid(pid)
 
-    def _failed(self, failure: Any) -> None:
+    def _failed(self, failure: Failure) -> None:
         self._failed_because(failure.getErrorMessage())
 
     def _failed_because(self, reason: str) -> None:

@@ -27,6 +27,7 @@ from twisted.logger import Logger
 
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
+from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
 from dmq_server.fast.fast_channel import FastChannel
@@ -130,7 +131,7 @@ class FastStore:
         self.closed = False
 
     @classmethod
-    def from_options(cls, options: Any, clock: Clock, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
+    def from_options(cls, options: Options, clock: Clock, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
         """Built from ``dmq_server.core.options.Options`` (nsqd's defaults where a field is absent)."""
 
         def opt(name: str, default: Any) -> Any:

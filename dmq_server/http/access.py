@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from dmq_server.admin.operations import is_loopback
 from dmq_server.core.errors import Forbidden, Unauthorized
+from twisted.web.server import Request
 
 __all__ = ["Access", "authorize", "actor_of", "SAFE_METHODS", "GRANTED"]
 
@@ -52,12 +53,12 @@ class Access:
     admin: bool
 
 
-def _header(request: Any, name: bytes) -> str | None:
+def _header(request: Request, name: bytes) -> str | None:
     value = request.getHeader(name)
     return None if value is None else value.decode("latin-1")
 
 
-def given_token(request: Any) -> str | None:
+def given_token(request: Request) -> str | None:
     header = _header(request, b"authorization")
     if header:
         scheme, _, value = header.partition(" ")
@@ -66,18 +67,18 @@ def given_token(request: Any) -> str | None:
     return _header(request, b"x-dmq-admin-token")
 
 
-def _same_origin(request: Any, origin: str) -> bool:
+def _same_origin(request: Request, origin: str) -> bool:
     parts = urlsplit(origin)
     host = _header(request, b"host")
     return parts.scheme in ("http", "https") and host is not None and parts.netloc.lower() == host.lower()
 
 
-def actor_of(request: Any) -> str:
+def actor_of(request: Request) -> str:
     peer = request.getClientAddress()
     return f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
 
 
-def authorize(request: Any, listen_host: str, token: str) -> Access:
+def authorize(request: Request, listen_host: str, token: str) -> Access:
     """The request's rights, or ``Unauthorized`` / ``Forbidden`` (E_AUTH) saying why not."""
     granted = getattr(request, GRANTED, None)
     if granted is not None:

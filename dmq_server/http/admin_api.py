@@ -35,8 +35,10 @@ from typing import Any, Callable
 
 from twisted.internet.defer import maybeDeferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import Request
 
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
@@ -68,9 +70,10 @@ _ENDPOINTS = [
 ]
 
 
-def _text_params(request: Any) -> dict[str, str]:
+def _text_params(request: Request) -> dict[str, str]:
     params: dict[str, str] = {}
-    for key, values in (request.args or {}).items():
+    args: dict[bytes, list[bytes]] = request.args or {}
+    for key, values in args.items():
         name = key.decode("utf-8", "replace")
         if len(values) != 1:
             raise Invalid(f"parameter {name!r} given {len(values)} times")
@@ -100,13 +103,13 @@ class AdminResource(Resource):
         self.token = token
         self.inspector = inspector or Inspector(ops)
 
-    def render(self, request: Any) -> Any:
+    def render(self, request: Request) -> Any:
         d = maybeDeferred(self._route, request)
         d.addCallbacks(lambda result: self._reply(request, 200, result), lambda f: self._fail(request, f))
         return NOT_DONE_YET
 
     # -- plumbing -------------------------------------------------------------------
-    def _reply(self, request: Any, status: int, payload: Any) -> None:
+    def _reply(self, request: Request, status: int, payload: Any) -> None:
         if getattr(request, "_disconnected", False) or request.finished:
             return
         request.setResponseCode(status)
@@ -114,7 +117,7 @@ class AdminResource(Resource):
         request.write(json.dumps(payload, default=str).encode("utf-8") + b"\n")
         request.finish()
 
-    def _fail(self, request: Any, failure: Any) -> None:
+    def _fail(self, request: Request, failure: Failure) -> None:
         error = failure.value
         status = reply_for(error, _STATUS) if isinstance(error, DmqError) else None
         if status is not None:
@@ -123,7 +126,7 @@ class AdminResource(Resource):
             log.failure("admin API request failed", failure)
             self._reply(request, 500, {"error": "E_INTERNAL", "message": repr(error)})
 
-    def _authorize(self, request: Any) -> Access:
+    def _authorize(self, request: Request) -> Access:
         try:
             return authorize(request, self.listen_host, self.token)
         except Refused as exc:
@@ -133,10 +136,10 @@ class AdminResource(Resource):
             raise
 
     # -- routing ------------------------------------------------------------------------
-    def _route(self, request: Any) -> Any:
+    def _route(self, request: Request) -> Any:
         access = self._authorize(request)
         method = request.method.decode("ascii", "replace")
-        parts = [p.decode("utf-8", "replace") for p in request.postpath if p]
+        parts = [p.decode("utf-8", "replace") for p in request.postpath or () if p]
         params = _text_params(request)
         if parts == [] and method == "GET":
             return {"endpoints": _ENDPOINTS}
@@ -168,7 +171,7 @@ class AdminResource(Resource):
     def _flow(self) -> dict:
         return self.ops.flow()
 
-    def _dead_letters(self, request: Any, actor: str, method: str, rest: list[str], params: dict[str, str]) -> Any:
+    def _dead_letters(self, request: Request, actor: str, method: str, rest: list[str], params: dict[str, str]) -> Any:
         if not rest:
             if method == "GET":
                 limit = parse_limit(params.pop("limit", None))
@@ -206,7 +209,7 @@ class AdminResource(Resource):
                 return d.addCallback(deleted)
         raise NotFound(f"no admin endpoint {method} /admin/dead-letters/{'/'.join(rest)}")
 
-    def _report(self, request: Any, actor: str) -> Any:
+    def _report(self, request: Request, actor: str) -> Any:
         raw = request.content.read() if request.content is not None else b""
         try:
             payload = json.loads(raw or b"null")

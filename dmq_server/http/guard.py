@@ -47,8 +47,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import Request
 
 from dmq_server.core.auth import ADMIN, PUBLISH, AuthState
 from dmq_server.core.peers import is_loopback
@@ -133,7 +135,7 @@ class _Refusal(Resource):
         super().__init__()
         self.status, self.code, self.message, self.admin, self.extra = status, code, message, admin, extra or {}
 
-    def render(self, request: Any) -> bytes:
+    def render(self, request: Request) -> bytes:
         request.setResponseCode(self.status)
         request.setHeader(b"content-type", b"application/json; charset=utf-8")
         if self.status == 401:
@@ -155,7 +157,7 @@ class _AfterAuth(Resource):
         super().__init__()
         self.waiting = waiting
 
-    def render(self, request: Any) -> Any:
+    def render(self, request: Request) -> Any:
         gone = [False]
         request.notifyFinish().addErrback(lambda _: gone.__setitem__(0, True))
 
@@ -199,7 +201,7 @@ class HttpGuard:
         self.hosts = {h.lower() for h in (*_LOOPBACK_NAMES, broadcast_address) if h}
 
     # -- the steps --------------------------------------------------------------------
-    def resource_for(self, request: Any, resource: Resource) -> Resource:
+    def resource_for(self, request: Request, resource: Resource) -> Resource:
         path = request.path
         query = urlsplit(request.uri.decode("latin-1")).query
         what, topic, channel = classify(request.method, path, query)
@@ -235,12 +237,12 @@ class HttpGuard:
         if isinstance(found, AuthState):
             return decide(found)
 
-        def refused(failure: Any) -> Resource:
+        def refused(failure: Failure) -> Resource:
             return self._refuse(request, 401, "E_AUTH_FAILED", "credential refused", admin)
 
         return _AfterAuth(found.addCallbacks(decide, refused))
 
-    def _decide(self, request: Any, resource: Resource, state: AuthState, what: str, topic: str, channel: str,
+    def _decide(self, request: Request, resource: Resource, state: AuthState, what: str, topic: str, channel: str,
                 admin: bool) -> Resource:
         if what == READ and state.grants:
             return resource
@@ -251,7 +253,7 @@ class HttpGuard:
         why = f"{state.identity or 'this credential'} may not {what} on {topic!r} {channel!r}"
         return self._refuse(request, 403, "E_UNAUTHORIZED", why, admin, state.identity)
 
-    def _refuse(self, request: Any, status: int, code: str, why: str, admin: bool, identity: str = "") -> Resource:
+    def _refuse(self, request: Request, status: int, code: str, why: str, admin: bool, identity: str = "") -> Resource:
         peer = request.getClientAddress()
         log.warn("HTTP {method} {path} from {peer}{who}: refused {status} {code} {why}",
                  method=_text(request.method), path=_text(request.path),
@@ -260,7 +262,7 @@ class HttpGuard:
         return _Refusal(status, code, why, admin)
 
     # -- helpers ---------------------------------------------------------------------
-    def _own_origin(self, request: Any) -> str | None:
+    def _own_origin(self, request: Request) -> str | None:
         host = _text(request.getHeader(b"host"))
         if not host:
             return None
@@ -285,7 +287,7 @@ def _host_of(header: bytes | None) -> str | None:
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
-def _bearer(request: Any) -> str | None:
+def _bearer(request: Request) -> str | None:
     header = request.getHeader(b"authorization")
     if not header:
         return None

@@ -18,6 +18,7 @@ from typing import Any
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.cluster.lookup import ClusterView
 from dmq_server.http.nsq_v1 import HttpError, get_param, params_of
+from twisted.web.server import Request
 
 __all__ = ["LookupdApi", "TOMBSTONE_LIFETIME"]
 
@@ -69,7 +70,7 @@ class LookupdApi:
             return False
         return True
 
-    def lookup(self, request: Any) -> Any:
+    def lookup(self, request: Request) -> Any:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
@@ -96,17 +97,17 @@ class LookupdApi:
             raise result
         return result
 
-    def topics(self, request: Any) -> dict:
+    def topics(self, request: Request) -> dict:
         view = self._cluster_view()
         return {"topics": view.topics() if view is not None else self.broker.topic_admin.topic_names()}
 
-    def channels(self, request: Any) -> dict:
+    def channels(self, request: Request) -> dict:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
         return {"channels": self._known_channels(topic) or []}
 
-    def nodes(self, request: Any) -> dict:
+    def nodes(self, request: Request) -> dict:
         view = self._cluster_view()
         if view is not None:
             producers = []
@@ -119,7 +120,7 @@ class LookupdApi:
         node = dict(self.peer_info(), tombstones=[self._tombstoned(t) for t in topics], topics=topics)
         return {"producers": [node]}
 
-    def tombstone(self, request: Any) -> None:
+    def tombstone(self, request: Request) -> None:
         params = params_of(request)
         topic = get_param(params, "topic")
         if topic is None:

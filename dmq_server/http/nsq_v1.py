@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import Request
 
 from dmq_server.core.nsq_wire import valid_name_bytes
 
@@ -43,7 +44,7 @@ class HttpError(Exception):
         self.message = message
 
 
-def _send(request: Any, status: int, body: Any) -> bytes:
+def _send(request: Request, status: int, body: Any) -> bytes:
     """nsqd's RespondV1."""
     request.setResponseCode(status)
     if status != 200:
@@ -62,7 +63,7 @@ def _send(request: Any, status: int, body: Any) -> bytes:
     return data
 
 
-def _plain(request: Any, status: int, text: str) -> bytes:
+def _plain(request: Request, status: int, text: str) -> bytes:
     """nsqd's PlainText decorator (``/ping``): no JSON, no X-NSQ-Content-Type."""
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"text/plain; charset=utf-8")
@@ -79,7 +80,7 @@ class Endpoint(Resource):
         super().__init__()
         self.routes = routes
 
-    def render(self, request: Any) -> Any:
+    def render(self, request: Request) -> Any:
         handler = self.routes.get(request.method)
         if handler is None:
             return _send(request, 405, "METHOD_NOT_ALLOWED")
@@ -118,14 +119,14 @@ class PlainText:
     def __init__(self, status: int, text: str):
         self.status, self.text = status, text
 
-    def render(self, request: Any) -> bytes:
+    def render(self, request: Request) -> bytes:
         return _plain(request, self.status, self.text)
 
 
 class Group(Resource):
     """A path prefix (``/topic``, ``/channel``) whose unknown children answer NOT_FOUND."""
 
-    def getChild(self, path: bytes, request: Any) -> Resource:
+    def getChild(self, path: bytes, request: Request) -> Resource:
         return NOT_FOUND
 
 
@@ -133,7 +134,7 @@ NOT_FOUND = Endpoint({})
 NOT_FOUND.render = lambda request: _send(request, 404, "NOT_FOUND")  # type: ignore[method-assign]
 
 
-def params_of(request: Any) -> dict[str, list[str]]:
+def params_of(request: Request) -> dict[str, list[str]]:
     try:
         query = urlsplit(request.uri.decode("latin-1")).query
         return parse_qs(query, keep_blank_values=True, errors="strict")
@@ -153,6 +154,8 @@ def valid_name_str(name: str) -> bool:
         return False
 
 
-def body_of(request: Any) -> bytes:
+def body_of(request: Request) -> bytes:
+    if request.content is None:  # only before Twisted has read the request's length
+        return b""
     request.content.seek(0)
     return request.content.read()

@@ -26,13 +26,16 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, FirstError
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
+from twisted.web.server import Request
 
 from dmq_server.admin.inspect import registry_read
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.broker.topic_admin import RegistryOnly
 from dmq_server.core.errors import DmqError, NoChannel, NoTopic
 from dmq_server.core.nsq_errors import NsqError
+from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.http.nsq_v1 import (
     NOT_FOUND,
@@ -75,7 +78,7 @@ class NsqHttp(LookupdApi):
         *,
         ctx: Any,
         broker: BrokerPort,
-        options: Any,
+        options: Options,
         cluster: Any,
         addresses: Callable[[], tuple[tuple[str, int], tuple[str, int]]],
         dmq_ping: Resource | None,
@@ -120,7 +123,7 @@ class NsqHttp(LookupdApi):
         }
 
     # -- shared ---------------------------------------------------------------------------
-    def ping(self, request: Any) -> Any:
+    def ping(self, request: Request) -> Any:
         failing = self.broker.topic_admin.queue_health()
         if failing:
             return PlainText(500, f"NOK - {failing}")
@@ -131,7 +134,7 @@ class NsqHttp(LookupdApi):
             return self.dmq_ping.render_GET(request)
         return PlainText(200, "OK")
 
-    def info(self, request: Any) -> dict[str, Any]:
+    def info(self, request: Request) -> dict[str, Any]:
         out = {
             "version": VERSION,
             "broadcast_address": self.broadcast_address(),
@@ -163,7 +166,7 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, invalid)
         return topic
 
-    def pub(self, request: Any) -> Any:
+    def pub(self, request: Request) -> Any:
         max_msg = self.ctx.max_msg_size
         length = request.getHeader(b"content-length")
         if length is not None and length.isdigit() and int(length) > max_msg:
@@ -185,7 +188,7 @@ class NsqHttp(LookupdApi):
                 raise HttpError(400, "INVALID_DEFER")
         return self._publish(topic, [body], defer_ms)
 
-    def mpub(self, request: Any) -> Any:
+    def mpub(self, request: Request) -> Any:
         max_body = self.ctx.max_body_size
         length = request.getHeader(b"content-length")
         if length is not None and length.isdigit() and int(length) > max_body:
@@ -251,7 +254,7 @@ class NsqHttp(LookupdApi):
         return later[0]
 
     # -- stats ----------------------------------------------------------------------------
-    def stats(self, request: Any) -> Deferred:
+    def stats(self, request: Request) -> Deferred:
         """Every form of ``/stats``, after a read of the registry (``registry_read``), so a
         reliable channel registered a moment ago is listed, as nsqd lists a new channel."""
         params = params_of(request)
@@ -296,25 +299,25 @@ class NsqHttp(LookupdApi):
     # the Go tools read as "TLS required"). Deleting what is not there answers 200:
     # nsqadmin in lookupd mode sends the same delete to the lookupd and to the node,
     # which on dmq are one URL.
-    def topic_create(self, request: Any) -> Any:
+    def topic_create(self, request: Request) -> Any:
         return _answer(self.broker.topic_admin.create_topic(self._topic_param(params_of(request))))
 
-    def topic_delete(self, request: Any) -> Any:
+    def topic_delete(self, request: Request) -> Any:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
         return _answer(self.broker.topic_admin.delete_topic(topic))
 
-    def topic_empty(self, request: Any) -> Any:
+    def topic_empty(self, request: Request) -> Any:
         return _answer(self.broker.topic_admin.empty_topic(self._topic_param(params_of(request))))
 
-    def topic_pause(self, request: Any, pause: bool = True) -> Any:
+    def topic_pause(self, request: Request, pause: bool = True) -> Any:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
         return _answer(self.broker.topic_admin.pause_topic(topic, pause))
 
-    def _topic_channel(self, request: Any) -> tuple[str, str]:
+    def _topic_channel(self, request: Request) -> tuple[str, str]:
         params = params_of(request)
         topic = self._topic_param(params, "INVALID_ARG_TOPIC")
         channel = get_param(params, "channel")
@@ -324,16 +327,16 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, "INVALID_ARG_CHANNEL")
         return topic, channel
 
-    def channel_create(self, request: Any) -> Any:
+    def channel_create(self, request: Request) -> Any:
         return _answer(self.broker.topic_admin.create_channel(*self._topic_channel(request)))
 
-    def channel_delete(self, request: Any) -> Any:
+    def channel_delete(self, request: Request) -> Any:
         return _answer(self.broker.topic_admin.delete_channel(*self._topic_channel(request)))
 
-    def channel_empty(self, request: Any) -> Any:
+    def channel_empty(self, request: Request) -> Any:
         return _answer(self.broker.topic_admin.empty_channel(*self._topic_channel(request)))
 
-    def channel_pause(self, request: Any, pause: bool = True) -> Any:
+    def channel_pause(self, request: Request, pause: bool = True) -> Any:
         topic, name = self._topic_channel(request)
         return _answer(self.broker.topic_admin.pause_channel(topic, name, pause))
 
@@ -351,7 +354,7 @@ def _answer(d: Deferred) -> Any:
     400 for what only the registry changes; 500 when a disk queue or PostgreSQL failed.
     An answer known at once is given at once (a fast store's), raised if an error."""
 
-    def failed(failure: Any) -> HttpError:
+    def failed(failure: Failure) -> HttpError:
         error = failure.value
         if isinstance(error, FirstError):
             error = error.subFailure.value

@@ -11,9 +11,12 @@ import json
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import Request
 
+from dmq_server.core.options import Options
 from dmq_server.http.site import BoundedSite
 
 __all__ = ["make_site"]
@@ -21,7 +24,7 @@ __all__ = ["make_site"]
 VERSION = "0.1.0"
 
 
-def _json(request: Any, status: int, payload: Any) -> bytes:
+def _json(request: Request, status: int, payload: Any) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
     return json.dumps(payload, indent=None, sort_keys=False).encode("utf-8") + b"\n"
@@ -34,7 +37,7 @@ class Ping(Resource):
         super().__init__()
         self._check = check
 
-    def render_GET(self, request: Any) -> Any:
+    def render_GET(self, request: Request) -> Any:
         d = self._check()
 
         def ok(_: Any) -> None:
@@ -42,7 +45,7 @@ class Ping(Resource):
             request.write(b"OK")
             request.finish()
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             request.setResponseCode(500)
             request.setHeader(b"content-type", b"text/plain; charset=utf-8")
             request.write(f"NOK - database unreachable: {failure.value}".encode("utf-8"))
@@ -59,7 +62,7 @@ class Stats(Resource):
         super().__init__()
         self._stats = stats
 
-    def render_GET(self, request: Any) -> bytes:
+    def render_GET(self, request: Request) -> bytes:
         return _json(request, 200, self._stats())
 
 
@@ -70,7 +73,7 @@ class Info(Resource):
         super().__init__()
         self._info = info
 
-    def render_GET(self, request: Any) -> bytes:
+    def render_GET(self, request: Request) -> bytes:
         return _json(request, 200, self._info())
 
 
@@ -78,14 +81,14 @@ class Root(Resource):
     #: answers unknown paths when set (the NSQ API wants nsqd's JSON 404)
     not_found: Resource | None = None
 
-    def getChild(self, path: bytes, request: Any) -> Resource:
+    def getChild(self, path: bytes, request: Request) -> Resource:
         if path == b"":
             return self
         if self.not_found is not None:
             return self.not_found
         return super().getChild(path, request)
 
-    def render_GET(self, request: Any) -> bytes:
+    def render_GET(self, request: Request) -> bytes:
         return _json(request, 200, {"service": "dmq", "endpoints": ["/ping", "/info", "/stats"]})
 
 
@@ -93,7 +96,7 @@ def make_site(
     check: Callable[[], Deferred],
     stats: Callable[[], dict],
     info: Callable[[], dict],
-    options: Any = None,
+    options: Options | None = None,
 ) -> BoundedSite:
     """The HTTP port's site; body limits and timeouts come from ``options`` (see ``http.site``)."""
     root = Root()

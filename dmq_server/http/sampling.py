@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.core.stalls import GcPauses, ReactorLag
@@ -101,7 +102,7 @@ class StoredGauges:
             self.refreshed_at = self.clock.seconds()
             self._asked = asked
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             self.failures += 1  # the last values stay; their age says how stale they are
 
         def done(_: Any) -> None:

@@ -32,9 +32,11 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
+from dmq_server.core.options import Options
 from dmq_server.core.peers import peer_address
 
 __all__ = ["BoundedRequest", "BoundedChannel", "BoundedSite"]
@@ -166,7 +168,7 @@ class BoundedChannel(HTTPChannel):
                 self._request_timer.cancel()
             self._request_timer = None
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure) -> None:
         self._cancel_request_timer()
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
@@ -181,7 +183,7 @@ class BoundedSite(Site):
     #: the listener's HttpGuard (dmq_server.http.guard); None lets every request through
     guard: Any = None
 
-    def __init__(self, resource: Any, options: Any = None, reactor: Any = None):
+    def __init__(self, resource: Any, options: Options | None = None, reactor: Any = None):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 
@@ -193,11 +195,11 @@ class BoundedSite(Site):
         self.max_body_size = opt("max_body_size", 5242880)
         self.read_timeout = opt("read_timeout", 30.0)
 
-    def getResourceFor(self, request: Any) -> Any:
+    def getResourceFor(self, request: Request) -> Any:
         resource = super().getResourceFor(request)
         return resource if self.guard is None else self.guard.resource_for(request, resource)
 
-    def log(self, request: Any) -> None:
+    def log(self, request: Request) -> None:
         """The access log (replacing twisted.web's line per request): see the module's docstring."""
         path = request.path or b""
         if path in QUIET_PATHS:

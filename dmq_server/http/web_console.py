@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any
 
 from twisted.web.resource import Resource
+from twisted.web.server import Request
 from twisted.web.util import Redirect
 
 __all__ = ["ConsoleResource", "install", "FILES"]
@@ -46,8 +47,8 @@ class ConsoleResource(Resource):
         folder = resources.files("dmq_server.http").joinpath("static")
         self.files = {path: (folder.joinpath(name).read_bytes(), kind) for path, (name, kind) in FILES.items()}
 
-    def render_GET(self, request: Any) -> bytes:
-        path = "/".join(p.decode("utf-8", "replace") for p in request.postpath)
+    def render_GET(self, request: Request) -> bytes:
+        path = "/".join(p.decode("utf-8", "replace") for p in request.postpath or ())
         found = self.files.get(path)
         for name, value in _HEADERS.items():
             request.setHeader(name, value)
@@ -69,11 +70,12 @@ class _Entry(Resource):
         super().__init__()
         self.console = console
 
-    def getChild(self, path: bytes, request: Any) -> Resource:
-        request.postpath.insert(0, path)
+    def getChild(self, path: bytes, request: Request) -> Resource:
+        if request.postpath is not None:  # always a list while a request is traversed
+            request.postpath.insert(0, path)
         return self.console
 
-    def render_GET(self, request: Any) -> bytes:
+    def render_GET(self, request: Request) -> bytes:
         return Redirect(b"/console/").render(request)
 
 

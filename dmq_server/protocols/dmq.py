@@ -537,7 +537,7 @@ class DmqConnection:
             reply(Command.SUBSCRIBE_ACK, SERVER_FEATURES)
             channel.pump()
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             self.subscriptions.pop(key, None)
             error = failure.value
             if isinstance(error, DmqError):

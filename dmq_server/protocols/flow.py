@@ -58,6 +58,7 @@ from zope.interface import implementer
 from dmq_server.core import client_memory as kinds
 from dmq_server.core.client_memory import ClientMemory, release_to_os
 from dmq_server.core.clock import Clock
+from dmq_server.core.options import Options
 
 __all__ = [
     "BufferBudget", "FlowLimits", "ReadGate", "NoGate", "NO_GATE", "MemoryWatch",
@@ -91,7 +92,7 @@ class FlowLimits:
         self.max_client_memory = max_client_memory
 
     @classmethod
-    def from_options(cls, options: Any) -> "FlowLimits":
+    def from_options(cls, options: Options) -> "FlowLimits":
         defaults = cls()
         return cls(
             **{name: getattr(options, name, getattr(defaults, name)) for name in vars(defaults)}

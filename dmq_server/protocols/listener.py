@@ -32,6 +32,7 @@ from typing import Any, Callable
 from twisted.internet.interfaces import IHandshakeListener
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_client.wire import MAGIC, Command, Frame, encode
@@ -164,7 +165,7 @@ class PortProtocol(Protocol):
         else:
             self.transport.loseConnection()
 
-    def connectionLost(self, reason: Any = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         if self._magic_timer is not None and self._magic_timer.active():
             self._magic_timer.cancel()
         if self._handshake_timer is not None and self._handshake_timer.active():

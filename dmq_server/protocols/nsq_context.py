@@ -9,6 +9,7 @@ from typing import Any
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.nsq_identify import MAX_DEFLATE_LEVEL
+from dmq_server.core.options import Options
 
 __all__ = ["NsqContext"]
 
@@ -16,7 +17,7 @@ __all__ = ["NsqContext"]
 class NsqContext:
     """What every NSQ connection of a server shares."""
 
-    def __init__(self, broker: BrokerPort, options: Any, clock: Clock, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, broker: BrokerPort, options: Options, clock: Clock, *, tls: Any = None, authorizer: Any = None):
         def opt(name: str, default: Any) -> Any:
             return getattr(options, name, default)
 

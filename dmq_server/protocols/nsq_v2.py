@@ -578,7 +578,7 @@ class NsqConnection:
         self.sub = sub
         self._answer(slot, OK, self._sub_confirmed)
 
-    def _sub_refused(self, failure: Any, slot: Slot, topic: str, channel: str) -> None:
+    def _sub_refused(self, failure: Failure, slot: Slot, topic: str, channel: str) -> None:
         """nsqd's E_SUB_FAILED, with the broker's code and description, or the
         channel's own reason (a fast channel closing or full: ``E_SUB_FAILED`` already)."""
         if self.closed:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.db.dead_letter_steps import (
@@ -122,7 +123,7 @@ class DeadLetterSink:
                 return self.sweep_expired().addCallback(lambda n: n + len(rows))
             return len(rows)
 
-        def failed(failure: Any) -> int:
+        def failed(failure: Failure) -> int:
             self._sweeping = False
             self._sweep_outage.failed(failure.value)
             return 0

@@ -34,6 +34,7 @@ import random
 from typing import Any, Callable, Sequence
 
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.core.fragment_ranges import FragmentAssignment, split_fragments
@@ -260,7 +261,7 @@ class DelayWorker:
             self._want_poll = True  # the last poll was truncated; learn what comes next
         self._after_db()
 
-    def _move_failed(self, failure: Any, token: int) -> None:
+    def _move_failed(self, failure: Failure, token: int) -> None:
         error = failure.value
         if isinstance(error, (RefusedError, Fenced)):
             self.writes.end(token)  # nothing of it was committed
@@ -272,7 +273,7 @@ class DelayWorker:
                 log.failure("handling a move of unknown outcome failed")
         self._failed(failure)
 
-    def _failed(self, failure: Any) -> None:
+    def _failed(self, failure: Failure) -> None:
         self._busy = False
         self._polling_until = None
         self.last_error = str(failure.value)

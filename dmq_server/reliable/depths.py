@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from twisted.application.service import Service
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
@@ -150,7 +151,7 @@ class DepthCount(Service):
             self._low = high
         self._schedule(pause)
 
-    def _failed(self, failure: Any, generation: int) -> None:
+    def _failed(self, failure: Failure, generation: int) -> None:
         self._busy = False
         if not failure.check(StorageError):
             log.failure("counting the stored depths failed", failure)

@@ -25,9 +25,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid
+from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, Send, stored_before
 from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
 from dmq_server.db.storage_errors import Misplaced, RefusedError, StorageError
@@ -78,7 +80,7 @@ class ReliableStore:
 
     def __init__(
         self,
-        options: Any,
+        options: Options,
         clock: Clock,
         workers: dict[str, Any],
         node_id: str,
@@ -310,7 +312,7 @@ class ReliableStore:
             if topics:
                 self._rescan_topics(topics)
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             self._resolving = False
             failure.trap(StorageError)
 
@@ -650,7 +652,7 @@ class ReliableStore:
             if not channel.closed:
                 channel.loaded(rows, limit)
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             failure.trap(StorageError)
             self._load_outage.failed(f"{channel.topic}/{channel.name}: {failure.value}")
             self._set_health(False, str(failure.value))
@@ -760,7 +762,7 @@ class ReliableStore:
             if self.writes.release(pids - alive):
                 self.outcome_unknown(None)
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             self._checking_held = False
             failure.trap(StorageError)
 
@@ -795,7 +797,7 @@ class ReliableStore:
                 pause = (self.clock.seconds() - started) * (1 / SWEEP_DUTY - 1)
                 self._sweep_call = self.clock.callLater(pause, self._continue_sweep)
 
-        def failed(failure: Any) -> None:
+        def failed(failure: Failure) -> None:
             self._sweeping = False
             failure.trap(StorageError)  # the next --sweep-interval tries again
 

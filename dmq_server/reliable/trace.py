@@ -18,6 +18,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
 from dmq_server.db.storage_errors import StorageError
@@ -76,7 +77,7 @@ class TraceSink:
         """Drop one batch of returns older than ``retention_s``; fires with how many."""
         d = self.db.run_steps(sweep_trace_steps, retention_s, limit)
 
-        def quiet(failure: Any) -> int:
+        def quiet(failure: Failure) -> int:
             failure.trap(StorageError)  # the next sweep tries again; outages are logged elsewhere
             return 0
 

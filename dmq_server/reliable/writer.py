@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
 from dmq_server.core.clock import Clock
@@ -227,7 +228,7 @@ class GroupCommitWriter:
             writes.end(token)
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Any, batch: list, worker: Any, token: int) -> None:
+    def _failed(self, failure: Failure, batch: list, worker: Any, token: int) -> None:
         self._free.append(worker)
         error = failure.value
         writes = self._writes
@@ -396,7 +397,7 @@ class RetryingBatcher:
             log.failure("{name}: completion failed", name=self.name)
         self._flush()
 
-    def _failed(self, failure: Any, batch: list) -> None:
+    def _failed(self, failure: Failure, batch: list) -> None:
         self._busy = False
         self._outage.failed(failure.value)
         self._queue[:0] = batch

@@ -38,6 +38,7 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectError, TimeoutError as ConnectTimeout
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, FileBodyProducer, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -46,6 +47,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from dmq_server.core.auth import AnswerError, AuthFile, AuthState, parse_answer, parse_auth_file
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import AuthFailed
+from dmq_server.core.options import Options
 
 __all__ = ["Authorizer", "HttpAuthorizer", "FileAuthorizer", "make_authorizer", "read_answer"]
 
@@ -195,7 +197,7 @@ class _AnswerBody(Protocol):
             return
         self.parts.append(data)
 
-    def connectionLost(self, reason: Any = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         if not self._waiting:
             return
         self._waiting = False
@@ -223,7 +225,7 @@ class _AnswerBody(Protocol):
         abort()
 
 
-def _explain(failure: Any) -> None:
+def _explain(failure: Failure) -> None:
     """Raise what went wrong as an ``AnswerError`` a person can act on."""
     error = failure.value
     if isinstance(error, AnswerError):
@@ -237,7 +239,7 @@ def _explain(failure: Any) -> None:
     failure.raiseException()
 
 
-def _reasons(failure: Any) -> str:
+def _reasons(failure: Failure) -> str:
     """The message of a failure, or of each failure a ``ResponseFailed`` wraps."""
     error = failure.value
     nested = getattr(error, "reasons", None)
@@ -252,7 +254,7 @@ def _trust_root(path: str) -> Any:
     return Certificate.loadPEM(Path(path).read_bytes())
 
 
-def make_authorizer(options: Any, reactor: Any) -> Authorizer | None:
+def make_authorizer(options: Options, reactor: Any) -> Authorizer | None:
     """The authorizer the options name (None: authentication is off)."""
     if options.auth_file:
         return FileAuthorizer(options.auth_file, reactor)

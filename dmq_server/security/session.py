@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from dmq_server.core.auth import AuthState
 from dmq_server.core.clock import Clock
@@ -88,7 +89,7 @@ class ClientAuth:
                      peer=self.peer, identity=state.identity, n=len(state.grants), ttl=state.ttl)
             return state
 
-        def refused(failure: Any) -> None:
+        def refused(failure: Failure) -> None:
             self.state, self.failed = None, True
             log.warn("{peer}: AUTH failed: {why}", peer=self.peer, why=failure.getErrorMessage())
             raise AuthFailed("AUTH failed")

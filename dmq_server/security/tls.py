@@ -28,6 +28,7 @@ from OpenSSL import SSL
 from twisted.internet.interfaces import IOpenSSLContextFactory, ISSLTransport
 from twisted.logger import Logger
 from zope.interface import implementer
+from dmq_server.core.options import Options
 
 __all__ = ["ServerTls", "PeerTls", "peer_tls", "TlsConfigError"]
 
@@ -74,7 +75,7 @@ class ServerTls:
         self._context = self._build()
 
     @classmethod
-    def from_options(cls, options: Any) -> "ServerTls | None":
+    def from_options(cls, options: Options) -> "ServerTls | None":
         if not options.tls_enabled:
             return None
         return cls(
