@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
 from dmq_client.diskqueue import DiskQueueError
 from dmq_server.admin.operations import AdminOps
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid, NotFound
 from dmq_server.db.admin_steps import list_admin_log_steps
@@ -36,7 +37,7 @@ MAX_HISTOGRAM_BUCKETS = 200
 REGISTRY_WAIT = 2.0
 
 
-def registry_read(broker: Any, clock: Clock, wait: float = REGISTRY_WAIT) -> Deferred:
+def registry_read(broker: BrokerPort, clock: Clock, wait: float = REGISTRY_WAIT) -> Deferred:
     """Fires with None once a read of the registry begun after this call has been applied
     (or failed), or after ``wait`` seconds, whichever is first.
 
@@ -91,7 +92,7 @@ def _ms(seconds: float | None) -> int | None:
     return None if not seconds else int(seconds * 1000)
 
 
-def live_copies(broker: Any, topic: str, message_id: int) -> dict[str, dict[str, Any]]:
+def live_copies(broker: BrokerPort, topic: str, message_id: int) -> dict[str, dict[str, Any]]:
     """This node's in-memory state of the message's copies, by channel name."""
     out = {}
     for (t, name), channel in list(broker.channels.items()):

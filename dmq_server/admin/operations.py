@@ -37,6 +37,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from dmq_client.spelling import parse_time_ms
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.core.options import Options
@@ -331,7 +332,7 @@ class AdminOps:
     def __init__(
         self,
         *,
-        broker: Any,
+        broker: BrokerPort,
         delays: Any,
         db: Any,
         options: Options,

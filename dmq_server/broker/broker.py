@@ -32,6 +32,7 @@ from twisted.logger import Logger
 
 from dmq_client.wire import valid_name
 
+from dmq_server.broker.interfaces import Store
 from dmq_server.broker.topic_admin import TopicAdmin
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
@@ -44,7 +45,9 @@ from dmq_server.core.publish import Published, PublishRequest, Send, check_reque
 from dmq_server.db.dead_letter_steps import NewDeadLetter
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
+from dmq_server.fast.fast_store import FastStore
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
+from dmq_server.reliable.store import ReliableStore
 from dmq_server.db.topic_steps import list_topics_steps
 from dmq_server.broker.placement import Placement
 from dmq_server.db.storage_errors import Misplaced
@@ -53,6 +56,9 @@ from registry.model import TopicSpec
 __all__ = ["Broker", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
 
 log = Logger()
+
+# both kinds of store give the broker what interfaces.Store says (mypy checks this line)
+_STORE_KINDS: tuple[type[Store], ...] = (ReliableStore, FastStore)
 
 # The producer of replayed dead letters (the pipeline's replay, and the replay SQL of
 # dmq_server/reliable/dead_letters.py); its session id is the dead letter's id.
@@ -105,7 +111,7 @@ class Broker:
         workers: dict[str, Any],
         node_id: str,
         fetch_topics: Callable[[], Deferred] | None = None,
-        fast: Any = None,
+        fast: FastStore | None = None,
         clusters: dict[str, dict[str, Any]] | None = None,
         slots: dict[str, int] | None = None,
         alone: bool | None = None,
@@ -393,6 +399,13 @@ class Broker:
             return FAST
         return None
 
+    def _fast_store(self) -> FastStore:
+        """The fast store, for a topic ``route`` found ``FAST`` (it finds that only
+        when there is one)."""
+        if self.fast is None:
+            raise Unavailable("this server has no fast store")
+        return self.fast
+
     def new_session_id(self) -> int:
         """A session id for a body whose producer has none (NSQ): unique within this
         process (a snowflake); the producer id makes it unique across processes."""
@@ -408,7 +421,7 @@ class Broker:
         deferred = 0.0
         if request.due_ms is not None:
             deferred = max(request.due_ms - int(self.clock.seconds() * 1000), 0) / 1000.0
-        done(self.fast.publish(request.topic, request.payloads(), deferred))
+        done(self._fast_store().publish(request.topic, request.payloads(), deferred))
 
     def _publish_reliable(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
         """Each message through the group commit; one countdown answers the request."""
@@ -536,7 +549,7 @@ class Broker:
                 attached.errback(store)
             elif store == FAST:
                 try:
-                    sub = self.fast.subscribe(topic, channel, client)
+                    sub = self._fast_store().subscribe(topic, channel, client)
                 except Refused as refusal:
                     attached.errback(refusal)
                 else:

@@ -21,7 +21,23 @@ from dmq_server.core.options import Options
 from dmq_server.core.publish import PublishRequest
 from registry.model import TopicSpec
 
-__all__ = ["BrokerPort", "Subscription", "TopicAdminPort"]
+__all__ = ["BrokerPort", "Store", "Subscription", "TopicAdminPort"]
+
+
+class Store(Protocol):
+    """What the broker asks of each of its stores, whichever kind it is (a
+    ``ReliableStore`` per PostgreSQL cluster, the ``FastStore``): the topics it holds,
+    and a subscription to one of a topic's channels for a consumer. The rest differs by
+    kind (the reliable store's group commit and durable acks, the fast store's bodies
+    taken at once) and the broker holds each store by its own class for that; none of
+    it reaches an adapter. ``broker.broker`` checks that both stores satisfy this."""
+
+    @property
+    def topics(self) -> Mapping[str, object]:
+        """The topics the store holds now, by name."""
+
+    def subscribe(self, topic: str, channel: str, consumer: Any, /) -> object:
+        """Attach ``consumer`` to the channel; what it gets back is the store's own."""
 
 
 class Subscription(Protocol):
@@ -93,7 +109,10 @@ class BrokerPort(Protocol):
     health_detail: str
     acks_refused: int
     health_listeners: list[Callable[[bool], None]]
-    topic_admin: TopicAdminPort
+
+    @property
+    def topic_admin(self) -> TopicAdminPort:
+        """nsqd's topic and channel actions (read-only: the broker's own)."""
 
     @property
     def topics(self) -> Mapping[str, TopicSpec]:

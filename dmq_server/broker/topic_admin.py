@@ -21,7 +21,11 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.errors import NoChannel, NoTopic, Refused
+from dmq_server.fast.fast_channel import FastChannel
+from dmq_server.fast.fast_store import FastStore
+from dmq_server.fast.topic import FastTopic
 
 __all__ = ["RegistryOnly", "TopicAdmin"]
 
@@ -43,14 +47,18 @@ class TopicAdmin:
     ``pause_channel``/``empty_channel``: a registered channel's, on every cluster) and
     the fast store (None: a node without one)."""
 
-    def __init__(self, broker: Any, fast: Any):
+    def __init__(self, broker: BrokerPort, fast: FastStore | None):
         self.broker = broker
         self.fast = fast
 
     def _registered(self, topic: str) -> Any:
         return self.broker.topics.get(topic)
 
-    def _fast_topic(self, topic: str) -> Any:
+    def _persist_fast(self) -> None:
+        if self.fast is not None:  # always: a fast topic was found first
+            self.fast.persist_metadata()
+
+    def _fast_topic(self, topic: str) -> FastTopic:
         """The fast store's topic; NoTopic when there is none (RegistryOnly for a
         registered one: it has no queue to act on here)."""
         found = self.fast.topics.get(topic) if self.fast is not None else None
@@ -58,7 +66,7 @@ class TopicAdmin:
             raise RegistryOnly() if self._registered(topic) is not None else NoTopic("TOPIC_NOT_FOUND")
         return found
 
-    def _fast_channel(self, topic: str, channel: str) -> Any:
+    def _fast_channel(self, topic: str, channel: str) -> FastChannel:
         found = self._fast_topic(topic).channels.get(channel)
         if found is None:
             raise NoChannel("CHANNEL_NOT_FOUND")
@@ -92,7 +100,7 @@ class TopicAdmin:
         def pause() -> None:
             found = self._fast_topic(topic)
             found.pause() if paused else found.unpause()
-            self.fast.persist_metadata()
+            self._persist_fast()
 
         return _at_once(pause)
 
@@ -120,7 +128,7 @@ class TopicAdmin:
         def pause() -> None:
             found = self._fast_channel(topic, channel)
             found.pause() if paused else found.unpause()
-            self.fast.persist_metadata()
+            self._persist_fast()
 
         return _at_once(pause)
 

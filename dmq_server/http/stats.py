@@ -8,12 +8,13 @@ import os
 import time
 from typing import Any
 
+from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.nsq_identify import VERSION
 
 __all__ = ["consumer_stats", "reliable_topic_stats", "memory_stats", "text_stats"]
 
 
-def reliable_topic_stats(broker: Any, name: str, row: Any, channel: str | None, include_clients: bool) -> dict:
+def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str | None, include_clients: bool) -> dict:
     """A reliable topic in nsqd's TopicStats shape (plus ``store``)."""
     channels = []
     for cname in sorted(row.channels):
