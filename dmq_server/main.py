@@ -124,7 +124,7 @@ def _serve(argv: Sequence[str] | None) -> int:
     observer.node_id = server.node_id  # on every line from here on
     exit_code = [0]
 
-    def ready(_: Any) -> None:
+    def ready(_: object) -> None:
         _tune_gc()
         tcp_host, tcp_port = server.tcp_address
         http_host, http_port = server.http_address

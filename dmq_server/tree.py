@@ -59,7 +59,7 @@ class Stage(MultiService):
     def startService(self) -> defer.Deferred:
         Service.startService(self)  # running from here on: a half-done start is undone by stop
 
-        def adopt_timers(_: Any) -> None:
+        def adopt_timers(_: object) -> None:
             if self._timers is not None:
                 timers = self._timers()
                 timers.setName("timers")

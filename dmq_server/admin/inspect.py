@@ -52,13 +52,13 @@ def registry_read(broker: BrokerPort, clock: Clock, wait: float = REGISTRY_WAIT)
         return succeed(None)
     done: Deferred = Deferred()
 
-    def end(_: Any = None) -> None:
+    def end(_: object = None) -> None:
         if not done.called:
             done.callback(None)
 
     timer = clock.callLater(wait, end)
 
-    def read(_: Any) -> None:
+    def read(_: object) -> None:
         if timer.active():
             timer.cancel()
         end()

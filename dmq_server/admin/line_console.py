@@ -256,7 +256,7 @@ class AdminConsole(Protocol):
         if self._input_closed and not self._busy and not self._queue:
             self._close()
 
-    def _done(self, _: Any) -> None:
+    def _done(self, _: object) -> None:
         self._busy = False
         self._arm_idle()
         if not self._gone and not getattr(self.transport, "disconnecting", False):

@@ -46,6 +46,7 @@ from dmq_server.db.dead_letter_steps import NewDeadLetter
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
 from dmq_server.fast.fast_store import FastStore
+from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
 from dmq_server.reliable.store import ReliableStore
 from dmq_server.db.topic_steps import list_topics_steps
@@ -384,7 +385,7 @@ class Broker:
             then(store)
             return
 
-        def refreshed(_: Any) -> None:
+        def refreshed(_: object) -> None:
             found = self._store_of(topic, create_fast)
             then(found if found is not None else NoTopic(f"topic {topic!r} is not registered or has no channel"))
 
@@ -455,7 +456,7 @@ class Broker:
             self._admit(spec, send, done, due_ms)
             return
 
-        def refreshed(_: Any) -> None:
+        def refreshed(_: object) -> None:
             spec = self.cache.reliable.get(send.topic)
             if spec is None or not spec.channels:
                 done(NoTopic(f"topic {send.topic!r} is not registered or has no channel"))
@@ -512,7 +513,7 @@ class Broker:
         gate = self.reliable.delivery_gate
         return gate is None or gate()
 
-    def subscribe(self, topic: str, channel: str, consumer: Any) -> Deferred:
+    def subscribe(self, topic: str, channel: str, consumer: Receiver) -> Deferred:
         """Deferred firing with the reliable channel once the consumer is attached."""
         for kind, name in (("topic", topic), ("channel", channel)):
             if not valid_name(name):
@@ -535,7 +536,7 @@ class Broker:
 
         return self.cache.ensure(registered).addCallback(attach)
 
-    def attach(self, topic: str, channel: str, client: Any, consumer: Any) -> Deferred:
+    def attach(self, topic: str, channel: str, client: Any, consumer: Receiver) -> Deferred:
         """A SUB of a wire protocol that may meet either store (NSQ's; an unregistered
         name is a fast topic, made on first use): Deferred firing with the subscription
         the store serving ``topic`` made (``interfaces.Subscription``), or failing with the
@@ -561,7 +562,7 @@ class Broker:
         self.route(topic, True, routed)
         return attached
 
-    def unsubscribe(self, channel: Any, consumer: Any) -> None:
+    def unsubscribe(self, channel: Any, consumer: Receiver) -> None:
         channel.unsubscribe(consumer)
 
     def cluster_of_id(self, any_id: int) -> str | None:
@@ -574,7 +575,7 @@ class Broker:
         store = placement.store_of_id(any_id)
         return None if store is None else store.cluster
 
-    def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None:
+    def ack(self, topic: str, channel: str, message_id: int, consumer: Receiver) -> str | None:
         """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons). The
         copy's cluster is the one that drew its id."""
         if not self.placement.several:
@@ -587,14 +588,14 @@ class Broker:
             self.placement.acked(topic, channel)
         return error
 
-    def ack_each(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> list[str | None]:
+    def ack_each(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Receiver) -> list[str | None]:
         """``ack`` of each id, in order, each with its own answer (an NSQ read's FINs). With
         one cluster, one call to its store for the whole list."""
         if not self.placement.several:
             return self.reliable.ack_each(topic, channel, message_ids, consumer)
         return [self.ack(topic, channel, mid, consumer) for mid in message_ids]
 
-    def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> int:
+    def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Receiver) -> int:
         """``ack`` of each id (a consumer's ``UP_CONSUMER_ACKS``); returns how many were
         refused. With one cluster, one call to its store for the whole batch."""
         if not self.placement.several:

@@ -30,6 +30,7 @@ from dmq_server.core.errors import Unavailable
 from dmq_server.core.options import Options
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
+from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.store import ReliableStore
 from registry.model import TopicSpec
 
@@ -65,13 +66,13 @@ class ChannelGroup:
         return self.members.get(slot_of_id(message_id))
 
     # -- what the adapters call on a channel -------------------------------------------
-    def subscribe(self, consumer: Any) -> None:
+    def subscribe(self, consumer: Receiver) -> None:
         if consumer not in self.consumers:
             self.consumers.append(consumer)
         for channel in self.members.values():
             channel.subscribe(consumer)
 
-    def unsubscribe(self, consumer: Any) -> None:
+    def unsubscribe(self, consumer: Receiver) -> None:
         if consumer in self.consumers:
             self.consumers.remove(consumer)
         for channel in self.members.values():
@@ -81,7 +82,7 @@ class ChannelGroup:
         for channel in list(self.members.values()):
             channel.pump()
 
-    def requeue(self, message_id: int, consumer: Any, delay: float = 0.0) -> str | None:
+    def requeue(self, message_id: int, consumer: Receiver, delay: float = 0.0) -> str | None:
         channel = self._member(message_id)
         if channel is None:
             return "ID not in flight"
@@ -89,7 +90,7 @@ class ChannelGroup:
         self.pump()  # the consumer's credit is free for the other clusters' copies too
         return error
 
-    def touch(self, message_id: int, consumer: Any) -> str | None:
+    def touch(self, message_id: int, consumer: Receiver) -> str | None:
         channel = self._member(message_id)
         return "ID not in flight" if channel is None else channel.touch(message_id, consumer)
 
@@ -246,7 +247,7 @@ class Placement:
     def _fill(self, group: ChannelGroup, spec: TopicSpec) -> None:
         group.set_members({self.slot_of[s.cluster]: s.channel(group.topic, group.name) for s in self.stores_of(spec)})
 
-    def subscribe(self, spec: TopicSpec, name: str, consumer: Any) -> Any:
+    def subscribe(self, spec: TopicSpec, name: str, consumer: Receiver) -> Any:
         """The channel a consumer of ``spec``'s channel ``name`` is attached to: the
         store's own with one cluster, else the (topic, channel)'s group."""
         if not self.several:

@@ -320,7 +320,7 @@ class ClusterNode:
             self._registering.addBoth(lambda result: waiter.callback(None) or result)
             return waiter
 
-        def done(_: Any) -> None:
+        def done(_: object) -> None:
             self._registering = None
             self.registered = True
             self._registration += 1
@@ -458,7 +458,7 @@ class ClusterNode:
                 self._takeover_due = False
                 self._check_takeover()
 
-        def finished(_: Any) -> None:
+        def finished(_: object) -> None:
             self._nodes_reading = False
             if self._nodes_again:
                 self._nodes_again = False

@@ -71,7 +71,7 @@ class Takeover:
             return
         self._running = self._run(dict(live))
 
-        def finished(_: Any) -> None:
+        def finished(_: object) -> None:
             self._running = None
             again, self._again = self._again, None
             if again is not None:

@@ -75,7 +75,7 @@ class LookupdApi:
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
 
-        def answer(_: Any = None) -> Any:
+        def answer(_: object = None) -> Any:
             view = self._cluster_view()
             if view is not None:
                 channels = view.channels(topic)

@@ -40,7 +40,7 @@ class Ping(Resource):
     def render_GET(self, request: Request) -> Any:
         d = self._check()
 
-        def ok(_: Any) -> None:
+        def ok(_: object) -> None:
             request.setHeader(b"content-type", b"text/plain; charset=utf-8")
             request.write(b"OK")
             request.finish()

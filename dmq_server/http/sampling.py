@@ -87,7 +87,7 @@ class StoredGauges:
 
         asked: dict[tuple[str, str], int | None] = {}
 
-        def pinged(_: Any) -> Deferred:
+        def pinged(_: object) -> Deferred:
             self.roundtrip = self.clock.seconds() - started
             lowest = self.lowest()
             asked.update(lowest)
@@ -105,7 +105,7 @@ class StoredGauges:
         def failed(failure: Failure) -> None:
             self.failures += 1  # the last values stay; their age says how stale they are
 
-        def done(_: Any) -> None:
+        def done(_: object) -> None:
             self._busy = False
 
         return self.db.run_steps(ping_steps).addCallback(pinged).addCallbacks(read, failed).addBoth(done)

@@ -348,7 +348,7 @@ class DmqConnection:
         self._backlog = deque()
         self.flow.hold(AUTH)
 
-        def resume(_: Any) -> None:
+        def resume(_: object) -> None:
             backlog, self._backlog = self._backlog, None
             if self.closed:
                 return

@@ -342,7 +342,7 @@ class NsqConnection:
         self._held = waiting
         self.flow.hold(AUTH)
 
-        def resume(_: Any) -> None:
+        def resume(_: object) -> None:
             self._held = None
             if self.closed or self._stopped:
                 return

@@ -65,13 +65,18 @@ class Delivery:
     message: ReliableMessage
     attempts: int = 0
     first_delivered_ms: int = 0
-    consumer: Any = None
+    consumer: Receiver | None = None
     deadline: float = 0.0
     delivered_at: float = 0.0  # when the current (or last) attempt was pushed, clock seconds
 
 
 class Receiver(Protocol):
-    credit: int
+    """A consumer of a channel: how many more copies it takes now (read here, set by
+    its connection), how many it holds (the channel counts them)."""
+
+    @property
+    def credit(self) -> int: ...
+
     in_flight: int
 
     def push_many(self, channel: "ReliableChannel", deliveries: Sequence[Delivery]) -> None:

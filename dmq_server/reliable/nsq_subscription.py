@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 from dmq_server.core.ids import parse_hex_id
+from dmq_server.reliable.channel import Receiver
 
 __all__ = ["Acks", "ReliableSubscription"]
 
@@ -20,16 +21,16 @@ __all__ = ["Acks", "ReliableSubscription"]
 class Acks(Protocol):
     """What a reliable subscription asks of the broker."""
 
-    def ack(self, topic: str, channel: str, message_id: int, consumer: Any) -> str | None: ...
-    def ack_each(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Any) -> list[str | None]: ...
-    def unsubscribe(self, channel: Any, consumer: Any) -> None: ...
+    def ack(self, topic: str, channel: str, message_id: int, consumer: Receiver) -> str | None: ...
+    def ack_each(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Receiver) -> list[str | None]: ...
+    def unsubscribe(self, channel: Any, consumer: Receiver) -> None: ...
 
 
 class ReliableSubscription:
     """``consumer`` attached to ``channel`` (a reliable channel, or the broker's group of
     one over several clusters)."""
 
-    def __init__(self, acks: Acks, channel: Any, consumer: Any):
+    def __init__(self, acks: Acks, channel: Any, consumer: Receiver):
         self.acks = acks
         self.channel = channel
         self.consumer = consumer

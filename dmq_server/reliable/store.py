@@ -49,6 +49,7 @@ from dmq_server.db.messages import (
     sweep_batch_steps,
 )
 from dmq_server.db.outage import Outage
+from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.cursor import acks_by_cursor, split_fenced
 from dmq_server.reliable.dead_letters import DeadLetterSink
@@ -545,12 +546,12 @@ class ReliableStore:
             self._confirm_channels(whole, named)
 
     # -- consuming ----------------------------------------------------------
-    def subscribe(self, topic: str, name: str, consumer: Any) -> ReliableChannel:
+    def subscribe(self, topic: str, name: str, consumer: Receiver) -> ReliableChannel:
         channel = self.channel(topic, name)
         channel.subscribe(consumer)
         return channel
 
-    def ack(self, topic: str, name: str, message_id: int, consumer: Any) -> str | None:
+    def ack(self, topic: str, name: str, message_id: int, consumer: Receiver) -> str | None:
         """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons).
 
         Only the consumer holding the copy may acknowledge it: an ack from anyone
@@ -564,7 +565,7 @@ class ReliableStore:
             return error
         return None if channel.ack(message_id) else "ID not in flight"
 
-    def ack_each(self, topic: str, name: str, message_ids: Sequence[int], consumer: Any) -> list[str | None]:
+    def ack_each(self, topic: str, name: str, message_ids: Sequence[int], consumer: Receiver) -> list[str | None]:
         """``ack`` of each id in order, each answered as ``ack`` answers it alone (an id
         ``consumer`` does not hold, or one acknowledged earlier in the list, refused with
         its reason), the held ones acknowledged in one ``ack_held`` (an NSQ read's FINs:
@@ -585,14 +586,14 @@ class ReliableStore:
             channel.ack_held(held, consumer)
         return errors
 
-    def ack_many(self, topic: str, name: str, message_ids: Iterable[int], consumer: Any) -> int:
+    def ack_many(self, topic: str, name: str, message_ids: Iterable[int], consumer: Receiver) -> int:
         """``ack`` of each id, the channel found once; returns how many were refused."""
         channel = self.channels.get((topic, name))
         if channel is None:
             return sum(1 for _ in message_ids)
         return channel.ack_held(message_ids, consumer)
 
-    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Any) -> None:
+    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Receiver) -> None:
         """The copies one ``ack_held`` call acknowledged, to the acker as one ``AckRun``:
         what they share (channel, consumer, time, whether the topic keeps attempts) once,
         the rest as columns."""
@@ -681,7 +682,7 @@ class ReliableStore:
         query = "pause_channel" if paused else "unpause_channel"
         d = self._workers["admin"].run_steps(run_query_steps, query, {"topic": topic, "channel": name})
 
-        def stored(_: Any) -> None:
+        def stored(_: object) -> None:
             (self._held.add if paused else self._held.discard)((topic, name))
             channel.held = paused
             if not paused:

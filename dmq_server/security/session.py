@@ -136,7 +136,7 @@ class ClientAuth:
         self._refreshing.addBoth(lambda result: (waiter.callback(None), result)[1])
         return waiter
 
-    def _refreshed(self, _: Any) -> None:
+    def _refreshed(self, _: object) -> None:
         self._refreshing = None
 
     def _refuse(self, verb: str, topic: str, channel: str, why: str) -> None:
