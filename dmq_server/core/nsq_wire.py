@@ -188,6 +188,21 @@ class Command:
     def name(self) -> bytes:
         return self.params[0]
 
+    @property
+    def payload(self) -> bytes:
+        """The body of a command that has one (IDENTIFY, AUTH, PUB, DPUB: the parser
+        reads it before it hands the command on)."""
+        if self.body is None:
+            raise ValueError(f"{self.name!r} has no body")
+        return self.body
+
+    @property
+    def payloads(self) -> list[bytes]:
+        """MPUB's bodies (the parser reads them all before it hands MPUB on)."""
+        if self.bodies is None:
+            raise ValueError(f"{self.name!r} has no bodies")
+        return self.bodies
+
 
 _LINE, _SIZE, _BODY, _MPUB_COUNT, _MPUB_LEN, _MPUB_DATA, _FAILED = range(7)
 #: ``FIN <16-byte id>\n``

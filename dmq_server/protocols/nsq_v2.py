@@ -63,6 +63,7 @@ from dmq_server.core.nsq_wire import (
     HEARTBEAT,
     MSG_ID_LENGTH,
     OK,
+    Command,
     CommandParser,
     as_int64,
     error_frame,
@@ -295,7 +296,7 @@ class NsqConnection:
             if sub is not None:
                 sub.pump()  # even if this connection closed meanwhile: others may wait
 
-    def _run(self, cmd: Any) -> None:
+    def _run(self, cmd: Command) -> None:
         name = cmd.params[0]
         handler = _HANDLERS.get(name)
         if handler is None:
@@ -319,7 +320,7 @@ class NsqConnection:
         log.info("{peer}: TLS {version} {cipher}", peer=self.remote_address,
                  version=tls.version if tls else "?", cipher=tls.cipher if tls else "?")
 
-    def _allowed(self, cmd: Any, verb: str, permission: str, topic: str, channel: str = "") -> bool:
+    def _allowed(self, cmd: Command, verb: str, permission: str, topic: str, channel: str = "") -> bool:
         """True when the client may; False when the command is held until the
         authorizer answers again (it then runs anew); raises the fatal refusal."""
         if self.auth is None:
@@ -466,8 +467,8 @@ class NsqConnection:
         return ms
 
     # -- IDENTIFY / AUTH ------------------------------------------------------------------
-    def cmd_identify(self, cmd: Any) -> None:
-        fields = parse_identify(cmd.body)
+    def cmd_identify(self, cmd: Command) -> None:
+        fields = parse_identify(cmd.payload)
         self.client_id = fields.get("client_id", "")
         self.hostname = fields.get("hostname", "")
         self.user_agent = fields.get("user_agent", "")
@@ -524,7 +525,7 @@ class NsqConnection:
             self._inflate_tail = leftover + self._inflate_tail
             self._inflate()  # bad bytes here are answered (E_INVALID) after IDENTIFY's reply
 
-    def cmd_auth(self, cmd: Any) -> None:
+    def cmd_auth(self, cmd: Command) -> None:
         auth = self.auth
         if auth is not None and auth.secret is not None:
             raise FatalClientError("E_INVALID", "AUTH already set")
@@ -532,7 +533,7 @@ class NsqConnection:
             raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
         slot = self.replies.reserve()
         outcome: list[Any] = []
-        waiting = auth.login(cmd.body.decode("utf-8", "replace")).addBoth(outcome.append)
+        waiting = auth.login(cmd.payload.decode("utf-8", "replace")).addBoth(outcome.append)
 
         def answer() -> None:
             result = outcome[0]
@@ -550,7 +551,7 @@ class NsqConnection:
         self._hold(waiting, run)
 
     # -- consuming ------------------------------------------------------------------------
-    def cmd_sub(self, cmd: Any) -> None:
+    def cmd_sub(self, cmd: Command) -> None:
         params = cmd.params
         if self.state != STATE_INIT:
             raise FatalClientError("E_INVALID", "cannot SUB in current state")
@@ -597,7 +598,7 @@ class NsqConnection:
         if self.sub is not None:
             self.sub.pump()
 
-    def cmd_rdy(self, cmd: Any) -> None:
+    def cmd_rdy(self, cmd: Command) -> None:
         params = cmd.params
         if self.state == STATE_CLOSING:
             return
@@ -616,7 +617,7 @@ class NsqConnection:
         if self.sub is not None and self._sub_answered:
             self.sub.pump()
 
-    def _message_id(self, cmd: Any, name: str, want: int) -> bytes:
+    def _message_id(self, cmd: Command, name: str, want: int) -> bytes:
         if self.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
             raise FatalClientError("E_INVALID", f"cannot {name} in current state")
         if len(cmd.params) < want:
@@ -626,7 +627,7 @@ class NsqConnection:
             raise FatalClientError("E_INVALID", "invalid message ID")
         return message_id
 
-    def cmd_fin(self, cmd: Any) -> None:
+    def cmd_fin(self, cmd: Command) -> None:
         """FIN. In a read, the FINs that follow this one whole in the input are taken
         with it (``CommandParser.take_fins``) and finished in one call; each refused one
         is answered, in turn, with its own non-fatal ``E_FIN_FAILED``, and the slots they
@@ -650,7 +651,7 @@ class NsqConnection:
         if error is not None:
             raise ClientError("E_FIN_FAILED", f"FIN {_text(message_id)} failed {error}")
 
-    def cmd_req(self, cmd: Any) -> None:
+    def cmd_req(self, cmd: Command) -> None:
         message_id = self._message_id(cmd, "REQ", 3)
         try:
             ms = parse_base10(cmd.params[2])
@@ -664,13 +665,13 @@ class NsqConnection:
         if error is not None:
             raise ClientError("E_REQ_FAILED", f"REQ {_text(message_id)} failed {error}")
 
-    def cmd_touch(self, cmd: Any) -> None:
+    def cmd_touch(self, cmd: Command) -> None:
         message_id = self._message_id(cmd, "TOUCH", 2)
         error = self.sub.touch(self, message_id) if self.sub is not None else "ID not in flight"
         if error is not None:
             raise ClientError("E_TOUCH_FAILED", f"TOUCH {_text(message_id)} failed {error}")
 
-    def cmd_cls(self, cmd: Any) -> None:
+    def cmd_cls(self, cmd: Command) -> None:
         if self.state != STATE_SUBSCRIBED:
             raise FatalClientError("E_INVALID", "cannot CLS in current state")
         self.rdy = 0
@@ -678,26 +679,26 @@ class NsqConnection:
         self._update_ready()
         self.replies.reply(response(CLOSE_WAIT))
 
-    def cmd_nop(self, cmd: Any) -> None:
+    def cmd_nop(self, cmd: Command) -> None:
         pass
 
     # -- publishing -----------------------------------------------------------------------
-    def cmd_pub(self, cmd: Any) -> None:
+    def cmd_pub(self, cmd: Command) -> None:
         topic = cmd.params[1].decode()
         if not self._allowed(cmd, "PUB", PUBLISH, topic):
             return
         if self._pub_bodies:
             if topic == self._pub_topic:
-                self._pub_bodies.append(cmd.body)
+                self._pub_bodies.append(cmd.payload)
                 return
             self._flush_pubs()
             if self._stopped or self.closed:
                 return  # the run failed: nothing after it runs (nsqd)
         if self._reading:
             self._pub_topic = topic
-            self._pub_bodies.append(cmd.body)
+            self._pub_bodies.append(cmd.payload)
             return
-        self._publish(topic, [cmd.body], 0, "PUB", each=True)
+        self._publish(topic, [cmd.payload], 0, "PUB", each=True)
 
     def _flush_pubs(self) -> None:
         """Publish the run of PUBs ``cmd_pub`` kept as one request, each answered as if
@@ -711,15 +712,15 @@ class NsqConnection:
         topic, self._pub_bodies = self._pub_topic, []
         self._publish(topic, bodies, 0, "PUB", each=True)
 
-    def cmd_mpub(self, cmd: Any) -> None:
+    def cmd_mpub(self, cmd: Command) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "MPUB", PUBLISH, topic):
-            self._publish(topic, cmd.bodies, 0, "MPUB")
+            self._publish(topic, cmd.payloads, 0, "MPUB")
 
-    def cmd_dpub(self, cmd: Any) -> None:
+    def cmd_dpub(self, cmd: Command) -> None:
         topic = cmd.params[1].decode()
         if self._allowed(cmd, "DPUB", PUBLISH, topic):
-            self._publish(topic, [cmd.body], self._defer_ms(cmd.params[2]), "DPUB")
+            self._publish(topic, [cmd.payload], self._defer_ms(cmd.params[2]), "DPUB")
 
     def _publish(self, topic: str, bodies: list[bytes], defer_ms: int, name: str, each: bool = False) -> None:
         """One request to the broker: answered once (MPUB, DPUB: ``Broker.publish``) or
