@@ -117,14 +117,22 @@ class BufferBudget:
     def over(self) -> bool:
         return self.held > self.limit
 
-    def change(self, delta: int) -> None:
-        self.held += delta
-        if self.held > self.peak:
-            self.peak = self.held
-        if delta < 0 and self._waiting and self.held <= self.resume_below:
-            waiting, self._waiting = self._waiting, {}
-            for gate in waiting:
-                gate.release(BUDGET)
+    def count(self, kind: str, delta: int) -> None:
+        """``delta`` bytes of ``kind`` (FRAMES or PENDING) more or fewer: counted here and
+        in the server's ``memory`` in one call (the hot path of every send and read)."""
+        if not delta:
+            return
+        held = self.held = self.held + delta
+        if held > self.peak:
+            self.peak = held
+        if delta < 0 and self._waiting and held <= self.resume_below:
+            self._release()
+        self.memory.add(kind, delta)
+
+    def _release(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for gate in waiting:
+            gate.release(BUDGET)
 
     def wait(self, gate: "ReadGate") -> None:
         self._waiting[gate] = None
@@ -218,16 +226,19 @@ class ReadGate:
         frame remain buffered."""
         if self.closed:
             return
-        delta = count - self.input_bytes
-        self.budget.change(delta)
-        self.memory.add(kinds.FRAMES, delta)
-        self.input_bytes = count
-        self._arm_timer()
-        if count and self.budget.over:
-            self.hold(BUDGET)
-            self.budget.wait(self)
-        if count and self.memory.over:
-            self._stop_for_memory()
+        if count != self.input_bytes:
+            self.budget.count(kinds.FRAMES, count - self.input_bytes)
+            self.input_bytes = count
+        if count or self._timer is not None:
+            self._arm_timer()  # (nothing to arm or cancel otherwise)
+        if count:
+            budget = self.budget
+            if budget.held > budget.limit:
+                self.hold(BUDGET)
+                budget.wait(self)
+            memory = self.memory
+            if memory.total > memory.limit:
+                self._stop_for_memory()
 
     def _stop_for_memory(self) -> None:
         """Over the server's budget (``ClientMemory.should_stop``, by the bytes this
@@ -272,30 +283,28 @@ class ReadGate:
 
     def sends_started(self, count: int, size: int) -> None:
         """``count`` sends of ``size`` bytes in all were read and wait for their answers."""
-        self.pending_sends += count
-        self.pending_bytes += size
-        self.budget.change(size)
-        self.memory.add(kinds.PENDING, size)
-        if self.memory.over:
+        sends = self.pending_sends = self.pending_sends + count
+        pending = self.pending_bytes = self.pending_bytes + size
+        budget, memory = self.budget, self.memory
+        budget.count(kinds.PENDING, size)
+        if memory.total > memory.limit:
             self._stop_for_memory()
         limits = self.limits
-        if self.pending_sends >= limits.max_pending_sends or self.pending_bytes >= limits.max_pending_bytes:
+        if sends >= limits.max_pending_sends or pending >= limits.max_pending_bytes:
             self.hold(PENDING)
-        if self.budget.over:
+        if budget.held > budget.limit:
             self.hold(BUDGET)
-            self.budget.wait(self)
+            budget.wait(self)
 
     def sends_done(self, count: int, size: int) -> None:
         """``count`` of them, ``size`` bytes in all, were answered."""
         self.pending_sends -= count
         self.pending_bytes -= size
-        self.budget.change(-size)
-        self.memory.add(kinds.PENDING, -size)
-        limits = self.limits
+        self.budget.count(kinds.PENDING, -size)
         if (
             PENDING in self.reasons
-            and self.pending_sends <= limits.max_pending_sends // 2
-            and self.pending_bytes <= limits.max_pending_bytes // 2
+            and self.pending_sends <= self.limits.max_pending_sends // 2
+            and self.pending_bytes <= self.limits.max_pending_bytes // 2
         ):
             self.release(PENDING)
 
@@ -403,8 +412,7 @@ class ReadGate:
                 timer.cancel()
         self._timer = self._abort = None
         # the bodies of sends still awaiting their commit stay counted until answered
-        self.budget.change(-self.input_bytes)
-        self.memory.add(kinds.FRAMES, -self.input_bytes)
+        self.budget.count(kinds.FRAMES, -self.input_bytes)
         self.memory.add(kinds.OUTPUT, -self.output_bytes)
         self.input_bytes = self.output_bytes = 0
         self.budget.forget(self)

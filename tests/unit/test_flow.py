@@ -382,3 +382,30 @@ def test_admin_console_line_trickled_past_the_read_timeout_is_closed():
     clock.advance(2)
     assert transport.disconnecting
     assert "ERR E_TIMEOUT line not finished within 10s" in transport.value().decode()
+
+
+def test_budget_count_updates_the_port_and_the_server_memory_in_one_call_and_frees_waiters():
+    """``BufferBudget.count`` is the one accounting of a gate's frames and pending bodies:
+    the port's total and the server's ``ClientMemory`` move together, a zero delta
+    touches nothing, and a fall under three quarters of the port's cap reads a stopped
+    gate again."""
+    from dmq_server.core.client_memory import FRAMES, PENDING, ClientMemory
+    from dmq_server.protocols.flow import BUDGET, BufferBudget
+
+    memory = ClientMemory(10**9)
+    budget = BufferBudget(100, memory)
+    released: list[str] = []
+
+    class Gate:  # a ReadGate's part the budget calls
+        release = staticmethod(released.append)
+
+    gate = Gate()
+    budget.count(PENDING, 120)
+    budget.count(FRAMES, 0)
+    assert (budget.held, budget.peak, memory.held[PENDING], memory.held[FRAMES], memory.total) == (
+        120, 120, 120, 0, 120)
+    budget.wait(gate)
+    budget.count(PENDING, -40)  # 80: still over the resume mark (75)
+    assert released == [] and memory.total == 80
+    budget.count(PENDING, -5)  # at the resume mark
+    assert released == [BUDGET] and (budget.held, budget.peak, memory.total) == (75, 120, 75)
