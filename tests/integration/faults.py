@@ -154,7 +154,7 @@ class ResendingProducer(_FaultProducer):
     error or not answered before the connection broke, until every body is
     acknowledged or ``deadline`` (monotonic) passes. ``acked`` maps message id to body.
     ``burst``: the window is refilled only once empty, all of it in one write, so the
-    server reads runs of sends (``Broker.publish_sends``) rather than one at a time."""
+    server reads runs of sends (``Broker.publish_each``) rather than one at a time."""
 
     def __init__(self, port: int, topic: str, bodies: list[bytes], *, window: int = 32, deadline: float,
                  burst: bool = False):

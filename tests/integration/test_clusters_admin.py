@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def admin(server, path: str, method: str = "GET") -> dict:
-    request = urllib.request.Request(server.http + path, method=method, headers={"X-Requested-By": "test"})
+    request = urllib.request.Request(server.http + path, method=method)
     with urllib.request.urlopen(request, timeout=10) as resp:
         return json.load(resp)
 

@@ -188,7 +188,7 @@ def test_postgres_failures_under_load_lose_nothing_acknowledged(make_server, pg_
 
 def test_runs_of_sends_in_one_read_lose_nothing_acknowledged_when_postgres_fails(make_server, pg_private):
     """Producers that write their whole window of sends at once (the server admits each
-    read's run of sends in one call, ``Broker.publish_sends``), resending after every
+    read's run of sends in one call, ``Broker.publish_each``), resending after every
     error or broken connection, and an NSQ producer of ``MPUB``s (whose bodies reach the
     group commit in one call too), while PostgreSQL's backends are SIGKILLed and then its
     postmaster is, and it comes back. Every id acknowledged reaches both channels and
