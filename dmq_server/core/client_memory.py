@@ -88,11 +88,14 @@ class ClientMemory:
         total = self.total = self.total + delta
         if kind is RELIABLE_WINDOW or kind is FAST_WINDOW:
             self.windows += delta
-        if total > self.peak:
-            self.peak = total
-        if total > self._trim_mark:
-            self._trim_mark = total
-        if delta < 0 and total <= self.resume_below:
+        if delta > 0:
+            # the peak is never below the trim mark (the highest total since the last
+            # trim), so only a new trim mark can be a new peak
+            if total > self._trim_mark:
+                self._trim_mark = total
+                if total > self.peak:
+                    self.peak = total
+        elif (self._waiting or self.in_episode) and total <= self.resume_below:
             self._release()
 
     def window_room(self, window: int, size: int) -> bool:
