@@ -103,7 +103,7 @@ class Scheduling:
             scheduler=self.scheduler,
             writes=store.writes,
         )
-        store.delays = self.delays
+        store.schedule_delays_with(self.delays)
         self.scheduler.add_job(
             store.dead_letters.sweep_expired,
             "interval",

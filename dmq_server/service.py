@@ -46,7 +46,7 @@ from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.peers import is_loopback
-from dmq_server.broker import Broker
+from dmq_server.broker import Broker, Fence
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin_api as admin_api
 from dmq_server.http.web_console import install as install_console
@@ -334,24 +334,27 @@ class DmqServer:
 
     # -- broker ---------------------------------------------------------------------
     def _start_broker(self) -> defer.Deferred:
-        options, fetch_topics = self.options, None
-        if self.cluster is not None:
-            fetch_topics = self.cluster.fetch_topics
-            options = options.replace(registry_refresh=options.zk_refresh)
-        else:
-            fetch_topics = self._mirrored_topics() if self.cluster_workers else None
-        self.broker = Broker(
-            options, self.reactor, self.workers, self.node_id, fetch_topics, fast=self.fast_store,
-            clusters=self.cluster_workers, slots=self.slots, alone=self.cluster is None,
+        options, cluster = self.options, self.cluster
+        if cluster is None:
+            broker = self.broker = Broker(
+                options, self.reactor, self.workers, self.node_id,
+                self._mirrored_topics() if self.cluster_workers else None, fast=self.fast_store,
+                clusters=self.cluster_workers, slots=self.slots, alone=True, memory=self.client_memory,
+            )
+            broker.health_listeners.append(self._health_changed)
+            return broker.start()
+        # a cluster's node fences the stores (they load and push only what it owns) and
+        # checks for a gap in its time before each scan
+        broker = self.broker = Broker(
+            options.replace(registry_refresh=options.zk_refresh), self.reactor, self.workers, self.node_id,
+            cluster.fetch_topics, fast=self.fast_store, clusters=self.cluster_workers, slots=self.slots,
+            alone=False, memory=self.client_memory, fence=Fence(self.node_id, cluster.may_deliver),
+            before_scan=cluster.check_gap,
         )
-        self.broker.health_listeners.append(self._health_changed)
-        for store in self.broker.stores.values():
-            store.client_memory = self.client_memory
-        if self.cluster is None:
-            return self.broker.start()
-        self.cluster.attach(self.broker, self._fast_topics)
-        d = self.cluster.begin_incarnation(self.broker.stores)
-        return d.addCallback(lambda _: self.broker.start())
+        broker.health_listeners.append(self._health_changed)
+        cluster.attach(broker.stores, broker.refresh_registry, self._fast_topics)
+        d = cluster.begin_incarnation(broker.stores)
+        return d.addCallback(lambda _: broker.start())
 
     def _mirrors(self) -> Mirror:
         """The registry's rows into every cluster but main (``db.mirror``)."""

@@ -3,7 +3,7 @@ the registry (``topics``). It routes each publish to the reliable or the fast st
 the adapters see it only as ``interfaces.BrokerPort``, the one seam between them and the
 stores."""
 
-from dmq_server.broker.broker import REPLAY_PRODUCER, Broker
+from dmq_server.broker.broker import REPLAY_PRODUCER, Broker, Fence
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 
-__all__ = ["Broker", "TopicCache", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
+__all__ = ["Broker", "Fence", "TopicCache", "RELIABLE", "FAST", "REPLAY_PRODUCER"]

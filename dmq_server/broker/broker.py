@@ -36,6 +36,7 @@ from dmq_server.broker.interfaces import Store
 from dmq_server.broker.topic_admin import TopicAdmin
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
+from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
@@ -48,13 +49,13 @@ from dmq_server.db.outage import Outage
 from dmq_server.fast.fast_store import FastStore
 from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
-from dmq_server.reliable.store import ReliableStore
+from dmq_server.reliable.store import Fence, ReliableStore, StoreWiring
 from dmq_server.db.topic_steps import list_topics_steps
 from dmq_server.broker.placement import Placement
 from dmq_server.db.storage_errors import Misplaced
 from registry.model import TopicSpec
 
-__all__ = ["Broker", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
+__all__ = ["Broker", "Fence", "RELIABLE", "FAST", "REPLAY_PRODUCER"]
 
 log = Logger()
 
@@ -103,7 +104,11 @@ class Broker:
     passes ZooKeeper's reader, which also mirrors into PostgreSQL); ``fast`` is the fast
     store, or None for reliable topics only. ``clusters`` are the roles of every other
     PostgreSQL cluster and ``slots`` every cluster's id slot (``broker.placement``);
-    ``alone``: no other server uses these databases (default: no ``fetch_topics``)."""
+    ``alone``: no other server uses these databases (default: no ``fetch_topics``).
+    ``memory`` is the server's budget of bytes held for clients (channel windows count
+    against it); a cluster node gives its ``fence`` (what its stores may load and when
+    they may push) and ``before_scan`` (run before each scan: it checks for a gap in the
+    node's time, ``cluster.node``)."""
 
     def __init__(
         self,
@@ -116,6 +121,9 @@ class Broker:
         clusters: dict[str, dict[str, Any]] | None = None,
         slots: dict[str, int] | None = None,
         alone: bool | None = None,
+        memory: ClientMemory | None = None,
+        fence: Fence | None = None,
+        before_scan: Callable[[], None] = lambda: None,
     ):
         self.options = options
         self.clock = clock
@@ -127,20 +135,23 @@ class Broker:
         self.acks_refused = 0  # dmq-protocol acks for copies the acking consumer did not hold
         self.started_at = time.time()
         self._session_ids = GuidFactory(default_node_id(socket.gethostname()), lambda: int(clock.seconds() * 1e9))
-        # one reliable store per PostgreSQL cluster (broker.placement); ``reliable`` is main's
-        self.placement = Placement(
-            options, clock, {"main": workers, **(clusters or {})}, slots or {"main": 0}, node_id, self._set_health
-        )
-        self.stores = self.placement.stores
-        self.reliable = self.stores["main"]
         # publish -> commit of each stored send (its wait for a batch included), /metrics
         self.publish_commit_seconds = Buckets(LATENCY_SECONDS)
         # publish -> first delivery of each copy, /metrics
         self.publish_deliver_seconds = Buckets(DELIVERY_SECONDS)
-        for store in self.stores.values():
-            store.commit_latency = self.publish_commit_seconds
-            store.deliver_latency = self.publish_deliver_seconds
-            store.misplaced = self._misplaced
+        self._fence = fence
+        self._before_scan = before_scan  # a cluster node's check for a gap in its time
+        wiring = StoreWiring(
+            misplaced=self._misplaced, memory=memory, commit_latency=self.publish_commit_seconds,
+            deliver_latency=self.publish_deliver_seconds, fence=fence,
+        )
+        # one reliable store per PostgreSQL cluster (broker.placement); ``reliable`` is main's
+        self.placement = Placement(
+            options, clock, {"main": workers, **(clusters or {})}, slots or {"main": 0}, node_id, self._set_health,
+            wiring,
+        )
+        self.stores = self.placement.stores
+        self.reliable = self.stores["main"]
         self._health_outage = Outage("storage (group commit, registry)", clock)  # logged once per outage
         self.limits = RateLimiter(clock)
         fetch = fetch_topics or (lambda: workers["admin"].run_steps(list_topics_steps))
@@ -199,7 +210,7 @@ class Broker:
         the operators' pauses before the first push (a paused channel stays paused on
         restart)."""
         begun = [
-            succeed(None) if store.writes.owner else store.start(alone=self._alone)  # begun: a cluster node's lock
+            succeed(None) if store.incarnation else store.start(alone=self._alone)  # begun: a cluster node's lock
             for store in self.stores.values()
         ]
         d = gatherResults(begun, consumeErrors=True).addErrback(lambda f: f.value.subFailure)
@@ -215,6 +226,7 @@ class Broker:
     def scan(self) -> None:
         """The one scanner of both stores: copies whose deadline passed go back to
         their channel, deferred ones that are due become ready (``core.deadlines``)."""
+        self._before_scan()
         now = self.clock.seconds()
         for store in self.stores.values():
             store.scan(now)
@@ -510,8 +522,8 @@ class Broker:
         not while its ZooKeeper session is in doubt or lost, or after it stood still,
         until ZooKeeper confirms it (the cluster node's delivery gate). Asked by the wire
         protocols before bytes held since before a stall leave (``protocols.turn``)."""
-        gate = self.reliable.delivery_gate
-        return gate is None or gate()
+        fence = self._fence
+        return fence is None or fence.may_deliver()
 
     def subscribe(self, topic: str, channel: str, consumer: Receiver) -> Deferred:
         """Deferred firing with the reliable channel once the consumer is attached."""

@@ -21,6 +21,7 @@ ZooKeeper; another cluster's is in ``health`` per cluster, in ``/stats`` and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from twisted.logger import Logger
@@ -31,7 +32,7 @@ from dmq_server.core.options import Options
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
 from dmq_server.reliable.channel import Receiver
-from dmq_server.reliable.store import ReliableStore
+from dmq_server.reliable.store import ReliableStore, StoreWiring
 from registry.model import TopicSpec
 
 __all__ = ["Placement", "ChannelGroup", "merge_channel_stats"]
@@ -141,7 +142,8 @@ class Placement:
 
     ``workers`` maps each cluster to its database roles (``main`` first); ``slots``
     each cluster to its id slot (``db.clusters.place_clusters``). ``set_health`` is the
-    broker's (the node's health: the main cluster's)."""
+    broker's (the node's health: the main cluster's); ``wiring`` what every store is
+    given (each with its own cluster's name)."""
 
     def __init__(
         self,
@@ -151,6 +153,7 @@ class Placement:
         slots: dict[str, int],
         node_id: str,
         set_health: Callable[[bool, str], None],
+        wiring: StoreWiring = StoreWiring(),
     ):
         self.clock = clock
         self.stores: dict[str, ReliableStore] = {}
@@ -158,8 +161,7 @@ class Placement:
         self._outages: dict[str, Outage] = {}
         for name, roles in workers.items():
             health = self._main_health(set_health) if name == "main" else self._health_of(name)
-            self.stores[name] = ReliableStore(options, clock, roles, node_id, health)
-            self.stores[name].cluster = name
+            self.stores[name] = ReliableStore(options, clock, roles, node_id, health, replace(wiring, cluster=name))
             self.health[name] = (True, "")
         self.by_slot = {slots[name]: store for name, store in self.stores.items()}
         self.slot_of = dict(slots)

@@ -42,7 +42,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping
 
 from twisted.internet import defer
 from twisted.application.internet import TimerService
@@ -53,11 +53,21 @@ from twisted.python.failure import Failure
 from dmq_server.cluster.bridge import KazooBridge
 from registry.model import NodeInfo, RegistryError
 
+from dmq_server.core.clock import Timer
 from dmq_server.core.options import Options
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.worker import DbWorker
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
-from dmq_server.cluster.takeover import Takeover
+from dmq_server.cluster.takeover import ClusterStore, Takeover
+
+if TYPE_CHECKING:
+    from kazoo.client import KazooClient
+
+    from dmq_server.db.mirror import Mirror
+    from registry.membership import NodeMembership
+    from registry.takeover_lock import TakeoverLock
+    from registry.watcher import RegistryWatcher
+    from registry.model import TopicSpec
 
 __all__ = ["ClusterNode"]
 
@@ -74,7 +84,7 @@ class ClusterNode:
         node_id: str,
         dsn: str,
         admin: DbWorker,
-        mirror: Any = None,
+        mirror: Mirror | None = None,
         cluster_dsns: dict[str, str] | None = None,
     ):
         self.options = options
@@ -88,24 +98,26 @@ class ClusterNode:
         self._workers: dict[str, DbWorker] = {}  # a connection per cluster for takeovers
         self.takeovers: dict[str, Takeover] = {}  # one per cluster: its incarnations are its own
         self.bridge = KazooBridge(reactor)
-        self.client: Any = None
-        self.membership: Any = None
-        self.watcher: Any = None
+        self.client: KazooClient | None = None
+        self.membership: NodeMembership | None = None
+        self.watcher: RegistryWatcher | None = None
         self.takeover: Takeover | None = None
-        self.broker: Any = None
+        # the reliable stores by cluster and the broker's registry refresh (``attach``)
+        self._stores: Mapping[str, ClusterStore] = {}
+        self._refresh: Callable[[bool], defer.Deferred] | None = None
         self._worker: DbWorker | None = None
         #: live nodes by id, as last read from /dmq/node
         self.nodes: dict[str, NodeInfo] = {}
         self.registered = False
         self.stopping = False
         self.zk_state = "CONNECTED"
-        self._pause_timer: Any = None
+        self._pause_timer: Timer | None = None
         self._suspended_pause = False
         self._last_scan: float | None = None  # reactor time of the broker's last scan
         self._gap_check: str = ""  # "", "asking" (ZooKeeper asked), "again" (ask at the next scan)
         self._registering: defer.Deferred | None = None
-        self._start_lock: Any = None  # the takeover lock held from the incarnation's start
-        self._last_specs: list[Any] | None = None
+        self._start_lock: TakeoverLock | None = None  # the takeover lock held from the incarnation's start
+        self._last_specs: list[TopicSpec] | None = None
         self.timers = self._timers()
         self._nodes_reading = False
         self._nodes_again = False
@@ -120,7 +132,7 @@ class ClusterNode:
 
     # -- start --------------------------------------------------------------------------
     @defer.inlineCallbacks
-    def connect(self) -> Any:
+    def connect(self) -> Generator[defer.Deferred, Any, None]:
         """Reach ZooKeeper (bounded by --zk-connect-timeout) and prepare the registry."""
         from registry import zk
         from registry.watcher import RegistryWatcher
@@ -150,6 +162,18 @@ class ClusterNode:
         self._worker = self._workers["main"]
         log.info("connected to ZooKeeper at {zk}", zk=options.zk)
 
+    def _member(self) -> NodeMembership:
+        """This node's registration (made by ``register``, before any caller runs)."""
+        if self.membership is None:
+            raise RegistryError(f"node {self.node_id!r} has not registered yet")
+        return self.membership
+
+    def _watching(self) -> RegistryWatcher:
+        """The registry's watches (set by ``connect``, before any caller runs)."""
+        if self.watcher is None:
+            raise RegistryError("not connected to ZooKeeper yet")
+        return self.watcher
+
     def _zk(self, fn: Callable[..., Any], *args: Any, timeout: float | None = -1.0) -> defer.Deferred:
         """Run registry work on the bridge, failing at once while disconnected, and
         (unless ``timeout`` is None) giving up after ``timeout`` seconds on the reactor."""
@@ -161,7 +185,7 @@ class ClusterNode:
         return d
 
     @defer.inlineCallbacks
-    def begin_incarnation(self, stores: dict[str, Any]) -> Any:
+    def begin_incarnation(self, stores: Mapping[str, ClusterStore]) -> Generator[defer.Deferred, Any, None]:
         """Begin this process's incarnation on every cluster (``store.start``) holding the
         node's takeover lock, and keep it until the first registration names them: a
         takeover running meanwhile would see the node absent and retire them."""
@@ -179,15 +203,22 @@ class ClusterNode:
             raise
         self._start_lock = lock
 
-    def attach(self, broker: Any, fast_topics: Callable[[], dict[str, tuple[str, ...]]]) -> None:
-        """The broker delivers only owned copies, and nothing before registration."""
-        self.broker = broker
+    def attach(
+        self,
+        stores: Mapping[str, ClusterStore],
+        refresh_registry: Callable[[bool], defer.Deferred],
+        fast_topics: Callable[[], dict[str, tuple[str, ...]]],
+    ) -> None:
+        """The broker's reliable stores (made fenced by this node: ``reliable.store.Fence``
+        of its id and ``may_deliver``) deliver nothing before
+        registration; ``refresh_registry(fresh)`` is the broker's, called when a watch
+        fires."""
+        self._stores = stores
+        self._refresh = refresh_registry
         self._fast_topics = fast_topics
-        for store in broker.stores.values():
-            store.load_owner = self.node_id
         self._pause()
-        main = broker.reliable
-        for name, store in broker.stores.items():
+        main = stores["main"]
+        for name, store in stores.items():
             self.takeovers[name] = Takeover(
                 self._zk,
                 self.client,
@@ -199,12 +230,21 @@ class ClusterNode:
                 cluster=name,
             )
         self.takeover = self.takeovers["main"]
-        self._guard_scan(broker)
-        store.delivery_gate = self._may_deliver
 
     # -- a node that stood still -------------------------------------------------------------
-    def _guard_scan(self, broker: Any) -> None:
-        """Check for a gap in this node's time before each of the broker's scans.
+    def may_deliver(self) -> bool:
+        """Asked by a channel before it pushes: after a gap in this node's time (found
+        here before the overdue scan would find it: an ack read on waking pumps at once),
+        delivery pauses until ZooKeeper confirms the session, so nothing held from before
+        the gap is pushed while other nodes may have taken it over."""
+        last = self._last_scan
+        if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
+            self.check_gap()
+        main = self._stores.get("main")
+        return main is None or not main.paused
+
+    def check_gap(self) -> None:
+        """Run before each of the broker's scans (its ``before_scan``).
 
         A node frozen (SIGSTOP, a paused VM, a long stall) or whose clock stepped ahead
         for longer than its session may allow has had its copies taken over by other
@@ -216,26 +256,6 @@ class ClusterNode:
         than a third of the session timeout (the earliest an expiry may follow), delivery
         pauses until ZooKeeper confirms that the node's znode is still its session's.
         """
-        timer = broker.timers.getServiceNamed("scan")
-        scan, args, kwargs = timer.call
-
-        def guarded() -> Any:
-            self._check_gap()
-            return scan(*args, **kwargs)
-
-        timer.call = (guarded, (), {})
-
-    def _may_deliver(self) -> bool:
-        """Asked by a channel before it pushes: after a gap in this node's time (found
-        here before the overdue scan would find it: an ack read on waking pumps at once),
-        delivery pauses until ZooKeeper confirms the session, so nothing held from before
-        the gap is pushed while other nodes may have taken it over."""
-        last = self._last_scan
-        if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
-            self._check_gap()
-        return not self.broker.reliable.paused
-
-    def _check_gap(self) -> None:
         now = self.reactor.seconds()
         last, self._last_scan = self._last_scan, now
         if not self.registered or self.stopping or self.membership is None:
@@ -268,7 +288,7 @@ class ClusterNode:
         self._zk(self.membership.heartbeat).addCallbacks(answered, unanswered)
 
     @defer.inlineCallbacks
-    def register(self, host: str, tcp_port: int, http_port: int) -> Any:
+    def register(self, host: str, tcp_port: int, http_port: int) -> Generator[defer.Deferred, Any, None]:
         """Announce this node (listeners are up), then start delivering."""
         from registry.membership import NodeMembership
 
@@ -292,7 +312,7 @@ class ClusterNode:
         if not self.registered:
             raise RegistryError(f"node {self.node_id!r} could not register in ZooKeeper")
         self._started = True
-        nodes = yield self._zk(self.watcher.read_nodes)  # lookups answer at once
+        nodes = yield self._zk(self._watching().read_nodes)  # lookups answer at once
         self.nodes = {n.node_id: n for n in nodes}
         self._check_takeover()  # copies of nodes that died while none was watching
 
@@ -317,7 +337,12 @@ class ClusterNode:
         """Register (idempotent); one attempt at a time. Fires when done or failed."""
         if self._registering is not None:
             waiter: defer.Deferred = defer.Deferred()
-            self._registering.addBoth(lambda result: waiter.callback(None) or result)
+
+            def settled(result: object) -> object:
+                waiter.callback(None)
+                return result
+
+            self._registering.addBoth(settled)
             return waiter
 
         def done(_: object) -> None:
@@ -330,7 +355,7 @@ class ClusterNode:
             self._read_nodes()
             self._refresh_topics()
 
-        def failed(failure: Failure) -> Any:
+        def failed(failure: Failure) -> Failure | None:
             self._registering = None
             if self.stopping:
                 return None
@@ -346,7 +371,7 @@ class ClusterNode:
         return d
 
     @defer.inlineCallbacks
-    def _register_incarnation(self) -> Any:
+    def _register_incarnation(self) -> Generator[defer.Deferred, Any, None]:
         """Create the znode naming this process's incarnation, holding the takeover lock.
         After a lost session other nodes may have taken the incarnation over (retired:
         it stores nothing more), so under the lock a retired one is replaced by a new
@@ -355,32 +380,24 @@ class ClusterNode:
 
         lock, self._start_lock = self._start_lock, None
         if lock is None:
-            lock = yield self._zk(self.membership.lock, timeout=None)
+            lock = yield self._zk(self._member().lock, timeout=None)
         try:
-            stores = self.broker.stores if self.broker is not None else {}
+            stores = self._stores
             for name, store in stores.items():
                 worker = self._workers[name]
                 owners = yield worker.run_steps(read_owners_steps)
-                mine = [o for o in owners if o.owner == store.writes.owner]
-                if not mine or mine[0].retired:
-                    old = store.writes.owner
-                    new = yield worker.run_steps(create_owner_steps, self.node_id)
-                    store.writes.retired.add(old)
-                    store.writes.owner = new
-                    log.warn(
-                        "incarnation {old} of node {node} on cluster {cluster} was taken over while its session "
-                        "was lost: storing as incarnation {new} from now on",
-                        old=old, node=self.node_id, new=new, cluster=name,
-                    )
+                mine = [o for o in owners if o.owner == store.incarnation]
+                if not mine or mine[0].retired:  # taken over while the session was lost
+                    store.renew_incarnation((yield worker.run_steps(create_owner_steps, self.node_id)))
             if stores:
-                self.membership.update(
-                    incarnation=stores["main"].writes.owner,
-                    incarnations={name: s.writes.owner for name, s in stores.items() if name != "main"},
+                self._member().update(
+                    incarnation=stores["main"].incarnation,
+                    incarnations={name: s.incarnation for name, s in stores.items() if name != "main"},
                 )
         except BaseException:
             yield self._zk(lock.release)
             raise
-        yield self._zk(self.membership.register_locked, lock, timeout=None)
+        yield self._zk(self._member().register_locked, lock, timeout=None)
 
     def _retry_register(self) -> None:
         if not self.stopping and not self.registered and self.zk_state == "CONNECTED":
@@ -392,29 +409,30 @@ class ClusterNode:
 
         While ZooKeeper cannot be read, the last snapshot stands (the node keeps
         serving what it knew); with none yet, StorageError."""
-        d = self._zk(self.watcher.read_topics)
+        d = self._zk(self._watching().read_topics)
 
-        def unreadable(failure: Failure) -> Any:
+        def unreadable(failure: Failure) -> list[TopicSpec]:
             if self._last_specs is not None:
                 log.warn("ZooKeeper registry unreadable, keeping the last view: {why}", why=failure.getErrorMessage())
                 return self._last_specs
             raise StorageError(f"ZooKeeper registry unreadable: {failure.getErrorMessage()}")
 
-        def mirror(specs: list[Any]) -> defer.Deferred:
+        def mirror(specs: list[TopicSpec]) -> defer.Deferred:
             mirrored = self._admin.run_steps(mirror_topics_steps, specs)
-            if self._mirror is not None:
-                mirrored.addCallback(lambda _: self._mirror.mirror(specs))
+            other = self._mirror
+            if other is not None:
+                mirrored.addCallback(lambda _: other.mirror(specs))
             return mirrored.addCallback(lambda _: specs)
 
-        def remember(specs: list[Any]) -> list[Any]:
+        def remember(specs: list[TopicSpec]) -> list[TopicSpec]:
             self._last_specs = specs
             return specs
 
         return d.addErrback(unreadable).addCallback(mirror).addCallback(remember)
 
     def _refresh_topics(self) -> None:
-        if self.broker is not None and not self.stopping:
-            self.broker.refresh_registry(fresh=True).addErrback(
+        if self._refresh is not None and not self.stopping:
+            self._refresh(True).addErrback(
                 lambda f: log.warn("registry refresh failed: {why}", why=f.getErrorMessage())
             )
 
@@ -518,10 +536,8 @@ class ClusterNode:
     def _lose(self) -> None:
         self.registered = False
         self._pause()
-        if self.broker is not None:
-            for store in self.broker.stores.values():
-                for channel in list(store.channels.values()):
-                    channel.forget()
+        for store in self._stores.values():
+            store.forget_held()
 
     def _evicted(self) -> None:
         """Our znode vanished while the session lives (deleted by hand): others may be
@@ -532,16 +548,14 @@ class ClusterNode:
         self._register()
 
     def _pause(self) -> None:
-        if self.broker is None:
-            return
-        for store in self.broker.stores.values():
+        for store in self._stores.values():
             store.pause_delivery(True)
 
     def _resume(self) -> None:
-        if self.broker is None or not self.registered:
+        if not self.registered:
             return
         self._suspended_pause = False
-        for store in self.broker.stores.values():
+        for store in self._stores.values():
             store.pause_delivery(False)
 
     # -- periodic work ------------------------------------------------------------------
@@ -560,7 +574,7 @@ class ClusterNode:
             ):
                 self._evicted()
 
-        d = self._zk(self.membership.heartbeat)
+        d = self._zk(self._member().heartbeat)
         d.addCallbacks(beat, lambda f: log.warn("heartbeat failed: {why}", why=f.getErrorMessage()))
 
     def _announce(self) -> None:
@@ -571,8 +585,8 @@ class ClusterNode:
         if current == self._announced:
             return
         self._announced = current
-        self.membership.update(fast_topics=current)
-        self._zk(self.membership.heartbeat).addErrback(lambda f: None)
+        self._member().update(fast_topics=current)
+        self._zk(self._member().heartbeat).addErrback(lambda f: None)
 
     def _periodic(self) -> None:
         if not self._started:
@@ -582,7 +596,7 @@ class ClusterNode:
 
     # -- stop ---------------------------------------------------------------------------
     @defer.inlineCallbacks
-    def stop(self) -> Any:
+    def stop(self) -> Generator[defer.Deferred, Any, None]:
         """Leave the cluster (others take over what is still stored) and disconnect."""
         self.stopping = True
         self._cancel_pause_timer()
@@ -603,12 +617,12 @@ class ClusterNode:
         for worker in self._workers.values():
             worker.stop()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "zk": self.options.zk,
             "zk_state": self.zk_state,
             "registered": self.registered,
-            "delivery_paused": bool(self.broker is not None and self.broker.reliable.paused),
+            "delivery_paused": "main" in self._stores and self._stores["main"].paused,
             "re_registrations": self.re_registrations,
             "nodes": sorted(self.nodes),
             "takeover": self.takeover.stats() if self.takeover is not None else {},

@@ -26,25 +26,55 @@ makes one more run.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Protocol
 
 from twisted.internet import defer
 from twisted.logger import Logger
 
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.takeover_steps import claim_owners_steps, takeover_candidates_steps
 
-__all__ = ["Takeover"]
+if TYPE_CHECKING:
+    from kazoo.client import KazooClient
+
+__all__ = ["ClusterStore", "Takeover", "ZkCall"]
 
 log = Logger()
+
+
+class ClusterStore(Protocol):
+    """What a cluster node asks of each of its reliable stores (``reliable.store``,
+    which this layer does not import): its incarnation, begun under the node's
+    takeover lock and renewed after a lost session; the incarnations a takeover
+    retired; the cluster's pause; the copies held, dropped when the session is lost and
+    re-read where a takeover claimed cursors."""
+
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def paused(self) -> bool: ...
+    def start(self, alone: bool) -> defer.Deferred: ...
+    def renew_incarnation(self, owner: int) -> None: ...
+    def retire(self, owners: Iterable[int]) -> None: ...
+    def pause_delivery(self, paused: bool) -> None: ...
+    def forget_held(self) -> None: ...
+    def rescan(self, keys: Iterable[tuple[str, str]]) -> None: ...
+
+
+class ZkCall(Protocol):
+    """``ClusterNode._zk``: run ``fn(*args)`` on kazoo's side of the bridge, failing at
+    once while disconnected and after ``timeout`` seconds (-1: the default; None: never)."""
+
+    def __call__(self, fn: Callable[..., object], *args: object, timeout: float | None = -1.0) -> defer.Deferred: ...
 
 
 class Takeover:
     def __init__(
         self,
-        zk_call: Any,
-        client: Any,
-        worker: Any,
-        store: Any,
+        zk_call: ZkCall,
+        client: KazooClient,
+        worker: StepRunner,
+        store: ClusterStore,
         node_id: str,
         batch_size: int,
         can_claim: Callable[[], bool],
@@ -77,9 +107,8 @@ class Takeover:
             if again is not None:
                 self.check(again)
 
-        self._running.addErrback(
-            lambda f: log.warn("takeover check failed: {why}", why=f.getErrorMessage())
-        ).addBoth(finished)
+        self._running.addErrback(lambda f: log.warn("takeover check failed: {why}", why=f.getErrorMessage()))
+        self._running.addBoth(finished)
 
     def idle(self) -> defer.Deferred:
         """Fires when no run is in progress (for a clean shutdown)."""
@@ -87,11 +116,16 @@ class Takeover:
         if self._running is None:
             return defer.succeed(None)
         waiter: defer.Deferred = defer.Deferred()
-        self._running.addBoth(lambda result: waiter.callback(None) or result)
+
+        def done(result: object) -> object:
+            waiter.callback(None)
+            return result
+
+        self._running.addBoth(done)
         return waiter
 
     @defer.inlineCallbacks
-    def _run(self, live: dict[str, int]) -> Any:
+    def _run(self, live: dict[str, int]) -> Generator[defer.Deferred, Any, None]:
         if not self._can_claim():
             return
         candidates = yield self._worker.run_steps(takeover_candidates_steps)
@@ -100,12 +134,12 @@ class Takeover:
                 break
             if node in live and set(incarnations) <= {live[node]}:
                 continue  # a live node whose every incarnation storing is the one it runs
-            if node == self.node_id and set(incarnations) <= {self._store.writes.owner}:
+            if node == self.node_id and set(incarnations) <= {self._store.incarnation}:
                 continue
             yield self._take(node, incarnations, set(live) | {self.node_id})
 
     @defer.inlineCallbacks
-    def _take(self, dead: str, incarnations: list[int], live: set[str]) -> Any:
+    def _take(self, dead: str, incarnations: list[int], live: set[str]) -> Generator[defer.Deferred, Any, int]:
         from registry.takeover_lock import TakeoverLock
 
         lock = TakeoverLock(self._client, dead, f"takeover by {self.node_id}", self.cluster)
@@ -125,8 +159,8 @@ class Takeover:
                 holders = sorted(live - {dead})
                 rows = yield self._worker.run_steps(claim_owners_steps, dead, owners, self.node_id, holders)
                 total = sum(n for _, _, n in rows)
-                self._store.writes.retired.update(owners)
-                self._rescan({(topic, channel) for topic, channel, _ in rows})
+                self._store.retire(owners)
+                self._store.rescan({(topic, channel) for topic, channel, _ in rows})
         finally:
             yield self._zk(lock.release)
         if total or owners:
@@ -138,11 +172,5 @@ class Takeover:
             )
         return total
 
-    def _rescan(self, keys: set[tuple[str, str]]) -> None:
-        for key in keys:
-            channel = self._store.channels.get(key)
-            if channel is not None:
-                channel.rescan()
-
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {"claimed": self.claimed, "by_departed_node": dict(self.claims)}

@@ -21,22 +21,25 @@ read together to see that no copy is lost or handed out twice.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_server.core.clock import Clock
+from dmq_server.core.buckets import Buckets
+from dmq_server.core.client_memory import ClientMemory
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import Invalid
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, Send, stored_before
-from dmq_server.db.delays import MovedMessage, NewDelayed, insert_delayed_steps
+from dmq_server.db.delays import MovedMessage, NewDelayed, StoredDelay, insert_delayed_steps
 from dmq_server.db.storage_errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
     AckRun,
     CursorProgress,
-    NewMessage,
+    StoredMessage,
     backends_alive_steps,
     create_owner_steps,
     empty_channel_steps,
@@ -49,6 +52,7 @@ from dmq_server.db.messages import (
     sweep_batch_steps,
 )
 from dmq_server.db.outage import Outage
+from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.cursor import acks_by_cursor, split_fenced
@@ -59,7 +63,13 @@ from dmq_server.reliable.trace import TraceSink
 from dmq_server.reliable.writer import AckBatcher, GroupCommitWriter
 from registry.model import TopicSpec
 
-__all__ = ["ReliableStore"]
+if TYPE_CHECKING:  # the scheduler stage makes it, with this store's callbacks
+    from dmq_server.reliable.delay import DelayScheduler
+
+__all__ = ["Fence", "Outcome", "ReliableStore", "StoreWiring"]
+
+#: what a producer hears of one send: stored (``Published``), or why not
+Outcome = Published | BaseException
 
 # sends of unknown outcome remembered at most (the oldest are forgotten beyond it)
 MAX_UNRESOLVED = 100_000
@@ -74,115 +84,178 @@ SWEEP_DUTY = 0.25
 log = Logger()
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A cluster node's hold on a store (``cluster.node``): load only the copies of the
+    owners whose cursors ``owner`` (the node id) holds, and push only while
+    ``may_deliver()`` says so (not while the node's ZooKeeper session is in doubt)."""
+
+    owner: str
+    may_deliver: Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class StoreWiring:
+    """What the server around a store gives it when it is made: its PostgreSQL
+    ``cluster`` (``broker.placement``); ``misplaced``, called when a send's topic was not
+    placed on this cluster (moved); the server's one budget of bytes held for clients
+    (``memory``, channel windows count against it); where publish -> commit and publish
+    -> first delivery are recorded for /metrics (None: not recorded); and a cluster
+    node's ``fence`` (None: one node, every owner's copies are this store's to deliver)."""
+
+    cluster: str = "main"
+    misplaced: Callable[[], None] | None = None
+    memory: ClientMemory | None = None
+    commit_latency: Buckets | None = None
+    deliver_latency: Buckets | None = None
+    fence: Fence | None = None
+
+
+class _Unresolved:
+    """Sends of unknown outcome (their commit's answer was lost), looked for in the
+    store until it shows them: a commit cut off while it waited (for its synchronous
+    standby, say) becomes visible when it ends, maybe after every rescan
+    (``ReliableStore._resolve_unknown``); and the topics whose channels are re-read
+    after the next commit."""
+
+    def __init__(self) -> None:
+        self.sends: dict[tuple[str, int], tuple[str, float]] = {}  # (producer, session) -> (topic, seen at)
+        self.topics: set[str] = set()
+        self.asking = False
+        self.next_at = 0.0
+        self.count = 0  # writes whose outcome was unknown, since start
+
+
+class _Sweep:
+    """The retention sweep's pass (``ReliableStore.sweep``): batches while they come
+    back full."""
+
+    def __init__(self) -> None:
+        self.batch = SWEEP_BATCH
+        self.swept = 0
+        self.running = self.stopped = False
+        self.call: Timer | None = None
+        self.start_id = 0  # no message below this id is inside the retention window
+
+
 class ReliableStore:
     """Channels of reliable topics, the writers that fill them, the acker that empties
     them. ``set_health(ok, why)`` tells the broker when PostgreSQL stops or resumes
-    taking writes or reads."""
+    taking writes or reads; ``wiring`` is what the server around it gives it."""
 
     def __init__(
         self,
         options: Options,
         clock: Clock,
-        workers: dict[str, Any],
+        workers: Mapping[str, StepRunner],
         node_id: str,
         set_health: Callable[[bool, str], None],
+        wiring: StoreWiring = StoreWiring(),
     ):
         self.options = options
         self.clock = clock
         self.node_id = node_id
-        self.cluster = "main"  # the PostgreSQL cluster of ``workers`` (broker.placement)
-        # called when a send's topic was not placed on this cluster (moved; set by the broker)
-        self.misplaced: Callable[[], None] | None = None
-        # the server's core.client_memory.ClientMemory: channel windows bounded in bytes (set by the service)
-        self.client_memory: Any = None
+        self.wiring = wiring
+        self.cluster = wiring.cluster
+        fence = wiring.fence
+        # cluster: load only the copies of the owners whose cursors this node holds;
+        # deliver nothing while paused (not registered, or the session is in doubt)
+        self.load_owner = fence.owner if fence is not None else None
         self._workers = workers
         self._set_health = set_health
         self.topics: dict[str, TopicSpec] = {}  # the reliable topics, from the broker's registry cache
         self.channels: dict[tuple[str, str], ReliableChannel] = {}
-        # cluster: load only the copies of the owners whose cursors this node holds (its
-        # node id; None on one node: every owner's); deliver nothing while paused (not
-        # registered, or the registry session is in doubt); see dmq_server.cluster.node
-        self.load_owner: str | None = None
         # this incarnation (dmq_owner, made by ``start``) and its writes in progress: how
         # far a channel's cursor may cover each owner's ids (reliable.horizon)
         self.writes = OwnWrites()
         self.alone = True  # no ZooKeeper (set by ``start``)
-        self._checking_held = False
         self.paused = False
-        # cluster: asked before a channel pushes (see ReliableChannel.gate)
-        self.delivery_gate: Callable[[], bool] | None = None
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
-        # topics with a write whose outcome is unknown (its answer was lost): their
-        # channels are re-read from the store now and again after the next commit
-        self._unknown_topics: set[str] = set()
+        self._checking_held = False
         # per topic, the channels named by its last answer that names them all (_confirm_channels)
         self._named_last: dict[str, set[str]] = {}
-        self.unknown_outcomes = 0
+        self._unresolved = _Unresolved()
         # acks not applied because another node holds their cursor now (_acks_done)
         self.acks_fenced = 0
-        # the sends of those writes, looked for in the store until it shows them: a
-        # commit cut off while it waited (for its synchronous standby, say) becomes
-        # visible when it ends, maybe after every rescan (see _resolve_unknown)
-        self._unresolved: dict[tuple[str, int], tuple[str, float]] = {}
-        self._resolving = False
-        self._resolve_after = 0.0
-        self.publish_count = 0
+        self.publish_count = self.delayed_count = 0
         # the committed batch's new messages with their channels' names, until _hand_on
-        self._arrived: list[tuple[ReliableMessage, Any]] = []
-        self.delayed_count = 0
+        self._arrived: list[tuple[ReliableMessage, Sequence[str]]] = []
         self._load_outage = Outage("backlog loads", clock)
         writers = [w for role, w in sorted(workers.items()) if role.startswith("writer")]
-        self.writer = GroupCommitWriter(
-            writers,
-            node_id,
-            options.commit_batch_size,
-            self._writer_health,
-            on_unknown=self._unknown_sends,
-            clock=clock,
-            writes=self.writes,
-            on_batch=self._hand_on,
+        self.writer: GroupCommitWriter[Send, StoredMessage] = GroupCommitWriter(
+            writers, node_id, options.commit_batch_size, self._writer_health,
+            on_unknown=self._unknown_sends, clock=clock, writes=self.writes, on_batch=self._hand_on,
         )
         self.acker = AckBatcher(
-            workers["acker"],
-            clock,
-            options.ack_batch_size,
-            options.ack_flush_interval,
-            self._acks_done,
+            workers["acker"], clock, options.ack_batch_size, options.ack_flush_interval, self._acks_done,
             progress=self._ack_progress,
         )
+        sink_db = workers.get("deadletter") or workers["admin"]
         self.dead_letters = DeadLetterSink(
-            workers.get("deadletter") or workers["admin"],
-            clock,
-            node_id,
-            lambda topic, name: self.channels.get((topic, name)),
+            sink_db, clock, node_id, lambda topic, name: self.channels.get((topic, name)),
             fenced=lambda: self.load_owner is not None,
         )
         # deliveries that come back unacknowledged, for the message trace
-        self.trace = TraceSink(workers.get("deadletter") or workers["admin"], clock, node_id)
+        self.trace = TraceSink(sink_db, clock, node_id)
         delay_db = workers.get("delay-writer")
         # a delayed row of unknown outcome needs nothing here: the delay workers poll
         # their fragments and find it when it is due
-        self.delay_writer = GroupCommitWriter(
-            [delay_db] if delay_db is not None else writers,
-            node_id,
-            options.commit_batch_size,
-            set_health,
+        self.delay_writer: GroupCommitWriter[NewDelayed, StoredDelay] = GroupCommitWriter(
+            [delay_db] if delay_db is not None else writers, node_id, options.commit_batch_size, set_health,
             insert=insert_delayed_steps,
         )
-        self.delays: Any = None  # the DelayScheduler, attached by the scheduler stage
-        # publish -> commit of each stored send (its wait for a batch included), for
-        # /metrics; set by the broker (a core.buckets.Buckets), None: not recorded
-        self.commit_latency: Any = None
+        self._delays: DelayScheduler | None = None  # the scheduler stage's (schedule_delays_with)
         # every channel's stored depth, counted a slice at a time (run by the broker's timers)
         self.depths = DepthCount(workers["admin"], clock, self._apply_depths, options.channel_state_interval)
-        # the retention sweep's pass (sweep): batches while they come back full
-        self.sweep_batch = SWEEP_BATCH
-        self.swept_count = 0
-        self._sweeping = self._sweep_stopped = False
-        self._sweep_call: Any = None
-        self._sweep_from = 0  # no message below this id is inside the retention window
-        # publish -> first delivery of each copy, likewise
-        self.deliver_latency: Any = None
+        self._sweep = _Sweep()
+
+    @property
+    def unknown_outcomes(self) -> int:
+        """Writes whose outcome was unknown (their answer lost), since start."""
+        return self._unresolved.count
+
+    @property
+    def swept_count(self) -> int:
+        """Messages the retention sweep deleted, since start."""
+        return self._sweep.swept
+
+    @property
+    def incarnation(self) -> int:
+        """This server's incarnation on the store's cluster (0 before ``start``)."""
+        return self.writes.owner
+
+    def schedule_delays_with(self, delays: DelayScheduler) -> None:
+        """The scheduler stage's delay scheduler: a delayed send is stored in one of its
+        fragments, and it is told of each (it moves them to the channels when due)."""
+        self._delays = delays
+
+    def renew_incarnation(self, owner: int) -> None:
+        """Store as ``owner`` from now on: the incarnation before it was retired (by
+        another server, while this one stood still or lost its session)."""
+        old = self.writes.owner
+        self.writes.retired.add(old)
+        self.writes.owner = owner
+        log.warn("incarnation {old} of node {node} on cluster {cluster} was retired by another server: "
+                 "storing as {new}", old=old, node=self.node_id, cluster=self.cluster, new=owner)
+
+    def retire(self, owners: Iterable[int]) -> None:
+        """These incarnations are over (a takeover claimed their cursors): nothing more
+        of theirs is waited for (``reliable.horizon``)."""
+        self.writes.retired.update(owners)
+
+    def forget_held(self) -> None:
+        """Drop every copy held in memory (a cluster node that lost its session: other
+        nodes may be taking them over); each channel loads what it still owns later."""
+        for channel in list(self.channels.values()):
+            channel.forget()
+
+    def rescan(self, keys: Iterable[tuple[str, str]]) -> None:
+        """These channels read their copies from the store again (a takeover claimed
+        stored copies for them)."""
+        for key in keys:
+            channel = self.channels.get(key)
+            if channel is not None:
+                channel.rescan()
 
     # -- lifecycle --------------------------------------------------------
     def start(self, alone: bool) -> Deferred:
@@ -194,7 +267,7 @@ class ReliableStore:
         self.alone = alone
         d = self._workers["admin"].run_steps(create_owner_steps, self.node_id)
 
-        def made(owner: int) -> Any:
+        def made(owner: int) -> Deferred | None:
             self.writes.owner = owner
             log.info("storing as incarnation {owner} of node {node}", owner=owner, node=self.node_id)
             return self._retire_silent() if alone else None
@@ -223,22 +296,12 @@ class ReliableStore:
         admin = self._workers["admin"]
         d = admin.run_steps(owner_heartbeat_steps, self.writes.owner)
 
-        def beaten(alive: bool) -> Any:
+        def beaten(alive: bool) -> Deferred | None:
             if alive:
                 return self._retire_silent() if self.alone else None
             if not self.alone:
                 return None  # in a cluster a new incarnation begins under the takeover lock (cluster.node)
-            old = self.writes.owner
-
-            def renewed(owner: int) -> None:
-                self.writes.retired.add(old)
-                self.writes.owner = owner
-                log.warn(
-                    "incarnation {old} of node {node} was retired by another server: storing as {new}",
-                    old=old, node=self.node_id, new=owner,
-                )
-
-            return admin.run_steps(create_owner_steps, self.node_id).addCallback(renewed)
+            return admin.run_steps(create_owner_steps, self.node_id).addCallback(self.renew_incarnation)
 
         d.addCallback(beaten)
         d.addErrback(lambda f: f.trap(StorageError))
@@ -246,10 +309,11 @@ class ReliableStore:
 
     def stop(self) -> Deferred:
         """Commit and answer what is queued, make acks durable."""
-        self._sweep_stopped = True
-        if self._sweep_call is not None and self._sweep_call.active():
-            self._sweep_call.cancel()
-        self._sweep_call = None
+        sweep = self._sweep
+        sweep.stopped = True
+        if sweep.call is not None and sweep.call.active():
+            sweep.call.cancel()
+        sweep.call = None
         d = self.writer.close()
         d.addCallback(lambda _: self.delay_writer.close())
         d.addCallback(lambda _: self.dead_letters.close())
@@ -258,11 +322,12 @@ class ReliableStore:
         return d
 
     def _writer_health(self, ok: bool, why: str) -> None:
-        if ok and self._unknown_topics:
+        unresolved = self._unresolved
+        if ok and unresolved.topics:
             # A write of unknown outcome may become visible only after its failure was
             # seen (a commit that finished after its connection broke): read again
             # now that a commit went through.
-            topics, self._unknown_topics = self._unknown_topics, set()
+            topics, unresolved.topics = unresolved.topics, set()
             self._rescan_topics(topics)
         self._set_health(ok, why)
 
@@ -272,18 +337,19 @@ class ReliableStore:
         resend of them is answered as a duplicate and hands nothing either). Every
         channel of ``topics`` (all channels for None) reads its copies from the store
         again: now, and once more after the next successful commit."""
-        self.unknown_outcomes += 1
+        self._unresolved.count += 1
         if topics is None:
             topics = {topic for topic, _ in self.channels}
-        self._unknown_topics |= topics
+        self._unresolved.topics |= topics
         self._rescan_topics(topics)
 
-    def _unknown_sends(self, items: list[NewMessage]) -> None:
+    def _unknown_sends(self, items: list[Send]) -> None:
         now = self.clock.seconds()
+        unresolved = self._unresolved.sends
         for m in items:
-            self._unresolved[(m.producer, m.session_id)] = (m.topic, now)
-        while len(self._unresolved) > MAX_UNRESOLVED:  # memory stays bounded: the oldest go
-            del self._unresolved[next(iter(self._unresolved))]
+            unresolved[(m.producer, m.session_id)] = (m.topic, now)
+        while len(unresolved) > MAX_UNRESOLVED:  # memory stays bounded: the oldest go
+            del unresolved[next(iter(unresolved))]
         self.outcome_unknown({m.topic for m in items})
 
     def _resolve_unknown(self, now: float) -> None:
@@ -298,23 +364,25 @@ class ReliableStore:
         duplicates (stored), maybe by another node, and no channel would be handed
         the copies (the chaos suite's pg-primary-kill lost some so, once).
         """
-        if not self._unresolved or self._resolving or now < self._resolve_after:
+        state = self._unresolved
+        unresolved = state.sends
+        if not unresolved or state.asking or now < state.next_at:
             return
-        self._resolve_after = now + 1.0
-        self._resolving = True
-        pairs = list(itertools.islice(self._unresolved, 1000))
+        state.next_at = now + 1.0
+        state.asking = True
+        pairs = list(itertools.islice(unresolved, 1000))
 
         def found(stored: list[tuple[str, int]]) -> None:
-            self._resolving = False
-            topics = {self._unresolved.pop(pair)[0] for pair in stored if pair in self._unresolved}
+            state.asking = False
+            topics = {unresolved.pop(pair)[0] for pair in stored if pair in unresolved}
             horizon = now - self.options.message_retention
-            for pair in [p for p in pairs if p in self._unresolved and self._unresolved[p][1] < horizon]:
-                del self._unresolved[pair]  # never committed: its resend stored it anew, or none came
+            for pair in [p for p in pairs if p in unresolved and unresolved[p][1] < horizon]:
+                del unresolved[pair]  # never committed: its resend stored it anew, or none came
             if topics:
                 self._rescan_topics(topics)
 
         def failed(failure: Failure) -> None:
-            self._resolving = False
+            state.asking = False
             failure.trap(StorageError)
 
         self._workers["loader"].run_steps(find_stored_steps, pairs).addCallbacks(found, failed)
@@ -350,13 +418,13 @@ class ReliableStore:
                     if closer is not None:
                         closer(channel)
         for key in wanted:
-            channel = self.channels.get(key)
-            if channel is None:
+            kept = self.channels.get(key)
+            if kept is None:
                 self.channel(*key)
             else:
                 spec = topics[key[0]]
-                channel.msg_timeout = spec.msg_timeout_ms / 1000.0
-                channel.max_attempts = spec.max_attempts
+                kept.msg_timeout = spec.msg_timeout_ms / 1000.0
+                kept.max_attempts = spec.max_attempts
 
     def channel(self, topic: str, name: str) -> ReliableChannel:
         """The channel in memory, made on first use."""
@@ -376,11 +444,12 @@ class ReliableStore:
                 on_attempt=self.dead_letters.on_attempt,
                 on_exhausted=self.dead_letters.on_exhausted,
                 on_return=self.trace.returned,
-                deliver_latency=self.deliver_latency,
-                memory=self.client_memory,
+                deliver_latency=self.wiring.deliver_latency,
+                memory=self.wiring.memory,
             )
             channel.paused = self.paused
-            channel.gate = self.delivery_gate
+            fence = self.wiring.fence
+            channel.gate = fence.may_deliver if fence is not None else None
             # opened after an answer of its topic that did not name it: _confirm_channels
             channel.confirmed = name in self._named_last.get(topic, (name,))
             channel.held = (topic, name) in self._held
@@ -388,7 +457,7 @@ class ReliableStore:
         return channel
 
     # -- storing ------------------------------------------------------------
-    def store(self, send: Send, done: Callable[[Any], None]) -> None:
+    def store(self, send: Send, done: Callable[[Outcome], None]) -> None:
         """Commit ``send`` with a delivery per subscribed channel, then hand it to those
         channels and call ``done`` with ``Published`` (or the ``DmqError``). A pair stored
         before answers a ``send.resend`` with its stored message and refuses any other
@@ -403,11 +472,11 @@ class ReliableStore:
         ``start`` on, in order: the whole run in one call, unless a batch ended inside it
         (``GroupCommitWriter.submit_run``)."""
         staged_at = self.clock.seconds()
-        latency = self.commit_latency
+        latency = self.wiring.commit_latency
 
-        def committed(start: int, results: list) -> None:
+        def committed(start: int, results: Sequence[StoredMessage | Exception]) -> None:
             arrived, owner = self._arrived, self.writes.owner  # _hand_on takes the list after each batch
-            outcomes: list[Any] = []
+            outcomes: list[Outcome] = []
             timed = stored_now = 0
             for send, stored in zip(sends[start : start + len(results)], results):
                 if isinstance(stored, BaseException):
@@ -439,7 +508,9 @@ class ReliableStore:
         named = self._to_channels(arrived)
         self._confirm_channels({message.topic for message, _ in arrived}, named)
 
-    def _to_channels(self, arrived: list[tuple[ReliableMessage, Any]]) -> dict[tuple[str, str], list]:
+    def _to_channels(
+        self, arrived: list[tuple[ReliableMessage, Sequence[str]]]
+    ) -> dict[tuple[str, str], list[ReliableMessage]]:
         """Each channel gets its copies of these messages in one call, in this order
         (``ReliableChannel.add_many``: one loop per channel instead of a call chain per
         copy, bench/channel_cost.py). Returns the copies by (topic, channel)."""
@@ -460,7 +531,7 @@ class ReliableStore:
             channel.add_many(messages)
         return copies
 
-    def _confirm_channels(self, topics: set[str], named: dict[tuple[str, str], Any]) -> None:
+    def _confirm_channels(self, topics: set[str], named: Mapping[tuple[str, str], object]) -> None:
         """A channel registered while a batch was being stored can miss copies: the
         statement names the channels registered in its snapshot, but a channel whose
         registration commits during the statement may have a lower start_id than the
@@ -498,14 +569,14 @@ class ReliableStore:
             else:
                 channel.confirmed = False
 
-    def store_delayed(self, send: Send, due_ms: int, done: Callable[[Any], None]) -> None:
+    def store_delayed(self, send: Send, due_ms: int, done: Callable[[Outcome], None]) -> None:
         """Commit ``send`` into the delay table; ``Published.message_id`` is the delay
         entry's id. The delay scheduler moves it to the channels when due. A stored pair
         is answered or refused as in ``store``."""
-        delays = self.delays
+        delays = self._delays
         fragment = delays.pick_fragment() if delays is not None else 1
 
-        def committed(stored: Any) -> None:
+        def committed(stored: StoredDelay | BaseException) -> None:
             if isinstance(stored, BaseException):
                 self._refused(stored, done)
                 return
@@ -521,14 +592,15 @@ class ReliableStore:
         item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body)
         self.delay_writer.submit_cb(item, committed)
 
-    def _refused(self, failure: BaseException, done: Callable[[Any], None]) -> None:
+    def _refused(self, failure: BaseException, done: Callable[[Outcome], None]) -> None:
         done(self._refusal(failure))
 
     def _refusal(self, failure: BaseException) -> BaseException:
         """What the producer of a send that was not stored hears (``_answer_for``); a send
         this node may no longer store (``Misplaced``) is reported first."""
-        if isinstance(failure, Misplaced) and self.misplaced is not None:
-            self.misplaced()
+        misplaced = self.wiring.misplaced
+        if isinstance(failure, Misplaced) and misplaced is not None:
+            misplaced()
         return _answer_for(failure)
 
     def deliver_moved(self, messages: list[MovedMessage]) -> None:
@@ -776,30 +848,31 @@ class ReliableStore:
         --sweep-interval removed at most 333 messages a second, fewer than a steady
         publisher adds, and one statement of 10,000 held a core for 0.4 s in the group
         commit's way. A pass still going when the timer fires again is left alone."""
-        if self._sweep_call is not None or self._sweeping:
+        if self._sweep.call is not None or self._sweep.running:
             return succeed(None)
         return self._sweep_batch()
 
     def _sweep_batch(self) -> Deferred:
-        self._sweep_call = None
-        self._sweeping = True
+        sweep = self._sweep
+        sweep.call = None
+        sweep.running = True
         started = self.clock.seconds()
         d = self._workers["admin"].run_steps(
-            sweep_batch_steps, self.options.message_retention, self.sweep_batch, self._sweep_from
+            sweep_batch_steps, self.options.message_retention, sweep.batch, sweep.start_id
         )
 
         def swept(result: tuple[int, int | None]) -> None:
             count, first_kept = result
-            self._sweeping = False
-            self.swept_count += count
+            sweep.running = False
+            sweep.swept += count
             if first_kept is not None:  # ids grow with time: the window starts here or later
-                self._sweep_from = first_kept
-            if count >= self.sweep_batch and not self._sweep_stopped:
+                sweep.start_id = first_kept
+            if count >= sweep.batch and not sweep.stopped:
                 pause = (self.clock.seconds() - started) * (1 / SWEEP_DUTY - 1)
-                self._sweep_call = self.clock.callLater(pause, self._continue_sweep)
+                sweep.call = self.clock.callLater(pause, self._continue_sweep)
 
         def failed(failure: Failure) -> None:
-            self._sweeping = False
+            sweep.running = False
             failure.trap(StorageError)  # the next --sweep-interval tries again
 
         return d.addCallbacks(swept, failed)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from twisted.internet.task import Clock
 
-from dmq_server.broker import Broker
+from dmq_server.broker import Broker, Fence
 from dmq_server.core.errors import Exiting, Invalid, NoTopic, QueueFailed, RateLimited
 from dmq_server.core.publish import Published, PublishRequest, Send
 from dmq_server.core.options import Options
@@ -24,6 +24,7 @@ from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.memory import MemoryDb
 from dmq_server.fast.fast_store import FastStore
 from dmq_server.reliable.writer import PARALLEL_MIN
+from dmq_server.reliable import store as reliable_store
 from tests.unit.test_nsq_store import FakeClient, MemoryBackend
 
 NODE = "node-1"
@@ -42,7 +43,7 @@ class Consumer:
 
 
 class Harness:
-    def __init__(self, db_delay: float = 0.0, **options: Any):
+    def __init__(self, db_delay: float = 0.0, fence: Fence | None = None, **options: Any):
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.db = MemoryDb(self.clock, delay=db_delay)
@@ -52,7 +53,7 @@ class Harness:
         roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
         self.fast = FastStore(self.clock, None, node_id=1, backend_factory=lambda name: MemoryBackend())
         self.fast.start()
-        self.broker = Broker(Options(**options), self.clock, roles, NODE, fast=self.fast)
+        self.broker = Broker(Options(**options), self.clock, roles, NODE, fast=self.fast, fence=fence)
         self.acknowledged: dict[tuple[str, int], int] = {}  # (producer, session) -> id the producer was told
         self.answers: dict[tuple[str, int], Any] = {}
         started = self.broker.start()
@@ -275,13 +276,13 @@ def test_acks_survive_a_failed_ack_batch(h):
     assert h.broker.reliable.acker.acked == 5
 
 
-def test_acks_flushed_after_another_node_took_the_cursor_are_not_made_durable(h):
+def test_acks_flushed_after_another_node_took_the_cursor_are_not_made_durable():
     """In a cluster, acks still queued when another node claimed the cursor (this node
     froze past its ZooKeeper session) are refused by the ack statement: not counted
     durable, not logged, and the copies forgotten here, so only the new holder delivers
     them; the acks flushed before the claim stay durable."""
+    h = Harness(fence=Fence(NODE, lambda: True))  # a cluster node: its acks are fenced
     store = h.broker.reliable
-    store.load_owner = NODE  # a cluster node: its acks are fenced
     billing = Consumer()
     h.subscribe("orders", "billing", billing)
     for i in range(5):
@@ -737,14 +738,14 @@ def test_the_stored_depths_reach_the_channels_from_the_depth_count(h):
     assert "depth-count-main" in {t.name for t in h.broker.timers}
 
 
-def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_after_each():
+def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_after_each(monkeypatch):
     """A backlog of old, fully acknowledged messages goes in one pass of batches: the next
     batch starts three times the last batch's duration after it ended (SWEEP_DUTY), the
     pass stops at a batch that is not full, a timer firing meanwhile starts no second pass,
     and the store's stop cancels a batch that is waiting."""
+    monkeypatch.setattr(reliable_store, "SWEEP_BATCH", 10)
     h = Harness(db_delay=0.01, message_retention=60.0, sweep_interval=3600.0)
     store = h.broker.reliable
-    store.sweep_batch = 10
     billing, audit = Consumer(), Consumer()
     h.subscribe("orders", "billing", billing)
     h.subscribe("orders", "audit", audit)
@@ -764,14 +765,14 @@ def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_af
         if store.swept_count != (done[-1][1] if done else 0):
             done.append((h.clock.seconds(), store.swept_count))
             if len(done) == 1:  # the timer fires during the pause: no second pass
-                waiting = store._sweep_call
-                assert waiting is not None and store.sweep().called and store._sweep_call is waiting
+                waiting = store._sweep.call
+                assert waiting is not None and store.sweep().called and store._sweep.call is waiting
     assert [count for _, count in done] == [10, 20, 25] and not h.db.messages
     first = done[0][0] - started
     assert first > 0
     for (before, _), (after, _) in zip(done, done[1:]):  # a pause of 3x the batch, then a batch
         assert 4 * first - 0.003 <= after - before <= 4 * first + 0.003
-    assert store._sweep_call is None  # the pass ended at the batch of 5
+    assert store._sweep.call is None  # the pass ended at the batch of 5
 
     # a pass cut short by the store's stop
     billing.pushed.clear()
@@ -784,10 +785,10 @@ def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_af
     h.settle(61)
     store.sweep()
     h.settle(first + 0.002)
-    assert store.swept_count == 35 and store._sweep_call is not None
+    assert store.swept_count == 35 and store._sweep.call is not None
     store.stop()
     h.settle(1)
-    assert store.swept_count == 35 and store._sweep_call is None
+    assert store.swept_count == 35 and store._sweep.call is None
 
 
 def _hide_channel(h: Harness, monkeypatch: Any, name: str) -> Any:

@@ -21,7 +21,7 @@ from dmq_client.spelling import MAX_TIME_MS
 from dmq_client.wire import Command, Frame, FrameDecoder, MessageType, encode, features, pack_ids
 from twisted.internet.defer import succeed
 
-from dmq_server.broker import Broker
+from dmq_server.broker import Broker, Fence
 from dmq_server.core.auth import PUBLISH, AuthState, Grant
 from dmq_server.core.options import Options
 from dmq_server.db.memory import MemoryDb
@@ -30,14 +30,14 @@ from dmq_server.reliable.channel import ReliableMessage
 
 
 class Server:
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, fence: Fence | None = None, **options: Any) -> None:
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.db = MemoryDb(self.clock)
         self.db.create_topic("orders", ["billing"])
         self.db.create_topic("other", ["billing"])
         roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
-        self.broker = Broker(Options(**options), self.clock, roles, "node-1")
+        self.broker = Broker(Options(**options), self.clock, roles, "node-1", fence=fence)
         self.broker.start()
         self.registry: set = set()
 
@@ -482,13 +482,13 @@ def test_a_copy_that_cannot_be_pushed_fails_no_other_of_its_run() -> None:
         (Command.CONSUMER_PUSH, 1, "billing"), (Command.CONSUMER_PUSH, 3, "billing")]
 
 
-def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node_may_not_push(server):
+def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node_may_not_push():
     """A push queued for the end of its reactor turn, then a stall (SIGSTOP) past the node's
     ZooKeeper session: the woken node's gate is closed (another node may hold the copy and
     have seen it acknowledged), so the consumer's connection closes without the push and
     the copy goes back; a producer's answers in such a turn still go out."""
     gate = [True]
-    server.broker.reliable.delivery_gate = lambda: gate[0]  # the cluster node's, in a cluster
+    server = Server(fence=Fence("node-1", lambda: gate[0]))  # a cluster node's gate
     producer, consumer = server.connect(), server.connect()
     producer.received(), consumer.received()
     consumer.send(Frame(Command.UP_SUBSCRIBE, session_id=9, topic="orders", channel="billing", credit=10))

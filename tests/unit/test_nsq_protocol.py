@@ -13,7 +13,7 @@ from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from dmq_server.broker import Broker, TopicCache
+from dmq_server.broker import Broker, Fence, TopicCache
 from dmq_server.core.limits import RateLimiter
 from dmq_server.reliable.store import ReliableStore
 from dmq_server.core.errors import Invalid, NoChannel, NoTopic, ShuttingDown
@@ -41,14 +41,15 @@ class FakeBroker(Broker):
     reliable Channel objects; a reliable body is recorded, not written, and the test
     answers it."""
 
-    def __init__(self, clock, fast):
+    def __init__(self, clock, fast, fence=None):
         self.clock = clock
+        self._fence = fence
         self.options = Options()
         self.fast = fast
         self.limits = RateLimiter(clock)
         self._session_ids = GuidFactory(1, lambda: int(clock.seconds() * 1e9))
         self.cache = TopicCache(lambda: succeed([]), lambda specs: None, lambda why: None)
-        self.reliable = SimpleNamespace(channels={}, delivery_gate=None)
+        self.reliable = SimpleNamespace(channels={})
         self.published: list = []
         self.acked: list = []
         self.ack_calls = 0  # ack_each calls (a read's FINs)
@@ -146,10 +147,11 @@ def env():
     scanner = TimerService(0.1, store.scan)  # the broker's scanner, as it calls the fast store
     scanner.clock = clock
     scanner.startService()
-    broker = FakeBroker(clock, store)
+    gate = [True]  # the cluster node's delivery gate (Broker.may_push asks it)
+    broker = FakeBroker(clock, store, Fence("node-1", lambda: gate[0]))
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
     ctx = NsqContext(broker, options, clock)
-    return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, peer=lambda: Peer(ctx))
+    return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, gate=gate, peer=lambda: Peer(ctx))
 
 
 OK = (FRAME_RESPONSE, b"OK")
@@ -795,7 +797,7 @@ def test_a_reliable_message_held_while_the_process_stood_still_is_not_written_on
     c = env.peer().send(b"SUB orders billing\nRDY 5\n")
     assert c.frames() == [OK]
     ch.add(ReliableMessage(5, "orders", "p", 1, 0, b"late"))  # queued for the turn's end
-    env.broker.reliable.delivery_gate = lambda: False
+    env.gate[0] = False
     env.clock.advance(4.0)
     assert c.frames() == [] and c.closed
     assert len(ch.ready) == 1 and not ch.in_flight

@@ -104,12 +104,27 @@ def takeover(db, monkeypatch) -> tuple[Takeover, Any]:
     FakeLock.calls = []
     FakeLock.valid = True
     monkeypatch.setattr(registry.takeover_lock, "TakeoverLock", FakeLock)
-    rescanned: list[tuple[str, str]] = []
-    channels = {key: SimpleNamespace(rescan=lambda key=key: rescanned.append(key))
-                for key in (("orders", "billing"), ("orders", "audit"))}
-    store = SimpleNamespace(writes=SimpleNamespace(owner=1, retired=set()), channels=channels)
-    take = Takeover(lambda fn, *args: succeed(fn(*args)), None, db, store, "node-1", 100, lambda: True)
-    return take, SimpleNamespace(store=store, rescanned=rescanned)
+    store = HeldStore()
+    take = Takeover(lambda fn, *args, timeout=-1.0: succeed(fn(*args)), None, db, store, "node-1", 100, lambda: True)
+    return take, SimpleNamespace(store=store, rescanned=store.rescanned)
+
+
+class HeldStore:
+    """What a takeover asks of its reliable store (``cluster.takeover.ClusterStore``):
+    incarnation 1 of node-1, the incarnations retired, the channels told to re-read."""
+
+    incarnation = 1
+    paused = False
+
+    def __init__(self) -> None:
+        self.retired: set[int] = set()
+        self.rescanned: list[tuple[str, str]] = []
+
+    def retire(self, owners):
+        self.retired.update(owners)
+
+    def rescan(self, keys):
+        self.rescanned += keys
 
 
 def test_a_departed_node_is_claimed_under_its_lock_and_the_channels_read_again(db, takeover):
@@ -117,7 +132,7 @@ def test_a_departed_node_is_claimed_under_its_lock_and_the_channels_read_again(d
     take.check({"node-1": 1})  # node-2 is gone from ZooKeeper
     assert result(take.idle()) is None
     assert take.claimed == 2 and take.claims == {"node-2": 2}
-    assert seen.store.writes.retired == {2}
+    assert seen.store.retired == {2}
     assert sorted(seen.rescanned) == [("orders", "audit"), ("orders", "billing")]
     assert FakeLock.calls == [("acquire", ("node-2", [2])), ("release", "node-2")]
     assert db.owners[2]["retired"]
@@ -141,7 +156,7 @@ def test_a_claim_the_database_fails_releases_the_lock_and_claims_nothing(db, tak
     take, seen = takeover
     db.fail_next("claim_owners", "lost")
     take.check({"node-1": 1})
-    assert take.claimed == 0 and seen.store.writes.retired == set() and seen.rescanned == []
+    assert take.claimed == 0 and seen.store.retired == set() and seen.rescanned == []
     assert FakeLock.calls[-1] == ("release", "node-2")
     take.check({"node-1": 1})  # the next check tries again
     assert take.claimed == 2
