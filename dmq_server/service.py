@@ -31,7 +31,7 @@ stage is in the modules it calls.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Iterator
 
 from twisted.internet import defer
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
@@ -249,41 +249,35 @@ class DmqServer:
 
     def _metrics_snapshot(self) -> Snapshot:
         """One scrape's data (on the reactor thread): what /stats shows, both stores."""
-        fast = self.fast_store.topics.values() if self.fast_store is not None else ()
+        broker = self.broker.snapshot() if self.broker is not None else None
         snapshot = Snapshot(
             node_id=self.node_id,
             version=VERSION,
-            broker=self.broker.stats() if self.broker is not None else {},
-            fast_topics=[topic.stats(include_clients=False) for topic in fast],
+            broker=broker.stats if broker is not None else {},
+            fast_topics=[topic.stats for topic in broker.fast_topics] if broker is not None else [],
             connections={"dmq": len(self.connections), "nsq": len(self.nsq.connections) if self.nsq else 0},
             zk_state=self.cluster.zk_state if self.cluster is not None else None,
             stored=self.sampling.gauges.snapshot() if self.sampling is not None else None,
             db_pool={role: worker.state() for role, worker in self.workers.items()},
             client_memory=self.client_memory.stats(),
-            histograms={
-                "dmq_publish_commit_seconds": self.broker.publish_commit_seconds.snapshot(),
-                "dmq_publish_deliver_seconds": self.broker.publish_deliver_seconds.snapshot(),
-                "dmq_group_commit_seconds": self.broker.reliable.writer.commit_seconds.snapshot(),
-                "dmq_group_commit_batch_size": self.broker.reliable.writer.batch_sizes.snapshot(),
-                "dmq_ack_batch_size": self.broker.reliable.acker.batch_sizes.snapshot(),
-            }
-            if self.broker is not None
-            else {},
+            histograms=dict(broker.histograms) if broker is not None else {},
         )
         if self.sampling is not None:
             snapshot.histograms["dmq_reactor_lag_seconds"] = self.sampling.pauses.lag.buckets.snapshot()
             snapshot.histograms["dmq_gc_pause_seconds"] = self.sampling.pauses.collector.buckets.snapshot()
         return snapshot
 
-    def _channel_stats(self) -> Any:
+    def _channel_stats(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
         """Every channel of both stores, ``(store, topic, channel, stats)`` (the console's history)."""
-        for topic in self.broker.stats()["topics"] if self.broker is not None else ():
+        if self.broker is None:
+            return
+        snap = self.broker.snapshot()
+        for topic in snap.stats["topics"]:
             for channel in topic["channels"]:
                 yield "reliable", topic["topic_name"], channel["channel_name"], channel
-        for fast in self.fast_store.topics.values() if self.fast_store is not None else ():
-            stats = fast.stats(include_clients=False)
-            for channel in stats["channels"]:
-                yield "fast", stats["topic_name"], channel["channel_name"], dict(channel, ack_count=channel.get("finish_count", 0))
+        for fast in snap.fast_topics:
+            for channel in fast.stats["channels"]:
+                yield "fast", fast.name, channel["channel_name"], dict(channel, ack_count=channel.get("finish_count", 0))
 
     def _ping(self) -> Any:
         d = self.workers["health"].run_steps(ping_steps)
@@ -460,7 +454,7 @@ class DmqServer:
         )
         self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
                                  others=[workers["adminops"] for workers in self.cluster_workers.values()],
-                                 lowest=lambda: {key: ch.oldest_stored_id for key, ch in broker.channels.items()})
+                                 lowest=lambda: dict(broker.snapshot().oldest_stored))
         site = make_site(self._ping, self._stats, self.info, options)
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(

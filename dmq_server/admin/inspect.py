@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
-from dmq_client.diskqueue import DiskQueueError
 from dmq_server.admin.operations import AdminOps
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
@@ -26,7 +25,7 @@ from dmq_server.db.delays import (
 )
 from dmq_server.db.trace_steps import find_message_steps, peek_channel_steps, read_trace_steps
 
-__all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read", "waiting_since",
+__all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read",
            "RETURN_TEXT", "REGISTRY_WAIT"]
 
 MAX_PEEK = 500
@@ -65,27 +64,6 @@ def registry_read(broker: BrokerPort, clock: Clock, wait: float = REGISTRY_WAIT)
 
     broker.refresh_registry(fresh=True).addBoth(read)
     return done
-
-
-def waiting_since(channel: Any) -> int | None:
-    """When a fast channel's longest-waiting message was published (nsqd's UnixNano), or
-    None when nothing waits: the older of the heads of its memory queue and its disk queue
-    (the records read ahead from the disk first, then the file's next record). The heads,
-    not a walk of the queues: a message given back (REQ) waits at the back with its first
-    publish time, so one behind a head can be older. The channel has no accessor for its
-    read-ahead (``_ahead``), so it is read here, as ``stats`` counts it."""
-    stamps = [channel.memory[0].timestamp] if channel.memory else []
-    ahead = getattr(channel, "_ahead", ())
-    head = ahead[0] if ahead else None
-    if head is None and not channel.exiting and channel.backend.depth():
-        peek = getattr(channel.backend, "peek", None)  # a disk queue's (an ephemeral channel has none)
-        try:
-            head = peek() if peek is not None else None
-        except DiskQueueError:  # closed meanwhile
-            head = None
-    if head is not None and len(head) >= 8:
-        stamps.append(int.from_bytes(head[:8], "big"))  # a record starts with its 8-byte timestamp
-    return min(stamps) if stamps else None
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -161,8 +139,7 @@ class Inspector:
                                                    "cluster": row["cluster"], "draining": row["draining"],
                                                    "settings": settings, "channels": []}
         broker = self.ops.broker
-        fast = getattr(broker, "fast", None)
-        fast_topics = fast.topics if fast is not None else {}
+        fast_topics = {figures.name: figures for figures in broker.snapshot().fast_topics}
         stored = self._stored()
         ages = stored["oldest_unacked"] if stored is not None else {}
         now = self.ops.clock.seconds()
@@ -170,8 +147,8 @@ class Inspector:
             entry = topics.setdefault((store, topic), {"topic": topic, "store": store, "settings": {},
                                                        "channels": []})
             if store == "fast":
-                channel = fast_topics[topic].channels.get(name) if topic in fast_topics else None
-                since = waiting_since(channel) if channel is not None else None
+                figures = fast_topics.get(topic)
+                since = figures.waiting_since.get(name) if figures is not None else None
                 age = None if since is None else max(0.0, now - since / 1e9)
             else:
                 age = ages.get(f"{topic}/{name}")
@@ -179,7 +156,7 @@ class Inspector:
         for name, fast_topic in fast_topics.items():
             entry = topics.setdefault(("fast", name), {"topic": name, "store": "fast", "settings": {},
                                                       "channels": []})
-            entry["depth"] = fast_topic.depth()  # kept for the first channel while there is none
+            entry["depth"] = fast_topic.depth  # kept for the first channel while there is none
         return {"node_id": self.ops.node_id, "healthy": broker.healthy, "health_detail": broker.health_detail,
                 "topics": [topics[k] for k in sorted(topics, key=lambda k: (k[1], k[0]))],
                 "stored": stored}

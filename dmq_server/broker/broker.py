@@ -33,6 +33,7 @@ from twisted.logger import Logger
 from dmq_client.wire import valid_name
 
 from dmq_server.broker.interfaces import Store
+from dmq_server.broker.snapshot import BrokerSnapshot, FastTopicFigures, waiting_since
 from dmq_server.broker.topic_admin import TopicAdmin
 from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
@@ -632,6 +633,41 @@ class Broker:
         return _first_error(done).addCallback(sum)
 
     # -- introspection ----------------------------------------------------
+    def snapshot(self) -> BrokerSnapshot:
+        """What /metrics, /stats, the consoles and the stored-gauge timer show of the
+        broker and its stores, copied now (on the reactor thread): see ``broker.snapshot``."""
+        main = self.reliable
+        fast = self.fast
+        return BrokerSnapshot(
+            stats=self.stats(),
+            histograms={
+                "dmq_publish_commit_seconds": self.publish_commit_seconds.snapshot(),
+                "dmq_publish_deliver_seconds": self.publish_deliver_seconds.snapshot(),
+                "dmq_group_commit_seconds": main.writer.commit_seconds.snapshot(),
+                "dmq_group_commit_batch_size": main.writer.batch_sizes.snapshot(),
+                "dmq_ack_batch_size": main.acker.batch_sizes.snapshot(),
+            },
+            fast_topics=tuple(
+                FastTopicFigures(
+                    name, topic.depth(), topic.stats(include_clients=False),
+                    {cname: waiting_since(channel) for cname, channel in topic.channels.items()},
+                )
+                for name, topic in (fast.topics.items() if fast is not None else ())
+            ),
+            oldest_stored=self._oldest_stored(),
+            started_at=self.started_at,
+        )
+
+    def _oldest_stored(self) -> dict[tuple[str, str], int | None]:
+        """Each reliable channel's lowest stored id over the clusters holding its copies
+        (a moving topic's channel is a group with no id of its own)."""
+        lowest: dict[tuple[str, str], int | None] = {}
+        for store in self.stores.values():
+            for key, channel in store.channels.items():
+                mine, known = channel.oldest_stored_id, lowest.get(key)
+                lowest[key] = mine if known is None else known if mine is None else min(known, mine)
+        return lowest
+
     def stats(self) -> dict[str, Any]:
         """This node's counters, added up over the clusters (each alone in ``clusters``)."""
         reliable = self.reliable

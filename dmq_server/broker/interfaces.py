@@ -17,12 +17,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from twisted.internet.defer import Deferred
 
+from dmq_server.broker.snapshot import BrokerSnapshot
 from dmq_server.core.options import Options
 from dmq_server.core.publish import PublishRequest
 from dmq_server.reliable.channel import Receiver
 from registry.model import TopicSpec
 
-__all__ = ["BrokerPort", "Store", "Subscription", "TopicAdminPort"]
+__all__ = ["BrokerPort", "ChannelRef", "Pushed", "PushedMessage", "Store", "Subscription", "TopicAdminPort"]
 
 
 class Store(Protocol):
@@ -67,6 +68,41 @@ class Subscription(Protocol):
 
     def detach(self, conn: Any) -> None:
         """The client leaves the channel (its held messages go back)."""
+
+
+class PushedMessage(Protocol):
+    """A message as a consumer's connection writes it (``reliable.channel.ReliableMessage``)."""
+
+    @property
+    def message_id(self) -> int: ...
+    @property
+    def session_id(self) -> int: ...
+    @property
+    def producer(self) -> str: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def published_ms(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
+
+
+class Pushed(Protocol):
+    """One copy a channel pushes to a consumer (``reliable.channel.Delivery``)."""
+
+    @property
+    def message(self) -> PushedMessage: ...
+    @property
+    def attempts(self) -> int: ...
+
+
+class ChannelRef(Protocol):
+    """The channel a consumer is attached to, as the consumer names it."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def name(self) -> str: ...
 
 
 class TopicAdminPort(Protocol):
@@ -141,3 +177,5 @@ class BrokerPort(Protocol):
     def empty_channel(self, topic: str, name: str) -> Deferred: ...
     def refresh_registry(self, fresh: bool = False) -> Deferred: ...
     def stats(self) -> dict[str, Any]: ...
+    def snapshot(self) -> BrokerSnapshot:
+        """What /metrics, /stats and the consoles show of the stores, copied now."""

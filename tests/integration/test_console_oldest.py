@@ -1,4 +1,4 @@
-"""The console's "Oldest" of a fast channel (admin.inspect.waiting_since) on real
+"""The console's "Oldest" of a fast channel (broker.snapshot.waiting_since) on real
 go-diskqueue files: the publish time of the longest-waiting message, wherever it waits
 (the memory queue, the records read ahead from the disk queue, the disk queue's file),
 checked after every delivery against the messages not delivered yet. task.Clock time."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from dmq_server.admin.inspect import waiting_since
+from dmq_server.broker.snapshot import waiting_since
 from dmq_server.fast.fast_store import FastStore
 from tests.unit.test_nsq_store import FakeClient
 

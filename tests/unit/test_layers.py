@@ -31,12 +31,9 @@ ADAPTERS = ("protocols", "http", "admin", "security")
 STORE_MODULES = ("dmq_server.reliable", "dmq_server.fast")
 # what of the broker is a store, a store's label or a PostgreSQL cluster
 PAST_THE_BROKER = {"fast", "reliable", "stores", "placement", "route", "FAST", "RELIABLE"}
-# Uses known and not yet moved behind the broker: the console's overview reads the fast
-# store's channels (how long their oldest message waits), the next step's. Nothing may be
-# added here; an entry whose use is gone fails too.
-NOT_YET = {
-    ("admin/inspect.py", "getattr(broker, 'fast')"),
-}
+# Uses known and not yet moved behind the broker. Nothing may be added here; an entry
+# whose use is gone fails too.
+NOT_YET: set[tuple[str, str]] = set()
 
 
 def _ends_with_broker(node: ast.expr) -> bool:
@@ -109,3 +106,43 @@ def test_the_seam_check_sees_each_kind_of_breach():
         "getattr(self.ops.broker, 'placement')",
         "self.store",
     ])
+
+
+# -- the broker's stores stay the broker's (issue 43 item 5) ----------------------------
+# Outside broker/ and the stores, no module reads the broker's stores: /metrics, /stats,
+# sampling and the consoles read ``Broker.snapshot()``. The assembly hands each reliable
+# store to the cluster node and to its delay scheduler (what they work on); those reads
+# are listed, and an entry whose use is gone fails too.
+STORE_ATTRIBUTES = {"reliable", "fast", "stores", "placement"}
+ASSEMBLY = {("service.py", "broker.stores"), ("service.py", "self.broker.stores")}
+
+
+def store_reads(source: str) -> set[str]:
+    """Each read of a store attribute of a broker (``broker.reliable``, ``self.broker.stores``,
+    ``getattr(broker, 'fast')``) in ``source``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in STORE_ATTRIBUTES and _ends_with_broker(node.value):
+            found.add(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and _ends_with_broker(node.args[0])
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in STORE_ATTRIBUTES):
+            found.add(f"{node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})")
+    return found
+
+
+def test_no_module_outside_the_broker_and_the_stores_reads_the_brokers_stores():
+    server = REPO / "dmq_server"
+    reads = set()
+    for path in sorted(server.rglob("*.py")):
+        name = path.relative_to(server).as_posix()
+        if name.split("/")[0] not in ("broker", "reliable", "fast"):
+            reads |= {(name, what) for what in store_reads(path.read_text())}
+    assert reads - ASSEMBLY == set()
+    assert ASSEMBLY - reads == set(), "gone: remove it from ASSEMBLY"
+
+
+def test_the_store_read_check_sees_each_kind_of_read():
+    source = ("x = self.broker.reliable.writer.commit_seconds\ny = getattr(broker, 'fast', None)\n"
+              "z = ctx.broker.stores\nbroker.stats()\n")
+    assert store_reads(source) == {"self.broker.reliable", "getattr(broker, 'fast')", "ctx.broker.stores"}
