@@ -19,7 +19,7 @@ is the caller's bug and fails its run as a TypeError, as psycopg fails what it c
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Callable
 
 from psycopg import adapters
 from psycopg.adapt import Dumper
@@ -64,7 +64,7 @@ class ByteaArray(list):
 
 
 # element and array type oids (pg_type)
-_OIDS = {Int8Array: (20, 1016), Int4Array: (23, 1007), BoolArray: (16, 1000), TextArray: (25, 1009),
+_OIDS: dict[type, tuple[int, int]] = {Int8Array: (20, 1016), Int4Array: (23, 1007), BoolArray: (16, 1000), TextArray: (25, 1009),
          ByteaArray: (17, 1001)}
 
 _HEAD = struct.Struct("!iiIii")  # dimensions (1), has NULLs, element oid, length, lower bound
@@ -75,18 +75,19 @@ _NULL = _LEN.pack(-1)
 # from the list with the lengths interleaved (two to three times as fast as a call per
 # element from 30 elements on; docs/benchmarks.md, session 17). The struct for each count up to
 # CHUNK is compiled once, when first needed: compiling costs as much as packing.
-_FIXED = {Int8Array: ("q", 8), Int4Array: ("i", 4), BoolArray: ("?", 1)}
+_FIXED: dict[type, tuple[str, int]] = {Int8Array: ("q", 8), Int4Array: ("i", 4), BoolArray: ("?", 1)}
 CHUNK = 64
-_PAIRS: dict[tuple[type, int], Any] = {}
+# the bound ``pack`` of each (kind, count)'s struct: ``count`` (length, value) pairs
+_PAIRS: dict[tuple[type, int], Callable[..., bytes]] = {}
 
 
-def _pairs(kind: type, count: int) -> Any:
+def _pairs(kind: type, count: int) -> Callable[..., bytes]:
     packer = _PAIRS.get((kind, count))
     if packer is None:
         code, _ = _FIXED[kind]
         packer = _PAIRS[(kind, count)] = struct.Struct("!" + ("i" + code) * count).pack
     return packer
-_NAMES = {Int8Array: "bigint", Int4Array: "integer", BoolArray: "boolean"}
+_NAMES: dict[type, str] = {Int8Array: "bigint", Int4Array: "integer", BoolArray: "boolean"}
 
 # encoded text elements (length and bytes) by value: topics, channels, producers and
 # consumers repeat from one batch to the next; bounded, cleared when full
@@ -175,7 +176,7 @@ class _ArrayDumper(Dumper):
     format = Format.BINARY
     kind: type = list
 
-    def dump(self, obj: Any) -> bytes:
+    def dump(self, obj: list[object]) -> bytes:
         return pack_array(obj, self.kind)
 
 

@@ -9,7 +9,9 @@ How messages get there (the broker's sink, its batchers and sweep) is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
+
+import psycopg
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 
@@ -52,7 +54,7 @@ class CopyRef:
     owner: int = 0  # the incarnation that stored it (its cursor is per owner)
 
 
-def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps:
+def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps[list[int]]:
     """Record a batch; returns the new ids in batch order. Steps, for the group
     commit."""
     for item in batch:
@@ -76,7 +78,7 @@ def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "")
     return [r[0] for r in rows]
 
 
-def insert_dead_letters(conn: Any, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
+def insert_dead_letters(conn: psycopg.Connection, batch: Sequence[NewDeadLetter], node_id: str = "") -> list[int]:
     """``insert_dead_letters_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, insert_dead_letters_steps(batch, node_id))
 
@@ -91,13 +93,16 @@ def _copy_params(rows: Sequence[CopyRef]) -> dict:
     }
 
 
-def record_attempts_steps(rows: Sequence[CopyRef]) -> Steps:
+def record_attempts_steps(rows: Sequence[CopyRef]) -> Steps[int]:
     """Persist the attempts counted in memory (the larger count wins); returns how
     many copies were still stored."""
-    return (yield Statement("record_attempts", _copy_params(rows), count=True))
+    ((stored,),) = yield Statement("record_attempts", _copy_params(rows), count=True)
+    return stored
 
 
-def exhaust_deliveries_steps(rows: Sequence[CopyRef], holder: str = "", fenced: bool = False) -> Steps:
+def exhaust_deliveries_steps(
+    rows: Sequence[CopyRef], holder: str = "", fenced: bool = False
+) -> Steps[list[tuple[str, str, int]]]:
     """Copies that used up their attempts -> dead letters, done for their channel;
     [(topic, channel, message_id)] of the copies that were still waiting. ``fenced`` (a
     cluster): only those of cursors ``holder`` still holds."""
@@ -105,7 +110,7 @@ def exhaust_deliveries_steps(rows: Sequence[CopyRef], holder: str = "", fenced: 
     return [tuple(r) for r in found]
 
 
-def expire_deliveries_steps(now_ms: int, limit: int) -> Steps:
+def expire_deliveries_steps(now_ms: int, limit: int) -> Steps[list[tuple[str, str, int]]]:
     """Up to ``limit`` copies past their topic's time to live -> dead letters;
     [(topic, channel, message_id)]. Every cursor it may need exists first, so that it
     can be locked (two nodes, or an ack batch, never take the same copy)."""

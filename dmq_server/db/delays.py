@@ -10,7 +10,9 @@ into values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
+
+import psycopg
 
 from dmq_server.db.storage_errors import Fenced, Misplaced
 from dmq_server.db.messages import send_columns
@@ -79,12 +81,14 @@ class MovedMessage:
     channel: str | None = None
 
 
-def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
+def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[list[StoredDelay | Misplaced]]:
     """Store a batch: one statement, atomic on its own (also in autocommit); one
     StoredDelay per item, in order. Steps, for the group commit."""
-    params = send_columns(batch, node_id)
-    params["due_ms"] = [m.due_ms for m in batch]
-    params["fragments"] = [m.fragment for m in batch]
+    params = {
+        **send_columns(batch, node_id),
+        "due_ms": [m.due_ms for m in batch],
+        "fragments": [m.fragment for m in batch],
+    }
     rows = yield Statement("insert_delayed", params)
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
@@ -100,7 +104,7 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
         )
         for row_id, producer, session_id, due_ms, kind in found:
             fresh.setdefault((producer, session_id), StoredDelay(row_id, due_ms, 0, True, kind))
-    results: list[Any] = []
+    results: list[StoredDelay | Misplaced] = []
     seen: set[tuple[str, int]] = set()
     for m in batch:
         key = (m.producer, m.session_id)
@@ -114,7 +118,7 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps:
     return results
 
 
-def insert_delayed(conn: Any, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay]:
+def insert_delayed(conn: psycopg.Connection, batch: Sequence[NewDelayed], node_id: str) -> list[StoredDelay | Misplaced]:
     """``insert_delayed_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, insert_delayed_steps(batch, node_id))
 
@@ -138,7 +142,7 @@ def peek_delayed_steps(fragments: Sequence[int], max_fragment: int, until_ms: in
 
 def move_due_steps(
     fragments: Sequence[int], max_fragment: int, now_ms: int, limit: int, node_id: str, owner: int
-) -> Steps:
+) -> Steps[tuple[int, list[MovedMessage]]]:
     """Move up to ``limit`` rows due by ``now_ms`` into the reliable flow (run in a
     transaction: a ``DbWorker``'s), as messages of incarnation ``owner``. Returns (rows
     taken, messages stored); rows whose channels are all gone became dead letters and
@@ -160,7 +164,7 @@ def move_due_steps(
 
 
 def move_due(
-    conn: Any, fragments: Sequence[int], max_fragment: int, now_ms: int, limit: int, node_id: str, owner: int
+    conn: psycopg.Connection, fragments: Sequence[int], max_fragment: int, now_ms: int, limit: int, node_id: str, owner: int
 ) -> tuple[int, list[MovedMessage]]:
     """``move_due_steps`` over a blocking connection, in its transaction (tests, tools)."""
     return run_steps(conn, move_due_steps(fragments, max_fragment, now_ms, limit, node_id, owner))

@@ -42,7 +42,7 @@ import functools
 import itertools
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, TypedDict, TypeVar
 
 import psycopg
 from twisted.internet.defer import Deferred
@@ -50,7 +50,8 @@ from twisted.internet.defer import Deferred
 from dmq_server.core.clock import Clock
 from dmq_server.db import messages as _variants  # noqa: F401  registers insert_new_messages, ack_new_deliveries
 from dmq_server.db.storage_errors import StorageError, storage_error
-from dmq_server.db.steps import STATEMENTS, Statement, Steps
+from dmq_server.db.steps import STATEMENTS, Params, Rows, Statement, Steps
+from dmq_server.db.trace_steps import ReturnRow
 
 __all__ = ["MemoryDb", "UnknownStatement", "FAILURE_KINDS", "MIGRATOR_STATEMENTS"]
 
@@ -71,6 +72,89 @@ def _ms_or_none(ms: int | None) -> int | None:
     return ms if ms is not None and 1 <= ms <= _MAX_MS else None
 
 
+T = TypeVar("T")
+
+
+# the tables the double holds as dicts: a row of each, by the columns the statements use
+
+
+class _Topic(TypedDict):  # dmq_topic
+    store: str
+    msg_timeout_ms: int
+    rate_limit: int | None
+    ttl_ms: int | None
+    max_attempts: int | None
+    cluster: str
+    draining: list[str]
+
+
+class _Owner(TypedDict):  # dmq_owner
+    node_id: str
+    retired: bool
+    seen_ms: int
+
+
+class _Logged(TypedDict):  # dmq_delivery_batch, one row per ack it logs
+    message_id: int
+    topic: str
+    channel: str
+    published_ms: int
+    first_ms: int | None
+    acked_ms: int
+    attempts: int
+    consumer: str
+    delivered_ms: int | None
+
+
+class _Delayed(TypedDict):  # dmq_delay
+    id: int
+    fragment: int
+    due_ms: int
+    topic: str
+    channel: str | None
+    producer: str
+    session_id: int
+    produced_ms: int
+    node_id: str
+    body: bytes
+    replay_of: int | None
+    created_ms: int
+
+
+class _DeadLetter(TypedDict):  # dmq_dead_letter
+    id: int
+    reason: str
+    detail: str
+    topic: str
+    channel: str | None
+    producer: str
+    session_id: int | None
+    message_id: int | None
+    attempts: int
+    body: bytes
+    published_ms: int | None
+    dead_ms: int
+    replayed_ms: int | None
+    replay_message_id: int | None
+
+
+@dataclass(frozen=True)
+class _Return:  # dmq_trace: a recorded return, its identity and the node that wrote it
+    id: int
+    node_id: str
+    row: ReturnRow
+
+
+class _AdminLog(TypedDict):  # dmq_admin_log
+    id: int
+    at_ms: int
+    surface: str
+    actor: str
+    operation: str
+    filters: str
+    affected: int
+
+
 class UnknownStatement(KeyError):
     """The double has no handler for a statement name."""
 
@@ -80,7 +164,7 @@ class _Failure:
     name: str
     kind: str
     times: int
-    when: Callable[[dict], bool] | None
+    when: Callable[[Params], bool] | None
 
 
 @dataclass
@@ -124,21 +208,21 @@ class MemoryDb:
         self.name = name
         self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
-        self.topics: dict[str, dict[str, Any]] = {}
+        self.topics: dict[str, _Topic] = {}
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
         self.messages: dict[int, _Message] = {}
         self._pairs: dict[tuple[str, int], int] = {}  # UNIQUE (producer, session_id)
-        self.owners: dict[int, dict[str, Any]] = {}  # dmq_owner: node_id, retired
+        self.owners: dict[int, _Owner] = {}
         self.cursors: dict[tuple[str, str, int], _Cursor] = {}
         self.attempts: dict[tuple[str, str, int], int] = {}  # dmq_attempts
-        self.delivery_log: list[dict[str, Any]] = []
+        self.delivery_log: list[_Logged] = []
         self.pauses: set[tuple[str, str]] = set()
-        self.delayed: dict[int, dict[str, Any]] = {}
+        self.delayed: dict[int, _Delayed] = {}
         self._delayed_pairs: dict[tuple[str, int], int] = {}
-        self.dead_letters: dict[int, dict[str, Any]] = {}
-        self.returns: list[dict[str, Any]] = []  # dmq_trace
-        self.admin_log: list[dict[str, Any]] = []  # dmq_admin_log
+        self.dead_letters: dict[int, _DeadLetter] = {}
+        self.returns: list[_Return] = []
+        self.admin_log: list[_AdminLog] = []
         self.cluster_slot = 0  # dmq_cluster_self.slot, and whether a node claimed it
         self.cluster_claimed = False
         self.cluster_slots: dict[str, int] = {"main": 0}  # dmq_cluster (the main cluster's)
@@ -147,10 +231,12 @@ class MemoryDb:
         self._log_ids = itertools.count(1)  # dmq_admin_log's and dmq_trace's identities
         self._trace_ids = itertools.count(1)
         self._owner_ids = itertools.count(1)
-        self.executed: list[tuple[str, dict[str, Any]]] = []  # every statement run, in order
+        self.executed: list[tuple[str, Params]] = []  # every statement run, in order
         self._failures: list[_Failure] = []
         # in the order of sql/queries.sql; MIGRATOR_STATEMENTS are not the server's
-        self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+        # each statement's handler: its rows, or the count of rows it changed; it reads
+        # the parameters (a copy) by the types the statement's SQL gives them
+        self._handlers: dict[str, Callable[[dict], list[tuple] | int]] = {
             "ping": lambda p: [(1,)],
             "list_topics": self._list_topics,
             "create_topic": self._create_topic,
@@ -306,7 +392,7 @@ class MemoryDb:
         return cursor
 
     def fail_next(
-        self, name: str, kind: str = "refused", *, times: int = 1, when: Callable[[dict], bool] | None = None
+        self, name: str, kind: str = "refused", *, times: int = 1, when: Callable[[Params], bool] | None = None
     ) -> None:
         """Make the next ``times`` runs of statement ``name`` (whose parameters pass
         ``when``, if given) fail with ``kind`` (see the module docstring)."""
@@ -327,12 +413,13 @@ class MemoryDb:
     def stop(self) -> None:
         pass
 
-    def run_steps(self, steps_fn: Callable[..., Steps], *args: Any) -> Deferred:
+    def run_steps(self, steps_fn: Callable[..., Steps[T]], *args: object) -> Deferred[T]:
         """Deferred with what ``steps_fn(*args)`` returns once its statements ran, or
         the StorageError a runner would give (RefusedError for refused input)."""
-        d: Deferred = Deferred()
+        d: Deferred[T] = Deferred()
+        outcome: T | Exception
         try:
-            outcome: Any = self._drive(steps_fn(*args))
+            outcome = self._drive(steps_fn(*args))
         except StorageError as exc:
             outcome = exc
         except psycopg.Error as exc:  # the steps did not handle a statement's error
@@ -345,7 +432,7 @@ class MemoryDb:
             _fire(d, outcome)
         return d
 
-    def _drive(self, steps: Steps) -> Any:
+    def _drive(self, steps: Steps[T]) -> T:
         send: Callable[[], Statement] = functools.partial(next, steps)
         while True:
             try:
@@ -362,9 +449,9 @@ class MemoryDb:
             else:
                 send = functools.partial(steps.send, rows)
 
-    def execute(self, stmt: Statement) -> Any:
+    def execute(self, stmt: Statement) -> Rows:
         """One statement: its rows (a list of tuples), or the changed row count for a
-        ``count`` statement; psycopg's error for refused input."""
+        ``count`` statement (one row); psycopg's error for refused input."""
         handler = self._handlers.get(stmt.name)
         if handler is None:
             raise UnknownStatement(f"the in-memory database has no handler for statement {stmt.name!r}")
@@ -374,11 +461,11 @@ class MemoryDb:
             raise psycopg.errors.NumericValueOutOfRange(f"{stmt.name}: input refused (injected)")
         if failure == "lost":
             raise StorageError(f"{self.name}: connection lost before {stmt.name} (injected)")
-        rows = handler(stmt.params)
+        rows = handler(dict(stmt.params))
         if failure == "unknown":
             raise StorageError(f"{self.name}: connection lost after {stmt.name} committed (injected)")
         if stmt.count:
-            return rows if isinstance(rows, int) else len(rows)
+            return [(rows if isinstance(rows, int) else len(rows),)]
         return [] if isinstance(rows, int) else rows
 
     def _take_failure(self, stmt: Statement) -> str | None:
@@ -431,13 +518,16 @@ class MemoryDb:
         row = self.topics.get(p["name"])
         if row is None:
             return 0
-        row.update({key: p[key] for key in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")})
+        row["msg_timeout_ms"], row["rate_limit"] = p["msg_timeout_ms"], p["rate_limit"]
+        row["ttl_ms"], row["max_attempts"] = p["ttl_ms"], p["max_attempts"]
         return 1
 
     def _upsert_topic(self, p: dict) -> int:
-        settings = {key: p[key] for key in ("store", "msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "cluster")}
-        settings["draining"] = list(p["draining"])
-        self.topics.setdefault(p["name"], {}).update(settings)
+        self.topics[p["name"]] = {
+            "store": p["store"], "msg_timeout_ms": p["msg_timeout_ms"], "rate_limit": p["rate_limit"],
+            "ttl_ms": p["ttl_ms"], "max_attempts": p["max_attempts"], "cluster": p["cluster"],
+            "draining": list(p["draining"]),
+        }
         return 1
 
     def _delete_topic(self, p: dict) -> list[tuple]:
@@ -526,6 +616,11 @@ class MemoryDb:
                 rows.append((None, None, None, None, topic, name, self.start_ids[(topic, name)]))
         return rows
 
+    def _not_elsewhere(self, topic: str) -> bool:
+        """Not a topic placed on another cluster (one it does not know is not)."""
+        row = self.topics.get(topic)
+        return row is None or row["cluster"] == self.cluster
+
     def _placed_here(self, topic: str) -> bool:
         row = self.topics.get(topic)
         return row is not None and row["cluster"] == self.cluster
@@ -612,10 +707,9 @@ class MemoryDb:
         return sorted(taken)
 
     def _record_returns(self, p: dict) -> int:
-        keys = ("message_id", "topic", "channel", "attempt", "reason", "consumer", "delivered_ms", "returned_ms")
         columns = ("message_ids", "topics", "channels", "attempts", "reasons", "consumers", "delivered_ms",
                    "returned_ms")
-        rows = [dict(zip(keys, values), node_id=p["node_id"], id=next(self._trace_ids))
+        rows = [_Return(next(self._trace_ids), p["node_id"], ReturnRow(*values))
                 for values in zip(*(p[c] for c in columns))]
         self.returns.extend(rows)
         return len(rows)
@@ -868,7 +962,7 @@ class MemoryDb:
     # -- delayed sends: the delay workers' statements ----------------------------------
 
     @staticmethod
-    def _in_fragments(row: dict, p: dict) -> bool:
+    def _in_fragments(row: _Delayed, p: dict) -> bool:
         return row["fragment"] in p["fragments"] or (p["overflow"] and row["fragment"] > p["max_fragment"])
 
     def _peek_delayed(self, p: dict) -> list[tuple]:
@@ -887,7 +981,7 @@ class MemoryDb:
             key=lambda r: (r["due_ms"], r["id"]),
         )[: p["limit"]]
         now = self._now_ms()
-        placed: list[tuple[Any, ...]] = []
+        placed: list[tuple[object, ...]] = []
         for row in due:
             del self.delayed[row["id"]]
             del self._delayed_pairs[(row["producer"], row["session_id"])]
@@ -922,10 +1016,14 @@ class MemoryDb:
 
     # -- the time to live ----------------------------------------------------------------
 
+    def _ttl_ms(self, topic: str) -> int | None:
+        row = self.topics.get(topic)
+        return None if row is None else row["ttl_ms"]
+
     def _open_ttl_cursors(self, p: dict) -> int:
         opened = 0
         for (topic, channel), start in sorted(self.start_ids.items()):
-            if self.topics.get(topic, {}).get("ttl_ms") is None:
+            if self._ttl_ms(topic) is None:
                 continue
             for owner, row in sorted(self.owners.items()):
                 key = (topic, channel, owner)
@@ -941,7 +1039,7 @@ class MemoryDb:
         channel: only those of cursors that exist (open_ttl_cursors makes them)."""
         expired = []
         for (topic, channel, owner), cursor in self.cursors.items():
-            ttl = self.topics.get(topic, {}).get("ttl_ms")
+            ttl = self._ttl_ms(topic)
             if ttl is None or channel not in self.channels.get(topic, ()):
                 continue
             floor = max(cursor.floor, self.start_ids[(topic, channel)])
@@ -964,9 +1062,9 @@ class MemoryDb:
 
     # -- dead letters for operators ----------------------------------------------------
 
-    def _selected(self, p: dict) -> list[dict]:
+    def _selected(self, p: dict) -> list[_DeadLetter]:
         """The dead letters the dead_letter_filter fragment selects, in id order."""
-        def match(d: dict) -> bool:
+        def match(d: _DeadLetter) -> bool:
             return (
                 (p["topic"] is None or d["topic"] == p["topic"])
                 and (p["channel"] is None or d["channel"] == p["channel"])
@@ -981,7 +1079,7 @@ class MemoryDb:
         return [d for _, d in sorted(self.dead_letters.items()) if match(d)]
 
     @staticmethod
-    def _letter_row(d: dict) -> tuple:
+    def _letter_row(d: _DeadLetter) -> tuple[object, ...]:
         return (d["id"], d["reason"], d["detail"], d["topic"], d["channel"], d["producer"], d["session_id"],
                 d["message_id"], d["attempts"], len(d["body"]), d["published_ms"], d["dead_ms"], d["replayed_ms"],
                 d["replay_message_id"])
@@ -1003,8 +1101,7 @@ class MemoryDb:
         placed on another cluster."""
         picked = [
             d for d in self._selected(p)
-            if d["replayed_ms"] is None and d["id"] > p["after"] and self.topics.get(d["topic"], {}).get(
-                "cluster", self.cluster) == self.cluster
+            if d["replayed_ms"] is None and d["id"] > p["after"] and self._not_elsewhere(d["topic"])
         ][: p["limit"]]
         queued = 0
         now = self._now_ms()
@@ -1038,7 +1135,10 @@ class MemoryDb:
         return [(reason, n, replayed) for reason, (n, replayed) in sorted(by.items())]
 
     def _log_admin_operation(self, p: dict) -> int:
-        self.admin_log.append(dict(p, id=next(self._log_ids), at_ms=self._now_ms()))
+        self.admin_log.append({
+            "id": next(self._log_ids), "at_ms": self._now_ms(), "surface": p["surface"], "actor": p["actor"],
+            "operation": p["operation"], "filters": p["filters"], "affected": p["affected"],
+        })
         return 1
 
     # -- takeover ------------------------------------------------------------------------
@@ -1093,7 +1193,7 @@ class MemoryDb:
 
     def _sweep_trace(self, p: dict) -> int:
         cutoff = self._now_ms() - p["retention_s"] * 1000
-        old = sorted((r for r in self.returns if r["returned_ms"] < cutoff), key=lambda r: r["returned_ms"])
+        old = sorted((r for r in self.returns if r.row.returned_ms < cutoff), key=lambda r: r.row.returned_ms)
         gone = {id(r) for r in old[: p["limit"]]}
         self.returns = [r for r in self.returns if id(r) not in gone]
         return len(gone)
@@ -1113,9 +1213,9 @@ class MemoryDb:
         )
 
     def _trace_returns(self, p: dict) -> list[tuple]:
-        rows = sorted((r for r in self.returns if r["message_id"] == p["id"]), key=lambda r: (r["returned_ms"], r["id"]))
-        return [(r["channel"], r["attempt"], r["reason"], r["consumer"], r["node_id"], r["delivered_ms"],
-                 r["returned_ms"]) for r in rows]
+        found = sorted((r for r in self.returns if r.row.message_id == p["id"]), key=lambda r: (r.row.returned_ms, r.id))
+        return [(r.row.channel, r.row.attempt, r.row.reason, r.row.consumer, r.node_id, r.row.delivered_ms,
+                 r.row.returned_ms) for r in found]
 
     def _trace_acks(self, p: dict) -> list[tuple]:
         return [
@@ -1241,7 +1341,7 @@ class MemoryDb:
         return [(row["cluster"] if row is not None else None, pending, delayed, 0, now)]
 
 
-def _fire(d: Deferred, outcome: Any) -> None:
+def _fire(d: Deferred[T], outcome: T | Exception) -> None:
     if isinstance(outcome, BaseException):
         d.errback(outcome)
     else:

@@ -19,17 +19,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Protocol, Sequence, TypedDict
 
 import psycopg
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
 from dmq_server.db.storage_errors import Fenced, Misplaced, StorageError
-from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
+from dmq_server.db.steps import Params, Rows, Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
 
 __all__ = [
     "NewMessage",
+    "SendFields",
+    "SendColumns",
     "StoredMessage",
     "BacklogRow",
     "AckRow",
@@ -115,7 +117,34 @@ add_statement("ack_new_deliveries", ACK_NEW_DELIVERIES)
 _PAIR = attrgetter("producer", "session_id")
 
 
-def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
+class SendFields(Protocol):
+    """What every stored send carries, a message (``NewMessage``) or a delayed one
+    (``delays.NewDelayed``): ``send_columns`` reads these fields and no others."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def producer(self) -> str: ...
+    @property
+    def session_id(self) -> int: ...
+    @property
+    def produced_ms(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
+
+
+class SendColumns(TypedDict):
+    """``send_columns``' parameters: one array per column, and the storing node."""
+
+    topics: TextArray
+    producers: TextArray
+    session_ids: Int8Array
+    produced_ms: Int8Array
+    bodies: ByteaArray
+    node_id: str
+
+
+def send_columns(batch: Sequence[SendFields], node_id: str) -> SendColumns:
     """The array parameters every stored send carries (insert_messages, insert_delayed):
     one list per column, in batch order, and the storing node."""
     return {
@@ -128,18 +157,18 @@ def send_columns(batch: Sequence[Any], node_id: str) -> dict[str, Any]:
     }
 
 
-def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict[str, Any]:
+def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict[str, object]:
     """insert_messages' parameters for ``batch``. The rows are sorted by pair: the
     statement inserts them in the order sent, and that order is what keeps two writers
     from deadlocking on a pair both insert (see the statement); its answer is matched by
     pair, not by place. The batch's topics go once each, on their own."""
-    params = send_columns(sorted(batch, key=_PAIR), node_id)
-    params["owner"] = owner
-    params["batch_topics"] = TextArray(dict.fromkeys(params["topics"]))
-    return params
+    columns = send_columns(sorted(batch, key=_PAIR), node_id)
+    return {**columns, "owner": owner, "batch_topics": TextArray(dict.fromkeys(columns["topics"]))}
 
 
-def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int) -> Steps:
+def insert_messages_steps(
+    batch: Sequence[NewMessage], node_id: str, owner: int
+) -> Steps[list[StoredMessage | Misplaced]]:
     """Store a batch owned by incarnation ``owner``: one statement, atomic on its own
     (the writers run it in autocommit); resent pairs are then read back. One
     StoredMessage per item, in order (``Misplaced`` for one whose topic is not placed
@@ -177,7 +206,7 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
         )
         for r in found:
             fresh.setdefault((r[1], r[2]), StoredMessage(r[0], r[3], (), True))
-    results: list[Any] = []
+    results: list[StoredMessage | Misplaced] = []
     seen: set[tuple[str, int]] = set()
     for m in batch:
         key = (m.producer, m.session_id)
@@ -197,7 +226,7 @@ def insert_messages_steps(batch: Sequence[NewMessage], node_id: str, owner: int)
 _NO_CHANNELS: tuple[tuple[str, ...], list[int], int] = ((), [], 0)
 
 
-def _stored_rows(answer: list[Any]) -> tuple[list[Any], dict[str, tuple[tuple[str, ...], list[int], int]]]:
+def _stored_rows(answer: Rows) -> tuple[Rows, dict[str, tuple[tuple[str, ...], list[int], int]]]:
     """insert_messages' answer taken apart: the rows of the messages stored, and per topic
     its channels' names in name order, their start ids and the newest of them (a message
     is for the channels with a lower start_id: nearly always all). The channels' rows come
@@ -233,7 +262,7 @@ HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], ACK_NEW_DELIV
 
 def insert_messages(
     conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str, owner: int
-) -> list[StoredMessage]:
+) -> list[StoredMessage | Misplaced]:
     """``insert_messages_steps`` over a blocking connection."""
     return run_steps(conn, insert_messages_steps(batch, node_id, owner))
 
@@ -488,7 +517,7 @@ def load_backlog_steps(
     """A channel's stored copies after ``after``, oldest first. In a cluster (``holder``
     set) only the copies of this node's incarnation ``owner`` and of the owners whose
     cursors ``holder`` holds; on one node, every owner's."""
-    params: dict[str, Any] = {
+    params: Params = {
         "topic": topic, "channel": channel, "after": after, "limit": limit, "holder": holder, "owner": owner,
     }
     rows = yield Statement("load_backlog", params)
@@ -496,9 +525,10 @@ def load_backlog_steps(
 
 
 
-def run_query_steps(name: str, params: dict[str, Any]) -> Steps:
+def run_query_steps(name: str, params: Params) -> Steps[int]:
     """The named statement of ``sql/queries.sql``; returns the rows it changed."""
-    return (yield Statement(name, params, count=True))
+    ((changed,),) = yield Statement(name, params, count=True)
+    return changed
 
 
 
@@ -540,7 +570,7 @@ def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps:
     swept = 0
     if lowest is not None and (first_kept is None or lowest < first_kept):  # something is old
         below = MAX_ID if first_kept is None else first_kept
-        swept = yield Statement(
+        ((swept,),) = yield Statement(
             "sweep_messages", {"retention_s": retention_s, "below": below, "limit": limit}, count=True
         )
     yield Statement("prune_owners", {}, count=True)

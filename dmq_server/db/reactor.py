@@ -31,27 +31,45 @@ import os
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar, cast
 
 import psycopg
 from psycopg import pq
+from psycopg.abc import Transformer as PgTransformer
 from psycopg.adapt import PyFormat, Transformer
+from psycopg.pq.abc import PGconn, PGresult
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReadWriteDescriptor
+from twisted.internet.interfaces import IReactorFromThreads, IReadWriteDescriptor
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.db.outage import Outage
 from dmq_server.db.storage_errors import StorageError, describe_error, storage_error
-from dmq_server.db.steps import Statement, Steps
+from dmq_server.db.steps import Rows, Statement, Steps
 from dmq_server.db.deadline import Watchdog, hung_error
 from dmq_server.db.worker import connect
 
 __all__ = ["ReactorDb", "PreparedSql"]
 
 log = Logger()
+
+T = TypeVar("T")
+
+
+class Reactor(Clock, Protocol):
+    """What a ``ReactorDb`` asks of the reactor: timers, watching its socket, the
+    thread pool it connects on (``callFromThread``: how that thread answers)."""
+
+    def addReader(self, reader: ReactorDb) -> None: ...
+    def removeReader(self, reader: ReactorDb) -> None: ...
+    def addWriter(self, writer: ReactorDb) -> None: ...
+    def removeWriter(self, writer: ReactorDb) -> None: ...
+    def getThreadPool(self) -> ThreadPool: ...
+    def callFromThread(self, callable: Callable[..., object], *args: object, **kwargs: object) -> None: ...
 
 # %(name)s or %(name)b, optionally followed by a cast naming the parameter's type
 _PLACEHOLDER = re.compile(r"%\((\w+)\)([sb])(?:::(\w+(?:\[\])?))?")
@@ -106,7 +124,7 @@ def _oid(type_name: str) -> int:
 class _Run:
     __slots__ = ("steps", "deferred", "count")
 
-    def __init__(self, steps: Steps, deferred: Deferred):
+    def __init__(self, steps: Steps[object], deferred: Deferred[object]):
         self.steps = steps
         self.deferred = deferred
         self.count = False  # the statement in progress answers with its row count
@@ -116,25 +134,25 @@ class _Run:
 class ReactorDb:
     """One non-blocking connection; ``run_steps`` calls run one after another."""
 
-    def __init__(self, reactor: Any, dsn: str, name: str, *, prepare: Sequence[str] = (),
+    def __init__(self, reactor: Reactor, dsn: str, name: str, *, prepare: Sequence[str] = (),
                  timeout: float | None = None):
         self._reactor = reactor
         self.timeout = timeout if timeout and timeout > 0 else None
-        self._deadline: Any = None  # the run in progress's IDelayedCall
+        self._deadline: Timer | None = None  # the run in progress's
         self._dsn = dsn
         self.name = name
         self._prepare = tuple(prepare)
-        self._parsed: dict[str, tuple[PreparedSql, Transformer]] = {}
+        self._parsed: dict[str, tuple[PreparedSql, PgTransformer]] = {}
         self._conn: psycopg.Connection | None = None
-        self._pgconn: Any = None
+        self._pgconn: PGconn | None = None
         self._backend_pid: int | None = None
         self._fd = -1
         self._named: dict[str, bytes] = {}  # sql -> prepared statement name on this connection
-        self._loader: Transformer | None = None
-        self._queue: deque[tuple[Callable[..., Steps], tuple, Deferred]] = deque()
+        self._loader: PgTransformer | None = None
+        self._queue: deque[tuple[Callable[..., Steps[object]], tuple[object, ...], Deferred[object]]] = deque()
         self._run: _Run | None = None
         self._outage = Outage(f"{name} (PostgreSQL connection)", reactor)
-        self._results: list[Any] = []
+        self._results: list[PGresult] = []
         self._connecting = False
         self._stopped = False
         self._encoding = "utf-8"
@@ -154,18 +172,20 @@ class ReactorDb:
             run.deferred.errback(StorageError(f"{self.name}: stopped with a statement in progress"))
         self._fail_queued(StorageError(f"{self.name}: stopped"))
 
-    def run_steps(self, steps_fn: Callable[..., Steps], *args: Any) -> Deferred:
+    def run_steps(self, steps_fn: Callable[..., Steps[T]], *args: object) -> Deferred[T]:
         """Deferred with what ``steps_fn(*args)`` returns once its statements ran,
         or a StorageError."""
-        d: Deferred = Deferred()
+        d: Deferred[T] = Deferred()
         if self._stopped:
             d.errback(StorageError(f"{self.name}: stopped"))
             return d
-        self._queue.append((steps_fn, args, d))
+        # the queue holds runs of every result type, each Deferred fired with its own
+        # steps' result: a pairing the element type cannot state (Deferred is invariant)
+        self._queue.append((steps_fn, args, d))  # type: ignore[arg-type]
         self._next()
         return d
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, bool | int]:
         """The connection as ``/metrics`` shows it: open, running a statement, calls queued."""
         return {"connected": self._pgconn is not None, "busy": self._run is not None, "queued": len(self._queue)}
 
@@ -192,7 +212,8 @@ class ReactorDb:
     def _hung(self, run: _Run) -> None:
         self._deadline = None
         if run is self._run:
-            self._broken(hung_error(self.name, self.timeout), as_is=True)
+            hung = hung_error(self.name, self.timeout)
+            self._broken(hung, hung)
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -200,7 +221,7 @@ class ReactorDb:
                 self._deadline.cancel()
             self._deadline = None
 
-    def _advance(self, rows: list | None, error: BaseException | None) -> None:
+    def _advance(self, rows: Rows | None, error: BaseException | None) -> None:
         """Hand the last statement's outcome to the steps and send what they yield next."""
         run = self._run
         assert run is not None
@@ -228,14 +249,16 @@ class ReactorDb:
 
     def _send(self, stmt: Statement) -> None:
         sql = stmt.sql  # the text of the statement's name (steps.STATEMENTS)
+        pgconn = self._pgconn
+        assert pgconn is not None  # a run is sent only on an open connection (_next)
         parsed, dumper = self._parse(sql)
         values = dumper.dump_sequence([stmt.params[n] for n in parsed.names], [PyFormat.BINARY] * len(parsed.names))
         formats = [pq.Format.BINARY] * len(values)
         name = self._named.get(sql)
         if name is not None:
-            self._pgconn.send_query_prepared(name, values, param_formats=formats, result_format=pq.Format.BINARY)
+            pgconn.send_query_prepared(name, values, param_formats=formats, result_format=pq.Format.BINARY)
         else:
-            self._pgconn.send_query_params(
+            pgconn.send_query_params(
                 parsed.query, values, param_types=parsed.oids, param_formats=formats,
                 result_format=pq.Format.BINARY,
             )
@@ -244,7 +267,7 @@ class ReactorDb:
             self._run.count = stmt.count
         self.doWrite()
 
-    def _parse(self, sql: str) -> tuple[PreparedSql, Transformer]:
+    def _parse(self, sql: str) -> tuple[PreparedSql, PgTransformer]:
         entry = self._parsed.get(sql)
         if entry is None:
             parsed = PreparedSql.parse(sql)
@@ -259,9 +282,9 @@ class ReactorDb:
             if res.status not in _SUCCESS:
                 self._advance(None, _error(res, self._encoding))
                 return
-        rows: Any = []
+        rows: Rows = []
         if self._run is not None and self._run.count:
-            rows = results[-1].command_tuples or 0 if results else 0
+            rows = [(results[-1].command_tuples or 0 if results else 0,)]
         elif results and results[-1].status == pq.ExecStatus.TUPLES_OK:
             loader = self._loader
             assert loader is not None
@@ -269,7 +292,7 @@ class ReactorDb:
             rows = loader.load_rows(0, results[-1].ntuples, tuple)
         self._advance(rows, None)
 
-    def _finish(self, result: Any, error: BaseException | None) -> None:
+    def _finish(self, result: object, error: BaseException | None) -> None:
         self._cancel_deadline()
         run, self._run = self._run, None
         assert run is not None
@@ -325,8 +348,9 @@ class ReactorDb:
         # the reactor is shutting down with the connection still registered
         self._broken(psycopg.OperationalError("connection closed by the reactor"))
 
-    def _broken(self, exc: BaseException, as_is: bool = False) -> None:
-        """The connection cannot be used: fail the run in progress; the next run reconnects."""
+    def _broken(self, exc: BaseException, error: StorageError | None = None) -> None:
+        """The connection cannot be used: fail the run in progress (with ``error``, by
+        default a StorageError saying what ``exc`` was); the next run reconnects."""
         if self._pgconn is not None:
             self._outage.failed(f"connection lost: {describe_error(exc)}")
         pid = self._backend_pid
@@ -335,7 +359,8 @@ class ReactorDb:
         if self._run is not None:
             run, self._run = self._run, None
             run.steps.close()
-            error = exc if as_is else StorageError(f"{self.name}: {describe_error(exc)}")
+            if error is None:
+                error = StorageError(f"{self.name}: {describe_error(exc)}")
             error.backend_pid = pid  # the statement may still commit until that backend ends
             run.deferred.errback(error)
         self._next()
@@ -361,7 +386,9 @@ class ReactorDb:
     def _connect(self) -> None:
         self._connecting = True
         pool = self._reactor.getThreadPool()
-        d = deferToThreadPool(self._reactor, pool, _open, self._dsn, self._prepare, self.timeout, self.name)
+        # IReactorFromThreads is a zope interface, nominal to mypy; Reactor holds the
+        # callFromThread it needs, which the reactor provides
+        d = deferToThreadPool(cast(IReactorFromThreads, self._reactor), pool, _open, self._dsn, self._prepare, self.timeout, self.name)
         d.addCallbacks(self._connected, self._connect_failed)
 
     def _connected(self, opened: tuple[psycopg.Connection, dict[str, bytes]]) -> None:
@@ -415,11 +442,11 @@ def _open(dsn: str, prepare: Sequence[str], timeout: float | None = None,
         named: dict[str, bytes] = {}
         for i, sql in enumerate(prepare):
             parsed = PreparedSql.parse(sql)
-            name = f"dmq_hot_{i}".encode()
-            res = conn.pgconn.prepare(name, parsed.query, parsed.oids)
+            prepared = f"dmq_hot_{i}".encode()
+            res = conn.pgconn.prepare(prepared, parsed.query, parsed.oids)
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise StorageError(f"cannot prepare a statement: {describe_error(_error(res, conn.info.encoding))}")
-            named[sql] = name
+            named[sql] = prepared
         conn.pgconn.nonblocking = 1
     except BaseException as exc:
         conn.close()
@@ -435,7 +462,7 @@ def _open(dsn: str, prepare: Sequence[str], timeout: float | None = None,
 _SUCCESS = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 
 
-def _error(res: Any, encoding: str = "utf-8") -> psycopg.Error:
+def _error(res: PGresult, encoding: str = "utf-8") -> psycopg.Error:
     """The psycopg exception for a failed result, as the blocking path raises it
     (UniqueViolation for 23505, ..., with its diagnostics)."""
     if res.status == pq.ExecStatus.FATAL_ERROR:

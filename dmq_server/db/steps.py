@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, TypeVar
+from typing import Callable, Generator, Mapping, TypeVar
 
 import psycopg
+from psycopg.rows import TupleRow
 
 from dmq_sql import queries
 
-__all__ = ["Statement", "Steps", "STATEMENTS", "add_statement", "run_steps"]
+__all__ = ["Params", "Rows", "Statement", "Steps", "STATEMENTS", "add_statement", "run_steps"]
 
 T = TypeVar("T")
+
+# a statement's named parameters: handed to psycopg (or the in-memory double) as they are
+Params = Mapping[str, object]
+# what a steps generator receives for a statement: its rows as psycopg loads them (a
+# tuple per row, []: none), each column's Python type named by the statement's SQL. A
+# ``count`` statement answers with one row holding the number of rows it changed, so
+# every statement's answer has the one shape and a step unpacks it without narrowing
+Rows = list[TupleRow]
 
 # name -> SQL text: every query of sql/queries.sql, and the variants the db modules
 # derive from them (e.g. messages.INSERT_NEW_MESSAGES)
@@ -42,10 +51,10 @@ class Statement:
 
     ``may_fail``: the steps catch its error and go on, so inside a caller's
     transaction it runs in a savepoint. ``count``: the steps receive the number of
-    rows the statement changed (an int) instead of its rows."""
+    rows the statement changed (one row, ``[(n,)]``) instead of its rows."""
 
     name: str
-    params: dict[str, Any]
+    params: Params
     may_fail: bool = False
     count: bool = False
 
@@ -54,11 +63,9 @@ class Statement:
         return STATEMENTS[self.name]
 
 
-# yields Statements, receives each one's rows (a list of tuples, [] if it returns
-# none; the changed row count for a ``count`` statement) or has its psycopg error
-# thrown in; returns the result. What it receives is Any: a list or an int, which one
-# the statement it yielded says, so a step unpacks it without narrowing
-Steps = Generator[Statement, Any, T]
+# yields Statements, receives each one's Rows (``[(n,)]`` for a ``count`` statement)
+# or has its psycopg error thrown in; returns the result
+Steps = Generator[Statement, Rows, T]
 
 
 def _in_savepoint(conn: psycopg.Connection, stmt: Statement) -> psycopg.Cursor:
@@ -79,7 +86,7 @@ def _in_savepoint(conn: psycopg.Connection, stmt: Statement) -> psycopg.Cursor:
     return cur
 
 
-def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
+def run_steps(conn: psycopg.Connection, steps: Steps[T]) -> T:
     """Drive ``steps`` over a blocking connection; returns what the steps return."""
     advance: Callable[[], Statement] = functools.partial(next, steps)
     while True:
@@ -92,9 +99,9 @@ def run_steps(conn: psycopg.Connection, steps: Steps) -> Any:
                 cur = _in_savepoint(conn, stmt)
             else:
                 cur = conn.execute(stmt.sql, stmt.params)
-            rows: list[tuple[Any, ...]] | int
+            rows: Rows
             if stmt.count:
-                rows = cur.rowcount
+                rows = [(cur.rowcount,)]
             else:
                 rows = cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:

@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Generator, Protocol, TypeVar, cast
 
 from twisted.internet import defer, task
-from twisted.internet.interfaces import IReadDescriptor
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime, IReadDescriptor
+from twisted.python.threadpool import ThreadPool
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from dmq_server.core.clock import Clock
+from dmq_server.core.clock import Clock, Timer
 
 __all__ = ["PostgresSupervisor", "MIN_BACKOFF", "MAX_BACKOFF", "POLL_INTERVAL"]
 
@@ -53,13 +54,38 @@ START_TIMEOUT = 120.0
 
 #: ``watch(pid, on_exit) -> cancel``: call ``on_exit()`` once when ``pid`` exits.
 Watch = Callable[[int, Callable[[], None]], Callable[[], None]]
+T = TypeVar("T")
+
+
+class Postmaster(Protocol):
+    """What the supervisor asks of the embedded PostgreSQL (``db.embedded.EmbeddedPostgres``)."""
+
+    def pid(self) -> int | None: ...
+
+    def start(self, timeout: float = ..., keep_port: bool = ...) -> object: ...
+
+
+class RunInThread(Protocol):
+    """``run(f, *args)``: a Deferred of ``f(*args)``, run off the reactor thread."""
+
+    def __call__(self, f: Callable[..., T], *args: object) -> defer.Deferred[T]: ...
+
+
+class Reactor(Clock, Protocol):
+    """What the supervisor asks of the reactor: timers, a pidfd watched for reading,
+    the thread pool a restart runs on (``callFromThread``: how its thread answers)."""
+
+    def addReader(self, reader: _PidfdReader) -> None: ...
+    def removeReader(self, reader: _PidfdReader) -> None: ...
+    def getThreadPool(self) -> ThreadPool: ...
+    def callFromThread(self, callable: Callable[..., object], *args: object, **kwargs: object) -> None: ...
 
 
 @implementer(IReadDescriptor)
 class _PidfdReader:
     """A pidfd in the reactor: readable once the process has exited."""
 
-    def __init__(self, reactor: Any, fd: int, on_exit: Callable[[], None]):
+    def __init__(self, reactor: Reactor, fd: int, on_exit: Callable[[], None]):
         self._reactor, self._fd, self._on_exit = reactor, fd, on_exit
 
     def fileno(self) -> int:
@@ -82,7 +108,7 @@ class _PidfdReader:
             self._fd = -1
 
 
-def pidfd_watch(reactor: Any) -> Watch | None:
+def pidfd_watch(reactor: Reactor) -> Watch | None:
     """A :data:`Watch` built on ``pidfd_open``, or None where the system lacks it."""
     if not hasattr(os, "pidfd_open"):
         return None
@@ -110,7 +136,7 @@ def polling_watch(clock: Clock, alive: Callable[[int], defer.Deferred], interval
     def watch(pid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
         state = {"cancelled": False}
 
-        def check() -> Any:
+        def check() -> defer.Deferred[None]:
             d = alive(pid)
 
             def seen(is_alive: bool) -> None:
@@ -122,7 +148,8 @@ def polling_watch(clock: Clock, alive: Callable[[int], defer.Deferred], interval
             return d.addCallback(seen).addErrback(lambda _: None)
 
         loop = task.LoopingCall(check)
-        loop.clock = clock
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        loop.clock = cast(IReactorTime, clock)
         loop.start(interval, now=False).addErrback(lambda _: None)
 
         def cancel() -> None:
@@ -133,6 +160,13 @@ def polling_watch(clock: Clock, alive: Callable[[int], defer.Deferred], interval
         return cancel
 
     return watch
+
+
+def _given(reactor: Reactor | None, what: str) -> Reactor:
+    """The reactor that stands in for ``what``, which was not given."""
+    if reactor is None:
+        raise ValueError(f"PostgresSupervisor without a reactor needs {what}")
+    return reactor
 
 
 class PostgresSupervisor:
@@ -147,11 +181,11 @@ class PostgresSupervisor:
 
     def __init__(
         self,
-        embedded: Any,
-        reactor: Any,
+        embedded: Postmaster,
+        reactor: Reactor | None,
         *,
         clock: Clock | None = None,
-        run_in_thread: Callable[..., defer.Deferred] | None = None,
+        run_in_thread: RunInThread | None = None,
         watch: Watch | None = None,
         min_backoff: float = MIN_BACKOFF,
         max_backoff: float = MAX_BACKOFF,
@@ -160,13 +194,18 @@ class PostgresSupervisor:
         if not 0 < min_backoff <= max_backoff:
             raise ValueError(f"need 0 < min_backoff <= max_backoff, got {min_backoff}, {max_backoff}")
         self.embedded = embedded
-        self.clock = clock if clock is not None else reactor
+        self.clock: Clock = clock if clock is not None else _given(reactor, "clock")
         if run_in_thread is None:
-            def run_in_thread(f: Callable[..., Any], *args: Any) -> defer.Deferred:
-                return deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+            pool_reactor = _given(reactor, "run_in_thread")
+
+            def run_in_thread(f: Callable[..., T], *args: object) -> defer.Deferred[T]:
+                # IReactorFromThreads is a zope interface, nominal to mypy; Reactor holds
+                # the callFromThread it needs, which the reactor provides
+                threads = cast(IReactorFromThreads, pool_reactor)
+                return deferToThreadPool(threads, pool_reactor.getThreadPool(), f, *args)
         self._run = run_in_thread
         if watch is None:
-            watch = pidfd_watch(reactor) or polling_watch(self.clock, self._alive)
+            watch = (pidfd_watch(reactor) if reactor is not None else None) or polling_watch(self.clock, self._alive)
         self._watch = watch
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
@@ -174,14 +213,14 @@ class PostgresSupervisor:
         self.pid: int | None = None
         self.restarts = 0
         self._cancel_watch: Callable[[], None] | None = None
-        self._pending: Any = None  # the IDelayedCall of the next attempt
-        self._attempt_d: defer.Deferred | None = None
+        self._pending: Timer | None = None  # the next attempt
+        self._attempt_d: defer.Deferred[int | None] | None = None
         self._stopped = True
         self._down_since: float | None = None
         self._attempts = 0
         self._last_error: str | None = None
 
-    def _alive(self, pid: int) -> defer.Deferred:
+    def _alive(self, pid: int) -> defer.Deferred[bool]:
         return self._run(lambda: self.embedded.pid() == pid)
 
     @property
@@ -190,7 +229,7 @@ class PostgresSupervisor:
         return self._down_since is not None
 
     @defer.inlineCallbacks
-    def start(self) -> Any:
+    def start(self) -> Generator[defer.Deferred[int | None], int | None, None]:
         """Begin watching the running postmaster (call after ``embedded.start()``)."""
         self._stopped = False
         pid = yield self._run(self.embedded.pid)
@@ -233,7 +272,7 @@ class PostgresSupervisor:
         d.addCallbacks(self._restarted, self._failed)
         d.addBoth(self._attempt_done)
 
-    def _attempt_done(self, result: Any) -> Any:
+    def _attempt_done(self, result: T) -> T:
         self._attempt_d = None
         return result
 
@@ -269,7 +308,7 @@ class PostgresSupervisor:
         self._pending = self.clock.callLater(delay, self._attempt)
 
     @defer.inlineCallbacks
-    def stop(self) -> Any:
+    def stop(self) -> Generator[defer.Deferred[None], object, None]:
         """Stop watching and restarting; waits for an attempt under way to finish."""
         self._stopped = True
         if self._cancel_watch is not None:
@@ -279,6 +318,11 @@ class PostgresSupervisor:
             self._pending.cancel()
         self._pending = None
         if self._attempt_d is not None:
-            done: defer.Deferred = defer.Deferred()
-            self._attempt_d.addBoth(lambda r: (done.callback(None), r)[1])
+            done: defer.Deferred[None] = defer.Deferred()
+
+            def finished(result: T) -> T:
+                done.callback(None)
+                return result
+
+            self._attempt_d.addBoth(finished)
             yield done

@@ -48,28 +48,28 @@ class ReturnRow:
 
 def record_returns_steps(rows: Sequence[ReturnRow], node_id: str) -> Steps:
     """One statement for a batch of returns; returns how many were written."""
-    return (
-        yield Statement(
-            "record_returns",
-            {
-                "message_ids": [r.message_id for r in rows],
-                "topics": [r.topic for r in rows],
-                "channels": [r.channel for r in rows],
-                "attempts": [r.attempt for r in rows],
-                "reasons": [r.reason for r in rows],
-                "consumers": [r.consumer for r in rows],
-                "delivered_ms": [r.delivered_ms for r in rows],
-                "returned_ms": [r.returned_ms for r in rows],
-                "node_id": node_id,
-            },
-            count=True,
-        )
+    ((written,),) = yield Statement(
+        "record_returns",
+        {
+            "message_ids": [r.message_id for r in rows],
+            "topics": [r.topic for r in rows],
+            "channels": [r.channel for r in rows],
+            "attempts": [r.attempt for r in rows],
+            "reasons": [r.reason for r in rows],
+            "consumers": [r.consumer for r in rows],
+            "delivered_ms": [r.delivered_ms for r in rows],
+            "returned_ms": [r.returned_ms for r in rows],
+            "node_id": node_id,
+        },
+        count=True,
     )
+    return written
 
 
 def sweep_trace_steps(retention_s: float, limit: int) -> Steps:
     """Drop up to ``limit`` returns older than ``retention_s``; returns how many."""
-    return (yield Statement("sweep_trace", {"retention_s": retention_s, "limit": limit}, count=True))
+    ((swept,),) = yield Statement("sweep_trace", {"retention_s": retention_s, "limit": limit}, count=True)
+    return swept
 
 
 def body_preview(data: Any, size: int) -> dict[str, Any]:
@@ -218,7 +218,7 @@ def read_gauges_steps(lowest: dict[tuple[str, str], int | None] | None = None) -
     (another cluster's, or acknowledged and swept since)."""
     lowest = lowest or {}
     ids = sorted({i for i in lowest.values() if i is not None})
-    published = dict((yield Statement("published_at", {"ids": ids}))) if ids else {}
+    published: dict[int, int] = dict((yield Statement("published_at", {"ids": ids}))) if ids else {}
     oldest = {key: published.get(i) if i is not None else None for key, i in lowest.items()}
     delayed = {t: (n, due) for t, n, due in (yield Statement("delay_pending_by_topic", {}))}
     letters = {reason: (total, replayed) for reason, total, replayed in (yield Statement("dead_letter_counts", {}))}

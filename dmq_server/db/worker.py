@@ -19,10 +19,11 @@ maybe to another member.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import psycopg
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
@@ -65,7 +66,7 @@ class DbWorker:
     the time under load.
     """
 
-    def __init__(self, reactor: Any, dsn: str, name: str, *, autocommit: bool = False,
+    def __init__(self, reactor: IReactorFromThreads, dsn: str, name: str, *, autocommit: bool = False,
                  timeout: float | None = None):
         self._reactor = reactor
         self._dsn = dsn
@@ -89,7 +90,7 @@ class DbWorker:
                 pass
             self._conn = None
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, bool | int]:
         """The worker as ``/metrics`` shows it: its connection open, a call running,
         calls queued (read from the reactor thread; a moment stale at worst)."""
         conn = self._conn
@@ -99,16 +100,16 @@ class DbWorker:
             "queued": self._pool.q.qsize(),
         }
 
-    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred:
+    def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> Deferred[T]:
         """Run ``fn(conn, *args)`` on this worker's thread, in a transaction unless
         the worker is ``autocommit``."""
         return deferToThreadPool(self._reactor, self._pool, self._call, fn, args, kwargs)
 
-    def run_steps(self, steps_fn: Callable[..., Steps], *args: Any) -> Deferred:
+    def run_steps(self, steps_fn: Callable[..., Steps[T]], *args: object) -> Deferred[T]:
         """Run the steps ``steps_fn(*args)`` on this worker's thread (as ``run`` does)."""
         return self.run(_steps_call, steps_fn, args)
 
-    def _call(self, fn: Callable[..., T], args: Sequence[Any], kwargs: dict) -> T:
+    def _call(self, fn: Callable[..., T], args: Sequence[object], kwargs: dict[str, object]) -> T:
         with self._lock:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self._dsn, autocommit=self.autocommit)
@@ -156,5 +157,5 @@ class DbWorker:
             self._conn = None
 
 
-def _steps_call(conn: psycopg.Connection, steps_fn: Callable[..., Steps], args: Sequence[Any]) -> Any:
+def _steps_call(conn: psycopg.Connection, steps_fn: Callable[..., Steps[T]], args: Sequence[object]) -> T:
     return run_steps(conn, steps_fn(*args))

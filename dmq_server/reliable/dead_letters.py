@@ -15,7 +15,7 @@ statements are ``dmq_server.db.dead_letter_steps`` (re-exported here).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
@@ -31,7 +31,9 @@ from dmq_server.db.dead_letter_steps import (
     record_attempts_steps,
 )
 from dmq_server.db.outage import Outage
-from dmq_server.reliable.writer import GroupCommitWriter, RetryingBatcher
+from dmq_server.db.runner import StepRunner
+from dmq_server.reliable.channel import Delivery, ReliableChannel
+from dmq_server.reliable.writer import GroupCommitWriter, Outcome, RetryingBatcher
 
 # the statements and their values live in dmq_server.db.dead_letter_steps
 __all__ = ["DeadLetterSink"]
@@ -44,10 +46,10 @@ class DeadLetterSink:
 
     def __init__(
         self,
-        db: Any,
+        db: StepRunner,
         clock: Clock,
         node_id: str,
-        channel: Callable[[str, str], Any],
+        channel: Callable[[str, str], ReliableChannel | None],
         *,
         batch_size: int = 2000,
         flush_interval: float = 0.05,
@@ -60,12 +62,17 @@ class DeadLetterSink:
         self.node_id = node_id
         self._channel = channel
         self.expiry_batch = expiry_batch
-        self.writer = GroupCommitWriter([db], node_id, batch_size, insert=insert_dead_letters_steps)
-        self.attempts = RetryingBatcher(
-            db, clock, record_attempts_steps, interval=flush_interval, max_batch=batch_size,
-            name="attempts", steps=True,
+        # each dead letter's id
+        self.writer: GroupCommitWriter[NewDeadLetter, int] = GroupCommitWriter(
+            [db], node_id, batch_size, insert=insert_dead_letters_steps
         )
-        self.exhausted = RetryingBatcher(
+        # how many of the copies were still stored
+        self.attempts: RetryingBatcher[CopyRef, int] = RetryingBatcher(
+            db, clock, record_attempts_steps, interval=flush_interval, max_batch=batch_size,
+            name="attempts",
+        )
+        # the (topic, channel, message id) of the copies that were still waiting
+        self.exhausted: RetryingBatcher[CopyRef, list[tuple[str, str, int]]] = RetryingBatcher(
             db,
             clock,
             exhaust_deliveries_steps,
@@ -73,7 +80,6 @@ class DeadLetterSink:
             max_batch=batch_size,
             on_done=self._exhausted_done,
             name="max-attempts dead letters",
-            steps=True,
             # the holder named by a cursor this opens; in a cluster, only cursors it holds
             args=lambda batch: (node_id, fenced()),
         )
@@ -81,25 +87,25 @@ class DeadLetterSink:
         self.counts: dict[str, int] = {}
 
     # -- recording ---------------------------------------------------------------
-    def record(self, letter: NewDeadLetter, done: Callable[[Any], None]) -> None:
+    def record(self, letter: NewDeadLetter, done: Callable[[Outcome[int]], None]) -> None:
         """Record one dead letter (group commit); ``done`` gets its id or the exception."""
 
-        def committed(outcome: Any) -> None:
+        def committed(outcome: Outcome[int]) -> None:
             if not isinstance(outcome, BaseException):
                 self.counts[letter.reason] = self.counts.get(letter.reason, 0) + 1
             done(outcome)
 
         self.writer.submit_cb(letter, committed)
 
-    def on_attempt(self, channel: Any, delivery: Any) -> None:
+    def on_attempt(self, channel: ReliableChannel, delivery: Delivery) -> None:
         message = delivery.message
         self.attempts.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner))
 
-    def on_exhausted(self, channel: Any, delivery: Any) -> None:
+    def on_exhausted(self, channel: ReliableChannel, delivery: Delivery) -> None:
         message = delivery.message
         self.exhausted.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner))
 
-    def _exhausted_done(self, batch: list[CopyRef], rows: list) -> None:
+    def _exhausted_done(self, batch: list[CopyRef], rows: list[tuple[str, str, int]]) -> None:
         self.counts["max_attempts"] = self.counts.get("max_attempts", 0) + len(rows)
         for ref in batch:
             ch = self._channel(ref.topic, ref.channel)
@@ -107,7 +113,7 @@ class DeadLetterSink:
                 ch.ack_durable([ref.message_id])  # its row is gone: forget it
 
     # -- expiry ------------------------------------------------------------------
-    def sweep_expired(self) -> Deferred:
+    def sweep_expired(self) -> Deferred[int]:
         """Move one batch of expired copies to dead letters; again at once while full."""
         if self._sweeping:
             return succeed(0)
@@ -115,7 +121,7 @@ class DeadLetterSink:
         now_ms = int(self.clock.seconds() * 1000)
         d = self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch)
 
-        def swept(rows: list) -> Any:
+        def swept(rows: list[tuple[str, str, int]]) -> int | Deferred[int]:
             self._sweeping = False
             self._sweep_outage.recovered()
             self._drop(rows)
@@ -143,13 +149,13 @@ class DeadLetterSink:
                 ch.drop(ids)
         log.info("{n} expired copies moved to dead letters", n=len(rows))
 
-    def close(self) -> Deferred:
+    def close(self) -> Deferred[None]:
         d = self.writer.close()
         d.addCallback(lambda _: self.attempts.drain())
         d.addCallback(lambda _: self.exhausted.drain())
         return d
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         return {
             "recorded_since_start": dict(sorted(self.counts.items())),
             "pending": self.writer.pending + self.attempts.pending + self.exhausted.pending,

@@ -14,20 +14,31 @@ outage with a consumer timing out in a loop cannot grow the server's memory.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TypedDict
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.trace_steps import ReturnRow, record_returns_steps, sweep_trace_steps
+from dmq_server.reliable.channel import Delivery, ReliableChannel
 from dmq_server.reliable.writer import RetryingBatcher
 
 __all__ = ["TraceSink"]
 
 log = Logger()
+
+
+class TraceStats(TypedDict):
+    """``TraceSink.stats``: returns counted by reason, rows waiting, written and dropped."""
+
+    returned: dict[str, int]
+    pending: int
+    written: int
+    dropped: int
 
 
 class TraceSink:
@@ -36,7 +47,7 @@ class TraceSink:
 
     def __init__(
         self,
-        db: Any,
+        db: StepRunner,
         clock: Clock,
         node_id: str,
         *,
@@ -47,15 +58,16 @@ class TraceSink:
         self.db = db
         self.clock = clock
         self.max_pending = max_pending
-        self.batcher = RetryingBatcher(
+        # the rows written, per batch
+        self.batcher: RetryingBatcher[ReturnRow, int] = RetryingBatcher(
             db, clock, partial(record_returns_steps, node_id=node_id), interval=flush_interval,
-            max_batch=batch_size, name="message trace", steps=True,
+            max_batch=batch_size, name="message trace",
         )
         self.dropped = 0
         self.counts: dict[str, int] = {}
         self._sweeping = False
 
-    def returned(self, channel: Any, delivery: Any, reason: str) -> None:
+    def returned(self, channel: ReliableChannel, delivery: Delivery, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         if self.batcher.pending >= self.max_pending:
             self.dropped += 1
@@ -73,7 +85,7 @@ class TraceSink:
             )
         )
 
-    def sweep(self, retention_s: float, limit: int = 10000) -> Deferred:
+    def sweep(self, retention_s: float, limit: int = 10000) -> Deferred[int]:
         """Drop one batch of returns older than ``retention_s``; fires with how many."""
         d = self.db.run_steps(sweep_trace_steps, retention_s, limit)
 
@@ -83,10 +95,10 @@ class TraceSink:
 
         return d.addErrback(quiet)
 
-    def close(self) -> Deferred:
+    def close(self) -> Deferred[None]:
         return self.batcher.drain()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TraceStats:
         return {
             "returned": dict(sorted(self.counts.items())),
             "pending": self.batcher.pending,

@@ -28,18 +28,22 @@ either answered or tried again, never dropped.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable, Generic, Sequence, TypeVar, Union
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from dmq_server.core.buckets import BATCH_SIZES, LATENCY_SECONDS, Buckets
-from dmq_server.core.clock import Clock
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import ShuttingDown
 from dmq_server.db.outage import Outage
+from dmq_server.db.runner import StepRunner
+from dmq_server.db.steps import Steps
 from dmq_server.db.storage_errors import Fenced, RefusedError, StorageError
-from dmq_server.db.messages import AckRun, NewMessage, ack_deliveries_steps, insert_messages_steps
+from dmq_server.db.messages import AckRun, StoredMessage, ack_deliveries_steps, insert_messages_steps
+from dmq_server.reliable.horizon import OwnWrites
 
 __all__ = ["GroupCommitWriter", "AckBatcher", "RetryingBatcher"]
 
@@ -55,14 +59,21 @@ log = Logger()
 # 11-120 ms. Under full load the queue passes it at once and the writers run side by side.
 PARALLEL_MIN = 64
 
+# what a group commit stores (a NewMessage, a NewDelayed, a NewDeadLetter) and what
+# storing one gives (a StoredMessage, a StoredDelay, a dead letter's id)
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
+# each item's outcome: its result, or the error that answers it (Misplaced, Fenced,
+# RefusedError, a StorageError of unknown outcome, ShuttingDown)
+Outcome = Union[ResultT, Exception]
 # ``answer(start, outcomes)``: the outcomes of a run's messages from position ``start`` on
-Answer = Callable[[int, list], None]
-# a queued message, the answer of its run, its position in the run
-_Item = tuple[NewMessage, Answer, int]
+Answer = Callable[[int, Sequence[Outcome[ResultT]]], None]
+# a queued item, the answer of its run, its position in the run
+_Item = tuple[ItemT, Answer[ResultT], int]
 
 
-def _answer(batch: list[_Item], outcomes: list) -> None:
+def _answer(batch: list[_Item[ItemT, ResultT]], outcomes: Sequence[Outcome[ResultT]]) -> None:
     """Each run's part of ``batch`` (consecutive items of one answer, positions in order)
     answered in one call with its outcomes; one answer failing fails no other."""
     i, n = 0, len(batch)
@@ -78,8 +89,9 @@ def _answer(batch: list[_Item], outcomes: list) -> None:
         i = j
 
 
-class GroupCommitWriter:
-    """Group commit over one or more writer connections.
+class GroupCommitWriter(Generic[ItemT, ResultT]):
+    """Group commit over one or more writer connections: ``insert`` stores the
+    ``ItemT``s of a batch, each answered with its ``ResultT`` (or an error).
 
     With several workers, batches commit concurrently (PostgreSQL merges their
     WAL flushes), so message ids may commit slightly out of order; the channel
@@ -89,14 +101,16 @@ class GroupCommitWriter:
 
     def __init__(
         self,
-        workers: Any,
+        workers: StepRunner | list[StepRunner] | tuple[StepRunner, ...],
         node_id: str,
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
-        insert: Callable[..., Any] = insert_messages_steps,
-        on_unknown: Callable[[list[Any]], None] = lambda items: None,
+        # the default makes a GroupCommitWriter[NewMessage, StoredMessage | Misplaced]; mypy
+        # cannot check a default against a parameter typed by the class's type variables
+        insert: Callable[..., Steps[Sequence[Outcome[ResultT]]]] = insert_messages_steps,  # type: ignore[assignment]
+        on_unknown: Callable[[list[ItemT]], None] = lambda items: None,
         clock: Clock | None = None,
-        writes: Any = None,
+        writes: OwnWrites | None = None,
         parallel_min: int = PARALLEL_MIN,
         on_batch: Callable[[], None] = lambda: None,
     ):
@@ -110,7 +124,7 @@ class GroupCommitWriter:
         # the moment it is sent until its sends were answered (so its messages are in
         # the channels); None for the delay table and dead letters
         self._writes = writes
-        self._free: list[Any] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
+        self._free: list[StepRunner] = list(workers) if isinstance(workers, (list, tuple)) else [workers]
         self._worker_count = len(self._free)
         self._node_id = node_id
         self._max_batch = max_batch
@@ -121,11 +135,11 @@ class GroupCommitWriter:
         # write is settled (the store hands the batch's copies to its channels then)
         self._on_batch = on_batch
         # each queued message with the answer of its run and its place in the run
-        self._queue: list[_Item] = []
+        self._queue: list[_Item[ItemT, ResultT]] = []
         # parts of a refused batch, each run on its own until the bad rows are found
-        self._isolated: list[list[_Item]] = []
+        self._isolated: list[list[_Item[ItemT, ResultT]]] = []
         self._closing = False
-        self._idle_waiters: list[Deferred] = []
+        self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
         self.messages = 0
         # for /metrics: messages per committed batch and, with a clock, each batch's
@@ -142,11 +156,11 @@ class GroupCommitWriter:
     def _busy(self) -> bool:
         return len(self._free) < self._worker_count
 
-    def submit(self, message: NewMessage) -> Deferred:
-        """Deferred firing with a StoredMessage once committed, or a StorageError."""
-        d: Deferred = Deferred()
+    def submit(self, message: ItemT) -> Deferred[ResultT]:
+        """Deferred firing with its result (a StoredMessage) once committed, or a StorageError."""
+        d: Deferred[ResultT] = Deferred()
 
-        def done(outcome: Any) -> None:
+        def done(outcome: Outcome[ResultT]) -> None:
             if isinstance(outcome, BaseException):
                 d.errback(outcome)
             else:
@@ -155,12 +169,12 @@ class GroupCommitWriter:
         self.submit_cb(message, done)
         return d
 
-    def submit_cb(self, message: NewMessage, done: Callable[[Any], None]) -> None:
+    def submit_cb(self, message: ItemT, done: Callable[[Outcome[ResultT]], None]) -> None:
         """Like submit, without a Deferred per message: ``done`` gets the StoredMessage,
         or the exception."""
         self.submit_run([message], lambda start, outcomes: done(outcomes[0]))
 
-    def submit_run(self, messages: list[NewMessage], answer: Answer) -> None:
+    def submit_run(self, messages: Sequence[ItemT], answer: Answer[ResultT]) -> None:
         """Queue ``messages`` together (a batch starts with all of them waiting, not with
         the first alone); ``answer(start, outcomes)`` gets, for the messages from
         position ``start`` on, each one's StoredMessage or exception, in order. Each
@@ -203,7 +217,14 @@ class GroupCommitWriter:
             for w in waiters:
                 w.callback(None)
 
-    def _committed(self, results: list, batch: list, worker: Any, started: float, token: int) -> None:
+    def _committed(
+        self,
+        results: Sequence[Outcome[ResultT]],
+        batch: list[_Item[ItemT, ResultT]],
+        worker: StepRunner,
+        started: float,
+        token: int,
+    ) -> None:
         self._free.append(worker)
         self.batches += 1
         self.messages += len(batch)
@@ -223,12 +244,12 @@ class GroupCommitWriter:
         writes = self._writes
         if writes is not None:  # the batch's messages are in the channels: settled
             for stored in results:
-                if not isinstance(stored, BaseException):  # a Misplaced send stored nothing
+                if isinstance(stored, StoredMessage):  # a Misplaced send stored nothing
                     writes.seen(stored.message_id)
             writes.end(token)
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Failure, batch: list, worker: Any, token: int) -> None:
+    def _failed(self, failure: Failure, batch: list[_Item[ItemT, ResultT]], worker: StepRunner, token: int) -> None:
         self._free.append(worker)
         error = failure.value
         writes = self._writes
@@ -253,13 +274,13 @@ class GroupCommitWriter:
             log.failure("handling a batch of unknown outcome failed")
         self._kick()
 
-    def _fenced(self, error: Fenced, batch: list) -> None:
+    def _fenced(self, error: Fenced, batch: list[_Item[ItemT, ResultT]]) -> None:
         """This incarnation was retired: nothing was stored, nothing ever will be."""
         self._on_health(False, str(error))
         _answer(batch, [error] * len(batch))
         self._kick()
 
-    def _refused(self, error: RefusedError, batch: list) -> None:
+    def _refused(self, error: RefusedError, batch: list[_Item[ItemT, ResultT]]) -> None:
         """PostgreSQL refused the batch's input: nothing committed. Split it until
         the refused rows stand alone; only their sends fail."""
         if len(batch) == 1:
@@ -270,56 +291,65 @@ class GroupCommitWriter:
             self._isolated[:0] = [batch[:half], batch[half:]]
         self._kick()
 
-    def close(self) -> Deferred:
+    def close(self) -> Deferred[None]:
         """Refuse new sends; fires when everything queued has been answered."""
         self._closing = True
         if not self._busy and not self._queue and not self._isolated:
             return succeed(None)
-        d: Deferred = Deferred()
+        d: Deferred[None] = Deferred()
         self._idle_waiters.append(d)
         return d
 
 
-class RetryingBatcher:
+@dataclass(frozen=True, slots=True)
+class RunOps(Generic[ItemT]):
+    """How a batcher's items that are runs (the durable acks' ``AckRun``s) count, split
+    and join: each holds ``length(item)`` of what ``max_batch`` counts, is split
+    (``split(item, at)``) where a batch ends, and takes in the next one when they share
+    what a run shares (``absorb(last, next)``). The item class's own methods, called
+    unbound: no more calls than the methods' own."""
+
+    length: Callable[[ItemT], int]
+    split: Callable[[ItemT, int], tuple[ItemT, ItemT]]
+    absorb: Callable[[ItemT, ItemT], bool]
+
+
+class RetryingBatcher(Generic[ItemT, ResultT]):
     """Items collected for ``interval`` (or ``max_batch`` of them) go to
-    ``db.run(fn, batch)`` (``db.run_steps`` if ``fn`` is steps, ``steps=True``); a
-    failed batch is retried with a growing pause, because what it records
-    (attempts, exhausted copies, acks) must not be lost while the server runs.
-    ``on_done(batch, result)`` runs after each commit."""
+    ``db.run_steps(fn, batch, *args(batch))``; a failed batch is retried with a growing
+    pause, because what it records (attempts, exhausted copies, acks) must not be lost
+    while the server runs. ``on_done(batch, result)`` runs after each commit."""
 
     def __init__(
         self,
-        db: Any,
+        db: StepRunner,
         clock: Clock,
-        fn: Callable[[Any, list], Any],
+        fn: Callable[..., Steps[ResultT]],
         *,
         interval: float,
         max_batch: int,
-        on_done: Callable[[list, Any], None] = lambda batch, result: None,
+        on_done: Callable[[list[ItemT], ResultT], None] = lambda batch, result: None,
         name: str = "batch",
-        steps: bool = False,
-        args: Callable[[list], tuple] = lambda batch: (),
-        runs: bool = False,
+        args: Callable[[list[ItemT]], tuple[object, ...]] = lambda batch: (),
+        runs: RunOps[ItemT] | None = None,
     ):
         self.db = db
-        # ``runs``: each item holds ``len(item)`` of what ``max_batch`` counts, splits
-        # (``item.split(at)``) where a batch ends, and takes in the next one when they
-        # share what a run shares (``item.absorb(next)``): the durable acks' ``AckRun``s
+        # items that are runs (``RunOps``), or None: each item counts one
         self._runs = runs
         self._args = args  # more arguments for ``fn``, computed when the batch is sent
-        self._run = db.run_steps if steps else db.run
+        self._run = db.run_steps
         self.clock = clock
         self.fn = fn
         self.interval = interval
         self.max_batch = max_batch
         self.on_done = on_done
         self.name = name
-        self._queue: list = []
+        self._queue: list[ItemT] = []
         self._queued = 0  # what max_batch counts: items, or the runs' lengths
-        self._timer: Any = None
+        self._timer: Timer | None = None
         self._busy = False
         self._retry = 0.0
-        self._idle: list[Deferred] = []
+        self._idle: list[Deferred[None]] = []
         self._outage = Outage(name, clock)
         self.done = 0
         # what max_batch counts, per committed batch (the acker's: /metrics dmq_ack_batch_size)
@@ -329,16 +359,17 @@ class RetryingBatcher:
     def pending(self) -> int:
         return self._queued
 
-    def _size(self, items: list) -> int:
-        return sum(map(len, items)) if self._runs else len(items)
+    def _size(self, items: list[ItemT]) -> int:
+        runs = self._runs
+        return sum(map(runs.length, items)) if runs is not None else len(items)
 
-    def add(self, item: Any) -> None:
+    def add(self, item: ItemT) -> None:
         self.add_many([item])
 
-    def add_many(self, items: list) -> None:
+    def add_many(self, items: list[ItemT]) -> None:
         """``add`` of each, with the flush decided once."""
-        queue = self._queue
-        if self._runs and len(items) == 1 and queue and queue[-1].absorb(items[0]):
+        queue, runs = self._queue, self._runs
+        if runs is not None and len(items) == 1 and queue and runs.absorb(queue[-1], items[0]):
             pass  # one more ack of the run queued last (taken off the queue, a run is not changed)
         else:
             queue += items
@@ -350,20 +381,20 @@ class RetryingBatcher:
         elif self._timer is None:
             self._timer = self.clock.callLater(self.interval, self._flush)
 
-    def _take(self) -> list:
+    def _take(self) -> list[ItemT]:
         """The next batch off the queue's front: ``max_batch`` items, or runs holding
         that many, the last one split if it holds more."""
-        queue, limit = self._queue, self.max_batch
-        if not self._runs:
+        queue, limit, runs = self._queue, self.max_batch, self._runs
+        if runs is None:
             batch, self._queue = queue[:limit], queue[limit:]
         else:
             count = taken = 0
             while taken < len(queue) and count < limit:
-                count += len(queue[taken])
+                count += runs.length(queue[taken])
                 taken += 1
             batch, self._queue = queue[:taken], queue[taken:]
             if count > limit:  # the last run passes the limit: its rest stays first in line
-                batch[-1], rest = batch[-1].split(len(batch[-1]) - (count - limit))
+                batch[-1], rest = runs.split(batch[-1], runs.length(batch[-1]) - (count - limit))
                 self._queue.insert(0, rest)
         self._queued -= self._size(batch)
         return batch
@@ -384,7 +415,7 @@ class RetryingBatcher:
         d = self._run(self.fn, batch, *self._args(batch))
         d.addCallbacks(self._flushed, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
 
-    def _flushed(self, result: Any, batch: list) -> None:
+    def _flushed(self, result: ResultT, batch: list[ItemT]) -> None:
         self._busy = False
         self._retry = 0.0
         self._outage.recovered()
@@ -397,7 +428,7 @@ class RetryingBatcher:
             log.failure("{name}: completion failed", name=self.name)
         self._flush()
 
-    def _failed(self, failure: Failure, batch: list) -> None:
+    def _failed(self, failure: Failure, batch: list[ItemT]) -> None:
         self._busy = False
         self._outage.failed(failure.value)
         self._queue[:0] = batch
@@ -410,10 +441,10 @@ class RetryingBatcher:
         self._timer = None
         self._flush()
 
-    def drain(self) -> Deferred:
+    def drain(self) -> Deferred[None]:
         if not self._queue and not self._busy:
             return succeed(None)
-        d: Deferred = Deferred()
+        d: Deferred[None] = Deferred()
         self._idle.append(d)
         if not self._busy and not self._retry:
             self._flush()
@@ -425,7 +456,7 @@ class RetryingBatcher:
         self._timer = None
 
 
-class AckBatcher(RetryingBatcher):
+class AckBatcher(RetryingBatcher[AckRun, list[tuple[str, str, int]]]):
     """Durable acknowledgements in batches of ``AckRun``s (``max_batch`` counts acks, and
     a run is split where a batch ends): the channels' cursors move and the acks are
     logged. ``progress(batch)`` gives the ``CursorProgress`` list, the holder and whether
@@ -436,12 +467,12 @@ class AckBatcher(RetryingBatcher):
 
     def __init__(
         self,
-        worker: Any,
+        worker: StepRunner,
         clock: Clock,
         max_batch: int,
         flush_interval: float,
-        on_done: Callable[[list[AckRun], list], None],
-        progress: Callable[[list[AckRun]], tuple] = lambda batch: ((), ""),
+        on_done: Callable[[list[AckRun], list[tuple[str, str, int]]], None],
+        progress: Callable[[list[AckRun]], tuple[object, ...]] = lambda batch: ((), ""),
     ):
         super().__init__(
             worker,
@@ -451,9 +482,8 @@ class AckBatcher(RetryingBatcher):
             max_batch=max_batch,
             on_done=on_done,
             name="durable ack",
-            steps=True,
             args=progress,
-            runs=True,
+            runs=RunOps(AckRun.__len__, AckRun.split, AckRun.absorb),
         )
 
     @property

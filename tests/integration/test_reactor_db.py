@@ -284,3 +284,20 @@ def test_an_ack_batch_holding_a_repeat_falls_back_on_the_reactor_and_logs_each_a
         pending = conn.execute("SELECT count(*) FROM dmq_pending").fetchone()[0]
     assert logged == ids  # acknowledged 6 times, 5 ids: each logged once
     assert pending == 0
+
+
+def test_a_connection_whose_prepares_hang_is_named_in_its_error(pg_dsn):
+    """A server that accepts the connection but does not answer its prepares within the
+    timeout is cut off, and the error names the connection (not a prepared statement's
+    name): here the prepare waits for a table another session holds locked."""
+    from dmq_server.db.reactor import _open
+
+    with psycopg.connect(pg_dsn) as holder:
+        holder.execute("CREATE TABLE IF NOT EXISTS test_reactor_locked (id int)")
+        holder.commit()
+        holder.execute("LOCK TABLE test_reactor_locked IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(StorageError, match=r"^writer0: no answer from PostgreSQL in 1s"):
+            _open(pg_dsn, ["SELECT id FROM test_reactor_locked"], timeout=1.0, name="writer0")
+        holder.rollback()
+        holder.execute("DROP TABLE test_reactor_locked")
+        holder.commit()

@@ -239,3 +239,12 @@ def test_pidfd_watch_fires_when_an_unreaped_process_exits() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_without_a_reactor_what_stands_in_for_it_must_be_given() -> None:
+    """No reactor: the clock and the thread runner it would provide are required, named
+    in the error at once, rather than failing at the first restart."""
+    with pytest.raises(ValueError, match="needs clock"):
+        PostgresSupervisor(FakePostgres(), None, watch=FakeWatch())
+    with pytest.raises(ValueError, match="needs run_in_thread"):
+        PostgresSupervisor(FakePostgres(), None, clock=task.Clock(), watch=FakeWatch())
