@@ -45,19 +45,21 @@ import hmac
 import json
 import shlex
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, check_token, parse_limit
-from dmq_server.core.auth import ADMIN
-from dmq_server.core.clock import Clock
+from dmq_server.core.auth import ADMIN, AuthState
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import DmqError, Invalid, NotPermitted, Refused, Unauthorized
+from dmq_server.core.transport import Transport
+from dmq_server.security.session import CredentialCache
 
 __all__ = ["AdminConsole", "AdminConsoleFactory", "parse_line", "HELP"]
 
@@ -121,33 +123,36 @@ def parse_line(line: str) -> Parsed:
 
 
 #: a queued line too long to run: answered with E_LINE_TOO_LONG in its turn
-_TOO_LONG = object()
+_TOO_LONG = None
 #: seconds a closed session may take to send its last answers before it is aborted
 ABORT_AFTER = 30.0
 
 
 @implementer(IHalfCloseableProtocol, IPushProducer)
 class AdminConsole(Protocol):
+    # ITransport is a zope interface, nominal to mypy and read without self; Twisted's
+    # transports and StringTransport have this shape (dmq_server.core.transport)
+    transport: Transport  # type: ignore[assignment]
     delimiter = b"\n"
     MAX_LENGTH = 16384
     MAX_QUEUED = 64
     OUTPUT_HIGH_WATER = 262144
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Clock | None = None, idle_timeout: float = 900.0,
-        credentials: Any = None, read_timeout: float = 0.0,
+        self, ops: AdminOps, listen_host: str, token: str, clock: Clock, idle_timeout: float = 900.0,
+        credentials: CredentialCache | None = None, read_timeout: float = 0.0,
     ):
         self.ops = ops
         self.listen_host = listen_host
         self.token = token
         self.read_timeout = read_timeout
-        self._line_timer: Any = None  # runs from a line's first byte to its end
+        self._line_timer: Timer | None = None  # runs from a line's first byte to its end
         # with authentication on (security.session.CredentialCache): `auth SECRET` whose
         # answer has the admin permission opens the session too, and nothing is open without
         self.credentials = credentials
         self.authenticated = False
         self.peer = "?"
-        self._queue: deque[Any] = deque()
+        self._queue: deque[bytes | None] = deque()  # None: a line too long (_TOO_LONG)
         self._busy = False
         self._discarding = False
         self._buffer = bytearray()
@@ -155,13 +160,11 @@ class AdminConsole(Protocol):
         self._output_paused = False  # the client is not reading our answers
         self._reading_paused = False
         self._gone = False
-        if clock is None:
-            from twisted.internet import reactor as clock
         self.clock = clock
         self.idle_timeout = idle_timeout
-        self._idle_timer: Any = None
-        self._abort_timer: Any = None
-        self._commands: dict[tuple[str, ...], Callable[[Parsed], Any]] = {
+        self._idle_timer: Timer | None = None
+        self._abort_timer: Timer | None = None
+        self._commands: dict[tuple[str, ...], Callable[[Parsed], Deferred | None]] = {
             ("help",): self.cmd_help,
             ("stats",): self.cmd_stats,
             ("topics",): self.cmd_topics,
@@ -208,8 +211,12 @@ class AdminConsole(Protocol):
     def error(self, code: str, message: str) -> None:
         self.send(f"ERR {code} {message}")
 
-    def data(self, obj: Any) -> None:
+    def data(self, obj: object) -> None:
         self.send(json.dumps(obj, sort_keys=False, default=str))
+
+    def _show(self, obj: object, summary: str) -> None:
+        self.data(obj)
+        self.ok(summary)
 
     # -- input -------------------------------------------------------------------
     def dataReceived(self, data: bytes) -> None:
@@ -274,8 +281,8 @@ class AdminConsole(Protocol):
     def _close(self) -> None:
         transport = self.transport
         if not self._gone and transport is not None and not getattr(transport, "disconnecting", False):
-            self.transport.unregisterProducer()  # a registered producer would keep it open
-            self.transport.loseConnection()
+            transport.unregisterProducer()  # a registered producer would keep it open
+            transport.loseConnection()
             # Twisted closes once every answer is sent: a client that reads nothing would
             # keep the connection for ever
             self._abort_timer = self.clock.callLater(ABORT_AFTER, self._abort)
@@ -287,7 +294,7 @@ class AdminConsole(Protocol):
             if abort is not None:
                 abort()
 
-    def connectionLost(self, reason: Failure | None = None) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._gone = True
         self._queue.clear()
         self._cancel_idle()
@@ -357,7 +364,7 @@ class AdminConsole(Protocol):
             log.failure("admin console command failed", failure)
             self.error("E_INTERNAL", repr(error))
 
-    def _handle(self, raw: Any) -> Any:
+    def _handle(self, raw: bytes | None) -> Deferred | None:
         if raw is _TOO_LONG:
             raise Invalid(f"a command line may be at most {self.MAX_LENGTH} bytes; line dropped", code="E_LINE_TOO_LONG")
         try:
@@ -400,7 +407,7 @@ class AdminConsole(Protocol):
             raise Unauthorized("authentication is on: auth TOKEN (--admin-token) or auth SECRET (admin permission)")
         check_token(self.listen_host, self.token, None)
 
-    def cmd_auth(self, token: str) -> Any:
+    def cmd_auth(self, token: str) -> Deferred | None:
         if not token:
             raise Invalid("usage: auth TOKEN")
         if self.credentials is None or (self.token and hmac.compare_digest(token.encode(), self.token.encode())):
@@ -410,9 +417,10 @@ class AdminConsole(Protocol):
             return None
         host = self.peer.rsplit(":", 1)[0]
         found = self.credentials.lookup(token, host, None)
-        return maybeDeferred(lambda: found).addCallback(self._authorized)
+        answer: Deferred = found if isinstance(found, Deferred) else succeed(found)
+        return answer.addCallback(self._authorized)
 
-    def _authorized(self, state: Any) -> None:
+    def _authorized(self, state: AuthState) -> None:
         if not state.allows(ADMIN, "", ""):
             log.warn("admin console {peer}: {identity} has no admin permission", peer=self.peer, identity=state.identity)
             raise NotPermitted(f"{state.identity or 'this secret'} has no admin permission")
@@ -420,8 +428,8 @@ class AdminConsole(Protocol):
         log.info("admin console {peer}: authenticated as {identity}", peer=self.peer, identity=state.identity)
         self.ok(f"authenticated as {state.identity}")
 
-    def cmd_stats(self, parsed: Parsed) -> Any:
-        return self.ops.stats().addCallback(lambda stats: (self.data(stats), self.ok("stats")))
+    def cmd_stats(self, parsed: Parsed) -> Deferred:
+        return self.ops.stats().addCallback(self._show, "stats")
 
     def cmd_topics(self, parsed: Parsed) -> None:
         topics = self.ops.topics()
@@ -435,8 +443,8 @@ class AdminConsole(Protocol):
             self.data(client)
         self.ok(f"{len(clients)} clients")
 
-    def cmd_delay(self, parsed: Parsed) -> Any:
-        return self.ops.delay_stats().addCallback(lambda stats: (self.data(stats), self.ok("delay")))
+    def cmd_delay(self, parsed: Parsed) -> Deferred:
+        return self.ops.delay_stats().addCallback(self._show, "delay")
 
     def _filter(self, parsed: Parsed, extra: tuple[str, ...] = ()) -> tuple[DeadLetterFilter, dict]:
         options = dict(parsed.options)
@@ -447,7 +455,7 @@ class AdminConsole(Protocol):
             options["ids"] = ",".join(str(i) for i in parsed.ids)
         return DeadLetterFilter.parse(options), rest
 
-    def cmd_dlq_list(self, parsed: Parsed) -> Any:
+    def cmd_dlq_list(self, parsed: Parsed) -> Deferred:
         flt, rest = self._filter(parsed, ("limit", "after"))
         limit = parse_limit(rest.get("limit"))
         after = parse_limit(rest.get("after"), 0, "after") if rest.get("after") else 0
@@ -460,10 +468,10 @@ class AdminConsole(Protocol):
 
         return self.ops.dlq_list(flt, limit, after).addCallback(show)
 
-    def cmd_dlq_show(self, parsed: Parsed) -> Any:
+    def cmd_dlq_show(self, parsed: Parsed) -> Deferred:
         if len(parsed.ids) != 1 or parsed.options or parsed.everything:
             raise Invalid("usage: dlq show ID")
-        return self.ops.dlq_show(parsed.ids[0]).addCallback(lambda row: (self.data(row), self.ok("1 dead letter")))
+        return self.ops.dlq_show(parsed.ids[0]).addCallback(self._show, "1 dead letter")
 
     def _progress(self, verb: str) -> Callable[[int, int], None]:
         def progress(done: int, total: int) -> None:
@@ -471,17 +479,17 @@ class AdminConsole(Protocol):
 
         return progress
 
-    def cmd_dlq_replay(self, parsed: Parsed) -> Any:
+    def cmd_dlq_replay(self, parsed: Parsed) -> Deferred:
         flt, _ = self._filter(parsed)
         d = self.ops.dlq_replay(flt, parsed.everything, "console", self.peer, self._progress("replayed"))
         return d.addCallback(lambda n: self.ok(f"replayed {n}"))
 
-    def cmd_dlq_delete(self, parsed: Parsed) -> Any:
+    def cmd_dlq_delete(self, parsed: Parsed) -> Deferred:
         flt, _ = self._filter(parsed)
         d = self.ops.dlq_delete(flt, parsed.everything, "console", self.peer, self._progress("deleted"))
         return d.addCallback(lambda n: self.ok(f"deleted {n}"))
 
-    def cmd_channel(self, parsed: Parsed) -> Any:
+    def cmd_channel(self, parsed: Parsed) -> Deferred:
         topic, channel = parsed.options.get("topic"), parsed.options.get("channel")
         if not topic or not channel or set(parsed.options) != {"topic", "channel"} or parsed.ids:
             raise Invalid(f"usage: channel {parsed.words[1]} topic=T channel=C")
@@ -498,8 +506,8 @@ class AdminConsoleFactory(Factory):
     noisy = False
 
     def __init__(
-        self, ops: AdminOps, listen_host: str, token: str, clock: Clock | None = None, idle_timeout: float = 900.0,
-        credentials: Any = None, read_timeout: float = 0.0,
+        self, ops: AdminOps, listen_host: str, token: str, clock: Clock, idle_timeout: float = 900.0,
+        credentials: CredentialCache | None = None, read_timeout: float = 0.0,
     ):
         self.ops = ops
         self.listen_host = listen_host
@@ -509,7 +517,7 @@ class AdminConsoleFactory(Factory):
         self.credentials = credentials
         self.read_timeout = read_timeout
 
-    def buildProtocol(self, addr: Any) -> AdminConsole:
+    def buildProtocol(self, addr: object) -> AdminConsole:
         proto = AdminConsole(self.ops, self.listen_host, self.token, self.clock, self.idle_timeout, self.credentials,
                              self.read_timeout)
         proto.factory = self

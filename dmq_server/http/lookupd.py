@@ -13,47 +13,61 @@ topic of this node's own queues the nodes that announced it. Replies follow nsql
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Mapping, Protocol
 
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.cluster.lookup import ClusterView
-from dmq_server.http.nsq_v1 import HttpError, get_param, params_of
+from dmq_server.core.nsq_identify import VERSION
+from dmq_server.http.nsq_v1 import Answer, HttpError, get_param, params_of
+from registry.model import NodeInfo
 from twisted.web.server import Request
 
-__all__ = ["LookupdApi", "TOMBSTONE_LIFETIME"]
+__all__ = ["LookupdApi", "Membership", "TOMBSTONE_LIFETIME"]
 
 TOMBSTONE_LIFETIME = 45.0
 
 
+class Membership(Protocol):
+    """What the lookup answers read of this node's cluster (``cluster.node.ClusterNode``)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def registered(self) -> bool: ...
+
+    def live_nodes(self) -> list[NodeInfo]: ...
+
+
 class LookupdApi:
-    """Mixed into the HTTP handlers; needs ``broker``, ``peer_info()`` and
-    ``tombstones``."""
+    """Mixed into the HTTP handlers; needs ``broker``, ``cluster``, ``peer_info()`` and
+    ``tombstones`` (a topic's on this node, a (topic, node) pair's for another node)."""
 
     broker: BrokerPort
-    tombstones: dict[str, float]
+    cluster: Membership | None
+    tombstones: dict[str | tuple[str, str], float]
 
-    def peer_info(self) -> dict[str, Any]:  # provided by the class it is mixed into
+    def peer_info(self) -> dict[str, object]:  # provided by the class it is mixed into
         raise NotImplementedError
 
     def _cluster_view(self) -> ClusterView | None:
         """The whole cluster's picture, when this node is part of one."""
-        cluster = getattr(self, "cluster", None)
+        cluster = self.cluster
         if cluster is None:
             return None
         here, everywhere = self.broker.topic_admin.announced()
-        me = self.peer_info()
-        return ClusterView(cluster.live_nodes(), cluster.node_id, me, here, everywhere, me["version"])
+        return ClusterView(cluster.live_nodes(), cluster.node_id, self.peer_info(), here, everywhere, VERSION)
 
-    def _peer_tombstoned(self, topic: str, peer: dict[str, Any]) -> bool:
+    def _peer_tombstoned(self, topic: str, peer: Mapping[str, object]) -> bool:
         me = self.peer_info()
         node = f"{peer['broadcast_address']}:{peer['http_port']}"
         if node == f"{me['broadcast_address']}:{me['http_port']}":
             return self._tombstoned(topic)
-        until = self.tombstones.get((topic, node))  # type: ignore[call-overload]
+        until = self.tombstones.get((topic, node))
         if until is None:
             return False
         if time.time() >= until:
-            del self.tombstones[(topic, node)]  # type: ignore[arg-type]
+            del self.tombstones[(topic, node)]
             return False
         return True
 
@@ -70,12 +84,12 @@ class LookupdApi:
             return False
         return True
 
-    def lookup(self, request: Request) -> Any:
+    def lookup(self, request: Request) -> Answer:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
 
-        def answer(_: object = None) -> Any:
+        def answer(_: object = None) -> dict[str, object] | HttpError:
             view = self._cluster_view()
             if view is not None:
                 channels = view.channels(topic)
@@ -135,5 +149,5 @@ class LookupdApi:
             view = self._cluster_view()
             peers = view.carriers_all() if view is not None else []
             if any(node == f"{p['broadcast_address']}:{p['http_port']}" for _, p in peers):
-                self.tombstones[(topic, node)] = time.time() + TOMBSTONE_LIFETIME  # type: ignore[index]
+                self.tombstones[(topic, node)] = time.time() + TOMBSTONE_LIFETIME
         return None

@@ -11,7 +11,7 @@ come from the query string only.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Callable, Mapping, Sequence, Union
 from urllib.parse import parse_qs, urlsplit
 
 from twisted.internet.defer import Deferred
@@ -24,6 +24,9 @@ from dmq_server.core.nsq_wire import valid_name_bytes
 
 __all__ = [
     "HttpError",
+    "Answer",
+    "Body",
+    "Handler",
     "Endpoint",
     "Group",
     "PlainText",
@@ -44,7 +47,15 @@ class HttpError(Exception):
         self.message = message
 
 
-def _send(request: Request, status: int, body: Any) -> bytes:
+#: a V1 body: text (str or bytes), nothing, or a JSON structure
+Body = Union[str, bytes, None, Mapping[str, object], Sequence[object]]
+#: what a handler returns: a V1 body, a non-V1 answer (``PlainText``), a Deferred of one
+#: (or of an ``HttpError``), or ``NOT_DONE_YET`` (an int) when it answers the request itself
+Answer = Union[Body, "PlainText", Deferred, int]
+Handler = Callable[[Request], Answer]
+
+
+def _send(request: Request, status: int, body: Body | int) -> bytes:
     """nsqd's RespondV1."""
     request.setResponseCode(status)
     if status != 200:
@@ -76,11 +87,11 @@ class Endpoint(Resource):
 
     isLeaf = True
 
-    def __init__(self, routes: dict[bytes, Callable[[Any], Any]]):
+    def __init__(self, routes: dict[bytes, Handler]):
         super().__init__()
         self.routes = routes
 
-    def render(self, request: Request) -> Any:
+    def render(self, request: Request) -> bytes | int:
         handler = self.routes.get(request.method)
         if handler is None:
             return _send(request, 405, "METHOD_NOT_ALLOWED")
@@ -94,7 +105,7 @@ class Endpoint(Resource):
             gone = [False]
             request.notifyFinish().addErrback(lambda _: gone.__setitem__(0, True))
 
-            def finish(value: Any) -> None:
+            def finish(value: Body | PlainText | HttpError) -> None:
                 if gone[0]:
                     return
                 if isinstance(value, HttpError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import socket
 import time
-from typing import Any, Callable
+from typing import Callable, Collection, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, FirstError
 from twisted.logger import Logger
@@ -33,13 +33,17 @@ from twisted.web.server import Request
 from dmq_server.admin.inspect import registry_read
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.broker.topic_admin import RegistryOnly
+from dmq_server.core.clock import Clock
 from dmq_server.core.errors import DmqError, NoChannel, NoTopic
 from dmq_server.core.nsq_errors import NsqError
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published, PublishRequest
 from dmq_server.http.nsq_v1 import (
     NOT_FOUND,
+    Answer,
+    Body,
     Endpoint,
+    Handler,
     Group,
     HttpError,
     PlainText,
@@ -55,9 +59,11 @@ from dmq_server.core.nsq_identify import (
     MAX_OUTPUT_BUFFER_TIMEOUT,
     VERSION,
 )
-from dmq_server.http.lookupd import LookupdApi
+from dmq_server.http.lookupd import LookupdApi, Membership
+from dmq_server.http.root import Info, Ping, Root, Stats
 from dmq_server.http.stats import memory_stats, reliable_topic_stats, text_stats
 from dmq_server.core.nsq_wire import CommandParser
+from dmq_server.core.stalls import GcPauses
 
 __all__ = ["install", "NsqHttp"]
 
@@ -65,6 +71,43 @@ log = Logger()
 
 _BOOL = {"true": True, "1": True, "false": False, "0": False}
 _INT = re.compile(r"^[+-]?[0-9]+$")
+
+
+class NsqProducer(Protocol):
+    """An NSQ TCP connection as ``/stats`` lists it among the producers
+    (``protocols.nsq_v2.NsqConnection``)."""
+
+    @property
+    def connect_ts(self) -> int: ...
+
+    @property
+    def pub_counts(self) -> Mapping[str, int]: ...
+
+    def stats(self) -> Mapping[str, object]: ...
+
+
+class NsqShared(Protocol):
+    """What the HTTP API shares with the NSQ TCP connections
+    (``protocols.nsq_context.NsqContext``): the limits, the clock, the HTTP producer's id
+    and the connections."""
+
+    @property
+    def max_msg_size(self) -> int: ...
+
+    @property
+    def max_body_size(self) -> int: ...
+
+    @property
+    def max_req_timeout(self) -> float: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def http_producer(self) -> str: ...
+
+    @property
+    def connections(self) -> Collection[NsqProducer]: ...
 
 
 class NsqHttp(LookupdApi):
@@ -76,15 +119,15 @@ class NsqHttp(LookupdApi):
     def __init__(
         self,
         *,
-        ctx: Any,
+        ctx: NsqShared,
         broker: BrokerPort,
         options: Options,
-        cluster: Any,
+        cluster: Membership | None,
         addresses: Callable[[], tuple[tuple[str, int], tuple[str, int]]],
-        dmq_ping: Resource | None,
+        dmq_ping: Ping | None,
         dmq_stats: Callable[[], dict] | None,
         dmq_info: Callable[[], dict] | None,
-        gc_pauses: Any = None,
+        gc_pauses: GcPauses | None = None,
     ):
         self.ctx = ctx
         self.broker = broker
@@ -95,7 +138,7 @@ class NsqHttp(LookupdApi):
         self.dmq_stats = dmq_stats
         self.dmq_info = dmq_info
         self.gc_pauses = gc_pauses  # core.stalls.GcPauses: nsqd's gc_pause_usec_* figures
-        self.tombstones: dict[str, float] = {}
+        self.tombstones: dict[str | tuple[str, str], float] = {}
         self.started = time.time()
 
     # -- node identity --------------------------------------------------------------------
@@ -108,7 +151,7 @@ class NsqHttp(LookupdApi):
             return socket.gethostname()
         return host
 
-    def peer_info(self) -> dict[str, Any]:
+    def peer_info(self) -> dict[str, object]:
         tcp_port = self.addresses()[0][1]
         broadcast = self.broadcast_address()
         return {
@@ -123,7 +166,7 @@ class NsqHttp(LookupdApi):
         }
 
     # -- shared ---------------------------------------------------------------------------
-    def ping(self, request: Request) -> Any:
+    def ping(self, request: Request) -> Answer:
         failing = self.broker.topic_admin.queue_health()
         if failing:
             return PlainText(500, f"NOK - {failing}")
@@ -134,8 +177,8 @@ class NsqHttp(LookupdApi):
             return self.dmq_ping.render_GET(request)
         return PlainText(200, "OK")
 
-    def info(self, request: Request) -> dict[str, Any]:
-        out = {
+    def info(self, request: Request) -> dict[str, object]:
+        out: dict[str, object] = {
             "version": VERSION,
             "broadcast_address": self.broadcast_address(),
             "hostname": socket.gethostname(),
@@ -166,7 +209,7 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, invalid)
         return topic
 
-    def pub(self, request: Request) -> Any:
+    def pub(self, request: Request) -> str | Deferred:
         max_msg = self.ctx.max_msg_size
         length = request.getHeader(b"content-length")
         if length is not None and length.isdigit() and int(length) > max_msg:
@@ -188,7 +231,7 @@ class NsqHttp(LookupdApi):
                 raise HttpError(400, "INVALID_DEFER")
         return self._publish(topic, [body], defer_ms)
 
-    def mpub(self, request: Request) -> Any:
+    def mpub(self, request: Request) -> str | Deferred:
         max_body = self.ctx.max_body_size
         length = request.getHeader(b"content-length")
         if length is not None and length.isdigit() and int(length) > max_body:
@@ -228,18 +271,18 @@ class NsqHttp(LookupdApi):
             if len(body) < 4:
                 raise HttpError(413, "BAD_BODY")  # failed to read message count
             raise HttpError(413, "BAD_MESSAGE")
-        return cmd.bodies
+        return cmd.payloads
 
-    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int) -> Any:
+    def _publish(self, topic: str, bodies: list[bytes], defer_ms: int) -> str | Deferred:
         """One request to the broker (see ``protocols.nsq_v2``): "OK" at once for a
         fast topic, a Deferred firing after commit for a reliable one."""
         now_ms = int(self.ctx.clock.seconds() * 1000)  # the injected clock, as the TCP path
         request = PublishRequest(topic=topic, producer=self.ctx.http_producer, bodies=bodies, produced_ms=now_ms,
                                  due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
         later: list[Deferred] = []
-        answered: list[Any] = []
+        answered: list[str | HttpError] = []
 
-        def done(outcome: Any) -> None:
+        def done(outcome: Published | BaseException) -> None:
             if later:
                 later[0].callback(_publish_reply(outcome))
             else:
@@ -247,9 +290,10 @@ class NsqHttp(LookupdApi):
 
         self.broker.publish(request, done)
         if answered:  # a fast topic: answered now, as nsqd
-            if isinstance(answered[0], HttpError):
-                raise answered[0]
-            return answered[0]
+            reply = answered[0]
+            if isinstance(reply, HttpError):
+                raise reply
+            return reply
         later.append(Deferred())
         return later[0]
 
@@ -260,12 +304,12 @@ class NsqHttp(LookupdApi):
         params = params_of(request)
         return registry_read(self.broker, self.ctx.clock).addCallback(lambda _: self._stats(params))
 
-    def _stats(self, params: dict[str, list[str]]) -> Any:
+    def _stats(self, params: dict[str, list[str]]) -> Body:
         fmt = get_param(params, "format")
         if fmt is None and self.dmq_stats is not None:
-            out = dict(self.dmq_stats())
-            out["fast_topics"] = self.broker.topic_admin.node_stats(None, True)
-            return out
+            mine = dict(self.dmq_stats())
+            mine["fast_topics"] = self.broker.topic_admin.node_stats(None, True)
+            return mine
         topic = get_param(params, "topic")
         channel = get_param(params, "channel")
         include_clients = _BOOL.get(get_param(params, "include_clients") or "", True)
@@ -278,7 +322,7 @@ class NsqHttp(LookupdApi):
             health = f"NOK - {self.broker.health_detail}"
         if fmt != "json":
             return text_stats(topics, memory_stats(self.gc_pauses) if include_mem else None, health, self.started, producers)
-        out: dict[str, Any] = {"version": VERSION, "health": health, "start_time": int(self.started), "topics": topics}
+        out: dict[str, object] = {"version": VERSION, "health": health, "start_time": int(self.started), "topics": topics}
         if include_mem:
             out["memory"] = memory_stats(self.gc_pauses)
         out["producers"] = producers or None
@@ -299,19 +343,19 @@ class NsqHttp(LookupdApi):
     # the Go tools read as "TLS required"). Deleting what is not there answers 200:
     # nsqadmin in lookupd mode sends the same delete to the lookupd and to the node,
     # which on dmq are one URL.
-    def topic_create(self, request: Request) -> Any:
+    def topic_create(self, request: Request) -> Deferred | None:
         return _answer(self.broker.topic_admin.create_topic(self._topic_param(params_of(request))))
 
-    def topic_delete(self, request: Request) -> Any:
+    def topic_delete(self, request: Request) -> Deferred | None:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
         return _answer(self.broker.topic_admin.delete_topic(topic))
 
-    def topic_empty(self, request: Request) -> Any:
+    def topic_empty(self, request: Request) -> Deferred | None:
         return _answer(self.broker.topic_admin.empty_topic(self._topic_param(params_of(request))))
 
-    def topic_pause(self, request: Request, pause: bool = True) -> Any:
+    def topic_pause(self, request: Request, pause: bool = True) -> Deferred | None:
         topic = get_param(params_of(request), "topic")
         if topic is None:
             raise HttpError(400, "MISSING_ARG_TOPIC")
@@ -327,16 +371,16 @@ class NsqHttp(LookupdApi):
             raise HttpError(400, "INVALID_ARG_CHANNEL")
         return topic, channel
 
-    def channel_create(self, request: Request) -> Any:
+    def channel_create(self, request: Request) -> Deferred | None:
         return _answer(self.broker.topic_admin.create_channel(*self._topic_channel(request)))
 
-    def channel_delete(self, request: Request) -> Any:
+    def channel_delete(self, request: Request) -> Deferred | None:
         return _answer(self.broker.topic_admin.delete_channel(*self._topic_channel(request)))
 
-    def channel_empty(self, request: Request) -> Any:
+    def channel_empty(self, request: Request) -> Deferred | None:
         return _answer(self.broker.topic_admin.empty_channel(*self._topic_channel(request)))
 
-    def channel_pause(self, request: Request, pause: bool = True) -> Any:
+    def channel_pause(self, request: Request, pause: bool = True) -> Deferred | None:
         topic, name = self._topic_channel(request)
         return _answer(self.broker.topic_admin.pause_channel(topic, name, pause))
 
@@ -348,7 +392,7 @@ _REGISTRY_ONLY = (
 )
 
 
-def _answer(d: Deferred) -> Any:
+def _answer(d: Deferred) -> Deferred | None:
     """A broker action's outcome as an nsqd answer: 200 with no data; 404 for what is not
     there (``TOPIC_NOT_FOUND``, ``CHANNEL_NOT_FOUND``, or a registered channel's name);
     400 for what only the registry changes; 500 when a disk queue or PostgreSQL failed.
@@ -367,60 +411,73 @@ def _answer(d: Deferred) -> Any:
         log.warn("topic or channel admin failed: {why}", why=error)
         return HttpError(500, "INTERNAL_ERROR")
 
-    now: list[Any] = []
+    now: list[HttpError | None] = []
     d.addCallbacks(lambda _: None, failed).addBoth(now.append)
     if not now:
         return d
-    if isinstance(now[0], HttpError):
+    if now[0] is not None:
         raise now[0]
-    return now[0]
+    return None
 
 
-def install(root: Resource, **collaborators: Any) -> NsqHttp:
+def install(
+    root: Resource,
+    *,
+    ctx: NsqShared,
+    broker: BrokerPort,
+    options: Options,
+    cluster: Membership | None,
+    addresses: Callable[[], tuple[tuple[str, int], tuple[str, int]]],
+    gc_pauses: GcPauses | None = None,
+) -> NsqHttp:
     """Put nsqd's and nsqlookupd's endpoints on ``root`` (dmq's HTTP root). dmq's own
     ``/ping``, ``/stats`` and ``/info`` keep working: ``/ping`` still checks PostgreSQL,
     ``/stats`` without ``format`` is dmq's JSON, ``/info`` has both sets of fields."""
-    children = getattr(root, "children", {})
-    old_ping = children.get(b"ping")
-    old_stats = children.get(b"stats")
-    old_info = children.get(b"info")
+    old_ping = root.children.get(b"ping")
+    old_stats = root.children.get(b"stats")
+    old_info = root.children.get(b"info")
     api = NsqHttp(
-        **collaborators,
-        dmq_ping=old_ping,
-        dmq_stats=getattr(old_stats, "_stats", None),
-        dmq_info=getattr(old_info, "_info", None),
+        ctx=ctx, broker=broker, options=options, cluster=cluster, addresses=addresses, gc_pauses=gc_pauses,
+        dmq_ping=old_ping if isinstance(old_ping, Ping) else None,
+        dmq_stats=old_stats._stats if isinstance(old_stats, Stats) else None,
+        dmq_info=old_info._info if isinstance(old_info, Info) else None,
     )
     GET, POST = b"GET", b"POST"
-    root.putChild(b"ping", Endpoint({GET: api.ping}))
-    root.putChild(b"info", Endpoint({GET: api.info}))
-    root.putChild(b"stats", Endpoint({GET: api.stats}))
-    root.putChild(b"pub", Endpoint({POST: api.pub}))
-    root.putChild(b"mpub", Endpoint({POST: api.mpub}))
-    root.putChild(b"lookup", Endpoint({GET: api.lookup}))
-    root.putChild(b"topics", Endpoint({GET: api.topics}))
-    root.putChild(b"channels", Endpoint({GET: api.channels}))
-    root.putChild(b"nodes", Endpoint({GET: api.nodes}))
+
+    def _mount(parent: Resource, name: bytes, routes: dict[bytes, Handler]) -> None:
+        # zope's @implementer(IResource) on Resource is invisible to mypy (no zope plugin)
+        parent.putChild(name, Endpoint(routes))  # type: ignore[arg-type]
+
+    _mount(root, b"ping", {GET: api.ping})
+    _mount(root, b"info", {GET: api.info})
+    _mount(root, b"stats", {GET: api.stats})
+    _mount(root, b"pub", {POST: api.pub})
+    _mount(root, b"mpub", {POST: api.mpub})
+    _mount(root, b"lookup", {GET: api.lookup})
+    _mount(root, b"topics", {GET: api.topics})
+    _mount(root, b"channels", {GET: api.channels})
+    _mount(root, b"nodes", {GET: api.nodes})
     topic = Group()
-    topic.putChild(b"create", Endpoint({POST: api.topic_create}))
-    topic.putChild(b"delete", Endpoint({POST: api.topic_delete}))
-    topic.putChild(b"empty", Endpoint({POST: api.topic_empty}))
-    topic.putChild(b"pause", Endpoint({POST: api.topic_pause}))
-    topic.putChild(b"unpause", Endpoint({POST: lambda r: api.topic_pause(r, False)}))
-    topic.putChild(b"tombstone", Endpoint({POST: api.tombstone}))
-    root.putChild(b"topic", topic)
+    _mount(topic, b"create", {POST: api.topic_create})
+    _mount(topic, b"delete", {POST: api.topic_delete})
+    _mount(topic, b"empty", {POST: api.topic_empty})
+    _mount(topic, b"pause", {POST: api.topic_pause})
+    _mount(topic, b"unpause", {POST: lambda r: api.topic_pause(r, False)})
+    _mount(topic, b"tombstone", {POST: api.tombstone})
+    root.putChild(b"topic", topic)  # type: ignore[arg-type]  # as in _mount
     channel = Group()
-    channel.putChild(b"create", Endpoint({POST: api.channel_create}))
-    channel.putChild(b"delete", Endpoint({POST: api.channel_delete}))
-    channel.putChild(b"empty", Endpoint({POST: api.channel_empty}))
-    channel.putChild(b"pause", Endpoint({POST: api.channel_pause}))
-    channel.putChild(b"unpause", Endpoint({POST: lambda r: api.channel_pause(r, False)}))
-    root.putChild(b"channel", channel)
-    if hasattr(root, "not_found"):
+    _mount(channel, b"create", {POST: api.channel_create})
+    _mount(channel, b"delete", {POST: api.channel_delete})
+    _mount(channel, b"empty", {POST: api.channel_empty})
+    _mount(channel, b"pause", {POST: api.channel_pause})
+    _mount(channel, b"unpause", {POST: lambda r: api.channel_pause(r, False)})
+    root.putChild(b"channel", channel)  # type: ignore[arg-type]  # as in _mount
+    if isinstance(root, Root):
         root.not_found = NOT_FOUND
     return api
 
 
-def _publish_reply(outcome: Any) -> Any:
+def _publish_reply(outcome: Published | BaseException) -> str | HttpError:
     """"OK", or the HttpError of a failed publish: nsqd's ``503 EXITING`` when the fast
     store failed (fatal on TCP), else 503 with the broker's code and description (a
     reliable topic: PostgreSQL failing, a refused send; see docs/nsq.md)."""

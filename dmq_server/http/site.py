@@ -28,16 +28,25 @@ byte resets. So this channel adds, below the resources:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, cast
 from urllib.parse import unquote_to_bytes
 
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import connectionDone
+from twisted.web import http
 from twisted.web.http import HTTPChannel
+from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.options import Options
 from dmq_server.core.peers import peer_address
+from dmq_server.core.transport import Transport
+
+if TYPE_CHECKING:  # the guard imports nothing of this module; it is set on a site after
+    from dmq_server.http.guard import HttpGuard
 
 __all__ = ["BoundedRequest", "BoundedChannel", "BoundedSite"]
 
@@ -57,13 +66,16 @@ class BoundedRequest(Request):
 
     def handleContentChunk(self, data: bytes) -> None:
         channel = self.channel
-        if channel is None or getattr(channel, "refused", False):
+        if channel is None:
             return
-        self._body_received += len(data)
-        limit = getattr(channel, "body_limit", None)
-        if limit is not None and self._body_received > limit[0]:
-            channel.refuse_body(self._body_received, more=True)
-            return
+        if isinstance(channel, BoundedChannel):
+            if channel.refused:
+                return
+            self._body_received += len(data)
+            limit = channel.body_limit
+            if limit is not None and self._body_received > limit[0]:
+                channel.refuse_body(self._body_received, more=True)
+                return
         super().handleContentChunk(data)
 
     def __repr__(self) -> str:
@@ -75,10 +87,14 @@ class BoundedRequest(Request):
 class BoundedChannel(HTTPChannel):
     """twisted.web's channel with body limits and a per-request read timeout."""
 
+    # ITransport is a zope interface, nominal to mypy and read without self; Twisted's
+    # transports and StringTransport have this shape (dmq_server.core.transport)
+    transport: Transport  # type: ignore[assignment]
+    site: BoundedSite  # set by Site.buildProtocol
     refused = False
     body_limit: tuple[int, str, bytes] | None = None
-    _request_timer: Any = None
-    _linger: Any = None
+    _request_timer: Timer | None = None
+    _linger: Timer | None = None
 
     def dataReceived(self, data: bytes) -> None:
         if self.refused:
@@ -168,7 +184,7 @@ class BoundedChannel(HTTPChannel):
                 self._request_timer.cancel()
             self._request_timer = None
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel_request_timer()
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
@@ -178,28 +194,29 @@ class BoundedChannel(HTTPChannel):
 class BoundedSite(Site):
     """A Site whose channels are ``BoundedChannel``; the limits come from ``options``."""
 
-    protocol = BoundedChannel
+    # Twisted types this as the factory of its HTTP/2-switching wrapper; Site builds and
+    # configures any HTTPChannel, and this one is meant to be used as it is
+    protocol = BoundedChannel  # type: ignore[assignment]
     requestFactory = BoundedRequest
     #: the listener's HttpGuard (dmq_server.http.guard); None lets every request through
-    guard: Any = None
+    guard: HttpGuard | None = None
 
-    def __init__(self, resource: Any, options: Options | None = None, reactor: Any = None):
-        def opt(name: str, default: Any) -> Any:
-            return getattr(options, name, default)
-
-        idle = opt("http_idle_timeout", 300.0)
-        kwargs = {"reactor": reactor} if reactor is not None else {}
-        super().__init__(resource, timeout=idle or None, **kwargs)
+    def __init__(self, resource: Resource, options: Options | None = None, reactor: Clock | None = None):
+        # the options' fields, or these defaults where a test's options leave one out
+        idle: float = getattr(options, "http_idle_timeout", 300.0)
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        clock = cast(IReactorTime, reactor) if reactor is not None else None
+        super().__init__(resource, timeout=idle or None, reactor=clock)
         self.requestFactory = BoundedRequest
-        self.max_msg_size = opt("max_msg_size", 1048576)
-        self.max_body_size = opt("max_body_size", 5242880)
-        self.read_timeout = opt("read_timeout", 30.0)
+        self.max_msg_size: int = getattr(options, "max_msg_size", 1048576)
+        self.max_body_size: int = getattr(options, "max_body_size", 5242880)
+        self.read_timeout: float = getattr(options, "read_timeout", 30.0)
 
-    def getResourceFor(self, request: Request) -> Any:
+    def getResourceFor(self, request: Request) -> Resource:
         resource = super().getResourceFor(request)
         return resource if self.guard is None else self.guard.resource_for(request, resource)
 
-    def log(self, request: Request) -> None:
+    def log(self, request: http.Request) -> None:
         """The access log (replacing twisted.web's line per request): see the module's docstring."""
         path = request.path or b""
         if path in QUIET_PATHS:

@@ -23,14 +23,16 @@ port's flow control counts them against the server's memory budget
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from twisted.internet.tcp import Connection
+
+from dmq_server.core.transport import Transport
 
 __all__ = ["direct_writer"]
 
 
-def direct_writer(transport: Any, queued: Callable[[], None] | None = None) -> Callable[[bytes], None]:
+def direct_writer(transport: Transport, queued: Callable[[], None] | None = None) -> Callable[[bytes], None]:
     """``transport.write``, sending at once where that cannot reorder or lose a byte."""
     if not isinstance(transport, Connection):
         if queued is None:

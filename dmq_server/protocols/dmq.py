@@ -20,8 +20,9 @@ would be read in different files.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence, cast
+from typing import Callable, Protocol, Sequence, cast
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -30,9 +31,9 @@ from twisted.python.failure import Failure
 from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
-from dmq_server.broker.interfaces import BrokerPort
-from dmq_server.core.auth import PUBLISH, SUBSCRIBE
-from dmq_server.core.clock import Clock
+from dmq_server.broker.interfaces import BrokerPort, ChannelRef, Pushed
+from dmq_server.core.auth import PUBLISH, SUBSCRIBE, AuthState
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import (
     AuthFailed,
     DmqError,
@@ -45,14 +46,16 @@ from dmq_server.core.errors import (
     reply_for,
 )
 from dmq_server.core.peers import peer_address, peer_host
+from dmq_server.core.transport import Transport
 from dmq_server.core.publish import Published, PublishRequest, Send, new_request, new_send
 from dmq_server.protocols.direct import direct_writer
-from dmq_server.protocols.flow import AUTH, NO_GATE
+from dmq_server.protocols.flow import AUTH, NO_GATE, NoGate, ReadGate
 from dmq_server.protocols.turn import TurnBuffer
+from dmq_server.security.authorizer import Authorizer
 from dmq_server.security.session import ClientAuth
-from dmq_server.security.tls import PeerTls, peer_tls
+from dmq_server.security.tls import PeerTls, ServerTls, peer_tls
 
-__all__ = ["DmqConnection", "DmqSubscription"]
+__all__ = ["DmqConnection", "DmqSubscription", "PumpedChannel"]
 
 log = Logger()
 
@@ -93,6 +96,13 @@ def _run_end(frames: list[Frame], start: int) -> int:
     return end
 
 
+class PumpedChannel(ChannelRef, Protocol):
+    """The channel a subscription is attached to (what ``Broker.subscribe`` fires):
+    asked to push again when the client's credit grows."""
+
+    def pump(self) -> None: ...
+
+
 class DmqSubscription:
     """One (topic, channel) a connection consumes, with its own credit window: the
     consumer a reliable channel (``reliable.channel.ReliableChannel``) pushes deliveries to."""
@@ -101,7 +111,7 @@ class DmqSubscription:
         self.connection = connection
         self._credit = credit
         self.in_flight = 0
-        self.channel: Any = None
+        self.channel: PumpedChannel | None = None
         # how the message trace and the console name this consumer
         self.name = f"dmq {connection.peer}"
 
@@ -115,7 +125,7 @@ class DmqSubscription:
     def credit(self, value: int) -> None:
         self._credit = value
 
-    def push_many(self, channel: Any, deliveries: Sequence[Any]) -> None:
+    def push_many(self, channel: ChannelRef, deliveries: Sequence[Pushed]) -> None:
         """Each copy as a CONSUMER_PUSH, queued for this reactor turn's write in one call
         (a lone consumer's credit filled by one commit or one batch of acks)."""
         connection = self.connection
@@ -143,14 +153,15 @@ class DmqSubscription:
                           topic=message.topic, channel=name, error=error)
         connection.queue_parts(parts)
 
-    def channel_closed(self, channel: Any) -> None:
+    def channel_closed(self, channel: ChannelRef) -> None:
         self.connection.subscriptions.pop((channel.topic, channel.name), None)
 
 
 class DmqConnection:
     """Serves one client that opened with the dmq magic."""
 
-    def __init__(self, transport: Any, broker: BrokerPort, clock: Clock, registry: set, *, tls: Any = None, authorizer: Any = None):
+    def __init__(self, transport: Transport, broker: BrokerPort, clock: Clock, registry: set[DmqConnection], *,
+                 tls: ServerTls | None = None, authorizer: Authorizer | None = None):
         self.transport = transport
         self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
         self.blocked = False  # the client does not read what it is sent: no pushes (output_blocked)
@@ -168,7 +179,7 @@ class DmqConnection:
         self._registry = registry
         registry.add(self)
         self.peer = peer_address(transport)
-        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
+        self.flow: ReadGate | NoGate = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
         self.tls = tls
         self.auth = ClientAuth(authorizer, clock, peer_host(self.peer), self.peer, self._peer_tls) if authorizer else None
         self._backlog: deque[Frame] | None = None  # frames waiting for the authorizer
@@ -176,7 +187,7 @@ class DmqConnection:
         # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
         self._heartbeat.clock = cast(IReactorTime, clock)
         self._heartbeat.start(options.heartbeat_interval, now=False)
-        self._deadline: Any = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
+        self._deadline: Timer | None = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
         self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail))
 
     # -- transport side ---------------------------------------------------
@@ -315,10 +326,10 @@ class DmqConnection:
     def _peer_tls(self) -> PeerTls | None:
         return peer_tls(self.transport, self.tls) if ISSLTransport.providedBy(self.transport) else None
 
-    def security_stats(self) -> dict[str, Any]:
+    def security_stats(self) -> dict[str, object]:
         """TLS and identity, for ``/admin/clients``."""
         tls = self._peer_tls()
-        out: dict[str, Any] = {"tls": tls is not None, "tls_version": tls.version if tls is not None else ""}
+        out: dict[str, object] = {"tls": tls is not None, "tls_version": tls.version if tls is not None else ""}
         if self.auth is not None:
             out.update(self.auth.stats())
         return out
@@ -340,7 +351,7 @@ class DmqConnection:
         self._hold(waiting, lambda: self._dispatch(frame))
         return False
 
-    def _hold(self, waiting: Any, then: Callable[[], None]) -> None:
+    def _hold(self, waiting: Deferred, then: Callable[[], None]) -> None:
         """Frames wait (in order, and the port stops reading) until ``waiting`` fires."""
         if waiting.called:
             then()
@@ -369,7 +380,7 @@ class DmqConnection:
         if self.auth.secret is not None:
             self.protocol_error("E_INVALID", "AUTH already set")
             return
-        outcome: list[Any] = []
+        outcome: list[AuthState | Failure] = []
         waiting = self.auth.login(frame.body.decode("utf-8", "replace")).addBoth(outcome.append)
 
         def answer() -> None:
@@ -463,13 +474,13 @@ class DmqConnection:
             lambda start, outcomes: self._answer_run(frames, start, outcomes),
         )
 
-    def _answer_send(self, frame: Frame) -> Callable[[Any], None]:
+    def _answer_send(self, frame: Frame) -> Callable[[Published | BaseException], None]:
         """The send counted until answered (backpressure, dmq_server.protocols.flow), and
         the ``done`` that answers it."""
         self.flow.sends_started(1, len(frame.body))
         return lambda outcome: self._answer_run((frame,), 0, (outcome,))
 
-    def _answer_run(self, frames: Sequence[Frame], start: int, outcomes: Sequence[Any]) -> None:
+    def _answer_run(self, frames: Sequence[Frame], start: int, outcomes: Sequence[Published | BaseException]) -> None:
         """The replies to ``frames[start:]``'s sends, one per outcome (``Published`` or
         the ``DmqError``), queued for this turn's write together."""
         encode = self._send_reply
@@ -529,7 +540,7 @@ class DmqConnection:
         sub = DmqSubscription(self, credit)
         self.subscriptions[key] = sub
 
-        def ok(channel: Any) -> None:
+        def ok(channel: PumpedChannel) -> None:
             if self.closed or self.subscriptions.get(key) is not sub:
                 self.broker.unsubscribe(channel, sub)
                 return
@@ -549,7 +560,7 @@ class DmqConnection:
         # The reply must precede the first push, so attach with zero credit first.
         real_credit, sub.credit = credit, 0
 
-        def restore(channel: Any) -> Any:
+        def restore(channel: PumpedChannel) -> PumpedChannel:
             sub.credit = real_credit
             return channel
 

@@ -27,22 +27,24 @@ port (the dmq protocol on the plaintext port while TLS is required).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Protocol as TypingProtocol
 
 from twisted.internet.interfaces import IHandshakeListener
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from dmq_client.wire import MAGIC, Command, Frame, encode
 
-from dmq_server.core.clock import Clock
-from dmq_server.protocols.flow import BufferBudget, FlowLimits, ReadGate
+from dmq_server.core.clock import Clock, Timer
+from dmq_server.protocols.flow import BufferBudget, FlowLimits, NoGate, ReadGate
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.peers import peer_address
+from dmq_server.core.transport import TlsTransport
+from dmq_server.security.tls import ServerTls
 
-__all__ = ["PortProtocol", "PortFactory"]
+__all__ = ["Handler", "PortProtocol", "PortFactory"]
 
 log = Logger()
 
@@ -50,19 +52,44 @@ NSQ_MAGIC = b"  V2"
 MAGIC_TIMEOUT = 10.0
 
 
+class Handler(TypingProtocol):
+    """What the port asks of a protocol's connection (the dmq and NSQ protocols'): it is
+    fed the bytes after the magic and told when the connection is gone; ``flow`` is the
+    port's gate, set once. The optional calls (``resume_reading``, ``output_blocked``,
+    ``tls_ready``, and the ``start_tls`` the port offers) are looked up by name: a handler
+    without them is fine."""
+
+    flow: ReadGate | NoGate
+
+    def data_received(self, data: bytes) -> None: ...
+
+    def connection_lost(self) -> None: ...
+
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame the handler holds."""
+
+    def timed_out(self, description: str) -> None: ...
+
+
 @implementer(IHandshakeListener)
 class PortProtocol(Protocol):
+    # ITransport is a zope interface, nominal to mypy and read without self; Twisted's TCP
+    # and TLS transports have this shape (dmq_server.core.transport)
+    transport: TlsTransport  # type: ignore[assignment]
+    # set by connectionMade, which Twisted calls before any other of the calls below
+    gate: ReadGate
+
     def __init__(self, factory: "PortFactory"):
         self.factory = factory
         self._head = b""
-        self._handler: Any = None
-        self._magic_timer: Any = None
-        self._handshake_timer: Any = None
+        self._handler: Handler | None = None
+        self._magic_timer: Timer | None = None
+        self._handshake_timer: Timer | None = None
         self._regate = False  # the gate is registered again once the in-band handshake is done
-        self.gate: ReadGate | None = None
 
     def connectionMade(self) -> None:
-        self.transport.setTcpNoDelay(True) if hasattr(self.transport, "setTcpNoDelay") else None
+        if hasattr(self.transport, "setTcpNoDelay"):  # not on the TLS port's transport
+            self.transport.setTcpNoDelay(True)
         factory = self.factory
         self._magic_timer = factory.clock.callLater(MAGIC_TIMEOUT, self._no_magic)
         self.gate = ReadGate(
@@ -83,14 +110,14 @@ class PortProtocol(Protocol):
     def _handshake_late(self) -> None:
         self._handshake_timer = None
         log.info("{peer}: TLS handshake not finished within {t}s, closing",
-                 peer=self.gate.peer if self.gate else "?", t=self.factory.handshake_timeout)
+                 peer=self.gate.peer, t=self.factory.handshake_timeout)
         self.transport.abortConnection()
 
     def handshakeCompleted(self) -> None:
         if self._handshake_timer is not None and self._handshake_timer.active():
             self._handshake_timer.cancel()
         self._handshake_timer = None
-        if self._regate and self.gate is not None and not self.gate.closed:
+        if self._regate and not self.gate.closed:
             self._regate = False
             self.transport.registerProducer(self.gate, True)
         ready = getattr(self._handler, "tls_ready", None)
@@ -142,35 +169,33 @@ class PortProtocol(Protocol):
             self.transport.write(encode(Frame(Command.PROTOCOL_ERROR, status=why)))
             self.transport.loseConnection()
             return
-        self._handler = make(self.transport)
-        self._handler.flow = self.gate
-        if self.factory.tls is not None and not self.factory.tls_port:
-            self._handler.start_tls = self.start_tls
-        self.gate.on_resume = getattr(self._handler, "resume_reading", None)
-        self.gate.on_output = getattr(self._handler, "output_blocked", None)
+        handler = self._handler = make(self.transport)
+        handler.flow = self.gate
+        if self.factory.tls is not None and not self.factory.tls_port and hasattr(handler, "start_tls"):
+            handler.start_tls = self.start_tls
+        self.gate.on_resume = getattr(handler, "resume_reading", None)
+        self.gate.on_output = getattr(handler, "output_blocked", None)
         if rest:
-            self._handler.data_received(rest)
+            handler.data_received(rest)
         self._account()
 
     def _account(self) -> None:
         """Tell the gate what the handler still holds of an incomplete frame."""
-        buffered = getattr(self._handler, "buffered", None)
-        self.gate.input_held(buffered() if buffered is not None else 0)
+        self.gate.input_held(self._handler.buffered() if self._handler is not None else 0)
 
     def _timed_out(self, description: str) -> None:
         log.info("{peer}: {why}, closing", peer=self.gate.peer, why=description)
-        timed_out = getattr(self._handler, "timed_out", None)
-        if timed_out is not None:
-            timed_out(description)
+        if self._handler is not None:
+            self._handler.timed_out(description)
         else:
             self.transport.loseConnection()
 
-    def connectionLost(self, reason: Failure | None = None) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self._magic_timer is not None and self._magic_timer.active():
             self._magic_timer.cancel()
         if self._handshake_timer is not None and self._handshake_timer.active():
             self._handshake_timer.cancel()
-        if self.gate is not None:
+        if hasattr(self, "gate"):  # the connection was made
             self.gate.close()
         if self._handler is not None:
             self._handler.connection_lost()
@@ -187,10 +212,10 @@ class PortFactory(Factory):
     def __init__(
         self,
         clock: Clock,
-        protocols: dict[bytes, Callable[[Any], Any]],
+        protocols: dict[bytes, Callable[[TlsTransport], Handler]],
         limits: FlowLimits | None = None,
         *,
-        tls: Any = None,
+        tls: ServerTls | None = None,
         tls_port: bool = False,
         handshake_timeout: float = 5.0,
         refused: dict[bytes, str] | None = None,
@@ -207,5 +232,5 @@ class PortFactory(Factory):
         self.handshake_timeout = handshake_timeout
         self.refused = refused or {}
 
-    def buildProtocol(self, addr: Any) -> PortProtocol:
+    def buildProtocol(self, addr: object) -> PortProtocol:
         return PortProtocol(self)

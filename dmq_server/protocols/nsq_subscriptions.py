@@ -9,19 +9,40 @@ which.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Protocol, Sequence
 
+from dmq_server.broker.interfaces import ChannelRef, Pushed
 from dmq_server.core.ids import hex_id
 from dmq_server.core.nsq_wire import message_frame
 
 __all__ = ["NsqConsumer"]
 
 
+class NsqClient(Protocol):
+    """What the consumer uses of its connection (``nsq_v2.NsqConnection``, which imports
+    this module): its RDY, its name, its message count and its writes."""
+
+    message_count: int
+
+    @property
+    def ready_count(self) -> int: ...
+    @property
+    def client_id(self) -> str: ...
+    @property
+    def remote_address(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+
+    def queue_writes(self, frames: Sequence[bytes]) -> None: ...
+
+    def channel_closed(self, channel: object) -> None: ...
+
+
 class NsqConsumer:
     """The broker's consumer interface (``credit``, ``in_flight``, ``push_many``) for an
     NSQ connection."""
 
-    def __init__(self, conn: Any):
+    def __init__(self, conn: NsqClient):
         self.conn = conn
         self.in_flight = 0
 
@@ -36,7 +57,7 @@ class NsqConsumer:
         conn = self.conn
         return f"nsq {conn.client_id}@{conn.remote_address}"
 
-    def push_many(self, channel: Any, deliveries: Sequence[Any]) -> None:
+    def push_many(self, channel: ChannelRef, deliveries: Sequence[Pushed]) -> None:
         """Each copy as an NSQ message frame (its id the 16-hex-char form of the int64
         message id), written when this reactor turn ends with the rest of the turn's (a
         RDY window's worth in one write, as a fast channel's)."""
@@ -49,5 +70,5 @@ class NsqConsumer:
             for d in deliveries
         ])
 
-    def channel_closed(self, channel: Any) -> None:
+    def channel_closed(self, channel: ChannelRef) -> None:
         self.conn.channel_closed(channel)

@@ -29,20 +29,23 @@ different files.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Sequence, cast
+from typing import Callable, Protocol, Sequence, cast
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_server.core.auth import PUBLISH, SUBSCRIBE
+from dmq_server.core.auth import PUBLISH, SUBSCRIBE, AuthState
+from dmq_server.core.clock import Timer
 from dmq_server.core.errors import AuthFailed, DmqError
 from dmq_server.core.peers import peer_address, peer_host
+from dmq_server.core.transport import Transport
 from dmq_server.broker.interfaces import BrokerPort, Subscription
 from dmq_server.core.publish import Published, new_request
 from dmq_server.protocols.direct import direct_writer
-from dmq_server.protocols.flow import AUTH, NO_GATE
+from dmq_server.protocols.flow import AUTH, NO_GATE, NoGate, ReadGate
 from dmq_server.core.nsq_errors import ClientError, CloseSilently, FatalClientError, NsqError
 from dmq_server.core.nsq_identify import (
     VERSION,
@@ -83,14 +86,25 @@ STATE_INIT, STATE_SUBSCRIBED, STATE_CLOSING = 0, 3, 4
 #: gigabytes, so the stream is inflated in steps, each parsed before the next
 INFLATE_STEP = 65536
 
-#: an answer not given yet when ``Broker.publish`` or ``publish_each`` returned
-_PENDING = object()
+
+
+class FastMessage(Protocol):
+    """A message a fast channel sends its client (``send_messages``): nsqd's fields."""
+
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def id(self) -> bytes: ...
+    @property
+    def body(self) -> bytes: ...
 
 
 class NsqConnection:
     """Serves one client that opened with ``"  V2"``. Also the fast channel's client."""
 
-    def __init__(self, transport: Any, ctx: NsqContext):
+    def __init__(self, transport: Transport, ctx: NsqContext):
         self.transport = transport
         self._write = direct_writer(transport, self._queued)  # every byte to the client, in order
         self.blocked = False  # the client does not read what it is sent: no messages (output_blocked)
@@ -116,24 +130,24 @@ class NsqConnection:
         self.sub: Subscription | None = None
         self._sub_answered = False
         self.deflate_level = 0  # > 0 once the stream is deflate-compressed
-        self._compress: Any = None
-        self._decompress: Any = None
+        self._compress: zlib._Compress | None = None
+        self._decompress: zlib._Decompress | None = None
         self._inflate_tail = b""  # compressed bytes not inflated yet (paused, or one step at a time)
         self._inflate_more = False  # zlib may hold more output of what it already took
-        self.flow: Any = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
+        self.flow: ReadGate | NoGate = NO_GATE  # the port's ReadGate (dmq_server.protocols.flow) once attached
         self._stopped = False  # a fatal error is on its way: read no more commands
         self.closed = False
         self.last_read = self.clock.seconds()
         self._heartbeat: LoopingCall | None = None
-        self._deadline: Any = None
+        self._deadline: Timer | None = None
         self.secure = ISSLTransport.providedBy(transport)  # TLS (its own port, or upgraded)
-        self.start_tls: Any = None  # the port's in-band upgrade, when the server has TLS
+        self.start_tls: Callable[[bytes], None] | None = None  # the port's in-band upgrade, when the server has TLS
         self.auth = ClientAuth(ctx.authorizer, self.clock, peer_host(peer), peer, self._peer_tls) if ctx.authorizer else None
-        self._held: Any = None  # a command waiting for the authorizer; nothing runs meanwhile
+        self._held: Deferred | None = None  # a command waiting for the authorizer; nothing runs meanwhile
         # PUBs of one read to one fast topic, published together when the run ends
         # (_flush_pubs); _reading: inside _process, where a run is sure to be flushed
         self._reading = False
-        self._pump_later: Any = None  # the subscription a read's FINs left to pump
+        self._pump_later: Subscription | None = None  # the subscription a read's FINs left to pump
         self._pub_topic = ""
         self._pub_bodies: list[bytes] = []
         self._start_heartbeats()
@@ -168,12 +182,12 @@ class NsqConnection:
     def heartbeat_interval(self) -> float:
         return self.settings.heartbeat_interval
 
-    def send_messages(self, channel: Any, msgs: list[Any]) -> None:
+    def send_messages(self, channel: object, msgs: Sequence[FastMessage]) -> None:
         """A fast channel's pushes, written when this reactor turn ends."""
         if not self.closed:
             self._turn.extend([message_frame(m.timestamp, m.attempts, m.id, m.body) for m in msgs])
 
-    def channel_closed(self, channel: Any) -> None:
+    def channel_closed(self, channel: object) -> None:
         """The channel was deleted (or unregistered): nsqd closes its clients."""
         self.sub = None
         self.close()
@@ -228,6 +242,9 @@ class NsqConnection:
     def _inflate(self) -> None:
         """Inflate and run the kept compressed input, one step at a time, while the
         connection is not paused (what is left waits for ``resume_reading``)."""
+        decompress = self._decompress
+        if decompress is None:  # the stream is not deflated: nothing is kept to inflate
+            return
         while (
             (self._inflate_tail or self._inflate_more)
             and not self._stopped
@@ -237,12 +254,12 @@ class NsqConnection:
         ):
             data, self._inflate_tail = self._inflate_tail, b""
             try:
-                out = self._decompress.decompress(data, INFLATE_STEP)
+                out = decompress.decompress(data, INFLATE_STEP)
             except zlib.error as exc:
                 log.info("{peer}: invalid deflate stream ({why}), closing", peer=self.remote_address, why=exc)
                 self._answer(None, FatalClientError("E_INVALID", f"invalid deflate stream: {exc}"))
                 return
-            self._inflate_tail = self._decompress.unconsumed_tail
+            self._inflate_tail = decompress.unconsumed_tail
             # a full step may leave output inside zlib even when all input was taken
             self._inflate_more = len(out) == INFLATE_STEP
             self.parser.receive_data(out)
@@ -334,7 +351,7 @@ class NsqConnection:
         self._hold(waiting, lambda: self._run(cmd))
         return False
 
-    def _hold(self, waiting: Any, then: Callable[[], None]) -> None:
+    def _hold(self, waiting: Deferred, then: Callable[[], None]) -> None:
         """Run nothing else until ``waiting`` fires; then ``then()`` and carry on. An
         answer already there (the auth file) runs ``then()`` at once."""
         if waiting.called:
@@ -485,7 +502,8 @@ class NsqConnection:
             self.replies.reply(response(OK))
             return
         deflate, level = deflate_choice(fields, ctx.deflate, ctx.max_deflate_level)
-        tls = bool(fields.get("tls_v1")) and self.start_tls is not None and not self.secure
+        start_tls = self.start_tls if fields.get("tls_v1") and not self.secure else None
+        tls = start_tls is not None
         reply = identify_reply(
             settings,
             max_rdy_count=ctx.max_rdy_count,
@@ -498,19 +516,19 @@ class NsqConnection:
         )
 
         def upgrade() -> None:  # nsqd's order: TLS, then compression, each answered OK
-            if tls:
-                self._upgrade_tls()
+            if start_tls is not None:
+                self._upgrade_tls(start_tls)
             if deflate:
                 self._upgrade_deflate(level)
 
         self.replies.reply(response(reply), after=upgrade if tls or deflate else None)
 
-    def _upgrade_tls(self) -> None:
+    def _upgrade_tls(self, start_tls: Callable[[bytes], None]) -> None:
         """After the IDENTIFY reply (plaintext): the server side of the handshake, then an
         OK, which leaves once the handshake is done. Bytes already read after IDENTIFY
         are the client's first handshake bytes."""
         log.info("{peer}: upgrading connection to TLS", peer=self.remote_address)
-        self.start_tls(self.parser.take_buffered())
+        start_tls(self.parser.take_buffered())
         self.write(response(OK))
 
     def _upgrade_deflate(self, level: int) -> None:
@@ -532,7 +550,7 @@ class NsqConnection:
         if auth is None:
             raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
         slot = self.replies.reserve()
-        outcome: list[Any] = []
+        outcome: list[AuthState | Failure] = []
         waiting = auth.login(cmd.payload.decode("utf-8", "replace")).addBoth(outcome.append)
 
         def answer() -> None:
@@ -734,7 +752,7 @@ class NsqConnection:
                               due_ms=now_ms + defer_ms if defer_ms else None, create_fast=True)
         count = len(bodies) if each else 1
         early: list[tuple[int, list]] = []  # the answers given before the call returns
-        slots: list[Any] = []  # once it returned: the reply slot of each answer still to come
+        slots: list[Slot | None] = []  # once it returned: the reply slot of each answer still to come
 
         def answer(start: int, results: list) -> None:
             if not slots:
@@ -755,27 +773,28 @@ class NsqConnection:
         if len(early) == 1 and len(early[0][1]) == count:  # all at once: a fast topic's run, a refusal
             self._answer_now(topic, early[0][1], name)
             return
-        outcomes: list[Any] = [_PENDING] * count
+        # None: not answered yet when Broker.publish or publish_each returned
+        outcomes: list[Published | BaseException | None] = [None] * count
         for start, results in early:
             outcomes[start : start + len(results)] = results
         replies = self.replies
-        reserved: list[Any] = []
+        reserved: list[Slot | None] = []
         for i, outcome in enumerate(outcomes):
-            if outcome is _PENDING and not (self._stopped or self.closed):
+            if outcome is None and not (self._stopped or self.closed):
                 reserved.append(replies.reserve())
                 self.flow.sends_started(1, len(bodies[i]) if each else sum(map(len, bodies)))
             else:
                 reserved.append(None)
-                if outcome is not _PENDING:
+                if outcome is not None:
                     self._answer_now(topic, (outcome,), name)
         slots[:] = reserved
 
-    def _answer_now(self, topic: str, outcomes: Sequence[Any], name: str) -> None:
+    def _answer_now(self, topic: str, outcomes: Sequence[Published | BaseException], name: str) -> None:
         """Answers known now, each in turn (behind earlier ones still awaited); a fast
         run's one outcome is counted and framed once. Nothing after a fatal one."""
         replies = self.replies
-        last: Any = None
-        reply: Any = None
+        last: Published | BaseException | None = None
+        reply: bytes | NsqError = OK
         for outcome in outcomes:
             if self._stopped or self.closed:
                 return
@@ -783,7 +802,7 @@ class NsqConnection:
                 last, reply = outcome, self._publish_reply(topic, outcome, name)
             self._answer(replies.reserve() if len(replies) else None, reply)
 
-    def _publish_reply(self, topic: str, outcome: Any, name: str) -> bytes | NsqError:
+    def _publish_reply(self, topic: str, outcome: Published | BaseException, name: str) -> bytes | NsqError:
         """OK, or the error frame of a failed publish: fatal with nsqd's text when the
         broker says so (a fast topic closing or its disk queue failing, as nsqd),
         otherwise non-fatal with the broker's code (a reliable topic: see docs/nsq.md)."""
@@ -798,9 +817,9 @@ class NsqConnection:
         return ClientError(f"E_{name}_FAILED", f"{name} failed {outcome!r}")
 
     # -- introspection --------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """nsqd's ClientStats shape."""
-        out = {
+        out: dict[str, object] = {
             "client_id": self.client_id,
             "hostname": self.hostname,
             "version": "V2",
@@ -835,7 +854,7 @@ class NsqConnection:
         return out
 
 
-_HANDLERS: dict[bytes, Callable[[NsqConnection, Any], None]] = {
+_HANDLERS: dict[bytes, Callable[[NsqConnection, Command], None]] = {
     b"FIN": NsqConnection.cmd_fin,
     b"RDY": NsqConnection.cmd_rdy,
     b"REQ": NsqConnection.cmd_req,

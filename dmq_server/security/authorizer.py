@@ -31,23 +31,27 @@ from __future__ import annotations
 import random
 from io import BytesIO
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Callable, Generator, Protocol, cast
 from urllib.parse import urlencode
 
 from twisted.internet import defer
 from twisted.internet.error import ConnectError, TimeoutError as ConnectTimeout
-from twisted.internet.protocol import Protocol
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol as TwistedProtocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, FileBodyProducer, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH
+from twisted.web.iweb import IBodyProducer
 
 from dmq_server.core.auth import AnswerError, AuthFile, AuthState, parse_answer, parse_auth_file
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import AuthFailed
 from dmq_server.core.options import Options
+
+if TYPE_CHECKING:  # pyOpenSSL is imported only when a root CA is given
+    from twisted.internet.ssl import Certificate
 
 __all__ = ["Authorizer", "HttpAuthorizer", "FileAuthorizer", "make_authorizer", "read_answer"]
 
@@ -58,9 +62,33 @@ MAX_ANSWER = 1 << 20
 
 
 class Authorizer(Protocol):
+    """What the sessions ask of either authorizer (``typing.Protocol``: the two classes
+    below satisfy it by shape)."""
+
     def query(self, secret: str, remote_ip: str, tls: bool, common_name: str) -> defer.Deferred: ...
 
     def reload(self) -> str | None: ...
+
+
+class ResponseBody(Protocol):
+    """What ``read_answer`` uses of Twisted's ``IResponse`` (a zope interface, which the
+    type checker cannot match by shape): the declared length (``UNKNOWN_LENGTH`` when
+    there is none), and the body delivered to a protocol."""
+
+    @property
+    def length(self) -> int | str: ...  # str: UNKNOWN_LENGTH
+
+    def deliverBody(self, protocol: TwistedProtocol) -> None: ...
+
+
+class _Response(ResponseBody, Protocol):
+    """An auth server's whole answer: its status as well as its body."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def phrase(self) -> bytes: ...
 
 
 class FileAuthorizer:
@@ -98,7 +126,7 @@ class FileAuthorizer:
 class HttpAuthorizer:
     """nsqd's auth-server client."""
 
-    def __init__(self, reactor: Any, addresses: tuple[str, ...], method: str = "get",
+    def __init__(self, reactor: Clock, addresses: tuple[str, ...], method: str = "get",
                  connect_timeout: float = 2.0, request_timeout: float = 5.0, root_ca: str = ""):
         self.reactor = reactor
         self.addresses = addresses
@@ -115,7 +143,7 @@ class HttpAuthorizer:
         return address if "://" in address else f"http://{address}/auth"
 
     @defer.inlineCallbacks
-    def query(self, secret: str, remote_ip: str, tls: bool, common_name: str) -> Any:
+    def query(self, secret: str, remote_ip: str, tls: bool, common_name: str) -> Generator[defer.Deferred, AuthState, AuthState]:
         fields = {"remote_ip": remote_ip, "tls": "true" if tls else "false", "secret": secret, "common_name": common_name}
         start = random.randrange(len(self.addresses))
         reasons = []
@@ -135,41 +163,46 @@ class HttpAuthorizer:
         self.queries += 1
         timeout = self.request_timeout
 
-        def timed_out(result: Any, _: float) -> None:
+        def timed_out(result: object, _: float) -> None:
             raise AnswerError(f"no answer within {timeout:g} s (--http-client-request-timeout)")
 
         d = self._exchange(url, fields)
-        d.addTimeout(timeout, self.reactor, onTimeoutCancel=timed_out)
+        # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it
+        d.addTimeout(timeout, cast(IReactorTime, self.reactor), onTimeoutCancel=timed_out)
         return d.addErrback(_explain)
 
-    @defer.inlineCallbacks
-    def _exchange(self, url: str, fields: dict[str, str]) -> Any:
+    def _exchange(self, url: str, fields: dict[str, str]) -> defer.Deferred:
         query = urlencode(fields)
         headers = Headers({b"accept": [b"application/json"]})
-        body = None
+        body: IBodyProducer | None = None
         if self.method == b"POST":
             headers.addRawHeader(b"content-type", b"application/x-www-form-urlencoded")
-            body = FileBodyProducer(BytesIO(query.encode()))
+            # IBodyProducer is a zope interface, nominal to mypy; FileBodyProducer provides it
+            body = cast(IBodyProducer, FileBodyProducer(BytesIO(query.encode())))
         else:
             url = f"{url}{'&' if '?' in url else '?'}{query}"
-        response = yield self.agent.request(self.method, url.encode(), headers, body)
-        data = yield read_answer(response)
-        if response.code != 200:
-            phrase = response.phrase.decode("latin-1", "replace")
-            raise AnswerError(f"status {response.code} {phrase}: {data[:200]!r}")
-        state: AuthState = parse_answer(data, self.reactor.seconds())
-        return state
+        return self.agent.request(self.method, url.encode(), headers, body).addCallback(self._answered)
+
+    def _answered(self, response: _Response) -> defer.Deferred:
+        def parsed(data: bytes) -> AuthState:
+            if response.code != 200:
+                phrase = response.phrase.decode("latin-1", "replace")
+                raise AnswerError(f"status {response.code} {phrase}: {data[:200]!r}")
+            return parse_answer(data, self.reactor.seconds())
+
+        return read_answer(response).addCallback(parsed)
 
 
-def read_answer(response: Any, limit: int = MAX_ANSWER) -> defer.Deferred:
+def read_answer(response: ResponseBody, limit: int = MAX_ANSWER) -> defer.Deferred:
     """The whole body of an auth server's ``response`` (bytes), or an ``AnswerError``."""
-    declared = None if response.length is UNKNOWN_LENGTH else response.length
+    length = response.length
+    declared = length if isinstance(length, int) else None  # else UNKNOWN_LENGTH
     reader = _AnswerBody(limit, declared)
     response.deliverBody(reader)
     return reader.done
 
 
-class _AnswerBody(Protocol):
+class _AnswerBody(TwistedProtocol):
     """Collects a body up to ``limit`` bytes. Twisted ends a body with ``ResponseDone``
     (its Content-Length or last chunk reached), ``PotentialDataLoss`` (the connection
     closed, and the response declared neither a length nor chunks: that close is its end,
@@ -197,7 +230,7 @@ class _AnswerBody(Protocol):
             return
         self.parts.append(data)
 
-    def connectionLost(self, reason: Failure | None = None) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         if not self._waiting:
             return
         self._waiting = False
@@ -221,7 +254,11 @@ class _AnswerBody(Protocol):
         self._abort()
 
     def _abort(self) -> None:
-        abort = getattr(self.transport, "abortConnection", None) or self.transport.stopProducing
+        # the body's transport is Twisted's TransportProxyProducer (it stops producing by
+        # closing the connection), or a test's transport that can abort
+        abort: Callable[[], object] | None = getattr(self.transport, "abortConnection", None)
+        if abort is None:
+            abort = getattr(self.transport, "stopProducing")
         abort()
 
 
@@ -248,13 +285,13 @@ def _reasons(failure: Failure) -> str:
     return f"{type(error).__name__}: {failure.getErrorMessage()}"
 
 
-def _trust_root(path: str) -> Any:
+def _trust_root(path: str) -> Certificate:
     from twisted.internet.ssl import Certificate
 
     return Certificate.loadPEM(Path(path).read_bytes())
 
 
-def make_authorizer(options: Options, reactor: Any) -> Authorizer | None:
+def make_authorizer(options: Options, reactor: Clock) -> Authorizer | None:
     """The authorizer the options name (None: authentication is off)."""
     if options.auth_file:
         return FileAuthorizer(options.auth_file, reactor)

@@ -23,7 +23,7 @@ name) until their ttl, and concurrent requests with one credential share one que
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -32,25 +32,34 @@ from twisted.python.failure import Failure
 from dmq_server.core.auth import AuthState
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import AuthFailed, AuthFirst, Invalid, NotPermitted
+from dmq_server.security.authorizer import Authorizer
 from dmq_server.security.tls import PeerTls
 
-__all__ = ["ClientAuth", "CredentialCache", "LOGGED_REFUSALS"]
+__all__ = ["AuthStats", "ClientAuth", "CredentialCache", "LOGGED_REFUSALS"]
 
 log = Logger()
 
 LOGGED_REFUSALS = 10
 
 
-def _ask(authorizer: Any, secret: str, remote_ip: str, tls: PeerTls | None) -> defer.Deferred:
+def _ask(authorizer: Authorizer, secret: str, remote_ip: str, tls: PeerTls | None) -> defer.Deferred:
     return defer.maybeDeferred(
         authorizer.query, secret, remote_ip, tls is not None, tls.proven_name if tls is not None else ""
     )
 
 
+class AuthStats(TypedDict):
+    """A connection's authentication, as the stats show it."""
+
+    authed: bool
+    auth_identity: str
+    auth_identity_url: str
+
+
 class ClientAuth:
     """One TCP connection's authentication state."""
 
-    def __init__(self, authorizer: Any, clock: Clock, remote_ip: str, peer: str, tls: Callable[[], PeerTls | None]):
+    def __init__(self, authorizer: Authorizer, clock: Clock, remote_ip: str, peer: str, tls: Callable[[], PeerTls | None]):
         self.authorizer = authorizer
         self.clock = clock
         self.remote_ip = remote_ip
@@ -133,8 +142,13 @@ class ClientAuth:
     def _waiter(self) -> defer.Deferred:
         waiter: defer.Deferred = defer.Deferred()
         assert self._refreshing is not None
-        self._refreshing.addBoth(lambda result: (waiter.callback(None), result)[1])
+        self._refreshing.addBoth(self._wake, waiter)
         return waiter
+
+    @staticmethod
+    def _wake(result: object, waiter: defer.Deferred) -> object:
+        waiter.callback(None)
+        return result
 
     def _refreshed(self, _: object) -> None:
         self._refreshing = None
@@ -148,7 +162,7 @@ class ClientAuth:
         elif self.refusals == LOGGED_REFUSALS + 1:
             log.warn("{peer}: more refusals on this connection are counted, not logged", peer=self.peer)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> AuthStats:
         return {
             "authed": self.state is not None,
             "auth_identity": self.identity,
@@ -159,7 +173,7 @@ class ClientAuth:
 class CredentialCache:
     """Answers for HTTP credentials, kept until their ttl; at most ``size`` of them."""
 
-    def __init__(self, authorizer: Any, clock: Clock, size: int = 4096):
+    def __init__(self, authorizer: Authorizer, clock: Clock, size: int = 4096):
         self.authorizer = authorizer
         self.clock = clock
         self.size = size
@@ -180,19 +194,18 @@ class CredentialCache:
             return waiter
         self._pending[key] = [waiter]
 
-        def done(result: Any) -> None:
+        def done(result: AuthState | Failure) -> None:
+            waiters = self._pending.pop(key)
             if isinstance(result, AuthState):
                 self._states[key] = result
                 while len(self._states) > self.size:
                     self._states.popitem(last=False)
-            else:
-                log.warn("HTTP credential from {ip} refused: {why}", ip=remote_ip, why=result.getErrorMessage())
-                result = AuthFailed("credential refused")
-            for w in self._pending.pop(key):
-                if isinstance(result, AuthState):
+                for w in waiters:
                     w.callback(result)
-                else:
-                    w.errback(result)
+                return
+            log.warn("HTTP credential from {ip} refused: {why}", ip=remote_ip, why=result.getErrorMessage())
+            for w in waiters:
+                w.errback(AuthFailed("credential refused"))
 
         _ask(self.authorizer, secret, remote_ip, tls).addBoth(done)
         return waiter

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from twisted.internet.defer import succeed
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
 from dmq_server.admin.line_console import AdminConsole, parse_line
@@ -130,7 +131,7 @@ class FakeOps:
 
 
 def console(token: str = "") -> tuple[AdminConsole, StringTransport]:
-    proto = AdminConsole(FakeOps(), "127.0.0.1", token)
+    proto = AdminConsole(FakeOps(), "127.0.0.1", token, Clock())
     transport = StringTransport()
     proto.makeConnection(transport)
     return proto, transport

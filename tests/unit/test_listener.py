@@ -34,6 +34,12 @@ class RecordingHandler:
     def connection_lost(self) -> None:
         self.lost += 1
 
+    def buffered(self) -> int:
+        return 0
+
+    def timed_out(self, description: str) -> None:
+        self.transport.loseConnection()
+
     @property
     def data(self) -> bytes:
         return b"".join(self.received)
