@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dmq_client.spelling import format_duration, parse_address, parse_duration
+from dmq_server.core.outbox_rows import parse_outbox
 
 __all__ = [
     "Options",
@@ -88,6 +89,13 @@ class Options:
         "another PostgreSQL cluster topics may be placed on, as NAME=DSN (repeat the flag; in "
         "the environment one per line or separated by ';'); the default cluster 'main' is "
         "--pg-dsn or the embedded PostgreSQL (docs/operations.md#several-postgresql-clusters)",
+        kind="list",
+    )
+    outbox: tuple[str, ...] = _opt(
+        (),
+        "an application database's outbox to relay into topics, as NAME=APP_DSN or "
+        "NAME:SCHEMA=APP_DSN (schema dmq_outbox by default; repeat the flag; in the environment "
+        "one per line or separated by ';'); docs/client.md#transactional-messages",
         kind="list",
     )
     pg_timeout: float = _opt(
@@ -455,6 +463,15 @@ class Options:
             if name in seen:
                 raise ConfigError(f"{_names('pg_cluster')}: cluster {name!r} is given twice")
             seen.add(name)
+        outboxes: set[str] = set()
+        for entry in self.outbox:
+            try:
+                source = parse_outbox(entry)
+            except ValueError as exc:
+                raise ConfigError(f"{_names('outbox')}: {exc}") from None
+            if source.name in outboxes:
+                raise ConfigError(f"{_names('outbox')}: outbox {source.name!r} is given twice")
+            outboxes.add(source.name)
         if len(seen) >= MAX_CLUSTERS:
             raise ConfigError(f"{_names('pg_cluster')}: at most {MAX_CLUSTERS - 1} clusters besides {MAIN_CLUSTER!r}")
         checks = [
