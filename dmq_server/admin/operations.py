@@ -30,7 +30,7 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
@@ -46,6 +46,7 @@ from dmq_server.db import admin_steps as db_admin
 from dmq_server.db.admin_steps import log_operation_steps, stored_stats_steps
 from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import delay_stats_steps
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.steps import Steps
 
 __all__ = [
@@ -241,7 +242,7 @@ _TOPIC_SETTING_TEXT = {
 }
 
 
-def merge_topic_settings(current: Mapping[str, Any], changes: Mapping[str, int | None]) -> dict:
+def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, int | None]) -> dict:
     """A topic's settings after ``changes`` (``None`` removes a limit; the message
     timeout cannot be removed). ``Invalid`` for an unknown setting, a
     value below 1, or no change asked for."""
@@ -287,7 +288,7 @@ def run_batches(
         after = after_next
 
 
-def report_letter(params: Mapping[str, Any]) -> NewDeadLetter:
+def report_letter(params: Mapping[str, object]) -> NewDeadLetter:
     """A client's report of a send it could not store (``client_reported``)."""
     topic = params.get("topic")
     if not isinstance(topic, str) or not topic:
@@ -322,6 +323,54 @@ def report_letter(params: Mapping[str, Any]) -> NewDeadLetter:
 # -- the server's facade -------------------------------------------------------------
 
 
+class Delays(Protocol):
+    """What the operations ask of a cluster's delay scheduler (``reliable.delay.DelayScheduler``)."""
+
+    def stats(self) -> dict: ...
+
+    def move_now(self) -> None: ...
+
+
+class _Subscribed(Protocol):
+    @property
+    def credit(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+
+
+class DmqClient(Protocol):
+    """A dmq connection as ``clients`` lists it (``protocols.dmq.DmqConnection``)."""
+
+    @property
+    def peer(self) -> str: ...
+    @property
+    def subscriptions(self) -> Mapping[tuple[str, str], _Subscribed]: ...
+
+    def security_stats(self) -> dict[str, object]: ...
+
+
+class _NsqClient(Protocol):
+    def stats(self) -> dict[str, object]: ...
+
+
+class NsqClients(Protocol):
+    """What NSQ connections share, as ``clients`` lists them (``protocols.nsq_context.NsqContext``)."""
+
+    @property
+    def connections(self) -> Collection[_NsqClient]: ...
+
+
+class _Budget(Protocol):
+    def stats(self) -> dict[str, object]: ...
+
+
+class Port(Protocol):
+    """The TCP port's factory, for its flow-control state (``protocols.listener.PortFactory``)."""
+
+    @property
+    def budget(self) -> _Budget: ...
+
+
 class AdminOps:
     """The operations against a running server. Its collaborators are passed in: the
     broker, the delay scheduler (None without one), the database worker the
@@ -333,23 +382,23 @@ class AdminOps:
         self,
         *,
         broker: BrokerPort,
-        delays: Any,
-        db: Any,
+        delays: Delays | None,
+        db: StepRunner,
         options: Options,
         clock: Clock,
         node_id: str,
-        dmq_connections: Any = (),
-        nsq: Any = None,
-        port_factory: Any = None,
+        dmq_connections: Collection[DmqClient] = (),
+        nsq: NsqClients | None = None,
+        port_factory: Port | None = None,
         batch_size: int = DEFAULT_BATCH,
-        clusters: Mapping[str, tuple[Any, Any]] | None = None,
+        clusters: Mapping[str, tuple[StepRunner, Delays | None]] | None = None,
     ):
         self.broker = broker
         self.delays = delays
         self.db = db
         # every PostgreSQL cluster's (database worker, delay scheduler), main first: the
         # dead letters and delayed messages of a topic are on its cluster
-        self.clusters: dict[str, tuple[Any, Any]] = {"main": (db, delays), **(clusters or {})}
+        self.clusters: dict[str, tuple[StepRunner, Delays | None]] = {"main": (db, delays), **(clusters or {})}
         self.options = options
         self.clock = clock
         self.node_id = node_id
@@ -359,7 +408,7 @@ class AdminOps:
         self.batch_size = batch_size
 
     # -- read-only ------------------------------------------------------------------
-    def flow(self) -> dict:
+    def flow(self) -> dict[str, object]:
         """The TCP port's flow-control state (buffered bytes, paused connections)."""
         if self.port_factory is None:
             raise NotFound("the TCP port is not listening")
@@ -422,14 +471,14 @@ class AdminOps:
                     **getattr(conn, "security_stats", dict)(),
                 }
             )
-        for conn in list(getattr(self.nsq, "connections", ()) or ()):
-            stats = conn.stats()
+        for nsq_conn in list(self.nsq.connections if self.nsq is not None else ()):
+            stats = nsq_conn.stats()
             stats["protocol"] = "nsq"
             out.append(stats)
         return out
 
     # -- several PostgreSQL clusters ------------------------------------------------------
-    def _selected(self, cluster: str | None) -> list[tuple[str, Any, Any]]:
+    def _selected(self, cluster: str | None) -> list[tuple[str, StepRunner, Delays | None]]:
         """(name, database worker, delay scheduler) of ``cluster``, or of every cluster."""
         if cluster is None:
             return [(name, db, delays) for name, (db, delays) in self.clusters.items()]
@@ -438,7 +487,7 @@ class AdminOps:
         db, delays = self.clusters[cluster]
         return [(cluster, db, delays)]
 
-    def db_for_id(self, any_id: int) -> Any:
+    def db_for_id(self, any_id: int) -> StepRunner:
         """The database worker of the cluster that drew ``any_id`` (a message, delayed
         message or dead letter id names its cluster: ``db.clusters``)."""
         cluster = self.broker.cluster_of_id(any_id) if self.broker is not None else None
@@ -473,7 +522,7 @@ class AdminOps:
         rows.sort(key=lambda r: r["id"])
         return rows[:limit]
 
-    def db_for_topic(self, topic: str | None) -> Any:
+    def db_for_topic(self, topic: str | None) -> StepRunner:
         """The database worker of the cluster ``topic`` is placed on (main's if unknown)."""
         spec = getattr(self.broker, "topics", {}).get(topic) if topic is not None else None
         name = getattr(spec, "cluster", "main")
@@ -562,21 +611,21 @@ class AdminOps:
         else:
             raise Invalid(f"unknown channel action {action!r} (pause, unpause, empty)")
 
-        def done(result: Any) -> str:
+        def done(result: object) -> str:
             log.info(
                 "admin {surface} {actor}: channel {action} {topic}/{channel}",
                 surface=surface, actor=actor, action=action, topic=topic, channel=channel,
             )
             return f"{action} {topic}/{channel}" + (f": {result} stored copies dropped" if action == "empty" else "")
 
-        def missing(failure: Failure) -> Any:
+        def missing(failure: Failure) -> None:
             failure.trap(KeyError)
             what = "topic" if failure.value.args[0] == "TOPIC_NOT_FOUND" else "channel"
             raise NotFound(f"no reliable {what} {topic if what == 'topic' else topic + '/' + channel}")
 
         return d.addCallbacks(done, missing)
 
-    def dlq_report(self, params: Mapping[str, Any], surface: str, actor: str) -> Deferred:
+    def dlq_report(self, params: Mapping[str, object], surface: str, actor: str) -> Deferred:
         """Record a client's report of a send it could not store; fires with the id."""
         letter = report_letter(params)
         log.info(

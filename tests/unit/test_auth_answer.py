@@ -99,3 +99,16 @@ def test_cancelling_closes_the_connection():
     assert outcome(d).check(defer.CancelledError)
     assert response.transport.disconnected  # aborted
     response.body.connectionLost(Failure(ConnectionDone()))  # after the abort: nothing more happens
+
+
+def test_the_authorizer_interface_is_a_typing_protocol_not_a_connection():
+    """``Authorizer`` states what the sessions ask of an authorizer (``query``, ``reload``).
+    A second ``Protocol`` import (Twisted's) once shadowed typing's, so it was a Twisted
+    connection protocol that nothing could check an authorizer against."""
+    from twisted.internet.protocol import Protocol as TwistedProtocol
+
+    from dmq_server.security.authorizer import Authorizer, FileAuthorizer, HttpAuthorizer
+
+    assert not issubclass(Authorizer, TwistedProtocol)
+    assert getattr(Authorizer, "_is_protocol", False)
+    assert {"query", "reload"} <= set(dir(FileAuthorizer)) & set(dir(HttpAuthorizer))

@@ -31,16 +31,21 @@ ADAPTERS = ("protocols", "http", "admin", "security")
 STORE_MODULES = ("dmq_server.reliable", "dmq_server.fast")
 # what of the broker is a store, a store's label or a PostgreSQL cluster
 PAST_THE_BROKER = {"fast", "reliable", "stores", "placement", "route", "FAST", "RELIABLE"}
+# the stores' classes, and the broker's cache that says which store holds a topic: an
+# adapter that names one, however it got it (a re-export, an annotation), knows the stores
+STORE_NAMES = {"FastStore", "ReliableStore", "TopicCache"}
+# asking which store serves a topic (broker.topics.TopicCache.store_of), on any object
+WHICH_STORE = {"store_of"}
 # Uses known and not yet moved behind the broker. Nothing may be added here; an entry
 # whose use is gone fails too.
 NOT_YET: set[tuple[str, str]] = set()
 
 
 def _ends_with_broker(node: ast.expr) -> bool:
-    """``broker``, ``self.broker``, ``self.ops.broker``, ``ctx.broker``..."""
+    """``broker``, ``self.broker``, ``self.ops.broker``, ``ctx.broker``, ``self._broker``..."""
     if isinstance(node, ast.Name):
-        return node.id == "broker"
-    return isinstance(node, ast.Attribute) and node.attr == "broker"
+        return node.id.lower().endswith("broker")
+    return isinstance(node, ast.Attribute) and node.attr.lower().endswith("broker")
 
 
 def seam_breaches(source: str) -> list[str]:
@@ -55,6 +60,11 @@ def seam_breaches(source: str) -> list[str]:
                 found.append(f"from {module} import ...")
             elif module.startswith("dmq_server.broker"):
                 found += [f"from {module} import {a.name}" for a in node.names if a.name in PAST_THE_BROKER]
+            found += [f"from {module} import {a.name}" for a in node.names if a.name in STORE_NAMES]
+        elif isinstance(node, ast.Name) and node.id in STORE_NAMES:
+            found.append(node.id)
+        elif isinstance(node, ast.Attribute) and (node.attr in STORE_NAMES or node.attr in WHICH_STORE):
+            found.append(f"{ast.unparse(node)}")
         elif isinstance(node, ast.Attribute) and node.attr in PAST_THE_BROKER and _ends_with_broker(node.value):
             found.append(f"{ast.unparse(node)}")
         elif isinstance(node, ast.Attribute) and (node.attr in ("fast_store", "reliable_store") or (
@@ -95,6 +105,12 @@ def test_the_seam_check_sees_each_kind_of_breach():
         "self.broker.publish(request, done)\n"
         "self.store.get_topic('t')\n"
         "print(row.store)\n"
+        "self._broker.reliable.writer\n"
+        "from dmq_server.broker import TopicCache\n"
+        "from dmq_server import ReliableStore as S\n"
+        "def f(store: 'x', other: FastStore) -> None: ...\n"
+        "if self.cache.store_of(topic) == 'fast': pass\n"
+        "broker_stats = self.broker.stats()\n"
     )
     assert sorted(seam_breaches(source)) == sorted([
         "import dmq_server.fast.fast_store",
@@ -105,6 +121,11 @@ def test_the_seam_check_sees_each_kind_of_breach():
         "broker.route",
         "getattr(self.ops.broker, 'placement')",
         "self.store",
+        "self._broker.reliable",
+        "from dmq_server.broker import TopicCache",
+        "from dmq_server import ReliableStore",
+        "FastStore",
+        "self.cache.store_of",
     ])
 
 
