@@ -15,7 +15,7 @@ same interface (``start(on_change)``, ``stop()``, ``owned``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 __all__ = ["FragmentAssignment", "StaticAssignment", "SharedAssignment", "split_fragments", "all_fragments"]
 
@@ -50,12 +50,14 @@ def split_fragments(owned: Sequence[int] | frozenset[int], workers: int) -> list
 class FragmentAssignment(Protocol):
     """The fragments this node serves; calls ``on_change(owned)`` whenever they change."""
 
-    #: the fragments owned now (empty while a rebalance is in progress)
-    owned: frozenset[int]
+    @property
+    def owned(self) -> frozenset[int]:
+        """The fragments owned now (empty while a rebalance is in progress)."""
 
     def start(self, on_change: Callable[[frozenset[int]], None]) -> None: ...
 
-    def stop(self) -> None: ...
+    # what stopping returns is passed along: a Deferred where leaving takes time (ZooKeeper)
+    def stop(self) -> object: ...
 
 
 class StaticAssignment:
@@ -80,7 +82,7 @@ class SharedAssignment:
     cluster): a node serves the same fragments on every cluster, and joins the
     fragment party once. ``stop`` stops the assignment after the last scheduler's."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: FragmentAssignment):
         self.inner = inner
         self._listeners: list[Callable[[frozenset[int]], None]] = []
         self._running = 0
@@ -101,7 +103,7 @@ class SharedAssignment:
         for listener in list(self._listeners):
             listener(owned)
 
-    def stop(self) -> Any:
+    def stop(self) -> object:
         self._running -= 1
         return self.inner.stop() if self._running == 0 else None
 

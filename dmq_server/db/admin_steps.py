@@ -11,10 +11,11 @@ the in-memory double (``db.memory``) run the same code.
 from __future__ import annotations
 
 import base64
-from typing import Any, Callable, Mapping
+from datetime import datetime
+from typing import Callable
 
 from dmq_server.db.delays import delay_stats_steps
-from dmq_server.db.steps import Statement, Steps
+from dmq_server.db.steps import Params, Statement, Steps
 
 __all__ = [
     "TOPIC_SETTINGS",
@@ -67,12 +68,12 @@ def _letter(row: tuple, with_body: bool = False) -> dict:
 # ``selection``: a dead-letter filter's parameters (admin.operations.DeadLetterFilter.params)
 
 
-def list_dead_letters_steps(selection: Mapping[str, Any], limit: int, after: int) -> Steps:
+def list_dead_letters_steps(selection: Params, limit: int, after: int) -> Steps:
     rows = yield Statement("list_dead_letters", dict(selection, limit=limit, after=after))
     return [_letter(r) for r in rows]
 
 
-def count_dead_letters_steps(selection: Mapping[str, Any]) -> Steps:
+def count_dead_letters_steps(selection: Params) -> Steps:
     """(how many match, how many of them were not replayed yet)."""
     ((total, waiting),) = yield Statement("count_dead_letters", dict(selection))
     return total, waiting
@@ -85,7 +86,7 @@ def show_dead_letter_steps(letter_id: int) -> Steps:
 
 
 def replay_batch_steps(
-    selection: Mapping[str, Any], after: int, limit: int, fragments: int, now_ms: int, node_id: str
+    selection: Params, after: int, limit: int, fragments: int, now_ms: int, node_id: str
 ) -> Steps:
     """Replay one batch; returns (next cursor or None when done, how many were queued)."""
     params = dict(selection, after=after, limit=limit, fragments=fragments, now_ms=now_ms, node_id=node_id)
@@ -93,7 +94,7 @@ def replay_batch_steps(
     return last, queued
 
 
-def delete_batch_steps(selection: Mapping[str, Any], after: int, limit: int) -> Steps:
+def delete_batch_steps(selection: Params, after: int, limit: int) -> Steps:
     """Delete one batch; returns (next cursor or None when done, how many were deleted)."""
     rows = yield Statement("delete_dead_letters", dict(selection, after=after, limit=limit))
     ids = [r[0] for r in rows]
@@ -129,7 +130,7 @@ def table_counts_steps() -> Steps:
     }
 
 
-def topic_leftovers_steps(topic: str, fenced_at: Any = None) -> Steps:
+def topic_leftovers_steps(topic: str, fenced_at: datetime | None = None) -> Steps:
     """On this cluster: the topic's placement as its row says, its copies waiting, its
     delayed messages, the transactions begun before ``fenced_at`` still running, and the
     database's time now (``dmq topic move``)."""

@@ -19,7 +19,7 @@ that
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 from dmq_server.db.worker import connect
@@ -82,6 +82,6 @@ def claim_cluster_steps(name: str, slot: int) -> Steps:
         yield Statement("raise_id_sequences", {"floor": first_id(slot)})
 
 
-def describe(slots: Mapping[str, int]) -> Any:
+def describe(slots: Mapping[str, int]) -> str:
     """``name (slot n)`` for logs."""
     return ", ".join(f"{name} (id slot {slot})" for name, slot in slots.items())

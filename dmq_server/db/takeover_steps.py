@@ -9,7 +9,9 @@ cursors. The protocol around it (ZooKeeper locks, liveness checks, rescans) is
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
+
+import psycopg
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 
@@ -31,7 +33,7 @@ def claim_owners_steps(dead: str, owners: Sequence[int], me: str, live: Sequence
     return [(r[0], r[1], int(r[2])) for r in rows]
 
 
-def claim_owners(conn: Any, dead: str, owners: Sequence[int], me: str, live: Sequence[str]) -> list[tuple[str, str, int]]:
+def claim_owners(conn: psycopg.Connection, dead: str, owners: Sequence[int], me: str, live: Sequence[str]) -> list[tuple[str, str, int]]:
     """``claim_owners_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, claim_owners_steps(dead, owners, me, live))
 

@@ -8,7 +8,7 @@ mirrors ZooKeeper's topics into every database with them, so a ``DbWorker``, a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from registry.model import TopicSpec
 from registry.pg import mirror_changes
@@ -24,7 +24,7 @@ def list_topics_steps() -> Steps:
     return [TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8])) for r in rows]
 
 
-def mirror_topics_steps(specs: Sequence[Any]) -> Steps:
+def mirror_topics_steps(specs: Sequence[TopicSpec]) -> Steps[bool]:
     """Make ``dmq_topic``/``dmq_channel`` equal to ``specs`` (ZooKeeper's view), serialised
     between nodes by an advisory lock (run in a transaction: a ``DbWorker``'s); whether
     anything changed. A topic or channel that disappears takes its undelivered copies with

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Any
 
 from twisted.logger import Logger
 
 from dmq_server.core.errors import Exiting
 from dmq_server.core.client_memory import FAST_WINDOW, WindowBytes
-from dmq_server.fast.message import FastMessage
+from dmq_server.fast.message import FastClient, FastMessage
 from dmq_server.fast.services import StoreServices
 from dmq_server.core.deadlines import Deadlines
 
@@ -66,8 +65,8 @@ class FastChannel:
         # reliable channel's tracker too: core.deadlines)
         self.in_flight_due: Deadlines[bytes] = Deadlines()
         self.deferred_due: Deadlines[bytes] = Deadlines()
-        self.clients: dict[int, Any] = {}
-        self._rotation: deque[Any] = deque()
+        self.clients: dict[int, FastClient] = {}
+        self._rotation: deque[FastClient] = deque()
         self.paused = False
         self.exiting = False
         self.message_count = 0
@@ -146,7 +145,7 @@ class FastChannel:
         return len(self.memory) + len(self._ahead) + self.backend.depth()
 
     # -- clients ------------------------------------------------------------------------
-    def add_client(self, client: Any) -> str | None:
+    def add_client(self, client: FastClient) -> str | None:
         """Attach a subscriber; an error text if the channel is full or going away."""
         if self.exiting:
             return "exiting"
@@ -159,7 +158,7 @@ class FastChannel:
         self._rotation.append(client)
         return None
 
-    def remove_client(self, client: Any) -> None:
+    def remove_client(self, client: FastClient) -> None:
         """Detach a subscriber. Its in-flight messages stay until they time out (nsqd).
         An ephemeral channel goes away with its last client."""
         if self.clients.pop(id(client), None) is None:
@@ -215,7 +214,7 @@ class FastChannel:
                 continue  # sampled out: consumed, never delivered (nsqd)
             self._deliver([msg], client)
 
-    def _fill(self, client: Any) -> None:
+    def _fill(self, client: FastClient) -> None:
         """The round robin of one client without sampling: as many messages as its RDY
         window has room for, taken in the order the round robin would take them and
         delivered in one call (one look at the clock, one write for the lot)."""
@@ -269,7 +268,7 @@ class FastChannel:
         average = max(1, sum(map(len, records)) // len(records))
         self._read_ahead = max(1, min(READ_AHEAD, self.mem_queue_size, budget.channel_limit // 4 // average))
 
-    def _deliver(self, msgs: list[FastMessage], client: Any) -> None:
+    def _deliver(self, msgs: list[FastMessage], client: FastClient) -> None:
         """In flight to ``client`` until FIN, REQ or the client's message timeout."""
         now = self.clock.seconds()
         deadline = now + client.msg_timeout
@@ -287,7 +286,7 @@ class FastChannel:
         client.send_messages(self, msgs)
 
     # -- FIN / REQ / TOUCH --------------------------------------------------------------
-    def _pop_in_flight(self, client: Any, message_id: bytes) -> FastMessage | str:
+    def _pop_in_flight(self, client: FastClient, message_id: bytes) -> FastMessage | str:
         msg = self.in_flight.get(message_id)
         if msg is None:
             return "ID not in flight"
@@ -298,14 +297,14 @@ class FastChannel:
         msg.client = None
         return msg
 
-    def finish(self, client: Any, message_id: bytes, pump: bool = True) -> str | None:
+    def finish(self, client: FastClient, message_id: bytes, pump: bool = True) -> str | None:
         """FIN. ``pump`` False: the caller pumps once after a run of them (a read's FINs)."""
         failed = self.finish_many(client, [message_id])
         if pump:
             self.pump()
         return failed[0][1] if failed else None
 
-    def finish_many(self, client: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+    def finish_many(self, client: FastClient, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
         """FIN of each id, in order, without a pump (the caller pumps once after them);
         returns the ids refused, each with nsqd's reason. One refused fails no other."""
         in_flight = self.in_flight
@@ -328,7 +327,7 @@ class FastChannel:
         self.finish_count += done
         return failed
 
-    def requeue(self, client: Any, message_id: bytes, timeout: float) -> str | None:
+    def requeue(self, client: FastClient, message_id: bytes, timeout: float) -> str | None:
         """Back to the queue now (``timeout`` 0) or after ``timeout`` seconds."""
         msg = self._pop_in_flight(client, message_id)
         if isinstance(msg, str):
@@ -349,7 +348,7 @@ class FastChannel:
         self.pump()
         return None
 
-    def touch(self, client: Any, message_id: bytes, client_timeout: float) -> str | None:
+    def touch(self, client: FastClient, message_id: bytes, client_timeout: float) -> str | None:
         """Push the deadline to now + the client's timeout, capped at delivery + max."""
         msg = self._pop_in_flight(client, message_id)
         if isinstance(msg, str):
@@ -494,7 +493,7 @@ class FastChannel:
                 closer(self)
 
     # -- introspection ------------------------------------------------------------------
-    def stats(self, include_clients: bool = True) -> dict[str, Any]:
+    def stats(self, include_clients: bool = True) -> dict[str, object]:
         """nsqd's ChannelStats shape."""
         clients = [c.stats() for c in self._rotation] if include_clients else None
         return {

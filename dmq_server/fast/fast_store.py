@@ -19,23 +19,28 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
-from dmq_server.core.clock import Clock
+from dmq_server.core.client_memory import ClientMemory
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
 from dmq_server.fast.fast_channel import FastChannel
+from dmq_server.fast.services import Backend
 from dmq_server.core.ids import GuidFactory, default_node_id, hex_id
 from dmq_server.fast.message import FastMessage
 from dmq_server.fast.subscription import FastSubscription
 from dmq_server.fast.topic import FastTopic
 from dmq_server.core.nsq_wire import MIN_VALID_MSG_LENGTH, valid_name_bytes
+
+if TYPE_CHECKING:  # imported where a data directory needs one
+    from dmq_client.diskqueue import DiskQueue
 
 __all__ = ["FastStore", "DummyBackend"]
 
@@ -100,8 +105,8 @@ class FastStore:
         sync_timeout: float = 2.0,
         max_bytes_per_file: int = 100 * 1024 * 1024,
         node_id: int | None = None,
-        backend_factory: Callable[[str], Any] | None = None,
-        client_memory: Any = None,
+        backend_factory: Callable[[str], Backend] | None = None,
+        client_memory: ClientMemory | None = None,
     ):
         self.clock = clock
         self.client_memory = client_memory  # core.client_memory.ClientMemory: the memory queues' bytes
@@ -116,8 +121,8 @@ class FastStore:
         self.sync_timeout = sync_timeout
         self.max_bytes_per_file = max_bytes_per_file
         self._backend_factory = backend_factory
-        self._unwritten: set[Any] = set()  # disk queues holding buffered records
-        self._write_call: Any = None
+        self._unwritten: set[DiskQueue] = set()  # disk queues holding buffered records
+        self._write_call: Timer | None = None
         if node_id is None:
             node_id = default_node_id(socket.gethostname())
         self.guid = GuidFactory(node_id, lambda: int(clock.seconds() * 1e9))
@@ -131,29 +136,27 @@ class FastStore:
         self.closed = False
 
     @classmethod
-    def from_options(cls, options: Options, clock: Clock, data_dir: Path | None, client_memory: Any = None) -> "FastStore":
-        """Built from ``dmq_server.core.options.Options`` (nsqd's defaults where a field is absent)."""
-
-        def opt(name: str, default: Any) -> Any:
-            return getattr(options, name, default)
-
+    def from_options(
+        cls, options: Options, clock: Clock, data_dir: Path | None, client_memory: ClientMemory | None = None
+    ) -> "FastStore":
+        """Built from ``dmq_server.core.options.Options``."""
         return cls(
             clock,
             data_dir,
-            mem_queue_size=opt("mem_queue_size", 10000),
-            max_msg_size=opt("max_msg_size", 1024 * 1024),
-            msg_timeout=opt("msg_timeout", 60.0),
-            max_msg_timeout=opt("max_msg_timeout", 900.0),
-            max_req_timeout=opt("max_req_timeout", 3600.0),
-            max_channel_consumers=opt("max_channel_consumers", 0),
-            sync_every=opt("sync_every", 2500),
-            sync_timeout=opt("sync_timeout", 2.0),
-            max_bytes_per_file=opt("max_bytes_per_file", 100 * 1024 * 1024),
+            mem_queue_size=options.mem_queue_size,
+            max_msg_size=options.max_msg_size,
+            msg_timeout=options.msg_timeout,
+            max_msg_timeout=options.max_msg_timeout,
+            max_req_timeout=options.max_req_timeout,
+            max_channel_consumers=options.max_channel_consumers,
+            sync_every=options.sync_every,
+            sync_timeout=options.sync_timeout,
+            max_bytes_per_file=options.max_bytes_per_file,
             client_memory=client_memory,
         )
 
     # -- backends -----------------------------------------------------------------------
-    def make_backend(self, name: str, ephemeral: bool) -> Any:
+    def make_backend(self, name: str, ephemeral: bool) -> Backend:
         """The disk queue for ``name`` (dummy for ephemeral names, or with no data dir)."""
         if ephemeral:
             return DummyBackend()
@@ -177,7 +180,7 @@ class FastStore:
             on_buffered=self._buffered,
         )
 
-    def _buffered(self, queue: Any) -> None:
+    def _buffered(self, queue: DiskQueue) -> None:
         """A disk queue started buffering: write it out at the end of this turn."""
         self._unwritten.add(queue)
         if self._write_call is None:
@@ -290,6 +293,8 @@ class FastStore:
         self.publish_count += len(messages)
         return Published(first, False, len(messages))
 
+    # ``client`` is left untyped while broker.interfaces.Store names a subscriber a
+    # reliable.channel.Receiver: a fast channel needs a FastClient (an NSQ connection is both)
     def subscribe(self, topic: str, channel: str, client: Any) -> FastSubscription:
         """``client`` on ``channel`` of ``topic`` (both made on first use, as nsqd's SUB
         makes them); refused with the channel's reason (closing, or over
@@ -318,7 +323,7 @@ class FastStore:
         self.changed(topic)
         return True
 
-    def changed(self, thing: Any) -> None:
+    def changed(self, thing: object) -> None:
         """A topic or channel was created, deleted, paused or unpaused."""
         if self._loading or getattr(thing, "ephemeral", False):
             return

@@ -3,16 +3,40 @@
 The same fields make the wire message (``wire.message_frame``, built by the NSQ
 connection) and the disk-queue record (``wire.encode_message``): 8-byte timestamp,
 2-byte attempts, 16-byte hex id, body. While in flight or deferred it also carries its owner, its deadline
-(``pri``, seconds on the store's clock) and its index in the priority queue.
+(``pri``, seconds on the store's clock) and its index in the priority queue. The owner is a
+``FastClient``, nsqd's client interface, stated here beside the message it holds (the
+channel, the store and the subscription import this module, not one another for it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol, Sequence
 
 from dmq_server.core.nsq_wire import decode_message, encode_message
 
-__all__ = ["FastMessage"]
+__all__ = ["FastClient", "FastMessage"]
+
+
+class FastClient(Protocol):
+    """A subscriber of a fast channel (an NSQ connection), nsqd's client interface: its
+    RDY window, the messages it holds and has had (the channel counts them), its
+    settings, and the push of a run of messages."""
+
+    in_flight_count: int
+    message_count: int
+    finish_count: int
+    requeue_count: int
+
+    @property
+    def ready_count(self) -> int: ...
+    @property
+    def sample_rate(self) -> int: ...
+    @property
+    def msg_timeout(self) -> float: ...
+
+    def send_messages(self, channel: object, msgs: Sequence[FastMessage]) -> None: ...
+
+    def stats(self) -> dict[str, object]: ...
 
 
 class FastMessage:
@@ -26,7 +50,7 @@ class FastMessage:
         self.timestamp = timestamp  # UnixNano at publish, shared by every channel's copy
         self.attempts = attempts
         self.deferred = deferred  # DPUB delay in seconds, applied when a channel gets it
-        self.client: Any = None  # the consumer holding it in flight
+        self.client: FastClient | None = None  # the consumer holding it in flight
         self.delivery_ts = 0.0
 
     def copy(self) -> "FastMessage":

@@ -10,27 +10,44 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.clock import Clock
 
-__all__ = ["StoreServices"]
+__all__ = ["Backend", "StoreServices"]
+
+
+class Backend(Protocol):
+    """The overflow queue of a topic or channel: go-diskqueue files
+    (``dmq_client.diskqueue.DiskQueue``), or ``fast_store.DummyBackend`` that drops them."""
+
+    def put(self, data: bytes) -> None: ...
+    def put_many(self, records: list[bytes]) -> None: ...
+    def read(self) -> bytes | None: ...
+    def read_many(self, limit: int) -> list[bytes]: ...
+    def depth(self) -> int: ...
+    def empty(self) -> None: ...
+    def tick(self) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+    def destroy(self) -> None: ...
 
 
 class StoreServices(Protocol):
     clock: Clock  # IReactorTime: the injected clock
     mem_queue_size: int
-    client_memory: Any  # core.client_memory.ClientMemory: memory queues are bounded in bytes by it too (None: not)
+    client_memory: ClientMemory | None  # memory queues are bounded in bytes by it too (None: not)
     max_msg_timeout: float
     max_channel_consumers: int
     health_error: str | None
-    topics: dict[str, Any]  # name -> fast.topic.Topic
+    topics: dict[str, Any]  # name -> fast.topic.FastTopic (which imports this module)
 
-    def make_backend(self, name: str, ephemeral: bool) -> Any:
+    def make_backend(self, name: str, ephemeral: bool) -> Backend:
         """The overflow queue for a topic or channel (go-diskqueue files, or none)."""
 
     def set_health(self, error: BaseException | str | None) -> None:
         """Report a disk failure (or its end) to the store."""
 
-    def changed(self, thing: Any) -> None:
+    def changed(self, thing: object) -> None:
         """A topic or channel was created, deleted, paused or unpaused: save metadata."""
 
     def delete_topic(self, name: str) -> bool: ...

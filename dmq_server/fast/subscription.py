@@ -9,9 +9,8 @@ the topic is on. Message ids are the fast store's 16 hex bytes.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dmq_server.fast.fast_channel import FastChannel
+from dmq_server.fast.message import FastClient
 
 __all__ = ["FastSubscription"]
 
@@ -25,21 +24,21 @@ class FastSubscription:
     def pump(self) -> None:
         self.channel.pump()
 
-    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+    def finish(self, conn: FastClient, message_id: bytes, pump: bool = True) -> str | None:
         return self.channel.finish(conn, message_id, pump)
 
-    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+    def finish_many(self, conn: FastClient, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
         """A read's FINs, without a pump; the ids refused, each with its reason."""
         return self.channel.finish_many(conn, message_ids)
 
-    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+    def requeue(self, conn: FastClient, message_id: bytes, timeout: float) -> str | None:
         return self.channel.requeue(conn, message_id, timeout)
 
-    def touch(self, conn: Any, message_id: bytes) -> str | None:
+    def touch(self, conn: FastClient, message_id: bytes) -> str | None:
         return self.channel.touch(conn, message_id, conn.msg_timeout)
 
-    def in_flight(self, conn: Any) -> int:
+    def in_flight(self, conn: FastClient) -> int:
         return conn.in_flight_count
 
-    def detach(self, conn: Any) -> None:
+    def detach(self, conn: FastClient) -> None:
         self.channel.remove_client(conn)

@@ -17,10 +17,10 @@ batches on the reactor (``_drain``), so a large backlog never blocks it for long
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Timer
 from dmq_server.core.errors import Exiting
 from dmq_server.core.client_memory import FAST_WINDOW, WindowBytes
 from dmq_server.fast.fast_channel import FastChannel
@@ -52,7 +52,7 @@ class FastTopic:
         self.exiting = False
         self.message_count = 0
         self.message_bytes = 0
-        self._drain_call: Any = None
+        self._drain_call: Timer | None = None
 
     # -- publishing ---------------------------------------------------------------------
     def put(self, msg: FastMessage) -> None:
@@ -213,7 +213,7 @@ class FastTopic:
         self._memory_cleared()
         self.backend.close()
 
-    def stats(self, channel: str | None = None, include_clients: bool = True) -> dict[str, Any]:
+    def stats(self, channel: str | None = None, include_clients: bool = True) -> dict[str, object]:
         """nsqd's TopicStats shape, channels sorted by name."""
         names = sorted(self.channels) if channel is None else [n for n in (channel,) if n in self.channels]
         return {

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import heapq
 import random
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_server.core.clock import Clock
+from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.fragment_ranges import FragmentAssignment, split_fragments
 from dmq_server.db.delays import (
     MovedMessage,
@@ -46,6 +46,8 @@ from dmq_server.db.delays import (
 )
 from dmq_server.db.storage_errors import Fenced, RefusedError
 from dmq_server.db.outage import Outage
+from dmq_server.db.runner import StepRunner
+from dmq_server.db.steps import Steps
 from dmq_server.reliable.horizon import OwnWrites
 
 # the statements and their values live in dmq_server.db.delays
@@ -55,6 +57,24 @@ log = Logger()
 
 
 # -- the scheduler ---------------------------------------------------------------
+
+# ``peek(fragments, max_fragment, until_ms, limit)``: due times; ``move(fragments,
+# max_fragment, now_ms, limit, node_id, owner)``: rows taken and messages stored
+Peek = Callable[..., Steps[list[int]]]
+Move = Callable[..., Steps[tuple[int, list[MovedMessage]]]]
+
+
+class Job(Protocol):
+    """A job of APScheduler's: removed when the scheduler stops."""
+
+    def remove(self) -> None: ...
+
+
+class JobScheduler(Protocol):
+    """What the delay scheduler asks of APScheduler's scheduler: a job run by a trigger
+    (``"interval"``, with its options)."""
+
+    def add_job(self, func: Callable[[], object], trigger: str, **options: object) -> Job: ...
 
 
 class DelayWorker:
@@ -69,7 +89,7 @@ class DelayWorker:
     def __init__(
         self,
         index: int,
-        db: Any,
+        db: StepRunner,
         clock: Clock,
         *,
         max_fragment: int,
@@ -78,10 +98,10 @@ class DelayWorker:
         tick: float,
         node_id: str,
         on_moved: Callable[[list[MovedMessage]], None],
-        peek: Callable[..., Any] = peek_delayed_steps,
-        move: Callable[..., Any] = move_due_steps,
+        peek: Peek = peek_delayed_steps,
+        move: Move = move_due_steps,
         on_unknown: Callable[[], None] = lambda: None,
-        writes: Any = None,
+        writes: OwnWrites | None = None,
     ):
         self.index = index
         # this incarnation's open writes (reliable.horizon.OwnWrites): a move stores
@@ -105,7 +125,7 @@ class DelayWorker:
         self._horizon_ms = 0  # due times up to here are known (heap or moved)
         self._polling_until: int | None = None
         self._notified_while_polling: list[int] = []
-        self._timer: Any = None
+        self._timer: Timer | None = None
         self._timer_at: float | None = None
         self._busy = False
         self._want_poll = False
@@ -334,7 +354,7 @@ class DelayScheduler:
         self,
         *,
         clock: Clock,
-        dbs: Sequence[Any],
+        dbs: Sequence[StepRunner],
         assignment: FragmentAssignment,
         fragments: int,
         poll_interval: float,
@@ -343,11 +363,11 @@ class DelayScheduler:
         node_id: str,
         on_moved: Callable[[list[MovedMessage]], None],
         on_unknown: Callable[[], None] = lambda: None,
-        scheduler: Any = None,
+        scheduler: JobScheduler | None = None,
         rng: random.Random | None = None,
-        peek: Callable[..., Any] = peek_delayed_steps,
-        move: Callable[..., Any] = move_due_steps,
-        writes: Any = None,
+        peek: Peek = peek_delayed_steps,
+        move: Move = move_due_steps,
+        writes: OwnWrites | None = None,
     ):
         self.clock = clock
         self.assignment = assignment
@@ -374,7 +394,7 @@ class DelayScheduler:
             for i, db in enumerate(dbs)
         ]
         self.owned: frozenset[int] = frozenset()
-        self._jobs: list[Any] = []
+        self._jobs: list[Job] = []
 
     def pick_fragment(self) -> int:
         """A random fragment 1..F for a new delayed message."""
@@ -425,7 +445,7 @@ class DelayScheduler:
         for worker in self.workers:
             worker.move_now()
 
-    def stop(self) -> Any:
+    def stop(self) -> object:
         """Stop the jobs and timers; returns what the assignment's stop returns (a
         Deferred for ZooKeeper, which leaves its party off the reactor thread)."""
         for job in self._jobs:

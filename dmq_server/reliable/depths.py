@@ -38,13 +38,15 @@ next pass. A failed slice drops the pass; the next starts after ``period``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from twisted.application.service import Service
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_server.core.clock import Clock
+from dmq_server.core.clock import Clock, Timer
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.messages import depth_slice_steps
 
@@ -71,7 +73,7 @@ class DepthCount(Service):
     lowest ids handed to ``apply({(topic, channel): copies}, {(topic, channel): id})``
     when complete."""
 
-    def __init__(self, db: Any, clock: Clock, apply: Callable[[Counts, Counts], None], period: float,
+    def __init__(self, db: StepRunner, clock: Clock, apply: Callable[[Counts, Counts], None], period: float,
                  *, rows: int = FIRST_ROWS, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS):
         self.db = db
         self.clock = clock
@@ -85,7 +87,7 @@ class DepthCount(Service):
         self._sums: Counts = {}
         self._lowest: Counts = {}  # per channel, the lowest pending id of the pass so far
         self._pass_started = 0.0
-        self._timer: Any = None
+        self._timer: Timer | None = None
         self._busy = False
         self._generation = 0  # bumped by ``restart``: a slice of an abandoned pass is not added
 
@@ -93,7 +95,7 @@ class DepthCount(Service):
         super().startService()
         self._schedule(0.0)
 
-    def stopService(self) -> Any:
+    def stopService(self) -> Deferred[None] | None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
