@@ -64,6 +64,7 @@ from dmq_server.protocols.nsq_v2 import NsqConnection
 from dmq_server.core.options import Options
 from dmq_server.scheduling import Scheduling, make_assignment, worker_roles
 from dmq_server.db.reactor import ReactorDb
+from dmq_server.protocols.outbox_relay import OutboxRelays
 from dmq_server.db.messages import HOT_STATEMENTS
 from dmq_server.db.clusters import describe as describe_clusters, place_clusters
 from dmq_server.db.mirror import Mirror
@@ -135,6 +136,7 @@ class DmqServer:
         # connections and both stores' channel windows count against it
         self.client_memory = ClientMemory(options.max_client_memory)
         self.memory_watch: MemoryWatch | None = None
+        self.relays = OutboxRelays(options, reactor, reactor)  # --outbox: none, or one relay each
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -151,6 +153,8 @@ class DmqServer:
             Stage("scheduler", self._start_scheduling, self._stop_scheduling),
             Stage("listeners", self._listen, self._stop_listening, timers=lambda: self.sampling.timers, clock=clock),
         ]
+        if self.options.outbox:  # after the broker and the scheduler, before the listeners
+            stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(self.broker, self.dsn), self.relays.stop))
         if self.options.zk:
             stages.append(Stage("announce", self._announce))
         return stages

@@ -21,12 +21,13 @@ from typing import Any, Iterator
 import psycopg
 
 from dmq_server.core.errors import Invalid, Refused
+from dmq_server.core.outbox_rows import OutboxRow
 from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
 __all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "prune_inbox",
-           "migrations"]
+           "migrations", "relay_queries", "hold_relay", "read_rows", "wait_for_rows", "delete_rows", "present_rows"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
 
@@ -167,3 +168,49 @@ def prune_inbox(dsn: str, older_than_s: float, schema: str = DEFAULT_SCHEMA, *, 
             removed += count
             if count < batch:
                 return removed
+
+
+# -- the relay's side (dmq_server.protocols.outbox_relay): each runs on the relay's worker
+# thread (db.worker.DbWorker, autocommit) with its one connection to the application's
+# database, and takes the statements of ``relay_queries``.
+
+def relay_queries(schema: str) -> dict[str, str]:
+    """The outbox's statements with ``schema`` filled in (checked)."""
+    return _queries(check_schema(schema))
+
+
+def hold_relay(conn: psycopg.Connection, q: dict[str, str], schema: str, locked_pid: int) -> int:
+    """This connection's backend pid if it holds the outbox's relay lock, else 0. The
+    lock is the session's: ``locked_pid`` is the backend that took it, and a worker that
+    reconnected (another pid) has lost it and must take it again, then LISTEN again."""
+    pid = conn.info.backend_pid
+    if pid == locked_pid:
+        return pid
+    if not _one(conn.execute(q["relay_lock"], {"schema": schema}))[0]:
+        return 0
+    conn.execute(q["relay_listen"])
+    return pid
+
+
+def read_rows(conn: psycopg.Connection, q: dict[str, str], limit: int) -> list[OutboxRow]:
+    """The next ``limit`` committed rows, in id order."""
+    return [OutboxRow(row[0], row[1], bytes(row[2]), row[3], row[4], row[5])
+            for row in conn.execute(q["relay_read"], {"limit": limit})]
+
+
+def wait_for_rows(conn: psycopg.Connection, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the outbox's NOTIFY (``hold_relay`` listens);
+    True if one came (the relay reads the table: the payload is a hint only)."""
+    for _ in conn.notifies(timeout=timeout, stop_after=1):
+        return True
+    return False
+
+
+def delete_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> int:
+    """Remove rows dmq stored (or recorded as dead letters); returns how many went."""
+    return conn.execute(q["relay_delete"], {"ids": ids}).rowcount
+
+
+def present_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> set[int]:
+    """Which of ``ids`` are still in the outbox."""
+    return {row[0] for row in conn.execute(q["relay_present"], {"ids": ids})}

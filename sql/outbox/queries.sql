@@ -42,3 +42,32 @@ DROP SCHEMA @schema@ CASCADE;
 -- name: prune_inbox
 -- One bounded batch of old inbox records.
 SELECT @schema@.prune_inbox(make_interval(secs => %(older_than_s)s), %(batch)s);
+
+-- The relay's statements (dmq_server.protocols.outbox_relay, through db/outbox.py), on
+-- its own connection to the application's database, in autocommit.
+
+-- name: relay_lock
+-- One relay per outbox: a session lock, held until this connection ends (a relay whose
+-- node dies loses it with its connection, and another node's next try takes it). The
+-- class id differs from lock_install's, so an install never waits for a running relay.
+SELECT pg_try_advisory_lock(7361045, hashtext(%(schema)s));
+
+-- name: relay_listen
+-- The NOTIFY of outbox_notify_relay (one per INSERT statement, at its commit).
+LISTEN @schema@;
+
+-- name: relay_read
+-- The next committed rows in id order (the rows of one transaction in the order it sent
+-- them); created_at becomes the message's producer time.
+SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint
+FROM @schema@.outbox
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: relay_delete
+-- Rows dmq stored (or recorded as dead letters): they are never read again.
+DELETE FROM @schema@.outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: relay_present
+-- Which of these ids are still in the outbox (the ledger's records of the others can go).
+SELECT id FROM @schema@.outbox WHERE id = ANY(%(ids)s::bigint[]);

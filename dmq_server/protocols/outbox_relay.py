@@ -1,0 +1,267 @@
+"""The outbox relay: committed rows of an application's outbox into dmq's topics, once.
+
+An edge like the TCP protocols: messages come in from outside (here an outbox table that
+``dmq outbox install`` created in an application's database, ``--outbox NAME=APP_DSN``)
+and go to the broker as publish values. Per outbox, one relay on one node at a time: it
+holds a session advisory lock in the application's database (``db.outbox.hold_relay``);
+when its connection or its node dies, the lock goes with it and another node's relay,
+trying every second, takes over.
+
+A cycle reads the next committed rows in id order (a batch), asks dmq's database which
+of them were stored before (``db.outbox_ledger``: a relay that died after the store and
+before the delete), hands the others to the broker in runs (``core.outbox_rows.runs``:
+one ``PublishRequest`` of ``Send``s per run of rows to one topic, answered per message by
+``Broker.publish_each``), waits for the durable answer, records the rows the broker
+refused (unknown topic, body over ``--max-msg-size``, delay past ``--max-delay``) as dead
+letters, deletes what was stored or dead-lettered from the outbox, and then forgets those
+rows' records. A row whose store failed for a passing reason (storage unavailable) stays
+and is tried again in the next cycle; the rows behind it are not held. With nothing to
+read the relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fallback).
+
+Exactly once: the storing statement itself records each outbox row's (producer, session
+id) and skips a row recorded before (schema version 13's triggers), so a repeat is never
+stored a second time, whatever ran or died when, and however long after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.logger import Logger
+
+from dmq_server.broker.interfaces import BrokerPort
+from dmq_server.core.clock import Clock, Timer
+from dmq_server.core.errors import Refused
+from dmq_server.core.options import Options
+from dmq_server.core.outbox_rows import OutboxRow, OutboxSource, parse_outbox, producer_of, runs, session_of
+from dmq_server.core.publish import Published, new_request, new_send
+from dmq_server.db import outbox, outbox_ledger
+from dmq_server.db.outbox_ledger import DeadRow, Pair
+from dmq_server.db.worker import DbWorker
+
+__all__ = ["OutboxRelay", "OutboxRelays", "RelayDb"]
+
+log = Logger()
+
+T = TypeVar("T")
+
+# the records a relay taking over checks against its outbox at once (a few batches' worth
+# is the most a relay that died can leave)
+STALE_CHECK = 10000
+
+
+class RelayDb(Protocol):
+    """What the relay asks of a database connection: ``db.worker.DbWorker``'s calls."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def run(self, fn: Callable[..., T], *args: object) -> Deferred[T]: ...
+
+
+class OutboxRelay:
+    """One outbox's relay (see the module). ``app`` is a connection to the application's
+    database, ``dmq`` one to dmq's own (each a worker thread, autocommit)."""
+
+    def __init__(
+        self,
+        source: OutboxSource,
+        broker: BrokerPort,
+        clock: Clock,
+        app: RelayDb,
+        dmq: RelayDb,
+        *,
+        batch: int = 500,
+        poll: float = 1.0,
+        retry: float = 1.0,
+    ):
+        self.source = source
+        self.broker = broker
+        self.clock = clock
+        self._app = app
+        self._dmq = dmq
+        self._q = outbox.relay_queries(source.schema)
+        self._batch = batch
+        self._poll = poll
+        self._retry = retry
+        self._running = False
+        self._pid = 0  # the application database's backend holding the lock, 0: not this relay
+        self._loop: Deferred[None] | None = None
+        self._nap: tuple[Deferred[None], Timer] | None = None
+        self.relayed = self.dead = 0  # rows stored, rows dead-lettered, since start
+
+    @property
+    def relaying(self) -> bool:
+        """This node holds the outbox's lock (as of its last cycle)."""
+        return self._pid != 0
+
+    def start(self) -> None:
+        """Start relaying in the background; an unreachable database is retried."""
+        self._app.start()
+        self._dmq.start()
+        self._running = True
+        self._loop = ensureDeferred(self._run())
+
+    def stop(self) -> Deferred[None]:
+        """Stop after the cycle under way (a wait for NOTIFY ends within ``poll``)."""
+        self._running = False
+        nap = self._nap
+        if nap is not None:
+            self._nap = None
+            nap[1].cancel()
+            nap[0].callback(None)
+        loop = self._loop if self._loop is not None else Deferred[None]()
+        if self._loop is None:
+            loop.callback(None)
+
+        def stopped(_: None) -> None:
+            self._app.stop()
+            self._dmq.stop()
+
+        return loop.addCallback(stopped)
+
+    def _sleep(self, seconds: float) -> Deferred[None]:
+        woken: Deferred[None] = Deferred()
+
+        def wake() -> None:
+            self._nap = None
+            woken.callback(None)
+
+        self._nap = (woken, self.clock.callLater(seconds, wake))
+        return woken
+
+    async def _run(self) -> None:
+        name = self.source.name
+        while self._running:
+            try:
+                await self._cycle()
+            except Exception as exc:  # the databases' failures: logged, tried again
+                log.warn("outbox {name}: {why}; trying again in {retry}s", name=name, why=exc, retry=self._retry)
+                if self._running:
+                    await self._sleep(self._retry)
+
+    async def _cycle(self) -> None:
+        name, schema = self.source.name, self.source.schema
+        pid = await self._app.run(outbox.hold_relay, self._q, schema, self._pid)
+        if not pid:
+            if self._pid:
+                log.warn("outbox {name}: lost the relay lock (its connection ended): another node may relay it",
+                         name=name)
+            self._pid = 0
+            await self._sleep(self._retry)
+            return
+        if pid != self._pid:
+            self._pid = pid
+            log.info("outbox {name}: this node relays {schema}", name=name, schema=schema)
+            await self._forget_stale()
+        rows = await self._app.run(outbox.read_rows, self._q, self._batch)
+        if not rows:
+            await self._app.run(outbox.wait_for_rows, self._poll)
+            return
+        if await self._relay(rows) and self._running:
+            await self._sleep(self._retry)
+
+    async def _relay(self, rows: list[OutboxRow]) -> int:
+        """Relay one batch; returns how many rows are left to try again."""
+        name = self.source.name
+        pairs = {row.id: (producer_of(name, row), session_of(row)) for row in rows}
+        before = await self._dmq.run(outbox_ledger.relayed_before, list(pairs.values()))
+        todo = [row for row in rows if pairs[row.id] not in before]
+        done = [row for row in rows if pairs[row.id] in before]
+        cut = runs(name, todo)
+        answers = await DeferredList([self._publish(run) for run in cut], consumeErrors=True)
+        dead: list[tuple[OutboxRow, str]] = []
+        again = 0
+        for run, (ok, outcomes) in zip(cut, answers):
+            for row, outcome in zip(run, outcomes if ok else [outcomes] * len(run)):
+                if isinstance(outcome, Published):
+                    done.append(row)
+                elif isinstance(outcome, Refused):
+                    dead.append((row, str(outcome)))
+                else:
+                    again += 1
+        if dead:
+            await self._dmq.run(outbox_ledger.dead_letter_rows, [
+                DeadRow(row.topic, pairs[row.id][0], pairs[row.id][1], row.body,
+                        f"outbox {name} ({self.source.schema}) row {row.id}: {why}", row.created_ms)
+                for row, why in dead
+            ])
+            log.warn("outbox {name}: {count} row(s) refused, kept as dead letters (first: {why})",
+                     name=name, count=len(dead), why=dead[0][1])
+            done += [row for row, _ in dead]
+        if done:
+            await self._app.run(outbox.delete_rows, self._q, [row.id for row in done])
+            await self._dmq.run(outbox_ledger.forget_relayed, [pairs[row.id] for row in done])
+        self.relayed += len(done) - len(dead)
+        self.dead += len(dead)
+        return again
+
+    def _publish(self, run: list[OutboxRow]) -> Deferred[list[object]]:
+        """One run as one request; fires with each row's outcome (``Published`` or the
+        error), in order, once the broker answered them all (after their commit)."""
+        first = run[0]
+        producer = producer_of(self.source.name, first)
+        sends = [new_send(topic=row.topic, producer=producer, session_id=session_of(row), body=row.body,
+                          produced_ms=row.created_ms) for row in run]
+        request = new_request(topic=first.topic, producer=producer, sends=sends, due_ms=first.due_ms)
+        answered: Deferred[list[object]] = Deferred()
+        outcomes: list[object] = [None] * len(run)
+        left = [len(run)]
+
+        def answer(start: int, results: Sequence[object]) -> None:
+            outcomes[start:start + len(results)] = results
+            left[0] -= len(results)
+            if left[0] == 0:
+                answered.callback(outcomes)
+
+        self.broker.publish_each(request, answer)
+        return answered
+
+    async def _forget_stale(self) -> None:
+        """Records left by a relay that died between its delete and forgetting them: those
+        of the relay's own numbering whose row is gone from the outbox (a record exists
+        only for a row that was committed, so a row missing now was deleted)."""
+        name = self.source.name
+        producers = [f"outbox:{name}", f"outbox:{name}:delayed"]
+        recorded = await self._dmq.run(outbox_ledger.recorded_rows, producers, STALE_CHECK)
+        if not recorded:
+            return
+        present = await self._app.run(outbox.present_rows, self._q, [session for _, session in recorded])
+        gone: list[Pair] = [pair for pair in recorded if pair[1] not in present]
+        if gone:
+            await self._dmq.run(outbox_ledger.forget_relayed, gone)
+
+
+
+class OutboxRelays:
+    """The relays of ``--outbox``, one per outbox, as the service tree starts and stops
+    them (after the broker, before it drains)."""
+
+    def __init__(self, options: Options, clock: Clock, threads: IReactorFromThreads):
+        self.sources = [parse_outbox(entry) for entry in options.outbox]
+        self._options = options
+        self._clock = clock
+        self._threads = threads
+        self.relays: list[OutboxRelay] = []
+
+    def start(self, broker: BrokerPort, dmq_dsn: str) -> None:
+        options = self._options
+        poll = 1.0
+        # a wait for NOTIFY is a call too: the watchdog allows it on top of --pg-timeout
+        timeout = options.pg_timeout + poll if options.pg_timeout else None
+        for source in self.sources:
+            app = DbWorker(self._threads, source.dsn, f"outbox-{source.name}", autocommit=True, timeout=timeout)
+            dmq = DbWorker(self._threads, dmq_dsn, f"outbox-{source.name}-dmq", autocommit=True,
+                           timeout=options.pg_timeout or None)
+            relay = OutboxRelay(source, broker, self._clock, app, dmq,
+                                batch=min(500, options.commit_batch_size), poll=poll)
+            relay.start()
+            self.relays.append(relay)
+
+    def stop(self) -> Deferred[None]:
+        stopped = DeferredList([relay.stop() for relay in self.relays], consumeErrors=True)
+        return stopped.addCallback(lambda _: None)

@@ -1,0 +1,200 @@
+"""The outbox relay on real PostgreSQL: transactions of an application database send through
+dmq_client.outbox.send, a dmq-server subprocess started with --outbox relays what they
+committed, and the real client consumes it. Every committed row arrives once under one
+message id, no rolled-back row arrives, a row stored before the server was killed (before
+its delete) is never stored again, a bad row becomes a dead letter without holding the
+rows behind it, and of two servers relaying one outbox one relays and the other takes over
+after kill -9."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from dmq_client import outbox
+from dmq_client.wire import Command
+
+from ..conftest import _database
+from .support import db_rows, run_cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+WAIT = 30.0
+OUTBOX_PRODUCERS = "producer LIKE 'outbox:%%'"
+
+
+@pytest.fixture
+def app_dsn(pg_empty_dsn):
+    """An application's database with the outbox schema installed."""
+    done = run_cli(pg_empty_dsn, "outbox", "install", "--dsn", pg_empty_dsn)
+    assert done.returncode == 0, done.stderr
+    return pg_empty_dsn
+
+
+def send_transaction(app_dsn: str, bodies: list[bytes], *, commit: bool = True, topic: str = "orders",
+                     delay: float | None = None) -> None:
+    """One application transaction sending ``bodies`` through the outbox, committed or
+    rolled back."""
+    with psycopg.connect(app_dsn) as conn:
+        conn.execute("SELECT 1")  # a transaction is open from here
+        for body in bodies:
+            outbox.send(conn, topic, body, delay=delay)
+        if commit:
+            conn.commit()
+        else:
+            conn.rollback()
+
+
+def consume(server, count: int, topic: str = "orders", channel: str = "billing") -> list:
+    """``count`` pushes from the channel, each acked; then nothing more for half a second."""
+    with server.client() as consumer:
+        assert consumer.subscribe(topic, channel, credit=100).command == Command.SUBSCRIBE_ACK
+        pushes = []
+        while len(pushes) < count:
+            push = consumer.receive(timeout=WAIT)
+            assert push is not None, f"{len(pushes)} of {count} pushes arrived"
+            consumer.ack(push)
+            pushes.append(push)
+        assert consumer.receive(timeout=0.5) is None
+    return pushes
+
+
+def outbox_empty(app_dsn: str) -> bool:
+    return db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(0,)]
+
+
+def test_committed_rows_arrive_once_in_order_and_rolled_back_ones_never(make_server, topic, pg_dsn, app_dsn):
+    """Committed transactions' rows each arrive once with one id, in each transaction's
+    order; rolled-back ones never; the outbox and dmq's record of relayed rows are emptied."""
+    server = make_server(outbox=f"shop={app_dsn}")
+    sent = []
+    for t in range(6):
+        bodies = [f"t{t}-{k}".encode() for k in range(3)]
+        send_transaction(app_dsn, bodies, commit=t % 3 != 2)
+        if t % 3 != 2:
+            sent += bodies
+    pushes = consume(server, len(sent))
+    assert sorted(p.body for p in pushes) == sorted(sent)
+    assert len({p.message_id for p in pushes}) == len(sent)
+    ids = {p.body: p.message_id for p in pushes}
+    for t in (0, 1, 3, 4):
+        assert [ids[f"t{t}-{k}".encode()] for k in range(3)] == sorted(ids[f"t{t}-{k}".encode()] for k in range(3))
+    assert {p.producer for p in pushes} == {"outbox:shop"}
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
+    assert db_rows(pg_dsn, f"SELECT count(*), count(DISTINCT session_id) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") \
+        == [(len(sent), len(sent))]
+
+
+def test_a_delayed_row_arrives_when_due(make_server, topic, pg_dsn, app_dsn):
+    """A row sent with a delay is stored as a delayed message and pushed once it is due."""
+    server = make_server(outbox=f"shop={app_dsn}")
+    send_transaction(app_dsn, [b"later"], delay=1.0)
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    assert db_rows(pg_dsn, "SELECT producer, body FROM dmq_delay") == [("outbox:shop:delayed", b"later")]
+    [push] = consume(server, 1)
+    assert push.body == b"later" and push.producer == "outbox:shop:delayed"
+
+
+def _hold_rows(app_dsn: str) -> psycopg.Connection:
+    """A transaction holding every outbox row's lock: the relay reads them (a plain read
+    takes no lock) and stores them, and its DELETE waits for this transaction."""
+    conn = psycopg.connect(app_dsn)
+    conn.execute("SELECT id FROM dmq_outbox.outbox FOR UPDATE").fetchall()
+    return conn
+
+
+WAITING_DELETE = "wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM dmq_outbox.outbox%%'"
+
+
+def _relay_waits_to_delete(app_dsn: str) -> bool:
+    return bool(db_rows(app_dsn, f"SELECT 1 FROM pg_stat_activity WHERE {WAITING_DELETE}"))
+
+
+@pytest.mark.parametrize("swept", [False, True], ids=["within-retention", "after-retention"])
+def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic, pg_dsn, app_dsn, swept):
+    """The server is killed (-9) after its store committed and before its delete: its DELETE
+    is held on the rows' locks, so the kill comes exactly there. Restarted, it finds the rows
+    recorded and deletes them without storing them again: within --message-retention the
+    consumer gets each once under its first id; after it (the messages swept from
+    dmq_message, as the retention sweep does) nothing is stored a second time."""
+    send_transaction(app_dsn, [b"a", b"b", b"c"])
+    blocker = _hold_rows(app_dsn)
+    try:
+        server = make_server(outbox=f"shop={app_dsn}")
+        wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
+        stored = db_rows(pg_dsn, f"SELECT id, body FROM dmq_message WHERE {OUTBOX_PRODUCERS} ORDER BY id")
+        assert [body for _, body in stored] == [b"a", b"b", b"c"]
+        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(3,)]
+        server.kill()
+        # the killed server's backend would end once it noticed its client gone; its DELETE,
+        # still waiting for the lock, must not run after all
+        db_rows(app_dsn, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {WAITING_DELETE}")
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(3,)]
+    if swept:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DELETE FROM dmq_message WHERE {OUTBOX_PRODUCERS}")
+    server.start()
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
+    if swept:
+        assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0,)]
+    else:
+        pushes = consume(server, 3)
+        assert sorted((p.message_id, p.body) for p in pushes) == stored
+    assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0 if swept else 3,)]
+
+
+def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_server, topic, pg_dsn, app_dsn):
+    """A row to a topic dmq does not know and a body over --max-msg-size are dead letters
+    with the reason and the row named; the rows after them arrive."""
+    server = make_server(outbox=f"shop={app_dsn}", max_msg_size="100")
+    send_transaction(app_dsn, [b"first"])
+    send_transaction(app_dsn, [b"lost"], topic="nosuch")
+    send_transaction(app_dsn, [b"x" * 101, b"second"])
+    pushes = consume(server, 2)
+    assert [p.body for p in pushes] == [b"first", b"second"]
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    letters = db_rows(pg_dsn, "SELECT topic, producer, session_id, length(body), detail FROM dmq_dead_letter ORDER BY id")
+    assert [letter[:4] for letter in letters] == [("nosuch", "outbox:shop", 2, 4), ("orders", "outbox:shop", 3, 101)]
+    assert "row 2" in letters[0][4] and "not registered" in letters[0][4], letters[0][4]
+    assert "row 3" in letters[1][4] and "too big" in letters[1][4], letters[1][4]
+
+
+@pytest.fixture
+def second_dmq_dsn(pg_server, pg_template):
+    """Another dmq database (a second, separate dmq installation)."""
+    with _database(pg_server, pg_template) as dsn:
+        yield dsn
+
+
+def _stored(dsn: str) -> int:
+    return db_rows(dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}")[0][0]
+
+
+def test_one_relay_per_outbox_and_another_takes_over_after_kill(make_server, topic, pg_dsn, second_dmq_dsn, app_dsn):
+    """Two servers (each with its own dmq database) relay one outbox: one holds the lock
+    and relays every row; killed with -9, its lock goes with its connection and the other
+    relays the rows sent after."""
+    import registry
+    from dmq_server.db.worker import connect
+
+    with connect(second_dmq_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders", msg_timeout_ms=60000)
+        registry.add_channel(conn, "orders", "billing")
+    first = make_server(outbox=f"shop={app_dsn}")
+    second = make_server(dsn=second_dmq_dsn, outbox=f"shop={app_dsn}")
+    send_transaction(app_dsn, [b"one", b"two", b"three"])
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    counts = {pg_dsn: _stored(pg_dsn), second_dmq_dsn: _stored(second_dmq_dsn)}
+    assert sorted(counts.values()) == [0, 3], counts
+    leader, other = (first, second) if counts[pg_dsn] == 3 else (second, first)
+    assert "this node relays dmq_outbox" in leader.log() and "this node relays" not in other.log()
+    leader.kill()
+    send_transaction(app_dsn, [b"four", b"five"])
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    assert _stored(other.dsn) == 2 and _stored(leader.dsn) == 3
+    assert "this node relays dmq_outbox" in other.log()
