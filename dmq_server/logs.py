@@ -55,7 +55,7 @@ _FROM_STDLIB = {
 }
 
 
-def _field(value: Any) -> Any:
+def _field(value: object) -> object:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     text = value if isinstance(value, str) else str(value)
@@ -89,7 +89,7 @@ class LineObserver:
 
     def as_json(self, event: dict[str, Any]) -> str:
         stamp = event.get("log_time") or time.time()
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(stamp)) + f".{int(stamp % 1 * 1000):03d}Z",
             "level": event.get("log_level", LogLevel.info).name,
             "logger": event.get("log_namespace") or "-",
@@ -115,7 +115,7 @@ class StdlibBridge(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            fields: dict[str, Any] = {"text": record.getMessage()}
+            fields: dict[str, str] = {"text": record.getMessage()}
             if record.exc_info:
                 fields["traceback"] = "".join(logging.Formatter().formatException(record.exc_info))
             Logger(namespace=record.name).emit(_FROM_STDLIB.get(record.levelno, LogLevel.info), "{text}", **fields)

@@ -21,11 +21,14 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from dmq_server.admin.cli_support import CliError, connect_cluster, open_database as _database, open_registry as _registry
 from dmq_server.core.errors import Refused
 from dmq_client.spelling import parse_duration
+
+if TYPE_CHECKING:  # the commands import what they use when they run
+    from registry.model import NodeInfo, TopicSpec
 
 __all__ = ["main"]
 
@@ -37,7 +40,7 @@ def _duration_ms(text: str) -> int:
         raise CliError(str(exc), 2) from exc
 
 
-def _topic_dict(row: Any) -> dict:
+def _topic_dict(row: TopicSpec) -> dict:
     return {
         "name": row.name,
         "store": row.store,
@@ -82,7 +85,7 @@ def cmd_topic(args: argparse.Namespace) -> None:
             raise CliError(str(exc)) from exc
 
 
-def _setting(kind: str) -> Any:
+def _setting(kind: str) -> Callable[[str], int | None]:
     """argparse type for `topic update`: a value, or ``none`` to remove the limit."""
 
     def parse(text: str) -> int | None:
@@ -279,7 +282,7 @@ def cmd_node(args: argparse.Namespace) -> None:
         print(f"{node.node_id}\ttcp {node.tcp_address}\thttp {node.http_address}\tstarted {started}")
 
 
-def _node_dict(node: Any) -> dict:
+def _node_dict(node: NodeInfo) -> dict:
     return {
         "node_id": node.node_id,
         "host": node.host,

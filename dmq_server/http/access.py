@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 from dmq_server.admin.operations import is_loopback

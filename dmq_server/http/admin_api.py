@@ -31,9 +31,9 @@ the listener's address, and the Origin; a change from another origin is ``http.g
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Callable
 
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -103,13 +103,13 @@ class AdminResource(Resource):
         self.token = token
         self.inspector = inspector or Inspector(ops)
 
-    def render(self, request: Request) -> Any:
+    def render(self, request: Request) -> int:
         d = maybeDeferred(self._route, request)
         d.addCallbacks(lambda result: self._reply(request, 200, result), lambda f: self._fail(request, f))
         return NOT_DONE_YET
 
     # -- plumbing -------------------------------------------------------------------
-    def _reply(self, request: Request, status: int, payload: Any) -> None:
+    def _reply(self, request: Request, status: int, payload: object) -> None:
         if getattr(request, "_disconnected", False) or request.finished:
             return
         request.setResponseCode(status)
@@ -136,7 +136,8 @@ class AdminResource(Resource):
             raise
 
     # -- routing ------------------------------------------------------------------------
-    def _route(self, request: Request) -> Any:
+    def _route(self, request: Request) -> object:
+        """The answer's JSON value, or a Deferred of it."""
         access = self._authorize(request)
         method = request.method.decode("ascii", "replace")
         parts = [p.decode("utf-8", "replace") for p in request.postpath or () if p]
@@ -144,7 +145,7 @@ class AdminResource(Resource):
         if parts == [] and method == "GET":
             return {"endpoints": _ENDPOINTS}
         if len(parts) == 1 and method == "GET":
-            simple: dict[str, Callable[[], Any]] = {
+            simple: dict[str, Callable[[], object]] = {
                 "stats": self.ops.stats,
                 "topics": self.ops.topics,
                 "clients": self.ops.clients,
@@ -171,7 +172,7 @@ class AdminResource(Resource):
     def _flow(self) -> dict:
         return self.ops.flow()
 
-    def _dead_letters(self, request: Request, actor: str, method: str, rest: list[str], params: dict[str, str]) -> Any:
+    def _dead_letters(self, request: Request, actor: str, method: str, rest: list[str], params: dict[str, str]) -> Deferred:
         if not rest:
             if method == "GET":
                 limit = parse_limit(params.pop("limit", None))
@@ -209,7 +210,7 @@ class AdminResource(Resource):
                 return d.addCallback(deleted)
         raise NotFound(f"no admin endpoint {method} /admin/dead-letters/{'/'.join(rest)}")
 
-    def _report(self, request: Request, actor: str) -> Any:
+    def _report(self, request: Request, actor: str) -> Deferred:
         raw = request.content.read() if request.content is not None else b""
         try:
             payload = json.loads(raw or b"null")

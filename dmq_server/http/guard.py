@@ -42,7 +42,7 @@ Answers follow the path's convention: the admin API's ``{"error", "message"}``, 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
 from twisted.internet import defer
@@ -55,7 +55,8 @@ from twisted.web.server import Request
 from dmq_server.core.auth import ADMIN, PUBLISH, AuthState
 from dmq_server.core.peers import is_loopback
 from dmq_server.http.access import GRANTED, Access, actor_of
-from dmq_server.security.tls import peer_tls
+from dmq_server.security.session import CredentialCache
+from dmq_server.security.tls import ServerTls, peer_tls
 
 __all__ = ["HttpGuard", "classify", "cross_origin_refusal", "READ", "OPEN"]
 
@@ -157,7 +158,7 @@ class _AfterAuth(Resource):
         super().__init__()
         self.waiting = waiting
 
-    def render(self, request: Request) -> Any:
+    def render(self, request: Request) -> int:
         gone = [False]
         request.notifyFinish().addErrback(lambda _: gone.__setitem__(0, True))
 
@@ -181,10 +182,10 @@ class HttpGuard:
         *,
         listen_host: str,
         secure: bool = False,
-        server_tls: Any = None,
+        server_tls: ServerTls | None = None,
         tls_required: bool = False,
         https_port: Callable[[], int | None] = lambda: None,
-        credentials: Any = None,
+        credentials: CredentialCache | None = None,
         admin_token: str = "",
         open_reads: bool = False,
         broadcast_address: str = "",

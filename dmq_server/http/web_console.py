@@ -11,7 +11,6 @@ by another site (clickjacking), and sends its changes from its own origin, which
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any
 
 from twisted.web.resource import Resource
 from twisted.web.server import Request

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from OpenSSL import SSL
+from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IOpenSSLContextFactory, ISSLTransport
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -131,11 +132,11 @@ class ServerTls:
         return ctx
 
 
-def _keep_verdict(conn: Any, cert: Any, errno: int, depth: int, ok: int) -> bool:
+def _keep_verdict(conn: SSL.Connection, cert: X509, errno: int, depth: int, ok: int) -> bool:
     return bool(ok)
 
 
-def _accept_any(conn: Any, cert: Any, errno: int, depth: int, ok: int) -> bool:
+def _accept_any(conn: SSL.Connection, cert: X509, errno: int, depth: int, ok: int) -> bool:
     return True
 
 
