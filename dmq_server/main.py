@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import signal
 import sys
-from typing import Any, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Sequence
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -13,6 +14,9 @@ from twisted.python.failure import Failure
 from dmq_server.core.options import Options
 from dmq_server.core.options import options_from_args
 from dmq_server.logs import start_logging
+
+if TYPE_CHECKING:  # imported at run time once the logs are set up (the reactor is installed then)
+    from dmq_server.service import DmqServer, ServerReactor
 
 __all__ = ["main"]
 
@@ -30,7 +34,7 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-def _console_line(server: Any, options: Options) -> str:
+def _console_line(server: DmqServer, options: Options) -> str:
     """The banner's admin console line: where it listens, or why it does not."""
     address = server.console_address
     if address is not None:
@@ -40,7 +44,7 @@ def _console_line(server: Any, options: Options) -> str:
     return f"console NOT listening on {options.admin_address} (see the log above)"
 
 
-def _secure_lines(server: Any, options: Options) -> list[str]:
+def _secure_lines(server: DmqServer, options: Options) -> list[str]:
     """The banner's TLS and auth lines (none when neither is configured)."""
     info = server.info()
     lines = []
@@ -56,7 +60,7 @@ def _secure_lines(server: Any, options: Options) -> list[str]:
     return lines
 
 
-def _stop_on_signals(reactor: Any) -> None:
+def _stop_on_signals(reactor: ServerReactor) -> None:
     """SIGTERM and SIGINT stop the node, once. Twisted's own handlers call
     ``reactor.stop()`` on every signal, so a second SIGTERM during a slow stop logged a
     ReactorNotRunning traceback; here a repeat only says the stop is under way (every
@@ -80,7 +84,7 @@ def _stop_on_signals(reactor: Any) -> None:
                 pass
         log.info("received {signal} while already stopping; the stop is under way", signal=name)
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         reactor.callFromThread(request_stop, signal.Signals(signum).name)
 
     reactor.addSystemEventTrigger("before", "shutdown", mark_stopping)
@@ -88,7 +92,7 @@ def _stop_on_signals(reactor: Any) -> None:
         signal.signal(number, handler)
 
 
-def _reload_on_sighup(reactor: Any, server: Any) -> None:
+def _reload_on_sighup(reactor: ServerReactor, server: DmqServer) -> None:
     """SIGHUP re-reads the TLS certificate, key and CA and the auth file (docs/operations.md);
     connections already open keep theirs. The handler only hands the request to the reactor."""
 
@@ -115,9 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(argv: Sequence[str] | None) -> int:
     options = options_from_args(argv)
     observer = start_logging(sys.stderr, options.log_format, options.log_level)
-    from twisted.internet import reactor
+    from dmq_server.service import installed_reactor, make_service
 
-    from dmq_server.service import make_service
+    reactor = installed_reactor()
 
     service = make_service(options, reactor)
     server = service.server

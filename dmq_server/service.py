@@ -31,10 +31,14 @@ stage is in the modules it calls.
 from __future__ import annotations
 
 import socket
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Generator
+from typing import Callable, Iterator, Mapping, Protocol, TypeVar, cast
 
 from twisted.internet import defer
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.interfaces import IReactorFromThreads, IReactorSSL, IReactorTCP, IReactorTime
+from twisted.internet.ssl import CertificateOptions
+from twisted.python.threadpool import ThreadPool
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
@@ -45,7 +49,9 @@ from dmq_server.admin.line_console import AdminConsoleFactory
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps
 from dmq_server.core.client_memory import ClientMemory
+from dmq_server.core.clock import Clock
 from dmq_server.core.peers import is_loopback
+from dmq_server.core.transport import Address, TlsTransport
 from dmq_server.broker import Broker, Fence
 from dmq_server.protocols.dmq import DmqConnection
 from dmq_server.http import admin_api as admin_api
@@ -56,7 +62,7 @@ from dmq_server.http.root import VERSION, make_site
 from dmq_server.http.sampling import Sampling
 from dmq_server.http.site import BoundedSite
 from dmq_server.protocols.flow import FlowLimits, MemoryWatch
-from dmq_server.protocols.listener import NSQ_MAGIC, PortFactory
+from dmq_server.protocols.listener import NSQ_MAGIC, Handler, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
 from dmq_server.http.nsqd import install as install_nsq_http
 from dmq_server.fast.fast_store import FastStore
@@ -72,13 +78,22 @@ from dmq_server.db.topic_steps import list_topics_steps
 from dmq_server.db.schema import migrate, ping_steps
 from dmq_server.core.fragment_ranges import SharedAssignment
 from dmq_server.db.worker import DbWorker
-from dmq_server.security.authorizer import make_authorizer
+from dmq_server.security.authorizer import Authorizer, make_authorizer
 from dmq_server.security.exposure import exposure_warnings
 from dmq_server.security.session import CredentialCache
 from dmq_server.security.tls import ServerTls
 from dmq_server.tree import ServiceTree, Stage
 
-__all__ = ["DmqServer", "DmqService", "make_service"]
+if TYPE_CHECKING:  # imported where used: only an embedded server or a cluster node needs them
+    from dmq_server.cluster.node import ClusterNode
+    from dmq_server.db.embedded import EmbeddedPostgres
+    from dmq_server.db.supervisor import PostgresSupervisor
+
+__all__ = ["DmqServer", "DmqService", "ServerReactor", "make_service"]
+
+#: an ``inlineCallbacks`` generator: it yields Deferreds (of any result: Twisted's
+#: ``inlineCallbacks`` asks for that) and is sent their results
+Steps = Generator["defer.Deferred", object, None]
 
 log = Logger()
 
@@ -87,15 +102,60 @@ WORKER_ROLES = ("acker", "loader", "admin", "health", "adminops", "metrics")
 CLUSTER_ROLES = ("acker", "loader", "admin", "adminops")
 
 
-def _endpoint(reactor: Any, host: str, port: int, tls: Any = None) -> Any:
+T = TypeVar("T")
+
+
+class ServerReactor(Clock, Protocol):
+    """What the assembly and ``main`` ask of the reactor: timers, the database
+    connections' readers and writers and thread pool, the answer from a thread, and
+    running, stopping and the shutdown trigger. Twisted states these as zope
+    interfaces, which mypy reads without ``self``; the installed reactor has them all."""
+
+    def addReader(self, reader: object) -> None: ...
+    def removeReader(self, reader: object) -> None: ...
+    def addWriter(self, writer: object) -> None: ...
+    def removeWriter(self, writer: object) -> None: ...
+    def getThreadPool(self) -> ThreadPool: ...
+    def callFromThread(self, callable: Callable[..., object], *args: object, **kwargs: object) -> None: ...
+    def callWhenRunning(self, callable: Callable[..., object], *args: object, **kwargs: object) -> object: ...
+    def addSystemEventTrigger(self, phase: str, eventType: str, callable: Callable[..., object],
+                              *args: object, **kwargs: object) -> object: ...
+    def run(self, installSignalHandlers: bool = ...) -> None: ...
+    def stop(self) -> None: ...
+
+
+class ListeningPort(Protocol):
+    """What the service asks of a port it listens on (Twisted's ``IListeningPort``)."""
+
+    def getHost(self) -> Address: ...
+    def stopListening(self) -> defer.Deferred[None] | None: ...
+
+
+def _started(part: T | None, stage: str) -> T:
+    """What a stage made, asked for by a later one (the tree starts them in order)."""
+    if part is None:
+        raise RuntimeError(f"the {stage} stage has not started")
+    return part
+
+
+def _listen_on(reactor: ServerReactor, host: str, port: int, factory: object,
+               tls: ServerTls | None = None) -> Generator[defer.Deferred, object, ListeningPort]:
+    """``port = yield from _listen_on(...)``: the port ``factory`` listens on (with ``tls``: TLS from the first byte)."""
+    # the installed reactor provides IReactorTCP and IReactorSSL: zope's @implementer is invisible to mypy
+    endpoint: SSL4ServerEndpoint | TCP4ServerEndpoint | TCP6ServerEndpoint
     if tls is not None:
-        return SSL4ServerEndpoint(reactor, port, tls, interface=host, backlog=511)
-    if ":" in host:
-        return TCP6ServerEndpoint(reactor, port, interface=host)
-    return TCP4ServerEndpoint(reactor, port, interface=host, backlog=511)
+        # ServerTls is Twisted's IOpenSSLContextFactory (getContext), which the endpoint asks for
+        endpoint = SSL4ServerEndpoint(cast(IReactorSSL, reactor), port, cast(CertificateOptions, tls), interface=host, backlog=511)
+    elif ":" in host:
+        endpoint = TCP6ServerEndpoint(cast(IReactorTCP, reactor), port, interface=host)
+    else:
+        endpoint = TCP4ServerEndpoint(cast(IReactorTCP, reactor), port, interface=host, backlog=511)
+    listening = yield endpoint.listen(factory)
+    # an IListeningPort (zope, read by mypy without self) has getHost and stopListening
+    return listening  # type: ignore[return-value]
 
 
-def _address(port: Any) -> str | None:
+def _address(port: ListeningPort | None) -> str | None:
     if port is None:
         return None
     addr = port.getHost()
@@ -105,38 +165,39 @@ def _address(port: Any) -> str | None:
 class DmqServer:
     """What the stages make (workers, stores, broker, ports) and share."""
 
-    def __init__(self, options: Options, reactor: Any):
+    def __init__(self, options: Options, reactor: ServerReactor):
         self.options = options
         self.reactor = reactor
         self.dsn = options.pg_dsn
-        self.embedded: Any = None
-        self.pg_supervisor: Any = None  # dmq_server.db.supervisor.PostgresSupervisor when embedded
-        self.workers: dict[str, DbWorker] = {}
+        self.embedded: EmbeddedPostgres | None = None
+        self.pg_supervisor: PostgresSupervisor | None = None  # when embedded
+        self.workers: dict[str, DbWorker | ReactorDb] = {}
         # every --pg-cluster's DSN and database roles, and each cluster's id slot
         self.cluster_dsns: dict[str, str] = dict(options.pg_clusters)
-        self.cluster_workers: dict[str, dict[str, Any]] = {}
+        self.cluster_workers: dict[str, dict[str, DbWorker | ReactorDb]] = {}
         self.slots: dict[str, int] = {"main": 0}
         self.cluster_scheduling: list[Scheduling] = []
-        self.cluster: Any = None  # dmq_server.cluster.node.ClusterNode with --zk
+        self.cluster: ClusterNode | None = None  # with --zk
         self.fast_store: FastStore | None = None
         self.broker: Broker | None = None
         self.scheduling: Scheduling | None = None
         self.connections: set[DmqConnection] = set()
         self.nsq: NsqContext | None = None
-        self.tcp_port: Any = None
+        self.tcp_port: ListeningPort | None = None
         self.port_factory: PortFactory | None = None
-        self.http_port: Any = None
-        self.console_port: Any = None
+        self.http_port: ListeningPort | None = None
+        self.console_port: ListeningPort | None = None
         self.sampling: Sampling | None = None  # /metrics' stored gauges, the console's history
-        self.tls_port: Any = None  # --tls-address
-        self.https_port: Any = None  # --https-address
+        self.tls_port: ListeningPort | None = None  # --tls-address
+        self.https_port: ListeningPort | None = None  # --https-address
         self.tls: ServerTls | None = None
-        self.authorizer: Any = None
+        self.authorizer: Authorizer | None = None
         # the one budget of bytes held for clients (--max-client-memory): the TCP ports'
         # connections and both stores' channel windows count against it
         self.client_memory = ClientMemory(options.max_client_memory)
         self.memory_watch: MemoryWatch | None = None
-        self.relays = OutboxRelays(options, reactor, reactor)  # --outbox: none, or one relay each
+        # --outbox: none, or one relay each
+        self.relays = OutboxRelays(options, reactor, self._threads())
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
 
@@ -145,23 +206,23 @@ class DmqServer:
         stages = [Stage("database", self._start_database, self._stop_database)]
         if self.options.zk:
             stages.append(
-                Stage("cluster", self._connect_cluster, self._leave_cluster, timers=lambda: self.cluster.timers, clock=clock)
+                Stage("cluster", self._connect_cluster, self._leave_cluster, timers=lambda: _started(self.cluster, "cluster").timers, clock=clock)
             )
         stages += [
-            Stage("fast-store", self._open_fast_store, self._close_fast_store, timers=lambda: self.fast_store.timers, clock=clock),
-            Stage("broker", self._start_broker, self._drain_broker, timers=lambda: self.broker.timers, clock=clock),
+            Stage("fast-store", self._open_fast_store, self._close_fast_store, timers=lambda: _started(self.fast_store, "fast-store").timers, clock=clock),
+            Stage("broker", self._start_broker, self._drain_broker, timers=lambda: _started(self.broker, "broker").timers, clock=clock),
             Stage("scheduler", self._start_scheduling, self._stop_scheduling),
-            Stage("listeners", self._listen, self._stop_listening, timers=lambda: self.sampling.timers, clock=clock),
+            Stage("listeners", self._listen, self._stop_listening, timers=lambda: _started(self.sampling, "listeners").timers, clock=clock),
         ]
         if self.options.outbox:  # after the broker and the scheduler, before the listeners
-            stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(self.broker, self.dsn), self.relays.stop))
+            stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(_started(self.broker, "broker"), self.dsn), self.relays.stop))
         if self.options.zk:
             stages.append(Stage("announce", self._announce))
         return stages
 
     # -- database -------------------------------------------------------------------
     @defer.inlineCallbacks
-    def _start_database(self) -> Any:
+    def _start_database(self) -> Steps:
         options = self.options
         if not self.dsn:
             from dmq_server.db.embedded import EmbeddedPostgres
@@ -169,47 +230,59 @@ class DmqServer:
 
             data_dir = options.data_dir
             data_dir.mkdir(parents=True, exist_ok=True)
-            self.embedded = EmbeddedPostgres(data_dir)
-            self.dsn = yield deferToThread(self.embedded.start)
+            embedded = self.embedded = EmbeddedPostgres(data_dir)
+            dsn = yield deferToThread(embedded.start)
+            assert isinstance(dsn, str)
+            self.dsn = dsn
             # restarts the postmaster if it dies while we run (nothing else would)
-            self.pg_supervisor = PostgresSupervisor(self.embedded, self.reactor)
+            self.pg_supervisor = PostgresSupervisor(embedded, self.reactor)
             yield self.pg_supervisor.start()
         for name, dsn in {"main": self.dsn, **self.cluster_dsns}.items():
             applied = yield deferToThread(migrate, dsn)
             if applied:
                 log.info("applied schema migrations {versions} on cluster {name}", versions=applied, name=name)
         if self.cluster_dsns:
-            self.slots = yield deferToThread(place_clusters, {"main": self.dsn, **self.cluster_dsns})
+            slots = yield deferToThread(place_clusters, {"main": self.dsn, **self.cluster_dsns})
+            assert isinstance(slots, dict)
+            self.slots = slots
             log.info("PostgreSQL clusters: {clusters}", clusters=describe_clusters(self.slots))
         writers = [f"writer{i}" for i in range(options.commit_writers)]
         self.workers = self._db_workers(self.dsn, (*writers, *WORKER_ROLES, *worker_roles(options)))
         for name, dsn in self.cluster_dsns.items():
             self.cluster_workers[name] = self._db_workers(dsn, (*writers, *CLUSTER_ROLES, *worker_roles(options)))
 
-    def _db_workers(self, dsn: str, roles: tuple[str, ...]) -> dict[str, Any]:
-        workers = {}
+    def _db_workers(self, dsn: str, roles: tuple[str, ...]) -> dict[str, DbWorker | ReactorDb]:
+        workers: dict[str, DbWorker | ReactorDb] = {}
         for role in roles:
             hot = role.startswith("writer") or role == "acker"
             workers[role] = worker = self._db_worker(dsn, role, hot)
             worker.start()
         return workers
 
-    def _db_worker(self, dsn: str, role: str, hot: bool) -> Any:
+    def _db_worker(self, dsn: str, role: str, hot: bool) -> DbWorker | ReactorDb:
         """Group commit and durable acks (``hot``) run one statement per batch,
         committed on its own; by default on a connection the reactor reads itself
         (``db.reactor``), the other roles on a thread each."""
         if hot and self.options.db_io == "reactor":
             return ReactorDb(self.reactor, dsn, role, prepare=HOT_STATEMENTS, timeout=self.options.pg_timeout)
-        return DbWorker(self.reactor, dsn, role, autocommit=hot, timeout=self.options.pg_timeout)
+        return DbWorker(self._threads(), dsn, role, autocommit=hot, timeout=self.options.pg_timeout)
+
+    def _threads(self) -> IReactorFromThreads:
+        # the reactor provides IReactorFromThreads: zope's @implementer is invisible to mypy
+        return cast(IReactorFromThreads, self.reactor)
+
+    def _timeouts(self) -> IReactorTime:
+        # the reactor provides IReactorTime (addTimeout asks for it): zope's @implementer is invisible to mypy
+        return cast(IReactorTime, self.reactor)
 
     @property
     def tcp_address(self) -> tuple[str, int]:
-        addr = self.tcp_port.getHost()
+        addr = _started(self.tcp_port, "listeners").getHost()
         return addr.host, addr.port
 
     @property
     def http_address(self) -> tuple[str, int]:
-        addr = self.http_port.getHost()
+        addr = _started(self.http_port, "listeners").getHost()
         return addr.host, addr.port
 
     def info(self) -> dict:
@@ -271,7 +344,7 @@ class DmqServer:
             snapshot.histograms["dmq_gc_pause_seconds"] = self.sampling.pauses.collector.buckets.snapshot()
         return snapshot
 
-    def _channel_stats(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+    def _channel_stats(self) -> Iterator[tuple[str, str, str, dict[str, object]]]:
         """Every channel of both stores, ``(store, topic, channel, stats)`` (the console's history)."""
         if self.broker is None:
             return
@@ -283,24 +356,25 @@ class DmqServer:
             for channel in fast.stats["channels"]:
                 yield "fast", fast.name, channel["channel_name"], dict(channel, ack_count=channel.get("finish_count", 0))
 
-    def _ping(self) -> Any:
+    def _ping(self) -> defer.Deferred[object]:
         d = self.workers["health"].run_steps(ping_steps)
-        d.addTimeout(5, self.reactor)
+        d.addTimeout(5, self._timeouts())
         return d
 
     def _health_changed(self, ok: bool) -> None:
         for conn in list(self.connections):
             conn.health_changed(ok)
 
-    def _stop_database(self) -> Any:
+    def _stop_database(self) -> defer.Deferred[object]:
         for workers in (self.workers, *self.cluster_workers.values()):
             for worker in workers.values():
                 worker.stop()
-        d: defer.Deferred = defer.succeed(None)
-        if self.pg_supervisor is not None:
-            d.addCallback(lambda _: self.pg_supervisor.stop())
-        if self.embedded is not None:
-            d.addCallback(lambda _: deferToThread(self.embedded.stop))
+        d: defer.Deferred[object] = defer.succeed(None)
+        supervisor, embedded = self.pg_supervisor, self.embedded
+        if supervisor is not None:
+            d.addCallback(lambda _: supervisor.stop())
+        if embedded is not None:
+            d.addCallback(lambda _: deferToThread(embedded.stop))
         return d
 
     # -- cluster --------------------------------------------------------------------
@@ -308,23 +382,23 @@ class DmqServer:
         """The registry in ZooKeeper, mirrored into PostgreSQL (dmq_server.cluster.node)."""
         from dmq_server.cluster.node import ClusterNode
 
-        self.cluster = ClusterNode(
+        cluster = self.cluster = ClusterNode(
             self.options, self.reactor, self.node_id, self.dsn, self.workers["admin"],
             mirror=self._mirrors() if self.cluster_workers else None,
             cluster_dsns=self.cluster_dsns,
         )
-        return self.cluster.connect()
+        return cluster.connect()
 
-    def _leave_cluster(self) -> Any:
+    def _leave_cluster(self) -> defer.Deferred[None] | None:
         return self.cluster.stop() if self.cluster is not None else None
 
     # -- fast store -----------------------------------------------------------------
     def _open_fast_store(self) -> None:
         """NSQ's fast store: topics registered with store=fast and NSQ's topics made on
         first use (nsqd's semantics); the broker routes publishes to it."""
-        self.fast_store = FastStore.from_options(self.options, self.reactor, self.options.data_dir / "nsq",
-                                                 client_memory=self.client_memory)
-        self.fast_store.start()
+        fast = self.fast_store = FastStore.from_options(self.options, self.reactor, self.options.data_dir / "nsq",
+                                                        client_memory=self.client_memory)
+        fast.start()
 
     def _close_fast_store(self) -> None:
         if self.fast_store is not None:
@@ -350,26 +424,26 @@ class DmqServer:
             before_scan=cluster.check_gap,
         )
         broker.health_listeners.append(self._health_changed)
-        cluster.attach(broker.stores, broker.refresh_registry, self._fast_topics)
-        d = cluster.begin_incarnation(broker.stores)
+        cluster.attach(broker.cluster_stores(), broker.refresh_registry, self._fast_topics)
+        d = cluster.begin_incarnation(broker.cluster_stores())
         return d.addCallback(lambda _: broker.start())
 
     def _mirrors(self) -> Mirror:
         """The registry's rows into every cluster but main (``db.mirror``)."""
         return Mirror({name: workers["admin"] for name, workers in self.cluster_workers.items()}, self.reactor)
 
-    def _mirrored_topics(self) -> Any:
+    def _mirrored_topics(self) -> Callable[[], defer.Deferred[object]]:
         """Without ZooKeeper: the main cluster's registry tables, mirrored into the others."""
         mirror, admin = self._mirrors(), self.workers["admin"]
         return lambda: admin.run_steps(list_topics_steps).addCallback(mirror.mirror)
 
     @defer.inlineCallbacks
-    def _drain_broker(self) -> Any:
+    def _drain_broker(self) -> Steps:
         """Commit and answer what is queued (bounded by --shutdown-timeout), then close
         the client connections: every send a client is waiting on was answered first."""
         if self.broker is not None:
             done = self.broker.stop()
-            done.addTimeout(self.options.shutdown_timeout, self.reactor)
+            done.addTimeout(self.options.shutdown_timeout, self._timeouts())
             try:
                 yield done
             except defer.TimeoutError:
@@ -387,12 +461,13 @@ class DmqServer:
         options = self.options
         shared = SharedAssignment(make_assignment(options, self.reactor, self.node_id))
         made = []
+        stores = _started(self.broker, "broker").cluster_stores()
         for name, workers in {"main": self.workers, **self.cluster_workers}.items():
             made.append(Scheduling(
                 options,
                 self.reactor,
                 self.node_id,
-                self.broker.stores[name],
+                stores[name],
                 [workers[f"delay{i + 1}"] for i in range(options.delay_workers)],
                 lambda: shared,
             ))
@@ -401,26 +476,26 @@ class DmqServer:
             scheduling.start()
 
     @defer.inlineCallbacks
-    def _stop_scheduling(self) -> Any:
+    def _stop_scheduling(self) -> Steps:
         for scheduling in (*self.cluster_scheduling, self.scheduling):
             if scheduling is not None:
                 yield scheduling.stop()
 
     # -- listeners ------------------------------------------------------------------
     @defer.inlineCallbacks
-    def _listen(self) -> Any:
-        options, reactor, broker = self.options, self.reactor, self.broker
+    def _listen(self) -> Steps:
+        options, reactor, broker = self.options, self.reactor, _started(self.broker, "broker")
         self.tls = ServerTls.from_options(options)  # a bad certificate fails the start, naming it
         self.authorizer = make_authorizer(options, reactor)
-        self.nsq = NsqContext(broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
+        nsq = self.nsq = NsqContext(broker, options, reactor, tls=self.tls, authorizer=self.authorizer)
 
-        def make_dmq(transport: Any) -> DmqConnection:
+        def make_dmq(transport: TlsTransport) -> Handler:
             return DmqConnection(transport, broker, reactor, self.connections, tls=self.tls, authorizer=self.authorizer)
 
-        def make_nsq(transport: Any) -> NsqConnection:
-            return NsqConnection(transport, self.nsq)
+        def make_nsq(transport: TlsTransport) -> Handler:
+            return NsqConnection(transport, nsq)
 
-        handlers = {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}
+        handlers: dict[bytes, Callable[[TlsTransport], Handler]] = {MAGIC: make_dmq, NSQ_MAGIC: make_nsq}
         refused = {}
         if options.tls_required_mode != "false":
             where = f"the TLS port {options.tls_address}" if options.tls_address else "a TLS port (--tls-address)"
@@ -433,14 +508,14 @@ class DmqServer:
         self.memory_watch = MemoryWatch(self.client_memory, self.port_factory.budget, reactor)
         self.memory_watch.start()
         host, port = options.tcp_endpoint
-        self.tcp_port = yield _endpoint(reactor, host, port).listen(self.port_factory)
+        self.tcp_port = yield from _listen_on(reactor, host, port, self.port_factory)
         if options.tls_address:
             tls_factory = PortFactory(
                 reactor, handlers, self.port_factory.limits, tls=self.tls, tls_port=True,
                 handshake_timeout=options.tls_handshake_timeout, budget=self.port_factory.budget,
             )
             tls_host, tls_port = parse_address(options.tls_address)
-            self.tls_port = yield _endpoint(reactor, tls_host, tls_port, self.tls).listen(tls_factory)
+            self.tls_port = yield from _listen_on(reactor, tls_host, tls_port, tls_factory, self.tls)
         ops = AdminOps(
             broker=broker,
             delays=self.scheduling.delays if self.scheduling is not None else None,
@@ -459,7 +534,9 @@ class DmqServer:
         self.sampling = Sampling(self.workers["metrics"], reactor, self._channel_stats, options.metrics_db_interval,
                                  others=[workers["adminops"] for workers in self.cluster_workers.values()],
                                  lowest=lambda: dict(broker.snapshot().oldest_stored))
-        site = make_site(self._ping, self._stats, self.info, options)
+        credentials = CredentialCache(self.authorizer, reactor) if self.authorizer is not None else None
+        host, port = options.http_endpoint
+        site = make_site(self._ping, self._stats, self.info, options, guard=self._http_guard(host, False, credentials))
         site.resource.putChild(b"metrics", metrics_resource(self._metrics_snapshot, reactor))
         install_nsq_http(
             site.resource,
@@ -475,32 +552,31 @@ class DmqServer:
                               channels=self._channel_stats, gauges=self.sampling.gauges)
         admin_api.install(site.resource, ops, http_host, options.admin_token, inspector)
         install_console(site.resource)
-        credentials = CredentialCache(self.authorizer, reactor) if self.authorizer is not None else None
-        host, port = options.http_endpoint
-        site.guard = self._http_guard(host, False, credentials)
-        self.http_port = yield _endpoint(reactor, host, port).listen(site)
+        self.http_port = yield from _listen_on(reactor, host, port, site)
         if options.https_address:
             https_host, https_port = parse_address(options.https_address)
-            https_site = BoundedSite(site.resource, options)
+            https_site = BoundedSite(site.resource, options, guard=self._http_guard(https_host, True, credentials))
             https_site.noisy = False
-            https_site.guard = self._http_guard(https_host, True, credentials)
-            self.https_port = yield _endpoint(reactor, https_host, https_port, self.tls).listen(https_site)
+            self.https_port = yield from _listen_on(reactor, https_host, https_port, https_site, self.tls)
         yield self._listen_console(ops, credentials)
         self._warn_exposure()
 
-    def _http_guard(self, host: str, secure: bool, credentials: Any) -> HttpGuard:
+    def _http_guard(self, host: str, secure: bool, credentials: CredentialCache | None) -> HttpGuard:
         options = self.options
         return HttpGuard(
             listen_host=host,
             secure=secure,
             server_tls=self.tls,
             tls_required=options.tls_required_mode == "true",
-            https_port=lambda: self.https_port.getHost().port if self.https_port is not None else None,
+            https_port=self._https_port,
             credentials=credentials,
             admin_token=options.admin_token,
             open_reads=options.http_open_reads,
             broadcast_address=options.broadcast_address,
         )
+
+    def _https_port(self) -> int | None:
+        return self.https_port.getHost().port if self.https_port is not None else None
 
     def _warn_exposure(self) -> None:
         options = self.options
@@ -529,7 +605,7 @@ class DmqServer:
         return results
 
     @defer.inlineCallbacks
-    def _listen_console(self, ops: AdminOps, credentials: Any = None) -> Any:
+    def _listen_console(self, ops: AdminOps, credentials: CredentialCache | None = None) -> Steps:
         """The admin console on --admin-address; an auxiliary surface, so a port it
         cannot have is logged and the node serves on without it."""
         options = self.options
@@ -544,30 +620,30 @@ class DmqServer:
         )
         try:
             tls = self.tls if options.admin_tls else None
-            self.console_port = yield _endpoint(self.reactor, host, port, tls).listen(factory)
+            console_port = self.console_port = yield from _listen_on(self.reactor, host, port, factory, tls)
         except Exception as exc:  # CannotListenError
             log.error("admin console not started: cannot listen on {host}:{port}: {why}", host=host, port=port, why=exc)
             return
-        log.info("admin console on {host}:{port}", host=host, port=self.console_address[1])
+        log.info("admin console on {host}:{port}", host=host, port=console_port.getHost().port)
 
     @defer.inlineCallbacks
-    def _stop_listening(self) -> Any:
+    def _stop_listening(self) -> Steps:
         """SERVER_REBOOT first, so dmq clients send elsewhere while queued sends are
         still committed and answered (the broker's stage, next)."""
         log.info("shutting down: SERVER_REBOOT to {n} connections", n=len(self.connections))
         if self.memory_watch is not None:
             self.memory_watch.stop()
         if self.console_port is not None:
-            yield self.console_port.stopListening()
+            yield defer.maybeDeferred(self.console_port.stopListening)
         for conn in list(self.connections):
             conn.reboot()
         if self.tcp_port is not None:
-            yield self.tcp_port.stopListening()
+            yield defer.maybeDeferred(self.tcp_port.stopListening)
         if self.http_port is not None:
-            yield self.http_port.stopListening()
+            yield defer.maybeDeferred(self.http_port.stopListening)
         for port in (self.tls_port, self.https_port):
             if port is not None:
-                yield port.stopListening()
+                yield defer.maybeDeferred(port.stopListening)
 
     @property
     def console_address(self) -> tuple[str, int] | None:
@@ -579,20 +655,21 @@ class DmqServer:
     # -- announce -------------------------------------------------------------------
     def _announce(self) -> defer.Deferred:
         """Announced (and delivering) only now that the ports are known."""
-        return self.cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
+        cluster = _started(self.cluster, "cluster")
+        return cluster.register(self._broadcast_host(), self.tcp_address[1], self.http_address[1])
 
 
 class DmqService(ServiceTree):
     """The server's stages as one Twisted service (``ready`` fires when it serves)."""
 
-    def __init__(self, options: Options, reactor: Any):
+    def __init__(self, options: Options, reactor: ServerReactor):
         super().__init__()
         self.server = DmqServer(options, reactor)
         for stage in self.server.stages():
             stage.setServiceParent(self)
         self.ready.addCallback(self._log_ready)
 
-    def _log_ready(self, result: Any) -> Any:
+    def _log_ready(self, result: T) -> T:
         log.info("dmq node {node} ready", node=self.server.node_id)
         return result
 
@@ -602,9 +679,12 @@ class DmqService(ServiceTree):
         return d
 
 
-def make_service(options: Options, reactor: Any | None = None) -> DmqService:
-    if reactor is None:
-        from twisted.internet import reactor as default_reactor
+def make_service(options: Options, reactor: ServerReactor | None = None) -> DmqService:
+    return DmqService(options, reactor if reactor is not None else installed_reactor())
 
-        reactor = default_reactor
-    return DmqService(options, reactor)
+
+def installed_reactor() -> ServerReactor:
+    """The process's reactor (installed on first import)."""
+    from twisted.internet import reactor
+
+    return reactor

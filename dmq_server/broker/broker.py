@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import socket
 import time
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService
@@ -163,6 +164,16 @@ class Broker:
         # nsqd's topic and channel actions on whichever store holds the topic (http.nsqd)
         self.topic_admin = TopicAdmin(self, fast)
         self.timers = self._timers()
+
+    def cluster_stores(self) -> Mapping[str, ReliableStore]:
+        """Each PostgreSQL cluster's reliable store by cluster name (``main`` first): what
+        the assembly hands the cluster node (it fences, starts and retires them) and each
+        cluster's delay scheduler (it schedules into one). Read-only: the broker owns them."""
+        return MappingProxyType(self.stores)
+
+    def count_refused_acks(self, n: int) -> None:
+        """``n`` dmq-protocol acks named copies the acking consumer did not hold (/stats)."""
+        self.acks_refused += n
 
     # -- what the adapters read ---------------------------------------------
     @property

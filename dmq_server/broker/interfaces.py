@@ -144,8 +144,12 @@ class BrokerPort(Protocol):
     options: Options
     healthy: bool
     health_detail: str
-    acks_refused: int
     health_listeners: list[Callable[[bool], None]]
+
+    @property
+    def acks_refused(self) -> int: ...
+
+    def count_refused_acks(self, n: int) -> None: ...
 
     @property
     def topic_admin(self) -> TopicAdminPort:

@@ -56,6 +56,7 @@ from registry.model import NodeInfo, RegistryError
 from dmq_server.core.clock import Timer
 from dmq_server.core.options import Options
 from dmq_server.db.storage_errors import StorageError
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.worker import DbWorker
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
 from dmq_server.cluster.takeover import ClusterStore, Takeover
@@ -83,7 +84,7 @@ class ClusterNode:
         reactor: Any,
         node_id: str,
         dsn: str,
-        admin: DbWorker,
+        admin: StepRunner,
         mirror: Mirror | None = None,
         cluster_dsns: dict[str, str] | None = None,
     ):

@@ -17,6 +17,7 @@ from twisted.web.server import NOT_DONE_YET
 from twisted.web.server import Request
 
 from dmq_server.core.options import Options
+from dmq_server.http.guard import HttpGuard
 from dmq_server.http.site import BoundedSite
 
 __all__ = ["make_site"]
@@ -97,13 +98,15 @@ def make_site(
     stats: Callable[[], dict],
     info: Callable[[], dict],
     options: Options | None = None,
+    guard: HttpGuard | None = None,
 ) -> BoundedSite:
-    """The HTTP port's site; body limits and timeouts come from ``options`` (see ``http.site``)."""
+    """The HTTP port's site; body limits and timeouts come from ``options`` (see ``http.site``),
+    ``guard`` is the port's ``http.guard.HttpGuard``."""
     root = Root()
     # zope's @implementer(IResource) on Resource is invisible to mypy (no zope plugin)
     root.putChild(b"ping", Ping(check))  # type: ignore[arg-type]
     root.putChild(b"stats", Stats(stats))  # type: ignore[arg-type]
     root.putChild(b"info", Info(info))  # type: ignore[arg-type]
-    site = BoundedSite(root, options)
+    site = BoundedSite(root, options, guard=guard)
     site.noisy = False
     return site

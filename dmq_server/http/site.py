@@ -45,7 +45,7 @@ from dmq_server.core.options import Options
 from dmq_server.core.peers import peer_address
 from dmq_server.core.transport import Transport
 
-if TYPE_CHECKING:  # the guard imports nothing of this module; it is set on a site after
+if TYPE_CHECKING:  # the guard imports nothing of this module; a site is given one
     from dmq_server.http.guard import HttpGuard
 
 __all__ = ["BoundedRequest", "BoundedChannel", "BoundedSite"]
@@ -198,10 +198,10 @@ class BoundedSite(Site):
     # configures any HTTPChannel, and this one is meant to be used as it is
     protocol = BoundedChannel  # type: ignore[assignment]
     requestFactory = BoundedRequest
-    #: the listener's HttpGuard (dmq_server.http.guard); None lets every request through
-    guard: HttpGuard | None = None
-
-    def __init__(self, resource: Resource, options: Options | None = None, reactor: Clock | None = None):
+    def __init__(self, resource: Resource, options: Options | None = None, reactor: Clock | None = None,
+                 guard: HttpGuard | None = None):
+        #: the listener's HttpGuard (dmq_server.http.guard); None lets every request through
+        self.guard = guard
         # the options' fields, or these defaults where a test's options leave one out
         idle: float = getattr(options, "http_idle_timeout", 300.0)
         # IReactorTime is a zope interface, nominal to mypy; the reactor and task.Clock provide it

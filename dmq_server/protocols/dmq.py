@@ -420,7 +420,7 @@ class DmqConnection:
         for acks, and counted in ``/stats`` (``acks_refused``)."""
         sub = self.subscriptions.get((frame.topic, frame.channel))
         if sub is None or self.broker.ack(frame.topic, frame.channel, frame.message_id, sub) is not None:
-            self.broker.acks_refused += 1
+            self.broker.count_refused_acks(1)
 
     def _ack_many(self, frame: Frame) -> None:
         """Acknowledge each id of the body, as ``_ack`` does one: an id refused fails no
@@ -433,9 +433,11 @@ class DmqConnection:
             return
         sub = self.subscriptions.get((frame.topic, frame.channel))
         if sub is None:
-            self.broker.acks_refused += len(ids)
+            self.broker.count_refused_acks(len(ids))
         else:
-            self.broker.acks_refused += self.broker.ack_many(frame.topic, frame.channel, ids, sub)
+            refused = self.broker.ack_many(frame.topic, frame.channel, ids, sub)
+            if refused:
+                self.broker.count_refused_acks(refused)
 
     def _send(self, frame: Frame) -> None:
         if self.auth is not None:  # without an authorizer every send may go (once per message: no call)

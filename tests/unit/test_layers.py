@@ -131,11 +131,9 @@ def test_the_seam_check_sees_each_kind_of_breach():
 
 # -- the broker's stores stay the broker's (issue 43 item 5) ----------------------------
 # Outside broker/ and the stores, no module reads the broker's stores: /metrics, /stats,
-# sampling and the consoles read ``Broker.snapshot()``. The assembly hands each reliable
-# store to the cluster node and to its delay scheduler (what they work on); those reads
-# are listed, and an entry whose use is gone fails too.
+# sampling and the consoles read ``Broker.snapshot()``; the assembly hands the cluster
+# node and each delay scheduler their stores through ``Broker.cluster_stores()``.
 STORE_ATTRIBUTES = {"reliable", "fast", "stores", "placement"}
-ASSEMBLY = {("service.py", "broker.stores"), ("service.py", "self.broker.stores")}
 
 
 def store_reads(source: str) -> set[str]:
@@ -159,8 +157,7 @@ def test_no_module_outside_the_broker_and_the_stores_reads_the_brokers_stores():
         name = path.relative_to(server).as_posix()
         if name.split("/")[0] not in ("broker", "reliable", "fast"):
             reads |= {(name, what) for what in store_reads(path.read_text())}
-    assert reads - ASSEMBLY == set()
-    assert ASSEMBLY - reads == set(), "gone: remove it from ASSEMBLY"
+    assert reads == set()
 
 
 def test_the_store_read_check_sees_each_kind_of_read():
