@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 __all__ = [
     "PUBLISH",
@@ -103,7 +103,7 @@ class AuthState:
         return f"AuthState({self.identity!r}, {len(self.grants)} authorizations, ttl {self.ttl})"
 
 
-def _compile(pattern: Any, what: str) -> re.Pattern[str]:
+def _compile(pattern: object, what: str) -> re.Pattern[str]:
     if not isinstance(pattern, str):
         raise AnswerError(f"{what} must be a string regex, not {pattern!r}")
     try:
@@ -112,7 +112,7 @@ def _compile(pattern: Any, what: str) -> re.Pattern[str]:
         raise AnswerError(f"unable to compile {what} {pattern!r}: {exc}") from None
 
 
-def parse_answer(data: bytes | str | Mapping[str, Any], now: float, default_ttl: int | None = None) -> AuthState:
+def parse_answer(data: bytes | str | Mapping[str, object], now: float, default_ttl: int | None = None) -> AuthState:
     """An ``AuthState`` from an auth server's JSON answer (or its decoded object), valid
     from ``now`` for its ttl; ``AnswerError`` says why an answer cannot be used."""
     if isinstance(data, (bytes, str)):

@@ -27,10 +27,10 @@ import gc
 import math
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Callable, Mapping
 
 from dmq_server.core.buckets import Buckets
-from dmq_server.core.clock import Clock
+from dmq_server.core.clock import Clock, Timer
 
 __all__ = ["ReactorLag", "GcPauses", "LAG_SECONDS", "GC_SECONDS", "STALL_SECONDS", "RECENT_PAUSES"]
 
@@ -59,7 +59,7 @@ class ReactorLag:
         self.worst = 0.0
         #: ``(wall time the call was due, seconds late)``, newest last
         self.stalls: deque[tuple[float, float]] = deque(maxlen=RECENT_STALLS)
-        self._call: Any = None
+        self._call: Timer | None = None
         self._due = 0.0
 
     @property
@@ -90,7 +90,7 @@ class ReactorLag:
             self.stalls.append((self.wall() - late, late))
         self._schedule(now)  # the next call an interval after this one ran: one lateness per stall
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "interval_s": self.interval,
             "samples": self.buckets.count,
@@ -122,7 +122,7 @@ class GcPauses:
         while self.callback in self.hooks:
             self.hooks.remove(self.callback)
 
-    def callback(self, phase: str, info: dict[str, Any]) -> None:
+    def callback(self, phase: str, info: Mapping[str, int]) -> None:
         """Called by the interpreter around each collection (on the collecting thread;
         collections never overlap, so this is the only writer)."""
         if phase == "start":
@@ -153,7 +153,7 @@ class GcPauses:
             out[pct] = round(pauses[rank - 1] * 1_000_000)
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "collections": list(self.by_generation),
             "seconds": self.buckets.total,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 from dmq_server.db.steps import Statement, Steps
 
@@ -72,10 +72,29 @@ def sweep_trace_steps(retention_s: float, limit: int) -> Steps:
     return swept
 
 
-def body_preview(data: Any, size: int) -> dict[str, Any]:
+class Event(TypedDict, total=False):
+    """One fact of a message's trace (``read_trace_steps``); ``at_ms`` and ``event``
+    always, the rest as the kind of event has them."""
+
+    at_ms: int | None
+    event: str
+    topic: str
+    channel: str
+    attempt: int
+    consumer: str
+    node_id: str
+    producer: str
+    session_id: int
+    reason: str
+    detail: str
+    dead_letter_id: int
+    replay_message_id: int
+
+
+def body_preview(data: bytes | memoryview | None, size: int) -> dict[str, object]:
     """A body (or its first bytes) as JSON can carry it: UTF-8 text, else base64."""
     raw = bytes(data or b"")
-    out: dict[str, Any] = {"size": size, "truncated": size > len(raw)}
+    out: dict[str, object] = {"size": size, "truncated": size > len(raw)}
     try:
         out["body"], out["body_encoding"] = raw.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
@@ -97,7 +116,7 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
     params = {"id": message_id, "preview": preview}
     stored_rows = yield Statement("trace_stored", params)
     stored_row = stored_rows[0] if stored_rows else None
-    events: list[dict[str, Any]] = []
+    events: list[Event] = []
     stored = None
     replay_of = None
     topic = None
@@ -159,7 +178,7 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
             replayed_from = {"dead_letter_id": letter_id, "reason": reason, "detail": detail,
                              "channel": channel, "message_id": of_id, "dead_ms": dead_ms}
     events.sort(key=_in_order)
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "message_id": message_id,
         "found": bool(events) or bool(pending),
         "topic": topic,
@@ -186,7 +205,7 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
 _ORDER = {"stored": 0, "delivered": 1, "returned": 2, "acked": 3, "dead_letter": 4, "replayed": 5}
 
 
-def _in_order(event: dict[str, Any]) -> tuple[int, int, int]:
+def _in_order(event: Event) -> tuple[int, int, int]:
     """Time, then (within a millisecond) the delivery attempt, then the kind: a REQ and the
     redelivery it causes often share their millisecond."""
     kind = event["event"]

@@ -26,11 +26,13 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
+from dmq_server.core.buckets import Buckets
 from dmq_server.core.clock import Clock
 from dmq_server.core.deadlines import Deadlines
-from dmq_server.core.client_memory import RELIABLE_WINDOW
+from dmq_server.core.client_memory import RELIABLE_WINDOW, ClientMemory
+from dmq_server.db.messages import BacklogRow
 from dmq_server.reliable.cursor import ChannelCursor
 
 __all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
@@ -93,13 +95,13 @@ class ReliableChannel:
         msg_timeout: float,
         mem_queue_size: int,
         load: Callable[["ReliableChannel", int, int], None],
-        on_acks: Callable[["ReliableChannel", list[Delivery], int, Any], None],
+        on_acks: Callable[["ReliableChannel", list[Delivery], int, "Receiver | None"], None],
         max_attempts: int | None = None,
         on_attempt: Callable[["ReliableChannel", Delivery], None] | None = None,
         on_exhausted: Callable[["ReliableChannel", Delivery], None] | None = None,
         on_return: Callable[["ReliableChannel", Delivery, str], None] | None = None,
-        deliver_latency: Any = None,
-        memory: Any = None,
+        deliver_latency: Buckets | None = None,
+        memory: ClientMemory | None = None,
     ):
         self.topic = topic
         self.name = name
@@ -132,7 +134,7 @@ class ReliableChannel:
         # the delivery state (reliable.cursor): read position, backlog, load races, the
         # ids held or awaiting a durable ack (``known``, the same set, read on every copy)
         # and those awaiting a durable ack or dead letter; what a durable-ack batch proposes
-        self.cursor = ChannelCursor()
+        self.cursor: ChannelCursor[Delivery] = ChannelCursor()
         self.known = self.cursor.known
         # for the proposal: ready ids and each owner's lowest one (heaps with lazy deletion)
         self._ready_ids: set[int] = set()
@@ -395,7 +397,7 @@ class ReliableChannel:
                 return
             self._load(self, cursor.load_from(), limit)
 
-    def loaded(self, rows: Iterable[Any], limit: int) -> None:
+    def loaded(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order (``ChannelCursor.loaded``
         decides which are new and where the copies committed meanwhile go)."""
         if self._memory is not None and not self.cursor.load_stale:
@@ -405,7 +407,7 @@ class ReliableChannel:
         self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room)
         self.pump()
 
-    def _enqueue_row(self, row: Any) -> None:
+    def _enqueue_row(self, row: BacklogRow) -> None:
         message = ReliableMessage(
             row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
             getattr(row, "owner", 0),
@@ -575,7 +577,7 @@ class ReliableChannel:
             mid = message.message_id
             in_flight[mid] = delivery
             ids.append(mid)
-        if same:
+        if same and latency is not None:  # ``same`` counts only with a latency to observe
             latency.observe_many(now - published / 1000.0, same)
         self.delivery_count += len(run)
         self.redelivery_count += redelivered
@@ -794,7 +796,7 @@ class ReliableChannel:
         return self.cursor.finishing
 
     # -- for operators (the admin API's trace, peek and channel page) ---------------
-    def locate(self, message_id: int) -> dict[str, Any] | None:
+    def locate(self, message_id: int) -> dict[str, object] | None:
         """Where this node holds the copy now, or None: in flight (to whom, since when,
         until when), deferred (until when), or ready in memory. A walk of the memory
         window for a ready copy: for an operator's request, never the message path."""
@@ -813,14 +815,14 @@ class ReliableChannel:
                 return {"state": "ready", "attempts": delivery.attempts}
         return None
 
-    def consumer_stats(self) -> list[dict[str, Any]]:
+    def consumer_stats(self) -> list[dict[str, object]]:
         """Each consumer's name, credit and copies in flight."""
         return [
             {"name": getattr(c, "name", repr(c)), "credit": c.credit, "in_flight": c.in_flight}
             for c in self.consumers
         ]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "channel_name": self.name,
             "depth": self.depth,

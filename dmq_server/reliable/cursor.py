@@ -34,12 +34,33 @@ instead of kept as ranges: a channel's holes are few (what is in flight), its ac
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-__all__ = ["ChannelCursor", "acks_by_cursor", "split_fenced"]
+from dmq_server.db.messages import AckRun, BacklogRow
+
+__all__ = ["ChannelCursor", "Copy", "acks_by_cursor", "split_fenced"]
 
 
-class ChannelCursor:
+class _Stored(Protocol):
+    @property
+    def message_id(self) -> int: ...
+    @property
+    def owner(self) -> int: ...
+
+
+class Copy(Protocol):
+    """What the cursor reads of a channel's copy (``reliable.channel.Delivery``, which
+    imports this module): its message's id and owner."""
+
+    @property
+    def message(self) -> _Stored: ...
+
+
+# the channel's copies: the cursor holds them and hands them back to the channel
+CopyT = TypeVar("CopyT", bound=Copy)
+
+
+class ChannelCursor(Generic[CopyT]):
     """The delivery state of one channel on this node (every owner's copies)."""
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
@@ -52,13 +73,13 @@ class ChannelCursor:
         self.loading = False
         self.known: set[int] = set()
         self.finishing: dict[int, int] = {}  # id -> owner, until its durable outcome
-        self.arrived: list[Any] = []  # Deliveries committed while a load was out
+        self.arrived: list[CopyT] = []  # Deliveries committed while a load was out
         self.dropped: set[int] = set()  # finished while a load was out: keep them out of it
         self.rescan_pending = False  # a takeover during a load: read from the first id after it
         self.load_stale = False  # a lost session during a load: discard its rows
 
     # -- acknowledgements and their durable outcome --------------------------------------
-    def acknowledged(self, deliveries: Sequence[Any]) -> None:
+    def acknowledged(self, deliveries: Sequence[CopyT]) -> None:
         """Consumers acknowledged these copies (out of flight now): holes in every
         proposal until their durable ack commits. They stay ``known``, so a load cannot
         resurrect them. Runs once per acknowledged copy (bench/channel_cost.py)."""
@@ -71,7 +92,7 @@ class ChannelCursor:
         """The copy had its attempts: it awaits its dead letter as an ack awaits its row."""
         self.finishing[message_id] = owner
 
-    def durable(self, message_ids: Iterable[int], in_flight: Mapping[int, Any]) -> None:
+    def durable(self, message_ids: Iterable[int], in_flight: Mapping[int, CopyT]) -> None:
         """Their durable ack (or dead letter) committed: done, and no longer held. A copy
         in flight again (a newer delivery of the same id) keeps its place."""
         known, finishing = self.known, self.finishing
@@ -84,7 +105,7 @@ class ChannelCursor:
                     # first (a rescan reads ids it delivered before): keep it out
                     self.dropped.add(mid)
 
-    def refused(self, message_ids: Iterable[int], in_flight: Mapping[int, Any]) -> None:
+    def refused(self, message_ids: Iterable[int], in_flight: Mapping[int, CopyT]) -> None:
         """The fence refused their durable ack: another node holds their cursor now and
         delivers them (a batch that fails is retried, and its copies stay finishing).
         Forgotten here, so their next delivery is a redelivery: at least once."""
@@ -115,11 +136,11 @@ class ChannelCursor:
 
     def loaded(
         self,
-        rows: Iterable[Any],
+        rows: Iterable[BacklogRow],
         limit: int,
-        enqueue_row: Callable[[Any], None],
-        enqueue: Callable[[Any], None],
-        room: Callable[[Any], bool],
+        enqueue_row: Callable[[BacklogRow], None],
+        enqueue: Callable[[CopyT], None],
+        room: Callable[[CopyT], bool],
     ) -> bool:
         """A load's ``rows`` arrived (in id order, at most ``limit``). False, with the
         rows dropped and the cursor back at the first id, when a ``forget`` made them
@@ -162,7 +183,7 @@ class ChannelCursor:
             self.backlog = True
         return True
 
-    def load_failed(self, enqueue: Callable[[Any], None]) -> None:
+    def load_failed(self, enqueue: Callable[[CopyT], None]) -> None:
         """The load failed (storage error): the backlog stays, a later load retries. Copies
         committed meanwhile at or below the position go to ``enqueue``: a later load
         starts after the position and would never see them."""
@@ -223,7 +244,7 @@ class ChannelCursor:
         owner: int,
         acked: Iterable[int],
         limit: float | None,
-        in_flight: Mapping[int, Any],
+        in_flight: Mapping[int, CopyT],
         lowest_ready: int | None,
     ) -> tuple[int, list[tuple[int, int]]]:
         """What is known to be done of ``owner``'s copies: a floor (every id up to it)
@@ -271,7 +292,7 @@ class ChannelCursor:
 
 
 # -- a batch of durable acks, over every channel -------------------------------------------
-def acks_by_cursor(runs: Iterable[Any]) -> dict[tuple[str, str, int], list[int]]:
+def acks_by_cursor(runs: Iterable[AckRun]) -> dict[tuple[str, str, int], list[int]]:
     """The acks of a batch (``db.messages.AckRun``s) by the cursor they move: (topic,
     channel, owner) -> ids, in the order acknowledged."""
     acked: dict[tuple[str, str, int], list[int]] = {}
@@ -286,7 +307,7 @@ def acks_by_cursor(runs: Iterable[Any]) -> dict[tuple[str, str, int], list[int]]
 
 
 def split_fenced(
-    runs: Iterable[Any], taken: Iterable[tuple[str, str, int]]
+    runs: Iterable[AckRun], taken: Iterable[tuple[str, str, int]]
 ) -> tuple[dict[tuple[str, str], list[int]], dict[tuple[str, str], list[int]]]:
     """A committed batch's acks by channel: those applied (durable), and those the fence
     refused because another node holds their cursor (``taken``: (topic, channel, owner))."""
