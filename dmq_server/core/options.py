@@ -34,7 +34,7 @@ import textwrap
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 from dmq_client.spelling import format_duration, parse_address, parse_duration
 from dmq_server.core.outbox_rows import parse_outbox
@@ -67,7 +67,12 @@ class ConfigError(ValueError):
     """A setting from a flag, a variable or the config file that cannot be used."""
 
 
-def _opt(default: Any, help: str, *, kind: str = "str", flag: str | None = None) -> Any:
+# a setting's value, by its field's kind: str, int, duration (float seconds), bool, list
+Setting = str | int | float | bool | tuple[str, ...]
+T = TypeVar("T")
+
+
+def _opt(default: T, help: str, *, kind: str = "str", flag: str | None = None) -> T:
     return field(default=default, metadata={"help": help, "kind": kind, "flag": flag})
 
 
@@ -602,7 +607,7 @@ def _names(name: str) -> str:
 
 
 # -- converting raw values -------------------------------------------------------
-def _from_text(kind: str, raw: str) -> Any:
+def _from_text(kind: str, raw: str) -> Setting:
     """A value given as text (flag or environment variable)."""
     if kind == "int":
         try:
@@ -623,7 +628,7 @@ def _from_text(kind: str, raw: str) -> Any:
     return raw
 
 
-def _from_toml(kind: str, raw: Any) -> Any:
+def _from_toml(kind: str, raw: object) -> Setting:
     """A value as TOML parsed it; strings are not numbers and numbers are not strings."""
     if kind == "int":
         if isinstance(raw, int) and not isinstance(raw, bool):
@@ -647,13 +652,13 @@ def _from_toml(kind: str, raw: Any) -> Any:
 
 
 # -- the config file -------------------------------------------------------------
-def parse_config(text: str, source: str = "<config>") -> dict[str, Any]:
+def parse_config(text: str, source: str = "<config>") -> dict[str, Setting]:
     """Field values from TOML text; ``source`` names the file in error messages."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    values: dict[str, Any] = {}
+    values: dict[str, Setting] = {}
     for key, raw in data.items():
         f = _FIELDS.get(key)
         if f is None:
@@ -673,7 +678,7 @@ def _did_you_mean(key: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_config(path: str | os.PathLike[str]) -> dict[str, Setting]:
     """Field values from the TOML file at ``path``."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -735,8 +740,10 @@ def build_parser(prog: str = "dmq-server") -> argparse.ArgumentParser:
 
 
 def _resolve(
-    flags: Mapping[str, str | None], environ: Mapping[str, str], file_values: Mapping[str, Any]
+    flags: Mapping[str, str | None], environ: Mapping[str, str], file_values: Mapping[str, Setting]
 ) -> Options:
+    # each value is of its field's kind (``_from_text``, ``_from_toml``), which the type
+    # checker cannot pair with the field's name: the values meet their types in Options
     values: dict[str, Any] = dict(file_values)
     for f in dataclasses.fields(Options):
         for raw, source in (

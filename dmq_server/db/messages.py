@@ -67,7 +67,8 @@ __all__ = [
 
 @dataclass(slots=True)
 class NewMessage:
-    """A validated send waiting for the group commit."""
+    """A send to store, as tests and tools name one (the server's group commit stores
+    ``core.publish.Send``s as they are: both are ``SendFields``)."""
 
     topic: str
     producer: str
@@ -118,8 +119,10 @@ _PAIR = attrgetter("producer", "session_id")
 
 
 class SendFields(Protocol):
-    """What every stored send carries, a message (``NewMessage``) or a delayed one
-    (``delays.NewDelayed``): ``send_columns`` reads these fields and no others."""
+    """What every stored send carries: the server's ``core.publish.Send`` (the group
+    commit stores the sends as the broker made them, not a copy), a ``NewMessage`` of
+    tests and tools, or a delayed one (``delays.NewDelayed``); ``send_columns`` and
+    ``insert_messages_steps`` read these fields and no others."""
 
     @property
     def topic(self) -> str: ...
@@ -157,7 +160,7 @@ def send_columns(batch: Sequence[SendFields], node_id: str) -> SendColumns:
     }
 
 
-def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict[str, object]:
+def insert_params(batch: Sequence[SendFields], node_id: str, owner: int) -> dict[str, object]:
     """insert_messages' parameters for ``batch``. The rows are sorted by pair: the
     statement inserts them in the order sent, and that order is what keeps two writers
     from deadlocking on a pair both insert (see the statement); its answer is matched by
@@ -167,7 +170,7 @@ def insert_params(batch: Sequence[NewMessage], node_id: str, owner: int) -> dict
 
 
 def insert_messages_steps(
-    batch: Sequence[NewMessage], node_id: str, owner: int
+    batch: Sequence[SendFields], node_id: str, owner: int
 ) -> Steps[list[StoredMessage | Misplaced]]:
     """Store a batch owned by incarnation ``owner``: one statement, atomic on its own
     (the writers run it in autocommit); resent pairs are then read back. One
@@ -261,7 +264,7 @@ HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], ACK_NEW_DELIV
 
 
 def insert_messages(
-    conn: psycopg.Connection, batch: Sequence[NewMessage], node_id: str, owner: int
+    conn: psycopg.Connection, batch: Sequence[SendFields], node_id: str, owner: int
 ) -> list[StoredMessage | Misplaced]:
     """``insert_messages_steps`` over a blocking connection."""
     return run_steps(conn, insert_messages_steps(batch, node_id, owner))

@@ -59,7 +59,7 @@ log = Logger()
 # 11-120 ms. Under full load the queue passes it at once and the writers run side by side.
 PARALLEL_MIN = 64
 
-# what a group commit stores (a NewMessage, a NewDelayed, a NewDeadLetter) and what
+# what a group commit stores (a send, a NewDelayed, a NewDeadLetter) and what
 # storing one gives (a StoredMessage, a StoredDelay, a dead letter's id)
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
@@ -105,8 +105,9 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         node_id: str,
         max_batch: int,
         on_health: Callable[[bool, str], None] = lambda ok, why: None,
-        # the default makes a GroupCommitWriter[NewMessage, StoredMessage | Misplaced]; mypy
-        # cannot check a default against a parameter typed by the class's type variables
+        # the default stores sends (db.messages.SendFields: the broker's core.publish.Send),
+        # each a StoredMessage or Misplaced; mypy cannot check a default against a
+        # parameter typed by the class's type variables
         insert: Callable[..., Steps[Sequence[Outcome[ResultT]]]] = insert_messages_steps,  # type: ignore[assignment]
         on_unknown: Callable[[list[ItemT]], None] = lambda items: None,
         clock: Clock | None = None,
