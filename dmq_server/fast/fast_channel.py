@@ -44,7 +44,7 @@ READ_AHEAD = 64
 
 
 class FastChannel:
-    def __init__(self, topic_name: str, name: str, store: StoreServices):
+    def __init__(self, topic_name: str, name: str, store: StoreServices[FastChannel]):
         self.topic_name = topic_name
         self.name = name
         self.store = store

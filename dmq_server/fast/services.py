@@ -8,12 +8,16 @@ the other way round (no import cycle inside the package).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Mapping, Protocol, TypeVar
 
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.clock import Clock
 
-__all__ = ["Backend", "StoreServices"]
+__all__ = ["Backend", "ChannelHolder", "StoreServices"]
+
+# the channels the store puts under its scanner (``fast_channel.FastChannel``, which
+# imports this module: the channel and the topic name it as ``StoreServices[FastChannel]``)
+ChannelT = TypeVar("ChannelT", contravariant=True)
 
 
 class Backend(Protocol):
@@ -32,14 +36,26 @@ class Backend(Protocol):
     def destroy(self) -> None: ...
 
 
-class StoreServices(Protocol):
+class ChannelHolder(Protocol):
+    """A topic as its channels see it (``topic.FastTopic``): an ephemeral channel's last
+    client leaving deletes it there."""
+
+    @property
+    def channels(self) -> Mapping[str, object]: ...
+
+    def delete_channel(self, name: str) -> bool: ...
+
+
+class StoreServices(Protocol[ChannelT]):
     clock: Clock  # IReactorTime: the injected clock
     mem_queue_size: int
     client_memory: ClientMemory | None  # memory queues are bounded in bytes by it too (None: not)
     max_msg_timeout: float
     max_channel_consumers: int
     health_error: str | None
-    topics: dict[str, Any]  # name -> fast.topic.FastTopic (which imports this module)
+
+    @property
+    def topics(self) -> Mapping[str, ChannelHolder]: ...
 
     def make_backend(self, name: str, ephemeral: bool) -> Backend:
         """The overflow queue for a topic or channel (go-diskqueue files, or none)."""
@@ -52,7 +68,7 @@ class StoreServices(Protocol):
 
     def delete_topic(self, name: str) -> bool: ...
 
-    def arm(self, channel: Any) -> None:
+    def arm(self, channel: ChannelT) -> None:
         """Put a channel with in-flight or deferred messages under the queue scanner."""
 
-    def disarm(self, channel: Any) -> None: ...
+    def disarm(self, channel: ChannelT) -> None: ...

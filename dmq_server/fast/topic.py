@@ -38,7 +38,7 @@ DRAIN_PROBE = 16
 
 
 class FastTopic:
-    def __init__(self, name: str, store: StoreServices):
+    def __init__(self, name: str, store: StoreServices[FastChannel]):
         self.name = name
         self.store = store
         self.ephemeral = name.endswith("#ephemeral")
