@@ -90,9 +90,9 @@ def runs(name: str, rows: list[OutboxRow]) -> list[list[OutboxRow]]:
     last: tuple[str, str] | None = None
     for row in rows:
         key = (row.topic, producer_of(name, row))
-        if row.due_ms is None and out and key == last:
+        if out and key == last:
             out[-1].append(row)
         else:
             out.append([row])
-        last = key if row.due_ms is None else None
+        last = key if row.due_ms is None else None  # a delayed row stands alone
     return out

@@ -1,0 +1,62 @@
+"""The outbox relay's IO-free rules (dmq_server/core/outbox_rows.py): --outbox parsed with
+specific errors, the producer and session id a row is stored under, runs in id order."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmq_server.core.options import options_from_args
+from dmq_server.core.outbox_rows import OutboxRow, parse_outbox, producer_of, runs, session_of
+
+pytestmark = pytest.mark.unit
+
+
+def row(id: int, topic: str = "orders", *, due_ms: int | None = None, session_id: int | None = None) -> OutboxRow:
+    return OutboxRow(id, topic, b"x", due_ms, session_id, 0)
+
+
+def test_an_outbox_is_a_name_an_optional_schema_and_a_dsn() -> None:
+    source = parse_outbox("shop=host=db dbname=shop user=app")
+    assert (source.name, source.schema, source.dsn) == ("shop", "dmq_outbox", "host=db dbname=shop user=app")
+    assert parse_outbox("shop:billing_box=postgresql://db/shop").schema == "billing_box"
+    assert "postgresql" not in repr(parse_outbox("shop=postgresql://u:secret@db/shop"))
+
+
+@pytest.mark.parametrize("entry, says", [
+    ("shop", "give NAME=APP_DSN"),
+    ("shop=  ", "give NAME=APP_DSN"),
+    ("=postgresql://db/shop", "outbox name ''"),
+    ("sh op=postgresql://db/shop", "outbox name 'sh op'"),
+    ("x" * 41 + "=postgresql://db/shop", "1-40 characters"),
+    ("shop:Box=postgresql://db/shop", "schema 'Box'"),
+    ("shop:1box=postgresql://db/shop", "not starting with a digit"),
+])
+def test_a_bad_outbox_is_refused_saying_what_is_wrong(entry: str, says: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_outbox(entry)
+    assert says in str(refused.value)
+
+
+def test_the_server_options_check_every_outbox_once() -> None:
+    assert options_from_args(["--outbox", "a=dbname=a", "--outbox", "b:box=dbname=b"]).outbox == (
+        "a=dbname=a", "b:box=dbname=b")
+    with pytest.raises(SystemExit, match="--outbox.*outbox 'a' is given twice"):
+        options_from_args(["--outbox", "a=dbname=a", "--outbox", "a=dbname=b"])
+    with pytest.raises(SystemExit, match="--outbox.*give NAME=APP_DSN"):
+        options_from_args(["--outbox", "a"])
+
+
+def test_row_ids_and_own_session_ids_never_share_a_producer() -> None:
+    numbered, own = row(7), row(8, session_id=7)
+    assert (producer_of("shop", numbered), session_of(numbered)) == ("outbox:shop", 7)
+    assert (producer_of("shop", own), session_of(own)) == ("outbox:shop:own", 7)
+    assert producer_of("shop", row(9, due_ms=5)) == "outbox:shop:delayed"
+    assert producer_of("shop", row(9, due_ms=5, session_id=1)) == "outbox:shop:own:delayed"
+    assert len(producer_of("x" * 40, row(1, due_ms=5, session_id=1))) <= 64
+
+
+def test_runs_keep_the_id_order_and_cut_at_a_topic_a_producer_or_a_delay() -> None:
+    rows = [row(1), row(2), row(3, "refunds"), row(4, due_ms=9), row(5), row(6, session_id=1), row(7, session_id=2),
+            row(8, due_ms=9), row(9, due_ms=9)]
+    assert [[r.id for r in run] for run in runs("shop", rows)] == [[1, 2], [3], [4], [5], [6, 7], [8], [9]]
+    assert runs("shop", []) == []
