@@ -13,7 +13,7 @@ the stage is up: adopted once ``start`` has finished, stopped before ``stop`` ru
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+from typing import Callable, Generator, cast
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer
@@ -41,8 +41,8 @@ class Stage(MultiService):
     def __init__(
         self,
         name: str,
-        start: Callable[[], Any],
-        stop: Callable[[], Any] | None = None,
+        start: Callable[[], object],
+        stop: Callable[[], object] | None = None,
         *,
         timers: Callable[[], MultiService] | None = None,
         clock: Clock | None = None,
@@ -68,7 +68,7 @@ class Stage(MultiService):
         return defer.maybeDeferred(self._start).addCallback(adopt_timers)
 
     @defer.inlineCallbacks
-    def stopService(self) -> Any:
+    def stopService(self) -> Generator[defer.Deferred, object, None]:
         Service.stopService(self)
         children = list(self)
         if children:
@@ -103,7 +103,7 @@ class ServiceTree(MultiService):
         self._start_in_order().chainDeferred(self.ready)
 
     @defer.inlineCallbacks
-    def _start_in_order(self) -> Any:
+    def _start_in_order(self) -> Generator[defer.Deferred, object, ServiceTree]:
         for stage in list(self):
             if not self.running:
                 raise StoppedWhileStarting(f"stopped before {stage.name!r} started")
@@ -121,7 +121,7 @@ class ServiceTree(MultiService):
         return self._stop_in_reverse()
 
     @defer.inlineCallbacks
-    def _stop_in_reverse(self) -> Any:
+    def _stop_in_reverse(self) -> Generator[defer.Deferred, object, None]:
         """Every running stage, last first; one that fails to stop is logged and the
         others still stop (a shutdown goes all the way)."""
         for stage in reversed(list(self)):

@@ -11,7 +11,7 @@ JSON admin API (``http.admin_inspect``) and through it the web console call thes
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 
@@ -19,11 +19,13 @@ from dmq_server.admin.operations import AdminOps
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Invalid, NotFound
+from dmq_server.core.gauges import GaugeSnapshot
 from dmq_server.db.admin_steps import list_admin_log_steps
 from dmq_server.db.delays import (
     cancel_delayed_steps, deliver_delayed_now_steps, due_histogram_steps, list_delayed_steps,
 )
 from dmq_server.db.trace_steps import find_message_steps, peek_channel_steps, read_trace_steps
+from registry.model import NodeInfo
 
 __all__ = ["Inspector", "live_copies", "parse_ids", "describe_event", "registry_read",
            "RETURN_TEXT", "REGISTRY_WAIT"]
@@ -66,8 +68,9 @@ def registry_read(broker: BrokerPort, clock: Clock, wait: float = REGISTRY_WAIT)
     return done
 
 
-def _ms(seconds: float | None) -> int | None:
-    return None if not seconds else int(seconds * 1000)
+def _ms(seconds: object) -> int | None:
+    """A channel's time (``locate``'s, in seconds; None or 0: none) in ms."""
+    return int(seconds * 1000) if isinstance(seconds, (int, float)) and seconds else None
 
 
 def live_copies(broker: BrokerPort, topic: str, message_id: int) -> dict[str, dict[str, Any]]:
@@ -84,18 +87,40 @@ def live_copies(broker: BrokerPort, topic: str, message_id: int) -> dict[str, di
     return out
 
 
+class ClusterView(Protocol):
+    """What the node list reads of a cluster node (``cluster.node.ClusterNode``)."""
+
+    @property
+    def zk_state(self) -> str: ...
+    def live_nodes(self) -> list[NodeInfo]: ...
+
+
+class StoredFigures(Protocol):
+    """The figures a timer read from PostgreSQL (``http.sampling.StoredGauges``)."""
+
+    def snapshot(self) -> GaugeSnapshot: ...
+
+
+class ChannelHistory(Protocol):
+    """Each channel's recent samples (``http.sampling.History``), as the console's JSON."""
+
+    def export(self, topic: str | None = None) -> dict[str, object]: ...
+
+
 class Inspector:
     """The read-mostly views; ``ops`` is the node's ``AdminOps`` (its database worker,
     broker, delay scheduler, clock and audit log)."""
 
-    def __init__(self, ops: AdminOps, *, cluster: Any = None, info: Any = None, history: Any = None,
-                 channels: Any = None, gauges: Any = None):
+    def __init__(self, ops: AdminOps, *, cluster: ClusterView | None = None,
+                 info: Callable[[], dict[str, object]] | None = None, history: ChannelHistory | None = None,
+                 channels: Callable[[], Iterable[tuple[str, str, str, Mapping[str, object]]]] | None = None,
+                 gauges: StoredFigures | None = None):
         self.ops = ops
         self.cluster = cluster
         self.info = info  # () -> this node's /info
-        self._history = history  # http.sampling.History
+        self._history = history
         self._channels = channels  # () -> (store, topic, channel, stats) of both stores
-        self._gauges = gauges  # http.sampling.StoredGauges: figures read from PostgreSQL by a timer
+        self._gauges = gauges
 
     # -- one message ---------------------------------------------------------------
     def trace(self, message_id: int) -> Deferred:
@@ -286,7 +311,7 @@ class Inspector:
     def audit_log(self, before: int | None, limit: int) -> Deferred:
         return self.ops.db.run_steps(list_admin_log_steps, before or 2**62, limit)
 
-    def history(self, topic: str | None) -> dict[str, Any]:
+    def history(self, topic: str | None) -> dict[str, object]:
         if self._history is None:
             raise NotFound("no history on this node")
         return self._history.export(topic)

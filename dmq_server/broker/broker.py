@@ -40,7 +40,7 @@ from dmq_server.broker.topics import FAST, RELIABLE, TopicCache
 from dmq_server.core.buckets import DELIVERY_SECONDS, LATENCY_SECONDS, Buckets
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.clock import Clock
-from dmq_server.core.errors import Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable
+from dmq_server.core.errors import DmqError, Invalid, NoChannel, NoTopic, RateLimited, Refused, Unavailable
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
@@ -48,12 +48,14 @@ from dmq_server.core.publish import Published, PublishRequest, Send, check_reque
 from dmq_server.db.dead_letter_steps import NewDeadLetter
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
+from dmq_server.db.runner import StepRunner
 from dmq_server.fast.fast_store import FastStore
-from dmq_server.reliable.channel import Receiver
+from dmq_server.fast.message import FastClient
+from dmq_server.reliable.channel import Receiver, ReliableChannel
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
-from dmq_server.reliable.store import Fence, ReliableStore, StoreWiring
+from dmq_server.reliable.store import Fence, Outcome, ReliableStore, StoreWiring
 from dmq_server.db.topic_steps import list_topics_steps
-from dmq_server.broker.placement import Placement
+from dmq_server.broker.placement import ChannelGroup, Placement
 from dmq_server.db.storage_errors import Misplaced
 from registry.model import TopicSpec
 
@@ -75,18 +77,18 @@ class _Countdown:
 
     __slots__ = ("count", "remaining", "done", "first_id", "failure")
 
-    def __init__(self, count: int, done: Callable[[Any], None]):
+    def __init__(self, count: int, done: Callable[[Outcome], None]):
         self.count = self.remaining = count
         self.done = done
         self.first_id: int | None = None
         self.failure: BaseException | None = None
 
-    def many(self, start: int, outcomes: list) -> None:
+    def many(self, start: int, outcomes: Sequence[Outcome]) -> None:
         """The outcomes of several bodies (``ReliableStore.store_many``'s answer)."""
         for outcome in outcomes:
             self(outcome)
 
-    def __call__(self, outcome: Any) -> None:
+    def __call__(self, outcome: Outcome) -> None:
         if isinstance(outcome, Published):
             if self.first_id is None:
                 self.first_id = outcome.message_id
@@ -116,11 +118,11 @@ class Broker:
         self,
         options: Options,
         clock: Clock,
-        workers: dict[str, Any],
+        workers: Mapping[str, StepRunner],
         node_id: str,
         fetch_topics: Callable[[], Deferred] | None = None,
         fast: FastStore | None = None,
-        clusters: dict[str, dict[str, Any]] | None = None,
+        clusters: Mapping[str, Mapping[str, StepRunner]] | None = None,
         slots: dict[str, int] | None = None,
         alone: bool | None = None,
         memory: ClientMemory | None = None,
@@ -182,7 +184,7 @@ class Broker:
         return self.cache.reliable
 
     @property
-    def channels(self) -> dict[tuple[str, str], Any]:
+    def channels(self) -> Mapping[tuple[str, str], ReliableChannel | ChannelGroup]:
         """The reliable channels in memory, by (topic, channel)."""
         return self.placement.channels()
 
@@ -275,7 +277,7 @@ class Broker:
         self.limits.forget({spec.name for spec in specs if spec.rate_limit})
 
     # -- publishing -------------------------------------------------------
-    def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+    def publish(self, request: PublishRequest, done: Callable[[Outcome], None]) -> None:
         """Route ``request`` to its topic's store; ``done`` is called once, with
         ``Published`` when every message is stored, else with the first message's
         ``DmqError`` (a batch is answered as one, as NSQ's MPUB is; messages stored
@@ -363,7 +365,7 @@ class Broker:
 
             store.store_many(admitted, at_places)
 
-    def _direct_store(self, topic: str) -> Any:
+    def _direct_store(self, topic: str) -> ReliableStore | None:
         """The store that takes sends to ``topic`` with nothing to decide per send: a
         reliable topic this node has cached, with channels, no rate limit (its count and
         dead letters are per send) and one cluster; else None (``publish``'s way)."""
@@ -373,7 +375,7 @@ class Broker:
         store = self.placement.store_of(spec)
         return None if isinstance(store, BaseException) else store
 
-    def _fast_now(self, request: PublishRequest) -> Any:
+    def _fast_now(self, request: PublishRequest) -> Published | DmqError | None:
         """The outcome of ``request`` when it is bodies, not delayed, to a fast topic the
         fast store holds and the registry does not name (an NSQ topic made on first use:
         nsq.py's and most NSQ users' case), taken at once; else None (the whole way).
@@ -390,15 +392,16 @@ class Broker:
             return None
         return fast.publish(topic, bodies)
 
-    def _publish_to(self, store: Any, request: PublishRequest, done: Callable[[Any], None]) -> None:
+    def _publish_to(self, store: str | BaseException, request: PublishRequest, done: Callable[[Outcome], None]) -> None:
         if store == RELIABLE:
             self._publish_reliable(request, done)
         elif store == FAST:
             self._publish_fast(request, done)
-        else:
-            done(store)  # the DmqError why no store serves the topic
+        else:  # the DmqError why no store serves the topic
+            assert isinstance(store, BaseException), store
+            done(store)
 
-    def route(self, topic: str, create_fast: bool, then: Callable[[Any], None]) -> None:
+    def route(self, topic: str, create_fast: bool, then: Callable[[str | BaseException], None]) -> None:
         """Call ``then`` with the store serving ``topic``: ``RELIABLE``, ``FAST``, or
         the ``DmqError`` why none does. At once for a name a store knows; after one
         registry refresh for any other (a topic registered a moment ago is never
@@ -436,7 +439,7 @@ class Broker:
         process (a snowflake); the producer id makes it unique across processes."""
         return self._session_ids.new() & 0x7FFFFFFFFFFFFFFF
 
-    def _publish_fast(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+    def _publish_fast(self, request: PublishRequest, done: Callable[[Outcome], None]) -> None:
         """Into the fast store, answered before this returns. A registered fast topic's
         rate limit refuses the whole request (the fast store keeps no dead letters)."""
         spec = self.cache.fast.get(request.topic)
@@ -448,7 +451,7 @@ class Broker:
             deferred = max(request.due_ms - int(self.clock.seconds() * 1000), 0) / 1000.0
         done(self._fast_store().publish(request.topic, request.payloads(), deferred))
 
-    def _publish_reliable(self, request: PublishRequest, done: Callable[[Any], None]) -> None:
+    def _publish_reliable(self, request: PublishRequest, done: Callable[[Outcome], None]) -> None:
         """Each message through the group commit; one countdown answers the request."""
         count = len(request)
         if count == 1:
@@ -466,7 +469,7 @@ class Broker:
         for send in sends:
             self._publish_one(send, countdown, request.due_ms)
 
-    def _publish_one(self, send: Send, done: Callable[[Any], None], due_ms: int | None) -> None:
+    def _publish_one(self, send: Send, done: Callable[[Outcome], None], due_ms: int | None) -> None:
         """One checked message of a reliable topic, without Deferreds: ``done`` gets
         Published, or the DmqError. Called once per message, so the common case
         (topic cached) is a few dict lookups and one queue append.
@@ -489,7 +492,7 @@ class Broker:
 
         self.refresh_registry().addCallbacks(refreshed, lambda failure: done(failure.value))
 
-    def _admit(self, spec: TopicSpec, send: Send, done: Callable[[Any], None], due_ms: int | None) -> None:
+    def _admit(self, spec: TopicSpec, send: Send, done: Callable[[Outcome], None], due_ms: int | None) -> None:
         """Rate limit, then store (delayed or not); a stored pair refuses a send that is
         not a ``resend``."""
         store = self.placement.store_of(spec)
@@ -505,7 +508,7 @@ class Broker:
         else:
             store.store_delayed(send, due_ms, done)
 
-    def _rate_limited(self, spec: TopicSpec, send: Send, done: Callable[[Any], None], store: Any) -> None:
+    def _rate_limited(self, spec: TopicSpec, send: Send, done: Callable[[Outcome], None], store: ReliableStore) -> None:
         """Record the refused send as a dead letter, then refuse it. A replay of a dead
         letter (producer ``dmq-replay``) is refused without a new one: it already is one,
         and its replayer tries again later."""
@@ -514,7 +517,7 @@ class Broker:
             done(RateLimited(f"{why}; a replay: not recorded again"))
             return
 
-        def recorded(outcome: Any) -> None:
+        def recorded(outcome: int | Exception) -> None:  # the dead letter's id
             if isinstance(outcome, BaseException):
                 log.warn("rate-limited send not recorded as a dead letter: {why}", why=outcome)
                 done(RateLimited(f"{why} (dead letter not recorded: {outcome})"))
@@ -548,7 +551,7 @@ class Broker:
             spec = self.cache.reliable.get(topic)
             return spec is not None and channel in spec.channels
 
-        def attach(ok: bool) -> Any:
+        def attach(ok: bool) -> ReliableChannel | ChannelGroup:
             spec = self.cache.reliable.get(topic)
             if spec is None:
                 if not self.healthy:
@@ -560,7 +563,7 @@ class Broker:
 
         return self.cache.ensure(registered).addCallback(attach)
 
-    def attach(self, topic: str, channel: str, client: Any, consumer: Receiver) -> Deferred:
+    def attach(self, topic: str, channel: str, client: FastClient, consumer: Receiver) -> Deferred:
         """A SUB of a wire protocol that may meet either store (NSQ's; an unregistered
         name is a fast topic, made on first use): Deferred firing with the subscription
         the store serving ``topic`` made (``interfaces.Subscription``), or failing with the
@@ -569,7 +572,7 @@ class Broker:
         connection offers both and never learns which the topic uses."""
         attached: Deferred = Deferred()
 
-        def routed(store: Any) -> None:
+        def routed(store: str | BaseException) -> None:
             if isinstance(store, BaseException):
                 attached.errback(store)
             elif store == FAST:
@@ -627,7 +630,7 @@ class Broker:
         return sum(1 for mid in message_ids if self.ack(topic, channel, mid, consumer) is not None)
 
     # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
-    def _channel_stores(self, topic: str) -> list[Any]:
+    def _channel_stores(self, topic: str) -> list[ReliableStore]:
         spec = self.cache.reliable.get(topic)
         if spec is None or not self.placement.several:
             return [self.reliable]
@@ -707,7 +710,7 @@ class Broker:
         }
 
 
-def _answer_one(answer: Callable[[int, list], None], i: int, outcome: Any) -> None:
+def _answer_one(answer: Callable[[int, list[Outcome]], None], i: int, outcome: Outcome) -> None:
     """``publish_each``'s answer for its ``i``-th send when it went through ``publish``."""
     answer(i, [outcome])
 

@@ -13,14 +13,20 @@ stand-ins do too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from twisted.internet.defer import Deferred
 
 from dmq_server.broker.snapshot import BrokerSnapshot
 from dmq_server.core.options import Options
 from dmq_server.core.publish import PublishRequest
-from dmq_server.reliable.channel import Receiver
+from dmq_server.fast.message import FastClient
+from dmq_server.reliable.channel import Receiver, ReliableChannel
+from dmq_server.reliable.nsq_subscription import Counts
+from dmq_server.reliable.store import Outcome
+
+if TYPE_CHECKING:  # the placement imports nothing of this module; named for the type checker
+    from dmq_server.broker.placement import ChannelGroup
 from registry.model import TopicSpec
 
 __all__ = ["BrokerPort", "ChannelRef", "Pushed", "PushedMessage", "Store", "Subscription", "TopicAdminPort"]
@@ -42,6 +48,12 @@ class Store(Protocol):
         """Attach ``consumer`` to the channel; what it gets back is the store's own."""
 
 
+class NsqConn(FastClient, Counts, Protocol):
+    """The NSQ connection a subscription serves: nsqd's client interface to a fast
+    channel (``fast.message.FastClient``), its counts to a reliable one
+    (``reliable.nsq_subscription.Counts``)."""
+
+
 class Subscription(Protocol):
     """A SUB of a wire protocol that may meet either store (NSQ's): what the connection
     does with the channel it is attached to. The store serving the topic made it
@@ -51,22 +63,22 @@ class Subscription(Protocol):
     def pump(self) -> None:
         """Push what the client's credit allows now."""
 
-    def finish(self, conn: Any, message_id: bytes, pump: bool = True) -> str | None:
+    def finish(self, conn: NsqConn, message_id: bytes, pump: bool = True) -> str | None:
         """FIN: None, or why not."""
 
-    def finish_many(self, conn: Any, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
+    def finish_many(self, conn: NsqConn, message_ids: list[bytes]) -> list[tuple[bytes, str]]:
         """A read's FINs, without a pump; the ids refused, each with its reason."""
 
-    def requeue(self, conn: Any, message_id: bytes, timeout: float) -> str | None:
+    def requeue(self, conn: NsqConn, message_id: bytes, timeout: float) -> str | None:
         """REQ: None, or why not."""
 
-    def touch(self, conn: Any, message_id: bytes) -> str | None:
+    def touch(self, conn: NsqConn, message_id: bytes) -> str | None:
         """TOUCH: None, or why not."""
 
-    def in_flight(self, conn: Any) -> int:
+    def in_flight(self, conn: NsqConn) -> int:
         """How many of the channel's messages the client holds."""
 
-    def detach(self, conn: Any) -> None:
+    def detach(self, conn: NsqConn) -> None:
         """The client leaves the channel (its held messages go back)."""
 
 
@@ -160,16 +172,16 @@ class BrokerPort(Protocol):
         """The registered topics that wait in PostgreSQL, by name."""
 
     @property
-    def channels(self) -> Mapping[tuple[str, str], Any]:
+    def channels(self) -> Mapping[tuple[str, str], ReliableChannel | ChannelGroup]:
         """Their channels in memory, by (topic, channel)."""
 
     # publishing: core.publish
-    def publish(self, request: PublishRequest, done: Callable[[Any], None]) -> None: ...
+    def publish(self, request: PublishRequest, done: Callable[[Outcome], None]) -> None: ...
     def publish_each(self, request: PublishRequest, answer: Callable[[int, list], None]) -> None: ...
 
     # subscribing and acknowledging
     def subscribe(self, topic: str, channel: str, consumer: Receiver) -> Deferred: ...
-    def attach(self, topic: str, channel: str, client: Any, consumer: Receiver) -> Deferred: ...
+    def attach(self, topic: str, channel: str, client: FastClient, consumer: Receiver) -> Deferred: ...
     def unsubscribe(self, channel: Any, consumer: Receiver) -> None: ...
     def ack(self, topic: str, channel: str, message_id: int, consumer: Receiver) -> str | None: ...
     def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Receiver) -> int: ...

@@ -22,7 +22,7 @@ ZooKeeper; another cluster's is in ``health`` per cluster, in ``/stats`` and
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from twisted.logger import Logger
 
@@ -31,8 +31,9 @@ from dmq_server.core.errors import Unavailable
 from dmq_server.core.options import Options
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
-from dmq_server.reliable.channel import Receiver
-from dmq_server.reliable.store import ReliableStore, StoreWiring
+from dmq_server.db.runner import StepRunner
+from dmq_server.reliable.channel import Delivery, Receiver, ReliableChannel
+from dmq_server.reliable.store import Outcome, ReliableStore, StoreWiring
 from registry.model import TopicSpec
 
 __all__ = ["Placement", "ChannelGroup", "merge_channel_stats"]
@@ -49,10 +50,10 @@ class ChannelGroup:
     def __init__(self, topic: str, name: str):
         self.topic = topic
         self.name = name
-        self.members: dict[int, Any] = {}  # id slot -> ReliableChannel
-        self.consumers: list[Any] = []
+        self.members: dict[int, ReliableChannel] = {}  # by id slot
+        self.consumers: list[Receiver] = []
 
-    def set_members(self, members: dict[int, Any]) -> None:
+    def set_members(self, members: dict[int, ReliableChannel]) -> None:
         for slot, channel in list(self.members.items()):
             if members.get(slot) is not channel:
                 for consumer in self.consumers:  # quietly: the group goes on
@@ -63,7 +64,7 @@ class ChannelGroup:
                     channel.subscribe(consumer)
         self.members = dict(members)
 
-    def _member(self, message_id: int) -> Any:
+    def _member(self, message_id: int) -> ReliableChannel | None:
         return self.members.get(slot_of_id(message_id))
 
     # -- what the adapters call on a channel -------------------------------------------
@@ -98,7 +99,7 @@ class ChannelGroup:
     def stats(self) -> dict[str, Any]:
         return merge_channel_stats([c.stats() for c in self.members.values()])
 
-    def locate(self, message_id: int) -> Any:
+    def locate(self, message_id: int) -> dict[str, object] | None:
         channel = self._member(message_id)
         return None if channel is None else channel.locate(message_id)
 
@@ -113,11 +114,11 @@ class ChannelGroup:
     held = property(lambda self: any(c.held for c in self.members.values()))
 
     @property
-    def ready(self) -> list[Any]:
+    def ready(self) -> list[Delivery]:
         return [d for c in self.members.values() for d in c.ready]
 
     @property
-    def in_flight(self) -> dict[int, Any]:
+    def in_flight(self) -> dict[int, Delivery]:
         return {k: v for c in self.members.values() for k, v in c.in_flight.items()}
 
     @property
@@ -149,7 +150,7 @@ class Placement:
         self,
         options: Options,
         clock: Clock,
-        workers: dict[str, dict[str, Any]],
+        workers: Mapping[str, Mapping[str, StepRunner]],
         slots: dict[str, int],
         node_id: str,
         set_health: Callable[[bool, str], None],
@@ -206,13 +207,13 @@ class Placement:
     def store_of_id(self, message_id: int) -> ReliableStore | None:
         return self.by_slot.get(slot_of_id(message_id))
 
-    def answer(self, store: ReliableStore, done: Callable[[Any], None]) -> Callable[[Any], None]:
+    def answer(self, store: ReliableStore, done: Callable[[Outcome], None]) -> Callable[[Outcome], None]:
         """``done``, with a store failure of another cluster than main naming it."""
         if store.cluster == "main":
             return done
         cluster = store.cluster
 
-        def answered(outcome: Any) -> None:
+        def answered(outcome: Outcome) -> None:
             if isinstance(outcome, Unavailable):
                 outcome = type(outcome)(f"cluster {cluster!r}: {outcome.description}")
             done(outcome)
@@ -249,7 +250,7 @@ class Placement:
     def _fill(self, group: ChannelGroup, spec: TopicSpec) -> None:
         group.set_members({self.slot_of[s.cluster]: s.channel(group.topic, group.name) for s in self.stores_of(spec)})
 
-    def subscribe(self, spec: TopicSpec, name: str, consumer: Receiver) -> Any:
+    def subscribe(self, spec: TopicSpec, name: str, consumer: Receiver) -> ReliableChannel | ChannelGroup:
         """The channel a consumer of ``spec``'s channel ``name`` is attached to: the
         store's own with one cluster, else the (topic, channel)'s group."""
         if not self.several:
@@ -269,12 +270,12 @@ class Placement:
         if group is not None and len(group.members) > 1:
             group.pump()
 
-    def channels(self) -> dict[tuple[str, str], Any]:
+    def channels(self) -> Mapping[tuple[str, str], ReliableChannel | ChannelGroup]:
         """Every reliable channel in memory by (topic, channel): a group's where a
         consumer made one, else the first store's that has it."""
         if not self.several:
             return self.stores["main"].channels
-        found: dict[tuple[str, str], Any] = {}
+        found: dict[tuple[str, str], ReliableChannel | ChannelGroup] = {}
         for store in self.stores.values():
             for key, channel in store.channels.items():
                 found.setdefault(key, channel)

@@ -15,17 +15,27 @@ Nothing else in the server imports kazoo's threads into the reactor.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThread, deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
 __all__ = ["KazooBridge"]
 
+T = TypeVar("T")
+
+
+class Client(Protocol):
+    """What closing asks of a kazoo client (``kazoo.client.KazooClient``)."""
+
+    def stop(self) -> None: ...
+    def close(self) -> None: ...
+
 
 class KazooBridge:
-    def __init__(self, reactor: Any, threads: int = 3, name: str = "dmq-zk"):
+    def __init__(self, reactor: IReactorFromThreads, threads: int = 3, name: str = "dmq-zk"):
         self._reactor = reactor
         self._pool = ThreadPool(minthreads=1, maxthreads=threads, name=name)
         self._stopped = False
@@ -39,11 +49,11 @@ class KazooBridge:
             self._stopped = True
             self._pool.stop()
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred:
+    def call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> Deferred[T]:
         """Run blocking ``fn`` off the reactor; the result arrives on the reactor thread."""
         return deferToThreadPool(self._reactor, self._pool, fn, *args, **kwargs)
 
-    def close_client(self, client: Any) -> Deferred:
+    def close_client(self, client: Client) -> Deferred[None]:
         """Stop and close a kazoo client, off the reactor and outside the bridge's pool
         (whose threads may be waiting on that very client); pending requests fail."""
 
@@ -53,10 +63,10 @@ class KazooBridge:
 
         return deferToThread(close)
 
-    def relay(self, fn: Callable[..., Any]) -> Callable[..., None]:
+    def relay(self, fn: Callable[..., object]) -> Callable[..., None]:
         """A callable kazoo may call from any thread; ``fn`` runs on the reactor thread."""
 
-        def relayed(*args: Any) -> None:
+        def relayed(*args: object) -> None:
             if not self._stopped:
                 self._reactor.callFromThread(fn, *args)
 

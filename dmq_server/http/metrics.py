@@ -28,6 +28,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.twisted import MetricsResource
 
+from dmq_server.core.gauges import GaugeSnapshot
+
 __all__ = ["Snapshot", "DmqCollector", "metrics_resource"]
 
 CHANNEL_LABELS = ["store", "topic", "channel"]
@@ -49,7 +51,7 @@ class Snapshot:
     #: ``core.buckets.Buckets.snapshot()`` by histogram name (see HISTOGRAMS)
     histograms: dict[str, tuple[list[tuple[str, int]], float]] = field(default_factory=dict)
     #: ``http.sampling.StoredGauges.snapshot()``: the figures read from PostgreSQL on a timer
-    stored: dict[str, Any] | None = None
+    stored: GaugeSnapshot | None = None
     #: each database connection's state by role (``DbWorker.state()``, ``ReactorDb.state()``)
     db_pool: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: ``core.client_memory.ClientMemory.stats()``: the bytes held for clients, by kind, and the budget
@@ -244,9 +246,11 @@ def _deliveries(snap: Snapshot) -> Iterator[Metric]:
 
 def _stored(snap: Snapshot) -> Iterator[Metric]:
     """The gauges read from PostgreSQL by a timer (``http.sampling.StoredGauges``)."""
-    stored = snap.stored or {}
-    values = stored.get("values")
-    if stored.get("roundtrip") is not None:
+    stored = snap.stored
+    if stored is None:
+        return  # no sampling on this node
+    values = stored["values"]
+    if stored["roundtrip"] is not None:
         yield GaugeMetricFamily("dmq_database_roundtrip_seconds", "The last timed round trip to PostgreSQL "
                                 "(a ping through a worker connection, every --metrics-db-interval).",
                                 value=stored["roundtrip"])

@@ -19,7 +19,7 @@ All are services on the injected clock, run by the listeners' stage.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from twisted.application.internet import TimerService
 from twisted.application.service import MultiService, Service
@@ -27,7 +27,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
 from dmq_server.core.clock import Clock
+from dmq_server.core.gauges import Gauges, GaugeSnapshot
 from dmq_server.core.stalls import GcPauses, ReactorLag
+from dmq_server.db.runner import StepRunner
 from dmq_server.db.schema import ping_steps
 from dmq_server.db.trace_steps import read_gauges_steps
 
@@ -37,12 +39,15 @@ __all__ = ["StoredGauges", "History", "Pauses", "Sampling", "HISTORY_INTERVAL", 
 HISTORY_INTERVAL = 5.0
 HISTORY_POINTS = 120
 
+#: ``(store, topic, channel, stats)`` of one channel: its stats are /stats' JSON
+ChannelSample = tuple[str, str, str, Mapping[str, object]]
+
 #: what a channel's sample keeps, from its stats
 SAMPLED = ("depth", "in_flight_count", "deferred_count", "message_count", "ack_count", "requeue_count",
            "timeout_count")
 
 
-def merge_gauges(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
+def merge_gauges(one: Gauges, two: Gauges) -> Gauges:
     """Two clusters' ``read_gauges`` as one node's: the oldest of a channel's copies,
     delayed messages and dead letters added up."""
     oldest = dict(one["oldest_unacked_ms"])
@@ -64,7 +69,7 @@ def merge_gauges(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
 class StoredGauges:
     """The last database-derived figures, refreshed by ``refresh`` (a timer's call)."""
 
-    def __init__(self, db: Any, clock: Clock, others: Iterable[Any] = (),
+    def __init__(self, db: StepRunner, clock: Clock, others: Iterable[StepRunner] = (),
                  lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
         self.db = db
         # each channel's lowest unacknowledged id (the stores' depth counts), read on the
@@ -72,7 +77,7 @@ class StoredGauges:
         self.lowest = lowest
         self.others = list(others)  # the other PostgreSQL clusters' workers: their figures are added
         self.clock = clock
-        self.values: dict[str, Any] | None = None  # db.trace_steps.read_gauges' answer
+        self.values: Gauges | None = None
         self.refreshed_at: float | None = None
         self.roundtrip: float | None = None  # seconds, the last ping through the worker
         self.failures = 0
@@ -87,17 +92,22 @@ class StoredGauges:
 
         asked: dict[tuple[str, str], int | None] = {}
 
-        def pinged(_: object) -> Deferred:
+        def pinged(_: object) -> Deferred[Gauges]:
             self.roundtrip = self.clock.seconds() - started
             lowest = self.lowest()
             asked.update(lowest)
-            d = self.db.run_steps(read_gauges_steps, lowest)
-            for other in self.others:  # a cluster that fails to answer is left out this turn
-                d.addCallback(lambda values, db=other: db.run_steps(read_gauges_steps, lowest).addCallbacks(
-                    lambda more: merge_gauges(values, more), lambda _: values))
+
+            def add(values: Gauges, db: StepRunner) -> Deferred[Gauges]:
+                """Another cluster's figures added; one that fails to answer is left out this turn."""
+                more: Deferred[Gauges] = db.run_steps(read_gauges_steps, lowest)
+                return more.addCallbacks(lambda more: merge_gauges(values, more), lambda _: values)
+
+            d: Deferred[Gauges] = self.db.run_steps(read_gauges_steps, lowest)
+            for other in self.others:
+                d.addCallback(add, other)
             return d
 
-        def read(values: dict[str, Any]) -> None:
+        def read(values: Gauges) -> None:
             self.values = values
             self.refreshed_at = self.clock.seconds()
             self._asked = asked
@@ -119,14 +129,14 @@ class StoredGauges:
         age follows the depth within one. A channel that already shows an age keeps it
         until the next timed read (if that copy was acknowledged meanwhile, the age shown is
         its own: older than the oldest now)."""
-        shown = (self.values or {}).get("oldest_unacked_ms", {})
+        shown = self.values["oldest_unacked_ms"] if self.values is not None else {}
         unread = any(
             message_id is not None and shown.get(key) is None and message_id != self._asked.get(key)
             for key, message_id in self.lowest().items()
         )
         return self.refresh() if unread else succeed(None)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> GaugeSnapshot:
         """A copy for a scrape (taken on the reactor thread)."""
         return {
             "values": self.values,
@@ -137,11 +147,16 @@ class StoredGauges:
         }
 
 
+def _count(value: object) -> int:
+    """A sampled figure (an int in /stats' JSON; missing: 0)."""
+    return value if isinstance(value, int) else 0
+
+
 class History:
     """Per channel, the last ``points`` samples of its figures. ``channels()`` yields
     ``(store, topic, channel, stats)`` for every channel there is now."""
 
-    def __init__(self, channels: Callable[[], Iterable[tuple[str, str, str, dict]]], clock: Clock,
+    def __init__(self, channels: Callable[[], Iterable[ChannelSample]], clock: Clock,
                  points: int = HISTORY_POINTS):
         self._channels = channels
         self.clock = clock
@@ -159,11 +174,11 @@ class History:
             series = self.series.get(key)
             if series is None:
                 series = self.series[key] = deque(maxlen=self.points)
-            series.append((now, *(int(stats.get(name) or 0) for name in SAMPLED)))
+            series.append((now, *(_count(stats.get(name)) for name in SAMPLED)))
         for key in [k for k in self.series if k not in seen]:
             del self.series[key]  # the channel is gone
 
-    def export(self, topic: str | None = None) -> dict[str, Any]:
+    def export(self, topic: str | None = None) -> dict[str, object]:
         """JSON for the console: every channel's (of one topic's) samples as columns."""
         out = []
         for (store, t, channel), samples in sorted(self.series.items()):
@@ -191,12 +206,12 @@ class Pauses(Service):
         self.lag.start()
         self.collector.install()
 
-    def stopService(self) -> Any:
+    def stopService(self) -> Deferred[None] | None:
         self.lag.stop()
         self.collector.uninstall()
         return super().stopService()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """``/stats``' ``pauses``: the worst lateness, the collections, the latest stalls."""
         return {"reactor_lag": self.lag.stats(), "gc": self.collector.stats()}
 
@@ -205,8 +220,8 @@ class Sampling:
     """The HTTP port's timers: stored gauges every ``gauges_interval``, history every
     ``HISTORY_INTERVAL``. ``timers`` is adopted by the listeners' stage."""
 
-    def __init__(self, db: Any, clock: Clock, channels: Callable[[], Iterable[tuple[str, str, str, dict]]],
-                 gauges_interval: float, others: Iterable[Any] = (),
+    def __init__(self, db: StepRunner, clock: Clock, channels: Callable[[], Iterable[ChannelSample]],
+                 gauges_interval: float, others: Iterable[StepRunner] = (),
                  lowest: Callable[[], dict[tuple[str, str], int | None]] = dict):
         self.gauges = StoredGauges(db, clock, others, lowest)
         self.history = History(channels, clock)

@@ -665,7 +665,7 @@ class ReliableStore:
             return sum(1 for _ in message_ids)
         return channel.ack_held(message_ids, consumer)
 
-    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Receiver) -> None:
+    def _on_acks(self, channel: ReliableChannel, deliveries: list[Delivery], acked_ms: int, consumer: Receiver | None) -> None:
         """The copies one ``ack_held`` call acknowledged, to the acker as one ``AckRun``:
         what they share (channel, consumer, time, whether the topic keeps attempts) once,
         the rest as columns."""
