@@ -9,7 +9,7 @@ the three serves them.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 
@@ -17,6 +17,10 @@ from dmq_server.db.steps import Steps
 
 __all__ = ["StepRunner"]
 
+T = TypeVar("T")
+
 
 class StepRunner(Protocol):
-    def run_steps(self, steps_fn: Callable[..., Steps], *args: object) -> Deferred: ...
+    def run_steps(self, steps_fn: Callable[..., Steps[T]], *args: object) -> Deferred[T]:
+        """A Deferred of what ``steps_fn(*args)`` returns once its statements ran, or
+        failing with a ``StorageError``."""
