@@ -133,7 +133,7 @@ def _fragment_params(fragments: Sequence[int], max_fragment: int) -> dict:
     }
 
 
-def peek_delayed_steps(fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int) -> Steps:
+def peek_delayed_steps(fragments: Sequence[int], max_fragment: int, until_ms: int, limit: int) -> Steps[list[int]]:
     """Due times (ms) in ``fragments`` up to ``until_ms``, soonest first, at most ``limit``."""
     params = _fragment_params(fragments, max_fragment)
     params.update(until_ms=until_ms, limit=limit)

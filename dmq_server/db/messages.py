@@ -249,7 +249,7 @@ def _stored_rows(answer: Rows) -> tuple[Rows, dict[str, tuple[tuple[str, ...], l
     return (answer[:end] if end < len(answer) else answer), topics
 
 
-def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps:
+def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps[list[tuple[str, int]]]:
     """Which of the (producer, session id) pairs are stored: sends whose outcome was
     unknown (``Broker``'s check, until the store shows them)."""
     rows = yield Statement(
@@ -277,7 +277,7 @@ class OwnerState:
     retired: bool
 
 
-def create_owner_steps(node_id: str) -> Steps:
+def create_owner_steps(node_id: str) -> Steps[int]:
     """A new incarnation of ``node_id``: the owner of what it stores from now on."""
     rows = yield Statement("create_owner", {"node_id": node_id})
     return int(rows[0][0])
@@ -288,32 +288,32 @@ def create_owner(conn: psycopg.Connection, node_id: str) -> int:
     return run_steps(conn, create_owner_steps(node_id))
 
 
-def retire_silent_owners_steps(owner: int, node_id: str, silent_s: float) -> Steps:
+def retire_silent_owners_steps(owner: int, node_id: str, silent_s: float) -> Steps[list[int]]:
     """Without ZooKeeper: this node's earlier incarnations, and those whose server has not
     beaten for ``silent_s``, are over; the ids retired now."""
     rows = yield Statement("retire_silent_owners", {"owner": owner, "node_id": node_id, "silent_s": silent_s})
     return [int(r[0]) for r in rows]
 
 
-def owner_heartbeat_steps(owner: int) -> Steps:
+def owner_heartbeat_steps(owner: int) -> Steps[bool]:
     """This incarnation is alive; False if it was retired meanwhile."""
     rows = yield Statement("owner_heartbeat", {"owner": owner})
     return bool(rows)
 
 
-def read_owners_steps() -> Steps:
+def read_owners_steps() -> Steps[list[OwnerState]]:
     rows = yield Statement("owner_states", {})
     return [OwnerState(int(r[0]), r[1], bool(r[2])) for r in rows]
 
 
-def backends_alive_steps(pids: Sequence[int]) -> Steps:
+def backends_alive_steps(pids: Sequence[int]) -> Steps[set[int]]:
     """Which of these PostgreSQL backends still run (a write whose answer was lost is
     settled once the backend that ran it is gone)."""
     rows = yield Statement("backends_alive", {"pids": list(pids)})
     return {int(r[0]) for r in rows}
 
 
-def empty_channel_steps(topic: str, channel: str) -> Steps:
+def empty_channel_steps(topic: str, channel: str) -> Steps[int]:
     """Move every owner's cursor of the channel past what is stored; how many waited."""
     rows = yield Statement("empty_channel", {"topic": topic, "channel": channel})
     return int(rows[0][0]) if rows else 0
@@ -420,7 +420,7 @@ class CursorProgress:
 
 def ack_deliveries_steps(
     acks: Sequence[AckRun | AckRow], progress: Sequence[CursorProgress] = (), holder: str = "", fenced: bool = False
-) -> Steps:
+) -> Steps[list[tuple[str, str, int]]]:
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
     before is logged (one dmq_delivery_batch row). One statement, atomic on its own
     (a second only when some ack was done before: see ACK_NEW_DELIVERIES). In a cluster
@@ -516,7 +516,7 @@ class BacklogRow:
 
 def load_backlog_steps(
     topic: str, channel: str, after: int, limit: int, holder: str | None = None, owner: int = 0
-) -> Steps:
+) -> Steps[list[BacklogRow]]:
     """A channel's stored copies after ``after``, oldest first. In a cluster (``holder``
     set) only the copies of this node's incarnation ``owner`` and of the owners whose
     cursors ``holder`` holds; on one node, every owner's."""
@@ -535,7 +535,7 @@ def run_query_steps(name: str, params: Params) -> Steps[int]:
 
 
 
-def read_channel_state_steps() -> Steps:
+def read_channel_state_steps() -> Steps[tuple[set[tuple[str, str]], set[int]]]:
     """The channels an operator paused, and the incarnations that were retired (the
     stored depths are counted apart, a slice at a time: ``depth_slice_steps``)."""
     pause_rows = yield Statement("channel_pauses", {})
@@ -564,7 +564,7 @@ def depth_slice_steps(low: int | None, rows: int) -> Steps:
     return low, high, {(t, c): n for t, c, n, _ in counted}, {(t, c): lowest for t, c, _, lowest in counted}
 
 
-def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps:
+def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps[tuple[int, int | None]]:
     """Drop up to ``limit`` messages older than ``retention_s`` that every channel is
     done with, then the retired incarnations nothing is left of; returns how many
     messages went and the first id still inside the window (None: none is), from which
@@ -580,7 +580,7 @@ def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps:
     return swept, first_kept
 
 
-def sweep_messages_steps(retention_s: float, limit: int) -> Steps:
+def sweep_messages_steps(retention_s: float, limit: int) -> Steps[int]:
     """One batch of the sweep (``sweep_batch_steps``) from the lowest id: how many went."""
     swept, _ = yield from sweep_batch_steps(retention_s, limit)
     return swept
