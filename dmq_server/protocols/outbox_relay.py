@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
@@ -114,9 +114,9 @@ class OutboxRelay:
             self._nap = None
             nap[1].cancel()
             nap[0].callback(None)
-        loop = self._loop if self._loop is not None else Deferred[None]()
-        if self._loop is None:
-            loop.callback(None)
+        loop = self._loop
+        if loop is None:  # never started: nothing runs
+            return succeed(None)
 
         def stopped(_: None) -> None:
             self._app.stop()

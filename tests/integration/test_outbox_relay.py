@@ -32,13 +32,13 @@ def app_dsn(pg_empty_dsn):
 
 
 def send_transaction(app_dsn: str, bodies: list[bytes], *, commit: bool = True, topic: str = "orders",
-                     delay: float | None = None) -> None:
+                     delay: float | None = None, session_id: int | None = None) -> None:
     """One application transaction sending ``bodies`` through the outbox, committed or
     rolled back."""
     with psycopg.connect(app_dsn) as conn:
         conn.execute("SELECT 1")  # a transaction is open from here
         for body in bodies:
-            outbox.send(conn, topic, body, delay=delay)
+            outbox.send(conn, topic, body, delay=delay, session_id=session_id)
         if commit:
             conn.commit()
         else:
@@ -86,14 +86,31 @@ def test_committed_rows_arrive_once_in_order_and_rolled_back_ones_never(make_ser
         == [(len(sent), len(sent))]
 
 
+def test_an_own_session_id_is_stored_once_and_never_meets_a_row_id(make_server, topic, pg_dsn, app_dsn):
+    """Rows the application numbered itself go as producer outbox:shop:own under its number:
+    two rows with one number (a transaction retried after an unknown commit outcome) are
+    stored once; a row numbered 1 and the relay's row 1 are two messages."""
+    server = make_server(outbox=f"shop={app_dsn}")
+    send_transaction(app_dsn, [b"numbered by the relay"])  # row 1
+    send_transaction(app_dsn, [b"order 1"], session_id=1)  # row 2
+    send_transaction(app_dsn, [b"order 1, again"], session_id=1)  # row 3: the retry
+    pushes = consume(server, 2)
+    assert sorted((p.producer, p.session_id, p.body) for p in pushes) == [
+        ("outbox:shop", 1, b"numbered by the relay"), ("outbox:shop:own", 1, b"order 1")]
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+
+
 def test_a_delayed_row_arrives_when_due(make_server, topic, pg_dsn, app_dsn):
-    """A row sent with a delay is stored as a delayed message and pushed once it is due."""
+    """A row sent with a delay is stored as a delayed message and pushed once it is due;
+    its record goes with the row's delete."""
     server = make_server(outbox=f"shop={app_dsn}")
     send_transaction(app_dsn, [b"later"], delay=1.0)
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     assert db_rows(pg_dsn, "SELECT producer, body FROM dmq_delay") == [("outbox:shop:delayed", b"later")]
     [push] = consume(server, 1)
     assert push.body == b"later" and push.producer == "outbox:shop:delayed"
+    # its move into the topic is not a relay: it leaves no record behind
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)]
 
 
 def _hold_rows(app_dsn: str) -> psycopg.Connection:
@@ -116,16 +133,21 @@ def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic
     """The server is killed (-9) after its store committed and before its delete: its DELETE
     is held on the rows' locks, so the kill comes exactly there. Restarted, it finds the rows
     recorded and deletes them without storing them again: within --message-retention the
-    consumer gets each once under its first id; after it (the messages swept from
-    dmq_message, as the retention sweep does) nothing is stored a second time."""
+    consumer gets each once under its first id (a delayed one once it is due); after it (the
+    messages gone from dmq_message and dmq_delay, as the retention sweep leaves them) nothing
+    is stored a second time."""
     send_transaction(app_dsn, [b"a", b"b", b"c"])
+    send_transaction(app_dsn, [b"later"], delay=0.5)
     blocker = _hold_rows(app_dsn)
     try:
         server = make_server(outbox=f"shop={app_dsn}")
         wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
-        stored = db_rows(pg_dsn, f"SELECT id, body FROM dmq_message WHERE {OUTBOX_PRODUCERS} ORDER BY id")
+        stored = db_rows(pg_dsn, "SELECT id, body FROM dmq_message WHERE producer = 'outbox:shop' ORDER BY id")
         assert [body for _, body in stored] == [b"a", b"b", b"c"]
-        assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(3,)]
+        # the delayed one waits, or was moved when due
+        assert db_rows(pg_dsn, "SELECT (SELECT count(*) FROM dmq_delay) + (SELECT count(*) FROM dmq_message)") == [(4,)]
+        assert db_rows(pg_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed ORDER BY 2") == [
+            ("outbox:shop", 1), ("outbox:shop", 2), ("outbox:shop", 3), ("outbox:shop:delayed", 4)]
         server.kill()
         # the killed server's backend would end once it noticed its client gone; its DELETE,
         # still waiting for the lock, must not run after all
@@ -133,19 +155,21 @@ def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic
     finally:
         blocker.rollback()
         blocker.close()
-    assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(3,)]
+    assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(4,)]
     if swept:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DELETE FROM dmq_delay WHERE {OUTBOX_PRODUCERS}")
             conn.execute(f"DELETE FROM dmq_message WHERE {OUTBOX_PRODUCERS}")
     server.start()
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
     if swept:
-        assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0,)]
+        assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_delay WHERE {OUTBOX_PRODUCERS}") == [(0,)]
     else:
-        pushes = consume(server, 3)
-        assert sorted((p.message_id, p.body) for p in pushes) == stored
-    assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0 if swept else 3,)]
+        pushes = consume(server, 4)
+        assert sorted(p.body for p in pushes) == [b"a", b"b", b"c", b"later"]
+        assert sorted((p.message_id, p.body) for p in pushes if p.body != b"later") == stored
+    assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0 if swept else 4,)]
 
 
 def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_server, topic, pg_dsn, app_dsn):
