@@ -11,7 +11,8 @@ cluster    with --zk: ZooKeeper, the registry mirror; heartbeat and node-list ti
 fast-store NSQ's store from ``nsqd.dat``; its disk-sync timer  /  memory,
            in-flight and deferred messages to disk
 broker     registry cache and channel state; the scanner of both stores, refresh,
-           sweep and channel-state timers  /  commit and
+           each reliable store's own timers (sweep, channel state, heartbeat,
+           depth count)  /  commit and
            answer every queued send, make acknowledgements durable, close connections
 scheduler  delay scheduler and expiry sweep  /  leave the delay fragment party
 listeners  TCP (dmq protocol and NSQ V2; TLS-only with --tls-address), HTTP (API, nsqd,

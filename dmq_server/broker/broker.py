@@ -190,25 +190,22 @@ class Broker:
 
     # -- lifecycle --------------------------------------------------------
     def _timers(self) -> MultiService:
-        """The periodic jobs, one named ``TimerService`` each on the injected clock.
-        The service tree runs them while the broker's stage is up (each fires once
-        when started, then every interval); nothing here starts them."""
+        """The periodic jobs: the broker's own (the one scan of both stores, the registry
+        refresh), one named ``TimerService`` each on the injected clock, and each reliable
+        store's (``store-CLUSTER``: its sweep, channel state, heartbeat and depth count,
+        ``ReliableStore.timers``). The service tree runs them while the broker's stage is
+        up (each fires once when started, then every interval); nothing here starts them."""
         timers = MultiService()
-        each = self._each
         for name, fn, step in (
             ("scan", self.scan, self.options.scan_interval),
             ("registry-refresh", self._refresh_quietly, self.options.registry_refresh),
-            ("sweep", each("sweep"), self.options.sweep_interval),
-            ("channel-state", each("read_channel_state"), self.options.channel_state_interval),
-            ("heartbeat", each("heartbeat"), self.options.owner_silence / 6),
         ):
             timer = TimerService(step, fn)
             timer.clock = self.clock
             timer.setName(name)
             timer.setServiceParent(timers)
-        for cluster, store in self.stores.items():  # each cluster's stored depths, a slice at a time
-            store.depths.setName(f"depth-count-{cluster}")
-            store.depths.setServiceParent(timers)
+        for store in self.stores.values():
+            store.timers.setServiceParent(timers)
         return timers
 
     def _each(self, method: str) -> Callable[[], Deferred]:

@@ -24,6 +24,8 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from twisted.application.internet import TimerService
+from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -205,9 +207,33 @@ class ReliableStore:
             insert=insert_delayed_steps,
         )
         self._delays: DelayScheduler | None = None  # the scheduler stage's (schedule_delays_with)
-        # every channel's stored depth, counted a slice at a time (run by the broker's timers)
+        # every channel's stored depth, counted a slice at a time (one of this store's timers)
         self.depths = DepthCount(workers["admin"], clock, self._apply_depths, options.channel_state_interval)
         self._sweep = _Sweep()
+        self.timers = self._timers()
+
+    def _timers(self) -> MultiService:
+        """This store's periodic jobs as its own service (``store-CLUSTER``): the retention
+        sweep, the channels' state, the incarnation's heartbeat and the depth count, one
+        named ``TimerService`` each on the injected clock (each fires once when started,
+        then every interval). The broker adopts it under its own timers, which its stage
+        runs; nothing here starts it. Stopping it (``stop``) stops this store's jobs only:
+        a cluster's store that goes leaves the others' running."""
+        options = self.options
+        timers = MultiService()
+        timers.setName(f"store-{self.cluster}")
+        for name, job, step in (
+            ("sweep", self.sweep, options.sweep_interval),
+            ("channel-state", self.read_channel_state, options.channel_state_interval),
+            ("heartbeat", self.heartbeat, options.owner_silence / 6),
+        ):
+            timer = TimerService(step, job)
+            timer.clock = self.clock
+            timer.setName(name)
+            timer.setServiceParent(timers)
+        self.depths.setName("depth-count")
+        self.depths.setServiceParent(timers)
+        return timers
 
     @property
     def unknown_outcomes(self) -> int:
@@ -308,7 +334,9 @@ class ReliableStore:
         return d
 
     def stop(self) -> Deferred:
-        """Commit and answer what is queued, make acks durable."""
+        """Stop this store's timers, commit and answer what is queued, make acks durable."""
+        if self.timers.running:  # the broker's stage stopped them first; a test may not have
+            self.timers.stopService()
         sweep = self._sweep
         sweep.stopped = True
         if sweep.call is not None and sweep.call.active():

@@ -735,7 +735,7 @@ def test_the_stored_depths_reach_the_channels_from_the_depth_count(h):
     channels = h.broker.reliable.channels
     assert channels[("orders", "billing")].stored_count == 3 and channels[("orders", "audit")].stored_count == 3
     assert h.broker.reliable.depths.passes >= 2
-    assert "depth-count-main" in {t.name for t in h.broker.timers}
+    assert "depth-count" in {t.name for t in h.broker.timers.getServiceNamed("store-main")}
 
 
 def test_the_retention_sweep_goes_on_while_its_batches_come_back_full_pausing_after_each(monkeypatch):

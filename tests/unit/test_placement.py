@@ -185,3 +185,29 @@ def test_a_read_of_acks_during_a_move_is_answered_id_by_id_on_each_copys_cluster
     h.clock.advance(120)  # past the message timeout: an ack that was lost would push again
     h.settle()
     assert sorted(mid for _, mid in consumer.pushed) == sorted(pushed)
+
+
+def test_each_clusters_store_runs_its_own_timers_and_stopping_one_stops_only_its_own():
+    """A store's sweep, channel state, heartbeat and depth count are its own service under
+    the broker's timers: a store that goes (its cluster detached) takes its jobs with it,
+    the other cluster's store and the broker's scan go on."""
+    h = TwoClusters()
+    assert [t.name for t in h.broker.timers] == ["scan", "registry-refresh", "store-main", "store-b"]
+    stores = h.broker.cluster_stores()
+    stopped = stores["b"].stop()
+    h.settle()
+    assert stopped.called and not stores["b"].timers.running and stores["main"].timers.running
+
+    def counts() -> tuple[int, int, int, int]:
+        main, b = h.db.names_run(), h.b.names_run()
+        return (main.count("owner_heartbeat"), b.count("owner_heartbeat"),
+                main.count("depth_slice_end"), b.count("depth_slice_end"))
+
+    before = counts()
+    scans = []
+    stores["main"].scan = lambda now: scans.append(now)  # the broker's one scan still reaches main
+    h.settle(2 * Options().owner_silence / 6 + 2 * Options().channel_state_interval)
+    after = counts()
+    assert after[0] > before[0] and after[2] > before[2]  # main's heartbeat and depth count go on
+    assert after[1] == before[1] and after[3] == before[3]  # b's stopped with its store
+    assert scans

@@ -186,19 +186,24 @@ def test_components_do_not_start_their_own_timers():
     fast.start()
     clock.advance(1)
     assert not broker.timers.running and not fast.timers.running
-    named = {t.name: getattr(t, "step", None) or t.period for t in broker.timers}
-    assert named == {
+    assert {t.name: t.step for t in broker.timers if t.name != "store-main"} == {
         "scan": options.scan_interval,
         "registry-refresh": options.registry_refresh,
+    }
+    # the reliable store's own jobs are its own service, adopted under the broker's
+    store = broker.timers.getServiceNamed("store-main")
+    assert store is broker.reliable.timers and not store.running
+    assert {t.name: getattr(t, "step", None) or t.period for t in store} == {
         "sweep": options.sweep_interval,
         "channel-state": options.channel_state_interval,
         "heartbeat": options.owner_silence / 6,
-        "depth-count-main": options.channel_state_interval,  # its passes' shortest period
+        "depth-count": options.channel_state_interval,  # its passes' shortest period
     }
     assert db.names_run().count("depth_slice_end") == 0  # the depth count waits for the timers too
     # one scanner for both stores: the broker's; the fast store keeps only its disk sync
     assert {t.name: t.step for t in fast.timers} == {"sync": options.sync_timeout}
-    assert all(t.clock is clock for t in [*broker.timers, *fast.timers])
+    timed = [t for t in [*broker.timers, *store, *fast.timers] if t is not store]
+    assert all(t.clock is clock for t in timed)
 
 
 @pytest.mark.parametrize(
