@@ -415,9 +415,9 @@ class Options:
         return self.tls_required
 
     @property
-    def zk_security(self) -> dict[str, Any]:
+    def zk_security(self) -> dict[str, object]:
         """kazoo's keyword arguments for SASL and TLS (``registry.zk.make_client``)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         if self.zk_sasl_user:
             out["sasl_options"] = {"mechanism": "DIGEST-MD5", "username": self.zk_sasl_user, "password": self.zk_sasl_password}
         if self.zk_tls_ca_file:
