@@ -222,3 +222,24 @@ def test_one_relay_per_outbox_and_another_takes_over_after_kill(make_server, top
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     assert _stored(other.dsn) == 2 and _stored(leader.dsn) == 3
     assert "this node relays dmq_outbox" in other.log()
+
+
+
+def test_a_relay_taking_over_drops_the_records_of_rows_gone_and_skips_rows_recorded(
+    make_server, topic, pg_dsn, app_dsn
+):
+    """What a relay killed between its delete and dropping the records leaves (records of
+    rows no longer in the outbox), and what one killed between its store and its delete
+    leaves (a row still in the outbox whose record says it was stored): the next relay to
+    take the outbox drops the first and deletes the second without storing it again."""
+    send_transaction(app_dsn, [b"stored before the kill"])  # row 1, still in the outbox
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO dmq_outbox_relayed (session_id, producer) VALUES "
+                     "(1, 'outbox:shop'), (7, 'outbox:shop'), (8, 'outbox:shop:delayed'), (9, 'outbox:other')")
+    server = make_server(outbox=f"shop={app_dsn}")
+    send_transaction(app_dsn, [b"new"])  # row 2
+    [push] = consume(server, 1)
+    assert push.body == b"new"
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    wait_for(lambda: db_rows(pg_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed") == [("outbox:other", 9)],
+             timeout=WAIT)
