@@ -48,6 +48,10 @@ log = Logger()
 
 T = TypeVar("T")
 
+# the longest pause between tries while a database fails (an outbox not installed, a
+# database down): one warning per try, so a lasting failure does not flood the log
+MAX_PAUSE = 30.0
+
 # the records a relay taking over checks against its outbox at once (a few batches' worth
 # is the most a relay that died can leave)
 STALE_CHECK = 10000
@@ -136,13 +140,17 @@ class OutboxRelay:
 
     async def _run(self) -> None:
         name = self.source.name
+        failures = 0
         while self._running:
             try:
                 await self._cycle()
-            except Exception as exc:  # the databases' failures: logged, tried again
-                log.warn("outbox {name}: {why}; trying again in {retry}s", name=name, why=exc, retry=self._retry)
+                failures = 0
+            except Exception as exc:  # the databases' failures: logged, tried again, less often each time
+                pause = min(self._retry * 2 ** failures, MAX_PAUSE)
+                failures += 1
+                log.warn("outbox {name}: {why}; trying again in {pause:g}s", name=name, why=exc, pause=pause)
                 if self._running:
-                    await self._sleep(self._retry)
+                    await self._sleep(pause)
 
     async def _cycle(self) -> None:
         name, schema = self.source.name, self.source.schema

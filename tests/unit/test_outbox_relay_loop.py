@@ -1,0 +1,141 @@
+"""The outbox relay's loop (dmq_server/protocols/outbox_relay.py) on doubles, in
+milliseconds: the databases as functions answered by a table, the broker as a recorder,
+time as task.Clock. What a cycle does with each answer, how it backs off while a database
+fails, and that stop ends it at once. The real thing runs in
+tests/integration/test_outbox_relay.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+
+from dmq_server.core.errors import NoTopic, Unavailable
+from dmq_server.core.outbox_rows import OutboxRow, OutboxSource
+from dmq_server.core.publish import PublishRequest, Published
+from dmq_server.db import outbox, outbox_ledger
+from dmq_server.db.storage_errors import StorageError
+from dmq_server.protocols.outbox_relay import MAX_PAUSE, OutboxRelay
+
+pytestmark = pytest.mark.unit
+
+
+class Db:
+    """A database as the relay calls it: each function answered by ``answers[fn]`` (a
+    value, an exception, a Deferred, or a callable of the call's arguments giving one of
+    those); every call recorded."""
+
+    def __init__(self, answers: dict[Callable[..., object], object]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def run(self, fn: Callable[..., object], *args: object) -> Deferred[object]:
+        self.calls.append((fn, args))
+        answer = self.answers[fn]
+        if callable(answer):
+            answer = answer(*args)
+        if isinstance(answer, Deferred):
+            return answer
+        if isinstance(answer, BaseException):
+            return fail(answer)
+        return succeed(answer)
+
+    def count(self, fn: Callable[..., object]) -> int:
+        return sum(1 for called, _ in self.calls if called is fn)
+
+
+class Broker:
+    """Answers each publish at once: NoTopic for topic 'nosuch', Unavailable for 'down',
+    else Published."""
+
+    def __init__(self) -> None:
+        self.requests: list[PublishRequest] = []
+
+    def publish_each(self, request: PublishRequest, answer: Callable[[int, list[object]], None]) -> None:
+        self.requests.append(request)
+        outcome: object = Published(1)
+        if request.topic == "nosuch":
+            outcome = NoTopic("topic 'nosuch' is not registered or has no channel")
+        elif request.topic == "down":
+            outcome = Unavailable("storage unavailable")
+        answer(0, [outcome] * len(request.sends or ()))
+
+
+def row(id: int, topic: str = "orders") -> OutboxRow:
+    return OutboxRow(id, topic, b"body", None, None, 1000)
+
+
+def relay_with(app_answers: dict, dmq_answers: dict | None = None) -> tuple[OutboxRelay, Db, Db, Broker, Clock]:
+    clock = Clock()
+    # a wait for NOTIFY never ends here: the loop rests in it
+    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
+              outbox.delete_rows: 0, **app_answers})
+    dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
+              outbox_ledger.forget_relayed: 0, outbox_ledger.dead_letter_rows: 0, **(dmq_answers or {})})
+    broker = Broker()
+    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, dmq)
+    return relay, app, dmq, broker, clock
+
+
+def once(rows: list[OutboxRow]) -> Callable[..., object]:
+    """read_rows answering ``rows`` the first time, nothing after."""
+    batches = [rows]
+
+    def read(*_: object) -> list[OutboxRow]:
+        return batches.pop() if batches else []
+
+    return read
+
+
+def test_a_batch_is_published_in_runs_refused_rows_dead_lettered_and_passing_failures_kept() -> None:
+    rows = [row(1), row(2), row(3, "nosuch"), row(4, "down"), row(5)]
+    relay, app, dmq, broker, _ = relay_with({outbox.read_rows: once(rows)},
+                                            {outbox_ledger.relayed_before: {("outbox:shop", 2)}})
+    relay.start()
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1], [3], [4], [5]]
+    [(_, (letters,))] = [call for call in dmq.calls if call[0] is outbox_ledger.dead_letter_rows]
+    assert [(d.session_id, d.topic) for d in letters] == [(3, "nosuch")]
+    assert "outbox shop (dmq_outbox) row 3: topic 'nosuch' is not registered" in letters[0].detail
+    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
+    assert sorted(deleted) == [1, 2, 3, 5]
+    [(_, (forgotten,))] = [call for call in dmq.calls if call[0] is outbox_ledger.forget_relayed]
+    assert sorted(forgotten) == [("outbox:shop", s) for s in (1, 2, 3, 5)]
+    assert (relay.relayed, relay.dead) == (3, 1)
+    relay.stop()
+
+
+def test_a_failing_database_is_tried_again_less_often_and_stop_ends_the_wait() -> None:
+    relay, app, _, _, clock = relay_with({outbox.read_rows: StorageError("relation dmq_outbox.outbox does not exist")})
+    relay.start()
+    tries = [app.count(outbox.read_rows)]
+    for _ in range(8):
+        clock.advance(MAX_PAUSE)
+        tries.append(app.count(outbox.read_rows))
+    # pauses of 1, 2, 4, 8, 16, then 30 s: within 30 s of each other after the fifth
+    assert tries == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    clock.advance(MAX_PAUSE - 1)
+    assert app.count(outbox.read_rows) == 9
+    stopped = relay.stop()
+    assert stopped.called and app.stopped
+    clock.advance(MAX_PAUSE)
+    assert app.count(outbox.read_rows) == 9
+
+
+def test_without_the_lock_nothing_is_read_and_the_lock_is_tried_every_second() -> None:
+    relay, app, _, broker, clock = relay_with({outbox.hold_relay: 0, outbox.read_rows: once([row(1)])})
+    relay.start()
+    clock.advance(1)
+    clock.advance(1)
+    assert app.count(outbox.hold_relay) == 3 and app.count(outbox.read_rows) == 0 and not relay.relaying
+    relay.stop()
+    assert broker.requests == []
+
