@@ -174,7 +174,8 @@ def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic
 
 def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_server, topic, pg_dsn, app_dsn):
     """A row to a topic dmq does not know and a body over --max-msg-size are dead letters
-    with the reason and the row named; the rows after them arrive."""
+    with the reason and the row named; the rows after them arrive; once the topic is
+    registered, a replay delivers the first."""
     server = make_server(outbox=f"shop={app_dsn}", max_msg_size="100")
     send_transaction(app_dsn, [b"first"])
     send_transaction(app_dsn, [b"lost"], topic="nosuch")
@@ -186,6 +187,18 @@ def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_serv
     assert [letter[:4] for letter in letters] == [("nosuch", "outbox:shop", 2, 4), ("orders", "outbox:shop", 3, 101)]
     assert "row 2" in letters[0][4] and "not registered" in letters[0][4], letters[0][4]
     assert "row 3" in letters[1][4] and "too big" in letters[1][4], letters[1][4]
+    # registered afterwards, the topic gets the dead letter by a replay, as any other
+    import registry
+    from dmq_server.db.worker import connect
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "nosuch", msg_timeout_ms=60000)
+        registry.add_channel(conn, "nosuch", "audit")
+    [(letter_id,)] = db_rows(pg_dsn, "SELECT id FROM dmq_dead_letter WHERE topic = 'nosuch'")
+    done = run_cli(pg_dsn, "dlq", "replay", str(letter_id))
+    assert done.returncode == 0, done.stderr
+    [push] = consume(server, 1, topic="nosuch", channel="audit")
+    assert push.body == b"lost"
 
 
 @pytest.fixture
