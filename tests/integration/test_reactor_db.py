@@ -20,8 +20,19 @@ from twisted.python.failure import Failure
 from dmq_server.db.reactor import PreparedSql, ReactorDb
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.messages import HOT_STATEMENTS, NewMessage, insert_messages, insert_messages_steps, run_query_steps
-from dmq_server.db.steps import Statement, add_statement
+from dmq_server.db.steps import STATEMENTS, Statement, add_statement
 from dmq_server.db.worker import connect
+
+
+@pytest.fixture(autouse=True)
+def _own_statements_forgotten():
+    """The statements a test here registers are its own: gone after it, so a test that
+    lists every statement of the server (test_memory_db_contract's, which fails on a
+    statement the double has no handler for) finds none of them, whatever the order."""
+    before = dict(STATEMENTS)
+    yield
+    STATEMENTS.clear()
+    STATEMENTS.update(before)
 
 
 def _stmt(sql: str, params: dict) -> Statement:
