@@ -256,3 +256,22 @@ def test_a_relay_taking_over_drops_the_records_of_rows_gone_and_skips_rows_recor
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     wait_for(lambda: db_rows(pg_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed") == [("outbox:other", 9)],
              timeout=WAIT)
+
+
+def test_reading_the_outbox_takes_the_notifications_received_so_far(app_dsn):
+    """psycopg keeps the NOTIFYs that arrive while other statements run until they are
+    taken; a relay that always finds rows never waits for one, so each read takes them
+    (memory stays bounded): none are left after it, and one sent after it still wakes the
+    wait."""
+    from dmq_server.db import outbox as relay_db
+
+    q = relay_db.relay_queries("dmq_outbox")
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        assert relay_db.hold_relay(conn, q, "dmq_outbox", 0) == conn.info.backend_pid
+        for _ in range(50):
+            send_transaction(app_dsn, [b"x"])
+            conn.execute("SELECT 1")  # busy: the notification is kept for later
+        assert [r.id for r in relay_db.read_rows(conn, q, 100)] == list(range(1, 51))
+        assert list(conn.notifies(timeout=0)) == []
+        send_transaction(app_dsn, [b"y"])
+        assert relay_db.wait_for_rows(conn, 5.0) is True
