@@ -192,15 +192,15 @@ def hold_relay(conn: psycopg.Connection, q: dict[str, str], schema: str, locked_
     return pid
 
 
-def read_rows(conn: psycopg.Connection, q: dict[str, str], limit: int) -> list[OutboxRow]:
-    """The next ``limit`` committed rows, in id order. The NOTIFYs received so far go
+def read_rows(conn: psycopg.Connection, q: dict[str, str], limit: int, after: int = 0) -> list[OutboxRow]:
+    """The next ``limit`` committed rows with an id above ``after``, in id order. The NOTIFYs received so far go
     first: this read sees every row they announce, and psycopg keeps those that arrive
     while other statements run until ``notifies`` takes them, which under a steady load
     (rows every cycle, never a wait) would be never: memory without bound."""
     for _ in conn.notifies(timeout=0):
         pass
     return [OutboxRow(row[0], row[1], bytes(row[2]), row[3], row[4], row[5])
-            for row in conn.execute(q["relay_read"], {"limit": limit})]
+            for row in conn.execute(q["relay_read"], {"limit": limit, "after": after})]
 
 
 def wait_for_rows(conn: psycopg.Connection, timeout: float) -> bool:

@@ -94,6 +94,10 @@ class OutboxRelay:
         self._retry = retry
         self._running = False
         self._pid = 0  # the application database's backend holding the lock, 0: not this relay
+        # a pass over the outbox that kept rows to try again (their store failed for a passing
+        # reason): the id read up to, and how many were kept
+        self._after = 0
+        self._again = 0
         self._loop: Deferred[None] | None = None
         self._nap: tuple[Deferred[None], Timer] | None = None
         self.relayed = self.dead = 0  # rows stored, rows dead-lettered, since start
@@ -166,11 +170,19 @@ class OutboxRelay:
             self._pid = pid
             log.info("outbox {name}: this node relays {schema}", name=name, schema=schema)
             await self._forget_stale()
-        rows = await self._app.run(outbox.read_rows, self._q, self._batch)
-        if not rows:
+        rows = await self._app.run(outbox.read_rows, self._q, self._batch, self._after)
+        if rows:
+            self._again += await self._relay(rows)
+            if len(rows) == self._batch and self._again:
+                # rows wait to be tried again: read on past them, so they hold no row behind
+                self._after = rows[-1].id
+                return
+        elif not self._after:
             await self._app.run(outbox.wait_for_rows, self._poll)
             return
-        if await self._relay(rows) and self._running:
+        # the end of a pass: the rows kept go again from the start, after a pause
+        again, self._after, self._again = self._again, 0, 0
+        if again and self._running:
             await self._sleep(self._retry)
 
     async def _relay(self, rows: list[OutboxRow]) -> int:

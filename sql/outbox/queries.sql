@@ -57,10 +57,11 @@ SELECT pg_try_advisory_lock(7361045, hashtext(%(schema)s));
 LISTEN @schema@;
 
 -- name: relay_read
--- The next committed rows in id order (the rows of one transaction in the order it sent
--- them); created_at becomes the message's producer time.
+-- The next committed rows in id order after `after` (the rows of one transaction in the
+-- order it sent them); created_at becomes the message's producer time.
 SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint
 FROM @schema@.outbox
+WHERE id > %(after)s
 ORDER BY id
 LIMIT %(limit)s;
 

@@ -139,3 +139,34 @@ def test_without_the_lock_nothing_is_read_and_the_lock_is_tried_every_second() -
     relay.stop()
     assert broker.requests == []
 
+
+
+def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
+    """A full batch of rows whose store failed for a passing reason: the next read goes on
+    past them, so the rows behind are relayed now; at the end of the pass they are tried
+    again from the start, after a pause."""
+    table = {r.id: r for r in [row(1, "down"), row(2, "down"), row(3), row(4), row(5)]}
+
+    def read(_q: object, limit: int, after: int) -> list[OutboxRow]:
+        return [table[i] for i in sorted(table) if i > after][:limit]
+
+    def delete(_q: object, ids: list[int]) -> int:
+        for i in ids:
+            del table[i]
+        return len(ids)
+
+    clock = Clock()
+    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
+              outbox.read_rows: read, outbox.delete_rows: delete})
+    dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [], outbox_ledger.forget_relayed: 0})
+    broker = Broker()
+    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, dmq, batch=2)
+    relay.start()
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 2], [3, 4], [5]]
+    assert sorted(table) == [1, 2]
+    clock.advance(0.5)
+    assert len(broker.requests) == 3  # pausing
+    clock.advance(0.5)
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests][3:] == [[1, 2]]
+    assert [call[1][2] for call in app.calls if call[0] is outbox.read_rows] == [0, 2, 4, 0, 2]
+    relay.stop()
