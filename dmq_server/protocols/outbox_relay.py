@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, gatherResults, succeed
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
@@ -79,6 +79,7 @@ class OutboxRelay:
         app: RelayDb,
         dmq: RelayDb,
         *,
+        clusters: Sequence[RelayDb] = (),
         batch: int = 500,
         poll: float = 1.0,
         retry: float = 1.0,
@@ -88,6 +89,9 @@ class OutboxRelay:
         self.clock = clock
         self._app = app
         self._dmq = dmq
+        # dmq's databases, main first: a row's record is written where its topic is placed
+        # (--pg-cluster), so each is asked and each forgets; dead letters go to main
+        self._ledgers = [dmq, *clusters]
         self._q = outbox.relay_queries(source.schema)
         self._batch = batch
         self._poll = poll
@@ -110,7 +114,8 @@ class OutboxRelay:
     def start(self) -> None:
         """Start relaying in the background; an unreachable database is retried."""
         self._app.start()
-        self._dmq.start()
+        for db in self._ledgers:
+            db.start()
         self._running = True
         self._loop = ensureDeferred(self._run())
 
@@ -128,7 +133,8 @@ class OutboxRelay:
 
         def stopped(_: None) -> None:
             self._app.stop()
-            self._dmq.stop()
+            for db in self._ledgers:
+                db.stop()
 
         return loop.addCallback(stopped)
 
@@ -189,7 +195,9 @@ class OutboxRelay:
         """Relay one batch; returns how many rows are left to try again."""
         name = self.source.name
         pairs = {row.id: (producer_of(name, row), session_of(row)) for row in rows}
-        before = await self._dmq.run(outbox_ledger.relayed_before, list(pairs.values()))
+        before: set[Pair] = set()
+        for found in await self._each(outbox_ledger.relayed_before, list(pairs.values())):
+            before |= found
         todo = [row for row in rows if pairs[row.id] not in before]
         done = [row for row in rows if pairs[row.id] in before]
         cut = runs(name, todo)
@@ -215,10 +223,14 @@ class OutboxRelay:
             done += [row for row, _ in dead]
         if done:
             await self._app.run(outbox.delete_rows, self._q, [row.id for row in done])
-            await self._dmq.run(outbox_ledger.forget_relayed, [pairs[row.id] for row in done])
+            await self._each(outbox_ledger.forget_relayed, [pairs[row.id] for row in done])
         self.relayed += len(done) - len(dead)
         self.dead += len(dead)
         return again
+
+    def _each(self, fn: Callable[..., T], *args: object) -> Deferred[list[T]]:
+        """``fn(*args)`` in every one of dmq's databases at once; fails if any fails."""
+        return gatherResults([db.run(fn, *args) for db in self._ledgers], consumeErrors=True)
 
     def _publish(self, run: list[OutboxRow]) -> Deferred[list[object]]:
         """One run as one request; fires with each row's outcome (``Published`` or the
@@ -247,13 +259,14 @@ class OutboxRelay:
         only for a row that was committed, so a row missing now was deleted)."""
         name = self.source.name
         producers = [f"outbox:{name}", f"outbox:{name}:delayed"]
-        recorded = await self._dmq.run(outbox_ledger.recorded_rows, producers, STALE_CHECK)
-        if not recorded:
-            return
-        present = await self._app.run(outbox.present_rows, self._q, [session for _, session in recorded])
-        gone: list[Pair] = [pair for pair in recorded if pair[1] not in present]
-        if gone:
-            await self._dmq.run(outbox_ledger.forget_relayed, gone)
+        for db in self._ledgers:
+            recorded = await db.run(outbox_ledger.recorded_rows, producers, STALE_CHECK)
+            if not recorded:
+                continue
+            present = await self._app.run(outbox.present_rows, self._q, [session for _, session in recorded])
+            gone: list[Pair] = [pair for pair in recorded if pair[1] not in present]
+            if gone:
+                await db.run(outbox_ledger.forget_relayed, gone)
 
 
 
@@ -275,9 +288,12 @@ class OutboxRelays:
         timeout = options.pg_timeout + poll if options.pg_timeout else None
         for source in self.sources:
             app = DbWorker(self._threads, source.dsn, f"outbox-{source.name}", autocommit=True, timeout=timeout)
-            dmq = DbWorker(self._threads, dmq_dsn, f"outbox-{source.name}-dmq", autocommit=True,
-                           timeout=options.pg_timeout or None)
-            relay = OutboxRelay(source, broker, self._clock, app, dmq,
+            dmq, *clusters = [
+                DbWorker(self._threads, dsn, f"outbox-{source.name}-{cluster}", autocommit=True,
+                         timeout=options.pg_timeout or None)
+                for cluster, dsn in {"main": dmq_dsn, **options.pg_clusters}.items()
+            ]
+            relay = OutboxRelay(source, broker, self._clock, app, dmq, clusters=clusters,
                                 batch=min(500, options.commit_batch_size), poll=poll)
             relay.start()
             self.relays.append(relay)

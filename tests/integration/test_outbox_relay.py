@@ -275,3 +275,34 @@ def test_reading_the_outbox_takes_the_notifications_received_so_far(app_dsn):
         assert list(conn.notifies(timeout=0)) == []
         send_transaction(app_dsn, [b"y"])
         assert relay_db.wait_for_rows(conn, 5.0) is True
+
+
+def test_with_two_clusters_a_row_stored_on_the_other_is_not_stored_again(make_server, pg_dsn, pg_private, app_dsn):
+    """A topic placed on cluster b (--pg-cluster): its rows' records are written in b's
+    database. Killed between store and delete, then the message swept there: restarted,
+    the relay finds the record in b and stores nothing again."""
+    b_dsn = pg_private.dsn
+    setup = make_server(pg_cluster=f"b={b_dsn}")
+    assert run_cli(pg_dsn, "--pg-cluster", f"b={b_dsn}", "topic", "create", "remote", "--cluster", "b").returncode == 0
+    assert run_cli(pg_dsn, "--pg-cluster", f"b={b_dsn}", "channel", "add", "remote", "c1").returncode == 0
+    wait_for(lambda: db_rows(b_dsn, "SELECT topic, name FROM dmq_channel") == [("remote", "c1")], timeout=WAIT)
+    setup.stop()
+    send_transaction(app_dsn, [b"far"], topic="remote")
+    blocker = _hold_rows(app_dsn)
+    try:
+        server = make_server(pg_cluster=f"b={b_dsn}", outbox=f"shop={app_dsn}")
+        wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
+        assert db_rows(b_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed") == [("outbox:shop", 1)]
+        assert db_rows(b_dsn, "SELECT body FROM dmq_message") == [(b"far",)]
+        server.kill()
+        db_rows(app_dsn, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {WAITING_DELETE}")
+    finally:
+        blocker.rollback()
+        blocker.close()
+    with psycopg.connect(b_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM dmq_message")  # swept, as after --message-retention
+    server.start()
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    wait_for(lambda: db_rows(b_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
+    assert db_rows(b_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]

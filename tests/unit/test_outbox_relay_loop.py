@@ -170,3 +170,25 @@ def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests][3:] == [[1, 2]]
     assert [call[1][2] for call in app.calls if call[0] is outbox.read_rows] == [0, 2, 4, 0, 2]
     relay.stop()
+
+
+def test_with_several_clusters_each_database_is_asked_and_forgets() -> None:
+    """A row's record is written in the database of the cluster its topic is placed on:
+    the relay asks every one whether a row was stored, and each forgets what it holds."""
+    clock = Clock()
+    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
+              outbox.read_rows: once([row(1), row(2), row(3)]), outbox.delete_rows: 0})
+    main = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
+               outbox_ledger.forget_relayed: 0})
+    other = Db({outbox_ledger.relayed_before: {("outbox:shop", 2)}, outbox_ledger.recorded_rows: [("outbox:shop", 9)],
+                outbox_ledger.forget_relayed: 0})
+    broker = Broker()
+    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, main, clusters=[other])
+    relay.start()
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 3]]
+    assert [sorted(args[0]) for fn, args in other.calls if fn is outbox_ledger.forget_relayed] == [
+        [("outbox:shop", 9)], [("outbox:shop", s) for s in (1, 2, 3)]]
+    assert [sorted(args[0]) for fn, args in main.calls if fn is outbox_ledger.forget_relayed] == [
+        [("outbox:shop", s) for s in (1, 2, 3)]]
+    assert main.started and other.started
+    relay.stop()
