@@ -14,15 +14,23 @@ Stopped before the broker drains, so no delayed row is moved while the writers d
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Sequence, cast
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from dmq_server.core.options import Options
+from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.store import ReliableStore
 from dmq_server.reliable.delay import DelayScheduler
 from dmq_server.core.fragment_ranges import FragmentAssignment, StaticAssignment
+
+from dmq_server.cluster.fragments import ThreadedClock
+
+if TYPE_CHECKING:  # imported where used: APScheduler and kazoo load only when a scheduler or ZooKeeper runs
+    from apscheduler.schedulers.twisted import TwistedScheduler
+    from kazoo.client import KazooClient
 
 __all__ = ["worker_roles", "Scheduling", "make_assignment", "make_scheduler"]
 
@@ -35,20 +43,20 @@ def worker_roles(options: Options) -> tuple[str, ...]:
     return ("delay-writer", "deadletter", *delay)
 
 
-def make_scheduler(reactor: Any) -> Any:
+def make_scheduler(reactor: ThreadedClock) -> TwistedScheduler:
     from apscheduler.executors.debug import DebugExecutor
     from apscheduler.schedulers.twisted import TwistedScheduler
 
     return TwistedScheduler(reactor=reactor, executors={"default": DebugExecutor()}, timezone="UTC")
 
 
-def make_assignment(options: Options, reactor: Any, node_id: str) -> FragmentAssignment:
+def make_assignment(options: Options, reactor: ThreadedClock, node_id: str) -> FragmentAssignment:
     """With ZooKeeper (``--zk``), fragments are shared among live nodes; without it this
     node owns every fragment."""
     if options.zk:
         from dmq_server.cluster.fragments import ZkFragmentAssignment
 
-        def connect() -> Any:
+        def connect() -> KazooClient:
             from registry.zk import connect as zk_connect
 
             return zk_connect(
@@ -70,10 +78,10 @@ class Scheduling:
     def __init__(
         self,
         options: Options,
-        reactor: Any,
+        reactor: ThreadedClock,
         node_id: str,
         store: ReliableStore,
-        delay_dbs: Sequence[Any],
+        delay_dbs: Sequence[StepRunner],
         assignment: Callable[[], FragmentAssignment],
     ):
         self.options = options
@@ -82,7 +90,7 @@ class Scheduling:
         self.store = store  # the reliable store: delayed messages become its copies
         self.delay_dbs = list(delay_dbs)
         self.assignment = assignment
-        self.scheduler: Any = None
+        self.scheduler: TwistedScheduler | None = None
         self.delays: DelayScheduler | None = None
 
     def start(self) -> None:
@@ -126,13 +134,14 @@ class Scheduling:
         self.scheduler.start()
 
     @defer.inlineCallbacks
-    def stop(self) -> Any:
+    def stop(self) -> Generator[defer.Deferred, object, None]:
         if self.scheduler is not None and self.scheduler.running:
             self.scheduler.shutdown(wait=False)
         if self.delays is not None:
             left = self.delays.stop()
             if isinstance(left, defer.Deferred):
-                left.addTimeout(10, self.reactor)
+                # the reactor provides IReactorTime: zope's @implementer is invisible to mypy
+                left.addTimeout(10, cast(IReactorTime, self.reactor))
                 try:
                     yield left
                 except Exception as exc:  # a slow or lost ZooKeeper must not block shutdown

@@ -20,11 +20,15 @@ whatever the registry does with its own session.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from twisted.logger import Logger
 
+from dmq_server.core.clock import Clock
 from dmq_server.core.fragment_ranges import all_fragments, split_fragments
+
+if TYPE_CHECKING:
+    from twisted.internet.defer import Deferred
 
 __all__ = ["ZkFragmentAssignment", "PARTITION_PATH", "PartitionerFailed", "contiguous_partition"]
 
@@ -40,7 +44,7 @@ class PartitionerFailed(Exception):
 PARTITION_PATH = "/dmq/delay/fragments"
 
 
-def _quietly(fn: Callable[[], Any]) -> None:
+def _quietly(fn: Callable[[], object]) -> None:
     """Call ``fn`` ignoring kazoo's errors: on the way out a lost session or a closed
     client only means ZooKeeper already forgot us."""
     try:
@@ -58,6 +62,13 @@ def contiguous_partition(identifier: str, members: Sequence[str], partitions: Se
     return list(runs[ordered.index(identifier)])
 
 
+class ThreadedClock(Clock, Protocol):
+    """What the assignment asks of the reactor: timers, and a call handed to the reactor
+    thread from the partitioner's (``callFromThread``)."""
+
+    def callFromThread(self, callable: Callable[..., object], *args: object, **kwargs: object) -> None: ...
+
+
 class ZkFragmentAssignment:
     """A ``FragmentAssignment`` over ZooKeeper. ``connect()`` returns a started kazoo
     client (``registry.zk.connect`` for an address), called on this class's thread."""
@@ -66,7 +77,7 @@ class ZkFragmentAssignment:
         self,
         connect: Callable[[], Any],
         count: int,
-        reactor: Any,
+        reactor: ThreadedClock,
         node_id: str,
         *,
         time_boundary: float = 1.0,
@@ -104,7 +115,7 @@ class ZkFragmentAssignment:
         self._thread = threading.Thread(target=self._run, name="dmq-delay-partitioner", daemon=True)
         self._thread.start()
 
-    def stop(self) -> Any:
+    def stop(self) -> Deferred[None]:
         """Leave the party (the others take our fragments at once) and close the session.
 
         Returns a Deferred that fires within ``stop_timeout`` seconds whatever ZooKeeper
@@ -117,7 +128,7 @@ class ZkFragmentAssignment:
 
         self._stop.set()
         self._on_change = None
-        done: Deferred = Deferred()
+        done: Deferred[None] = Deferred()
 
         def finished() -> None:
             if not done.called:
