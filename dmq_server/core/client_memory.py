@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 from typing import Any, Callable
 
 __all__ = [
@@ -100,11 +101,12 @@ class ClientMemory:
 
     def window_room(self, window: int, size: int) -> bool:
         """Whether a channel window holding ``window`` bytes may keep ``size`` more."""
-        return (
-            window + size <= self.channel_limit
-            and self.windows + size <= self.window_limit
-            and self.total + size <= self.limit
-        )
+        return size <= self.window_bytes_left(window)
+
+    def window_bytes_left(self, window: int) -> int:
+        """How many bytes more a channel window holding ``window`` bytes may keep now
+        (``window_room`` of a whole batch, asked once for it)."""
+        return min(self.channel_limit - window, self.window_limit - self.windows, self.limit - self.total)
 
     # -- stopping connections ------------------------------------------------------------
     def should_stop(self, own: int) -> bool:
@@ -178,11 +180,16 @@ class WindowBytes:
         self.kind = kind
         self.held = 0
 
-    def fits(self, size: int, pending: int = 0) -> bool:
-        """Whether ``size`` bytes more may wait in memory (``pending``: bytes about to be
-        added already)."""
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` bytes more may wait in memory."""
         memory = self.memory
-        return memory is None or memory.window_room(self.held + pending, size)
+        return memory is None or memory.window_room(self.held, size)
+
+    def bytes_left(self) -> int:
+        """How many bytes more may wait in memory now (a batch asks once, then counts
+        its messages against it)."""
+        memory = self.memory
+        return sys.maxsize if memory is None else memory.window_bytes_left(self.held)
 
     def add(self, delta: int) -> None:
         self.held += delta

@@ -100,12 +100,12 @@ class FastChannel:
         memory = self.memory
         room = self.mem_queue_size - len(memory)
         overflow: list[bytes] = []
-        fits = self.window.fits
+        bytes_left = self.window.bytes_left()  # asked once: the batch's messages count against it
         kept = 0
         for msg in msgs:
             if msg.deferred:
                 self.start_deferred(msg, msg.deferred)
-            elif room > 0 and not overflow and fits(len(msg.body), kept):
+            elif room > 0 and not overflow and kept + len(msg.body) <= bytes_left:
                 memory.append(msg)
                 kept += len(msg.body)
                 room -= 1
@@ -222,6 +222,20 @@ class FastChannel:
         if room <= 0 or self.paused:
             return
         msgs: list[FastMessage] = []
+        memory = self.memory
+        if not self._backend_has_data:  # all in memory: popped here, their bytes counted out once
+            popleft = memory.popleft
+            size = 0
+            while room and memory:
+                waiting = popleft()
+                msgs.append(waiting)
+                size += len(waiting.body)
+                room -= 1
+            self._disk_turn = True  # as _next_message leaves it
+            if msgs:
+                self.window.add(-size)
+                self._deliver(msgs, client)
+            return
         take = self._next_message
         while room:
             msg = take()

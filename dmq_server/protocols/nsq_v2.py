@@ -705,18 +705,22 @@ class NsqConnection:
         topic = cmd.params[1].decode()
         if not self._allowed(cmd, "PUB", PUBLISH, topic):
             return
+        # the parser reads a PUB's body before it hands PUB on (``cmd.payload`` says so,
+        # at the cost of a call a message on the fast path's hottest line)
+        body = cmd.body
+        assert body is not None
         if self._pub_bodies:
             if topic == self._pub_topic:
-                self._pub_bodies.append(cmd.payload)
+                self._pub_bodies.append(body)
                 return
             self._flush_pubs()
             if self._stopped or self.closed:
                 return  # the run failed: nothing after it runs (nsqd)
         if self._reading:
             self._pub_topic = topic
-            self._pub_bodies.append(cmd.payload)
+            self._pub_bodies.append(body)
             return
-        self._publish(topic, [cmd.payload], 0, "PUB", each=True)
+        self._publish(topic, [body], 0, "PUB", each=True)
 
     def _flush_pubs(self) -> None:
         """Publish the run of PUBs ``cmd_pub`` kept as one request, each answered as if

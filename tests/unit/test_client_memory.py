@@ -96,17 +96,22 @@ def test_windows_get_a_sixteenth_each_half_in_all_and_never_past_the_limit():
     assert memory.channel_limit == 4 * MB and memory.window_limit == 32 * MB
     window = WindowBytes(memory, FAST_WINDOW)
     assert window.fits(4 * MB) and not window.fits(4 * MB + 1)
+    assert window.bytes_left() == 4 * MB  # what a batch counts its messages against
     window.add(3 * MB)
     assert not window.fits(2 * MB) and window.fits(1 * MB)
+    assert window.bytes_left() == 1 * MB  # the channel's sixteenth
     others = [WindowBytes(memory, FAST_WINDOW) for _ in range(10)]
     for other in others[:9]:
         other.add(3 * MB)
     assert memory.windows == 30 * MB and not others[9].fits(3 * MB)  # the windows' half is spent
+    assert others[9].bytes_left() == 2 * MB
     memory.add(PENDING, 33 * MB)
     assert not others[9].fits(1 * MB + 1)  # the total would pass the limit
+    assert others[9].bytes_left() == 1 * MB
     window.clear()
     assert window.held == 0 and memory.windows == 27 * MB
     assert WindowBytes(None, FAST_WINDOW).fits(10**12)
+    assert WindowBytes(None, FAST_WINDOW).bytes_left() >= 10**12
 
 
 def test_a_trim_is_due_after_a_sixteenth_of_the_budget_was_freed():

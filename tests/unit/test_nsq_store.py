@@ -588,3 +588,28 @@ def test_a_lone_consumer_is_filled_as_the_round_robin_would_fill_it(steps):
         assert [(m.body, m.attempts) for m in one.received] == [(m.body, m.attempts) for m in two.received]
         assert one.in_flight_count == two.in_flight_count == len(batched.in_flight) == len(stepped.in_flight)
         assert batched.depth() == stepped.depth()
+
+
+def test_a_channel_window_counts_bytes_in_and_out_and_overflows_past_its_share():
+    """A fast channel's memory queue is counted in the server's client memory as it
+    fills and as its messages go out (a client's RDY taking several at once counts them
+    out together), and a publish whose bytes would pass the channel's share of the
+    budget sends the rest to the disk queue."""
+    from dmq_server.core.client_memory import FAST_WINDOW, ClientMemory
+
+    memory = ClientMemory(16 * 1024)  # a channel's window: 1024 bytes
+    store, clock, backends = make_store(client_memory=memory)
+    ch = store.get_topic("t").get_channel("c")
+    publish(store, "t", *[bytes([65 + i]) * 300 for i in range(3)])  # 900 bytes: all fit
+    assert len(ch.memory) == 3 and ch.window.held == 900 and memory.held[FAST_WINDOW] == 900
+    client = FakeClient(2)
+    ch.add_client(client)
+    ch.pump()
+    assert [m.body[:1] for m in client.received] == [b"A", b"B"]
+    assert ch.window.held == 300 and memory.held[FAST_WINDOW] == 300
+    publish(store, "t", *[bytes([68 + i]) * 300 for i in range(3)])  # 300 + 900 bytes: 2 fit
+    assert len(ch.memory) == 3 and backends["t:c"].depth() == 1 and ch.window.held == 900
+    client.ready_count = 10
+    ch.pump()  # memory and the disk queue take turns
+    assert sorted(m.body[:1] for m in client.received) == [b"A", b"B", b"C", b"D", b"E", b"F"]
+    assert ch.window.held == 0 and memory.held[FAST_WINDOW] == 0 and memory.total == 0
