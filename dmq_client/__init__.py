@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same imports, eagerly, for type checkers and IDEs
     from .client import MqClient
+    from .confirm import ConfirmFuture, Consumed, ConsumeStatus
     from .config import MqConfig
     from .consumer import SubscribeError, Subscription
     from .future import SendFuture
@@ -32,6 +33,9 @@ if TYPE_CHECKING:  # the same imports, eagerly, for type checkers and IDEs
     from .send_queue import MemorySendQueue, SendQueue
 
 _LAZY = {
+    "ConfirmFuture": "confirm",
+    "ConsumeStatus": "confirm",
+    "Consumed": "confirm",
     "MemorySendQueue": "send_queue",
     "Message": "message",
     "MessageType": "message",
@@ -48,6 +52,9 @@ _LAZY = {
 }
 
 __all__ = [
+    "ConfirmFuture",
+    "ConsumeStatus",
+    "Consumed",
     "MemorySendQueue",
     "Message",
     "MessageType",

@@ -19,9 +19,21 @@ import time
 from collections import deque
 from typing import Iterable
 
+from .confirm import confirm_deadline_ms
 from .session import default_producer_id
 from .tls import TlsSocket, client_context
-from .wire import MAGIC, SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, FrameDecoder, encode, pack_ids
+from .wire import (
+    FEATURE_CONFIRM,
+    MAGIC,
+    SEND_REPLIES,
+    SUBSCRIBE_REPLIES,
+    Command,
+    Frame,
+    FrameDecoder,
+    encode,
+    features,
+    pack_ids,
+)
 
 __all__ = ["BlockingClient", "ClientError"]
 
@@ -54,6 +66,10 @@ class BlockingClient:
         self._pushes: deque[Frame] = deque()
         self._replies: deque[Frame] = deque()
         self._other: deque[Frame] = deque()
+        # SEND_CONSUMED_ACKs by session id, until ``wait_consumed`` takes them
+        self._consumed: dict[int, Frame] = {}
+        # what the server accepts beyond v1's first set (SERVER_HEALTH's body); None before its greeting
+        self.features: frozenset[str] | None = None
         self._sessions = itertools.count(int(time.time() * 1000) << 16)
         sock = socket.create_connection((host, port), timeout=timeout)
         self._sock: socket.socket | TlsSocket = sock
@@ -117,7 +133,11 @@ class BlockingClient:
                 self._pushes.append(frame)
             elif frame.command in SEND_REPLIES or frame.command in SUBSCRIBE_REPLIES:
                 self._replies.append(frame)
+            elif frame.command == Command.SEND_CONSUMED_ACK:
+                self._consumed[frame.session_id] = frame
             else:
+                if frame.command == Command.SERVER_HEALTH:
+                    self.features = (self.features or frozenset()) | features(frame.body.decode("ascii", "replace"))
                 self._other.append(frame)
         return True
 
@@ -146,15 +166,37 @@ class BlockingClient:
     def next_session_id(self) -> int:
         return next(self._sessions)
 
-    def send_frame(self, topic: str, body: bytes, session_id: int | None = None, *, resend: bool = False) -> Frame:
+    def send_frame(self, topic: str, body: bytes, session_id: int | None = None, *, resend: bool = False,
+                   confirm_ms: int = 0) -> Frame:
         return Frame(
             Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
             session_id=self.next_session_id() if session_id is None else session_id,
             topic=topic,
             producer=self.producer,
             timestamp_ms=int(time.time() * 1000),
+            credit=confirm_ms,
             body=body,
         )
+
+    def server_features(self, timeout: float | None = None) -> frozenset[str]:
+        """What the server listed in its SERVER_HEALTH greeting (read until it came)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while self.features is None:
+            if not self._read_more(deadline):
+                raise ClientError("timed out waiting for the server's SERVER_HEALTH greeting")
+        return self.features
+
+    def wait_consumed(self, session_id: int, timeout: float | None = None) -> Frame:
+        """The SEND_CONSUMED_ACK of the send ``session_id`` asked to confirm (``send``'s
+        ``confirm_timeout``); its status reads with ``dmq_client.wire.parse_consumed``."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while session_id not in self._consumed:
+            for frame in self._other:
+                if frame.command == Command.PROTOCOL_ERROR:
+                    raise ClientError(f"server closed the connection: {frame.status}")
+            if not self._read_more(deadline):
+                raise ClientError(f"timed out waiting for SEND_CONSUMED_ACK of session {session_id}")
+        return self._consumed.pop(session_id)
 
     def send(
         self,
@@ -164,9 +206,21 @@ class BlockingClient:
         *,
         resend: bool = False,
         timeout: float | None = None,
+        confirm_timeout: float | None = None,
     ) -> Frame:
-        """Send one message and wait for its reply frame (any SEND_* command)."""
-        frame = self.send_frame(topic, body, session_id, resend=resend)
+        """Send one message and wait for its reply frame (any SEND_* command).
+
+        ``confirm_timeout`` (seconds): also ask the server to report, within that time,
+        when every channel is done with the message; ``wait_consumed(reply.session_id)``
+        then returns its SEND_CONSUMED_ACK. Refused with ``ClientError`` (nothing sent)
+        by a server whose greeting does not list CONFIRM."""
+        confirm_ms = 0
+        if confirm_timeout is not None:
+            confirm_ms = confirm_deadline_ms("consumed", confirm_timeout)
+            if FEATURE_CONFIRM not in self.server_features(timeout):
+                raise ClientError(f"the server cannot confirm consumption: its SERVER_HEALTH does not list "
+                                  f"{FEATURE_CONFIRM} (features: {' '.join(sorted(self.features or ())) or 'none'})")
+        frame = self.send_frame(topic, body, session_id, resend=resend, confirm_ms=confirm_ms)
         self.write(frame)
         return self._await_reply(
             lambda f: f.command in SEND_REPLIES and f.session_id == frame.session_id, timeout
@@ -242,7 +296,8 @@ class BlockingClient:
                 pass
         except ClientError:
             pass  # closed by the server: what we wanted
-        frames = list(self._replies) + list(self._pushes) + list(self._other)
+        frames = list(self._replies) + list(self._pushes) + list(self._other) + list(self._consumed.values())
+        self._consumed.clear()
         self._replies.clear()
         self._pushes.clear()
         self._other.clear()

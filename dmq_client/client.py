@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from .config import MqConfig
 from .connection import ConnState, ServerConnection
+from .confirm import CONFIRM_TIMEOUT, Consumed, confirm_deadline_ms
 from .consumer import Consumer, Subscription
 from .future import SendFuture
 from .message import Message, SendResult
@@ -103,16 +104,33 @@ class MqClient:
     def producer_id(self) -> str:
         return self._producer.producer_id
 
-    def send(self, message: Message, callback: Any = None) -> "SendFuture[SendResult]":
+    def send(
+        self,
+        message: Message,
+        callback: Any = None,
+        *,
+        confirm: str | None = None,
+        confirm_timeout: float = CONFIRM_TIMEOUT,
+        on_consumed: Callable[[Consumed], object] | None = None,
+    ) -> "SendFuture[SendResult]":
         """Queue ``message``; never blocks. Returns a future of its ``SendResult``.
 
         ``callback`` (an object with ``on_result(result)``, or a callable) gets
         the same result first, on the notify thread. Every send gets exactly
         one result, whatever happens: see ``Status``.
+
+        ``confirm="consumed"`` asks the server to tell when every channel of the topic
+        is done with the message, within ``confirm_timeout`` seconds (up to a day): the
+        future is then a ``ConfirmFuture`` whose ``consumed`` future resolves with a
+        ``Consumed`` (``on_consumed`` gets it first, on the notify thread, after the
+        send's own result). See ``dmq_client.confirm``.
         """
         if self.discovery is not None:
             self.discovery.use_topic(message.topic)
-        return self._producer.send(message, callback)
+        if confirm is None:
+            return self._producer.send(message, callback)
+        return self._producer.send(message, callback, confirm_ms=confirm_deadline_ms(confirm, confirm_timeout),
+                                   on_consumed=on_consumed)
 
     def resend(self, result: SendResult, callback: Any = None) -> "SendFuture[SendResult]":
         """Send a failed message again, idempotently.
@@ -272,6 +290,7 @@ class _Dispatch:
         replies: list[Frame] = []
         pushes: list[Frame] = []
         subs: list[Frame] = []
+        consumed: list[Frame] = []
         for frame in frames:
             command = frame.command
             if command in SEND_REPLIES:
@@ -280,10 +299,14 @@ class _Dispatch:
                 pushes.append(frame)
             elif command in SUBSCRIBE_REPLIES:
                 subs.append(frame)
+            elif command == Command.SEND_CONSUMED_ACK:
+                consumed.append(frame)
             else:
                 log.warning("unexpected %s from %s; ignored", command.name, conn.name)
         if replies:
             self.producer.replies(conn, replies)
+        if consumed:  # after the replies: a send's SUCCESS registers what these answer
+            self.producer.consumed(consumed)
         if subs:
             self.consumer.subscribe_replies(conn, subs)
         if pushes:

@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 
 from .config import MqConfig
 from .tls import TlsSocket, client_context
-from .wire import MAGIC, Command, Frame, FrameDecoder, FrameError, encode
+from .wire import MAGIC, Command, Frame, FrameDecoder, FrameError, encode, features
 
 __all__ = ["ConnState", "ConnectionListener", "ConnectionUnavailable", "ServerConnection"]
 
@@ -102,8 +102,8 @@ class ServerConnection:
         self.server_interval: float | None = None  # from SERVER_HEARTBEAT
         self.health_detail = ""
         self.identity: dict | None = None  # the server's AUTH_ACK (identity, permission_count)
-        # the commands beyond version 1's first set this server accepts, as its
-        # SUBSCRIBE_ACK listed them (wire.features); none until then, on each connection
+        # what this server accepts beyond version 1's first set, as its SERVER_HEALTH
+        # greeting and SUBSCRIBE_ACK listed them (wire.features); none until then, on each connection
         self.features: frozenset[str] = frozenset()
         self._tls_context = (
             client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if config.tls else None
@@ -331,6 +331,8 @@ class ServerConnection:
                     self.server_interval = frame.credit / 1000.0
             elif command == Command.SERVER_HEALTH:
                 self._probation_until = 0.0  # the server's own word replaces a guess from a reply
+                if frame.body:  # what it accepts beyond v1's first set (an old server: nothing)
+                    self.features = self.features | features(frame.body.decode("ascii", "replace"))
                 ok = frame.status in ("", "OK")
                 self.health_detail = "" if ok else frame.status
                 if not ok:

@@ -186,7 +186,7 @@ class Consumer:
             sub = self.subscriptions.get((frame.topic, frame.channel))
             if frame.command == Command.SUBSCRIBE_ACK:
                 log.info("subscribed to %s/%s on %s", frame.topic, frame.channel, conn.name)
-                conn.features = features(frame.status)  # before its pushes: same reader thread
+                conn.features = conn.features | features(frame.status)  # before its pushes: same reader thread
                 if sub is not None:
                     sub.error = None
             else:

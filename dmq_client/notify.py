@@ -17,9 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
+from .confirm import ConsumedNote
 from .pending import PendingSend
+
+#: what the runner delivers: a send's result, or a confirmation's (``confirm.ConsumedNote``)
+Notice = PendingSend | ConsumedNote
 
 __all__ = ["NotifyRunner", "call_callback"]
 
@@ -36,9 +40,9 @@ def call_callback(callback: object, result: object) -> None:
 
 
 class NotifyRunner:
-    def __init__(self, delivered: Callable[[PendingSend], None], name: str = "dmq-notify"):
+    def __init__(self, delivered: Callable[[Notice], None], name: str = "dmq-notify"):
         self._delivered = delivered
-        self._items: deque[PendingSend] = deque()
+        self._items: deque[Notice] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
         self._exited = False
@@ -51,7 +55,7 @@ class NotifyRunner:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, item: PendingSend) -> None:
+    def put(self, item: Notice) -> None:
         with self._cond:
             if not self._exited:
                 self._items.append(item)
@@ -60,7 +64,7 @@ class NotifyRunner:
                 return
         self.deliver(item)  # the runner has ended (client closed): deliver here
 
-    def put_many(self, items: list[PendingSend]) -> None:
+    def put_many(self, items: Sequence[Notice]) -> None:
         if items:
             with self._cond:
                 if not self._exited:
@@ -98,7 +102,7 @@ class NotifyRunner:
             for item in batch:
                 self.deliver(item)
 
-    def deliver(self, item: PendingSend) -> None:
+    def deliver(self, item: Notice) -> None:
         result = item.result
         if item.callback is not None:
             try:

@@ -18,6 +18,10 @@ __all__ = ["PendingSend"]
 
 
 class PendingSend:
+    # a send that asked to hear when it is consumed is a ``confirm.ConfirmingSend``, whose
+    # slot holds its deadline (ms); every other send reads this 0 and carries nothing more
+    confirm_ms = 0
+
     __slots__ = (
         "message",
         "session_id",

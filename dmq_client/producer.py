@@ -49,6 +49,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 from .config import MqConfig
+from .confirm import GRACE, ConfirmingSend, Consumed, ConsumedNote, ConsumeStatus, Watching
 from .connection import ConnectionUnavailable, ServerConnection
 from .future import SendFuture
 from .message import TRANSIENT, Message, SendResult, Status
@@ -58,7 +59,7 @@ from .resend import ResendMap
 from .routing import ServerPool
 from .send_queue import MemorySendQueue, Put, SendQueue
 from .session import SESSION_ID_MAX, SessionIdGenerator, default_producer_id
-from .wire import Command, Frame, MessageType, encode, valid_name
+from .wire import FEATURE_CONFIRM, Command, Frame, MessageType, encode, parse_consumed, valid_name
 
 __all__ = ["Producer"]
 
@@ -116,6 +117,7 @@ class Producer:
         self.retried = 0  # transient failures turned into a later retry
         self.resends = ResendMap(config.max_in_flight, config.resend_interval, config.resend_tries)
         self.notify = NotifyRunner(self._delivered)
+        self.watching = Watching()  # sends whose SEND_CONSUMED_ACK is awaited (dmq_client.confirm)
         self._outstanding = len(self.queue)  # a journal's recovered messages are outstanding
         self._idle = threading.Condition(threading.Lock())
         self._closing = False
@@ -135,24 +137,27 @@ class Producer:
 
     # -- the caller's side ----------------------------------------------------
     def send(
-        self, message: Message, callback: Any = None, *, resend: bool = False, producer: str | None = None
+        self, message: Message, callback: Any = None, *, resend: bool = False, producer: str | None = None,
+        confirm_ms: int = 0, on_consumed: Callable[[Consumed], object] | None = None,
     ) -> "SendFuture[SendResult]":
         """``producer``: the id to send under (``client.resend`` of a recovered message
-        passes the id it was first sent with); the client's own by default."""
+        passes the id it was first sent with); the client's own by default. ``confirm_ms``:
+        ask the server to report the message's consumption within that many ms (the
+        future is then a ``confirm.ConfirmFuture``; ``on_consumed`` gets its outcome)."""
         if not isinstance(message, Message):
             raise TypeError(f"send() takes a dmq_client.Message, not {type(message).__name__}")
         sid = message.session_id
-        item = PendingSend(
-            message,
-            self.next_session_id() if sid is None else sid,
-            producer or self.producer_id,
-            int(self.wall_clock() * 1000),
-            callback,
-            resend=resend,
-        )
+        session_id = self.next_session_id() if sid is None else sid
+        item: PendingSend
+        if confirm_ms:
+            item = ConfirmingSend(message, session_id, producer or self.producer_id, int(self.wall_clock() * 1000),
+                                  callback, resend=resend, confirm_ms=confirm_ms, on_consumed=on_consumed)
+        else:
+            item = PendingSend(message, session_id, producer or self.producer_id, int(self.wall_clock() * 1000),
+                               callback, resend=resend)
         with self._idle:
             self._outstanding += 1
-        problem = self._check(message)
+        problem = self._check(message) or self._check_confirm(item)
         if problem:
             self._finish(item, Status.INVALID_MESSAGE, problem)
             return item.future
@@ -185,6 +190,12 @@ class Producer:
             return f"E_INVALID unknown message type {message.msg_type!r}"
         return ""
 
+    @staticmethod
+    def _check_confirm(item: PendingSend) -> str:
+        if item.confirm_ms and item.message.msg_type == MessageType.DELAY:
+            return "E_INVALID a delayed message's consumption cannot be confirmed"
+        return ""
+
     def _frame(self, item: PendingSend, command: Command) -> bytes:
         m = item.message
         return encode(
@@ -196,6 +207,7 @@ class Producer:
                 msg_type=m.msg_type,
                 due_ms=m.due_ms,
                 timestamp_ms=item.timestamp_ms,
+                credit=item.confirm_ms,  # 0: no confirmation asked (§4.14)
                 body=m.body,
             )
         )
@@ -295,9 +307,15 @@ class Producer:
                 self.queue.unhold(len(items))  # type: ignore[attr-defined]
         return items
 
-    def _delivered(self, item: PendingSend) -> None:
+    def _delivered(self, item: PendingSend | ConsumedNote) -> None:
         """The notify runner delivered ``item``'s result."""
+        if isinstance(item, ConsumedNote):
+            return  # a send's second result: its first was counted
         self.queue.task_done(item)
+        if isinstance(item, ConfirmingSend) and item.result is not None and not item.result.ok:
+            # nothing stored, nothing to confirm: said right after the send's result, on this thread
+            result = item.result
+            self.notify.deliver(item.outcome(ConsumeStatus.NOT_SENT, result.description or result.status.value))
         with self._idle:
             self._outstanding -= 1
             if self._outstanding == 0:
@@ -357,6 +375,11 @@ class Producer:
                         f"no usable connection to any of {len(self.pool)} servers within {self.config.route_wait}s",
                     )
                 continue
+            if item.confirm_ms and FEATURE_CONFIRM not in conn.features:
+                self._finish(item, Status.INVALID_MESSAGE,
+                             f"E_UNSUPPORTED server {conn.name} cannot confirm consumption (its SERVER_HEALTH does "
+                             f"not list {FEATURE_CONFIRM}): upgrade it, or send without confirm; not sent")
+                continue
             groups[conn].append(item)
         for conn, items in groups.items():
             items, refused = self.resends.add_many(items, conn.name, self.clock())
@@ -385,6 +408,10 @@ class Producer:
         if self._retrying:
             self.release_retries(now)
         resend, expired = self.resends.due(now)
+        if len(self.watching):
+            self._consumed_notes(self.watching.expired(now), ConsumeStatus.LOST,
+                                 f"no SEND_CONSUMED_ACK within the deadline and {GRACE:.0f}s; "
+                                 "the message is stored, its consumption is not known")
         for item in expired:
             self._finish(
                 item, Status.OUT_OF_RETRY,
@@ -417,6 +444,10 @@ class Producer:
         items = self.resends.on_server(conn.name)
         if items:
             self._fail_over(conn, items)
+        if len(self.watching):
+            self._consumed_notes(self.watching.on_server(conn.name), ConsumeStatus.LOST,
+                                 f"the connection to {conn.name}, which watched it, was lost; "
+                                 "the message is stored, its consumption is not known")
 
     def _fail_over(self, failed: ServerConnection, items: Iterable[PendingSend]) -> None:
         now = self.clock()
@@ -465,7 +496,27 @@ class Producer:
                 duplicate=status is Status.SUCCESS and frame.status == "duplicate",
             )
         if done:
+            for item in done:
+                if isinstance(item, ConfirmingSend) and item.result is not None and item.result.ok:
+                    # the server watches it now: SEND_CONSUMED_ACK follows on this connection
+                    self.watching.add(item, conn.name, self.clock() + item.confirm_ms / 1000.0 + GRACE)
             self.notify.put_many(done)
+
+    def consumed(self, frames: list[Frame]) -> None:
+        """SEND_CONSUMED_ACK frames read by a reader thread: each outcome to its send's
+        ``consumed`` future and callback, after the send's own result (one notify runner)."""
+        notes = []
+        for frame in frames:
+            report = parse_consumed(frame.status)
+            for item in self.watching.pop((frame.producer or self.producer_id, frame.session_id)):
+                notes.append(ConsumedNote(item, Consumed.from_report(report, frame.topic, frame.session_id,
+                                                                     frame.message_id)))
+        if notes:
+            self.notify.put_many(notes)
+
+    def _consumed_notes(self, items: list[ConfirmingSend], status: ConsumeStatus, why: str) -> None:
+        if items:
+            self.notify.put_many([item.outcome(status, why) for item in items])
 
     # -- closing ------------------------------------------------------------------
     def close(self, timeout: float) -> None:
@@ -480,6 +531,9 @@ class Producer:
         self.wait_idle(timeout)
         self._stop.set()
         self._abort(self._close_pen(), "the client closed before the message was stored")
+        # before the connections close: those confirmations end with the client, not a lost connection
+        self._consumed_notes(self.watching.drain(), ConsumeStatus.CLIENT_CLOSED,
+                             "the client closed before the server reported the message's consumption")
         self.pool.close()
         self._abort(self.resends.drain(), "the client closed before the server answered; "
                     "the message may or may not be stored")

@@ -1055,3 +1055,34 @@ SELECT (SELECT cluster FROM dmq_topic WHERE name = %(name)s) AS placed,
         WHERE datname = current_database() AND pid <> pg_backend_pid()
           AND xact_start < %(fenced_at)s::timestamptz) AS older,
        now() AS now;
+
+-- name: consumed_states
+-- What each channel did with each message a producer asked to be told about (SEND_CONSUMED_ACK,
+-- docs/protocol.md §4.14): one row per (message, channel registered for the message's topic
+-- when it was stored, or the one channel a replay was stored for), 'waiting' until the
+-- channel's cursor covers the id, then 'dead' if the channel dead-lettered the copy, else
+-- 'acked'. A message the retention sweep already removed had every copy done: its channels
+-- are those registered before its id. Read by the node that stored the messages, a few times
+-- a second while some are watched; the cursors are per owner, so it answers whichever node
+-- pushed and acknowledged the copies (a takeover's too).
+WITH w AS (
+    SELECT w.message_id, w.topic, m.owner, m.channel AS only_channel, m.id IS NOT NULL AS stored
+    FROM unnest(%(ids)s::bigint[], %(topics)s::text[]) AS w(message_id, topic)
+    LEFT JOIN dmq_message m ON m.id = w.message_id
+), copies AS (
+    SELECT w.message_id, c.topic, c.name AS channel,
+           NOT w.stored OR EXISTS (
+               SELECT 1 FROM dmq_cursor k
+               WHERE k.topic = c.topic AND k.channel = c.name AND k.owner = w.owner
+                 AND (k.floor >= w.message_id OR k.done @> w.message_id)) AS done
+    FROM w JOIN dmq_channel c ON c.topic = w.topic AND c.start_id < w.message_id
+                             AND (w.only_channel IS NULL OR w.only_channel = c.name)
+)
+SELECT p.message_id, p.channel,
+       CASE WHEN NOT p.done THEN 'waiting'
+            WHEN EXISTS (SELECT 1 FROM dmq_dead_letter d
+                         WHERE d.topic = p.topic AND d.channel = p.channel AND d.message_id = p.message_id)
+            THEN 'dead'
+            ELSE 'acked' END AS state
+FROM copies p
+ORDER BY p.message_id, p.channel;

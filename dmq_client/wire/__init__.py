@@ -5,9 +5,12 @@ blocking client and the client library alike.
 """
 
 from .codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, FrameError, encode, pack_ids, unpack_ids
+from .confirm import ConsumedReport, consumed_status, parse_consumed
 from .frames import (
+    CONFIRM_MAX_MS,
     DOWNSTREAM,
     FEATURE_ACKS,
+    FEATURE_CONFIRM,
     MAGIC,
     SERVER_FEATURES,
     SEND_REPLIES,
@@ -21,6 +24,11 @@ from .frames import (
 )
 
 __all__ = [
+    "CONFIRM_MAX_MS",
+    "ConsumedReport",
+    "FEATURE_CONFIRM",
+    "consumed_status",
+    "parse_consumed",
     "DEFAULT_MAX_FRAME_SIZE",
     "DOWNSTREAM",
     "MAGIC",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "MAGIC",
+    "CONFIRM_MAX_MS",
     "Command",
     "MessageType",
     "Frame",
@@ -36,6 +37,9 @@ MAGIC = b"DMQ1"
 NAME_MAX_LENGTH = 64
 PRODUCER_MAX_LENGTH = 64
 STATUS_MAX_LENGTH = 4096
+#: The longest a producer may ask the server to watch for its message's consumption
+#: (a send's ``credit``, ms): a day, so a forgotten confirmation holds memory that long at most.
+CONFIRM_MAX_MS = 86_400_000
 
 _NAME_RE = re.compile(r"^[.a-zA-Z0-9_-]+(#ephemeral)?$")
 
@@ -81,14 +85,17 @@ class Command(enum.IntEnum):
     SUBSCRIBE_INVALID_ACK = 45
     PROTOCOL_ERROR = 46
     AUTH_ACK = 47
+    SEND_CONSUMED_ACK = 48
 
 
-#: The commands a server accepts beyond the first set of version 1, as it lists them,
-#: space separated, in ``SUBSCRIBE_ACK``'s status (docs/protocol.md §4.1). A client
-#: sends one only over a connection whose server listed it, so a new client keeps
-#: working against an older server during a rolling upgrade.
+#: What a server accepts beyond the first set of version 1, as it lists them, space
+#: separated, in ``SUBSCRIBE_ACK``'s status (docs/protocol.md §4.1) and in the body of
+#: ``SERVER_HEALTH`` (§4.9: a producer never subscribes, and old clients ignore that
+#: body). A client uses one only over a connection whose server listed it, so a new
+#: client keeps working against an older server during a rolling upgrade.
 FEATURE_ACKS = "ACKS"  # UP_CONSUMER_ACKS (§4.13)
-SERVER_FEATURES = FEATURE_ACKS
+FEATURE_CONFIRM = "CONFIRM"  # a send's credit asks for SEND_CONSUMED_ACK (§4.14)
+SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM}"
 
 
 def features(status: str) -> frozenset[str]:

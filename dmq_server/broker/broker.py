@@ -52,6 +52,7 @@ from dmq_server.db.runner import StepRunner
 from dmq_server.fast.fast_store import FastStore
 from dmq_server.fast.message import FastClient
 from dmq_server.reliable.channel import Receiver, ReliableChannel
+from dmq_server.reliable.confirm import ConfirmListener
 from dmq_server.reliable.nsq_subscription import ReliableSubscription
 from dmq_server.reliable.store import Fence, Outcome, ReliableStore, StoreWiring
 from dmq_server.db.topic_steps import list_topics_steps
@@ -598,6 +599,18 @@ class Broker:
             return None
         store = placement.store_of_id(any_id)
         return None if store is None else store.cluster
+
+    def confirm_consumed(self, topic: str, message_id: int, session_id: int, producer: str, deadline_ms: int,
+                         listener: ConfirmListener) -> str:
+        """Tell ``listener`` when every channel of ``topic`` is done with the stored message
+        ``message_id``, or ``deadline_ms`` passed (``reliable.confirm``); '' or why not. The
+        store watching it is the one whose cluster drew the id."""
+        if self.cache.store_of(topic) != RELIABLE:
+            return f"E_UNSUPPORTED topic {topic!r} is not reliable: its consumption is not recorded"
+        store = self.placement.store_of_id(message_id) if self.placement.several else self.reliable
+        if store is None:
+            return f"E_UNSUPPORTED message {message_id} is of no cluster this server knows"
+        return store.confirmations.watch(topic, message_id, session_id, producer, deadline_ms, listener)
 
     def ack(self, topic: str, channel: str, message_id: int, consumer: Receiver) -> str | None:
         """Acknowledge ``consumer``'s copy; None, or why not (nsqd's FIN reasons). The

@@ -22,6 +22,7 @@ from dmq_server.core.options import Options
 from dmq_server.core.publish import PublishRequest
 from dmq_server.fast.message import FastClient
 from dmq_server.reliable.channel import Receiver, ReliableChannel
+from dmq_server.reliable.confirm import ConfirmListener
 from dmq_server.reliable.nsq_subscription import Counts
 from dmq_server.reliable.store import Outcome
 
@@ -186,6 +187,8 @@ class BrokerPort(Protocol):
     def ack(self, topic: str, channel: str, message_id: int, consumer: Receiver) -> str | None: ...
     def ack_many(self, topic: str, channel: str, message_ids: Sequence[int], consumer: Receiver) -> int: ...
     def may_push(self) -> bool: ...
+    def confirm_consumed(self, topic: str, message_id: int, session_id: int, producer: str, deadline_ms: int,
+                         listener: ConfirmListener) -> str: ...
 
     # operators
     def cluster_of_id(self, any_id: int) -> str | None: ...

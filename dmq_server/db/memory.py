@@ -315,6 +315,7 @@ class MemoryDb:
             "claim_cluster_self": self._claim_cluster_self,
             "raise_id_sequences": self._raise_id_sequences,
             "topic_leftovers": self._topic_leftovers,
+            "consumed_states": self._consumed_states,
         }
         unknown = set(self._handlers) - set(STATEMENTS)
         if unknown:  # a handler for a query that sql/queries.sql does not have
@@ -839,6 +840,26 @@ class MemoryDb:
         for key in [k for k in self.attempts if k[:2] == (topic, channel)]:
             del self.attempts[key]
         return [(waiting,)]
+
+    def _consumed_states(self, p: dict) -> list[tuple]:
+        """Each watched message's channels (those registered before its id, or a replay's
+        one) and what each did with it: waiting, dead (a dead letter of that channel) or acked."""
+        rows = []
+        for message_id, topic in zip(p["ids"], p["topics"]):
+            m = self.messages.get(message_id)
+            for channel in sorted(self.channels.get(topic, ())):
+                if self.start_ids.get((topic, channel), 0) >= message_id or (
+                        m is not None and m.channel is not None and m.channel != channel):
+                    continue
+                cursor = self.cursors.get((topic, channel, m.owner)) if m is not None else None
+                if m is not None and (cursor is None or not cursor.covers(message_id)):
+                    rows.append((message_id, channel, "waiting"))
+                elif any(d["message_id"] == message_id and (d["topic"], d["channel"]) == (topic, channel)
+                         for d in self.dead_letters.values()):
+                    rows.append((message_id, channel, "dead"))
+                else:
+                    rows.append((message_id, channel, "acked"))
+        return sorted(rows)
 
     def _sweep_bounds(self, p: dict) -> list[tuple]:
         """The lowest stored id and the first (by id) still inside the retention window."""

@@ -28,7 +28,17 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder, FrameError, MessageType, encode, unpack_ids
+from dmq_client.wire import (
+    CONFIRM_MAX_MS,
+    SERVER_FEATURES,
+    Command,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    MessageType,
+    encode,
+    unpack_ids,
+)
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
 
 from dmq_server.broker.interfaces import BrokerPort, ChannelRef, Pushed
@@ -80,6 +90,7 @@ _SUBSCRIBE_REPLY: dict[type[DmqError], Command] = {
 
 
 _SENDS = (Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND)
+_FEATURES = SERVER_FEATURES.encode()
 
 
 def _run_end(frames: list[Frame], start: int) -> int:
@@ -188,7 +199,9 @@ class DmqConnection:
         self._heartbeat.clock = cast(IReactorTime, clock)
         self._heartbeat.start(options.heartbeat_interval, now=False)
         self._deadline: Timer | None = clock.callLater(2 * options.heartbeat_interval, self._check_silence)
-        self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail))
+        # the body lists what this server accepts beyond v1's first set (old clients ignore it)
+        self.write(Frame(Command.SERVER_HEALTH, status="OK" if broker.healthy else broker.health_detail,
+                         body=_FEATURES))
 
     # -- transport side ---------------------------------------------------
     def write(self, frame: Frame) -> None:
@@ -487,6 +500,7 @@ class DmqConnection:
         the ``DmqError``), queued for this turn's write together."""
         encode = self._send_reply
         replies = []
+        confirming: list[tuple[Frame, int]] | None = None
         size = 0
         for frame, outcome in zip(frames[start : start + len(outcomes)], outcomes):
             size += len(frame.body)
@@ -494,6 +508,10 @@ class DmqConnection:
             if isinstance(outcome, Published):
                 command, message_id, status = (
                     Command.SEND_SUCCESS_ACK, outcome.message_id, "duplicate" if outcome.duplicate else "")
+                if frame.credit:  # the producer asked to hear when it is consumed (§4.14)
+                    if confirming is None:
+                        confirming = []
+                    confirming.append((frame, message_id))
             elif isinstance(outcome, DmqError):
                 command, status = reply_for(outcome, _SEND_REPLY, Command.SEND_SERVER_ERROR), outcome.status
             else:
@@ -506,6 +524,29 @@ class DmqConnection:
         self.flow.sends_done(len(outcomes), size)
         if not self.closed:
             self._turn.extend(replies)
+            if confirming is not None:
+                self._confirm(confirming)
+
+    def _confirm(self, sends: list[tuple[Frame, int]]) -> None:
+        """Watch each stored send whose ``credit`` asked for ``SEND_CONSUMED_ACK`` (the
+        deadline in ms); one that cannot be watched is answered at once, after its
+        ``SEND_SUCCESS_ACK``: the message is stored and delivered all the same."""
+        for frame, message_id in sends:
+            deadline = frame.credit
+            if frame.msg_type == MessageType.DELAY:
+                error = "E_UNSUPPORTED a delayed message's consumption is not confirmed"
+            elif deadline > CONFIRM_MAX_MS:
+                error = f"E_INVALID confirmation deadline {deadline} ms is above {CONFIRM_MAX_MS}"
+            else:
+                error = self.broker.confirm_consumed(frame.topic, message_id, frame.session_id, frame.producer,
+                                                     deadline, self)
+            if error:
+                self.consumed(frame.session_id, frame.producer, frame.topic, message_id, error)
+
+    def consumed(self, session_id: int, producer: str, topic: str, message_id: int, status: str) -> None:
+        """A watched message's outcome (``reliable.confirm``), or why it is not watched."""
+        self.queue_write(encode(Frame(Command.SEND_CONSUMED_ACK, session_id=session_id, message_id=message_id,
+                                      topic=topic, producer=producer, status=status)))
 
     def _subscribe(self, frame: Frame) -> None:
         options = self.broker.options
@@ -586,4 +627,4 @@ class DmqConnection:
 
     def health_changed(self, ok: bool) -> None:
         if ok:
-            self.write(Frame(Command.SERVER_HEALTH, status="OK"))
+            self.write(Frame(Command.SERVER_HEALTH, status="OK", body=_FEATURES))

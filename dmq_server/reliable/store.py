@@ -56,6 +56,7 @@ from dmq_server.db.messages import (
 from dmq_server.db.outage import Outage
 from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Receiver
+from dmq_server.reliable.confirm import Confirmations
 from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.cursor import acks_by_cursor, split_fenced
 from dmq_server.reliable.dead_letters import DeadLetterSink
@@ -209,6 +210,8 @@ class ReliableStore:
         self._delays: DelayScheduler | None = None  # the scheduler stage's (schedule_delays_with)
         # every channel's stored depth, counted a slice at a time (one of this store's timers)
         self.depths = DepthCount(workers["admin"], clock, self._apply_depths, options.channel_state_interval)
+        # messages whose producers asked to hear when they are consumed (SEND_CONSUMED_ACK)
+        self.confirmations = Confirmations(workers["admin"], clock)
         self._sweep = _Sweep()
         self.timers = self._timers()
 
@@ -342,6 +345,7 @@ class ReliableStore:
         if sweep.call is not None and sweep.call.active():
             sweep.call.cancel()
         sweep.call = None
+        self.confirmations.stop()
         d = self.writer.close()
         d.addCallback(lambda _: self.delay_writer.close())
         d.addCallback(lambda _: self.dead_letters.close())

@@ -43,6 +43,7 @@ from dmq_server.db.admin_steps import (
     topic_leftovers_steps,
     update_topic_settings_steps,
 )
+from dmq_server.db.confirm_steps import consumed_states_steps
 from dmq_server.db.clusters import ClusterMismatch, assign_slots_steps, claim_cluster_steps
 from dmq_server.db.dead_letter_steps import expire_deliveries_steps
 from dmq_server.db.delays import (
@@ -260,6 +261,11 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda rows: [(t, c, ids(i)) for t, c, i in rows],
         ),
         ("after the exhaust", load_backlog_steps, lambda: ("orders", "billing", 0, 10), same),
+        # a producer's confirmation: acked (m1, m4 on billing), dead (m2 on billing), waiting
+        # (audit), and an id no longer stored (swept: every channel was done with it)
+        ("consumed states", consumed_states_steps,
+         lambda: ([(m["m1"], "orders"), (m["m2"], "orders"), (m["m4"], "orders"), (999_999_999, "orders")],),
+         lambda rows: [("gone" if i == 999_999_999 else ids(i), c, state) for i, c, state in rows]),
         ("empty a channel", empty_channel_steps, lambda: ("orders", "audit"), same),
         ("empty it again", empty_channel_steps, lambda: ("orders", "audit"), same),
         ("a second incarnation", create_owner_steps, lambda: (NODE,), same),
@@ -582,6 +588,12 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert answers["in a cluster, another node's ack of a cursor it does not hold is fenced"] == [("orders", "billing", OWNER)]
     assert answers["ack of a copy already done"] == []  # the node holding the cursor: applied
     assert answers["exhaust"] == [("orders", "billing", "m2")]
+    # acked (m1, m4) and dead-lettered (m2, exhausted) on billing, waiting on audit; a message no
+    # longer stored was done on every channel
+    assert answers["consumed states"] == [
+        ("m1", "audit", "waiting"), ("m1", "billing", "acked"), ("m2", "audit", "waiting"), ("m2", "billing", "dead"),
+        ("m4", "audit", "waiting"), ("m4", "billing", "acked"), ("gone", "audit", "acked"), ("gone", "billing", "acked"),
+    ]
     assert answers["in a cluster, another node's exhaust of a cursor it does not hold is fenced"] == []
     assert answers["pause"] == 1 and answers["pause again"] == 0
     assert answers["empty a channel"] > 0

@@ -485,7 +485,7 @@ def test_encode_refuses_names_longer_than_the_layout(field):
     assert info.value.code == "E_INVALID"
 
 
-@pytest.mark.parametrize("command", [0, 9, 31, 48, 255, 256, -1])
+@pytest.mark.parametrize("command", [0, 9, 31, 49, 255, 256, -1])
 def test_encode_refuses_unknown_commands(command):
     """encode only emits command codes the decoder accepts."""
     with pytest.raises(FrameError) as info:
