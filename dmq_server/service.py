@@ -62,6 +62,7 @@ from dmq_server.http.guard import HttpGuard
 from dmq_server.http.root import VERSION, make_site
 from dmq_server.http.sampling import Sampling
 from dmq_server.http.site import BoundedSite
+from dmq_server.http.stats import outbox_stats
 from dmq_server.protocols.flow import FlowLimits, MemoryWatch
 from dmq_server.protocols.listener import NSQ_MAGIC, Handler, PortFactory
 from dmq_server.protocols.nsq_context import NsqContext
@@ -201,6 +202,7 @@ class DmqServer:
         self.relays = OutboxRelays(options, reactor, self._threads())
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
+        self.relays.node_id = self.node_id
 
     def stages(self) -> list[Stage]:
         clock = self.reactor
@@ -323,6 +325,7 @@ class DmqServer:
         out = dict(self.broker.stats()) if self.broker is not None else {}
         if self.sampling is not None:
             out["pauses"] = self.sampling.pauses.stats()
+        out["outboxes"] = outbox_stats(self.relays.figures())
         return out
 
     def _metrics_snapshot(self) -> Snapshot:
@@ -338,6 +341,7 @@ class DmqServer:
             stored=self.sampling.gauges.snapshot() if self.sampling is not None else None,
             db_pool={role: worker.state() for role, worker in self.workers.items()},
             client_memory=self.client_memory.stats(),
+            outboxes=self.relays.figures(),
             histograms=dict(broker.histograms) if broker is not None else {},
         )
         if self.sampling is not None:
@@ -551,7 +555,8 @@ class DmqServer:
         http_host, _ = options.http_endpoint
         inspector = Inspector(ops, cluster=self.cluster, info=self.info, history=self.sampling.history,
                               channels=self._channel_stats, gauges=self.sampling.gauges)
-        admin_api.install(site.resource, ops, http_host, options.admin_token, inspector)
+        admin_api.install(site.resource, ops, http_host, options.admin_token, inspector,
+                          outboxes=lambda: outbox_stats(self.relays.figures()))
         install_console(site.resource)
         self.http_port = yield from _listen_on(reactor, host, port, site)
         if options.https_address:

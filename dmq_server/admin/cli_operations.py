@@ -20,8 +20,6 @@ import os
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from dmq_server.admin.operations import (
@@ -38,7 +36,7 @@ from dmq_server.admin.operations import (
     show_dead_letter_steps,
 )
 
-from dmq_server.admin.cli_support import CliError, cluster_of_id, open_clusters, open_database
+from dmq_server.admin.cli_support import CliError, admin_get, cluster_of_id, open_clusters, open_database
 from dmq_server.core.errors import NotFound, Refused
 from dmq_server.db.steps import run_steps
 
@@ -210,20 +208,9 @@ def cmd_delay(args: argparse.Namespace) -> None:
 
 
 def cmd_clients(args: argparse.Namespace) -> None:
-    request = urllib.request.Request(f"http://{args.http_address}/admin/clients")
-    if args.admin_token:
-        request.add_header("Authorization", f"Bearer {args.admin_token}")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            clients = json.load(resp)["clients"]
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc).get("message", exc.reason)
-        except ValueError:
-            message = exc.reason
-        raise CliError(f"server refused: {message}", 1) from exc
-    except (OSError, ValueError) as exc:
-        raise CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+    clients = admin_get(args, "clients").get("clients")
+    if not isinstance(clients, list):
+        raise CliError(f"http://{args.http_address}/admin/clients answered no list of clients", 3)
     if args.json:
         print(json.dumps(clients, indent=2))
         return

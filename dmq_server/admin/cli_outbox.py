@@ -6,15 +6,20 @@ through and record consumed messages in, and prints the grants its role needs;
 deletes old inbox records in bounded batches. Each takes the application database's
 ``--dsn``, not dmq's ``--pg-dsn``: the schema lives beside the application's tables so
 its writes and its messages commit together (docs/client.md, "Transactional messages").
+``list`` asks a running server (``--http-address``, its admin API) what it relays: only
+the server holds the relays' figures, and it never answers with a DSN.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
 
-from dmq_server.admin.cli_support import CliError
+from dmq_server.admin.cli_support import CliError, admin_get
 from dmq_server.core.errors import DmqError
+from dmq_server.core.outbox_figures import PENDING_BOUND, OutboxJson
 from dmq_server.db.storage_errors import StorageError
 from dmq_client.spelling import parse_duration
 
@@ -24,6 +29,9 @@ __all__ = ["add_outbox_commands"]
 def cmd_outbox(args: argparse.Namespace) -> None:
     from dmq_server.db import outbox
 
+    if args.action == "list":
+        _list(args)
+        return
     try:
         if args.action == "install":
             applied, version = outbox.install(args.dsn, args.schema)
@@ -44,6 +52,46 @@ def cmd_outbox(args: argparse.Namespace) -> None:
         raise CliError.of(exc) from exc
 
 
+def _outboxes(args: argparse.Namespace) -> list[OutboxJson]:
+    """``GET /admin/outboxes`` of the server at --http-address."""
+    outboxes = admin_get(args, "outboxes").get("outboxes")
+    if not isinstance(outboxes, list):
+        raise CliError(f"http://{args.http_address}/admin/outboxes answered no list of outboxes", 3)
+    shown: list[OutboxJson] = outboxes  # the admin API's items (http.admin_api)
+    return shown
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _list(args: argparse.Namespace) -> None:
+    """``dmq outbox list``: one line per outbox the server relays or stands by for."""
+    outboxes = _outboxes(args)
+    if args.json:
+        print(json.dumps(outboxes, indent=2))
+        return
+    if not outboxes:
+        print("no outboxes on this server (--outbox)")
+        return
+    header = ("NAME", "SCHEMA", "DATABASE", "RELAYING NODE", "PENDING", "OLDEST", "RELAYED", "DEAD")
+    rows = [header]
+    for o in outboxes:
+        pending = "-" if o["pending"] is None else f"{o['pending']}{'+' if o['pending_at_least'] else ''}"
+        node = o["relaying_node"] or "none"
+        rows.append((o["name"], o["schema"], o["database"], node + (" (this node)" if o["relaying"] else ""),
+                     pending, _age(o["oldest_pending_seconds"]), str(o["relayed"]), str(o["dead_lettered"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
 def _seconds(text: str) -> float:
     try:
         return parse_duration(text)
@@ -52,7 +100,7 @@ def _seconds(text: str) -> float:
 
 
 def add_outbox_commands(sub: Any) -> None:
-    """``dmq outbox install|uninstall|prune-inbox`` on the parser's subcommands."""
+    """``dmq outbox install|uninstall|prune-inbox|list`` on the parser's subcommands."""
     outbox = sub.add_parser("outbox", help="the outbox and inbox in an application's database")
     osub = outbox.add_subparsers(dest="action", required=True)
     install = osub.add_parser("install", help="create or update the outbox schema; print the grants it needs")
@@ -72,4 +120,12 @@ def add_outbox_commands(sub: Any) -> None:
     for parser in (install, uninstall, prune):
         parser.add_argument("--dsn", required=True, help="the APPLICATION's PostgreSQL (not dmq's)")
         parser.add_argument("--schema", default="dmq_outbox", help="the schema's name (default dmq_outbox)")
+    listing = osub.add_parser(
+        "list", help="the outboxes a running server relays (its admin API at --http-address)",
+        description=f"PENDING is counted up to {PENDING_BOUND} (shown as {PENDING_BOUND}+: at least that many); "
+        "RELAYED and DEAD "
+        "count rows this server relayed since it started; RELAYING NODE is the node holding the outbox's lock.")
+    listing.add_argument("--admin-token", default=os.environ.get("DMQ_ADMIN_TOKEN"),
+                         help="the server's --admin-token (env DMQ_ADMIN_TOKEN)")
+    listing.add_argument("--json", action="store_true")
     outbox.set_defaults(func=cmd_outbox)

@@ -9,13 +9,17 @@ each other.
 from __future__ import annotations
 
 import argparse
+import json
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from dmq_server.core.errors import DmqError, Invalid, Refused, Unavailable, reply_for
 
-__all__ = ["CliError", "open_database", "open_registry", "cluster_dsns", "connect_cluster", "open_clusters", "cluster_of_id"]
+__all__ = ["CliError", "open_database", "open_registry", "cluster_dsns", "connect_cluster", "open_clusters", "cluster_of_id",
+           "admin_get"]
 
 
 #: a refused request's exit status: 2 for input to fix (as argparse's usage errors), 1
@@ -35,6 +39,28 @@ class CliError(Exception):
     def of(cls, error: DmqError) -> "CliError":
         """The CLI's answer to an error of the family (``core.errors``)."""
         return cls(error.description, reply_for(error, _EXIT_STATUS, 1))
+
+
+def admin_get(args: argparse.Namespace, path: str) -> dict[str, object]:
+    """``GET /admin/PATH`` of the running server at --http-address (with --admin-token),
+    its JSON object; CliError 1 when it refuses, 3 when none answers."""
+    request = urllib.request.Request(f"http://{args.http_address}/admin/{path}")
+    if args.admin_token:
+        request.add_header("Authorization", f"Bearer {args.admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            answer = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc).get("message", exc.reason)
+        except ValueError:
+            message = exc.reason
+        raise CliError(f"server refused: {message}", 1) from exc
+    except (OSError, ValueError) as exc:
+        raise CliError(f"no server reachable at http://{args.http_address}: {exc}", 3) from exc
+    if not isinstance(answer, dict):
+        raise CliError(f"http://{args.http_address}/admin/{path} answered no JSON object", 3)
+    return answer
 
 
 @contextmanager

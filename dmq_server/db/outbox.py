@@ -19,15 +19,18 @@ from importlib import resources
 from typing import Any, Iterator
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dmq_server.core.errors import Invalid, Refused
+from dmq_server.core.outbox_figures import Measured
 from dmq_server.core.outbox_rows import OutboxRow
 from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
 __all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "prune_inbox",
-           "migrations", "relay_queries", "hold_relay", "read_rows", "wait_for_rows", "delete_rows", "present_rows"]
+           "migrations", "relay_queries", "hold_relay", "read_rows", "wait_for_rows", "delete_rows", "present_rows",
+           "read_figures", "named_dsn", "dsn_database"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
 
@@ -219,3 +222,29 @@ def delete_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> 
 def present_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> set[int]:
     """Which of ``ids`` are still in the outbox."""
     return {row[0] for row in conn.execute(q["relay_present"], {"ids": ids})}
+
+
+def read_figures(conn: psycopg.Connection, q: dict[str, str], schema: str, bound: int) -> Measured:
+    """The outbox's figures for operators (``core.outbox_figures``): pending rows up to
+    ``bound``, the oldest one's age, the lock holder's ``application_name``."""
+    pending, oldest, holder = _one(conn.execute(q["relay_figures"], {"bound": bound, "schema": schema}))
+    return Measured(pending, oldest, holder)
+
+
+def named_dsn(dsn: str, application_name: str) -> str:
+    """``dsn`` with its sessions' ``application_name`` set (a relay names its node, so
+    ``read_figures`` on any node can tell who holds the lock)."""
+    return make_conninfo(dsn, application_name=application_name)
+
+
+def dsn_database(dsn: str) -> str:
+    """``host/dbname`` of a DSN (URL or ``key=value``), for operators: never the password
+    or the rest of it. An unparsable DSN gives ``?``."""
+    try:
+        parts = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "?"
+    host = str(parts.get("host") or parts.get("hostaddr") or "local")
+    port = parts.get("port")
+    where = f"{host}:{port}" if port else host
+    return f"{where}/{parts.get('dbname') or parts.get('user') or '?'}"

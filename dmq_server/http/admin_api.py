@@ -8,6 +8,10 @@ GET      /admin/clients                  connected clients
 GET      /admin/delay                    delay fragments, workers, pending counts
 GET      /admin/flow                     the TCP port's flow control: bytes held,
                                          paused connections and why (see flow.py)
+GET      /admin/outboxes                 the application outboxes this node relays or
+                                         stands by for (--outbox): pending rows, the
+                                         oldest one's age, rows relayed and dead-
+                                         lettered, the relaying node; never a DSN
 GET      /admin/dead-letters             list; filters as query parameters (topic,
                                          channel, reason, since, until, ids,
                                          message_ids, replayed), limit, after
@@ -43,6 +47,7 @@ from twisted.web.server import Request
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
 from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
+from dmq_server.core.outbox_figures import OutboxJson
 from dmq_server.http import admin_inspect
 from dmq_server.http.access import Access, authorize
 
@@ -59,6 +64,7 @@ _ENDPOINTS = [
     "GET /admin/clients",
     "GET /admin/delay",
     "GET /admin/flow",
+    "GET /admin/outboxes",
     "GET /admin/dead-letters",
     "GET /admin/dead-letters/ID",
     "POST /admin/dead-letters/replay",
@@ -96,9 +102,11 @@ class AdminResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None):
+    def __init__(self, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None,
+                 outboxes: Callable[[], list[OutboxJson]] = list):
         super().__init__()
         self.ops = ops
+        self.outboxes = outboxes
         self.listen_host = listen_host
         self.token = token
         self.inspector = inspector or Inspector(ops)
@@ -151,10 +159,11 @@ class AdminResource(Resource):
                 "clients": self.ops.clients,
                 "delay": self.ops.delay_stats,
                 "flow": self._flow,
+                "outboxes": self.outboxes,
             }
             if parts[0] in simple:
                 result = simple[parts[0]]()
-                if parts[0] in ("topics", "clients"):
+                if parts[0] in ("topics", "clients", "outboxes"):
                     return {parts[0]: result}
                 return result
         found = admin_inspect.route(self.inspector, access, method, parts, params)
@@ -221,7 +230,9 @@ class AdminResource(Resource):
         return self.ops.dlq_report(payload, "http", actor).addCallback(lambda i: {"id": i})
 
 
-def install(root: Resource, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None) -> AdminResource:
-    resource = AdminResource(ops, listen_host, token, inspector)
+def install(root: Resource, ops: AdminOps, listen_host: str, token: str, inspector: Inspector | None = None,
+            outboxes: Callable[[], list[OutboxJson]] = list) -> AdminResource:
+    """``outboxes``: the application outboxes' figures (``/admin/outboxes``), none by default."""
+    resource = AdminResource(ops, listen_host, token, inspector, outboxes)
     root.putChild(b"admin", resource)  # type: ignore[arg-type]  # zope's @implementer(IResource) on Resource is invisible to mypy (no zope plugin)
     return resource

@@ -29,6 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.twisted import MetricsResource
 
 from dmq_server.core.gauges import GaugeSnapshot
+from dmq_server.core.outbox_figures import PENDING_BOUND, OutboxFigures
 
 __all__ = ["Snapshot", "DmqCollector", "metrics_resource"]
 
@@ -56,6 +57,8 @@ class Snapshot:
     db_pool: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: ``core.client_memory.ClientMemory.stats()``: the bytes held for clients, by kind, and the budget
     client_memory: dict[str, Any] | None = None
+    #: ``protocols.outbox_relay.OutboxRelays.figures()``: each outbox this node relays or stands by for
+    outboxes: list[OutboxFigures] = field(default_factory=list)
 
 
 #: the histograms a snapshot may carry, and what they measure
@@ -208,6 +211,7 @@ class DmqCollector:
         yield from _stored(snap)
         yield from _db_pool(snap)
         yield from _client_memory(snap)
+        yield from _outboxes(snap)
 
         for name, (buckets, total) in sorted(snap.histograms.items()):
             histogram = HistogramMetricFamily(name, HISTOGRAMS.get(name, name))
@@ -344,6 +348,40 @@ def _client_memory(snap: Snapshot) -> Iterator[Metric]:
                               "budget was spent.", value=memory["pauses"])
     yield CounterMetricFamily("dmq_client_memory_episodes", "Times the bytes held for clients went over the "
                               "budget (each logged once, when it starts and when it ends).", value=memory["episodes"])
+
+
+def _outboxes(snap: Snapshot) -> Iterator[Metric]:
+    """Each application outbox this node relays or stands by for (``--outbox``; the label's
+    values are the configured names, so bounded). The pending rows, the oldest's age and
+    the lock holder are the last reading of the application's database (``protocols.outbox_gauges``:
+    every node, once a second, on a connection of its own); a scrape reads no database."""
+    if not snap.outboxes:
+        return
+    label = ["outbox"]
+    pending = GaugeMetricFamily(
+        "dmq_outbox_pending_rows", f"Committed outbox rows not relayed yet, counted up to {PENDING_BOUND}: "
+        "that value means at least as many.", labels=label)
+    oldest = GaugeMetricFamily(
+        "dmq_outbox_oldest_pending_seconds", "Age of the outbox's oldest pending row (its lowest id; created_at is "
+        "its transaction's start); 0 when none waits.", labels=label)
+    relayed = CounterMetricFamily("dmq_outbox_relayed", "Outbox rows this node stored into topics.", labels=label)
+    dead = CounterMetricFamily("dmq_outbox_dead_lettered", "Outbox rows this node kept as dead letters "
+                               "(unknown topic, body over the limit, delay too long).", labels=label)
+    relaying = GaugeMetricFamily("dmq_outbox_relaying", "1 on the node that holds the outbox's relay lock.",
+                                 labels=label)
+    cycle = GaugeMetricFamily("dmq_outbox_last_cycle_seconds", "Seconds since the outbox's relay last began a "
+                              "cycle (about 1 when idle; growing: stuck on a database).", labels=label)
+    for figures in snap.outboxes:
+        labels = [figures.name]
+        if figures.pending is not None:  # read at least once
+            pending.add_metric(labels, figures.pending)
+            oldest.add_metric(labels, figures.oldest_age or 0.0)
+        relayed.add_metric(labels, figures.relayed)
+        dead.add_metric(labels, figures.dead_lettered)
+        relaying.add_metric(labels, 1 if figures.relaying else 0)
+        if figures.last_cycle_age is not None:
+            cycle.add_metric(labels, figures.last_cycle_age)
+    yield from (pending, oldest, relayed, dead, relaying, cycle)
 
 
 def metrics_resource(take: Callable[[], Snapshot], reactor: Any) -> Any:

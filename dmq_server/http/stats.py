@@ -6,12 +6,14 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.nsq_identify import VERSION
+from dmq_server.core.outbox_figures import OutboxFigures, OutboxJson, figures_json
 
-__all__ = ["consumer_stats", "reliable_topic_stats", "memory_stats", "text_stats"]
+__all__ = ["consumer_stats", "reliable_topic_stats", "memory_stats", "text_stats", "outbox_stats"]
 
 
 def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str | None, include_clients: bool) -> dict:
@@ -106,6 +108,12 @@ def memory_stats(gc_pauses: Any = None) -> dict[str, int]:
         "next_gc_bytes": 0,
         "gc_total_runs": sum(s.get("collections", 0) for s in gc.get_stats()),
     }
+
+
+def outbox_stats(figures: Iterable[OutboxFigures]) -> list[OutboxJson]:
+    """``/stats``' ``outboxes``: each application outbox this node relays or stands by for
+    (``core.outbox_figures``), without its DSN."""
+    return [figures_json(one) for one in figures]
 
 
 def _duration(seconds: float) -> str:

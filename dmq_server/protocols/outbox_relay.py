@@ -36,11 +36,13 @@ from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import Refused
 from dmq_server.core.options import Options
+from dmq_server.core.outbox_figures import Measured, OutboxFigures, holder_label
 from dmq_server.core.outbox_rows import OutboxRow, OutboxSource, parse_outbox, producer_of, runs, session_of
 from dmq_server.core.publish import Published, new_request, new_send
 from dmq_server.db import outbox, outbox_ledger
 from dmq_server.db.outbox_ledger import DeadRow, Pair
 from dmq_server.db.worker import DbWorker
+from dmq_server.protocols.outbox_gauges import OutboxGauge
 
 __all__ = ["OutboxRelay", "OutboxRelays", "RelayDb"]
 
@@ -164,6 +166,7 @@ class OutboxRelay:
 
     async def _cycle(self) -> None:
         name, schema = self.source.name, self.source.schema
+        self._cycled_at = self.clock.seconds()
         pid = await self._app.run(outbox.hold_relay, self._q, schema, self._pid)
         if not pid:
             if self._pid:
@@ -268,6 +271,25 @@ class OutboxRelay:
             if gone:
                 await db.run(outbox_ledger.forget_relayed, gone)
 
+    # -- what operators see (core.outbox_figures) ------------------------------------------
+    node_id = ""  # this node's id (OutboxRelays sets it)
+    database = "?"  # the application database's host and name (never the DSN: it holds a password)
+    _cycled_at: float | None = None  # when the last cycle began
+
+    def figures(self, measured: Measured | None, measured_at: float) -> OutboxFigures:
+        """The outbox as this node sees it now, with the last reading of its database
+        (``protocols.outbox_gauges``, taken at ``measured_at``); no IO."""
+        now = self.clock.seconds()
+        oldest = measured.oldest_age if measured is not None else None
+        return OutboxFigures(
+            name=self.source.name, schema=self.source.schema, database=self.database, node_id=self.node_id,
+            relaying=self.relaying, holder=measured.holder if measured is not None else None,
+            pending=measured.pending if measured is not None else None,
+            oldest_age=None if oldest is None else oldest + now - measured_at,
+            relayed=self.relayed, dead_lettered=self.dead,
+            last_cycle_age=None if self._cycled_at is None else now - self._cycled_at,
+            measured_age=None if measured is None else now - measured_at,
+        )
 
 
 class OutboxRelays:
@@ -280,6 +302,8 @@ class OutboxRelays:
         self._clock = clock
         self._threads = threads
         self.relays: list[OutboxRelay] = []
+        self.node_id = ""  # this node's id (the service sets it): who relays, for operators
+        self.gauges: dict[str, OutboxGauge] = {}  # each outbox's figures, read on a connection of their own
 
     def start(self, broker: BrokerPort, dmq_dsn: str) -> None:
         options = self._options
@@ -287,7 +311,9 @@ class OutboxRelays:
         # a wait for NOTIFY is a call too: the watchdog allows it on top of --pg-timeout
         timeout = options.pg_timeout + poll if options.pg_timeout else None
         for source in self.sources:
-            app = DbWorker(self._threads, source.dsn, f"outbox-{source.name}", autocommit=True, timeout=timeout)
+            # the relay's session is named after its node: the lock holder, to any node's gauge
+            named = outbox.named_dsn(source.dsn, holder_label(self.node_id))
+            app = DbWorker(self._threads, named, f"outbox-{source.name}", autocommit=True, timeout=timeout)
             dmq, *clusters = [
                 DbWorker(self._threads, dsn, f"outbox-{source.name}-{cluster}", autocommit=True,
                          timeout=options.pg_timeout or None)
@@ -295,9 +321,23 @@ class OutboxRelays:
             ]
             relay = OutboxRelay(source, broker, self._clock, app, dmq, clusters=clusters,
                                 batch=min(500, options.commit_batch_size), poll=poll)
+            relay.node_id, relay.database = self.node_id, outbox.dsn_database(source.dsn)
             relay.start()
             self.relays.append(relay)
+            gauge = OutboxGauge(source, DbWorker(self._threads, source.dsn, f"outbox-{source.name}-figures",
+                                                 autocommit=True, timeout=options.pg_timeout or None), self._clock)
+            gauge.start()
+            self.gauges[source.name] = gauge
+
+    def figures(self) -> list[OutboxFigures]:
+        """Every relayed outbox as this node sees it, by name (``/metrics``, ``/stats``, the admin API)."""
+        figures = []
+        for relay in self.relays:
+            gauge = self.gauges[relay.source.name]
+            figures.append(relay.figures(gauge.measured, gauge.measured_at))
+        return sorted(figures, key=lambda f: f.name)
 
     def stop(self) -> Deferred[None]:
-        stopped = DeferredList([relay.stop() for relay in self.relays], consumeErrors=True)
+        stopped = DeferredList([relay.stop() for relay in self.relays]
+                               + [gauge.stop() for gauge in self.gauges.values()], consumeErrors=True)
         return stopped.addCallback(lambda _: None)

@@ -72,3 +72,19 @@ DELETE FROM @schema@.outbox WHERE id = ANY(%(ids)s::bigint[]);
 -- name: relay_present
 -- Which of these ids are still in the outbox (the ledger's records of the others can go).
 SELECT id FROM @schema@.outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: relay_figures
+-- What operators see of the outbox, cheaply (core.outbox_figures): the pending rows
+-- counted up to a bound (a scan of at most that many rows), the age of the row with the
+-- lowest id (one probe of the primary key) and the application_name of the session
+-- holding relay_lock's lock in this database (a relay's names its node; key 2 of a
+-- two-key advisory lock is objid, an oid).
+SELECT (SELECT count(*) FROM (SELECT 1 FROM @schema@.outbox LIMIT %(bound)s) AS upto),
+       (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8
+        FROM @schema@.outbox ORDER BY id LIMIT 1),
+       (SELECT a.application_name
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+          AND l.classid = 7361045 AND l.objid = hashtext(%(schema)s)::oid
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        LIMIT 1);

@@ -406,6 +406,25 @@ async function nodesPage(page) {
         el("td", {}, el("span", { class: `badge ${n.health && n.health !== "OK" ? "bad" : "admin"}` }, n.health && n.health !== "OK" ? n.health : n.state)))))));
 }
 
+async function outboxesPage(page) {
+  const { outboxes } = await api("GET", "outboxes");
+  const pending = (o) => (o.pending == null ? "–" : fmt(o.pending) + (o.pending_at_least ? "+" : ""));
+  fill(page,
+    el("h1", {}, "Outboxes"),
+    el("p", { class: "muted" }, "Application databases whose outbox this node relays (--outbox). Pending rows are counted "
+      + "up to a bound (shown with +: at least that many); relayed and dead-lettered count rows since this node started."),
+    outboxes.length
+      ? el("table", { id: "outboxes" },
+        el("thead", {}, el("tr", {}, ["Outbox", "Schema", "Database", "Relaying node", "Pending", "Oldest pending", "Relayed", "Dead letters", "Last cycle"].map((t) => el("th", {}, t)))),
+        el("tbody", {}, outboxes.map((o) => el("tr", { dataset: { outbox: o.name } },
+          el("td", {}, o.name), el("td", {}, o.schema), el("td", {}, o.database),
+          el("td", { class: "relaying" }, o.relaying_node || "none", o.relaying ? el("span", { class: "muted" }, " (this node)") : ""),
+          el("td", { class: "num pending" }, pending(o)), el("td", { class: "num oldest" }, o.pending ? age(o.oldest_pending_seconds) : "–"),
+          el("td", { class: "num relayed" }, fmt(o.relayed)), el("td", { class: "num dead" }, fmt(o.dead_lettered)),
+          el("td", { class: "num" }, o.last_cycle_seconds_ago == null ? "–" : `${age(o.last_cycle_seconds_ago)} ago`)))))
+      : el("p", { id: "no-outboxes" }, "This node relays no outbox."));
+}
+
 const EVENT_TEXT = {
   stored: (e) => `stored by ${e.node_id || "?"} (producer ${e.producer || "?"}, session ${e.session_id ?? "?"})`,
   delivered: (e) => `delivered to ${e.channel} → ${e.consumer || "?"} (attempt ${e.attempt})`,
@@ -466,6 +485,7 @@ const ROUTES = [
   [/^#\/dead-letters(\?.*)?$/, "dead-letters", (p) => deadLettersPage(p), false],
   [/^#\/delay(\?.*)?$/, "delay", (p) => delayPage(p), false],
   [/^#\/nodes$/, "nodes", (p) => nodesPage(p), true],
+  [/^#\/outboxes$/, "outboxes", (p) => outboxesPage(p), true],
   [/^#\/trace(?:\/(.+))?$/, "trace", (p, m) => tracePage(p, m[1] && decodeURIComponent(m[1])), false],
   [/^#\/audit$/, "audit", (p) => auditPage(p), false],
 ];
