@@ -49,7 +49,7 @@ def served(make_server, topic, monkeypatch):
 def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
-                               "journal_producer.py"}
+                               "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py"}
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
@@ -140,3 +140,26 @@ def test_journal_example_stores_every_message_and_leaves_the_journal_empty(serve
     assert sorted(bytes(b) for (b,) in db_rows(pg_dsn, "SELECT body FROM dmq_message")) == sorted(bodies)
     with JournalSendQueue(tmp_path / "journal", ticker=False) as reopened:
         assert reopened.recovered == 0
+
+
+def test_confirmation_examples_report_the_channel_that_consumed(served, capsys):
+    """With a consumer acking on the topic's one channel (billing), both confirmation
+    examples print that billing acknowledged their message; with none, the first reports
+    the channel still waiting (its deadline shortened so the test does not wait 30 s)."""
+    acked = []
+
+    class Acker:
+        def on_message(self, message):
+            acked.append(message.body)
+            message.ack()
+
+    with MqClient(MqConfig(servers=f"127.0.0.1:{served.tcp_port}")) as consumer:
+        consumer.subscribe("orders", "billing", Acker(), auto_ack=False)
+        load("confirm_consumed.py")
+        assert "acknowledged by ('billing',)" in capsys.readouterr().out
+        load("confirm_blocking.py")
+        assert "CONSUMED ('billing',) () ()" in capsys.readouterr().out
+    assert sorted(acked) == [b'{"id": 1}', b'{"id": 2}']
+    source = examples()["confirm_consumed.py"].replace("confirm_timeout=30", "confirm_timeout=1")
+    exec(compile(source, "docs/client.md:confirm_consumed.py", "exec"), {"__name__": "docs_example_deadline"})
+    assert "DEADLINE ('billing',)" in capsys.readouterr().out
