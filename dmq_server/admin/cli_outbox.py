@@ -2,7 +2,8 @@
 
 ``install`` creates (or brings up to date) the schema an application's transactions send
 through and record consumed messages in, and prints the grants its role needs;
-``uninstall`` drops it, refusing while messages wait to be relayed; ``prune-inbox``
+``uninstall`` drops it, refusing while messages wait to be relayed; ``retag`` gives the
+install a new tag (after its row ids went back: a restore from a backup); ``prune-inbox``
 deletes old inbox records in bounded batches. Each takes the application database's
 ``--dsn``, not dmq's ``--pg-dsn``: the schema lives beside the application's tables so
 its writes and its messages commit together (docs/client.md, "Transactional messages").
@@ -43,6 +44,10 @@ def cmd_outbox(args: argparse.Namespace) -> None:
         elif args.action == "uninstall":
             dropped = outbox.uninstall(args.dsn, args.schema, force=args.force)
             print(f"dropped outbox schema {args.schema}" + (f" with {dropped} unrelayed message(s)" if dropped else ""))
+        elif args.action == "retag":
+            old, new = outbox.retag(args.dsn, args.schema)
+            print(f"outbox schema {args.schema}: tag {old} -> {new} (rows relayed from now on are producer "
+                  f"outbox:NAME:{new})")
         elif args.action == "prune-inbox":
             removed = outbox.prune_inbox(args.dsn, args.older_than, args.schema, batch=args.batch)
             print(f"pruned {removed} inbox record(s) older than {args.older_than:g}s from {args.schema}.inbox")
@@ -107,6 +112,15 @@ def add_outbox_commands(sub: Any) -> None:
     install.add_argument("--role", default="APP_ROLE", help="the application role named in the printed grants")
     uninstall = osub.add_parser("uninstall", help="drop the outbox schema (refused while messages wait)")
     uninstall.add_argument("--force", action="store_true", help="drop it even with unrelayed messages in it")
+    retag = osub.add_parser(
+        "retag",
+        help="give the install a new tag (after a restore of the application database from a backup)",
+        description="Rows are relayed as producer outbox:NAME:TAG with their id as session id. After the "
+        "outbox's ids went back (the application database restored from a backup, TRUNCATE ... RESTART "
+        "IDENTITY), new rows would reuse ids already relayed and be taken for repeats: run this before "
+        "relaying again. Rows still in the outbox are relayed under the new tag too, so one relayed "
+        "before the restore is delivered again (docs/client.md).",
+    )
     prune = osub.add_parser(
         "prune-inbox",
         help="delete inbox records older than a duration, in bounded batches",
@@ -117,7 +131,7 @@ def add_outbox_commands(sub: Any) -> None:
     prune.add_argument("--older-than", required=True, type=_seconds, metavar="DURATION",
                        help="records processed longer ago than this go (e.g. 7d)")
     prune.add_argument("--batch", type=int, default=10000, help="records deleted per transaction (default 10000)")
-    for parser in (install, uninstall, prune):
+    for parser in (install, uninstall, retag, prune):
         parser.add_argument("--dsn", required=True, help="the APPLICATION's PostgreSQL (not dmq's)")
         parser.add_argument("--schema", default="dmq_outbox", help="the schema's name (default dmq_outbox)")
     listing = osub.add_parser(

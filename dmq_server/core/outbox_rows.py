@@ -2,18 +2,27 @@
 
 ``--outbox NAME=APP_DSN`` (or ``NAME:SCHEMA=APP_DSN``) names an application database
 whose outbox schema (``dmq outbox install``) this server relays. A row read there becomes
-a ``Send`` of producer ``outbox:NAME``: its session id is the row's id, unless the
-application gave the row its own ``session_id``; then the producer is ``outbox:NAME:own``.
-Two producers because an application's own ids and the row ids are both just numbers: one
-producer would take row 7 for a repeat of the message the application numbered 7 and
-drop it. A delayed row's producer ends in ``:delayed``: dmq records what a relay stored
-(schema version 13, ``dmq_outbox_relayed``) when the message enters the delay table, and
-its later move into the topic is not a relay (the trigger there tests that suffix).
+a ``Send`` of producer ``outbox:NAME:TAG``: TAG is the install's own random tag (the
+outbox's ``installation`` table, version 2), its session id the row's id. The row ids
+start at 1 again when an outbox is uninstalled and installed again; the tag makes each
+install's numbering its own, so a new row 7 is never taken for a repeat of an earlier
+install's row 7 (still stored under its pair within ``--message-retention``) and dropped.
+A row the application gave its own ``session_id`` goes as producer ``outbox:NAME:own``
+under that id, whatever the install: the application's numbers are its own, promised to
+name one message each, across installs too. Two producers because an application's own
+ids and the row ids are both just numbers: one producer would take row 7 for a repeat of
+the message the application numbered 7 and drop it. A delayed row's producer ends in
+``:delayed``: dmq records what a relay stored (schema version 13,
+``dmq_outbox_relayed``) when the message enters the delay table, and its later move into
+the topic is not a relay (the trigger there tests that suffix).
 
-Rows are published in runs: consecutive rows to one topic from one producer, an
-immediate run as one request (the broker checks a topic once per request), a delayed row
-alone (a request has one due time). The runs keep the rows' id order, so the rows of one
-transaction are stored in the order it sent them.
+Rows are published in runs: consecutive rows to one topic from one producer, at most
+``max_run`` of them (the group commit's batch: ``GroupCommitWriter`` keeps a run that
+fits in one transaction), an immediate run as one request (the broker checks a topic
+once per request), a delayed row alone (a request has one due time). The runs keep the
+rows' id order; the relay publishes a topic's runs one after another, so the rows of one
+transaction are stored in the order it sent them (message ids rise with the row ids; a
+run of the application's own session ids is stored in the order of those ids).
 """
 
 from __future__ import annotations
@@ -21,10 +30,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["OutboxSource", "OutboxRow", "parse_outbox", "producer_of", "session_of", "runs", "MAX_NAME"]
+__all__ = ["OutboxSource", "OutboxRow", "parse_outbox", "producer_of", "relay_producers", "check_tag", "session_of",
+           "runs", "MAX_NAME", "TAG"]
 
-# the longest NAME: "outbox:" + NAME + ":own:delayed" stays within a producer id's 64 characters
+# the longest NAME: "outbox:" + NAME + ":" + TAG + ":delayed" (and ":own:delayed") stays
+# within a producer id's 64 characters
 MAX_NAME = 40
+# an install's tag: 8 hex digits, 32 random bits (sql/outbox/0002_installation.sql); two
+# installs of one outbox share one with a chance of 1 in 4 billion
+TAG = re.compile(r"[0-9a-f]{8}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_NAME)
 # the installer's rule for a schema (dmq_server.db.outbox.check_schema)
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -72,10 +86,25 @@ class OutboxRow:
     created_ms: int  # when the application inserted it (the message's producer time)
 
 
-def producer_of(name: str, row: OutboxRow) -> str:
-    """The producer id the row is stored under (see the module's docstring)."""
-    producer = f"outbox:{name}" if row.session_id is None else f"outbox:{name}:own"
+def producer_of(name: str, tag: str, row: OutboxRow) -> str:
+    """The producer id the row is stored under, for the install tagged ``tag`` (see the
+    module's docstring)."""
+    producer = f"outbox:{name}:{tag}" if row.session_id is None else f"outbox:{name}:own"
     return producer + ":delayed" if row.due_ms is not None else producer
+
+
+def relay_producers(name: str, tag: str) -> list[str]:
+    """The producers of the rows numbered by the install tagged ``tag`` (immediate, delayed)."""
+    return [f"outbox:{name}:{tag}", f"outbox:{name}:{tag}:delayed"]
+
+
+def check_tag(schema: str, tag: object) -> str:
+    """The install's tag as read from its ``installation`` table; ValueError if it is not
+    one (a table changed by hand: relaying under it could take new rows for old ones)."""
+    if not isinstance(tag, str) or not TAG.fullmatch(tag):
+        raise ValueError(f"{schema}.installation holds {tag!r}, not an install tag of 8 hex digits: "
+                         "run `dmq outbox install` again, or uninstall and install it")
+    return tag
 
 
 def session_of(row: OutboxRow) -> int:
@@ -83,14 +112,15 @@ def session_of(row: OutboxRow) -> int:
     return row.id if row.session_id is None else row.session_id
 
 
-def runs(name: str, rows: list[OutboxRow]) -> list[list[OutboxRow]]:
+def runs(rows: list[OutboxRow], max_run: int) -> list[list[OutboxRow]]:
     """``rows`` (in id order) cut into runs published as one request each: consecutive
-    immediate rows with one topic and producer together, each delayed row alone."""
+    immediate rows with one topic and producer together, at most ``max_run`` in one, each
+    delayed row alone."""
     out: list[list[OutboxRow]] = []
-    last: tuple[str, str] | None = None
+    last: tuple[str, bool] | None = None
     for row in rows:
-        key = (row.topic, producer_of(name, row))
-        if out and key == last:
+        key = (row.topic, row.session_id is None)  # the producer: numbered by the install or own
+        if key == last and row.due_ms is None and len(out[-1]) < max_run:
             out[-1].append(row)
         else:
             out.append([row])

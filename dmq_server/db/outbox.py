@@ -23,13 +23,14 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dmq_server.core.errors import Invalid, Refused
 from dmq_server.core.outbox_figures import Measured
-from dmq_server.core.outbox_rows import OutboxRow
+from dmq_server.core.outbox_rows import OutboxRow, check_tag
 from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
-__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "prune_inbox",
-           "migrations", "relay_queries", "hold_relay", "read_rows", "wait_for_rows", "delete_rows", "present_rows",
+__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag",
+           "prune_inbox", "migrations", "relay_queries", "hold_relay", "read_tag", "read_rows", "wait_for_rows",
+           "delete_rows", "present_rows",
            "read_figures", "named_dsn", "dsn_database"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
@@ -154,6 +155,26 @@ def uninstall(dsn: str, schema: str = DEFAULT_SCHEMA, *, force: bool = False) ->
         return pending
 
 
+def retag(dsn: str, schema: str = DEFAULT_SCHEMA) -> tuple[str, str]:
+    """Give the install a new tag (``core.outbox_rows``): rows numbered from now on are
+    stored as another producer than every row relayed before, so an id used again (the
+    application's database restored from a backup, the outbox's identity restarted) is
+    never taken for a repeat. Rows still in the outbox go under the new tag too: one the
+    relay stored before (then restored) is stored again. Returns (old tag, new tag)."""
+    q = _queries(check_schema(schema))
+    with _database(dsn, "outbox retag") as conn, conn.transaction():
+        conn.execute(q["lock_install"], {"schema": schema})
+        exists, ours = _state(conn, q, schema)
+        if not ours:
+            raise Refused(f"schema {schema} is not a dmq outbox" if exists else f"no outbox schema {schema} here")
+        try:
+            new, old = _one(conn.execute(q["retag"]))
+        except psycopg.errors.UndefinedTable:
+            raise Refused(f"outbox {schema} is at version 1 (it has no tag): "
+                          "run `dmq outbox install` to bring it up to date") from None
+        return old, new
+
+
 def prune_inbox(dsn: str, older_than_s: float, schema: str = DEFAULT_SCHEMA, *, batch: int = 10000) -> int:
     """Delete inbox records processed more than ``older_than_s`` seconds ago, ``batch`` at
     a time, each batch committed on its own (short transactions, few locks); returns how
@@ -195,15 +216,36 @@ def hold_relay(conn: psycopg.Connection, q: dict[str, str], schema: str, locked_
     return pid
 
 
-def read_rows(conn: psycopg.Connection, q: dict[str, str], limit: int, after: int = 0) -> list[OutboxRow]:
-    """The next ``limit`` committed rows with an id above ``after``, in id order. The NOTIFYs received so far go
-    first: this read sees every row they announce, and psycopg keeps those that arrive
+def read_tag(conn: psycopg.Connection, q: dict[str, str], schema: str) -> str:
+    """The install's tag (``core.outbox_rows``: the producer its numbered rows go as)."""
+    try:
+        return check_tag(schema, _one(conn.execute(q["relay_tag"]))[0])
+    except psycopg.errors.UndefinedTable as exc:
+        raise StorageError(_not_installed(schema, exc)) from exc
+
+
+def read_rows(conn: psycopg.Connection, q: dict[str, str], schema: str, limit: int,
+              after: int = 0) -> tuple[str, list[OutboxRow]]:
+    """The next ``limit`` committed rows with an id above ``after``, in id order, and the
+    tag of the install they belong to (read with them: "" when there are none). The
+    NOTIFYs received so far go first: this read sees every row they announce, and psycopg keeps those that arrive
     while other statements run until ``notifies`` takes them, which under a steady load
     (rows every cycle, never a wait) would be never: memory without bound."""
     for _ in conn.notifies(timeout=0):
         pass
-    return [OutboxRow(row[0], row[1], bytes(row[2]), row[3], row[4], row[5])
-            for row in conn.execute(q["relay_read"], {"limit": limit, "after": after})]
+    try:
+        found = conn.execute(q["relay_read"], {"limit": limit, "after": after}).fetchall()
+    except psycopg.errors.UndefinedTable as exc:
+        raise StorageError(_not_installed(schema, exc)) from exc
+    if not found:
+        return "", []
+    return check_tag(schema, found[0][6]), [OutboxRow(row[0], row[1], bytes(row[2]), row[3], row[4], row[5])
+                                            for row in found]
+
+
+def _not_installed(schema: str, exc: psycopg.Error) -> str:
+    return (f"{describe_error(exc)}: run `dmq outbox install --schema {schema}` on the application's database "
+            "(an outbox installed before version 2 has no installation table, and gets it then)")
 
 
 def wait_for_rows(conn: psycopg.Connection, timeout: float) -> bool:

@@ -7,7 +7,8 @@ holds a session advisory lock in the application's database (``db.outbox.hold_re
 when its connection or its node dies, the lock goes with it and another node's relay,
 trying every second, takes over.
 
-A cycle reads the next committed rows in id order (a batch), asks dmq's database which
+A cycle reads the next committed rows in id order (a batch) with the tag of the install
+they belong to (the producer they go as: ``core.outbox_rows``), asks dmq's database which
 of them were stored before (``db.outbox_ledger``: a relay that died after the store and
 before the delete), hands the others to the broker in runs (``core.outbox_rows.runs``:
 one ``PublishRequest`` of ``Send``s per run of rows to one topic, answered per message by
@@ -20,7 +21,19 @@ read the relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fall
 
 Exactly once: the storing statement itself records each outbox row's (producer, session
 id) and skips a row recorded before (schema version 13's triggers), so a repeat is never
-stored a second time, whatever ran or died when, and however long after.
+stored a second time, whatever ran or died when, and however long after. A new install's
+rows are no repeats of an earlier one's with the same ids: each install has its own tag.
+
+Order: runs to different topics are published together, the runs of one topic one after
+another, each once the one before was answered (committed), and a run is never longer
+than the group commit's batch (``max_run``), which ``GroupCommitWriter`` then stores in one
+transaction. So the rows of one transaction get message ids in the order it sent them.
+What does not hold: a row kept for a passing failure is stored after rows behind it (the
+rest of its topic's runs in the batch wait with it, but a full batch reads on); a run whose
+batch PostgreSQL refused is split in halves that may commit side by side; and a run reaches
+the group commit as one run only by ``Broker.publish_each``'s direct way (a topic this node
+has cached, without a rate limit, on a server without ``--pg-cluster``): otherwise its
+rows are queued one by one and, with ``--commit-writers`` above 1, may commit side by side.
 """
 
 from __future__ import annotations
@@ -37,7 +50,9 @@ from dmq_server.core.clock import Clock, Timer
 from dmq_server.core.errors import Refused
 from dmq_server.core.options import Options
 from dmq_server.core.outbox_figures import Measured, OutboxFigures, holder_label
-from dmq_server.core.outbox_rows import OutboxRow, OutboxSource, parse_outbox, producer_of, runs, session_of
+from dmq_server.core.outbox_rows import (
+    OutboxRow, OutboxSource, parse_outbox, producer_of, relay_producers, runs, session_of,
+)
 from dmq_server.core.publish import Published, new_request, new_send
 from dmq_server.db import outbox, outbox_ledger
 from dmq_server.db.outbox_ledger import DeadRow, Pair
@@ -83,6 +98,7 @@ class OutboxRelay:
         *,
         clusters: Sequence[RelayDb] = (),
         batch: int = 500,
+        max_run: int = 500,
         poll: float = 1.0,
         retry: float = 1.0,
     ):
@@ -96,10 +112,12 @@ class OutboxRelay:
         self._ledgers = [dmq, *clusters]
         self._q = outbox.relay_queries(source.schema)
         self._batch = batch
+        self._max_run = max_run  # the group commit's batch: a longer run would be cut there
         self._poll = poll
         self._retry = retry
         self._running = False
         self._pid = 0  # the application database's backend holding the lock, 0: not this relay
+        self._tag = ""  # the install's tag (its numbered rows' producer), as last read
         # a pass over the outbox that kept rows to try again (their store failed for a passing
         # reason): the id read up to, and how many were kept
         self._after = 0
@@ -176,12 +194,18 @@ class OutboxRelay:
             await self._sleep(self._retry)
             return
         if pid != self._pid:
+            self._tag = await self._app.run(outbox.read_tag, self._q, schema)
             self._pid = pid
-            log.info("outbox {name}: this node relays {schema}", name=name, schema=schema)
+            log.info("outbox {name}: this node relays {schema} (install {tag})", name=name, schema=schema,
+                     tag=self._tag)
             await self._forget_stale()
-        rows = await self._app.run(outbox.read_rows, self._q, self._batch, self._after)
+        tag, rows = await self._app.run(outbox.read_rows, self._q, schema, self._batch, self._after)
         if rows:
-            self._again += await self._relay(rows)
+            if tag != self._tag:  # installed again while this node held the lock
+                log.info("outbox {name}: {schema} was installed again (install {tag})", name=name, schema=schema,
+                         tag=tag)
+                self._tag = tag
+            self._again += await self._relay(rows, tag)
             if len(rows) == self._batch and self._again:
                 # rows wait to be tried again: read on past them, so they hold no row behind
                 self._after = rows[-1].id
@@ -194,21 +218,25 @@ class OutboxRelay:
         if again and self._running:
             await self._sleep(self._retry)
 
-    async def _relay(self, rows: list[OutboxRow]) -> int:
-        """Relay one batch; returns how many rows are left to try again."""
+    async def _relay(self, rows: list[OutboxRow], tag: str) -> int:
+        """Relay one batch of the install tagged ``tag``; returns how many rows are left
+        to try again."""
         name = self.source.name
-        pairs = {row.id: (producer_of(name, row), session_of(row)) for row in rows}
+        pairs = {row.id: (producer_of(name, tag, row), session_of(row)) for row in rows}
         before: set[Pair] = set()
         for found in await self._each(outbox_ledger.relayed_before, list(pairs.values())):
             before |= found
         todo = [row for row in rows if pairs[row.id] not in before]
         done = [row for row in rows if pairs[row.id] in before]
-        cut = runs(name, todo)
-        answers = await DeferredList([self._publish(run) for run in cut], consumeErrors=True)
+        topics: dict[str, list[list[OutboxRow]]] = {}  # each topic's runs, in id order
+        for run in runs(todo, self._max_run):
+            topics.setdefault(run[0].topic, []).append(run)
+        chains = await gatherResults([ensureDeferred(self._publish_runs(chain, pairs)) for chain in topics.values()],
+                                      consumeErrors=True)
         dead: list[tuple[OutboxRow, str]] = []
         again = 0
-        for run, (ok, outcomes) in zip(cut, answers):
-            for row, outcome in zip(run, outcomes if ok else [outcomes] * len(run)):
+        for run, outcomes in [answered for chain in chains for answered in chain]:
+            for row, outcome in zip(run, outcomes):
                 if isinstance(outcome, Published):
                     done.append(row)
                 elif isinstance(outcome, Refused):
@@ -235,11 +263,33 @@ class OutboxRelay:
         """``fn(*args)`` in every one of dmq's databases at once; fails if any fails."""
         return gatherResults([db.run(fn, *args) for db in self._ledgers], consumeErrors=True)
 
-    def _publish(self, run: list[OutboxRow]) -> Deferred[list[object]]:
-        """One run as one request; fires with each row's outcome (``Published`` or the
-        error), in order, once the broker answered them all (after their commit)."""
+    async def _publish_runs(
+        self, chain: list[list[OutboxRow]], pairs: dict[int, Pair]
+    ) -> list[tuple[list[OutboxRow], Sequence[object]]]:
+        """One topic's runs, each published once the one before was answered (after its
+        commit): two runs of one topic never commit side by side, where the later could
+        get the lower ids. After a run not wholly stored or refused (a passing failure),
+        the runs behind it are kept too (outcome None: tried again), not published: they
+        would overtake it. Each run with its rows' outcomes, in order."""
+        answered: list[tuple[list[OutboxRow], Sequence[object]]] = []
+        held = False
+        for run in chain:
+            outcomes: Sequence[object] = [None] * len(run)
+            if not held:
+                try:
+                    outcomes = await self._publish(run, pairs[run[0].id][0])
+                except Exception as exc:  # the broker failed the call: the rows are tried again
+                    log.failure("outbox {name}: publishing a run failed", name=self.source.name)
+                    outcomes = [exc] * len(run)
+                held = not all(isinstance(outcome, (Published, Refused)) for outcome in outcomes)
+            answered.append((run, outcomes))
+        return answered
+
+    def _publish(self, run: list[OutboxRow], producer: str) -> Deferred[list[object]]:
+        """One run as one request of ``producer``; fires with each row's outcome
+        (``Published`` or the error), in order, once the broker answered them all (after
+        their commit)."""
         first = run[0]
-        producer = producer_of(self.source.name, first)
         sends = [new_send(topic=row.topic, producer=producer, session_id=session_of(row), body=row.body,
                           produced_ms=row.created_ms) for row in run]
         request = new_request(topic=first.topic, producer=producer, sends=sends, due_ms=first.due_ms)
@@ -260,8 +310,7 @@ class OutboxRelay:
         """Records left by a relay that died between its delete and forgetting them: those
         of the relay's own numbering whose row is gone from the outbox (a record exists
         only for a row that was committed, so a row missing now was deleted)."""
-        name = self.source.name
-        producers = [f"outbox:{name}", f"outbox:{name}:delayed"]
+        producers = relay_producers(self.source.name, self._tag)
         for db in self._ledgers:
             recorded = await db.run(outbox_ledger.recorded_rows, producers, STALE_CHECK)
             if not recorded:
@@ -320,7 +369,8 @@ class OutboxRelays:
                 for cluster, dsn in {"main": dmq_dsn, **options.pg_clusters}.items()
             ]
             relay = OutboxRelay(source, broker, self._clock, app, dmq, clusters=clusters,
-                                batch=min(500, options.commit_batch_size), poll=poll)
+                                batch=min(500, options.commit_batch_size), max_run=options.commit_batch_size,
+                                poll=poll)
             relay.node_id, relay.database = self.node_id, outbox.dsn_database(source.dsn)
             relay.start()
             self.relays.append(relay)

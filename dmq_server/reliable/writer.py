@@ -97,6 +97,18 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
     WAL flushes), so message ids may commit slightly out of order; the channel
     copes with that (see ``ReliableChannel.add``). A further transaction starts
     while one is in flight only for at least ``parallel_min`` waiting sends.
+
+    A run (``submit_run``'s messages) is one transaction's: a batch ends before a run
+    it would cut, so the run's messages get ids in the run's order (the insert sorts
+    a batch by (producer, session id): a run of one producer with rising session ids,
+    as the outbox relay's, keeps its order), and no concurrent transaction can take
+    a later part of it. What does not hold: a run longer than ``max_batch`` is cut
+    (its parts may commit side by side, out of order); a refused batch is split in
+    halves that run on their own, side by side with several workers, so a run in
+    it may be cut and its parts stored out of order; and runs of one producer
+    submitted one after another, or messages submitted one by one, may go into
+    concurrent transactions (a caller that needs them in order waits for each
+    run's answer before submitting the next, as the outbox relay does).
     """
 
     def __init__(
@@ -197,8 +209,16 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
             if self._isolated:
                 batch = self._isolated.pop(0)
             else:
-                batch = self._queue[: self._max_batch]
-                del self._queue[: self._max_batch]
+                queue, end = self._queue, self._max_batch
+                if len(queue) > end:
+                    # a batch ends before a run it would cut (the run's first item is
+                    # ``position`` places before the cut), unless the run alone is longer
+                    # than a batch: one comparison a batch, nothing a message
+                    start = end - queue[end][2]
+                    if start > 0:
+                        end = start
+                batch = queue[:end]
+                del queue[:end]
             started = self._clock.seconds() if self._clock is not None else 0.0
             writes = self._writes
             if writes is None:

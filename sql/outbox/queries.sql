@@ -39,6 +39,13 @@ SELECT count(*) FROM @schema@.outbox;
 -- Uninstall: the schema and everything in it.
 DROP SCHEMA @schema@ CASCADE;
 
+-- name: retag
+-- A new tag for the install (`dmq outbox retag`): the rows numbered from now on go as
+-- another producer, never meeting those relayed before (after ids went back: a restore of
+-- the application's database from a backup, TRUNCATE ... RESTART IDENTITY).
+UPDATE @schema@.installation SET tag = left(gen_random_uuid()::text, 8), installed_at = now()
+RETURNING tag, (SELECT tag FROM @schema@.installation);
+
 -- name: prune_inbox
 -- One bounded batch of old inbox records.
 SELECT @schema@.prune_inbox(make_interval(secs => %(older_than_s)s), %(batch)s);
@@ -56,10 +63,18 @@ SELECT pg_try_advisory_lock(7361045, hashtext(%(schema)s));
 -- The NOTIFY of outbox_notify_relay (one per INSERT statement, at its commit).
 LISTEN @schema@;
 
+-- name: relay_tag
+-- The install's tag (0002_installation.sql), read when the relay takes the lock.
+SELECT tag FROM @schema@.installation;
+
 -- name: relay_read
 -- The next committed rows in id order after `after` (the rows of one transaction in the
--- order it sent them); created_at becomes the message's producer time.
-SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint
+-- order it sent them); created_at becomes the message's producer time. Each row carries
+-- the install's tag, read in the same snapshot (an InitPlan: once a statement), so rows
+-- are never numbered under the tag of another install (an uninstall and install while
+-- the relay holds its lock).
+SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint,
+       (SELECT tag FROM @schema@.installation)
 FROM @schema@.outbox
 WHERE id > %(after)s
 ORDER BY id

@@ -8,6 +8,9 @@ after kill -9."""
 
 from __future__ import annotations
 
+import threading
+import urllib.request
+
 import psycopg
 import pytest
 
@@ -59,6 +62,12 @@ def consume(server, count: int, topic: str = "orders", channel: str = "billing")
     return pushes
 
 
+def shop(app_dsn: str) -> str:
+    """The producer of the install's numbered rows: outbox:shop:TAG."""
+    [(tag,)] = db_rows(app_dsn, "SELECT tag FROM dmq_outbox.installation")
+    return f"outbox:shop:{tag}"
+
+
 def outbox_empty(app_dsn: str) -> bool:
     return db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(0,)]
 
@@ -79,7 +88,7 @@ def test_committed_rows_arrive_once_in_order_and_rolled_back_ones_never(make_ser
     ids = {p.body: p.message_id for p in pushes}
     for t in (0, 1, 3, 4):
         assert [ids[f"t{t}-{k}".encode()] for k in range(3)] == sorted(ids[f"t{t}-{k}".encode()] for k in range(3))
-    assert {p.producer for p in pushes} == {"outbox:shop"}
+    assert {p.producer for p in pushes} == {shop(app_dsn)}
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
     assert db_rows(pg_dsn, f"SELECT count(*), count(DISTINCT session_id) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") \
@@ -96,7 +105,7 @@ def test_an_own_session_id_is_stored_once_and_never_meets_a_row_id(make_server, 
     send_transaction(app_dsn, [b"order 1, again"], session_id=1)  # row 3: the retry
     pushes = consume(server, 2)
     assert sorted((p.producer, p.session_id, p.body) for p in pushes) == [
-        ("outbox:shop", 1, b"numbered by the relay"), ("outbox:shop:own", 1, b"order 1")]
+        (shop(app_dsn), 1, b"numbered by the relay"), ("outbox:shop:own", 1, b"order 1")]
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
 
 
@@ -106,9 +115,9 @@ def test_a_delayed_row_arrives_when_due(make_server, topic, pg_dsn, app_dsn):
     server = make_server(outbox=f"shop={app_dsn}")
     send_transaction(app_dsn, [b"later"], delay=1.0)
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
-    assert db_rows(pg_dsn, "SELECT producer, body FROM dmq_delay") == [("outbox:shop:delayed", b"later")]
+    assert db_rows(pg_dsn, "SELECT producer, body FROM dmq_delay") == [(shop(app_dsn) + ":delayed", b"later")]
     [push] = consume(server, 1)
-    assert push.body == b"later" and push.producer == "outbox:shop:delayed"
+    assert push.body == b"later" and push.producer == shop(app_dsn) + ":delayed"
     # its move into the topic is not a relay: it leaves no record behind
     assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)]
 
@@ -142,12 +151,13 @@ def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic
     try:
         server = make_server(outbox=f"shop={app_dsn}")
         wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
-        stored = db_rows(pg_dsn, "SELECT id, body FROM dmq_message WHERE producer = 'outbox:shop' ORDER BY id")
+        stored = db_rows(pg_dsn, f"SELECT id, body FROM dmq_message WHERE producer = '{shop(app_dsn)}' ORDER BY id")
         assert [body for _, body in stored] == [b"a", b"b", b"c"]
         # the delayed one waits, or was moved when due
         assert db_rows(pg_dsn, "SELECT (SELECT count(*) FROM dmq_delay) + (SELECT count(*) FROM dmq_message)") == [(4,)]
+        producer = shop(app_dsn)
         assert db_rows(pg_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed ORDER BY 2") == [
-            ("outbox:shop", 1), ("outbox:shop", 2), ("outbox:shop", 3), ("outbox:shop:delayed", 4)]
+            (producer, 1), (producer, 2), (producer, 3), (producer + ":delayed", 4)]
         server.kill()
         # the killed server's backend would end once it noticed its client gone; its DELETE,
         # still waiting for the lock, must not run after all
@@ -184,7 +194,7 @@ def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_serv
     assert [p.body for p in pushes] == [b"first", b"second"]
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
     letters = db_rows(pg_dsn, "SELECT topic, producer, session_id, length(body), detail FROM dmq_dead_letter ORDER BY id")
-    assert [letter[:4] for letter in letters] == [("nosuch", "outbox:shop", 2, 4), ("orders", "outbox:shop", 3, 101)]
+    assert [letter[:4] for letter in letters] == [("nosuch", shop(app_dsn), 2, 4), ("orders", shop(app_dsn), 3, 101)]
     assert "row 2" in letters[0][4] and "not registered" in letters[0][4], letters[0][4]
     assert "row 3" in letters[1][4] and "too big" in letters[1][4], letters[1][4]
     # registered afterwards, the topic gets the dead letter by a replay, as any other
@@ -246,9 +256,10 @@ def test_a_relay_taking_over_drops_the_records_of_rows_gone_and_skips_rows_recor
     leaves (a row still in the outbox whose record says it was stored): the next relay to
     take the outbox drops the first and deletes the second without storing it again."""
     send_transaction(app_dsn, [b"stored before the kill"])  # row 1, still in the outbox
+    producer = shop(app_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO dmq_outbox_relayed (session_id, producer) VALUES "
-                     "(1, 'outbox:shop'), (7, 'outbox:shop'), (8, 'outbox:shop:delayed'), (9, 'outbox:other')")
+                     "(1, %s), (7, %s), (8, %s), (9, 'outbox:other')", (producer, producer, producer + ":delayed"))
     server = make_server(outbox=f"shop={app_dsn}")
     send_transaction(app_dsn, [b"new"])  # row 2
     [push] = consume(server, 1)
@@ -271,7 +282,8 @@ def test_reading_the_outbox_takes_the_notifications_received_so_far(app_dsn):
         for _ in range(50):
             send_transaction(app_dsn, [b"x"])
             conn.execute("SELECT 1")  # busy: the notification is kept for later
-        assert [r.id for r in relay_db.read_rows(conn, q, 100)] == list(range(1, 51))
+        tag, rows = relay_db.read_rows(conn, q, "dmq_outbox", 100)
+        assert [r.id for r in rows] == list(range(1, 51)) and shop(app_dsn) == f"outbox:shop:{tag}"
         assert list(conn.notifies(timeout=0)) == []
         send_transaction(app_dsn, [b"y"])
         assert relay_db.wait_for_rows(conn, 5.0) is True
@@ -292,7 +304,7 @@ def test_with_two_clusters_a_row_stored_on_the_other_is_not_stored_again(make_se
     try:
         server = make_server(pg_cluster=f"b={b_dsn}", outbox=f"shop={app_dsn}")
         wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
-        assert db_rows(b_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed") == [("outbox:shop", 1)]
+        assert db_rows(b_dsn, "SELECT producer, session_id FROM dmq_outbox_relayed") == [(shop(app_dsn), 1)]
         assert db_rows(b_dsn, "SELECT body FROM dmq_message") == [(b"far",)]
         server.kill()
         db_rows(app_dsn, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {WAITING_DELETE}")
@@ -306,3 +318,83 @@ def test_with_two_clusters_a_row_stored_on_the_other_is_not_stored_again(make_se
     wait_for(lambda: db_rows(b_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
     assert db_rows(b_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
     assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message") == [(0,)]
+
+
+def test_installed_again_rows_with_the_same_ids_are_new_messages(make_server, topic, pg_dsn, app_dsn):
+    """Uninstalled and installed again, the outbox numbers its rows from 1 again while the
+    messages relayed before are still stored (within --message-retention). Each install
+    relays under its own tag, so the new rows 1-3 are delivered, none taken for a repeat
+    of the old rows 1-3 (the relay holds its lock throughout: it sees the new install in
+    the rows it reads)."""
+    server = make_server(outbox=f"shop={app_dsn}")
+    send_transaction(app_dsn, [b"old 1", b"old 2", b"old 3"])
+    before = consume(server, 3)
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    old = shop(app_dsn)
+    for action in ("uninstall", "install"):
+        done = run_cli(app_dsn, "outbox", action, "--dsn", app_dsn)
+        assert done.returncode == 0, done.stderr
+    new = shop(app_dsn)
+    assert new != old
+    send_transaction(app_dsn, [b"new 1", b"new 2", b"new 3"])
+    after = consume(server, 3)
+    assert [(p.producer, p.session_id, p.body) for p in before + after] == [
+        (old, 1, b"old 1"), (old, 2, b"old 2"), (old, 3, b"old 3"),
+        (new, 1, b"new 1"), (new, 2, b"new 2"), (new, 3, b"new 3")]
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    assert db_rows(pg_dsn, f"SELECT count(DISTINCT id) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(6,)]
+    assert "was installed again" in server.log()
+
+
+def _mpub_until(server, stop: threading.Event, sent: list[int]) -> None:
+    """Another producer's load on the same group commit: MPUBs of 30 to orders."""
+    body = b"\n".join(b"load %d" % i for i in range(30))
+    while not stop.is_set():
+        request = urllib.request.Request(server.http + "/mpub?topic=orders", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=WAIT) as answer:
+            assert answer.status == 200
+        sent[0] += 30
+
+
+def test_order_holds_with_two_commit_writers_under_other_producers_load(make_server, topic, pg_dsn, app_dsn):
+    """--commit-writers 2, a group commit of 20, two other producers sending MPUBs of 30 to
+    the same topic all along: transactions whose rows alternate between two topics (runs
+    of one row each, two runs per topic in a batch and more) and transactions longer than
+    a batch. Every transaction's rows get message ids in the order it sent them, in each
+    topic; none is lost or doubled."""
+    import registry
+    from dmq_server.db.worker import connect
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "refunds", msg_timeout_ms=60000)
+        registry.add_channel(conn, "refunds", "billing")
+    server = make_server(outbox=f"shop={app_dsn}", commit_writers="2", commit_batch_size="20")
+    stop, sent = threading.Event(), [0]
+    loads = [threading.Thread(target=_mpub_until, args=(server, stop, sent)) for _ in range(2)]
+    for load in loads:
+        load.start()
+    try:
+        wait_for(lambda: sent[0] >= 300, timeout=WAIT)
+        expected: dict[str, list[bytes]] = {}
+        for t in range(30):
+            with psycopg.connect(app_dsn) as conn:
+                count = 25 if t % 3 == 0 else 12
+                for k in range(count):
+                    name = "orders" if t % 3 == 0 or k % 2 == 0 else "refunds"
+                    body = f"t{t}-{k}".encode()
+                    outbox.send(conn, name, body)
+                    expected.setdefault(f"t{t}/{name}", []).append(body)
+                conn.commit()
+        wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    finally:
+        stop.set()
+        for load in loads:
+            load.join()
+    stored = db_rows(pg_dsn, f"SELECT topic, body FROM dmq_message WHERE producer = '{shop(app_dsn)}' ORDER BY id")
+    assert len(stored) == sum(len(bodies) for bodies in expected.values()) == len(set(stored))
+    got: dict[str, list[bytes]] = {}
+    for name, body in stored:
+        got.setdefault(f"{body.decode().split('-')[0]}/{name}", []).append(body)
+    assert got == expected
+    others = db_rows(pg_dsn, "SELECT count(*) FROM dmq_message WHERE producer NOT LIKE 'outbox:%%'")[0][0]
+    assert sent[0] >= 300 and others >= sent[0]

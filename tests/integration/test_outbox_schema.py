@@ -48,21 +48,22 @@ def app_role(app_dsn):
 
 
 def test_install_twice_applies_once_and_prints_the_grants(pg_empty_dsn):
-    """The first install applies version 1 and records it; the second applies nothing;
-    both print the four grants."""
+    """The first install applies versions 1 and 2 and records them; the second applies
+    nothing; both print the four grants."""
     first = outbox_cli(pg_empty_dsn, "install")
     assert first.returncode == 0, first.stderr
-    assert "outbox schema dmq_outbox is at version 1 (applied 1)" in first.stdout
+    assert "outbox schema dmq_outbox is at version 2 (applied 1, 2)" in first.stdout
     second = outbox_cli(pg_empty_dsn, "install")
     assert second.returncode == 0, second.stderr
-    assert "at version 1 (already up to date)" in second.stdout
+    assert "at version 2 (already up to date)" in second.stdout
     for out in (first.stdout, second.stdout):
         assert "GRANT USAGE ON SCHEMA dmq_outbox TO APP_ROLE;" in out
         assert "GRANT INSERT ON dmq_outbox.outbox TO APP_ROLE;" in out
         assert "GRANT INSERT, SELECT ON dmq_outbox.inbox TO APP_ROLE;" in out
-    assert db_rows(pg_empty_dsn, "SELECT version, description FROM dmq_outbox.schema_version") == [(1, "outbox")]
+    assert db_rows(pg_empty_dsn, "SELECT version, description FROM dmq_outbox.schema_version ORDER BY 1") == [
+        (1, "outbox"), (2, "installation")]
     tables = db_rows(pg_empty_dsn, "SELECT tablename FROM pg_tables WHERE schemaname = 'dmq_outbox' ORDER BY 1")
-    assert tables == [("inbox",), ("outbox",), ("schema_version",)]
+    assert tables == [("inbox",), ("installation",), ("outbox",), ("schema_version",)]
 
 
 def test_another_schema_name_and_a_bad_one(pg_empty_dsn):
@@ -100,7 +101,7 @@ def test_uninstall_refuses_unrelayed_messages_unless_forced(app_dsn):
     assert db_rows(app_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'dmq_outbox'") == [(0,)]
     assert outbox_cli(app_dsn, "uninstall").returncode == 0  # nothing there: nothing to do
     reinstalled = outbox_cli(app_dsn, "install")
-    assert "(applied 1)" in reinstalled.stdout
+    assert "(applied 1, 2)" in reinstalled.stdout
 
 
 def test_the_sql_function_from_plain_sql_text_and_bytes(app_dsn):
@@ -223,3 +224,49 @@ def test_an_unreachable_database_exits_3_with_the_reason(pg_empty_dsn):
     done = run_cli(pg_empty_dsn, "outbox", "install", "--dsn", "postgresql://nobody@127.0.0.1:1/app?connect_timeout=2")
     assert done.returncode == 3
     assert "cannot connect to PostgreSQL" in done.stderr
+
+
+def _tag(dsn: str) -> str:
+    [(tag,)] = db_rows(dsn, "SELECT tag FROM dmq_outbox.installation")
+    return tag
+
+
+def test_each_install_has_its_own_tag_and_retag_gives_a_new_one(pg_empty_dsn):
+    """An install's tag (8 hex digits) outlives installing again (an upgrade), not an
+    uninstall: the next install has another. `retag` gives a new one and says both; a
+    schema without an outbox is refused."""
+    assert outbox_cli(pg_empty_dsn, "install").returncode == 0
+    first = _tag(pg_empty_dsn)
+    assert len(first) == 8 and int(first, 16) >= 0
+    assert outbox_cli(pg_empty_dsn, "install").returncode == 0
+    assert _tag(pg_empty_dsn) == first
+    assert outbox_cli(pg_empty_dsn, "uninstall").returncode == 0
+    assert outbox_cli(pg_empty_dsn, "install").returncode == 0
+    second = _tag(pg_empty_dsn)
+    assert second != first
+    done = outbox_cli(pg_empty_dsn, "retag")
+    assert done.returncode == 0, done.stderr
+    third = _tag(pg_empty_dsn)
+    assert third not in (first, second)
+    assert f"tag {second} -> {third}" in done.stdout
+    missing = outbox_cli(pg_empty_dsn, "retag", "--schema", "nothing_here")
+    assert missing.returncode == 1 and "no outbox schema nothing_here" in missing.stderr
+
+
+def test_an_outbox_of_version_1_gets_its_tag_when_installed_again(app_dsn):
+    """An outbox installed before version 2 (no installation table): the relay's read says
+    to run install, retag is refused saying so, and install applies version 2 alone."""
+    from dmq_server.db import outbox as relay_db
+    from dmq_server.db.storage_errors import StorageError
+
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE dmq_outbox.installation")
+        conn.execute("DELETE FROM dmq_outbox.schema_version WHERE version = 2")
+        q = relay_db.relay_queries("dmq_outbox")
+        with pytest.raises(StorageError, match="run `dmq outbox install --schema dmq_outbox`"):
+            relay_db.read_rows(conn, q, "dmq_outbox", 10)
+    refused = outbox_cli(app_dsn, "retag")
+    assert refused.returncode == 1 and "at version 1" in refused.stderr
+    done = outbox_cli(app_dsn, "install")
+    assert "at version 2 (applied 2)" in done.stdout
+    assert len(_tag(app_dsn)) == 8

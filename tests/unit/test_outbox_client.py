@@ -88,10 +88,11 @@ def test_the_installer_checks_the_schema_name_and_fills_it_in():
     for bad in ("", "1x", "Shop", "a-b", "a" * 64):
         with pytest.raises(Invalid, match="invalid schema name"):
             check_schema(bad)
-    ((version, description, sql),) = migrations("shop_outbox")
-    assert (version, description) == (1, "outbox")
-    assert "@schema@" not in sql and "@channel@" not in sql
+    (version, description, sql), (version2, description2, sql2) = migrations("shop_outbox")
+    assert (version, description, version2, description2) == (1, "outbox", 2, "installation")
+    assert "@schema@" not in sql + sql2 and "@channel@" not in sql + sql2
     assert "CREATE TABLE shop_outbox.outbox" in sql and "pg_notify('shop_outbox'" in sql
+    assert "CREATE TABLE shop_outbox.installation" in sql2
     assert grants_for("shop_outbox", "web") == [
         "GRANT USAGE ON SCHEMA shop_outbox TO web;",
         "GRANT EXECUTE ON FUNCTION shop_outbox.send(text, bytea, bigint, bigint),"

@@ -70,28 +70,33 @@ class Broker:
         answer(0, [outcome] * len(request.sends or ()))
 
 
+TAG = "0a1b2c3d"  # the install's tag, as read_tag answers
+SHOP = f"outbox:shop:{TAG}"
+
+
 def row(id: int, topic: str = "orders") -> OutboxRow:
     return OutboxRow(id, topic, b"body", None, None, 1000)
 
 
-def relay_with(app_answers: dict, dmq_answers: dict | None = None) -> tuple[OutboxRelay, Db, Db, Broker, Clock]:
+def relay_with(app_answers: dict, dmq_answers: dict | None = None, broker: Broker | HeldBroker | None = None,
+               max_run: int = 500) -> tuple[OutboxRelay, Db, Db, Broker, Clock]:
     clock = Clock()
     # a wait for NOTIFY never ends here: the loop rests in it
     app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.delete_rows: 0, **app_answers})
+              outbox.delete_rows: 0, outbox.read_tag: TAG, **app_answers})
     dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
               outbox_ledger.forget_relayed: 0, outbox_ledger.dead_letter_rows: 0, **(dmq_answers or {})})
-    broker = Broker()
-    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, dmq)
-    return relay, app, dmq, broker, clock
+    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker or Broker(), clock, app, dmq,
+                        max_run=max_run)
+    return relay, app, dmq, relay.broker, clock
 
 
-def once(rows: list[OutboxRow]) -> Callable[..., object]:
-    """read_rows answering ``rows`` the first time, nothing after."""
+def once(rows: list[OutboxRow], tag: str = TAG) -> Callable[..., object]:
+    """read_rows answering ``rows`` of the install ``tag`` the first time, nothing after."""
     batches = [rows]
 
-    def read(*_: object) -> list[OutboxRow]:
-        return batches.pop() if batches else []
+    def read(*_: object) -> tuple[str, list[OutboxRow]]:
+        return (tag, batches.pop()) if batches else ("", [])
 
     return read
 
@@ -99,16 +104,17 @@ def once(rows: list[OutboxRow]) -> Callable[..., object]:
 def test_a_batch_is_published_in_runs_refused_rows_dead_lettered_and_passing_failures_kept() -> None:
     rows = [row(1), row(2), row(3, "nosuch"), row(4, "down"), row(5)]
     relay, app, dmq, broker, _ = relay_with({outbox.read_rows: once(rows)},
-                                            {outbox_ledger.relayed_before: {("outbox:shop", 2)}})
+                                            {outbox_ledger.relayed_before: {(SHOP, 2)}})
     relay.start()
-    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1], [3], [4], [5]]
+    # a topic's runs one after another (answered at once here), the topics side by side
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1], [5], [3], [4]]
     [(_, (letters,))] = [call for call in dmq.calls if call[0] is outbox_ledger.dead_letter_rows]
     assert [(d.session_id, d.topic) for d in letters] == [(3, "nosuch")]
     assert "outbox shop (dmq_outbox) row 3: topic 'nosuch' is not registered" in letters[0].detail
     [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
     assert sorted(deleted) == [1, 2, 3, 5]
     [(_, (forgotten,))] = [call for call in dmq.calls if call[0] is outbox_ledger.forget_relayed]
-    assert sorted(forgotten) == [("outbox:shop", s) for s in (1, 2, 3, 5)]
+    assert sorted(forgotten) == [(SHOP, s) for s in (1, 2, 3, 5)]
     assert (relay.relayed, relay.dead) == (3, 1)
     relay.stop()
 
@@ -147,8 +153,8 @@ def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
     again from the start, after a pause."""
     table = {r.id: r for r in [row(1, "down"), row(2, "down"), row(3), row(4), row(5)]}
 
-    def read(_q: object, limit: int, after: int) -> list[OutboxRow]:
-        return [table[i] for i in sorted(table) if i > after][:limit]
+    def read(_q: object, _schema: str, limit: int, after: int) -> tuple[str, list[OutboxRow]]:
+        return TAG, [table[i] for i in sorted(table) if i > after][:limit]
 
     def delete(_q: object, ids: list[int]) -> int:
         for i in ids:
@@ -157,7 +163,7 @@ def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
 
     clock = Clock()
     app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.read_rows: read, outbox.delete_rows: delete})
+              outbox.read_rows: read, outbox.delete_rows: delete, outbox.read_tag: TAG})
     dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [], outbox_ledger.forget_relayed: 0})
     broker = Broker()
     relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, dmq, batch=2)
@@ -168,7 +174,7 @@ def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
     assert len(broker.requests) == 3  # pausing
     clock.advance(0.5)
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests][3:] == [[1, 2]]
-    assert [call[1][2] for call in app.calls if call[0] is outbox.read_rows] == [0, 2, 4, 0, 2]
+    assert [call[1][3] for call in app.calls if call[0] is outbox.read_rows] == [0, 2, 4, 0, 2]
     relay.stop()
 
 
@@ -177,18 +183,87 @@ def test_with_several_clusters_each_database_is_asked_and_forgets() -> None:
     the relay asks every one whether a row was stored, and each forgets what it holds."""
     clock = Clock()
     app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.read_rows: once([row(1), row(2), row(3)]), outbox.delete_rows: 0})
+              outbox.read_rows: once([row(1), row(2), row(3)]), outbox.delete_rows: 0, outbox.read_tag: TAG})
     main = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
                outbox_ledger.forget_relayed: 0})
-    other = Db({outbox_ledger.relayed_before: {("outbox:shop", 2)}, outbox_ledger.recorded_rows: [("outbox:shop", 9)],
+    other = Db({outbox_ledger.relayed_before: {(SHOP, 2)}, outbox_ledger.recorded_rows: [(SHOP, 9)],
                 outbox_ledger.forget_relayed: 0})
     broker = Broker()
     relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, main, clusters=[other])
     relay.start()
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 3]]
     assert [sorted(args[0]) for fn, args in other.calls if fn is outbox_ledger.forget_relayed] == [
-        [("outbox:shop", 9)], [("outbox:shop", s) for s in (1, 2, 3)]]
+        [(SHOP, 9)], [(SHOP, s) for s in (1, 2, 3)]]
     assert [sorted(args[0]) for fn, args in main.calls if fn is outbox_ledger.forget_relayed] == [
-        [("outbox:shop", s) for s in (1, 2, 3)]]
+        [(SHOP, s) for s in (1, 2, 3)]]
     assert main.started and other.started
+    relay.stop()
+
+
+class HeldBroker:
+    """Answers nothing until the test does: each publish's answer kept with its request."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[PublishRequest, Callable[[int, list[object]], None]]] = []
+
+    def publish_each(self, request: PublishRequest, answer: Callable[[int, list[object]], None]) -> None:
+        self.held.append((request, answer))
+
+    def sent(self) -> list[list[int]]:
+        return [[s.session_id for s in request.sends or ()] for request, _ in self.held]
+
+    def answer(self, index: int, outcome: object) -> None:
+        request, answer = self.held[index]
+        answer(0, [outcome] * len(request.sends or ()))
+
+
+def test_a_topics_runs_go_one_after_another_and_other_topics_side_by_side() -> None:
+    """Two runs to one topic published together could commit in two transactions at once
+    (--commit-writers) and the later one get the lower ids: the second is published only
+    once the first was answered (its commit); a run to another topic does not wait. A run
+    is never longer than the group commit's batch."""
+    rows = [row(1), row(2), row(3), row(4, "refunds"), row(5), row(6, "refunds")]
+    broker = HeldBroker()
+    relay, app, _, _, _ = relay_with({outbox.read_rows: once(rows)}, broker=broker, max_run=2)
+    relay.start()
+    assert broker.sent() == [[1, 2], [4]]
+    broker.answer(1, Published(1))  # refunds' first run: its next waits for nothing else
+    assert broker.sent() == [[1, 2], [4], [6]]
+    broker.answer(0, Published(1))
+    assert broker.sent() == [[1, 2], [4], [6], [3]]
+    broker.answer(3, Published(1))
+    assert broker.sent() == [[1, 2], [4], [6], [3], [5]]
+    assert app.count(outbox.delete_rows) == 0  # the batch is not done before every run is
+    broker.answer(2, Published(1))
+    broker.answer(4, Published(1))
+    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
+    assert sorted(deleted) == [1, 2, 3, 4, 5, 6] and relay.relayed == 6
+    relay.stop()
+
+
+def test_after_a_passing_failure_the_rest_of_the_topics_runs_wait_with_it() -> None:
+    """Stored now, the runs behind a run whose store failed for a passing reason would
+    overtake it: they are kept to be tried again with it, not published."""
+    rows = [row(1), row(2), row(3, "refunds"), row(4), row(5, "refunds")]
+    broker = HeldBroker()
+    relay, app, _, _, _ = relay_with({outbox.read_rows: once(rows)}, broker=broker, max_run=1)
+    relay.start()
+    assert broker.sent() == [[1], [3]]
+    broker.answer(0, Unavailable("storage unavailable"))
+    broker.answer(1, Published(1))
+    broker.answer(2, Published(1))
+    assert broker.sent() == [[1], [3], [5]]  # 2 and 4 kept with 1
+    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
+    assert sorted(deleted) == [3, 5]
+    relay.stop()
+
+
+def test_rows_go_under_the_tag_read_with_them() -> None:
+    """Installed again while this node held the lock: the rows read with the new install's
+    tag are stored and checked under its producer, not the one read with the lock."""
+    relay, _, dmq, broker, _ = relay_with({outbox.read_rows: once([row(1)], tag="99999999")})
+    relay.start()
+    assert [r.producer for r in broker.requests] == ["outbox:shop:99999999"]
+    [(_, (pairs,))] = [call for call in dmq.calls if call[0] is outbox_ledger.relayed_before]
+    assert pairs == [("outbox:shop:99999999", 1)]
     relay.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dmq_server.core.options import options_from_args
-from dmq_server.core.outbox_rows import OutboxRow, parse_outbox, producer_of, runs, session_of
+from dmq_server.core.outbox_rows import OutboxRow, check_tag, parse_outbox, producer_of, relay_producers, runs, session_of
 
 pytestmark = pytest.mark.unit
 
@@ -48,15 +48,39 @@ def test_the_server_options_check_every_outbox_once() -> None:
 
 def test_row_ids_and_own_session_ids_never_share_a_producer() -> None:
     numbered, own = row(7), row(8, session_id=7)
-    assert (producer_of("shop", numbered), session_of(numbered)) == ("outbox:shop", 7)
-    assert (producer_of("shop", own), session_of(own)) == ("outbox:shop:own", 7)
-    assert producer_of("shop", row(9, due_ms=5)) == "outbox:shop:delayed"
-    assert producer_of("shop", row(9, due_ms=5, session_id=1)) == "outbox:shop:own:delayed"
-    assert len(producer_of("x" * 40, row(1, due_ms=5, session_id=1))) <= 64
+    assert (producer_of("shop", "0a1b2c3d", numbered), session_of(numbered)) == ("outbox:shop:0a1b2c3d", 7)
+    assert (producer_of("shop", "0a1b2c3d", own), session_of(own)) == ("outbox:shop:own", 7)
+    assert producer_of("shop", "0a1b2c3d", row(9, due_ms=5)) == "outbox:shop:0a1b2c3d:delayed"
+    assert producer_of("shop", "0a1b2c3d", row(9, due_ms=5, session_id=1)) == "outbox:shop:own:delayed"
+    assert relay_producers("shop", "0a1b2c3d") == ["outbox:shop:0a1b2c3d", "outbox:shop:0a1b2c3d:delayed"]
+    longest = [producer_of("x" * 40, "f" * 8, row(1, due_ms=5, session_id=s)) for s in (None, 1)]
+    assert max(len(p) for p in longest) == 64
+
+
+def test_each_install_numbers_its_rows_under_its_own_producer() -> None:
+    """Row 7 of one install and row 7 of the next are two messages (ids restart at 1)."""
+    assert producer_of("shop", "0a1b2c3d", row(7)) != producer_of("shop", "99999999", row(7))
+    # the application's own ids are its own across installs
+    assert producer_of("shop", "0a1b2c3d", row(7, session_id=3)) == producer_of("shop", "99999999", row(8, session_id=3))
+
+
+@pytest.mark.parametrize("tag", [None, "", "0A1B2C3D", "0a1b2c3", "0a1b2c3d4", "own", 12345678])
+def test_a_tag_that_is_not_an_installs_is_refused(tag: object) -> None:
+    with pytest.raises(ValueError, match="dmq_outbox.installation holds .*not an install tag"):
+        check_tag("dmq_outbox", tag)
+    assert check_tag("dmq_outbox", "0a1b2c3d") == "0a1b2c3d"
 
 
 def test_runs_keep_the_id_order_and_cut_at_a_topic_a_producer_or_a_delay() -> None:
     rows = [row(1), row(2), row(3, "refunds"), row(4, due_ms=9), row(5), row(6, session_id=1), row(7, session_id=2),
             row(8, due_ms=9), row(9, due_ms=9)]
-    assert [[r.id for r in run] for run in runs("shop", rows)] == [[1, 2], [3], [4], [5], [6, 7], [8], [9]]
-    assert runs("shop", []) == []
+    assert [[r.id for r in run] for run in runs(rows, 100)] == [[1, 2], [3], [4], [5], [6, 7], [8], [9]]
+    assert runs([], 100) == []
+    # a delayed row after immediate ones of its topic and producer, and the row after it
+    assert [[r.id for r in run] for run in runs([row(1), row(2, due_ms=9), row(3)], 100)] == [[1], [2], [3]]
+
+
+def test_a_run_is_never_longer_than_the_group_commits_batch() -> None:
+    """The writer keeps a run in one transaction only when it fits in one."""
+    rows = [row(i) for i in range(1, 8)] + [row(8, "refunds")]
+    assert [[r.id for r in run] for run in runs(rows, 3)] == [[1, 2, 3], [4, 5, 6], [7], [8]]

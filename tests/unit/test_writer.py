@@ -228,22 +228,38 @@ class RunAnswers:
 
 
 def test_a_run_is_answered_in_one_call_per_batch_it_lands_in() -> None:
-    """Two runs queued behind a commit: the next batch (max 4) ends inside the second run,
-    so the first run is answered in one call, the second in two (its first two sends,
-    then from position 2 on), each send once, with its own stored message."""
+    """Two runs queued behind a commit, the second longer than a batch (max 4): the next
+    batch ends before it, the one after inside it, so the first run is answered in one
+    call, the second in two (its first four sends, then from position 4 on), each send
+    once, with its own stored message."""
     writer, worker, _ = make_writer(max_batch=4)
     writer.submit(new_message(0))
     first, second = RunAnswers(), RunAnswers()
     writer.submit_run([new_message(sid) for sid in (1, 2)], first)
-    writer.submit_run([new_message(sid) for sid in (3, 4, 5, 6)], second)
+    writer.submit_run([new_message(sid) for sid in (3, 4, 5, 6, 7, 8)], second)
     worker.last.commit(stored_for(worker.last))
-    assert session_ids(worker.last) == [1, 2, 3, 4]
+    assert session_ids(worker.last) == [1, 2]
     worker.last.commit(stored_for(worker.last, first_id=101))
     assert [(start, [m.message_id for m in out]) for start, out in first.calls] == [(0, [101, 102])]
-    assert [(start, [m.message_id for m in out]) for start, out in second.calls] == [(0, [103, 104])]
-    assert session_ids(worker.last) == [5, 6]
-    worker.last.commit(stored_for(worker.last, first_id=105))
-    assert [(start, [m.message_id for m in out]) for start, out in second.calls[1:]] == [(2, [105, 106])]
+    assert session_ids(worker.last) == [3, 4, 5, 6]
+    worker.last.commit(stored_for(worker.last, first_id=103))
+    assert [(start, [m.message_id for m in out]) for start, out in second.calls] == [(0, [103, 104, 105, 106])]
+    assert session_ids(worker.last) == [7, 8]
+    worker.last.commit(stored_for(worker.last, first_id=107))
+    assert [(start, [m.message_id for m in out]) for start, out in second.calls[1:]] == [(4, [107, 108])]
+
+
+def test_a_batch_ends_before_a_run_it_would_cut_unless_the_run_is_longer_than_a_batch() -> None:
+    """max 4: a run of 6 is cut after 4 (it fits in no batch); its tail of 2 goes without
+    the next run of 3, which would be cut; that run goes whole."""
+    writer, worker, _ = make_writer(max_batch=4)
+    writer.submit(new_message(0))
+    writer.submit_run([new_message(sid) for sid in range(1, 7)], RunAnswers())
+    writer.submit_run([new_message(sid) for sid in (7, 8, 9)], RunAnswers())
+    writer.submit(new_message(10))
+    while writer.pending:
+        worker.last.commit(stored_for(worker.last))
+    assert [session_ids(c) for c in worker.calls] == [[0], [1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
 
 
 def test_a_refused_run_is_split_and_each_part_answered_at_its_place() -> None:
@@ -858,3 +874,55 @@ def test_the_ack_statement_gets_each_cursors_lowest_and_highest_id_and_count() -
         ("orders", "a", 2, 5, 5, 1),
     ]
     assert (p["low_id"], p["high_id"], list(p["message_ids"])) == (2, 9, [7, 3, 2, 9, 4, 5, 8])
+
+
+class HeldDbWorker:
+    """A writer connection to one in-memory database (``db.memory.MemoryDb``) whose
+    transaction runs when the test releases it: two of them run two batches "at once",
+    and the one released first takes the lower message ids, as in PostgreSQL."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+        self.held: list[tuple[Callable[..., Any], tuple[Any, ...], Deferred]] = []
+
+    def run_steps(self, fn: Callable[..., Any], *args: Any) -> Deferred:
+        d: Deferred = Deferred()
+        self.held.append((fn, args, d))
+        return d
+
+    def release(self) -> None:
+        fn, args, d = self.held.pop(0)
+        self.db.run_steps(fn, *args).chainDeferred(d)
+
+
+def test_with_two_writers_a_run_is_one_transactions_and_its_ids_keep_its_order() -> None:
+    """Both writers busy, a run of 2 and then a run of 4 (the outbox relay's rows) queue
+    behind them (max 4). The first writer to come free takes the run of 2 alone, not the
+    first half of the run of 4 with it; the other writer takes the run of 4 whole. Were
+    the run of 4 cut across both transactions, the one released first would give its
+    second half the lower ids."""
+    from dmq_server.db.memory import MemoryDb
+
+    db = MemoryDb()
+    db.create_topic("orders", ["billing"])
+    db.owners[1] = {"node_id": "node-1", "retired": False, "seen_ms": 0}
+    x, y = HeldDbWorker(db), HeldDbWorker(db)
+    writer = GroupCommitWriter([x, y], "node-1", 4, insert=lambda batch, node: insert_messages_steps(batch, node, 1),
+                               parallel_min=1)
+    other, relay = RunAnswers(), RunAnswers()
+    writer.submit(NewMessage("orders", "a", 1, 0, b"a"))
+    writer.submit(NewMessage("orders", "b", 1, 0, b"b"))
+    assert len(x.held) == len(y.held) == 1
+    writer.submit_run([NewMessage("orders", "c", sid, 0, b"c") for sid in (1, 2)], other)
+    writer.submit_run([NewMessage("orders", "outbox:shop:0a1b2c3d", sid, 0, b"r%d" % sid) for sid in (1, 2, 3, 4)],
+                      relay)
+    first, second = (x, y) if x.held[0][1][0][0].producer == "a" else (y, x)
+    first.release()  # a commits: its writer takes the next batch
+    second.release()  # b commits: its writer takes the rest
+    batches = [[m.producer for m in held[1][0]] for held in (first.held[0], second.held[0])]
+    second.release()  # the later transaction commits first
+    first.release()
+    ids = [m.message_id for _, outcomes in sorted(relay.calls) for m in outcomes]
+    assert len(ids) == 4 and ids == sorted(ids), ids
+    assert batches == [["c", "c"], ["outbox:shop:0a1b2c3d"] * 4]
+    assert len(relay.calls) == 1 and len(other.calls) == 1 and writer.pending == 0
