@@ -22,7 +22,8 @@ The faults, in a random order (the seed is printed), each at a random moment of 
 and held for a random 1-3 s: kill -9 of the relaying node (restarted; the other node must
 take the relay over), kill -9 of dmq's PostgreSQL primary (Patroni fails over; the old
 primary comes back a standby), kill -9 of the application's PostgreSQL (every process;
-started again on its port). After each heal the run waits until a transaction committed
+started again on its port) while a producer's COMMIT is on its way (``CrashAtCommit``),
+so a commit's answer is lost in every run. After each heal the run waits until a transaction committed
 after it is delivered on both channels; after the last, producing stops and the run waits
 (bounded) until the outbox is empty and every committed send reached both channels.
 
@@ -36,7 +37,9 @@ order. Every one must be 0.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -52,7 +55,7 @@ from .checker import History, check
 from .cluster import ChaosCluster
 from .load import Load
 
-__all__ = ["AppDatabase", "OutboxProducer", "OutboxRun", "Counts", "CHANNELS", "OUTBOX", "count", "format_report", "run"]
+__all__ = ["AppDatabase", "CrashAtCommit", "OutboxProducer", "OutboxRun", "Counts", "CHANNELS", "OUTBOX", "count", "format_report", "run"]
 
 CHANNELS = ["billing", "audit"]
 OUTBOX = "chaos"  # the relay's name for the outbox: producers outbox:chaos
@@ -146,11 +149,66 @@ def key_of(thread: int, txn: int, pos: int) -> bytes:
     return f"{thread}/{txn}/{pos}".encode()
 
 
+class CrashAtCommit:
+    """The application's PostgreSQL killed with a COMMIT on its way, its answer lost. ``arm``
+    readies it; the first producer to reach its COMMIT afterwards ``take``s it and sends
+    the COMMIT without reading the answer, and the kill comes, at random, either before its
+    backend could read it (the backend frozen first: not committed) or once the backend is
+    idle again (committed). Either way the producer hears only a broken connection
+    ("unknown"), and the business table decides, as it must for a real application."""
+
+    def __init__(self, app: "AppDatabase", seed: int):
+        self.app = app
+        self.rng = random.Random(seed)
+        self.armed = threading.Event()
+        self.done = threading.Event()
+        self.outcome = ""  # "before the COMMIT was read" | "after it committed"
+        self._lock = threading.Lock()
+        self._admin: psycopg.Connection | None = None
+
+    def arm(self) -> None:
+        self._admin = psycopg.connect(self.app.dsn, autocommit=True, connect_timeout=3)
+        self.done.clear()
+        self.armed.set()
+
+    def take(self) -> bool:
+        """For the producer about to COMMIT: True if it is the one to lose its answer."""
+        if not self.armed.is_set():
+            return False
+        with self._lock:
+            if not self.armed.is_set():
+                return False
+            self.armed.clear()
+        return True
+
+    def lose_answer(self, conn: psycopg.Connection) -> None:
+        """Send COMMIT on ``conn``, kill the application's PostgreSQL, raise as a lost answer."""
+        admin = self._admin
+        assert admin is not None
+        pid = conn.info.backend_pid
+        try:
+            if self.rng.random() < 0.5:
+                self.outcome = "before the COMMIT was read"
+                os.kill(pid, signal.SIGSTOP)
+                conn.pgconn.send_query(b"COMMIT")
+            else:
+                self.outcome = "after it committed"
+                conn.pgconn.send_query(b"COMMIT")
+                _await(lambda: admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s",
+                                             (pid,)).fetchone() == ("idle",), 10, "the backend done with the COMMIT")
+            admin.close()
+            self.app.kill()
+        finally:
+            self.done.set()
+        raise psycopg.OperationalError("the COMMIT's answer was lost: the application's PostgreSQL was killed")
+
+
 class OutboxProducer(threading.Thread):
     """One application thread: paced transactions of a business insert and 1-5 sends,
     three in four committed, the others rolled back."""
 
-    def __init__(self, index: int, dsn: str, topic: str, history: History, *, rate: float, seed: int):
+    def __init__(self, index: int, dsn: str, topic: str, history: History, *, rate: float, seed: int,
+                 crash: CrashAtCommit | None = None):
         super().__init__(daemon=True, name=f"chaos-outbox-p{index}")
         self.index = index
         self.dsn = dsn
@@ -159,6 +217,7 @@ class OutboxProducer(threading.Thread):
         self.rate = rate  # transactions per second
         self.rng = random.Random(seed)
         self.stopping = threading.Event()
+        self.crash = crash
         self.heard: dict[int, str] = {}  # txn -> "committed" | "rolled back" | "unknown" (what it was told)
         self.committed_at: dict[int, float] = {}  # txn -> when its COMMIT was answered
         self.errors: dict[str, int] = {}
@@ -192,6 +251,8 @@ class OutboxProducer(threading.Thread):
                     outbox.send(conn, self.topic, key_of(self.index, txn, pos))
                 if commit:
                     at_commit = True
+                    if self.crash is not None and self.crash.take():
+                        self.crash.lose_answer(conn)
                     conn.commit()
                     self.committed_at[txn] = time.monotonic()
                     self.heard[txn] = "committed"
@@ -366,7 +427,8 @@ def run(cluster: ChaosCluster, app: AppDatabase, *, seed: int | None = None, pro
     cluster.register_topic(topic, CHANNELS)
     out = OutboxRun(seed, topic)
     load = Load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn, producers=0, consumers=1)
-    threads = [OutboxProducer(i, app.dsn, topic, load.history, rate=rate, seed=rng.randrange(2**32))
+    crash = CrashAtCommit(app, rng.randrange(2**32))
+    threads = [OutboxProducer(i, app.dsn, topic, load.history, rate=rate, seed=rng.randrange(2**32), crash=crash)
                for i in range(producers)]
     origin = time.monotonic()
     load.start()
@@ -409,12 +471,13 @@ def run(cluster: ChaosCluster, app: AppDatabase, *, seed: int | None = None, pro
                f"(a standby) at +{since(time.monotonic())} s"
 
     def kill_app_pg() -> str:
-        app.kill()
+        crash.arm()  # the next COMMIT to go out starts the kill
+        _await(crash.done.is_set, 30, "a producer reaching its COMMIT and the kill of the application's PostgreSQL")
         killed = time.monotonic()
         time.sleep(rng.uniform(1.0, 3.0))  # the fault held
         app.restart()
-        return f"kill -9 of the application's PostgreSQL at +{since(killed)} s, restarted at " \
-               f"+{since(time.monotonic())} s"
+        return f"kill -9 of the application's PostgreSQL at +{since(killed)} s, {crash.outcome}, " \
+               f"restarted at +{since(time.monotonic())} s"
 
     faults = [kill_relay_node, kill_dmq_primary, kill_app_pg]
     rng.shuffle(faults)
