@@ -14,9 +14,10 @@ unrelayed rows in the way) as ``Refused``/``Invalid`` with the reason.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -24,13 +25,14 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from dmq_server.core.errors import Invalid, Refused
 from dmq_server.core.outbox_figures import Measured
 from dmq_server.core.outbox_rows import OutboxRow, check_tag
+from dmq_server.db.arrays import Int8Array
 from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
 __all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag",
            "prune_inbox", "migrations", "relay_queries", "hold_relay", "read_tag", "read_rows", "wait_for_rows",
-           "delete_rows", "present_rows",
+           "delete_rows", "delete_and_read", "present_rows",
            "read_figures", "named_dsn", "dsn_database"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
@@ -225,16 +227,21 @@ def read_tag(conn: psycopg.Connection, q: dict[str, str], schema: str) -> str:
 
 
 def read_rows(conn: psycopg.Connection, q: dict[str, str], schema: str, limit: int,
-              after: int = 0) -> tuple[str, list[OutboxRow]]:
-    """The next ``limit`` committed rows with an id above ``after``, in id order, and the
-    tag of the install they belong to (read with them: "" when there are none). The
-    NOTIFYs received so far go first: this read sees every row they announce, and psycopg keeps those that arrive
-    while other statements run until ``notifies`` takes them, which under a steady load
-    (rows every cycle, never a wait) would be never: memory without bound."""
+              after: int = 0, exclude: Sequence[int] = ()) -> tuple[str, list[OutboxRow]]:
+    """The next ``limit`` committed rows with an id above ``after`` and not in ``exclude``
+    (the batch being stored while this reads ahead), in id order, and the tag of the
+    install they belong to (read with them: "" when there are none). The NOTIFYs received
+    so far go first: this read sees every row they announce, and psycopg keeps those that
+    arrive while other statements run until ``notifies`` takes them, which under a steady
+    load (rows every cycle, never a wait) would be never: memory without bound."""
     for _ in conn.notifies(timeout=0):
         pass
     try:
-        found = conn.execute(q["relay_read"], {"limit": limit, "after": after}).fetchall()
+        if exclude:
+            found = conn.execute(q["relay_read_past"], {"limit": limit, "after": after,
+                                                        "exclude": Int8Array(exclude)}).fetchall()
+        else:
+            found = conn.execute(q["relay_read"], {"limit": limit, "after": after}).fetchall()
     except psycopg.errors.UndefinedTable as exc:
         raise StorageError(_not_installed(schema, exc)) from exc
     if not found:
@@ -258,7 +265,24 @@ def wait_for_rows(conn: psycopg.Connection, timeout: float) -> bool:
 
 def delete_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> int:
     """Remove rows dmq stored (or recorded as dead letters); returns how many went."""
-    return conn.execute(q["relay_delete"], {"ids": ids}).rowcount
+    return conn.execute(q["relay_delete"], {"ids": Int8Array(ids)}).rowcount
+
+
+def delete_and_read(conn: psycopg.Connection, q: dict[str, str], schema: str, locked_pid: int, ids: list[int],
+                    limit: int, after: int = 0, exclude: Sequence[int] = ()) -> tuple[str, list[OutboxRow]]:
+    """``delete_rows`` of ``ids``, then ``read_rows``: the relay's one call to the
+    application's database a batch. Only on the connection that holds the relay's lock
+    (backend ``locked_pid``): a worker that reconnected has lost it, and a delete
+    committed without the lock could let the relay's ledger forget rows another relay
+    has read meanwhile (StorageError, nothing done). ``limit`` 0 deletes only."""
+    if conn.info.backend_pid != locked_pid:
+        raise StorageError(f"outbox {schema}: the connection holding the relay's lock ended "
+                           "(the next cycle takes it again, or another node relays)")
+    if ids:
+        delete_rows(conn, q, ids)
+    if not limit:
+        return "", []
+    return read_rows(conn, q, schema, limit, after, exclude)
 
 
 def present_rows(conn: psycopg.Connection, q: dict[str, str], ids: list[int]) -> set[int]:

@@ -18,9 +18,11 @@ from importlib import resources
 
 import psycopg
 
+from dmq_server.db.arrays import Int8Array, TextArray
 from dmq_sql import load_queries
 
-__all__ = ["DeadRow", "relayed_before", "dead_letter_rows", "forget_relayed", "recorded_rows"]
+__all__ = ["DeadRow", "relayed_before", "dead_letter_rows", "forget_relayed", "forget_and_check",
+           "recorded_rows"]
 
 _QUERIES = load_queries(resources.files("dmq_sql").joinpath("outbox", "ledger.sql").read_text(encoding="utf-8"))
 
@@ -39,8 +41,8 @@ class DeadRow:
     produced_ms: int
 
 
-def _pairs(pairs: list[Pair]) -> dict[str, list[str] | list[int]]:
-    return {"producers": [p for p, _ in pairs], "session_ids": [s for _, s in pairs]}
+def _pairs(pairs: list[Pair]) -> dict[str, TextArray | Int8Array]:
+    return {"producers": TextArray([p for p, _ in pairs]), "session_ids": Int8Array([s for _, s in pairs])}
 
 
 def relayed_before(conn: psycopg.Connection, pairs: list[Pair]) -> set[Pair]:
@@ -66,6 +68,15 @@ def dead_letter_rows(conn: psycopg.Connection, rows: list[DeadRow]) -> int:
 def forget_relayed(conn: psycopg.Connection, pairs: list[Pair]) -> int:
     """Drop the records of ``pairs`` (their outbox rows' delete has committed)."""
     return conn.execute(_QUERIES["forget_relayed"], _pairs(pairs)).rowcount
+
+
+def forget_and_check(conn: psycopg.Connection, forget: list[Pair], check: list[Pair]) -> set[Pair]:
+    """``forget_relayed(forget)`` (the rows of the batch before, their delete committed),
+    then ``relayed_before(check)`` (the batch read with that delete): the relay's one call
+    to a ledger a batch. Either list may be empty: its statement is not run."""
+    if forget:
+        forget_relayed(conn, forget)
+    return relayed_before(conn, check) if check else set()
 
 
 def recorded_rows(conn: psycopg.Connection, producers: list[str], limit: int) -> list[Pair]:

@@ -12,22 +12,46 @@ they belong to (the producer they go as: ``core.outbox_rows``), asks dmq's datab
 of them were stored before (``db.outbox_ledger``: a relay that died after the store and
 before the delete), hands the others to the broker in runs (``core.outbox_rows.runs``:
 one ``PublishRequest`` of ``Send``s per run of rows to one topic, answered per message by
-``Broker.publish_each``), waits for the durable answer, records the rows the broker
+``Broker.publish_each``), waits for the durable answer and records the rows the broker
 refused (unknown topic, body over ``--max-msg-size``, delay past ``--max-delay``) as dead
-letters, deletes what was stored or dead-lettered from the outbox, and then forgets those
-rows' records. A row whose store failed for a passing reason (storage unavailable) stays
-and is tried again in the next cycle; the rows behind it are not held. With nothing to
-read the relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fallback).
+letters. What was stored or dead-lettered is deleted from the outbox by the next read, in
+the same call to the application's database (``db.outbox.delete_and_read``), and once that
+delete has committed its records are forgotten in the same call to each ledger that asks
+about the next batch (``db.outbox_ledger.forget_and_check``): two calls a batch besides
+the store. While a full batch is stored the next one is read and checked (without the
+rows being stored, which are not deleted yet): the store is the only step a batch waits
+for. A row whose store failed for a passing reason (storage unavailable) stays and is
+tried again in the next cycle; the rows behind it are not held. With nothing to read the
+relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fallback).
 
 Exactly once: the storing statement itself records each outbox row's (producer, session
 id) and skips a row recorded before (schema version 13's triggers), so a repeat is never
-stored a second time, whatever ran or died when, and however long after. A new install's
-rows are no repeats of an earlier one's with the same ids: each install has its own tag.
+stored a second time, whatever ran or died when, and however long after. The relay asks
+the ledgers only about rows that may have a record, so that it never publishes a repeat
+(which the trigger would drop, and the broker answer as stored before, or, once swept
+past ``--message-retention``, as not stored): the rows with the application's own session
+ids (it may send an id again), and the install's numbered rows up to ``_recorded_upto``:
+the highest id with a record when this relay took the lock (records are kept until the
+row's delete has committed, so every row a relay before it stored and did not delete has
+one; the ledgers are read after the lock is taken, when the relay before has stopped
+reading), raised to every row whose store this relay tried without a final answer, and to
+every row it handed to the broker when a cycle failed. A row above it was never handed to
+a broker by any relay. One case is left to the trigger alone: a relay whose connection to
+the application's database ended while its store was on its way to dmq's database, and
+that store committing after the next holder read the ledgers; the row is stored once all
+the same (the second store is dropped, answered as stored before and deleted, and, with
+the topic on another ``--pg-cluster``, its dead letter written in main). A delete runs only
+on the connection that holds the lock (``db.outbox.delete_and_read`` checks its backend):
+a record is forgotten only once no relay can read its row again. A new install's rows are
+no repeats of an earlier one's with the same ids: each install has its own tag.
 
 Order: runs to different topics are published together, the runs of one topic one after
 another, each once the one before was answered (committed), and a run is never longer
 than the group commit's batch (``max_run``), which ``GroupCommitWriter`` then stores in one
-transaction. So the rows of one transaction get message ids in the order it sent them.
+transaction; a batch read ahead is published once every run of the one before was
+answered. So the rows of one transaction get message ids in the order it sent them (they
+commit together: one read sees all of them or none, and the next batch is read from the
+start of the outbox, only the batch being stored left out).
 What does not hold: a row kept for a passing failure is stored after rows behind it (the
 rest of its topic's runs in the batch wait with it, but a full batch reads on); a run whose
 batch PostgreSQL refused is split in halves that may commit side by side; and a run reaches
@@ -73,6 +97,9 @@ MAX_PAUSE = 30.0
 # is the most a relay that died can leave)
 STALE_CHECK = 10000
 
+# a row id above every other: all rows of the install may have a record
+MAX_ID = 2**63 - 1
+
 
 class RelayDb(Protocol):
     """What the relay asks of a database connection: ``db.worker.DbWorker``'s calls."""
@@ -82,6 +109,20 @@ class RelayDb(Protocol):
     def stop(self) -> None: ...
 
     def run(self, fn: Callable[..., T], *args: object) -> Deferred[T]: ...
+
+
+class _Batch:
+    """Rows read in one call, with what the relay made of them: each row's (producer,
+    session id) under the install ``tag`` read with them, and those of the pairs the
+    ledgers hold (stored or dead-lettered before: not published again)."""
+
+    __slots__ = ("tag", "rows", "pairs", "before")
+
+    def __init__(self, tag: str, rows: list[OutboxRow], pairs: dict[int, Pair], before: set[Pair]):
+        self.tag = tag
+        self.rows = rows
+        self.pairs = pairs
+        self.before = before
 
 
 class OutboxRelay:
@@ -122,6 +163,13 @@ class OutboxRelay:
         # reason): the id read up to, and how many were kept
         self._after = 0
         self._again = 0
+        # the rows numbered by the install with an id up to this may have a record in a
+        # ledger (stored before: by a relay before this one's takeover, or by this one with
+        # its answer lost or its delete failed); the rows above it are checked against none
+        self._recorded_upto = 0
+        self._handed = 0  # the highest row id handed to the broker
+        self._done: list[tuple[int, Pair]] = []  # stored or dead-lettered, their delete not run yet
+        self._ahead: _Batch | None = None  # the next batch, read while the one before was stored
         self._loop: Deferred[None] | None = None
         self._nap: tuple[Deferred[None], Timer] | None = None
         self.relayed = self.dead = 0  # rows stored, rows dead-lettered, since start
@@ -140,7 +188,8 @@ class OutboxRelay:
         self._loop = ensureDeferred(self._run())
 
     def stop(self) -> Deferred[None]:
-        """Stop after the cycle under way (a wait for NOTIFY ends within ``poll``)."""
+        """Stop after the cycle under way (a wait for NOTIFY ends within ``poll``), once
+        the rows it stored are deleted."""
         self._running = False
         nap = self._nap
         if nap is not None:
@@ -176,11 +225,31 @@ class OutboxRelay:
                 await self._cycle()
                 failures = 0
             except Exception as exc:  # the databases' failures: logged, tried again, less often each time
+                # what the cycle handed to the broker may now be stored with its delete not
+                # run: those rows are checked against the ledgers when read again
+                self._recorded_upto = max(self._recorded_upto, self._handed)
+                self._ahead = None
                 pause = min(self._retry * 2 ** failures, MAX_PAUSE)
                 failures += 1
                 log.warn("outbox {name}: {why}; trying again in {pause:g}s", name=name, why=exc, pause=pause)
                 if self._running:
                     await self._sleep(pause)
+        try:
+            await self._flush()
+        except Exception as exc:  # left for the next relay: its rows are recorded, never stored again
+            log.warn("outbox {name}: deleting the rows relayed last failed: {why}", name=name, why=exc)
+
+    async def _flush(self) -> None:
+        """The delete and forget of the rows stored since the last read, before a pause or
+        the end (they are otherwise done by the next read)."""
+        if self._done and self._pid:
+            await self._read(0, limit=0)
+
+    def _lost(self) -> None:
+        """The lock is gone: what this relay read ahead or has yet to delete is left to the
+        next holder (the rows stored have their records: never stored again)."""
+        self._done = []
+        self._ahead = None
 
     async def _cycle(self) -> None:
         name, schema = self.source.name, self.source.schema
@@ -191,21 +260,30 @@ class OutboxRelay:
                 log.warn("outbox {name}: lost the relay lock (its connection ended): another node may relay it",
                          name=name)
             self._pid = 0
+            self._lost()
             await self._sleep(self._retry)
             return
         if pid != self._pid:
+            self._lost()
             self._tag = await self._app.run(outbox.read_tag, self._q, schema)
             self._pid = pid
             log.info("outbox {name}: this node relays {schema} (install {tag})", name=name, schema=schema,
                      tag=self._tag)
-            await self._forget_stale()
-        tag, rows = await self._app.run(outbox.read_rows, self._q, schema, self._batch, self._after)
+            self._recorded_upto = max(self._recorded_upto, await self._forget_stale())
+        batch, self._ahead = self._ahead, None
+        if batch is None:
+            batch = await self._read(self._after)
+        rows = batch.rows
         if rows:
-            if tag != self._tag:  # installed again while this node held the lock
+            if batch.tag != self._tag:  # installed again while this node held the lock
                 log.info("outbox {name}: {schema} was installed again (install {tag})", name=name, schema=schema,
-                         tag=tag)
-                self._tag = tag
-            self._again += await self._relay(rows, tag)
+                         tag=batch.tag)
+                self._tag = batch.tag
+                self._recorded_upto = max(self._recorded_upto, await self._forget_stale())
+            # a full batch with nothing kept: the next one is read while this one is stored
+            ahead = len(rows) == self._batch and not self._after and not self._again
+            again, self._ahead = await self._relay(batch, ahead)
+            self._again += again
             if len(rows) == self._batch and self._again:
                 # rows wait to be tried again: read on past them, so they hold no row behind
                 self._after = rows[-1].id
@@ -216,23 +294,57 @@ class OutboxRelay:
         # the end of a pass: the rows kept go again from the start, after a pause
         again, self._after, self._again = self._again, 0, 0
         if again and self._running:
+            await self._flush()
             await self._sleep(self._retry)
 
-    async def _relay(self, rows: list[OutboxRow], tag: str) -> int:
-        """Relay one batch of the install tagged ``tag``; returns how many rows are left
-        to try again."""
+    async def _read(self, after: int, exclude: Sequence[int] = (), limit: int | None = None) -> _Batch:
+        """Delete the rows stored since the last read, read the next batch (after ``after``,
+        without ``exclude``), then in each ledger forget the deleted rows' records and ask
+        which rows of the batch were recorded before: one call to each database. Only rows
+        that may have a record are asked about: the application's own session ids (it may
+        send one again), and the install's numbered rows up to ``_recorded_upto``."""
+        done, self._done = self._done, []
         name = self.source.name
+        tag, rows = await self._app.run(outbox.delete_and_read, self._q, self.source.schema, self._pid,
+                                        [row_id for row_id, _ in done], self._batch if limit is None else limit,
+                                        after, exclude)
         pairs = {row.id: (producer_of(name, tag, row), session_of(row)) for row in rows}
+        upto = self._recorded_upto if tag == self._tag else MAX_ID  # another install's: all asked
+        check = [pairs[row.id] for row in rows if row.session_id is not None or row.id <= upto]
+        forget = [pair for _, pair in done]
         before: set[Pair] = set()
-        for found in await self._each(outbox_ledger.relayed_before, list(pairs.values())):
-            before |= found
-        todo = [row for row in rows if pairs[row.id] not in before]
-        done = [row for row in rows if pairs[row.id] in before]
+        if forget or check:
+            for found in await self._each(outbox_ledger.forget_and_check, forget, check):
+                before |= found
+        return _Batch(tag, rows, pairs, before)
+
+    async def _read_ahead(self, exclude: list[int]) -> _Batch | Exception:
+        """``_read`` of the batch after the one being stored; its failure as the answer (the
+        store is awaited all the same, and the failure raised after it)."""
+        try:
+            return await self._read(self._after, exclude)
+        except Exception as exc:  # raised by _relay once the store is answered
+            return exc
+
+    async def _relay(self, batch: _Batch, ahead: bool) -> tuple[int, _Batch | None]:
+        """Relay one batch; returns how many rows are left to try again, and the next batch
+        when ``ahead`` (read while this one was stored, its rows none of these; None if rows
+        are kept: the pass goes on past them as before). The rows stored or dead-lettered
+        are deleted by the next read."""
+        name, rows, pairs = self.source.name, batch.rows, batch.pairs
+        todo = [row for row in rows if pairs[row.id] not in batch.before]
+        done = [row for row in rows if pairs[row.id] in batch.before]
         topics: dict[str, list[list[OutboxRow]]] = {}  # each topic's runs, in id order
         for run in runs(todo, self._max_run):
             topics.setdefault(run[0].topic, []).append(run)
-        chains = await gatherResults([ensureDeferred(self._publish_runs(chain, pairs)) for chain in topics.values()],
-                                      consumeErrors=True)
+        self._handed = max(self._handed, rows[-1].id)
+        stored = gatherResults([ensureDeferred(self._publish_runs(chain, pairs)) for chain in topics.values()],
+                               consumeErrors=True)
+        reading = ensureDeferred(self._read_ahead([row.id for row in rows])) if ahead else None
+        try:
+            chains = await stored
+        finally:
+            following = await reading if reading is not None else None
         dead: list[tuple[OutboxRow, str]] = []
         again = 0
         for run, outcomes in [answered for chain in chains for answered in chain]:
@@ -243,6 +355,8 @@ class OutboxRelay:
                     dead.append((row, str(outcome)))
                 else:
                     again += 1
+                    # its commit's answer may have been lost: checked when read again
+                    self._recorded_upto = max(self._recorded_upto, row.id)
         if dead:
             await self._dmq.run(outbox_ledger.dead_letter_rows, [
                 DeadRow(row.topic, pairs[row.id][0], pairs[row.id][1], row.body,
@@ -252,12 +366,12 @@ class OutboxRelay:
             log.warn("outbox {name}: {count} row(s) refused, kept as dead letters (first: {why})",
                      name=name, count=len(dead), why=dead[0][1])
             done += [row for row, _ in dead]
-        if done:
-            await self._app.run(outbox.delete_rows, self._q, [row.id for row in done])
-            await self._each(outbox_ledger.forget_relayed, [pairs[row.id] for row in done])
+        self._done += [(row.id, pairs[row.id]) for row in done]
         self.relayed += len(done) - len(dead)
         self.dead += len(dead)
-        return again
+        if isinstance(following, Exception):
+            raise following
+        return again, None if again else following
 
     def _each(self, fn: Callable[..., T], *args: object) -> Deferred[list[T]]:
         """``fn(*args)`` in every one of dmq's databases at once; fails if any fails."""
@@ -306,19 +420,27 @@ class OutboxRelay:
         self.broker.publish_each(request, answer)
         return answered
 
-    async def _forget_stale(self) -> None:
+    async def _forget_stale(self) -> int:
         """Records left by a relay that died between its delete and forgetting them: those
         of the relay's own numbering whose row is gone from the outbox (a record exists
-        only for a row that was committed, so a row missing now was deleted)."""
+        only for a row that was committed, so a row missing now was deleted). Returns the
+        highest id of a row still here with a record (stored by a relay that died before
+        its delete): the rows above it were stored by none (MAX_ID if there were more
+        records than it looked at)."""
         producers = relay_producers(self.source.name, self._tag)
+        upto = 0
         for db in self._ledgers:
             recorded = await db.run(outbox_ledger.recorded_rows, producers, STALE_CHECK)
+            if len(recorded) >= STALE_CHECK:
+                upto = MAX_ID
             if not recorded:
                 continue
             present = await self._app.run(outbox.present_rows, self._q, [session for _, session in recorded])
             gone: list[Pair] = [pair for pair in recorded if pair[1] not in present]
+            upto = max([upto, *present])
             if gone:
                 await db.run(outbox_ledger.forget_relayed, gone)
+        return upto
 
     # -- what operators see (core.outbox_figures) ------------------------------------------
     node_id = ""  # this node's id (OutboxRelays sets it)

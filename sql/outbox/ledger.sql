@@ -4,10 +4,11 @@
 -- never runs these; the relay does, on its own connection, in autocommit.
 
 -- name: relayed_before
--- Which of these (producer, session_id) pairs were stored (or dead-lettered) before.
+-- Which of these (producer, session_id) pairs were stored (or dead-lettered) before. This
+-- and forget_relayed take a batch's pairs as binary arrays (dmq_server.db.arrays).
 SELECT r.producer, r.session_id
 FROM dmq_outbox_relayed r
-JOIN unnest(%(producers)s::text[], %(session_ids)s::bigint[]) AS u(producer, session_id)
+JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, session_id)
   ON r.session_id = u.session_id AND r.producer = u.producer;
 
 -- name: dead_letter_rows
@@ -33,7 +34,7 @@ RETURNING id;
 -- name: forget_relayed
 -- The records of rows whose delete committed in the application's database.
 DELETE FROM dmq_outbox_relayed r
-USING unnest(%(producers)s::text[], %(session_ids)s::bigint[]) AS u(producer, session_id)
+USING unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, session_id)
 WHERE r.session_id = u.session_id AND r.producer = u.producer;
 
 -- name: recorded_rows

@@ -80,9 +80,22 @@ WHERE id > %(after)s
 ORDER BY id
 LIMIT %(limit)s;
 
+-- name: relay_read_past
+-- relay_read without the rows of `exclude`: the batch being stored while this reads the
+-- next (its delete comes after its store, so its rows are still here). Everything else
+-- after `after` comes in id order as relay_read gives it, the rows committed since below
+-- the batch's ids too. A hashed subplan: one probe a row, whatever the batch's size.
+SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint,
+       (SELECT tag FROM @schema@.installation)
+FROM @schema@.outbox
+WHERE id > %(after)s AND id NOT IN (SELECT unnest(%(exclude)b::bigint[]))
+ORDER BY id
+LIMIT %(limit)s;
+
 -- name: relay_delete
--- Rows dmq stored (or recorded as dead letters): they are never read again.
-DELETE FROM @schema@.outbox WHERE id = ANY(%(ids)s::bigint[]);
+-- Rows dmq stored (or recorded as dead letters): they are never read again. The ids (and
+-- relay_read_past's) come as a binary array (dmq_server.db.arrays).
+DELETE FROM @schema@.outbox WHERE id = ANY(%(ids)b::bigint[]);
 
 -- name: relay_present
 -- Which of these ids are still in the outbox (the ledger's records of the others can go).

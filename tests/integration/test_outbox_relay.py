@@ -182,6 +182,72 @@ def test_killed_between_store_and_delete_stores_nothing_twice(make_server, topic
     assert db_rows(pg_dsn, f"SELECT count(*) FROM dmq_message WHERE {OUTBOX_PRODUCERS}") == [(0 if swept else 4,)]
 
 
+@pytest.mark.parametrize("swept", [False, True], ids=["within-retention", "after-retention"])
+def test_killed_with_a_batch_stored_and_the_next_read_in_flight_stores_nothing_twice(
+    make_server, topic, pg_dsn, app_dsn, swept
+):
+    """Batches of 2 (--commit-batch-size 2): while a full batch is stored the relay reads
+    the next, deleting the one before in the same call. Rows 1-2's delete is held on their
+    locks, so the kill (-9) comes with batches 1-2 and 3-4 stored and the read after them
+    on its way. Restarted, the relay finds rows 1-4 recorded (not only the batch whose
+    delete it last sent), deletes them without storing any again, and stores row 5: within
+    --message-retention each arrives once under its first id; after it (the messages
+    swept) none of rows 1-4 is stored a second time."""
+    for bodies in ([b"a", b"b"], [b"c", b"d"], [b"e"]):
+        send_transaction(app_dsn, bodies)
+    blocker = psycopg.connect(app_dsn)
+    blocker.execute("SELECT id FROM dmq_outbox.outbox WHERE id <= 2 FOR UPDATE").fetchall()
+    try:
+        server = make_server(outbox=f"shop={app_dsn}", commit_batch_size="2")
+        wait_for(lambda: _relay_waits_to_delete(app_dsn), timeout=WAIT)
+        stored = db_rows(pg_dsn, f"SELECT id, body FROM dmq_message WHERE {OUTBOX_PRODUCERS} ORDER BY id")
+        assert [body for _, body in stored] == [b"a", b"b", b"c", b"d"]
+        assert db_rows(pg_dsn, "SELECT session_id FROM dmq_outbox_relayed ORDER BY 1") == [(1,), (2,), (3,), (4,)]
+        server.kill()
+        db_rows(app_dsn, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {WAITING_DELETE}")
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(5,)]
+    if swept:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DELETE FROM dmq_message WHERE {OUTBOX_PRODUCERS}")
+    server.start()
+    wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_outbox_relayed") == [(0,)], timeout=WAIT)
+    after = db_rows(pg_dsn, f"SELECT id, body FROM dmq_message WHERE {OUTBOX_PRODUCERS} ORDER BY id")
+    assert [body for _, body in after] == ([b"e"] if swept else [b"a", b"b", b"c", b"d", b"e"])
+    if not swept:
+        assert after[:4] == stored
+        pushes = consume(server, 5)
+        assert sorted(p.body for p in pushes) == [b"a", b"b", b"c", b"d", b"e"]
+    # no row was published again (the trigger would drop it; answered as stored before, it
+    # would be taken for refused, or once swept for not stored and kept for good)
+    assert "kept as dead letters" not in server.log()
+
+
+def test_the_relay_deletes_only_on_the_connection_holding_its_lock_and_reads_past_a_batch(app_dsn):
+    """delete_and_read on a connection that is not the lock's (a worker that reconnected)
+    deletes nothing; on the lock's, it deletes, then reads the rows not left out, in id
+    order: those below the batch left out too."""
+    from dmq_server.db import outbox as relay_db
+    from dmq_server.db.storage_errors import StorageError
+
+    for k in range(6):
+        send_transaction(app_dsn, [f"row {k + 1}".encode()])
+    q = relay_db.relay_queries("dmq_outbox")
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        pid = relay_db.hold_relay(conn, q, "dmq_outbox", 0)
+        with pytest.raises(StorageError, match="relay's lock ended"):
+            relay_db.delete_and_read(conn, q, "dmq_outbox", pid + 1, [1], 10)
+        assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(6,)]
+        _, rows = relay_db.delete_and_read(conn, q, "dmq_outbox", pid, [1], 3, 0, [3, 4])
+        assert [r.id for r in rows] == [2, 5, 6]
+        assert db_rows(app_dsn, "SELECT id FROM dmq_outbox.outbox ORDER BY id") == [(k,) for k in range(2, 7)]
+        assert relay_db.delete_and_read(conn, q, "dmq_outbox", pid, [2], 0) == ("", [])
+        assert db_rows(app_dsn, "SELECT count(*) FROM dmq_outbox.outbox") == [(4,)]
+
+
 def test_a_bad_row_becomes_a_dead_letter_and_the_rows_behind_it_arrive(make_server, topic, pg_dsn, app_dsn):
     """A row to a topic dmq does not know and a body over --max-msg-size are dead letters
     with the reason and the row named; the rows after them arrive; once the topic is

@@ -74,107 +74,173 @@ TAG = "0a1b2c3d"  # the install's tag, as read_tag answers
 SHOP = f"outbox:shop:{TAG}"
 
 
-def row(id: int, topic: str = "orders") -> OutboxRow:
-    return OutboxRow(id, topic, b"body", None, None, 1000)
+def row(id: int, topic: str = "orders", session_id: int | None = None) -> OutboxRow:
+    return OutboxRow(id, topic, b"body", None, session_id, 1000)
 
 
-def relay_with(app_answers: dict, dmq_answers: dict | None = None, broker: Broker | HeldBroker | None = None,
-               max_run: int = 500) -> tuple[OutboxRelay, Db, Db, Broker, Clock]:
+class Outbox:
+    """The outbox table as ``delete_and_read`` and ``present_rows`` see it: rows by id,
+    each call recorded as (ids deleted, after, exclude)."""
+
+    def __init__(self, rows: list[OutboxRow], tag: str = TAG) -> None:
+        self.rows = {r.id: r for r in rows}
+        self.tag = tag
+        self.reads: list[tuple[list[int], int, list[int]]] = []
+
+    def delete_and_read(self, _q: object, _schema: str, _pid: int, ids: list[int], limit: int, after: int,
+                        exclude: list[int]) -> tuple[str, list[OutboxRow]]:
+        self.reads.append((sorted(ids), after, list(exclude)))
+        for i in ids:
+            del self.rows[i]
+        found = [self.rows[i] for i in sorted(self.rows) if i > after and i not in exclude][:limit]
+        return (self.tag if found else ""), found
+
+    def present(self, _q: object, ids: list[int]) -> set[int]:
+        return {i for i in ids if i in self.rows}
+
+    def deleted(self) -> list[int]:
+        return sorted(i for ids, _, _ in self.reads for i in ids)
+
+
+def relay_with(table: Outbox, dmq_answers: dict | None = None, broker: Broker | HeldBroker | None = None,
+               max_run: int = 500, batch: int = 500, app_answers: dict | None = None,
+               ) -> tuple[OutboxRelay, Db, Db, Broker, Clock]:
     clock = Clock()
     # a wait for NOTIFY never ends here: the loop rests in it
-    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.delete_rows: 0, outbox.read_tag: TAG, **app_answers})
-    dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
+    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: table.present,
+              outbox.delete_and_read: table.delete_and_read, outbox.read_tag: TAG, **(app_answers or {})})
+    dmq = Db({outbox_ledger.forget_and_check: set(), outbox_ledger.recorded_rows: [],
               outbox_ledger.forget_relayed: 0, outbox_ledger.dead_letter_rows: 0, **(dmq_answers or {})})
     relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker or Broker(), clock, app, dmq,
-                        max_run=max_run)
+                        max_run=max_run, batch=batch)
     return relay, app, dmq, relay.broker, clock
 
 
-def once(rows: list[OutboxRow], tag: str = TAG) -> Callable[..., object]:
-    """read_rows answering ``rows`` of the install ``tag`` the first time, nothing after."""
-    batches = [rows]
+def asked(db: Db) -> list[list[tuple[str, int]]]:
+    """The pairs each forget_and_check asked about (its second list), the empty asks left out."""
+    return [sorted(args[1]) for fn, args in db.calls if fn is outbox_ledger.forget_and_check and args[1]]
 
-    def read(*_: object) -> tuple[str, list[OutboxRow]]:
-        return (tag, batches.pop()) if batches else ("", [])
 
-    return read
+def forgotten(db: Db) -> list[tuple[str, int]]:
+    return sorted(pair for fn, args in db.calls if fn is outbox_ledger.forget_and_check for pair in args[0])
 
 
 def test_a_batch_is_published_in_runs_refused_rows_dead_lettered_and_passing_failures_kept() -> None:
-    rows = [row(1), row(2), row(3, "nosuch"), row(4, "down"), row(5)]
-    relay, app, dmq, broker, _ = relay_with({outbox.read_rows: once(rows)},
-                                            {outbox_ledger.relayed_before: {(SHOP, 2)}})
+    table = Outbox([row(1), row(2), row(3, "nosuch"), row(4, "down"), row(5)])
+    # a relay before this one stored row 2 and died before its delete
+    relay, app, dmq, broker, clock = relay_with(table, {outbox_ledger.forget_and_check: {(SHOP, 2)},
+                                                        outbox_ledger.recorded_rows: [(SHOP, 2)]})
     relay.start()
     # a topic's runs one after another (answered at once here), the topics side by side
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1], [5], [3], [4]]
     [(_, (letters,))] = [call for call in dmq.calls if call[0] is outbox_ledger.dead_letter_rows]
     assert [(d.session_id, d.topic) for d in letters] == [(3, "nosuch")]
     assert "outbox shop (dmq_outbox) row 3: topic 'nosuch' is not registered" in letters[0].detail
-    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
-    assert sorted(deleted) == [1, 2, 3, 5]
-    [(_, (forgotten,))] = [call for call in dmq.calls if call[0] is outbox_ledger.forget_relayed]
-    assert sorted(forgotten) == [(SHOP, s) for s in (1, 2, 3, 5)]
+    # deleted (and then forgotten) before the pause that precedes row 4's next try
+    assert table.deleted() == [1, 2, 3, 5] and sorted(table.rows) == [4]
+    assert forgotten(dmq) == [(SHOP, s) for s in (1, 2, 3, 5)]
     assert (relay.relayed, relay.dead) == (3, 1)
+    clock.advance(1)
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests][4:] == [[4]]
+    relay.stop()
+
+
+def test_only_rows_that_may_have_a_record_are_asked_about() -> None:
+    """Taking the lock, the relay finds records up to row 3 (a relay before it stored rows
+    2 and 3 and died before its delete): rows up to 3 are asked about, and rows with the
+    application's own session id always (it may send an id again); the rows above, which
+    no relay ever handed to a broker, are not."""
+    table = Outbox([row(1), row(2), row(3), row(4), row(5, session_id=77), row(6)])
+    relay, _, dmq, broker, _ = relay_with(table, {outbox_ledger.recorded_rows: [(SHOP, 2), (SHOP, 3), (SHOP, 9)],
+                                                  outbox_ledger.forget_and_check: {(SHOP, 2), (SHOP, 3)}})
+    relay.start()
+    assert asked(dmq) == [[(SHOP, 1), (SHOP, 2), (SHOP, 3), ("outbox:shop:own", 77)]]
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 4], [77], [6]]
+    assert [fn for fn, args in dmq.calls if fn is outbox_ledger.forget_relayed] == [outbox_ledger.forget_relayed]
+    relay.stop()
+
+
+def test_a_row_tried_without_a_final_answer_is_asked_about_when_read_again() -> None:
+    """A store that failed for a passing reason may have committed all the same (its
+    answer lost): the row is asked about before it is published again."""
+    table = Outbox([row(1, "down"), row(2)])
+    relay, _, dmq, broker, clock = relay_with(table)
+    relay.start()
+    assert asked(dmq) == []
+    clock.advance(1)
+    assert asked(dmq) == [[(SHOP, 1)]]
+    assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1], [2], [1]]
+    relay.stop()
+
+
+def test_after_a_failed_cycle_the_rows_handed_to_the_broker_are_asked_about() -> None:
+    """Stored, then the delete failed (the cycle with it): the rows are read again, and
+    asked about, so they are deleted, not published again."""
+    table = Outbox([row(1), row(2)])
+    failing = [True]
+
+    def delete_and_read(q: object, schema: str, pid: int, ids: list[int], limit: int, after: int,
+                        exclude: list[int]) -> object:
+        if ids and failing[0]:  # the delete of rows 1 and 2
+            failing[0] = False
+            return StorageError("connection lost")
+        return table.delete_and_read(q, schema, pid, ids, limit, after, exclude)
+
+    relay, _, dmq, broker, clock = relay_with(table, {outbox_ledger.forget_and_check: {(SHOP, 1), (SHOP, 2)}},
+                                              app_answers={outbox.delete_and_read: delete_and_read})
+    relay.start()
+    assert asked(dmq) == []
+    clock.advance(1)
+    assert asked(dmq) == [[(SHOP, 1), (SHOP, 2)]]
+    assert len(broker.requests) == 1 and table.rows == {}
     relay.stop()
 
 
 def test_a_failing_database_is_tried_again_less_often_and_stop_ends_the_wait() -> None:
-    relay, app, _, _, clock = relay_with({outbox.read_rows: StorageError("relation dmq_outbox.outbox does not exist")})
+    relay, app, _, _, clock = relay_with(Outbox([]), app_answers={
+        outbox.delete_and_read: StorageError("relation dmq_outbox.outbox does not exist")})
     relay.start()
-    tries = [app.count(outbox.read_rows)]
+    tries = [app.count(outbox.delete_and_read)]
     for _ in range(8):
         clock.advance(MAX_PAUSE)
-        tries.append(app.count(outbox.read_rows))
+        tries.append(app.count(outbox.delete_and_read))
     # pauses of 1, 2, 4, 8, 16, then 30 s: within 30 s of each other after the fifth
     assert tries == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     clock.advance(MAX_PAUSE - 1)
-    assert app.count(outbox.read_rows) == 9
+    assert app.count(outbox.delete_and_read) == 9
     stopped = relay.stop()
     assert stopped.called and app.stopped
     clock.advance(MAX_PAUSE)
-    assert app.count(outbox.read_rows) == 9
+    assert app.count(outbox.delete_and_read) == 9
 
 
 def test_without_the_lock_nothing_is_read_and_the_lock_is_tried_every_second() -> None:
-    relay, app, _, broker, clock = relay_with({outbox.hold_relay: 0, outbox.read_rows: once([row(1)])})
+    relay, app, _, broker, clock = relay_with(Outbox([row(1)]), app_answers={outbox.hold_relay: 0})
     relay.start()
     clock.advance(1)
     clock.advance(1)
-    assert app.count(outbox.hold_relay) == 3 and app.count(outbox.read_rows) == 0 and not relay.relaying
+    assert app.count(outbox.hold_relay) == 3 and app.count(outbox.delete_and_read) == 0 and not relay.relaying
     relay.stop()
     assert broker.requests == []
-
 
 
 def test_rows_kept_to_try_again_hold_no_row_behind_them() -> None:
     """A full batch of rows whose store failed for a passing reason: the next read goes on
     past them, so the rows behind are relayed now; at the end of the pass they are tried
     again from the start, after a pause."""
-    table = {r.id: r for r in [row(1, "down"), row(2, "down"), row(3), row(4), row(5)]}
-
-    def read(_q: object, _schema: str, limit: int, after: int) -> tuple[str, list[OutboxRow]]:
-        return TAG, [table[i] for i in sorted(table) if i > after][:limit]
-
-    def delete(_q: object, ids: list[int]) -> int:
-        for i in ids:
-            del table[i]
-        return len(ids)
-
-    clock = Clock()
-    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.read_rows: read, outbox.delete_rows: delete, outbox.read_tag: TAG})
-    dmq = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [], outbox_ledger.forget_relayed: 0})
-    broker = Broker()
-    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, dmq, batch=2)
+    table = Outbox([row(1, "down"), row(2, "down"), row(3), row(4), row(5)])
+    relay, _, _, broker, clock = relay_with(table, batch=2)
     relay.start()
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 2], [3, 4], [5]]
-    assert sorted(table) == [1, 2]
+    assert sorted(table.rows) == [1, 2]
     clock.advance(0.5)
     assert len(broker.requests) == 3  # pausing
     clock.advance(0.5)
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests][3:] == [[1, 2]]
-    assert [call[1][3] for call in app.calls if call[0] is outbox.read_rows] == [0, 2, 4, 0, 2]
+    # (after, left out) of each read: a full batch's next read ahead (dropped: rows kept),
+    # then past the kept rows, the delete of 5 before the pause, and again from the start
+    assert [(after, exclude) for _, after, exclude in table.reads] == [
+        (0, []), (0, [1, 2]), (2, []), (4, []), (0, []), (0, []), (0, [1, 2]), (2, [])]
     relay.stop()
 
 
@@ -182,20 +248,20 @@ def test_with_several_clusters_each_database_is_asked_and_forgets() -> None:
     """A row's record is written in the database of the cluster its topic is placed on:
     the relay asks every one whether a row was stored, and each forgets what it holds."""
     clock = Clock()
-    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: set(),
-              outbox.read_rows: once([row(1), row(2), row(3)]), outbox.delete_rows: 0, outbox.read_tag: TAG})
-    main = Db({outbox_ledger.relayed_before: set(), outbox_ledger.recorded_rows: [],
+    table = Outbox([row(1), row(2), row(3)])
+    app = Db({outbox.hold_relay: 42, outbox.wait_for_rows: lambda *_: Deferred(), outbox.present_rows: table.present,
+              outbox.delete_and_read: table.delete_and_read, outbox.read_tag: TAG})
+    main = Db({outbox_ledger.forget_and_check: set(), outbox_ledger.recorded_rows: [],
                outbox_ledger.forget_relayed: 0})
-    other = Db({outbox_ledger.relayed_before: {(SHOP, 2)}, outbox_ledger.recorded_rows: [(SHOP, 9)],
+    other = Db({outbox_ledger.forget_and_check: {(SHOP, 2)}, outbox_ledger.recorded_rows: [(SHOP, 2), (SHOP, 9)],
                 outbox_ledger.forget_relayed: 0})
     broker = Broker()
     relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), broker, clock, app, main, clusters=[other])
     relay.start()
     assert [[s.session_id for s in r.sends or ()] for r in broker.requests] == [[1, 3]]
-    assert [sorted(args[0]) for fn, args in other.calls if fn is outbox_ledger.forget_relayed] == [
-        [(SHOP, 9)], [(SHOP, s) for s in (1, 2, 3)]]
-    assert [sorted(args[0]) for fn, args in main.calls if fn is outbox_ledger.forget_relayed] == [
-        [(SHOP, s) for s in (1, 2, 3)]]
+    assert [sorted(args[0]) for fn, args in other.calls if fn is outbox_ledger.forget_relayed] == [[(SHOP, 9)]]
+    assert forgotten(other) == forgotten(main) == [(SHOP, s) for s in (1, 2, 3)]
+    assert asked(main) == asked(other) == [[(SHOP, 1), (SHOP, 2)]]
     assert main.started and other.started
     relay.stop()
 
@@ -224,7 +290,8 @@ def test_a_topics_runs_go_one_after_another_and_other_topics_side_by_side() -> N
     is never longer than the group commit's batch."""
     rows = [row(1), row(2), row(3), row(4, "refunds"), row(5), row(6, "refunds")]
     broker = HeldBroker()
-    relay, app, _, _, _ = relay_with({outbox.read_rows: once(rows)}, broker=broker, max_run=2)
+    table = Outbox(rows)
+    relay, _, _, _, _ = relay_with(table, broker=broker, max_run=2)
     relay.start()
     assert broker.sent() == [[1, 2], [4]]
     broker.answer(1, Published(1))  # refunds' first run: its next waits for nothing else
@@ -233,11 +300,10 @@ def test_a_topics_runs_go_one_after_another_and_other_topics_side_by_side() -> N
     assert broker.sent() == [[1, 2], [4], [6], [3]]
     broker.answer(3, Published(1))
     assert broker.sent() == [[1, 2], [4], [6], [3], [5]]
-    assert app.count(outbox.delete_rows) == 0  # the batch is not done before every run is
+    assert table.deleted() == []  # the batch is not done before every run is
     broker.answer(2, Published(1))
     broker.answer(4, Published(1))
-    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
-    assert sorted(deleted) == [1, 2, 3, 4, 5, 6] and relay.relayed == 6
+    assert table.deleted() == [1, 2, 3, 4, 5, 6] and relay.relayed == 6
     relay.stop()
 
 
@@ -246,24 +312,72 @@ def test_after_a_passing_failure_the_rest_of_the_topics_runs_wait_with_it() -> N
     overtake it: they are kept to be tried again with it, not published."""
     rows = [row(1), row(2), row(3, "refunds"), row(4), row(5, "refunds")]
     broker = HeldBroker()
-    relay, app, _, _, _ = relay_with({outbox.read_rows: once(rows)}, broker=broker, max_run=1)
+    table = Outbox(rows)
+    relay, _, _, _, _ = relay_with(table, broker=broker, max_run=1)
     relay.start()
     assert broker.sent() == [[1], [3]]
     broker.answer(0, Unavailable("storage unavailable"))
     broker.answer(1, Published(1))
     broker.answer(2, Published(1))
     assert broker.sent() == [[1], [3], [5]]  # 2 and 4 kept with 1
-    [(_, (_, deleted))] = [call for call in app.calls if call[0] is outbox.delete_rows]
-    assert sorted(deleted) == [3, 5]
+    assert table.deleted() == [3, 5]
     relay.stop()
 
 
 def test_rows_go_under_the_tag_read_with_them() -> None:
     """Installed again while this node held the lock: the rows read with the new install's
     tag are stored and checked under its producer, not the one read with the lock."""
-    relay, _, dmq, broker, _ = relay_with({outbox.read_rows: once([row(1)], tag="99999999")})
+    relay, _, dmq, broker, _ = relay_with(Outbox([row(1)], tag="99999999"))
     relay.start()
     assert [r.producer for r in broker.requests] == ["outbox:shop:99999999"]
-    [(_, (pairs,))] = [call for call in dmq.calls if call[0] is outbox_ledger.relayed_before]
-    assert pairs == [("outbox:shop:99999999", 1)]
+    # another install's rows: each one asked about, whatever this relay knew of the first
+    assert asked(dmq) == [[("outbox:shop:99999999", 1)]]
+    relay.stop()
+
+
+def test_the_next_batch_is_read_while_a_full_one_is_stored_and_published_after_it() -> None:
+    """While a full batch is stored the next one is read (the batch being stored left out,
+    the one before it deleted, their records forgotten in the same call to the ledger);
+    it is published only once every run of the one before was answered."""
+    table = Outbox([row(1), row(2), row(3), row(4), row(5)])
+    broker = HeldBroker()
+    relay, _, dmq, _, _ = relay_with(table, broker=broker, batch=2)
+    relay.start()
+    assert broker.sent() == [[1, 2]]
+    assert table.reads == [([], 0, []), ([], 0, [1, 2])]
+    broker.answer(0, Published(1))
+    assert broker.sent() == [[1, 2], [3, 4]]
+    assert table.reads[2:] == [([1, 2], 0, [3, 4])] and forgotten(dmq) == [(SHOP, 1), (SHOP, 2)]
+    broker.answer(1, Published(1))
+    assert broker.sent() == [[1, 2], [3, 4], [5]]
+    assert len(table.reads) == 3  # a batch that is not full: nothing read ahead of it
+    broker.answer(2, Published(1))
+    assert table.rows == {} and relay.relayed == 5 and asked(dmq) == []
+    relay.stop()
+
+
+def test_a_failed_read_ahead_fails_the_cycle_once_the_store_is_answered() -> None:
+    """The application's database fails while a batch is stored: the store is waited for
+    (its rows stay this relay's to delete: the next read deletes them), then the cycle
+    fails and is tried again after a pause."""
+    table = Outbox([row(1), row(2), row(3), row(4)])
+    failing = [True]
+
+    def delete_and_read(q: object, schema: str, pid: int, ids: list[int], limit: int, after: int,
+                        exclude: list[int]) -> object:
+        if exclude and failing[0]:
+            failing[0] = False
+            return StorageError("connection lost")
+        return table.delete_and_read(q, schema, pid, ids, limit, after, exclude)
+
+    broker = HeldBroker()
+    relay, _, dmq, _, clock = relay_with(table, broker=broker, batch=2,
+                                         app_answers={outbox.delete_and_read: delete_and_read})
+    relay.start()
+    assert broker.sent() == [[1, 2]]
+    broker.answer(0, Published(1))
+    assert relay.relayed == 2 and broker.sent() == [[1, 2]]  # pausing
+    clock.advance(1)
+    assert table.reads[0] == ([], 0, []) and table.reads[1] == ([1, 2], 0, [])
+    assert broker.sent() == [[1, 2], [3, 4]] and asked(dmq) == []
     relay.stop()
