@@ -27,9 +27,10 @@ relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fallback).
 Exactly once: the storing statement itself records each outbox row's (producer, session
 id) and skips a row recorded before (schema version 13's triggers), so a repeat is never
 stored a second time, whatever ran or died when, and however long after. The relay asks
-the ledgers only about rows that may have a record, so that it never publishes a repeat
-(which the trigger would drop, and the broker answer as stored before, or, once swept
-past ``--message-retention``, as not stored): the rows with the application's own session
+the ledgers only about rows that may have a record, so that it does not publish repeats
+(which the trigger drops; the broker answers one with the message stored, or, once that
+was swept past ``--message-retention``, as not stored: a passing failure, so the row is
+asked about at its next try and deleted): the rows with the application's own session
 ids (it may send an id again), and the install's numbered rows up to ``_recorded_upto``:
 the highest id with a record when this relay took the lock (records are kept until the
 row's delete has committed, so every row a relay before it stored and did not delete has
@@ -39,8 +40,7 @@ every row it handed to the broker when a cycle failed. A row above it was never 
 a broker by any relay. One case is left to the trigger alone: a relay whose connection to
 the application's database ended while its store was on its way to dmq's database, and
 that store committing after the next holder read the ledgers; the row is stored once all
-the same (the second store is dropped, answered as stored before and deleted, and, with
-the topic on another ``--pg-cluster``, its dead letter written in main). A delete runs only
+the same (the next holder's store of it is such a repeat). A delete runs only
 on the connection that holds the lock (``db.outbox.delete_and_read`` checks its backend):
 a record is forgotten only once no relay can read its row again. A new install's rows are
 no repeats of an earlier one's with the same ids: each install has its own tag.
@@ -58,6 +58,11 @@ batch PostgreSQL refused is split in halves that may commit side by side; and a 
 the group commit as one run only by ``Broker.publish_each``'s direct way (a topic this node
 has cached, without a rate limit, on a server without ``--pg-cluster``): otherwise its
 rows are queued one by one and, with ``--commit-writers`` above 1, may commit side by side.
+
+Why one long module: the cycle, the read ahead and the ledger's bookkeeping share one
+relay's state (what it handed, what it has yet to delete, which rows may have a record),
+and each rule of exactly once above is kept by more than one of them; split apart, that
+state would be passed around; ``OutboxRelays`` is the few lines that start one per outbox.
 """
 
 from __future__ import annotations
