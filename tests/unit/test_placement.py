@@ -22,18 +22,25 @@ from tests.unit.test_broker import Consumer, Harness
 NODE = "node-1"
 
 
+def two_cluster_databases() -> tuple[Clock, MemoryDb, MemoryDb]:
+    """A clock and the in-memory databases of main and cluster b, both holding the rows of
+    ``local`` (on main) and ``remote`` (on b), channel ``c`` each, as the registry mirror
+    makes them."""
+    clock = Clock()
+    clock.advance(1_700_000_000)
+    main, b = MemoryDb(clock), MemoryDb(clock, cluster="b", first_id=first_id(1))
+    for db in (main, b):
+        db.create_topic("local", ["c"])
+        db.create_topic("remote", ["c"], cluster="b")
+    return clock, main, b
+
+
 class TwoClusters(Harness):
     """``local`` on main, ``remote`` on b, channel ``c`` each; both databases hold both
     topics' rows, as the registry mirror makes them."""
 
     def __init__(self) -> None:
-        self.clock = Clock()
-        self.clock.advance(1_700_000_000)
-        self.db = MemoryDb(self.clock)
-        self.b = MemoryDb(self.clock, cluster="b", first_id=first_id(1))
-        for db in (self.db, self.b):
-            db.create_topic("local", ["c"])
-            db.create_topic("remote", ["c"], cluster="b")
+        self.clock, self.db, self.b = two_cluster_databases()
         roles = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
         b_roles = {"writer0": self.b, "acker": self.b, "loader": self.b, "admin": self.b}
         self.broker = Broker(Options(), self.clock, roles, NODE, clusters={"b": b_roles}, slots={"main": 0, "b": 1})

@@ -12,14 +12,13 @@ from __future__ import annotations
 from typing import Callable, Generator, Mapping
 
 from twisted.internet import defer
-from twisted.internet.task import Clock
 
 from dmq_server.cluster.takeover import ClusterStore
 from dmq_server.core.options import Options
-from dmq_server.db.clusters import first_id
 from dmq_server.db.memory import MemoryDb
 from dmq_server.service import DmqServer
 from tests.unit.test_broker import Consumer, Harness
+from tests.unit.test_placement import two_cluster_databases
 
 NODE = "node-1"
 
@@ -61,13 +60,7 @@ class AssembledOnTwoClusters(Harness):
     started by ``DmqServer._start_broker`` as with --zk and --pg-cluster b=..."""
 
     def __init__(self) -> None:
-        self.clock = Clock()
-        self.clock.advance(1_700_000_000)
-        self.db = MemoryDb(self.clock)
-        self.b = MemoryDb(self.clock, cluster="b", first_id=first_id(1))
-        for db in (self.db, self.b):
-            db.create_topic("local", ["c"])
-            db.create_topic("remote", ["c"], cluster="b")
+        self.clock, self.db, self.b = two_cluster_databases()
         server = self.server = DmqServer(Options(node_id=NODE), self.clock)
         server.workers = {"writer0": self.db, "acker": self.db, "loader": self.db, "admin": self.db}
         server.cluster_workers = {"b": {"writer0": self.b, "acker": self.b, "loader": self.b, "admin": self.b}}
