@@ -196,7 +196,7 @@ class DmqServer:
         self.authorizer: Authorizer | None = None
         # the one budget of bytes held for clients (--max-client-memory): the TCP ports'
         # connections and both stores' channel windows count against it
-        self.client_memory = ClientMemory(options.max_client_memory)
+        self.client_memory = ClientMemory(options.max_client_memory, read_size=options.max_output_buffer)
         self.memory_watch: MemoryWatch | None = None
         # --outbox: none, or one relay each
         self.relays = OutboxRelays(options, reactor, self._threads())

@@ -18,8 +18,14 @@ holds at least ``large`` bytes of its own (a 256th of the budget: a pipelining p
 a megabyte frame) is not read until the total is back under three quarters of it (one
 *episode*; ``pauses`` counts connections stopped). Smaller ones go on being read, so a
 producer of small messages on another topic is still served, until the total passes
-the hard mark (an eighth over the limit): then every connection holding any bytes
-stops, as under a memory watermark. The windows never stop anyone: they have somewhere else to put
+the hard mark (an eighth over the limit): then every connection holding at least one
+read's worth (``read_size``, 64 KiB: what Twisted reads at once) stops too, as under a
+memory watermark. One holding less is never stopped: stopping it would keep back no more
+than its next read adds, and a producer whose small frame happened to be split across two
+reads would otherwise wait for as long as others hold the budget (clients holding
+incomplete megabyte frames until ``--read-timeout``). So every connection holds at most
+its threshold plus one read. The same rule, ``over_budget_stops``, decides for the port's
+``--max-buffered-bytes`` (``protocols.flow.BufferBudget``). The windows never stop anyone: they have somewhere else to put
 a message (PostgreSQL, the disk queue), so they take only what ``window_room`` grants:
 at most ``limit / 16`` for one channel, ``limit / 2`` for all windows together, and
 nothing that would take the total over the limit. Connections thus always keep at
@@ -38,6 +44,7 @@ import sys
 from typing import Any, Callable
 
 __all__ = [
+    "over_budget_stops",
     "ClientMemory",
     "WindowBytes",
     "KINDS",
@@ -46,6 +53,7 @@ __all__ = [
     "OUTPUT",
     "RELIABLE_WINDOW",
     "FAST_WINDOW",
+    "READ_SIZE",
     "release_to_os",
 ]
 
@@ -54,16 +62,29 @@ RELIABLE_WINDOW, FAST_WINDOW = "reliable_window", "fast_window"
 KINDS = (FRAMES, PENDING, OUTPUT, RELIABLE_WINDOW, FAST_WINDOW)
 
 
+#: what Twisted reads from a connection at once (its transport's ``bufferSize``, which the
+#: ports set to ``--max-output-buffer``, 64 KiB by default)
+READ_SIZE = 65536
+
+
+def over_budget_stops(own: int, total: int, limit: int, large: int, hard_limit: int, read_size: int) -> bool:
+    """Whether a connection holding ``own`` bytes stops being read while a budget of
+    ``limit`` holds ``total``: over the limit if it holds ``large`` or more, past the hard
+    mark if it holds at least one read (see the module's docstring for why never less)."""
+    return total > limit and (own >= large or (total > hard_limit and own >= read_size))
+
+
 class ClientMemory:
     """Bytes held by kind, the budget, and the waiters stopped by it."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, read_size: int = READ_SIZE):
         self.limit = limit
         self.resume_below = limit * 3 // 4
         self.window_limit = limit // 2  # every channel window together
         self.channel_limit = max(1, limit // 16)  # one channel's (or fast topic's) window
-        self.large = max(65536, limit // 256)  # a connection holding this much is stopped first
-        self.hard_limit = limit + limit // 8  # past it, every connection holding bytes is
+        self.read_size = read_size
+        self.large = max(read_size, limit // 256)  # a connection holding this much is stopped first
+        self.hard_limit = limit + limit // 8  # past it, one holding a read's worth is too
         self.held = dict.fromkeys(KINDS, 0)
         self.total = 0
         self.peak = 0
@@ -112,8 +133,7 @@ class ClientMemory:
     def should_stop(self, own: int) -> bool:
         """Whether a connection holding ``own`` bytes (frames, sends, unsent output) is
         to be stopped now."""
-        total = self.total
-        return own > 0 and total > self.limit and (own >= self.large or total > self.hard_limit)
+        return over_budget_stops(own, self.total, self.limit, self.large, self.hard_limit, self.read_size)
 
     def stop(self, key: Any, resume: Callable[[], None]) -> None:
         """``key`` (a connection's gate) is not read until the total falls under the

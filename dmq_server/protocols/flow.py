@@ -15,8 +15,10 @@ capped here (the options are in ``dmq_server/core/options.py``):
   until answers come back.
 * **incomplete frames.** Every connection's partial frame and pending send bodies
   count against ``--max-buffered-bytes`` for the whole port (a ``BufferBudget``).
-  Over it, a connection that holds anything is not read again until the total is
-  back under three quarters of the cap. An incomplete frame must be completed
+  Over it, a connection holding a 256th of the cap (or an eighth over it, one read's
+  worth: ``client_memory.over_budget_stops``) is not read again until the total is
+  back under three quarters of the cap; a small producer whose frame a read split is
+  still served. An incomplete frame must be completed
   within ``--read-timeout`` (the timer runs from the frame's first byte), so
   connections trickling bytes cannot keep that memory forever.
 * **everything, in bytes.** The same bytes, and the unsent replies and pushes in the
@@ -104,10 +106,13 @@ class BufferBudget:
     bodies), and the gates waiting for the total to fall; ``memory``, the server's
     budget of every byte held for clients, which these count against too."""
 
-    def __init__(self, limit: int, memory: ClientMemory | None = None):
-        self.memory = memory if memory is not None else ClientMemory(max(limit * 4, 256 * 1024 * 1024))
+    def __init__(self, limit: int, memory: ClientMemory | None = None, read_size: int = kinds.READ_SIZE):
+        self.memory = memory if memory is not None else ClientMemory(max(limit * 4, 256 * 1024 * 1024), read_size)
         self.limit = limit
         self.resume_below = limit * 3 // 4
+        self.read_size = read_size
+        self.large = max(read_size, limit // 256)
+        self.hard_limit = limit + limit // 8
         self.held = 0
         self.peak = 0
         self.gates: set["ReadGate"] = set()
@@ -116,6 +121,11 @@ class BufferBudget:
     @property
     def over(self) -> bool:
         return self.held > self.limit
+
+    def should_stop(self, own: int) -> bool:
+        """Whether a connection holding ``own`` bytes of frames and pending bodies is not
+        to be read while the port holds what it holds (the server budget's rule)."""
+        return kinds.over_budget_stops(own, self.held, self.limit, self.large, self.hard_limit, self.read_size)
 
     def count(self, kind: str, delta: int) -> None:
         """``delta`` bytes of ``kind`` (FRAMES or PENDING) more or fewer: counted here and
@@ -233,7 +243,7 @@ class ReadGate:
             self._arm_timer()  # (nothing to arm or cancel otherwise)
         if count:
             budget = self.budget
-            if budget.held > budget.limit:
+            if budget.held > budget.limit and budget.should_stop(self.input_bytes + self.pending_bytes):
                 self.hold(BUDGET)
                 budget.wait(self)
             memory = self.memory
@@ -292,7 +302,7 @@ class ReadGate:
         limits = self.limits
         if sends >= limits.max_pending_sends or pending >= limits.max_pending_bytes:
             self.hold(PENDING)
-        if budget.held > budget.limit:
+        if budget.held > budget.limit and budget.should_stop(self.input_bytes + pending):
             self.hold(BUDGET)
             budget.wait(self)
 

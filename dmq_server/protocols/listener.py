@@ -225,8 +225,12 @@ class PortFactory(Factory):
         self.clock = clock
         self.protocols = protocols
         self.limits = limits or FlowLimits()
+        read_size = self.limits.max_output_buffer
         self.budget = budget or BufferBudget(
-            self.limits.max_buffered_bytes, memory or ClientMemory(self.limits.max_client_memory))
+            self.limits.max_buffered_bytes,
+            memory or ClientMemory(self.limits.max_client_memory, read_size=read_size),
+            read_size=read_size,
+        )
         self.tls = tls
         self.tls_port = tls_port
         self.handshake_timeout = handshake_timeout

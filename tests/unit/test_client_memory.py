@@ -28,16 +28,21 @@ def test_bytes_are_counted_by_kind_and_the_peak_kept():
 
 
 def test_over_the_limit_only_connections_holding_much_stop_until_the_hard_mark():
-    """A connection holding a 256th of the budget stops when the total is over it; a small
-    one goes on until the total passes the limit by an eighth."""
+    """A connection holding a 256th of the budget stops when the total is over it; a
+    smaller one goes on until the total passes the limit by an eighth, and then only one
+    holding at least a read's worth stops: one holding less (a small producer whose frame
+    a read split) is never stopped."""
     memory = ClientMemory(64 * MB)
-    assert memory.large == 256 * 1024 and memory.hard_limit == 72 * MB
+    assert memory.large == 256 * 1024 and memory.hard_limit == 72 * MB and memory.read_size == 65536
     memory.add(FRAMES, 65 * MB)
-    assert memory.should_stop(memory.large) and not memory.should_stop(1000) and not memory.should_stop(0)
+    assert memory.should_stop(memory.large) and not memory.should_stop(65536) and not memory.should_stop(0)
     memory.add(FRAMES, 8 * MB)
-    assert memory.should_stop(1000)
+    assert memory.should_stop(65536) and memory.should_stop(memory.large)
+    assert not memory.should_stop(65535) and not memory.should_stop(1000) and not memory.should_stop(0)
     memory.add(FRAMES, -73 * MB + 10)
     assert not memory.should_stop(memory.large)
+    assert ClientMemory(64 * MB, read_size=4096).large == 256 * 1024  # a 256th when larger
+    assert ClientMemory(MB, read_size=4096).large == 4096  # else a read
 
 
 def test_stopped_gates_resume_under_three_quarters_and_the_episode_is_told_once():

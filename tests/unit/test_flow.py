@@ -81,10 +81,11 @@ def test_bytes_awaiting_commit_past_the_cap_stop_reading():
 
 
 def test_incomplete_frames_of_all_connections_are_capped_in_total():
-    """Total cap 5000: connections holding incomplete frames are paused once the port
-    holds more; they are read again when the total falls under three quarters (a
-    connection closing, here), and a connection holding nothing is not paused."""
-    port = Port(FlowLimits(max_buffered_bytes=5000))
+    """Total cap 5000 (reads of 1024 bytes): connections holding incomplete frames are
+    paused once the port holds more; they are read again when the total falls under
+    three quarters (a connection closing, here), and a connection holding nothing is not
+    paused."""
+    port = Port(FlowLimits(max_buffered_bytes=5000, max_output_buffer=1024))
     peers = [port.connect() for _ in range(3)]
     big = send_frame(1, b"z" * 3000)
     for protocol, _ in peers[:2]:
@@ -99,6 +100,31 @@ def test_incomplete_frames_of_all_connections_are_capped_in_total():
     assert peers[2][1].producerState == "producing"
     peers[2][0].dataReceived(big[1500:])  # the frame completes, its send is pending
     assert port.factory.budget.held == 2000 + 3000
+
+
+def test_over_the_port_cap_a_connection_holding_less_than_a_read_is_still_read():
+    """Cap 5000, reads of 1024 bytes: the port holds 6000 in two megabyte-style frames
+    (over the cap, past its hard mark of 5625); a small producer whose frame arrives in
+    two reads is still read and its send goes out, while a third connection holding a
+    read's worth is paused. (Before, any connection holding a byte was paused: a small
+    producer waited as long as the others held their frames.)"""
+    port = Port(FlowLimits(max_buffered_bytes=5000, max_output_buffer=1024))
+    holders = [port.connect() for _ in range(2)]
+    big = send_frame(1, b"z" * 4000)
+    for protocol, _ in holders:
+        protocol.dataReceived(big[:3000])
+    assert port.factory.budget.held == 6000
+    # the first was read under the cap; the second took the port over it
+    assert [t.producerState for _, t in holders] == ["producing", "paused"]
+    small, transport = port.connect()
+    frame = send_frame(7, b"small")
+    small.dataReceived(frame[:10])
+    assert transport.producerState == "producing"
+    small.dataReceived(frame[10:])
+    assert transport.producerState == "producing" and [s[0] for s in port.broker.sends][-1:] == [b"small"]
+    third, third_transport = port.connect()
+    third.dataReceived(big[:1024])
+    assert third_transport.producerState == "paused"
 
 
 def test_a_closed_connection_keeps_its_pending_bodies_counted_until_answered():
