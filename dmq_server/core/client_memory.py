@@ -124,6 +124,13 @@ class ClientMemory:
         """Whether a channel window holding ``window`` bytes may keep ``size`` more."""
         return size <= self.window_bytes_left(window)
 
+    def deferred_room(self, size: int) -> bool:
+        """Whether ``size`` bytes more of deferred messages (a DPUB to a fast topic) may
+        be held: they have no disk to go to, so, unlike a window's, they are refused
+        when they do not fit what all windows together and the budget have left; no
+        per-channel share, since one DPUB's copies go to every channel at once."""
+        return size <= min(self.window_limit - self.windows, self.limit - self.total)
+
     def window_bytes_left(self, window: int) -> int:
         """How many bytes more a channel window holding ``window`` bytes may keep now
         (``window_room`` of a whole batch, asked once for it)."""

@@ -45,6 +45,7 @@ __all__ = [
     "ShuttingDown",
     "Exiting",
     "QueueFailed",
+    "OverBudget",
     "reply_for",
 ]
 
@@ -171,6 +172,14 @@ class QueueFailed(Unavailable):
 
     code = "E_QUEUE"
     fatal = True
+
+
+class OverBudget(Unavailable):
+    """What the request would have the server hold has nowhere to wait but memory, and
+    the server's ``--max-client-memory`` has no room for it now (fast topics' deferred
+    messages); nothing was taken."""
+
+    code = "E_MEMORY"
 
 
 @overload

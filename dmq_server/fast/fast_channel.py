@@ -61,6 +61,9 @@ class FastChannel:
         self._read_ahead = max(1, min(READ_AHEAD, self.mem_queue_size))
         self.in_flight: dict[bytes, FastMessage] = {}
         self.deferred: dict[bytes, FastMessage] = {}
+        # the bodies in ``deferred``: they have nowhere else to wait (a DPUB is refused
+        # when they do not fit: ``FastStore.publish``), so they count apart from ``window``
+        self.deferred_bytes = WindowBytes(store.client_memory, FAST_WINDOW)
         # when each in-flight message times out, each deferred one is due (the
         # reliable channel's tracker too: core.deadlines)
         self.in_flight_due: Deadlines[bytes] = Deadlines()
@@ -382,6 +385,7 @@ class FastChannel:
         if msg.id in self.deferred:
             return
         self.deferred[msg.id] = msg
+        self.deferred_bytes.add(len(msg.body))
         self.deferred_due.set(msg.id, self.clock.seconds() + delay)
         self.store.arm(self)
 
@@ -411,6 +415,7 @@ class FastChannel:
             if msg is None:
                 continue
             dirty = True
+            self.deferred_bytes.add(-len(msg.body))
             self._put_quietly(msg)
         return dirty
 
@@ -442,6 +447,7 @@ class FastChannel:
         self.in_flight.clear()
         self.in_flight_due.clear()
         self.deferred.clear()
+        self.deferred_bytes.clear()
         self.deferred_due.clear()
         for client in self._rotation:
             client.in_flight_count = 0
@@ -495,6 +501,7 @@ class FastChannel:
         self.in_flight.clear()
         self.in_flight_due.clear()
         self.deferred.clear()
+        self.deferred_bytes.clear()
         self.deferred_due.clear()
 
     def _close_clients(self) -> None:

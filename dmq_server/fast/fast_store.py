@@ -27,7 +27,7 @@ from twisted.logger import Logger
 
 from dmq_server.core.client_memory import ClientMemory
 from dmq_server.core.clock import Clock, Timer
-from dmq_server.core.errors import DmqError, Exiting, QueueFailed, Refused
+from dmq_server.core.errors import DmqError, Exiting, OverBudget, QueueFailed, Refused
 from dmq_server.core.options import Options
 from dmq_server.core.publish import Published
 from dmq_server.fast import metadata
@@ -284,7 +284,12 @@ class FastStore:
                     for message_id, body in zip(self.guid.new_hex_many(len(bodies)), bodies)
                 ]
                 first = int(messages[0].id, 16) if messages else 0
-            self.get_topic(topic).put_many(messages)
+            target = self.get_topic(topic)
+            if deferred and not target.deferred_fits(sum(map(len, bodies))):
+                return OverBudget(
+                    "deferred messages fill the server's memory budget (--max-client-memory): "
+                    "publish again later, or without a delay")
+            target.put_many(messages)
         except Exiting as exc:
             return exc
         except Exception as exc:  # the topic's disk queue failed

@@ -73,6 +73,14 @@ class FastTopic:
         self.message_count += len(msgs)
         self.message_bytes += sum(len(msg.body) for msg in msgs)
 
+    def deferred_fits(self, size: int) -> bool:
+        """Whether deferred messages of ``size`` bytes in all may be taken: each channel
+        holds a copy until it is due (counted once per channel, though the copies share
+        the body: an overestimate that errs on the bounded side), or the topic holds one
+        while it has no channel."""
+        memory = self.window.memory
+        return memory is None or memory.deferred_room(size * max(1, len(self.channels)))
+
     def _queue(self, msg: FastMessage) -> None:
         size = len(msg.body)
         if msg.deferred or (len(self.memory) < self.mem_queue_size and self.window.fits(size)):

@@ -92,6 +92,17 @@ class Writer:
         return not self.thread.is_alive() or time.monotonic() - self.last > quiet
 
 
+def http_post(url: str, data: bytes) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def register(dsn: str, topic: str, channel: str) -> None:
     import registry
     from dmq_server.db.worker import connect
@@ -379,3 +390,56 @@ def test_over_the_budget_the_largest_holders_wait_and_small_clients_are_served(m
     log = server.log()
     assert log.count("client memory over its budget") == 1, log
     assert log.count("client memory back under its budget") == 1, log
+
+
+def test_deferred_publishes_are_held_within_the_budget_and_past_it_refused_not_dropped(make_server):
+    """DPUBs of 1 MB to a fast topic with two channels, deferred a minute, over TCP and
+    HTTP, with --max-client-memory 32 MiB: deferred messages have nowhere to wait but
+    memory, so they take at most what the channel windows may (half the budget, each
+    channel's copy counted) and the next DPUB is refused, non-fatally on TCP
+    (``E_DPUB_FAILED ... E_MEMORY``) and with HTTP 503 on /pub?defer=; the connection keeps
+    working (a PUB is answered OK), the server's RSS stays bounded, and every DPUB
+    answered OK is delivered to both channels when due (counted)."""
+    budget = 32 * MB
+    server = make_server(max_client_memory=str(budget), msg_timeout="60s")
+    pid = server.proc.pid
+    consumers = []
+    try:
+        for channel in ("one", "two"):
+            consumer = NsqSocket(server.tcp_port)
+            consumer.sub("deferred", channel, rdy=0)
+            consumers.append(consumer)
+        producer = NsqSocket(server.tcp_port)
+        consumers.append(producer)
+        accepted, refusal = [], None
+        for i in range(40):
+            producer.send(encode_command(b"DPUB", b"deferred", b"2000", body=body(b"dpub", i)))
+            kind, data = producer.frame()
+            if kind == FRAME_RESPONSE:
+                assert data == b"OK"
+                accepted.append(i)
+            else:
+                refusal = data
+                break
+        assert refusal is not None and refusal.startswith(b"E_DPUB_FAILED DPUB failed E_MEMORY "), refusal
+        # two copies of each: at most half the budget, and nearly all of it taken
+        assert budget // 2 // (2 * BODY) - 1 <= len(accepted) <= budget // 2 // (2 * BODY), accepted
+        status, text = http_post(server.http + "/pub?topic=deferred&defer=2000", body(b"http", 0))
+        assert status == 503 and "E_MEMORY" in text, (status, text)
+        assert producer.pub("deferred", b"still served") == b"OK"
+        metrics = scrape_metrics(server.http)
+        assert metrics[("dmq_client_memory_bytes", (("kind", "fast_window"),))] <= budget // 2
+        assert memory_kb(pid)[1] < 400 * 1024
+        for consumer in consumers[:2]:
+            consumer.send(b"RDY 100\n")
+            got = set()
+            while len(got) < len(accepted) + 1:
+                _, _, message_id, received = consumer.message()
+                consumer.send(b"FIN " + message_id + b"\n")
+                got.add(received[:11])
+            assert got == {b"dpub-%06d" % i for i in accepted} | {b"still serve"}
+        wait_for(lambda: scrape_metrics(server.http)[("dmq_client_memory_bytes", (("kind", "fast_window"),))] == 0,
+                 10, 0.1)
+    finally:
+        for sock in consumers:
+            sock.close()

@@ -613,3 +613,38 @@ def test_a_channel_window_counts_bytes_in_and_out_and_overflows_past_its_share()
     ch.pump()  # memory and the disk queue take turns
     assert sorted(m.body[:1] for m in client.received) == [b"A", b"B", b"C", b"D", b"E", b"F"]
     assert ch.window.held == 0 and memory.held[FAST_WINDOW] == 0 and memory.total == 0
+
+
+def test_deferred_messages_count_in_client_memory_and_a_dpub_past_its_room_is_refused():
+    """Deferred messages have no disk to wait on, so they count in the server's client
+    memory (once per channel: each holds a copy) from DPUB until due, and a DPUB whose
+    bodies do not fit what all windows may hold is refused with ``E_MEMORY``, not held
+    past the budget; nothing of it is taken, a PUB still is, and once the deferred are
+    due and delivered their bytes are back."""
+    from dmq_server.core.client_memory import FAST_WINDOW, ClientMemory
+    from dmq_server.core.errors import OverBudget
+    from dmq_server.core.publish import Published
+
+    memory = ClientMemory(16 * 1024)  # all windows together: 8,192 bytes
+    store, clock, _ = make_store(client_memory=memory)
+    topic = store.get_topic("t")
+    a, b = topic.get_channel("a"), topic.get_channel("b")
+    for i in range(4):
+        assert isinstance(store.publish("t", [bytes([65 + i]) * 1000], deferred=60.0), Published)
+    assert len(a.deferred) == len(b.deferred) == 4
+    assert a.deferred_bytes.held == b.deferred_bytes.held == 4000 and memory.held[FAST_WINDOW] == 8000
+    refused = store.publish("t", [b"E" * 1000], deferred=60.0)  # two copies: 2,000 > 192 left
+    assert isinstance(refused, OverBudget) and not refused.fatal
+    assert refused.status.startswith("E_MEMORY deferred messages fill the server's memory budget")
+    assert len(a.deferred) == 4 and topic.message_count == 4
+    assert isinstance(store.publish("t", [b"now"]), Published)  # a PUB's body may go to disk
+    client = FakeClient(10)
+    a.add_client(client)
+    clock.advance(61)
+    assert sorted(m.body[:1] for m in client.received) == [b"A", b"B", b"C", b"D", b"n"]
+    assert a.deferred_bytes.held == 0 and len(b.deferred) == 0 and b.deferred_bytes.held == 0
+    for msg in client.received:
+        a.finish(client, msg.id)
+    b.empty()
+    assert memory.held[FAST_WINDOW] == 0 and memory.total == 0
+    assert isinstance(store.publish("t", [b"F" * 1000], deferred=60.0), Published)  # room again
