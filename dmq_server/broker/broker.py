@@ -44,7 +44,9 @@ from dmq_server.core.errors import DmqError, Invalid, NoChannel, NoTopic, RateLi
 from dmq_server.core.ids import GuidFactory, default_node_id
 from dmq_server.core.limits import RateLimiter
 from dmq_server.core.options import Options
-from dmq_server.core.publish import Published, PublishRequest, Send, check_request, check_sender, check_sends
+from dmq_server.core.publish import (
+    Published, PublishRequest, Send, check_request, check_send, check_sender, check_sends,
+)
 from dmq_server.db.dead_letter_steps import NewDeadLetter
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
@@ -336,6 +338,9 @@ class Broker:
         topic = request.topic
         store = self._direct_store(topic) if request.due_ms is None else None
         if store is None:
+            if request.due_ms is None and self._store_of(topic, False) != FAST:
+                self._publish_run(request, answer)
+                return
             alone = request.alone
             for i in range(count):
                 self.publish(alone(i), functools.partial(_answer_one, answer, i))
@@ -362,6 +367,82 @@ class Broker:
                     answer(places[k], [outcome])
 
             store.store_many(admitted, at_places)
+
+    def _publish_run(self, request: PublishRequest, answer: Callable[[int, list], None]) -> None:
+        """``publish_each`` of a run that is not delayed, to a topic that is no known fast
+        one and has no direct way (a rate limit, ``--pg-cluster``, or a name this node has
+        not cached): each message checked, routed, rate limited and answered as
+        ``publish`` would answer it alone, but the topic is routed once (at most one
+        registry refresh) and the admitted sends of a reliable topic go to its store in one
+        ``store_many``: the group commit keeps the run in one transaction, so its sends get
+        ids in the run's order even with several ``--commit-writers`` (the outbox relay's
+        runs; ``GroupCommitWriter``). A fast topic's or a refused topic's messages go
+        through ``publish``'s way one by one."""
+        topic, count = request.topic, len(request)
+        error = check_sender(topic, request.producer, registered=topic in self.cache.reliable)
+        if error is not None:
+            answer(0, [error] * count)
+            return
+        max_size = self.options.max_msg_size
+        sends = request.sends
+        if sends is not None:
+            refused = check_sends(sends, max_size)
+        else:
+            produced_ms = request.produced_ms
+            refused = [(i, e) for i, body in enumerate(request.bodies or ())
+                       if (e := check_send(None, (body,), produced_ms, max_size)) is not None]
+        for i, error in refused:
+            answer(i, [error])
+        out = {i for i, _ in refused}
+        places = [i for i in range(count) if i not in out]
+        if not places:
+            return
+
+        def routed(found: str | BaseException) -> None:
+            spec = self.cache.reliable.get(topic) if found == RELIABLE else None
+            if spec is None or not spec.channels:  # fast, refused, or channels to look for again
+                alone = request.alone
+                for i in places:
+                    self._publish_to(found, alone(i), functools.partial(_answer_one, answer, i))
+                return
+            numbered = request.numbered(self.new_session_id)
+            self._store_run(spec, [(i, numbered[i]) for i in places], answer)
+
+        found = self._store_of(topic, False)
+        if found is not None:
+            routed(found)
+        else:
+            self.route(topic, request.create_fast, routed)
+
+    def _store_run(self, spec: TopicSpec, run: list[tuple[int, Send]], answer: Callable[[int, list], None]) -> None:
+        """``_admit`` of each (position, send) of ``run``, in order, with the sends the rate
+        limit lets through stored in one ``store_many`` call; each answered at its position
+        (a failure of another cluster than main naming it, as ``_admit``'s)."""
+        store = self.placement.store_of(spec)
+        if isinstance(store, BaseException):
+            for i, _ in run:
+                answer(i, [store])
+            return
+        several = self.placement.several
+        dones = [self.placement.answer(store, functools.partial(_answer_one, answer, i)) if several
+                 else functools.partial(_answer_one, answer, i) for i, _ in run]
+        admitted: list[Send] = []
+        admitted_dones: list[Callable[[Outcome], None]] = []
+        rate = spec.rate_limit
+        for (_, send), done in zip(run, dones):
+            if rate and not self.limits.allow(spec.name, rate):
+                self._rate_limited(spec, send, done, store)
+            else:
+                admitted.append(send)
+                admitted_dones.append(done)
+        if not admitted:
+            return
+
+        def stored(start: int, outcomes: list) -> None:
+            for done, outcome in zip(admitted_dones[start:], outcomes):
+                done(outcome)
+
+        store.store_many(admitted, stored)
 
     def _direct_store(self, topic: str) -> ReliableStore | None:
         """The store that takes sends to ``topic`` with nothing to decide per send: a

@@ -54,10 +54,11 @@ commit together: one read sees all of them or none, and the next batch is read f
 start of the outbox, only the batch being stored left out).
 What does not hold: a row kept for a passing failure is stored after rows behind it (the
 rest of its topic's runs in the batch wait with it, but a full batch reads on); a run whose
-batch PostgreSQL refused is split in halves that may commit side by side; and a run reaches
-the group commit as one run only by ``Broker.publish_each``'s direct way (a topic this node
-has cached, without a rate limit, on a server without ``--pg-cluster``): otherwise its
-rows are queued one by one and, with ``--commit-writers`` above 1, may commit side by side.
+batch PostgreSQL refused is split in halves that may commit side by side; and a delayed
+run goes to the delay table row by row. Every other run reaches the group commit whole,
+whichever way ``Broker.publish_each`` takes it (a topic with a rate limit, on another
+``--pg-cluster`` cluster or not cached yet included: ``Broker._publish_run``); rows the
+rate limit refuses become dead letters and the rest keep their order.
 
 Why one long module: the cycle, the read ahead and the ledger's bookkeeping share one
 relay's state (what it handed, what it has yet to delete, which rows may have a record),
