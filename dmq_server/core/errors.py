@@ -181,6 +181,10 @@ class OverBudget(Unavailable):
 
     code = "E_MEMORY"
 
+    def __init__(self, description: str = "deferred messages fill the server's memory budget "
+                 "(--max-client-memory): publish again later, or without a delay"):
+        super().__init__(description)
+
 
 @overload
 def reply_for(error: BaseException, table: Mapping[type[DmqError], _Reply]) -> _Reply | None: ...

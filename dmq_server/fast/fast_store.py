@@ -286,9 +286,7 @@ class FastStore:
                 first = int(messages[0].id, 16) if messages else 0
             target = self.get_topic(topic)
             if deferred and not target.deferred_fits(sum(map(len, bodies))):
-                return OverBudget(
-                    "deferred messages fill the server's memory budget (--max-client-memory): "
-                    "publish again later, or without a delay")
+                return OverBudget()
             target.put_many(messages)
         except Exiting as exc:
             return exc
