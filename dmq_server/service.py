@@ -198,7 +198,7 @@ class DmqServer:
         # connections and both stores' channel windows count against it
         self.client_memory = ClientMemory(options.max_client_memory, read_size=options.max_output_buffer)
         self.memory_watch: MemoryWatch | None = None
-        # --outbox: none, or one relay each
+        # --outbox and the outboxes attached: one relay each
         self.relays = OutboxRelays(options, reactor, self._threads())
         host, port = options.tcp_endpoint
         self.node_id = options.node_id or f"{socket.gethostname()}:{port}"
@@ -217,8 +217,9 @@ class DmqServer:
             Stage("scheduler", self._start_scheduling, self._stop_scheduling),
             Stage("listeners", self._listen, self._stop_listening, timers=lambda: _started(self.sampling, "listeners").timers, clock=clock),
         ]
-        if self.options.outbox:  # after the broker and the scheduler, before the listeners
-            stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(_started(self.broker, "broker"), self.dsn), self.relays.stop))
+        # after the broker and the scheduler, before the listeners; always: an outbox may be
+        # attached at run time (dmq outbox attach)
+        stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(_started(self.broker, "broker"), self.dsn), self.relays.stop))
         if self.options.zk:
             stages.append(Stage("announce", self._announce))
         return stages

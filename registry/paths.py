@@ -17,6 +17,13 @@
       /cluster
         /<name>                   persistent; a PostgreSQL cluster topics may be placed
                                   on (--pg-cluster), made by the nodes that connect to it
+      /outbox
+        /<name>                   persistent; an outbox attached at run time (`dmq outbox
+                                  attach`); data: its schema and database (JSON, never the
+                                  DSN: dmq's dmq_outbox_attached holds that)
+      /outbox_relay
+        /<name>                   kazoo Lock: the node that relays the outbox (with --zk,
+                                  only its holder tries the application database's lock)
 
 Everything sits under an optional chroot given with the address
 (``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and
@@ -34,6 +41,10 @@ __all__ = [
     "TAKEOVER",
     "DELAY_FRAGMENTS",
     "CLUSTERS",
+    "OUTBOXES",
+    "OUTBOX_RELAYS",
+    "outbox",
+    "outbox_relay",
     "cluster",
     "topic",
     "channel",
@@ -50,6 +61,8 @@ NODES = ROOT + "/node"
 TAKEOVER = ROOT + "/takeover"
 DELAY_FRAGMENTS = ROOT + "/delay/fragments"
 CLUSTERS = ROOT + "/cluster"
+OUTBOXES = ROOT + "/outbox"
+OUTBOX_RELAYS = ROOT + "/outbox_relay"
 
 # Node ids are free text (default "host:port"); a "/" would split the path, so ids are
 # percent-encoded in znode names. Topic and channel names are already safe.
@@ -68,6 +81,14 @@ def topic(name: str) -> str:
 
 def cluster(name: str) -> str:
     return f"{CLUSTERS}/{name}"
+
+
+def outbox(name: str) -> str:
+    return f"{OUTBOXES}/{name}"
+
+
+def outbox_relay(name: str) -> str:
+    return f"{OUTBOX_RELAYS}/{name}"
 
 
 def channel(topic_name: str, name: str) -> str:

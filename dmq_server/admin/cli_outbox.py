@@ -7,6 +7,10 @@ install a new tag (after its row ids went back: a restore from a backup); ``prun
 deletes old inbox records in bounded batches. Each takes the application database's
 ``--dsn``, not dmq's ``--pg-dsn``: the schema lives beside the application's tables so
 its writes and its messages commit together (docs/client.md, "Transactional messages").
+``attach`` records an outbox in dmq's own database (``--pg-dsn``; with ``--zk`` it also
+shows it under ZooKeeper's ``/dmq/outbox``, which tells a cluster's nodes at once), once
+it found the outbox installed at this dmq's version; every running node then relays it
+within a few seconds, and stops after ``detach``, without a restart.
 ``list`` asks a running server (``--http-address``, its admin API) what it relays: only
 the server holds the relays' figures, and it never answers with a DSN.
 """
@@ -20,6 +24,7 @@ from typing import Any
 
 from dmq_server.admin.cli_support import CliError, admin_get
 from dmq_server.core.errors import DmqError
+from dmq_server.core.outbox_rows import OutboxSource
 from dmq_server.core.outbox_figures import PENDING_BOUND, OutboxJson
 from dmq_server.db.storage_errors import StorageError
 from dmq_client.spelling import parse_duration
@@ -34,7 +39,9 @@ def cmd_outbox(args: argparse.Namespace) -> None:
         _list(args)
         return
     try:
-        if args.action == "install":
+        if args.action in ("attach", "detach"):
+            _attach_or_detach(args)
+        elif args.action == "install":
             applied, version = outbox.install(args.dsn, args.schema)
             done = f"applied {', '.join(map(str, applied))}" if applied else "already up to date"
             print(f"outbox schema {args.schema} is at version {version} ({done})")
@@ -55,6 +62,56 @@ def cmd_outbox(args: argparse.Namespace) -> None:
         raise CliError(str(exc), 3) from exc
     except DmqError as exc:
         raise CliError.of(exc) from exc
+
+
+def _attach_or_detach(args: argparse.Namespace) -> None:
+    """``dmq outbox attach|detach``: the row in dmq's database first, then ZooKeeper's
+    entry (nodes read the table; the znode only hurries them, so a ZooKeeper that fails
+    after the row was written delays the change by at most --registry-refresh)."""
+    from dmq_server.admin.cli_support import open_database
+    from dmq_server.core.outbox_rows import parse_outbox
+    from dmq_server.db import outbox, outbox_attached
+
+    if args.action == "attach":
+        try:
+            source = parse_outbox(f"{args.name}:{args.schema}={args.dsn}")
+        except ValueError as exc:
+            raise CliError(str(exc), 2) from exc
+        version = outbox.check_installed(source.dsn, source.schema)
+        with open_database(args) as conn:
+            outbox_attached.attach(conn, source)
+    else:
+        with open_database(args) as conn:
+            source = outbox_attached.detach(conn, args.name)
+    where = outbox.dsn_database(source.dsn)  # never the DSN: it may hold a password
+    if args.zk:
+        _tell_zookeeper(args, source, where)
+    if args.action == "attach":
+        print(f"attached outbox {source.name} ({source.schema} at version {version} in {where}): "
+              "running nodes relay it within a few seconds")
+    else:
+        print(f"detached outbox {source.name} ({source.schema} in {where}): running nodes stop relaying it "
+              "within a few seconds (a node started with --outbox of that name keeps its own)")
+
+
+def _tell_zookeeper(args: argparse.Namespace, source: OutboxSource, where: str) -> None:
+    from registry import outboxes
+    from registry.model import RegistryError
+    from registry.zk import connect
+
+    try:
+        client = connect(args.zk, timeout=args.zk_timeout)
+    except (RegistryError, ValueError) as exc:
+        raise CliError(f"{exc} (the outbox is {args.action}ed in dmq's database: nodes follow within "
+                       "--registry-refresh all the same)", 3) from exc
+    try:
+        if args.action == "attach":
+            outboxes.mirror_attached(client, source.name, source.schema, where)
+        else:
+            outboxes.remove_attached(client, source.name)
+    finally:
+        client.stop()
+        client.close()
 
 
 def _outboxes(args: argparse.Namespace) -> list[OutboxJson]:
@@ -83,14 +140,14 @@ def _list(args: argparse.Namespace) -> None:
         print(json.dumps(outboxes, indent=2))
         return
     if not outboxes:
-        print("no outboxes on this server (--outbox)")
+        print("no outboxes on this server (--outbox, dmq outbox attach)")
         return
-    header = ("NAME", "SCHEMA", "DATABASE", "RELAYING NODE", "PENDING", "OLDEST", "RELAYED", "DEAD")
+    header = ("NAME", "SOURCE", "SCHEMA", "DATABASE", "RELAYING NODE", "PENDING", "OLDEST", "RELAYED", "DEAD")
     rows = [header]
     for o in outboxes:
         pending = "-" if o["pending"] is None else f"{o['pending']}{'+' if o['pending_at_least'] else ''}"
         node = o["relaying_node"] or "none"
-        rows.append((o["name"], o["schema"], o["database"], node + (" (this node)" if o["relaying"] else ""),
+        rows.append((o["name"], "attached" if o.get("attached") else "--outbox", o["schema"], o["database"], node + (" (this node)" if o["relaying"] else ""),
                      pending, _age(o["oldest_pending_seconds"]), str(o["relayed"]), str(o["dead_lettered"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
@@ -105,7 +162,7 @@ def _seconds(text: str) -> float:
 
 
 def add_outbox_commands(sub: Any) -> None:
-    """``dmq outbox install|uninstall|prune-inbox|list`` on the parser's subcommands."""
+    """``dmq outbox install|uninstall|retag|prune-inbox|attach|detach|list`` on the parser's subcommands."""
     outbox = sub.add_parser("outbox", help="the outbox and inbox in an application's database")
     osub = outbox.add_subparsers(dest="action", required=True)
     install = osub.add_parser("install", help="create or update the outbox schema; print the grants it needs")
@@ -131,14 +188,33 @@ def add_outbox_commands(sub: Any) -> None:
     prune.add_argument("--older-than", required=True, type=_seconds, metavar="DURATION",
                        help="records processed longer ago than this go (e.g. 7d)")
     prune.add_argument("--batch", type=int, default=10000, help="records deleted per transaction (default 10000)")
-    for parser in (install, uninstall, retag, prune):
+    attach = osub.add_parser(
+        "attach",
+        help="relay an outbox from every running node, without a restart (kept in dmq's database)",
+        description="Records the outbox in dmq's own database (--pg-dsn), once its schema is installed "
+        "at this dmq's version in the application database; every running node starts relaying it within "
+        "--registry-refresh (with --zk at once: ZooKeeper's /dmq/outbox tells the nodes). One node relays it "
+        "at a time. The DSN is kept in dmq's database only and never shown. A node started with "
+        "--outbox of the same NAME relays its own and ignores the attached one.",
+    )
+    attach.add_argument("name", help="the outbox's name: its messages' producer is outbox:NAME:TAG")
+    detach = osub.add_parser(
+        "detach",
+        help="stop relaying an attached outbox on every node (its rows stay in the outbox)",
+        description="Removes the outbox from dmq's database; each running node stops its relay within "
+        "--registry-refresh (with --zk at once), after deleting the rows it stored. Rows not relayed yet "
+        "stay in the application's outbox until it is attached again.",
+    )
+    detach.add_argument("name")
+    for parser in (install, uninstall, retag, prune, attach):
         parser.add_argument("--dsn", required=True, help="the APPLICATION's PostgreSQL (not dmq's)")
         parser.add_argument("--schema", default="dmq_outbox", help="the schema's name (default dmq_outbox)")
     listing = osub.add_parser(
         "list", help="the outboxes a running server relays (its admin API at --http-address)",
         description=f"PENDING is counted up to {PENDING_BOUND} (shown as {PENDING_BOUND}+: at least that many); "
         "RELAYED and DEAD "
-        "count rows this server relayed since it started; RELAYING NODE is the node holding the outbox's lock.")
+        "count rows this server relayed since it started; RELAYING NODE is the node holding the outbox's lock; "
+        "SOURCE says whether the server was started with it (--outbox) or it was attached (dmq outbox attach).")
     listing.add_argument("--admin-token", default=os.environ.get("DMQ_ADMIN_TOKEN"),
                          help="the server's --admin-token (env DMQ_ADMIN_TOKEN)")
     listing.add_argument("--json", action="store_true")

@@ -64,7 +64,8 @@ class OutboxFigures:
     ``oldest_age`` is brought forward to now by this node's clock. ``relaying``: this
     node holds the lock (as of its last cycle). ``relayed`` and ``dead_lettered`` count
     rows since this node started. ``last_cycle_age``: seconds since the relay last began a
-    cycle (a relay stuck on a database shows it growing)."""
+    cycle (a relay stuck on a database shows it growing). ``attached``: attached at run
+    time (``dmq outbox attach``), not given with ``--outbox``."""
 
     name: str
     schema: str
@@ -78,6 +79,7 @@ class OutboxFigures:
     dead_lettered: int
     last_cycle_age: float | None
     measured_age: float | None
+    attached: bool = False
 
     @property
     def pending_at_least(self) -> bool:
@@ -106,6 +108,7 @@ class OutboxJson(TypedDict):
     dead_lettered: int
     last_cycle_seconds_ago: float | None
     measured_seconds_ago: float | None
+    attached: bool
 
 
 def figures_json(figures: OutboxFigures) -> OutboxJson:
@@ -124,4 +127,5 @@ def figures_json(figures: OutboxFigures) -> OutboxJson:
         "dead_lettered": figures.dead_lettered,
         "last_cycle_seconds_ago": figures.last_cycle_age,
         "measured_seconds_ago": figures.measured_age,
+        "attached": figures.attached,
     }

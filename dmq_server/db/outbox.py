@@ -30,7 +30,7 @@ from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
-__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag",
+__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag", "check_installed",
            "prune_inbox", "migrations", "relay_queries", "hold_relay", "read_tag", "read_rows", "wait_for_rows",
            "delete_rows", "delete_and_read", "present_rows",
            "read_figures", "named_dsn", "dsn_database"]
@@ -135,6 +135,27 @@ def install(dsn: str, schema: str = DEFAULT_SCHEMA) -> tuple[list[int], int]:
                 applied.append(version)
                 done.add(version)
     return applied, max(done)
+
+
+def check_installed(dsn: str, schema: str = DEFAULT_SCHEMA) -> int:
+    """The version the outbox ``schema`` is at in the application database at ``dsn``,
+    when it is this dmq's latest (what a relay reads: the install's tag is version 2);
+    Refused saying what to run when it is missing or older (``dmq outbox attach`` asks
+    before it records an outbox: a relay of a missing one would only fail, every second)."""
+    q = _queries(check_schema(schema))
+    latest = migrations(schema)[-1][0]
+    with _database(dsn, "outbox check") as conn:
+        exists, ours = _state(conn, q, schema)
+        if not ours:
+            what = "is not a dmq outbox" if exists else "is not installed"
+            raise Refused(f"outbox schema {schema} {what} in that database: "
+                          f"run `dmq outbox install --dsn APP_DSN --schema {schema}` first")
+        versions = [row[0] for row in conn.execute(q["installed_versions"])]
+    version = max(versions, default=0)
+    if version < latest:
+        raise Refused(f"outbox schema {schema} is at version {version}, this dmq relays version {latest}: "
+                      f"run `dmq outbox install --dsn APP_DSN --schema {schema}` to bring it up to date")
+    return version
 
 
 def uninstall(dsn: str, schema: str = DEFAULT_SCHEMA, *, force: bool = False) -> int:

@@ -84,7 +84,7 @@ from dmq_server.core.outbox_rows import (
     OutboxRow, OutboxSource, parse_outbox, producer_of, relay_producers, runs, session_of,
 )
 from dmq_server.core.publish import Published, new_request, new_send
-from dmq_server.db import outbox, outbox_ledger
+from dmq_server.db import outbox, outbox_attached, outbox_ledger
 from dmq_server.db.outbox_ledger import DeadRow, Pair
 from dmq_server.db.worker import DbWorker
 from dmq_server.protocols.outbox_gauges import OutboxGauge
@@ -453,6 +453,7 @@ class OutboxRelay:
     database = "?"  # the application database's host and name (never the DSN: it holds a password)
     _cycled_at: float | None = None  # when the last cycle began
 
+    attached = False  # attached at run time (dmq outbox attach), not given with --outbox
     def figures(self, measured: Measured | None, measured_at: float) -> OutboxFigures:
         """The outbox as this node sees it now, with the last reading of its database
         (``protocols.outbox_gauges``, taken at ``measured_at``); no IO."""
@@ -460,7 +461,7 @@ class OutboxRelay:
         oldest = measured.oldest_age if measured is not None else None
         return OutboxFigures(
             name=self.source.name, schema=self.source.schema, database=self.database, node_id=self.node_id,
-            relaying=self.relaying, holder=measured.holder if measured is not None else None,
+            relaying=self.relaying, holder=measured.holder if measured is not None else None, attached=self.attached,
             pending=measured.pending if measured is not None else None,
             oldest_age=None if oldest is None else oldest + now - measured_at,
             relayed=self.relayed, dead_lettered=self.dead,
@@ -470,8 +471,15 @@ class OutboxRelay:
 
 
 class OutboxRelays:
-    """The relays of ``--outbox``, one per outbox, as the service tree starts and stops
-    them (after the broker, before it drains)."""
+    """The relays of this node, one per outbox, as the service tree starts and stops them
+    (after the broker, before it drains): those of ``--outbox``, and those attached at run
+    time (``dmq outbox attach``: ``db.outbox_attached``), read from dmq's database every
+    ``--registry-refresh`` and whenever ``refresh`` is called (ZooKeeper's ``/dmq/outbox``
+    changed). An outbox attached gets a relay within that time; one detached has its relay
+    stopped (``OutboxRelay.stop``: the rows it stored are deleted, then its connection,
+    and the lock with it, ends). A name both on the command line and attached: the
+    command line's wins on this node (its operator's explicit setting; a ``detach`` could
+    not stop it either), and the attached one is ignored here, with a warning."""
 
     def __init__(self, options: Options, clock: Clock, threads: IReactorFromThreads):
         self.sources = [parse_outbox(entry) for entry in options.outbox]
@@ -482,30 +490,109 @@ class OutboxRelays:
         self.node_id = ""  # this node's id (the service sets it): who relays, for operators
         self.gauges: dict[str, OutboxGauge] = {}  # each outbox's figures, read on a connection of their own
 
-    def start(self, broker: BrokerPort, dmq_dsn: str) -> None:
+    def _start_relay(self, source: OutboxSource, *, attached: bool) -> None:
+        self._broker: BrokerPort | None = None
+        self._dmq_dsn = ""
+        self._registry: RelayDb | None = None  # dmq's database, where the attached outboxes are
+        self._attached: dict[str, OutboxRelay] = {}
+        self._shadowed: set[str] = set()  # attached names this node relays from its command line (warned once)
+        self._reading: Deferred[None] | None = None
+        self._again = False
+        self._timer: Timer | None = None
+        self._running = False
+
+    def start(self, broker: BrokerPort, dmq_dsn: str, registry: RelayDb | None = None) -> None:
+        """Start the command line's relays and read the attached outboxes (on ``registry``,
+        a connection to dmq's database: a worker of its own unless given)."""
+        self._broker, self._dmq_dsn, self._running = broker, dmq_dsn, True
+        for source in self.sources:
+            self._start_relay(source, attached=False)
+        self._registry = registry or DbWorker(self._threads, dmq_dsn, "outbox-attached", autocommit=True,
+                                              timeout=self._options.pg_timeout or None)
+        self._registry.start()
+        self.refresh()
         options = self._options
         poll = 1.0
         # a wait for NOTIFY is a call too: the watchdog allows it on top of --pg-timeout
         timeout = options.pg_timeout + poll if options.pg_timeout else None
-        for source in self.sources:
-            # the relay's session is named after its node: the lock holder, to any node's gauge
-            named = outbox.named_dsn(source.dsn, holder_label(self.node_id))
-            app = DbWorker(self._threads, named, f"outbox-{source.name}", autocommit=True, timeout=timeout)
-            dmq, *clusters = [
-                DbWorker(self._threads, dsn, f"outbox-{source.name}-{cluster}", autocommit=True,
-                         timeout=options.pg_timeout or None)
-                for cluster, dsn in {"main": dmq_dsn, **options.pg_clusters}.items()
-            ]
-            relay = OutboxRelay(source, broker, self._clock, app, dmq, clusters=clusters,
-                                batch=min(500, options.commit_batch_size), max_run=options.commit_batch_size,
-                                poll=poll)
-            relay.node_id, relay.database = self.node_id, outbox.dsn_database(source.dsn)
-            relay.start()
-            self.relays.append(relay)
-            gauge = OutboxGauge(source, DbWorker(self._threads, source.dsn, f"outbox-{source.name}-figures",
-                                                 autocommit=True, timeout=options.pg_timeout or None), self._clock)
-            gauge.start()
-            self.gauges[source.name] = gauge
+        # the relay's session is named after its node: the lock holder, to any node's gauge
+        named = outbox.named_dsn(source.dsn, holder_label(self.node_id))
+        app = DbWorker(self._threads, named, f"outbox-{source.name}", autocommit=True, timeout=timeout)
+        dmq, *clusters = [
+            DbWorker(self._threads, dsn, f"outbox-{source.name}-{cluster}", autocommit=True,
+                     timeout=options.pg_timeout or None)
+            for cluster, dsn in {"main": self._dmq_dsn, **options.pg_clusters}.items()
+        ]
+        relay = OutboxRelay(source, _started(self._broker), self._clock, app, dmq, clusters=clusters,
+                            batch=min(500, options.commit_batch_size), max_run=options.commit_batch_size,
+                            poll=poll)
+        relay.node_id, relay.database, relay.attached = self.node_id, outbox.dsn_database(source.dsn), attached
+        relay.start()
+        self.relays.append(relay)
+        gauge = OutboxGauge(source, DbWorker(self._threads, source.dsn, f"outbox-{source.name}-figures",
+                                             autocommit=True, timeout=options.pg_timeout or None), self._clock)
+        gauge.start()
+        self.gauges[source.name] = gauge
+        if attached:
+            self._attached[source.name] = relay
+            log.info("outbox {name} is attached: this node starts its relay ({schema} in {database})",
+                     name=source.name, schema=source.schema, database=relay.database)
+
+    def _stop_relay(self, relay: OutboxRelay) -> Deferred[None]:
+        """Stop one relay and its gauge; it no longer shows (its rows stored are deleted first)."""
+        name = relay.source.name
+        self.relays.remove(relay)
+        self._attached.pop(name, None)
+        gauge = self.gauges.pop(name)
+        stopped = DeferredList([relay.stop(), gauge.stop()], consumeErrors=True)
+        return stopped.addCallback(lambda _: None)
+
+    def refresh(self) -> None:
+        """Read the attached outboxes now (one read at a time: a call during a read reads
+        again after it), and again every ``--registry-refresh``."""
+        if not self._running:
+            return
+        if self._reading is not None:
+            self._again = True
+            return
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+        def done(_: object) -> None:
+            self._reading = None
+            if not self._running:
+                return
+            if self._again:
+                self._again = False
+                self.refresh()
+            else:
+                self._timer = self._clock.callLater(self._options.registry_refresh, self.refresh)
+
+        self._reading = ensureDeferred(self._follow())
+        self._reading.addBoth(done)
+
+    async def _follow(self) -> None:
+        """Start a relay for each outbox attached and not relayed here, stop the relay of
+        each one detached (or attached again with another database or schema)."""
+        try:
+            attached = await _started(self._registry).run(outbox_attached.attached)
+        except Exception as exc:  # dmq's database: the relays running go on, read again later
+            log.warn("cannot read the attached outboxes: {why}", why=exc)
+            return
+        flagged = {source.name for source in self.sources}
+        wanted = {source.name: source for source in attached if source.name not in flagged}
+        for name in sorted({source.name for source in attached} & flagged - self._shadowed):
+            log.warn("outbox {name} is attached and given with --outbox: this node relays its --outbox",
+                     name=name)
+        self._shadowed = {source.name for source in attached} & flagged
+        stopping = [relay for name, relay in self._attached.items() if wanted.get(name) != relay.source]
+        for relay in stopping:
+            log.info("outbox {name} is detached: this node stops its relay", name=relay.source.name)
+        await DeferredList([self._stop_relay(relay) for relay in stopping], consumeErrors=True)
+        for name, source in wanted.items():
+            if name not in self._attached and self._running:
+                self._start_relay(source, attached=True)
 
     def figures(self) -> list[OutboxFigures]:
         """Every relayed outbox as this node sees it, by name (``/metrics``, ``/stats``, the admin API)."""
@@ -516,6 +603,27 @@ class OutboxRelays:
         return sorted(figures, key=lambda f: f.name)
 
     def stop(self) -> Deferred[None]:
-        stopped = DeferredList([relay.stop() for relay in self.relays]
-                               + [gauge.stop() for gauge in self.gauges.values()], consumeErrors=True)
-        return stopped.addCallback(lambda _: None)
+        self._running = False
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        reading = self._reading if self._reading is not None else succeed(None)
+        registry = self._registry
+
+        def stop_all(_: object) -> Deferred[None]:
+            stopped = DeferredList([relay.stop() for relay in self.relays]
+                                   + [gauge.stop() for gauge in self.gauges.values()], consumeErrors=True)
+            if registry is not None:
+                registry.stop()
+            return stopped.addCallback(lambda _: None)
+
+        # a read under way may be starting or stopping relays: they are all stopped after it
+        waited: Deferred[object] = Deferred()
+        reading.addBoth(waited.callback)
+        return waited.addCallback(stop_all)
+
+
+def _started(part: T | None) -> T:
+    """What ``OutboxRelays.start`` made, asked for after it."""
+    if part is None:
+        raise RuntimeError("the outbox relays have not started")
+    return part

@@ -209,10 +209,11 @@ def test_components_do_not_start_their_own_timers():
 @pytest.mark.parametrize(
     "args, names",
     [
-        ([], ["database", "fast-store", "broker", "scheduler", "listeners"]),
+        # outbox-relays always: an outbox may be attached at run time (dmq outbox attach)
+        ([], ["database", "fast-store", "broker", "scheduler", "outbox-relays", "listeners"]),
         (
             ["--zk", "127.0.0.1:2181"],
-            ["database", "cluster", "fast-store", "broker", "scheduler", "listeners", "announce"],
+            ["database", "cluster", "fast-store", "broker", "scheduler", "outbox-relays", "listeners", "announce"],
         ),
     ],
 )
