@@ -24,13 +24,17 @@ from .session import default_producer_id
 from .tls import TlsSocket, client_context
 from .wire import (
     FEATURE_CONFIRM,
+    FEATURE_PROPS,
     MAGIC,
+    NO_PROPERTIES,
     SEND_REPLIES,
     SUBSCRIBE_REPLIES,
     Command,
     Frame,
     FrameDecoder,
+    Properties,
     encode,
+    encode_properties,
     features,
     pack_ids,
 )
@@ -167,7 +171,9 @@ class BlockingClient:
         return next(self._sessions)
 
     def send_frame(self, topic: str, body: bytes, session_id: int | None = None, *, resend: bool = False,
-                   confirm_ms: int = 0) -> Frame:
+                   confirm_ms: int = 0, properties: Properties = NO_PROPERTIES) -> Frame:
+        """The frame of one send (``properties`` checked and written into its status:
+        ``PropertiesError`` names a broken rule)."""
         return Frame(
             Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
             session_id=self.next_session_id() if session_id is None else session_id,
@@ -175,6 +181,7 @@ class BlockingClient:
             producer=self.producer,
             timestamp_ms=int(time.time() * 1000),
             credit=confirm_ms,
+            status=encode_properties(properties),
             body=body,
         )
 
@@ -207,20 +214,34 @@ class BlockingClient:
         resend: bool = False,
         timeout: float | None = None,
         confirm_timeout: float | None = None,
+        key: str | None = None,
+        priority: int = 0,
+        headers: dict[str, str] | None = None,
     ) -> Frame:
         """Send one message and wait for its reply frame (any SEND_* command).
 
         ``confirm_timeout`` (seconds): also ask the server to report, within that time,
         when every channel is done with the message; ``wait_consumed(reply.session_id)``
         then returns its SEND_CONSUMED_ACK. Refused with ``ClientError`` (nothing sent)
-        by a server whose greeting does not list CONFIRM."""
+        by a server whose greeting does not list CONFIRM. ``key``, ``priority`` and
+        ``headers``: the message's properties (``dmq_client.wire.properties``; a broken
+        rule raises ``PropertiesError``), refused the same way by a server that does not
+        list PROPS; a push's read with ``ReceivedMessage.properties_of(frame.status)``."""
+        properties = NO_PROPERTIES
+        if key is not None or priority or headers:
+            properties = Properties(key, priority, headers or {})
+            properties.check()
+            if FEATURE_PROPS not in self.server_features(timeout):
+                raise ClientError(f"the server does not keep a message's key, priority or headers: its SERVER_HEALTH "
+                                  f"does not list {FEATURE_PROPS} "
+                                  f"(features: {' '.join(sorted(self.features or ())) or 'none'})")
         confirm_ms = 0
         if confirm_timeout is not None:
             confirm_ms = confirm_deadline_ms("consumed", confirm_timeout)
             if FEATURE_CONFIRM not in self.server_features(timeout):
                 raise ClientError(f"the server cannot confirm consumption: its SERVER_HEALTH does not list "
                                   f"{FEATURE_CONFIRM} (features: {' '.join(sorted(self.features or ())) or 'none'})")
-        frame = self.send_frame(topic, body, session_id, resend=resend, confirm_ms=confirm_ms)
+        frame = self.send_frame(topic, body, session_id, resend=resend, confirm_ms=confirm_ms, properties=properties)
         self.write(frame)
         return self._await_reply(
             lambda f: f.command in SEND_REPLIES and f.session_id == frame.session_id, timeout

@@ -230,6 +230,7 @@ class Consumer:
                     attempts=frame.attempts,
                     server=conn.name,
                     acker=self._ack,
+                    properties=ReceivedMessage.properties_of(frame.status),
                 )
                 sub.received += 1
                 self._queue.put((sub, message, key))

@@ -23,6 +23,12 @@ journal sequence number ``seq``::
     crc32 (I) | version (B) | flags (B) | msg_type (B) | seq (Q) | session_id (q)
     | timestamp_ms (q) | due_ms (q) | len(topic) (H) | len(producer) (H) | topic | producer | body
 
+A message with properties (a key, a priority, headers) is a version 2 record: after the
+producer come ``len(status) (H) | status`` (the properties as the wire carries them,
+``dmq_client.wire.properties``), then the body. Records without properties stay version
+1, so a journal written without them is still read by a client that predates them, and
+one with them is refused by such a client (unknown version) rather than sent without.
+
 The producer id and session id are assigned before the record is written and
 kept in it, so a replay is the same ``(producer, session_id)`` pair as the first
 attempt, whichever id the client that replays it has. That client sends its new
@@ -103,14 +109,16 @@ from .notify import call_callback
 from .pending import PendingSend
 from .send_queue import MemorySendQueue, Put
 from .session import default_producer_id
-from .wire import MessageType
+from .wire import NO_PROPERTIES, MessageType, decode_properties
 
 __all__ = ["JournalError", "JournalRecord", "JournalSendQueue", "decode_record", "encode_record"]
 
 log = logging.getLogger(__name__)
 
 VERSION = 1
+VERSION_PROPERTIES = 2  # a record whose message has properties
 _HEAD = struct.Struct(">IBBBQqqqHH")
+_STATUS_LEN = struct.Struct(">H")
 _SEQ = struct.Struct(">Q")
 _SEQ_OFFSET = 7  # crc (4) + version, flags, msg_type (3)
 _FLAG_RESEND = 1
@@ -137,17 +145,22 @@ class JournalRecord:
     due_ms: int = 0
     timestamp_ms: int = 0
     resend: bool = False
+    status: str = ""  # the message's properties as the wire carries them ('' for none)
 
 
 def encode_record(seq: int, item: PendingSend) -> bytes:
     m = item.message
     topic = m.topic.encode("utf-8")
     producer = item.producer.encode("utf-8")
+    status = m.status().encode("utf-8")
     rest = _HEAD.pack(
-        0, VERSION, _FLAG_RESEND if item.resend else 0, int(m.msg_type), seq, item.session_id,
-        item.timestamp_ms, m.due_ms, len(topic), len(producer),
+        0, VERSION_PROPERTIES if status else VERSION, _FLAG_RESEND if item.resend else 0, int(m.msg_type), seq,
+        item.session_id, item.timestamp_ms, m.due_ms, len(topic), len(producer),
     )[4:]
-    rest = b"".join((rest, topic, producer, m.body))
+    if status:
+        rest = b"".join((rest, topic, producer, _STATUS_LEN.pack(len(status)), status, m.body))
+    else:
+        rest = b"".join((rest, topic, producer, m.body))
     return struct.pack(">I", zlib.crc32(rest)) + rest
 
 
@@ -158,14 +171,24 @@ def decode_record(data: bytes) -> JournalRecord:
     crc, version, flags, msg_type, seq, sid, ts, due, tlen, plen = _HEAD.unpack_from(data)
     if zlib.crc32(memoryview(data)[4:]) != crc:
         raise ValueError("record checksum mismatch")
-    if version != VERSION:
+    if version != VERSION and version != VERSION_PROPERTIES:
         raise ValueError(f"unknown record version {version}")
     end = _HEAD.size + tlen + plen
     if end > len(data):
         raise ValueError("record lengths exceed the record")
     topic = data[_HEAD.size : _HEAD.size + tlen].decode("utf-8")
     producer = data[_HEAD.size + tlen : end].decode("utf-8")
-    return JournalRecord(seq, sid, producer, topic, data[end:], msg_type, due, ts, bool(flags & _FLAG_RESEND))
+    status = ""
+    if version == VERSION_PROPERTIES:
+        if end + _STATUS_LEN.size > len(data):
+            raise ValueError("record lengths exceed the record")
+        (slen,) = _STATUS_LEN.unpack_from(data, end)
+        start, end = end + _STATUS_LEN.size, end + _STATUS_LEN.size + slen
+        if end > len(data):
+            raise ValueError("record lengths exceed the record")
+        status = data[start:end].decode("utf-8")
+    return JournalRecord(seq, sid, producer, topic, data[end:], msg_type, due, ts, bool(flags & _FLAG_RESEND),
+                         status)
 
 
 class _RecoveredCallback:
@@ -267,8 +290,10 @@ class JournalSendQueue(MemorySendQueue):
             raise
         callback = _RecoveredCallback(recovered_callback, self.path)
         for rec in records:
+            props = decode_properties(rec.status) if rec.status else NO_PROPERTIES
             message = Message(rec.topic, rec.body, session_id=rec.session_id,
-                              msg_type=MessageType(rec.msg_type), due_ms=rec.due_ms)
+                              msg_type=MessageType(rec.msg_type), due_ms=rec.due_ms, key=props.key,
+                              priority=props.priority, headers=dict(props.headers) or None)
             item = PendingSend(message, rec.session_id, rec.producer, rec.timestamp_ms, callback, resend=True)
             self._items.append(item)
             self._order.append(rec.seq)

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any, Callable
 
 from .wire import MessageType
+from .wire.properties import NO_PROPERTIES, Properties, PropertiesError, decode_properties, encode_properties
 
 __all__ = [
     "FINAL",
@@ -97,6 +98,11 @@ class Message:
 
     A DELAY message carries ``due_ms`` (epoch milliseconds); build one with
     ``Message.delayed``.
+
+    ``key``, ``priority`` and ``headers`` are the message's properties
+    (``dmq_client.wire.properties`` has their rules: a key of at most 255 bytes,
+    priority 0-9, at most 32 headers of lowercase names); a message with any of them is
+    sent only to a server that lists the feature ``PROPS``.
     """
 
     topic: str
@@ -104,12 +110,29 @@ class Message:
     session_id: int | None = None
     msg_type: MessageType = MessageType.RELIABLE
     due_ms: int = 0
+    key: str | None = None
+    priority: int = 0
+    headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.body, str):
             self.body = self.body.encode("utf-8")
         elif isinstance(self.body, (bytearray, memoryview)):
             self.body = bytes(self.body)
+
+    @property
+    def properties(self) -> Properties:
+        """The key, priority and headers as one value (``NO_PROPERTIES`` for none)."""
+        if self.key is None and not self.priority and not self.headers:
+            return NO_PROPERTIES
+        return Properties(self.key, self.priority, self.headers or {})
+
+    def status(self) -> str:
+        """The properties as a send's status carries them ('' for none); raises
+        ``PropertiesError`` for properties that break a rule."""
+        if self.key is None and not self.priority and not self.headers:
+            return ""
+        return encode_properties(self.properties)
 
     @classmethod
     def delayed(
@@ -121,6 +144,9 @@ class Message:
         due: datetime | float | None = None,
         session_id: int | None = None,
         wall_clock: Callable[[], float] = time.time,
+        key: str | None = None,
+        priority: int = 0,
+        headers: dict[str, str] | None = None,
     ) -> "Message":
         """A DELAY message due ``delay`` seconds from now, or at ``due`` (an aware
         ``datetime`` or epoch seconds). Exactly one of the two must be given."""
@@ -133,7 +159,8 @@ class Message:
         else:
             due_s = float(due)  # type: ignore[arg-type]
         data = body.encode("utf-8") if isinstance(body, str) else body
-        return cls(topic, data, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000))
+        return cls(topic, data, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000),
+                   key=key, priority=priority, headers=headers)
 
 
 @dataclass(slots=True, eq=False)
@@ -191,6 +218,9 @@ class ReceivedMessage:
         "timestamp_ms",
         "attempts",
         "server",
+        "key",
+        "priority",
+        "headers",
         "_acker",
         "_acked",
     )
@@ -208,6 +238,7 @@ class ReceivedMessage:
         attempts: int,
         server: str,
         acker: Callable[["ReceivedMessage"], Any],
+        properties: Properties = NO_PROPERTIES,
     ):
         self.topic = topic
         self.channel = channel
@@ -218,6 +249,9 @@ class ReceivedMessage:
         self.timestamp_ms = timestamp_ms
         self.attempts = attempts
         self.server = server
+        self.key = properties.key
+        self.priority = properties.priority
+        self.headers = dict(properties.headers)
         self._acker = acker
         self._acked = False
 
@@ -233,6 +267,18 @@ class ReceivedMessage:
 
     def text(self, encoding: str = "utf-8") -> str:
         return self.body.decode(encoding)
+
+    @staticmethod
+    def properties_of(status: str) -> Properties:
+        """The properties a push's status carries, read leniently (fields a newer server
+        adds are skipped); a status that is not valid properties reads as none, so one
+        odd push never stops a consumer."""
+        if not status:
+            return NO_PROPERTIES
+        try:
+            return decode_properties(status, strict=False)
+        except PropertiesError:
+            return NO_PROPERTIES
 
     def __repr__(self) -> str:
         return (

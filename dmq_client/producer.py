@@ -59,7 +59,7 @@ from .resend import ResendMap
 from .routing import ServerPool
 from .send_queue import MemorySendQueue, Put, SendQueue
 from .session import SESSION_ID_MAX, SessionIdGenerator, default_producer_id
-from .wire import FEATURE_CONFIRM, Command, Frame, MessageType, encode, parse_consumed, valid_name
+from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, PropertiesError, encode, parse_consumed, valid_name
 
 __all__ = ["Producer"]
 
@@ -188,6 +188,10 @@ class Producer:
                 return f"E_INVALID a DELAY message needs a due time, not {message.due_ms!r}"
         elif message.msg_type != MessageType.RELIABLE:
             return f"E_INVALID unknown message type {message.msg_type!r}"
+        try:
+            message.status()
+        except PropertiesError as exc:
+            return exc.status()
         return ""
 
     @staticmethod
@@ -208,6 +212,7 @@ class Producer:
                 due_ms=m.due_ms,
                 timestamp_ms=item.timestamp_ms,
                 credit=item.confirm_ms,  # 0: no confirmation asked (§4.14)
+                status=m.status(),  # the properties, '' for none (checked by ``_check``)
                 body=m.body,
             )
         )
@@ -379,6 +384,12 @@ class Producer:
                 self._finish(item, Status.INVALID_MESSAGE,
                              f"E_UNSUPPORTED server {conn.name} cannot confirm consumption (its SERVER_HEALTH does "
                              f"not list {FEATURE_CONFIRM}): upgrade it, or send without confirm; not sent")
+                continue
+            if FEATURE_PROPS not in conn.features and item.message.properties:
+                self._finish(item, Status.INVALID_MESSAGE,
+                             f"E_UNSUPPORTED server {conn.name} does not keep a message's key, priority or headers "
+                             f"(its SERVER_HEALTH does not list {FEATURE_PROPS}): upgrade it, or send without them; "
+                             "not sent")
                 continue
             groups[conn].append(item)
         for conn, items in groups.items():

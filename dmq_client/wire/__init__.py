@@ -6,11 +6,13 @@ blocking client and the client library alike.
 
 from .codec import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, FrameError, encode, pack_ids, unpack_ids
 from .confirm import ConsumedReport, consumed_status, parse_consumed
+from .properties import NO_PROPERTIES, Properties, PropertiesError, decode_properties, encode_properties
 from .frames import (
     CONFIRM_MAX_MS,
     DOWNSTREAM,
     FEATURE_ACKS,
     FEATURE_CONFIRM,
+    FEATURE_PROPS,
     MAGIC,
     SERVER_FEATURES,
     SEND_REPLIES,
@@ -27,6 +29,12 @@ __all__ = [
     "CONFIRM_MAX_MS",
     "ConsumedReport",
     "FEATURE_CONFIRM",
+    "FEATURE_PROPS",
+    "NO_PROPERTIES",
+    "Properties",
+    "PropertiesError",
+    "decode_properties",
+    "encode_properties",
     "consumed_status",
     "parse_consumed",
     "DEFAULT_MAX_FRAME_SIZE",

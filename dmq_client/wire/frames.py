@@ -95,6 +95,7 @@ class Command(enum.IntEnum):
 #: client keeps working against an older server during a rolling upgrade.
 FEATURE_ACKS = "ACKS"  # UP_CONSUMER_ACKS (§4.13)
 FEATURE_CONFIRM = "CONFIRM"  # a send's credit asks for SEND_CONSUMED_ACK (§4.14)
+FEATURE_PROPS = "PROPS"  # a send's status carries its key, priority and headers (wire.properties)
 SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM}"
 
 

@@ -51,9 +51,10 @@ def subscribed(frame: Frame, status: str = SERVER_FEATURES) -> Frame:
 class FakeServer:
     """Accepts dmq connections on 127.0.0.1; ``reply(frame)`` scripts the answers."""
 
-    def __init__(self, reply: Reply = default_reply, greeting: str = "OK", port: int = 0):
+    def __init__(self, reply: Reply = default_reply, greeting: str = "OK", port: int = 0, features: str = ""):
         self.reply = reply
         self.greeting = greeting
+        self.features = features  # what the greeting's body lists (SERVER_HEALTH, docs/protocol.md §4.9)
         self.received: queue.Queue[tuple[int, Frame]] = queue.Queue()
         self.connections: list[socket.socket] = []
         self.connected = threading.Semaphore(0)
@@ -81,7 +82,7 @@ class FakeServer:
                     return
                 magic += chunk
             assert magic == MAGIC
-            sock.sendall(encode(Frame(Command.SERVER_HEALTH, status=self.greeting)))
+            sock.sendall(encode(Frame(Command.SERVER_HEALTH, status=self.greeting, body=self.features.encode())))
             self.connected.release()
             decoder = FrameDecoder()
             while True:
