@@ -451,9 +451,9 @@ class OutboxRelay:
     # -- what operators see (core.outbox_figures) ------------------------------------------
     node_id = ""  # this node's id (OutboxRelays sets it)
     database = "?"  # the application database's host and name (never the DSN: it holds a password)
+    attached = False  # attached at run time (dmq outbox attach), not given with --outbox
     _cycled_at: float | None = None  # when the last cycle began
 
-    attached = False  # attached at run time (dmq outbox attach), not given with --outbox
     def figures(self, measured: Measured | None, measured_at: float) -> OutboxFigures:
         """The outbox as this node sees it now, with the last reading of its database
         (``protocols.outbox_gauges``, taken at ``measured_at``); no IO."""
@@ -489,8 +489,6 @@ class OutboxRelays:
         self.relays: list[OutboxRelay] = []
         self.node_id = ""  # this node's id (the service sets it): who relays, for operators
         self.gauges: dict[str, OutboxGauge] = {}  # each outbox's figures, read on a connection of their own
-
-    def _start_relay(self, source: OutboxSource, *, attached: bool) -> None:
         self._broker: BrokerPort | None = None
         self._dmq_dsn = ""
         self._registry: RelayDb | None = None  # dmq's database, where the attached outboxes are
@@ -511,6 +509,8 @@ class OutboxRelays:
                                               timeout=self._options.pg_timeout or None)
         self._registry.start()
         self.refresh()
+
+    def _start_relay(self, source: OutboxSource, *, attached: bool) -> None:
         options = self._options
         poll = 1.0
         # a wait for NOTIFY is a call too: the watchdog allows it on top of --pg-timeout
