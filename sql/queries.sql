@@ -117,6 +117,8 @@ SELECT name FROM gone;
 -- start_id. A channel whose registration commits while this
 -- runs can own some of these rows without being named: the server has it read them from
 -- the store once an answer names it (ReliableStore._confirm_channels).
+-- A batch that holds outbox rows runs insert_outbox_messages instead: this statement with
+-- the record of those rows added (db.messages, from sql/outbox/ledger.sql's parts).
 WITH owner AS MATERIALIZED (
     SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
 ), stamp AS MATERIALIZED (
@@ -381,6 +383,8 @@ SELECT (SELECT count(*) FROM dmq_message) AS messages,
 -- name: insert_delayed
 -- Store a batch of delayed messages; a (producer, session_id) already stored here
 -- or in dmq_message is skipped (a resend) and looked up by find_delayed.
+-- A batch that holds outbox rows runs insert_outbox_delayed instead: this statement with
+-- the record of those rows added (db.delays, from sql/outbox/ledger.sql's parts).
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(producers)b::text[], %(session_ids)b::bigint[],
                          %(produced_ms)b::bigint[], %(due_ms)b::bigint[], %(fragments)b::integer[],

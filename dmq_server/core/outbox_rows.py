@@ -14,7 +14,8 @@ ids and the row ids are both just numbers: one producer would take row 7 for a r
 the message the application numbered 7 and drop it. A delayed row's producer ends in
 ``:delayed``: dmq records what a relay stored (schema version 13,
 ``dmq_outbox_relayed``) when the message enters the delay table, and its later move into
-the topic is not a relay (the trigger there tests that suffix).
+the topic is not a relay (the storing statement's record tests that suffix:
+``sql/outbox/ledger.sql``, ``record_stored``).
 
 Rows are published in runs: consecutive rows to one topic from one producer, at most
 ``max_run`` of them (the group commit's batch: ``GroupCommitWriter`` keeps a run that

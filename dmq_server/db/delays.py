@@ -15,9 +15,11 @@ from typing import Sequence
 import psycopg
 
 from dmq_server.db.storage_errors import Fenced, Misplaced
-from dmq_server.db.messages import send_columns
-from dmq_server.db.steps import Statement, Steps, run_steps
+from dmq_server.db.messages import OUTBOX_PRODUCERS, send_columns, with_outbox_record
+from dmq_server.db.outbox_ledger import RECORDING
+from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_server.db.trace_steps import body_preview
+from dmq_sql import queries
 
 __all__ = [
     "NewDelayed",
@@ -81,6 +83,12 @@ class MovedMessage:
     channel: str | None = None
 
 
+# insert_delayed for a batch holding outbox rows: records them as it stores them
+add_statement("insert_outbox_delayed", with_outbox_record(
+    queries["insert_delayed"], ")\nINSERT INTO dmq_delay", "  AND i.topic IN (SELECT name FROM placed)",
+    RECORDING["record_delayed"], RECORDING["delayed_if_recorded"]))
+
+
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[list[StoredDelay | Misplaced]]:
     """Store a batch: one statement, atomic on its own (also in autocommit); one
     StoredDelay per item, in order. Steps, for the group commit."""
@@ -89,7 +97,11 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[lis
         "due_ms": [m.due_ms for m in batch],
         "fragments": [m.fragment for m in batch],
     }
-    rows = yield Statement("insert_delayed", params)
+    # a batch with outbox rows records them as it stores them (insert_outbox_delayed); a
+    # row recorded before is not stored and is answered below as a resend, or as not
+    # stored once its message was swept
+    outbox = any(m.producer.startswith(OUTBOX_PRODUCERS) for m in batch)
+    rows = yield Statement("insert_outbox_delayed" if outbox else "insert_delayed", params)
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
         fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)

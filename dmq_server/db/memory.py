@@ -68,6 +68,11 @@ MIGRATOR_STATEMENTS = ("create_schema_version", "lock_migrations", "schema_versi
 _MAX_MS = 253402300799999
 
 
+def _relayed_here(producer: str) -> bool:
+    """An outbox row that insert_outbox_messages records (its producer's test there)."""
+    return producer.startswith("outbox:") and not producer.endswith(":delayed")
+
+
 def _ms_or_none(ms: int | None) -> int | None:
     return ms if ms is not None and 1 <= ms <= _MAX_MS else None
 
@@ -220,6 +225,8 @@ class MemoryDb:
         self.pauses: set[tuple[str, str]] = set()
         self.delayed: dict[int, _Delayed] = {}
         self._delayed_pairs: dict[tuple[str, int], int] = {}
+        # dmq_outbox_relayed: the (producer, session_id) of outbox rows stored
+        self.relayed: set[tuple[str, int]] = set()
         self.dead_letters: dict[int, _DeadLetter] = {}
         self.returns: list[_Return] = []
         self.admin_log: list[_AdminLog] = []
@@ -248,6 +255,8 @@ class MemoryDb:
             "remove_channel": self._remove_channel,
             "insert_messages": lambda p: self._insert_messages(p, on_conflict=True),
             "insert_new_messages": lambda p: self._insert_messages(p, on_conflict=False),
+            "insert_outbox_messages": lambda p: self._insert_messages(p, on_conflict=True, outbox=True),
+            "insert_new_outbox_messages": lambda p: self._insert_messages(p, on_conflict=False, outbox=True),
             "find_messages": self._find_messages,
             "ack_deliveries": self._ack_deliveries,
             "ack_new_deliveries": self._ack_new_deliveries,
@@ -260,6 +269,7 @@ class MemoryDb:
             "channel_depth_slice": self._channel_depth_slice,
             "table_counts": self._table_counts,
             "insert_delayed": self._insert_delayed,
+            "insert_outbox_delayed": lambda p: self._insert_delayed(p, outbox=True),
             "find_delayed": self._find_delayed,
             "peek_delayed": self._peek_delayed,
             "move_due": self._move_due,
@@ -572,10 +582,13 @@ class MemoryDb:
 
     # -- messages and deliveries ----------------------------------------------------
 
-    def _insert_messages(self, p: dict, *, on_conflict: bool) -> list[tuple]:
+    def _insert_messages(self, p: dict, *, on_conflict: bool, outbox: bool = False) -> list[tuple]:
         """insert_messages (resent pairs skipped) and insert_new_messages (any stored
         pair is a unique violation and nothing is inserted); nothing for a retired owner
-        (but the topics' rows, as PostgreSQL answers them)."""
+        (but the topics' rows, as PostgreSQL answers them). ``outbox``: their
+        insert_outbox_ variants, which record each outbox row's pair (``relayed``) and
+        store only those recorded now (one recorded before: skipped, or a unique violation
+        without ON CONFLICT)."""
         owner = self.owners.get(p["owner"])
         if owner is None or owner["retired"]:
             return self._topic_rows(p["batch_topics"])
@@ -587,6 +600,14 @@ class MemoryDb:
             if not self._placed_here(item[0]):
                 continue  # moved to another cluster: not stored here
             key = (item[1], item[2])
+            if outbox and _relayed_here(item[1]):
+                if key in self.relayed and not on_conflict:
+                    raise psycopg.errors.UniqueViolation(
+                        "duplicate key value violates unique constraint \"dmq_outbox_relayed_pkey\""
+                    )
+                if key in self.relayed:
+                    continue
+                self.relayed.add(key)  # recorded even when the message's pair is stored (as PostgreSQL)
             if key in self._pairs or key in seen:
                 if not on_conflict:
                     raise psycopg.errors.UniqueViolation(
@@ -884,7 +905,9 @@ class MemoryDb:
 
     # -- delayed sends ---------------------------------------------------------------
 
-    def _insert_delayed(self, p: dict) -> list[tuple]:
+    def _insert_delayed(self, p: dict, *, outbox: bool = False) -> list[tuple]:
+        """insert_delayed; ``outbox``: insert_outbox_delayed, which records each outbox
+        row's pair and stores only those recorded now."""
         items = sorted(
             zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["due_ms"], p["fragments"], p["bodies"]),
             key=lambda i: (i[1], i[2]),
@@ -892,7 +915,13 @@ class MemoryDb:
         rows = []
         for topic, producer, session_id, produced_ms, due_ms, fragment, body in items:
             key = (producer, session_id)
-            if key in self._pairs or key in self._delayed_pairs or not self._placed_here(topic):
+            if key in self._pairs or not self._placed_here(topic):
+                continue
+            if outbox and producer.startswith("outbox:"):
+                if key in self.relayed:
+                    continue
+                self.relayed.add(key)
+            if key in self._delayed_pairs:
                 continue
             delay_id = next(self._ids)
             self.delayed[delay_id] = {

@@ -17,6 +17,7 @@ parameter and its column would be read in different files.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol, Sequence, TypedDict
@@ -24,6 +25,7 @@ from typing import Protocol, Sequence, TypedDict
 import psycopg
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
+from dmq_server.db.outbox_ledger import RECORDING
 from dmq_server.db.storage_errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Params, Rows, Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
@@ -51,6 +53,9 @@ __all__ = [
     "INSERT_NEW_MESSAGES",
     "ACK_NEW_DELIVERIES",
     "insert_params",
+    "holds_outbox_rows",
+    "with_outbox_record",
+    "OUTBOX_PRODUCERS",
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
     "load_backlog_steps",
@@ -97,6 +102,47 @@ if queries["insert_messages"].count(_ON_CONFLICT) != 1:
 INSERT_NEW_MESSAGES = queries["insert_messages"].replace(_ON_CONFLICT, "")
 # its own name, so the in-memory double answers it (a stored pair: a unique violation)
 add_statement("insert_new_messages", INSERT_NEW_MESSAGES)
+
+def with_outbox_record(statement: str, before_cte: str, where: str, record: str, condition: str) -> str:
+    """``statement`` (insert_messages, insert_delayed) as it runs for a batch that holds
+    outbox rows (schema version 15): the CTE ``claimed`` (``record``, a part of
+    sql/outbox/ledger.sql) put before the one that ``before_cte`` starts, and ``condition``
+    added to the ``where`` of the insert that stores; each text must occur once."""
+    if statement.count(before_cte) != 1 or statement.count(where) != 1:
+        raise RuntimeError(f"sql/queries.sql: a storing statement must hold {before_cte!r} and {where!r} once")
+    record, condition = (_without_comments(part) for part in (record, condition))
+    # the condition first: the record's own text may hold ``where``
+    return statement.replace(where, f"{where}\n  AND {condition}").replace(
+        before_cte, f"), claimed AS (\n{record}\n{before_cte}")
+
+
+def _without_comments(sql: str) -> str:
+    return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+
+
+# A batch holding outbox rows records them as it stores them (insert_outbox_messages): the
+# same first try without either ON CONFLICT, so a pair stored or recorded before is a
+# unique violation and the statement with both runs instead.
+_RECORD_CONFLICT = "ON CONFLICT (session_id, producer) DO NOTHING"
+INSERT_OUTBOX_MESSAGES = with_outbox_record(
+    queries["insert_messages"], "), ins AS (",
+    "WHERE EXISTS (SELECT FROM owner) AND topic IN (SELECT name FROM placed)",
+    RECORDING["record_stored"], RECORDING["stored_if_recorded"])
+add_statement("insert_outbox_messages", INSERT_OUTBOX_MESSAGES)
+if INSERT_OUTBOX_MESSAGES.count(_RECORD_CONFLICT) != 1:
+    raise RuntimeError(f"sql/outbox/ledger.sql: record_stored must hold {_RECORD_CONFLICT!r} once")
+INSERT_NEW_OUTBOX_MESSAGES = INSERT_OUTBOX_MESSAGES.replace(_ON_CONFLICT, "").replace(_RECORD_CONFLICT, "")
+add_statement("insert_new_outbox_messages", INSERT_NEW_OUTBOX_MESSAGES)
+# the producers of outbox rows (dmq_server.core.outbox_rows): the lowest such id sorts
+# first among them, so a sorted batch holds one if the first id not below it starts so
+OUTBOX_PRODUCERS = "outbox:"
+
+
+def holds_outbox_rows(sorted_producers: Sequence[str]) -> bool:
+    """Whether a batch's producers, in sorted order, hold an outbox producer: one search,
+    not a test per message (every batch asks)."""
+    i = bisect_left(sorted_producers, OUTBOX_PRODUCERS)
+    return i < len(sorted_producers) and sorted_producers[i].startswith(OUTBOX_PRODUCERS)
 
 # Likewise an ack batch holds a repeat (an ack of a copy done before: a redelivery after a
 # restart or a takeover) only rarely, and the part of ack_deliveries that builds the log's
@@ -160,7 +206,14 @@ def send_columns(batch: Sequence[SendFields], node_id: str) -> SendColumns:
     }
 
 
-def insert_params(batch: Sequence[SendFields], node_id: str, owner: int) -> dict[str, object]:
+class InsertParams(SendColumns):
+    """``insert_params``: the columns, the storing incarnation, the batch's topics once each."""
+
+    owner: int
+    batch_topics: TextArray
+
+
+def insert_params(batch: Sequence[SendFields], node_id: str, owner: int) -> InsertParams:
     """insert_messages' parameters for ``batch``. The rows are sorted by pair: the
     statement inserts them in the order sent, and that order is what keeps two writers
     from deadlocking on a pair both insert (see the statement); its answer is matched by
@@ -178,10 +231,15 @@ def insert_messages_steps(
     on this database's cluster). ``Fenced`` if the owner was retired (a takeover
     presumed this node dead): nothing was stored."""
     params = insert_params(batch, node_id, owner)
+    # a batch with outbox rows records them as it stores them (insert_outbox_messages):
+    # a row recorded before is not stored and is answered below as a resend, or as not
+    # stored once its message was swept (the relay then asks the ledger again)
+    outbox = holds_outbox_rows(params["producers"])
     try:
-        answer = yield Statement("insert_new_messages", params, may_fail=True)
+        answer = yield Statement("insert_new_outbox_messages" if outbox else "insert_new_messages", params,
+                                 may_fail=True)
     except psycopg.errors.UniqueViolation:
-        answer = yield Statement("insert_messages", params)
+        answer = yield Statement("insert_outbox_messages" if outbox else "insert_messages", params)
     rows, topics = _stored_rows(answer)
     fresh = {}
     for r in rows:
@@ -260,7 +318,8 @@ def find_stored_steps(pairs: Sequence[tuple[str, int]]) -> Steps[list[tuple[str,
 
 
 # prepared once per connection by the reactor-driven writers and acker (reactor_db)
-HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], ACK_NEW_DELIVERIES, queries["ack_deliveries"])
+HOT_STATEMENTS = (INSERT_NEW_MESSAGES, queries["insert_messages"], ACK_NEW_DELIVERIES, queries["ack_deliveries"],
+                  INSERT_NEW_OUTBOX_MESSAGES, INSERT_OUTBOX_MESSAGES)
 
 
 def insert_messages(

@@ -21,10 +21,14 @@ import psycopg
 from dmq_server.db.arrays import Int8Array, TextArray
 from dmq_sql import load_queries
 
-__all__ = ["DeadRow", "relayed_before", "dead_letter_rows", "forget_relayed", "forget_and_check",
+__all__ = ["RECORDING", "DeadRow", "relayed_before", "dead_letter_rows", "forget_relayed", "forget_and_check",
            "recorded_rows"]
 
 _QUERIES = load_queries(resources.files("dmq_sql").joinpath("outbox", "ledger.sql").read_text(encoding="utf-8"))
+# the parts db.messages and db.delays add to the group commit's storing statements for a
+# batch that holds outbox rows (insert_outbox_messages, insert_outbox_delayed)
+RECORDING = {name: _QUERIES[name] for name in ("record_stored", "stored_if_recorded", "record_delayed",
+                                                "delayed_if_recorded")}
 
 Pair = tuple[str, int]
 

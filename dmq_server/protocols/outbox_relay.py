@@ -25,10 +25,12 @@ tried again in the next cycle; the rows behind it are not held. With nothing to 
 relay waits for the outbox's NOTIFY, at most ``poll`` seconds (the fallback).
 
 Exactly once: the storing statement itself records each outbox row's (producer, session
-id) and skips a row recorded before (schema version 13's triggers), so a repeat is never
+id) and skips a row recorded before (the group commit runs ``insert_outbox_messages`` or
+``insert_outbox_delayed`` for a batch that holds outbox rows: ``db.messages``, schema
+versions 13 and 15), so a repeat is never
 stored a second time, whatever ran or died when, and however long after. The relay asks
 the ledgers only about rows that may have a record, so that it does not publish repeats
-(which the trigger drops; the broker answers one with the message stored, or, once that
+(which the store drops; the broker answers one with the message stored, or, once that
 was swept past ``--message-retention``, as not stored: a passing failure, so the row is
 asked about at its next try and deleted): the rows with the application's own session
 ids (it may send an id again), and the install's numbered rows up to ``_recorded_upto``:
@@ -37,7 +39,7 @@ row's delete has committed, so every row a relay before it stored and did not de
 one; the ledgers are read after the lock is taken, when the relay before has stopped
 reading), raised to every row whose store this relay tried without a final answer, and to
 every row it handed to the broker when a cycle failed. A row above it was never handed to
-a broker by any relay. One case is left to the trigger alone: a relay whose connection to
+a broker by any relay. One case is left to the storing statement alone: a relay whose connection to
 the application's database ended while its store was on its way to dmq's database, and
 that store committing after the next holder read the ledgers; the row is stored once all
 the same (the next holder's store of it is such a repeat). A delete runs only

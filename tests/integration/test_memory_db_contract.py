@@ -106,16 +106,17 @@ def find_steps(pairs: list[tuple[str, int]]) -> Steps:
     return sorted(rows, key=lambda r: (r[1], r[2]))
 
 
-def insert_new_steps(batch: list[NewMessage]) -> Steps:
-    """The fast insert alone: a stored pair must fail it as a unique violation."""
+def insert_new_steps(batch: list[NewMessage], name: str = "insert_new_messages", owner: int = OWNER) -> Steps:
+    """The fast insert alone: a stored pair (or, of outbox rows, a recorded one) must fail
+    it as a unique violation."""
     params = {
         "topics": [m.topic for m in batch], "producers": [m.producer for m in batch],
         "session_ids": [m.session_id for m in batch], "produced_ms": [0] * len(batch),
-        "bodies": [m.body for m in batch], "node_id": NODE, "owner": OWNER,
+        "bodies": [m.body for m in batch], "node_id": NODE, "owner": owner,
         "batch_topics": sorted({m.topic for m in batch}),
     }
     try:
-        rows = yield Statement("insert_new_messages", params, may_fail=True)
+        rows = yield Statement(name, params, may_fail=True)
     except psycopg.errors.UniqueViolation:
         return "unique violation"
     return len(rows)
@@ -282,7 +283,23 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("nothing old enough to sweep", sweep_messages_steps, lambda: (3600, 100), same),
         ("sweep what no channel holds", sweep_messages_steps, lambda: (-60, 100), same),
         ("swept", find_steps, lambda: ([("p", 1), ("p", 2), ("p", 3), ("a", 9), ("q", 1)],), lambda rows: [(r[1], r[2]) for r in rows]),
+        # outbox rows (a relay's producers) are recorded as they are stored, and a recorded
+        # one is never stored again, also once its message was swept (schema version 15)
+        ("outbox rows among others", insert_messages_steps,
+         lambda: ([_msg(OUTBOX, 1, "quiet"), _msg(OUTBOX, 2, "quiet"), _msg("r", 1, "quiet")], NODE, OWNER + 1), same),
+        ("a recorded outbox row fails the fast insert", insert_new_steps,
+         lambda: ([_msg(OUTBOX, 2, "quiet"), _msg(OUTBOX, 3, "quiet")], "insert_new_outbox_messages", OWNER + 1), same),
+        ("a repeat of a recorded outbox row is a resend", insert_messages_steps,
+         lambda: ([_msg(OUTBOX, 2, "quiet"), _msg(OUTBOX, 3, "quiet")], NODE, OWNER + 1), same),
+        ("sweep the outbox rows", sweep_messages_steps, lambda: (-60, 100), same),
+        ("a repeat of a swept outbox row is not stored", insert_messages_steps,
+         lambda: ([_msg(OUTBOX, 1, "quiet"), _msg("r", 2, "quiet")], NODE, OWNER + 1),
+         lambda out: [type(s).__name__ for s in out]),
+        ("nothing of the repeat stored", find_steps, lambda: ([(OUTBOX, 1), ("r", 2)],), lambda rows: [(r[1], r[2]) for r in rows]),
     ]
+
+
+OUTBOX = "outbox:shop:0000abcd"  # a relay's producer (core.outbox_rows.producer_of)
 
 
 def rows_steps(name: str, params: dict[str, Any], count: bool = False) -> Steps:
@@ -441,6 +458,13 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ], NODE), lambda out: [k(dataclasses.replace(s, message_id=k.y(s.message_id))) for s in out]),
         ("a resent delay and a stored pair", insert_delayed_steps, lambda: ([
             NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"due"), NewDelayed("orders", "p", 1, 0, LONG_AGO, 1, b"x"),
+        ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
+        ("a delayed outbox row", insert_delayed_steps, lambda: ([
+            NewDelayed("orders", OUTBOX + ":delayed", 1, 0, LATER + 2, 1, b"ob"),
+        ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
+        ("its repeat beside a new one", insert_delayed_steps, lambda: ([
+            NewDelayed("orders", OUTBOX + ":delayed", 1, 0, LATER + 2, 1, b"ob"),
+            NewDelayed("orders", OUTBOX + ":delayed", 2, 0, LATER + 2, 1, b"ob2"),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         # (a replay's fragment follows its dead letter's id, which differs: one fragment, 1)
         ("peek", peek_delayed_steps, lambda: ((1, 2, 3, 4), 8, LATER, 10), same),
@@ -605,3 +629,8 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert first[0] is False and sum(first[1].values()) >= 1 and rest[0] is True
     assert answers["a retired incarnation stores nothing"] == "Fenced"
     assert answers["sweep what no channel holds"] > 0
+    assert [s["duplicate"] for s in answers["outbox rows among others"]] == [False, False, False]
+    assert answers["a recorded outbox row fails the fast insert"] == "unique violation"
+    assert [s["duplicate"] for s in answers["a repeat of a recorded outbox row is a resend"]] == [True, False]
+    assert answers["a repeat of a swept outbox row is not stored"] == ["Misplaced", "StoredMessage"]
+    assert answers["nothing of the repeat stored"] == [("r", 2)]
