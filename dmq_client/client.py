@@ -132,7 +132,15 @@ class MqClient:
         return self._producer.send(message, callback, confirm_ms=confirm_deadline_ms(confirm, confirm_timeout),
                                    on_consumed=on_consumed)
 
-    def resend(self, result: SendResult, callback: Any = None) -> "SendFuture[SendResult]":
+    def resend(
+        self,
+        result: SendResult,
+        callback: Any = None,
+        *,
+        confirm: str | None = None,
+        confirm_timeout: float = CONFIRM_TIMEOUT,
+        on_consumed: Callable[[Consumed], object] | None = None,
+    ) -> "SendFuture[SendResult]":
         """Send a failed message again, idempotently.
 
         The retry reuses the first send's session id and goes out as
@@ -143,10 +151,17 @@ class MqClient:
         window). This is the safe way to retry any status, OUT_OF_RETRY
         included. With the producer journal, transient failures are retried by
         the client itself and never need this.
+
+        ``confirm="consumed"`` asks again to be told of its consumption, as ``send``'s: after
+        a ``LOST`` confirmation (the server watching it went), a resend through any server
+        is answered as a duplicate and watched there (docs/protocol.md §4.14).
         """
         m = result.message
         retry = Message(m.topic, m.body, session_id=result.session_id, msg_type=m.msg_type, due_ms=m.due_ms)
-        return self._producer.send(retry, callback, resend=True, producer=result.producer or None)
+        if confirm is None:
+            return self._producer.send(retry, callback, resend=True, producer=result.producer or None)
+        return self._producer.send(retry, callback, resend=True, producer=result.producer or None,
+                                   confirm_ms=confirm_deadline_ms(confirm, confirm_timeout), on_consumed=on_consumed)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every send so far has had its result delivered."""

@@ -15,6 +15,11 @@ does not ask costs nothing here. The watch lives with the producer's connection:
 connection that closed (or a node that restarted) drops its watches, and the client
 reports the confirmation lost.
 
+A deadline does not wait for PostgreSQL: a tick that finds the last statement still out
+(a slow or hung server, dropped after ``--pg-timeout``) reports the deadlines that passed
+with the channels' last known states, so the producer hears ``E_DEADLINE`` on time and
+not its client's ``LOST`` some seconds later.
+
 Memory is bounded: at most ``limit`` watches (beyond: refused with ``E_LIMIT``), each
 gone at its deadline at the latest; one statement asks about at most ``batch`` of them,
 the next tick about the next ones.
@@ -94,7 +99,7 @@ class Confirmations:
             return f"E_LIMIT {self._limit} confirmations are pending on this server"
         self._watches[message_id] = _Watch(message_id, topic, session_id, producer,
                                            self._clock.seconds() + deadline_ms / 1000.0, listener)
-        if self._timer is None and not self._asking:
+        if self._timer is None:
             self._timer = self._clock.callLater(self._tick, self._ask)
         return ""
 
@@ -106,15 +111,21 @@ class Confirmations:
         self._watches.clear()
 
     def _ask(self) -> None:
+        """A tick: the next statement, or, while the last one is still out (a PostgreSQL
+        slow to answer, for up to ``--pg-timeout``), the deadlines that passed meanwhile:
+        a deadline is reported on time whatever PostgreSQL does."""
         self._timer = None
         self._drop_closed()
-        if not self._watches:
-            return
-        asked = list(self._watches.values())[: self._batch]
-        self._asking = True
-        d = self._db.run_steps(consumed_states_steps, [(w.message_id, w.topic) for w in asked])
-        # a failure of the answer's handling too: the ticks go on (_next), never stuck asking
-        d.addCallback(lambda rows: self._answered(asked, rows)).addErrback(self._failed)
+        if self._asking:
+            self._past_deadlines()
+        elif self._watches:
+            asked = list(self._watches.values())[: self._batch]
+            self._asking = True
+            d = self._db.run_steps(consumed_states_steps, [(w.message_id, w.topic) for w in asked])
+            # a failure of the answer's handling too: the ticks go on (_next), never stuck asking
+            d.addCallback(lambda rows: self._answered(asked, rows)).addErrback(self._failed)
+        if self._watches and self._timer is None:
+            self._timer = self._clock.callLater(self._tick, self._ask)
 
     def _drop_closed(self) -> None:
         for message_id in [i for i, w in self._watches.items() if w.listener.closed]:
@@ -147,8 +158,19 @@ class Confirmations:
         self._next()
 
     def _next(self) -> None:
-        """Report what passed its deadline, then the next tick if anything is left."""
+        """After a statement: report what passed its deadline, then the next tick if
+        anything is left (none once nothing is)."""
         self._asking = False
+        self._past_deadlines()
+        timer = self._timer
+        if self._watches and timer is None:
+            self._timer = self._clock.callLater(self._tick, self._ask)
+        elif not self._watches and timer is not None:
+            if timer.active():
+                timer.cancel()
+            self._timer = None
+
+    def _past_deadlines(self) -> None:
         now = self._clock.seconds()
         for watch in [w for w in self._watches.values() if w.deadline <= now]:
             states = watch.states
@@ -156,8 +178,6 @@ class Confirmations:
             if not states:
                 status += " PostgreSQL did not answer before the deadline"
             self._resolve(watch, status)
-        if self._watches and self._timer is None:
-            self._timer = self._clock.callLater(self._tick, self._ask)
 
     def _resolve(self, watch: _Watch, status: str) -> None:
         del self._watches[watch.message_id]

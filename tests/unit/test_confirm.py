@@ -10,6 +10,7 @@ nothing is watched, the bound on watches.
 from __future__ import annotations
 
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from dmq_client import ConsumeStatus, Message, MqClient, MqConfig, Status
@@ -149,3 +150,36 @@ def test_a_callers_mistake_raises() -> None:
                 client.send(Message("orders", b"x"), confirm="consumed", confirm_timeout=86_401)
     finally:
         server.close()
+
+
+class Unanswered:
+    """A database whose statements stay out (a hung PostgreSQL, until ``--pg-timeout``)."""
+
+    def __init__(self) -> None:
+        self.out: list[Deferred] = []
+
+    def run_steps(self, fn: object, *args: object) -> Deferred:
+        d: Deferred = Deferred()
+        self.out.append(d)
+        return d
+
+
+def test_a_deadline_is_reported_on_time_while_postgres_does_not_answer(world) -> None:
+    """The first statement never answers: the watch's deadline (0.5 s) is reported by the
+    tick after it all the same, saying PostgreSQL did not answer; no second statement goes
+    out while the first is still out, and the late answer changes nothing."""
+    db, clock, _ = world
+    hung = Unanswered()
+    confirmations = Confirmations(hung, clock, tick=0.2)
+    listener = Listener()
+    message_id = stored(db, 1)
+    confirmations.watch("orders", message_id, 1, "p", 500, listener)
+    clock.advance(0.2)
+    assert len(hung.out) == 1 and listener.heard == []
+    for _ in range(3):
+        clock.advance(0.2)
+    assert len(hung.out) == 1
+    assert [h[4] for h in listener.heard] == ["E_DEADLINE PostgreSQL did not answer before the deadline"]
+    assert len(confirmations) == 0 and clock.getDelayedCalls() == []
+    hung.out[0].callback([(message_id, "a", "acked"), (message_id, "b", "acked")])
+    assert len(listener.heard) == 1 and clock.getDelayedCalls() == []
