@@ -219,10 +219,19 @@ class DmqServer:
         ]
         # after the broker and the scheduler, before the listeners; always: an outbox may be
         # attached at run time (dmq outbox attach)
-        stages.insert(-1, Stage("outbox-relays", lambda: self.relays.start(_started(self.broker, "broker"), self.dsn), self.relays.stop))
+        stages.insert(-1, Stage("outbox-relays", self._start_relays, self.relays.stop))
         if self.options.zk:
             stages.append(Stage("announce", self._announce))
         return stages
+
+    def _start_relays(self) -> None:
+        """The outbox relays; in a cluster placed through ZooKeeper (``cluster.outboxes``)."""
+        zk = None
+        if self.cluster is not None:
+            from dmq_server.cluster.outboxes import ClusterOutboxes
+
+            zk = ClusterOutboxes(self.cluster)
+        self.relays.start(_started(self.broker, "broker"), self.dsn, zk=zk)
 
     # -- database -------------------------------------------------------------------
     @defer.inlineCallbacks

@@ -163,7 +163,12 @@ def _seconds(text: str) -> float:
 
 def add_outbox_commands(sub: Any) -> None:
     """``dmq outbox install|uninstall|retag|prune-inbox|attach|detach|list`` on the parser's subcommands."""
-    outbox = sub.add_parser("outbox", help="the outbox and inbox in an application's database")
+    outbox = sub.add_parser(
+        "outbox", help="the outbox and inbox in an application's database",
+        description="install, uninstall, retag and prune-inbox work on the application's database (--dsn); "
+        "attach and detach tell every running dmq-server to relay an outbox, or to stop, without a restart "
+        "(kept in dmq's database, --pg-dsn; with --zk the cluster's nodes hear of it at once); list asks a "
+        "running server (--http-address) what it relays. docs/client.md, \"Transactional messages\".")
     osub = outbox.add_subparsers(dest="action", required=True)
     install = osub.add_parser("install", help="create or update the outbox schema; print the grants it needs")
     install.add_argument("--role", default="APP_ROLE", help="the application role named in the printed grants")

@@ -32,7 +32,7 @@ from dmq_sql import load_queries
 
 __all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag", "check_installed",
            "prune_inbox", "migrations", "relay_queries", "hold_relay", "read_tag", "read_rows", "wait_for_rows",
-           "delete_rows", "delete_and_read", "present_rows",
+           "delete_rows", "delete_and_read", "present_rows", "release_relay",
            "read_figures", "named_dsn", "dsn_database"]
 
 DEFAULT_SCHEMA = "dmq_outbox"
@@ -274,6 +274,12 @@ def read_rows(conn: psycopg.Connection, q: dict[str, str], schema: str, limit: i
 def _not_installed(schema: str, exc: psycopg.Error) -> str:
     return (f"{describe_error(exc)}: run `dmq outbox install --schema {schema}` on the application's database "
             "(an outbox installed before version 2 has no installation table, and gets it then)")
+
+
+def release_relay(conn: psycopg.Connection) -> None:
+    """End the session: the relay lock and the LISTEN go with it (a relay giving the
+    outbox up to the node ZooKeeper placed it on; the worker connects again when asked)."""
+    conn.close()
 
 
 def wait_for_rows(conn: psycopg.Connection, timeout: float) -> bool:

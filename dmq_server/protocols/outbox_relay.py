@@ -1,11 +1,13 @@
 """The outbox relay: committed rows of an application's outbox into dmq's topics, once.
 
 An edge like the TCP protocols: messages come in from outside (here an outbox table that
-``dmq outbox install`` created in an application's database, ``--outbox NAME=APP_DSN``)
-and go to the broker as publish values. Per outbox, one relay on one node at a time: it
-holds a session advisory lock in the application's database (``db.outbox.hold_relay``);
-when its connection or its node dies, the lock goes with it and another node's relay,
-trying every second, takes over.
+``dmq outbox install`` created in an application's database, named by ``--outbox
+NAME=APP_DSN`` or attached at run time with ``dmq outbox attach``, which ``OutboxRelays``
+follows) and go to the broker as publish values. Per outbox, one relay on one node at a
+time: it holds a session advisory lock in the application's database
+(``db.outbox.hold_relay``); when its connection or its node dies, the lock goes with it
+and another node's relay, trying every second, takes over. With ZooKeeper only the node
+holding the outbox's ZooKeeper lock tries (``OutboxRelay`` says why both locks).
 
 A cycle reads the next committed rows in id order (a batch) with the tag of the install
 they belong to (the producer they go as: ``core.outbox_rows``), asks dmq's database which
@@ -91,7 +93,7 @@ from dmq_server.db.outbox_ledger import DeadRow, Pair
 from dmq_server.db.worker import DbWorker
 from dmq_server.protocols.outbox_gauges import OutboxGauge
 
-__all__ = ["OutboxRelay", "OutboxRelays", "RelayDb"]
+__all__ = ["OutboxRelay", "OutboxRelays", "RelayDb", "RelayGate", "ZkOutboxes"]
 
 log = Logger()
 
@@ -108,6 +110,10 @@ STALE_CHECK = 10000
 # a row id above every other: all rows of the install may have a record
 MAX_ID = 2**63 - 1
 
+# with ZooKeeper: the seconds between two questions of the relaying node whether it still
+# holds the outbox's ZooKeeper lock (its cycles in between ask nothing)
+GATE_EVERY = 1.0
+
 
 class RelayDb(Protocol):
     """What the relay asks of a database connection: ``db.worker.DbWorker``'s calls."""
@@ -117,6 +123,23 @@ class RelayDb(Protocol):
     def stop(self) -> None: ...
 
     def run(self, fn: Callable[..., T], *args: object) -> Deferred[T]: ...
+
+
+class RelayGate(Protocol):
+    """Placement through ZooKeeper (``cluster.outboxes``: the outbox's kazoo Lock)."""
+
+    def hold(self) -> Deferred[bool]: ...
+
+    def release(self) -> Deferred[None]: ...
+
+
+class ZkOutboxes(Protocol):
+    """What the relays ask of a cluster node's ZooKeeper session (``cluster.outboxes``):
+    a gate per outbox, and a call whenever the attached outboxes change."""
+
+    def gate(self, name: str) -> RelayGate: ...
+
+    def watch(self, changed: Callable[[], None]) -> None: ...
 
 
 class _Batch:
@@ -135,7 +158,22 @@ class _Batch:
 
 class OutboxRelay:
     """One outbox's relay (see the module). ``app`` is a connection to the application's
-    database, ``dmq`` one to dmq's own (each a worker thread, autocommit)."""
+    database, ``dmq`` one to dmq's own (each a worker thread, autocommit).
+
+    ``gate`` (a cluster with ZooKeeper) places the relay: only the node holding the
+    outbox's ZooKeeper lock tries the advisory lock, so ZooKeeper shows which node relays
+    (``/dmq/outbox_relay/NAME``) and each outbox's relay goes to whichever node wins its
+    own lock, so several outboxes' relays spread over the nodes rather than all going to
+    the node whose tries happen to come first. Both locks, because neither alone is
+    enough. The advisory lock stays the fence: a delete runs only on the connection that
+    holds it (``db.outbox.delete_and_read``), and ZooKeeper's session and that connection
+    fail independently: a node whose ZooKeeper session expired may still be running a
+    cycle on its database connection, and a node whose database connection broke may
+    still hold its ZooKeeper session; the ZooKeeper lock alone would let two relays
+    delete, and the advisory lock alone says nothing to ZooKeeper. A node that finds it
+    no longer holds the ZooKeeper lock deletes what it stored, then ends its connection
+    (and the advisory lock with it), so the new holder takes over within a second or
+    two; ZooKeeper not answering changes nothing (the fence holds either way)."""
 
     def __init__(
         self,
@@ -150,6 +188,7 @@ class OutboxRelay:
         max_run: int = 500,
         poll: float = 1.0,
         retry: float = 1.0,
+        gate: RelayGate | None = None,
     ):
         self.source = source
         self.broker = broker
@@ -164,6 +203,9 @@ class OutboxRelay:
         self._max_run = max_run  # the group commit's batch: a longer run would be cut there
         self._poll = poll
         self._retry = retry
+        self._gate = gate
+        self._gated = False  # this node holds the outbox's ZooKeeper lock (as last asked)
+        self._gate_asked = 0.0  # when it was last asked
         self._running = False
         self._pid = 0  # the application database's backend holding the lock, 0: not this relay
         self._tag = ""  # the install's tag (its numbered rows' producer), as last read
@@ -208,10 +250,19 @@ class OutboxRelay:
         if loop is None:  # never started: nothing runs
             return succeed(None)
 
-        def stopped(_: None) -> None:
-            self._app.stop()
+        def stopped(_: None) -> Deferred[None]:
+            self._app.stop()  # its connection, and the advisory lock, end here
             for db in self._ledgers:
                 db.stop()
+            gate = self._gate
+            if gate is None or not self._gated:
+                return succeed(None)
+            self._gated = False
+            released = gate.release()  # another node's next try takes both locks
+            released.addErrback(lambda f: log.warn("outbox {name}: releasing its ZooKeeper lock failed "
+                                                   "(it goes with the session): {why}",
+                                                   name=self.source.name, why=f.getErrorMessage()))
+            return released
 
         return loop.addCallback(stopped)
 
@@ -259,9 +310,40 @@ class OutboxRelay:
         self._done = []
         self._ahead = None
 
+    async def _placed(self, gate: RelayGate) -> bool:
+        """Whether this node holds the outbox's ZooKeeper lock, asked at most once every
+        ``GATE_EVERY`` seconds while it does. A node that lost it gives the outbox up
+        (``_give_up``); ZooKeeper not answering leaves things as they were."""
+        now = self.clock.seconds()
+        if self._gated and now - self._gate_asked < GATE_EVERY:
+            return True
+        self._gate_asked = now
+        try:
+            gated = await gate.hold()
+        except Exception as exc:  # ZooKeeper away: the advisory lock fences all the same
+            log.warn("outbox {name}: ZooKeeper did not say who relays it ({why})", name=self.source.name, why=exc)
+            return self._gated
+        if not gated and self._pid:
+            await self._give_up()
+        self._gated = gated
+        return gated
+
+    async def _give_up(self) -> None:
+        """Another node holds the ZooKeeper lock: delete what was stored (only this
+        connection may), then end the connection, and the advisory lock with it."""
+        log.info("outbox {name}: this node no longer holds its ZooKeeper lock: it stops relaying",
+                 name=self.source.name)
+        await self._flush()
+        await self._app.run(outbox.release_relay)
+        self._pid = 0
+        self._lost()
+
     async def _cycle(self) -> None:
         name, schema = self.source.name, self.source.schema
         self._cycled_at = self.clock.seconds()
+        if self._gate is not None and not await self._placed(self._gate):
+            await self._sleep(self._retry)
+            return
         pid = await self._app.run(outbox.hold_relay, self._q, schema, self._pid)
         if not pid:
             if self._pid:
@@ -500,17 +582,23 @@ class OutboxRelays:
         self._again = False
         self._timer: Timer | None = None
         self._running = False
+        self._zk: ZkOutboxes | None = None
 
-    def start(self, broker: BrokerPort, dmq_dsn: str, registry: RelayDb | None = None) -> None:
+    def start(self, broker: BrokerPort, dmq_dsn: str, registry: RelayDb | None = None,
+              zk: ZkOutboxes | None = None) -> None:
         """Start the command line's relays and read the attached outboxes (on ``registry``,
-        a connection to dmq's database: a worker of its own unless given)."""
-        self._broker, self._dmq_dsn, self._running = broker, dmq_dsn, True
+        a connection to dmq's database: a worker of its own unless given). With ``zk`` (a
+        cluster node's), each relay is placed by its ZooKeeper lock, and a change of
+        ZooKeeper's ``/dmq/outbox`` reads the attached outboxes at once."""
+        self._broker, self._dmq_dsn, self._running, self._zk = broker, dmq_dsn, True, zk
         for source in self.sources:
             self._start_relay(source, attached=False)
         self._registry = registry or DbWorker(self._threads, dmq_dsn, "outbox-attached", autocommit=True,
                                               timeout=self._options.pg_timeout or None)
         self._registry.start()
         self.refresh()
+        if zk is not None:
+            zk.watch(self.refresh)
 
     def _start_relay(self, source: OutboxSource, *, attached: bool) -> None:
         options = self._options
@@ -527,7 +615,7 @@ class OutboxRelays:
         ]
         relay = OutboxRelay(source, _started(self._broker), self._clock, app, dmq, clusters=clusters,
                             batch=min(500, options.commit_batch_size), max_run=options.commit_batch_size,
-                            poll=poll)
+                            poll=poll, gate=self._zk.gate(source.name) if self._zk is not None else None)
         relay.node_id, relay.database, relay.attached = self.node_id, outbox.dsn_database(source.dsn), attached
         relay.start()
         self.relays.append(relay)
