@@ -113,6 +113,9 @@ MAX_ID = 2**63 - 1
 # with ZooKeeper: the seconds between two questions of the relaying node whether it still
 # holds the outbox's ZooKeeper lock (its cycles in between ask nothing)
 GATE_EVERY = 1.0
+# with ZooKeeper: cycles failing in a row (1 + 2 + 4 s of them) after which the relaying
+# node lets its ZooKeeper lock go, so that a node that does reach the databases may relay
+GATE_FAILURES = 3
 
 
 class RelayDb(Protocol):
@@ -173,7 +176,10 @@ class OutboxRelay:
     delete, and the advisory lock alone says nothing to ZooKeeper. A node that finds it
     no longer holds the ZooKeeper lock deletes what it stored, then ends its connection
     (and the advisory lock with it), so the new holder takes over within a second or
-    two; ZooKeeper not answering changes nothing (the fence holds either way)."""
+    two; ZooKeeper not answering changes nothing (the fence holds either way). A node
+    whose cycles keep failing (``GATE_FAILURES`` in a row: its way to a database broken
+    while other nodes may reach it) lets the ZooKeeper lock go, as a node without
+    ZooKeeper loses the advisory lock with its connection."""
 
     def __init__(
         self,
@@ -291,6 +297,8 @@ class OutboxRelay:
                 pause = min(self._retry * 2 ** failures, MAX_PAUSE)
                 failures += 1
                 log.warn("outbox {name}: {why}; trying again in {pause:g}s", name=name, why=exc, pause=pause)
+                if self._gate is not None and self._gated and failures >= GATE_FAILURES:
+                    await self._step_aside(self._gate, failures)
                 if self._running:
                     await self._sleep(pause)
         try:
@@ -337,6 +345,26 @@ class OutboxRelay:
         await self._app.run(outbox.release_relay)
         self._pid = 0
         self._lost()
+
+    async def _step_aside(self, gate: RelayGate, failures: int) -> None:
+        """Cycles keep failing here (this node's way to a database, say, while other nodes
+        reach it): end the connection (the advisory lock with it, when it still lives) and
+        let the ZooKeeper lock go, so that another node may relay; what this one stored and
+        did not delete is recorded, and the next holder deletes it without storing it again.
+        This node contends again at its next cycle."""
+        log.warn("outbox {name}: {failures} cycles failed in a row: this node lets its ZooKeeper lock go",
+                 name=self.source.name, failures=failures)
+        self._gated = False
+        self._pid = 0
+        self._lost()
+        try:
+            await self._app.run(outbox.release_relay)
+        except Exception:  # the connection is broken already: the advisory lock went with it
+            pass
+        try:
+            await gate.release()
+        except Exception as exc:  # it goes with the session
+            log.warn("outbox {name}: releasing its ZooKeeper lock failed: {why}", name=self.source.name, why=exc)
 
     async def _cycle(self) -> None:
         name, schema = self.source.name, self.source.schema

@@ -14,7 +14,8 @@ from twisted.internet.task import Clock, deferLater
 from dmq_server.core.outbox_rows import OutboxSource
 from dmq_server.core.publish import Published
 from dmq_server.db import outbox, outbox_ledger
-from dmq_server.protocols.outbox_relay import GATE_EVERY, OutboxRelay
+from dmq_server.db.storage_errors import StorageError
+from dmq_server.protocols.outbox_relay import GATE_EVERY, GATE_FAILURES, OutboxRelay
 
 from .test_outbox_relay_loop import TAG, Db, HeldBroker, Outbox, row
 
@@ -82,3 +83,24 @@ def test_only_the_gate_holder_relays_and_one_that_loses_it_deletes_then_lets_the
     stopped = relay.stop()
     clock.advance(1)
     assert stopped.called and gate.released == 1 and app.stopped
+
+
+def test_a_node_whose_cycles_keep_failing_lets_the_zookeeper_lock_go() -> None:
+    """Placed by ZooKeeper, a relay that cannot do its work (here its reads fail: this
+    node's way to the application's database) would hold the outbox for nobody: after
+    GATE_FAILURES cycles failed in a row it ends its connection and lets the ZooKeeper lock
+    go, and tries no more while another node holds it."""
+    clock, gate = Clock(), Gate()
+    app = Db({outbox.hold_relay: 42, outbox.read_tag: TAG, outbox.present_rows: set(), outbox.release_relay: None,
+              outbox.delete_and_read: StorageError("connection to the application's database lost")})
+    dmq = Db({outbox_ledger.recorded_rows: []})
+    relay = OutboxRelay(OutboxSource("shop", "dmq_outbox", "dbname=app"), HeldBroker(), clock, app, dmq, gate=gate)
+    relay.start()
+    clock.pump([1])  # failed at 0 and 1 s (the next try at 3 s)
+    assert app.count(outbox.delete_and_read) == 2 and gate.released == 0 and relay.relaying
+    clock.pump([1, 1])
+    assert app.count(outbox.delete_and_read) == GATE_FAILURES and gate.released == 1
+    assert app.count(outbox.release_relay) == 1 and not relay.relaying
+    tries = app.count(outbox.hold_relay)
+    clock.pump([1] * 10)  # another node holds it now
+    assert app.count(outbox.hold_relay) == tries
