@@ -120,18 +120,20 @@ def _without_comments(sql: str) -> str:
     return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
 
 
-# A batch holding outbox rows records them as it stores them (insert_outbox_messages): the
-# same first try without either ON CONFLICT, so a pair stored or recorded before is a
-# unique violation and the statement with both runs instead.
-_RECORD_CONFLICT = "ON CONFLICT (session_id, producer) DO NOTHING"
+# A batch holding outbox rows records them as it stores them (insert_outbox_messages: the
+# record first, and only the rows recorded now stored). The first try is
+# insert_new_messages recording the outbox rows it stored (record_new_stored): a pair stored
+# or recorded before is a unique violation, and insert_outbox_messages runs instead.
 INSERT_OUTBOX_MESSAGES = with_outbox_record(
     queries["insert_messages"], "), ins AS (",
     "WHERE EXISTS (SELECT FROM owner) AND topic IN (SELECT name FROM placed)",
     RECORDING["record_stored"], RECORDING["stored_if_recorded"])
 add_statement("insert_outbox_messages", INSERT_OUTBOX_MESSAGES)
-if INSERT_OUTBOX_MESSAGES.count(_RECORD_CONFLICT) != 1:
-    raise RuntimeError(f"sql/outbox/ledger.sql: record_stored must hold {_RECORD_CONFLICT!r} once")
-INSERT_NEW_OUTBOX_MESSAGES = INSERT_OUTBOX_MESSAGES.replace(_ON_CONFLICT, "").replace(_RECORD_CONFLICT, "")
+_ANSWER = "\n)\nSELECT id, producer, session_id, (SELECT published_ms FROM stamp)"
+if INSERT_NEW_MESSAGES.count(_ANSWER) != 1:
+    raise RuntimeError(f"sql/queries.sql: insert_messages must end its CTEs with {_ANSWER!r} once")
+INSERT_NEW_OUTBOX_MESSAGES = INSERT_NEW_MESSAGES.replace(
+    _ANSWER, f"\n), claimed AS (\n{_without_comments(RECORDING['record_new_stored'])}{_ANSWER}")
 add_statement("insert_new_outbox_messages", INSERT_NEW_OUTBOX_MESSAGES)
 # the producers of outbox rows (dmq_server.core.outbox_rows): the lowest such id sorts
 # first among them, so a sorted batch holds one if the first id not below it starts so

@@ -27,8 +27,8 @@ __all__ = ["RECORDING", "DeadRow", "relayed_before", "dead_letter_rows", "forget
 _QUERIES = load_queries(resources.files("dmq_sql").joinpath("outbox", "ledger.sql").read_text(encoding="utf-8"))
 # the parts db.messages and db.delays add to the group commit's storing statements for a
 # batch that holds outbox rows (insert_outbox_messages, insert_outbox_delayed)
-RECORDING = {name: _QUERIES[name] for name in ("record_stored", "stored_if_recorded", "record_delayed",
-                                                "delayed_if_recorded")}
+RECORDING = {name: _QUERIES[name] for name in ("record_stored", "stored_if_recorded", "record_new_stored",
+                                                "record_delayed", "delayed_if_recorded")}
 
 Pair = tuple[str, int]
 

@@ -292,6 +292,8 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("a repeat of a recorded outbox row is a resend", insert_messages_steps,
          lambda: ([_msg(OUTBOX, 2, "quiet"), _msg(OUTBOX, 3, "quiet")], NODE, OWNER + 1), same),
         ("sweep the outbox rows", sweep_messages_steps, lambda: (-60, 100), same),
+        ("a swept outbox row's repeat fails the fast insert (its record)", insert_new_steps,
+         lambda: ([_msg(OUTBOX, 1, "quiet"), _msg("r", 3, "quiet")], "insert_new_outbox_messages", OWNER + 1), same),
         ("a repeat of a swept outbox row is not stored", insert_messages_steps,
          lambda: ([_msg(OUTBOX, 1, "quiet"), _msg("r", 2, "quiet")], NODE, OWNER + 1),
          lambda out: [type(s).__name__ for s in out]),
@@ -632,5 +634,6 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert [s["duplicate"] for s in answers["outbox rows among others"]] == [False, False, False]
     assert answers["a recorded outbox row fails the fast insert"] == "unique violation"
     assert [s["duplicate"] for s in answers["a repeat of a recorded outbox row is a resend"]] == [True, False]
+    assert answers["a swept outbox row's repeat fails the fast insert (its record)"] == "unique violation"
     assert answers["a repeat of a swept outbox row is not stored"] == ["Misplaced", "StoredMessage"]
     assert answers["nothing of the repeat stored"] == [("r", 2)]
