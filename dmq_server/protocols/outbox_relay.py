@@ -90,6 +90,7 @@ from dmq_server.core.outbox_rows import (
 from dmq_server.core.publish import Published, new_request, new_send
 from dmq_server.db import outbox, outbox_attached, outbox_ledger
 from dmq_server.db.outbox_ledger import DeadRow, Pair
+from dmq_server.db.outage import Outage
 from dmq_server.db.worker import DbWorker
 from dmq_server.protocols.outbox_gauges import OutboxGauge
 
@@ -608,6 +609,8 @@ class OutboxRelays:
         self._shadowed: set[str] = set()  # attached names this node relays from its command line (warned once)
         self._reading: Deferred[None] | None = None
         self._again = False
+        # dmq's database failing for the read of the attached outboxes: one line per outage
+        self._outage = Outage("attached outboxes", clock)
         self._timer: Timer | None = None
         self._running = False
         self._zk: ZkOutboxes | None = None
@@ -696,8 +699,9 @@ class OutboxRelays:
         try:
             attached = await _started(self._registry).run(outbox_attached.attached)
         except Exception as exc:  # dmq's database: the relays running go on, read again later
-            log.warn("cannot read the attached outboxes: {why}", why=exc)
+            self._outage.failed(f"cannot read the attached outboxes: {exc}")
             return
+        self._outage.recovered()
         flagged = {source.name for source in self.sources}
         wanted = {source.name: source for source in attached if source.name not in flagged}
         for name in sorted({source.name for source in attached} & flagged - self._shadowed):
