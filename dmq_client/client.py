@@ -18,6 +18,8 @@ service embeds the client without the server's dependencies.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 import time
@@ -127,10 +129,8 @@ class MqClient:
         """
         if self.discovery is not None:
             self.discovery.use_topic(message.topic)
-        if confirm is None:
-            return self._producer.send(message, callback)
-        return self._producer.send(message, callback, confirm_ms=confirm_deadline_ms(confirm, confirm_timeout),
-                                   on_consumed=on_consumed)
+        confirm_ms = 0 if confirm is None else confirm_deadline_ms(confirm, confirm_timeout)
+        return self._producer.send(message, callback, confirm_ms=confirm_ms, on_consumed=on_consumed)
 
     def resend(
         self,
@@ -156,12 +156,11 @@ class MqClient:
         a ``LOST`` confirmation (the server watching it went), a resend through any server
         is answered as a duplicate and watched there (docs/protocol.md §4.14).
         """
-        m = result.message
-        retry = Message(m.topic, m.body, session_id=result.session_id, msg_type=m.msg_type, due_ms=m.due_ms)
-        if confirm is None:
-            return self._producer.send(retry, callback, resend=True, producer=result.producer or None)
+        # the same message (its properties too) under the first send's session id
+        retry = dataclasses.replace(result.message, session_id=result.session_id)
+        confirm_ms = 0 if confirm is None else confirm_deadline_ms(confirm, confirm_timeout)
         return self._producer.send(retry, callback, resend=True, producer=result.producer or None,
-                                   confirm_ms=confirm_deadline_ms(confirm, confirm_timeout), on_consumed=on_consumed)
+                                   confirm_ms=confirm_ms, on_consumed=on_consumed)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every send so far has had its result delivered."""

@@ -119,3 +119,20 @@ def test_a_message_recovered_from_the_journal_is_sent_again_with_its_properties(
             finish(q2, item)
     finally:
         q2.close()
+
+
+def test_a_resend_carries_the_message_with_its_properties(servers):
+    """``client.resend(result)`` sends the same message again: its key, priority and
+    headers too, under the first send's session id (it once rebuilt the message from
+    topic, body and delay only)."""
+    server = servers(features=PROPS, reply=lambda f: [Frame(Command.SEND_SERVER_ERROR, session_id=f.session_id,
+                                                            topic=f.topic, status="E_STORAGE down")])
+    with MqClient(config(server)) as client:
+        failed = client.send(Message("orders", b"x", key="order-7", priority=4, headers=HEADERS)).result(WAIT)
+        assert failed.status is Status.SERVER_ERROR
+        client.resend(failed).result(WAIT)
+    _, first = server.next(Command.UP_PRODUCER_SEND)
+    _, again = server.next(Command.UP_PRODUCER_RESEND)
+    assert again.session_id == first.session_id and again.status == first.status != ""
+    props = decode_properties(again.status)
+    assert (props.key, props.priority, dict(props.headers)) == ("order-7", 4, HEADERS)
