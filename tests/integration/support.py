@@ -47,6 +47,15 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def http_post(url: str, data: bytes, timeout: float = 10.0) -> tuple[int, str]:
+    """POST ``data``: the status and the body, an HTTP error's too (as ``http_get``)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def scrape_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
     """A server's ``/metrics`` as Prometheus' own parser reads it: (name, sorted labels)
     to value."""

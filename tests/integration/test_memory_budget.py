@@ -38,7 +38,7 @@ import pytest
 from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
 from dmq_server.core.nsq_wire import FRAME_MESSAGE, FRAME_RESPONSE, FrameReader, decode_message, encode_command
 
-from .support import NsqSocket, db_rows, http_get, scrape_metrics, wait_for
+from .support import NsqSocket, db_rows, http_get, http_post, scrape_metrics, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -90,17 +90,6 @@ class Writer:
     def settled(self, quiet: float = 2.0) -> bool:
         """Done, or blocked for ``quiet`` seconds (the server stopped reading)."""
         return not self.thread.is_alive() or time.monotonic() - self.last > quiet
-
-
-def http_post(url: str, data: bytes) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def register(dsn: str, topic: str, channel: str) -> None:
