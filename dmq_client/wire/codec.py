@@ -289,12 +289,14 @@ _CONSUMER_PUSH = int(Command.CONSUMER_PUSH)
 class PushEncoder:
     """The server's CONSUMER_PUSH, byte for byte what ``encode`` makes of
     ``Frame(CONSUMER_PUSH, session_id=..., message_id=..., topic=..., channel=...,
-    producer=..., timestamp_ms=..., attempts=..., body=...)``, without building a Frame.
+    producer=..., timestamp_ms=..., attempts=..., status=..., body=...)``, without building
+    a Frame.
 
     One goes out per delivery: with four channels, four per message. The names between
     the fixed fields and the body (topic, channel, producer, an empty status) repeat
     from push to push, so they are kept per (topic, channel, producer), and a push is
-    one struct call and one join.
+    one struct call and one join. A message's properties (``status``, not empty: see
+    ``dmq_client.wire.properties``) replace the empty status of the kept names.
     """
 
     _HEAD = struct.Struct(">I" + _FIXED.format.lstrip("<>!="))
@@ -304,16 +306,19 @@ class PushEncoder:
         self._tails: dict[tuple[str, str, str], bytes] = {}
 
     def __call__(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
-                 timestamp_ms: int, attempts: int, body: bytes) -> bytes:
-        return b"".join(self.parts(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body))
+                 timestamp_ms: int, attempts: int, body: bytes, status: str = "") -> bytes:
+        return b"".join(self.parts(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body,
+                                   status))
 
     def parts(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
-              timestamp_ms: int, attempts: int, body: bytes) -> tuple[bytes, bytes, bytes]:
+              timestamp_ms: int, attempts: int, body: bytes, status: str = "") -> tuple[bytes, bytes, bytes]:
         """The frame as (head, names, body), for a buffer that joins many frames at once:
         the body is then copied once, into the write, instead of twice."""
         tail = self._tails.get((topic, channel, producer))
         if tail is None:
             tail = self._tail(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body)
+        if status:
+            tail = self._with_status(tail, message_id, status)
         size = MIN_FRAME_SIZE - 5 + len(tail) + len(body)
         try:
             if size > 0xFFFFFFFF:
@@ -321,9 +326,19 @@ class PushEncoder:
             head = self._HEAD.pack(size, _CONSUMER_PUSH, 0, attempts, 0, session_id, message_id,
                                    timestamp_ms, 0)
         except struct.error:
-            self._refuse(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body)
+            self._refuse(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body, status)
             raise
         return head, tail, body
+
+    @staticmethod
+    def _with_status(tail: bytes, message_id: int, status: str) -> bytes:
+        try:
+            raw = status.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FrameError("E_INVALID", "status is not valid Unicode text") from None
+        if len(raw) > STATUS_MAX_LENGTH:  # properties are refused past the bound, never cut as a description
+            raise FrameError("E_INVALID", f"properties of message {message_id} are over {STATUS_MAX_LENGTH} bytes")
+        return b"".join((tail[:-2], _U16.pack(len(raw)), raw))
 
     def _tail(self, message_id: int, session_id: int, producer: str, topic: str, channel: str,
               timestamp_ms: int, attempts: int, body: bytes) -> bytes:
@@ -340,11 +355,11 @@ class PushEncoder:
 
     @staticmethod
     def _refuse(message_id: int, session_id: int, producer: str, topic: str, channel: str,
-                timestamp_ms: int, attempts: int, body: bytes) -> None:
+                timestamp_ms: int, attempts: int, body: bytes, status: str = "") -> None:
         """Raise the FrameError ``encode`` gives for these values (the layout cannot hold one)."""
         encode(Frame(Command.CONSUMER_PUSH, session_id=session_id, message_id=message_id, topic=topic,
                      channel=channel, producer=producer, timestamp_ms=timestamp_ms, attempts=attempts,
-                     body=body))
+                     status=status, body=body))
 
 
 def _explain_encode_failure(frame: Frame) -> None:

@@ -159,11 +159,20 @@ def _check_key(key: object) -> None:
         raise PropertiesError("key is not a text")
     if not key:
         raise PropertiesError("key is empty (leave it out for a message without a key)")
-    size = len(key.encode("utf-8"))
+    size = _utf8_size(key, "key")
     if size > KEY_MAX_BYTES:
         raise PropertiesError(f"key is {size} bytes (at most {KEY_MAX_BYTES})")
     if _CONTROL_RE.search(key):
         raise PropertiesError("key holds a control character")
+
+
+def _utf8_size(text: str, what: str) -> int:
+    """``text``'s size in UTF-8; a lone surrogate (JSON's ``\\ud800`` decodes to one) is
+    no character of UTF-8, and PostgreSQL would refuse it with the whole batch."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise PropertiesError(f"{what} holds a lone surrogate (not UTF-8)") from None
 
 
 def _check_priority(priority: object) -> None:
@@ -183,7 +192,7 @@ def _check_headers(headers: Mapping[str, object]) -> None:
                 "(a-z, 0-9, then also . _ -)")
         if not isinstance(value, str):
             raise PropertiesError(f"header {name!r} is not a text")
-        size = len(value.encode("utf-8"))
+        size = _utf8_size(value, f"header {name!r}")
         if size > HEADER_VALUE_MAX_BYTES:
             raise PropertiesError(f"header {name!r} is {size} bytes (at most {HEADER_VALUE_MAX_BYTES})")
         if _CONTROL_RE.search(value):

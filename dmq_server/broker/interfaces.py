@@ -98,6 +98,8 @@ class PushedMessage(Protocol):
     def published_ms(self) -> int: ...
     @property
     def body(self) -> bytes: ...
+    @property
+    def status(self) -> str: ...  # its properties' wire text, "" for none
 
 
 class Pushed(Protocol):

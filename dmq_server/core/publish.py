@@ -14,8 +14,11 @@ a batch, the choice of store and the checks of a send exist once.
 A request carries its messages in one of two forms, whichever its edge has at no cost:
 ``bodies``, which the broker numbers (NSQ and HTTP publishers have no ids of their own;
 one time for all), or ``sends``, each with its producer's own session id, time and
-resend flag (the dmq protocol). Headers and a key, when a later issue adds them, are
-one more optional keyword field on ``Send`` and on the request; nothing is positional.
+resend flag (the dmq protocol). A send's properties (key, priority, headers:
+``dmq_client.wire.properties``) are two more keyword fields of ``Send``: the decoded value,
+whose fields are three more columns, and the wire text it came as, which the message's
+pushes repeat without encoding it again. A send without properties has the defaults,
+and the group commit stores it exactly as before they existed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 from dmq_client.spelling import MAX_TIME_MS
 from dmq_client.wire import valid_name
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 
 from dmq_server.core.errors import DmqError, Invalid
 
@@ -49,13 +53,17 @@ class Send:
     # False for a plain dmq SEND: refused if its (producer, session id) is already
     # stored, since answering with the stored row would ack a message never stored.
     resend: bool = True
+    # key, priority and headers (checked where the send came in: a value here never fails
+    # a batch), and their wire text ("" for none), which every push of the message repeats
+    properties: Properties = NO_PROPERTIES
+    status: str = ""
 
 
 _new = object.__new__
 
 
 def new_send(*, topic: str, producer: str, session_id: int, body: bytes, produced_ms: int = 0,
-             resend: bool = True) -> Send:
+             resend: bool = True, properties: Properties = NO_PROPERTIES, status: str = "") -> Send:
     """``Send(...)`` for the paths run once a message: the same value from the same
     keywords, without the dict CPython 3.11 builds to pass keywords to a class (a
     quarter of a microsecond a send; bench/message_cost.py). A field added to ``Send``
@@ -67,6 +75,8 @@ def new_send(*, topic: str, producer: str, session_id: int, body: bytes, produce
     send.body = body
     send.produced_ms = produced_ms
     send.resend = resend
+    send.properties = properties
+    send.status = status
     return send
 
 

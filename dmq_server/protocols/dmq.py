@@ -40,6 +40,7 @@ from dmq_client.wire import (
     unpack_ids,
 )
 from dmq_client.wire.codec import MIN_FRAME_SIZE, PushEncoder, SendReplyEncoder
+from dmq_client.wire.properties import PropertiesError, decode_properties
 
 from dmq_server.broker.interfaces import BrokerPort, ChannelRef, Pushed
 from dmq_server.core.auth import PUBLISH, SUBSCRIBE, AuthState
@@ -158,6 +159,7 @@ class DmqSubscription:
                     message.published_ms,
                     attempts if attempts < 0xFFFF else 0xFFFF,
                     message.body,
+                    message.status,
                 )
             except FrameError as error:  # this copy only: it stays in flight and times out
                 log.error("message {id} of {topic}/{channel} cannot be pushed: {error}", id=message.message_id,
@@ -463,6 +465,8 @@ class DmqConnection:
         topic, producer = frame.topic, frame.producer
         send = Send(topic=topic, producer=producer, session_id=frame.session_id, body=frame.body,
                     produced_ms=frame.timestamp_ms, resend=frame.command == Command.UP_PRODUCER_RESEND)
+        if frame.status and not self._read_properties(frame, send):
+            return
         request = PublishRequest(topic=topic, producer=producer, sends=[send],
                                  due_ms=frame.due_ms if frame.msg_type == MessageType.DELAY else None)
         self.broker.publish(request, self._answer_send(frame))
@@ -476,7 +480,6 @@ class DmqConnection:
         again, or refuses, goes send by send, so each send waits or is refused as it
         would be alone."""
         first = frames[0]
-        self.flow.sends_started(len(frames), sum([len(frame.body) for frame in frames]))
         resend = Command.UP_PRODUCER_RESEND
         topic, producer = first.topic, first.producer
         sends = [
@@ -484,10 +487,31 @@ class DmqConnection:
                      produced_ms=frame.timestamp_ms, resend=frame.command == resend)
             for frame in frames
         ]
+        if any([frame.status for frame in frames]):  # properties: each read, a refused one answered alone
+            kept = [(frame, send) for frame, send in zip(frames, sends)
+                    if not frame.status or self._read_properties(frame, send)]
+            if not kept:
+                return
+            frames, sends = [frame for frame, _ in kept], [send for _, send in kept]
+        self.flow.sends_started(len(frames), sum([len(frame.body) for frame in frames]))
         self.broker.publish_each(
             new_request(topic=topic, producer=producer, sends=sends),
             lambda start, outcomes: self._answer_run(frames, start, outcomes),
         )
+
+    def _read_properties(self, frame: Frame, send: Send) -> bool:
+        """A send's properties (its ``status``: ``dmq_client.wire.properties``), read into
+        ``send``; False when they break a rule, the send then answered ``SEND_INVALID_ACK``
+        with ``E_BAD_PROPERTIES`` and the rule, and nothing else of its read refused. Strict:
+        a field this server does not know is refused, since the client sent it to be kept."""
+        try:
+            properties = decode_properties(frame.status)
+        except PropertiesError as error:
+            self.queue_write(self._send_reply(
+                Command.SEND_INVALID_ACK, frame.session_id, 0, frame.topic, frame.producer, error.status()))
+            return False
+        send.properties, send.status = properties, frame.status
+        return True
 
     def _answer_send(self, frame: Frame) -> Callable[[Published | BaseException], None]:
         """The send counted until answered (backpressure, dmq_server.protocols.flow), and

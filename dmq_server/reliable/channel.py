@@ -58,6 +58,9 @@ class ReliableMessage:
     published_ms: int
     body: bytes = field(repr=False)
     owner: int = 0  # the incarnation that stored it: its cursor is (topic, channel, owner)
+    # its properties as its pushes carry them (``Send.status``; "" for none), read from the
+    # store as ``BacklogRow.status``
+    status: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -410,7 +413,7 @@ class ReliableChannel:
     def _enqueue_row(self, row: BacklogRow) -> None:
         message = ReliableMessage(
             row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
-            getattr(row, "owner", 0),
+            getattr(row, "owner", 0), getattr(row, "status", ""),
         )
         self._enqueue(Delivery(message, attempts=row.attempts))
 

@@ -519,7 +519,7 @@ class ReliableStore:
                     stored_now += 1
                     message = ReliableMessage(
                         stored.message_id, send.topic, send.producer, send.session_id, stored.published_ms,
-                        send.body, owner,
+                        send.body, owner, send.status,
                     )
                     arrived.append((message, stored.channels))  # to its channels: _hand_on
                 elif not send.resend:

@@ -693,17 +693,29 @@ def test_importing_wire_pulls_in_no_io_libraries():
 
 @SLOW
 @given(st.lists(st.tuples(i64, i64, ascii_names, ascii_names, ascii_names, i64, st.integers(0, 0xFFFF),
-                          st.binary(max_size=300)), max_size=20))
+                          st.binary(max_size=300), st.sampled_from(["", "", '{"key":"k"}', '{"key":"é","priority":9}'])),
+                max_size=20))
 def test_pushes_are_what_encode_makes_of_the_frame(pushes):
     """The server's shortcut for CONSUMER_PUSH gives encode's bytes exactly, whether its
-    cached names are fresh or reused (the same encoder makes the whole list twice)."""
+    cached names are fresh or reused (the same encoder makes the whole list twice), with a
+    message's properties in the status or none."""
     push = PushEncoder()
-    for message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body in pushes + pushes:
+    for message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body, status in pushes + pushes:
         expected = encode(
             Frame(Command.CONSUMER_PUSH, session_id=session_id, message_id=message_id, topic=topic,
-                  channel=channel, producer=producer, timestamp_ms=timestamp_ms, attempts=attempts, body=body)
+                  channel=channel, producer=producer, timestamp_ms=timestamp_ms, attempts=attempts, status=status,
+                  body=body)
         )
-        assert push(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body) == expected
+        assert push(message_id, session_id, producer, topic, channel, timestamp_ms, attempts, body, status) == expected
+        (decoded,) = FrameDecoder().feed(expected)
+        assert decoded.status == status
+
+
+def test_a_push_refuses_properties_past_the_bound_instead_of_cutting_them():
+    push = PushEncoder()
+    with pytest.raises(FrameError) as info:
+        push(1, 1, "p", "t", "c", 0, 1, b"x", "k" * (STATUS_MAX_LENGTH + 1))
+    assert info.value.code == "E_INVALID" and "over 4096 bytes" in info.value.message
 
 
 @pytest.mark.parametrize(

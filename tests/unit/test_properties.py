@@ -104,6 +104,10 @@ def test_reserved_headers_that_keep_their_shape_pass():
         ('{"headers": ["a"]}', "headers are not a JSON object"),
         ('{"headers": {"a": 1}}', "header 'a' is not a text"),
         ('{"ttl": 5}', "unknown property field 'ttl'"),
+        # JSON escapes a lone surrogate, which no UTF-8 (nor PostgreSQL) holds
+        ('{"key": "\\ud800"}', "key holds a lone surrogate"),
+        ('{"headers": {"a": "x\\udc00"}}', "header 'a' holds a lone surrogate"),
+        ('{"priority": true}', "priority is not an integer"),
         ('{"key": "' + "k" * STATUS_MAX_LENGTH + '"}', "bytes encoded (at most 4096)"),
     ],
 )

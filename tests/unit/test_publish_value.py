@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from dmq_client.wire.properties import Properties
 from dmq_server.core.errors import Invalid
 from dmq_server.core.publish import PublishRequest, Send, check_request, new_request, new_send
 
@@ -14,7 +15,8 @@ from dmq_server.core.publish import PublishRequest, Send, check_request, new_req
 def _each_field_distinct(cls: type) -> dict:
     """A value for every field of ``cls``, each different from its default."""
     values = {"topic": "t", "producer": "p", "session_id": 7, "body": b"b", "produced_ms": 5, "resend": False,
-              "bodies": [b"x"], "sends": [], "due_ms": 9, "create_fast": True}
+              "bodies": [b"x"], "sends": [], "due_ms": 9, "create_fast": True,
+              "properties": Properties(key="k", priority=3), "status": '{"key":"k","priority":3}'}
     missing = {f.name for f in fields(cls)} - set(values)
     assert not missing, f"give the new fields of {cls.__name__} a test value: {missing}"
     return {f.name: values[f.name] for f in fields(cls)}
@@ -31,7 +33,7 @@ def test_the_fast_constructors_set_every_field_as_the_class_does(cls, fast):
 
 
 def test_no_field_is_positional():
-    """Headers and a key will be added as named optional fields: nothing positional."""
+    """Fields are added by name (as the properties were): nothing positional."""
     with pytest.raises(TypeError):
         Send("t", "p", 1, b"b")  # type: ignore[misc]
     with pytest.raises(TypeError):
