@@ -184,6 +184,10 @@ class _Message:
     body: bytes = field(repr=False)
     owner: int = 0
     channel: str | None = None  # stored for one channel only (a replay)
+    # its properties (schema 16): as PostgreSQL's row answers them (headers: jsonb's dict)
+    key: str | None = None
+    priority: int = 0
+    headers: dict[str, str] | None = None
 
 
 @dataclass
