@@ -506,17 +506,20 @@ SELECT fragment, count(*) AS pending, min(due_ms) AS next_due_ms, max(due_ms) AS
 FROM dmq_delay GROUP BY fragment ORDER BY fragment;
 
 -- name: insert_dead_letters
--- Record a batch of dead letters (rate limited sends, client reports).
+-- Record a batch of dead letters (rate limited sends, client reports), each with its
+-- message's properties (key, priority, headers: the headers as JSON texts, NULL for none).
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
-                             attempts, body, published_at)
+                             attempts, body, published_at, key, priority, headers)
 SELECT u.reason, u.detail, u.topic, u.channel, u.producer, u.session_id, u.message_id,
        u.attempts, u.body,
-       CASE WHEN u.published_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(u.published_ms / 1000.0) END
+       CASE WHEN u.published_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(u.published_ms / 1000.0) END,
+       u.key, u.priority, u.headers::jsonb
 FROM unnest(%(reasons)s::text[], %(details)s::text[], %(topics)s::text[], %(channels)s::text[],
             %(producers)s::text[], %(session_ids)s::bigint[], %(message_ids)s::bigint[],
-            %(attempts)s::integer[], %(bodies)b::bytea[], %(published_ms)s::bigint[])
+            %(attempts)s::integer[], %(bodies)b::bytea[], %(published_ms)s::bigint[],
+            %(keys)s::text[], %(priorities)s::smallint[], %(headers)s::text[])
      WITH ORDINALITY AS u(reason, detail, topic, channel, producer, session_id, message_id,
-                          attempts, body, published_ms, ord)
+                          attempts, body, published_ms, key, priority, headers, ord)
 ORDER BY u.ord
 RETURNING id;
 
@@ -534,9 +537,10 @@ WHERE u.message_id > coalesce(k.floor, ch.start_id) AND NOT coalesce(k.done @> u
 ON CONFLICT (topic, channel, message_id) DO UPDATE SET attempts = greatest(a.attempts, EXCLUDED.attempts);
 
 -- name: exhaust_deliveries
--- Copies that used up their topic's max attempts become dead letters and are done for
--- their channel (a copy already done is left alone: one dead letter per copy). In a
--- cluster (``fenced``) only for cursors the proposing node still holds, as ack_deliveries:
+-- Copies that used up their topic's max attempts become dead letters, with the message's
+-- key, priority and headers, and are done for their channel (a copy already done is left
+-- alone: one dead letter per copy). In a cluster (``fenced``) only for cursors the
+-- proposing node still holds, as ack_deliveries:
 -- a node that woke after its copies were taken over must not dead-letter what another
 -- node now delivers.
 WITH input AS (
@@ -563,10 +567,10 @@ WITH input AS (
     RETURNING a.topic, a.channel, a.message_id, a.attempts
 )
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
-                             attempts, body, published_at)
+                             attempts, body, published_at, key, priority, headers)
 SELECT 'max_attempts', 'delivered ' || greatest(f.attempts, coalesce(kp.attempts, 0)) || ' times without acknowledgement',
        f.topic, f.channel, m.producer, m.session_id, m.id, greatest(f.attempts, coalesce(kp.attempts, 0)),
-       m.body, m.published_at
+       m.body, m.published_at, m.key, m.priority, m.headers
 FROM moved f
 JOIN dmq_message m ON m.id = f.message_id
 LEFT JOIN kept kp ON kp.topic = f.topic AND kp.channel = f.channel AND kp.message_id = f.message_id
@@ -587,9 +591,10 @@ WHERE EXISTS (SELECT 1 FROM dmq_message m
 ON CONFLICT (topic, channel, owner) DO NOTHING;
 
 -- name: expire_deliveries
--- Copies not acknowledged within their topic's time to live -> dead letters, done for
--- their channel (bounded batch; the cursors are locked SKIP LOCKED, so two nodes sweeping
--- at once, or an ack batch under way, split the work instead of doing it twice).
+-- Copies not acknowledged within their topic's time to live -> dead letters, with the
+-- message's key, priority and headers, done for their channel (bounded batch; the cursors
+-- are locked SKIP LOCKED, so two nodes sweeping at once, or an ack batch under way, split
+-- the work instead of doing it twice).
 WITH locked AS MATERIALIZED (
     SELECT k.topic, k.channel, k.owner, k.floor, k.done, t.ttl_ms, c.start_id
     FROM dmq_cursor k
@@ -598,10 +603,10 @@ WITH locked AS MATERIALIZED (
     FOR UPDATE OF k SKIP LOCKED
 ), expired AS MATERIALIZED (
     SELECT l.topic, l.channel, l.owner, l.ttl_ms, m.id AS message_id, m.producer, m.session_id,
-           m.body, m.published_at
+           m.body, m.published_at, m.key, m.priority, m.headers
     FROM locked l
     CROSS JOIN LATERAL (
-        SELECT m.id, m.producer, m.session_id, m.body, m.published_at
+        SELECT m.id, m.producer, m.session_id, m.body, m.published_at, m.key, m.priority, m.headers
         FROM dmq_message m
         WHERE hashtext(m.topic) = hashtext(l.topic) AND m.topic = l.topic AND m.owner = l.owner
           AND m.id > greatest(l.floor, l.start_id)
@@ -624,10 +629,10 @@ WITH locked AS MATERIALIZED (
     RETURNING a.topic, a.channel, a.message_id, a.attempts
 )
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
-                             attempts, body, published_at)
+                             attempts, body, published_at, key, priority, headers)
 SELECT 'expired', 'not acknowledged within the topic''s time to live of ' || e.ttl_ms || ' ms',
        e.topic, e.channel, e.producer, e.session_id, e.message_id, coalesce(kp.attempts, 0), e.body,
-       e.published_at
+       e.published_at, e.key, e.priority, e.headers
 FROM expired e
 LEFT JOIN kept kp ON kp.topic = e.topic AND kp.channel = e.channel AND kp.message_id = e.message_id
 RETURNING topic, channel, message_id;
@@ -646,13 +651,14 @@ RETURNING topic, channel, message_id;
   AND (%(replayed)s::boolean IS NULL OR (replayed_at IS NOT NULL) = %(replayed)s::boolean)
 
 -- name: list_dead_letters
--- Dead letters matching the filters (each NULL filter matches all), after a keyset cursor.
+-- Dead letters matching the filters (each NULL filter matches all), after a keyset cursor,
+-- with their message's properties.
 SELECT id, reason, detail, topic, channel, producer, session_id, message_id, attempts,
        length(body) AS size,
        (extract(epoch FROM published_at) * 1000)::bigint AS published_ms,
        (extract(epoch FROM dead_at) * 1000)::bigint AS dead_ms,
        (extract(epoch FROM replayed_at) * 1000)::bigint AS replayed_ms,
-       replay_message_id
+       replay_message_id, key, priority, headers
 FROM dmq_dead_letter
 WHERE /*dead_letter_filter*/
   AND id > %(after)s
@@ -666,13 +672,13 @@ FROM dmq_dead_letter
 WHERE /*dead_letter_filter*/;
 
 -- name: show_dead_letter
--- One dead letter with its body.
+-- One dead letter with its properties and its body.
 SELECT id, reason, detail, topic, channel, producer, session_id, message_id, attempts,
        length(body) AS size,
        (extract(epoch FROM published_at) * 1000)::bigint AS published_ms,
        (extract(epoch FROM dead_at) * 1000)::bigint AS dead_ms,
        (extract(epoch FROM replayed_at) * 1000)::bigint AS replayed_ms,
-       replay_message_id, body
+       replay_message_id, key, priority, headers, body
 FROM dmq_dead_letter WHERE id = %(id)s;
 
 -- name: replay_dead_letters
@@ -682,7 +688,8 @@ FROM dmq_dead_letter WHERE id = %(id)s;
 -- second replay of the same dead letter a no-op even if the mark were lost. Returns
 -- the highest id looked at (the next cursor) and how many were queued. The dead letters
 -- of a topic placed on another cluster (moved away) are left: queued here, they would
--- be stored where no channel of the topic drains.
+-- be stored where no channel of the topic drains. The queued row keeps the letter's key,
+-- priority and headers, which move_due gives the message it stores.
 WITH picked AS MATERIALIZED (
     SELECT id FROM dmq_dead_letter
     WHERE /*dead_letter_filter*/
@@ -696,12 +703,12 @@ WITH picked AS MATERIALIZED (
 ), marked AS (
     UPDATE dmq_dead_letter dl SET replayed_at = now()
     FROM picked WHERE dl.id = picked.id
-    RETURNING dl.id, dl.topic, dl.channel, dl.body
+    RETURNING dl.id, dl.topic, dl.channel, dl.body, dl.key, dl.priority, dl.headers
 ), queued AS (
     INSERT INTO dmq_delay (fragment, due_ms, topic, channel, producer, session_id, replay_of,
-                           node_id, body)
+                           node_id, body, key, priority, headers)
     SELECT 1 + mod(m.id, %(fragments)s), %(now_ms)s, m.topic, m.channel, 'dmq-replay', m.id, m.id,
-           %(node_id)s, m.body
+           %(node_id)s, m.body, m.key, m.priority, m.headers
     FROM marked m
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id

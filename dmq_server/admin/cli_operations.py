@@ -105,13 +105,18 @@ def _print_letters(rows: list[dict], as_json: bool) -> None:
     if not rows:
         print("no dead letters match")
         return
-    print("id\treason\ttopic/channel\tproducer:session\tmessage\tattempts\tdead at (UTC)\treplayed")
+    print("id\treason\ttopic/channel\tproducer:session\tmessage\tattempts\tdead at (UTC)\treplayed"
+          "\tkey\tpriority\theaders")
     for r in rows:
         dead = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["dead_ms"] / 1000)) if r["dead_ms"] else "-"
         replayed = f"-> {r['replay_message_id'] or 'queued'}" if r["replayed_ms"] else "-"
+        # the message's properties (no control characters in them: a tab cannot shift a column)
+        key = r["key"] if r["key"] is not None else "-"
+        headers = json.dumps(r["headers"], ensure_ascii=False, separators=(",", ":")) if r["headers"] else "-"
         print(
             f"{r['id']}\t{r['reason']}\t{r['topic']}/{r['channel'] or '*'}\t"
             f"{r['producer']}:{r['session_id']}\t{r['message_id'] or '-'}\t{r['attempts']}\t{dead}\t{replayed}"
+            f"\t{key}\t{r['priority']}\t{headers}"
         )
 
 
@@ -322,7 +327,7 @@ def add_admin_commands(sub: Any) -> None:
     lst.add_argument("--limit", default="100", help="at most this many (default 100)")
     lst.add_argument("--after", type=int, default=0, metavar="ID", help="only ids above this (paging)")
     lst.add_argument("--json", action="store_true")
-    show = dsub.add_parser("show", help="one dead letter with its body")
+    show = dsub.add_parser("show", help="one dead letter with its key, priority, headers and body")
     show.add_argument("id", type=int)
     for action, text in (("replay", "put dead letters back into the reliable flow, each for its channel"),
                          ("delete", "remove dead letters")):

@@ -37,6 +37,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from dmq_client.spelling import parse_time_ms
+from dmq_client.wire.properties import Properties, PropertiesError
 from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
@@ -316,8 +317,30 @@ def report_letter(params: Mapping[str, object]) -> NewDeadLetter:
     if not isinstance(detail, str):
         raise Invalid("report: detail must be a string")
     return NewDeadLetter(
-        "client_reported", topic, producer, session_id, raw, detail=detail or "reported by the client"
+        "client_reported", topic, producer, session_id, raw, detail=detail or "reported by the client",
+        properties=_report_properties(params),
     )
+
+
+def _report_properties(params: Mapping[str, object]) -> Properties:
+    """A report's ``key``, ``priority`` and ``headers`` (each optional), checked by the
+    rules a send's are: the letter's replay sends them again, so they must be ones a
+    server accepts."""
+    key = params.get("key")
+    if key is not None and not isinstance(key, str):
+        raise Invalid("report: key must be a string")
+    priority = params.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise Invalid("report: priority must be an integer")
+    headers = params.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise Invalid("report: headers must be a JSON object of names to texts")
+    props = Properties(key, priority, headers)
+    try:
+        props.check()
+    except PropertiesError as exc:
+        raise Invalid(f"report: {exc}") from None
+    return props
 
 
 # -- the server's facade -------------------------------------------------------------

@@ -606,7 +606,7 @@ class Broker:
         letter = NewDeadLetter(
             "rate_limited", spec.name, send.producer, send.session_id, send.body,
             detail=f"over the topic's rate limit of {spec.rate_limit}/s",
-            published_ms=send.produced_ms,
+            published_ms=send.produced_ms, properties=send.properties,
         )
         store.dead_letters.record(letter, recorded)
 

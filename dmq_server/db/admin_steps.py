@@ -53,9 +53,13 @@ def _letter(row: tuple, with_body: bool = False) -> dict:
         "dead_ms": row[11],
         "replayed_ms": row[12],
         "replay_message_id": row[13],
+        # the message's properties, kept with the letter and given back by its replay
+        "key": row[14],
+        "priority": row[15],
+        "headers": row[16],
     }
     if with_body:
-        body = bytes(row[14])
+        body = bytes(row[17])
         try:
             out["body"] = body.decode("utf-8")
             out["body_encoding"] = "utf-8"

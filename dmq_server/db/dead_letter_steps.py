@@ -8,10 +8,13 @@ How messages get there (the broker's sink, its batchers and sweep) is
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import psycopg
+
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 
@@ -41,6 +44,15 @@ class NewDeadLetter:
     message_id: int | None = None
     attempts: int = 0
     published_ms: int = 0
+    # the message's key, priority and headers (``Send.properties``, a report's): kept with
+    # the letter, so that its replay is the message as it was sent
+    properties: Properties = NO_PROPERTIES
+
+
+def _headers_text(props: Properties) -> str | None:
+    """``props``' headers as the JSON text a statement casts to jsonb (NULL for none: one
+    spelling of "no headers", as the migration says)."""
+    return json.dumps(dict(props.headers), ensure_ascii=False, separators=(",", ":")) if props.headers else None
 
 
 @dataclass(slots=True)
@@ -73,6 +85,9 @@ def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "")
             "attempts": [d.attempts for d in batch],
             "bodies": [d.body for d in batch],
             "published_ms": [d.published_ms for d in batch],
+            "keys": [d.properties.key for d in batch],
+            "priorities": [d.properties.priority for d in batch],
+            "headers": [_headers_text(d.properties) for d in batch],
         },
     )
     return [r[0] for r in rows]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypedDict, TypeVar
@@ -71,6 +72,14 @@ _MAX_MS = 253402300799999
 def _relayed_here(producer: str) -> bool:
     """An outbox row that insert_outbox_messages records (its producer's test there)."""
     return producer.startswith("outbox:") and not producer.endswith(":delayed")
+
+
+def _jsonb_object(text: str) -> dict[str, str]:
+    """A JSON object's text as PostgreSQL's jsonb answers it: a name given twice keeps
+    its last value, and the names come shortest first, then in byte order (jsonb's
+    storage order; a message's status is encoded from this order)."""
+    fields = json.loads(text)
+    return {name: fields[name] for name in sorted(fields, key=lambda n: (len(n.encode()), n.encode()))}
 
 
 def _ms_or_none(ms: int | None) -> int | None:
@@ -141,6 +150,9 @@ class _DeadLetter(TypedDict):  # dmq_dead_letter
     dead_ms: int
     replayed_ms: int | None
     replay_message_id: int | None
+    key: str | None  # the message's properties (schema 16; headers: jsonb's dict)
+    priority: int
+    headers: dict[str, str] | None
 
 
 @dataclass(frozen=True)
@@ -953,25 +965,27 @@ class MemoryDb:
 
     def _insert_dead_letters(self, p: dict) -> list[tuple]:
         columns = ("reasons", "details", "topics", "channels", "producers", "session_ids", "message_ids",
-                   "attempts", "bodies", "published_ms")
+                   "attempts", "bodies", "published_ms", "keys", "priorities", "headers")
         rows = []
         for values in zip(*(p[c] for c in columns)):
             letter = dict(zip(("reason", "detail", "topic", "channel", "producer", "session_id", "message_id",
-                               "attempts", "body", "published_ms"), values))
+                               "attempts", "body", "published_ms", "key", "priority", "headers"), values))
             letter["published_ms"] = _ms_or_none(letter["published_ms"])
+            letter["headers"] = None if letter["headers"] is None else _jsonb_object(letter["headers"])
             rows.append((self._add_letter(**letter),))
         return rows
 
     def _add_letter(self, reason: str, detail: str, topic: str, channel: str | None, producer: str,
                     session_id: int | None, body: bytes, message_id: int | None = None, attempts: int = 0,
-                    published_ms: int | None = None) -> int:
-        """A dmq_dead_letter row, dead now; its id."""
+                    published_ms: int | None = None, key: str | None = None, priority: int = 0,
+                    headers: dict[str, str] | None = None) -> int:
+        """A dmq_dead_letter row, dead now, with its message's properties; its id."""
         letter_id = next(self._ids)
         self.dead_letters[letter_id] = {
             "id": letter_id, "reason": reason, "detail": detail, "topic": topic, "channel": channel,
             "producer": producer, "session_id": session_id, "message_id": message_id, "attempts": attempts,
             "body": bytes(body), "published_ms": published_ms, "dead_ms": self._now_ms(), "replayed_ms": None,
-            "replay_message_id": None,
+            "replay_message_id": None, "key": key, "priority": priority, "headers": headers,
         }
         return letter_id
 
@@ -1009,7 +1023,8 @@ class MemoryDb:
             self._cursor(key[0], key[1], owner, p["holder"]).merge(0, [(m.id, m.id)])
             tries = max(self.attempts.pop(key, 0), attempts)
             self._add_letter("max_attempts", f"delivered {tries} times without acknowledgement", key[0], key[1],
-                             m.producer, m.session_id, m.body, m.id, tries, m.published_ms)
+                             m.producer, m.session_id, m.body, m.id, tries, m.published_ms, m.key, m.priority,
+                             m.headers)
             rows.append(key)
         return rows
 
@@ -1110,7 +1125,8 @@ class MemoryDb:
             m = self.messages[message_id]
             self._add_letter("expired", f"not acknowledged within the topic's time to live of {ttl} ms", topic,
                              channel, m.producer, m.session_id, m.body, m.id,
-                             self.attempts.pop((topic, channel, message_id), 0), m.published_ms)
+                             self.attempts.pop((topic, channel, message_id), 0), m.published_ms, m.key, m.priority,
+                             m.headers)
             rows.append((topic, channel, message_id))
         return rows
 
@@ -1136,7 +1152,7 @@ class MemoryDb:
     def _letter_row(d: _DeadLetter) -> tuple[object, ...]:
         return (d["id"], d["reason"], d["detail"], d["topic"], d["channel"], d["producer"], d["session_id"],
                 d["message_id"], d["attempts"], len(d["body"]), d["published_ms"], d["dead_ms"], d["replayed_ms"],
-                d["replay_message_id"])
+                d["replay_message_id"], d["key"], d["priority"], d["headers"])
 
     def _list_dead_letters(self, p: dict) -> list[tuple]:
         return [self._letter_row(d) for d in self._selected(p) if d["id"] > p["after"]][: p["limit"]]

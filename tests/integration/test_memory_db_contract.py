@@ -23,6 +23,7 @@ from typing import Any, Callable
 import psycopg
 
 import registry
+from dmq_client.wire.properties import Properties
 from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
@@ -353,6 +354,8 @@ class Kinds:
 EVERY = {"topic": None, "channel": None, "reason": None, "since_ms": None, "until_ms": None, "ids": None,
          "message_ids": None, "replayed": None}
 LONG_AGO = 1_000  # due times and return times in 1970: before any "now"
+#: a dead letter's properties: a key, a priority, headers (a name with a dot, a value beyond ASCII)
+LETTER_PROPERTIES = Properties("order-7", 5, {"content-type": "application/json", "x.trace": "caf\u00e9"})
 LATER = 4_000_000_000_000  # a due time in 2096
 
 
@@ -423,10 +426,12 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
          lambda rows: [(t, c, k.m(i)) for t, c, i in rows]),
         ("expire again", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10), same),
         # dead letters
+        # with a message's properties (key, priority, headers), none, and a key alone
         ("dead letters", insert_dead_letters_steps, lambda: ([
-            NewDeadLetter("rate_limited", "orders", "p", 7, b"seven", published_ms=1_700_000_000_000),
+            NewDeadLetter("rate_limited", "orders", "p", 7, b"seven", published_ms=1_700_000_000_000,
+                          properties=LETTER_PROPERTIES),
             NewDeadLetter("client_reported", "orders", "p", 8, b"eight", channel="billing", detail="lost"),
-            NewDeadLetter("operator", "quiet", "q", 1, b"\xff"),
+            NewDeadLetter("operator", "quiet", "q", 1, b"\xff", properties=Properties("q-1")),
         ],), lambda new: [k.d(i) for i in new]),
         ("list", list_dead_letters_steps, lambda: (EVERY, 10, 0), letters),
         ("list after one, limited", list_dead_letters_steps, lambda: (EVERY, 1, d["d2"]), letters),
@@ -440,6 +445,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("count", count_dead_letters_steps, lambda: (EVERY,), same),
         ("show", show_dead_letter_steps, lambda: (d["d4"],), letters),
         ("show nothing", show_dead_letter_steps, lambda: (999_999_999,), same),
+        ("show one with properties", show_dead_letter_steps, lambda: (d["d1"],), letters),
         ("replay orders'", replay_batch_steps, lambda: (dict(EVERY, topic="orders"), 0, 10, 1, 1_700_000_000_000, "n1"),
          lambda out: (k.d(out[0]), out[1])),
         ("replay them again", replay_batch_steps, lambda: (dict(EVERY, topic="orders"), 0, 10, 1, 1_700_000_000_000, "n1"), same),
@@ -637,3 +643,22 @@ def test_the_script_is_not_trivial(pg_dsn):
     assert answers["a swept outbox row's repeat fails the fast insert (its record)"] == "unique violation"
     assert answers["a repeat of a swept outbox row is not stored"] == ["Misplaced", "StoredMessage"]
     assert answers["nothing of the repeat stored"] == [("r", 2)]
+
+
+def test_dead_letters_keep_their_properties(pg_dsn):
+    """A dead letter recorded with its message's key, priority and headers is listed and
+    shown with them, and one recorded without has none (NULL, 0, NULL); the double's
+    answers equal these (test_the_double_answers_the_operators_script_as_postgresql_does)."""
+    _arrange_pg(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        answers = dict(run_script(_pg_runner(conn), operators_script, Kinds()))
+    by_session = {(r["producer"], r["session_id"]): r for r in answers["list"]}
+    props = LETTER_PROPERTIES
+    assert [(r["key"], r["priority"], r["headers"]) for r in (by_session["p", 7], by_session["p", 8], by_session["q", 1])] == [
+        (props.key, props.priority, dict(props.headers)), (None, 0, None), ("q-1", 0, None)]
+    shown = answers["show one with properties"]
+    assert (shown["session_id"], shown["key"], shown["priority"], shown["headers"], shown["body"]) == (
+        7, props.key, props.priority, dict(props.headers), "seven")
+    # jsonb's order of names (shorter first), which the double keeps too: a replay's status is
+    # the same text from both
+    assert list(shown["headers"]) == ["x.trace", "content-type"]

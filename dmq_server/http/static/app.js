@@ -308,16 +308,19 @@ async function deadLettersPage(page) {
   const described = Object.entries(filters).filter(([, v]) => v).map(([k, v]) => `${k}=${v}`).join(" ") || "every dead letter";
   const rows = [];
   for (const d of list.dead_letters) {
-    const bodyRow = el("tr", { class: "sub", hidden: true }, el("td", { colspan: 11 }, el("pre", { class: "body" })));
+    const bodyRow = el("tr", { class: "sub", hidden: true }, el("td", { colspan: 13 }, el("pre", { class: "body" })));
     rows.push(el("tr", { dataset: { letterId: d.id } },
       el("td", {}, el("input", { type: "checkbox", class: "pick", value: d.id, "aria-label": `select ${d.id}` })),
       el("td", {}, String(d.id)), el("td", {}, d.reason), el("td", {}, d.topic), el("td", {}, d.channel || "–"),
       el("td", {}, traceLink(d.message_id)), el("td", { class: "num" }, fmt(d.attempts)), el("td", {}, when(d.dead_ms)),
       el("td", {}, d.replayed_ms ? ["replayed ", traceLink(d.replay_message_id)] : "–"), el("td", { class: "num" }, fmt(d.size)),
+      el("td", { class: "key" }, d.key ?? "–"), el("td", { class: "num priority" }, String(d.priority)),
       el("td", {}, el("button", { type: "button", "data-action": "show", onclick: async () => {
         if (bodyRow.hidden) {
           const full = await api("GET", `dead-letters/${d.id}`);
-          bodyRow.querySelector("pre").textContent = (full.body_encoding === "base64" ? "(base64) " : "") + full.body + (full.detail ? `\n\n— ${full.detail}` : "");
+          // the message's headers (kept with the letter, sent again by a replay), then its body
+          const headers = Object.entries(full.headers || {}).map(([name, value]) => `${name}: ${value}\n`).join("");
+          bodyRow.querySelector("pre").textContent = headers + (headers ? "\n" : "") + (full.body_encoding === "base64" ? "(base64) " : "") + full.body + (full.detail ? `\n\n— ${full.detail}` : "");
         }
         bodyRow.hidden = !bodyRow.hidden;
       } }, "show"))));
@@ -347,7 +350,7 @@ async function deadLettersPage(page) {
     el("p", { class: "muted" }, `${count.matching} match (${count.unreplayed} not replayed); showing the first ${list.dead_letters.length}. Every replay and delete is written to the audit log.`),
     el("div", { class: "actions" }, replaySelected, deleteSelected, replayAll, deleteAll),
     list.dead_letters.length
-      ? el("table", { id: "dead-letters" }, el("thead", {}, el("tr", {}, ["", "Id", "Reason", "Topic", "Channel", "Message", "Attempts", "Dead at", "Replayed", "Bytes", ""].map((t) => el("th", {}, t)))), el("tbody", {}, rows))
+      ? el("table", { id: "dead-letters" }, el("thead", {}, el("tr", {}, ["", "Id", "Reason", "Topic", "Channel", "Message", "Attempts", "Dead at", "Replayed", "Bytes", "Key", "Priority", ""].map((t) => el("th", {}, t)))), el("tbody", {}, rows))
       : el("p", { class: "muted" }, "No dead letter matches."));
 }
 
