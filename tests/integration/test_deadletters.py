@@ -245,3 +245,51 @@ def test_topic_limits_from_the_cli_are_stored(pg_dsn):
     assert result.returncode == 0, result.stderr
     shown = json.loads(run_cli(pg_dsn, "topic", "show", "t").stdout)
     assert (shown["rate_limit"], shown["ttl_ms"], shown["max_attempts"]) == (100, 300000, 3)
+
+
+#: a message's properties (issue 45): a key, a priority, headers (jsonb lists the shorter name first)
+HEADERS = {"content-type": "application/json", "tenant": "caf\u00e9"}
+
+
+def test_exhausted_and_expired_messages_keep_their_properties_in_dead_letters(make_server, pg_dsn):
+    """A message with a key, a priority and headers that uses up its max attempts, and one
+    whose time to live passes, become dead letters with the same three; ``dmq dlq list``
+    (table and JSON) and ``show`` give them; a replay queues its delayed row with them
+    (move_due stores them with the message it makes)."""
+    retry = make_topic(pg_dsn, "retry", max_attempts=1, msg_timeout_ms=300)
+    short = make_topic(pg_dsn, "short", ttl_ms=400)
+    server = make_server(expiry_interval="100ms")
+    with server.client() as producer, server.client() as consumer:
+        poison, old = producer.send(retry, b"poison"), producer.send(short, b"old")
+        # the stored properties, written here so that this test needs no client sending them
+        # (test_replayed_dead_letters_deliver_their_properties sends them)
+        for reply, props in ((poison, ("order-7", 5, json.dumps(HEADERS))), (old, ("k-old", 9, None))):
+            assert db_rows(pg_dsn, "UPDATE dmq_message SET key = %s, priority = %s, headers = %s::jsonb"
+                           " WHERE id = %s RETURNING id", *props, reply.message_id) == [(reply.message_id,)]
+        assert consumer.subscribe(retry, "c").command == Command.SUBSCRIBE_ACK
+        assert consumer.receive(timeout=5).body == b"poison"  # never acknowledged: its one attempt
+        rows = wait_for(lambda: (r := db_rows(
+            pg_dsn, "SELECT reason, message_id, key, priority, headers, id FROM dmq_dead_letter ORDER BY reason"))
+            and len(r) == 2 and r)
+    assert [r[:5] for r in rows] == [("expired", old.message_id, "k-old", 9, None),
+                                     ("max_attempts", poison.message_id, "order-7", 5, HEADERS)]
+    expired_id, exhausted_id = rows[0][5], rows[1][5]
+    server.stop()  # the replay's delayed row stays for this test to read
+
+    listed = run_cli(pg_dsn, "dlq", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["id"], r["key"], r["priority"], r["headers"]) for r in json.loads(listed.stdout)] == [
+        (expired_id, "k-old", 9, None), (exhausted_id, "order-7", 5, HEADERS)]
+    table = run_cli(pg_dsn, "dlq", "list").stdout.splitlines()
+    assert table[0].endswith("\tkey\tpriority\theaders")
+    assert len(table) == 3  # the header line, one line per letter
+    by_id = {int(line.split("\t")[0]): line.split("\t")[-3:] for line in table[1:]}
+    assert by_id == {expired_id: ["k-old", "9", "-"],
+                     exhausted_id: ["order-7", "5", '{"tenant":"caf\u00e9","content-type":"application/json"}']}
+    shown = json.loads(run_cli(pg_dsn, "dlq", "show", str(exhausted_id)).stdout)
+    assert (shown["key"], shown["priority"], shown["headers"], shown["body"]) == ("order-7", 5, HEADERS, "poison")
+
+    replayed = run_cli(pg_dsn, "dlq", "replay", "--all")
+    assert replayed.returncode == 0 and "replayed 2 dead letters" in replayed.stdout, replayed.stderr
+    assert db_rows(pg_dsn, "SELECT session_id, body, key, priority, headers FROM dmq_delay ORDER BY session_id") == [
+        (expired_id, b"old", "k-old", 9, None), (exhausted_id, b"poison", "order-7", 5, HEADERS)]
