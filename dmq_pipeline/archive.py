@@ -2,9 +2,10 @@
 
 What is archived: delivery-log rows (one per acknowledged copy: topic,
 channel, published, first delivered and acknowledged times, attempts) with
-the message each refers to (producer, session id, produced time, node, body),
-read from ``dmq_message`` or, for messages the server has swept since
-archiving was enabled, from ``dmq_message_history`` (see migration 0002).
+the message each refers to (producer, session id, produced time, node, body,
+and its properties: key, priority, headers), read from ``dmq_message`` or, for
+messages the server has swept since archiving was enabled, from
+``dmq_message_history`` (see migrations 0002 and 0016).
 
 Layout: ``<archive>/delivery_log/topic=<topic>/day=<YYYY-MM-DD>/batch=<n>/``
 holding Parquet files; ``day`` is the UTC day of the acknowledgement,
@@ -55,6 +56,7 @@ __all__ = [
     "Batch",
     "ArchiveResult",
     "archive_schema",
+    "read_archive",
     "dataset_path",
     "normalize_location",
     "prepare",
@@ -72,7 +74,18 @@ _TRIM_ATTEMPTS = 3
 
 
 def archive_schema():
-    """The archived rows' schema, partition columns last (never inferred from paths)."""
+    """The archived rows' schema, partition columns last (never inferred from paths).
+
+    A message's properties (schema version 16) are ``key`` (string, NULL for none),
+    ``priority`` (short, as PostgreSQL's smallint: 0 to 9) and ``headers``, a
+    ``map<string,string>`` (NULL for none, as in the store), not the JSON text PostgreSQL
+    holds: headers are flat names to texts by their rules (``dmq_client.wire.properties``),
+    so a map loses nothing, and a Spark user queries it as it is (``headers['content-type']``,
+    ``map_keys(headers)``, ``explode(headers)``) where a JSON column would need
+    ``from_json`` or ``get_json_object`` and a parse of every row in every query. Parquet
+    stores it as its MAP type, which Trino, DuckDB and pyarrow read as a map too.
+    Files archived before these columns existed have none: ``read_archive`` reads an
+    archive through this schema and gives their messages no properties."""
     from pyspark.sql import types as T
 
     return T.StructType([
@@ -88,10 +101,30 @@ def archive_schema():
         T.StructField("produced_at", T.TimestampType()),
         T.StructField("node_id", T.StringType()),
         T.StructField("body", T.BinaryType()),
+        T.StructField("key", T.StringType()),
+        T.StructField("priority", T.ShortType()),
+        T.StructField("headers", T.MapType(T.StringType(), T.StringType())),
         T.StructField("topic", T.StringType()),
         T.StructField("day", T.DateType()),
         T.StructField("batch", T.LongType()),
     ])
+
+
+def read_archive(spark, location: str):
+    """The archived rows of ``location`` as a DataFrame of ``archive_schema()``.
+
+    The schema is given, not taken from a file's footer: an archive begun before schema
+    version 16 mixes files without ``key``, ``priority`` and ``headers`` with files that
+    have them, and a schema read from one old file would leave the columns out of every
+    row. A message of an old file reads as one without properties (no key, no headers,
+    priority 0: all there was before version 16); a row archived without its message
+    (``producer`` NULL) has NULL there as in its other message columns. Raises pyspark's
+    ``AnalysisException`` when nothing was archived there yet."""
+    from pyspark.sql import functions as F
+
+    rows = spark.read.schema(archive_schema()).parquet(dataset_path(location))
+    known = F.coalesce(F.col("priority"), F.lit(0).cast(rows.schema["priority"].dataType))
+    return rows.withColumn("priority", F.when(F.col("producer").isNotNull(), known))
 
 
 def normalize_location(text: str) -> str:
@@ -242,9 +275,12 @@ def write_batch(spark, db: Database, opts: SparkOptions, location: str, batch: B
         spark, db, opts, "jdbc_archive_rows", {"low": batch.low, "high": batch.high},
         ids=IdRange(batch.low + 1, batch.high), column="ack_batch",
     ).drop("ack_batch")
+    properties = archive_schema()
     seen = Observation(f"archive batch {batch.id}")
     (
-        rows.withColumn("day", F.to_date("acked_at"))
+        rows.withColumn("priority", F.col("priority").cast(properties["priority"].dataType))
+        .withColumn("headers", F.from_json("headers", properties["headers"].dataType))
+        .withColumn("day", F.to_date("acked_at"))
         .withColumn("batch", F.lit(batch.id).cast("long"))
         .observe(
             seen,

@@ -7,6 +7,12 @@ server, each dead letter sent as a reliable message to its topic, and the
 server's message id recorded in ``dmq_dead_letter.replayed_at`` /
 ``replay_message_id`` every ``--mark-batch`` sends.
 
+A dead letter is sent with the properties it was sent with (key, priority, headers:
+schema version 16), so the replayed message is the one that died. One without any is
+sent exactly as before, with no properties, so a server older than the PROPS feature
+takes it; one with properties is not sent to such a server (it would store the message
+without them) and is counted as not replayed, to be replayed once the server is newer.
+
 Why it is idempotent. Every replay is sent as ``UP_PRODUCER_RESEND`` with
 producer ``dmq-replay`` and the dead letter's id as session id. The server
 stores a ``(producer, session_id)`` pair once and answers a repeat with the
@@ -22,6 +28,7 @@ while the executors work, so it sees them as they happen, on any cluster.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -31,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypedDict
 
 from .database import Database
 from .errors import JobFailed, UsageError
@@ -39,7 +46,7 @@ from .jdbc import IdRange, read_query
 from .options import ReplaySettings, SparkOptions, TimeRange
 from .failures import explain
 
-__all__ = ["PRODUCER", "ReplayResult", "validate", "check_fan_out", "selection", "run_replay", "replay_partition"]
+__all__ = ["PRODUCER", "ReplayResult", "send_properties", "validate", "check_fan_out", "selection", "run_replay", "replay_partition"]
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +178,36 @@ def outcome_key(command_name: str, status: str) -> str:
     return f"{command_name} {code}".strip()
 
 
+#: Summary lines of dead letters whose properties were not sent (no reply to name).
+UNSUPPORTED = "not sent E_UNSUPPORTED (the server does not list PROPS: it would drop key, priority, headers)"
+BAD_PROPERTIES = "not sent E_BAD_PROPERTIES (the stored key, priority or headers break a rule)"
+
+
+class SendProperties(TypedDict, total=False):
+    """``BlockingClient.send``'s keywords for a message's properties."""
+
+    key: str
+    priority: int
+    headers: dict[str, str]
+
+
+def send_properties(row) -> SendProperties:
+    """The ``BlockingClient.send`` keywords of a dead letter's properties: only those it
+    has, none at all for a message without any (sent as before properties existed)."""
+    props: SendProperties = {}
+    if row.key is not None:
+        props["key"] = row.key
+    if row.priority:
+        props["priority"] = int(row.priority)
+    if row.headers is not None:
+        props["headers"] = json.loads(row.headers)
+    return props
+
+
 def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
     """Send one partition's dead letters and record them; yields one tally."""
     from dmq_client.blocking import BlockingClient, ClientError
-    from dmq_client.wire import Command
+    from dmq_client.wire import FEATURE_PROPS, Command, PropertiesError
 
     from .database import executor_connection, mark_replayed
 
@@ -194,13 +227,21 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
     try:
         for row in rows:
             reply = None
+            refused = None
+            props = send_properties(row)
             errors = limited = 0
             while errors < _SEND_TRIES and limited < _RATE_TRIES:
                 pacer.wait(row.topic, slower=2.0**limited)
                 try:
                     if client is None:
                         client = BlockingClient(job.host, job.port, producer=PRODUCER, timeout=job.send_timeout)
-                    reply = client.send(row.topic, bytes(row.body), session_id=row.id, resend=True)
+                    if props and FEATURE_PROPS not in client.server_features():
+                        refused = UNSUPPORTED
+                        break
+                    reply = client.send(row.topic, bytes(row.body), session_id=row.id, resend=True, **props)
+                except PropertiesError:
+                    refused = BAD_PROPERTIES
+                    break
                 except (ClientError, OSError) as exc:
                     if client is not None:
                         client.close()
@@ -214,7 +255,9 @@ def replay_partition(job: _Job, rows: Iterable) -> Iterator[dict]:
                     limited += 1  # the topic's other producers took the room: slower
                 else:
                     break
-            if not hasattr(reply, "command"):
+            if refused is not None:
+                tally["failed"][refused] += 1
+            elif not hasattr(reply, "command"):
                 tally["failed"][f"connection failed: {type(reply).__name__}"] += 1
             elif reply.command == Command.SEND_SUCCESS_ACK:
                 tally["sent"] += 1

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .archive import archive_schema, dataset_path
+from .archive import read_archive
 from .database import Database
 from .jdbc import IdRange, read_query
 from .options import ReportSettings, SparkOptions, TimeRange
@@ -137,7 +137,7 @@ def _read_archive(spark, location: str):
     from pyspark.errors import AnalysisException
 
     try:
-        return spark.read.schema(archive_schema()).parquet(dataset_path(location))
+        return read_archive(spark, location)
     except AnalysisException:
         return None  # nothing archived yet
 

@@ -100,13 +100,17 @@ FROM dmq_archive_batch ORDER BY id DESC;
 -- name: jdbc_archive_rows
 -- Delivery-log rows of one batch with the message each refers to (NULL columns if it is gone);
 -- ack_batch is what Spark partitions the read on (a range of it reaches dmq_delivery_batch's
--- primary key through the view, a range of the fact id would not).
+-- primary key through the view, a range of the fact id would not). The message's properties
+-- (schema version 16): headers as JSON text, which the archive turns into a map.
 (SELECT l.id, l.message_id, l.topic, l.channel, l.published_at, l.first_delivered_at,
-        l.acked_at, l.attempts, m.producer, m.session_id, m.produced_at, m.node_id, m.body, l.ack_batch
+        l.acked_at, l.attempts, m.producer, m.session_id, m.produced_at, m.node_id, m.body,
+        m.key, m.priority, m.headers::text AS headers, l.ack_batch
  FROM dmq_delivery_log l
- LEFT JOIN (SELECT id, producer, session_id, produced_at, node_id, body FROM dmq_message
+ LEFT JOIN (SELECT id, producer, session_id, produced_at, node_id, body, key, priority, headers
+            FROM dmq_message
             UNION ALL
-            SELECT id, producer, session_id, produced_at, node_id, body FROM dmq_message_history
+            SELECT id, producer, session_id, produced_at, node_id, body, key, priority, headers
+            FROM dmq_message_history
            ) AS m ON m.id = l.message_id
  WHERE l.ack_batch > %(low)s AND l.ack_batch <= %(high)s) AS archive_rows
 
@@ -166,8 +170,9 @@ WHERE replayed_at IS NULL
 GROUP BY 1, 2, 3 ORDER BY 1, 2, 3;
 
 -- name: jdbc_replay_dead_letters
--- The dead letters to replay, bounded to the id range counted by replay_selection.
-(SELECT id, topic, channel, reason, body
+-- The dead letters to replay, bounded to the id range counted by replay_selection, with the
+-- properties each is sent again with (schema version 16; headers as JSON text).
+(SELECT id, topic, channel, reason, body, key, priority, headers::text AS headers
  FROM dmq_dead_letter
  WHERE replayed_at IS NULL AND id >= %(low)s AND id <= %(high)s
    AND dead_at >= %(since)s AND dead_at < %(until)s

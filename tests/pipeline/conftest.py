@@ -8,6 +8,7 @@ acknowledge them, so the delivery log holds what the server writes.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +58,14 @@ def sql(dsn: str, name: str, **params) -> list[tuple]:
     with psycopg.connect(dsn, autocommit=True, options="-c TimeZone=UTC") as conn:
         cur = conn.execute(text, params or None)
         return cur.fetchall() if cur.description else []
+
+
+def insert_dead_letter(dsn: str, *, key: str | None = None, priority: int = 0,
+                       headers: dict[str, str] | None = None, **columns) -> int:
+    """A dead letter as the server writes one (fixtures.sql's insert_dead_letter), its
+    message's properties none unless given; its id."""
+    return sql(dsn, "insert_dead_letter", key=key, priority=priority,
+               headers=None if headers is None else json.dumps(headers), **columns)[0][0]
 
 
 @pytest.fixture(scope="session")

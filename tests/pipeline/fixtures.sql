@@ -3,16 +3,34 @@
 -- name: insert_dead_letter
 -- Dead letters are not produced by the server yet (the delay/dead-letter issue),
 -- so tests insert them as that issue's server would.
+-- With its message's properties (schema version 16; headers as JSON text or NULL).
 INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, message_id,
-                             attempts, body, published_at, dead_at, replayed_at)
+                             attempts, body, published_at, dead_at, replayed_at, key, priority, headers)
 VALUES (%(reason)s, %(detail)s, %(topic)s, %(channel)s, 'test-producer', %(session_id)s, NULL,
-        %(attempts)s, %(body)s, now() - interval '5 minutes', %(dead_at)s, %(replayed_at)s)
+        %(attempts)s, %(body)s, now() - interval '5 minutes', %(dead_at)s, %(replayed_at)s,
+        %(key)s, %(priority)s, %(headers)s::jsonb)
 RETURNING id;
 
 -- name: dead_letters
 -- Every dead letter with its replay bookkeeping.
 SELECT id, topic, channel, reason, body, replayed_at, replay_message_id
 FROM dmq_dead_letter ORDER BY id;
+
+-- name: message_ids
+-- Ids of the messages kept, stored or swept into the history.
+SELECT id FROM dmq_message UNION ALL SELECT id FROM dmq_message_history ORDER BY 1;
+
+-- name: set_message_properties
+-- Give messages properties where they are kept (dmq_message, or dmq_message_history once
+-- swept), as the server stores a send's; how many rows changed. Arrays by message:
+-- ids, keys, priorities, headers (JSON text or NULL).
+WITH p AS (SELECT * FROM unnest(%(ids)s::bigint[], %(keys)s::text[], %(priorities)s::smallint[],
+                                %(headers)s::text[]) AS p(id, key, priority, headers)),
+     live AS (UPDATE dmq_message m SET key = p.key, priority = p.priority, headers = p.headers::jsonb
+              FROM p WHERE m.id = p.id RETURNING m.id),
+     kept AS (UPDATE dmq_message_history h SET key = p.key, priority = p.priority, headers = p.headers::jsonb
+              FROM p WHERE h.id = p.id RETURNING h.id)
+SELECT (SELECT count(*) FROM live) + (SELECT count(*) FROM kept);
 
 -- name: forget_replays
 -- Simulate a replay that crashed after sending and before recording: clear the marks.
@@ -22,7 +40,7 @@ WHERE id = ANY(%(ids)s);
 -- name: log_rows
 -- Delivery-log rows with their message (what the archive must hold).
 SELECT l.id, l.message_id, l.topic, l.channel, l.attempts, l.published_at, l.acked_at,
-       m.producer, m.session_id, m.body
+       m.producer, m.session_id, m.body, m.key, m.priority, m.headers
 FROM dmq_delivery_log l JOIN dmq_message m ON m.id = l.message_id
 ORDER BY l.id;
 
@@ -66,4 +84,10 @@ VALUES (%(id)s, %(first_fact)s, %(acked_at)s, %(low_id)s, %(high_id)s, %(topics)
 -- name: replayed_bodies
 -- Bodies of dead letters recorded as replayed whose message the server stored.
 SELECT m.body FROM dmq_dead_letter dl JOIN dmq_message m ON m.id = dl.replay_message_id
+WHERE dl.replayed_at IS NOT NULL ORDER BY dl.id;
+
+-- name: replayed_properties
+-- Each replayed dead letter's body and properties beside those of the message the server stored.
+SELECT dl.body, dl.key, dl.priority, dl.headers, m.key, m.priority, m.headers
+FROM dmq_dead_letter dl JOIN dmq_message m ON m.id = dl.replay_message_id
 WHERE dl.replayed_at IS NOT NULL ORDER BY dl.id;

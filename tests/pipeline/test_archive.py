@@ -2,22 +2,44 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from dmq_pipeline import archive
+import pyarrow.parquet as pq
+from pyspark.sql import types as T
+
+from dmq_pipeline import archive, report
 from dmq_pipeline.archive import archive_schema, dataset_path
-from dmq_pipeline.options import ArchiveSettings
+from dmq_pipeline.options import ArchiveSettings, ReportSettings, TimeRange
 
 from .conftest import as_spark, make_traffic, sql
 from tests.integration.support import wait_for
 
 
 def archived(spark, location: str) -> list:
-    return (
-        spark.read.schema(archive_schema()).parquet(dataset_path(location)).orderBy("id").collect()
-    )
+    return archive.read_archive(spark, location).orderBy("id").collect()
+
+
+def give_properties(pg_dsn: str, message_ids) -> dict[int, tuple]:
+    """Properties for the messages, by turns: key, priority and headers; a key alone; none
+    (as the server stores a send's: the archive reads what the tables hold). What each has."""
+    given = {}
+    for n, message_id in enumerate(sorted(set(message_ids))):
+        if n % 3 == 0:
+            given[message_id] = (f"order-{n}", n % 10, {"content-type": "text/plain", "n": str(n)})
+        elif n % 3 == 1:
+            given[message_id] = (f"order-{n}", 0, None)
+        else:
+            given[message_id] = (None, 0, None)
+    ids = list(given)
+    changed = sql(pg_dsn, "set_message_properties", ids=ids, keys=[given[i][0] for i in ids],
+                  priorities=[given[i][1] for i in ids],
+                  headers=[None if given[i][2] is None else json.dumps(given[i][2]) for i in ids])
+    assert changed == [(len(ids),)]
+    return given
 
 
 def settings(location) -> ArchiveSettings:
@@ -29,8 +51,10 @@ def test_archive_writes_log_rows_with_messages_and_trims(spark, make_server, top
     topic/day/batch; the log is emptied and pending copies are untouched."""
     server = make_server()
     traffic = make_traffic(server, pg_dsn)
+    given = give_properties(pg_dsn, (e[1] for e in sql(pg_dsn, "log_rows")))
     expected = sql(pg_dsn, "log_rows")
     assert len(expected) == traffic.delivered
+    assert any(e[12] for e in expected) and any(e[10] and not e[12] for e in expected)
     archived_high = sql(pg_dsn, "log_batches")[-1][0]  # the batch's range ends at the last ack batch
 
     result = archive.run_archive(spark, db, opts, settings(tmp_path / "arch"))
@@ -38,8 +62,11 @@ def test_archive_writes_log_rows_with_messages_and_trims(spark, make_server, top
     assert result.rows == traffic.delivered and result.missing_messages == 0
     rows = archived(spark, str(tmp_path / "arch"))
     got = [(r.id, r.message_id, r.topic, r.channel, r.attempts, r.published_at, r.acked_at,
-            r.producer, r.session_id, bytes(r.body)) for r in rows]
-    assert got == [tuple(as_spark(v) for v in e[:9]) + (bytes(e[9]),) for e in expected]
+            r.producer, r.session_id, bytes(r.body), r.key, r.priority, r.headers) for r in rows]
+    assert got == [tuple(as_spark(v) for v in e[:9]) + (bytes(e[9]),) + e[10:] for e in expected]
+    assert [r.message_id for r in rows if r.headers and r.headers["n"] == "3"] == [
+        e[1] for e in expected if given[e[1]][2] and given[e[1]][2]["n"] == "3"
+    ]
     assert {r.day for r in rows} == {e[6].date() for e in expected}
     assert sorted(p.name for p in (tmp_path / "arch" / "delivery_log").iterdir() if p.is_dir()) == [
         "topic=audit", "topic=orders"
@@ -141,12 +168,15 @@ def test_swept_messages_keep_their_bodies_in_the_archive(spark, make_server, top
     # everything fully acknowledged is swept; the three pending billing copies keep theirs
     wait_for(lambda: sql(pg_dsn, "counts")[0][0] == 3, timeout=20)
     assert sql(pg_dsn, "counts")[0][3] == traffic.sent - 3
+    given = give_properties(pg_dsn, (i for (i,) in sql(pg_dsn, "message_ids")))
 
     result = archive.run_archive(spark, db, opts, settings(loc))
 
     assert result.rows == traffic.delivered and result.missing_messages == 0
     rows = archived(spark, loc)
     assert all(r.body is not None and r.producer for r in rows)
+    assert any(r.headers for r in rows if r.topic == "audit") and any(r.key for r in rows if r.topic == "orders")
+    assert all((r.key, r.priority, r.headers) == given[r.message_id] for r in rows)
     assert {bytes(r.body) for r in rows if r.topic == "audit"} == {f"audit-{i:04d}".encode() for i in range(3)}
     assert sql(pg_dsn, "counts")[0][3] == 0, "kept messages released once archived"
 
@@ -173,3 +203,36 @@ def test_location_binds_only_once_a_batch_is_written(make_server, topic, pg_dsn,
     moved = archive.run_archive(None, db, opts, ArchiveSettings(archive=str(tmp_path / "b"), init_only=True))
     assert moved.location == str(tmp_path / "b")
     assert db.one("archive_state")[0] == str(tmp_path / "b")
+
+
+def test_archive_files_without_properties_are_read_with_the_new_ones(spark, make_server, topic, pg_dsn, db, opts,
+                                                                      tmp_path):
+    """Parquet written before schema version 16 has no key, priority or headers: read with
+    the files written since (read_archive, the report), its messages have no properties
+    (priority 0), and the report counts their rows."""
+    loc = str(tmp_path / "arch")
+    old_schema = T.StructType([f for f in archive_schema().fields if f.name not in ("key", "priority", "headers")])
+    acked = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=5)
+    old_row = (10**9, 10**9, "billing", acked, acked, acked, 1, "old-producer", 1, acked, "old-node", b"old",
+               "orders", acked.date(), 0)
+    (spark.createDataFrame([old_row], old_schema).write.partitionBy("topic", "day", "batch")
+     .parquet(dataset_path(loc)))
+    old_files = list((tmp_path / "arch").rglob("batch=0/*.parquet"))
+    assert old_files and "key" not in pq.read_schema(old_files[0]).names
+    server = make_server()
+    traffic = make_traffic(server, pg_dsn, n=8)
+    given = give_properties(pg_dsn, (e[1] for e in sql(pg_dsn, "log_rows")))
+
+    archive.run_archive(spark, db, opts, settings(loc))
+
+    rows = archived(spark, loc)
+    assert len(rows) == traffic.delivered + 1
+    assert [(r.producer, r.key, r.priority, r.headers) for r in rows if r.batch == 0] == [
+        ("old-producer", None, 0, None)
+    ]
+    assert all((r.key, r.priority, r.headers) == given[r.message_id] for r in rows if r.batch != 0)
+    span = TimeRange(acked - timedelta(hours=1), datetime.now(timezone.utc) + timedelta(minutes=1))
+    result = report.run_report(spark, db, opts, ReportSettings(archive=loc, source="archive",
+                                                               out=str(tmp_path / "rep")), span)
+    delivered = {(r["topic"], r["channel"]): r["delivered"] for r in result.tables["summary"]}
+    assert delivered[("orders", "billing")] == 8 - 3 + 1  # three left unacknowledged, one old row

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .conftest import sql
+from .conftest import insert_dead_letter, sql
 
 UNREACHABLE = "postgresql://dmq@127.0.0.1:1/dmq"
 
@@ -33,7 +33,7 @@ def state(pg_dsn: str) -> tuple:
 def dead_letter(pg_dsn, topic):
     from datetime import datetime, timezone
 
-    sql(pg_dsn, "insert_dead_letter", reason="expired", detail="", topic="orders", channel="billing",
+    insert_dead_letter(pg_dsn, reason="expired", detail="", topic="orders", channel="billing",
         session_id=1, attempts=1, body=b"x", dead_at=datetime.now(timezone.utc), replayed_at=None)
 
 

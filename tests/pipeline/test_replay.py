@@ -10,7 +10,7 @@ from dmq_pipeline import cli, replay
 from dmq_pipeline.errors import UsageError
 from dmq_pipeline.options import ReplaySettings, time_range
 
-from .conftest import sql
+from .conftest import insert_dead_letter, sql
 
 SENTINEL = b"sentinel: everything sent before me has arrived"
 
@@ -28,12 +28,12 @@ def insert_dead_letters(pg_dsn: str) -> dict[str, list[int]]:
     ids: dict[str, list[int]] = {}
     for group, rows in groups.items():
         for i, (reason, topic, channel, replayed_at) in enumerate(rows):
-            ids.setdefault(group, []).append(sql(
-                pg_dsn, "insert_dead_letter", reason=reason, detail="gave up", topic=topic,
+            ids.setdefault(group, []).append(insert_dead_letter(
+                pg_dsn, reason=reason, detail="gave up", topic=topic,
                 channel=channel, session_id=1000 + i, attempts=5,
                 body=f"{group}-{i:03d}".encode(), dead_at=now - timedelta(minutes=10),
                 replayed_at=replayed_at,
-            )[0][0])
+            ))
     return ids
 
 
@@ -151,7 +151,7 @@ def test_replaying_rate_limited_dead_letters_keeps_to_the_topic_rate(spark, make
     server = make_server()
     now = datetime.now(timezone.utc)
     for i in range(15):
-        sql(pg_dsn, "insert_dead_letter", reason="rate_limited", detail="over the limit", topic="paced",
+        insert_dead_letter(pg_dsn, reason="rate_limited", detail="over the limit", topic="paced",
             channel=None, session_id=i, attempts=0, body=b"paced-%d" % i, dead_at=now, replayed_at=None)
     settings = ReplaySettings(topic="paced", reason="rate_limited", server=f"127.0.0.1:{server.tcp_port}")
 
@@ -186,3 +186,86 @@ def test_failed_sends_are_summed_by_reply_and_code_not_by_description():
         key("SEND_EXCEED_LIMIT_ACK", "E_RATE_LIMITED topic 'a' accepts at most 5; recorded as dead letter 18")
     ) == "SEND_EXCEED_LIMIT_ACK E_RATE_LIMITED"
     assert key("SEND_NO_TOPIC_ACK", "") == "SEND_NO_TOPIC_ACK"
+
+
+PROPERTIES = [  # (key, priority, headers) of dead letters of orders/billing, by turns
+    ("order-1", 7, {"content-type": "application/json", "tenant": "acme"}),
+    ("order-2", 0, None),
+    (None, 3, None),
+    (None, 0, {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}),
+    (None, 0, None),  # none: sent as before properties existed
+]
+
+
+def insert_dead_letters_with_properties(pg_dsn: str) -> dict[bytes, tuple]:
+    """A dead letter for each of PROPERTIES; each body's properties."""
+    now = datetime.now(timezone.utc)
+    given = {}
+    for i, (key, priority, headers) in enumerate(PROPERTIES):
+        body = b"with-properties-%d" % i
+        insert_dead_letter(pg_dsn, reason="max_attempts", detail="gave up", topic="orders", channel="billing",
+                           session_id=i, attempts=5, body=body, dead_at=now - timedelta(minutes=1),
+                           replayed_at=None, key=key, priority=priority, headers=headers)
+        given[body] = (key, priority, headers)
+    return given
+
+
+def test_replay_sends_each_dead_letter_with_its_key_priority_and_headers(spark, make_server, topic, pg_dsn, db,
+                                                                        opts):
+    """A replayed dead letter reaches the consumer with the key, priority and headers it was
+    sent with, and the server stores them with the new message; one without any has none.
+    One whose stored properties break a rule (written around the server) is counted, not sent."""
+    from dmq_client import ReceivedMessage
+
+    server = make_server()
+    given = insert_dead_letters_with_properties(pg_dsn)
+    broken = insert_dead_letter(pg_dsn, reason="max_attempts", detail="", topic="orders", channel="billing",
+                                session_id=99, attempts=5, body=b"broken", dead_at=datetime.now(timezone.utc),
+                                replayed_at=None, headers={"Not A Token": "x"})
+    with server.client() as consumer, server.client() as producer:
+        consumer.subscribe("orders", "billing", credit=100)
+
+        result = replay.run_replay(spark, db, opts, selected(server=f"127.0.0.1:{server.tcp_port}"),
+                                   time_range("1d", "now"))
+
+        assert (result.selected, result.replayed) == (6, 5)
+        assert result.failed == {replay.BAD_PROPERTIES: 1}
+        assert [r[5] for r in sql(pg_dsn, "dead_letters") if r[0] == broken] == [None]
+        producer.send("orders", SENTINEL)
+        got = {}
+        while len(got) < len(given) + 1:
+            push = consumer.receive(timeout=20)
+            assert push is not None, f"got {sorted(got)}"
+            consumer.ack(push)
+            props = ReceivedMessage.properties_of(push.status)
+            got[push.body] = (props.key, props.priority, dict(props.headers) or None)
+    assert got.pop(SENTINEL) == (None, 0, None)
+    assert got == given
+    stored = sql(pg_dsn, "replayed_properties")
+    assert [row[1:4] for row in stored] == [row[4:] for row in stored] == list(given.values())
+
+
+def test_a_server_without_props_gets_only_the_dead_letters_without_properties(spark, topic, pg_dsn, db, opts):
+    """A server older than PROPS would store a message without its properties: the replay
+    sends it the dead letters without any, exactly as before (no status), and leaves those
+    with properties unsent and unrecorded, counted, for a run against a newer server."""
+    from dmq_client.wire import FEATURE_ACKS, FEATURE_CONFIRM, Command
+    from tests.unit.test_client_fake_server import FakeServer
+
+    given = insert_dead_letters_with_properties(pg_dsn)
+    older = FakeServer(features=f"{FEATURE_ACKS} {FEATURE_CONFIRM}")
+    try:
+        result = replay.run_replay(spark, db, opts, selected(server=older.address), time_range("1d", "now"))
+        sent = []
+        while not older.received.empty():
+            _, frame = older.received.get()
+            if frame.command == Command.UP_PRODUCER_RESEND:
+                sent.append((frame.body, frame.status))
+    finally:
+        older.close()
+    assert sent == [(b"with-properties-4", "")]
+    assert (result.selected, result.replayed) == (5, 1)
+    assert result.failed == {replay.UNSUPPORTED: 4}
+    assert [r[4] for r in sql(pg_dsn, "dead_letters") if r[5] is None] == [
+        body for body, props in given.items() if props != (None, 0, None)
+    ]

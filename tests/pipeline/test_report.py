@@ -10,7 +10,7 @@ import pytest
 from dmq_pipeline import archive, cli, report
 from dmq_pipeline.options import ArchiveSettings, ReportSettings, time_range
 
-from .conftest import make_traffic, sql
+from .conftest import insert_dead_letter, make_traffic, sql
 
 
 def add_dead_letters(pg_dsn: str, now: datetime) -> None:
@@ -19,11 +19,11 @@ def add_dead_letters(pg_dsn: str, now: datetime) -> None:
         ("rate_limited", "orders", None)
     ] * 3
     for i, (reason, topic, channel) in enumerate(rows):
-        sql(pg_dsn, "insert_dead_letter", reason=reason, detail="test", topic=topic, channel=channel,
+        insert_dead_letter(pg_dsn, reason=reason, detail="test", topic=topic, channel=channel,
             session_id=i, attempts=3, body=b"x", dead_at=now - timedelta(minutes=1),
             replayed_at=now if i == 0 else None)
     # outside the range: must not be counted
-    sql(pg_dsn, "insert_dead_letter", reason="expired", detail="old", topic="orders", channel="billing",
+    insert_dead_letter(pg_dsn, reason="expired", detail="old", topic="orders", channel="billing",
         session_id=99, attempts=1, body=b"x", dead_at=now - timedelta(days=3), replayed_at=None)
 
 

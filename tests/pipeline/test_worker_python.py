@@ -19,7 +19,7 @@ import pytest
 
 from dmq_pipeline.failures import root_cause
 
-from .conftest import sql
+from .conftest import insert_dead_letter, sql
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def bare_python(tmp_path):
 
 
 def test_replay_works_when_paths_python3_has_no_dmq_packages(bare_python, pg_dsn, topic, make_server):
-    sql(pg_dsn, "insert_dead_letter", reason="expired", detail="", topic="orders", channel="billing",
+    insert_dead_letter(pg_dsn, reason="expired", detail="", topic="orders", channel="billing",
         session_id=1, attempts=1, body=b"bare", dead_at=datetime.now(timezone.utc), replayed_at=None)
     server = make_server()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
