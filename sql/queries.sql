@@ -269,7 +269,8 @@ WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE s.topic = k.topic AND s.channel = 
 ORDER BY k.topic, k.channel, k.owner;
 
 -- name: load_backlog
--- A channel's stored, unacknowledged copies after a cursor, oldest first: per owner, one
+-- A channel's stored, unacknowledged copies after a cursor, oldest first, with their
+-- properties (key, priority, headers: NULL, 0, NULL for none): per owner, one
 -- index range above the larger of the cursor and the owner's floor, skipping what is done.
 -- Without a holder (one node) every owner's copies; with one (a cluster) the copies of
 -- this node's own incarnation and of the owners whose cursors it holds.
@@ -285,11 +286,11 @@ WITH ch AS (
 )
 SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
-       m.body, coalesce(a.attempts, 0), m.owner
+       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
 FROM ch CROSS JOIN owners w
 LEFT JOIN dmq_cursor k ON k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = w.id
 CROSS JOIN LATERAL (
-    SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner
+    SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner, m.key, m.priority, m.headers
     FROM dmq_message m
     WHERE hashtext(m.topic) = hashtext(%(topic)s) AND m.topic = %(topic)s AND m.owner = w.id
       AND m.id > greatest(%(after)s, ch.start_id, coalesce(k.floor, 0))
@@ -438,7 +439,9 @@ LIMIT %(limit)s;
 -- as a dead letter. An incarnation retired by a takeover moves nothing (the owner row is
 -- share-locked first, as the group commit does). Returns how many rows were taken, and
 -- the messages for the in-memory channels with the row's own channel (NULL: the names are
--- every channel of the topic in this snapshot, as the group commit's answer has them).
+-- every channel of the topic in this snapshot, as the group commit's answer has them) and
+-- the properties (key, priority, headers) the row kept, which the message and a dead
+-- letter of an orphan keep too.
 WITH owner AS MATERIALIZED (
     SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
 ), due AS MATERIALIZED (
@@ -453,7 +456,7 @@ WITH owner AS MATERIALIZED (
 ), moved AS (
     DELETE FROM dmq_delay d USING due WHERE d.id = due.id
     RETURNING d.id AS delay_id, d.topic, d.channel, d.producer, d.session_id, d.produced_ms,
-              d.due_ms, d.replay_of, d.body
+              d.due_ms, d.replay_of, d.body, d.key, d.priority, d.headers
 ), targets AS (
     SELECT mv.delay_id, array_agg(c.name ORDER BY c.name) AS names
     FROM moved mv
@@ -467,10 +470,11 @@ WITH owner AS MATERIALIZED (
     SELECT mv.*, t.names, nextval(pg_get_serial_sequence('dmq_message', 'id')) AS message_id
     FROM moved mv JOIN targets t ON t.delay_id = mv.delay_id
 ), ins AS (
-    INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, owner, channel, body)
+    INSERT INTO dmq_message (id, topic, producer, session_id, produced_at, node_id, owner, channel, body,
+                             key, priority, headers)
     SELECT n.message_id, n.topic, n.producer, n.session_id,
            CASE WHEN n.produced_ms BETWEEN 1 AND 253402300799999 THEN to_timestamp(n.produced_ms / 1000.0) END,
-           %(node_id)s, %(owner)s::integer, n.channel, n.body
+           %(node_id)s, %(owner)s::integer, n.channel, n.body, n.key, n.priority, n.headers
     FROM numbered n
     ORDER BY n.producer, n.session_id
     ON CONFLICT (producer, session_id) DO NOTHING
@@ -478,25 +482,25 @@ WITH owner AS MATERIALIZED (
 ), placed AS (
     -- published_at defaults to now(), the same for every row of this statement
     SELECT n.message_id AS id, now() AS published_at, n.delay_id, n.topic, n.channel, n.producer,
-           n.session_id, n.produced_ms, n.due_ms, n.replay_of, n.body, n.names
+           n.session_id, n.produced_ms, n.due_ms, n.replay_of, n.body, n.names, n.key, n.priority, n.headers
     FROM numbered n
     WHERE n.message_id = ANY (ARRAY(SELECT id FROM ins))
 ), replayed AS (
     UPDATE dmq_dead_letter dl SET replay_message_id = p.id
     FROM placed p WHERE dl.id = p.replay_of
 ), orphans AS (
-    INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, body)
+    INSERT INTO dmq_dead_letter (reason, detail, topic, channel, producer, session_id, body, key, priority, headers)
     SELECT 'operator',
            CASE WHEN mv.channel IS NULL
                 THEN 'topic had no registered channel when the delayed message fell due'
                 ELSE 'channel ' || mv.channel || ' was not registered when the replay fell due' END,
-           mv.topic, mv.channel, mv.producer, mv.session_id, mv.body
+           mv.topic, mv.channel, mv.producer, mv.session_id, mv.body, mv.key, mv.priority, mv.headers
     FROM moved mv WHERE NOT EXISTS (SELECT 1 FROM targets t WHERE t.delay_id = mv.delay_id)
 )
 SELECT (SELECT count(*) FROM moved) AS taken,  -- always one row, also when nothing was placed
        p.id, p.topic, p.producer, p.session_id,
        (extract(epoch FROM p.published_at) * 1000)::bigint AS published_ms,
-       p.names, p.due_ms, p.body, p.channel
+       p.names, p.due_ms, p.body, p.channel, p.key, p.priority, p.headers
 FROM (SELECT 1) AS one LEFT JOIN placed p ON true
 ORDER BY p.id;
 

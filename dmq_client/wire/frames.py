@@ -96,7 +96,7 @@ class Command(enum.IntEnum):
 FEATURE_ACKS = "ACKS"  # UP_CONSUMER_ACKS (§4.13)
 FEATURE_CONFIRM = "CONFIRM"  # a send's credit asks for SEND_CONSUMED_ACK (§4.14)
 FEATURE_PROPS = "PROPS"  # a send's status carries its key, priority and headers (wire.properties)
-SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM}"
+SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM} {FEATURE_PROPS}"
 
 
 def features(status: str) -> frozenset[str]:

@@ -15,7 +15,9 @@ from typing import Sequence
 import psycopg
 
 from dmq_server.db.storage_errors import Fenced, Misplaced
-from dmq_server.db.messages import OUTBOX_PRODUCERS, send_columns, with_outbox_record
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
+
+from dmq_server.db.messages import OUTBOX_PRODUCERS, send_columns, stored_status, with_outbox_record, with_properties
 from dmq_server.db.outbox_ledger import RECORDING
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_server.db.trace_steps import body_preview
@@ -49,6 +51,7 @@ class NewDelayed:
     due_ms: int
     fragment: int
     body: bytes = field(repr=False)
+    properties: Properties = NO_PROPERTIES  # kept with the row, and with the message it becomes
 
 
 @dataclass(slots=True)
@@ -81,12 +84,29 @@ class MovedMessage:
     # topic registered in the move's snapshot, which ``channels`` then names, as a group
     # commit's answer does (ReliableStore._confirm_channels counts it)
     channel: str | None = None
+    status: str = ""  # its properties as its pushes carry them (db.messages.stored_status)
 
 
 # insert_delayed for a batch holding outbox rows: records them as it stores them
-add_statement("insert_outbox_delayed", with_outbox_record(
+INSERT_OUTBOX_DELAYED = with_outbox_record(
     queries["insert_delayed"], ")\nINSERT INTO dmq_delay", "  AND i.topic IN (SELECT name FROM placed)",
-    RECORDING["record_delayed"], RECORDING["delayed_if_recorded"]))
+    RECORDING["record_delayed"], RECORDING["delayed_if_recorded"])
+add_statement("insert_outbox_delayed", INSERT_OUTBOX_DELAYED)
+# and both for a batch with properties (as insert_messages: db.messages.with_properties)
+_PROPERTY_PARTS = (
+    ("%(bodies)b::bytea[])", "%(bodies)b::bytea[], %(keys)b::text[], %(priorities)b::integer[], %(headers)b::text[])"),
+    ("AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body)",
+     "AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body, key, priority, headers)"),
+    ("INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body)",
+     "INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body, key, priority, "
+     "headers)"),
+    ("i.produced_ms, %(node_id)s, i.body\n", "i.produced_ms, %(node_id)s, i.body, i.key, i.priority::smallint, "
+                                              "i.headers::jsonb\n"),
+)
+_DELAYED_PROPERTY_STATEMENTS = {
+    name: add_statement(f"{name}_props", with_properties(sql, _PROPERTY_PARTS))
+    for name, sql in (("insert_delayed", queries["insert_delayed"]), ("insert_outbox_delayed", INSERT_OUTBOX_DELAYED))
+}
 
 
 def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[list[StoredDelay | Misplaced]]:
@@ -101,7 +121,8 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[lis
     # row recorded before is not stored and is answered below as a resend, or as not
     # stored once its message was swept
     outbox = any(m.producer.startswith(OUTBOX_PRODUCERS) for m in batch)
-    rows = yield Statement("insert_outbox_delayed" if outbox else "insert_delayed", params)
+    name = "insert_outbox_delayed" if outbox else "insert_delayed"
+    rows = yield Statement(_DELAYED_PROPERTY_STATEMENTS[name] if "keys" in params else name, params)
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
         fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)
@@ -168,7 +189,8 @@ def move_due_steps(
         if not any(r[0] == owner and not r[2] for r in owners):
             raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
-        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9])
+        MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9],
+                     stored_status(r[10], r[11], r[12]))
         for r in rows
         if r[1] is not None
     ]

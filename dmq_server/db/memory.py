@@ -74,6 +74,15 @@ def _relayed_here(producer: str) -> bool:
     return producer.startswith("outbox:") and not producer.endswith(":delayed")
 
 
+def _property_columns(p: dict) -> tuple[list, list, list]:
+    """A storing statement's key, priority and headers columns (the ``_props`` statements'
+    three arrays; NULL, 0, NULL each without them), headers as jsonb answers them: dicts."""
+    count = len(p["topics"])
+    if "keys" not in p:
+        return [None] * count, [0] * count, [None] * count
+    return p["keys"], p["priorities"], [None if h is None else _jsonb_object(h) for h in p["headers"]]
+
+
 def _jsonb_object(text: str) -> dict[str, str]:
     """A JSON object's text as PostgreSQL's jsonb answers it: a name given twice keeps
     its last value, and the names come shortest first, then in byte order (jsonb's
@@ -133,6 +142,9 @@ class _Delayed(TypedDict):  # dmq_delay
     body: bytes
     replay_of: int | None
     created_ms: int
+    key: str | None  # the properties (schema 16), as PostgreSQL answers them (headers: a dict)
+    priority: int
+    headers: dict[str, str] | None
 
 
 class _DeadLetter(TypedDict):  # dmq_dead_letter
@@ -273,6 +285,11 @@ class MemoryDb:
             "insert_new_messages": lambda p: self._insert_messages(p, on_conflict=False),
             "insert_outbox_messages": lambda p: self._insert_messages(p, on_conflict=True, outbox=True),
             "insert_new_outbox_messages": lambda p: self._insert_messages(p, on_conflict=False, outbox=True),
+            # with properties (db.messages.PROPERTY_STATEMENTS): the same, three more arrays
+            "insert_messages_props": lambda p: self._insert_messages(p, on_conflict=True),
+            "insert_new_messages_props": lambda p: self._insert_messages(p, on_conflict=False),
+            "insert_outbox_messages_props": lambda p: self._insert_messages(p, on_conflict=True, outbox=True),
+            "insert_new_outbox_messages_props": lambda p: self._insert_messages(p, on_conflict=False, outbox=True),
             "find_messages": self._find_messages,
             "ack_deliveries": self._ack_deliveries,
             "ack_new_deliveries": self._ack_new_deliveries,
@@ -286,6 +303,8 @@ class MemoryDb:
             "table_counts": self._table_counts,
             "insert_delayed": self._insert_delayed,
             "insert_outbox_delayed": lambda p: self._insert_delayed(p, outbox=True),
+            "insert_delayed_props": self._insert_delayed,
+            "insert_outbox_delayed_props": lambda p: self._insert_delayed(p, outbox=True),
             "find_delayed": self._find_delayed,
             "peek_delayed": self._peek_delayed,
             "move_due": self._move_due,
@@ -609,7 +628,8 @@ class MemoryDb:
         if owner is None or owner["retired"]:
             return self._topic_rows(p["batch_topics"])
         # PostgreSQL inserts in the order sent (the server sorts by pair): the ids follow it
-        items = list(zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["bodies"]))
+        items = list(zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["bodies"],
+                         *_property_columns(p)))
         seen: set[tuple[str, int]] = set()
         fresh = []
         for item in items:
@@ -634,9 +654,10 @@ class MemoryDb:
             fresh.append(item)
         now = self._now_ms()
         rows = []
-        for topic, producer, session_id, produced_ms, body in fresh:
+        for topic, producer, session_id, produced_ms, body, message_key, priority, headers in fresh:
             message = _Message(
-                next(self._ids), topic, producer, session_id, produced_ms, now, p["node_id"], bytes(body), p["owner"]
+                next(self._ids), topic, producer, session_id, produced_ms, now, p["node_id"], bytes(body), p["owner"],
+                key=message_key, priority=priority, headers=headers,
             )
             self.messages[message.id] = message
             self._pairs[(producer, session_id)] = message.id
@@ -772,7 +793,8 @@ class MemoryDb:
         for message_id in ids:
             m = self.messages[message_id]
             attempts = self.attempts.get((topic, channel, message_id), 0)
-            rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, attempts, m.owner))
+            rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, attempts, m.owner, m.key, m.priority,
+                         m.headers))
         return rows
 
     def _channel_depths(self, p: dict) -> list[tuple]:
@@ -925,11 +947,12 @@ class MemoryDb:
         """insert_delayed; ``outbox``: insert_outbox_delayed, which records each outbox
         row's pair and stores only those recorded now."""
         items = sorted(
-            zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["due_ms"], p["fragments"], p["bodies"]),
+            zip(p["topics"], p["producers"], p["session_ids"], p["produced_ms"], p["due_ms"], p["fragments"], p["bodies"],
+                *_property_columns(p)),
             key=lambda i: (i[1], i[2]),
         )
         rows = []
-        for topic, producer, session_id, produced_ms, due_ms, fragment, body in items:
+        for topic, producer, session_id, produced_ms, due_ms, fragment, body, message_key, priority, headers in items:
             key = (producer, session_id)
             if key in self._pairs or not self._placed_here(topic):
                 continue
@@ -943,7 +966,8 @@ class MemoryDb:
             self.delayed[delay_id] = {
                 "id": delay_id, "fragment": fragment, "due_ms": due_ms, "topic": topic, "producer": producer,
                 "session_id": session_id, "produced_ms": produced_ms, "node_id": p["node_id"], "body": bytes(body),
-                "channel": None, "replay_of": None, "created_ms": self._now_ms(),
+                "channel": None, "replay_of": None, "created_ms": self._now_ms(), "key": message_key, "priority": priority,
+                "headers": headers,
             }
             self._delayed_pairs[key] = delay_id
             rows.append((delay_id, producer, session_id, due_ms))
@@ -1067,15 +1091,15 @@ class MemoryDb:
                 continue  # stored before (ON CONFLICT DO NOTHING)
             self.messages[message_id] = _Message(
                 message_id, row["topic"], row["producer"], row["session_id"], _ms_or_none(row["produced_ms"]) or 0,
-                now, p["node_id"], row["body"], p["owner"], row["channel"],
+                now, p["node_id"], row["body"], p["owner"], row["channel"], row["key"], row["priority"], row["headers"],
             )
             self._pairs[key] = message_id
             letter = self.dead_letters.get(row["replay_of"]) if row["replay_of"] is not None else None
             if letter is not None:
                 letter["replay_message_id"] = message_id
             placed.append((len(due), message_id, row["topic"], row["producer"], row["session_id"], now, names,
-                           row["due_ms"], row["body"], row["channel"]))
-        return placed or [(len(due),) + (None,) * 9]
+                           row["due_ms"], row["body"], row["channel"], row["key"], row["priority"], row["headers"]))
+        return placed or [(len(due),) + (None,) * 12]
 
     def _delay_stats(self, p: dict) -> list[tuple]:
         by: dict[int, list[int]] = {}
@@ -1185,6 +1209,7 @@ class MemoryDb:
                 "id": delay_id, "fragment": 1 + d["id"] % p["fragments"], "due_ms": p["now_ms"], "topic": d["topic"],
                 "channel": d["channel"], "producer": "dmq-replay", "session_id": d["id"], "produced_ms": 0,
                 "replay_of": d["id"], "node_id": p["node_id"], "created_ms": now, "body": d["body"],
+                "key": d["key"], "priority": d["priority"], "headers": d["headers"],
             }
             self._delayed_pairs[key] = delay_id
             queued += 1

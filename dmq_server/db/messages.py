@@ -16,13 +16,16 @@ parameter and its column would be read in different files.
 
 from __future__ import annotations
 
+import json
 import re
 from bisect import bisect_left
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol, Sequence, TypedDict
+from typing import Mapping, NotRequired, Protocol, Sequence, TypedDict
 
 import psycopg
+
+from dmq_client.wire.properties import NO_PROPERTIES, Properties, PropertiesError, encode_properties
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
 from dmq_server.db.outbox_ledger import RECORDING
@@ -80,6 +83,7 @@ class NewMessage:
     session_id: int
     produced_ms: int
     body: bytes
+    properties: Properties = NO_PROPERTIES
 
 
 @dataclass(slots=True)
@@ -135,6 +139,40 @@ if INSERT_NEW_MESSAGES.count(_ANSWER) != 1:
 INSERT_NEW_OUTBOX_MESSAGES = INSERT_NEW_MESSAGES.replace(
     _ANSWER, f"\n), claimed AS (\n{_without_comments(RECORDING['record_new_stored'])}{_ANSWER}")
 add_statement("insert_new_outbox_messages", INSERT_NEW_OUTBOX_MESSAGES)
+
+
+# A batch in which some send has properties (key, priority, headers: schema version 16)
+# stores them with insert_messages' ``_props`` variants: three more arrays, unnested next
+# to the others. A batch without any runs the statements as written and pays nothing for
+# them (the columns' defaults are NULL, 0, NULL).
+_PROPERTY_PARTS = (
+    ("INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body)",
+     "INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body, key, priority, headers)"),
+    ("%(node_id)s, %(owner)s::integer, body\n",
+     "%(node_id)s, %(owner)s::integer, body, key, priority::smallint, headers::jsonb\n"),
+    ("unnest(%(bodies)b::bytea[]) AS body",
+     "unnest(%(bodies)b::bytea[]) AS body,\n                 unnest(%(keys)b::text[]) AS key, "
+     "unnest(%(priorities)b::integer[]) AS priority, unnest(%(headers)b::text[]) AS headers"),
+)
+
+
+def with_properties(statement: str, parts: Sequence[tuple[str, str]] = _PROPERTY_PARTS) -> str:
+    """``statement`` storing a batch's properties too: each of ``parts``' texts (which must
+    occur once) replaced by its version with the three columns."""
+    for old, new in parts:
+        if statement.count(old) != 1:
+            raise RuntimeError(f"sql/queries.sql: a storing statement must hold {old!r} once")
+        statement = statement.replace(old, new)
+    return statement
+
+
+#: the statements a batch with properties runs, by the name of the one without
+PROPERTY_STATEMENTS = {
+    name: add_statement(f"{name}_props", with_properties(sql)) for name, sql in (
+        ("insert_messages", queries["insert_messages"]), ("insert_new_messages", INSERT_NEW_MESSAGES),
+        ("insert_outbox_messages", INSERT_OUTBOX_MESSAGES), ("insert_new_outbox_messages", INSERT_NEW_OUTBOX_MESSAGES))
+}
+
 # the producers of outbox rows (dmq_server.core.outbox_rows): the lowest such id sorts
 # first among them, so a sorted batch holds one if the first id not below it starts so
 OUTBOX_PRODUCERS = "outbox:"
@@ -182,10 +220,13 @@ class SendFields(Protocol):
     def produced_ms(self) -> int: ...
     @property
     def body(self) -> bytes: ...
+    @property
+    def properties(self) -> Properties: ...  # NO_PROPERTIES itself for none (what the batch looks for)
 
 
 class SendColumns(TypedDict):
-    """``send_columns``' parameters: one array per column, and the storing node."""
+    """``send_columns``' parameters: one array per column, and the storing node; the
+    properties' three only for a batch that has some (the ``_props`` statements)."""
 
     topics: TextArray
     producers: TextArray
@@ -193,12 +234,17 @@ class SendColumns(TypedDict):
     produced_ms: Int8Array
     bodies: ByteaArray
     node_id: str
+    keys: NotRequired[TextArray]
+    priorities: NotRequired[Int4Array]
+    headers: NotRequired[TextArray]  # each a JSON object's text, or None
 
 
 def send_columns(batch: Sequence[SendFields], node_id: str) -> SendColumns:
     """The array parameters every stored send carries (insert_messages, insert_delayed):
-    one list per column, in batch order, and the storing node."""
-    return {
+    one list per column, in batch order, and the storing node. The properties' columns
+    when some send has properties: a send without has ``NO_PROPERTIES`` itself, so the
+    batches without cost one count by identity, not a call per send."""
+    columns: SendColumns = {
         "topics": TextArray([m.topic for m in batch]),
         "producers": TextArray([m.producer for m in batch]),
         "session_ids": Int8Array([m.session_id for m in batch]),
@@ -206,6 +252,31 @@ def send_columns(batch: Sequence[SendFields], node_id: str) -> SendColumns:
         "bodies": ByteaArray([m.body for m in batch]),
         "node_id": node_id,
     }
+    properties = [m.properties for m in batch]
+    if properties.count(NO_PROPERTIES) != len(properties):
+        columns["keys"] = TextArray([p.key for p in properties])
+        columns["priorities"] = Int4Array([p.priority for p in properties])
+        columns["headers"] = TextArray([headers_text(p.headers) for p in properties])
+    return columns
+
+
+def headers_text(headers: Mapping[str, str]) -> str | None:
+    """A message's headers as their column's JSON text (None for none: one spelling)."""
+    return json.dumps(headers, ensure_ascii=False, separators=(",", ":")) if headers else None
+
+
+def stored_status(key: str | None, priority: int, headers: Mapping[str, str] | None) -> str:
+    """The status a stored message's pushes carry, from its three columns ("" for none).
+    Every stored value was checked when it came in; one that no longer passes (written
+    by hand into the table) is pushed without properties rather than failing its load.
+    The headers in name order: jsonb keeps its own order, and one text for one message
+    whichever store answered it (the in-memory double keeps the order sent)."""
+    if key is None and not priority and not headers:
+        return ""
+    try:
+        return encode_properties(Properties(key, priority, dict(sorted(headers.items())) if headers else {}))
+    except PropertiesError:
+        return ""
 
 
 class InsertParams(SendColumns):
@@ -237,11 +308,14 @@ def insert_messages_steps(
     # a row recorded before is not stored and is answered below as a resend, or as not
     # stored once its message was swept (the relay then asks the ledger again)
     outbox = holds_outbox_rows(params["producers"])
+    first, then = ("insert_new_outbox_messages", "insert_outbox_messages") if outbox else (
+        "insert_new_messages", "insert_messages")
+    if "keys" in params:  # some send has properties
+        first, then = PROPERTY_STATEMENTS[first], PROPERTY_STATEMENTS[then]
     try:
-        answer = yield Statement("insert_new_outbox_messages" if outbox else "insert_new_messages", params,
-                                 may_fail=True)
+        answer = yield Statement(first, params, may_fail=True)
     except psycopg.errors.UniqueViolation:
-        answer = yield Statement("insert_outbox_messages" if outbox else "insert_messages", params)
+        answer = yield Statement(then, params)
     rows, topics = _stored_rows(answer)
     fresh = {}
     for r in rows:
@@ -573,6 +647,7 @@ class BacklogRow:
     body: bytes
     attempts: int
     owner: int = 0
+    status: str = ""  # its properties as its pushes carry them (``stored_status``)
 
 
 def load_backlog_steps(
@@ -585,7 +660,9 @@ def load_backlog_steps(
         "topic": topic, "channel": channel, "after": after, "limit": limit, "holder": holder, "owner": owner,
     }
     rows = yield Statement("load_backlog", params)
-    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6]) for r in rows]
+    return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6],
+                       "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]))
+            for r in rows]
 
 
 

@@ -621,7 +621,8 @@ class ReliableStore:
                 return
             done(Published(stored.message_id, stored.duplicate))
 
-        item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body)
+        item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body,
+                          send.properties)
         self.delay_writer.submit_cb(item, committed)
 
     def _refused(self, failure: BaseException, done: Callable[[Outcome], None]) -> None:
@@ -642,7 +643,7 @@ class ReliableStore:
         own channel only and confirms nothing (``_confirm_channels``)."""
         named = self._to_channels([
             (ReliableMessage(moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms,
-                             moved.body, moved.owner), moved.channels)
+                             moved.body, moved.owner, moved.status), moved.channels)
             for moved in messages
         ])
         whole = {moved.topic for moved in messages if moved.channel is None}

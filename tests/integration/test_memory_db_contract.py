@@ -23,7 +23,7 @@ from typing import Any, Callable
 import psycopg
 
 import registry
-from dmq_client.wire.properties import Properties
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
@@ -98,8 +98,13 @@ NODE = "node-1"
 OWNER = 1  # the first incarnation of a fresh database
 
 
-def _msg(producer: str, session_id: int, topic: str = "orders", body: bytes | None = None) -> NewMessage:
-    return NewMessage(topic, producer, session_id, 0, body if body is not None else f"{producer}{session_id}".encode())
+def _msg(producer: str, session_id: int, topic: str = "orders", body: bytes | None = None,
+         props: Properties = NO_PROPERTIES) -> NewMessage:
+    return NewMessage(topic, producer, session_id, 0, body if body is not None else f"{producer}{session_id}".encode(),
+                      props)
+
+
+PROPS = Properties(key="k-1", priority=7, headers={"content-type": "text/plain", "tenant": "été"})
 
 
 def find_steps(pairs: list[tuple[str, int]]) -> Steps:
@@ -299,6 +304,17 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
          lambda: ([_msg(OUTBOX, 1, "quiet"), _msg("r", 2, "quiet")], NODE, OWNER + 1),
          lambda out: [type(s).__name__ for s in out]),
         ("nothing of the repeat stored", find_steps, lambda: ([(OUTBOX, 1), ("r", 2)],), lambda rows: [(r[1], r[2]) for r in rows]),
+        ("outbox rows with properties", insert_messages_steps,
+         lambda: ([_msg(OUTBOX, 7, "quiet", props=PROPS)], NODE, OWNER + 1), same),
+        ("their repeat with properties", insert_messages_steps,
+         lambda: ([_msg(OUTBOX, 7, "quiet", props=PROPS), _msg(OUTBOX, 8, "quiet", props=PROPS)], NODE, OWNER + 1),
+         same),
+        # properties (schema 16): a batch with some runs the _props statements
+        ("a batch with properties", insert_messages_steps, lambda: ([_msg("k", 1, props=PROPS), _msg("k", 2)], NODE, OWNER + 1),
+         same),
+        ("a resend among properties", insert_messages_steps,
+         lambda: ([_msg("k", 2, props=PROPS), _msg("k", 3, props=Properties(priority=1))], NODE, OWNER + 1), same),
+        ("the backlog with properties", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
     ]
 
 
@@ -463,6 +479,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
             NewDelayed("orders", "dp", 2, 1_700_000_000_000, LATER, 2, b"later"),
             NewDelayed("quiet", "dp", 3, 0, LONG_AGO, 3, b"orphan"),
             NewDelayed("orders", "dp", 4, 0, LATER + 1, 9, b"overflow"),
+            NewDelayed("orders", "dp", 5, 0, LONG_AGO, 1, b"with properties", PROPS),
         ], NODE), lambda out: [k(dataclasses.replace(s, message_id=k.y(s.message_id))) for s in out]),
         ("a resent delay and a stored pair", insert_delayed_steps, lambda: ([
             NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"due"), NewDelayed("orders", "p", 1, 0, LONG_AGO, 1, b"x"),
@@ -473,6 +490,9 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("its repeat beside a new one", insert_delayed_steps, lambda: ([
             NewDelayed("orders", OUTBOX + ":delayed", 1, 0, LATER + 2, 1, b"ob"),
             NewDelayed("orders", OUTBOX + ":delayed", 2, 0, LATER + 2, 1, b"ob2"),
+        ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
+        ("a delayed outbox row with properties", insert_delayed_steps, lambda: ([
+            NewDelayed("orders", OUTBOX + ":delayed", 3, 0, LATER + 2, 1, b"ob3", PROPS),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         # (a replay's fragment follows its dead letter's id, which differs: one fragment, 1)
         ("peek", peek_delayed_steps, lambda: ((1, 2, 3, 4), 8, LATER, 10), same),

@@ -14,12 +14,13 @@ import pytest
 from dmq_client import Message, MqClient, Status
 from dmq_client.journal import VERSION, VERSION_PROPERTIES, decode_record, encode_record
 from dmq_client.pending import PendingSend
-from dmq_client.wire import SERVER_FEATURES, Command, Frame, decode_properties
+from dmq_client.wire import FEATURE_ACKS, FEATURE_CONFIRM, SERVER_FEATURES, Command, Frame, decode_properties
 from tests.unit.test_client_fake_server import WAIT, config, push, servers  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.unit
 
-PROPS = SERVER_FEATURES + " PROPS"
+PROPS = SERVER_FEATURES
+OLDER = f"{FEATURE_ACKS} {FEATURE_CONFIRM}"  # a server before properties
 HEADERS = {"content-type": "application/json", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 
 
@@ -39,7 +40,7 @@ def test_properties_ride_in_the_send_status_to_a_server_that_lists_props(servers
 
 def test_a_server_that_does_not_list_props_gets_no_message_with_properties(servers):
     """An older server would store the message without them: the send fails, unsent."""
-    server = servers(features=SERVER_FEATURES)
+    server = servers(features=OLDER)
     with MqClient(config(server)) as client:
         result = client.send(Message("orders", b"x", key="k")).result(WAIT)
         assert result.status is Status.INVALID_MESSAGE
