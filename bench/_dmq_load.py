@@ -63,11 +63,13 @@ RECV_SIZE = 1 << 20
 class SendTemplate:
     """An encoded UP_PRODUCER_SEND split around the bytes that change per message."""
 
-    def __init__(self, topic: str, producer: str, body_size: int):
+    def __init__(self, topic: str, producer: str, body_size: int, status: str = ""):
         if body_size < 8:
             raise ValueError("bodies carry an 8-byte send time; body_size must be >= 8")
+        # ``status``: the messages' properties (docs/protocol.md §4.15), the same for each
         raw = encode(
-            Frame(Command.UP_PRODUCER_SEND, session_id=0, topic=topic, producer=producer, body=b"\x00" * body_size)
+            Frame(Command.UP_PRODUCER_SEND, session_id=0, topic=topic, producer=producer, status=status,
+                  body=b"\x00" * body_size)
         )
         body_off = len(raw) - body_size
         self.head = raw[:OFF_SESSION]
@@ -79,6 +81,7 @@ class SendTemplate:
         (frame,) = FrameDecoder().feed(probe)
         assert frame.command == Command.UP_PRODUCER_SEND and frame.session_id == 12345
         assert frame.topic == topic and frame.producer == producer and frame.timestamp_ms == 1_700_000_000_000
+        assert frame.status == status
         assert len(frame.body) == body_size and I64.unpack_from(frame.body, 0)[0] == 1_700_000_000_000_000_000
 
     def suffix(self, now_ms: int, now_ns: int) -> bytes:
@@ -162,7 +165,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     n = cfg["n"]
     window = cfg["window"]
     rate = float(cfg.get("rate") or 0.0)
-    tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"])
+    tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""))
     head = tmpl.head
     pack = I64.pack
     u32_from = U32.unpack_from

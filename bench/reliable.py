@@ -70,6 +70,7 @@ from _common import (  # noqa: E402
     writeback_text,
 )
 from _pg import PrivatePostgres  # noqa: E402
+from dmq_client.wire.properties import Properties, encode_properties  # noqa: E402
 
 CTX = mp.get_context("fork")
 ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ceiling", "backlog", "rabbit", "nats")
@@ -591,6 +592,7 @@ class Bench:
                         "n": count,
                         "window": a.window,
                         "body_size": a.body_size,
+                        "status": properties_status(a.headers),
                         "rate": rate / a.producers if rate else 0.0,
                         "timeout": a.timeout,
                     },
@@ -622,6 +624,7 @@ class Bench:
             "producers": a.producers,
             "window": a.window,
             "body_size": a.body_size,
+            "headers": a.headers,
             "messages": a.messages,
             "acked": acked,
             "failed": failed,
@@ -650,7 +653,7 @@ class Bench:
             rows.append(("first error reply", res["first_error"]))
         print_table(
             f"dmq publish: {a.producers} producers x window {a.window}, {a.body_size}-byte bodies, "
-            f"{a.messages:,} messages",
+            f"{a.messages:,} messages{f', {a.headers} headers each' if a.headers else ''}",
             rows,
         )
         print_profile("publish", prof, a.profile_gil)
@@ -1553,6 +1556,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--producers", type=int, default=4, help="producer processes, one connection each")
     p.add_argument("--window", type=int, default=256, help="unanswered sends per producer")
     p.add_argument("--body-size", type=int, default=200, help="message body bytes")
+    p.add_argument("--headers", type=int, default=0, metavar="N",
+                   help="dmq sends carry N small headers (docs/protocol.md §4.15: a name and a 16-byte value "
+                        "each), the cost of properties; 0: none, as every send before them")
     p.add_argument("--mpub-batch", type=int, default=100, help="messages per NSQ MPUB in the mpub scenario")
     p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
     p.add_argument("--single-acks", action="store_true",
@@ -1625,6 +1631,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.body_size < 8:
         p.error("--body-size must be at least 8 (the body carries the send time)")
     return a
+
+
+def properties_status(headers: int) -> str:
+    """The status every dmq send of a run carries: ``headers`` small headers, or none."""
+    if not headers:
+        return ""
+    return encode_properties(Properties(headers={f"x-bench-{i}": f"{i:016x}" for i in range(headers)}))
 
 
 def main(argv: list[str] | None = None) -> int:
