@@ -44,7 +44,7 @@ class Registry(abc.ABC):
     @abc.abstractmethod
     def topics(self) -> Sequence[Any]:
         """Every topic, name order, each with ``name``, ``store``, ``msg_timeout_ms``,
-        ``rate_limit``, ``ttl_ms``, ``max_attempts`` and ``channels`` (sorted)."""
+        ``rate_limit``, ``ttl_ms``, ``max_attempts``, ``ordered`` and ``channels`` (sorted)."""
 
     def get_topic(self, name: str) -> Any:
         for row in self.topics():
@@ -62,8 +62,10 @@ class Registry(abc.ABC):
         rate_limit: int | None = None,
         ttl_ms: int | None = None,
         max_attempts: int | None = None,
+        ordered: bool = False,
     ) -> None:
-        """Register a topic; RegistryError if it exists."""
+        """Register a topic; RegistryError if it exists. ``ordered``: each channel has at
+        most one copy of a message key in flight at a time."""
 
     @abc.abstractmethod
     def delete_topic(self, name: str) -> None:

@@ -35,6 +35,9 @@ class TopicSpec:
     # copies are still being delivered (``dmq topic move``)
     cluster: str = "main"
     draining: tuple[str, ...] = ()
+    # per channel, at most one copy of a message key in flight at a time (``--ordered``,
+    # issue 45 §2); last, with a default, so the positional constructions above keep working
+    ordered: bool = False
 
     @property
     def clusters(self) -> tuple[str, ...]:
@@ -54,6 +57,7 @@ def encode_topic(spec: Any) -> bytes:
             "max_attempts": spec.max_attempts,
             "cluster": spec.cluster,
             "draining": list(spec.draining),
+            "ordered": spec.ordered,
         },
         sort_keys=True,
     ).encode()
@@ -66,7 +70,8 @@ def _optional_int(data: dict, key: str) -> int | None:
 
 def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) -> TopicSpec:
     """A topic from its znode; unreadable or missing fields take the defaults, so a
-    topic created by hand (``create /dmq/topic/orders``) is a reliable topic."""
+    topic created by hand (``create /dmq/topic/orders``) is a reliable topic, and one
+    written before a setting existed (``ordered``: schema 17) has that setting off."""
     try:
         values = json.loads(data.decode()) if data else {}
     except (UnicodeDecodeError, ValueError):
@@ -88,6 +93,7 @@ def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...]) 
         tuple(sorted(channels)),
         cluster,
         tuple(str(c) for c in draining if isinstance(c, str) and c),
+        values.get("ordered") is True,
     )
 
 

@@ -24,6 +24,7 @@ from .model import NodeInfo, RegistryError, TopicSpec
 __all__ = [
     "PgRegistry",
     "list_topics",
+    "topic_of_row",
     "RegistryError",
     "topics",
     "get_topic",
@@ -39,12 +40,14 @@ __all__ = [
 ]
 
 
+def topic_of_row(r: Sequence[Any]) -> TopicSpec:
+    """A topic from a row of ``list_topics`` (its columns, in their order)."""
+    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]))
+
+
 def list_topics(conn: Any) -> list[TopicSpec]:
     """Every topic with its channels, in the caller's transaction."""
-    return [
-        TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]))
-        for r in conn.execute(queries["list_topics"])
-    ]
+    return [topic_of_row(r) for r in conn.execute(queries["list_topics"])]
 
 
 def topics(conn: Any) -> list[TopicSpec]:
@@ -69,6 +72,7 @@ def create_topic(
     ttl_ms: int | None = None,
     max_attempts: int | None = None,
     cluster: str = "main",
+    ordered: bool = False,
 ) -> None:
     check_name("topic", name)
     check_settings(store, msg_timeout_ms)
@@ -84,6 +88,7 @@ def create_topic(
                 "ttl_ms": ttl_ms,
                 "max_attempts": max_attempts,
                 "cluster": cluster,
+                "ordered": ordered,
             },
         ).fetchone()
     if row is None:
@@ -172,7 +177,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
         row = have.get(name)
         settings = (
             spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts, spec.cluster,
-            tuple(spec.draining),
+            tuple(spec.draining), spec.ordered,
         )
         if row is None or settings != (
             row.store,
@@ -182,6 +187,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
             row.max_attempts,
             row.cluster,
             row.draining,
+            row.ordered,
         ):
             changes.append((
                 "upsert_topic",
@@ -194,6 +200,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
                     "max_attempts": spec.max_attempts,
                     "cluster": spec.cluster,
                     "draining": list(spec.draining),
+                    "ordered": spec.ordered,
                 },
             ))
         channels = set(row.channels) if row is not None else set()

@@ -191,12 +191,15 @@ class ZkRegistry(Registry):
         ttl_ms: int | None = None,
         max_attempts: int | None = None,
         cluster: str = "main",
+        ordered: bool = False,
     ) -> None:
         check_name("topic", name)
         _check_znode("topic", name)
         check_settings(store, msg_timeout_ms)
         self.check_cluster(cluster)
-        data = encode_topic(TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster))
+        data = encode_topic(
+            TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster, ordered=ordered)
+        )
 
         def inner(first: bool) -> None:
             try:

@@ -26,15 +26,16 @@ SELECT 1;
 -- Every topic with its settings and channels, for the registry cache and the CLI.
 SELECT t.name, t.store, t.msg_timeout_ms, t.rate_limit, t.ttl_ms, t.max_attempts,
        coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels,
-       t.cluster, t.draining
+       t.cluster, t.draining, t.ordered
 FROM dmq_topic t LEFT JOIN dmq_channel c ON c.topic = t.name
 GROUP BY t.name
 ORDER BY t.name;
 
 -- name: create_topic
 -- Register a topic; returns nothing if it already exists.
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster)
-VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s, %(cluster)s)
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, ordered)
+VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s, %(cluster)s,
+        %(ordered)s)
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
 
@@ -48,13 +49,14 @@ RETURNING old.cluster, old.draining;
 
 -- name: lock_topic_settings
 -- One topic's changeable settings, the row locked until the update commits.
-SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
+SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts, ordered FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
 
 -- name: update_topic_settings
--- Replace a topic's settings (not its store, not its channels).
+-- Replace a topic's settings (not its store, not its channels). A change of ``ordered``
+-- applies to the deliveries from then on, copies already waiting included.
 UPDATE dmq_topic
 SET msg_timeout_ms = %(msg_timeout_ms)s, rate_limit = %(rate_limit)s,
-    ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s
+    ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s, ordered = %(ordered)s
 WHERE name = %(name)s;
 
 -- name: delete_topic
@@ -750,13 +752,14 @@ SELECT pg_advisory_xact_lock(7361002);
 
 -- name: upsert_topic
 -- Register a topic or replace its settings (the registry mirror; ZooKeeper decides).
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining)
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining, ordered)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s,
-        %(cluster)s, %(draining)s)
+        %(cluster)s, %(draining)s, %(ordered)s)
 ON CONFLICT (name) DO UPDATE
 SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
-    max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining;
+    max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining,
+    ordered = EXCLUDED.ordered;
 
 -- name: create_owner
 -- A new incarnation of this node: the owner of the messages it stores from now on.

@@ -48,6 +48,7 @@ def _topic_dict(row: TopicSpec) -> dict:
         "rate_limit": row.rate_limit,
         "ttl_ms": row.ttl_ms,
         "max_attempts": row.max_attempts,
+        "ordered": row.ordered,
         "channels": list(row.channels),
         "cluster": row.cluster,
         "draining": list(row.draining),
@@ -65,9 +66,11 @@ def cmd_topic(args: argparse.Namespace) -> None:
                     store=args.store,
                     msg_timeout_ms=_duration_ms(args.msg_timeout),
                     cluster=args.cluster,
+                    ordered=args.ordered,
                     **_limits(args),
                 )
-                print(f"created topic {args.name}" + (f" on cluster {args.cluster}" if args.cluster != "main" else ""))
+                print(f"created {'ordered ' if args.ordered else ''}topic {args.name}"
+                      + (f" on cluster {args.cluster}" if args.cluster != "main" else ""))
             elif args.action == "delete":
                 reg.delete_topic(args.name)
                 print(f"deleted topic {args.name}")
@@ -78,7 +81,8 @@ def cmd_topic(args: argparse.Namespace) -> None:
                 else:
                     for row in rows:
                         where = row.cluster + "".join(f" (draining {c})" for c in row.draining)
-                        print(f"{row.name}\t{row.store}\tchannels: {', '.join(row.channels) or '-'}\tcluster: {where}")
+                        store = row.store + (" ordered" if row.ordered else "")
+                        print(f"{row.name}\t{store}\tchannels: {', '.join(row.channels) or '-'}\tcluster: {where}")
             elif args.action == "show":
                 print(json.dumps(_topic_dict(reg.get_topic(args.name)), indent=2))
         except registry.RegistryError as exc:
@@ -105,8 +109,8 @@ def _setting(kind: str) -> Callable[[str], int | None]:
 
 
 def cmd_topic_update(args: argparse.Namespace) -> None:
-    """Change a topic's rate limit, TTL, max attempts or message timeout in place: its
-    channels, stored messages and dead letters stay. In a cluster (--zk) ZooKeeper holds
+    """Change a topic's rate limit, TTL, max attempts, message timeout or ordering in place:
+    its channels, stored messages and dead letters stay. In a cluster (--zk) ZooKeeper holds
     the settings and every node mirrors them; on one node the server reads them at its
     next registry refresh (--registry-refresh)."""
     import dataclasses
@@ -142,7 +146,9 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
 _UNSET = object()  # `topic update` leaves a setting alone unless given
 
 
-def _show(value: int | None) -> str:
+def _show(value: int | bool | None) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return "none" if value is None else str(value)
 
 
@@ -345,9 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="copies not acknowledged within this become dead letters (expired)")
     create.add_argument("--max-attempts", type=int, default=None, metavar="N",
                         help="deliveries per copy before it becomes a dead letter (default unlimited)")
+    create.add_argument("--ordered", action="store_true",
+                        help="per channel, at most one copy of a message key in flight at a time: the next "
+                        "message of a key waits until the one before is acknowledged or dead-lettered "
+                        "(a message without a key is its own key; docs/admin.md)")
     update = tsub.add_parser(
         "update",
-        help="change a topic's limits in place (channels and stored messages stay)",
+        help="change a topic's limits or ordering in place (channels and stored messages stay)",
         description="Change a topic's settings without deleting it; give at least one. "
         "'none' removes a limit. Running servers apply the change at their next registry refresh.",
     )
@@ -360,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="DURATION|none", help="copies not acknowledged within this become dead letters")
     update.add_argument("--max-attempts", dest="max_attempts", type=_setting("count"), default=_UNSET,
                         metavar="N|none", help="deliveries per copy before it becomes a dead letter")
+    update.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=_UNSET,
+                        help="--ordered: per channel, at most one copy of a message key in flight at a time; "
+                        "--no-ordered: keys no longer wait for each other. Allowed while messages wait: "
+                        "the rule applies to deliveries from then on")
     update.set_defaults(func=cmd_topic_update)
     for action in ("delete", "show"):
         p = tsub.add_parser(action, help=f"{action} a topic")

@@ -159,7 +159,7 @@ class Inspector:
     def _overview(self) -> dict[str, Any]:
         topics: dict[tuple[str, str], dict[str, Any]] = {}
         for row in self.ops.topics():
-            settings = {k: row[k] for k in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")}
+            settings = {k: row[k] for k in ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "ordered")}
             topics[(row["store"], row["name"])] = {"topic": row["name"], "store": row["store"],
                                                    "cluster": row["cluster"], "draining": row["draining"],
                                                    "settings": settings, "channels": []}

@@ -242,17 +242,27 @@ _TOPIC_SETTING_TEXT = {
     "max_attempts": "max attempts",
 }
 
+#: a topic setting's new value: a limit (``None`` removes it), or ``ordered``'s on/off
+TopicSetting = int | bool | None
 
-def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, int | None]) -> dict:
+
+def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, TopicSetting]) -> dict:
     """A topic's settings after ``changes`` (``None`` removes a limit; the message
-    timeout cannot be removed). ``Invalid`` for an unknown setting, a
-    value below 1, or no change asked for."""
+    timeout cannot be removed; ``ordered`` is true or false). ``Invalid`` for an unknown
+    setting, a value below 1, or no change asked for. Turning ``ordered`` on or off on a
+    topic with waiting messages is allowed: the rule applies to deliveries from then on."""
     unknown = sorted(set(changes) - set(TOPIC_SETTINGS))
     if unknown:
         raise Invalid(f"topic update: unknown settings {', '.join(unknown)}")
     if not changes:
-        raise Invalid("topic update: nothing to change (give a message timeout, rate limit, TTL or max attempts)")
+        raise Invalid(
+            "topic update: nothing to change (give a message timeout, rate limit, TTL, max attempts or ordered)"
+        )
     for key, value in changes.items():
+        if key == "ordered":
+            if not isinstance(value, bool):
+                raise Invalid(f"topic update: ordered must be true or false, not {value!r}")
+            continue
         if value is None and key == "msg_timeout_ms":
             raise Invalid("topic update: the message timeout cannot be removed")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -260,7 +270,7 @@ def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, in
     return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
 
 
-def update_topic_steps(name: str, changes: Mapping[str, int | None]) -> Steps:
+def update_topic_steps(name: str, changes: Mapping[str, TopicSetting]) -> Steps:
     """Change a topic's settings in the PostgreSQL registry (one node; a cluster's
     registry is ZooKeeper's), in one transaction (the caller's): the row is locked while
     read and written, so two updates of different settings both stick. Returns (before,
@@ -463,6 +473,7 @@ class AdminOps:
                     "rate_limit": row.rate_limit,
                     "ttl_ms": row.ttl_ms,
                     "max_attempts": row.max_attempts,
+                    "ordered": row.ordered,
                     "cluster": getattr(row, "cluster", "main"),
                     "draining": list(getattr(row, "draining", ())),
                     "channels": [

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: the topic settings an operator may change, in the column order of lock_topic_settings
-TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts")
+TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "ordered")
 
 
 def _letter(row: tuple, with_body: bool = False) -> dict:

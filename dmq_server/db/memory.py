@@ -109,6 +109,7 @@ class _Topic(TypedDict):  # dmq_topic
     max_attempts: int | None
     cluster: str
     draining: list[str]
+    ordered: bool
 
 
 class _Owner(TypedDict):  # dmq_owner
@@ -380,6 +381,7 @@ class MemoryDb:
         max_attempts: int | None = None,
         cluster: str = "main",
         draining: tuple[str, ...] = (),
+        ordered: bool = False,
     ) -> None:
         self.topics[name] = {
             "store": store,
@@ -389,6 +391,7 @@ class MemoryDb:
             "max_attempts": max_attempts,
             "cluster": cluster,
             "draining": list(draining),
+            "ordered": ordered,
         }
         for channel in channels:
             self.add_channel(name, channel)
@@ -536,7 +539,7 @@ class MemoryDb:
         return [
             (
                 name, t["store"], t["msg_timeout_ms"], t["rate_limit"], t["ttl_ms"], t["max_attempts"],
-                sorted(self.channels.get(name, ())), t["cluster"], t["draining"],
+                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"],
             )
             for name, t in sorted(self.topics.items())
         ]
@@ -545,7 +548,8 @@ class MemoryDb:
         if p["name"] in self.topics:
             return []
         self.create_topic(p["name"], store=p["store"], msg_timeout_ms=p["msg_timeout_ms"], rate_limit=p["rate_limit"],
-                          ttl_ms=p["ttl_ms"], max_attempts=p["max_attempts"], cluster=p["cluster"])
+                          ttl_ms=p["ttl_ms"], max_attempts=p["max_attempts"], cluster=p["cluster"],
+                          ordered=p["ordered"])
         return [(p["name"],)]
 
     def _place_topic(self, p: dict) -> list[tuple]:
@@ -558,7 +562,9 @@ class MemoryDb:
 
     def _lock_topic_settings(self, p: dict) -> list[tuple]:
         row = self.topics.get(p["name"])
-        return [] if row is None else [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"])]
+        if row is None:
+            return []
+        return [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"], row["ordered"])]
 
     def _update_topic_settings(self, p: dict) -> int:
         row = self.topics.get(p["name"])
@@ -566,13 +572,14 @@ class MemoryDb:
             return 0
         row["msg_timeout_ms"], row["rate_limit"] = p["msg_timeout_ms"], p["rate_limit"]
         row["ttl_ms"], row["max_attempts"] = p["ttl_ms"], p["max_attempts"]
+        row["ordered"] = p["ordered"]
         return 1
 
     def _upsert_topic(self, p: dict) -> int:
         self.topics[p["name"]] = {
             "store": p["store"], "msg_timeout_ms": p["msg_timeout_ms"], "rate_limit": p["rate_limit"],
             "ttl_ms": p["ttl_ms"], "max_attempts": p["max_attempts"], "cluster": p["cluster"],
-            "draining": list(p["draining"]),
+            "draining": list(p["draining"]), "ordered": p["ordered"],
         }
         return 1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from registry.model import TopicSpec
-from registry.pg import mirror_changes
+from registry.pg import mirror_changes, topic_of_row
 
 from dmq_server.db.steps import Statement, Steps
 
@@ -21,7 +21,7 @@ __all__ = ["list_topics_steps", "mirror_topics_steps"]
 def list_topics_steps() -> Steps:
     """Every topic (``TopicSpec``, channels sorted), in name order."""
     rows = yield Statement("list_topics", {})
-    return [TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8])) for r in rows]
+    return [topic_of_row(r) for r in rows]
 
 
 def mirror_topics_steps(specs: Sequence[TopicSpec]) -> Steps[bool]:

@@ -131,6 +131,27 @@ def test_topic_settings_change_in_one_transaction_and_refuse_what_is_invalid(h):
     assert h.db.names_run()[-1] == "lock_topic_settings"  # nothing was written
 
 
+def test_ordered_is_a_topic_setting_the_broker_hands_its_reliable_store(h, ops):
+    """``ordered`` changes in place like the limits (the other settings stay), only as a
+    true or false; the broker's registry refresh hands the new ``TopicSpec`` to the
+    reliable store (what its channels read), and the admin surfaces show it."""
+    assert not h.broker.reliable.topics["orders"].ordered and ops.topics()[0]["ordered"] is False
+    before, after = result(h.db.run_steps(update_topic_steps, "orders", {"ordered": True}))
+    assert (before["ordered"], after["ordered"]) == (False, True)
+    assert h.db.topics["orders"]["ordered"] and h.db.topics["orders"]["msg_timeout_ms"] == 60000
+    refreshed = h.broker.cache.refresh(fresh=True)
+    h.settle()
+    result(refreshed)
+    assert h.broker.reliable.topics["orders"].ordered and h.broker.topics["orders"].ordered
+    assert not h.broker.reliable.topics["limited"].ordered
+    assert [t["ordered"] for t in ops.topics() if t["name"] == "orders"] == [True]
+    refused = result(h.db.run_steps(update_topic_steps, "orders", {"ordered": 1}))
+    assert isinstance(refused, Invalid) and "ordered must be true or false" in str(refused)
+    assert h.db.topics["orders"]["ordered"] is True
+    _, after = result(h.db.run_steps(update_topic_steps, "orders", {"ordered": False, "max_attempts": 4}))
+    assert (after["ordered"], after["max_attempts"]) == (False, 4)
+
+
 def test_channels_are_paused_unpaused_and_emptied_through_the_broker(h, ops):
     for n in range(4):
         h.send("orders", "p", n)

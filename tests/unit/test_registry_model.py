@@ -3,6 +3,7 @@ the bridge's rule that kazoo threads only ever schedule work on the reactor."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -53,6 +54,23 @@ def test_topic_data_round_trip_and_defaults():
     assert decode_topic("x", b"", []) == TopicSpec("x")
     assert decode_topic("x", b"not json", []) == TopicSpec("x")
     assert decode_topic("x", b'{"store": "disk", "msg_timeout_ms": -1}', []) == TopicSpec("x")
+
+
+def test_an_ordered_topic_round_trips_and_an_older_znode_is_not_ordered():
+    """``ordered`` (issue 45 §2) is kept in the znode's JSON; a znode written before the
+    setting existed, or one whose value is not a JSON true, reads as not ordered."""
+    spec = TopicSpec("orders", "reliable", 5000, None, None, 3, ("a",), "main", (), True)
+    data = encode_topic(spec)
+    assert json.loads(data)["ordered"] is True
+    assert decode_topic("orders", data, ["a"]) == spec and decode_topic("orders", data, ["a"]).ordered
+    unordered = TopicSpec("orders", max_attempts=3)
+    assert json.loads(encode_topic(unordered))["ordered"] is False
+    assert decode_topic("orders", encode_topic(unordered), []) == unordered
+    older = b'{"cluster": "main", "draining": [], "max_attempts": 3, "msg_timeout_ms": 5000, "rate_limit": null, "store": "reliable", "ttl_ms": null}'
+    assert decode_topic("orders", older, ["a"]) == TopicSpec("orders", "reliable", 5000, None, None, 3, ("a",))
+    assert not decode_topic("orders", older, []).ordered
+    for odd in (b'"yes"', b"1", b'"true"', b"null"):
+        assert not decode_topic("orders", b'{"ordered": ' + odd + b"}", []).ordered
 
 
 def test_node_data_round_trip():

@@ -200,9 +200,12 @@ async function topicsPage(page) {
   // the PostgreSQL cluster of a reliable topic, when there are several (docs/operations.md)
   const where = (topic) => (topic.cluster && topic.cluster !== "main") || (topic.draining || []).length
     ? `${topic.store} on ${topic.cluster}${(topic.draining || []).map((d) => `, draining ${d}`).join("")}` : topic.store;
+  // an ordered topic (dmq topic create --ordered): a channel has one copy of a key in flight at a time
+  const ordered = (topic) => (topic.settings || {}).ordered
+    ? el("span", { class: "ordered", title: "per channel, at most one copy of a message key in flight at a time" }, " ordered") : "";
   for (const topic of overview.topics) {
     if (!topic.channels.length) {  // a fast topic keeps what it gets for its first channel (nsqd)
-      rows.push(el("tr", { dataset: { topic: topic.topic, store: topic.store } }, el("td", {}, topic.topic), el("td", {}, where(topic)),
+      rows.push(el("tr", { dataset: { topic: topic.topic, store: topic.store } }, el("td", {}, topic.topic), el("td", {}, where(topic), ordered(topic)),
         topic.store === "fast"
           ? [el("td", { class: "muted" }, "no channel"), el("td", { class: "num depth" }, fmt(topic.depth)),
             el("td", { colspan: 9, class: "muted" }, "messages wait in the topic for its first channel")]
@@ -215,7 +218,7 @@ async function topicsPage(page) {
       const ackRate = h ? rates(h.t, h.ack_count) : [];
       rows.push(el("tr", { dataset: { topic: topic.topic, channel: c.channel_name, store: topic.store } },
         el("td", {}, topic.topic),
-        el("td", {}, where(topic)),
+        el("td", {}, where(topic), ordered(topic)),
         el("td", {}, topic.store === "reliable"
           ? el("a", { href: `#/channel/${enc(topic.topic)}/${enc(c.channel_name)}` }, c.channel_name) : c.channel_name),
         el("td", { class: "num depth" }, fmt(c.depth)),

@@ -1,0 +1,13 @@
+-- dmq schema, version 17: a reliable topic may be ordered (issue 45 §2).
+--
+-- `dmq topic create NAME --ordered` (or `dmq topic update NAME --ordered`) asks that each
+-- channel of the topic have at most one copy of a message key in flight at a time: the
+-- next message of a key waits until the one before it is acknowledged or dead-lettered.
+-- The setting lives with the topic's other settings, so the registry cache hands it to
+-- the reliable store with them (registry.model.TopicSpec.ordered); in a cluster
+-- ZooKeeper's topic znode holds it and every node mirrors it here.
+--
+-- false for every topic there is: they keep delivering as before until an operator asks.
+-- An ADD COLUMN with a constant default: PostgreSQL records the default in the catalog and
+-- rewrites no row, so the migration holds dmq_topic's lock for milliseconds.
+ALTER TABLE dmq_topic ADD COLUMN ordered boolean NOT NULL DEFAULT false;
