@@ -14,14 +14,16 @@ GET      /admin/outboxes                 the application outboxes this node rela
                                          lettered, the relaying node; never a DSN
 GET      /admin/dead-letters             list; filters as query parameters (topic,
                                          channel, reason, since, until, ids,
-                                         message_ids, replayed), limit, after
+                                         message_ids, replayed), limit, after; each
+                                         with its message's key, priority, headers
 GET      /admin/dead-letters/ID          one dead letter with its body
 POST     /admin/dead-letters/replay      replay the selection (filters, or all=true)
 POST     /admin/dead-letters/delete      delete the selection (filters, or all=true)
 DELETE   /admin/dead-letters/ID          delete one
 POST     /admin/dead-letters             a client reports a send it could not store
                                          (JSON: topic, producer, session_id, body,
-                                         body_encoding utf-8|base64, detail)
+                                         body_encoding utf-8|base64, detail, and
+                                         the send's key, priority, headers if any)
 =======  ==============================  ===========================================
 
 The endpoints for looking inside (message trace, peek, history, nodes, the delay

@@ -7,7 +7,9 @@ sweep moves them, and the in-memory channel drops them), ``max_attempts`` (a cop
 delivered the topic's maximum number of times without an acknowledgement),
 ``client_reported`` (a send the client library could not store, reported once
 storage works again), ``storage_failure`` and ``operator`` (a delayed or replayed
-message whose channels were all unregistered when it fell due).
+message whose channels were all unregistered when it fell due). Each keeps its message's
+key, priority and headers (``NewDeadLetter.properties``; the statements copy a stored
+message's), so that a replay delivers the message as it was sent.
 
 Reading, replaying and deleting dead letters is ``dmq_server.admin.operations``; the
 statements are ``dmq_server.db.dead_letter_steps`` (re-exported here).

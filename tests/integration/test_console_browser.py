@@ -292,3 +292,31 @@ def test_every_fast_topic_and_how_long_messages_wait(make_server, pg_dsn, browse
     shown = wait_for(lambda: (text := console.text(billing + " td.oldest")) != "–" and text, timeout=20)
     assert 0 <= _seconds(shown) <= time.monotonic() - started + 1
     console.shot("topics-fast-and-oldest")
+
+
+def test_the_dead_letter_page_shows_each_letters_key_priority_and_headers(make_server, pg_dsn, browser):
+    """A dead letter of a message sent with a key, a priority and headers shows the key and
+    the priority in its row and the headers above its body; one without shows none (issue 45)."""
+    setup_data(pg_dsn)
+    server = make_server()
+    console = Console(browser, server)
+    with server.client() as producer, server.client() as consumer:
+        sent = producer.send("payments", b'{"payment": 7}', key="order-7", priority=5,
+                             headers={"content-type": "application/json", "tenant": "caf\u00e9"})
+        assert sent.command == Command.SEND_SUCCESS_ACK, sent.status
+        assert producer.send("payments", b"plain").command == Command.SEND_SUCCESS_ACK
+        assert consumer.subscribe("payments", "ledger").command == Command.SUBSCRIBE_ACK
+        assert {consumer.receive(timeout=5).body for _ in range(2)} == {b'{"payment": 7}', b"plain"}  # never acked
+        row = "#dead-letters tbody tr[data-letter-id]"  # connected until they time out: no requeue
+        wait_for(lambda: (console.open("#/dead-letters?reason=max_attempts"), len(console.finds(row)) == 2)[1],
+                 timeout=20)
+    cells = console.driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((r) => [r.dataset.letterId,"
+        " r.querySelector('td.key').textContent, r.querySelector('td.priority').textContent]);", row)
+    assert sorted(c[1:] for c in cells) == [["order-7", "5"], ["\u2013", "0"]]
+    keyed = next(letter_id for letter_id, key, _ in cells if key == "order-7")
+    console.click(f"#dead-letters tr[data-letter-id='{keyed}'] button[data-action='show']")
+    wait_for(lambda: '{"payment": 7}' in (console.text("#dead-letters tr.sub:not([hidden]) pre.body") or ""))
+    assert console.text("#dead-letters tr.sub:not([hidden]) pre.body").startswith(
+        "tenant: caf\u00e9\ncontent-type: application/json\n\n{\"payment\": 7}")
+    console.shot("dead-letters-properties")

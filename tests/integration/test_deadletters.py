@@ -293,3 +293,52 @@ def test_exhausted_and_expired_messages_keep_their_properties_in_dead_letters(ma
     assert replayed.returncode == 0 and "replayed 2 dead letters" in replayed.stdout, replayed.stderr
     assert db_rows(pg_dsn, "SELECT session_id, body, key, priority, headers FROM dmq_delay ORDER BY session_id") == [
         (expired_id, b"old", "k-old", 9, None), (exhausted_id, b"poison", "order-7", 5, HEADERS)]
+
+
+def test_replayed_dead_letters_deliver_their_properties(make_server, pg_dsn):
+    """End to end with the blocking client: a message sent with a key, a priority and
+    headers that uses up its attempts is listed by the HTTP API with them, and its replay
+    (``dmq dlq replay`` while the server runs) is pushed with them again; a rate-limited
+    send's dead letter keeps its own; a client's report carries them, and a report whose
+    properties a send could not have is refused."""
+    from dmq_client.message import ReceivedMessage
+    from dmq_client.wire.properties import Properties
+
+    from .test_admin_surfaces import http
+
+    props = Properties("order-7", 5, HEADERS)
+    retry = make_topic(pg_dsn, "retry", max_attempts=1, msg_timeout_ms=300)
+    limited = make_topic(pg_dsn, "limited", rate_limit=1)
+    server = make_server(delay_poll_interval="100ms")
+    with server.client() as producer, server.client() as consumer:
+        assert "PROPS" in producer.server_features()
+        sent = producer.send(retry, b"poison", key=props.key, priority=props.priority, headers=HEADERS)
+        assert sent.command == Command.SEND_SUCCESS_ACK, sent.status
+        assert consumer.subscribe(retry, "c").command == Command.SUBSCRIBE_ACK
+        first = consumer.receive(timeout=5)  # never acknowledged: its one attempt
+        assert ReceivedMessage.properties_of(first.status) == props
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_dead_letter") == [(1,)])
+        status, listed = http(server, "GET", "/admin/dead-letters")
+        (letter,) = listed["dead_letters"]
+        assert (status, letter["message_id"], letter["key"], letter["priority"], letter["headers"]) == (
+            200, sent.message_id, "order-7", 5, HEADERS)
+
+        replayed = run_cli(pg_dsn, "dlq", "replay", str(letter["id"]))
+        assert replayed.returncode == 0 and "replayed 1 dead letters" in replayed.stdout, replayed.stderr
+        again = consumer.receive(timeout=10)
+        assert (again.producer, again.session_id, again.body) == ("dmq-replay", letter["id"], b"poison")
+        assert ReceivedMessage.properties_of(again.status) == props
+        consumer.ack(again)
+
+        replies = [producer.send(limited, b"r%d" % n, key=f"k-{n}", priority=n, headers={"n": str(n)})
+                   for n in (1, 2)]
+        assert [r.command for r in replies] == [Command.SEND_SUCCESS_ACK, Command.SEND_EXCEED_LIMIT_ACK]
+    assert db_rows(pg_dsn, "SELECT key, priority, headers, session_id FROM dmq_dead_letter WHERE reason = 'rate_limited'") == [
+        ("k-2", 2, {"n": "2"}, replies[1].session_id)]
+
+    report = {"topic": retry, "producer": "p", "session_id": 9, "body": "lost", "key": "order-9", "headers": HEADERS}
+    status, created = http(server, "POST", "/admin/dead-letters", body=json.dumps(report).encode())
+    assert status == 200, created
+    assert http(server, "GET", f"/admin/dead-letters/{created['id']}")[1]["headers"] == HEADERS
+    status, refused = http(server, "POST", "/admin/dead-letters", body=json.dumps(dict(report, priority=10)).encode())
+    assert (status, refused["error"]) == (400, "E_INVALID") and "priority 10 is outside 0..9" in refused["message"], refused

@@ -315,7 +315,23 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("a resend among properties", insert_messages_steps,
          lambda: ([_msg("k", 2, props=PROPS), _msg("k", 3, props=Properties(priority=1))], NODE, OWNER + 1), same),
         ("the backlog with properties", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
+        # a dead letter keeps its message's properties: a copy past its attempts, one past its ttl
+        ("a copy with properties exhausted", exhaust_pair_steps, lambda: ("k", 1, "orders", "billing", OWNER + 1),
+         lambda rows: [(t, c, ids(i)) for t, c, i in rows]),
+        ("a message with properties on a topic with a time to live", insert_messages_steps,
+         lambda: ([_msg("t", 1, topic="short", props=PROPS)], NODE, OWNER + 1), same),
+        ("it expires", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10),
+         lambda rows: [(t, c, ids(i)) for t, c, i in rows]),
+        ("the dead letters with their properties", list_dead_letters_steps, lambda: (EVERY, 10, 0),
+         lambda rows: [(r["reason"], r["producer"], r["session_id"], ids(r["message_id"]), r["key"], r["priority"],
+                        r["headers"], list(r["headers"] or ())) for r in rows]),
     ]
+
+
+def exhaust_pair_steps(producer: str, session_id: int, topic: str, channel: str, owner: int) -> Steps:
+    """exhaust_deliveries of the copy on ``channel`` of the message stored as the pair."""
+    ((message_id, *_),) = yield Statement("find_messages", {"producers": [producer], "session_ids": [session_id]})
+    return (yield from exhaust_deliveries_steps([CopyRef(topic, channel, message_id, 2, owner)], NODE))
 
 
 OUTBOX = "outbox:shop:0000abcd"  # a relay's producer (core.outbox_rows.producer_of)
@@ -694,3 +710,17 @@ def test_dead_letters_keep_their_properties(pg_dsn):
     assert list(shown["headers"]) == ["x.trace", "content-type"]
     double = dict(run_script(_memory_runner(_arrange_memory()), operators_script, Kinds()))
     assert list(double["show one with properties"]["headers"]) == ["x.trace", "content-type"]
+
+
+def test_exhausted_and_expired_copies_keep_their_properties(pg_dsn):
+    """The script's copy with properties past its attempts and its message past its time to
+    live are dead letters with the message's key, priority and headers (jsonb's order of
+    names: shortest first), as the double's are (the comparison above)."""
+    _arrange_pg(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        answers = dict(run_script(lambda steps_fn, *args: run_steps(conn, steps_fn(*args))))
+    assert len(answers["a copy with properties exhausted"]) == 1 and len(answers["it expires"]) == 1
+    kept = [r for r in answers["the dead letters with their properties"] if r[1] in ("k", "t")]
+    assert [(r[0], r[1], r[4], r[5], r[6], r[7]) for r in kept] == [
+        (reason, producer, PROPS.key, PROPS.priority, dict(PROPS.headers), ["tenant", "content-type"])
+        for reason, producer in (("max_attempts", "k"), ("expired", "t"))]
