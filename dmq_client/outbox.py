@@ -17,11 +17,14 @@ ships without dmq's SQL package; it only calls the installed function.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from .wire import valid_name
+from .wire.properties import Properties, PropertiesError, encode_properties
 
 __all__ = ["DEFAULT_SCHEMA", "send", "check_schema", "driver_of"]
 
@@ -85,16 +88,31 @@ def _body(body: Any) -> bytes:
     raise TypeError(f"body must be bytes or str, not {type(body).__name__}")
 
 
+def _properties(key: str | None, priority: int, headers: Mapping[str, str] | None) -> Properties:
+    """The message's properties, checked by the rules of a SEND (``PropertiesError``)."""
+    if headers is not None and not isinstance(headers, Mapping):
+        raise PropertiesError(f"headers must be a mapping of names to texts, not {type(headers).__name__}")
+    props = Properties(key, priority, dict(headers or {}))
+    encode_properties(props)  # every rule, the 4,096-byte bound of the whole included
+    return props
+
+
 def send(conn: Any, topic: str, body: bytes | str, *, delay: float | datetime.timedelta | None = None,
-         session_id: int | None = None, schema: str = DEFAULT_SCHEMA) -> None:
+         session_id: int | None = None, key: str | None = None, priority: int = 0,
+         headers: Mapping[str, str] | None = None, schema: str = DEFAULT_SCHEMA) -> None:
     """Add a message for ``topic`` to the outbox, in ``conn``'s current transaction.
 
     ``body`` is bytes (a str is sent as UTF-8). ``delay``: seconds (or a timedelta) after
     the send until it is due. ``session_id``: your own id for the message (0 to 2**63-1),
     under which the relay is to store it once however often it relays it; by default the
-    relay numbers it. Nothing is committed: the message leaves when the caller's transaction commits,
-    and never if it rolls back. A psycopg connection in autocommit mode outside
-    ``conn.transaction()`` is refused (the message would be committed on its own)."""
+    relay numbers it. ``key``, ``priority`` and ``headers``: the message's properties, as
+    ``BlockingClient.send`` takes them (``dmq_client.wire.properties``: a key of 1-255
+    bytes, priority 0-9, at most 32 headers), checked before the insert: a broken rule is a
+    ``PropertiesError`` and nothing is inserted. A message with any of them needs the
+    outbox at version 3 (``dmq outbox install`` brings it there). Nothing is committed: the
+    message leaves when the caller's transaction commits, and never if it rolls back. A
+    psycopg connection in autocommit mode outside ``conn.transaction()`` is refused (the
+    message would be committed on its own)."""
     if not isinstance(topic, str) or not valid_name(topic):
         raise ValueError(f"invalid topic name {topic!r}: use 1-64 characters from [.a-zA-Z0-9_-], "
                          "optionally ending in #ephemeral")
@@ -102,16 +120,27 @@ def send(conn: Any, topic: str, body: bytes | str, *, delay: float | datetime.ti
         isinstance(session_id, bool) or not isinstance(session_id, int) or not 0 <= session_id <= _MAX_SESSION_ID
     ):
         raise ValueError(f"session_id must be a whole number from 0 to 2**63-1, got {session_id!r}")
+    props = _properties(key, priority, headers)
     params = {"topic": topic, "body": _body(body), "delay_ms": _delay_ms(delay), "session_id": session_id}
+    # the properties' arguments only for a message that has some: a message without them
+    # is the call of outbox versions 1 and 2 too
+    extra = ""
+    if props:
+        params.update(key=props.key, priority=props.priority,
+                      headers=json.dumps(dict(props.headers), ensure_ascii=False) if props.headers else None)
+        extra = ", key => {key}, priority => {priority}, headers => {headers}"
     check_schema(schema)
     if driver_of(conn) == "psycopg":
         if not in_transaction_psycopg(conn):
             raise ValueError("outbox.send needs a transaction: this connection is in autocommit mode; "
                              "send inside `with conn.transaction():`")
-        conn.execute(f"SELECT {schema}.send(%(topic)s, %(body)s::bytea, %(delay_ms)s::bigint, "
-                     "%(session_id)s::bigint)", params)
+        conn.execute(f"SELECT {schema}.send(%(topic)s, %(body)s::bytea, %(delay_ms)s::bigint, %(session_id)s::bigint"
+                     + extra.format(key="%(key)s::text", priority="%(priority)s::integer",
+                                    headers="%(headers)s::jsonb") + ")", params)
         return
     from sqlalchemy import text  # the caller's object is SQLAlchemy's: it is imported already
 
     conn.execute(text(f"SELECT {schema}.send(:topic, CAST(:body AS bytea), CAST(:delay_ms AS bigint), "
-                      "CAST(:session_id AS bigint))"), params)
+                      "CAST(:session_id AS bigint)"
+                      + extra.format(key="CAST(:key AS text)", priority="CAST(:priority AS integer)",
+                                     headers="CAST(:headers AS jsonb)") + ")"), params)

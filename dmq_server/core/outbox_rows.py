@@ -17,6 +17,11 @@ the message the application numbered 7 and drop it. A delayed row's producer end
 the topic is not a relay (the storing statement's record tests that suffix:
 ``sql/outbox/ledger.sql``, ``record_stored``).
 
+A row's key, priority and headers (outbox version 3) are one JSON document in the row,
+checked here by the rules of a SEND (``outbox_row``) and carried by its ``Send`` as a
+SEND's are; a row whose document breaks a rule (written by hand: the client and the SQL
+function check before they insert) is refused as a row of an unknown topic is.
+
 Rows are published in runs: consecutive rows to one topic from one producer, at most
 ``max_run`` of them (the group commit's batch: ``GroupCommitWriter`` keeps a run that
 fits in one transaction), an immediate run as one request (the broker checks a topic
@@ -28,10 +33,15 @@ run of the application's own session ids is stored in the order of those ids).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
-__all__ = ["OutboxSource", "OutboxRow", "parse_outbox", "producer_of", "relay_producers", "check_tag", "session_of",
+from dmq_client.wire.properties import (
+    NO_PROPERTIES, Properties, PropertiesError, decode_properties, encode_properties,
+)
+
+__all__ = ["OutboxSource", "OutboxRow", "outbox_row", "parse_outbox", "producer_of", "relay_producers", "check_tag", "session_of",
            "runs", "MAX_NAME", "TAG"]
 
 # the longest NAME: "outbox:" + NAME + ":" + TAG + ":delayed" (and ":own:delayed") stays
@@ -85,6 +95,30 @@ class OutboxRow:
     due_ms: int | None  # Unix ms; None: deliver at once
     session_id: int | None  # the application's own id; None: the row's id
     created_ms: int  # when the application inserted it (the message's producer time)
+    # the message's key, priority and headers and their wire text (Send.properties and
+    # .status); a row whose stored properties break a rule has none and says why in
+    # ``refused`` (it becomes a dead letter, never a message without them)
+    properties: Properties = NO_PROPERTIES
+    status: str = ""
+    refused: str = ""
+
+
+def outbox_row(row_id: int, topic: str, body: bytes, due_ms: int | None, session_id: int | None, created_ms: int,
+               document: object) -> OutboxRow:
+    """The row read with its properties ``document`` (the outbox's ``headers`` column since
+    version 3: a JSON object of the fields a SEND's status has, as psycopg loads jsonb;
+    None for none), checked by the rules of a SEND (``decode_properties``, strict: a field
+    dmq does not know is refused, not dropped). The document is written again compact, as
+    a client writes a status, before the check: jsonb's own text has spaces, and the
+    4,096-byte bound is the wire's."""
+    if document is None:
+        return OutboxRow(row_id, topic, body, due_ms, session_id, created_ms)
+    try:
+        props = decode_properties(json.dumps(document, ensure_ascii=False, separators=(",", ":")))
+        status = encode_properties(props)
+    except PropertiesError as exc:
+        return OutboxRow(row_id, topic, body, due_ms, session_id, created_ms, refused=exc.status())
+    return OutboxRow(row_id, topic, body, due_ms, session_id, created_ms, props, status)
 
 
 def producer_of(name: str, tag: str, row: OutboxRow) -> str:

@@ -24,13 +24,13 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dmq_server.core.errors import Invalid, Refused
 from dmq_server.core.outbox_figures import Measured
-from dmq_server.core.outbox_rows import OutboxRow, check_tag
+from dmq_server.core.outbox_rows import OutboxRow, check_tag, outbox_row
 from dmq_server.db.arrays import Int8Array
 from dmq_server.db.storage_errors import StorageError, describe_error
 from dmq_server.db.worker import connect
 from dmq_sql import load_queries
 
-__all__ = ["DEFAULT_SCHEMA", "GRANTS", "check_schema", "grants_for", "install", "uninstall", "retag", "check_installed",
+__all__ = ["DEFAULT_SCHEMA", "GRANTS", "RELAY_MIN_VERSION", "check_schema", "grants_for", "install", "uninstall", "retag", "check_installed",
            "prune_inbox", "migrations", "relay_queries", "hold_relay", "read_tag", "read_rows", "wait_for_rows",
            "delete_rows", "delete_and_read", "present_rows", "release_relay",
            "read_figures", "named_dsn", "dsn_database"]
@@ -41,11 +41,16 @@ DEFAULT_SCHEMA = "dmq_outbox"
 #: own transactions; never read, change or delete the outbox
 GRANTS = (
     "GRANT USAGE ON SCHEMA {schema} TO {role};",
-    "GRANT EXECUTE ON FUNCTION {schema}.send(text, bytea, bigint, bigint),"
-    " {schema}.send(text, text, bigint, bigint) TO {role};",
+    "GRANT EXECUTE ON FUNCTION {schema}.send(text, bytea, bigint, bigint, text, integer, jsonb),"
+    " {schema}.send(text, text, bigint, bigint, text, integer, jsonb) TO {role};",
     "GRANT INSERT ON {schema}.outbox TO {role};",
     "GRANT INSERT, SELECT ON {schema}.inbox TO {role};",
 )
+
+#: the oldest outbox version a relay reads: 2 gave the install its tag (the producer its
+#: rows go as); version 3's properties live in a column every version has
+#: (sql/outbox/0003_properties.sql), so an outbox not brought up to date relays as before
+RELAY_MIN_VERSION = 2
 
 # lower case only: the name is both an identifier and the relay's NOTIFY channel, unquoted
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -139,11 +144,10 @@ def install(dsn: str, schema: str = DEFAULT_SCHEMA) -> tuple[list[int], int]:
 
 def check_installed(dsn: str, schema: str = DEFAULT_SCHEMA) -> int:
     """The version the outbox ``schema`` is at in the application database at ``dsn``,
-    when it is this dmq's latest (what a relay reads: the install's tag is version 2);
+    when a relay reads it (``RELAY_MIN_VERSION`` or later: the install's tag is version 2);
     Refused saying what to run when it is missing or older (``dmq outbox attach`` asks
     before it records an outbox: a relay of a missing one would only fail, every second)."""
     q = _queries(check_schema(schema))
-    latest = migrations(schema)[-1][0]
     with _database(dsn, "outbox check") as conn:
         exists, ours = _state(conn, q, schema)
         if not ours:
@@ -152,8 +156,9 @@ def check_installed(dsn: str, schema: str = DEFAULT_SCHEMA) -> int:
                           f"run `dmq outbox install --dsn APP_DSN --schema {schema}` first")
         versions = [row[0] for row in conn.execute(q["installed_versions"])]
     version = max(versions, default=0)
-    if version < latest:
-        raise Refused(f"outbox schema {schema} is at version {version}, this dmq relays version {latest}: "
+    if version < RELAY_MIN_VERSION:
+        raise Refused(f"outbox schema {schema} is at version {version}, this dmq relays version "
+                      f"{RELAY_MIN_VERSION} or later: "
                       f"run `dmq outbox install --dsn APP_DSN --schema {schema}` to bring it up to date")
     return version
 
@@ -267,7 +272,7 @@ def read_rows(conn: psycopg.Connection, q: dict[str, str], schema: str, limit: i
         raise StorageError(_not_installed(schema, exc)) from exc
     if not found:
         return "", []
-    return check_tag(schema, found[0][6]), [OutboxRow(row[0], row[1], bytes(row[2]), row[3], row[4], row[5])
+    return check_tag(schema, found[0][6]), [outbox_row(row[0], row[1], bytes(row[2]), row[3], row[4], row[5], row[7])
                                             for row in found]
 
 

@@ -16,7 +16,9 @@ before the delete), hands the others to the broker in runs (``core.outbox_rows.r
 one ``PublishRequest`` of ``Send``s per run of rows to one topic, answered per message by
 ``Broker.publish_each``), waits for the durable answer and records the rows the broker
 refused (unknown topic, body over ``--max-msg-size``, delay past ``--max-delay``) as dead
-letters. What was stored or dead-lettered is deleted from the outbox by the next read, in
+letters, with the rows whose stored properties break a rule (``core.outbox_rows.outbox_row``:
+never published, so never stored without them). Each ``Send`` carries its row's key,
+priority and headers. What was stored or dead-lettered is deleted from the outbox by the next read, in
 the same call to the application's database (``db.outbox.delete_and_read``), and once that
 delete has committed its records are forgotten in the same call to each ledger that asks
 about the next batch (``db.outbox_ledger.forget_and_check``): two calls a batch besides
@@ -453,6 +455,11 @@ class OutboxRelay:
         name, rows, pairs = self.source.name, batch.rows, batch.pairs
         todo = [row for row in rows if pairs[row.id] not in batch.before]
         done = [row for row in rows if pairs[row.id] in batch.before]
+        # stored properties that break a rule (a row written by hand): refused as the broker
+        # refuses a row, never sent without them
+        dead: list[tuple[OutboxRow, str]] = [(row, row.refused) for row in todo if row.refused]
+        if dead:
+            todo = [row for row in todo if not row.refused]
         topics: dict[str, list[list[OutboxRow]]] = {}  # each topic's runs, in id order
         for run in runs(todo, self._max_run):
             topics.setdefault(run[0].topic, []).append(run)
@@ -464,7 +471,6 @@ class OutboxRelay:
             chains = await stored
         finally:
             following = await reading if reading is not None else None
-        dead: list[tuple[OutboxRow, str]] = []
         again = 0
         for run, outcomes in [answered for chain in chains for answered in chain]:
             for row, outcome in zip(run, outcomes):
@@ -524,7 +530,7 @@ class OutboxRelay:
         their commit)."""
         first = run[0]
         sends = [new_send(topic=row.topic, producer=producer, session_id=session_of(row), body=row.body,
-                          produced_ms=row.created_ms) for row in run]
+                          produced_ms=row.created_ms, properties=row.properties, status=row.status) for row in run]
         request = new_request(topic=first.topic, producer=producer, sends=sends, due_ms=first.due_ms)
         answered: Deferred[list[object]] = Deferred()
         outcomes: list[object] = [None] * len(run)

@@ -72,9 +72,10 @@ SELECT tag FROM @schema@.installation;
 -- order it sent them); created_at becomes the message's producer time. Each row carries
 -- the install's tag, read in the same snapshot (an InitPlan: once a statement), so rows
 -- are never numbered under the tag of another install (an uninstall and install while
--- the relay holds its lock).
+-- the relay holds its lock), and its properties document (headers: version 3's use of a
+-- column every version has, so this reads an outbox of version 2 as well).
 SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint,
-       (SELECT tag FROM @schema@.installation)
+       (SELECT tag FROM @schema@.installation), headers
 FROM @schema@.outbox
 WHERE id > %(after)s
 ORDER BY id
@@ -86,7 +87,7 @@ LIMIT %(limit)s;
 -- after `after` comes in id order as relay_read gives it, the rows committed since below
 -- the batch's ids too. A hashed subplan: one probe a row, whatever the batch's size.
 SELECT id, topic, body, due_ms, session_id, (extract(epoch FROM created_at) * 1000)::bigint,
-       (SELECT tag FROM @schema@.installation)
+       (SELECT tag FROM @schema@.installation), headers
 FROM @schema@.outbox
 WHERE id > %(after)s AND id NOT IN (SELECT unnest(%(exclude)b::bigint[]))
 ORDER BY id

@@ -79,21 +79,24 @@ def test_the_grants_on_the_page_are_the_ones_install_prints_and_suffice(app_dsn)
             conn.execute("RESET ROLE")
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
-    assert db_rows(app_dsn, "SELECT topic, body FROM dmq_outbox.outbox") == [
-        ("orders", json.dumps({"id": 5, "event": "created"}).encode())
+    assert db_rows(app_dsn, "SELECT topic, body, headers FROM dmq_outbox.outbox") == [
+        ("orders", json.dumps({"id": 5, "event": "created"}).encode(),
+         {"key": "order-5", "headers": {"content-type": "application/json"}})
     ]
 
 
 def test_the_send_examples_commit_the_order_with_its_message(app_dsn):
     """psycopg's place_order and SQLAlchemy's, as their __main__ parts run them: each order
-    row has its message in the outbox; the SQLAlchemy one is delayed."""
+    row has its message in the outbox with the key (and headers, priority) the page gives
+    it; the SQLAlchemy one is delayed."""
     for name in ("send_psycopg.py", "send_sqlalchemy.py"):
         done = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", examples()[name]], cwd=REPO,
                               env=dict(os.environ, APP_DSN=app_dsn), capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
     assert db_rows(app_dsn, "SELECT id FROM orders ORDER BY id") == [(1,), (2,)]
-    assert db_rows(app_dsn, "SELECT topic, due_ms IS NOT NULL FROM dmq_outbox.outbox ORDER BY id") == [
-        ("orders", False), ("orders", True)
+    assert db_rows(app_dsn, "SELECT topic, due_ms IS NOT NULL, headers FROM dmq_outbox.outbox ORDER BY id") == [
+        ("orders", False, {"key": "order-1", "headers": {"content-type": "application/json"}}),
+        ("orders", True, {"key": "order-2", "priority": 5}),
     ]
 
 

@@ -47,21 +47,36 @@ def app_role(app_dsn):
         conn.execute(f"DROP ROLE {role}")
 
 
+def install_upto(dsn: str, version: int, schema: str = "dmq_outbox") -> None:
+    """The outbox as an installer of an older dmq left it: migrations 1..``version`` applied
+    and recorded, as ``dmq outbox install`` records them."""
+    from dmq_server.db import outbox as outbox_db
+
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.schema_version (version integer PRIMARY KEY, description text NOT NULL,"
+                     " applied_at timestamptz NOT NULL DEFAULT now())")
+        for number, description, sql in outbox_db.migrations(schema)[:version]:
+            conn.execute(sql)
+            conn.execute(f"INSERT INTO {schema}.schema_version (version, description) VALUES (%s, %s)",
+                         (number, description))
+
+
 def test_install_twice_applies_once_and_prints_the_grants(pg_empty_dsn):
-    """The first install applies versions 1 and 2 and records them; the second applies
+    """The first install applies versions 1 to 3 and records them; the second applies
     nothing; both print the four grants."""
     first = outbox_cli(pg_empty_dsn, "install")
     assert first.returncode == 0, first.stderr
-    assert "outbox schema dmq_outbox is at version 2 (applied 1, 2)" in first.stdout
+    assert "outbox schema dmq_outbox is at version 3 (applied 1, 2, 3)" in first.stdout
     second = outbox_cli(pg_empty_dsn, "install")
     assert second.returncode == 0, second.stderr
-    assert "at version 2 (already up to date)" in second.stdout
+    assert "at version 3 (already up to date)" in second.stdout
     for out in (first.stdout, second.stdout):
         assert "GRANT USAGE ON SCHEMA dmq_outbox TO APP_ROLE;" in out
         assert "GRANT INSERT ON dmq_outbox.outbox TO APP_ROLE;" in out
         assert "GRANT INSERT, SELECT ON dmq_outbox.inbox TO APP_ROLE;" in out
     assert db_rows(pg_empty_dsn, "SELECT version, description FROM dmq_outbox.schema_version ORDER BY 1") == [
-        (1, "outbox"), (2, "installation")]
+        (1, "outbox"), (2, "installation"), (3, "properties")]
     tables = db_rows(pg_empty_dsn, "SELECT tablename FROM pg_tables WHERE schemaname = 'dmq_outbox' ORDER BY 1")
     assert tables == [("inbox",), ("installation",), ("outbox",), ("schema_version",)]
 
@@ -101,7 +116,7 @@ def test_uninstall_refuses_unrelayed_messages_unless_forced(app_dsn):
     assert db_rows(app_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'dmq_outbox'") == [(0,)]
     assert outbox_cli(app_dsn, "uninstall").returncode == 0  # nothing there: nothing to do
     reinstalled = outbox_cli(app_dsn, "install")
-    assert "(applied 1, 2)" in reinstalled.stdout
+    assert "(applied 1, 2, 3)" in reinstalled.stdout
 
 
 def test_the_sql_function_from_plain_sql_text_and_bytes(app_dsn):
@@ -125,6 +140,69 @@ def test_the_sql_function_from_plain_sql_text_and_bytes(app_dsn):
             " FROM dmq_outbox.outbox ORDER BY id"
         ).fetchall()
     assert rows == [("orders", "héllo".encode(), True, None, None), ("orders", b"\x00\xff", False, 7, True)]
+
+
+def test_the_sql_function_stores_a_key_priority_and_headers_as_one_document(app_dsn):
+    """send(..., key, priority, headers) keeps the fields a message has in the row's
+    headers column (a message without any: NULL); a priority outside 0..9, an empty or
+    too long key, headers that are no JSON object fail with the reason and add nothing."""
+    with psycopg.connect(app_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dmq_outbox.send('orders', 'all', key => 'order-7', priority => 5,"
+                     " headers => '{\"content-type\": \"application/json\"}')")
+        conn.execute("SELECT dmq_outbox.send('orders', 'key only'::bytea, NULL, 3, 'order-8')")
+        conn.execute("SELECT dmq_outbox.send('orders', 'defaults', priority => 0, headers => '{}')")
+        for call, reason in [
+            ("SELECT dmq_outbox.send('orders', 'x', priority => 10)", "priority must be 0 to 9, got 10"),
+            ("SELECT dmq_outbox.send('orders', 'x', priority => NULL)", "priority must be 0 to 9, got NULL"),
+            ("SELECT dmq_outbox.send('orders', 'x', key => '')", "key must be 1 to 255 bytes, got 0"),
+            (f"SELECT dmq_outbox.send('orders', 'x', key => '{'é' * 128}')", "key must be 1 to 255 bytes, got 256"),
+            ("SELECT dmq_outbox.send('orders', 'x', headers => '[1]')", "headers must be a JSON object .* got a JSON array"),
+        ]:
+            with pytest.raises(psycopg.Error, match=reason):
+                conn.execute(call)
+        rows = conn.execute("SELECT body, session_id, headers FROM dmq_outbox.outbox ORDER BY id").fetchall()
+    assert rows == [
+        (b"all", None, {"key": "order-7", "priority": 5, "headers": {"content-type": "application/json"}}),
+        (b"key only", 3, {"key": "order-8"}),
+        (b"defaults", None, None),
+    ]
+
+
+def test_an_upgrade_to_version_3_keeps_the_roles_grants_and_the_old_calls(pg_empty_dsn):
+    """A role granted EXECUTE on version 2's send() (the grants an older install printed)
+    may execute version 3's after the upgrade, in the old form and with properties; a role
+    that had no grant still has none; the old functions are gone (no call is ambiguous)."""
+    install_upto(pg_empty_dsn, 2)
+    app, other = f"app_{uuid.uuid4().hex[:12]}", f"other_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_empty_dsn, autocommit=True) as conn:
+        for role in (app, other):
+            conn.execute(f"CREATE ROLE {role} NOLOGIN")
+            conn.execute(f"GRANT USAGE ON SCHEMA dmq_outbox TO {role}")
+            conn.execute(f"GRANT INSERT ON dmq_outbox.outbox TO {role}")
+        conn.execute(f"GRANT EXECUTE ON FUNCTION dmq_outbox.send(text, bytea, bigint, bigint),"
+                     f" dmq_outbox.send(text, text, bigint, bigint) TO {app}")
+    done = outbox_cli(pg_empty_dsn, "install")
+    assert "at version 3 (applied 3)" in done.stdout, done.stderr
+    try:
+        with psycopg.connect(pg_empty_dsn, autocommit=True) as conn:
+            conn.execute(f"SET ROLE {app}")
+            conn.execute("SELECT dmq_outbox.send('orders', 'old form')")
+            conn.execute("SELECT dmq_outbox.send('orders', 'old form'::bytea, NULL::bigint, NULL::bigint)")
+            conn.execute("SELECT dmq_outbox.send('orders', 'new form', key => 'k', priority => 1)")
+            conn.execute(f"SET ROLE {other}")
+            for body in ("'x'", "'x'::bytea"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function send"):
+                    conn.execute(f"SELECT dmq_outbox.send('orders', {body})")
+            conn.execute("RESET ROLE")
+            assert conn.execute("SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                                " WHERE n.nspname = 'dmq_outbox' AND p.proname = 'send'").fetchone() == (2,)
+    finally:
+        with psycopg.connect(pg_empty_dsn, autocommit=True) as conn:
+            for role in (app, other):
+                conn.execute(f"DROP OWNED BY {role}")
+                conn.execute(f"DROP ROLE {role}")
+    assert db_rows(pg_empty_dsn, "SELECT body, headers FROM dmq_outbox.outbox ORDER BY id") == [
+        (b"old form", None), (b"old form", None), (b"new form", {"key": "k", "priority": 1})]
 
 
 def test_the_application_role_sends_and_records_but_cannot_read_or_delete(app_dsn, app_role):
@@ -268,5 +346,5 @@ def test_an_outbox_of_version_1_gets_its_tag_when_installed_again(app_dsn):
     refused = outbox_cli(app_dsn, "retag")
     assert refused.returncode == 1 and "at version 1" in refused.stderr
     done = outbox_cli(app_dsn, "install")
-    assert "at version 2 (applied 2)" in done.stdout
+    assert "at version 3 (applied 2)" in done.stdout
     assert len(_tag(app_dsn)) == 8

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from dmq_client import inbox, outbox
+from dmq_client.wire.properties import PropertiesError
 from dmq_server.db.outbox import check_schema, grants_for, migrations
 from dmq_server.core.errors import Invalid
 
@@ -41,6 +42,15 @@ Recorder.__module__ = "psycopg.connection"
     ({"session_id": True}, ValueError, "session_id must be"),
     ({"schema": "Outbox"}, ValueError, "invalid outbox schema name 'Outbox'"),
     ({"schema": "a;b"}, ValueError, "invalid outbox schema name"),
+    ({"key": ""}, PropertiesError, "key is empty"),
+    ({"key": "k" * 256}, PropertiesError, "key is 256 bytes"),
+    ({"priority": 10}, PropertiesError, "priority 10 is outside 0..9"),
+    ({"priority": "5"}, PropertiesError, "priority is not an integer"),
+    ({"headers": {"Content-Type": "x"}}, PropertiesError, "header name 'Content-Type' is not a lowercase token"),
+    ({"headers": {f"h{i}": "v" for i in range(33)}}, PropertiesError, "33 headers"),
+    ({"headers": {"traceparent": "nope"}}, PropertiesError, "'traceparent' is not W3C trace context"),
+    ({"headers": [("a", "b")]}, PropertiesError, "headers must be a mapping of names to texts, not list"),
+    ({"headers": {f"h{i}": "v" * 1000 for i in range(5)}}, PropertiesError, "at most 4096"),
 ])
 def test_send_refuses_bad_arguments_before_any_statement(kwargs, error, reason):
     conn = Recorder()
@@ -56,6 +66,19 @@ def test_send_passes_one_statement_with_milliseconds_and_utf8():
     ((query, params),) = conn.statements
     assert query.startswith("SELECT shop.send(")
     assert params == {"topic": "orders", "body": "é".encode(), "delay_ms": 1500, "session_id": 3}
+    assert "key" not in query  # no properties: the call of every outbox version
+
+
+def test_send_with_properties_passes_them_by_name():
+    """A key, priority and headers go as send()'s named arguments (version 3), headers as
+    JSON text; a message with a priority alone sends no key and no headers."""
+    conn = Recorder()
+    outbox.send(conn, "orders", b"x", key="order-7", priority=5, headers={"content-type": "application/json"})
+    outbox.send(conn, "orders", b"y", priority=1)
+    (query, params), (_, params2) = conn.statements
+    assert query.endswith(", key => %(key)s::text, priority => %(priority)s::integer, headers => %(headers)s::jsonb)")
+    assert (params["key"], params["priority"], params["headers"]) == ("order-7", 5, '{"content-type": "application/json"}')
+    assert (params2["key"], params2["priority"], params2["headers"]) == (None, 1, None)
 
 
 @pytest.mark.parametrize("module, name, reason", [
@@ -88,15 +111,16 @@ def test_the_installer_checks_the_schema_name_and_fills_it_in():
     for bad in ("", "1x", "Shop", "a-b", "a" * 64):
         with pytest.raises(Invalid, match="invalid schema name"):
             check_schema(bad)
-    (version, description, sql), (version2, description2, sql2) = migrations("shop_outbox")
-    assert (version, description, version2, description2) == (1, "outbox", 2, "installation")
+    (version, description, sql), (version2, description2, sql2), (version3, _, sql3) = migrations("shop_outbox")
+    assert (version, description, version2, description2, version3) == (1, "outbox", 2, "installation", 3)
+    assert "DROP FUNCTION shop_outbox.send(text, bytea, bigint, bigint);" in sql3
     assert "@schema@" not in sql + sql2 and "@channel@" not in sql + sql2
     assert "CREATE TABLE shop_outbox.outbox" in sql and "pg_notify('shop_outbox'" in sql
     assert "CREATE TABLE shop_outbox.installation" in sql2
     assert grants_for("shop_outbox", "web") == [
         "GRANT USAGE ON SCHEMA shop_outbox TO web;",
-        "GRANT EXECUTE ON FUNCTION shop_outbox.send(text, bytea, bigint, bigint),"
-        " shop_outbox.send(text, text, bigint, bigint) TO web;",
+        "GRANT EXECUTE ON FUNCTION shop_outbox.send(text, bytea, bigint, bigint, text, integer, jsonb),"
+        " shop_outbox.send(text, text, bigint, bigint, text, integer, jsonb) TO web;",
         "GRANT INSERT ON shop_outbox.outbox TO web;",
         "GRANT INSERT, SELECT ON shop_outbox.inbox TO web;",
     ]

@@ -1,12 +1,18 @@
 """The outbox relay's IO-free rules (dmq_server/core/outbox_rows.py): --outbox parsed with
-specific errors, the producer and session id a row is stored under, runs in id order."""
+specific errors, the producer and session id a row is stored under, runs in id order, a
+row's stored properties checked by the rules of a SEND."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from dmq_client.wire.properties import NO_PROPERTIES, Properties, decode_properties
 from dmq_server.core.options import options_from_args
-from dmq_server.core.outbox_rows import OutboxRow, check_tag, parse_outbox, producer_of, relay_producers, runs, session_of
+from dmq_server.core.outbox_rows import (
+    OutboxRow, check_tag, outbox_row, parse_outbox, producer_of, relay_producers, runs, session_of,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +90,35 @@ def test_a_run_is_never_longer_than_the_group_commits_batch() -> None:
     """The writer keeps a run in one transaction only when it fits in one."""
     rows = [row(i) for i in range(1, 8)] + [row(8, "refunds")]
     assert [[r.id for r in run] for run in runs(rows, 3)] == [[1, 2, 3], [4, 5, 6], [7], [8]]
+
+
+def test_a_rows_properties_document_becomes_the_sends_properties_and_wire_text() -> None:
+    """The document as jsonb gives it (names in jsonb's order, spaces in its text) becomes
+    the properties and the compact status a client would have sent; no document: none. A
+    document near the wire's 4,096-byte bound is measured compact, as sent."""
+    plain = outbox_row(1, "orders", b"x", None, None, 5, None)
+    assert (plain.properties, plain.status, plain.refused) == (NO_PROPERTIES, "", "")
+    full = outbox_row(2, "orders", b"x", None, None, 5,
+                      {"key": "order-7", "headers": {"content-type": "application/json"}, "priority": 5})
+    assert full.properties == Properties("order-7", 5, {"content-type": "application/json"})
+    assert full.status == '{"key":"order-7","priority":5,"headers":{"content-type":"application/json"}}'
+    assert decode_properties(full.status) == full.properties and not full.refused
+    near = {"headers": {f"h{i}": "v" * 1000 for i in range(4)}, "key": "k" * 40}  # 4,094 bytes compact
+    assert len(json.dumps(near)) > 4096 and not outbox_row(3, "orders", b"x", None, None, 5, near).refused
+
+
+@pytest.mark.parametrize("document, says", [
+    ({"priority": 12}, "E_BAD_PROPERTIES priority 12 is outside 0..9"),
+    ({"priority": 5.0}, "E_BAD_PROPERTIES priority is not an integer"),
+    ({"key": ""}, "E_BAD_PROPERTIES key is empty"),
+    ({"kee": "x"}, "E_BAD_PROPERTIES unknown property field 'kee'"),
+    ({"headers": ["a"]}, "E_BAD_PROPERTIES headers are not a JSON object"),
+    ({"headers": {"A": "b"}}, "E_BAD_PROPERTIES header name 'A'"),
+    (["key", "x"], "E_BAD_PROPERTIES properties are not a JSON object"),
+    ("order-7", "E_BAD_PROPERTIES properties are not a JSON object"),
+    ({"headers": {f"h{i}": "v" * 1000 for i in range(5)}}, "E_BAD_PROPERTIES properties are 5"),
+])
+def test_a_document_that_breaks_a_rule_refuses_the_row_saying_which(document: object, says: str) -> None:
+    refused = outbox_row(1, "orders", b"x", None, None, 5, document)
+    assert refused.refused.startswith(says)
+    assert (refused.properties, refused.status) == (NO_PROPERTIES, "")
