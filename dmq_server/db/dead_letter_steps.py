@@ -8,7 +8,6 @@ How messages get there (the broker's sink, its batchers and sweep) is
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -16,6 +15,7 @@ import psycopg
 
 from dmq_client.wire.properties import NO_PROPERTIES, Properties
 
+from dmq_server.db.messages import headers_text
 from dmq_server.db.steps import Statement, Steps, run_steps
 
 __all__ = [
@@ -47,12 +47,6 @@ class NewDeadLetter:
     # the message's key, priority and headers (``Send.properties``, a report's): kept with
     # the letter, so that its replay is the message as it was sent
     properties: Properties = NO_PROPERTIES
-
-
-def _headers_text(props: Properties) -> str | None:
-    """``props``' headers as the JSON text a statement casts to jsonb (NULL for none: one
-    spelling of "no headers", as the migration says)."""
-    return json.dumps(dict(props.headers), ensure_ascii=False, separators=(",", ":")) if props.headers else None
 
 
 @dataclass(slots=True)
@@ -87,7 +81,7 @@ def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "")
             "published_ms": [d.published_ms for d in batch],
             "keys": [d.properties.key for d in batch],
             "priorities": [d.properties.priority for d in batch],
-            "headers": [_headers_text(d.properties) for d in batch],
+            "headers": [headers_text(d.properties.headers) for d in batch],  # cast to jsonb there
         },
     )
     return [r[0] for r in rows]
