@@ -908,17 +908,18 @@ WHERE id IN (SELECT id FROM dmq_trace
              ORDER BY returned_at LIMIT %(limit)s);
 
 -- name: trace_stored
--- The stored message (or its copy kept for the archive after the sweep), body cut short.
+-- The stored message (or its copy kept for the archive after the sweep), body cut short,
+-- with its properties (key, priority, headers: schema 16).
 SELECT id, topic, producer, session_id,
        (extract(epoch FROM produced_at) * 1000)::bigint,
        (extract(epoch FROM published_at) * 1000)::bigint,
-       node_id, length(body), substring(body FOR %(preview)s), false AS swept
+       node_id, length(body), substring(body FOR %(preview)s), false AS swept, key, priority, headers
 FROM dmq_message WHERE id = %(id)s
 UNION ALL
 SELECT id, topic, producer, session_id,
        (extract(epoch FROM produced_at) * 1000)::bigint,
        (extract(epoch FROM published_at) * 1000)::bigint,
-       node_id, length(body), substring(body FOR %(preview)s), true
+       node_id, length(body), substring(body FOR %(preview)s), true, key, priority, headers
 FROM dmq_message_history WHERE id = %(id)s;
 
 -- name: trace_pending
@@ -958,10 +959,11 @@ WHERE message_id = %(id)s OR id = %(replay_of)s
 ORDER BY id;
 
 -- name: trace_delayed
--- A delay entry (a DELAY send's id names its entry until it falls due).
+-- A delay entry (a DELAY send's id names its entry until it falls due), with the
+-- properties its message will have.
 SELECT id, topic, channel, producer, session_id, due_ms, fragment, node_id,
        (extract(epoch FROM created_at) * 1000)::bigint, length(body),
-       substring(body FOR %(preview)s), replay_of
+       substring(body FOR %(preview)s), replay_of, key, priority, headers
 FROM dmq_delay WHERE id = %(id)s;
 
 -- name: find_message_by_session
@@ -972,10 +974,11 @@ SELECT id FROM dmq_message_history WHERE producer = %(producer)s AND session_id 
 LIMIT 1;
 
 -- name: peek_channel
--- A channel's stored, unacknowledged copies in id order, bodies cut short; nothing changes.
+-- A channel's stored, unacknowledged copies in id order, bodies cut short, with their
+-- messages' properties; nothing changes.
 SELECT p.message_id, p.attempts, p.holder, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint,
-       length(m.body), substring(m.body FOR %(preview)s)
+       length(m.body), substring(m.body FOR %(preview)s), m.key, m.priority, m.headers
 FROM dmq_pending p JOIN dmq_message m ON m.id = p.message_id
 WHERE p.topic = %(topic)s AND p.channel = %(channel)s AND p.message_id > %(after)s
 ORDER BY p.message_id
@@ -998,9 +1001,10 @@ WHERE (%(topic)s::text IS NULL OR topic = %(topic)s)
 GROUP BY 1 ORDER BY 1;
 
 -- name: list_delayed
--- Waiting delayed messages by due time (keyset on (due_ms, id)), bodies cut short.
+-- Waiting delayed messages by due time (keyset on (due_ms, id)), bodies cut short, with
+-- their properties.
 SELECT id, topic, channel, producer, session_id, due_ms, fragment, length(body),
-       substring(body FOR %(preview)s), replay_of
+       substring(body FOR %(preview)s), replay_of, key, priority, headers
 FROM dmq_delay
 WHERE (%(topic)s::text IS NULL OR topic = %(topic)s)
   AND (due_ms, id) > (%(after_due)s, %(after_id)s)

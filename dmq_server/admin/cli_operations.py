@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from dmq_server.admin.operations import (
     DEFAULT_BATCH,
@@ -98,6 +98,25 @@ class _Progress:
         return time.monotonic() - self.started
 
 
+def _properties_columns(r: Mapping[str, object]) -> str:
+    """A message's key, priority and headers as three tab-separated columns ("-" for
+    none; headers as compact JSON). The send rules allow no control characters in a key
+    or a header, so a tab in them cannot shift a column."""
+    key = r["key"] if r["key"] is not None else "-"
+    headers = json.dumps(r["headers"], ensure_ascii=False, separators=(",", ":")) if r["headers"] else "-"
+    return f"{key}\t{r['priority']}\t{headers}"
+
+
+def _properties_lines(r: Mapping[str, object]) -> list[str]:
+    """A traced message's (or delay entry's) properties as lines under its first: none for
+    a message without any, so its trace reads as before properties existed."""
+    headers = r["headers"] if isinstance(r["headers"], dict) else {}
+    if r["key"] is None and not r["priority"] and not headers:
+        return []
+    key = r["key"] if r["key"] is not None else "-"
+    return [f"  key {key}, priority {r['priority']}"] + [f"  header {name}: {value}" for name, value in headers.items()]
+
+
 def _print_letters(rows: list[dict], as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -110,13 +129,10 @@ def _print_letters(rows: list[dict], as_json: bool) -> None:
     for r in rows:
         dead = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["dead_ms"] / 1000)) if r["dead_ms"] else "-"
         replayed = f"-> {r['replay_message_id'] or 'queued'}" if r["replayed_ms"] else "-"
-        # the message's properties (no control characters in them: a tab cannot shift a column)
-        key = r["key"] if r["key"] is not None else "-"
-        headers = json.dumps(r["headers"], ensure_ascii=False, separators=(",", ":")) if r["headers"] else "-"
         print(
             f"{r['id']}\t{r['reason']}\t{r['topic']}/{r['channel'] or '*'}\t"
             f"{r['producer']}:{r['session_id']}\t{r['message_id'] or '-'}\t{r['attempts']}\t{dead}\t{replayed}"
-            f"\t{key}\t{r['priority']}\t{headers}"
+            f"\t{_properties_columns(r)}"
         )
 
 
@@ -263,11 +279,15 @@ def cmd_trace(args: argparse.Namespace) -> None:
     if delayed is not None:
         print(f"delay entry {message_id}: {delayed['topic']}, due {_when(delayed['due_ms'])} UTC "
               f"(producer {delayed['producer']}, session {delayed['session_id']}, {delayed['size']} bytes)")
+        for line in _properties_lines(delayed):
+            print(line)
         return
     stored = trace["stored"]
     if stored is not None:
         swept = ", swept (kept for the archive)" if stored["swept"] else ""
         print(f"message {message_id} on topic {stored['topic']}, {stored['size']} bytes{swept}")
+        for line in _properties_lines(stored):
+            print(line)
     else:
         print(f"message {message_id} on topic {trace['topic']} (the stored message was swept after its retention)")
     if trace["replay_of"]:
@@ -299,11 +319,11 @@ def cmd_peek(args: argparse.Namespace) -> None:
     if not rows:
         print(f"nothing waiting on {args.topic}/{args.channel}")
         return
-    print("message	published (UTC)	attempts	owner	bytes	body")
+    print("message	published (UTC)	attempts	owner	bytes	key	priority	headers	body")
     for r in rows:
         body = r["body"] if r["body_encoding"] == "utf-8" else "(base64) " + r["body"]
         print(f"{r['message_id']}	{_when(r['published_ms'])}	{r['attempts']}	{r['owner']}	{r['size']}	"
-              f"{body!r}{'...' if r['truncated'] else ''}")
+              f"{_properties_columns(r)}	{body!r}{'...' if r['truncated'] else ''}")
 
 
 def _add_filters(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.messages import OUTBOX_PRODUCERS, send_columns, stored_status, with_outbox_record, with_properties
 from dmq_server.db.outbox_ledger import RECORDING
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
-from dmq_server.db.trace_steps import body_preview
+from dmq_server.db.trace_steps import body_preview, properties_of_row
 from dmq_sql import queries
 
 __all__ = [
@@ -217,14 +217,16 @@ def delay_stats_steps() -> Steps:
 def list_delayed_steps(
     topic: str | None, after_due: int, after_id: int, limit: int, preview: int = 256
 ) -> Steps:
-    """Waiting entries in due-time order after the keyset ``(after_due, after_id)``."""
+    """Waiting entries in due-time order after the keyset ``(after_due, after_id)``, each
+    with the properties its message will have."""
     rows = yield Statement(
         "list_delayed",
         {"topic": topic, "after_due": after_due, "after_id": after_id, "limit": limit, "preview": preview},
     )
     return [
         {"delay_id": r[0], "topic": r[1], "channel": r[2], "producer": r[3], "session_id": r[4],
-         "due_ms": r[5], "fragment": r[6], "replay_of": r[9], **body_preview(r[8], r[7])}
+         "due_ms": r[5], "fragment": r[6], "replay_of": r[9], **properties_of_row(*r[10:13]),
+         **body_preview(r[8], r[7])}
         for r in rows
     ]
 

@@ -1305,7 +1305,7 @@ class MemoryDb:
         if m is None:
             return []
         return [(m.id, m.topic, m.producer, m.session_id, _ms_or_none(m.produced_ms), m.published_ms, m.node_id,
-                 len(m.body), m.body[: p["preview"]], False)]
+                 len(m.body), m.body[: p["preview"]], False, m.key, m.priority, m.headers)]
 
     def _trace_pending(self, p: dict) -> list[tuple]:
         return sorted(
@@ -1341,7 +1341,8 @@ class MemoryDb:
         if r is None:
             return []
         return [(r["id"], r["topic"], r["channel"], r["producer"], r["session_id"], r["due_ms"], r["fragment"],
-                 r["node_id"], r["created_ms"], len(r["body"]), r["body"][: p["preview"]], r["replay_of"])]
+                 r["node_id"], r["created_ms"], len(r["body"]), r["body"][: p["preview"]], r["replay_of"], r["key"],
+                 r["priority"], r["headers"])]
 
     def _find_message_by_session(self, p: dict) -> list[tuple]:
         message_id = self._pairs.get((p["producer"], p["session_id"]))
@@ -1354,7 +1355,7 @@ class MemoryDb:
                 continue
             m = self.messages[message_id]
             rows.append((m.id, attempts, self._holder(topic, channel, m.owner), m.producer, m.session_id,
-                         m.published_ms, len(m.body), m.body[: p["preview"]]))
+                         m.published_ms, len(m.body), m.body[: p["preview"]], m.key, m.priority, m.headers))
         return rows[: p["limit"]]
 
     def _published_at(self, p: dict) -> list[tuple]:
@@ -1384,7 +1385,8 @@ class MemoryDb:
             key=lambda r: (r["due_ms"], r["id"]),
         )[: p["limit"]]
         return [(r["id"], r["topic"], r["channel"], r["producer"], r["session_id"], r["due_ms"], r["fragment"],
-                 len(r["body"]), r["body"][: p["preview"]], r["replay_of"]) for r in rows]
+                 len(r["body"]), r["body"][: p["preview"]], r["replay_of"], r["key"], r["priority"], r["headers"])
+                for r in rows]
 
     def _deliver_delayed_now(self, p: dict) -> list[tuple]:
         rows = []

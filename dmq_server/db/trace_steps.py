@@ -24,6 +24,8 @@ __all__ = [
     "find_message_steps",
     "peek_channel_steps",
     "body_preview",
+    "MessageProperties",
+    "properties_of_row",
     "read_gauges_steps",
     "PREVIEW_BYTES",
 ]
@@ -102,6 +104,21 @@ def body_preview(data: bytes | memoryview | None, size: int) -> dict[str, object
     return out
 
 
+class MessageProperties(TypedDict):
+    """A message's properties as the trace, peek and the delay view show them (the JSON
+    names a dead letter's have): ``key`` and ``headers`` None for none, as stored."""
+
+    key: str | None
+    priority: int
+    headers: dict[str, str] | None
+
+
+def properties_of_row(key: str | None, priority: int, headers: dict[str, str] | None) -> MessageProperties:
+    """The three columns schema 16 added (``headers`` is jsonb, read as a dict), as JSON
+    fields: an operator looking at a message sees what its consumers get with it."""
+    return {"key": key, "priority": priority, "headers": headers}
+
+
 def find_message_steps(producer: str, session_id: int) -> Steps:
     """The id stored for (producer, session id), or None."""
     rows = yield Statement("find_message_by_session", {"producer": producer, "session_id": session_id})
@@ -121,7 +138,7 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
     replay_of = None
     topic = None
     if stored_row is not None:
-        mid, topic, producer, session_id, produced_ms, published_ms, node_id, size, body, swept = stored_row
+        mid, topic, producer, session_id, produced_ms, published_ms, node_id, size, body, swept, *props = stored_row
         stored = {
             "topic": topic,
             "producer": producer,
@@ -130,6 +147,7 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
             "published_ms": published_ms,
             "node_id": node_id,
             "swept": swept,
+            **properties_of_row(*props),
             **body_preview(body, size),
         }
         if producer == "dmq-replay":  # the replay of a dead letter: its session id is the letter's id
@@ -192,11 +210,11 @@ def read_trace_steps(message_id: int, preview: int = PREVIEW_BYTES) -> Steps:
         delayed_rows = yield Statement("trace_delayed", params)
         if delayed_rows:
             row = delayed_rows[0]
-            did, d_topic, channel, producer, session_id, due_ms, fragment, node_id, created_ms, size, body, r_of = row
+            did, d_topic, channel, producer, session_id, due_ms, fragment, node_id, created_ms, size, body, r_of, *props = row
             out["delayed"] = {
                 "delay_id": did, "topic": d_topic, "channel": channel, "producer": producer,
                 "session_id": session_id, "due_ms": due_ms, "fragment": fragment, "node_id": node_id,
-                "created_ms": created_ms, "replay_of": r_of, **body_preview(body, size),
+                "created_ms": created_ms, "replay_of": r_of, **properties_of_row(*props), **body_preview(body, size),
             }
     return out
 
@@ -214,17 +232,19 @@ def _in_order(event: Event) -> tuple[int, int, int]:
 
 
 def peek_channel_steps(topic: str, channel: str, after: int = 0, limit: int = 20, preview: int = 512) -> Steps:
-    """A channel's stored, unacknowledged copies after ``after``, oldest first; the rows
-    are read, nothing is locked or changed (in-flight copies are among them)."""
+    """A channel's stored, unacknowledged copies after ``after``, oldest first, each with
+    its message's properties; the rows are read, nothing is locked or changed (in-flight
+    copies are among them)."""
     rows = yield Statement(
         "peek_channel", {"topic": topic, "channel": channel, "after": after, "limit": limit, "preview": preview}
     )
     return [
         {
             "message_id": mid, "attempts": attempts, "owner": owner, "producer": producer,
-            "session_id": session_id, "published_ms": published_ms, **body_preview(body, size),
+            "session_id": session_id, "published_ms": published_ms, **properties_of_row(*props),
+            **body_preview(body, size),
         }
-        for mid, attempts, owner, producer, session_id, published_ms, size, body in rows
+        for mid, attempts, owner, producer, session_id, published_ms, size, body, *props in rows
     ]
 
 

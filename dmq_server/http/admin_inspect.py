@@ -5,16 +5,18 @@
 GET      /admin/whoami                            this caller's rights (the console's mode)
 GET      /admin/overview                          every topic of both stores, its channels'
                                                   figures (the console's first page)
-GET      /admin/messages/ID                       the message's trace: stored facts, events
-                                                  in time order, this node's live copies
+GET      /admin/messages/ID                       the message's trace: stored facts (with its
+                                                  key, priority, headers), events in time
+                                                  order, this node's live copies
 GET      /admin/messages?producer=P&session_id=S  the id stored for a producer's session id
 GET      /admin/channels/TOPIC/CHANNEL            figures and consumers on this node
-GET      /admin/channels/TOPIC/CHANNEL/peek       waiting copies, oldest first, not consumed
-                                                  (after, limit)
+GET      /admin/channels/TOPIC/CHANNEL/peek       waiting copies, oldest first, not consumed,
+                                                  with their properties (after, limit)
 GET      /admin/history                           each channel's last minutes (topic)
 GET      /admin/nodes                             live nodes from the registry
-GET      /admin/delay/entries                     waiting delayed messages by due time
-                                                  (topic, after_due, after_id, limit)
+GET      /admin/delay/entries                     waiting delayed messages by due time, with
+                                                  their properties (topic, after_due,
+                                                  after_id, limit)
 GET      /admin/delay/histogram                   waiting delayed messages per due-time
                                                   bucket (topic, width: e.g. 1m)
 POST     /admin/delay/deliver-now|cancel          ids=1,2,3 (audited)

@@ -249,6 +249,71 @@ def test_an_operator_sees_and_repairs_the_system_in_the_console(make_server, pg_
         sock.close()
 
 
+#: a header value holding markup: the console must show it as typed, never run or render it
+MARKUP = '<script>window.pwned = 1</script><b id="bold">bold</b>'
+
+
+def _properties_shown(console, css: str) -> dict:
+    """What the page shows of a message's properties inside ``css``: the facts (dt -> dd
+    text) or a row's cells, the headers' name/value list, and what the markup became."""
+    return console.driver.execute_script(
+        """const root = document.querySelector(arguments[0]);
+        const headers = root.querySelector("dl.headers");
+        const pairs = headers ? [...headers.querySelectorAll("dt")].map((dt) => [dt.textContent, dt.nextElementSibling.textContent]) : [];
+        const facts = Object.fromEntries([...root.querySelectorAll(":scope > dt")].map((dt) => [dt.textContent, dt.nextElementSibling.textContent]));
+        const cell = (c) => { const n = root.querySelector(c); return n ? n.textContent : null; };
+        return { facts, key: cell("td.key"), priority: cell("td.priority"), headers: pairs,
+                 scripts: root.querySelectorAll("script").length, bold: root.querySelectorAll("b").length,
+                 pwned: window.pwned === undefined ? null : String(window.pwned) };""", css)
+
+
+def test_the_trace_peek_and_delay_views_show_a_messages_properties_as_text(make_server, pg_dsn, browser):
+    """A message sent with a key, a priority and headers (one header's value is HTML with a
+    script) shows them in its trace, in its channel's peek and, delayed, in the delay view:
+    key and priority as fields, the headers as a name/value list, the markup as text (no
+    script element, nothing run); a message without them shows none (issue 45)."""
+    from dmq_client.wire import MessageType
+    from dmq_client.wire.properties import Properties
+
+    setup_data(pg_dsn)
+    server = make_server(delay_poll_interval="100ms")
+    console = Console(browser, server)
+    headers = {"tenant": "caf\u00e9", "x-note": MARKUP}
+    with server.client() as producer:
+        sent = producer.send("orders", b'{"order": 7}', key="order-7", priority=5, headers=headers)
+        plain = producer.send("orders", b"plain")
+        assert sent.command == plain.command == Command.SEND_SUCCESS_ACK, sent.status
+        later = producer.send_frame("orders", b"later", properties=Properties("later-1", 9, {"x-note": MARKUP}))
+        later.msg_type, later.due_ms = MessageType.DELAY, int(time.time() * 1000) + 3_600_000
+        producer.write(later)
+        assert producer.next_send_reply(timeout=10).command == Command.SEND_SUCCESS_ACK
+    # the trace: key and priority among the facts, the headers as a list
+    console.open(f"#/trace/{sent.message_id}")
+    shown = _properties_shown(console, "#trace-facts")
+    assert (shown["facts"]["key"], shown["facts"]["priority"]) == ("order-7", "5")
+    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["x-note", MARKUP]]
+    assert (shown["scripts"], shown["bold"], shown["pwned"]) == (0, 0, None)
+    console.shot("trace-properties")
+    console.open(f"#/trace/{plain.message_id}")
+    shown = _properties_shown(console, "#trace-facts")
+    assert (shown["facts"]["key"], shown["facts"]["priority"], shown["facts"]["headers"]) == ("\u2013", "0", "\u2013")
+    # peek: the waiting copies of audit (nobody subscribed), each row with its properties
+    console.open("#/channel/orders/audit")
+    shown = _properties_shown(console, f"#peek tr[data-message-id='{sent.message_id}']")
+    assert (shown["key"], shown["priority"]) == ("order-7", "5")
+    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["x-note", MARKUP]]
+    assert (shown["scripts"], shown["bold"], shown["pwned"]) == (0, 0, None)
+    shown = _properties_shown(console, f"#peek tr[data-message-id='{plain.message_id}']")
+    assert (shown["key"], shown["priority"], shown["headers"]) == ("\u2013", "0", [])
+    console.shot("peek-properties")
+    # the delay view: the entry waiting an hour, with the properties its message will have
+    console.open("#/delay?topic=orders&width=10m")
+    shown = _properties_shown(console, "#delayed tbody tr")
+    assert (shown["key"], shown["priority"], shown["headers"]) == ("later-1", "9", [["x-note", MARKUP]])
+    assert (shown["scripts"], shown["bold"], shown["pwned"]) == (0, 0, None)
+    console.shot("delay-properties")
+
+
 def _post(server, path: str, body: bytes = b"") -> bytes:
     request = urllib.request.Request(server.http + path, data=body, method="POST",
                                      headers={"Content-Type": "application/octet-stream"})

@@ -444,9 +444,11 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("it beats", owner_heartbeat_steps, lambda: (OWNER,), same),
         ("no such incarnation beats", owner_heartbeat_steps, lambda: (99,), same),
         ("no such backend", backends_alive_steps, lambda: ([2**31 - 1],), same),
-        # messages, an ack, returns: what the trace and the stats read
+        # messages, an ack, returns: what the trace and the stats read (m2 with properties:
+        # its trace and the peeks show them)
         ("a batch", insert_messages_steps,
-         lambda: ([_msg("p", 1), _msg("p", 2), _msg("p", 3), _msg("s", 1, topic="short")], NODE, OWNER), same),
+         lambda: ([_msg("p", 1), _msg("p", 2, props=PROPS), _msg("p", 3), _msg("s", 1, topic="short")], NODE, OWNER),
+         same),
         ("an ack", ack_deliveries_steps, lambda: ([AckRow("orders", "billing", m["m1"], 1_700_000_000_000,
                                                          1_700_000_001_000, 2, "nsq c@h:1", 1_700_000_000_500, OWNER)],
                                                  cursor("billing", 0, (m["m1"], m["m1"])), NODE), same),
@@ -530,6 +532,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("by due time", due_histogram_steps, lambda: (None, LATER - 10, 100), same),
         ("a topic's by due time", due_histogram_steps, lambda: ("quiet", 0, 1000), same),
         ("the trace of a delay", read_trace_steps, lambda: (y["y2"],), same),
+        ("the trace of a delay with properties", read_trace_steps, lambda: (y["y5"],), same),
         ("deliver now", deliver_delayed_now_steps, lambda: ([y["y2"], y["y1"], 999_999_999], LATER - 5), lambda ids: [k.y(i) for i in ids]),
         ("cancel", cancel_delayed_steps, lambda: ([y["y4"], 999_999_999],), lambda ids: [k.y(i) for i in ids]),
         ("move what is due", move_due_steps, lambda: ((1, 2, 3, 4), 4, LATER, 10, NODE, OWNER), moved_view),

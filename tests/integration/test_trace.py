@@ -169,6 +169,65 @@ def test_the_delay_view_lists_delivers_now_cancels_and_audits(make_server, pg_ds
     producer.close()
 
 
+def test_the_trace_peek_and_the_delay_view_show_a_messages_properties(make_server, pg_dsn):
+    """A message sent with a key, a priority and headers, one without, and a delayed one
+    with them: the admin API's trace, peek and delay entries give the three (JSON ``key``,
+    ``priority``, ``headers``, as a dead letter's), and so do ``dmq trace`` and ``dmq peek``
+    (issue 45). The headers come in jsonb's order of names, shortest first."""
+    import time
+
+    from dmq_client.wire import MessageType
+    from dmq_client.wire.properties import Properties
+
+    register(pg_dsn, "orders", "billing")
+    server = make_server()
+    headers = {"content-type": "application/json", "tenant": "\u00e9t\u00e9"}
+    with server.client() as producer:
+        sent = producer.send("orders", b'{"order": 7}', key="order-7", priority=5, headers=headers)
+        plain = producer.send("orders", b"plain")
+        frame = producer.send_frame("orders", b"later", properties=Properties("later-1", 9, {"x-trace": "abc"}))
+        frame.msg_type, frame.due_ms = MessageType.DELAY, int(time.time() * 1000) + 3_600_000
+        producer.write(frame)
+        later = producer.next_send_reply(timeout=10)
+    assert sent.command == plain.command == later.command == Command.SEND_SUCCESS_ACK, sent.status
+    props = lambda d: (d["key"], d["priority"], d["headers"])  # noqa: E731
+    shown = ("order-7", 5, headers)
+
+    # the trace: the stored message's, a plain one's, the delay entry's
+    assert props(http(server, "GET", f"/admin/messages/{sent.message_id}")[1]["stored"]) == shown
+    assert props(http(server, "GET", f"/admin/messages/{plain.message_id}")[1]["stored"]) == (None, 0, None)
+    assert props(http(server, "GET", f"/admin/messages/{later.message_id}")[1]["delayed"]) == (
+        "later-1", 9, {"x-trace": "abc"})
+    printed = run_cli(pg_dsn, "trace", str(sent.message_id))
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.splitlines()[1:4] == [
+        "  key order-7, priority 5", "  header tenant: \u00e9t\u00e9", "  header content-type: application/json"]
+    assert props(json.loads(run_cli(pg_dsn, "trace", str(sent.message_id), "--json").stdout)["stored"]) == shown
+    lines = run_cli(pg_dsn, "trace", str(plain.message_id)).stdout.splitlines()
+    assert lines[1].split("  ", 2)[2].startswith("stored by")  # no properties: nothing said of them
+    lines = run_cli(pg_dsn, "trace", str(later.message_id)).stdout.splitlines()
+    assert lines[0].startswith(f"delay entry {later.message_id}: orders")
+    assert lines[1:] == ["  key later-1, priority 9", "  header x-trace: abc"]
+
+    # peek: each waiting copy with its message's properties
+    status, peek = http(server, "GET", "/admin/channels/orders/billing/peek")
+    assert [(m["message_id"], *props(m)) for m in peek["messages"]] == [
+        (sent.message_id, *shown), (plain.message_id, None, 0, None)]
+    printed = run_cli(pg_dsn, "peek", "orders", "billing")
+    assert printed.returncode == 0, printed.stderr
+    head, first, second = (line.split("\t") for line in printed.stdout.splitlines())
+    assert head[5:8] == ["key", "priority", "headers"]
+    assert first[5:] == ["order-7", "5", '{"tenant":"\u00e9t\u00e9","content-type":"application/json"}', "'{\"order\": 7}'"]
+    assert second[5:] == ["-", "0", "-", "'plain'"]
+    as_json = json.loads(run_cli(pg_dsn, "peek", "orders", "billing", "--json").stdout)
+    assert [props(m) for m in as_json] == [shown, (None, 0, None)]
+
+    # the delay view: the entry with the properties its message will have
+    status, entries = http(server, "GET", "/admin/delay/entries?topic=orders")
+    assert [(d["delay_id"], *props(d)) for d in entries["delayed"]] == [
+        (later.message_id, "later-1", 9, {"x-trace": "abc"})]
+
+
 def call(server, method, path, headers=None):
     request = urllib.request.Request(server.http + path, method=method, headers=headers or {})
     try:

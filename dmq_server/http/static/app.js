@@ -89,6 +89,19 @@ function age(seconds) {
   return `${(seconds / 86400).toFixed(1)} d`;
 }
 const traceLink = (id) => (id == null ? "–" : el("a", { href: `#/trace/${id}`, class: "trace-link" }, String(id)));
+
+// A message's properties (the trace, peek, the delay view). Header names and values are the
+// sender's text: like every value they go in as text nodes, so markup in them shows as typed.
+function headersList(headers) {
+  const entries = Object.entries(headers || {});
+  return entries.length
+    ? el("dl", { class: "headers" }, entries.map(([name, value]) => [el("dt", {}, name), el("dd", {}, value)]))
+    : "–";
+}
+const propertyFacts = (m) => [["key", m.key ?? "–"], ["priority", m.priority], ["headers", headersList(m.headers)]];
+const propertyCells = (m) => [el("td", { class: "key" }, m.key ?? "–"), el("td", { class: "num priority" }, String(m.priority)),
+  el("td", { class: "headers" }, headersList(m.headers))];
+const factRows = (facts) => facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v instanceof Node ? v : String(v))]);
 const enc = encodeURIComponent;
 
 function say(text, kind) {
@@ -268,6 +281,7 @@ async function channelPage(page, topic, channel, after) {
     el("td", {}, when(m.published_ms)),
     el("td", { class: "num" }, fmt(m.attempts)),
     el("td", {}, m.live ? `${m.live.state.replace("_", " ")}${m.live.consumer ? " to " + m.live.consumer : ""}` : (m.owner ? `stored (owner ${m.owner})` : "stored")),
+    propertyCells(m),
     el("td", { class: "num" }, fmt(m.size)),
     el("td", {}, el("code", { class: "preview" }, m.body_encoding === "utf-8" ? m.body.slice(0, 160) : "(binary, base64) " + m.body.slice(0, 80)))));
   fill(page, 
@@ -277,7 +291,7 @@ async function channelPage(page, topic, channel, after) {
     el("h2", {}, "Consumers on this node"), consumers,
     el("h2", {}, "Waiting messages (peek: nothing is consumed)"),
     peek.messages.length
-      ? el("table", { id: "peek" }, el("thead", {}, el("tr", {}, ["Message", "Published", "Attempts", "State", "Bytes", "Body"].map((t) => el("th", {}, t)))), el("tbody", {}, peekRows))
+      ? el("table", { id: "peek" }, el("thead", {}, el("tr", {}, ["Message", "Published", "Attempts", "State", "Key", "Priority", "Headers", "Bytes", "Body"].map((t) => el("th", {}, t)))), el("tbody", {}, peekRows))
       : el("p", { class: "muted", id: "peek-empty" }, "Nothing waiting."),
     el("div", { class: "actions" },
       after ? el("a", { href: `#/channel/${enc(topic)}/${enc(channel)}` }, "first page") : "",
@@ -390,11 +404,11 @@ async function delayPage(page) {
       actionButton("Cancel selected", async () => `cancelled ${(await api("POST", "delay/cancel", { ids: selected().join(",") })).changed.length}`,
         { name: "cancel", danger: true, confirm: () => `Cancel the ${selected().length} selected delayed messages? They are deleted.` })),
     entries.delayed.length
-      ? el("table", { id: "delayed" }, el("thead", {}, el("tr", {}, ["", "Delay id", "Topic", "Channel", "Due", "Producer", "Session", "Bytes", "Body"].map((t) => el("th", {}, t)))),
+      ? el("table", { id: "delayed" }, el("thead", {}, el("tr", {}, ["", "Delay id", "Topic", "Channel", "Due", "Producer", "Session", "Key", "Priority", "Headers", "Bytes", "Body"].map((t) => el("th", {}, t)))),
         el("tbody", {}, entries.delayed.map((d) => el("tr", { dataset: { delayId: d.delay_id } },
           el("td", {}, el("input", { type: "checkbox", class: "pick", value: d.delay_id })), el("td", {}, String(d.delay_id)), el("td", {}, d.topic),
           el("td", {}, d.channel || "every"), el("td", {}, when(d.due_ms)), el("td", {}, d.producer), el("td", {}, String(d.session_id)),
-          el("td", { class: "num" }, fmt(d.size)), el("td", {}, el("code", {}, d.body_encoding === "utf-8" ? d.body.slice(0, 120) : "(binary)"))))))
+          propertyCells(d), el("td", { class: "num" }, fmt(d.size)), el("td", {}, el("code", {}, d.body_encoding === "utf-8" ? d.body.slice(0, 120) : "(binary)"))))))
       : "");
 }
 
@@ -455,7 +469,7 @@ async function tracePage(page, id) {
   const stored = t.stored;
   if (stored) {
     facts.push(["topic", stored.topic], ["producer", stored.producer], ["session id", stored.session_id], ["stored at", when(stored.published_ms)],
-      ["stored by", stored.node_id], ["produced at", when(stored.produced_ms)], ["bytes", fmt(stored.size)]);
+      ["stored by", stored.node_id], ["produced at", when(stored.produced_ms)], ["bytes", fmt(stored.size)], ...propertyFacts(stored));
     if (stored.swept) facts.push(["note", "acknowledged everywhere and swept; kept for the archive"]);
   } else if (t.topic) {
     facts.push(["topic", t.topic], ["note", "the stored message was swept after its retention; these are the logged facts"]);
@@ -468,8 +482,8 @@ async function tracePage(page, id) {
   });
   fill(page, 
     el("h1", {}, `Message ${t.message_id}`), form,
-    t.delayed ? el("dl", { class: "facts" }, el("dt", {}, "delay entry"), el("dd", {}, `waiting in the delay table for ${t.delayed.topic}, due ${when(t.delayed.due_ms)} (producer ${t.delayed.producer}, session ${t.delayed.session_id})`)) : "",
-    el("dl", { class: "facts", id: "trace-facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+    t.delayed ? el("dl", { class: "facts", id: "trace-delayed" }, factRows([["delay entry", `waiting in the delay table for ${t.delayed.topic}, due ${when(t.delayed.due_ms)} (producer ${t.delayed.producer}, session ${t.delayed.session_id})`], ...propertyFacts(t.delayed)])) : "",
+    el("dl", { class: "facts", id: "trace-facts" }, factRows(facts)),
     el("h2", {}, "What happened"),
     el("ol", { class: "timeline", id: "timeline" }, t.events.map((e) => el("li", { class: e.event, dataset: { event: e.event } }, el("span", { class: "when" }, when(e.at_ms)), (EVENT_TEXT[e.event] || ((x) => x.event))(e)))),
     pending.length ? [el("h2", {}, "Waiting"), el("ul", { id: "pending" }, pending)] : "",
