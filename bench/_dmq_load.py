@@ -22,12 +22,13 @@ import socket
 import struct
 import time
 from array import array
-from typing import Any
+from typing import Any, Sequence
 
 from _common import run_worker
 
 from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode, pack_ids, unpack_ids
 from dmq_client.wire.codec import MAX_ACK_IDS
+from dmq_client.wire.properties import Properties, encode_properties
 
 U32 = struct.Struct(">I")
 U16 = struct.Struct(">H")
@@ -90,6 +91,105 @@ class SendTemplate:
 
     def frame(self, session_id: int, now_ms: int, now_ns: int) -> bytes:
         return self.head + I64.pack(session_id) + self.suffix(now_ms, now_ns)
+
+
+def key_names(count: int) -> list[str]:
+    """``count`` keys of one width (``k00000``...): their statuses are of one length, so a
+    keyed template splices a key's status in without re-encoding the frame."""
+    if count < 1:
+        raise ValueError("a keyed run needs at least one key")
+    width = max(5, len(str(count - 1)))
+    return [f"k{i:0{width}d}" for i in range(count)]
+
+
+def hot_key_name(count: int) -> str:
+    """The hot key of ``--hot-key-share``: as wide as ``key_names(count)``'s, never one of them."""
+    return "h" + key_names(count)[0][1:]
+
+
+def key_status(key: str) -> str:
+    """The status of a send carrying ``key`` and nothing else (docs/protocol.md §4.15)."""
+    return encode_properties(Properties(key=key))
+
+
+def key_plan(n: int, keys: int, offset: int, stride: int, hot_share: float = 0.0) -> array:
+    """For each of a producer's ``n`` messages, the index of its key: ``keys`` (one past the
+    last plain key) is the hot key.
+
+    The plain keys are taken ``offset, offset + stride, ...`` round the ``keys`` of the run,
+    so producers ``0..stride-1`` with their own offsets share the keys evenly and
+    consecutive messages of a producer differ in key (with more than one key). With
+    ``hot_share`` S, a message is the hot key's whenever ``int((j + 1) * S)`` steps, which
+    spreads the hot key's messages evenly among the rest (S = 0.5: every other one).
+    """
+    if not 0.0 <= hot_share <= 1.0:
+        raise ValueError(f"hot_share {hot_share} is outside 0..1")
+    plan = array("l", bytes(array("l").itemsize * n))
+    plain = 0
+    for j in range(n):
+        if hot_share and int((j + 1) * hot_share) > int(j * hot_share):
+            plan[j] = keys
+        else:
+            plan[j] = (offset + plain * stride) % keys
+            plain += 1
+    return plan
+
+
+class KeyedSendTemplate(SendTemplate):
+    """A SendTemplate whose status, the message's key, is spliced in per message.
+
+    ``keys`` must encode to statuses of one length (``key_names`` gives such keys): the
+    frame's size and status length fields are then the same for every key, and a frame is
+    the template's bytes with the chosen key's status bytes in place of the first's.
+    """
+
+    def __init__(self, topic: str, producer: str, body_size: int, keys: Sequence[str]):
+        statuses = [key_status(k).encode() for k in keys]
+        if not statuses:
+            raise ValueError("a keyed template needs at least one key")
+        if len({len(s) for s in statuses}) != 1:
+            raise ValueError("keys of a KeyedSendTemplate must encode to statuses of one length")
+        super().__init__(topic, producer, body_size, statuses[0].decode())
+        # the status is the last thing before the body (docs/protocol.md §2)
+        self.statuses = statuses
+        self.before_status = self.before_body[: -len(statuses[0])]
+        for index in {0, len(keys) - 1}:  # the layout is the same for every key; a check at both ends
+            (frame,) = FrameDecoder().feed(self.keyed_frame(99, 1_700_000_000_000, 7, index))
+            assert frame.session_id == 99 and frame.topic == topic and frame.status == statuses[index].decode()
+            assert I64.unpack_from(frame.body, 0)[0] == 7 and len(frame.body) == body_size
+
+    def around_status(self, now_ms: int, now_ns: int) -> tuple[bytes, bytes]:
+        """What goes between the session id and the status, and after the status, for
+        messages sent at this moment."""
+        return (self.between_ts + I64.pack(now_ms) + self.before_status,
+                I64.pack(now_ns) + self.body_rest)
+
+    def frames(self, first_session_id: int, key_indices: Sequence[int], now_ms: int, now_ns: int) -> bytes:
+        """Consecutive sends, session ids from ``first_session_id``, the i-th with the key
+        ``key_indices[i]`` (an index into ``keys``), all sent at this moment."""
+        before, after = self.around_status(now_ms, now_ns)
+        head, pack, statuses = self.head, I64.pack, self.statuses
+        parts: list[bytes] = []
+        append = parts.append
+        for sid, key_index in enumerate(key_indices, first_session_id):
+            append(head)
+            append(pack(sid))
+            append(before)
+            append(statuses[key_index])
+            append(after)
+        return b"".join(parts)
+
+    def keyed_frame(self, session_id: int, now_ms: int, now_ns: int, key_index: int) -> bytes:
+        return self.frames(session_id, (key_index,), now_ms, now_ns)
+
+
+def push_status_span(buf: bytes | bytearray, pos: int) -> tuple[int, int]:
+    """Where the status of the push frame at ``pos`` starts and ends (the body follows it)."""
+    p = pos + OFF_TOPIC_LEN
+    p += 1 + buf[p]  # topic
+    p += 1 + buf[p]  # channel
+    p += 1 + buf[p]  # producer
+    return p + 2, p + 2 + U16.unpack_from(buf, p)[0]
 
 
 class AckTemplate:
@@ -165,7 +265,15 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     n = cfg["n"]
     window = cfg["window"]
     rate = float(cfg.get("rate") or 0.0)
-    tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""))
+    keys = cfg.get("keys", 0)
+    hot_share = cfg.get("hot_share", 0.0)
+    keyed: KeyedSendTemplate | None = None
+    if keys:  # each message carries a key of the run's (docs/benchmarks.md, the ordered scenario)
+        names = key_names(keys) + ([hot_key_name(keys)] if hot_share else [])
+        tmpl = keyed = KeyedSendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], names)
+        plan = key_plan(n, keys, cfg.get("key_offset", index), cfg.get("key_stride", 1), hot_share)
+    else:
+        tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""))
     head = tmpl.head
     pack = I64.pack
     u32_from = U32.unpack_from
@@ -205,13 +313,17 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         else:
             k = min(n - next_seq, window - outstanding)
         if k > 0:
-            suffix = tmpl.suffix(int(time.time() * 1000), time.time_ns())
             parts = []
             append = parts.append
-            for sid in range(next_seq + sid0, next_seq + sid0 + k):
-                append(head)
-                append(pack(sid))
-                append(suffix)
+            if keyed is None:
+                suffix = tmpl.suffix(int(time.time() * 1000), time.time_ns())
+                for sid in range(next_seq + sid0, next_seq + sid0 + k):
+                    append(head)
+                    append(pack(sid))
+                    append(suffix)
+            else:
+                parts.append(keyed.frames(next_seq + sid0, plan[next_seq : next_seq + k], int(time.time() * 1000),
+                                          time.time_ns()))
             data = b"".join(parts)
             t_write = perf()
             for seq in range(next_seq, next_seq + k):
@@ -283,6 +395,14 @@ def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     (seconds or None, ack: bool); None = until ``expected`` is reached.
     Records publish->delivery latency from the body's first 8 bytes
     (producer time.time_ns()) when cfg["latency"].
+
+    Several consumers of one channel: cfg["shared"], a multiprocessing Value('q') they all
+    add their new messages to; each stops once it reaches ``expected`` (the channel's
+    messages). cfg["hot_status"]: the status bytes of the hot key (``--hot-key-share``):
+    each push's status is compared with it, hot and other messages are counted apart
+    (``hot``, ``cold``, and per read ``reads``: time, cold, hot) and ``expected`` counts
+    the other keys' messages only. cfg["partial"]: at the timeout, stop and report what
+    came instead of failing (how far a stalled channel got).
     """
     run_worker("consumer", _consumer, cfg, index, ready_q, start_evt, result_q)
 
@@ -291,10 +411,12 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     topic, channel = cfg["topic"], cfg["channel"]
     acks = AckTemplate(topic, channel, single=cfg.get("single_acks", False))
     u32_from = U32.unpack_from
-    u16_from = U16.unpack_from
     i64_from = I64.unpack_from
     want_latency = cfg.get("latency", True)
     expected = cfg.get("expected", 0)
+    shared = cfg.get("shared")
+    hot_status: bytes | None = cfg.get("hot_status")
+    partial = cfg.get("partial", False)
 
     sock = _connect(cfg["host"], cfg["port"])
     sock.sendall(
@@ -338,6 +460,10 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     overall_deadline = time.monotonic() + cfg["timeout"]
     phase_log = []
     held: list[int] = []  # received, not yet acknowledged (no-ack phases)
+    counted = 0  # towards ``expected``: new messages (with hot_status, of the other keys)
+    hot = cold = 0
+    reads = array("d")  # with hot_status: time, cold, hot of each read that brought some
+    timed_out = False
     for seconds, do_ack in cfg.get("phases") or [(None, True)]:
         phase_start = time.time()
         phase_received = phase_acked = 0
@@ -349,14 +475,17 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
             held = []
             t_last = time.time()
         while True:
-            if seconds is None and expected and len(seen) >= expected:
+            if seconds is None and expected and (shared.value if shared is not None else counted) >= expected:
                 break
             remaining = phase_deadline - time.monotonic()
             if remaining <= 0:
-                if seconds is None:
+                if seconds is None and not partial:
                     raise TimeoutError(f"received {len(seen)} of {expected} messages within {cfg['timeout']}s")
+                timed_out = seconds is None
                 break
-            readable, _, _ = select.select([sock], [], [], min(remaining, 0.5))
+            # sharing a channel, a consumer may have nothing more to read when the others
+            # finish: look at the shared count often
+            readable, _, _ = select.select([sock], [], [], min(remaining, 0.5 if shared is None else 0.02))
             if not readable:
                 continue
             data = sock.recv(RECV_SIZE)
@@ -367,6 +496,7 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
             pos = 0
             blen = len(buf)
             ids = []
+            fresh = read_hot = 0
             while blen - pos >= 4:
                 end = pos + 4 + u32_from(buf, pos)[0]
                 if end > blen:
@@ -379,19 +509,28 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                         duplicates += 1
                     else:
                         seen.add(mid)
-                        if want_latency:
-                            p = pos + OFF_TOPIC_LEN
-                            p += 1 + buf[p]  # topic
-                            p += 1 + buf[p]  # channel
-                            p += 1 + buf[p]  # producer
-                            p += 2 + u16_from(buf, p)[0]  # status
-                            if end - p >= 8:
+                        fresh += 1
+                        if want_latency or hot_status is not None:
+                            status_at, p = push_status_span(buf, pos)  # p: the body
+                            if hot_status is not None and buf[status_at:p] == hot_status:
+                                read_hot += 1
+                            if want_latency and end - p >= 8:
                                 lat.append((now_ns - i64_from(buf, p)[0]) / 1e9)
                 elif cmd == C_PROTOCOL_ERROR:
                     raise ConnectionError(_status_of(buf, pos, end))
                 pos = end
             if pos:
                 del buf[:pos]
+            if fresh:
+                if hot_status is not None:
+                    hot += read_hot
+                    cold += fresh - read_hot
+                    reads.extend((time.time(), fresh - read_hot, read_hot))
+                    fresh -= read_hot
+                counted += fresh
+                if shared is not None and fresh:
+                    with shared.get_lock():
+                        shared.value += fresh
             if ids:
                 if not t_first:
                     t_first = time.time()
@@ -424,4 +563,8 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         t_last=t_last,
         phases=phase_log,
         lat=lat.tobytes(),
+        hot=hot,
+        cold=cold,
+        reads=reads.tobytes(),
+        timed_out=timed_out,
     )

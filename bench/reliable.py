@@ -14,6 +14,9 @@ Scenarios (see docs/benchmarks.md for what each figure means):
   e2e1     dmq: producers + 1 consumer on 1 channel at the same time; delivered+acked msgs/s
   e2e4     dmq: the same with 4 channels (4 consumers); per channel and total
   steady   dmq: paced producers at --rate msgs/s for --steady-seconds; publish->ack latency
+  ordered  dmq: keyed messages (--keys) to a topic created --ordered and to a plain one, alternated,
+           one channel with --ordered-consumers consumers each; delivered+acked msgs/s and their ratio
+           (issue 45: >= 0.70); --hot-key-share S: S of the messages carry one key
   ceiling  PostgreSQL alone: the server's insert_messages statement, batches of 100, one connection
   backlog  dmq: server RSS with 1,000,000 stored unacknowledged messages, consumer without and with acks
   rabbit   RabbitMQ (durable queue, persistent messages, publisher confirms): publish and end to end
@@ -73,7 +76,7 @@ from _pg import PrivatePostgres  # noqa: E402
 from dmq_client.wire.properties import Properties, encode_properties  # noqa: E402
 
 CTX = mp.get_context("fork")
-ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ceiling", "backlog", "rabbit", "nats")
+ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered", "ceiling", "backlog", "rabbit", "nats")
 PEERS = ("rabbit", "nats")
 
 # issue 18's targets (the delivery store as cursors); the summary checks them
@@ -84,6 +87,7 @@ TARGETS = {
     "steady_p99_ms": 5.0,
     "pg_us_per_message": 20.0,
     "backlog_rss_mb": 100.0,
+    "ordered_ratio": 0.70,  # issue 45 §2: ordered channel's rate / an unordered one's, 10,000 keys, 8 consumers
 }
 
 
@@ -265,6 +269,71 @@ def cpu_line(cpu: dict, wall: float) -> str:
     return ", ".join(cells) + f"; wall {wall:.1f} s on {os.cpu_count()} cores"
 
 
+def hot_keyed(cons: list[dict], t0: float, other_n: int, hot_n: int) -> dict:
+    """A --hot-key-share run's figures from its consumers: the other keys' messages (how
+    many, at what rate, and per second from the common start) beside the hot key's."""
+    per_second: dict[int, int] = {}
+    last_other = last_hot = t0
+    for r in cons:
+        reads = array("d", r["reads"])
+        for i in range(0, len(reads), 3):
+            when, other, hot = reads[i], int(reads[i + 1]), int(reads[i + 2])
+            if other:
+                per_second[int(when - t0)] = per_second.get(int(when - t0), 0) + other
+                last_other = max(last_other, when)
+            if hot:
+                last_hot = max(last_hot, when)
+    other = sum(r["cold"] for r in cons)
+    hot = sum(r["hot"] for r in cons)
+    seconds = [per_second.get(s, 0) for s in range(max(per_second, default=-1) + 1)]
+    return {
+        "other_messages": other_n,
+        "hot_messages": hot_n,
+        "other_delivered": other,
+        "hot_delivered": hot,
+        "other_msgs_s": round(other / max(0.001, last_other - t0), 1),
+        "hot_msgs_s": round(hot / max(0.001, last_hot - t0), 1),
+        "timed_out": any(r.get("timed_out") for r in cons),
+        "other_per_second": seconds,
+        "other_per_second_text": " ".join(fmt_int(c) for c in seconds[:30]) + (" ..." if len(seconds) > 30 else ""),
+    }
+
+
+class ParkedSampler:
+    """``parked_count`` of a channel from ``/stats`` every half second: the
+    most copies an ordered channel held back behind their keys (None where /stats has no
+    such field: an unordered topic on a server without it, or an older tree)."""
+
+    def __init__(self, server: "DmqServer", topic: str, channel: str, every: float = 0.5):
+        import threading
+
+        self.server, self.topic, self.channel, self.every = server, topic, channel, every
+        self.max: int | None = None
+        self.last: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "ParkedSampler":
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        value = self.server.channel_field(self.topic, self.channel, "parked_count")
+        if isinstance(value, int):
+            self.last = value
+            self.max = value if self.max is None else max(self.max, value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def stop(self) -> tuple[int | None, int | None]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+        return self.max, self.last
+
+
 # ====================================================================== dmq server
 
 
@@ -343,6 +412,12 @@ class DmqServer(StartedServer):
                 return json.load(resp)
         except (OSError, ValueError):
             return None
+
+    def channel_field(self, topic: str, channel: str, field: str) -> object:
+        """One field of a reliable channel in ``/stats`` (the server's own JSON: each
+        channel's ``ReliableChannel.stats``), None if absent."""
+        stats = _channel_stats(self.stats(), topic, channel)
+        return None if stats is None else stats.get(field)
 
     def histograms(self) -> dict[str, dict[str, float]] | None:
         """Every histogram's cumulative buckets from ``/metrics``, ``{name: {le: count}}``."""
@@ -547,12 +622,13 @@ class Bench:
 
         return connect(self.pg.dsn, autocommit=True)
 
-    def create_topic(self, topic: str, channels: list[str]) -> None:
+    def create_topic(self, topic: str, channels: list[str], ordered: bool = False) -> None:
         import registry
 
         conn = self.connect()
         try:
-            registry.create_topic(conn, topic)
+            # ``ordered`` only when asked: a tree from before ordered topics still runs the rest
+            registry.create_topic(conn, topic, **({"ordered": True} if ordered else {}))
             for channel in channels:
                 registry.add_channel(conn, topic, channel)
         finally:
@@ -577,10 +653,13 @@ class Bench:
             self.server.stop()
 
     # -- dmq scenarios -------------------------------------------------------
-    def producer_cfgs(self, topic: str, n: int, rate: float = 0.0, tag: str = "") -> list[tuple[Callable, dict]]:
+    def producer_cfgs(self, topic: str, n: int, rate: float = 0.0, tag: str = "",
+                      keyed: dict | None = None) -> list[tuple[Callable, dict]]:
+        """``keyed``: keys, hot_share for the producers' cfg (each its own offset round the keys)."""
         a = self.args
         out = []
         for i, count in enumerate(split(n, a.producers)):
+            extra = {**keyed, "key_offset": i, "key_stride": a.producers} if keyed else {}
             out.append(
                 (
                     _dmq_load.producer_main,
@@ -595,6 +674,7 @@ class Bench:
                         "status": properties_status(a.headers),
                         "rate": rate / a.producers if rate else 0.0,
                         "timeout": a.timeout,
+                        **extra,
                     },
                 )
             )
@@ -803,6 +883,124 @@ class Bench:
             rows,
         )
         print_profile(f"e2e{channels}", prof, a.profile_gil)
+        return res
+
+    def scenario_ordered(self) -> dict:
+        """Issue 45 §2's cost: keyed messages through an ordered topic's channel and an
+        unordered one's, in the same run, alternated (ordered first), --ordered-pairs times."""
+        a = self.args
+        runs: dict[str, dict] = {}
+        pairs = []
+        for i in range(1, a.ordered_pairs + 1):
+            pair = {}
+            for ordered in (True, False):
+                name = f"{'ordered' if ordered else 'unordered'}_{i}"
+                runs[name] = pair["ordered" if ordered else "unordered"] = self.keyed_run(
+                    f"bench_{name}", ordered, name)
+            o, u = pair["ordered"].get("other_msgs_s"), pair["unordered"].get("other_msgs_s")
+            pair["ratio"] = round(o / u, 3) if o and u else None
+            pairs.append(pair["ratio"])
+            ratio = "n/a" if pair["ratio"] is None else f"{pair['ratio']:.2f}"
+            print(f"  pair {i}: ordered {fmt_int(o)} / unordered {fmt_int(u)} msgs/s = ratio {ratio} "
+                  f"(target >= {TARGETS['ordered_ratio']:.2f})", flush=True)
+        return {"keys": a.keys, "consumers": a.ordered_consumers, "hot_key_share": a.hot_key_share,
+                "messages": a.e2e_messages, "runs": runs, "ratios": pairs}
+
+    def keyed_run(self, topic: str, ordered: bool, label: str) -> dict:
+        """One topic with one channel and --ordered-consumers consumers, keyed producers
+        publishing while they consume; delivered+acked msgs/s, CPU a message, parked copies."""
+        a = self.args
+        self.create_topic(topic, ["c1"], ordered=ordered)
+        n = a.e2e_messages
+        hot = a.hot_key_share
+        plans = [_dmq_load.key_plan(count, a.keys, i, a.producers, hot) for i, count in
+                 enumerate(split(n, a.producers))]
+        hot_n = sum(plan.count(a.keys) for plan in plans) if hot else 0
+        shared = CTX.Value("q", 0)
+        consumer = {
+            "host": "127.0.0.1", "port": self.server.tcp_port, "topic": topic, "channel": "c1",
+            "credit": a.credit, "single_acks": a.single_acks, "shared": shared, "timeout": a.timeout,
+            "latency": not hot, "expected": n - hot_n,
+        }
+        if hot:
+            # the other keys' messages are what a hot key must not stall: wait for them, and
+            # at the timeout report how far they got rather than fail
+            consumer.update(hot_status=_dmq_load.key_status(_dmq_load.hot_key_name(a.keys)).encode(),
+                            partial=True, timeout=a.hot_timeout)
+        consumers = [(_dmq_load.consumer_main, dict(consumer)) for _ in range(a.ordered_consumers)]
+        producers = self.producer_cfgs(topic, n, tag=label, keyed={"keys": a.keys, "hot_share": hot})
+        parked = ParkedSampler(self.server, topic, "c1").start()
+        if self.profiler.outdir:
+            self.profiler.start(self.server.pid, label)
+        t_before = time.time()
+        stats_before = self.server.stats()
+        run = run_workers(consumers + producers, self.probes(), result_timeout=a.timeout + 60)
+        stats_after = self.server.stats()
+        prof = self.profiler.stop()
+        parked_max, parked_end = parked.stop()
+        results = [run["results"][i] for i in range(len(run["results"]))]
+        cons, prods = results[: len(consumers)], results[len(consumers):]
+        t0 = run["t0"]
+        delivered = sum(r["unique"] for r in cons)
+        last = max((r["t_last"] for r in cons if r["t_last"]), default=t0)
+        elapsed = max(0.001, last - t0)
+        published = sum(r["acked"] for r in prods)
+        pub_elapsed = max(r["t_end"] for r in prods) - t0
+        res: dict[str, Any] = {
+            "ordered": ordered,
+            "topic": topic,
+            "published_acked": published,
+            "publish_msgs_s": round(published / pub_elapsed, 1),
+            "delivered_acked": delivered,
+            "duplicates": sum(r["duplicates"] for r in cons),
+            "elapsed_s": round(elapsed, 3),
+            "wall_s": round(run["wall"], 3),  # the span the CPU figures cover
+            "msgs_s": round(delivered / elapsed, 1),
+            "per_consumer": [r["unique"] for r in cons],
+            "parked_max": parked_max,
+            "parked_end": parked_end,
+            "group_commit": writer_delta(stats_before, stats_after, pub_elapsed),
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], delivered),
+            "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+            "profile": prof,
+        }
+        if hot:
+            res.update(hot_keyed(cons, t0, n - hot_n, hot_n))
+        else:
+            res["other_msgs_s"] = res["msgs_s"]
+            res["publish_delivery_latency_ms"] = percentiles(latencies(cons))
+        rows = [
+            ("published and acknowledged to producers", f"{published:,} at {fmt_int(res['publish_msgs_s'])} msgs/s"),
+            ("delivered+acked msgs/s (all consumers)",
+             f"{fmt_int(res['msgs_s'])}  ({delivered:,} in {elapsed:.1f} s, {res['duplicates']} redelivered; "
+             f"per consumer {min(res['per_consumer']):,}..{max(res['per_consumer']):,})"),
+        ]
+        if hot:
+            rows += [
+                (f"the other keys' messages ({n - hot_n:,})",
+                 f"{res['other_delivered']:,} delivered+acked at {fmt_int(res['other_msgs_s'])} msgs/s"
+                 f"{' (the consumers stopped at the timeout)' if res['timed_out'] else ''}"),
+                (f"the hot key's messages ({hot_n:,})",
+                 f"{res['hot_delivered']:,} delivered+acked by then, {fmt_int(res['hot_msgs_s'])} msgs/s"),
+                ("the other keys' messages per second (from the start)", res["other_per_second_text"]),
+            ]
+        else:
+            rows.append(("publish->delivery latency p50 / p99 / p99.9 (ms)", fmt_lat(res["publish_delivery_latency_ms"])))
+        rows += [
+            ("copies parked behind their keys (/stats parked_count): max sampled / at the end",
+             f"{fmt_int(parked_max)} / {fmt_int(parked_end)}"),
+            ("server group commits", writer_line(res["group_commit"])),
+            ("CPU seconds (from the start until every consumer stopped)", cpu_line(run["cpu"], run["wall"])),
+            ("CPU per delivered+acked message (its publish included)", per_message_line(res["cpu_us_per_message"])),
+        ]
+        print_table(
+            f"dmq keyed end to end, {'ORDERED' if ordered else 'unordered'} topic ({label}): {a.producers} producers x "
+            f"window {a.window}, {a.keys:,} keys{f', hot key share {hot:g}' if hot else ''}, 1 channel x "
+            f"{a.ordered_consumers} consumers (credit {a.credit}), {n:,} messages",
+            rows,
+        )
+        print_profile(label, prof, a.profile_gil)
         return res
 
     def scenario_steady(self) -> dict:
@@ -1267,7 +1465,7 @@ class Bench:
                     print("  PostgreSQL settings from --pg-setting: "
                           + ", ".join(f"{k}={v}" for k, v in a.pg_setting), flush=True)
                 self.server = DmqServer(dsn, self.work, a.server_arg or [], a.server_log_level, a.server_cmd)
-                live = ("publish", "mpub", "e2e1", "e2e4", "steady")
+                live = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered")
                 server_up = False
                 if any(s in wanted for s in live):
                     try:
@@ -1288,6 +1486,7 @@ class Bench:
                     ("e2e1", lambda: self.scenario_e2e(1)),
                     ("e2e4", lambda: self.scenario_e2e(4)),
                     ("steady", self.scenario_steady),
+                    ("ordered", self.scenario_ordered),
                     ("ceiling", self.scenario_ceiling),
                     ("backlog", self.scenario_backlog),
                 ):
@@ -1463,6 +1662,15 @@ class Bench:
              f"<= {TARGETS['backlog_rss_mb']:g}" + (" (at 1,000,000)" if stored and stored < 1_000_000 else ""),
              verdict(None if peak is None else peak <= TARGETS["backlog_rss_mb"])]
         )
+        ratios = [x for x in (get("ordered", "ratios") or []) if x is not None]
+        if get("ordered", "runs"):
+            hot = get("ordered", "hot_key_share")
+            rows.append(
+                [f"dmq ordered / unordered delivered+acked msgs/s, {fmt_int(get('ordered', 'keys'))} keys, "
+                 f"{get('ordered', 'consumers')} consumers{f', hot key share {hot:g} (other keys)' if hot else ''}",
+                 " ".join(f"{x:.2f}" for x in ratios) or "n/a", f">= {TARGETS['ordered_ratio']:.2f}",
+                 verdict(None if not ratios else min(ratios) >= TARGETS["ordered_ratio"])]
+            )
         ceil = get("ceiling", "runs")
         if ceil:
             rows.append(["PostgreSQL alone, batches of 100: msgs/s", fmt_int(ceil[0]["msgs_s"]), "-", "-"])
@@ -1505,6 +1713,9 @@ def stolen_share(results: dict) -> float | None:
         node = results.get(key)
         if isinstance(node, dict) and node.get(wall_key) and "stolen by the hypervisor" in node.get("cpu_s", {}):
             shares.append(100.0 * node["cpu_s"]["stolen by the hypervisor"] / (node[wall_key] * (os.cpu_count() or 1)))
+    for node in ordered_runs(results):
+        if node.get("wall_s") and "stolen by the hypervisor" in node.get("cpu_s", {}):
+            shares.append(100.0 * node["cpu_s"]["stolen by the hypervisor"] / (node["wall_s"] * (os.cpu_count() or 1)))
     return round(sum(shares) / len(shares), 1) if shares else None
 
 
@@ -1524,7 +1735,17 @@ def background_load(results: dict) -> float | None:
             other = node["cpu_s"].get("other processes")
             if other is not None:
                 shares.append(100.0 * other / node[wall_key])
+    for node in ordered_runs(results):
+        other = node.get("cpu_s", {}).get("other processes")
+        if other is not None and node.get("wall_s"):
+            shares.append(100.0 * other / node["wall_s"])
     return round(sum(shares) / len(shares), 1) if shares else None
+
+
+def ordered_runs(results: dict) -> list[dict]:
+    """The ordered scenario's runs (each a keyed end-to-end run with its cpu_s and elapsed_s)."""
+    runs = results.get("ordered", {}).get("runs") if isinstance(results.get("ordered"), dict) else None
+    return [r for r in (runs or {}).values() if isinstance(r, dict)]
 
 
 def _channel_stats(stats: dict | None, topic: str, channel: str) -> dict | None:
@@ -1559,6 +1780,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--headers", type=int, default=0, metavar="N",
                    help="dmq sends carry N small headers (docs/protocol.md §4.15: a name and a 16-byte value "
                         "each), the cost of properties; 0: none, as every send before them")
+    p.add_argument("--keys", type=int, default=10_000,
+                   help="ordered scenario: distinct message keys (k00000...), taken in turn by each producer")
+    p.add_argument("--ordered-consumers", type=int, default=8,
+                   help="ordered scenario: consumer processes on the one channel")
+    p.add_argument("--ordered-pairs", type=int, default=2,
+                   help="ordered scenario: ordered-then-unordered runs alternated this many times")
+    p.add_argument("--hot-key-share", type=float, default=0.0, metavar="S",
+                   help="ordered scenario: this share of the messages carries one hot key; the consumers "
+                        "tell them apart and the other keys' delivery rate is reported")
+    p.add_argument("--hot-timeout", type=float, default=120, metavar="SECONDS",
+                   help="with --hot-key-share: consumers stop after SECONDS and report how many of the "
+                        "other keys' messages came (a hot key filling the channel's window holds the rest)")
     p.add_argument("--mpub-batch", type=int, default=100, help="messages per NSQ MPUB in the mpub scenario")
     p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
     p.add_argument("--single-acks", action="store_true",
@@ -1630,6 +1863,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.scenarios = scenarios
     if a.body_size < 8:
         p.error("--body-size must be at least 8 (the body carries the send time)")
+    if a.keys < 1:
+        p.error("--keys must be at least 1")
+    if not 0.0 <= a.hot_key_share < 1.0:
+        p.error("--hot-key-share must be in 0..1 (exclusive of 1: the other keys' rate is the figure)")
+    if a.ordered_consumers < 1 or a.ordered_pairs < 1:
+        p.error("--ordered-consumers and --ordered-pairs must be at least 1")
     return a
 
 
