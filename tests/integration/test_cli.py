@@ -23,6 +23,7 @@ def test_topic_and_channel_lifecycle(pg_dsn):
             "rate_limit": None,
             "ttl_ms": None,
             "max_attempts": None,
+            "ordered": False,
             "channels": ["audit", "billing"],
             "cluster": "main",
             "draining": [],

@@ -1,7 +1,8 @@
 """An ordered topic (issue 45 §2) as a setting, end to end on a real PostgreSQL: `dmq topic
 create --ordered`, `dmq topic update --ordered / --no-ordered`, what `topic list/show`
-print, and a running server's view of it (the HTTP admin API, the line console), which
-comes from the registry refresh that also hands the reliable store its topics."""
+print, and a running server's view of it (the HTTP admin API, the line console, the web
+console in a real browser), which comes from the registry refresh that also hands the
+reliable store its topics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 
 from .support import db_rows, run_cli, wait_for
 from .test_admin_surfaces import Console, admin_server, http
+from .test_console_browser import Console as Page
+from .test_console_browser import browser  # noqa: F401  (the fixture: a real chromium)
 
 
 def _cli(dsn: str, *args: str) -> str:
@@ -25,7 +28,8 @@ def test_the_cli_creates_updates_and_shows_an_ordered_topic(pg_dsn):
     """--ordered at create time is stored; update turns it off and on again (the other
     settings and the channels stay); list and show print it; a topic created without it
     is not ordered."""
-    assert _cli(pg_dsn, "topic", "create", "orders", "--ordered", "--max-attempts", "3") == "created ordered topic orders"
+    created = _cli(pg_dsn, "topic", "create", "orders", "--ordered", "--max-attempts", "3")
+    assert created == "created ordered topic orders"
     assert _cli(pg_dsn, "topic", "create", "plain") == "created topic plain"
     _cli(pg_dsn, "channel", "add", "orders", "billing")
     assert db_rows(pg_dsn, "SELECT name, ordered FROM dmq_topic ORDER BY name") == [("orders", True), ("plain", False)]
@@ -70,3 +74,23 @@ def test_a_running_server_shows_the_setting_and_follows_an_update(make_server, p
         assert {t["name"]: t["ordered"] for t in console.data("topics")} == {"orders": False, "plain": True}
     finally:
         console.close()
+
+
+def test_the_web_console_marks_an_ordered_topic(make_server, pg_dsn, browser):  # noqa: F811
+    """The topics page says ``ordered`` beside the store of each channel of an ordered topic
+    and not beside the others; it follows an update at its next refresh, without a reload."""
+    _cli(pg_dsn, "topic", "create", "orders", "--ordered")
+    _cli(pg_dsn, "channel", "add", "orders", "billing")
+    _cli(pg_dsn, "topic", "create", "plain")
+    _cli(pg_dsn, "channel", "add", "plain", "c")
+    server = make_server(registry_refresh="0.2s")
+    page = Page(browser, server)
+    page.open("#/")
+    orders = "#topics tr[data-topic='orders'][data-channel='billing']"
+    plain = "#topics tr[data-topic='plain'][data-channel='c']"
+    assert page.text(orders + " td:nth-child(2)") == "reliable ordered"
+    assert page.text(orders + " .ordered") == " ordered"
+    assert page.text(plain + " td:nth-child(2)") == "reliable" and page.text(plain + " .ordered") is None
+    page.shot("topics-ordered")
+    _cli(pg_dsn, "topic", "update", "orders", "--no-ordered")
+    wait_for(lambda: page.text(orders + " td:nth-child(2)") == "reliable", timeout=20)

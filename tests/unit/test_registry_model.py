@@ -66,7 +66,8 @@ def test_an_ordered_topic_round_trips_and_an_older_znode_is_not_ordered():
     unordered = TopicSpec("orders", max_attempts=3)
     assert json.loads(encode_topic(unordered))["ordered"] is False
     assert decode_topic("orders", encode_topic(unordered), []) == unordered
-    older = b'{"cluster": "main", "draining": [], "max_attempts": 3, "msg_timeout_ms": 5000, "rate_limit": null, "store": "reliable", "ttl_ms": null}'
+    older = (b'{"cluster": "main", "draining": [], "max_attempts": 3, "msg_timeout_ms": 5000, '
+             b'"rate_limit": null, "store": "reliable", "ttl_ms": null}')
     assert decode_topic("orders", older, ["a"]) == TopicSpec("orders", "reliable", 5000, None, None, 3, ("a",))
     assert not decode_topic("orders", older, []).ordered
     for odd in (b'"yes"', b"1", b'"true"', b"null"):
