@@ -85,6 +85,7 @@ class MovedMessage:
     # commit's answer does (ReliableStore._confirm_channels counts it)
     channel: str | None = None
     status: str = ""  # its properties as its pushes carry them (db.messages.stored_status)
+    key: str | None = None
 
 
 # insert_delayed for a batch holding outbox rows: records them as it stores them
@@ -190,7 +191,7 @@ def move_due_steps(
             raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
         MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9],
-                     stored_status(r[10], r[11], r[12]))
+                     stored_status(r[10], r[11], r[12]), r[10])
         for r in rows
         if r[1] is not None
     ]

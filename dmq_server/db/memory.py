@@ -49,6 +49,7 @@ import psycopg
 from twisted.internet.defer import Deferred
 
 from dmq_server.core.clock import Clock
+from dmq_server.db import delays as _delayed_variants  # noqa: F401  registers insert_outbox_delayed, *_props
 from dmq_server.db import messages as _variants  # noqa: F401  registers insert_new_messages, ack_new_deliveries
 from dmq_server.db.storage_errors import StorageError, storage_error
 from dmq_server.db.steps import STATEMENTS, Params, Rows, Statement, Steps
@@ -564,7 +565,8 @@ class MemoryDb:
         row = self.topics.get(p["name"])
         if row is None:
             return []
-        return [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"], row["ordered"])]
+        return [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"], row["ordered"],
+                 row["store"])]
 
     def _update_topic_settings(self, p: dict) -> int:
         row = self.topics.get(p["name"])

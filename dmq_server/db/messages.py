@@ -648,6 +648,7 @@ class BacklogRow:
     attempts: int
     owner: int = 0
     status: str = ""  # its properties as its pushes carry them (``stored_status``)
+    key: str | None = None  # its key (an ordered topic's channels push one copy of a key at a time)
 
 
 def load_backlog_steps(
@@ -661,7 +662,7 @@ def load_backlog_steps(
     }
     rows = yield Statement("load_backlog", params)
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6],
-                       "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]))
+                       "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]), r[7])
             for r in rows]
 
 

@@ -34,6 +34,7 @@ from dmq_server.core.deadlines import Deadlines
 from dmq_server.core.client_memory import RELIABLE_WINDOW, ClientMemory
 from dmq_server.db.messages import BacklogRow
 from dmq_server.reliable.cursor import ChannelCursor
+from dmq_server.reliable.key_order import KeyGate
 
 __all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
 
@@ -61,6 +62,7 @@ class ReliableMessage:
     # its properties as its pushes carry them (``Send.status``; "" for none), read from the
     # store as ``BacklogRow.status``
     status: str = ""
+    key: str | None = None  # its key: an ordered topic's channels push one copy of a key at a time
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +107,7 @@ class ReliableChannel:
         on_return: Callable[["ReliableChannel", Delivery, str], None] | None = None,
         deliver_latency: Buckets | None = None,
         memory: ClientMemory | None = None,
+        ordered: bool = False,
     ):
         self.topic = topic
         self.name = name
@@ -139,6 +142,12 @@ class ReliableChannel:
         # and those awaiting a durable ack or dead letter; what a durable-ack batch proposes
         self.cursor: ChannelCursor[Delivery] = ChannelCursor()
         self.known = self.cursor.known
+        # an ordered topic's channel: one copy of a key out at a time (reliable.key_order).
+        # A copy parked behind its key stays counted as waiting in the window (``parked``
+        # copies, their bytes in ``ready_bytes``, their ids in ``_ready_ids``): it leaves
+        # the ``ready`` deque only, so memory and the cursor's proposals see it as ready
+        self.keys: KeyGate[Delivery] | None = KeyGate() if ordered else None
+        self.parked = 0
         # for the proposal: ready ids and each owner's lowest one (heaps with lazy deletion)
         self._ready_ids: set[int] = set()
         self._ready_heaps: dict[int, list[int]] = {}
@@ -194,7 +203,8 @@ class ReliableChannel:
             cursor.arrived.append(delivery)
             return
         if mid <= cursor.position or (
-            not cursor.backlog and len(self.ready) < self.mem_queue_size and self._room(len(message.body))
+            not cursor.backlog and len(self.ready) + self.parked < self.mem_queue_size
+            and self._room(len(message.body))
         ):
             if not cursor.backlog and mid > cursor.position:
                 # Nothing older waits in PostgreSQL, so the position may move past this
@@ -223,7 +233,7 @@ class ReliableChannel:
         cursor = self.cursor
         if not (
             self.closed or cursor.loading or cursor.backlog or self.ready or self.paused or self.held
-            or self.max_attempts is not None or (self.gate is not None and not self.gate())
+            or self.max_attempts is not None or self.keys is not None or (self.gate is not None and not self.gate())
         ):
             if len(self.consumers) == 1:
                 self._add_to_one(rest, self.consumers[0])
@@ -312,7 +322,7 @@ class ReliableChannel:
         deque, id set and per-owner heap cost about as much as the push itself, once per
         channel of each message: fan-out's cost, bench/reliable.py e2e4). False, with
         nothing done, where ``pump`` would not push it now."""
-        if self.paused or self.held or (self.gate is not None and not self.gate()):
+        if self.paused or self.held or self.keys is not None or (self.gate is not None and not self.gate()):
             return False
         if self.max_attempts is not None and delivery.attempts >= self.max_attempts:
             return False
@@ -353,7 +363,7 @@ class ReliableChannel:
         """Rows the next load asks for: the window's free places, no more than its free
         bytes hold at the average body size (``LOAD_PROBE`` while none is known); at least
         one when nothing is ready, so a consumer always gets something."""
-        count = self.mem_queue_size - len(self.ready)
+        count = self.mem_queue_size - len(self.ready) - self.parked
         memory = self._memory
         if memory is None:
             return count
@@ -362,7 +372,8 @@ class ReliableChannel:
             count = min(count, free // self._body_size)
         else:
             count = min(count, LOAD_PROBE)
-        return max(count, 0 if self.ready else 1)
+        # (copies parked behind their keys wait in memory too: no row more for them)
+        return max(count, 0 if self.ready or self.parked else 1)
 
     def _now_ready(self, message: ReliableMessage) -> None:
         mid = message.message_id
@@ -392,7 +403,7 @@ class ReliableChannel:
             and not self.closed
             and not self.paused
             and self.consumers
-            and len(self.ready) < self.mem_queue_size // 2 + 1
+            and len(self.ready) + self.parked < self.mem_queue_size // 2 + 1
             and (self._memory is None or self.ready_bytes <= self._memory.channel_limit // 2)
         ):
             limit = self._load_size()
@@ -413,13 +424,13 @@ class ReliableChannel:
     def _enqueue_row(self, row: BacklogRow) -> None:
         message = ReliableMessage(
             row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
-            getattr(row, "owner", 0), getattr(row, "status", ""),
+            getattr(row, "owner", 0), getattr(row, "status", ""), getattr(row, "key", None),
         )
         self._enqueue(Delivery(message, attempts=row.attempts))
 
     def _window_room(self, delivery: Delivery) -> bool:
         """Whether the memory window keeps a copy committed during a load."""
-        return len(self.ready) < self.mem_queue_size and self._room(len(delivery.message.body))
+        return len(self.ready) + self.parked < self.mem_queue_size and self._room(len(delivery.message.body))
 
     def load_failed(self) -> None:
         """Loader callback on a storage error: keep the backlog flag, retry later
@@ -450,6 +461,9 @@ class ReliableChannel:
                 delivery.consumer = None
         held = {d.message.message_id for d in self.ready}
         held.update(self.in_flight)
+        if self.keys is not None:
+            held.update(d.message.message_id for d in self.keys.clear())
+            self.parked = 0
         self.ready.clear()
         self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
@@ -485,6 +499,9 @@ class ReliableChannel:
             return
         if self.gate is not None and self.ready and not self.gate():
             return
+        if self.keys is not None:
+            self._pump_ordered(self.keys)
+            return
         consumers = self.consumers
         if len(consumers) == 1:
             consumer = consumers[0]
@@ -510,6 +527,81 @@ class ReliableChannel:
                 continue
             self._start_flights([delivery], consumer)
         self._maybe_load()
+
+    def _pump_ordered(self, keys: KeyGate[Delivery]) -> None:
+        """``pump`` on an ordered topic's channel: each copy from the front of ``ready``
+        goes out only if its key is free (or held by the copy itself, coming back);
+        otherwise it is parked behind the copy holding the key (``KeyGate.admit``). A lone
+        consumer's run is pushed in one call, as ``pump`` does."""
+        consumers = self.consumers
+        while self.ready and consumers:
+            for _ in range(len(consumers)):
+                consumer = consumers[0]
+                consumers.rotate(-1)
+                room = consumer.credit - consumer.in_flight
+                if room > 0:
+                    break
+            else:
+                break  # nobody has credit
+            if len(consumers) > 1:
+                room = 1  # in turns, a copy each
+            run: list[Delivery] = []
+            while len(run) < room:
+                delivery = self._next_admitted(keys)
+                if delivery is None:
+                    break
+                run.append(delivery)
+            if not run:
+                break
+            self._start_flights(run, consumer)
+        self._maybe_load()
+
+    def _next_admitted(self, keys: KeyGate[Delivery]) -> Delivery | None:
+        """The first copy of ``ready`` whose key lets it go, out of ``ready``; the copies
+        before it whose keys are held are parked on the way. None: nothing may go now."""
+        ready = self.ready
+        while ready:
+            delivery = ready.popleft()
+            if not keys.admit(delivery):
+                self.parked += 1  # still waiting in the window: its id and bytes stay counted
+                continue
+            self._ready_ids.discard(delivery.message.message_id)
+            self._ready_changed(-len(delivery.message.body))
+            if self._exhausted(delivery):  # dead-lettered: its key is free again
+                continue
+            return delivery
+        return None
+
+    def _release_keys(self, copies: Iterable[Delivery]) -> None:
+        """These copies are done (acknowledged, dead-lettered): each key one of them held
+        is free, and the copy parked first behind it is next to go (the front of
+        ``ready``)."""
+        keys = self.keys
+        if keys is None:
+            return
+        for delivery in copies:
+            following = keys.release(delivery)
+            if following is not None:
+                self.parked -= 1
+                self.ready.appendleft(following)
+
+    def set_ordered(self, ordered: bool) -> None:
+        """The topic's ``ordered`` setting changed (``dmq topic update``): from now on one
+        copy of a key at a time (the keys of copies in flight now are held by them), or
+        no longer (the parked copies are ready again, in their order)."""
+        if ordered and self.keys is None:
+            keys: KeyGate[Delivery] = KeyGate()
+            for mid, delivery in sorted(self.in_flight.items()):
+                key = delivery.message.key
+                if key is not None:
+                    keys.holders.setdefault(key, mid)
+            self.keys = keys
+        elif not ordered and self.keys is not None:
+            waiting = sorted(self.keys.clear(), key=lambda d: d.message.message_id, reverse=True)
+            self.keys = None
+            self.parked = 0
+            self.ready.extendleft(waiting)
+            self.pump()
 
     def _take_ready(self, room: int) -> list[Delivery]:
         """Up to ``room`` copies from the front of ``ready`` for one consumer (a lone
@@ -544,6 +636,8 @@ class ReliableChannel:
         self.exhausted_count += 1
         self.cursor.exhausted(delivery.message.message_id, delivery.message.owner)
         self._on_exhausted(self, delivery)
+        if self.keys is not None:
+            self._release_keys((delivery,))
         return True
 
     def _start_flights(self, run: list[Delivery], consumer: Receiver) -> None:
@@ -653,6 +747,8 @@ class ReliableChannel:
             if consumer is not None:
                 for delivery in acked:
                     delivery.consumer = None
+            if self.keys is not None:
+                self._release_keys(acked)
         self.pump()
         return refused
 
@@ -676,7 +772,12 @@ class ReliableChannel:
                 delivery.consumer = None
             self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
-        self._ready_changed(sum([len(d.message.body) for d in self.ready]) - self.ready_bytes)
+        waiting = 0
+        if self.keys is not None:  # parked ones go too; a key a dropped copy held is free
+            self.ready.extendleft(reversed(self.keys.discard(ids)))
+            self.parked = self.keys.parked_count
+            waiting = sum([len(d.message.body) for d in self.keys.waiting()])
+        self._ready_changed(sum([len(d.message.body) for d in self.ready]) + waiting - self.ready_bytes)
         self.pump()
         return len(ids)
 
@@ -751,6 +852,9 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
         self.consumers.clear()
         self.ready.clear()
+        if self.keys is not None:
+            self.keys.clear()
+            self.parked = 0
         self._ready_changed(-self.ready_bytes)
         self._ready_ids.clear()
         self._ready_heaps.clear()
@@ -765,9 +869,10 @@ class ReliableChannel:
         """Copies waiting to be pushed, wherever they wait (nsqd's depth): the stored
         count, less what is in flight or deferred or awaiting its durable ack; at least
         what waits in memory. As fresh as the last stored count."""
+        waiting = len(self.ready) + self.parked
         if self.stored_count is None:
-            return len(self.ready)
-        return max(len(self.ready), self.stored_count - (len(self.known) - len(self.ready)))
+            return waiting
+        return max(waiting, self.stored_count - (len(self.known) - waiting))
 
     # -- the cursor ---------------------------------------------------------------------
     def progress(self, owner: int, acked: Iterable[int], limit: float | None) -> tuple[int, list[tuple[int, int]]]:
@@ -816,6 +921,11 @@ class ReliableChannel:
         for delivery in self.ready:
             if delivery.message.message_id == message_id:
                 return {"state": "ready", "attempts": delivery.attempts}
+        keys = self.keys
+        if keys is not None:
+            key = keys.held_by(message_id)
+            if key is not None:  # parked behind the copy of its key that is out
+                return {"state": "waiting_for_key", "key": key, "holder": keys.holders.get(key)}
         return None
 
     def consumer_stats(self) -> list[dict[str, object]]:
@@ -841,4 +951,7 @@ class ReliableChannel:
             "redelivery_count": self.redelivery_count,
             "exhausted_count": self.exhausted_count,
             "clients": len(self.consumers),
+            # an ordered topic's channel: copies waiting behind a copy of their key that is out
+            "ordered": self.keys is not None,
+            "parked_count": self.parked,
         }

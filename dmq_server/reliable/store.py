@@ -457,6 +457,7 @@ class ReliableStore:
                 spec = topics[key[0]]
                 kept.msg_timeout = spec.msg_timeout_ms / 1000.0
                 kept.max_attempts = spec.max_attempts
+                kept.set_ordered(spec.ordered)
 
     def channel(self, topic: str, name: str) -> ReliableChannel:
         """The channel in memory, made on first use."""
@@ -478,6 +479,7 @@ class ReliableStore:
                 on_return=self.trace.returned,
                 deliver_latency=self.wiring.deliver_latency,
                 memory=self.wiring.memory,
+                ordered=spec.ordered if spec else False,
             )
             channel.paused = self.paused
             fence = self.wiring.fence
@@ -519,7 +521,7 @@ class ReliableStore:
                     stored_now += 1
                     message = ReliableMessage(
                         stored.message_id, send.topic, send.producer, send.session_id, stored.published_ms,
-                        send.body, owner, send.status,
+                        send.body, owner, send.status, send.properties.key,
                     )
                     arrived.append((message, stored.channels))  # to its channels: _hand_on
                 elif not send.resend:
@@ -531,7 +533,10 @@ class ReliableStore:
                 latency.observe_many(self.clock.seconds() - staged_at, timed)
             answer(start, outcomes)
 
-        self.writer.submit_run(sends, committed)
+        # an ordered topic's sends commit one transaction at a time: a key's ids then
+        # rise in the order its messages became visible (reliable.key_order)
+        spec = self.topics.get(sends[0].topic) if sends else None
+        self.writer.submit_run(sends, committed, serial=spec is not None and spec.ordered)
 
     def _hand_on(self) -> None:
         """A committed batch's new messages, to their channels. Run by the writer after
@@ -643,7 +648,7 @@ class ReliableStore:
         own channel only and confirms nothing (``_confirm_channels``)."""
         named = self._to_channels([
             (ReliableMessage(moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms,
-                             moved.body, moved.owner, moved.status), moved.channels)
+                             moved.body, moved.owner, moved.status, moved.key), moved.channels)
             for moved in messages
         ])
         whole = {moved.topic for moved in messages if moved.channel is None}

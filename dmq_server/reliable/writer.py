@@ -109,6 +109,13 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
     submitted one after another, or messages submitted one by one, may go into
     concurrent transactions (a caller that needs them in order waits for each
     run's answer before submitting the next, as the outbox relay does).
+
+    Runs submitted ``serial`` (an ordered topic's sends) are committed one transaction at
+    a time: a batch of them starts only when no other batch of them is under way, and
+    holds no other sends. Their ids then rise in the order their commits made them
+    visible, which is the order an ordered topic's channels deliver a key's messages in
+    (``reliable.key_order``); the other sends keep committing side by side. A refused
+    serial batch's halves stay serial.
     """
 
     def __init__(
@@ -149,8 +156,12 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         self._on_batch = on_batch
         # each queued message with the answer of its run and its place in the run
         self._queue: list[_Item[ItemT, ResultT]] = []
-        # parts of a refused batch, each run on its own until the bad rows are found
-        self._isolated: list[list[_Item[ItemT, ResultT]]] = []
+        # the same for serial runs, and whether a batch of them is under way
+        self._serial: list[_Item[ItemT, ResultT]] = []
+        self._serial_busy = False
+        # parts of a refused batch, each run on its own until the bad rows are found,
+        # each with whether it is serial
+        self._isolated: list[tuple[list[_Item[ItemT, ResultT]], bool]] = []
         self._closing = False
         self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
@@ -163,7 +174,7 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
 
     @property
     def pending(self) -> int:
-        return len(self._queue) + sum(len(part) for part in self._isolated)
+        return len(self._queue) + len(self._serial) + sum(len(part) for part, _ in self._isolated)
 
     @property
     def _busy(self) -> bool:
@@ -187,38 +198,53 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         or the exception."""
         self.submit_run([message], lambda start, outcomes: done(outcomes[0]))
 
-    def submit_run(self, messages: Sequence[ItemT], answer: Answer[ResultT]) -> None:
+    def submit_run(self, messages: Sequence[ItemT], answer: Answer[ResultT], serial: bool = False) -> None:
         """Queue ``messages`` together (a batch starts with all of them waiting, not with
         the first alone); ``answer(start, outcomes)`` gets, for the messages from
         position ``start`` on, each one's StoredMessage or exception, in order. Each
         message is answered exactly once; a run is answered in one call, or in several
         when a batch ends inside it or a refused batch is split (the send path: one call
-        per run of a read's sends instead of a callback per send)."""
+        per run of a read's sends instead of a callback per send). ``serial``: committed
+        one transaction at a time with the other serial runs (see the class)."""
         if self._closing:
             answer(0, [ShuttingDown() for _ in messages])
             return
-        self._queue += [(message, answer, i) for i, message in enumerate(messages)]
+        items = [(message, answer, i) for i, message in enumerate(messages)]
+        if serial:
+            self._serial += items
+        else:
+            self._queue += items
         if self._free:
             self._kick()
 
+    def _serial_ready(self) -> bool:
+        return bool(self._serial) and not self._serial_busy
+
+    def _next_part(self) -> tuple[list[_Item[ItemT, ResultT]], bool] | None:
+        """The refused batch's part to run next: the first one that may run now (a serial
+        part only while no serial batch is under way)."""
+        for i, (part, serial) in enumerate(self._isolated):
+            if not serial or not self._serial_busy:
+                del self._isolated[i]
+                return part, serial
+        return None
+
     def _kick(self) -> None:
-        while self._free and (self._queue or self._isolated):
-            if self._busy and not self._isolated and len(self._queue) < self._parallel_min:
-                break  # too few for a transaction of their own: they go with the next one
-            worker = self._free.pop()
-            if self._isolated:
-                batch = self._isolated.pop(0)
+        while self._free and (self._queue or self._isolated or self._serial_ready()):
+            isolated = self._next_part() if self._isolated else None
+            serial = False
+            if isolated is not None:
+                batch, serial = isolated
+            elif self._serial_ready() and (not self._busy or len(self._serial) >= self._parallel_min):
+                # serial sends, alone in their transaction (before the others: fewer wait on them)
+                batch, serial = self._take(self._serial), True
+            elif self._queue and not (self._busy and len(self._queue) < self._parallel_min):
+                batch = self._take(self._queue)
             else:
-                queue, end = self._queue, self._max_batch
-                if len(queue) > end:
-                    # a batch ends before a run it would cut (the run's first item is
-                    # ``position`` places before the cut), unless the run alone is longer
-                    # than a batch: one comparison a batch, nothing a message
-                    start = end - queue[end][2]
-                    if start > 0:
-                        end = start
-                batch = queue[:end]
-                del queue[:end]
+                break  # too few for a transaction of their own: they go with the next one
+            if serial:
+                self._serial_busy = True
+            worker = self._free.pop()
             started = self._clock.seconds() if self._clock is not None else 0.0
             writes = self._writes
             if writes is None:
@@ -230,13 +256,27 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
             d.addCallbacks(
                 self._committed,
                 self._failed,
-                callbackArgs=(batch, worker, started, token),
-                errbackArgs=(batch, worker, token),
+                callbackArgs=(batch, worker, started, token, serial),
+                errbackArgs=(batch, worker, token, serial),
             )
-        if not self._busy and not self._queue and not self._isolated:
+        if not self._busy and not self._queue and not self._isolated and not self._serial:
             waiters, self._idle_waiters = self._idle_waiters, []
             for w in waiters:
                 w.callback(None)
+
+    def _take(self, queue: list[_Item[ItemT, ResultT]]) -> list[_Item[ItemT, ResultT]]:
+        """The next batch from the front of ``queue``, taken out of it."""
+        end = self._max_batch
+        if len(queue) > end:
+            # a batch ends before a run it would cut (the run's first item is
+            # ``position`` places before the cut), unless the run alone is longer
+            # than a batch: one comparison a batch, nothing a message
+            start = end - queue[end][2]
+            if start > 0:
+                end = start
+        batch = queue[:end]
+        del queue[:end]
+        return batch
 
     def _committed(
         self,
@@ -245,8 +285,11 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         worker: StepRunner,
         started: float,
         token: int,
+        serial: bool = False,
     ) -> None:
         self._free.append(worker)
+        if serial:
+            self._serial_busy = False
         self.batches += 1
         self.messages += len(batch)
         self.batch_sizes.observe(len(batch))
@@ -255,7 +298,7 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         self._on_health(True, "")
         # Start the next transaction before answering this batch, so PostgreSQL
         # works on it while the reactor writes the acknowledgements.
-        if self._queue or self._isolated:
+        if self._queue or self._isolated or self._serial:
             self._kick()
         _answer(batch, results)
         try:
@@ -270,8 +313,11 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
             writes.end(token)
         self._kick()  # takes sends that arrived meanwhile, or wakes close() waiters
 
-    def _failed(self, failure: Failure, batch: list[_Item[ItemT, ResultT]], worker: StepRunner, token: int) -> None:
+    def _failed(self, failure: Failure, batch: list[_Item[ItemT, ResultT]], worker: StepRunner, token: int,
+                serial: bool = False) -> None:
         self._free.append(worker)
+        if serial:
+            self._serial_busy = False
         error = failure.value
         writes = self._writes
         if isinstance(error, (RefusedError, Fenced)):
@@ -280,7 +326,7 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
             if isinstance(error, Fenced):
                 self._fenced(error, batch)
             else:
-                self._refused(error, batch)
+                self._refused(error, batch, serial)
             return
         if writes is not None:  # may still commit until the backend that ran it is gone
             writes.hold(token, getattr(error, "backend_pid", None))
@@ -301,7 +347,7 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
         _answer(batch, [error] * len(batch))
         self._kick()
 
-    def _refused(self, error: RefusedError, batch: list[_Item[ItemT, ResultT]]) -> None:
+    def _refused(self, error: RefusedError, batch: list[_Item[ItemT, ResultT]], serial: bool = False) -> None:
         """PostgreSQL refused the batch's input: nothing committed. Split it until
         the refused rows stand alone; only their sends fail."""
         if len(batch) == 1:
@@ -309,13 +355,13 @@ class GroupCommitWriter(Generic[ItemT, ResultT]):
             _answer(batch, [RefusedError(f"message refused by PostgreSQL: {error}", error.sqlstate)])
         else:
             half = len(batch) // 2
-            self._isolated[:0] = [batch[:half], batch[half:]]
+            self._isolated[:0] = [(batch[:half], serial), (batch[half:], serial)]
         self._kick()
 
     def close(self) -> Deferred[None]:
         """Refuse new sends; fires when everything queued has been answered."""
         self._closing = True
-        if not self._busy and not self._queue and not self._isolated:
+        if not self._busy and not self._queue and not self._isolated and not self._serial:
             return succeed(None)
         d: Deferred[None] = Deferred()
         self._idle_waiters.append(d)

@@ -926,3 +926,42 @@ def test_with_two_writers_a_run_is_one_transactions_and_its_ids_keep_its_order()
     assert len(ids) == 4 and ids == sorted(ids), ids
     assert batches == [["c", "c"], ["outbox:shop:0a1b2c3d"] * 4]
     assert len(relay.calls) == 1 and len(other.calls) == 1 and writer.pending == 0
+
+
+# -- serial runs: an ordered topic's sends -------------------------------------------------
+
+
+def _in_flight(workers: list[FakeDbWorker]) -> list[Call]:
+    return [c for w in workers for c in w.calls if not c.deferred.called]
+
+
+def test_serial_runs_commit_one_transaction_at_a_time_beside_the_others() -> None:
+    """With three writer connections, serial runs (an ordered topic's) never have two
+    transactions under way: the next waits for the commit of the one before and then
+    takes every serial send waiting; the other sends meanwhile commit side by side."""
+    writer, workers = make_writers(3)
+    serial = RunAnswers()
+    writer.submit_run([new_message(1)], serial, serial=True)
+    writer.submit_run([new_message(2), new_message(3)], serial, serial=True)
+    writer.submit(new_message(10))
+    running = _in_flight(workers)
+    assert sorted(session_ids(c) for c in running) == [[1], [10]]  # 2 and 3 wait for 1
+    first = next(c for c in running if session_ids(c) == [1])
+    writer.submit(new_message(11))
+    assert sorted(session_ids(c) for c in _in_flight(workers)) == [[1], [10], [11]]
+    first.commit(stored_for(first))
+    assert sorted(session_ids(c) for c in _in_flight(workers)) == [[2, 3], [10], [11]]
+    assert writer.pending == 0
+
+
+def test_a_refused_serial_batch_stays_serial_in_its_parts() -> None:
+    """The halves of a refused serial batch run one after the other, never side by side
+    (they would commit out of order), while another writer is free."""
+    writer, workers = make_writers(2)
+    writer.submit_run([new_message(i) for i in (1, 2, 3, 4)], RunAnswers(), serial=True)
+    (batch,) = _in_flight(workers)
+    batch.fail(RefusedError("bad row", "22008"))
+    assert [session_ids(c) for c in _in_flight(workers)] == [[1, 2]]  # [3, 4] waits though a writer is free
+    (half,) = _in_flight(workers)
+    half.commit(stored_for(half))
+    assert [session_ids(c) for c in _in_flight(workers)] == [[3, 4]]
