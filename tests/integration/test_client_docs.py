@@ -49,7 +49,7 @@ def served(make_server, topic, monkeypatch):
 def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
-                               "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py"}
+                               "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py"}
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
@@ -140,6 +140,16 @@ def test_journal_example_stores_every_message_and_leaves_the_journal_empty(serve
     assert sorted(bytes(b) for (b,) in db_rows(pg_dsn, "SELECT body FROM dmq_message")) == sorted(bodies)
     with JournalSendQueue(tmp_path / "journal", ticker=False) as reopened:
         assert reopened.recovered == 0
+
+
+def test_the_properties_example_gets_its_key_priority_and_headers_back(served, capsys, pg_dsn):
+    """The example sends a message with properties and its handler prints them as the
+    consumer got them; the stored row holds them."""
+    load("properties.py")
+    out = capsys.readouterr().out
+    assert "Status.SUCCESS" in out and "order-7 5 application/json" in out
+    assert db_rows(pg_dsn, "SELECT key, priority, headers FROM dmq_message") == [
+        ("order-7", 5, {"content-type": "application/json", "tenant": "acme"})]
 
 
 def test_confirmation_examples_report_the_channel_that_consumed(served, capsys):
