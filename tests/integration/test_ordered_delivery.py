@@ -9,6 +9,8 @@ redelivered.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from dmq_client.message import ReceivedMessage
@@ -120,3 +122,24 @@ def test_a_redelivery_keeps_its_place_and_a_restart_loads_in_key_order(make_serv
             push = consumer.receive(timeout=5)
             assert push is not None and push.message_id == expected
             given = [p for p in given if _key(p) != "k"] + [push]
+
+
+def test_an_nsq_consumer_of_an_ordered_topic_gets_one_copy_of_a_key_at_a_time(make_server, pg_dsn, nsq_connect):
+    """NSQ clients have no keys of their own, but a dmq producer's keys hold for them too:
+    the channel's rule is the channel's, whichever protocol its consumer speaks. An NSQ
+    producer's messages have no key: each goes at once."""
+    topic = _ordered_topic(pg_dsn)
+    server = make_server()
+    with server.client() as producer:
+        ids = _send_all(producer, topic, ["a", "a", "b"])
+    nsq = nsq_connect(server.tcp_port)
+    assert nsq.pub(topic, b"no key") == b"OK"
+    nsq.sub(topic, "c", rdy=10)
+    first = [nsq.message() for _ in range(3)]
+    assert sorted(body for _, _, _, body in first) == [b"a:0", b"b:2", b"no key"]
+    with pytest.raises(socket.timeout):  # a:1 waits behind a:0: nothing more comes
+        nsq.frame(timeout=1.0)
+    a0 = next(mid for _, _, mid, body in first if body == b"a:0")
+    nsq.send(b"FIN " + a0 + b"\n")
+    _, _, _, body = nsq.message()
+    assert body == b"a:1" and len(ids) == 3
