@@ -110,11 +110,15 @@ def outbox_row(row_id: int, topic: str, body: bytes, due_ms: int | None, session
     None for none), checked by the rules of a SEND (``decode_properties``, strict: a field
     dmq does not know is refused, not dropped). The document is written again compact, as
     a client writes a status, before the check: jsonb's own text has spaces, and the
-    4,096-byte bound is the wire's."""
+    4,096-byte bound is the wire's. The headers go in name order, as a stored message's
+    pushes have them (``db.messages.stored_status``): one text for the message, whether
+    its push comes from the relay's send or from a load out of PostgreSQL."""
     if document is None:
         return OutboxRow(row_id, topic, body, due_ms, session_id, created_ms)
     try:
         props = decode_properties(json.dumps(document, ensure_ascii=False, separators=(",", ":")))
+        if len(props.headers) > 1:
+            props = Properties(props.key, props.priority, dict(sorted(props.headers.items())))
         status = encode_properties(props)
     except PropertiesError as exc:
         return OutboxRow(row_id, topic, body, due_ms, session_id, created_ms, refused=exc.status())

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from dmq_client import outbox
 from dmq_client.message import ReceivedMessage
 from dmq_client.wire.properties import NO_PROPERTIES, Properties, PropertiesError
+from dmq_server.db.messages import stored_status
 
 from .support import db_rows, run_cli, wait_for
 from .test_outbox_relay import WAIT, app_dsn, consume, outbox_empty, shop  # noqa: F401 (app_dsn: a fixture)
@@ -43,7 +44,8 @@ def stored(pg_dsn: str) -> dict[bytes, tuple]:
 def test_psycopg_a_key_priority_and_headers_reach_the_consumer(make_server, topic, pg_dsn, app_dsn):
     """In one committed transaction with the order: a message with all three properties, one
     with a key alone and one without any; a rolled-back one with properties never arrives.
-    Each push carries exactly what was sent, and dmq stored it."""
+    Each push carries exactly what was sent, and dmq stored it; the push's text is the one
+    a load of the stored message would give."""
     with psycopg.connect(app_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY)")
     server = make_server(outbox=f"shop={app_dsn}")
@@ -69,6 +71,9 @@ def test_psycopg_a_key_priority_and_headers_reach_the_consumer(make_server, topi
         b"paid": ("order-7", 0, None),
         b"plain": (None, 0, None),
     }
+    # the relayed push's text is the one a load of the stored message gives its pushes
+    statuses = {p.body: p.status for p in pushes}
+    assert all(statuses[body] == stored_status(*columns) for body, columns in stored(pg_dsn).items())
     wait_for(lambda: outbox_empty(app_dsn), timeout=WAIT)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from dmq_client.wire.properties import NO_PROPERTIES, Properties, decode_properties
 from dmq_server.core.options import options_from_args
+from dmq_server.db.messages import stored_status
 from dmq_server.core.outbox_rows import (
     OutboxRow, check_tag, outbox_row, parse_outbox, producer_of, relay_producers, runs, session_of,
 )
@@ -94,14 +95,18 @@ def test_a_run_is_never_longer_than_the_group_commits_batch() -> None:
 
 def test_a_rows_properties_document_becomes_the_sends_properties_and_wire_text() -> None:
     """The document as jsonb gives it (names in jsonb's order, spaces in its text) becomes
-    the properties and the compact status a client would have sent; no document: none. A
+    the properties and the compact status a load of the stored message gives (headers in
+    name order); no document: none. A
     document near the wire's 4,096-byte bound is measured compact, as sent."""
     plain = outbox_row(1, "orders", b"x", None, None, 5, None)
     assert (plain.properties, plain.status, plain.refused) == (NO_PROPERTIES, "", "")
-    full = outbox_row(2, "orders", b"x", None, None, 5,
-                      {"key": "order-7", "headers": {"content-type": "application/json"}, "priority": 5})
-    assert full.properties == Properties("order-7", 5, {"content-type": "application/json"})
-    assert full.status == '{"key":"order-7","priority":5,"headers":{"content-type":"application/json"}}'
+    full = outbox_row(2, "orders", b"x", None, None, 5,  # jsonb's order: shorter names first
+                      {"key": "order-7", "headers": {"tenant": "acme", "content-type": "application/json"},
+                       "priority": 5})
+    assert full.properties == Properties("order-7", 5, {"content-type": "application/json", "tenant": "acme"})
+    # the text a load of the stored message gives its pushes: headers in name order
+    assert full.status == stored_status("order-7", 5, {"tenant": "acme", "content-type": "application/json"}) \
+        == '{"key":"order-7","priority":5,"headers":{"content-type":"application/json","tenant":"acme"}}'
     assert decode_properties(full.status) == full.properties and not full.refused
     near = {"headers": {f"h{i}": "v" * 1000 for i in range(4)}, "key": "k" * 40}  # 4,094 bytes compact
     assert len(json.dumps(near)) > 4096 and not outbox_row(3, "orders", b"x", None, None, 5, near).refused
