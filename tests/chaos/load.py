@@ -87,6 +87,20 @@ class Producer(threading.Thread):
             body=self.key(sid) + b" " + self.pad,
         )
 
+    def _make(self, made: int, due: int, todo: deque[tuple[int, bool]]) -> int:
+        """New sends, paced: session ids after ``made`` up to ``due``, no more than the
+        window waiting in ``todo``; returns the last one made (``ordered.KeyedProducer``
+        decides which of its keys may have one)."""
+        while made < due and len(todo) < self.window:
+            made += 1
+            todo.append((made, False))
+        return made
+
+    def _acked(self, reply: Frame, now: float) -> None:
+        """A send answered ``SEND_SUCCESS_ACK`` at ``now``."""
+        self.history.ack(self.key(reply.session_id), reply.message_id, now)
+        self.ack_times.append(now)
+
     def _run(self) -> None:
         todo: deque[tuple[int, bool]] = deque()  # (session id, resend)
         outstanding: set[int] = set()
@@ -102,10 +116,7 @@ class Producer(threading.Thread):
                     host, port = addresses[self._next % len(addresses)]
                     client = BlockingClient(host, port, producer=self.producer, timeout=3)
                 if not self.stopping.is_set():
-                    due = int((time.monotonic() - started) * self.rate)
-                    while made < due and len(todo) < self.window:
-                        made += 1
-                        todo.append((made, False))
+                    made = self._make(made, int((time.monotonic() - started) * self.rate), todo)
                 frames = []
                 while todo and len(outstanding) < self.window:
                     sid, resend = todo.popleft()
@@ -134,9 +145,7 @@ class Producer(threading.Thread):
                 continue  # the answer to a copy already answered
             outstanding.discard(reply.session_id)
             if reply.command == Command.SEND_SUCCESS_ACK:
-                now = time.monotonic()
-                self.history.ack(self.key(reply.session_id), reply.message_id, now)
-                self.ack_times.append(now)
+                self._acked(reply, time.monotonic())
             elif reply.command in RETRYABLE:
                 self._error(reply.command.name)
                 self.resends += 1

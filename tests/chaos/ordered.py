@@ -1,0 +1,630 @@
+"""Per-key order under faults (issue 45 §2): an ordered topic (``--ordered``) under load
+from several producers over 1,000 keys, consumed on two channels, while a consumer is
+killed, consumers are paused and the dmq server is killed with ``-9`` and restarted.
+
+    producers (each owns a range of keys) --> one dmq node --> PostgreSQL (embedded)
+    consumers: billing (3, a fourth replaces the killed one), audit (2)
+
+**Producers** (``KeyedProducer``): each owns a disjoint range of the keys, so every key has
+one producer, and sends a key's next message only after the previous one was answered
+``SEND_SUCCESS_ACK``: the order of its acks for a key is the order of the key's commits
+(``docs/protocol.md`` §5: that is also ``message_id`` order). To give the server something
+to hold back, a producer works on up to ``window`` keys at once, each for a burst of 1-6
+messages sent one after the other's ack (milliseconds apart, while the consumers hold
+copies for up to 80 ms). A send not answered before its connection broke (the server's
+kill) is sent again with the same (producer, session id) as ``UP_PRODUCER_RESEND``, and
+nothing more of its key goes out before it is answered.
+
+**Consumers** (``KeyedConsumer``): each records every push, as an ``Attempt`` (message id,
+key, attempts, when it was read) and when it let go of it: the moment before it wrote the
+ack, before it reset its connection when killed, when it found its connection gone.
+Each time is taken on one monotonic clock, read *after* the push was read and *before* the
+ack was written, so a recorded interval lies inside the server's own (push sent .. ack
+received): an overlap of recorded intervals is an overlap at the server. Half the
+consumers ack at once, the others after a random hold of up to 80 ms.
+
+**Faults**, in this order while the load is on: a billing consumer is killed (its
+connection reset, nothing acked) while it holds copies, which come back and go to the
+others (a new consumer takes its place); a billing and an audit consumer are paused
+(they stop reading and acking) for ``pause_for`` seconds while they hold copies, so their
+keys wait and the other keys must flow; the dmq server is killed with ``-9`` and started
+again at once on the same port (the same node: it loads what was not acknowledged from
+PostgreSQL; producers resend what was unanswered, consumers connect again).
+
+**Left out**, though the issue names them: a takeover of a dead node's messages by
+another node, and ``dmq topic move`` between PostgreSQL clusters. docs/protocol.md §5
+promises per-key order only for a key's messages sent through one node (each node
+delivers the copies it stored; the cluster does not route keys yet), and says nothing of
+a move; a scenario asserting them would assert what dmq does not promise yet.
+
+The counts (``count``), per channel and key: **lost**, an acknowledged send never pushed
+on the channel; **order violations**, a key whose messages were first pushed in another
+order than their producer's acks (and than their ids); **overlaps**, a push of a key's
+message while another message of that key was still out on the channel (pushed, not
+acknowledged, its consumer neither killed nor disconnected, the server not killed since);
+**same-id overlaps**, a copy pushed again while the consumer still held the earlier push
+(only a timeout may do that, and the topic's is 30 s, longer than anything is held).
+Every one must be 0. **waited**: messages acknowledged to their producer while the message
+before them of their key was out on the channel, that is, held back by the rule (it shows
+the rule was exercised). Loss, duplicates after a durable ack and unknown deliveries are
+also counted by the chaos checker (``checker.check``).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dmq_client.blocking import BlockingClient, ClientError
+from dmq_client.message import ReceivedMessage
+from dmq_client.wire import Command, Frame
+from dmq_client.wire.properties import Properties, encode_properties
+
+from .checker import ChannelCount, History, check
+from .load import Confirmer, Producer
+
+__all__ = ["Attempt", "KeyedProducer", "KeyedConsumer", "OrderedTiming", "OrderedRun", "OrderCount",
+           "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "check_order", "key_history", "run", "format_report"]
+
+CHANNELS = ["billing", "audit"]
+KEYS = 1000
+MSG_TIMEOUT_MS = 30_000  # longer than any copy is held: no copy comes back by a timeout
+HOLD = 0.08  # the longest a holding consumer keeps a copy before its ack
+Address = Callable[[], tuple[str, int]]
+
+
+def key_name(n: int) -> str:
+    return f"k{n:04d}"
+
+
+def identity(body: bytes) -> bytes:
+    """A send's identity (``<producer>/<session id>``), the first word of its body."""
+    return body.split(b" ", 1)[0]
+
+
+@dataclass
+class Attempt:
+    """One push as its consumer saw it: read at ``pushed_at``, let go of at ``ended_at``
+    (``how``: ``ack``, ``consumer killed``, ``connection lost``, ``stopped``; None while
+    held)."""
+
+    channel: str
+    consumer: str
+    message_id: int
+    key: str | None
+    attempts: int
+    pushed_at: float
+    ended_at: float | None = None
+    how: str = ""
+
+
+class KeyedProducer(Producer):
+    """Sends over its own keys, one message of a key at a time (see the module): the
+    chaos load's producer (pacing, pipelining, a resend of what a broken connection left
+    unanswered), choosing which key each new send is for and putting it in the status."""
+
+    def __init__(self, index: int, address: Address, topic: str, keys: list[str], history: History, *,
+                 rate: float, window: int = 24, burst: int = 6, seed: int = 0):
+        super().__init__(f"ordered-p{index}", lambda: [address()], topic, history, rate=rate, window=window,
+                         delay_every=0)
+        self.burst = burst
+        self.rng = random.Random(seed)
+        # key -> [(message id, acked at)], in the order of its acks
+        self.acked: dict[str, list[tuple[int, float]]] = {}
+        self._free = deque(self.rng.sample(keys, len(keys)))  # keys not in a burst now, in turn
+        self._left: dict[str, int] = {}  # key in a burst -> its sends not made yet
+        self._ready: deque[str] = deque()  # keys whose next send may go (the one before it answered)
+        self._key_of: dict[int, str] = {}  # session id -> its key
+
+    def _make(self, made: int, due: int, todo: deque[tuple[int, bool]]) -> int:
+        """A new send only for a key whose previous send was answered: the next of a
+        burst, or the first of a new burst while fewer than ``window`` keys are in one."""
+        while made < due:
+            if self._ready:
+                key = self._ready.popleft()
+            elif len(self._left) < self.window and self._free:
+                key = self._free.popleft()
+                self._left[key] = self.rng.randint(1, self.burst)
+            else:
+                break
+            self._left[key] -= 1
+            made += 1
+            self._key_of[made] = key
+            todo.append((made, False))
+        return made
+
+    def _frame(self, sid: int, resend: bool) -> Frame:
+        key = self._key_of[sid]
+        return Frame(
+            Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
+            session_id=sid, topic=self.topic, producer=self.producer, timestamp_ms=int(time.time() * 1000),
+            status=encode_properties(Properties(key)), body=self.key(sid) + b" " + key.encode(),
+        )
+
+    def _acked(self, reply: Frame, now: float) -> None:
+        super()._acked(reply, now)
+        key = self._key_of[reply.session_id]
+        self.acked.setdefault(key, []).append((reply.message_id, now))
+        if self._left[key] > 0:
+            self._ready.append(key)
+        else:
+            del self._left[key]
+            self._free.append(key)
+
+
+class KeyedConsumer(threading.Thread):
+    """One consumer of one channel: records every push and when it let go of it (see the
+    module). ``kill_wanted`` (set) and ``pause()`` ask it to be killed / to pause at its
+    first step at which it holds a copy; it does so itself, so that what it held at that
+    moment is exact (``killed`` / ``paused`` are set then)."""
+
+    def __init__(self, name: str, address: Address, topic: str, channel: str, history: History, *,
+                 credit: int = 20, hold: float = 0.0, batch: bool = False, seed: int = 0):
+        super().__init__(daemon=True, name=f"chaos-{name}")
+        self.consumer = name
+        self.address = address
+        self.topic = topic
+        self.channel = channel
+        self.history = history
+        self.credit = credit
+        self.hold = hold  # acks after a random 0..hold seconds
+        self.batch = batch  # reads every push waiting and acks in UP_CONSUMER_ACKS frames
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.subscribed = threading.Event()
+        self.kill_wanted = threading.Event()
+        self.killed = threading.Event()
+        self.pause_wanted = threading.Event()
+        self.paused = threading.Event()
+        self.resumed = threading.Event()
+        self.held_at_kill = 0
+        self.held_at_pause = 0
+        self.attempts: list[Attempt] = []
+        self.errors: dict[str, int] = {}
+        self.failure: BaseException | None = None
+        self._open: dict[int, Attempt] = {}  # message id -> its push held now
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.failure = exc
+
+    def pause(self) -> None:
+        self.resumed.clear()
+        self.pause_wanted.set()
+
+    def resume(self) -> None:
+        self.pause_wanted.clear()
+        self.resumed.set()
+
+    def records(self) -> list[Attempt]:
+        with self._lock:
+            return list(self.attempts)
+
+    def _let_go(self, how: str) -> float:
+        """Every push held ends now (``how``); returns the moment."""
+        with self._lock:
+            now = time.monotonic()
+            for attempt in self._open.values():
+                attempt.ended_at, attempt.how = now, how
+            self._open.clear()
+        return now
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and not self.killed.is_set():
+            try:
+                client = BlockingClient(*self.address(), timeout=5)
+                with client:
+                    reply = client.subscribe(self.topic, self.channel, credit=self.credit)
+                    if reply.command != Command.SUBSCRIBE_ACK:
+                        raise ClientError(f"subscribe: {reply.command.name} {reply.status}")
+                    self.subscribed.set()
+                    self._consume(client)
+            except (ClientError, OSError) as exc:
+                self._let_go("connection lost")
+                what = str(exc).split(":")[0]
+                self.errors[what] = self.errors.get(what, 0) + 1
+                self.stop.wait(0.2)  # the server is down or starting: a reconnect's pause
+        self._let_go("killed" if self.killed.is_set() else "stopped")
+
+    def _kill(self, client: BlockingClient) -> None:
+        """Reset the connection with a RST, acking nothing: what it holds is out at the
+        server until the server sees the reset (after the moment recorded)."""
+        self.held_at_kill = len(self._open)
+        self._let_go("consumer killed")
+        sock = client._sock
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        except OSError:
+            pass
+        self.killed.set()
+
+    def _consume(self, client: BlockingClient) -> None:
+        held: list[tuple[float, Frame]] = []  # (ack due at, push)
+        while not self.stop.is_set():
+            if self._open and self.kill_wanted.is_set():
+                self._kill(client)
+                return
+            if self._open and self.pause_wanted.is_set():
+                self.held_at_pause = len(self._open)
+                self.paused.set()
+                while not self.resumed.wait(0.2):  # nothing read, nothing acked
+                    if self.stop.is_set():
+                        return
+            push = client.receive(timeout=0.02 if held else 0.2)
+            while push is not None:
+                now = time.monotonic()
+                key = ReceivedMessage.properties_of(push.status).key
+                with self._lock:
+                    attempt = Attempt(self.channel, self.consumer, push.message_id, key, push.attempts, now)
+                    self.attempts.append(attempt)
+                    self._open[push.message_id] = attempt
+                self.history.deliver(self.channel, identity(push.body), push.message_id, now)
+                held.append((now + self.rng.uniform(0, self.hold), push))
+                push = client.receive(timeout=0) if self.batch else None
+            if self.kill_wanted.is_set() or self.pause_wanted.is_set():
+                continue  # killed or paused holding what it holds now
+            now = time.monotonic()
+            due = [push for at, push in held if at <= now]
+            if not due:
+                continue
+            held = [(at, push) for at, push in held if at > now]
+            with self._lock:  # let go before the ack is written: never later than the server
+                at = time.monotonic()
+                for push in due:
+                    attempt = self._open.pop(push.message_id, None)
+                    if attempt is not None:
+                        attempt.ended_at, attempt.how = at, "ack"
+            for push in due:
+                self.history.consumer_ack(self.channel, push.message_id, at)
+            if self.batch:
+                client.ack_many(due)
+            else:
+                for push in due:
+                    client.ack(push)
+
+
+# -- the count --------------------------------------------------------------------------
+@dataclass
+class OrderCount:
+    channel: str
+    sent: int = 0  # sends acknowledged to producers (with a key)
+    keys: int = 0  # keys with a message pushed on the channel
+    delivered: int = 0  # distinct message ids pushed
+    pushes: int = 0
+    redelivered: int = 0  # pushes of an id already pushed
+    lost: int = 0
+    waited: int = 0  # held back behind their key (see the module)
+    # redeliveries pushed while a later message of their key was already stored: the copies
+    # that had to keep their place at the head of their key
+    redelivered_ahead: int = 0
+    lost_examples: list[str] = field(default_factory=list)
+    order_violations: list[str] = field(default_factory=list)
+    overlaps: list[str] = field(default_factory=list)
+    same_id_overlaps: list[str] = field(default_factory=list)
+    bad_keys: list[str] = field(default_factory=list)  # keys of the above, for their histories
+
+    def ok(self) -> bool:
+        return not (self.lost or self.order_violations or self.overlaps or self.same_id_overlaps)
+
+
+def _ends(tries: list[Attempt], kills: list[float]) -> tuple[list[float], list[int]]:
+    """When each push (sorted by push time) stopped being out, as the rule sees it: its
+    end as recorded, capped by a kill of the server after its push and by the next push of
+    the same id (the server took it back); and the indices of pushes whose next push of
+    the same id came while it was still held (a same-id overlap)."""
+    ends: list[float] = []
+    early: list[int] = []
+    for i, a in enumerate(tries):
+        end = a.ended_at if a.ended_at is not None else float("inf")
+        end = min([end] + [k for k in kills if k > a.pushed_at])
+        following = next((b for b in tries[i + 1:] if b.message_id == a.message_id), None)
+        if following is not None and following.pushed_at < end:
+            early.append(i)
+            end = following.pushed_at
+        ends.append(end)
+    return ends, early
+
+
+def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, float]], pushes: list[Attempt],
+               kills: list[float], t: Callable[[float], str]) -> dict[str, list[str]]:
+    """One key on one channel: adds its counts to ``c``; returns what it broke."""
+    expected = [mid for mid, _ in sent]
+    problems: dict[str, list[str]] = {"lost": [], "order_violations": [], "overlaps": [], "same_id_overlaps": []}
+    c.sent += len(expected)
+    if any(a >= b for a, b in zip(expected, expected[1:])):
+        problems["order_violations"].append(f"{key}: its producer's acks {expected} are not in id order")
+    tries = sorted(pushes, key=lambda a: (a.pushed_at, a.message_id))
+    first: dict[int, float] = {}
+    for a in tries:
+        first.setdefault(a.message_id, a.pushed_at)
+    c.keys += 1 if tries else 0
+    c.delivered += len(first)
+    c.pushes += len(tries)
+    c.redelivered += len(tries) - len(first)
+    missing = [mid for mid in expected if mid not in first]
+    if missing:
+        c.lost += len(missing)
+        problems["lost"].append(f"{channel} {key}: ids {missing} acknowledged to its producer, never pushed")
+    order = list(first)  # ids in the order first pushed
+    known = set(expected)
+    if (any(a >= b for a, b in zip(order, order[1:]))
+            or [m for m in order if m in known] != [m for m in expected if m in first]):
+        problems["order_violations"].append(f"{channel} {key}: first pushed {order}, acknowledged to its "
+                                            f"producer in the order {expected}")
+    ends, early = _ends(tries, kills)
+    for i in early:
+        a = tries[i]
+        problems["same_id_overlaps"].append(f"{channel} {key}: id {a.message_id} pushed again at {t(ends[i])} "
+                                            f"while {a.consumer} held its push of {t(a.pushed_at)}")
+    for i, a in enumerate(tries):
+        for b in tries[i + 1:]:
+            if b.pushed_at >= ends[i]:
+                break  # sorted by push time: the rest come later still
+            if b.message_id != a.message_id:
+                problems["overlaps"].append(
+                    f"{channel} {key}: id {b.message_id} pushed to {b.consumer} at {t(b.pushed_at)} while id "
+                    f"{a.message_id} was out to {a.consumer} ({t(a.pushed_at)} .. {t(ends[i])}, "
+                    f"{a.how or 'never let go'})")
+    # held back by the rule: acknowledged to its producer while the one before it was out here
+    last_end = {a.message_id: ends[i] for i, a in enumerate(tries)}
+    acked_at = dict(sent)
+    c.waited += sum(1 for before, after in zip(expected, expected[1:])
+                    if before in last_end and acked_at[after] < last_end[before])
+    seen: set[int] = set()
+    for a in tries:
+        if a.message_id in seen and any(mid > a.message_id and at < a.pushed_at for mid, at in sent):
+            c.redelivered_ahead += 1
+        seen.add(a.message_id)
+    return problems
+
+
+def check_order(sends: dict[str, list[tuple[int, float]]], attempts: list[Attempt], kills: list[float],
+                channels: list[str], origin: float = 0.0) -> dict[str, OrderCount]:
+    """Per channel, over every key: the counts of the module's docstring.
+
+    ``sends``: key -> [(message id, acked at)] in the order its producer was acked;
+    ``attempts``: every push of every consumer; ``kills``: when the server was killed
+    (taken before the signal). Plain values in, no IO: the unit tier tests it."""
+    out = {}
+    by_pair: dict[tuple[str, str], list[Attempt]] = {}
+    for a in attempts:
+        if a.key is not None:
+            by_pair.setdefault((a.channel, a.key), []).append(a)
+
+    def t(x: float) -> str:
+        return f"{x - origin:+.3f} s"
+
+    for channel in channels:
+        c = out[channel] = OrderCount(channel)
+        found: dict[str, list[str]] = {"lost": [], "order_violations": [], "overlaps": [], "same_id_overlaps": []}
+        for key in sorted(set(sends) | {k for ch, k in by_pair if ch == channel}):
+            problems = _check_key(c, channel, key, sends.get(key, []), by_pair.get((channel, key), []), kills, t)
+            for what, texts in problems.items():
+                found[what] += texts
+            if any(problems.values()):
+                c.bad_keys.append(key)
+        c.lost_examples, c.order_violations, c.overlaps, c.same_id_overlaps = (
+            found["lost"], found["order_violations"], found["overlaps"], found["same_id_overlaps"])
+    return out
+
+
+def key_history(sends: dict[str, list[tuple[int, float]]], attempts: list[Attempt], kills: list[float],
+                channel: str, key: str, origin: float = 0.0) -> list[str]:
+    """What happened to one key on one channel, in time order (seconds from ``origin``):
+    each ack to its producer, each push (consumer, id, attempts) and its end, each kill
+    of the server. An order violation's or overlap's story starts here."""
+    events: list[tuple[float, str]] = [(at, f"id {mid} acknowledged to its producer") for mid, at in sends.get(key, [])]
+    events += [(k, "the dmq server killed (-9)") for k in kills]
+    for a in attempts:
+        if a.channel == channel and a.key == key:
+            events.append((a.pushed_at, f"id {a.message_id} pushed to {a.consumer} (attempts {a.attempts})"))
+            if a.ended_at is not None:
+                events.append((a.ended_at, f"id {a.message_id} let go by {a.consumer}: {a.how}"))
+    return [f"{when - origin:+9.3f} s  {what}" for when, what in sorted(events)]
+
+
+# -- one run ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OrderedTiming:
+    load: float = 20.0  # seconds of sends
+    kill_consumer_at: float = 3.0
+    pause_at: float = 7.0
+    pause_for: float = 3.0
+    kill_server_at: float = 12.0
+    drain: float = 60.0
+    linger: float = 1.5
+    rate: float = 80.0  # sends per second per producer
+    producers: int = 3
+
+
+@dataclass
+class OrderedRun:
+    topic: str
+    origin: float
+    sends: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    attempts: list[Attempt] = field(default_factory=list)
+    kills: list[float] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    notes: dict[str, object] = field(default_factory=dict)
+    drained: bool = False
+    failures: list[str] = field(default_factory=list)
+    history: History | None = None
+
+
+def _await(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` (records of the run) until it holds; the seconds it took; a
+    RuntimeError naming ``what`` past ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *, seed: int = 0) -> OrderedRun:
+    """One run on ``server`` (a ``ServerProcess`` serving the ordered ``topic`` with
+    ``CHANNELS``): load, the faults of the module, drain, and the records for ``count``."""
+    rng = random.Random(seed)
+    history = History(CHANNELS)
+    origin = time.monotonic()
+    out = OrderedRun(topic, origin, history=history)
+
+    def address() -> tuple[str, int]:
+        return ("127.0.0.1", server.tcp_port)
+
+    def since(at: float) -> str:
+        return f"+{at - origin:.2f} s"
+
+    keys = [key_name(n) for n in range(KEYS)]
+    share = -(-KEYS // timing.producers)
+    producers = [KeyedProducer(i, address, topic, keys[i * share:(i + 1) * share], history, rate=timing.rate,
+                               seed=rng.randrange(2**32)) for i in range(timing.producers)]
+    consumers: list[KeyedConsumer] = []
+
+    def consumer(channel: str, instance: int) -> KeyedConsumer:
+        c = KeyedConsumer(f"{channel}-{instance}", address, topic, channel, history,
+                          hold=0.0 if instance % 2 == 0 else HOLD, batch=instance % 3 == 2,
+                          seed=rng.randrange(2**32))
+        consumers.append(c)
+        c.start()
+        return c
+
+    billing = [consumer("billing", i) for i in range(3)]
+    audit = [consumer("audit", i) for i in range(2)]
+    confirmer = Confirmer(dsn, topic, history)
+    try:
+        for c in consumers:
+            _await(c.subscribed.is_set, 30, f"{c.consumer} subscribed: {c.errors}")
+        confirmer.start()
+        for p in producers:
+            p.start()
+
+        def at(offset: float) -> None:  # the load's schedule: pacing, not a wait for anything
+            time.sleep(max(0.0, origin + offset - time.monotonic()))
+
+        # a billing consumer killed holding copies (a holding one: instance 1)
+        at(timing.kill_consumer_at)
+        victim = billing[1]
+        victim.kill_wanted.set()
+        _await(victim.killed.is_set, 10, f"{victim.consumer} holding a copy, then killed")
+        killed_at = time.monotonic()
+        out.faults.append(f"{victim.consumer} killed at {since(killed_at)} holding {victim.held_at_kill} copies; "
+                          f"billing-3 takes its place")
+        out.notes["held_at_consumer_kill"] = victim.held_at_kill
+        consumer("billing", 3)
+
+        # a consumer of each channel paused holding copies
+        at(timing.pause_at)
+        paused = [billing[2], audit[1]]
+        for c in paused:
+            c.pause()
+        for c in paused:
+            _await(c.paused.is_set, 10, f"{c.consumer} holding a copy, then paused")
+        paused_at = time.monotonic()
+        time.sleep(timing.pause_for)  # the fault held
+        for c in paused:
+            c.resume()
+        out.faults.append(f"{', '.join(c.consumer for c in paused)} paused at {since(paused_at)} holding "
+                          f"{[c.held_at_pause for c in paused]} copies, resumed at {since(time.monotonic())}")
+        out.notes["held_at_pause"] = sum(c.held_at_pause for c in paused)
+
+        # the dmq server killed -9 and started again
+        at(timing.kill_server_at)
+        acks_before = sum(len(p.ack_times) for p in producers)
+        kill = time.monotonic()
+        out.kills.append(kill)  # taken before the signal: every copy out then is out no longer
+        server.kill()
+        server.start(timeout=60)
+        restarted = time.monotonic()
+        took = _await(lambda: any(t > restarted for p in producers for t in p.ack_times), 30,
+                      "a send acknowledged after the server's restart")
+        out.faults.append(f"the dmq server killed -9 at {since(kill)} ({acks_before} sends acknowledged "
+                          f"before), serving again at {since(restarted)}; a send acknowledged "
+                          f"{took:.2f} s after")
+
+        at(timing.load)
+        for p in producers:
+            p.stopping.set()
+        for p in producers:
+            p.join(30)
+        for p in producers:
+            p.halt.set()
+        try:
+            _await(lambda: not any(history.missing().values()), timing.drain,
+                   "every acknowledged send pushed on both channels")
+            out.drained = True
+        except RuntimeError as exc:
+            out.failures.append(str(exc))
+        time.sleep(timing.linger)  # consumers stay on: a wrong push has time to show
+    finally:
+        for p in producers:
+            p.stopping.set()
+            p.halt.set()
+        for c in consumers:
+            c.resume()
+            c.stop.set()
+        for c in consumers:
+            c.join(10)
+        confirmer.stop.set()
+        confirmer.join(10)
+        conn = confirmer.once()  # a last look, after the consumers stopped
+        if conn is not None:
+            conn.close()
+    for p in producers:
+        out.sends.update(p.acked)
+    out.attempts = [a for c in consumers for a in c.records()]
+    for kill in out.kills:  # copies out when the server died: they come back from PostgreSQL
+        out.notes["out_at_server_kill"] = {ch: sum(1 for a in out.attempts if a.channel == ch and a.pushed_at < kill
+                                                    and (a.ended_at is None or a.ended_at > kill)) for ch in CHANNELS}
+    out.failures += [f"{t.name}: {t.failure!r}" for t in (*producers, *consumers) if t.failure]
+    out.notes["producer_errors"] = {p.name: p.errors for p in producers if p.errors}
+    out.notes["resends"] = sum(p.resends for p in producers)
+    out.notes["consumer_errors"] = {c.consumer: c.errors for c in consumers if c.errors}
+    return out
+
+
+def count(run: OrderedRun) -> tuple[dict[str, OrderCount], list[ChannelCount]]:
+    """The per-key counts (``check_order``) and the chaos checker's per-channel ones."""
+    assert run.history is not None
+    return (check_order(run.sends, run.attempts, run.kills, CHANNELS, run.origin), check(run.history))
+
+
+def ok(run: OrderedRun, orders: dict[str, OrderCount], counts: list[ChannelCount]) -> bool:
+    return (run.drained and not run.failures and all(c.ok() for c in orders.values())
+            and all(c.ok() for c in counts))
+
+
+def format_report(run: OrderedRun, orders: dict[str, OrderCount], counts: list[ChannelCount]) -> str:
+    sent = sum(len(v) for v in run.sends.values())
+    lines = [f"ordered: {'OK' if ok(run, orders, counts) else 'FAILED'}  (topic {run.topic}, {KEYS} keys, "
+             f"{sent} sends acknowledged, {len(run.sends)} keys sent, resends {run.notes.get('resends')})"]
+    for c in counts:
+        o = orders[c.channel]
+        lines.append(
+            f"  {c.channel}: sent {o.sent}, delivered {o.delivered} ({o.pushes} pushes, {o.keys} keys), "
+            f"redelivered {o.redelivered} ({o.redelivered_ahead} with a later message of their key waiting), "
+            f"lost {o.lost}, order violations {len(o.order_violations)}, "
+            f"overlaps {len(o.overlaps)}, same-id overlaps {len(o.same_id_overlaps)}, "
+            f"held back behind their key {o.waited}; duplicated after a durable ack {c.duplicated}, "
+            f"unexpected {c.unexpected}")
+        for what in ("lost_examples", "order_violations", "overlaps", "same_id_overlaps"):
+            found = getattr(o, what)
+            lines += [f"    {example}" for example in found[:5]]
+            if len(found) > 5:
+                lines.append(f"    ... {len(found) - 5} more {what.replace('_', ' ')}")
+    lines += [f"  fault: {f}" for f in run.faults]
+    lines.append(f"  drained {run.drained}; notes: {run.notes}")
+    if run.failures:
+        lines.append(f"  failures: {run.failures}")
+    return "\n".join(lines)
