@@ -12,8 +12,9 @@ import pytest
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.core.errors import NoTopic, Unavailable
-from dmq_server.core.outbox_rows import OutboxRow, OutboxSource
+from dmq_server.core.outbox_rows import OutboxRow, OutboxSource, outbox_row
 from dmq_server.core.publish import PublishRequest, Published
 from dmq_server.db import outbox, outbox_ledger
 from dmq_server.db.storage_errors import StorageError
@@ -380,4 +381,24 @@ def test_a_failed_read_ahead_fails_the_cycle_once_the_store_is_answered() -> Non
     clock.advance(1)
     assert table.reads[0] == ([], 0, []) and table.reads[1] == ([1, 2], 0, [])
     assert broker.sent() == [[1, 2], [3, 4]] and asked(dmq) == []
+    relay.stop()
+
+
+def test_a_rows_properties_ride_its_send_and_a_row_breaking_a_rule_is_a_dead_letter() -> None:
+    """Each Send carries its row's key, priority and headers and their wire text (a row
+    without any: none, as before); a row whose stored document breaks a rule is never
+    published: a dead letter naming the row and the rule, deleted with the others, and the
+    rows around it keep one run."""
+    table = Outbox([outbox_row(1, "orders", b"a", None, None, 1000, {"key": "order-7", "priority": 5}),
+                    outbox_row(2, "orders", b"b", None, None, 1000, {"priority": 12}),
+                    outbox_row(3, "orders", b"c", None, None, 1000, None)])
+    relay, app, dmq, broker, clock = relay_with(table)
+    relay.start()
+    [request] = broker.requests
+    assert [(s.session_id, s.properties, s.status) for s in request.sends or ()] == [
+        (1, Properties("order-7", 5), '{"key":"order-7","priority":5}'), (3, NO_PROPERTIES, "")]
+    [(_, (letters,))] = [call for call in dmq.calls if call[0] is outbox_ledger.dead_letter_rows]
+    assert [(d.session_id, d.body) for d in letters] == [(2, b"b")]
+    assert "outbox shop (dmq_outbox) row 2: E_BAD_PROPERTIES priority 12 is outside 0..9" in letters[0].detail
+    assert table.deleted() == [1, 2, 3] and (relay.relayed, relay.dead) == (2, 1)
     relay.stop()
