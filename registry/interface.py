@@ -20,7 +20,7 @@ from dmq_client.wire import valid_name
 
 from .model import STORES, NodeInfo, RegistryError
 
-__all__ = ["Registry", "check_name", "check_settings"]
+__all__ = ["Registry", "check_name", "check_settings", "ORDERED_FAST"]
 
 
 def check_name(kind: str, name: str) -> None:
@@ -31,11 +31,17 @@ def check_name(kind: str, name: str) -> None:
         )
 
 
-def check_settings(store: str, msg_timeout_ms: int) -> None:
+def check_settings(store: str, msg_timeout_ms: int, ordered: bool = False) -> None:
     if store not in STORES:
         raise RegistryError(f"invalid store {store!r}: use reliable or fast")
     if msg_timeout_ms <= 0:
         raise RegistryError("message timeout must be positive")
+    if ordered and store != "reliable":
+        raise RegistryError(ORDERED_FAST)
+
+
+#: why a fast topic cannot be ordered (its channels deliver as nsqd's do, keys unknown)
+ORDERED_FAST = "only a reliable topic can be ordered: a fast topic delivers as nsqd does, without keys"
 
 
 class Registry(abc.ABC):

@@ -75,7 +75,7 @@ def create_topic(
     ordered: bool = False,
 ) -> None:
     check_name("topic", name)
-    check_settings(store, msg_timeout_ms)
+    check_settings(store, msg_timeout_ms, ordered)
     with conn.transaction():
         check_cluster(conn, cluster)
         row = conn.execute(

@@ -195,7 +195,7 @@ class ZkRegistry(Registry):
     ) -> None:
         check_name("topic", name)
         _check_znode("topic", name)
-        check_settings(store, msg_timeout_ms)
+        check_settings(store, msg_timeout_ms, ordered)
         self.check_cluster(cluster)
         data = encode_topic(
             TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster, ordered=ordered)
@@ -254,7 +254,7 @@ class ZkRegistry(Registry):
     def update_topic(self, spec: Any) -> None:
         """Replace a topic's settings (its channels are left alone)."""
         check_name("topic", spec.name)
-        check_settings(spec.store, spec.msg_timeout_ms)
+        check_settings(spec.store, spec.msg_timeout_ms, spec.ordered)
 
         def inner() -> None:
             try:

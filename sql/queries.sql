@@ -48,8 +48,10 @@ WHERE t.name = old.name
 RETURNING old.cluster, old.draining;
 
 -- name: lock_topic_settings
--- One topic's changeable settings, the row locked until the update commits.
-SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts, ordered FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
+-- One topic's changeable settings and its store (which decides whether it can be ordered),
+-- the row locked until the update commits.
+SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts, ordered, store
+FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
 
 -- name: update_topic_settings
 -- Replace a topic's settings (not its store, not its channels). A change of ``ordered``

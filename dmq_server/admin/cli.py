@@ -128,7 +128,7 @@ def cmd_topic_update(args: argparse.Namespace) -> None:
             with _registry(args) as reg:
                 spec = reg.get_topic(args.name)
                 before = {key: getattr(spec, key) for key in TOPIC_SETTINGS}
-                after = merge_topic_settings(before, changes)
+                after = merge_topic_settings({**before, "store": spec.store}, changes)
                 reg.update_topic(dataclasses.replace(spec, **after))
         else:
             with _database(args) as conn, conn.transaction():

@@ -49,6 +49,7 @@ from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_
 from dmq_server.db.delays import delay_stats_steps
 from dmq_server.db.runner import StepRunner
 from dmq_server.db.steps import Steps
+from registry.interface import ORDERED_FAST
 
 __all__ = [
     "DeadLetterFilter",
@@ -248,8 +249,9 @@ TopicSetting = int | bool | None
 
 def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, TopicSetting]) -> dict:
     """A topic's settings after ``changes`` (``None`` removes a limit; the message
-    timeout cannot be removed; ``ordered`` is true or false). ``Invalid`` for an unknown
-    setting, a value below 1, or no change asked for. Turning ``ordered`` on or off on a
+    timeout cannot be removed; ``ordered`` is true or false, and true only for a reliable
+    topic: ``current`` may say its ``store``). ``Invalid`` for an unknown setting, a value
+    below 1, or no change asked for. Turning ``ordered`` on or off on a
     topic with waiting messages is allowed: the rule applies to deliveries from then on."""
     unknown = sorted(set(changes) - set(TOPIC_SETTINGS))
     if unknown:
@@ -262,6 +264,8 @@ def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, To
         if key == "ordered":
             if not isinstance(value, bool):
                 raise Invalid(f"topic update: ordered must be true or false, not {value!r}")
+            if value and current.get("store", "reliable") != "reliable":
+                raise Invalid(f"topic update: {ORDERED_FAST}")
             continue
         if value is None and key == "msg_timeout_ms":
             raise Invalid("topic update: the message timeout cannot be removed")

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 #: the topic settings an operator may change, in the column order of lock_topic_settings
+#: (whose last column, the store, is not one of them)
 TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "ordered")
 
 
@@ -163,13 +164,15 @@ def stored_stats_steps() -> Steps:
 def update_topic_settings_steps(name: str, change: Callable[[dict], dict]) -> Steps:
     """Lock the topic's row, read its settings, store ``change(before)``. Run in one
     transaction (a ``DbWorker``'s, or ``conn.transaction()`` around ``run_steps``), so
-    two updates of different settings both stick. Returns (before, after), or None if
-    there is no such topic. An exception from ``change`` rolls the transaction back."""
+    two updates of different settings both stick. ``change`` also sees the topic's
+    ``store``. Returns (before, after), or None if there is no such topic. An exception
+    from ``change`` rolls the transaction back."""
     rows = yield Statement("lock_topic_settings", {"name": name})
     if not rows:
         return None
-    before = dict(zip(TOPIC_SETTINGS, rows[0]))
-    after = change(before)
+    *settings, store = rows[0]
+    before = dict(zip(TOPIC_SETTINGS, settings))
+    after = change({**before, "store": store})
     yield Statement("update_topic_settings", {"name": name, **after})
     return before, after
 

@@ -50,6 +50,19 @@ def test_the_cli_creates_updates_and_shows_an_ordered_topic(pg_dsn):
     assert _cli(pg_dsn, "topic", "update", "plain", "--ordered") == "updated topic plain: ordered off -> on"
 
 
+def test_a_fast_topic_cannot_be_ordered(pg_dsn):
+    """A fast topic delivers as nsqd does: --ordered is refused at create time (a refused
+    operation, 1) and by update (bad usage, 2), with the reason; nothing is stored."""
+    out = run_cli(pg_dsn, "topic", "create", "clicks", "--store", "fast", "--ordered")
+    assert out.returncode == 1 and "only a reliable topic can be ordered" in out.stderr, out
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_topic") == [(0,)]
+    _cli(pg_dsn, "topic", "create", "clicks", "--store", "fast")
+    out = run_cli(pg_dsn, "topic", "update", "clicks", "--ordered")
+    assert out.returncode == 2 and "only a reliable topic can be ordered" in out.stderr, out
+    assert db_rows(pg_dsn, "SELECT ordered FROM dmq_topic") == [(False,)]
+    assert _cli(pg_dsn, "topic", "update", "clicks", "--no-ordered") == "updated topic clicks: no change"
+
+
 def test_a_running_server_shows_the_setting_and_follows_an_update(make_server, pg_dsn):
     """The HTTP admin API and the line console list ``ordered`` with the other settings;
     after `dmq topic update --no-ordered` the server's next registry refresh shows it off

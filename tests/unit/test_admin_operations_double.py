@@ -149,7 +149,11 @@ def test_ordered_is_a_topic_setting_the_broker_hands_its_reliable_store(h, ops):
     assert isinstance(refused, Invalid) and "ordered must be true or false" in str(refused)
     assert h.db.topics["orders"]["ordered"] is True
     _, after = result(h.db.run_steps(update_topic_steps, "orders", {"ordered": False, "max_attempts": 4}))
-    assert (after["ordered"], after["max_attempts"]) == (False, 4)
+    assert (after["ordered"], after["max_attempts"]) == (False, 4) and "store" not in after
+    fast = result(h.db.run_steps(update_topic_steps, "clicks", {"ordered": True}))
+    assert isinstance(fast, Invalid) and "only a reliable topic can be ordered" in str(fast)
+    assert h.db.topics["clicks"]["ordered"] is False
+    assert result(h.db.run_steps(update_topic_steps, "clicks", {"ordered": False}))[1]["ordered"] is False
 
 
 def test_channels_are_paused_unpaused_and_emptied_through_the_broker(h, ops):

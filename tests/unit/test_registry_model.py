@@ -12,7 +12,8 @@ import pytest
 
 from registry import paths
 from dmq_server.cluster.bridge import KazooBridge
-from registry.model import NodeInfo, TopicSpec, decode_topic, encode_topic
+from registry.interface import check_settings
+from registry.model import NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
 
 
 @pytest.mark.parametrize(
@@ -72,6 +73,15 @@ def test_an_ordered_topic_round_trips_and_an_older_znode_is_not_ordered():
     assert not decode_topic("orders", older, []).ordered
     for odd in (b'"yes"', b"1", b'"true"', b"null"):
         assert not decode_topic("orders", b'{"ordered": ' + odd + b"}", []).ordered
+
+
+def test_only_a_reliable_topic_can_be_ordered():
+    """Both registries check a topic's settings with check_settings: a fast topic
+    delivers as nsqd does, so ordered is refused for it with the reason."""
+    check_settings("reliable", 1000, True)
+    check_settings("fast", 1000, False)
+    with pytest.raises(RegistryError, match="only a reliable topic can be ordered"):
+        check_settings("fast", 1000, True)
 
 
 def test_node_data_round_trip():

@@ -43,3 +43,13 @@ def test_an_ordered_topic_travels_through_zookeeper_to_the_nodes(pg_dsn, zk, zk_
     wait_for(lambda: db_rows(pg_dsn, "SELECT name, ordered, max_attempts FROM dmq_topic ORDER BY name")
              == [("orders", False, 2), ("plain", True, None)], 20)
     wait_for(lambda: _ordered_on_node(node) == {"orders": False, "plain": True}, 20)
+
+
+def test_a_fast_topic_in_zookeeper_cannot_be_ordered(pg_dsn, zk, zk_address):
+    out = run_cli(pg_dsn, "--zk", zk_address, "topic", "create", "clicks", "--store", "fast", "--ordered")
+    assert out.returncode == 1 and "only a reliable topic can be ordered" in out.stderr, out
+    assert zk.exists(paths.topic("clicks")) is None
+    run_cli(pg_dsn, "--zk", zk_address, "topic", "create", "clicks", "--store", "fast").check_returncode()
+    out = run_cli(pg_dsn, "--zk", zk_address, "topic", "update", "clicks", "--ordered")
+    assert out.returncode == 2 and "only a reliable topic can be ordered" in out.stderr, out
+    assert not ZkRegistry(zk).get_topic("clicks").ordered
