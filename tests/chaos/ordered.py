@@ -17,11 +17,13 @@ nothing more of its key goes out before it is answered.
 
 **Consumers** (``KeyedConsumer``): each records every push, as an ``Attempt`` (message id,
 key, attempts, when it was read) and when it let go of it: the moment before it wrote the
-ack, before it reset its connection when killed, when it found its connection gone.
-Each time is taken on one monotonic clock, read *after* the push was read and *before* the
-ack was written, so a recorded interval lies inside the server's own (push sent .. ack
-received): an overlap of recorded intervals is an overlap at the server. Half the
-consumers ack at once, the others after a random hold of up to 80 ms.
+ack, before it reset its connection when killed, when it found its connection gone (the
+server's kill, its moment taken before the signal, caps that). Each time is taken on one
+monotonic clock, read *after* the push was read and *before* the ack was written, so a
+recorded interval lies inside the server's own (push sent .. ack received): an overlap of
+recorded intervals is an overlap at the server. Half the consumers ack at once, the others
+after a random hold of up to 80 ms. They are threads of the test: paused, one stops reading
+and acking (what SIGSTOP would do to a process).
 
 **Faults**, in this order while the load is on: a billing consumer is killed (its
 connection reset, nothing acked) while it holds copies, which come back and go to the
@@ -44,9 +46,10 @@ message while another message of that key was still out on the channel (pushed, 
 acknowledged, its consumer neither killed nor disconnected, the server not killed since);
 **same-id overlaps**, a copy pushed again while the consumer still held the earlier push
 (only a timeout may do that, and the topic's is 30 s, longer than anything is held).
-Every one must be 0. **waited**: messages acknowledged to their producer while the message
-before them of their key was out on the channel, that is, held back by the rule (it shows
-the rule was exercised). Loss, duplicates after a durable ack and unknown deliveries are
+Every one must be 0. To show the rule was exercised: **held back**, messages acknowledged to
+their producer while the message before them of their key was out on the channel (the
+rule made them wait), and redeliveries pushed while a later message of their key was
+already stored (they had to keep their place at its head). Loss, duplicates after a durable ack and unknown deliveries are
 also counted by the chaos checker (``checker.check``).
 """
 
