@@ -9,7 +9,7 @@ killed, consumers are paused and the dmq server is killed with ``-9`` and restar
 one producer, and sends a key's next message only after the previous one was answered
 ``SEND_SUCCESS_ACK``: the order of its acks for a key is the order of the key's commits
 (``docs/protocol.md`` §5: that is also ``message_id`` order). To give the server something
-to hold back, a producer works on up to ``window`` keys at once, each for a burst of 1-6
+to hold back, a producer works on up to ``window`` keys at once, each for a burst of 1-5
 messages sent one after the other's ack (milliseconds apart, while the consumers hold
 copies for up to 80 ms). A send not answered before its connection broke (the server's
 kill) is sent again with the same (producer, session id) as ``UP_PRODUCER_RESEND``, and
@@ -113,7 +113,7 @@ class KeyedProducer(Producer):
     unanswered), choosing which key each new send is for and putting it in the status."""
 
     def __init__(self, index: int, address: Address, topic: str, keys: list[str], history: History, *,
-                 rate: float, window: int = 24, burst: int = 6, seed: int = 0):
+                 rate: float, window: int = 24, burst: int = 5, seed: int = 0):
         super().__init__(f"ordered-p{index}", lambda: [address()], topic, history, rate=rate, window=window,
                          delay_every=0)
         self.burst = burst
@@ -192,6 +192,7 @@ class KeyedConsumer(threading.Thread):
         self.errors: dict[str, int] = {}
         self.failure: BaseException | None = None
         self._open: dict[int, Attempt] = {}  # message id -> its push held now
+        self._acks_due: list[float] = []  # when the pushes held now are due to be acknowledged
         self._lock = threading.Lock()
 
     def run(self) -> None:
@@ -208,6 +209,10 @@ class KeyedConsumer(threading.Thread):
         self.pause_wanted.clear()
         self.resumed.set()
 
+    def holds_past(self, moment: float) -> bool:
+        """Whether it holds a push it will not acknowledge before ``moment``."""
+        return any(at > moment for at in self._acks_due)
+
     def records(self) -> list[Attempt]:
         with self._lock:
             return list(self.attempts)
@@ -219,6 +224,7 @@ class KeyedConsumer(threading.Thread):
             for attempt in self._open.values():
                 attempt.ended_at, attempt.how = now, how
             self._open.clear()
+            self._acks_due = []
         return now
 
     def _run(self) -> None:
@@ -274,6 +280,7 @@ class KeyedConsumer(threading.Thread):
                 self.history.deliver(self.channel, identity(push.body), push.message_id, now)
                 held.append((now + self.rng.uniform(0, self.hold), push))
                 push = client.receive(timeout=0) if self.batch else None
+            self._acks_due = [at for at, _ in held]
             if self.kill_wanted.is_set() or self.pause_wanted.is_set():
                 continue  # killed or paused holding what it holds now
             now = time.monotonic()
@@ -281,6 +288,7 @@ class KeyedConsumer(threading.Thread):
             if not due:
                 continue
             held = [(at, push) for at, push in held if at > now]
+            self._acks_due = [at for at, _ in held]
             with self._lock:  # let go before the ack is written: never later than the server
                 at = time.monotonic()
                 for push in due:
@@ -542,8 +550,10 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
                           f"{[c.held_at_pause for c in paused]} copies, resumed at {since(time.monotonic())}")
         out.notes["held_at_pause"] = sum(c.held_at_pause for c in paused)
 
-        # the dmq server killed -9 and started again
+        # the dmq server killed -9 and started again, while copies are out on each channel
         at(timing.kill_server_at)
+        _await(lambda: all(any(c.holds_past(time.monotonic() + 0.04) for c in consumers if c.channel == ch)
+                           for ch in CHANNELS), 10, "a consumer of each channel holding a copy 40 ms more")
         acks_before = sum(len(p.ack_times) for p in producers)
         kill = time.monotonic()
         out.kills.append(kill)  # taken before the signal: every copy out then is out no longer
