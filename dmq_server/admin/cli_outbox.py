@@ -9,8 +9,9 @@ deletes old inbox records in bounded batches. Each takes the application databas
 its writes and its messages commit together (docs/client.md, "Transactional messages").
 ``attach`` records an outbox in dmq's own database (``--pg-dsn``; with ``--zk`` it also
 shows it under ZooKeeper's ``/dmq/outbox``, which tells a cluster's nodes at once), once
-it found the outbox installed at this dmq's version; every running node then relays it
-within a few seconds, and stops after ``detach``, without a restart.
+it found the outbox installed at a version the relay reads (2 or later:
+``RELAY_MIN_VERSION``); every running node then relays it within a few seconds, and stops
+after ``detach``, without a restart.
 ``list`` asks a running server (``--http-address``, its admin API) what it relays: only
 the server holds the relays' figures, and it never answers with a DSN.
 """
