@@ -45,8 +45,10 @@ order than their producer's acks (and than their ids); **overlaps**, a push of a
 message while another message of that key was still out on the channel (pushed, not
 acknowledged, its consumer neither killed nor disconnected, the server not killed since);
 **same-id overlaps**, a copy pushed again while the consumer still held the earlier push
-(only a timeout may do that, and the topic's is 30 s, longer than anything is held).
-Every one must be 0. To show the rule was exercised: **held back**, messages acknowledged to
+(only a timeout may do that, and the topic's is 30 s, longer than anything is held);
+**redeliveries passed**, a copy let go unacknowledged (its consumer killed or cut off, the
+server killed) whose key's next push was another message, not that copy again (a
+redelivery keeps its place at the head of its key). Every one must be 0. To show the rule was exercised: **held back**, messages acknowledged to
 their producer while the message before them of their key was out on the channel (the
 rule made them wait), and redeliveries pushed while a later message of their key was
 already stored (they had to keep their place at its head). Loss, duplicates after a durable ack and unknown deliveries are
@@ -73,7 +75,7 @@ from .checker import ChannelCount, History, check
 from .load import Confirmer, Producer
 
 __all__ = ["Attempt", "KeyedProducer", "KeyedConsumer", "OrderedTiming", "OrderedRun", "OrderCount",
-           "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "check_order", "key_history", "run", "format_report"]
+           "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "PROBLEMS", "check_order", "key_history", "run", "format_report"]
 
 CHANNELS = ["billing", "audit"]
 KEYS = 1000
@@ -318,14 +320,22 @@ class OrderCount:
     # redeliveries pushed while a later message of their key was already stored: the copies
     # that had to keep their place at the head of their key
     redelivered_ahead: int = 0
+    # what broke a rule, a line each (PROBLEMS), and the keys concerned, for their histories
     lost_examples: list[str] = field(default_factory=list)
     order_violations: list[str] = field(default_factory=list)
     overlaps: list[str] = field(default_factory=list)
     same_id_overlaps: list[str] = field(default_factory=list)
-    bad_keys: list[str] = field(default_factory=list)  # keys of the above, for their histories
+    passed: list[str] = field(default_factory=list)
+    bad_keys: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        return [line for kind in PROBLEMS for line in getattr(self, kind)]
 
     def ok(self) -> bool:
-        return not (self.lost or self.order_violations or self.overlaps or self.same_id_overlaps)
+        return not self.lost and not self.problems()
+
+
+PROBLEMS = ("lost_examples", "order_violations", "overlaps", "same_id_overlaps", "passed")
 
 
 def _ends(tries: list[Attempt], kills: list[float]) -> tuple[list[float], list[int]]:
@@ -350,7 +360,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
                kills: list[float], t: Callable[[float], str]) -> dict[str, list[str]]:
     """One key on one channel: adds its counts to ``c``; returns what it broke."""
     expected = [mid for mid, _ in sent]
-    problems: dict[str, list[str]] = {"lost": [], "order_violations": [], "overlaps": [], "same_id_overlaps": []}
+    problems: dict[str, list[str]] = {kind: [] for kind in PROBLEMS}
     c.sent += len(expected)
     if any(a >= b for a, b in zip(expected, expected[1:])):
         problems["order_violations"].append(f"{key}: its producer's acks {expected} are not in id order")
@@ -365,7 +375,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
     missing = [mid for mid in expected if mid not in first]
     if missing:
         c.lost += len(missing)
-        problems["lost"].append(f"{channel} {key}: ids {missing} acknowledged to its producer, never pushed")
+        problems["lost_examples"].append(f"{channel} {key}: ids {missing} acknowledged to its producer, never pushed")
     order = list(first)  # ids in the order first pushed
     known = set(expected)
     if (any(a >= b for a, b in zip(order, order[1:]))
@@ -386,6 +396,18 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
                     f"{channel} {key}: id {b.message_id} pushed to {b.consumer} at {t(b.pushed_at)} while id "
                     f"{a.message_id} was out to {a.consumer} ({t(a.pushed_at)} .. {t(ends[i])}, "
                     f"{a.how or 'never let go'})")
+    # a copy let go unacknowledged (its consumer killed or cut off, the server killed) comes
+    # back at the head of its key: the key's next push is that copy again. An ack recorded
+    # after a kill of the server is left out: it may have reached the server before it died
+    for i, a in enumerate(tries):
+        if a.how == "ack" or a.how == "stopped" or i in early:
+            continue
+        following = next((b for b in tries[i + 1:] if b.pushed_at >= ends[i]), None)
+        if following is not None and following.message_id != a.message_id:
+            problems["passed"].append(
+                f"{channel} {key}: id {following.message_id} pushed to {following.consumer} at "
+                f"{t(following.pushed_at)} before id {a.message_id}, let go unacknowledged by {a.consumer} at "
+                f"{t(ends[i])} ({a.how}), went out again")
     # held back by the rule: acknowledged to its producer while the one before it was out here
     last_end = {a.message_id: ends[i] for i, a in enumerate(tries)}
     acked_at = dict(sent)
@@ -417,15 +439,12 @@ def check_order(sends: dict[str, list[tuple[int, float]]], attempts: list[Attemp
 
     for channel in channels:
         c = out[channel] = OrderCount(channel)
-        found: dict[str, list[str]] = {"lost": [], "order_violations": [], "overlaps": [], "same_id_overlaps": []}
         for key in sorted(set(sends) | {k for ch, k in by_pair if ch == channel}):
             problems = _check_key(c, channel, key, sends.get(key, []), by_pair.get((channel, key), []), kills, t)
-            for what, texts in problems.items():
-                found[what] += texts
+            for kind, lines in problems.items():
+                getattr(c, kind).extend(lines)
             if any(problems.values()):
                 c.bad_keys.append(key)
-        c.lost_examples, c.order_violations, c.overlaps, c.same_id_overlaps = (
-            found["lost"], found["order_violations"], found["overlaps"], found["same_id_overlaps"])
     return out
 
 
@@ -629,9 +648,10 @@ def format_report(run: OrderedRun, orders: dict[str, OrderCount], counts: list[C
             f"redelivered {o.redelivered} ({o.redelivered_ahead} with a later message of their key waiting), "
             f"lost {o.lost}, order violations {len(o.order_violations)}, "
             f"overlaps {len(o.overlaps)}, same-id overlaps {len(o.same_id_overlaps)}, "
+            f"redeliveries passed by their key {len(o.passed)}, "
             f"held back behind their key {o.waited}; duplicated after a durable ack {c.duplicated}, "
             f"unexpected {c.unexpected}")
-        for what in ("lost_examples", "order_violations", "overlaps", "same_id_overlaps"):
+        for what in PROBLEMS:
             found = getattr(o, what)
             lines += [f"    {example}" for example in found[:5]]
             if len(found) > 5:

@@ -63,6 +63,7 @@ def test_per_key_order_holds_under_consumer_kill_pause_and_server_kill(pg_dsn, s
             assert o.order_violations == [], text
             assert o.overlaps == [], text
             assert o.same_id_overlaps == [], text
+            assert o.passed == [], text
             assert o.redelivered > 0, text  # copies came back (consumer killed, server killed)
             assert o.waited > 100, text  # the rule held messages back behind their key
         for c in counts:
@@ -86,8 +87,7 @@ def _keep_failure(server: ServerProcess, out: ordered.OrderedRun | None, text: s
     if out is not None:
         orders = ordered.check_order(out.sends, out.attempts, out.kills, ordered.CHANNELS, out.origin)
         for channel, o in orders.items():
-            parts.append(f"=== {channel}: every problem found\n" + "\n".join(
-                o.lost_examples + o.order_violations + o.overlaps + o.same_id_overlaps))
+            parts.append(f"=== {channel}: every problem found\n" + "\n".join(o.problems()))
             for key in o.bad_keys[:20]:
                 lines = ordered.key_history(out.sends, out.attempts, out.kills, channel, key, out.origin)
                 parts.append(f"=== {channel} {key} (seconds from the run's start)\n" + "\n".join(lines))

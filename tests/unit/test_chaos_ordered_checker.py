@@ -93,3 +93,17 @@ def test_a_key_history_tells_the_story_in_time_order():
     assert [line.split(" s  ", 1)[1] for line in lines[3:]] == [
         "id 1 pushed to c0 (attempts 1)", "id 1 let go by c0: consumer killed", "the dmq server killed (-9)",
         "id 1 pushed to c1 (attempts 1)", "id 1 let go by c1: ack"]
+
+
+def test_a_copy_let_go_unacknowledged_must_be_the_next_of_its_key_to_go_out():
+    # 1's consumer died holding it; 2 went out before 1 came back: 1 lost its place
+    passed = _one([_push(1, 1.0, 1.2, "consumer killed"), _push(2, 1.3, 1.4, consumer="c1"),
+                   _push(1, 1.5, 1.6, consumer="c1"), _push(3, 1.7, 1.8)])
+    assert len(passed.passed) == 1 and "id 2 pushed to c1" in passed.passed[0] and not passed.ok()
+    assert passed.overlaps == [] and passed.order_violations == []  # only this rule sees it
+    # the server killed at 1.2 while 1 was out: after its restart 2 may not go first either
+    restarted = [_push(1, 1.0, 3.0, "connection lost"), _push(2, 3.1, 3.2), _push(1, 3.3, 3.4), _push(3, 3.5, 3.6)]
+    assert len(_one(restarted, kills=[1.2]).passed) == 1
+    # an ack taken after the kill's moment may have reached the server before it died
+    acked_late = [_push(1, 1.0, 1.3), _push(2, 3.1, 3.2), _push(3, 3.5, 3.6)]
+    assert _one(acked_late, kills=[1.2]).ok()
