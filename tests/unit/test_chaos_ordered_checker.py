@@ -107,3 +107,19 @@ def test_a_copy_let_go_unacknowledged_must_be_the_next_of_its_key_to_go_out():
     # an ack taken after the kill's moment may have reached the server before it died
     acked_late = [_push(1, 1.0, 1.3), _push(2, 3.1, 3.2), _push(3, 3.5, 3.6)]
     assert _one(acked_late, kills=[1.2]).ok()
+
+
+def test_an_earlier_message_whose_ack_died_with_the_server_may_come_back_first():
+    """A run's history (audit k0498, 07:15 UTC): 2857's ack reached the server, which pushed
+    2860, and died before the ack was durable; restarted, it pushed 2857 again, then 2860,
+    in id order. Not a passed redelivery; a first push of another message would be."""
+    sends = {"k": [(2857, 11.934), (2860, 11.942), (2863, 11.955)]}
+    history = [_push(2857, 11.934, 11.994), _push(2860, 11.995, 12.017, "connection lost"),
+               _push(2857, 12.833, 12.861), _push(2860, 12.863, 12.880), _push(2863, 12.881, 12.881)]
+    assert _one(history, kills=[12.0], sends=sends).ok()
+    jumped = history[:2] + [_push(2863, 12.833, 12.861), _push(2860, 12.863, 12.880)]
+    c = _one(jumped, kills=[12.0], sends=sends)
+    assert len(c.passed) == 1 and "id 2863" in c.passed[0]
+    # a lower id going out for the first time is no message coming back: it passed 2860
+    early = [_push(2860, 11.995, 12.017, "connection lost"), _push(2857, 12.833, 12.861), _push(2860, 12.863, 12.88)]
+    assert len(_one(early, kills=[12.0], sends=sends).passed) == 1
