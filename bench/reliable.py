@@ -16,7 +16,8 @@ Scenarios (see docs/benchmarks.md for what each figure means):
   steady   dmq: paced producers at --rate msgs/s for --steady-seconds; publish->ack latency
   ordered  dmq: keyed messages (--keys) to a topic created --ordered and to a plain one, alternated,
            one channel with --ordered-consumers consumers each; delivered+acked msgs/s and their ratio
-           (issue 45: >= 0.70); --hot-key-share S: S of the messages carry one key
+           (issue 45: >= 0.70); --hot-key-share S: S of the messages carry one key; --ordered-drain:
+           all stored first, then consumed
   ceiling  PostgreSQL alone: the server's insert_messages statement, batches of 100, one connection
   backlog  dmq: server RSS with 1,000,000 stored unacknowledged messages, consumer without and with acks
   rabbit   RabbitMQ (durable queue, persistent messages, publisher confirms): publish and end to end
