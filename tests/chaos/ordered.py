@@ -26,12 +26,13 @@ after a random hold of up to 80 ms. They are threads of the test: paused, one st
 and acking (what SIGSTOP would do to a process).
 
 **Faults**, in this order while the load is on: a billing consumer is killed (its
-connection reset, nothing acked) while it holds copies, which come back and go to the
-others (a new consumer takes its place); a billing and an audit consumer are paused
+connection reset, nothing acked) while it holds copies, one of them with a later message of
+its key stored, which come back and go to the others (a new consumer takes its place); a billing and an audit consumer are paused
 (they stop reading and acking) for ``pause_for`` seconds while they hold copies, so their
 keys wait and the other keys must flow; the dmq server is killed with ``-9`` and started
-again at once on the same port (the same node: it loads what was not acknowledged from
-PostgreSQL; producers resend what was unanswered, consumers connect again).
+again at once on the same port, once a consumer of each channel holds a copy (the same
+node: it loads what was not acknowledged from PostgreSQL; producers resend what was
+unanswered, consumers connect again).
 
 **Left out**, though the issue names them: a takeover of a dead node's messages by
 another node, and ``dmq topic move`` between PostgreSQL clusters. docs/protocol.md §5
@@ -167,9 +168,10 @@ class KeyedProducer(Producer):
 
 class KeyedConsumer(threading.Thread):
     """One consumer of one channel: records every push and when it let go of it (see the
-    module). ``kill_wanted`` (set) and ``pause()`` ask it to be killed / to pause at its
-    first step at which it holds a copy; it does so itself, so that what it held at that
-    moment is exact (``killed`` / ``paused`` are set then)."""
+    module). ``kill_if`` (a test of the pushes it holds) and ``pause()`` ask it to be killed
+    at its first step at which what it holds passes the test / to pause at its first step
+    at which it holds a copy; it does so itself, so that what it held at that moment is
+    exact (``killed`` / ``paused`` are set then)."""
 
     def __init__(self, name: str, address: Address, topic: str, channel: str, history: History, *,
                  credit: int = 20, hold: float = 0.0, batch: bool = False, seed: int = 0):
@@ -185,7 +187,7 @@ class KeyedConsumer(threading.Thread):
         self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.subscribed = threading.Event()
-        self.kill_wanted = threading.Event()
+        self.kill_if: Callable[[list[Attempt]], bool] | None = None
         self.killed = threading.Event()
         self.pause_wanted = threading.Event()
         self.paused = threading.Event()
@@ -264,7 +266,7 @@ class KeyedConsumer(threading.Thread):
     def _consume(self, client: BlockingClient) -> None:
         held: list[tuple[float, Frame]] = []  # (ack due at, push)
         while not self.stop.is_set():
-            if self._open and self.kill_wanted.is_set():
+            if self._open and self.kill_if is not None and self.kill_if(list(self._open.values())):
                 self._kill(client)
                 return
             if self._open and self.pause_wanted.is_set():
@@ -285,7 +287,7 @@ class KeyedConsumer(threading.Thread):
                 held.append((now + self.rng.uniform(0, self.hold), push))
                 push = client.receive(timeout=0) if self.batch else None
             self._acks_due = [at for at, _ in held]
-            if self.kill_wanted.is_set() or self.pause_wanted.is_set():
+            if self.kill_if is not None or self.pause_wanted.is_set():
                 continue  # killed or paused holding what it holds now
             now = time.monotonic()
             due = [push for at, push in held if at <= now]
@@ -552,11 +554,18 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
         def at(offset: float) -> None:  # the load's schedule: pacing, not a wait for anything
             time.sleep(max(0.0, origin + offset - time.monotonic()))
 
-        # a billing consumer killed holding copies (a holding one: instance 1)
+        # a billing consumer killed (a holding one: instance 1) holding a copy whose key has
+        # a later message stored: that copy must come back before it
         at(timing.kill_consumer_at)
         victim = billing[1]
-        victim.kill_wanted.set()
-        _await(victim.killed.is_set, 10, f"{victim.consumer} holding a copy, then killed")
+
+        def followed(held: list[Attempt]) -> bool:
+            return any(mid > a.message_id for a in held if a.key is not None
+                       for p in producers for mid, _ in list(p.acked.get(a.key, ())))
+
+        victim.kill_if = followed
+        _await(victim.killed.is_set, 10, f"{victim.consumer} holding a copy with a later message of its key stored, "
+                                         f"then killed")
         killed_at = time.monotonic()
         out.faults.append(f"{victim.consumer} killed at {since(killed_at)} holding {victim.held_at_kill} copies; "
                           f"billing-3 takes its place")

@@ -54,8 +54,8 @@ def test_per_key_order_holds_under_consumer_kill_pause_and_server_kill(pg_dsn, s
         # the faults happened where they matter: copies were out at each
         assert out.notes["held_at_consumer_kill"] > 0 and out.notes["held_at_pause"] > 1, text
         assert all(n > 0 for n in out.notes["out_at_server_kill"].values()), text
-        # copies came back (the consumer's kill, the server's) with a later message of their key waiting
-        assert sum(orders[channel].redelivered_ahead for channel in ordered.CHANNELS) > 0, text
+        # the killed consumer held a copy with a later message of its key stored: it came back first
+        assert orders["billing"].redelivered_ahead > 0, text
         for channel in ordered.CHANNELS:
             o = orders[channel]
             assert o.sent == sent, text
