@@ -5,7 +5,7 @@ messages of a key out at once (``tests/chaos/ordered.py`` says how it counts, an
 the issue's faults are left out and why).
 
 One dmq node on the session's embedded PostgreSQL (docs/protocol.md §5 promises the order
-for a key's messages sent through one node), no Patroni, no ZooKeeper: about 40 s. Run
+for a key's messages sent through one node), no Patroni, no ZooKeeper: about 30 s. Run
 alone: ``.venv/bin/python -m pytest tests/chaos -k ordered``. A failure's report, the
 histories of its keys and the node's log go to ``chaos-failures/`` (``DMQ_CHAOS_FAILURES``
 names another folder), as the other scenarios' do.
