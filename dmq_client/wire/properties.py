@@ -131,19 +131,19 @@ def decode_properties(status: str, strict: bool = True) -> Properties:
     them (a client reading a newer server's pushes)."""
     if not status:
         return NO_PROPERTIES
-    size = len(status.encode("utf-8"))
-    if size > STATUS_MAX_LENGTH:
-        raise PropertiesError(f"properties are {size} bytes encoded (at most {STATUS_MAX_LENGTH})")
+    if len(status) * 4 > STATUS_MAX_LENGTH:  # else at most 4 bytes a character fit: no encoding
+        size = len(status.encode("utf-8"))
+        if size > STATUS_MAX_LENGTH:
+            raise PropertiesError(f"properties are {size} bytes encoded (at most {STATUS_MAX_LENGTH})")
     try:
         fields = json.loads(status)
     except ValueError:
         raise PropertiesError("properties are not a JSON object") from None
     if not isinstance(fields, dict):
         raise PropertiesError("properties are not a JSON object")
-    if strict:
-        unknown = sorted(set(fields) - _FIELDS)
-        if unknown:
-            raise PropertiesError(f"unknown property field {unknown[0]!r} (known: headers, key, priority)")
+    if strict and not fields.keys() <= _FIELDS:
+        unknown = sorted(fields.keys() - _FIELDS)
+        raise PropertiesError(f"unknown property field {unknown[0]!r} (known: headers, key, priority)")
     headers = fields.get("headers", {})
     if not isinstance(headers, dict):
         raise PropertiesError("headers are not a JSON object of names to texts")
@@ -185,6 +185,9 @@ def _check_priority(priority: object) -> None:
 def _check_headers(headers: Mapping[str, object]) -> None:
     if len(headers) > HEADERS_MAX_COUNT:
         raise PropertiesError(f"{len(headers)} headers (at most {HEADERS_MAX_COUNT})")
+    # run once per message a server stores with headers: the common case (ASCII values
+    # without control characters) costs a test per header and one search for them all
+    texts: list[str] = []
     for name, value in headers.items():
         if not isinstance(name, str) or len(name) > HEADER_NAME_MAX_LENGTH or not _NAME_RE.fullmatch(name):
             raise PropertiesError(
@@ -192,13 +195,16 @@ def _check_headers(headers: Mapping[str, object]) -> None:
                 "(a-z, 0-9, then also . _ -)")
         if not isinstance(value, str):
             raise PropertiesError(f"header {name!r} is not a text")
-        size = _utf8_size(value, f"header {name!r}")
+        size = len(value) if value.isascii() else _utf8_size(value, f"header {name!r}")
         if size > HEADER_VALUE_MAX_BYTES:
             raise PropertiesError(f"header {name!r} is {size} bytes (at most {HEADER_VALUE_MAX_BYTES})")
-        if _CONTROL_RE.search(value):
-            raise PropertiesError(f"header {name!r} holds a control character")
         if name in RESERVED_HEADERS:
             _check_reserved(name, value)
+        texts.append(value)
+    if texts and _CONTROL_RE.search("".join(texts)):  # which one, only when one has
+        for name, value in zip(headers, texts):
+            if _CONTROL_RE.search(value):
+                raise PropertiesError(f"header {name!r} holds a control character")
 
 
 def _check_reserved(name: str, value: str) -> None:

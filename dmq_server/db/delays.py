@@ -52,6 +52,7 @@ class NewDelayed:
     fragment: int
     body: bytes = field(repr=False)
     properties: Properties = NO_PROPERTIES  # kept with the row, and with the message it becomes
+    status: str = ""  # the properties' wire text ("" for none), what the statement stores
 
 
 @dataclass(slots=True)
@@ -95,14 +96,14 @@ INSERT_OUTBOX_DELAYED = with_outbox_record(
 add_statement("insert_outbox_delayed", INSERT_OUTBOX_DELAYED)
 # and both for a batch with properties (as insert_messages: db.messages.with_properties)
 _PROPERTY_PARTS = (
-    ("%(bodies)b::bytea[])", "%(bodies)b::bytea[], %(keys)b::text[], %(priorities)b::integer[], %(headers)b::text[])"),
+    ("%(bodies)b::bytea[])", "%(bodies)b::bytea[], %(statuses)b::text[])"),
     ("AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body)",
-     "AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body, key, priority, headers)"),
+     "AS u(topic, producer, session_id, produced_ms, due_ms, fragment, body, status)"),
     ("INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body)",
      "INSERT INTO dmq_delay (fragment, due_ms, topic, producer, session_id, produced_ms, node_id, body, key, priority, "
      "headers)"),
-    ("i.produced_ms, %(node_id)s, i.body\n", "i.produced_ms, %(node_id)s, i.body, i.key, i.priority::smallint, "
-                                              "i.headers::jsonb\n"),
+    ("i.produced_ms, %(node_id)s, i.body\n", "i.produced_ms, %(node_id)s, i.body, i.status::jsonb->>'key',\n"
+     "       coalesce((i.status::jsonb->>'priority')::smallint, 0), i.status::jsonb->'headers'\n"),
 )
 _DELAYED_PROPERTY_STATEMENTS = {
     name: add_statement(f"{name}_props", with_properties(sql, _PROPERTY_PARTS))
@@ -123,7 +124,7 @@ def insert_delayed_steps(batch: Sequence[NewDelayed], node_id: str) -> Steps[lis
     # stored once its message was swept
     outbox = any(m.producer.startswith(OUTBOX_PRODUCERS) for m in batch)
     name = "insert_outbox_delayed" if outbox else "insert_delayed"
-    rows = yield Statement(_DELAYED_PROPERTY_STATEMENTS[name] if "keys" in params else name, params)
+    rows = yield Statement(_DELAYED_PROPERTY_STATEMENTS[name] if "statuses" in params else name, params)
     fresh: dict[tuple[str, int], StoredDelay] = {}
     for delay_id, producer, session_id, due_ms in rows:
         fresh[(producer, session_id)] = StoredDelay(delay_id, due_ms, 0, False)

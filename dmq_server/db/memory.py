@@ -76,12 +76,15 @@ def _relayed_here(producer: str) -> bool:
 
 
 def _property_columns(p: dict) -> tuple[list, list, list]:
-    """A storing statement's key, priority and headers columns (the ``_props`` statements'
-    three arrays; NULL, 0, NULL each without them), headers as jsonb answers them: dicts."""
+    """A storing statement's key, priority and headers columns, as PostgreSQL takes them
+    from the ``_props`` statements' statuses (NULL, 0, NULL without), headers as jsonb
+    answers them: dicts."""
     count = len(p["topics"])
-    if "keys" not in p:
+    if "statuses" not in p:
         return [None] * count, [0] * count, [None] * count
-    return p["keys"], p["priorities"], [None if h is None else _jsonb_object(h) for h in p["headers"]]
+    fields = [json.loads(s) if s is not None else {} for s in p["statuses"]]
+    return ([f.get("key") for f in fields], [f.get("priority", 0) for f in fields],
+            [_jsonb_object(json.dumps(f["headers"])) if "headers" in f else None for f in fields])
 
 
 def _jsonb_object(text: str) -> dict[str, str]:

@@ -627,7 +627,7 @@ class ReliableStore:
             done(Published(stored.message_id, stored.duplicate))
 
         item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body,
-                          send.properties)
+                          send.properties, send.status)
         self.delay_writer.submit_cb(item, committed)
 
     def _refused(self, failure: BaseException, done: Callable[[Outcome], None]) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import psycopg
 
 import registry
-from dmq_client.wire.properties import NO_PROPERTIES, Properties
+from dmq_client.wire.properties import NO_PROPERTIES, Properties, encode_properties
 from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
@@ -507,7 +507,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
             NewDelayed("orders", "dp", 2, 1_700_000_000_000, LATER, 2, b"later"),
             NewDelayed("quiet", "dp", 3, 0, LONG_AGO, 3, b"orphan"),
             NewDelayed("orders", "dp", 4, 0, LATER + 1, 9, b"overflow"),
-            NewDelayed("orders", "dp", 5, 0, LONG_AGO, 1, b"with properties", PROPS),
+            NewDelayed("orders", "dp", 5, 0, LONG_AGO, 1, b"with properties", PROPS, encode_properties(PROPS)),
         ], NODE), lambda out: [k(dataclasses.replace(s, message_id=k.y(s.message_id))) for s in out]),
         ("a resent delay and a stored pair", insert_delayed_steps, lambda: ([
             NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"due"), NewDelayed("orders", "p", 1, 0, LONG_AGO, 1, b"x"),
@@ -520,7 +520,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
             NewDelayed("orders", OUTBOX + ":delayed", 2, 0, LATER + 2, 1, b"ob2"),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         ("a delayed outbox row with properties", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", OUTBOX + ":delayed", 3, 0, LATER + 2, 1, b"ob3", PROPS),
+            NewDelayed("orders", OUTBOX + ":delayed", 3, 0, LATER + 2, 1, b"ob3", PROPS, encode_properties(PROPS)),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         # (a replay's fragment follows its dead letter's id, which differs: one fragment, 1)
         ("peek", peek_delayed_steps, lambda: ((1, 2, 3, 4), 8, LATER, 10), same),
