@@ -307,6 +307,47 @@ LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND 
 ORDER BY m.id
 LIMIT %(limit)s;
 
+-- name: load_priority_backlog
+-- A channel's stored, unacknowledged copies of a priority above 0, highest priority first,
+-- then oldest first, with their properties: per owner and per level of ``levels`` (the
+-- priorities 9 to 1), one range of dmq_message_priority_idx above the larger of that
+-- level's ``afters`` bound (what the channel loaded of the level before), the channel's
+-- start and the owner's floor, skipping what is done. ``m.priority > 0`` is written out
+-- beside ``m.priority = l.priority``: the planner uses the partial index only when the
+-- statement's text implies its predicate. Owners as load_backlog's.
+WITH ch AS (
+    SELECT start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
+), owners AS (
+    SELECT o.id FROM dmq_owner o
+    WHERE %(holder)s::text IS NULL
+       OR o.id = %(owner)s::integer
+       OR EXISTS (SELECT 1 FROM dmq_cursor k
+                  WHERE k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = o.id
+                    AND k.holder = %(holder)s::text)
+), l AS (
+    SELECT * FROM unnest(%(levels)s::smallint[], %(afters)s::bigint[]) AS l(priority, after)
+)
+SELECT m.id, m.producer, m.session_id,
+       (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
+       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
+FROM ch CROSS JOIN owners w
+LEFT JOIN dmq_cursor k ON k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = w.id
+CROSS JOIN l
+CROSS JOIN LATERAL (
+    SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner, m.key, m.priority, m.headers
+    FROM dmq_message m
+    WHERE hashtext(m.topic) = hashtext(%(topic)s) AND m.topic = %(topic)s AND m.owner = w.id
+      AND m.priority = l.priority AND m.priority > 0
+      AND m.id > greatest(l.after, ch.start_id, coalesce(k.floor, 0))
+      AND (m.channel IS NULL OR m.channel = %(channel)s)
+      AND NOT coalesce(k.done @> m.id, false)
+    ORDER BY m.id
+    LIMIT %(limit)s
+) m
+LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND a.message_id = m.id
+ORDER BY m.priority DESC, m.id
+LIMIT %(limit)s;
+
 -- name: sweep_bounds
 -- The retention sweep's range: the lowest stored id and the first message still inside the
 -- window, looked for from `start` (the previous sweep's answer: the walk of the primary key

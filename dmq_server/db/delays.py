@@ -87,6 +87,7 @@ class MovedMessage:
     channel: str | None = None
     status: str = ""  # its properties as its pushes carry them (db.messages.stored_status)
     key: str | None = None
+    priority: int = 0  # 0 to 9, higher first, as the message was sent (a replay: as its dead letter kept it)
 
 
 # insert_delayed for a batch holding outbox rows: records them as it stores them
@@ -192,7 +193,7 @@ def move_due_steps(
             raise Fenced(f"incarnation {owner} was retired: it moves no delayed message any more")
     moved = [
         MovedMessage(r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], bytes(r[8]), owner, r[9],
-                     stored_status(r[10], r[11], r[12]), r[10])
+                     stored_status(r[10], r[11], r[12]), r[10], r[11])
         for r in rows
         if r[1] is not None
     ]

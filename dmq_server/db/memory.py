@@ -299,6 +299,7 @@ class MemoryDb:
             "ack_deliveries": self._ack_deliveries,
             "ack_new_deliveries": self._ack_new_deliveries,
             "load_backlog": self._load_backlog,
+            "load_priority_backlog": self._load_priority_backlog,
             "sweep_bounds": self._sweep_bounds,
             "sweep_messages": self._sweep_messages,
             "channel_depths": self._channel_depths,
@@ -786,6 +787,18 @@ class MemoryDb:
         return len(rows)
 
     def _load_backlog(self, p: dict) -> list[tuple]:
+        return self._backlog(p, lambda m: m.id > p["after"])
+
+    def _load_priority_backlog(self, p: dict) -> list[tuple]:
+        # of each level, the copies after its bound; priority 0 has none (the index's predicate)
+        after = {level: bound for level, bound in zip(p["levels"], p["afters"]) if level > 0}
+        return self._backlog(p, lambda m: m.priority in after and m.id > after[m.priority], by_priority=True)
+
+    def _backlog(self, p: dict, wanted: Callable[[_Message], bool], by_priority: bool = False) -> list[tuple]:
+        """The load statements' rows: the channel's waiting copies ``wanted`` of the
+        owners its node loads (all without a holder; else its own and those of the
+        cursors it holds), the first ``limit`` in id order (``by_priority``: highest
+        priority first, then id order)."""
         topic, channel, holder = p["topic"], p["channel"], p["holder"]
         if channel not in self.channels.get(topic, ()):
             return []
@@ -796,15 +809,15 @@ class MemoryDb:
             cursor = self.cursors.get((topic, channel, owner))
             return cursor is not None and cursor.holder == holder
 
-        ids = sorted(
-            m.id for m in self.messages.values()
-            if m.topic == topic and m.id > p["after"] and loads(m.owner)
-            and channel in self._channels_of(m) and not self._done(topic, channel, m)
+        found = sorted(
+            (m for m in self.messages.values()
+             if m.topic == topic and wanted(m) and loads(m.owner)
+             and channel in self._channels_of(m) and not self._done(topic, channel, m)),
+            key=lambda m: (-m.priority if by_priority else 0, m.id),
         )[: p["limit"]]
         rows = []
-        for message_id in ids:
-            m = self.messages[message_id]
-            attempts = self.attempts.get((topic, channel, message_id), 0)
+        for m in found:
+            attempts = self.attempts.get((topic, channel, m.id), 0)
             rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, attempts, m.owner, m.key, m.priority,
                          m.headers))
         return rows

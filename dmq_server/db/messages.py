@@ -25,7 +25,7 @@ from typing import Mapping, NotRequired, Protocol, Sequence, TypedDict
 
 import psycopg
 
-from dmq_client.wire.properties import NO_PROPERTIES, Properties, PropertiesError, encode_properties
+from dmq_client.wire.properties import NO_PROPERTIES, PRIORITY_MAX, Properties, PropertiesError, encode_properties
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
 from dmq_server.db.outbox_ledger import RECORDING
@@ -62,6 +62,7 @@ __all__ = [
     "HOT_STATEMENTS",
     "ack_deliveries_steps",
     "load_backlog_steps",
+    "load_priority_backlog_steps",
     "sweep_messages_steps",
     "sweep_batch_steps",
     "run_query_steps",
@@ -653,6 +654,7 @@ class BacklogRow:
     owner: int = 0
     status: str = ""  # its properties as its pushes carry them (``stored_status``)
     key: str | None = None  # its key (an ordered topic's channels push one copy of a key at a time)
+    priority: int = 0  # 0 to 9, higher first (issue 45 §3: load_priority_backlog_steps loads those above 0)
 
 
 def load_backlog_steps(
@@ -664,9 +666,35 @@ def load_backlog_steps(
     params: Params = {
         "topic": topic, "channel": channel, "after": after, "limit": limit, "holder": holder, "owner": owner,
     }
-    rows = yield Statement("load_backlog", params)
+    return _backlog_rows((yield Statement("load_backlog", params)))
+
+
+#: the levels load_priority_backlog reads, highest first (priority 0 has no entry in its index)
+_LEVELS = tuple(range(PRIORITY_MAX, 0, -1))
+
+
+def load_priority_backlog_steps(
+    topic: str, channel: str, afters: Sequence[int], limit: int, holder: str | None = None, owner: int = 0
+) -> Steps[list[BacklogRow]]:
+    """A channel's stored copies of a priority above 0, highest priority first, then
+    oldest first: of each level p (1 to 9) only the copies after ``afters[p - 1]`` (what
+    the channel loaded of that level before), at most ``limit`` in all. Owners as
+    ``load_backlog_steps``'s. The index it reads holds only such messages (schema 18),
+    so a channel finds them without walking the copies of priority 0 stored before."""
+    if len(afters) != PRIORITY_MAX:
+        raise ValueError(f"load_priority_backlog: {len(afters)} bounds, one a priority 1 to {PRIORITY_MAX} expected")
+    params: Params = {
+        "topic": topic, "channel": channel, "limit": limit, "holder": holder, "owner": owner,
+        "levels": list(_LEVELS), "afters": [afters[p - 1] for p in _LEVELS],
+    }
+    return _backlog_rows((yield Statement("load_priority_backlog", params)))
+
+
+def _backlog_rows(rows: Rows) -> list[BacklogRow]:
+    """The rows of load_backlog and load_priority_backlog (one column list)."""
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6],
-                       "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]), r[7])
+                       "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]), r[7],
+                       r[8])
             for r in rows]
 
 

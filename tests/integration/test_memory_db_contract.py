@@ -73,6 +73,7 @@ from dmq_server.db.messages import (
     read_owners_steps,
     retire_silent_owners_steps,
     load_backlog_steps,
+    load_priority_backlog_steps,
     read_channel_state_steps,
     depth_slice_steps,
     run_query_steps,
@@ -315,6 +316,8 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("a resend among properties", insert_messages_steps,
          lambda: ([_msg("k", 2, props=PROPS), _msg("k", 3, props=Properties(priority=1))], NODE, OWNER + 1), same),
         ("the backlog with properties", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
+        # the copies of a priority above 0 (k1: 7, k3: 1), highest first (test_priority_backlog.py: the rest)
+        ("the priority backlog", load_priority_backlog_steps, lambda: ("orders", "billing", [0] * 9, 100), same),
         # a dead letter keeps its message's properties: a copy past its attempts, one past its ttl
         ("a copy with properties exhausted", exhaust_pair_steps, lambda: ("k", 1, "orders", "billing", OWNER + 1),
          lambda rows: [(t, c, ids(i)) for t, c, i in rows]),

@@ -14,6 +14,7 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.dead_letter_steps import NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.storage_errors import RefusedError, StorageError
 from dmq_server.db.memory import MemoryDb, UnknownStatement
@@ -27,6 +28,7 @@ from dmq_server.db.messages import (
     retire_silent_owners_steps,
     insert_messages_steps,
     load_backlog_steps,
+    load_priority_backlog_steps,
     read_channel_state_steps,
     depth_slice_steps,
     run_query_steps,
@@ -90,6 +92,25 @@ def test_the_same_pair_twice_in_one_batch_is_stored_once(db):
     assert [s.duplicate for s in stored] == [False, True]
     assert stored[0].message_id == stored[1].message_id
     assert len(db.messages) == 1
+
+
+def test_the_priority_backlog_is_highest_first_then_id_each_level_after_its_bound(db):
+    """The double's load_priority_backlog (the same scenario on PostgreSQL and the double:
+    tests/integration/test_priority_backlog.py); a load needs one bound a level, 1 to 9."""
+    priorities = [0, 3, 9, 3, 0, 9, 1]
+    batch = [NewMessage("orders", "p", n, 0, b"x", Properties(priority=p) if p else NO_PROPERTIES)
+             for n, p in enumerate(priorities)]
+    ids = [s.message_id for s in result(db.run_steps(insert_messages_steps, batch, "node-1", OWNER))]
+    loaded = result(db.run_steps(load_priority_backlog_steps, "orders", "billing", [0] * 9, 10))
+    assert [(r.message_id, r.priority) for r in loaded] == [
+        (ids[2], 9), (ids[5], 9), (ids[1], 3), (ids[3], 3), (ids[6], 1)]
+    after = [0] * 9
+    after[9 - 1], after[3 - 1] = ids[2], ids[3]  # level 9 loaded up to its first copy, level 3 to its end
+    loaded = result(db.run_steps(load_priority_backlog_steps, "orders", "billing", after, 2))
+    assert [r.message_id for r in loaded] == [ids[5], ids[6]]
+    assert [r.priority for r in result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))] == priorities
+    with pytest.raises(ValueError, match="8 bounds, one a priority 1 to 9 expected"):
+        next(load_priority_backlog_steps("orders", "billing", [0] * 8, 10))
 
 
 def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):

@@ -1,0 +1,23 @@
+-- dmq schema, version 18: the messages of a priority above 0 have an index of their own
+-- (issue 45 §3: a channel delivers its waiting copies highest priority first, then in id order).
+--
+-- A channel loads its backlog a range of the placement index at a time, in id order
+-- (load_backlog). To hand out a priority 9 message before the priority 1 and 0 ones stored
+-- earlier, the channel also loads the copies of each priority above 0 on their own
+-- (load_priority_backlog): per owner and per priority, a range of this index above that
+-- level's last loaded id, so a channel finds its urgent copies without walking the plain ones
+-- stored before them.
+--
+-- The index is partial: a message of priority 0 (every message sent without a priority, what
+-- every older client and every NSQ publish sends) adds no entry to it, so the send statement
+-- costs what it did for them; only a message with a priority pays one more index insert
+-- (docs/benchmarks.md, bench/pg_cost.py --priority). A statement that reads it must say
+-- `priority > 0` as a literal beside its `priority = <level>` (the planner uses a partial
+-- index only where it can prove the index's predicate from the statement's own text), and
+-- `hashtext(topic) = hashtext(<topic>)` beside `topic = <topic>`, as for the placement index
+-- (0012). Its columns are fixed-width keys, for the same reason as 0012's.
+--
+-- It is built in the migration's transaction: writes to dmq_message wait until it commits
+-- (PostgreSQL reads the whole table to build it, and only the rows of a priority above 0,
+-- none before schema 16's properties were used, become entries).
+CREATE INDEX dmq_message_priority_idx ON dmq_message (hashtext(topic), owner, priority, id) WHERE priority > 0;
