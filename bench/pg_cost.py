@@ -27,6 +27,12 @@ id order, the cursor moving with them.
     python bench/pg_cost.py                           # this tree
     python bench/pg_cost.py --tree /tmp/old --tree .  # two builds, the same workload
     python bench/pg_cost.py --batch 20                # small statements: their fixed cost shows
+    python bench/pg_cost.py --priority 5              # every message of priority 5 (schema 18's index)
+
+``--priority P`` (1 to 9) gives every send the priority P, so the group commit runs its
+statement for sends with properties, and stores the prefilled messages with it too (the
+partial index dmq_message_priority_idx then holds them all, as deep as it gets); 0, the
+default, sends without properties as before.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ sys.path.insert(0, str(HERE))
 import _cost as cost  # noqa: E402
 
 BATCH = int(os.environ.get("DMQ_BENCH_PG_BATCH", "200"))  # --batch, handed to the child
+PRIORITY = int(os.environ.get("DMQ_BENCH_PG_PRIORITY", "0"))  # --priority, handed to the child
 PRODUCERS = 4
 PREFILL = 200_000
 SMALL = 10  # batches on the first connection of each statement: PostgreSQL's 5 custom plans and more
@@ -57,6 +64,7 @@ def child(batches: int) -> dict:
     import psycopg
 
     from _pg import PrivatePostgres, schema_with_topic
+    from dmq_client.wire.properties import NO_PROPERTIES, Properties
     from dmq_server.db.messages import AckRow, CursorProgress, NewMessage, ack_deliveries_steps, insert_messages_steps
     from dmq_server.db.worker import connect
 
@@ -70,9 +78,9 @@ def child(batches: int) -> dict:
         with connect(dsn, autocommit=True) as conn:
             owner = conn.execute("INSERT INTO dmq_owner (node_id) VALUES ('node-1') RETURNING id").fetchone()[0]
             conn.execute(
-                "INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
-                "SELECT 'bench', 'prefill-' || (i %% 4), i, 'node-1', %s, repeat('x', 200)::bytea "
-                "FROM generate_series(1, %s) AS i", (owner, PREFILL))
+                "INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body, priority) "
+                "SELECT 'bench', 'prefill-' || (i %% 4), i, 'node-1', %s, repeat('x', 200)::bytea, %s "
+                "FROM generate_series(1, %s) AS i", (owner, PRIORITY, PREFILL))
             conn.execute("VACUUM ANALYZE")
         embedded = pg._embedded
         if embedded is None:
@@ -117,10 +125,12 @@ def child(batches: int) -> dict:
         session = iter(range(1, 10**9))
         stored: list[int] = []
 
+        properties = Properties(priority=PRIORITY) if PRIORITY else NO_PROPERTIES
+
         def sends(count: int) -> list:
             out = []
             for _ in range(count):
-                batch = [NewMessage("bench", f"producer-{i % PRODUCERS}", 0, 1_700_000_000_000, b"x" * 200)
+                batch = [NewMessage("bench", f"producer-{i % PRODUCERS}", 0, 1_700_000_000_000, b"x" * 200, properties)
                          for i in range(BATCH)]
                 for i in range(0, BATCH, PRODUCERS):  # each producer's next session ids
                     number = next(session)
@@ -170,15 +180,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs per tree, alternated")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="sends and acks a statement (two sizes tell a statement's fixed cost from a row's)")
+    parser.add_argument("--priority", type=int, default=PRIORITY, choices=range(10), metavar="0-9",
+                        help="every message's priority (0: sends without properties)")
     args = parser.parse_args()
     os.environ["DMQ_BENCH_PG_BATCH"] = str(args.batch)
+    os.environ["DMQ_BENCH_PG_PRIORITY"] = str(args.priority)
     if shutil.which("valgrind") is None:
         sys.exit("pg_cost.py needs valgrind (apt-get install valgrind, or bash deploy/setup.sh --bench)")
     trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
     for _ in range(args.rounds):
         for tree in trees:
             result = cost.run_child("pg_cost", tree, args.batches)
-            print(f"{tree}: PostgreSQL instructions per message (batches of {args.batch}): "
+            print(f"{tree}: PostgreSQL instructions per message (batches of {args.batch}, priority {args.priority}): "
                   f"send statement {result['send']:,.0f}, "  # type: ignore[index]
                   f"ack statement {result['ack']:,.0f}", flush=True)
 
