@@ -111,11 +111,8 @@ class ChannelGroup:
     message_count = property(lambda self: self._total("message_count"))
     requeue_count = property(lambda self: self._total("requeue_count"))
     timeout_count = property(lambda self: self._total("timeout_count"))
+    waiting = property(lambda self: self._total("waiting"))
     held = property(lambda self: any(c.held for c in self.members.values()))
-
-    @property
-    def ready(self) -> list[Delivery]:
-        return [d for c in self.members.values() for d in c.ready]
 
     @property
     def in_flight(self) -> dict[int, Delivery]:

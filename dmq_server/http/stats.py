@@ -30,7 +30,7 @@ def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str |
             {
                 "channel_name": cname,
                 "depth": ch.depth,
-                "backend_depth": max(ch.depth - len(ch.ready), 0),  # waiting in PostgreSQL
+                "backend_depth": max(ch.depth - ch.waiting, 0),  # waiting in PostgreSQL
                 "in_flight_count": len(ch.in_flight) - len(ch.deferred),
                 "deferred_count": len(ch.deferred),
                 "message_count": ch.message_count,

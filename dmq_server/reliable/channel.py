@@ -63,6 +63,7 @@ class ReliableMessage:
     # store as ``BacklogRow.status``
     status: str = ""
     key: str | None = None  # its key: an ordered topic's channels push one copy of a key at a time
+    priority: int = 0  # 0 to 9: a channel pushes the waiting copies of the highest first
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +109,7 @@ class ReliableChannel:
         deliver_latency: Buckets | None = None,
         memory: ClientMemory | None = None,
         ordered: bool = False,
+        load_ahead: Callable[["ReliableChannel", list[int], int], None] | None = None,
     ):
         self.topic = topic
         self.name = name
@@ -115,6 +117,9 @@ class ReliableChannel:
         self.msg_timeout = msg_timeout
         self.mem_queue_size = mem_queue_size
         self._load = load
+        # ``load_ahead(channel, afters, limit)``: the copies of priority 1 to 9 above those
+        # ids (``ChannelCursor.lookahead_from``), highest first; None: loads only, in id order
+        self._load_ahead = load_ahead
         # ``on_acks(channel, deliveries, acked_ms, consumer)``: the copies one ``ack_held``
         # call acknowledged, once per call (the store makes their durable-ack rows)
         self._on_acks = on_acks
@@ -148,6 +153,13 @@ class ReliableChannel:
         # the ``ready`` deque only, so memory and the cursor's proposals see it as ready
         self.keys: KeyGate[Delivery] | None = KeyGate() if ordered else None
         self.parked = 0
+        # the waiting copies of priority 1 to 9, a queue per priority (``ready`` holds those
+        # of priority 0, every message without one): pushed highest first, each queue in
+        # id order with a redelivery at its front. Counted in the window as ``ready`` is
+        # (ids in ``_ready_ids``, bodies in ``ready_bytes``). An ordered topic's channel
+        # keeps every copy in ``ready``: a key's order wins over priority
+        self.urgent: list[deque[Delivery]] = [deque() for _ in range(10)]
+        self.urgent_count = 0
         # for the proposal: ready ids and each owner's lowest one (heaps with lazy deletion)
         self._ready_ids: set[int] = set()
         self._ready_heaps: dict[int, list[int]] = {}
@@ -203,20 +215,27 @@ class ReliableChannel:
             cursor.arrived.append(delivery)
             return
         if mid <= cursor.position or (
-            not cursor.backlog and len(self.ready) + self.parked < self.mem_queue_size
+            not cursor.backlog and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size
             and self._room(len(message.body))
         ):
             if not cursor.backlog and mid > cursor.position:
                 # Nothing older waits in PostgreSQL, so the position may move past this
                 # copy: a later load must not find it again after its ack is durable.
                 cursor.position = mid
-            if not self.ready and self._push_at_once(delivery):
+            if not self.ready and not self.urgent_count and self._push_at_once(delivery):
                 return
             self._enqueue(delivery)
             self.pump()
             return
-        # leave it in PostgreSQL; the next load picks it up in id order
-        cursor.backlog = True
+        if message.priority and self._room_for(message):
+            # nothing of its priority waits in PostgreSQL: it waits in memory, above the
+            # position (the loads skip it: it is known)
+            cursor.kept_ahead(mid, message.priority)
+            self._enqueue(delivery)
+            self.pump()
+            return
+        # leave it in PostgreSQL; the next load (or read-ahead) picks it up in id order
+        cursor.left_stored(mid, message.priority)
         self._maybe_load()
 
     def add_many(self, messages: Iterable[ReliableMessage]) -> None:
@@ -232,7 +251,7 @@ class ReliableChannel:
         rest = iter(messages)
         cursor = self.cursor
         if not (
-            self.closed or cursor.loading or cursor.backlog or self.ready or self.paused or self.held
+            self.closed or cursor.loading or cursor.backlog or self.ready or self.urgent_count or self.paused or self.held
             or self.max_attempts is not None or self.keys is not None or (self.gate is not None and not self.gate())
         ):
             if len(self.consumers) == 1:
@@ -339,10 +358,96 @@ class ReliableChannel:
         return False
 
     def _enqueue(self, delivery: Delivery) -> None:
-        self.known.add(delivery.message.message_id)
-        self.ready.append(delivery)
-        self._now_ready(delivery.message)
-        self._ready_changed(len(delivery.message.body))
+        message = delivery.message
+        self.known.add(message.message_id)
+        self._to_queue(delivery)
+        self._now_ready(message)
+        self._ready_changed(len(message.body))
+
+    def _to_queue(self, delivery: Delivery, front: bool = False) -> None:
+        """To the back (or the ``front``) of the queue it waits in: ``ready``, or that of
+        its priority."""
+        priority = delivery.message.priority
+        queue = self.ready
+        if priority and self.keys is None:
+            queue = self.urgent[priority]
+            self.urgent_count += 1
+        if front:
+            queue.appendleft(delivery)
+        else:
+            queue.append(delivery)
+
+    # -- priority ----------------------------------------------------------------------
+    def _room_for(self, message: ReliableMessage) -> bool:
+        """Whether a copy of priority above 0 committed while copies wait in PostgreSQL
+        may wait in memory: none of its priority waits there (else it would pass them),
+        and the window has room, made if need be by setting aside waiting copies of
+        lower priorities, the newest first (``ChannelCursor.left_stored``: the reads
+        come back to them)."""
+        priority = message.priority
+        if self.keys is not None or priority in self.cursor.urgent:
+            return False
+        size = len(message.body)
+        if self._room(size) and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size:
+            return True
+        memory = self._memory
+        while True:
+            victim = self._newest_below(priority)
+            if victim is None:
+                return False
+            self._set_aside(victim)
+            if len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size and (
+                memory is None or memory.window_room(self.ready_bytes, size)
+            ):
+                return True
+
+    def _newest_below(self, priority: int) -> Delivery | None:
+        """The newest waiting copy of the lowest priority below ``priority``, out of its queue."""
+        if self.ready:
+            return self.ready.pop()
+        for level in range(1, priority):
+            queue = self.urgent[level]
+            if queue:
+                self.urgent_count -= 1
+                return queue.pop()
+        return None
+
+    def _set_aside(self, delivery: Delivery) -> None:
+        """A waiting copy (out of its queue) leaves memory; it stays stored."""
+        message = delivery.message
+        self.known.discard(message.message_id)
+        self._ready_ids.discard(message.message_id)
+        self._ready_changed(-len(message.body))
+        self.cursor.left_stored(message.message_id, message.priority)
+
+    def _take_urgent(self, room: int) -> list[Delivery]:
+        """Up to ``room`` waiting copies of priority 1 to 9, highest first, out of their
+        queues (a copy that had its attempts goes to its dead letter on the way)."""
+        run: list[Delivery] = []
+        ready_ids = self._ready_ids
+        for level in range(9, 0, -1):
+            queue = self.urgent[level]
+            while queue and len(run) < room:
+                delivery = queue.popleft()
+                self.urgent_count -= 1
+                ready_ids.discard(delivery.message.message_id)
+                self._ready_changed(-len(delivery.message.body))
+                if not self._exhausted(delivery):
+                    run.append(delivery)
+            if len(run) >= room:
+                break
+        return run
+
+    def _clear_urgent(self) -> None:
+        for queue in self.urgent:
+            queue.clear()
+        self.urgent_count = 0
+
+    def _waiting_copies(self) -> Iterator[Delivery]:
+        """Every copy waiting in memory: priority 1 to 9 highest first, then ``ready``."""
+        for level in range(9, 0, -1):
+            yield from self.urgent[level]
+        yield from self.ready
 
     # -- the window in bytes ------------------------------------------------------------
     def _room(self, size: int) -> bool:
@@ -363,7 +468,7 @@ class ReliableChannel:
         """Rows the next load asks for: the window's free places, no more than its free
         bytes hold at the average body size (``LOAD_PROBE`` while none is known); at least
         one when nothing is ready, so a consumer always gets something."""
-        count = self.mem_queue_size - len(self.ready) - self.parked
+        count = self.mem_queue_size - len(self.ready) - self.parked - self.urgent_count
         memory = self._memory
         if memory is None:
             return count
@@ -373,7 +478,7 @@ class ReliableChannel:
         else:
             count = min(count, LOAD_PROBE)
         # (copies parked behind their keys wait in memory too: no row more for them)
-        return max(count, 0 if self.ready or self.parked else 1)
+        return max(count, 0 if self.ready or self.parked or self.urgent_count else 1)
 
     def _now_ready(self, message: ReliableMessage) -> None:
         mid = message.message_id
@@ -403,13 +508,16 @@ class ReliableChannel:
             and not self.closed
             and not self.paused
             and self.consumers
-            and len(self.ready) + self.parked < self.mem_queue_size // 2 + 1
+            and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size // 2 + 1
             and (self._memory is None or self.ready_bytes <= self._memory.channel_limit // 2)
         ):
             limit = self._load_size()
             if limit <= 0:
                 return
-            self._load(self, cursor.load_from(), limit)
+            if cursor.urgent and self._load_ahead is not None and self.keys is None:
+                self._load_ahead(self, cursor.lookahead_from(), limit)
+            else:
+                self._load(self, cursor.load_from(), limit)
 
     def loaded(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order (``ChannelCursor.loaded``
@@ -421,16 +529,24 @@ class ReliableChannel:
         self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room)
         self.pump()
 
+    def loaded_ahead(self, rows: Iterable[BacklogRow], limit: int) -> None:
+        """Read-ahead callback: rows of priority 1 to 9, highest first
+        (``ChannelCursor.loaded``)."""
+        self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room, ahead=True)
+        self.pump()
+
     def _enqueue_row(self, row: BacklogRow) -> None:
         message = ReliableMessage(
             row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
             getattr(row, "owner", 0), getattr(row, "status", ""), getattr(row, "key", None),
+            min(max(getattr(row, "priority", 0), 0), 9),  # a row written by hand may hold any smallint
         )
         self._enqueue(Delivery(message, attempts=row.attempts))
 
     def _window_room(self, delivery: Delivery) -> bool:
         """Whether the memory window keeps a copy committed during a load."""
-        return len(self.ready) + self.parked < self.mem_queue_size and self._room(len(delivery.message.body))
+        return (len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size
+                and self._room(len(delivery.message.body)))
 
     def load_failed(self) -> None:
         """Loader callback on a storage error: keep the backlog flag, retry later
@@ -459,8 +575,9 @@ class ReliableChannel:
             if delivery.consumer is not None:
                 delivery.consumer.in_flight -= 1
                 delivery.consumer = None
-        held = {d.message.message_id for d in self.ready}
+        held = {d.message.message_id for d in self._waiting_copies()}
         held.update(self.in_flight)
+        self._clear_urgent()
         if self.keys is not None:
             held.update(d.message.message_id for d in self.keys.clear())
             self.parked = 0
@@ -506,13 +623,13 @@ class ReliableChannel:
         if len(consumers) == 1:
             consumer = consumers[0]
             room = consumer.credit - consumer.in_flight
-            if room > 0 and self.ready:
+            if room > 0 and (self.ready or self.urgent_count):
                 run = self._take_ready(room)
                 if run:
                     self._start_flights(run, consumer)
             self._maybe_load()
             return
-        while self.ready and consumers:
+        while (self.ready or self.urgent_count) and consumers:
             for _ in range(len(consumers)):
                 consumer = consumers[0]
                 consumers.rotate(-1)
@@ -520,6 +637,11 @@ class ReliableChannel:
                     break
             else:
                 break  # nobody has credit
+            if self.urgent_count:
+                run = self._take_urgent(1)
+                if run:
+                    self._start_flights(run, consumer)
+                continue
             delivery = self.ready.popleft()
             self._ready_ids.discard(delivery.message.message_id)
             self._ready_changed(-len(delivery.message.body))
@@ -590,6 +712,9 @@ class ReliableChannel:
         copy of a key at a time (the keys of copies in flight now are held by them), or
         no longer (the parked copies are ready again, in their order)."""
         if ordered and self.keys is None:
+            if self.urgent_count:  # every copy in ``ready`` now, in id order (a key's order wins)
+                self.ready = deque(sorted(self._waiting_copies(), key=lambda d: d.message.message_id))
+                self._clear_urgent()
             keys: KeyGate[Delivery] = KeyGate()
             for mid, delivery in sorted(self.in_flight.items()):
                 key = delivery.message.key
@@ -601,6 +726,10 @@ class ReliableChannel:
             self.keys = None
             self.parked = 0
             self.ready.extendleft(waiting)
+            if any(d.message.priority for d in self.ready):  # each copy of a priority to its queue
+                copies, self.ready = list(self.ready), deque()
+                for delivery in copies:
+                    self._to_queue(delivery)
             self.pump()
 
     def _take_ready(self, room: int) -> list[Delivery]:
@@ -609,16 +738,26 @@ class ReliableChannel:
         made room for go out in one push call, not one call chain each)."""
         ready, ready_ids = self.ready, self._ready_ids
         run: list[Delivery] = []
+        if self.urgent_count:  # the copies of a priority first
+            run = self._take_urgent(room)
+            if len(run) >= room or not ready:
+                return run
         if self.max_attempts is None or self._on_exhausted is None:
+            room -= len(run)
             if room >= len(ready):
-                run = list(ready)
+                taken = list(ready)
                 ready.clear()
             else:
                 popleft = ready.popleft
-                run = [popleft() for _ in range(room)]
-            ready_ids.difference_update([d.message.message_id for d in run])
-            self._ready_changed(-self.ready_bytes if not ready else -sum([len(d.message.body) for d in run]))
-            return run
+                taken = [popleft() for _ in range(room)]
+            ready_ids.difference_update([d.message.message_id for d in taken])
+            self._ready_changed(
+                -self.ready_bytes if not ready and not self.urgent_count else -sum([len(d.message.body) for d in taken])
+            )
+            if run:
+                run += taken
+                return run
+            return taken
         while ready and len(run) < room:
             delivery = ready.popleft()
             ready_ids.discard(delivery.message.message_id)
@@ -694,7 +833,7 @@ class ReliableChannel:
         delivery.consumer = None
         if counted:
             self.requeue_count += 1
-        self.ready.appendleft(delivery)
+        self._to_queue(delivery, front=True)
         self._now_ready(delivery.message)
         self._ready_changed(len(delivery.message.body))
 
@@ -772,11 +911,14 @@ class ReliableChannel:
                 delivery.consumer = None
             self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
-        waiting = 0
+        if self.urgent_count:
+            self.urgent = [deque(d for d in queue if d.message.message_id not in ids) for queue in self.urgent]
+            self.urgent_count = sum(len(queue) for queue in self.urgent)
+        waiting = sum([len(d.message.body) for queue in self.urgent for d in queue])
         if self.keys is not None:  # parked ones go too; a key a dropped copy held is free
             self.ready.extendleft(reversed(self.keys.discard(ids)))
             self.parked = self.keys.parked_count
-            waiting = sum([len(d.message.body) for d in self.keys.waiting()])
+            waiting += sum([len(d.message.body) for d in self.keys.waiting()])
         self._ready_changed(sum([len(d.message.body) for d in self.ready]) + waiting - self.ready_bytes)
         self.pump()
         return len(ids)
@@ -852,6 +994,7 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
         self.consumers.clear()
         self.ready.clear()
+        self._clear_urgent()
         if self.keys is not None:
             self.keys.clear()
             self.parked = 0
@@ -865,11 +1008,16 @@ class ReliableChannel:
         return consumers
 
     @property
+    def waiting(self) -> int:
+        """Copies waiting in memory: ready, of a priority, parked behind their keys."""
+        return len(self.ready) + self.urgent_count + self.parked
+
+    @property
     def depth(self) -> int:
         """Copies waiting to be pushed, wherever they wait (nsqd's depth): the stored
         count, less what is in flight or deferred or awaiting its durable ack; at least
         what waits in memory. As fresh as the last stored count."""
-        waiting = len(self.ready) + self.parked
+        waiting = self.waiting
         if self.stored_count is None:
             return waiting
         return max(waiting, self.stored_count - (len(self.known) - waiting))
@@ -918,7 +1066,7 @@ class ReliableChannel:
                 "delivered_at": delivery.delivered_at,
                 "deadline": delivery.deadline,
             }
-        for delivery in self.ready:
+        for delivery in self._waiting_copies():
             if delivery.message.message_id == message_id:
                 return {"state": "ready", "attempts": delivery.attempts}
         keys = self.keys

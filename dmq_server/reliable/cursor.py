@@ -11,7 +11,17 @@ grow). Its state:
 
 - ``position``: how far the channel has read its copies (a load asks for ids after it;
   a copy committed at or below it is kept in memory, since no later load finds it) and
-  ``backlog``: PostgreSQL may hold copies after it that memory does not;
+  ``backlog``: PostgreSQL may hold copies after it that memory does not. Every copy at or
+  below the position is held or done: what the proposal's floor rests on. A copy may be
+  set aside (``left_stored``: a higher priority took its place in the window), and the
+  position then goes back below it;
+- the priority read-ahead (``urgent``, ``ahead``): copies of priority 1 to 9 are read
+  ahead of the position, highest first (``lookahead_from``, then ``loaded``), so a
+  waiting copy of a higher priority never waits behind the id order of lower ones.
+  ``urgent``: the levels PostgreSQL may still hold copies of beyond the reads;
+  ``ahead[p]``: how far level ``p`` has been read ahead (every copy of it between the
+  position and there is held or done). The read-ahead never moves the position, so the
+  floor never rests on it;
 - ``known``: the ids held (ready, in flight) or awaiting a durable outcome, so a load
   never brings back a copy this node still holds or has just acknowledged;
 - ``finishing``: the ids acknowledged, or handed to their dead letter, whose statement
@@ -29,6 +39,10 @@ statement's; what the cursor does with a refused ack is ``refused``.
 The shape is that of a managed cursor (Pulsar's read position, mark-delete position and
 individually deleted ranges), computed from memory when a batch of acks is made durable
 instead of kept as ranges: a channel's holes are few (what is in flight), its acks many.
+
+Why one long module: the proposal is safe only because of how the loads, the read-ahead
+and the copies set aside move the position; those rules and the proposal are one
+invariant (every copy up to the position is held or done), read together.
 """
 
 from __future__ import annotations
@@ -38,7 +52,7 @@ from typing import Callable, Generic, Iterable, Mapping, Protocol, Sequence, Typ
 
 from dmq_server.db.messages import AckRun, BacklogRow
 
-__all__ = ["ChannelCursor", "Copy", "acks_by_cursor", "split_fenced"]
+__all__ = ["ChannelCursor", "Copy", "LEVELS", "NOTHING_AHEAD", "acks_by_cursor", "split_fenced"]
 
 
 class _Stored(Protocol):
@@ -46,11 +60,13 @@ class _Stored(Protocol):
     def message_id(self) -> int: ...
     @property
     def owner(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
 
 
 class Copy(Protocol):
     """What the cursor reads of a channel's copy (``reliable.channel.Delivery``, which
-    imports this module): its message's id and owner."""
+    imports this module): its message's id, owner and priority."""
 
     @property
     def message(self) -> _Stored: ...
@@ -59,17 +75,25 @@ class Copy(Protocol):
 # the channel's copies: the cursor holds them and hands them back to the channel
 CopyT = TypeVar("CopyT", bound=Copy)
 
+#: the priorities read ahead of the position (0, every message without one, is read in id order)
+LEVELS = range(1, 10)
+#: above every message id: a level the read-ahead has nothing to read of
+NOTHING_AHEAD = 2**63 - 1
+
 
 class ChannelCursor(Generic[CopyT]):
     """The delivery state of one channel on this node (every owner's copies)."""
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
-                 "rescan_pending", "load_stale")
+                 "rescan_pending", "load_stale", "urgent", "ahead")
 
     def __init__(self) -> None:
         self.position = 0
-        # Start assuming the database holds copies not seen yet (restart, takeover).
+        # Start assuming the database holds copies not seen yet (restart, takeover), of
+        # every priority: only ever a level with ``backlog`` set too
         self.backlog = True
+        self.urgent: set[int] = set(LEVELS)
+        self.ahead = [0] * 10  # by priority; [0] unused (level 0 is read at the position)
         self.loading = False
         self.known: set[int] = set()
         self.finishing: dict[int, int] = {}  # id -> owner, until its durable outcome
@@ -141,47 +165,99 @@ class ChannelCursor(Generic[CopyT]):
         enqueue_row: Callable[[BacklogRow], None],
         enqueue: Callable[[CopyT], None],
         room: Callable[[CopyT], bool],
+        *,
+        ahead: bool = False,
     ) -> bool:
-        """A load's ``rows`` arrived (in id order, at most ``limit``). False, with the
-        rows dropped and the cursor back at the first id, when a ``forget`` made them
-        stale. Otherwise each row not held nor finished meanwhile goes to
-        ``enqueue_row``; the copies committed meanwhile go to ``enqueue`` when at or below
-        the position (no later load would find them) or when nothing waits in
-        PostgreSQL and the window has ``room``, else back to the backlog; a takeover met
-        meanwhile starts the next load from the first id."""
+        """A load's ``rows`` arrived (in id order, at most ``limit``), or with ``ahead`` a
+        read-ahead's (highest priority first, then by id). False, with the rows dropped
+        and the cursor back at the first id, when a ``forget`` made them stale.
+        Otherwise each row not held nor finished meanwhile goes to ``enqueue_row``; the
+        copies committed meanwhile go to ``enqueue`` when at or below the position (no
+        later load would find them) or when nothing waits in PostgreSQL and the window
+        has ``room``, else back to the backlog; a takeover met meanwhile starts the next
+        load from the first id.
+
+        A load moves the position to its last row; a read-ahead leaves the position and
+        reads each level as far as its last row of that level: with fewer than ``limit``
+        rows every level asked for is read to its end, else every level above the last
+        row's."""
         self.loading = False
         dropped, self.dropped = self.dropped, set()
         if self.load_stale:
             self.load_stale = False
             self.restart()
             return False
-        known = self.known
-        count = 0
+        known, levels = self.known, self.ahead
+        count = level = 0
         for row in rows:
             count += 1
             mid = row.message_id
-            if mid > self.position:
+            if ahead:
+                level = row.priority
+                if mid > levels[level]:
+                    levels[level] = mid
+            elif mid > self.position:
                 self.position = mid
             if mid in known or mid in dropped:
                 continue
             enqueue_row(row)
-        if count < limit:
-            # the table had nothing more when it was read; later arrivals were kept aside
+        if ahead:
+            self.urgent.difference_update(range(level + 1, 10) if count >= limit else LEVELS)
+        elif count < limit:
+            # the table had nothing more when it was read (of any priority); later
+            # arrivals were kept aside. What was read ahead is held or done: the position
+            # passes it (else the floor would wait for the next message to pass it)
             self.backlog = False
+            self.urgent.clear()
+            self.position = max(self.position, *levels)
+        self._settle(enqueue, room)
+        return True
+
+    def _settle(self, enqueue: Callable[[CopyT], None], room: Callable[[CopyT], bool]) -> None:
+        """The copies committed while a load was out go to ``enqueue`` when at or below the
+        position or when nothing waits in PostgreSQL and the window has ``room``, else
+        they wait there; a takeover met meanwhile starts the next load from the first id."""
         arrived, self.arrived = self.arrived, []
         for delivery in arrived:
-            mid = delivery.message.message_id
-            if mid in known:
+            message = delivery.message
+            mid = message.message_id
+            if mid in self.known:
                 continue
             if mid <= self.position or (not self.backlog and room(delivery)):
                 enqueue(delivery)
             else:
-                self.backlog = True
+                self.left_stored(mid, message.priority)
         if self.rescan_pending:
             self.rescan_pending = False
-            self.position = 0
-            self.backlog = True
-        return True
+            self.from_start()
+
+    def lookahead_from(self) -> list[int]:
+        """A read-ahead goes out (``urgent`` is not empty): for each priority 1 to 9, the
+        id after which it reads that level (``NOTHING_AHEAD`` for a level with nothing
+        left to read)."""
+        self.loading = True
+        position, ahead, urgent = self.position, self.ahead, self.urgent
+        return [max(position, ahead[p]) if p in urgent else NOTHING_AHEAD for p in LEVELS]
+
+    def kept_ahead(self, message_id: int, priority: int) -> None:
+        """A copy of a priority whose level waits nowhere in PostgreSQL stays in memory
+        above the position: its level is read as far as it."""
+        if message_id > self.ahead[priority]:
+            self.ahead[priority] = message_id
+
+    def left_stored(self, message_id: int, priority: int) -> None:
+        """A copy stays in PostgreSQL, not in memory (the window had no room for it, or a
+        higher priority took its place): the reads must come back to it. Below the
+        position, the position goes back under it (every copy up to the position is held
+        or done: what the floor rests on); of a priority, its level is read ahead again
+        from under it."""
+        if message_id <= self.position:
+            self.position = message_id - 1
+        self.backlog = True
+        if priority > 0:
+            self.urgent.add(priority)
+            if message_id <= self.ahead[priority]:
+                self.ahead[priority] = message_id - 1
 
     def load_failed(self, enqueue: Callable[[CopyT], None]) -> None:
         """The load failed (storage error): the backlog stays, a later load retries. Copies
@@ -201,7 +277,7 @@ class ChannelCursor(Generic[CopyT]):
                 enqueue(delivery)
         if self.rescan_pending:
             self.rescan_pending = False
-            self.position = 0
+            self.from_start()
 
     # -- ownership changes (cluster takeover, lost session, an emptied channel) ------------
     def rescan(self) -> bool:
@@ -211,8 +287,7 @@ class ChannelCursor(Generic[CopyT]):
         if self.loading:
             self.rescan_pending = True
             return False
-        self.position = 0
-        self.backlog = True
+        self.from_start()
         return True
 
     def forget(self, held: set[int]) -> None:
@@ -230,8 +305,14 @@ class ChannelCursor(Generic[CopyT]):
         owned here, so that read finds them."""
         self.rescan_pending = False
         self.arrived = []
+        self.from_start()
+
+    def from_start(self) -> None:
+        """The next load reads from the first id, every priority level too."""
         self.position = 0
         self.backlog = True
+        self.urgent = set(LEVELS)
+        self.ahead = [0] * 10
 
     def close(self) -> None:
         """The channel was unregistered."""

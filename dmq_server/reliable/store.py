@@ -40,6 +40,7 @@ from dmq_server.db.delays import MovedMessage, NewDelayed, StoredDelay, insert_d
 from dmq_server.db.storage_errors import Misplaced, RefusedError, StorageError
 from dmq_server.db.messages import (
     AckRun,
+    BacklogRow,
     CursorProgress,
     StoredMessage,
     backends_alive_steps,
@@ -47,6 +48,7 @@ from dmq_server.db.messages import (
     empty_channel_steps,
     find_stored_steps,
     load_backlog_steps,
+    load_priority_backlog_steps,
     read_channel_state_steps,
     owner_heartbeat_steps,
     retire_silent_owners_steps,
@@ -472,6 +474,7 @@ class ReliableStore:
                 msg_timeout=timeout,
                 mem_queue_size=self.options.mem_queue_size,
                 load=self._load,
+                load_ahead=self._load_ahead,
                 on_acks=self._on_acks,
                 max_attempts=spec.max_attempts if spec else None,
                 on_attempt=self.dead_letters.on_attempt,
@@ -521,7 +524,7 @@ class ReliableStore:
                     stored_now += 1
                     message = ReliableMessage(
                         stored.message_id, send.topic, send.producer, send.session_id, stored.published_ms,
-                        send.body, owner, send.status, send.properties.key,
+                        send.body, owner, send.status, send.properties.key, send.properties.priority,
                     )
                     arrived.append((message, stored.channels))  # to its channels: _hand_on
                 elif not send.resend:
@@ -648,7 +651,7 @@ class ReliableStore:
         own channel only and confirms nothing (``_confirm_channels``)."""
         named = self._to_channels([
             (ReliableMessage(moved.message_id, moved.topic, moved.producer, moved.session_id, moved.published_ms,
-                             moved.body, moved.owner, moved.status, moved.key), moved.channels)
+                             moved.body, moved.owner, moved.status, moved.key, moved.priority), moved.channels)
             for moved in messages
         ])
         whole = {moved.topic for moved in messages if moved.channel is None}
@@ -757,11 +760,26 @@ class ReliableStore:
         d = self._workers["loader"].run_steps(
             load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner
         )
+        self._on_load(channel, d, lambda rows: channel.loaded(rows, limit))
 
-        def loaded(rows: list) -> None:
+    def _load_ahead(self, channel: ReliableChannel, afters: list[int], limit: int) -> None:
+        """A channel's read-ahead of its copies of priority 1 to 9 (``ChannelCursor.lookahead_from``)."""
+        d = self._workers["loader"].run_steps(
+            load_priority_backlog_steps, channel.topic, channel.name, afters, limit, self.load_owner,
+            self.writes.owner,
+        )
+        self._on_load(channel, d, lambda rows: channel.loaded_ahead(rows, limit))
+
+    def _on_load(
+        self, channel: ReliableChannel, d: Deferred[list[BacklogRow]], answer: Callable[[list[BacklogRow]], None]
+    ) -> None:
+        """A channel's load (or read-ahead) answered: its rows to ``answer``; a storage
+        error is an outage of the loads, and the channel retries later."""
+
+        def loaded(rows: list[BacklogRow]) -> None:
             self._load_outage.recovered()
             if not channel.closed:
-                channel.loaded(rows, limit)
+                answer(rows)
 
         def failed(failure: Failure) -> None:
             failure.trap(StorageError)

@@ -11,6 +11,10 @@ no stored copy that was not acknowledged is ever covered (it would never be deli
 lost), and every acknowledgement made durable is covered (after a crash it is not
 delivered again); and at the end, that every acknowledgement was logged exactly once
 (an ack whose copy a batch covered before its own batch ran would never be logged).
+Played again with priorities (issue 45 §3): copies of random priority, a read-ahead of
+the priorities beside the loads, higher priorities setting lower copies aside from the
+full window; the same promises, and no push passing a copy of a higher priority that
+waits in memory.
 """
 
 from __future__ import annotations
@@ -40,8 +44,24 @@ class Consumer:
         self.held += [d.message.message_id for d in deliveries]
 
 
-def message(mid: int, owner: int = OWNER) -> ReliableMessage:
-    return ReliableMessage(mid, "orders", "p", mid, 0, b"x", owner)
+def message(mid: int, owner: int = OWNER, priority: int = 0) -> ReliableMessage:
+    return ReliableMessage(mid, "orders", "p", mid, 0, b"x", owner, priority=priority)
+
+
+class PriorityConsumer(Consumer):
+    """A consumer that checks each push against what waits in memory: no copy pushed while
+    one of a higher priority waits."""
+
+    def __init__(self, credit: int, violations: list[str]):
+        super().__init__(credit)
+        self.violations = violations
+
+    def push_many(self, channel: ReliableChannel, deliveries: list[Delivery]) -> None:
+        super().push_many(channel, deliveries)
+        lowest = min(d.message.priority for d in deliveries)
+        waiting = max((d.message.priority for d in channel._waiting_copies()), default=0)
+        if waiting > lowest:
+            self.violations.append(f"pushed priority {lowest} while {waiting} waited")
 
 
 def channel_with(*ids: int, credit: int = 1000, mem: int = 100) -> tuple[ReliableChannel, Consumer, list]:
@@ -161,6 +181,8 @@ class World:
     """The database, the writers, the acker and the cursor model around one channel."""
 
     seed: int
+    priorities: bool = False  # copies of random priority, and the read-ahead
+    lone: bool = False  # one consumer (the channel pushes it runs of copies), else two
     rng: random.Random = field(init=False)
     writes: OwnWrites = field(init=False)
     channel: ReliableChannel = field(init=False)
@@ -176,6 +198,9 @@ class World:
     floor: int = 0
     done: set[int] = field(default_factory=set)  # spans, as ids (small numbers)
     load_request: tuple[int, int] | None = None
+    ahead_request: tuple[list[int], int] | None = None
+    priority: dict[int, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -183,8 +208,11 @@ class World:
         self.channel = ReliableChannel(
             "orders", "billing", clock=Clock(), msg_timeout=30.0, mem_queue_size=4,
             load=self._load, on_acks=lambda c, ds, ms, who: self.ack_queue.extend(d.message.message_id for d in ds),
+            load_ahead=self._load_ahead if self.priorities else None,
         )
-        self.consumers = [Consumer(credit=2), Consumer(credit=3)]
+        self.consumers = [PriorityConsumer(3, self.violations)]
+        if not self.lone:
+            self.consumers.insert(0, PriorityConsumer(2, self.violations))
         for consumer in self.consumers:
             self.channel.subscribe(consumer)
 
@@ -195,11 +223,29 @@ class World:
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         self.load_request = (after, limit)
 
+    def _load_ahead(self, channel: ReliableChannel, afters: list[int], limit: int) -> None:
+        self.ahead_request = (afters, limit)
+
+    def row(self, mid: int) -> BacklogRow:
+        return BacklogRow(mid, "p", mid, 0, b"x", 0, OWNER, "", None, self.priority.get(mid, 0))
+
     def answer_load(self) -> None:
         after, limit = self.load_request
         self.load_request = None
         rows = sorted(m for m in self.stored if m > after and not self.covered(m))[:limit]
-        self.channel.loaded([BacklogRow(m, "p", m, 0, b"x", 0, OWNER) for m in rows], limit)
+        self.channel.loaded([self.row(m) for m in rows], limit)
+
+    def answer_ahead(self) -> None:
+        """The read-ahead as load_priority_backlog answers it: per level above its bound,
+        highest level first, then by id."""
+        afters, limit = self.ahead_request
+        self.ahead_request = None
+        rows = sorted(
+            (m for m in self.stored if self.priority.get(m, 0) > 0 and not self.covered(m)
+             and m > afters[self.priority[m] - 1]),
+            key=lambda m: (-self.priority[m], m),
+        )[:limit]
+        self.channel.loaded_ahead([self.row(m) for m in rows], limit)
 
     # the writers ----------------------------------------------------------------
     def send_batch(self) -> None:
@@ -208,6 +254,8 @@ class World:
         for _ in range(self.rng.randint(1, 3)):
             self.next_id += self.rng.randint(1, 3)  # other topics' ids in between
             ids.append(self.next_id)
+            if self.priorities:
+                self.priority[self.next_id] = self.rng.choice((0, 0, 1, 5, 9))
         self.pending_batches.append((token, ids))
 
     def commit_one(self) -> None:
@@ -218,7 +266,7 @@ class World:
     def answer_one(self) -> None:
         token, ids = self.committed_unanswered.pop(self.rng.randrange(len(self.committed_unanswered)))
         for mid in ids:
-            self.channel.add(message(mid))
+            self.channel.add(message(mid, priority=self.priority.get(mid, 0)))
         for mid in ids:
             self.writes.seen(mid)
         self.writes.end(token)
@@ -256,6 +304,8 @@ class World:
             choices.append(self.flush_acks)
         if self.load_request is not None:
             choices.append(self.answer_load)
+        if self.ahead_request is not None:
+            choices.append(self.answer_ahead)
         self.rng.choice(choices)()
 
     def check(self) -> None:
@@ -263,12 +313,14 @@ class World:
         assert not lost, f"covered but never acknowledged (lost): {sorted(lost)}"
         again = {m for m in self.durable if not self.covered(m)}
         assert not again, f"acknowledged durably but not covered (delivered again after a crash): {sorted(again)}"
+        assert not self.violations, self.violations
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(min_value=0, max_value=2**32), st.integers(min_value=20, max_value=300))
-def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps):
-    world = World(seed)
+@given(st.integers(min_value=0, max_value=2**32), st.integers(min_value=20, max_value=300), st.booleans(),
+       st.booleans())
+def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps, priorities, lone):
+    world = World(seed, priorities, lone)
     for _ in range(steps):
         world.step()
         world.check()
@@ -280,6 +332,8 @@ def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps):
             world.answer_one()
         elif world.load_request is not None:
             world.answer_load()
+        elif world.ahead_request is not None:
+            world.answer_ahead()
         elif any(c.held for c in world.consumers):
             world.consumer_acks()
         elif world.ack_queue:
