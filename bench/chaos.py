@@ -56,7 +56,7 @@ def main() -> int:
                               linger=5.0, rate=args.rate)
     print(machine_info(), flush=True)
     print(f"timing: {timing}", flush=True)
-    cluster = ChaosCluster().start()
+    cluster = ChaosCluster(flags=scenarios.NODE_FLAGS).start()
     reports = []
     try:
         for name in names:

@@ -25,6 +25,12 @@ A run records, with timestamps on one monotonic clock:
 * **unexpected**: delivered but never sent by any producer of the run.
 * **unacknowledged delivered**: sends that failed or went unanswered but were stored
   and delivered anyway (SEND_SERVER_ERROR means "outcome unknown"), counted, fine.
+* **wrong priority**: pushes whose priority (read from the push's properties) is not the
+  one the send carried. The bar is 0: a copy keeps its priority through takeovers, loads,
+  the priority read-ahead and delayed moves.
+* **by priority**: pushes per priority (0 to 9), and the median time from a send's
+  acknowledgement to its first push, per priority: that the priorities flowed, and
+  whether the higher ones went first while copies waited.
 
 Pure Python on plain values (no sockets, no clock of its own), so the unit tier tests
 it (tests/unit/test_chaos_checker.py) and bench/chaos.py prints the same report.
@@ -48,11 +54,15 @@ class ChannelCount:
     redelivered: int = 0
     unexpected: int = 0
     unacknowledged_delivered: int = 0
+    wrong_priority: int = 0
     lost_examples: list[str] = field(default_factory=list)
     duplicated_examples: list[str] = field(default_factory=list)
+    wrong_priority_examples: list[str] = field(default_factory=list)
+    by_priority: dict[int, int] = field(default_factory=dict)  # priority -> pushes
+    wait_by_priority: dict[int, float] = field(default_factory=dict)  # priority -> median s to first push
 
     def ok(self) -> bool:
-        return self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
+        return self.lost == 0 and self.duplicated == 0 and self.unexpected == 0 and self.wrong_priority == 0
 
 
 class History:
@@ -62,10 +72,14 @@ class History:
         self.channels = list(channels)
         self._lock = threading.Lock()
         self.attempted: set[bytes] = set()
+        self.priorities: dict[bytes, int] = {}  # key -> the priority its send carried (0 left out)
         self.acked: dict[bytes, tuple[float, int]] = {}  # key -> (when, message id)
         self.ack_times: list[float] = []
         # channel -> key -> [(received at, message id)]
         self.deliveries: dict[str, dict[bytes, list[tuple[float, int]]]] = {c: {} for c in channels}
+        # channel -> key -> the priorities its pushes carried, when one differed from its send's
+        self.pushed_priority: dict[str, dict[bytes, list[int]]] = {c: {} for c in channels}
+        self.by_priority: dict[str, dict[int, int]] = {c: {} for c in channels}  # channel -> priority -> pushes
         self.delivery_times: list[float] = []
         self.consumer_acks: dict[tuple[str, int], float] = {}  # (channel, message id) -> when acked
         self.confirmed: dict[tuple[str, int], float] = {}  # (channel, message id) -> seen durable at
@@ -76,9 +90,11 @@ class History:
         self.acked_by: dict[tuple[str, int], list[tuple[float, int]]] = {}
 
     # -- recording -------------------------------------------------------------------
-    def attempt(self, key: bytes) -> None:
+    def attempt(self, key: bytes, priority: int = 0) -> None:
         with self._lock:
             self.attempted.add(key)
+            if priority:
+                self.priorities[key] = priority
 
     def ack(self, key: bytes, message_id: int, now: float) -> None:
         with self._lock:
@@ -86,9 +102,14 @@ class History:
                 self.acked[key] = (now, message_id)
                 self.ack_times.append(now)
 
-    def deliver(self, channel: str, key: bytes, message_id: int, now: float, node: int = -1) -> None:
+    def deliver(self, channel: str, key: bytes, message_id: int, now: float, node: int = -1,
+                priority: int = 0) -> None:
         with self._lock:
             self.deliveries[channel].setdefault(key, []).append((now, message_id))
+            counts = self.by_priority[channel]
+            counts[priority] = counts.get(priority, 0) + 1
+            if priority != self.priorities.get(key, 0):
+                self.pushed_priority[channel].setdefault(key, []).append(priority)
             self.delivery_times.append(now)
             self.pushed_by.setdefault((channel, key), []).append((now, message_id, node))
 
@@ -114,10 +135,18 @@ class History:
             acked = set(self.acked)
             return {c: len(acked - got.keys()) for c, got in self.deliveries.items()}
 
+    def delivered_ids(self, channel: str) -> set[int]:
+        """The message ids pushed on ``channel`` so far."""
+        with self._lock:
+            return {mid for seen in self.deliveries[channel].values() for _, mid in seen}
+
     def snapshot(self) -> "History":
         copy = History(self.channels)
         with self._lock:
             copy.attempted = set(self.attempted)
+            copy.priorities = dict(self.priorities)
+            copy.pushed_priority = {c: {k: list(v) for k, v in d.items()} for c, d in self.pushed_priority.items()}
+            copy.by_priority = {c: dict(d) for c, d in self.by_priority.items()}
             copy.acked = dict(self.acked)
             copy.ack_times = list(self.ack_times)
             copy.deliveries = {c: {k: list(v) for k, v in d.items()} for c, d in self.deliveries.items()}
@@ -136,7 +165,9 @@ class History:
         events: list[tuple[float, str]] = []
         if key in h.acked:
             when, mid = h.acked[key]
-            events.append((when, f"send acknowledged to its producer as id {mid}"))
+            priority = h.priorities.get(key, 0)
+            events.append((when, f"send acknowledged to its producer as id {mid}"
+                           + (f" (priority {priority})" if priority else "")))
         ids = set()
         for when, mid, node in h.pushed_by.get((channel, key), []):
             ids.add(mid)
@@ -173,8 +204,24 @@ def check(history: History, examples: int = 5) -> list[ChannelCount]:
             count.redelivered += len(seen) - 1 - dups
             if dups and len(count.duplicated_examples) < examples:
                 count.duplicated_examples.append(key.decode(errors="replace"))
+        wrong = h.pushed_priority[channel]
+        count.wrong_priority = sum(len(v) for v in wrong.values())
+        count.wrong_priority_examples = [f"{k.decode(errors='replace')} {h.priorities.get(k, 0)} pushed as {v}"
+                                         for k, v in sorted(wrong.items())[:examples]]
+        count.by_priority = dict(sorted(h.by_priority[channel].items()))
+        count.wait_by_priority = _waits(h, got)
         out.append(count)
     return out
+
+
+def _waits(h: History, got: dict[bytes, list[tuple[float, int]]]) -> dict[int, float]:
+    """Per priority, the median seconds from a send's acknowledgement to its first push
+    on the channel (sends acknowledged and delivered)."""
+    waits: dict[int, list[float]] = {}
+    for key, seen in got.items():
+        if key in h.acked:
+            waits.setdefault(h.priorities.get(key, 0), []).append(min(t for t, _ in seen) - h.acked[key][0])
+    return {p: round(sorted(w)[len(w) // 2], 3) for p, w in sorted(waits.items())}
 
 
 def throughput(times: list[float], start: float, end: float) -> float:

@@ -74,12 +74,13 @@ def available() -> list[str]:
 
 
 class ChaosCluster:
-    def __init__(self, base: Path | None = None, nodes: int = 3):
+    def __init__(self, base: Path | None = None, nodes: int = 3, flags: dict[str, str] | None = None):
+        """``flags``: the nodes' own, over ``NODE_FLAGS`` (the scenarios' small memory window)."""
         self.base = Path(base or tempfile.mkdtemp(prefix="dmq-chaos-"))
         self.base.chmod(0o755)
         self.zk = ZooKeeperServer(self.base, free_port())
         self.patroni = patroni_local.PatroniCluster(self.base / "patroni", self.zk.address)
-        self.nodes = [ServerProcess("", self.base, **NODE_FLAGS) for _ in range(nodes)]
+        self.nodes = [ServerProcess("", self.base, **{**NODE_FLAGS, **(flags or {})}) for _ in range(nodes)]
         for i, node in enumerate(self.nodes, start=1):
             node.flags["node_id"] = f"node{i}"
             node.flags["data_path"] = str(self.base / f"node{i}")

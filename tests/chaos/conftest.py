@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from .cluster import ChaosCluster, available
+from .scenarios import NODE_FLAGS
 
 REPORTS: list[str] = []
 
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="module")
 def chaos_cluster() -> Iterator[ChaosCluster]:
-    cluster = ChaosCluster().start()
+    cluster = ChaosCluster(flags=NODE_FLAGS).start()
     try:
         yield cluster
     finally:

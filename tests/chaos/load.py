@@ -5,14 +5,19 @@ node at a time; a send answered ``SEND_SERVER_ERROR``, refused as unknown topic 
 node that lost its registry for a moment), or not answered before its connection
 broke or went quiet is resent with the same (producer, session id) as
 ``UP_PRODUCER_RESEND``, to the next node if the connection failed: what the client
-library does, with shorter pauses. ``Consumer``: one connection of a consumer to one
+library does, with shorter pauses. With ``priorities``, two sends in three carry a
+priority, 1 to 9 from their session id (``priority_of``), in their properties; the rest
+none (0). ``Consumer``: one connection of a consumer to one
 node, subscribed to one channel; it records every push and acks it (after ``hold``
 seconds, so a consumer killed mid-run has copies in flight; never while ``stalled``,
 so it fills its credit and the node must keep what comes next) and connects again when
 its connection fails. A consumer has one on every node, as NSQ's readers do: each
 node delivers the copies it stored (and those it took over from nodes that died).
 ``Confirmer``: looks in the store (dmq_pending) for the acked copies; a copy no longer pending
-means the ack is durable, and any later push of that send is a duplicate.
+means the ack is durable, and any later push of that send is a duplicate. ``Stalls``: the
+consumers of one channel, with a small credit, stop acknowledging for a while, again and
+again, so that channel's memory window on every node fills, and copies of a higher
+priority arriving meanwhile take the places of lower ones (issue 45 §3).
 
 Every thread stops by itself (an event, and deadlines on every wait); sockets go to
 loopback addresses only.
@@ -27,21 +32,33 @@ import time
 from collections import deque
 from typing import Callable
 
+from dataclasses import dataclass
+
 from dmq_client.blocking import BlockingClient, ClientError
+from dmq_client.message import ReceivedMessage
 from dmq_client.wire import Command, Frame
 from dmq_client.wire.frames import MessageType
+from dmq_client.wire.properties import Properties, encode_properties
 
 from .checker import History
 
-__all__ = ["Producer", "Consumer", "Confirmer", "Load"]
+__all__ = ["Producer", "Consumer", "Confirmer", "Load", "Stalls", "priority_of"]
 
 Addresses = Callable[[], list[tuple[str, int]]]
 RETRYABLE = (Command.SEND_SERVER_ERROR, Command.SEND_NO_TOPIC_ACK)
 
 
+def priority_of(session_id: int) -> int:
+    """The priority of a send of the chaos load: none (0) for one session id in three,
+    else 1 to 9, each as often, mixed so that neighbours differ (1 -> 5, 2 -> 9, 4 -> 6,
+    5 -> 1, 7 -> 7, 8 -> 2...)."""
+    return 0 if session_id % 3 == 0 else 1 + (session_id // 3 + 4 * (session_id % 3)) % 9
+
+
 class Producer(threading.Thread):
     def __init__(self, name: str, addresses: Addresses, topic: str, history: History, *,
-                 rate: float = 150.0, window: int = 16, delay_every: int = 10, body_size: int = 200):
+                 rate: float = 150.0, window: int = 16, delay_every: int = 10, body_size: int = 200,
+                 priorities: bool = False):
         super().__init__(daemon=True, name=f"chaos-{name}")
         self.producer = f"chaos-{name}-{time.monotonic_ns() % 10**9}"
         self.addresses = addresses
@@ -50,6 +67,7 @@ class Producer(threading.Thread):
         self.rate = rate
         self.window = window
         self.delay_every = delay_every
+        self.priorities = priorities
         self.pad = b"." * max(0, body_size - 40)
         self.stopping = threading.Event()  # no new sends; finish what is outstanding
         self.halt = threading.Event()  # give up at once
@@ -67,6 +85,10 @@ class Producer(threading.Thread):
         dmq_message under another id when it is due."""
         return bool(self.delay_every) and session_id % self.delay_every == 0
 
+    def priority(self, session_id: int) -> int:
+        """The priority its send carries (``priority_of``), 0 without ``priorities``."""
+        return priority_of(session_id) if self.priorities else 0
+
     def run(self) -> None:
         try:
             self._run()
@@ -79,11 +101,13 @@ class Producer(threading.Thread):
     def _frame(self, sid: int, resend: bool) -> Frame:
         delayed = self.delayed(sid)
         now_ms = int(time.time() * 1000)
+        priority = self.priority(sid)
         return Frame(
             Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND,
             session_id=sid, topic=self.topic, producer=self.producer, timestamp_ms=now_ms,
             msg_type=MessageType.DELAY if delayed else MessageType.RELIABLE,
             due_ms=now_ms + 1000 if delayed else 0,
+            status=encode_properties(Properties(priority=priority)) if priority else "",
             body=self.key(sid) + b" " + self.pad,
         )
 
@@ -122,7 +146,7 @@ class Producer(threading.Thread):
                     sid, resend = todo.popleft()
                     outstanding.add(sid)
                     if not resend:
-                        self.history.attempt(self.key(sid))
+                        self.history.attempt(self.key(sid), self.priority(sid))
                     frames.append(self._frame(sid, resend))
                 if frames:
                     client.write(*frames)
@@ -234,7 +258,8 @@ class Consumer(threading.Thread):
             now = time.monotonic()
             while push is not None:
                 key = push.body.split(b" ", 1)[0]
-                self.history.deliver(push.channel, key, push.message_id, now, self.node)
+                priority = ReceivedMessage.properties_of(push.status).priority
+                self.history.deliver(push.channel, key, push.message_id, now, self.node, priority)
                 self.in_flight.append((now + self.hold, push))
                 push = client.receive(timeout=0) if batch else None
             due = []
@@ -296,24 +321,74 @@ class Confirmer(threading.Thread):
         return conn
 
 
+@dataclass(frozen=True)
+class Stalls:
+    """The consumers of ``channel`` (each with ``credit``) acknowledge nothing for
+    ``stalled`` seconds of every ``period``, the first stall ``first`` seconds after the
+    load starts, until the producers stop. Stalled, a node's consumers fill their credit
+    within a few dozen pushes and the channel's copies wait in its memory window, which
+    fills next (the nodes' ``--mem-queue-size`` is small: ``scenarios.WINDOW``)."""
+
+    channel: str = "audit"
+    credit: int = 25
+    stalled: float = 2.5
+    period: float = 4.0
+    first: float = 0.5
+
+
+class Staller(threading.Thread):
+    """Sets and clears the ``stalled`` event of the consumers of one channel (``Stalls``);
+    consumers added meanwhile join at the next stall."""
+
+    def __init__(self, stalls: Stalls, consumers: Callable[[], list[Consumer]]):
+        super().__init__(daemon=True, name="chaos-staller")
+        self.stalls = stalls
+        self.consumers = consumers
+        self.stop = threading.Event()
+        self.count = 0  # stalls begun
+
+    def _set(self, stalled: bool) -> None:
+        for c in self.consumers():
+            if c.channel == self.stalls.channel:
+                (c.stalled.set if stalled else c.stalled.clear)()
+
+    def run(self) -> None:
+        s = self.stalls
+        began = time.monotonic() + s.first
+        try:
+            while not self.stop.wait(max(0.0, began + self.count * s.period - time.monotonic())):
+                self._set(True)
+                self.count += 1
+                if self.stop.wait(s.stalled):
+                    break
+                self._set(False)
+        finally:
+            self._set(False)
+
+
 class Load:
-    """``producers`` producers spread over the nodes, ``consumers`` consumers per channel
-    (each connected to every node)."""
+    """``producers`` producers spread over the nodes (sending with priorities when
+    ``priorities``), ``consumers`` consumers per channel (each connected to every node),
+    those of one channel stalled again and again with ``stalls``."""
 
     def __init__(self, addresses: Addresses, topic: str, channels: list[str], dsn: str, *,
-                 producers: int = 3, consumers: int = 2, rate: float = 150.0, hold: float = 0.0):
+                 producers: int = 3, consumers: int = 2, rate: float = 150.0, hold: float = 0.0,
+                 priorities: bool = False, stalls: Stalls | None = None):
         self.topic = topic
         self.addresses = addresses
         self.channels = list(channels)
         self.hold = hold
+        self.stalls = stalls
         self.notes: dict[str, object] = {}
         self.history = History(channels)
-        self.producers = [Producer(f"p{i}", _rotated(addresses, i), topic, self.history, rate=rate)
+        self.producers = [Producer(f"p{i}", _rotated(addresses, i), topic, self.history, rate=rate,
+                                   priorities=priorities)
                           for i in range(producers)]
         self.consumers: list[Consumer] = []
         self.instances = {ch: 0 for ch in channels}
         self.add_consumers(consumers, start=False)
         self.confirmer = Confirmer(dsn, topic, self.history)
+        self.staller = Staller(stalls, lambda: list(self.consumers)) if stalls is not None else None
 
     def start(self, timeout: float = 30.0) -> None:
         for c in self.consumers:
@@ -322,6 +397,8 @@ class Load:
             if not c.subscribed.wait(timeout):
                 raise RuntimeError(f"{c.name} could not subscribe: {c.errors}")
         self.confirmer.start()
+        if self.staller is not None:
+            self.staller.start()
         for p in self.producers:
             p.start()
 
@@ -333,14 +410,18 @@ class Load:
             for _ in range(per_channel):
                 instance = self.instances[ch]
                 self.instances[ch] += 1
+                credit = self.stalls.credit if self.stalls is not None and ch == self.stalls.channel else 200
                 for node in range(nodes):
                     consumer = Consumer(f"c-{ch}-{instance}-n{node + 1}", self.addresses, self.topic, ch,
-                                        self.history, hold=self.hold, node=node, instance=instance)
+                                        self.history, credit=credit, hold=self.hold, node=node, instance=instance)
                     self.consumers.append(consumer)
                     if start:
                         consumer.start()
 
     def stop_producing(self, timeout: float = 60.0) -> None:
+        """No new sends, the stalls end (the drain goes at the consumers' pace); returns
+        once every send was answered or given up."""
+        self._end_stalls()
         for p in self.producers:
             p.stopping.set()
         deadline = time.monotonic() + timeout
@@ -359,7 +440,14 @@ class Load:
             time.sleep(0.1)
         return True
 
+    def _end_stalls(self) -> None:
+        if self.staller is not None and self.staller.is_alive():
+            self.staller.stop.set()
+            self.staller.join(10)
+            self.notes["stalls"] = self.staller.count
+
     def stop(self) -> None:
+        self._end_stalls()
         for c in self.consumers:
             c.stop.set()
         for c in self.consumers:

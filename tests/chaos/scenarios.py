@@ -8,6 +8,13 @@ seconds, injects, holds the fault ``hold`` seconds, heals, keeps the load on for
 every acknowledged send reached both channels, keeps the consumers on ``linger``
 seconds more so a wrong redelivery has time to show, and counts (``checker.check``).
 
+Two sends in three carry a priority (``load.priority_of``), and the consumers of one
+channel (``STALLS``: audit) stop acknowledging for 2.5 s of every 4, with a credit of 25,
+on nodes whose memory window is ``WINDOW`` copies (``NODE_FLAGS``): that channel's window
+fills on every node in every stall, so copies of a higher priority take the places of
+lower ones (issue 45 §3) while the faults happen. ``window.WindowWatch`` records how full
+the windows were and the copies it saw set aside (the report's ``window`` note).
+
 The report gives, besides the counts: the **outage** (the longest time a producer went
 without an acknowledgement, among the gaps that began between a second before the fault
 and a second after its heal) and when it ended after the fault (**recovered**), and
@@ -25,11 +32,15 @@ from typing import Any, Callable
 
 from .checker import check, throughput
 from .cluster import ChaosCluster
-from .load import Load
+from .load import Load, Stalls
+from .window import WindowWatch
 
-__all__ = ["Timing", "SCENARIOS", "run", "format_report", "diagnose"]
+__all__ = ["Timing", "SCENARIOS", "NODE_FLAGS", "WINDOW", "run", "format_report", "diagnose"]
 
 CHANNELS = ["billing", "audit"]
+WINDOW = 100  # copies of a channel a node keeps in memory: a stalled channel fills it in a second
+NODE_FLAGS = {"mem_queue_size": str(WINDOW)}
+STALLS = Stalls(channel="audit")
 Heal = Callable[[], None]
 Fault = Callable[[ChaosCluster, Load], Heal]
 
@@ -96,6 +107,14 @@ class SlowTaker:
 
     MSG_TIMEOUT_MS = 60_000
     PAUSED = 1  # the index of the frozen node
+    # The taker loads the frozen node's copies only while its own window has room: with
+    # every consumer stalled, the suite's small window (``WINDOW``) would be full of its
+    # own copies, and the race would never be set up. The load runs without ``STALLS``.
+    FLAGS = {"mem_queue_size": "10000"}
+
+    def prepare(self, cluster: ChaosCluster) -> None:
+        for i in range(len(cluster.nodes)):
+            cluster.restart_node(i, flags=self.FLAGS)
 
     def fault(self, cluster: ChaosCluster, load: Load) -> Heal:
         """every consumer stops acknowledging until each holds its full credit, then SIGSTOP
@@ -334,7 +353,8 @@ _slow_taker = SlowTaker()
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
     "node-kill": (kill_node, None, {}),
     "node-pause": (pause_node, None, {"hold_acks": 0.5, "after": _acks_fenced}),
-    "node-pause-slow-taker": (_slow_taker.fault, None, {"topic": {"msg_timeout_ms": SlowTaker.MSG_TIMEOUT_MS}}),
+    "node-pause-slow-taker": (_slow_taker.fault, _slow_taker.prepare,
+                              {"topic": {"msg_timeout_ms": SlowTaker.MSG_TIMEOUT_MS}, "stalls": None}),
     "pg-primary-kill": (kill_primary, None, {}),
     "pg-standby-kill": (kill_standby, None, {}),
     "pg-primary-pause": (pause_primary, None, {}),
@@ -359,9 +379,15 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         prepare(cluster)
     topic = f"chaos_{name.replace('-', '_')}_{uuid.uuid4().hex[:6]}"
     cluster.register_topic(topic, CHANNELS, **extra.get("topic", {}))
+    stalls = extra.get("stalls", STALLS)
     load = Load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn,
-                producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0))
+                producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0),
+                priorities=True, stalls=stalls)
+    window = int(cluster.nodes[0].flags.get("mem_queue_size", "10000"))
+    watch = WindowWatch(cluster.nodes, topic, CHANNELS, window, load.history, stalls.channel if stalls else None)
     load.start()
+    watch.start()
+    injected = healed = time.monotonic()
     try:
         time.sleep(timing.before)  # the load's own pace: measured, not waited for
         injected = time.monotonic()
@@ -381,7 +407,10 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         if "after" in extra:  # what the scenario reads of the cluster before the load stops
             extra["after"](cluster, load)
     finally:
+        watch.stop.set()
+        watch.join(10)
         load.stop()
+    load.notes["window"] = {"size": window, **watch.figures(injected, healed)}
     counts = check(load.history)
     h = load.history
     gap, gap_end = _longest_gap([p.ack_times for p in load.producers], injected - 1.0, healed_done, load_end)
@@ -470,7 +499,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"(+{c['unacknowledged_delivered']} unacknowledged sends delivered)"
             + (f" lost e.g. {c['lost_examples']}" if c["lost"] else "")
             + (f" duplicated e.g. {c['duplicated_examples']}" if c["duplicated"] else "")
+            + (f", wrong priority {c['wrong_priority']} e.g. {c['wrong_priority_examples']}"
+               if c["wrong_priority"] else "")
         )
+        lines.append(f"    {c['channel']} pushes by priority {c['by_priority']}, "
+                     f"median s from ack to first push {c['wait_by_priority']}")
     if report["failures"]:
         lines.append(f"  load failures: {report['failures']}")
     if report["notes"]:
@@ -486,7 +519,8 @@ def diagnose(cluster: ChaosCluster, report: dict[str, Any]) -> str:
 
     lines = []
     queries = {
-        "message": "SELECT id, node_id, published_at FROM dmq_message WHERE producer = %s AND session_id = %s",
+        "message": "SELECT id, node_id, published_at, priority FROM dmq_message"
+                   " WHERE producer = %s AND session_id = %s",
         "pending": "SELECT d.channel, d.holder, d.attempts FROM dmq_pending d JOIN dmq_message m"
                    " ON m.id = d.message_id WHERE m.producer = %s AND m.session_id = %s",
         "delay": "SELECT id, node_id, due_ms, fragment FROM dmq_delay WHERE producer = %s AND session_id = %s",

@@ -78,3 +78,25 @@ def test_a_timeline_orders_the_pushes_and_acks_of_one_send_with_their_nodes():
         "   +2.500 s  ack of id 7 sent to node 3",
         "   +3.000 s  ack of id 7 seen durable",
     ]
+
+
+def test_a_push_whose_priority_is_not_its_sends_is_counted_and_pushes_are_counted_per_priority():
+    h = History(["a"])
+    h.attempt(b"p/1", priority=7)
+    h.attempt(b"p/2")
+    h.ack(b"p/1", 1, now=1.0)
+    h.ack(b"p/2", 2, now=1.0)
+    h.deliver("a", b"p/1", 1, now=1.25, priority=7)
+    h.deliver("a", b"p/2", 2, now=3.0, priority=0)
+    h.deliver("a", b"p/1", 1, now=4.0, priority=0)  # redelivered without its priority
+    for key, mid, wait in ((b"p/3", 3, 0.5), (b"p/4", 4, 5.0)):
+        h.attempt(key)
+        h.ack(key, mid, now=1.0)
+        h.deliver("a", key, mid, now=1.0 + wait)
+    (count,) = check(h)
+    assert count.wrong_priority == 1 and count.wrong_priority_examples == ["p/1 7 pushed as [0]"]
+    assert not count.ok()
+    assert count.by_priority == {0: 4, 7: 1}
+    assert count.wait_by_priority == {0: 2.0, 7: 0.25}  # the median from the ack to the first push
+    assert h.timeline("a", b"p/1")[0] == "   +1.000 s  send acknowledged to its producer as id 1 (priority 7)"
+    assert h.delivered_ids("a") == {1, 2, 3, 4}
