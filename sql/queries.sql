@@ -277,7 +277,9 @@ ORDER BY k.topic, k.channel, k.owner;
 -- properties (key, priority, headers: NULL, 0, NULL for none): per owner, one
 -- index range above the larger of the cursor and the owner's floor, skipping what is done.
 -- Without a holder (one node) every owner's copies; with one (a cluster) the copies of
--- this node's own incarnation and of the owners whose cursors it holds.
+-- this node's own incarnation and of the owners whose cursors it holds. An ordered
+-- topic's channel leaves out the keys whose copies it reads apart (skip_keys: a key with
+-- more waiting than a share of its window), and reads those one key at a time (only_key).
 WITH ch AS (
     SELECT start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
 ), owners AS (
@@ -300,6 +302,8 @@ CROSS JOIN LATERAL (
       AND m.id > greatest(%(after)s, ch.start_id, coalesce(k.floor, 0))
       AND (m.channel IS NULL OR m.channel = %(channel)s)
       AND NOT coalesce(k.done @> m.id, false)
+      AND (m.key IS NULL OR m.key <> ALL(%(skip_keys)s::text[]))
+      AND (%(only_key)s::text IS NULL OR m.key = %(only_key)s::text)
     ORDER BY m.id
     LIMIT %(limit)s
 ) m

@@ -787,7 +787,9 @@ class MemoryDb:
         return len(rows)
 
     def _load_backlog(self, p: dict) -> list[tuple]:
-        return self._backlog(p, lambda m: m.id > p["after"])
+        skip, only = set(p["skip_keys"]), p["only_key"]
+        return self._backlog(p, lambda m: m.id > p["after"] and (m.key is None or m.key not in skip)
+                             and (only is None or m.key == only))
 
     def _load_priority_backlog(self, p: dict) -> list[tuple]:
         # of each level, the copies after its bound; priority 0 has none (the index's predicate)

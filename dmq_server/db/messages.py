@@ -658,13 +658,17 @@ class BacklogRow:
 
 
 def load_backlog_steps(
-    topic: str, channel: str, after: int, limit: int, holder: str | None = None, owner: int = 0
+    topic: str, channel: str, after: int, limit: int, holder: str | None = None, owner: int = 0,
+    skip_keys: Sequence[str] = (), only_key: str | None = None,
 ) -> Steps[list[BacklogRow]]:
     """A channel's stored copies after ``after``, oldest first. In a cluster (``holder``
     set) only the copies of this node's incarnation ``owner`` and of the owners whose
-    cursors ``holder`` holds; on one node, every owner's."""
+    cursors ``holder`` holds; on one node, every owner's. Without the copies of
+    ``skip_keys``; with ``only_key``, only that key's (an ordered topic's channel reads a
+    key with many copies waiting apart: ``ChannelCursor.skipped``)."""
     params: Params = {
         "topic": topic, "channel": channel, "after": after, "limit": limit, "holder": holder, "owner": owner,
+        "skip_keys": list(skip_keys), "only_key": only_key,
     }
     return _backlog_rows((yield Statement("load_backlog", params)))
 

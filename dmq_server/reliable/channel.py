@@ -110,6 +110,7 @@ class ReliableChannel:
         memory: ClientMemory | None = None,
         ordered: bool = False,
         load_ahead: Callable[["ReliableChannel", list[int], int], None] | None = None,
+        load_key: Callable[["ReliableChannel", str, int, int], None] | None = None,
     ):
         self.topic = topic
         self.name = name
@@ -120,6 +121,9 @@ class ReliableChannel:
         # ``load_ahead(channel, afters, limit)``: the copies of priority 1 to 9 above those
         # ids (``ChannelCursor.lookahead_from``), highest first; None: loads only, in id order
         self._load_ahead = load_ahead
+        # ``load_key(channel, key, after, limit)``: an ordered topic's copies of one key
+        # after that id, oldest first (a key read apart: ``ChannelCursor.skipped``)
+        self._load_key = load_key
         # ``on_acks(channel, deliveries, acked_ms, consumer)``: the copies one ``ack_held``
         # call acknowledged, once per call (the store makes their durable-ack rows)
         self._on_acks = on_acks
@@ -153,6 +157,9 @@ class ReliableChannel:
         # the ``ready`` deque only, so memory and the cursor's proposals see it as ready
         self.keys: KeyGate[Delivery] | None = KeyGate() if ordered else None
         self.parked = 0
+        # a key with this many copies parked is read apart: its first half of them stay,
+        # the rest wait in PostgreSQL (``_set_key_aside``)
+        self.key_share = max(mem_queue_size // 16, 2)
         # the waiting copies of priority 1 to 9, a queue per priority (``ready`` holds those
         # of priority 0, every message without one): pushed highest first, each queue in
         # id order with a redelivery at its front. Counted in the window as ``ready`` is
@@ -213,6 +220,9 @@ class ReliableChannel:
         cursor = self.cursor
         if cursor.loading:
             cursor.arrived.append(delivery)
+            return
+        if cursor.skipped and message.key in cursor.skipped:
+            cursor.skip(message.key, mid)  # its key is read apart: it waits for that read
             return
         if mid <= cursor.position or (
             not cursor.backlog and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size
@@ -412,13 +422,17 @@ class ReliableChannel:
                 return queue.pop()
         return None
 
-    def _set_aside(self, delivery: Delivery) -> None:
-        """A waiting copy (out of its queue) leaves memory; it stays stored."""
+    def _set_aside(self, delivery: Delivery, key: str | None = None) -> None:
+        """A waiting copy (out of its queue) leaves memory; it stays stored, read again by
+        a load (or with its ``key``, read apart)."""
         message = delivery.message
         self.known.discard(message.message_id)
         self._ready_ids.discard(message.message_id)
         self._ready_changed(-len(message.body))
-        self.cursor.left_stored(message.message_id, message.priority)
+        if key is not None:
+            self.cursor.skip(key, message.message_id)
+        else:
+            self.cursor.left_stored(message.message_id, message.priority)
 
     def _take_urgent(self, room: int) -> list[Delivery]:
         """Up to ``room`` waiting copies of priority 1 to 9, highest first, out of their
@@ -502,6 +516,8 @@ class ReliableChannel:
     # -- loading the backlog ---------------------------------------------
     def _maybe_load(self) -> None:
         cursor = self.cursor
+        if cursor.skipped and self._read_a_key():
+            return
         if (
             cursor.backlog
             and not cursor.loading
@@ -529,6 +545,45 @@ class ReliableChannel:
         self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room)
         self.pump()
 
+    def _read_a_key(self) -> bool:
+        """Read the next copies of a key read apart whose copies in memory have all gone
+        out (its next copy is wanted when the one out is done); True if a read went out."""
+        keys, cursor = self.keys, self.cursor
+        if (
+            keys is None or self._load_key is None or cursor.loading or self.closed or self.paused
+            or not self.consumers or len(self.ready) + self.parked >= self.mem_queue_size
+        ):
+            return False
+        for key in cursor.skipped:
+            if key not in keys.parked:
+                self._load_key(self, key, cursor.key_load_from(key), max(self.key_share // 2, 1))
+                return True
+        return False
+
+    def loaded_key(self, rows: Iterable[BacklogRow], limit: int, key: str) -> None:
+        """Callback of a key's read: its next copies, oldest first (``ChannelCursor.loaded``)."""
+        keys = self.keys
+        if keys is None:  # no longer ordered: the copies wait as any other
+            self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room, key=key)
+            self.pump()
+            return
+
+        def park(row: BacklogRow) -> None:
+            # behind the copies of the key in memory (a read goes out only when none is
+            # parked), so a later read waits until these have gone out
+            delivery = self._delivery_of(row)
+            self.known.add(row.message_id)
+            keys.park(key, delivery)
+            self._now_ready(delivery.message)
+            self._ready_changed(len(row.body))
+
+        self.cursor.loaded(rows, limit, park, self._enqueue, self._window_room, key=key)
+        head = keys.hand_on(key)  # no copy of the key out: the first read goes next
+        if head is not None:
+            self.ready.appendleft(head)
+        self.parked = keys.parked_count
+        self.pump()
+
     def loaded_ahead(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Read-ahead callback: rows of priority 1 to 9, highest first
         (``ChannelCursor.loaded``)."""
@@ -536,12 +591,15 @@ class ReliableChannel:
         self.pump()
 
     def _enqueue_row(self, row: BacklogRow) -> None:
+        self._enqueue(self._delivery_of(row))
+
+    def _delivery_of(self, row: BacklogRow) -> Delivery:
         message = ReliableMessage(
             row.message_id, self.topic, row.producer, row.session_id, row.published_ms, row.body,
             getattr(row, "owner", 0), getattr(row, "status", ""), getattr(row, "key", None),
             min(max(getattr(row, "priority", 0), 0), 9),  # a row written by hand may hold any smallint
         )
-        self._enqueue(Delivery(message, attempts=row.attempts))
+        return Delivery(message, attempts=row.attempts)
 
     def _window_room(self, delivery: Delivery) -> bool:
         """Whether the memory window keeps a copy committed during a load."""
@@ -686,6 +744,9 @@ class ReliableChannel:
             delivery = ready.popleft()
             if not keys.admit(delivery):
                 self.parked += 1  # still waiting in the window: its id and bytes stay counted
+                key = delivery.message.key
+                if key is not None and len(keys.parked[key]) >= self.key_share and self._load_key is not None:
+                    self._set_key_aside(keys, key)
                 continue
             self._ready_ids.discard(delivery.message.message_id)
             self._ready_changed(-len(delivery.message.body))
@@ -693,6 +754,23 @@ class ReliableChannel:
                 continue
             return delivery
         return None
+
+    def _set_key_aside(self, keys: KeyGate[Delivery], key: str) -> None:
+        """``key`` has ``key_share`` copies parked: the first half of its waiting copies stay,
+        the others (parked, or in ``ready`` not met yet) leave memory and wait in
+        PostgreSQL, read with their key as those go out (``ChannelCursor.skip``). So a hot
+        key never fills the window the other keys flow through."""
+        ready = self.ready
+        holder = keys.holders.get(key)
+        later = [d for d in ready if d.message.key == key and d.message.message_id != holder]
+        if later:
+            others = [d for d in ready if d.message.key != key or d.message.message_id == holder]
+            ready.clear()
+            ready.extend(others)
+        gone = keys.set_aside(key, later, self.key_share // 2)
+        self.parked = keys.parked_count
+        for delivery in gone:
+            self._set_aside(delivery, key)
 
     def _release_keys(self, copies: Iterable[Delivery]) -> None:
         """These copies are done (acknowledged, dead-lettered): each key one of them held
@@ -722,6 +800,7 @@ class ReliableChannel:
                     keys.holders.setdefault(key, mid)
             self.keys = keys
         elif not ordered and self.keys is not None:
+            self.cursor.unskip()  # the keys read apart are read with the others again
             waiting = sorted(self.keys.clear(), key=lambda d: d.message.message_id, reverse=True)
             self.keys = None
             self.parked = 0
@@ -1102,4 +1181,6 @@ class ReliableChannel:
             # an ordered topic's channel: copies waiting behind a copy of their key that is out
             "ordered": self.keys is not None,
             "parked_count": self.parked,
+            # keys with more copies waiting than a share of the window, read apart
+            "keys_read_apart": len(self.cursor.skipped),
         }

@@ -22,6 +22,12 @@ grow). Its state:
   ``ahead[p]``: how far level ``p`` has been read ahead (every copy of it between the
   position and there is held or done). The read-ahead never moves the position, so the
   floor never rests on it;
+- the keys read apart (``skipped``, an ordered topic's channel): a key with more copies
+  waiting than a share of the window leaves memory but for its first few; loads leave
+  its copies out and move past them, and the channel reads them one key at a time
+  (``key_load_from``). What is skipped is the exception to the rule above: every copy up
+  to the position is held or done, or of a skipped key at or above its id here, so the
+  proposal stays below the lowest of those;
 - ``known``: the ids held (ready, in flight) or awaiting a durable outcome, so a load
   never brings back a copy this node still holds or has just acknowledged;
 - ``finishing``: the ids acknowledged, or handed to their dead letter, whose statement
@@ -62,11 +68,13 @@ class _Stored(Protocol):
     def owner(self) -> int: ...
     @property
     def priority(self) -> int: ...
+    @property
+    def key(self) -> str | None: ...
 
 
 class Copy(Protocol):
     """What the cursor reads of a channel's copy (``reliable.channel.Delivery``, which
-    imports this module): its message's id, owner and priority."""
+    imports this module): its message's id, owner, priority and key."""
 
     @property
     def message(self) -> _Stored: ...
@@ -85,7 +93,7 @@ class ChannelCursor(Generic[CopyT]):
     """The delivery state of one channel on this node (every owner's copies)."""
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
-                 "rescan_pending", "load_stale", "urgent", "ahead")
+                 "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after")
 
     def __init__(self) -> None:
         self.position = 0
@@ -93,7 +101,10 @@ class ChannelCursor(Generic[CopyT]):
         # every priority: only ever a level with ``backlog`` set too
         self.backlog = True
         self.urgent: set[int] = set(LEVELS)
-        self.ahead = [0] * 10  # by priority; [0] unused (level 0 is read at the position)
+        # by priority; [0]: how far the keys read apart were read (level 0 is read at the position)
+        self.ahead = [0] * 10
+        self.skipped: dict[str, int] = {}  # key -> the lowest id of its copies left stored
+        self.key_after = 0  # the id a key's read out now reads after
         self.loading = False
         self.known: set[int] = set()
         self.finishing: dict[int, int] = {}  # id -> owner, until its durable outcome
@@ -167,6 +178,7 @@ class ChannelCursor(Generic[CopyT]):
         room: Callable[[CopyT], bool],
         *,
         ahead: bool = False,
+        key: str | None = None,
     ) -> bool:
         """A load's ``rows`` arrived (in id order, at most ``limit``), or with ``ahead`` a
         read-ahead's (highest priority first, then by id). False, with the rows dropped
@@ -177,18 +189,20 @@ class ChannelCursor(Generic[CopyT]):
         has ``room``, else back to the backlog; a takeover met meanwhile starts the next
         load from the first id.
 
-        A load moves the position to its last row; a read-ahead leaves the position and
-        reads each level as far as its last row of that level: with fewer than ``limit``
-        rows every level asked for is read to its end, else every level above the last
-        row's."""
+        A load moves the position to its last row, and leaves out the rows of a key
+        skipped meanwhile (they wait for that key's read); a read-ahead leaves the
+        position and reads each level as far as its last row of that level: with fewer
+        than ``limit`` rows every level asked for is read to its end, else every level
+        above the last row's. A ``key``'s read (``key_load_from``) leaves the position too:
+        with fewer than ``limit`` rows the key is read to its end and no longer skipped."""
         self.loading = False
         dropped, self.dropped = self.dropped, set()
         if self.load_stale:
             self.load_stale = False
             self.restart()
             return False
-        known, levels = self.known, self.ahead
-        count = level = 0
+        known, levels, skipped = self.known, self.ahead, self.skipped
+        count = level = last = 0
         for row in rows:
             count += 1
             mid = row.message_id
@@ -196,12 +210,30 @@ class ChannelCursor(Generic[CopyT]):
                 level = row.priority
                 if mid > levels[level]:
                     levels[level] = mid
-            elif mid > self.position:
-                self.position = mid
+            elif key is not None:
+                last = mid
+                if mid > levels[0]:
+                    levels[0] = mid
+            else:
+                if mid > self.position:
+                    self.position = mid
+                if skipped and row.key in skipped and mid not in known and mid not in dropped:
+                    self.skip(row.key, mid)  # skipped while the load was out: read with its key
+                    continue
             if mid in known or mid in dropped:
                 continue
             enqueue_row(row)
-        if ahead:
+        if key is not None:
+            # a copy of the key set aside while the read was out, at or below where it
+            # read from, keeps the key skipped from there
+            if key in skipped and skipped[key] > self.key_after:
+                if count >= limit:
+                    skipped[key] = last + 1
+                else:
+                    del skipped[key]
+                    if not skipped and not self.backlog:  # everything is read: pass it
+                        self.position = max(self.position, *levels)
+        elif ahead:
             self.urgent.difference_update(range(level + 1, 10) if count >= limit else LEVELS)
         elif count < limit:
             # the table had nothing more when it was read (of any priority); later
@@ -223,7 +255,12 @@ class ChannelCursor(Generic[CopyT]):
             mid = message.message_id
             if mid in self.known:
                 continue
-            if mid <= self.position or (not self.backlog and room(delivery)):
+            if self.skipped and message.key in self.skipped:
+                self.skip(message.key, mid)
+            elif mid <= self.position:
+                enqueue(delivery)
+            elif not self.backlog and room(delivery):
+                self.position = mid  # nothing older waits in PostgreSQL (as ``add`` keeps one)
                 enqueue(delivery)
             else:
                 self.left_stored(mid, message.priority)
@@ -238,6 +275,28 @@ class ChannelCursor(Generic[CopyT]):
         self.loading = True
         position, ahead, urgent = self.position, self.ahead, self.urgent
         return [max(position, ahead[p]) if p in urgent else NOTHING_AHEAD for p in LEVELS]
+
+    def key_load_from(self, key: str) -> int:
+        """A skipped ``key``'s read goes out: the id after which it reads its copies."""
+        self.loading = True
+        self.key_after = self.skipped[key] - 1
+        return self.key_after
+
+    def skip(self, key: str, message_id: int) -> None:
+        """A copy of ``key`` stays stored, to be read with its key (an ordered topic's key
+        with many copies waiting): loads leave the key out from now on, and the proposal
+        stays below it."""
+        lowest = self.skipped.get(key)
+        if lowest is None or message_id < lowest:
+            self.skipped[key] = message_id
+
+    def unskip(self) -> None:
+        """Every key is read with the others again (the topic is no longer ordered): the
+        position goes back under the lowest copy left stored."""
+        if self.skipped:
+            self.position = min(self.position, min(self.skipped.values()) - 1)
+            self.backlog = True
+            self.skipped.clear()
 
     def kept_ahead(self, message_id: int, priority: int) -> None:
         """A copy of a priority whose level waits nowhere in PostgreSQL stays in memory
@@ -313,6 +372,7 @@ class ChannelCursor(Generic[CopyT]):
         self.backlog = True
         self.urgent = set(LEVELS)
         self.ahead = [0] * 10
+        self.skipped.clear()
 
     def close(self) -> None:
         """The channel was unregistered."""
@@ -346,6 +406,8 @@ class ChannelCursor(Generic[CopyT]):
             return 0, [(x, x) for x in points]
         position = 0 if (self.rescan_pending or self.load_stale) else self.position
         bound = min(limit, position)
+        if self.skipped:
+            bound = min(bound, min(self.skipped.values()) - 1)
         if lowest_ready is not None:
             bound = min(bound, lowest_ready - 1)
         bound = int(bound)

@@ -20,14 +20,16 @@ back to be pushed next.
 A message without a key is its own key: it is never parked and holds nothing.
 
 Parked copies stay in the channel's memory window (counted as waiting there), so memory
-stays bounded by the window; a key whose waiting copies fill the window holds the
-channel's loads until it drains (docs/admin.md says so).
+stays bounded by the window. A key with more copies waiting than a share of the window
+(a hot key) keeps only its first few in memory (``set_aside``): the rest wait in
+PostgreSQL and are read with their key as those go out (``reliable.cursor``'s skipped
+keys), so one key never fills the window the other keys flow through.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Generic, Iterator, Protocol, TypeVar
+from typing import Generic, Iterable, Iterator, Protocol, TypeVar
 
 __all__ = ["KeyGate"]
 
@@ -71,11 +73,7 @@ class KeyGate(Generic[CopyT]):
             return True
         if holder == mid:  # a redelivery of the key's own copy
             return True
-        waiting = self.parked.get(key)
-        if waiting is None:
-            self.parked[key] = waiting = deque()
-        waiting.append(copy)
-        self.parked_count += 1
+        self.park(key, copy)
         return False
 
     def release(self, copy: CopyT) -> CopyT | None:
@@ -119,6 +117,41 @@ class KeyGate(Generic[CopyT]):
                     if not behind:
                         del self.parked[key]
         return freed
+
+    def park(self, key: str, copy: CopyT) -> None:
+        """Park ``copy`` behind ``key`` as met (a copy read with its key, after those of it
+        in memory)."""
+        waiting = self.parked.get(key)
+        if waiting is None:
+            self.parked[key] = waiting = deque()
+        waiting.append(copy)
+        self.parked_count += 1
+
+    def hand_on(self, key: str) -> CopyT | None:
+        """If ``key`` is free and has copies parked (read with their key), the first of
+        them, out of the gate and holding the key already (as a copy coming back does):
+        the channel pushes it next, and copies parked later wait behind it."""
+        waiting = self.parked.get(key)
+        if not waiting or key in self.holders:
+            return None
+        first = waiting.popleft()
+        self.parked_count -= 1
+        if not waiting:
+            del self.parked[key]
+        self.holders[key] = first.message.message_id
+        return first
+
+    def set_aside(self, key: str, later: Iterable[CopyT], keep: int) -> list[CopyT]:
+        """``key`` has too many copies waiting: of those parked behind it and ``later`` (its
+        copies not met yet), in id order, the first ``keep`` stay parked and the others
+        are returned (they leave memory)."""
+        waiting = self.parked.pop(key, deque())
+        copies = sorted([*waiting, *later], key=lambda c: c.message.message_id)
+        kept = copies[:keep]
+        if kept:
+            self.parked[key] = deque(kept)
+        self.parked_count += len(kept) - len(waiting)
+        return copies[keep:]
 
     def clear(self) -> list[CopyT]:
         """Forget every key and return the parked copies (the channel drops its memory)."""

@@ -475,6 +475,7 @@ class ReliableStore:
                 mem_queue_size=self.options.mem_queue_size,
                 load=self._load,
                 load_ahead=self._load_ahead,
+                load_key=self._load_key,
                 on_acks=self._on_acks,
                 max_attempts=spec.max_attempts if spec else None,
                 on_attempt=self.dead_letters.on_attempt,
@@ -758,9 +759,18 @@ class ReliableStore:
 
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         d = self._workers["loader"].run_steps(
-            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner
+            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner,
+            list(channel.cursor.skipped),
         )
         self._on_load(channel, d, lambda rows: channel.loaded(rows, limit))
+
+    def _load_key(self, channel: ReliableChannel, key: str, after: int, limit: int) -> None:
+        """An ordered channel's read of one key read apart (``ChannelCursor.skipped``)."""
+        d = self._workers["loader"].run_steps(
+            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner,
+            (), key,
+        )
+        self._on_load(channel, d, lambda rows: channel.loaded_key(rows, limit, key))
 
     def _load_ahead(self, channel: ReliableChannel, afters: list[int], limit: int) -> None:
         """A channel's read-ahead of its copies of priority 1 to 9 (``ChannelCursor.lookahead_from``)."""

@@ -316,6 +316,10 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("a resend among properties", insert_messages_steps,
          lambda: ([_msg("k", 2, props=PROPS), _msg("k", 3, props=Properties(priority=1))], NODE, OWNER + 1), same),
         ("the backlog with properties", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
+        # an ordered topic's channel reads a key with many copies waiting apart (ChannelCursor.skipped)
+        ("the backlog without a key read apart", load_backlog_steps,
+         lambda: ("orders", "billing", 0, 100, None, 0, ["k-1"]), same),
+        ("the backlog of one key", load_backlog_steps, lambda: ("orders", "billing", 0, 100, None, 0, (), "k-1"), same),
         # the copies of a priority above 0 (k1: 7, k3: 1), highest first (test_priority_backlog.py: the rest)
         ("the priority backlog", load_priority_backlog_steps, lambda: ("orders", "billing", [0] * 9, 100), same),
         # a dead letter keeps its message's properties: a copy past its attempts, one past its ttl

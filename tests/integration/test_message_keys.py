@@ -45,7 +45,7 @@ BY_TOPIC = ("load_backlog", "open_ttl_cursors", "expire_deliveries", "claim_owne
 
 PARAMS = {"topic": "t1", "channel": "c", "after": 0, "limit": 100, "holder": None, "owner": 1, "now_ms": 0,
           "owners": [1], "me": "node-2", "dead": "node-1", "live": ["node-2"], "name": "t1", "fenced_at": None,
-          "id": 1}
+          "id": 1, "skip_keys": [], "only_key": None}
 
 
 def _fill(conn, owners: list[int], per_topic: int, others: int | None = None, schema_11: bool = False) -> None:

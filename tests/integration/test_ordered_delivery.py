@@ -143,3 +143,28 @@ def test_an_nsq_consumer_of_an_ordered_topic_gets_one_copy_of_a_key_at_a_time(ma
     nsq.send(b"FIN " + a0 + b"\n")
     _, _, _, body = nsq.message()
     assert body == b"a:1" and len(ids) == 3
+
+
+def test_a_hot_key_is_read_apart_and_the_other_keys_flow_past_it(make_server, pg_dsn):
+    """200 messages of one key stored before 50 of other keys, a window of 64 (a key with
+    4 waiting is read apart): the other keys all go out while the hot key is still at its
+    first few, and the hot key's go out one at a time, in the order stored, read from
+    PostgreSQL as they go. Counted: all 250 delivered once."""
+    topic = _ordered_topic(pg_dsn)
+    server = make_server(mem_queue_size="64")
+    with server.client() as producer:
+        hot = _send_all(producer, topic, ["hot"] * 200)
+        others = _send_all(producer, topic, [f"k{i}" for i in range(50)])
+    with server.client() as consumer:
+        assert consumer.subscribe(topic, "c", credit=20).command == Command.SUBSCRIBE_ACK
+        order: list[int] = []
+        while len(order) < 250:
+            push = consumer.receive(timeout=10)
+            assert push is not None, f"stalled after {len(order)}"
+            order.append(push.message_id)
+            consumer.ack(push)
+        assert sorted(order) == sorted(hot + others)
+        assert [mid for mid in order if mid in set(hot)] == hot  # one at a time, in the order stored
+        last_other = max(order.index(mid) for mid in others)
+        hot_before = sum(1 for mid in order[:last_other] if mid in set(hot))
+        assert hot_before < 20, f"the other keys waited for {hot_before} of the hot key's copies"

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
+from dmq_server.db.messages import BacklogRow
 from dmq_server.reliable.channel import Delivery, ReliableChannel, ReliableMessage
 from dmq_server.reliable.key_order import KeyGate
 
@@ -191,6 +192,118 @@ def test_forget_drops_the_parked_copies_with_the_rest():
     h.channel.forget()
     assert h.channel.parked == 0 and not h.channel.ready and h.channel.ready_bytes == 0
     assert h.channel.keys is not None and not h.channel.keys.holders
+
+
+# -- a hot key: read apart -----------------------------------------------------------------
+
+
+@dataclass
+class Stored:
+    """An ordered channel over a model of PostgreSQL: its loads and key reads answered from
+    ``rows`` (id -> key), skipping what was acknowledged."""
+
+    mem_queue_size: int = 32  # a key with 2 copies parked is read apart (32 // 16)
+    clock: Clock = field(default_factory=Clock)
+    rows: dict[int, str | None] = field(default_factory=dict)
+    acked: set[int] = field(default_factory=set)
+    requests: list[tuple] = field(default_factory=list)
+    channel: ReliableChannel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = ReliableChannel(
+            "orders", "billing", clock=self.clock, msg_timeout=TIMEOUT, mem_queue_size=self.mem_queue_size,
+            load=lambda channel, after, limit: self.requests.append(("load", after, limit, set(channel.cursor.skipped))),
+            load_key=lambda channel, key, after, limit: self.requests.append(("key", after, limit, key)),
+            on_acks=lambda channel, deliveries, *a: self.acked.update(d.message.message_id for d in deliveries),
+            ordered=True,
+        )
+
+    def row(self, mid: int) -> BacklogRow:
+        return BacklogRow(mid, "p", mid, 0, b"x", 0, 0, "", self.rows[mid])
+
+    def answer(self) -> str:
+        kind, after, limit, arg = self.requests.pop(0)
+        waiting = sorted(m for m in self.rows if m > after and m not in self.acked)
+        if kind == "load":
+            rows = [m for m in waiting if self.rows[m] is None or self.rows[m] not in arg][:limit]
+            self.channel.loaded([self.row(m) for m in rows], limit)
+        else:
+            rows = [m for m in waiting if self.rows[m] == arg][:limit]
+            self.channel.loaded_key([self.row(m) for m in rows], limit, arg)
+        return kind
+
+
+def test_a_hot_key_is_read_apart_and_the_other_keys_flow():
+    """40 copies of "hot" stored before 8 of other keys, a window of 32: the hot key keeps
+    one out and one parked, the rest of it waits in PostgreSQL, and the other keys' copies
+    come in and go out past it; the hot key's copies then go out one at a time, in order."""
+    h = Stored()
+    h.rows = {mid: "hot" for mid in range(1, 41)} | {mid: f"k{mid}" for mid in range(41, 49)}
+    c = Consumer(credit=100)
+    h.channel.subscribe(c)
+    assert h.answer() == "load"  # 1..32: the window's worth
+    assert c.ids == [1]  # the hot key's first; the others of it were set aside but one
+    assert h.channel.cursor.skipped == {"hot": 3} and h.channel.parked == 1
+    assert h.channel.stats()["keys_read_apart"] == 1
+    assert h.requests[0][0] == "load" and h.requests[0][3] == {"hot"}
+    assert h.answer() == "load"  # past the hot key: the other keys' copies
+    assert c.ids == [1] + list(range(41, 49))
+    assert h.channel.ack_held(list(range(41, 49)), c) == 0
+    for expected in range(2, 41):
+        assert h.channel.ack_held([expected - 1], c) == 0  # the hot key's copy out
+        while h.requests:
+            h.answer()
+        assert c.ids[-1] == expected, f"the hot key's {expected} next, got {c.ids[-9:]}"
+        assert h.channel.parked <= 1 and len(h.channel.known - h.acked) <= 2  # never more of it in memory
+    assert h.channel.cursor.skipped == {}
+    hot = [mid for mid in c.ids if h.rows[mid] == "hot"]
+    assert hot == list(range(1, 41))
+
+
+def test_a_copy_of_a_key_read_apart_waits_for_its_read():
+    """A copy committed while its key is read apart is not held in memory (it would pass
+    the older ones in PostgreSQL): the key's read brings it, after them."""
+    h = Stored()
+    h.rows = {mid: "hot" for mid in range(1, 6)}
+    c = Consumer(credit=100)
+    h.channel.subscribe(c)
+    h.answer()
+    assert h.channel.cursor.skipped == {"hot": 3}
+    h.rows[6] = "hot"
+    h.channel.add(ReliableMessage(6, "orders", "p", 6, 0, b"x", key="hot"))
+    assert 6 not in h.channel.known
+    for _ in range(5):
+        assert h.channel.ack_held([c.ids[-1]], c) == 0
+        while h.requests:
+            h.answer()
+    assert c.ids == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_proposal_stays_below_a_key_read_apart():
+    h = Stored()
+    h.rows = {1: "hot", 2: "hot", 3: "hot", 4: "hot", 5: "other"}
+    c = Consumer(credit=100)
+    h.channel.subscribe(c)
+    h.answer()  # 1 out, 2 parked, 3 and 4 stored: read apart from 3
+    assert c.ids == [1, 5]
+    assert h.channel.ack_held([5, 1], c) == 0 and c.ids == [1, 5, 2]
+    assert h.channel.ack_held([2], c) == 0  # 3 and 4 are all the hot key has left, stored
+    assert h.channel.cursor.position == 5
+    floor, spans = h.channel.progress(0, [5, 1, 2], 10**9)
+    assert floor == 2 and spans == [(5, 5)]  # not past 3: it waits for its key's read
+
+
+def test_turning_the_setting_off_reads_a_key_read_apart_with_the_rest():
+    h = Stored()
+    h.rows = {mid: "hot" for mid in range(1, 6)}
+    c = Consumer(credit=100)
+    h.channel.subscribe(c)
+    h.answer()
+    h.channel.set_ordered(False)
+    assert h.channel.cursor.skipped == {} and h.channel.cursor.position == 2
+    while h.requests:
+        h.answer()
+    assert sorted(c.ids) == [1, 2, 3, 4, 5]
 
 
 def test_the_gate_alone():
