@@ -5,7 +5,10 @@ messages of a key out at once (``tests/chaos/ordered.py`` says how it counts, an
 the issue's faults are left out and why).
 
 One dmq node on the session's embedded PostgreSQL (docs/protocol.md §5 promises the order
-for a key's messages sent through one node), no Patroni, no ZooKeeper: about 30 s. Run
+for a key's messages sent through one node), no Patroni, no ZooKeeper: about 30 s. Played
+twice: with the default memory window, and with one of 48 copies, where a key with 3
+copies waiting is read apart (its copies wait in PostgreSQL and are read with their key):
+the run checks that keys were read apart while the faults hit. Run
 alone: ``.venv/bin/python -m pytest tests/chaos -k ordered``. A failure's report, the
 histories of its keys and the node's log go to ``chaos-failures/`` (``DMQ_CHAOS_FAILURES``
 names another folder), as the other scenarios' do.
@@ -13,11 +16,15 @@ names another folder), as the other scenarios' do.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 import traceback
 from pathlib import Path
 
-from tests.integration.support import ServerProcess
+import pytest
+
+from tests.integration.support import ServerProcess, http_get
 
 from . import conftest, ordered
 from .test_scenarios import FAILURES
@@ -35,15 +42,44 @@ def _ordered_topic(dsn: str, name: str) -> None:
             registry.add_channel(conn, name, channel)
 
 
-def test_per_key_order_holds_under_consumer_kill_pause_and_server_kill(pg_dsn, scratch_dir):
-    topic = "chaos_ordered"
+class ApartSampler(threading.Thread):
+    """The most keys any channel of ``topic`` had read apart at once (``keys_read_apart`` of
+    the server's ``/stats``, every 0.2 s; a server being restarted is skipped)."""
+
+    def __init__(self, server: ServerProcess, topic: str):
+        super().__init__(daemon=True)
+        self.server, self.topic = server, topic
+        self.most = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.2):
+            try:
+                status, body = http_get(self.server.http + "/stats", timeout=2)
+                stats = json.loads(body) if status == 200 else {}
+            except (OSError, ValueError):
+                continue
+            for topic in stats.get("topics", []):
+                if topic.get("topic_name") == self.topic:
+                    for channel in topic.get("channels", []):
+                        self.most = max(self.most, int(channel.get("keys_read_apart") or 0))
+
+
+@pytest.mark.parametrize("window", [None, "48"], ids=["window-default", "window-48"])
+def test_per_key_order_holds_under_consumer_kill_pause_and_server_kill(pg_dsn, scratch_dir, window):
+    topic = f"chaos_ordered_{window or 'default'}"
     _ordered_topic(pg_dsn, topic)
-    server = ServerProcess(pg_dsn, scratch_dir, node_id="ordered1", log_level="info")
+    flags = {"mem_queue_size": window} if window else {}
+    server = ServerProcess(pg_dsn, scratch_dir, node_id="ordered1", log_level="info", **flags)
     server.start(timeout=60)
     text = ""
     out = None
+    apart = ApartSampler(server, topic)
     try:
+        apart.start()
         out = ordered.run(server, pg_dsn, topic, TIMING)
+        apart.stopping.set()
+        apart.join(timeout=5)
         orders, counts = ordered.count(out)
         text = ordered.format_report(out, orders, counts)
         conftest.REPORTS.append(text)
@@ -69,11 +105,15 @@ def test_per_key_order_holds_under_consumer_kill_pause_and_server_kill(pg_dsn, s
         for c in counts:
             assert c.lost == 0 and c.duplicated == 0 and c.unexpected == 0, text
         assert ordered.ok(out, orders, counts), text
+        if window:  # the faults met keys read apart
+            assert apart.most > 0, f"no key was read apart with a window of {window}\n{text}"
+        print(f"keys read apart at once, at most: {apart.most}")
     except BaseException:
         kept = _keep_failure(server, out, text)
         print(f"the whole failure is kept in {kept}")
         raise
     finally:
+        apart.stopping.set()
         server.stop()
 
 
