@@ -183,6 +183,57 @@ class KeyedSendTemplate(SendTemplate):
         return self.frames(session_id, (key_index,), now_ms, now_ns)
 
 
+PRIORITY_LEVELS = 10  # 0 to 9 (docs/protocol.md §4.15)
+
+
+def priority_plan(n: int, mixed: bool, seed: int) -> array:
+    """For each of a producer's ``n`` messages, its priority: with ``mixed`` each of 0 to 9
+    equally likely (a seeded draw, the same in every run of a seed), else 0 for all."""
+    import random
+
+    if not mixed:
+        return array("b", bytes(n))
+    draw = random.Random(seed).randrange
+    return array("b", (draw(PRIORITY_LEVELS) for _ in range(n)))
+
+
+class PrioritySendTemplates:
+    """A SendTemplate per priority: the frames of consecutive sends, each with the status of
+    its priority (none for 0, as an old client's). Statuses of 0 and 1-9 differ in length,
+    so each priority has its whole template rather than a status spliced into one."""
+
+    def __init__(self, topic: str, producer: str, body_size: int):
+        self.templates = [SendTemplate(topic, producer, body_size, encode_properties(Properties(priority=p)))
+                          for p in range(PRIORITY_LEVELS)]
+        self.head = self.templates[0].head
+
+    def frames(self, first_session_id: int, priorities: Sequence[int], now_ms: int, now_ns: int) -> bytes:
+        """Consecutive sends, session ids from ``first_session_id``, the i-th of priority
+        ``priorities[i]``, all sent at this moment."""
+        heads = [t.head for t in self.templates]
+        suffixes = [t.suffix(now_ms, now_ns) for t in self.templates]
+        pack = I64.pack
+        parts: list[bytes] = []
+        append = parts.append
+        for sid, priority in enumerate(priorities, first_session_id):
+            append(heads[priority])
+            append(pack(sid))
+            append(suffixes[priority])
+        return b"".join(parts)
+
+
+PRIORITY_FIELD = b'"priority":'
+
+
+def status_priority(status: bytes | bytearray) -> int:
+    """The priority a push's status carries (0 when it has none): the digit after
+    ``"priority":`` in the JSON object the server writes (docs/protocol.md §4.15)."""
+    at = status.find(PRIORITY_FIELD)
+    if at < 0:
+        return 0
+    return status[at + len(PRIORITY_FIELD)] - 48  # one digit, 0 to 9
+
+
 def push_status_span(buf: bytes | bytearray, pos: int) -> tuple[int, int]:
     """Where the status of the push frame at ``pos`` starts and ends (the body follows it)."""
     p = pos + OFF_TOPIC_LEN
@@ -267,11 +318,14 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     rate = float(cfg.get("rate") or 0.0)
     keys = cfg.get("keys", 0)
     hot_share = cfg.get("hot_share", 0.0)
-    keyed: KeyedSendTemplate | None = None
+    keyed: KeyedSendTemplate | PrioritySendTemplates | None = None
     if keys:  # each message carries a key of the run's (docs/benchmarks.md, the ordered scenario)
         names = key_names(keys) + ([hot_key_name(keys)] if hot_share else [])
         tmpl = keyed = KeyedSendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], names)
         plan = key_plan(n, keys, cfg.get("key_offset", index), cfg.get("key_stride", 1), hot_share)
+    elif cfg.get("priorities") is not None:  # each message its priority (the priority scenario)
+        tmpl = keyed = PrioritySendTemplates(cfg["topic"], cfg["producer"], cfg["body_size"])
+        plan = cfg["priorities"]
     else:
         tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""))
     head = tmpl.head
@@ -402,7 +456,11 @@ def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     each push's status is compared with it, hot and other messages are counted apart
     (``hot``, ``cold``, and per read ``reads``: time, cold, hot) and ``expected`` counts
     the other keys' messages only. cfg["partial"]: at the timeout, stop and report what
-    came instead of failing (how far a stalled channel got).
+    came instead of failing (how far a stalled channel got). cfg["record_priority"]: each
+    new message's id and priority in the order pushed (``order_ids``, ``order_priorities``;
+    ``order_times``: each read's time and how many had come by then),
+    and when the subscription went out and its first push came (``t_subscribe``,
+    ``t_first_push``: pushes may come before the common start).
     """
     run_worker("consumer", _consumer, cfg, index, ready_q, start_evt, result_q)
 
@@ -417,8 +475,14 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     shared = cfg.get("shared")
     hot_status: bytes | None = cfg.get("hot_status")
     partial = cfg.get("partial", False)
+    record_priority = cfg.get("record_priority", False)
+    order_ids = array("q")
+    order_priorities = array("b")
+    order_times = array("d")  # with record_priority: per read that brought new ones, its time and count so far
+    t_first_push = 0.0
 
     sock = _connect(cfg["host"], cfg["port"])
+    t_subscribe = time.time()
     sock.sendall(
         encode(Frame(Command.UP_SUBSCRIBE, session_id=1, topic=topic, channel=channel, credit=cfg["credit"]))
     )
@@ -445,6 +509,8 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                     raise ConnectionError(f"subscribe refused: {_status_of(chunk, pos, end)}")
             pos = end
         pending = chunk[pos:]
+    if pending:  # (a push's first bytes at least)
+        t_first_push = time.time()
     ready_q.put(("ready", index, None))
     if not start_evt.wait(120):
         raise RuntimeError("start signal never came")
@@ -510,6 +576,10 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                     else:
                         seen.add(mid)
                         fresh += 1
+                        if record_priority:
+                            status_at, p = push_status_span(buf, pos)
+                            order_ids.append(mid)
+                            order_priorities.append(status_priority(buf[status_at:p]) if p > status_at else 0)
                         if want_latency or hot_status is not None:
                             status_at, p = push_status_span(buf, pos)  # p: the body
                             if hot_status is not None and buf[status_at:p] == hot_status:
@@ -528,12 +598,15 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                     reads.extend((time.time(), fresh - read_hot, read_hot))
                     fresh -= read_hot
                 counted += fresh
+                if record_priority:
+                    order_times.extend((time.time(), len(order_ids)))
                 if shared is not None and fresh:
                     with shared.get_lock():
                         shared.value += fresh
             if ids:
                 if not t_first:
                     t_first = time.time()
+                    t_first_push = t_first_push or t_first
                 received += len(ids)
                 phase_received += len(ids)
                 if do_ack:
@@ -567,4 +640,9 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         cold=cold,
         reads=reads.tobytes(),
         timed_out=timed_out,
+        t_subscribe=t_subscribe,
+        t_first_push=t_first_push,
+        order_ids=order_ids.tobytes(),
+        order_priorities=order_priorities.tobytes(),
+        order_times=order_times.tobytes(),
     )

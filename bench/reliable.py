@@ -18,6 +18,10 @@ Scenarios (see docs/benchmarks.md for what each figure means):
            one channel with --ordered-consumers consumers each; delivered+acked msgs/s and their ratio
            (issue 45: >= 0.70); --hot-key-share S: S of the messages carry one key; --ordered-drain:
            all stored first, then consumed
+  priority dmq: --priority-messages (100,000) of priorities 0-9 stored with no consumer, then
+           drained by 1 and by 8 consumers, against the same all of priority 0, alternated: time to
+           the first push, pushes out of (priority desc, id) order, msgs/s, CPU a message, RSS;
+           then a paced publish (--rate) with one consumer, mixed against none (issue 45 §3)
   ceiling  PostgreSQL alone: the server's insert_messages statement, batches of 100, one connection
   backlog  dmq: server RSS with 1,000,000 stored unacknowledged messages, consumer without and with acks
   rabbit   RabbitMQ (durable queue, persistent messages, publisher confirms): publish and end to end
@@ -48,7 +52,7 @@ import urllib.request
 from array import array
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -77,7 +81,8 @@ from _pg import PrivatePostgres  # noqa: E402
 from dmq_client.wire.properties import Properties, encode_properties  # noqa: E402
 
 CTX = mp.get_context("fork")
-ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered", "ceiling", "backlog", "rabbit", "nats")
+ALL_SCENARIOS = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered", "priority", "ceiling", "backlog", "rabbit",
+                 "nats")
 PEERS = ("rabbit", "nats")
 
 # issue 18's targets (the delivery store as cursors); the summary checks them
@@ -300,25 +305,45 @@ def hot_keyed(cons: list[dict], t0: float, other_n: int, hot_n: int) -> dict:
     }
 
 
-class ParkedSampler:
+class Sampler:
+    """A reading taken every ``every`` seconds on a thread of its own, from ``start`` to
+    ``halt`` (what each reading keeps is the subclass's ``_sample``)."""
+
+    def __init__(self, every: float):
+        import threading
+
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def halt(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class ParkedSampler(Sampler):
     """``parked_count`` of a channel from ``/stats`` (each channel's ``ReliableChannel.stats``)
     every 0.2 s: the most copies an ordered channel held back behind their keys, as far as
     samples catch them (None on a tree whose /stats has no such field), and whether the
     server treats the channel as ordered."""
 
     def __init__(self, server: "DmqServer", topic: str, channel: str, every: float = 0.2):
-        import threading
-
-        self.server, self.topic, self.channel, self.every = server, topic, channel, every
+        super().__init__(every)
+        self.server, self.topic, self.channel = server, topic, channel
         self.max: int | None = None
         self.last: int | None = None
         self.ordered: object = None  # what the server's /stats says of the channel
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "ParkedSampler":
-        self._thread.start()
-        return self
 
     def _sample(self) -> None:
         stats = _channel_stats(self.server.stats(), self.topic, self.channel) or {}
@@ -329,15 +354,41 @@ class ParkedSampler:
             self.last = value
             self.max = value if self.max is None else max(self.max, value)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self._sample()
-
     def stop(self) -> tuple[int | None, int | None]:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self.halt()
         self._sample()
         return self.max, self.last
+
+
+class CursorSampler(Sampler):
+    """A channel's durable-ack state in PostgreSQL every 0.5 s: the most ranges and bytes its
+    ``dmq_cursor.done`` multirange held (ids acknowledged above the floor, each run of them a
+    range: what every ack batch rewrites and every load tests its rows against)."""
+
+    def __init__(self, connect: Callable[[], Any], topic: str, channel: str, every: float = 0.5):
+        super().__init__(every)
+        self.connect, self.topic, self.channel = connect, topic, channel
+        self.max_ranges = 0
+        self.max_bytes = 0
+        self.conn: Any = None
+
+    def _sample(self) -> None:
+        ranges, size = self.conn.execute(
+            "SELECT coalesce(max((SELECT count(*) FROM unnest(k.done))), 0), "
+            "coalesce(max(pg_column_size(k.done)), 0) FROM dmq_cursor k WHERE k.topic = %s AND k.channel = %s",
+            (self.topic, self.channel)).fetchone()
+        self.max_ranges, self.max_bytes = max(self.max_ranges, ranges), max(self.max_bytes, size)
+
+    def _run(self) -> None:
+        self.conn = self.connect()
+        try:
+            super()._run()
+        finally:
+            self.conn.close()
+
+    def stop(self) -> dict:
+        self.halt()
+        return {"max_done_ranges": self.max_ranges, "max_done_bytes": self.max_bytes}
 
 
 # ====================================================================== dmq server
@@ -654,12 +705,15 @@ class Bench:
 
     # -- dmq scenarios -------------------------------------------------------
     def producer_cfgs(self, topic: str, n: int, rate: float = 0.0, tag: str = "",
-                      keyed: dict | None = None) -> list[tuple[Callable, dict]]:
-        """``keyed``: keys, hot_share for the producers' cfg (each its own offset round the keys)."""
+                      keyed: dict | None = None, priorities: list[array] | None = None) -> list[tuple[Callable, dict]]:
+        """``keyed``: keys, hot_share for the producers' cfg (each its own offset round the keys);
+        ``priorities``: each producer's messages' priorities (``_dmq_load.priority_plan``)."""
         a = self.args
         out = []
         for i, count in enumerate(split(n, a.producers)):
             extra = {**keyed, "key_offset": i, "key_stride": a.producers} if keyed else {}
+            if priorities is not None:
+                extra["priorities"] = priorities[i]
             out.append(
                 (
                     _dmq_load.producer_main,
@@ -1014,6 +1068,277 @@ class Bench:
         )
         print_profile(label, prof, a.profile_gil)
         return res
+
+    # -- priority (issue 45 §3) ----------------------------------------------
+    def scenario_priority(self) -> dict:
+        """Issue 45 §3's cost: a backlog of mixed priorities stored with no consumer, then
+        drained, against the same backlog all of priority 0, alternated (mixed first),
+        --priority-pairs times for each of --priority-consumers; then, as many times, a
+        paced publish with one consumer, mixed against none."""
+        a = self.args
+        drains: dict[str, dict] = {}
+        for consumers in a.priority_consumers:
+            for i in range(1, a.priority_pairs + 1):
+                for mixed in (True, False):
+                    name = f"{'mixed' if mixed else 'none'}_{consumers}c_{i}"
+                    drains[name] = self.priority_drain(f"bench_prio_{name}", mixed, consumers, name)
+        live: dict[str, dict] = {}
+        for i in range(1, a.priority_pairs + 1 if a.priority_live_seconds else 1):
+            for mixed in (True, False):
+                name = f"live_{'mixed' if mixed else 'none'}_{i}"
+                live[name] = self.priority_live(f"bench_prio_{name}", mixed, name)
+        return {"messages": a.priority_messages, "consumers": a.priority_consumers, "cold": a.priority_cold,
+                "rss_bound_mb": TARGETS["backlog_rss_mb"], "drains": drains, "live": live}
+
+    def priority_plans(self, n: int, mixed: bool) -> list[array]:
+        """Each producer's priorities: the same draw in every run (seeded by the producer's place)."""
+        return [_dmq_load.priority_plan(count, mixed, seed=i) for i, count in enumerate(split(n, self.args.producers))]
+
+    def delete_topic(self, topic: str) -> None:
+        import registry
+
+        conn = self.connect()
+        try:
+            registry.delete_topic(conn, topic)
+        finally:
+            conn.close()
+
+    def pending(self, topic: str) -> int:
+        """The channel's stored, unacknowledged copies (PostgreSQL's count)."""
+        conn = self.connect()
+        try:
+            return conn.execute("SELECT count(*) FROM dmq_pending WHERE topic = %s AND channel = 'c1'",
+                                (topic,)).fetchone()[0]
+        finally:
+            conn.close()
+
+    def priority_drain(self, topic: str, mixed: bool, consumers: int, label: str) -> dict:
+        """--priority-messages stored with no consumer (each producer its own draw of
+        priorities, or all 0), then drained by ``consumers`` consumers of the one channel,
+        each recording the order its pushes came in."""
+        a = self.args
+        n = a.priority_messages
+        self.create_topic(topic, ["c1"])
+        plans = self.priority_plans(n, mixed)
+        levels = [sum(plan.count(p) for plan in plans) for p in range(_dmq_load.PRIORITY_LEVELS)]
+        t_store = time.time()
+        stored_run = run_workers(self.producer_cfgs(topic, n, tag=label, priorities=plans), {},
+                                 result_timeout=a.timeout + 60)
+        prods = [stored_run["results"][i] for i in range(len(plans))]
+        published = sum(r["acked"] for r in prods)
+        failed = sum(r["failed"] for r in prods)
+        store_elapsed = max(r["t_end"] for r in prods) - stored_run["t0"]
+        store_rss = self.sampler.window(t_store, time.time()) if self.sampler else None
+        if a.priority_cold:  # the drain starts from PostgreSQL alone: a read-ahead before any push
+            self.stop_server()
+            self.start_server()
+        waiting = self.pending(topic)
+        shared = CTX.Value("q", 0)
+        cfg = {
+            "host": "127.0.0.1", "port": self.server.tcp_port, "topic": topic, "channel": "c1",
+            "credit": a.credit, "single_acks": a.single_acks, "shared": shared, "timeout": a.timeout,
+            # at the timeout the consumers report how far they got (a drain that crawls)
+            "latency": False, "expected": published, "record_priority": True, "partial": True,
+        }
+        statements = self.pg_statements(reset=True)
+        stats_before = self.server.stats()
+        # CPU read around the whole run: the consumers' subscriptions, made before the common
+        # start, already get pushes (up to their credit each)
+        cpu_before = {name: probe() for name, probe in self.probes().items()}
+        t_before = time.time()
+        sampler = CursorSampler(self.connect, topic, "c1").start()
+        try:
+            run = run_workers([(_dmq_load.consumer_main, dict(cfg)) for _ in range(consumers)], {},
+                              result_timeout=a.timeout + 60)
+        finally:
+            cursor_state = sampler.stop()
+        t_after = time.time()
+        cpu = {name: round(probe() - cpu_before[name], 2) for name, probe in self.probes().items()}
+        stats_after = self.server.stats()
+        if statements is not None:
+            statements = self.pg_statements()
+        cons = [run["results"][i] for i in range(consumers)]
+        timed_out = any(r.get("timed_out") for r in cons)
+        left = self.pending(topic)
+        for _ in range(0 if timed_out else 50):  # the last acks' durable batch may still be on its way
+            if not left:
+                break
+            time.sleep(0.2)
+            left = self.pending(topic)
+        delivered = sum(r["unique"] for r in cons)
+        t_sub = min(r["t_subscribe"] for r in cons)
+        t_last = max((r["t_last"] for r in cons if r["t_last"]), default=t_sub)
+        elapsed = max(0.001, t_last - t_sub)
+        orders = [priority_order(array("q", r["order_ids"]), array("b", r["order_priorities"])) for r in cons]
+        top = max((p for p in range(_dmq_load.PRIORITY_LEVELS) if levels[p]), default=0)
+        first = array("b", cons[0]["order_priorities"])[: levels[top]] if consumers == 1 else None
+        firsts = [r["t_first_push"] for r in cons if r["t_first_push"]]
+        res: dict[str, Any] = {
+            "mixed": mixed,
+            "topic": topic,
+            "consumers": consumers,
+            "levels": levels,
+            "published_acked": published,
+            "publish_failed": failed,
+            "store_msgs_s": round(published / max(0.001, store_elapsed), 1),
+            "store_rss": store_rss,
+            "waiting_before": waiting,
+            "delivered": delivered,
+            "duplicates": sum(r["duplicates"] for r in cons),
+            "left_after": left,
+            "first_push_s": round(min(firsts) - t_sub, 3) if firsts else None,
+            "first_top": None if first is None else {"priority": top, "count": levels[top],
+                                                     "of_that_priority": first.count(top)},
+            "out_of_priority_order": sum(o["out_of_priority_order"] for o in orders),
+            "out_of_rank_order": sum(o["out_of_rank_order"] for o in orders),
+            "order_examples": [e for o in orders for e in o["examples"]][:5],
+            "elapsed_s": round(elapsed, 3),
+            "msgs_s": round(delivered / elapsed, 1),
+            "per_consumer": [r["unique"] for r in cons],
+            "timed_out": timed_out,
+            "tenths": drain_tenths(cons, published, t_sub),
+            "wall_s": round(t_after - t_before, 3),
+            "cpu_s": cpu,
+            "cpu_us_per_message": per_message_us(cpu, delivered),
+            "drain_rss": self.sampler.window(t_before, t_after) if self.sampler else None,
+            "vm_hwm_mb": round(memory_kb(self.server.pid)[1] / 1024, 1),
+            "server_deliveries": _channel_delta(stats_before, stats_after, topic, "c1", "delivery_count"),
+            "pg_statements": statements,
+            "cursor": cursor_state,
+        }
+        lost = published - delivered
+        rows = [
+            ("stored with no consumer", f"{published:,} of {n:,} at {fmt_int(res['store_msgs_s'])} msgs/s (refused: "
+                                        f"{failed}); per priority 0..9: {' '.join(fmt_int(c) for c in levels)}"),
+            ("waiting in PostgreSQL when the drain began (dmq_pending)", f"{waiting:,}"
+             + (" (server restarted after storing)" if a.priority_cold else "")),
+            ("delivered+acked msgs/s, first subscription to last ack",
+             f"{fmt_int(res['msgs_s'])}  ({delivered:,} in {elapsed:.1f} s, {res['duplicates']} redelivered; "
+             f"per consumer {min(res['per_consumer']):,}..{max(res['per_consumer']):,})"),
+            ("not delivered / left unacknowledged after the drain", f"{lost:,} / {left:,}"
+             + (f"  (the consumers stopped at the timeout, {a.timeout:g} s)" if res["timed_out"]
+                else "  !! LOST" if lost or left else "")),
+            ("first push after the subscription (s)", str(res["first_push_s"])),
+            ("msgs/s in each tenth of the messages (all consumers)",
+             " ".join(fmt_int(r) for r in res["tenths"]) or "n/a"),
+        ]
+        if res["first_top"] is not None:
+            ft = res["first_top"]
+            rows.append((f"the first {ft['count']:,} pushes (as many as of priority {ft['priority']}): of priority "
+                         f"{ft['priority']}", f"{ft['of_that_priority']:,}"))
+        rows += [
+            ("pushes after a push of lower priority (each consumer's own order)", f"{res['out_of_priority_order']:,}"
+             + ("  !! OUT OF PRIORITY ORDER" if res["out_of_priority_order"] else "")),
+            ("pushes out of (priority desc, id) order", f"{res['out_of_rank_order']:,}"),
+        ]
+        if res["order_examples"]:
+            rows.append(("first of them (push #, id, priority, after id, priority)",
+                         "; ".join(f"#{e['at']} {e['id']} p{e['priority']} after {e['after_id']} p{e['after_priority']}"
+                                   for e in res["order_examples"])))
+        rows += [
+            ("CPU seconds (subscriptions to the last ack)", cpu_line(cpu, res["wall_s"])),
+            ("CPU per delivered+acked message", per_message_line(res["cpu_us_per_message"])),
+            ("dmq-server max RSS: storing / draining (MB)",
+             f"{(store_rss or {}).get('max_rss_mb')} / {(res['drain_rss'] or {}).get('max_rss_mb')} "
+             f"(VmHWM {res['vm_hwm_mb']}; issue 18's bound {TARGETS['backlog_rss_mb']:g})"),
+            ("dmq_cursor.done, most ranges / bytes seen (every 0.5 s)",
+             f"{cursor_state['max_done_ranges']:,} / {cursor_state['max_done_bytes']:,}"),
+        ]
+        for st in statements or []:
+            rows.append((f"PostgreSQL: {st['name']}", f"{st['calls']:,} calls, {st['total_ms']:,.0f} ms "
+                                                      f"({st['mean_ms']:.2f} ms a call), {st['rows']:,} rows"))
+        self.delete_topic(topic)  # a drain stopped at the timeout leaves the rest: not for the next runs
+        print_table(
+            f"dmq priority backlog ({label}): {n:,} messages {'of priorities 0-9' if mixed else 'of priority 0'} "
+            f"stored, then drained by {consumers} consumer{'s' if consumers > 1 else ''} (credit {a.credit})",
+            rows,
+        )
+        return res
+
+    def priority_live(self, topic: str, mixed: bool, label: str) -> dict:
+        """Producers paced to --rate for --priority-live-seconds and one consumer at the
+        same time: the normal path's cost of priorities (latencies, CPU a message)."""
+        a = self.args
+        n = int(a.rate * a.priority_live_seconds)
+        self.create_topic(topic, ["c1"])
+        plans = self.priority_plans(n, mixed)
+        consumer = {
+            "host": "127.0.0.1", "port": self.server.tcp_port, "topic": topic, "channel": "c1",
+            "credit": a.credit, "single_acks": a.single_acks, "expected": n, "timeout": a.timeout,
+            "latency": True, "record_priority": True,
+        }
+        t_before = time.time()
+        run = run_workers([(_dmq_load.consumer_main, consumer)]
+                          + self.producer_cfgs(topic, n, rate=a.rate, tag=label, priorities=plans),
+                          self.probes(), result_timeout=a.priority_live_seconds + a.timeout)
+        results = [run["results"][i] for i in range(len(run["results"]))]
+        cons, prods = results[0], results[1:]
+        published = sum(r["acked"] for r in prods)
+        lat = array("d", cons["lat"])
+        prio = array("b", cons["order_priorities"])
+        by_level = {p: percentiles([x for x, q in zip(lat, prio) if q == p], (50, 99)) for p in (0, 9) if p in prio}
+        order = priority_order(array("q", cons["order_ids"]), prio)
+        res: dict[str, Any] = {
+            "mixed": mixed,
+            "topic": topic,
+            "offered_rate": a.rate,
+            "published_acked": published,
+            "delivered": cons["unique"],
+            "duplicates": cons["duplicates"],
+            "publish_delivery_latency_ms": percentiles(lat),
+            "publish_delivery_by_priority_ms": by_level,
+            "publish_ack_latency_ms": percentiles(latencies(prods)),
+            "out_of_priority_order": order["out_of_priority_order"],
+            "wall_s": round(run["wall"], 3),
+            "cpu_s": run["cpu"],
+            "cpu_us_per_message": per_message_us(run["cpu"], published),
+            "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+        }
+        rows = [
+            ("published and acknowledged / delivered+acked", f"{published:,} / {cons['unique']:,} "
+                                                             f"({cons['duplicates']} redelivered)"),
+            ("publish->delivery latency p50 / p99 / p99.9 (ms)", fmt_lat(res["publish_delivery_latency_ms"])),
+        ]
+        for p, pct in by_level.items():
+            rows.append((f"  of priority {p}: p50 / p99 (ms)", f"{pct['p50']:.2f} / {pct['p99']:.2f}"))
+        rows += [
+            ("publish->ack latency p50 / p99 / p99.9 (ms)", fmt_lat(res["publish_ack_latency_ms"])),
+            ("pushes after a push of lower priority", f"{order['out_of_priority_order']:,} (while the consumer "
+                                                      "keeps up, each goes as it comes)"),
+            ("CPU seconds", cpu_line(run["cpu"], run["wall"])),
+            ("CPU per message (publish, delivery, ack)", per_message_line(res["cpu_us_per_message"])),
+        ]
+        if res["server_rss"]:
+            rows.append(("dmq-server max RSS (MB)", str(res["server_rss"]["max_rss_mb"])))
+        print_table(
+            f"dmq priority live ({label}): {a.producers} producers paced to {fmt_int(a.rate)} msgs/s in all for "
+            f"{a.priority_live_seconds:g} s, {'priorities 0-9' if mixed else 'priority 0'}, 1 consumer",
+            rows,
+        )
+        return res
+
+    def pg_statements(self, reset: bool = False) -> list[dict] | None:
+        """The statements PostgreSQL spent most time in since the last reset (pg_stat_statements,
+        loaded with --pg-setting shared_preload_libraries=pg_stat_statements), or None without
+        it; ``reset``: start counting ([])."""
+        import psycopg
+
+        conn = self.connect()
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            if reset:
+                conn.execute("SELECT pg_stat_statements_reset()")
+                return []
+            rows = conn.execute(
+                "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+                "WHERE query NOT LIKE '%pg_stat_statements%' ORDER BY total_exec_time DESC LIMIT 6"
+            ).fetchall()
+        except psycopg.Error:
+            return None
+        finally:
+            conn.close()
+        return [{"name": statement_name(q), "calls": c, "total_ms": round(t, 1), "mean_ms": round(t / max(1, c), 3),
+                 "rows": r} for q, c, t, r in rows]
 
     def scenario_steady(self) -> dict:
         a = self.args
@@ -1477,7 +1802,7 @@ class Bench:
                     print("  PostgreSQL settings from --pg-setting: "
                           + ", ".join(f"{k}={v}" for k, v in a.pg_setting), flush=True)
                 self.server = DmqServer(dsn, self.work, a.server_arg or [], a.server_log_level, a.server_cmd)
-                live = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered")
+                live = ("publish", "mpub", "e2e1", "e2e4", "steady", "ordered", "priority")
                 server_up = False
                 if any(s in wanted for s in live):
                     try:
@@ -1499,6 +1824,7 @@ class Bench:
                     ("e2e4", lambda: self.scenario_e2e(4)),
                     ("steady", self.scenario_steady),
                     ("ordered", self.scenario_ordered),
+                    ("priority", self.scenario_priority),
                     ("ceiling", self.scenario_ceiling),
                     ("backlog", self.scenario_backlog),
                 ):
@@ -1760,6 +2086,76 @@ def ordered_runs(results: dict) -> list[dict]:
     return [r for r in (runs or {}).values() if isinstance(r, dict)]
 
 
+def priority_order(ids: Sequence[int], priorities: Sequence[int], examples: int = 5) -> dict:
+    """How far one consumer's pushes, in the order they came, are from highest priority
+    first, then id order. ``out_of_priority_order``: pushes of a priority above one pushed
+    before them (a consumer of a backlog stored before it subscribed should see none: each
+    consumer's share of the channel's order is in that order too); ``out_of_rank_order``:
+    pushes that should have come before one already pushed, by (priority desc, id) (this
+    also counts copies of one priority that reached the channel out of id order, which
+    concurrent commits make); the first few of the latter with what they came after."""
+    late_priority = late_rank = 0
+    lowest = None  # the lowest priority pushed so far
+    best: tuple[int, int] | None = None  # the furthest (-priority, id) pushed so far
+    found: list[dict] = []
+    for at, (mid, priority) in enumerate(zip(ids, priorities)):
+        rank = (-priority, mid)
+        if best is not None and rank < best:
+            late_rank += 1
+            if len(found) < examples:
+                found.append({"at": at, "id": mid, "priority": priority, "after_id": best[1],
+                              "after_priority": -best[0]})
+        else:
+            best = rank
+        if lowest is not None and priority > lowest:
+            late_priority += 1
+        lowest = priority if lowest is None else min(lowest, priority)
+    return {"out_of_priority_order": late_priority, "out_of_rank_order": late_rank, "examples": found}
+
+
+def drain_tenths(cons: list[dict], total: int, t0: float) -> list[float]:
+    """The drain's rate in each tenth of ``total`` messages, from the consumers' reads
+    (``order_times``: time, count so far), from ``t0``; as far as the consumers got."""
+    reads = []
+    for r in cons:
+        times = array("d", r["order_times"])
+        last = 0
+        for i in range(0, len(times), 2):
+            count = int(times[i + 1])
+            reads.append((times[i], count - last))
+            last = count
+    reads.sort()
+    out: list[float] = []
+    done, mark, since = 0, total / 10, t0
+    for when, count in reads:
+        done += count
+        while done >= mark * (len(out) + 1) and len(out) < 10:
+            out.append(round(mark / max(0.001, when - since), 1))
+            since = when
+    return out
+
+
+def statement_name(query: str) -> str:
+    """A pg_stat_statements query's name in sql/queries.sql (by its description line,
+    the statement's first), else its first words."""
+    first = query.lstrip().split("\n", 1)[0].strip()
+    if first.startswith("--"):
+        from dmq_sql import queries
+
+        for name, statement in queries.items():
+            if statement.split("\n", 1)[0].strip() == first:
+                return name
+    return " ".join(query.split())[:70]
+
+
+def _channel_delta(before: dict | None, after: dict | None, topic: str, channel: str, field: str) -> int | None:
+    """A channel's /stats counter between two snapshots."""
+    b, a = _channel_stats(before, topic, channel), _channel_stats(after, topic, channel)
+    if not a or field not in a:
+        return None
+    return a[field] - ((b or {}).get(field) or 0)
+
+
 def _channel_stats(stats: dict | None, topic: str, channel: str) -> dict | None:
     if not stats:
         return None
@@ -1776,6 +2172,17 @@ def _pg_setting(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not value.strip():
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
     return name.strip(), value.strip()
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``1,8``: consumer counts, each at least 1."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers separated by commas, e.g. 1,8") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1807,6 +2214,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hot-timeout", type=float, default=120, metavar="SECONDS",
                    help="with --hot-key-share: consumers stop after SECONDS and report how many of the "
                         "other keys' messages came (a hot key filling the channel's window holds the rest)")
+    p.add_argument("--priority-messages", type=int,
+                   help="priority scenario: messages stored before each drain (default 100000, quick 20000)")
+    p.add_argument("--priority-consumers", type=_counts, default=(1, 8), metavar="N[,N...]",
+                   help="priority scenario: a drain with each of these numbers of consumers")
+    p.add_argument("--priority-pairs", type=int, default=2,
+                   help="priority scenario: mixed-then-none drains (and live runs) alternated this many times")
+    p.add_argument("--priority-cold", action="store_true",
+                   help="priority scenario: restart dmq-server between storing and draining (the drain starts "
+                        "from PostgreSQL alone)")
+    p.add_argument("--priority-live-seconds", type=float,
+                   help="priority scenario: seconds of the paced publish (--rate) with one consumer, mixed "
+                        "against none (default 10, quick 4; 0: none)")
     p.add_argument("--mpub-batch", type=int, default=100, help="messages per NSQ MPUB in the mpub scenario")
     p.add_argument("--credit", type=int, default=1000, help="consumer credit (RabbitMQ: prefetch)")
     p.add_argument("--single-acks", action="store_true",
@@ -1863,6 +2282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.backlog_messages = a.backlog_messages or (200_000 if q else 1_000_000)
     a.backlog_noack_seconds = a.backlog_noack_seconds or (3.0 if q else 5.0)
     a.backlog_ack_seconds = a.backlog_ack_seconds or (4.0 if q else 10.0)
+    a.priority_messages = a.priority_messages or (20_000 if q else 100_000)
+    if a.priority_live_seconds is None:
+        a.priority_live_seconds = 4.0 if q else 10.0
     a.ceiling_seconds = 2.0 if q else 5.0
     a.single_seconds = 1.5 if q else 3.0
     scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
@@ -1884,6 +2306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hot-key-share must be in 0..1 (exclusive of 1: the other keys' rate is the figure)")
     if a.ordered_consumers < 1 or a.ordered_pairs < 1:
         p.error("--ordered-consumers and --ordered-pairs must be at least 1")
+    if a.priority_pairs < 1 or a.priority_messages < 1 or a.priority_live_seconds < 0:
+        p.error("--priority-pairs and --priority-messages must be at least 1, --priority-live-seconds at least 0")
     return a
 
 
