@@ -1244,9 +1244,7 @@ class Bench:
             ("dmq_cursor.done, most ranges / bytes seen (every 0.5 s)",
              f"{cursor_state['max_done_ranges']:,} / {cursor_state['max_done_bytes']:,}"),
         ]
-        for st in statements or []:
-            rows.append((f"PostgreSQL: {st['name']}", f"{st['calls']:,} calls, {st['total_ms']:,.0f} ms "
-                                                      f"({st['mean_ms']:.2f} ms a call), {st['rows']:,} rows"))
+        rows += statement_rows(statements)
         self.delete_topic(topic)  # a drain stopped at the timeout leaves the rest: not for the next runs
         print_table(
             f"dmq priority backlog ({label}): {n:,} messages {'of priorities 0-9' if mixed else 'of priority 0'} "
@@ -1267,10 +1265,13 @@ class Bench:
             "credit": a.credit, "single_acks": a.single_acks, "expected": n, "timeout": a.timeout,
             "latency": True, "record_priority": True,
         }
+        statements = self.pg_statements(reset=True)
         t_before = time.time()
         run = run_workers([(_dmq_load.consumer_main, consumer)]
                           + self.producer_cfgs(topic, n, rate=a.rate, tag=label, priorities=plans),
                           self.probes(), result_timeout=a.priority_live_seconds + a.timeout)
+        if statements is not None:
+            statements = self.pg_statements()
         results = [run["results"][i] for i in range(len(run["results"]))]
         cons, prods = results[0], results[1:]
         published = sum(r["acked"] for r in prods)
@@ -1293,6 +1294,7 @@ class Bench:
             "cpu_s": run["cpu"],
             "cpu_us_per_message": per_message_us(run["cpu"], published),
             "server_rss": self.sampler.window(t_before, time.time()) if self.sampler else None,
+            "pg_statements": statements,
         }
         rows = [
             ("published and acknowledged / delivered+acked", f"{published:,} / {cons['unique']:,} "
@@ -1310,6 +1312,7 @@ class Bench:
         ]
         if res["server_rss"]:
             rows.append(("dmq-server max RSS (MB)", str(res["server_rss"]["max_rss_mb"])))
+        rows += statement_rows(statements)
         print_table(
             f"dmq priority live ({label}): {a.producers} producers paced to {fmt_int(a.rate)} msgs/s in all for "
             f"{a.priority_live_seconds:g} s, {'priorities 0-9' if mixed else 'priority 0'}, 1 consumer",
@@ -2133,6 +2136,13 @@ def drain_tenths(cons: list[dict], total: int, t0: float) -> list[float]:
             out.append(round(mark / max(0.001, when - since), 1))
             since = when
     return out
+
+
+def statement_rows(statements: list[dict] | None) -> list[tuple[str, str]]:
+    """Table rows of ``Bench.pg_statements``' answer (none without pg_stat_statements)."""
+    return [(f"PostgreSQL: {st['name']}", f"{st['calls']:,} calls, {st['total_ms']:,.0f} ms "
+                                          f"({st['mean_ms']:.2f} ms a call), {st['rows']:,} rows")
+            for st in statements or []]
 
 
 def statement_name(query: str) -> str:
