@@ -223,7 +223,8 @@ WITH cursors AS (
     -- not visible here), with its acks' lowest and highest id and their number; a channel
     -- no longer registered, or a cursor held by another node, has no row, so its acks are
     -- not logged
-    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor, c.done, k.low, k.high, k.acks
+    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor,
+           c.done + '{}'::int8multirange AS done, k.low, k.high, k.acks  -- read once (load_backlog says why)
     FROM unnest(%(g_topics)b::text[], %(g_channels)b::text[], %(g_owners)b::integer[],
                 %(g_low)b::bigint[], %(g_high)b::bigint[], %(g_acks)b::bigint[])
          AS k(topic, channel, owner, low, high, acks)
@@ -294,7 +295,15 @@ SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
        m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
 FROM ch CROSS JOIN owners w
-LEFT JOIN dmq_cursor k ON k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = w.id
+LEFT JOIN LATERAL (
+    -- the owner's cursor, its done ranges read once: held as a column, a multirange of
+    -- thousands of ranges (stored compressed, out of line) is read again for every row
+    -- tested (64 s against 0.13 s for 16 rows past 9,000 ranges); OFFSET 0 keeps the
+    -- planner from folding the copy into the test
+    SELECT c.floor, c.done + '{}'::int8multirange AS done FROM dmq_cursor c
+    WHERE c.topic = %(topic)s AND c.channel = %(channel)s AND c.owner = w.id
+    OFFSET 0
+) k ON true
 CROSS JOIN LATERAL (
     SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner, m.key, m.priority, m.headers
     FROM dmq_message m
@@ -335,7 +344,15 @@ SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
        m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
 FROM ch CROSS JOIN owners w
-LEFT JOIN dmq_cursor k ON k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = w.id
+LEFT JOIN LATERAL (
+    -- the owner's cursor, its done ranges read once: held as a column, a multirange of
+    -- thousands of ranges (stored compressed, out of line) is read again for every row
+    -- tested (64 s against 0.13 s for 16 rows past 9,000 ranges); OFFSET 0 keeps the
+    -- planner from folding the copy into the test
+    SELECT c.floor, c.done + '{}'::int8multirange AS done FROM dmq_cursor c
+    WHERE c.topic = %(topic)s AND c.channel = %(channel)s AND c.owner = w.id
+    OFFSET 0
+) k ON true
 CROSS JOIN l
 CROSS JOIN LATERAL (
     SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner, m.key, m.priority, m.headers

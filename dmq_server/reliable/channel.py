@@ -538,12 +538,18 @@ class ReliableChannel:
     def loaded(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order (``ChannelCursor.loaded``
         decides which are new and where the copies committed meanwhile go)."""
-        if self._memory is not None and not self.cursor.load_stale:
-            rows = list(rows)
-            for row in rows:  # every row read sizes the next load, new or not
-                self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
-        self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room)
+        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room)
         self.pump()
+
+    def _sized(self, rows: Iterable[BacklogRow]) -> Iterable[BacklogRow]:
+        """``rows`` of a load, read ahead or read with their key, after every one of them
+        sized the next read (new or not): else reads stay at ``LOAD_PROBE`` rows."""
+        if self._memory is None or self.cursor.load_stale:
+            return rows
+        rows = list(rows)
+        for row in rows:
+            self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
+        return rows
 
     def _read_a_key(self) -> bool:
         """Read the next copies of a key read apart whose copies in memory have all gone
@@ -564,7 +570,7 @@ class ReliableChannel:
         """Callback of a key's read: its next copies, oldest first (``ChannelCursor.loaded``)."""
         keys = self.keys
         if keys is None:  # no longer ordered: the copies wait as any other
-            self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room, key=key)
+            self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room, key=key)
             self.pump()
             return
 
@@ -577,7 +583,7 @@ class ReliableChannel:
             self._now_ready(delivery.message)
             self._ready_changed(len(row.body))
 
-        self.cursor.loaded(rows, limit, park, self._enqueue, self._window_room, key=key)
+        self.cursor.loaded(self._sized(rows), limit, park, self._enqueue, self._window_room, key=key)
         head = keys.hand_on(key)  # no copy of the key out: the first read goes next
         if head is not None:
             self.ready.appendleft(head)
@@ -587,7 +593,7 @@ class ReliableChannel:
     def loaded_ahead(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Read-ahead callback: rows of priority 1 to 9, highest first
         (``ChannelCursor.loaded``)."""
-        self.cursor.loaded(rows, limit, self._enqueue_row, self._enqueue, self._window_room, ahead=True)
+        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room, ahead=True)
         self.pump()
 
     def _enqueue_row(self, row: BacklogRow) -> None:

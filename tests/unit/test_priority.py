@@ -238,3 +238,25 @@ def test_a_topic_made_ordered_puts_its_waiting_copies_in_id_order():
     assert list(d.message.message_id for d in h.channel.ready) == [1, 2] and h.channel.urgent_count == 0
     h.channel.set_ordered(False)
     assert h.channel.urgent_count == 1 and [d.message.message_id for d in h.channel.ready] == [1]
+
+
+def test_the_rows_read_ahead_size_the_next_read():
+    """A channel under a byte budget sizes each read by the bodies seen so far (at first
+    ``LOAD_PROBE`` rows): the read-ahead's rows count too, else a channel draining a stored
+    backlog of priorities would read 16 rows at a time (bench/reliable.py priority)."""
+    from dmq_server.core.client_memory import ClientMemory
+    from dmq_server.reliable.channel import LOAD_PROBE
+
+    aheads: list[int] = []
+    channel = ReliableChannel(
+        "jobs", "workers", clock=Clock(), msg_timeout=TIMEOUT, mem_queue_size=10_000,
+        load=lambda c, after, limit: None, load_ahead=lambda c, afters, limit: aheads.append(limit),
+        on_acks=lambda *a: None, memory=ClientMemory(64 * 1024 * 1024),
+    )
+    c = Consumer(credit=LOAD_PROBE)
+    channel.subscribe(c)
+    assert aheads == [LOAD_PROBE]
+    rows = [BacklogRow(mid, "p", mid, 0, b"x" * 100, 0, 0, "", None, 9) for mid in range(1, LOAD_PROBE + 1)]
+    channel.loaded_ahead(rows, LOAD_PROBE)  # full: level 9 is read on, once these are out
+    assert c.ids == list(range(1, LOAD_PROBE + 1))
+    assert len(aheads) == 2 and aheads[1] > 1000, aheads  # sized by 100-byte bodies, not 16 rows
