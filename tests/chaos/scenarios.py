@@ -135,9 +135,12 @@ class SlowTaker:
             highest = {ch: max(mid for c in frozen if c.channel == ch for mid in c.held_ids())
                        for ch in load.channels}
             others = [n for i, n in enumerate(cluster.nodes) if i != self.PAUSED]
-            _await(lambda: all(any(_held_ready(n, load.topic, ch, mid) for n in others)
-                               for ch, mid in highest.items()), 60,
-                   f"another node holding {highest} ready (node {self.PAUSED + 1}'s copies claimed and loaded)")
+            try:
+                _await(lambda: all(any(_held_ready(n, load.topic, ch, mid) for n in others)
+                                   for ch, mid in highest.items()), 60,
+                       f"another node holding {highest} ready (node {self.PAUSED + 1}'s copies claimed and loaded)")
+            except RuntimeError as exc:  # what held the claim up, if PostgreSQL knows
+                raise RuntimeError(f"{exc}\n{_lock_waits(cluster)}") from None
             stale = [(c.channel, mid) for c in frozen for mid in c.held_ids()]
             sent = sum(c.acks_sent for c in frozen)
             for c in frozen:
@@ -159,6 +162,33 @@ class SlowTaker:
                 c.stalled.clear()
 
         return heal
+
+
+def _lock_waits(cluster: ChaosCluster) -> str:
+    """The primary's sessions waiting for a lock, and those holding them up (state, how
+    long in their transaction, the statement): a takeover's claim waits for the owner row
+    that a group commit of a node frozen between its statement and its COMMIT keeps
+    share-locked (seen once, final-5 of /work/notes/chaos-priority-10: every claim of node
+    2's copies timed out for a minute)."""
+    import psycopg
+
+    query = """
+        SELECT a.pid, a.application_name, a.client_port, a.state, a.wait_event_type, a.wait_event,
+               round(extract(epoch FROM now() - a.xact_start)::numeric, 1) AS in_transaction_s,
+               pg_blocking_pids(a.pid) AS blocked_by, left(a.query, 160)
+        FROM pg_stat_activity a
+        WHERE cardinality(pg_blocking_pids(a.pid)) > 0
+           OR a.pid IN (SELECT unnest(pg_blocking_pids(b.pid)) FROM pg_stat_activity b)
+        ORDER BY a.pid"""
+    try:
+        with psycopg.connect(cluster.direct_dsn, autocommit=True, connect_timeout=5) as conn:
+            rows = conn.execute(query).fetchall()
+    except Exception as exc:  # the store may be the thing that failed
+        return f"(lock waits unreadable: {exc})"
+    if not rows:
+        return "no session of the primary waits for a lock"
+    return "lock waits on the primary (pid, application, client port, state, wait, wait event, " \
+        "seconds in its transaction, blocked by, statement):\n" + "\n".join(f"  {row}" for row in rows)
 
 
 def _ack_counts(node: Any) -> dict[str, int]:
