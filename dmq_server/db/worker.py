@@ -44,13 +44,22 @@ T = TypeVar("T")
 #: docs/benchmarks.md, session 15). The pipeline keeps JIT.
 SERVER_SETTINGS = {"jit": "off"}
 
+#: A worker's transaction runs start to end on its thread, so one left idle this long is a
+#: server frozen in it (SIGSTOP, a paused VM): PostgreSQL ends it, and the locks it holds go.
+#: The group commit holds its node's owner row FOR SHARE until COMMIT, so a node frozen
+#: between its insert and its COMMIT kept the takeover's claim of that row (``claim_owners``)
+#: waiting until it woke (tests/chaos: node-pause-slow-taker, 60 s). Its sends were not
+#: acknowledged: the producers resend them.
+WORKER_SETTINGS = {**SERVER_SETTINGS, "idle_in_transaction_session_timeout": "10s"}
 
-def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5) -> psycopg.Connection:
+
+def connect(dsn: str, *, autocommit: bool = False, connect_timeout: int = 5,
+            settings: dict[str, str] = SERVER_SETTINGS) -> psycopg.Connection:
     """A connection with the settings dmq relies on (durable commits, UTC, dead peers
     noticed: ``dmq_sql.connection``, shared with the pipeline; no JIT); StorageError if not."""
     try:
         return shared_connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout,
-                              settings=SERVER_SETTINGS)
+                              settings=settings)
     except psycopg.Error as exc:
         raise StorageError(f"cannot connect to PostgreSQL: {describe_error(exc)}") from exc
 
@@ -112,7 +121,7 @@ class DbWorker:
     def _call(self, fn: Callable[..., T], args: Sequence[object], kwargs: dict[str, object]) -> T:
         with self._lock:
             if self._conn is None or self._conn.closed:
-                self._conn = connect(self._dsn, autocommit=self.autocommit)
+                self._conn = connect(self._dsn, autocommit=self.autocommit, settings=WORKER_SETTINGS)
             conn = self._conn
             pid = conn.info.backend_pid
             self._watchdog.arm(conn)

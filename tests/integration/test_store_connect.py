@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
+
 from dmq_server.db.worker import connect
 
 
@@ -31,3 +33,36 @@ def test_a_setting_in_the_dsn_wins(pg_dsn):
     separator = "&" if "?" in pg_dsn else "?"
     with connect(f"{pg_dsn}{separator}keepalives_idle=60&tcp_user_timeout=5000") as conn:
         assert _socket_options(conn) == (1, 60, 5_000)
+
+
+def test_a_worker_transaction_left_idle_by_a_frozen_server_ends_and_frees_its_locks(pg_dsn):
+    """A worker's connection carries idle_in_transaction_session_timeout (10 s): a server
+    frozen inside a transaction (SIGSTOP, a paused VM) no longer holds its locks until it
+    wakes. Shown with the same setting at 1 s on the same kind of connection: the frozen
+    side holds an owner row FOR SHARE, as the group commit does until its COMMIT, and
+    another node's UPDATE of that row (the takeover's claim) goes through once PostgreSQL
+    has ended the idle transaction."""
+    import time
+
+    import psycopg
+
+    from dmq_server.db.worker import WORKER_SETTINGS
+
+    assert WORKER_SETTINGS["idle_in_transaction_session_timeout"] == "10s"
+    with connect(pg_dsn, settings=WORKER_SETTINGS) as conn:
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0] == "10s"
+    with connect(pg_dsn, autocommit=True) as admin:
+        owner = admin.execute("INSERT INTO dmq_owner (node_id) VALUES ('frozen') RETURNING id").fetchone()[0]
+    frozen = connect(pg_dsn, settings={**WORKER_SETTINGS, "idle_in_transaction_session_timeout": "1s"})
+    frozen.execute("SELECT id FROM dmq_owner WHERE id = %s FOR SHARE", (owner,))  # then nothing more
+    with connect(pg_dsn, autocommit=True) as taker:
+        taker.execute("SET lock_timeout = '20s'")
+        started = time.monotonic()
+        taker.execute("UPDATE dmq_owner SET retired_at = now() WHERE id = %s", (owner,))
+        waited = time.monotonic() - started
+    assert 0.5 < waited < 15, waited  # it waited for the frozen transaction, and not for ever
+    try:  # its connection was ended: its sends were never acknowledged, and are resent
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+            frozen.execute("SELECT 1")
+    finally:
+        frozen.close()
