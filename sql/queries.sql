@@ -298,8 +298,9 @@ FROM ch CROSS JOIN owners w
 LEFT JOIN LATERAL (
     -- the owner's cursor, its done ranges read once: held as a column, a multirange of
     -- thousands of ranges (stored compressed, out of line) is read again for every row
-    -- tested (64 s against 0.13 s for 16 rows past 9,000 ranges); OFFSET 0 keeps the
-    -- planner from folding the copy into the test
+    -- tested (with reads of 16 rows besides, a drain of 100,000 mixed priorities cost
+    -- PostgreSQL 2.4-3.7 ms a message; both fixed, 25 us: docs/benchmarks.md "Priority");
+    -- OFFSET 0 keeps the planner from folding the copy into the test
     SELECT c.floor, c.done + '{}'::int8multirange AS done FROM dmq_cursor c
     WHERE c.topic = %(topic)s AND c.channel = %(channel)s AND c.owner = w.id
     OFFSET 0
@@ -347,8 +348,9 @@ FROM ch CROSS JOIN owners w
 LEFT JOIN LATERAL (
     -- the owner's cursor, its done ranges read once: held as a column, a multirange of
     -- thousands of ranges (stored compressed, out of line) is read again for every row
-    -- tested (64 s against 0.13 s for 16 rows past 9,000 ranges); OFFSET 0 keeps the
-    -- planner from folding the copy into the test
+    -- tested (with reads of 16 rows besides, a drain of 100,000 mixed priorities cost
+    -- PostgreSQL 2.4-3.7 ms a message; both fixed, 25 us: docs/benchmarks.md "Priority");
+    -- OFFSET 0 keeps the planner from folding the copy into the test
     SELECT c.floor, c.done + '{}'::int8multirange AS done FROM dmq_cursor c
     WHERE c.topic = %(topic)s AND c.channel = %(channel)s AND c.owner = w.id
     OFFSET 0

@@ -165,8 +165,8 @@ class ReliableChannel:
         # id order with a redelivery at its front. Counted in the window as ``ready`` is
         # (ids in ``_ready_ids``, bodies in ``ready_bytes``). An ordered topic's channel
         # keeps every copy in ``ready``: a key's order wins over priority
-        self.urgent: list[deque[Delivery]] = [deque() for _ in range(10)]
-        self.urgent_count = 0
+        self.prioritised: list[deque[Delivery]] = [deque() for _ in range(10)]
+        self.prioritised_count = 0
         # for the proposal: ready ids and each owner's lowest one (heaps with lazy deletion)
         self._ready_ids: set[int] = set()
         self._ready_heaps: dict[int, list[int]] = {}
@@ -225,14 +225,14 @@ class ReliableChannel:
             cursor.skip(message.key, mid)  # its key is read apart: it waits for that read
             return
         if mid <= cursor.position or (
-            not cursor.backlog and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size
+            not cursor.backlog and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size
             and self._room(len(message.body))
         ):
             if not cursor.backlog and mid > cursor.position:
                 # Nothing older waits in PostgreSQL, so the position may move past this
                 # copy: a later load must not find it again after its ack is durable.
                 cursor.position = mid
-            if not self.ready and not self.urgent_count and self._push_at_once(delivery):
+            if not self.ready and not self.prioritised_count and self._push_at_once(delivery):
                 return
             self._enqueue(delivery)
             self.pump()
@@ -261,7 +261,7 @@ class ReliableChannel:
         rest = iter(messages)
         cursor = self.cursor
         if not (
-            self.closed or cursor.loading or cursor.backlog or self.ready or self.urgent_count or self.paused or self.held
+            self.closed or cursor.loading or cursor.backlog or self.ready or self.prioritised_count or self.paused or self.held
             or self.max_attempts is not None or self.keys is not None or (self.gate is not None and not self.gate())
         ):
             if len(self.consumers) == 1:
@@ -380,8 +380,8 @@ class ReliableChannel:
         priority = delivery.message.priority
         queue = self.ready
         if priority and self.keys is None:
-            queue = self.urgent[priority]
-            self.urgent_count += 1
+            queue = self.prioritised[priority]
+            self.prioritised_count += 1
         if front:
             queue.appendleft(delivery)
         else:
@@ -398,7 +398,7 @@ class ReliableChannel:
         if self.keys is not None or priority in self.cursor.urgent:
             return False
         size = len(message.body)
-        if self._room(size) and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size:
+        if self._room(size) and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size:
             return True
         memory = self._memory
         while True:
@@ -406,7 +406,7 @@ class ReliableChannel:
             if victim is None:
                 return False
             self._set_aside(victim)
-            if len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size and (
+            if len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size and (
                 memory is None or memory.window_room(self.ready_bytes, size)
             ):
                 return True
@@ -416,9 +416,9 @@ class ReliableChannel:
         if self.ready:
             return self.ready.pop()
         for level in range(1, priority):
-            queue = self.urgent[level]
+            queue = self.prioritised[level]
             if queue:
-                self.urgent_count -= 1
+                self.prioritised_count -= 1
                 return queue.pop()
         return None
 
@@ -434,16 +434,16 @@ class ReliableChannel:
         else:
             self.cursor.left_stored(message.message_id, message.priority)
 
-    def _take_urgent(self, room: int) -> list[Delivery]:
+    def _take_prioritised(self, room: int) -> list[Delivery]:
         """Up to ``room`` waiting copies of priority 1 to 9, highest first, out of their
         queues (a copy that had its attempts goes to its dead letter on the way)."""
         run: list[Delivery] = []
         ready_ids = self._ready_ids
         for level in range(9, 0, -1):
-            queue = self.urgent[level]
+            queue = self.prioritised[level]
             while queue and len(run) < room:
                 delivery = queue.popleft()
-                self.urgent_count -= 1
+                self.prioritised_count -= 1
                 ready_ids.discard(delivery.message.message_id)
                 self._ready_changed(-len(delivery.message.body))
                 if not self._exhausted(delivery):
@@ -452,15 +452,15 @@ class ReliableChannel:
                 break
         return run
 
-    def _clear_urgent(self) -> None:
-        for queue in self.urgent:
+    def _clear_prioritised(self) -> None:
+        for queue in self.prioritised:
             queue.clear()
-        self.urgent_count = 0
+        self.prioritised_count = 0
 
     def _waiting_copies(self) -> Iterator[Delivery]:
         """Every copy waiting in memory: priority 1 to 9 highest first, then ``ready``."""
         for level in range(9, 0, -1):
-            yield from self.urgent[level]
+            yield from self.prioritised[level]
         yield from self.ready
 
     # -- the window in bytes ------------------------------------------------------------
@@ -482,7 +482,7 @@ class ReliableChannel:
         """Rows the next load asks for: the window's free places, no more than its free
         bytes hold at the average body size (``LOAD_PROBE`` while none is known); at least
         one when nothing is ready, so a consumer always gets something."""
-        count = self.mem_queue_size - len(self.ready) - self.parked - self.urgent_count
+        count = self.mem_queue_size - len(self.ready) - self.parked - self.prioritised_count
         memory = self._memory
         if memory is None:
             return count
@@ -492,7 +492,7 @@ class ReliableChannel:
         else:
             count = min(count, LOAD_PROBE)
         # (copies parked behind their keys wait in memory too: no row more for them)
-        return max(count, 0 if self.ready or self.parked or self.urgent_count else 1)
+        return max(count, 0 if self.ready or self.parked or self.prioritised_count else 1)
 
     def _now_ready(self, message: ReliableMessage) -> None:
         mid = message.message_id
@@ -524,7 +524,7 @@ class ReliableChannel:
             and not self.closed
             and not self.paused
             and self.consumers
-            and len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size // 2 + 1
+            and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size // 2 + 1
             and (self._memory is None or self.ready_bytes <= self._memory.channel_limit // 2)
         ):
             limit = self._load_size()
@@ -609,7 +609,7 @@ class ReliableChannel:
 
     def _window_room(self, delivery: Delivery) -> bool:
         """Whether the memory window keeps a copy committed during a load."""
-        return (len(self.ready) + self.parked + self.urgent_count < self.mem_queue_size
+        return (len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size
                 and self._room(len(delivery.message.body)))
 
     def load_failed(self) -> None:
@@ -641,7 +641,7 @@ class ReliableChannel:
                 delivery.consumer = None
         held = {d.message.message_id for d in self._waiting_copies()}
         held.update(self.in_flight)
-        self._clear_urgent()
+        self._clear_prioritised()
         if self.keys is not None:
             held.update(d.message.message_id for d in self.keys.clear())
             self.parked = 0
@@ -687,13 +687,13 @@ class ReliableChannel:
         if len(consumers) == 1:
             consumer = consumers[0]
             room = consumer.credit - consumer.in_flight
-            if room > 0 and (self.ready or self.urgent_count):
+            if room > 0 and (self.ready or self.prioritised_count):
                 run = self._take_ready(room)
                 if run:
                     self._start_flights(run, consumer)
             self._maybe_load()
             return
-        while (self.ready or self.urgent_count) and consumers:
+        while (self.ready or self.prioritised_count) and consumers:
             for _ in range(len(consumers)):
                 consumer = consumers[0]
                 consumers.rotate(-1)
@@ -701,8 +701,8 @@ class ReliableChannel:
                     break
             else:
                 break  # nobody has credit
-            if self.urgent_count:
-                run = self._take_urgent(1)
+            if self.prioritised_count:
+                run = self._take_prioritised(1)
                 if run:
                     self._start_flights(run, consumer)
                 continue
@@ -796,9 +796,9 @@ class ReliableChannel:
         copy of a key at a time (the keys of copies in flight now are held by them), or
         no longer (the parked copies are ready again, in their order)."""
         if ordered and self.keys is None:
-            if self.urgent_count:  # every copy in ``ready`` now, in id order (a key's order wins)
+            if self.prioritised_count:  # every copy in ``ready`` now, in id order (a key's order wins)
                 self.ready = deque(sorted(self._waiting_copies(), key=lambda d: d.message.message_id))
-                self._clear_urgent()
+                self._clear_prioritised()
             keys: KeyGate[Delivery] = KeyGate()
             for mid, delivery in sorted(self.in_flight.items()):
                 key = delivery.message.key
@@ -823,8 +823,8 @@ class ReliableChannel:
         made room for go out in one push call, not one call chain each)."""
         ready, ready_ids = self.ready, self._ready_ids
         run: list[Delivery] = []
-        if self.urgent_count:  # the copies of a priority first
-            run = self._take_urgent(room)
+        if self.prioritised_count:  # the copies of a priority first
+            run = self._take_prioritised(room)
             if len(run) >= room or not ready:
                 return run
         if self.max_attempts is None or self._on_exhausted is None:
@@ -837,7 +837,7 @@ class ReliableChannel:
                 taken = [popleft() for _ in range(room)]
             ready_ids.difference_update([d.message.message_id for d in taken])
             self._ready_changed(
-                -self.ready_bytes if not ready and not self.urgent_count else -sum([len(d.message.body) for d in taken])
+                -self.ready_bytes if not ready and not self.prioritised_count else -sum([len(d.message.body) for d in taken])
             )
             if run:
                 run += taken
@@ -996,10 +996,10 @@ class ReliableChannel:
                 delivery.consumer = None
             self._ready_ids.discard(mid)
         self.ready = deque(d for d in self.ready if d.message.message_id not in ids)
-        if self.urgent_count:
-            self.urgent = [deque(d for d in queue if d.message.message_id not in ids) for queue in self.urgent]
-            self.urgent_count = sum(len(queue) for queue in self.urgent)
-        waiting = sum([len(d.message.body) for queue in self.urgent for d in queue])
+        if self.prioritised_count:
+            self.prioritised = [deque(d for d in queue if d.message.message_id not in ids) for queue in self.prioritised]
+            self.prioritised_count = sum(len(queue) for queue in self.prioritised)
+        waiting = sum([len(d.message.body) for queue in self.prioritised for d in queue])
         if self.keys is not None:  # parked ones go too; a key a dropped copy held is free
             self.ready.extendleft(reversed(self.keys.discard(ids)))
             self.parked = self.keys.parked_count
@@ -1079,7 +1079,7 @@ class ReliableChannel:
                 delivery.consumer.in_flight -= 1
         self.consumers.clear()
         self.ready.clear()
-        self._clear_urgent()
+        self._clear_prioritised()
         if self.keys is not None:
             self.keys.clear()
             self.parked = 0
@@ -1095,7 +1095,7 @@ class ReliableChannel:
     @property
     def waiting(self) -> int:
         """Copies waiting in memory: ready, of a priority, parked behind their keys."""
-        return len(self.ready) + self.urgent_count + self.parked
+        return len(self.ready) + self.prioritised_count + self.parked
 
     @property
     def depth(self) -> int:

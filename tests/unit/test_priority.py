@@ -79,12 +79,12 @@ def test_waiting_copies_go_highest_priority_first_then_by_id():
     h.empty()
     for mid, priority in [(1, 0), (2, 5), (3, 9), (4, 0), (5, 5), (6, 1), (7, 9)]:
         h.add(mid, priority)
-    assert h.channel.urgent_count == 5 and len(h.channel.ready) == 2 and h.channel.depth == 7
+    assert h.channel.prioritised_count == 5 and len(h.channel.ready) == 2 and h.channel.depth == 7
     assert h.channel.locate(6) == {"state": "ready", "attempts": 0}
     lone = Consumer()
     h.channel.subscribe(lone)
     assert lone.ids == [3, 7, 2, 5, 6, 1, 4]
-    assert h.channel.urgent_count == 0 and h.channel.ready_bytes == 0
+    assert h.channel.prioritised_count == 0 and h.channel.ready_bytes == 0
 
 
 def test_several_consumers_take_turns_in_priority_order():
@@ -195,7 +195,7 @@ def test_the_window_in_bytes_counts_the_copies_of_a_priority():
     h.add(2, 0)
     assert h.channel.ready_bytes == 2
     h.channel.drop([1])
-    assert h.channel.urgent_count == 0 and h.channel.ready_bytes == 1 and h.channel.waiting == 1
+    assert h.channel.prioritised_count == 0 and h.channel.ready_bytes == 1 and h.channel.waiting == 1
     h.add(3, 6)
     h.channel.forget()
     assert h.channel.waiting == 0 and h.channel.ready_bytes == 0 and not h.channel.known
@@ -220,7 +220,7 @@ def test_an_ordered_topic_keeps_each_key_in_order_over_priority():
     h.add(1, 0, key="a")
     h.add(2, 9, key="a")
     h.add(3, 9, key="b")
-    assert h.channel.urgent_count == 0  # one queue, in id order
+    assert h.channel.prioritised_count == 0  # one queue, in id order
     c = Consumer()
     h.channel.subscribe(c)
     assert c.ids == [1, 3]
@@ -235,9 +235,9 @@ def test_a_topic_made_ordered_puts_its_waiting_copies_in_id_order():
     h.add(1, 0, key="a")
     h.add(2, 9, key="a")
     h.channel.set_ordered(True)
-    assert list(d.message.message_id for d in h.channel.ready) == [1, 2] and h.channel.urgent_count == 0
+    assert list(d.message.message_id for d in h.channel.ready) == [1, 2] and h.channel.prioritised_count == 0
     h.channel.set_ordered(False)
-    assert h.channel.urgent_count == 1 and [d.message.message_id for d in h.channel.ready] == [1]
+    assert h.channel.prioritised_count == 1 and [d.message.message_id for d in h.channel.ready] == [1]
 
 
 def test_the_rows_read_ahead_size_the_next_read():
