@@ -6,7 +6,7 @@ reaches it, so ``/dmq/outbox/<name>`` holds only the outbox's schema and databas
 (host and name). The znode is how a cluster's nodes learn at once that the table
 changed (``read_names`` leaves a watch; the server reads the table again when it
 fires) and how an operator sees the attached outboxes beside the relaying node
-(``/dmq/outbox_relay/<name>``, a kazoo Lock: ``RelayLock``). The names follow ``core.outbox_rows``'
+(``/dmq/outbox_relay/<name>``, a ``PlacementLock``: ``RelayLock``). The names follow ``core.outbox_rows``'
 rule for an outbox name ([A-Za-z0-9_.-], never "." or ".." there: checked here).
 
 Every function blocks (a ZooKeeper round trip), each idempotent under ``client.retry``.
@@ -20,9 +20,9 @@ from typing import Callable
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NodeExistsError
 from kazoo.protocol.states import WatchedEvent
-from kazoo.recipe.lock import Lock
 
 from . import paths
+from .placement_lock import PlacementLock
 
 __all__ = ["mirror_attached", "remove_attached", "read_names", "RelayLock"]
 
@@ -65,43 +65,12 @@ def read_names(client: KazooClient, watch: Callable[[WatchedEvent], None] | None
     return client.retry(inner)
 
 
-class RelayLock:
-    """Which node relays the outbox ``name`` (any outbox, ``--outbox`` or attached): kazoo's
-    Lock at ``/dmq/outbox_relay/<name>``, its contender's data the node id, so ZooKeeper
-    shows the relaying node. Tried without waiting (``hold``, once a second by each
-    relay): a node that does not hold it leaves no znode behind. Held until ``release``
-    or the end of the session that took it (the znode is ephemeral); ``hold`` finds out
-    that the session ended (the znode gone) and contends again. Placement, not a fence:
-    the relay's advisory lock in the application's database stays the fence (see
-    ``dmq_server.protocols.outbox_relay``)."""
+class RelayLock(PlacementLock):
+    """Which node relays the outbox ``name`` (any outbox, ``--outbox`` or attached): a
+    ``PlacementLock`` at ``/dmq/outbox_relay/<name>``, so ZooKeeper shows the relaying node.
+    Each relay tries it once a second; the relay's advisory lock in the application's
+    database stays the fence (see ``dmq_server.protocols.outbox_relay``)."""
 
     def __init__(self, client: KazooClient, name: str, node_id: str):
         paths.check_znode_name("outbox", name)
-        self._client = client
-        self._path = paths.outbox_relay(name)
-        self._node_id = node_id
-        self._lock: Lock | None = None
-
-    def hold(self) -> bool:
-        """True if this node holds the lock (taken now, or still held: one ``exists``)."""
-        lock = self._lock
-        if lock is not None:
-            if lock.node is not None and self._client.exists(f"{self._path}/{lock.node}") is not None:
-                return True
-            self._lock = None  # its session ended, and the znode with it
-        lock = self._client.Lock(self._path, self._node_id)
-        if not lock.acquire(blocking=False):
-            return False
-        self._lock = lock
-        return True
-
-    def release(self) -> None:
-        """Let the lock go (another node's next ``hold`` takes it); not held is no error."""
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
-
-    def holder(self) -> str | None:
-        """The node id of the holder, None when no node holds it."""
-        contenders = self._client.Lock(self._path).contenders()
-        return contenders[0] if contenders else None
+        super().__init__(client, paths.outbox_relay(name), node_id)

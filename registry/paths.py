@@ -22,8 +22,12 @@
                                   attach`); data: its schema and database (JSON, never the
                                   DSN: dmq's dmq_outbox_attached holds that)
       /outbox_relay
-        /<name>                   kazoo Lock: the node that relays the outbox (with --zk,
+        /<name>                   PlacementLock: the node that relays the outbox (with --zk,
                                   only its holder tries the application database's lock)
+      /orderer
+        /<topic>                  PlacementLock: the node that is to deliver the ordered
+                                  topic's copies, every node's (issue 45 §2; no node
+                                  contends for it yet; the cursor holder stays the fence)
 
 Everything sits under an optional chroot given with the address
 (``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and
@@ -43,8 +47,10 @@ __all__ = [
     "CLUSTERS",
     "OUTBOXES",
     "OUTBOX_RELAYS",
+    "ORDERERS",
     "outbox",
     "outbox_relay",
+    "orderer",
     "cluster",
     "topic",
     "channel",
@@ -63,6 +69,7 @@ DELAY_FRAGMENTS = ROOT + "/delay/fragments"
 CLUSTERS = ROOT + "/cluster"
 OUTBOXES = ROOT + "/outbox"
 OUTBOX_RELAYS = ROOT + "/outbox_relay"
+ORDERERS = ROOT + "/orderer"
 
 # Node ids are free text (default "host:port"); a "/" would split the path, so ids are
 # percent-encoded in znode names. Topic and channel names are already safe.
@@ -89,6 +96,13 @@ def outbox(name: str) -> str:
 
 def outbox_relay(name: str) -> str:
     return f"{OUTBOX_RELAYS}/{name}"
+
+
+def orderer(topic_name: str) -> str:
+    """The lock whose holder delivers the ordered topic ``topic_name`` (ZooKeeper refuses
+    "." and "..": ``check_znode_name`` says so)."""
+    check_znode_name("topic", topic_name)
+    return f"{ORDERERS}/{topic_name}"
 
 
 def channel(topic_name: str, name: str) -> str:
