@@ -11,7 +11,9 @@ still being delivered (``TopicSpec.draining``), so:
   a consumer is attached to the channel in every cluster holding copies, through one
   ``ChannelGroup`` (its credit is the consumer's, shared by them);
 * an ack, a requeue and a touch go to the store whose cluster drew the message id
-  (``db.clusters.slot_of_id``: every cluster draws ids from its own slot).
+  (``db.clusters.slot_of_id``: every cluster draws ids from its own slot);
+* an ordered topic keeps its keys' order across a move (``move_held``): its channels on
+  the new cluster push nothing until no older cluster drains.
 
 A cluster's outage fails its topics only: the node's health (what clients are told,
 and what refuses subscriptions) is the main cluster's, which holds the registry without
@@ -36,16 +38,47 @@ from dmq_server.reliable.channel import Delivery, Receiver, ReliableChannel
 from dmq_server.reliable.store import Outcome, ReliableStore, StoreWiring
 from registry.model import TopicSpec
 
-__all__ = ["Placement", "ChannelGroup", "merge_channel_stats"]
+__all__ = ["Placement", "ChannelGroup", "merge_channel_stats", "move_held"]
 
 log = Logger()
+
+
+def move_held(spec: TopicSpec) -> str | None:
+    """The cluster whose channels of ``spec``'s topic hold their pushes while it moves:
+    an ordered topic's own cluster while ``draining`` lists another (None: nothing held).
+
+    Ids do not order across clusters (each draws from its own slot), so a key's order
+    across a move rests on this: per key, every copy stored on the old cluster goes out
+    before any copy stored on the new one. That is commit order: a producer sends a key's
+    next message only after the previous one's ack, and once the registry names the new
+    cluster the old one refuses the topic's sends (``E_MOVED``, the fence of ``dmq topic
+    move``), so no copy reaches the old cluster after one of its key reached the new.
+    The new cluster is the newer of the two; the draining ones deliver freely, so the move
+    still finishes (it waits for them to hold nothing, and they need nobody else).
+
+    Older and newer are known only between the topic's cluster and the draining ones:
+    ``draining`` is a set (the CLI keeps it sorted by name), so of two draining clusters
+    neither is known to be the older, and a topic moved back to a cluster it still drains
+    holds copies there both older and newer than the other's. Neither keeps a key's order:
+    an ordered topic moves once at a time, back included (docs/operations.md).
+    Unordered topics hold nothing."""
+    if spec.ordered and any(c != spec.cluster for c in spec.draining):
+        return spec.cluster
+    return None
+
+
+def _holding() -> bool:
+    """The gate of a channel held for a move (``move_held``): no push round goes."""
+    return False
 
 
 class ChannelGroup:
     """One (topic, channel) over the clusters holding its copies: what an adapter holds
     as its subscription's channel when there is more than one cluster. Its members are
     the clusters' ``ReliableChannel``s, changed by the broker as the topic moves; every
-    consumer subscribed to the group is subscribed to each member."""
+    consumer subscribed to the group is subscribed to each member. Of an ordered topic,
+    the member of the new cluster pushes nothing while an older one drains
+    (``move_held``; ``Placement`` holds it, since a node may have that member alone)."""
 
     def __init__(self, topic: str, name: str):
         self.topic = topic
@@ -164,6 +197,9 @@ class Placement:
         self.by_slot = {slots[name]: store for name, store in self.stores.items()}
         self.slot_of = dict(slots)
         self.groups: dict[tuple[str, str], ChannelGroup] = {}
+        # the channels held for an ordered topic's move (``move_held``), with the gate
+        # each had before (given back when the hold ends)
+        self.move_holds: dict[tuple[str, str], tuple[ReliableChannel, Callable[[], bool] | None]] = {}
         self._unknown_warned: set[str] = set()
 
     @property
@@ -243,6 +279,35 @@ class Placement:
             store.apply_topics({n: s for n, s in reliable.items() if name in s.clusters})
         for key, group in self.groups.items():
             self._fill(group, reliable[key[0]])
+        self._hold_moves(reliable)
+
+    def _hold_moves(self, reliable: dict[str, TopicSpec]) -> None:
+        """Hold the channels ``move_held`` names, and let go of the others: a channel let
+        go pushes what it has at once (a key's next copy first, in id order)."""
+        wanted = {(spec.name, name): channel for spec in reliable.values() for name in spec.channels
+                  if (channel := self._move_held_channel(spec, name)) is not None}
+        for key, (channel, gate) in list(self.move_holds.items()):
+            if wanted.get(key) is not channel:
+                del self.move_holds[key]
+                channel.gate = gate
+                log.info("channel {topic}/{channel}: no older cluster drains any more, its pushes go on",
+                         topic=key[0], channel=key[1])
+                channel.pump()
+        for key, channel in wanted.items():
+            self._hold(key, channel)
+
+    def _move_held_channel(self, spec: TopicSpec, name: str) -> ReliableChannel | None:
+        cluster = move_held(spec)
+        store = self.stores.get(cluster) if cluster is not None else None
+        return None if store is None else store.channels.get((spec.name, name))
+
+    def _hold(self, key: tuple[str, str], channel: ReliableChannel) -> None:
+        if key in self.move_holds and self.move_holds[key][0] is channel:
+            return
+        self.move_holds[key] = (channel, channel.gate)
+        channel.gate = _holding
+        log.info("channel {topic}/{channel} holds its pushes until the older cluster is drained "
+                 "(an ordered topic's move)", topic=key[0], channel=key[1])
 
     def _fill(self, group: ChannelGroup, spec: TopicSpec) -> None:
         group.set_members({self.slot_of[s.cluster]: s.channel(group.topic, group.name) for s in self.stores_of(spec)})
@@ -250,6 +315,9 @@ class Placement:
     def subscribe(self, spec: TopicSpec, name: str, consumer: Receiver) -> ReliableChannel | ChannelGroup:
         """The channel a consumer of ``spec``'s channel ``name`` is attached to: the
         store's own with one cluster, else the (topic, channel)'s group."""
+        cluster = move_held(spec)
+        if cluster is not None and cluster in self.stores:  # held before its first consumer, if made now
+            self._hold((spec.name, name), self.stores[cluster].channel(spec.name, name))
         if not self.several:
             return self.stores["main"].subscribe(spec.name, name, consumer)
         key = (spec.name, name)
