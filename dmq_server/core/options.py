@@ -384,6 +384,12 @@ class Options:
     takeover_batch_size: int = _opt(
         5000, "most of a departed node's messages claimed in one transaction", kind="int"
     )
+    ordered_poll: float = _opt(
+        0.05,
+        "with --zk: how often the node delivering an ordered topic (its orderer) reads, for each "
+        "of the topic's channels with consumers, the messages other nodes stored since its last read",
+        kind="duration",
+    )
 
     # -- derived helpers -------------------------------------------------
     @property
@@ -525,6 +531,7 @@ class Options:
             ("node_heartbeat", self.node_heartbeat > 0, "must be more than 0"),
             ("zk_refresh", self.zk_refresh > 0, "must be more than 0"),
             ("takeover_batch_size", self.takeover_batch_size >= 1, "must be at least 1"),
+            ("ordered_poll", self.ordered_poll > 0, "must be more than 0"),
         ]
         checks += self._security_checks()
         for name, ok, rule in checks:

@@ -36,7 +36,10 @@ from dmq_server.db.messages import BacklogRow
 from dmq_server.reliable.cursor import ChannelCursor
 from dmq_server.reliable.key_order import KeyGate
 
-__all__ = ["ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED", "RETURN_REASONS"]
+__all__ = [
+    "ReliableMessage", "Delivery", "Receiver", "ReliableChannel", "TIMEOUT", "CONSUMER_GONE", "REQUEUED",
+    "RETURN_REASONS", "NO_ORDERER",
+]
 
 # why a delivered copy came back unacknowledged (the message trace's reasons)
 TIMEOUT = "timeout"  # not acknowledged within the message timeout
@@ -46,6 +49,10 @@ RETURN_REASONS = (TIMEOUT, CONSUMER_GONE, REQUEUED)
 
 #: rows a load asks for while the channel has seen no body to size them by
 LOAD_PROBE = 16
+
+#: ``ReliableChannel.delivered_by`` of an ordered topic's channel in a cluster while no
+#: node is known to deliver it (its copies wait in PostgreSQL)
+NO_ORDERER = "(no orderer yet)"
 
 
 @dataclass(slots=True)
@@ -183,6 +190,13 @@ class ReliableChannel:
         # cluster: asked before each push round; False holds pushes (a node that stood
         # still must learn whether its copies were taken over before it pushes any)
         self.gate: Callable[[], bool] | None = None
+        # an ordered topic's channel in a cluster is delivered by one node, the topic's
+        # orderer (cluster.orderers): None here means this node delivers it (as every
+        # unordered channel), else the node that does (or NO_ORDERER). While another does,
+        # nothing is kept, loaded or pushed here: every node stores the topic, and its
+        # copies wait in PostgreSQL for the orderer's loads (``order_here``, ``poll``).
+        # Consumers may subscribe and receive nothing
+        self.delivered_by: str | None = None
         # False: an answer of its topic did not name it, and none has since
         # (ReliableStore._confirm_channels)
         self.confirmed = True
@@ -228,6 +242,13 @@ class ReliableChannel:
             not cursor.backlog and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size
             and self._room(len(message.body))
         ):
+            if cursor.loads_only:
+                # the orderer's own arrival (``ChannelCursor.loads_only``): another node's
+                # lower copy may be visible and unread, so the loads read it, not this
+                if mid > cursor.position:
+                    cursor.left_stored(mid, message.priority)
+                    self._maybe_load()
+                return
             if not cursor.backlog and mid > cursor.position:
                 # Nothing older waits in PostgreSQL, so the position may move past this
                 # copy: a later load must not find it again after its ack is durable.
@@ -523,6 +544,7 @@ class ReliableChannel:
             and not cursor.loading
             and not self.closed
             and not self.paused
+            and self.delivered_by is None
             and self.consumers
             and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size // 2 + 1
             and (self._memory is None or self.ready_bytes <= self._memory.channel_limit // 2)
@@ -557,7 +579,8 @@ class ReliableChannel:
         keys, cursor = self.keys, self.cursor
         if (
             keys is None or self._load_key is None or cursor.loading or self.closed or self.paused
-            or not self.consumers or len(self.ready) + self.parked >= self.mem_queue_size
+            or self.delivered_by is not None or not self.consumers
+            or len(self.ready) + self.parked >= self.mem_queue_size
         ):
             return False
         for key in cursor.skipped:
@@ -718,7 +741,8 @@ class ReliableChannel:
         """``pump`` on an ordered topic's channel: each copy from the front of ``ready``
         goes out only if its key is free (or held by the copy itself, coming back);
         otherwise it is parked behind the copy holding the key (``KeyGate.admit``). A lone
-        consumer's run is pushed in one call, as ``pump`` does."""
+        consumer's run is pushed in one call, as ``pump`` does. (While another node delivers
+        the channel, ``delivered_by``, nothing is ready: nothing is pushed.)"""
         consumers = self.consumers
         while self.ready and consumers:
             for _ in range(len(consumers)):
@@ -807,6 +831,12 @@ class ReliableChannel:
             self.keys = keys
         elif not ordered and self.keys is not None:
             self.cursor.unskip()  # the keys read apart are read with the others again
+            if self.delivered_by is not None or self.cursor.loads_only:
+                # delivered here again, and only this node's own copies (and those of the
+                # cursors it holds) are its to read: from the first id, as a takeover does
+                self.delivered_by = None
+                self.cursor.loads_only = False
+                self.cursor.rescan()
             waiting = sorted(self.keys.clear(), key=lambda d: d.message.message_id, reverse=True)
             self.keys = None
             self.parked = 0
@@ -816,6 +846,39 @@ class ReliableChannel:
                 for delivery in copies:
                     self._to_queue(delivery)
             self.pump()
+
+    # -- an ordered topic across a cluster's nodes (cluster.orderers) -------------------
+    def order_elsewhere(self, orderer: str) -> None:
+        """Another node delivers this ordered topic's channel (``orderer``, or
+        ``NO_ORDERER``): what this node holds is dropped (``forget``: a later ack of it is
+        refused, and the orderer delivers the copy), and nothing more is kept, loaded or
+        pushed here. The copies of every node wait in PostgreSQL."""
+        if self.delivered_by is None:
+            self.forget()
+        self.delivered_by = orderer
+        self.cursor.loads_only = False
+
+    def order_here(self) -> None:
+        """This node is the ordered topic's orderer: it delivers the channel for the whole
+        cluster, reading every node's copies from the first id (``ChannelCursor.loads_only``;
+        the store's loads read every owner). Nothing if it is already."""
+        cursor = self.cursor
+        if self.delivered_by is None and cursor.loads_only:
+            return
+        self.forget()  # nothing held is pushed on stale knowledge (a gated channel holds nothing)
+        self.delivered_by = None
+        cursor.loads_only = True
+        cursor.from_start()
+        self.pump()
+
+    def poll(self) -> None:
+        """The orderer's poll (``--ordered-poll``): the other nodes' commits of the topic are
+        not handed to this node, so a channel with consumers and no load out reads whatever
+        was stored since its last load. Nothing on any other channel."""
+        cursor = self.cursor
+        if cursor.loads_only and self.consumers and not cursor.loading and self.delivered_by is None:
+            cursor.backlog = True
+            self._maybe_load()
 
     def _take_ready(self, room: int) -> list[Delivery]:
         """Up to ``room`` copies from the front of ``ready`` for one consumer (a lone
@@ -1189,4 +1252,7 @@ class ReliableChannel:
             "parked_count": self.parked,
             # keys with more copies waiting than a share of the window, read apart
             "keys_read_apart": len(self.cursor.skipped),
+            # in a cluster, an ordered topic's channel is delivered by one node: None, this
+            # one; else that node's id (or NO_ORDERER), and nothing is pushed here
+            "delivered_by": self.delivered_by,
         }

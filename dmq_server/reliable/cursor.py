@@ -35,7 +35,15 @@ grow). Its state:
 - a load's races: copies committed while it was out (``arrived``), and ids finished
   while it was out, which its snapshot may still hold (``dropped``); and the two
   ownership changes that may meet a load: a takeover (``rescan``: read again from the
-  first id after it) and a lost session (``forget``: the load's rows are stale).
+  first id after it) and a lost session (``forget``: the load's rows are stale);
+- ``loads_only``: the channel of an ordered topic this node delivers for the whole
+  cluster (its orderer). Every node stores the topic, and only the loads see the copies
+  of the others, read with every owner's. The topic's commits are serialised across the
+  nodes, so its ids become visible in order: a load that read up to an id saw every copy
+  below it. An arrival (this node's own commit) therefore never moves the position, where
+  another node's lower copy may still be unread: at or below the position a load read it
+  already (one not held now was acknowledged, and pushing it again would be a duplicate),
+  above it the next load reads it (``backlog``).
 
 What the proposal may cover of an owner is bounded by how far that owner's ids are
 settled (``reliable.horizon.OwnWrites``, one per store: it spans every channel). The
@@ -93,7 +101,7 @@ class ChannelCursor(Generic[CopyT]):
     """The delivery state of one channel on this node (every owner's copies)."""
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
-                 "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after")
+                 "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after", "loads_only")
 
     def __init__(self) -> None:
         self.position = 0
@@ -112,6 +120,7 @@ class ChannelCursor(Generic[CopyT]):
         self.dropped: set[int] = set()  # finished while a load was out: keep them out of it
         self.rescan_pending = False  # a takeover during a load: read from the first id after it
         self.load_stale = False  # a lost session during a load: discard its rows
+        self.loads_only = False  # an ordered topic's orderer in a cluster: arrivals are read by loads
 
     # -- acknowledgements and their durable outcome --------------------------------------
     def acknowledged(self, deliveries: Sequence[CopyT]) -> None:
@@ -231,7 +240,11 @@ class ChannelCursor(Generic[CopyT]):
                     skipped[key] = last + 1
                 else:
                     del skipped[key]
-                    if not skipped and not self.backlog:  # everything is read: pass it
+                    if not skipped and self.loads_only:
+                        # other nodes' copies committed since the last load may lie below
+                        # the key's last: the next load passes it
+                        self.backlog = True
+                    elif not skipped and not self.backlog:  # everything is read: pass it
                         self.position = max(self.position, *levels)
         elif ahead:
             self.urgent.difference_update(range(level + 1, 10) if count >= limit else LEVELS)
@@ -248,7 +261,8 @@ class ChannelCursor(Generic[CopyT]):
     def _settle(self, enqueue: Callable[[CopyT], None], room: Callable[[CopyT], bool]) -> None:
         """The copies committed while a load was out go to ``enqueue`` when at or below the
         position or when nothing waits in PostgreSQL and the window has ``room``, else
-        they wait there; a takeover met meanwhile starts the next load from the first id."""
+        they wait there (``loads_only``: they are left to the loads); a takeover met
+        meanwhile starts the next load from the first id."""
         arrived, self.arrived = self.arrived, []
         for delivery in arrived:
             message = delivery.message
@@ -257,6 +271,9 @@ class ChannelCursor(Generic[CopyT]):
                 continue
             if self.skipped and message.key in self.skipped:
                 self.skip(message.key, mid)
+            elif self.loads_only:  # read by this load or an earlier one, or by the next
+                if mid > self.position:
+                    self.left_stored(mid, message.priority)
             elif mid <= self.position:
                 enqueue(delivery)
             elif not self.backlog and room(delivery):
@@ -332,7 +349,8 @@ class ChannelCursor(Generic[CopyT]):
         arrived, self.arrived = self.arrived, []
         for delivery in arrived:
             mid = delivery.message.message_id
-            if mid <= self.position and mid not in self.known:
+            # (``loads_only``: an earlier load read those at or below the position)
+            if mid <= self.position and mid not in self.known and not self.loads_only:
                 enqueue(delivery)
         if self.rescan_pending:
             self.rescan_pending = False

@@ -21,6 +21,12 @@ Owners other than this incarnation: a retired one stores nothing more, so everyt
 of it is settled (``math.inf``); one that is not retired belongs to a live process this
 node cannot see into, so nothing of it is (``None``: only exact acknowledgements).
 
+An ordered topic's orderer in a cluster (``reliable.cursor.ChannelCursor.loads_only``)
+needs no horizon at all: the topic's commits are serialised across the nodes, so a
+commit's ids are above every id of the topic visible before it, and its channels read
+every owner's copies by loads alone. Whatever a load passed is settled, for every owner
+(``limit(owner, orderer=True)``: ``math.inf``), so floors rise over every node's copies.
+
 One per store, not per channel: a write spans every channel of its topics. Each
 channel's cursor (``reliable.cursor.ChannelCursor.progress``) is handed ``limit(owner)``
 when a durable-ack batch asks what it may propose.
@@ -81,8 +87,11 @@ class OwnWrites:
         """Every id of this incarnation up to this is settled."""
         return min(self._open.values()) if self._open else math.inf
 
-    def limit(self, owner: int) -> float | None:
-        """How far ``owner``'s ids are settled, as seen from this node."""
+    def limit(self, owner: int, orderer: bool = False) -> float | None:
+        """How far ``owner``'s ids are settled, as seen from this node; for a channel
+        this node orders (``orderer``), every id its loads passed."""
+        if orderer:
+            return math.inf
         if owner == self.owner:
             return self.horizon()
         if owner in self.retired:

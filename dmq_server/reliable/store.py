@@ -59,7 +59,7 @@ from dmq_server.db.outage import Outage
 from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.confirm import Confirmations
-from dmq_server.reliable.channel import ReliableChannel, Delivery, ReliableMessage
+from dmq_server.reliable.channel import NO_ORDERER, ReliableChannel, Delivery, ReliableMessage
 from dmq_server.reliable.cursor import acks_by_cursor, split_fenced
 from dmq_server.reliable.dead_letters import DeadLetterSink
 from dmq_server.reliable.depths import DepthCount
@@ -177,6 +177,10 @@ class ReliableStore:
         self.paused = False
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
         self._checking_held = False
+        # in a cluster, the ordered topics whose orderer is known (``order_here``,
+        # ``order_elsewhere``): None, this node; else that node's id (or NO_ORDERER). An
+        # ordered topic not listed has none yet: its channels deliver nothing here
+        self._orderers: dict[str, str | None] = {}
         # per topic, the channels named by its last answer that names them all (_confirm_channels)
         self._named_last: dict[str, set[str]] = {}
         self._unresolved = _Unresolved()
@@ -223,7 +227,8 @@ class ReliableStore:
         named ``TimerService`` each on the injected clock (each fires once when started,
         then every interval). The broker adopts it under its own timers, which its stage
         runs; nothing here starts it. Stopping it (``stop``) stops this store's jobs only:
-        a cluster's store that goes leaves the others' running."""
+        a cluster's store that goes leaves the others' running. In a cluster, the ordered
+        topics' poll too (``poll_ordered``: it reads only on a topic's orderer)."""
         options = self.options
         timers = MultiService()
         timers.setName(f"store-{self.cluster}")
@@ -231,6 +236,8 @@ class ReliableStore:
             ("sweep", self.sweep, options.sweep_interval),
             ("channel-state", self.read_channel_state, options.channel_state_interval),
             ("heartbeat", self.heartbeat, options.owner_silence / 6),
+            # in a cluster only: the orderer's reads of what other nodes stored
+            *([("ordered-poll", self.poll_ordered, options.ordered_poll)] if self.load_owner is not None else []),
         ):
             timer = TimerService(step, job)
             timer.clock = self.clock
@@ -442,6 +449,8 @@ class ReliableStore:
         self.topics = topics
         for topic in [t for t in self._named_last if t not in topics]:
             del self._named_last[topic]  # bounded by the topics registered
+        for topic in [t for t in self._orderers if t not in topics or not topics[t].ordered]:
+            del self._orderers[topic]  # ordered again later: no orderer until one is told
         wanted = {(t.name, c) for t in topics.values() for c in t.channels}
         for key in list(self.channels):
             if key not in wanted:
@@ -459,7 +468,10 @@ class ReliableStore:
                 spec = topics[key[0]]
                 kept.msg_timeout = spec.msg_timeout_ms / 1000.0
                 kept.max_attempts = spec.max_attempts
-                kept.set_ordered(spec.ordered)
+                was_ordered = kept.keys is not None
+                kept.set_ordered(spec.ordered)  # no longer ordered: delivered here again
+                if spec.ordered and not was_ordered:
+                    self._place(kept)
 
     def channel(self, topic: str, name: str) -> ReliableChannel:
         """The channel in memory, made on first use."""
@@ -492,7 +504,61 @@ class ReliableStore:
             channel.confirmed = name in self._named_last.get(topic, (name,))
             channel.held = (topic, name) in self._held
             self.channels[(topic, name)] = channel
+            if spec is not None and spec.ordered:
+                self._place(channel)
         return channel
+
+    # -- ordered topics across a cluster's nodes (cluster.orderers calls these) -----------
+    def ordered_topics(self) -> set[str]:
+        """The ordered topics this store knows: those a cluster node contends to deliver."""
+        return {name for name, spec in self.topics.items() if spec.ordered}
+
+    def order_elsewhere(self, topic: str, orderer: str | None) -> None:
+        """Another node delivers ordered ``topic`` (``orderer``; None: no node is known
+        to): its channels here drop what they hold (a later ack of it is refused) and
+        keep, load and push nothing. This node still stores the topic's sends."""
+        if topic not in self.ordered_topics():
+            return  # no longer ordered: each node delivers its own copies again
+        self._orderers[topic] = orderer if orderer is not None else NO_ORDERER
+        for channel in self._topic_channels(topic):
+            self._place(channel)
+
+    def order_here(self, topic: str) -> None:
+        """This node is ordered ``topic``'s orderer: its channels here deliver every
+        node's copies, read from the first id (``ReliableChannel.order_here``), and learn
+        of the other nodes' commits by ``poll_ordered``."""
+        if topic not in self.ordered_topics():
+            return
+        self._orderers[topic] = None
+        for channel in self._topic_channels(topic):
+            self._place(channel)
+
+    def _topic_channels(self, topic: str) -> list[ReliableChannel]:
+        return [channel for (t, _), channel in self.channels.items() if t == topic]
+
+    def _place(self, channel: ReliableChannel) -> None:
+        """An ordered topic's channel in a cluster: delivered here if this node is its
+        orderer, else gated (``ReliableChannel.delivered_by``). On one node (no fence)
+        every ordered channel delivers here, as every other channel."""
+        if self.load_owner is None:
+            return
+        orderer = self._orderers.get(channel.topic, NO_ORDERER)
+        if orderer is None:
+            channel.order_here()
+        else:
+            channel.order_elsewhere(orderer)
+
+    def poll_ordered(self) -> None:
+        """Every ``--ordered-poll``: the channels this node orders, with consumers and no
+        load out, read what other nodes stored since (``ReliableChannel.poll``). Idle, it
+        costs a walk of the topics ordered here; no read without a consumer."""
+        channels = self.channels
+        for topic, orderer in self._orderers.items():
+            if orderer is None:
+                for name in self.topics[topic].channels:  # (_orderers lists registered topics only)
+                    channel = channels.get((topic, name))
+                    if channel is not None:
+                        channel.poll()
 
     # -- storing ------------------------------------------------------------
     def store(self, send: Send, done: Callable[[Outcome], None]) -> None:
@@ -736,7 +802,7 @@ class ReliableStore:
             if channel is None:  # unregistered meanwhile: the acks alone
                 floor, spans = 0, [(x, x) for x in sorted(set(ids))]
             else:
-                floor, spans = channel.progress(owner, ids, self.writes.limit(owner))
+                floor, spans = channel.progress(owner, ids, self.writes.limit(owner, orderer=channel.cursor.loads_only))
             progress.append(CursorProgress(topic, name, owner, floor, spans))
         return progress, self.node_id, self.load_owner is not None
 
@@ -757,9 +823,15 @@ class ReliableStore:
             if channel is not None:
                 channel.ack_not_durable(ids)
 
+    def _holder(self, channel: ReliableChannel) -> str | None:
+        """Whose copies a channel's loads read: in a cluster, those of this node's
+        incarnation and of the cursors it holds; an ordered topic's orderer (and a node
+        without a fence) reads every owner's (None)."""
+        return None if channel.cursor.loads_only else self.load_owner
+
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         d = self._workers["loader"].run_steps(
-            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner,
+            load_backlog_steps, channel.topic, channel.name, after, limit, self._holder(channel), self.writes.owner,
             list(channel.cursor.skipped),
         )
         self._on_load(channel, d, lambda rows: channel.loaded(rows, limit))
@@ -767,7 +839,7 @@ class ReliableStore:
     def _load_key(self, channel: ReliableChannel, key: str, after: int, limit: int) -> None:
         """An ordered channel's read of one key read apart (``ChannelCursor.skipped``)."""
         d = self._workers["loader"].run_steps(
-            load_backlog_steps, channel.topic, channel.name, after, limit, self.load_owner, self.writes.owner,
+            load_backlog_steps, channel.topic, channel.name, after, limit, self._holder(channel), self.writes.owner,
             (), key,
         )
         self._on_load(channel, d, lambda rows: channel.loaded_key(rows, limit, key))
@@ -775,7 +847,7 @@ class ReliableStore:
     def _load_ahead(self, channel: ReliableChannel, afters: list[int], limit: int) -> None:
         """A channel's read-ahead of its copies of priority 1 to 9 (``ChannelCursor.lookahead_from``)."""
         d = self._workers["loader"].run_steps(
-            load_priority_backlog_steps, channel.topic, channel.name, afters, limit, self.load_owner,
+            load_priority_backlog_steps, channel.topic, channel.name, afters, limit, self._holder(channel),
             self.writes.owner,
         )
         self._on_load(channel, d, lambda rows: channel.loaded_ahead(rows, limit))

@@ -17,7 +17,11 @@ full window; the same promises, and no push passing a copy of a higher priority 
 waits in memory. And on an ordered topic's channel (issue 45 §2), with keys, commits in
 order, and a window small enough that a key with many copies waiting is read apart
 (``ChannelCursor.skipped``): the same promises, one copy of a key out at a time, and each
-key's first deliveries in id order.
+key's first deliveries in id order. And on that channel as its topic's orderer in a cluster
+(45-nodes-design §4b): a second node stores copies of the topic too (another owner, its
+commits serialised with this node's, never handed to this channel: read by loads and the
+poll), so its copies are committed below ids this node's arrivals bring; the same
+promises, for both owners' cursors.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dmq_server.reliable.channel import Delivery, ReliableChannel, ReliableMessa
 from dmq_server.reliable.horizon import OwnWrites
 
 OWNER = 7
+OTHER = 8  # another node's incarnation (the cluster mode of the property test)
 
 
 class Consumer:
@@ -211,6 +216,7 @@ class World:
     priorities: bool = False  # copies of random priority, and the read-ahead
     lone: bool = False  # one consumer (the channel pushes it runs of copies), else two
     ordered: bool = False  # an ordered topic: keys, commits in order, keys read apart
+    cluster: bool = False  # its orderer in a cluster: another owner commits too, never handed here
     rng: random.Random = field(init=False)
     writes: OwnWrites = field(init=False)
     channel: ReliableChannel = field(init=False)
@@ -223,8 +229,9 @@ class World:
     durable: set[int] = field(default_factory=set)
     ack_queue: list[int] = field(default_factory=list)
     logged: list[int] = field(default_factory=list)  # the delivery log
-    floor: int = 0
-    done: set[int] = field(default_factory=set)  # spans, as ids (small numbers)
+    floors: dict[int, int] = field(default_factory=lambda: {OWNER: 0, OTHER: 0})  # the cursor rows, by owner
+    done: dict[int, set[int]] = field(default_factory=lambda: {OWNER: set(), OTHER: set()})  # spans, as ids
+    owners: dict[int, int] = field(default_factory=dict)  # id -> owner, where not OWNER
     load_request: tuple[int, int] | None = None
     ahead_request: tuple[list[int], int] | None = None
     key_request: tuple[str, int, int] | None = None
@@ -245,12 +252,19 @@ class World:
         self.consumers = [PriorityConsumer(3, self.violations, self.firsts)]
         if not self.lone:
             self.consumers.insert(0, PriorityConsumer(2, self.violations, self.firsts))
+        if self.cluster:
+            self.channel.order_here()
         for consumer in self.consumers:
             self.channel.subscribe(consumer)
 
     # the database ---------------------------------------------------------------
     def covered(self, mid: int) -> bool:
-        return mid <= self.floor or mid in self.done
+        owner = self.owners.get(mid, OWNER)
+        return mid <= self.floors[owner] or mid in self.done[owner]
+
+    @property
+    def floor(self) -> int:
+        return self.floors[OWNER]
 
     def _load(self, channel: ReliableChannel, after: int, limit: int) -> None:
         self.load_request = (after, limit, set(channel.cursor.skipped))  # as the store passes them
@@ -262,7 +276,8 @@ class World:
         self.ahead_request = (afters, limit)
 
     def row(self, mid: int) -> BacklogRow:
-        return BacklogRow(mid, "p", mid, 0, b"x", 0, OWNER, "", self.keys.get(mid), self.priority.get(mid, 0))
+        return BacklogRow(mid, "p", mid, 0, b"x", 0, self.owners.get(mid, OWNER), "", self.keys.get(mid),
+                          self.priority.get(mid, 0))
 
     def answer_load(self) -> None:
         after, limit, skip = self.load_request
@@ -291,7 +306,10 @@ class World:
 
     # the writers ----------------------------------------------------------------
     def send_batch(self) -> None:
-        token = self.writes.begin()
+        # in a cluster, another node's batch: committed in turn with this node's (the
+        # topic's commits are serialised across nodes), its answer not handed here
+        other = self.cluster and self.rng.random() < 0.5
+        token = -1 if other else self.writes.begin()
         ids = []
         for _ in range(self.rng.randint(1, 3)):
             self.next_id += self.rng.randint(1, 3)  # other topics' ids in between
@@ -300,13 +318,16 @@ class World:
                 self.priority[self.next_id] = self.rng.choice((0, 0, 1, 5, 9))
             if self.ordered:
                 self.keys[self.next_id] = self.rng.choice(("a", "a", "a", "b", "c", None))
+            if other:
+                self.owners[self.next_id] = OTHER
         self.pending_batches.append((token, ids))
 
     def commit_one(self) -> None:
         # an ordered topic's batches commit one at a time, in order (reliable.writer)
         token, ids = self.pending_batches.pop(0 if self.ordered else self.rng.randrange(len(self.pending_batches)))
         self.stored.update(ids)
-        self.committed_unanswered.append((token, ids))
+        if token != -1:
+            self.committed_unanswered.append((token, ids))
 
     def answer_one(self) -> None:
         which = 0 if self.ordered else self.rng.randrange(len(self.committed_unanswered))
@@ -333,10 +354,14 @@ class World:
         for mid in batch:
             if not self.covered(mid):
                 self.logged.append(mid)
-        floor, spans = self.channel.progress(OWNER, batch, self.writes.limit(OWNER))
-        self.floor = max(self.floor, floor)
-        for lo, hi in spans:
-            self.done.update(range(lo, hi + 1))
+        for owner in (OWNER, OTHER):
+            acked = [mid for mid in batch if self.owners.get(mid, OWNER) == owner]
+            if owner == OTHER and not acked:
+                continue
+            floor, spans = self.channel.progress(owner, acked, self.writes.limit(owner, orderer=self.cluster))
+            self.floors[owner] = max(self.floors[owner], floor)
+            for lo, hi in spans:
+                self.done[owner].update(range(lo, hi + 1))
         self.durable.update(batch)
         self.channel.ack_durable(batch)
 
@@ -354,6 +379,8 @@ class World:
             choices.append(self.answer_ahead)
         if self.key_request is not None:
             choices.append(self.answer_key)
+        if self.cluster:
+            choices.append(self.channel.poll)  # the store's --ordered-poll
         self.rng.choice(choices)()
 
     def check(self) -> None:
@@ -366,9 +393,10 @@ class World:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(min_value=0, max_value=2**32), st.integers(min_value=20, max_value=300),
-       st.sampled_from(("plain", "priorities", "ordered")), st.booleans())
+       st.sampled_from(("plain", "priorities", "ordered", "cluster")), st.booleans())
 def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps, mode, lone):
-    world = World(seed, mode != "plain", lone, mode == "ordered")  # ordered: priorities too (key order wins)
+    # ordered: priorities too (key order wins); cluster: an ordered topic's orderer
+    world = World(seed, mode != "plain", lone, mode in ("ordered", "cluster"), mode == "cluster")
     for _ in range(steps):
         world.step()
         world.check()
@@ -388,6 +416,10 @@ def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps, mode, lone
             world.consumer_acks()
         elif world.ack_queue:
             world.flush_acks()
+        elif world.cluster and world.stored - world.acked:
+            world.channel.poll()  # what the other node stored is read at the next poll
+            if world.load_request is None:
+                break
         else:
             break
         world.check()
@@ -396,4 +428,7 @@ def test_the_cursor_covers_exactly_what_was_acknowledged(seed, steps, mode, lone
         world.flush_acks(everything=True)
     assert sorted(world.logged) == sorted(world.acked), "every acknowledgement logged exactly once"
     assert all(world.covered(m) for m in world.stored)
-    assert world.floor >= max(world.stored, default=0), "with nothing in flight the floor passes everything"
+    for owner in (OWNER, OTHER):
+        mine = [m for m in world.stored if world.owners.get(m, OWNER) == owner]
+        if owner == OWNER or world.cluster and mine:
+            assert world.floors[owner] >= max(mine, default=0), "with nothing in flight the floor passes everything"
