@@ -23,12 +23,18 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.integration.support import REPO, ServerProcess, free_port, http_get
 from tests.zk.zkserver import ZooKeeperServer
 
 from .faultproxy import FaultProxy
+
+if TYPE_CHECKING:
+    from kazoo.client import KazooClient
 
 __all__ = ["ChaosCluster", "patroni_local", "FAKETIME_LIB"]
 
@@ -138,18 +144,30 @@ class ChaosCluster:
         self.flags = [dict(node.flags) for node in self.nodes]  # what restore() puts back
         return self
 
-    def register_topic(self, topic: str, channels: list[str], msg_timeout_ms: int = 5000) -> None:
-        from registry.zk import ZkRegistry, connect
+    @contextmanager
+    def zk_client(self) -> Iterator[KazooClient]:
+        """A kazoo client of the test's own, straight to ZooKeeper (not through the fault
+        proxy, so a cut ``zk`` route does not hide the registry from the test)."""
+        from registry.zk import connect
 
         client = connect(f"{self.zk.address}{CHROOT}", timeout=30, session_timeout=10)
         try:
-            registry = ZkRegistry(client)
-            registry.create_topic(topic, msg_timeout_ms=msg_timeout_ms)
-            for channel in channels:
-                registry.add_channel(topic, channel)
+            yield client
         finally:
             client.stop()
             client.close()
+
+    def register_topic(self, topic: str, channels: list[str], msg_timeout_ms: int = 5000, *,
+                       ordered: bool = False) -> None:
+        """Create ``topic`` with ``channels`` in ZooKeeper (``ordered``: per-key order,
+        issue 45) and wait until every node serves them."""
+        from registry.zk import ZkRegistry
+
+        with self.zk_client() as client:
+            registry = ZkRegistry(client)
+            registry.create_topic(topic, msg_timeout_ms=msg_timeout_ms, ordered=ordered)
+            for channel in channels:
+                registry.add_channel(topic, channel)
         deadline = time.monotonic() + 30
         for node in self.nodes:  # each node learns of it through a watch
             while not self._serves(node, topic, channels):

@@ -34,6 +34,17 @@ again at once on the same port, once a consumer of each channel holds a copy (th
 node: it loads what was not acknowledged from PostgreSQL; producers resend what was
 unanswered, consumers connect again).
 
+**Across nodes** (being prepared: the nodes do not elect an ordered topic's orderer yet,
+so no scenario runs it): ``ChaosCluster.register_topic(..., ordered=True)``;
+``keyed_producers`` over every node's address, producer ``i`` starting on node ``i``,
+each moving to the next node when its connection breaks or goes quiet and resending there
+what was unanswered (``KeyedProducer``); ``consumers_on_every_node``, a ``KeyedConsumer``
+per (node, channel, instance), each push recorded with its node; ``orderer`` /
+``await_orderer`` (the holder of ``/dmq/orderer/<topic>``), ``kill_node`` (-9, recorded in
+``OrderedRun.node_kills``: it ends only the pushes that came through that node) and
+``pause_node`` (SIGSTOP). The checker's rules are the same; the report adds the pushes
+per node.
+
 **Left out**, though the issue names them: a takeover of a dead node's messages by
 another node, and ``dmq topic move`` between PostgreSQL clusters. docs/protocol.md §5
 promises per-key order only for a key's messages sent through one node (each node
@@ -61,30 +72,41 @@ also counted by the chaos checker (``checker.check``).
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.message import ReceivedMessage
 from dmq_client.wire import Command, Frame
 from dmq_client.wire.properties import Properties, encode_properties
+from registry import paths
+from registry.placement_lock import PlacementLock
 
 from .checker import ChannelCount, History, check
-from .load import Confirmer, Producer
+from .load import Addresses, Confirmer, Producer
+
+if TYPE_CHECKING:
+    from .cluster import ChaosCluster
 
 __all__ = ["Attempt", "KeyedProducer", "KeyedConsumer", "OrderedTiming", "OrderedRun", "OrderCount",
-           "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "PROBLEMS", "check_order", "key_history", "run", "format_report"]
+           "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "PROBLEMS", "check_order", "key_history", "run", "format_report",
+           "keyed_producers", "keyed_consumer", "consumers_on_every_node", "pushes_per_node", "node_index",
+           "node_ids", "orderer", "await_orderer", "kill_node", "pause_node"]
 
 CHANNELS = ["billing", "audit"]
 KEYS = 1000
 MSG_TIMEOUT_MS = 30_000  # longer than any copy is held: no copy comes back by a timeout
 HOLD = 0.08  # the longest a holding consumer keeps a copy before its ack
 Address = Callable[[], tuple[str, int]]
+NodeKills = Mapping[str, list[float]]  # node id -> when it was killed (-9), taken before the signal
+Heal = Callable[[], None]
 
 
 def key_name(n: int) -> str:
@@ -100,7 +122,7 @@ def identity(body: bytes) -> bytes:
 class Attempt:
     """One push as its consumer saw it: read at ``pushed_at``, let go of at ``ended_at``
     (``how``: ``ack``, ``consumer killed``, ``connection lost``, ``stopped``; None while
-    held)."""
+    held), through ``node`` (the node id its consumer is connected to; "" with one node)."""
 
     channel: str
     consumer: str
@@ -110,17 +132,27 @@ class Attempt:
     pushed_at: float
     ended_at: float | None = None
     how: str = ""
+    node: str = ""
 
 
 class KeyedProducer(Producer):
     """Sends over its own keys, one message of a key at a time (see the module): the
     chaos load's producer (pacing, pipelining, a resend of what a broken connection left
-    unanswered), choosing which key each new send is for and putting it in the status."""
+    unanswered), choosing which key each new send is for and putting it in the status.
 
-    def __init__(self, index: int, address: Address, topic: str, keys: list[str], history: History, *,
-                 rate: float, window: int = 24, burst: int = 5, seed: int = 0):
-        super().__init__(f"ordered-p{index}", lambda: [address()], topic, history, rate=rate, window=window,
-                         delay_every=0)
+    ``addresses()``: the nodes it may send to (one, or every node of a cluster). It starts
+    on the one at ``first`` and stays there until its connection breaks or goes quiet (5 s
+    without an answer: a frozen node); then it moves to the next one (in turn, from the
+    last) and first resends there what was unanswered, with the same (producer, session
+    id), which PostgreSQL finds stored if the first node committed it. A key's next send
+    waits for that answer, so the order of a key's acks stays the order of its commits
+    across nodes. ``acks_by_node``: the acks each address (its index) answered."""
+
+    def __init__(self, index: int, addresses: Addresses, topic: str, keys: list[str], history: History, *,
+                 rate: float, window: int = 24, burst: int = 5, seed: int = 0, first: int = 0):
+        super().__init__(f"ordered-p{index}", addresses, topic, history, rate=rate, window=window, delay_every=0)
+        self._next = first  # the address connected to now: Producer moves it on a broken connection
+        self.acks_by_node: dict[int, int] = {}
         self.burst = burst
         self.rng = random.Random(seed)
         # key -> [(message id, acked at)], in the order of its acks
@@ -129,6 +161,11 @@ class KeyedProducer(Producer):
         self._left: dict[str, int] = {}  # key in a burst -> its sends not made yet
         self._ready: deque[str] = deque()  # keys whose next send may go (the one before it answered)
         self._key_of: dict[int, str] = {}  # session id -> its key
+
+    @property
+    def node(self) -> int:
+        """The index in ``addresses()`` of the node it sends to now (or connects to next)."""
+        return self._next % len(self.addresses())
 
     def _make(self, made: int, due: int, todo: deque[tuple[int, bool]]) -> int:
         """A new send only for a key whose previous send was answered: the next of a
@@ -157,6 +194,7 @@ class KeyedProducer(Producer):
 
     def _acked(self, reply: Frame, now: float) -> None:
         super()._acked(reply, now)
+        self.acks_by_node[self.node] = self.acks_by_node.get(self.node, 0) + 1
         key = self._key_of[reply.session_id]
         self.acked.setdefault(key, []).append((reply.message_id, now))
         if self._left[key] > 0:
@@ -174,10 +212,11 @@ class KeyedConsumer(threading.Thread):
     exact (``killed`` / ``paused`` are set then)."""
 
     def __init__(self, name: str, address: Address, topic: str, channel: str, history: History, *,
-                 credit: int = 20, hold: float = 0.0, batch: bool = False, seed: int = 0):
+                 credit: int = 20, hold: float = 0.0, batch: bool = False, seed: int = 0, node: str = ""):
         super().__init__(daemon=True, name=f"chaos-{name}")
         self.consumer = name
         self.address = address
+        self.node = node  # the node id behind ``address`` (its Attempts carry it; "" with one node)
         self.topic = topic
         self.channel = channel
         self.history = history
@@ -280,7 +319,8 @@ class KeyedConsumer(threading.Thread):
                 now = time.monotonic()
                 key = ReceivedMessage.properties_of(push.status).key
                 with self._lock:
-                    attempt = Attempt(self.channel, self.consumer, push.message_id, key, push.attempts, now)
+                    attempt = Attempt(self.channel, self.consumer, push.message_id, key, push.attempts, now,
+                                      node=self.node)
                     self.attempts.append(attempt)
                     self._open[push.message_id] = attempt
                 self.history.deliver(self.channel, identity(push.body), push.message_id, now)
@@ -308,6 +348,116 @@ class KeyedConsumer(threading.Thread):
             else:
                 for push in due:
                     client.ack(push)
+
+
+# -- the run's threads, and across nodes ------------------------------------------------
+def keyed_producers(addresses: Addresses, topic: str, history: History, rng: random.Random, *, producers: int,
+                    rate: float) -> list[KeyedProducer]:
+    """``producers`` producers (not started) sharing the ``KEYS`` keys, each its own range;
+    producer ``i`` starts on address ``i`` (in turn), so with several nodes each one stores
+    some of every channel's keys."""
+    keys = [key_name(n) for n in range(KEYS)]
+    share = -(-KEYS // producers)
+    nodes = len(addresses())
+    return [KeyedProducer(i, addresses, topic, keys[i * share:(i + 1) * share], history, rate=rate,
+                          seed=rng.randrange(2**32), first=i % nodes) for i in range(producers)]
+
+
+def keyed_consumer(name: str, address: Address, topic: str, channel: str, instance: int, history: History,
+                   rng: random.Random, *, node: str = "") -> KeyedConsumer:
+    """The run's consumer ``instance`` of ``channel`` (not started): even instances ack at
+    once, odd ones after a random hold of up to ``HOLD``; every third reads what waits and
+    acks in batches."""
+    return KeyedConsumer(name, address, topic, channel, history, hold=0.0 if instance % 2 == 0 else HOLD,
+                         batch=instance % 3 == 2, seed=rng.randrange(2**32), node=node)
+
+
+
+def consumers_on_every_node(addresses: Addresses, node_ids: list[str], topic: str, history: History,
+                            rng: random.Random, *, channels: list[str] = CHANNELS,
+                            instances: int = 2) -> list[KeyedConsumer]:
+    """A consumer per (node, channel, instance), not started, each connected to its node
+    only (``addresses()[n]`` is node ``node_ids[n]``; it connects again there after a
+    break), named ``<node id>-<channel>-<instance>``: an ordered topic's copies come from
+    whichever node delivers them, so every node has consumers of every channel, as NSQ's
+    readers and MqClient with ``zk`` do. Every push is recorded on the test's one clock with
+    its node, so an overlap across nodes is seen."""
+    return [keyed_consumer(f"{node}-{channel}-{instance}", _nth(addresses, n), topic, channel, instance, history,
+                           rng, node=node)
+            for n, node in enumerate(node_ids) for channel in channels for instance in range(instances)]
+
+
+def _nth(addresses: Addresses, n: int) -> Address:
+    return lambda: addresses()[n]
+
+
+def pushes_per_node(attempts: list[Attempt]) -> dict[str, dict[str, int]]:
+    """channel -> node id -> pushes its consumers received there (the report's line: which
+    node delivered an ordered topic, and how much after a handover)."""
+    out: dict[str, dict[str, int]] = {}
+    for a in attempts:
+        per_node = out.setdefault(a.channel, {})
+        per_node[a.node] = per_node.get(a.node, 0) + 1
+    return out
+
+
+def node_index(node_ids: list[str], node_id: str | None) -> int | None:
+    """Where ``node_id`` is in ``node_ids`` (a ``ChaosCluster``'s nodes, in order); None
+    for None or an id not among them."""
+    return node_ids.index(node_id) if node_id in node_ids else None
+
+
+def node_ids(cluster: ChaosCluster) -> list[str]:
+    return [node.flags["node_id"] for node in cluster.nodes]
+
+
+def orderer(cluster: ChaosCluster, topic: str) -> int | None:
+    """The index of the node that holds the ordered ``topic``'s lock (``/dmq/orderer/<topic>``,
+    ``PlacementLock.holder()``, read straight from ZooKeeper); None while no node holds it."""
+    with cluster.zk_client() as client:
+        holder = PlacementLock(client, paths.orderer(topic), "chaos-test").holder()
+    return node_index(node_ids(cluster), holder)
+
+
+def await_orderer(cluster: ChaosCluster, topic: str, timeout: float, *, other_than: int | None = None) -> int:
+    """Wait until a node (not ``other_than``: the one just killed or frozen) holds the
+    ordered ``topic``'s lock; its index. One ZooKeeper session for the whole wait."""
+    ids = node_ids(cluster)
+    found: list[int] = []
+    with cluster.zk_client() as client:
+        lock = PlacementLock(client, paths.orderer(topic), "chaos-test")
+
+        def held() -> bool:
+            index = node_index(ids, lock.holder())
+            if index is None or index == other_than:
+                return False
+            found.append(index)
+            return True
+
+        _await(held, timeout, f"a node{' other than ' + ids[other_than] if other_than is not None else ''} "
+                              f"holding {paths.orderer(topic)}")
+    return found[-1]
+
+
+def kill_node(cluster: ChaosCluster, index: int, run: OrderedRun) -> Heal:
+    """kill -9 of node ``index`` (the orderer, or a node that stores), its moment taken
+    before the signal into ``run.node_kills`` (the copies out through it end then); the
+    heal starts it again (on its port, with the cluster's flags)."""
+    node = cluster.nodes[index]
+    run.node_kills.setdefault(node.flags["node_id"], []).append(time.monotonic())
+    node.kill()
+    return lambda: cluster.restart_node(index)
+
+
+def pause_node(cluster: ChaosCluster, index: int) -> Heal:
+    """SIGSTOP of node ``index``: its connections stay open and its consumers keep what it
+    pushed them (it is no kill: their copies stay out, so a new orderer's push of their
+    keys meanwhile is an overlap); held past its ZooKeeper session, it loses its locks. The
+    heal is SIGCONT."""
+    proc = cluster.nodes[index].proc
+    assert proc is not None and proc.poll() is None, f"node {index} does not run"
+    proc.send_signal(signal.SIGSTOP)
+    return lambda: proc.send_signal(signal.SIGCONT)
 
 
 # -- the count --------------------------------------------------------------------------
@@ -342,16 +492,17 @@ class OrderCount:
 PROBLEMS = ("lost_examples", "order_violations", "overlaps", "same_id_overlaps", "passed")
 
 
-def _ends(tries: list[Attempt], kills: list[float]) -> tuple[list[float], list[int]]:
+def _ends(tries: list[Attempt], kills: list[float], node_kills: NodeKills) -> tuple[list[float], list[int]]:
     """When each push (sorted by push time) stopped being out, as the rule sees it: its
-    end as recorded, capped by a kill of the server after its push and by the next push of
-    the same id (the server took it back); and the indices of pushes whose next push of
-    the same id came while it was still held (a same-id overlap)."""
+    end as recorded, capped by a kill of the server (``kills``) or of the node it came
+    through (``node_kills``) after its push and by the next push of the same id (the
+    server took it back); and the indices of pushes whose next push of the same id came
+    while it was still held (a same-id overlap)."""
     ends: list[float] = []
     early: list[int] = []
     for i, a in enumerate(tries):
         end = a.ended_at if a.ended_at is not None else float("inf")
-        end = min([end] + [k for k in kills if k > a.pushed_at])
+        end = min([end] + [k for k in (*kills, *node_kills.get(a.node, ())) if k > a.pushed_at])
         following = next((b for b in tries[i + 1:] if b.message_id == a.message_id), None)
         if following is not None and following.pushed_at < end:
             early.append(i)
@@ -361,7 +512,7 @@ def _ends(tries: list[Attempt], kills: list[float]) -> tuple[list[float], list[i
 
 
 def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, float]], pushes: list[Attempt],
-               kills: list[float], t: Callable[[float], str]) -> dict[str, list[str]]:
+               kills: list[float], t: Callable[[float], str], node_kills: NodeKills) -> dict[str, list[str]]:
     """One key on one channel: adds its counts to ``c``; returns what it broke."""
     expected = [mid for mid, _ in sent]
     problems: dict[str, list[str]] = {kind: [] for kind in PROBLEMS}
@@ -386,7 +537,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
             or [m for m in order if m in known] != [m for m in expected if m in first]):
         problems["order_violations"].append(f"{channel} {key}: first pushed {order}, acknowledged to its "
                                             f"producer in the order {expected}")
-    ends, early = _ends(tries, kills)
+    ends, early = _ends(tries, kills, node_kills)
     for i in early:
         a = tries[i]
         problems["same_id_overlaps"].append(f"{channel} {key}: id {a.message_id} pushed again at {t(ends[i])} "
@@ -433,12 +584,17 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
 
 
 def check_order(sends: dict[str, list[tuple[int, float]]], attempts: list[Attempt], kills: list[float],
-                channels: list[str], origin: float = 0.0) -> dict[str, OrderCount]:
+                channels: list[str], origin: float = 0.0, node_kills: NodeKills | None = None
+                ) -> dict[str, OrderCount]:
     """Per channel, over every key: the counts of the module's docstring.
 
     ``sends``: key -> [(message id, acked at)] in the order its producer was acked;
     ``attempts``: every push of every consumer; ``kills``: when the server was killed
-    (taken before the signal). Plain values in, no IO: the unit tier tests it."""
+    (taken before the signal: every node of it, with one node); ``node_kills``: node id ->
+    when that node alone was killed, which ends only the pushes that came through it (a
+    cluster's other nodes, and their consumers' copies, live on). Plain values in, no IO:
+    the unit tier tests it."""
+    node_kills = node_kills or {}
     out = {}
     by_pair: dict[tuple[str, str], list[Attempt]] = {}
     for a in attempts:
@@ -451,7 +607,8 @@ def check_order(sends: dict[str, list[tuple[int, float]]], attempts: list[Attemp
     for channel in channels:
         c = out[channel] = OrderCount(channel)
         for key in sorted(set(sends) | {k for ch, k in by_pair if ch == channel}):
-            problems = _check_key(c, channel, key, sends.get(key, []), by_pair.get((channel, key), []), kills, t)
+            problems = _check_key(c, channel, key, sends.get(key, []), by_pair.get((channel, key), []), kills, t,
+                                  node_kills)
             for kind, lines in problems.items():
                 getattr(c, kind).extend(lines)
             if any(problems.values()):
@@ -460,12 +617,13 @@ def check_order(sends: dict[str, list[tuple[int, float]]], attempts: list[Attemp
 
 
 def key_history(sends: dict[str, list[tuple[int, float]]], attempts: list[Attempt], kills: list[float],
-                channel: str, key: str, origin: float = 0.0) -> list[str]:
+                channel: str, key: str, origin: float = 0.0, node_kills: NodeKills | None = None) -> list[str]:
     """What happened to one key on one channel, in time order (seconds from ``origin``):
     each ack to its producer, each push (consumer, id, attempts) and its end, each kill
-    of the server. An order violation's or overlap's story starts here."""
+    of the server or of a node. An order violation's or overlap's story starts here."""
     events: list[tuple[float, str]] = [(at, f"id {mid} acknowledged to its producer") for mid, at in sends.get(key, [])]
     events += [(k, "the dmq server killed (-9)") for k in kills]
+    events += [(k, f"node {node} killed (-9)") for node, at in (node_kills or {}).items() for k in at]
     for a in attempts:
         if a.channel == channel and a.key == key:
             events.append((a.pushed_at, f"id {a.message_id} pushed to {a.consumer} (attempts {a.attempts})"))
@@ -495,6 +653,7 @@ class OrderedRun:
     sends: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     attempts: list[Attempt] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)
+    node_kills: dict[str, list[float]] = field(default_factory=dict)  # a cluster's: ``kill_node``
     faults: list[str] = field(default_factory=list)
     notes: dict[str, object] = field(default_factory=dict)
     drained: bool = False
@@ -527,16 +686,12 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
     def since(at: float) -> str:
         return f"+{at - origin:.2f} s"
 
-    keys = [key_name(n) for n in range(KEYS)]
-    share = -(-KEYS // timing.producers)
-    producers = [KeyedProducer(i, address, topic, keys[i * share:(i + 1) * share], history, rate=timing.rate,
-                               seed=rng.randrange(2**32)) for i in range(timing.producers)]
+    producers = keyed_producers(lambda: [address()], topic, history, rng, producers=timing.producers,
+                                rate=timing.rate)
     consumers: list[KeyedConsumer] = []
 
     def consumer(channel: str, instance: int) -> KeyedConsumer:
-        c = KeyedConsumer(f"{channel}-{instance}", address, topic, channel, history,
-                          hold=0.0 if instance % 2 == 0 else HOLD, batch=instance % 3 == 2,
-                          seed=rng.randrange(2**32))
+        c = keyed_consumer(f"{channel}-{instance}", address, topic, channel, instance, history, rng)
         consumers.append(c)
         c.start()
         return c
@@ -647,7 +802,8 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
 def count(run: OrderedRun) -> tuple[dict[str, OrderCount], list[ChannelCount]]:
     """The per-key counts (``check_order``) and the chaos checker's per-channel ones."""
     assert run.history is not None
-    return (check_order(run.sends, run.attempts, run.kills, CHANNELS, run.origin), check(run.history))
+    return (check_order(run.sends, run.attempts, run.kills, CHANNELS, run.origin, run.node_kills),
+            check(run.history))
 
 
 def ok(run: OrderedRun, orders: dict[str, OrderCount], counts: list[ChannelCount]) -> bool:
@@ -674,6 +830,8 @@ def format_report(run: OrderedRun, orders: dict[str, OrderCount], counts: list[C
             lines += [f"    {example}" for example in found[:5]]
             if len(found) > 5:
                 lines.append(f"    ... {len(found) - 5} more {what.replace('_', ' ')}")
+    if any(a.node for a in run.attempts):
+        lines.append(f"  pushes per node: {pushes_per_node(run.attempts)}")
     lines += [f"  fault: {f}" for f in run.faults]
     lines.append(f"  drained {run.drained}; notes: {run.notes}")
     if run.failures:
