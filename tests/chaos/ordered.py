@@ -372,7 +372,6 @@ def keyed_consumer(name: str, address: Address, topic: str, channel: str, instan
                          batch=instance % 3 == 2, seed=rng.randrange(2**32), node=node)
 
 
-
 def consumers_on_every_node(addresses: Addresses, node_ids: list[str], topic: str, history: History,
                             rng: random.Random, *, channels: list[str] = CHANNELS,
                             instances: int = 2) -> list[KeyedConsumer]:
