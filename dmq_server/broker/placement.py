@@ -49,12 +49,13 @@ def move_held(spec: TopicSpec) -> str | None:
 
     Ids do not order across clusters (each draws from its own slot), so a key's order
     across a move rests on this: per key, every copy stored on the old cluster goes out
-    before any copy stored on the new one. That is commit order: a producer sends a key's
-    next message only after the previous one's ack, and once the registry names the new
-    cluster the old one refuses the topic's sends (``E_MOVED``, the fence of ``dmq topic
-    move``), so no copy reaches the old cluster after one of its key reached the new.
-    The new cluster is the newer of the two; the draining ones deliver freely, so the move
-    still finishes (it waits for them to hold nothing, and they need nobody else).
+    before any copy stored on the new one. That is commit order for a key sent through one
+    node (the order docs/protocol.md §5 promises): a producer sends a key's next message
+    only after the previous one's ack, and once the node's view names the new cluster it
+    never stores the topic on the old one again (a stale view's send there is refused,
+    ``E_MOVED``, once the move's fence is written). The new cluster is the newer; the
+    draining ones deliver freely, so the move still finishes (it waits for them to hold
+    nothing, and they wait for nobody).
 
     Older and newer are known only between the topic's cluster and the draining ones:
     ``draining`` is a set (the CLI keeps it sorted by name), so of two draining clusters
