@@ -116,7 +116,7 @@ class RecordingConsumer(threading.Thread):
                         client.ack_many(chosen)
             finally:
                 client.close()
-        except (ClientError, OSError) as exc:
+        except (ClientError, OSError, AssertionError) as exc:
             self.error = exc
 
 
