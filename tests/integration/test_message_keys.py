@@ -51,7 +51,8 @@ PARAMS = {"topic": "t1", "channel": "c", "after": 0, "limit": 100, "holder": Non
 def _fill(conn, owners: list[int], per_topic: int, others: int | None = None, schema_11: bool = False) -> None:
     """Topics t1, t2, t3 with a channel c each; ``per_topic`` messages of t1 stored by each
     owner, ``others`` (default the same) of t2 and t3. ``schema_11``: the database is at
-    version 11, whose dmq_topic the registry of today no longer writes (``ordered``, 17)."""
+    version 11, whose dmq_topic the registry of today no longer writes, nor today's
+    insert_messages reads (``ordered``, 17): the rows go in as that version's would."""
     for topic in ("t1", "t2", "t3"):
         if schema_11:
             conn.execute("INSERT INTO dmq_topic (name) VALUES (%s)", (topic,))
@@ -61,6 +62,11 @@ def _fill(conn, owners: list[int], per_topic: int, others: int | None = None, sc
             registry.add_channel(conn, topic, "c")
         count = per_topic if topic == "t1" or others is None else others
         for owner in owners:
+            if schema_11:
+                conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
+                             "SELECT %s, %s, n, %s, %s, 'x' FROM generate_series(0, %s - 1) AS n",
+                             (topic, f"p-{owner}-{topic}", f"node-{owner}", owner, count))
+                continue
             batch = [NewMessage(topic, f"p-{owner}-{topic}", n, 0, b"x") for n in range(count)]
             run_steps(conn, insert_messages_steps(batch, f"node-{owner}", owner))
 
