@@ -881,12 +881,15 @@ SELECT id, node_id, retired_at IS NOT NULL FROM dmq_owner ORDER BY id;
 
 -- name: takeover_candidates
 -- Nodes with incarnations still storing, and nodes named as holders of cursors, each with
--- its incarnations not yet retired: the takeover compares them with the live nodes.
+-- its incarnations not yet retired: the takeover compares them with the live nodes. The
+-- holders of ordered topics' cursors are not named: a takeover leaves those to the
+-- topic's orderer (claim_owners), so a departed orderer would be named again and again.
 SELECT n.node_id,
        coalesce((SELECT array_agg(o.id ORDER BY o.id) FROM dmq_owner o
                  WHERE o.node_id = n.node_id AND o.retired_at IS NULL), '{}')
 FROM (SELECT node_id FROM dmq_owner WHERE retired_at IS NULL
-      UNION SELECT holder FROM dmq_cursor) AS n
+      UNION SELECT holder FROM dmq_cursor k
+            WHERE NOT EXISTS (SELECT 1 FROM dmq_topic t WHERE t.name = k.topic AND t.ordered)) AS n
 ORDER BY n.node_id;
 
 -- name: claim_owners
@@ -894,7 +897,11 @@ ORDER BY n.node_id;
 -- are not live (their group commits wait for or fail on the owner row's lock, so nothing
 -- more is stored for them), open their cursors on every channel with their messages, and
 -- become the holder of every cursor of those owners, or held by the departed node, that
--- no live node holds. Returns the channels whose cursors changed hands.
+-- no live node holds. Returns the channels whose cursors changed hands. An ordered
+-- topic's channels are left alone (issue 45): one node at a time delivers the topic, its
+-- orderer, which holds every cursor of it (claim_ordered_cursors; after a departed
+-- orderer, the next one's claim moves them); opened or moved here, they would go to a
+-- node that does not deliver the topic, and the orderer's acks would be refused forever.
 WITH retired AS (
     UPDATE dmq_owner SET retired_at = now()
     WHERE id = ANY(%(owners)s::integer[]) AND retired_at IS NULL
@@ -902,7 +909,8 @@ WITH retired AS (
 ), opened AS (
     INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
     SELECT c.topic, c.name, o.id, %(me)s, c.start_id
-    FROM dmq_channel c CROSS JOIN unnest(%(owners)s::integer[]) AS o(id)
+    FROM dmq_channel c JOIN dmq_topic t ON t.name = c.topic AND NOT t.ordered
+    CROSS JOIN unnest(%(owners)s::integer[]) AS o(id)
     WHERE EXISTS (SELECT 1 FROM dmq_message m
                   WHERE hashtext(m.topic) = hashtext(c.topic) AND m.topic = c.topic AND m.owner = o.id
                     AND m.id > c.start_id)
@@ -912,11 +920,49 @@ WITH retired AS (
     UPDATE dmq_cursor k SET holder = %(me)s
     WHERE (k.owner = ANY(%(owners)s::integer[]) OR k.holder = %(dead)s)
       AND k.holder <> %(me)s AND NOT (k.holder = ANY(%(live)s::text[]))
+      AND NOT EXISTS (SELECT 1 FROM dmq_topic t WHERE t.name = k.topic AND t.ordered)
     RETURNING topic, channel
 )
 SELECT topic, channel, count(*)
 FROM (SELECT * FROM opened UNION ALL SELECT * FROM moved) AS changed
 GROUP BY topic, channel ORDER BY topic, channel;
+
+-- name: open_ordered_cursors
+-- An orderer's claim of an ordered topic, its first half (db.orderer_steps, issue 45): a
+-- cursor held by the orderer (``me``), at its channel's start, for each channel of the
+-- topic and each incarnation with messages of the topic there, where there is none (as
+-- claim_owners opens a departed node's). Without it, the first ack of such a copy would
+-- open its cursor for whichever node sent it, the previous orderer included. Returns how
+-- many cursors it opened (a row count).
+INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
+SELECT c.topic, c.name, o.id, %(me)s, c.start_id
+FROM dmq_channel c CROSS JOIN dmq_owner o
+WHERE c.topic = %(topic)s
+  AND EXISTS (SELECT 1 FROM dmq_message m
+              WHERE hashtext(m.topic) = hashtext(c.topic) AND m.topic = c.topic AND m.owner = o.id
+                AND m.id > c.start_id)
+ON CONFLICT (topic, channel, owner) DO NOTHING;
+
+-- name: claim_ordered_cursors
+-- The claim's second half: the orderer becomes the holder of every other cursor of the
+-- topic. A statement of its own, so that its snapshot sees a cursor that another node's
+-- ack opened while open_ordered_cursors ran (which waited for that ack and left its
+-- row). ack_deliveries and exhaust_deliveries check the holder on the row as locked, so
+-- from this commit on the previous orderer's fenced acks and exhausts move none of the
+-- topic's cursors, also ones it sends after a freeze. Returns how many cursors it moved.
+UPDATE dmq_cursor SET holder = %(me)s
+WHERE topic = %(topic)s AND holder IS DISTINCT FROM %(me)s;
+
+-- name: release_ordered_cursors
+-- A topic no longer ordered: its orderer (``me``) gives each cursor of it that it holds
+-- back to the node of the cursor's incarnation (dmq_owner.node_id) when that incarnation
+-- is live (not retired), so the node that stored the copies delivers them again, as it
+-- does an unordered topic's (and a takeover claims them if that node has departed). A
+-- retired incarnation's cursors stay with ``me``. Returns how many changed hands.
+UPDATE dmq_cursor k SET holder = o.node_id
+FROM dmq_owner o
+WHERE k.topic = %(topic)s AND k.holder = %(me)s AND o.id = k.owner
+  AND o.retired_at IS NULL AND o.node_id <> %(me)s;
 
 -- name: prune_owners
 -- Incarnations retired long enough that none of their messages is left, with their

@@ -335,6 +335,9 @@ class MemoryDb:
             "owner_states": self._owner_states,
             "takeover_candidates": self._takeover_candidates,
             "claim_owners": self._claim_owners,
+            "open_ordered_cursors": self._open_ordered_cursors,
+            "claim_ordered_cursors": self._claim_ordered_cursors,
+            "release_ordered_cursors": self._release_ordered_cursors,
             "prune_owners": self._prune_owners,
             "backends_alive": lambda p: [],  # the double's "connections" end with the failure
             "owner_depths": self._owner_depths,
@@ -1265,9 +1268,13 @@ class MemoryDb:
 
     # -- takeover ------------------------------------------------------------------------
 
+    def _ordered(self, topic: str) -> bool:
+        row = self.topics.get(topic)
+        return row is not None and row["ordered"]
+
     def _takeover_candidates(self, p: dict) -> list[tuple]:
         nodes = {row["node_id"] for row in self.owners.values() if not row["retired"]}
-        nodes |= {c.holder for c in self.cursors.values()}
+        nodes |= {c.holder for (topic, _, _), c in self.cursors.items() if not self._ordered(topic)}
         return [
             (node, [o for o, row in sorted(self.owners.items()) if row["node_id"] == node and not row["retired"]])
             for node in sorted(nodes)
@@ -1275,7 +1282,8 @@ class MemoryDb:
 
     def _claim_owners(self, p: dict) -> list[tuple]:
         """Retire the owners, open their cursors on the channels with their messages, and
-        hold every cursor of theirs (or of the departed node) no live node holds."""
+        hold every cursor of theirs (or of the departed node) no live node holds; an
+        ordered topic's cursors are left to its orderer."""
         owners = list(dict.fromkeys(p["owners"]))
         for o in owners:
             row = self.owners.get(o)
@@ -1285,8 +1293,11 @@ class MemoryDb:
         moved = [  # of the cursors as they were: those opened now are counted once
             key for key, c in self.cursors.items()
             if (key[2] in owners or c.holder == p["dead"]) and c.holder != p["me"] and c.holder not in p["live"]
+            and not self._ordered(key[0])
         ]
         for (topic, channel), start in sorted(self.start_ids.items()):
+            if self._ordered(topic):
+                continue
             for o in owners:
                 key = (topic, channel, o)
                 if key not in self.cursors and any(
@@ -1298,6 +1309,38 @@ class MemoryDb:
             self.cursors[key].holder = p["me"]
             changed[key[:2]] = changed.get(key[:2], 0) + 1
         return [(t, c, n) for (t, c), n in sorted(changed.items())]
+
+    def _open_ordered_cursors(self, p: dict) -> int:
+        """A cursor (``me``'s, at the channel's start) for each channel of the topic and
+        each incarnation with messages for it, where there is none."""
+        opened = 0
+        for channel in sorted(self.channels.get(p["topic"], ())):
+            start = self.start_ids[(p["topic"], channel)]
+            for o in sorted(self.owners):
+                key = (p["topic"], channel, o)
+                if key not in self.cursors and any(
+                    m.topic == p["topic"] and m.owner == o and m.id > start for m in self.messages.values()
+                ):
+                    self.cursors[key] = _Cursor(p["me"], start)
+                    opened += 1
+        return opened
+
+    def _claim_ordered_cursors(self, p: dict) -> int:
+        moved = [c for (topic, _, _), c in self.cursors.items() if topic == p["topic"] and c.holder != p["me"]]
+        for c in moved:
+            c.holder = p["me"]
+        return len(moved)
+
+    def _release_ordered_cursors(self, p: dict) -> int:
+        """``me``'s cursors of the topic go back to their live incarnations' nodes."""
+        given = 0
+        for (topic, _, owner), c in self.cursors.items():
+            row = self.owners.get(owner)
+            if topic == p["topic"] and c.holder == p["me"] and row is not None and not row["retired"] \
+                    and row["node_id"] != p["me"]:
+                c.holder = row["node_id"]
+                given += 1
+        return given
 
     def _holder(self, topic: str, channel: str, owner: int) -> str:
         """The node delivering a copy, as dmq_pending names it."""

@@ -1,7 +1,8 @@
 """The in-memory double answers as PostgreSQL does: one script, two databases.
 
 The same steps (the server's own: ``db.messages``, ``db.dead_letter_steps``, ``db.topic_steps``,
-``db.delays``, ``db.admin_steps``, ``db.trace_steps``, ``db.takeover_steps``, ``db.clusters``) run in the
+``db.delays``, ``db.admin_steps``, ``db.trace_steps``, ``db.takeover_steps``, ``db.orderer_steps``,
+``db.clusters``) run in the
 same order on ``MemoryDb`` and on a migrated PostgreSQL (autocommit, as the writers run
 them), and every answer must be equal once the values that differ by nature are made
 comparable: ids (of messages, dead letters, delayed messages) become their order of
@@ -79,6 +80,7 @@ from dmq_server.db.messages import (
     run_query_steps,
     sweep_messages_steps,
 )
+from dmq_server.db.orderer_steps import claim_ordered_cursors_steps, release_ordered_cursors_steps
 from dmq_server.db.schema import migrate, ping_steps
 from dmq_server.db.steps import STATEMENTS, Statement, Steps, run_steps
 from dmq_server.db.takeover_steps import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
@@ -341,6 +343,18 @@ def exhaust_pair_steps(producer: str, session_id: int, topic: str, channel: str,
     return (yield from exhaust_deliveries_steps([CopyRef(topic, channel, message_id, 2, owner)], NODE))
 
 
+def ack_pair_steps(producer: str, session_id: int, topic: str, owner: int, node: str) -> Steps:
+    """``node`` acknowledges on channel ``c`` the message stored as the pair, in a cluster
+    (fenced): the cursors it does not hold, which did not move. The statement as written
+    (the fast one fails on a fenced ack, and a failure inside the script's transactions
+    would end them)."""
+    ((message_id, *_),) = yield Statement("find_messages", {"producers": [producer], "session_ids": [session_id]})
+    acks = [AckRow(topic, "c", message_id, 1_700_000_000_000, 1_700_000_001_000, 1, owner=owner)]
+    progress = [CursorProgress(topic, "c", owner, 0, [(message_id, message_id)])]
+    fast = next(ack_deliveries_steps(acks, progress, node, True))
+    return [tuple(row) for row in (yield Statement("ack_deliveries", fast.params))]
+
+
 OUTBOX = "outbox:shop:0000abcd"  # a relay's producer (core.outbox_rows.producer_of)
 
 
@@ -549,12 +563,44 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         # takeover
         ("another node's incarnation", create_owner_steps, lambda: ("node-2",), same),
         ("it stores", insert_messages_steps, lambda: ([_msg("n2", 1)], "node-2", OWNER + 1), same),
+        # an ordered topic whose copies node-1 and node-2 stored; node-3 is its orderer
+        ("an ordered topic", rows_steps, lambda: ("create_topic", {"name": "ledger", "store": "reliable",
+         "msg_timeout_ms": 1000, "rate_limit": None, "ttl_ms": None, "max_attempts": None, "cluster": "main",
+         "ordered": True}), same),
+        ("its channel", rows_steps, lambda: ("add_channel", {"topic": "ledger", "name": "c"}), same),
+        ("node-2 stores on it", insert_messages_steps,
+         lambda: ([_msg("l2", n, topic="ledger") for n in (1, 2, 3, 4)], "node-2", OWNER + 1), same),
+        ("node-1 stores on it", insert_messages_steps,
+         lambda: ([_msg("l1", n, topic="ledger") for n in (1, 2)], NODE, OWNER), same),
+        ("node-2 acks a copy of its own (its cursor opens)", ack_pair_steps,
+         lambda: ("l2", 1, "ledger", OWNER + 1, "node-2"), same),
+        ("the orderer claims the topic's cursors", claim_ordered_cursors_steps, lambda: ("ledger", "node-3"), same),
+        ("its claim again", claim_ordered_cursors_steps, lambda: ("ledger", "node-3"), same),
+        ("node-2's ack after the claim is fenced", ack_pair_steps, lambda: ("l2", 2, "ledger", OWNER + 1, "node-2"), same),
+        ("the orderer's ack moves the cursor", ack_pair_steps, lambda: ("l2", 2, "ledger", OWNER + 1, "node-3"), same),
+        ("node-1's ack of its own copy is fenced too", ack_pair_steps, lambda: ("l1", 1, "ledger", OWNER, NODE), same),
+        # a channel registered since the claim, with a copy of node-2's: no cursor yet
+        ("a second channel", rows_steps, lambda: ("add_channel", {"topic": "ledger", "name": "c2"}), same),
+        ("node-2 stores on both", insert_messages_steps, lambda: ([_msg("l2", 5, topic="ledger")], "node-2", OWNER + 1),
+         same),
         ("candidates", takeover_candidates_steps, lambda: (), same),
         ("copies by holder", owner_depths_steps, lambda: (), same),
         ("claim node-2's", claim_owners_steps, lambda: ("node-2", [OWNER + 1], NODE, [NODE]), same),
         ("claim again", claim_owners_steps, lambda: ("node-2", [OWNER + 1], NODE, [NODE]), same),
+        ("the takeover left the orderer its cursor of node-2's", ack_pair_steps,
+         lambda: ("l2", 3, "ledger", OWNER + 1, "node-3"), same),
+        ("the taker's ack of it is fenced", ack_pair_steps, lambda: ("l2", 3, "ledger", OWNER + 1, NODE), same),
         ("candidates after", takeover_candidates_steps, lambda: (), same),
         ("copies by holder after", owner_depths_steps, lambda: (), same),
+        # the topic is no longer ordered: node-1's live incarnation gets its cursor back,
+        # node-2's retired one stays with the orderer
+        ("the orderer releases the topic", release_ordered_cursors_steps, lambda: ("ledger", "node-3"), same),
+        ("its release again", release_ordered_cursors_steps, lambda: ("ledger", "node-3"), same),
+        ("node-1 acks its own copy again", ack_pair_steps, lambda: ("l1", 1, "ledger", OWNER, NODE), same),
+        ("the orderer's ack of it is fenced", ack_pair_steps, lambda: ("l1", 2, "ledger", OWNER, "node-3"), same),
+        ("the orderer keeps the retired incarnation's", ack_pair_steps,
+         lambda: ("l2", 4, "ledger", OWNER + 1, "node-3"), same),
+        ("copies by holder released", owner_depths_steps, lambda: (), same),
         ("a retired incarnation moves nothing", move_due_steps, lambda: ((1,), 1, LATER, 10, "node-2", OWNER + 1),
          lambda e: type(e).__name__),
         ("what a topic leaves", topic_leftovers_steps, lambda: ("orders",), same),
@@ -734,3 +780,32 @@ def test_exhausted_and_expired_copies_keep_their_properties(pg_dsn):
     assert [(r[0], r[1], r[4], r[5], r[6], r[7]) for r in kept] == [
         (reason, producer, PROPS.key, PROPS.priority, dict(PROPS.headers), ["tenant", "content-type"])
         for reason, producer in (("max_attempts", "k"), ("expired", "t"))]
+
+
+def test_an_orderer_claims_and_releases_an_ordered_topics_cursors(pg_dsn):
+    """The operators script's ordered topic (issue 45, across nodes), as PostgreSQL answers
+    it (the double's answers equal these): the orderer's claim opens node-1's cursor and
+    moves node-2's, after which their fenced acks move nothing; a takeover of node-2
+    retires its incarnation but leaves the ordered channel's cursor with the orderer (and
+    names no holder of ordered cursors as a candidate); the release gives node-1's live
+    incarnation its cursor back and keeps node-2's retired one."""
+    _arrange_pg(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        answers = dict(run_script(_pg_runner(conn), operators_script, Kinds()))
+    ledger_1, ledger_2 = ("ledger", "c", OWNER), ("ledger", "c", OWNER + 1)
+    assert answers["node-2 acks a copy of its own (its cursor opens)"] == []
+    assert (answers["the orderer claims the topic's cursors"], answers["its claim again"]) == (2, 0)
+    assert answers["node-2's ack after the claim is fenced"] == [ledger_2]
+    assert answers["the orderer's ack moves the cursor"] == []
+    assert answers["node-1's ack of its own copy is fenced too"] == [ledger_1]
+    assert "node-3" not in answers["candidates"]
+    claimed = answers["claim node-2's"]
+    assert claimed and all(topic != "ledger" for topic, _, _ in claimed)  # neither c's cursor nor one on c2
+    assert answers["a retired incarnation moves nothing"] == "Fenced"  # claim_owners retired it
+    assert answers["candidates after"].get("node-2") is None
+    assert answers["the takeover left the orderer its cursor of node-2's"] == []
+    assert answers["the taker's ack of it is fenced"] == [ledger_2]
+    assert (answers["the orderer releases the topic"], answers["its release again"]) == (1, 0)
+    assert answers["node-1 acks its own copy again"] == []
+    assert answers["the orderer's ack of it is fenced"] == [ledger_1]
+    assert answers["the orderer keeps the retired incarnation's"] == []

@@ -1,0 +1,53 @@
+"""The statements of an ordered topic's orderer: claiming the topic's cursors, and
+giving them back.
+
+In a cluster one node at a time delivers an ordered topic (its orderer, placed by a
+ZooKeeper lock: issue 45 §2 across nodes), whichever node stored the copies. The fence
+stays in the database: ``dmq_cursor.holder`` names the node whose acks and dead letters
+move a cursor (``ack_deliveries``/``exhaust_deliveries`` with ``fenced``). A node that
+wins the topic claims every cursor of it before it loads anything, so from then on the
+previous orderer's acks, even ones flushed after a freeze, are refused. When the topic
+stops being ordered, the orderer gives each live incarnation's cursors back to that
+incarnation's node, which delivers its own copies again. The takeover of a departed node
+(``db.takeover_steps``) leaves ordered topics' cursors alone: their orderer claims them.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from dmq_server.db.steps import Statement, Steps, run_steps
+
+__all__ = ["claim_ordered_cursors_steps", "claim_ordered_cursors", "release_ordered_cursors_steps",
+           "release_ordered_cursors"]
+
+
+def claim_ordered_cursors_steps(topic: str, me: str) -> Steps[int]:
+    """Become the holder of every cursor of ``topic``: open the cursor of each (channel,
+    incarnation with messages for it) that has none, then move the others held by other
+    nodes. How many cursors were opened or moved (0: all were ``me``'s already).
+
+    Two statements: the second's snapshot sees a cursor that an ack of the previous
+    orderer created while the first ran (the first then waited for it and left it),
+    which one statement's single snapshot would leave with that node."""
+    ((opened,),) = yield Statement("open_ordered_cursors", {"topic": topic, "me": me}, count=True)
+    ((moved,),) = yield Statement("claim_ordered_cursors", {"topic": topic, "me": me}, count=True)
+    return int(opened) + int(moved)
+
+
+def claim_ordered_cursors(conn: psycopg.Connection, topic: str, me: str) -> int:
+    """``claim_ordered_cursors_steps`` over a blocking connection (tests, tools)."""
+    return run_steps(conn, claim_ordered_cursors_steps(topic, me))
+
+
+def release_ordered_cursors_steps(topic: str, me: str) -> Steps[int]:
+    """Give each cursor of ``topic`` that ``me`` holds back to its incarnation's node,
+    when that incarnation is live (not retired); a retired one's stay with ``me``, which
+    keeps delivering them. How many cursors changed hands."""
+    ((given,),) = yield Statement("release_ordered_cursors", {"topic": topic, "me": me}, count=True)
+    return int(given)
+
+
+def release_ordered_cursors(conn: psycopg.Connection, topic: str, me: str) -> int:
+    """``release_ordered_cursors_steps`` over a blocking connection (tests, tools)."""
+    return run_steps(conn, release_ordered_cursors_steps(topic, me))
