@@ -34,6 +34,9 @@ class PlacementLock:
     * ``release()`` lets it go at once (the next ``hold`` of another node takes it); calling
       it while not holding is no error.
     * ``holder()`` names the node that holds it, for anyone (a node, the CLI, a test).
+    * ``leave_note(text)`` / ``note()``: a short note the holder leaves for the next one
+      (the data of the lock's own znode, which kazoo leaves unused): an orderer that lets
+      go cleanly says so, and the next one need not wait out a handover.
 
     kazoo raises its own errors (``ConnectionLoss``, ``SessionExpiredError``...) while
     ZooKeeper cannot be reached: the caller treats them as "not known to hold it".
@@ -68,3 +71,14 @@ class PlacementLock:
         """The node id of the holder, None when no node holds it."""
         contenders = self._client.Lock(self.path).contenders()
         return contenders[0] if contenders else None
+
+    def leave_note(self, text: str) -> None:
+        """Leave ``text`` for the next holder (replacing any earlier note)."""
+        self._client.ensure_path(self.path)
+        self._client.set(self.path, text.encode())
+
+    def note(self) -> str:
+        """The last note left ("" when none: the path new, or the note cleared)."""
+        self._client.ensure_path(self.path)
+        data, _ = self._client.get(self.path)
+        return data.decode() if data else ""

@@ -949,9 +949,14 @@ ON CONFLICT (topic, channel, owner) DO NOTHING;
 -- ack opened while open_ordered_cursors ran (which waited for that ack and left its
 -- row). ack_deliveries and exhaust_deliveries check the holder on the row as locked, so
 -- from this commit on the previous orderer's fenced acks and exhausts move none of the
--- topic's cursors, also ones it sends after a freeze. Returns how many cursors it moved.
-UPDATE dmq_cursor SET holder = %(me)s
-WHERE topic = %(topic)s AND holder IS DISTINCT FROM %(me)s;
+-- topic's cursors, also ones it sends after a freeze. Returns the previous holder of each
+-- cursor it moved (the orderer waits out a handover from a node that did not let go).
+UPDATE dmq_cursor k SET holder = %(me)s
+FROM (SELECT topic, channel, owner, holder FROM dmq_cursor
+      WHERE topic = %(topic)s AND holder IS DISTINCT FROM %(me)s
+      FOR UPDATE) old
+WHERE k.topic = old.topic AND k.channel = old.channel AND k.owner = old.owner
+RETURNING old.holder;
 
 -- name: release_ordered_cursors
 -- A topic no longer ordered: its orderer (``me``) gives each cursor of it that it holds

@@ -59,6 +59,7 @@ from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.runner import StepRunner
 from dmq_server.db.worker import DbWorker
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
+from dmq_server.cluster.orderers import ROUND_EVERY, ClusterOrderers
 from dmq_server.cluster.takeover import ClusterStore, Takeover
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class ClusterNode:
         self.membership: NodeMembership | None = None
         self.watcher: RegistryWatcher | None = None
         self.takeover: Takeover | None = None
+        self.orderers: ClusterOrderers | None = None  # who delivers each ordered topic (``attach``)
         # the reliable stores by cluster and the broker's registry refresh (``attach``)
         self._stores: Mapping[str, ClusterStore] = {}
         self._refresh: Callable[[bool], defer.Deferred] | None = None
@@ -231,6 +233,20 @@ class ClusterNode:
                 cluster=name,
             )
         self.takeover = self.takeovers["main"]
+        self.orderers = ClusterOrderers(
+            self._zk,
+            self.client,
+            self.node_id,
+            stores,
+            self._workers,
+            can_order=lambda: self.registered and not main.paused and not self.stopping,
+            clock=self.reactor,
+            handover_wait=self.options.msg_timeout,
+        )
+        rounds = TimerService(ROUND_EVERY, self.orderers.tick)
+        rounds.clock = self.reactor
+        rounds.setName("orderers")
+        rounds.setServiceParent(self.timers)
 
     # -- a node that stood still -------------------------------------------------------------
     def may_deliver(self) -> bool:
@@ -537,6 +553,8 @@ class ClusterNode:
     def _lose(self) -> None:
         self.registered = False
         self._pause()
+        if self.orderers is not None:  # the ordered topics' locks went with the session
+            self.orderers.session_lost()
         for store in self._stores.values():
             store.forget_held()
 
@@ -605,6 +623,8 @@ class ClusterNode:
             self.timers.stopService()
         for takeover in self.takeovers.values():
             yield takeover.idle()
+        if self.orderers is not None and self.registered:
+            yield defer.ensureDeferred(self.orderers.stop())
         if self.membership is not None and self.registered:
             try:
                 yield self._zk(self.membership.leave)
@@ -628,4 +648,5 @@ class ClusterNode:
             "nodes": sorted(self.nodes),
             "takeover": self.takeover.stats() if self.takeover is not None else {},
             "takeover_by_cluster": {name: t.stats() for name, t in self.takeovers.items()},
+            "orderers": self.orderers.stats() if self.orderers is not None else {},
         }

@@ -1325,11 +1325,12 @@ class MemoryDb:
                     opened += 1
         return opened
 
-    def _claim_ordered_cursors(self, p: dict) -> int:
+    def _claim_ordered_cursors(self, p: dict) -> list[tuple]:
         moved = [c for (topic, _, _), c in self.cursors.items() if topic == p["topic"] and c.holder != p["me"]]
+        previous = [(c.holder,) for c in moved]
         for c in moved:
             c.holder = p["me"]
-        return len(moved)
+        return previous
 
     def _release_ordered_cursors(self, p: dict) -> int:
         """``me``'s cursors of the topic go back to their live incarnations' nodes."""

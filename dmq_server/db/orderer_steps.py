@@ -14,28 +14,39 @@ incarnation's node, which delivers its own copies again. The takeover of a depar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import psycopg
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 
-__all__ = ["claim_ordered_cursors_steps", "claim_ordered_cursors", "release_ordered_cursors_steps",
+__all__ = ["Claimed", "claim_ordered_cursors_steps", "claim_ordered_cursors", "release_ordered_cursors_steps",
            "release_ordered_cursors"]
 
 
-def claim_ordered_cursors_steps(topic: str, me: str) -> Steps[int]:
+@dataclass(frozen=True)
+class Claimed:
+    """What a claim did: how many cursors it opened or moved, and the nodes it moved them
+    from (empty: every cursor was new, or ``me``'s already, or let go cleanly)."""
+
+    count: int
+    taken_from: frozenset[str]
+
+
+def claim_ordered_cursors_steps(topic: str, me: str) -> Steps[Claimed]:
     """Become the holder of every cursor of ``topic``: open the cursor of each (channel,
     incarnation with messages for it) that has none, then move the others held by other
-    nodes. How many cursors were opened or moved (0: all were ``me``'s already).
+    nodes.
 
     Two statements: the second's snapshot sees a cursor that an ack of the previous
     orderer created while the first ran (the first then waited for it and left it),
     which one statement's single snapshot would leave with that node."""
     ((opened,),) = yield Statement("open_ordered_cursors", {"topic": topic, "me": me}, count=True)
-    ((moved,),) = yield Statement("claim_ordered_cursors", {"topic": topic, "me": me}, count=True)
-    return int(opened) + int(moved)
+    previous = yield Statement("claim_ordered_cursors", {"topic": topic, "me": me})
+    return Claimed(int(opened) + len(previous), frozenset(h for (h,) in previous if h is not None))
 
 
-def claim_ordered_cursors(conn: psycopg.Connection, topic: str, me: str) -> int:
+def claim_ordered_cursors(conn: psycopg.Connection, topic: str, me: str) -> Claimed:
     """``claim_ordered_cursors_steps`` over a blocking connection (tests, tools)."""
     return run_steps(conn, claim_ordered_cursors_steps(topic, me))
 

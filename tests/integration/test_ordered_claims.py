@@ -16,7 +16,7 @@ import psycopg
 import registry
 from dmq_server.db.messages import AckRow, CursorProgress, NewMessage, ack_deliveries_steps
 from dmq_server.db.messages import create_owner_steps, insert_messages_steps
-from dmq_server.db.orderer_steps import claim_ordered_cursors, release_ordered_cursors
+from dmq_server.db.orderer_steps import Claimed, claim_ordered_cursors, release_ordered_cursors
 from dmq_server.db.steps import run_steps
 from dmq_server.db.worker import connect
 
@@ -46,7 +46,7 @@ def test_after_a_claim_the_old_holders_acks_leave_the_cursor_as_it_was(pg_dsn):
         before = _cursors(pg_dsn)
         assert [(owner, holder) for owner, holder, _, _ in before] == [(mine, OLD)]
 
-        assert claim_ordered_cursors(conn, "ledger", NEW) == 1
+        assert claim_ordered_cursors(conn, "ledger", NEW) == Claimed(1, frozenset({OLD}))  # taken from OLD
         claimed = _cursors(pg_dsn)
         assert [(owner, holder, floor) for owner, holder, floor, _ in claimed] == [(mine, NEW, before[0][2])]
 

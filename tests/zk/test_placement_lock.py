@@ -128,3 +128,17 @@ def test_the_orderer_path():
     for name in (".", ".."):
         with pytest.raises(ValueError, match=f"topic name '{name}' cannot be stored in ZooKeeper"):
             paths.orderer(name)
+
+
+def test_a_note_left_by_the_holder_is_read_by_the_next(clients):
+    """An orderer letting go cleanly leaves a note; the next holder reads it, and clears it."""
+    first, second = (PlacementLock(c, paths.orderer("ledger"), f"n{i}") for i, c in enumerate(clients))
+    assert second.note() == ""  # none yet (the path is made on the way)
+    assert first.hold()
+    first.leave_note("n0")
+    first.release()
+    assert second.hold()
+    assert second.note() == "n0"
+    second.leave_note("")
+    assert first.note() == ""
+    assert second.holder() == "n1"  # the note is not a contender
