@@ -241,7 +241,6 @@ class ClusterNode:
             self._workers,
             can_order=lambda: self.registered and not main.paused and not self.stopping,
             clock=self.reactor,
-            handover_wait=self.options.msg_timeout,
         )
         rounds = TimerService(ROUND_EVERY, self.orderers.tick)
         rounds.clock = self.reactor

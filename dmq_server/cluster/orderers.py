@@ -20,8 +20,8 @@ A handover may leave copies in flight at the previous orderer's consumers: a kil
 node broke their connections, but a frozen or cut-off one did not, and its consumers
 may still be working on a key's copy when the new orderer pushes the same key. So when
 the claim takes cursors from another node that did not let them go cleanly, the new
-orderer waits ``handover_wait`` seconds (``--msg-timeout``: what the old orderer itself
-allowed a copy in flight) before it pushes. A clean stop (its consumers gone) leaves a
+orderer waits the topic's message timeout (what the old orderer itself allowed a copy in
+flight, ``handover_wait``) before it pushes. A clean stop (its consumers gone) leaves a
 note on the lock naming the node (``PlacementLock.leave_note``), and the next orderer
 delivers at once. A topic that stops being ordered goes back to every node delivering
 its own copies: its last orderer gives the cursors back (``release_ordered_cursors``).
@@ -54,6 +54,11 @@ log = Logger()
 
 #: seconds between two rounds of contending for the ordered topics' locks
 ROUND_EVERY = 1.0
+#: claims failing this many rounds in a row (this node's way to the database is broken,
+#: say, while ZooKeeper's is not): the orderer lets the topic go, so another node delivers
+STEP_ASIDE_AFTER = 5
+#: seconds a node that stepped aside, or failed to claim, leaves the topic to the others
+BENCHED_FOR = 10.0
 
 
 class OrderedStore(Protocol):
@@ -62,6 +67,7 @@ class OrderedStore(Protocol):
     def ordered_topics(self) -> set[str]: ...
     def order_here(self, topic: str) -> None: ...
     def order_elsewhere(self, topic: str, orderer: str | None) -> None: ...
+    def msg_timeout_of(self, topic: str) -> float: ...
 
 
 class ClusterOrderers:
@@ -80,7 +86,6 @@ class ClusterOrderers:
         workers: Mapping[str, StepRunner],
         can_order: Callable[[], bool],
         clock: Clock,
-        handover_wait: float,
     ):
         self._zk = zk_call
         self._client = client
@@ -89,11 +94,12 @@ class ClusterOrderers:
         self._workers = workers
         self._can_order = can_order
         self._clock = clock
-        self.handover_wait = handover_wait
         self._locks: dict[str, PlacementLock] = {}
         self.here: set[str] = set()  # topics this node delivers (claimed, lock held)
         self._waiting: dict[str, Timer] = {}  # claimed, waiting out a handover before pushing
         self._seen: dict[str, str | None] = {}  # the orderer last named to the stores
+        self._failures: dict[str, int] = {}  # claims failed in a row while ordering
+        self._benched: dict[str, float] = {}  # topic -> until when this node does not contend
         self._round: defer.Deferred | None = None
         self.gained = 0
         self.lost_count = 0
@@ -129,6 +135,9 @@ class ClusterOrderers:
             lock = self._locks.get(topic)
             if lock is None:
                 lock = self._locks[topic] = self._new_lock(topic)
+            if self._benched.get(topic, 0.0) > self._clock.seconds():
+                await self._name_holder(topic, lock)
+                continue
             try:
                 held = await self._zk(lock.hold)
             except Exception as exc:  # ZooKeeper away: as things were
@@ -138,15 +147,18 @@ class ClusterOrderers:
                 if topic not in self.here:
                     await self._gain(topic, lock)
                 else:
-                    await self._reclaim(topic)
+                    await self._reclaim(topic, lock)
                 continue
             if topic in self.here:
                 self._lost(topic)
-            try:
-                holder = await self._zk(lock.holder)
-            except Exception:
-                continue
-            self._name(topic, holder)
+            await self._name_holder(topic, lock)
+
+    async def _name_holder(self, topic: str, lock: PlacementLock) -> None:
+        try:
+            holder = await self._zk(lock.holder)
+        except Exception:  # ZooKeeper away: as things were
+            return
+        self._name(topic, holder)
 
     def _new_lock(self, topic: str) -> PlacementLock:
         from registry import paths
@@ -176,6 +188,7 @@ class ClusterOrderers:
         except Exception as exc:
             log.warn("ordered topic {topic}: claiming its cursors failed ({why}); letting its lock go",
                      topic=topic, why=exc)
+            self._benched[topic] = self._clock.seconds() + BENCHED_FOR
             await self._release_lock(topic, lock)
             return
         if not self._can_order() or topic not in self._topics():
@@ -184,8 +197,9 @@ class ClusterOrderers:
         unclean = taken_from - {note}
         self.here.add(topic)
         self._seen[topic] = self.node_id
+        self._failures[topic] = 0
         self.gained += 1
-        wait = self.handover_wait if unclean else 0.0
+        wait = self.handover_wait(topic) if unclean else 0.0
         log.info("ordered topic {topic}: this node orders it now{after}", topic=topic,
                  after=f" (taken from {', '.join(sorted(unclean))}: pushing in {wait:g}s)" if wait else "")
         if wait:
@@ -204,6 +218,13 @@ class ClusterOrderers:
                 claimed: Claimed = await self._workers[name].run_steps(claim_ordered_cursors_steps, topic, self.node_id)
                 taken_from |= claimed.taken_from - {self.node_id}
         return taken_from
+
+    def handover_wait(self, topic: str) -> float:
+        """How long a copy the previous orderer pushed may still be at its consumer: the
+        topic's message timeout (a reliable channel's, which a touch renews only while
+        that orderer runs)."""
+        return max((store.msg_timeout_of(topic) for store in self._stores.values() if topic in store.ordered_topics()),
+                   default=0.0)
 
     def _deliver(self, topic: str) -> None:
         self._waiting.pop(topic, None)
@@ -226,15 +247,28 @@ class ClusterOrderers:
                 store.order_elsewhere(topic, None)
         log.warn("ordered topic {topic}: this node lost its lock and stops delivering it", topic=topic)
 
-    async def _reclaim(self, topic: str) -> None:
+    async def _reclaim(self, topic: str, lock: PlacementLock) -> None:
         try:
             taken_from = await self._claim(topic)
-        except Exception as exc:  # again at the next round
-            log.warn("ordered topic {topic}: claiming its cursors again failed: {why}", topic=topic, why=exc)
+        except Exception as exc:  # again at the next round, or step aside
+            failures = self._failures[topic] = self._failures.get(topic, 0) + 1
+            log.warn("ordered topic {topic}: claiming its cursors again failed ({failures} in a row): {why}",
+                     topic=topic, failures=failures, why=exc)
+            if failures >= STEP_ASIDE_AFTER:
+                await self._step_aside(topic, lock)
             return
+        self._failures[topic] = 0
         if taken_from:
             log.info("ordered topic {topic}: took back cursors a late ack of {nodes} opened", topic=topic,
                      nodes=", ".join(sorted(taken_from)))
+
+    async def _step_aside(self, topic: str, lock: PlacementLock) -> None:
+        """This node keeps its ZooKeeper session but not its way to the database: stop
+        delivering the topic (no note: its consumers may still hold copies) and leave it
+        to the other nodes for ``BENCHED_FOR`` seconds."""
+        self._lost(topic)
+        self._benched[topic] = self._clock.seconds() + BENCHED_FOR
+        await self._release_lock(topic, lock)
 
     async def _let_go(self, topic: str, ordered: bool) -> None:
         """Stop ordering ``topic`` and release its lock. Still ordered (a clean stop: this

@@ -523,6 +523,11 @@ class ReliableStore:
         for channel in self._topic_channels(topic):
             self._place(channel)
 
+    def msg_timeout_of(self, topic: str) -> float:
+        """Seconds a push of ``topic`` stays with its consumer before it goes out again."""
+        spec = self.topics.get(topic)
+        return spec.msg_timeout_ms / 1000.0 if spec is not None else self.options.msg_timeout
+
     def order_here(self, topic: str) -> None:
         """This node is ordered ``topic``'s orderer: its channels here deliver every
         node's copies, read from the first id (``ReliableChannel.order_here``), and learn

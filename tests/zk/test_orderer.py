@@ -122,7 +122,7 @@ def test_one_node_delivers_every_nodes_copies_of_an_ordered_topic_in_order(zk, m
 
 def test_the_orderer_killed_the_other_node_delivers_the_rest_in_order(zk, make_node, pg_dsn):
     register_topic(zk, "ledger", "c", ordered=True, msg_timeout_ms=3000)
-    a, b = make_node(msg_timeout="3s"), make_node(msg_timeout="3s")
+    a, b = make_node(), make_node()  # the topic's message timeout, not --msg-timeout (60 s)
     for node in (a, b):
         wait_served(node, "ledger", "c")
     wait_for(lambda: orderer_of(zk, "ledger") is not None, timeout=WAIT)
