@@ -61,6 +61,13 @@ def cmd_topic_move(args: argparse.Namespace) -> None:
         reg = stack.enter_context(open_registry(args))
         try:
             spec = reg.get_topic(args.name)
+            if spec.ordered and spec.draining and spec.cluster != args.cluster:
+                # a key's copies on two draining clusters would have no known order
+                raise CliError(
+                    f"topic {args.name} is ordered and still draining {', '.join(spec.draining)}: an ordered topic "
+                    f"moves one step at a time; finish the move first (dmq topic move {args.name} --cluster "
+                    f"{spec.cluster})", 1
+                )
             if spec.cluster != args.cluster or args.cluster in spec.draining:
                 draining = tuple(sorted((set(spec.draining) | {spec.cluster}) - {args.cluster}))
                 reg.place_topic(args.name, args.cluster, draining)

@@ -180,3 +180,23 @@ def test_a_move_can_be_placed_now_and_finished_later(two_clusters):
     assert out.returncode == 0, out.stderr
     assert "cluster main drained" in out.stdout
     wait_for(lambda: {t["topic_name"]: t["draining"] for t in stats(server)["topics"]}["local"] == [])
+
+
+def test_an_ordered_topic_moves_one_step_at_a_time(two_clusters):
+    """While an ordered topic still drains a cluster, a move elsewhere is refused (the
+    order of a key's copies on two draining clusters would be unknown); the same move
+    run again finishes it, and then the next move is accepted."""
+    server, main_dsn, b_dsn, _ = two_clusters
+    out = cli(main_dsn, b_dsn, "topic", "update", "local", "--ordered")
+    assert out.returncode == 0, out.stderr
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--no-wait")
+    assert out.returncode == 0, out.stderr
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "main", "--no-wait")
+    assert out.returncode == 1
+    assert ("topic local is ordered and still draining main: an ordered topic moves one step at a time; "
+            "finish the move first (dmq topic move local --cluster b)") in out.stderr
+    assert "cluster: b (draining main)" in cli(main_dsn, b_dsn, "topic", "list").stdout
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--settle", "1")
+    assert out.returncode == 0, out.stderr
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "main", "--no-wait")
+    assert out.returncode == 0, out.stderr
