@@ -25,6 +25,8 @@ flight, ``handover_wait``) before it pushes. A clean stop (its consumers gone) l
 note on the lock naming the node (``PlacementLock.leave_note``), and the next orderer
 delivers at once. A topic that stops being ordered goes back to every node delivering
 its own copies: its last orderer gives the cursors back (``release_ordered_cursors``).
+A cluster that has the topic only later (``dmq topic move`` to it) is claimed at the
+orderer's next round and delivered from then; the other nodes gate it then too.
 
 Every method runs on the reactor; ZooKeeper's blocking calls go through the node's
 bridge (``ClusterNode._zk``), which fails at once while disconnected: a round that
@@ -98,6 +100,9 @@ class ClusterOrderers:
         self.here: set[str] = set()  # topics this node delivers (claimed, lock held)
         self._waiting: dict[str, Timer] = {}  # claimed, waiting out a handover before pushing
         self._seen: dict[str, str | None] = {}  # the orderer last named to the stores
+        # the clusters whose stores were last told who orders a topic: one that has the
+        # topic since (a move to it, ``dmq topic move``) is told at the next round
+        self._told: dict[str, set[str]] = {}
         self._failures: dict[str, int] = {}  # claims failed in a row while ordering
         self._benched: dict[str, float] = {}  # topic -> until when this node does not contend
         self._round: defer.Deferred | None = None
@@ -129,6 +134,7 @@ class ClusterOrderers:
             await self._let_go(topic, ordered=False)
             self._locks.pop(topic, None)
             self._seen.pop(topic, None)
+            self._told.pop(topic, None)
         for topic in sorted(topics):
             if not self._can_order():
                 return
@@ -166,14 +172,19 @@ class ClusterOrderers:
 
         return PlacementLock(self._client, paths.orderer(topic), self.node_id)
 
+    def _having(self, topic: str) -> set[str]:
+        """The clusters whose stores have ``topic`` (ordered) now."""
+        return {name for name, store in self._stores.items() if topic in store.ordered_topics()}
+
     def _name(self, topic: str, holder: str | None) -> None:
         """Tell the stores which node orders ``topic`` (they gate its channels)."""
-        if topic in self._seen and self._seen[topic] == holder:
-            return
+        having = self._having(topic)
+        renamed = topic not in self._seen or self._seen[topic] != holder
+        tell = having if renamed else having - self._told.get(topic, set())
         self._seen[topic] = holder
-        for store in self._stores.values():
-            if topic in store.ordered_topics():
-                store.order_elsewhere(topic, holder)
+        self._told[topic] = having
+        for name in sorted(tell):  # a cluster that has the topic since is told too
+            self._stores[name].order_elsewhere(topic, holder)
 
     async def _gain(self, topic: str, lock: PlacementLock) -> None:
         """The lock is ours: claim the topic's cursors on every cluster that has it, then
@@ -226,13 +237,15 @@ class ClusterOrderers:
         return max((store.msg_timeout_of(topic) for store in self._stores.values() if topic in store.ordered_topics()),
                    default=0.0)
 
-    def _deliver(self, topic: str) -> None:
+    def _deliver(self, topic: str, only: set[str] | None = None) -> None:
+        """Deliver ``topic`` from every cluster that has it (``only``: from those)."""
         self._waiting.pop(topic, None)
         if topic not in self.here:
             return
-        for store in self._stores.values():
-            if topic in store.ordered_topics():
-                store.order_here(topic)
+        having = self._having(topic)
+        for name in sorted(having if only is None else having & only):
+            self._stores[name].order_here(topic)
+        self._told[topic] = having
 
     def _lost(self, topic: str) -> None:
         """The lock is no longer ours (the session that held it ended): stop at once."""
@@ -242,6 +255,7 @@ class ClusterOrderers:
         if waiting is not None and waiting.active():
             waiting.cancel()
         self._seen.pop(topic, None)
+        self._told.pop(topic, None)
         for store in self._stores.values():
             if topic in store.ordered_topics():
                 store.order_elsewhere(topic, None)
@@ -261,6 +275,14 @@ class ClusterOrderers:
         if taken_from:
             log.info("ordered topic {topic}: took back cursors a late ack of {nodes} opened", topic=topic,
                      nodes=", ".join(sorted(taken_from)))
+        if topic not in self._waiting:
+            # a cluster that has the topic since the last round (it was moved there): its
+            # cursors are claimed now, so it may deliver; its channels were gated till then
+            new = self._having(topic) - self._told.get(topic, set())
+            if new:
+                log.info("ordered topic {topic}: delivering it from cluster(s) {names} too", topic=topic,
+                         names=", ".join(sorted(new)))
+            self._deliver(topic, new)
 
     async def _step_aside(self, topic: str, lock: PlacementLock) -> None:
         """This node keeps its ZooKeeper session but not its way to the database: stop
