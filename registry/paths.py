@@ -25,9 +25,11 @@
         /<name>                   PlacementLock: the node that relays the outbox (with --zk,
                                   only its holder tries the application database's lock)
       /orderer
-        /<topic>                  PlacementLock: the node that is to deliver the ordered
-                                  topic's copies, every node's (issue 45 §2; no node
-                                  contends for it yet; the cursor holder stays the fence)
+        /<topic>                  PlacementLock: the node that delivers the ordered
+                                  topic's copies, every node's (its orderer; every node
+                                  contends once a second, dmq_server/cluster/orderers.py;
+                                  the cursor holder stays the fence); data of this znode
+                                  itself: the note a cleanly stopping orderer leaves
 
 Everything sits under an optional chroot given with the address
 (``zk1:2181,zk2:2181/prod``). Nothing here talks to ZooKeeper; the server and
