@@ -158,14 +158,15 @@ class ChaosCluster:
             client.close()
 
     def register_topic(self, topic: str, channels: list[str], msg_timeout_ms: int = 5000, *,
-                       ordered: bool = False) -> None:
+                       ordered: bool = False, pg_cluster: str = "main") -> None:
         """Create ``topic`` with ``channels`` in ZooKeeper (``ordered``: per-key order,
-        issue 45) and wait until every node serves them."""
+        issue 45; ``pg_cluster``: the PostgreSQL cluster it is stored on, one of the
+        nodes' ``--pg-cluster`` names) and wait until every node serves them."""
         from registry.zk import ZkRegistry
 
         with self.zk_client() as client:
             registry = ZkRegistry(client)
-            registry.create_topic(topic, msg_timeout_ms=msg_timeout_ms, ordered=ordered)
+            registry.create_topic(topic, msg_timeout_ms=msg_timeout_ms, ordered=ordered, cluster=pg_cluster)
             for channel in channels:
                 registry.add_channel(topic, channel)
         deadline = time.monotonic() + 30

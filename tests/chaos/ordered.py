@@ -34,30 +34,27 @@ again at once on the same port, once a consumer of each channel holds a copy (th
 node: it loads what was not acknowledged from PostgreSQL; producers resend what was
 unanswered, consumers connect again).
 
-**Across nodes** (being prepared: the nodes do not elect an ordered topic's orderer yet,
-so no scenario runs it): ``ChaosCluster.register_topic(..., ordered=True)``;
-``keyed_producers`` over every node's address, producer ``i`` starting on node ``i``,
-each moving to the next node when its connection breaks or goes quiet and resending there
-what was unanswered (``KeyedProducer``); ``consumers_on_every_node``, a ``KeyedConsumer``
-per (node, channel, instance), each push recorded with its node; ``orderer`` /
-``await_orderer`` (the holder of ``/dmq/orderer/<topic>``), ``kill_node`` (-9, recorded in
-``OrderedRun.node_kills``: it ends only the pushes that came through that node) and
-``pause_node`` (SIGSTOP). The checker's rules are the same; the report adds the pushes
-per node.
-
-**Left out**, though the issue names them: a takeover of a dead node's messages by
-another node, and ``dmq topic move`` between PostgreSQL clusters. docs/protocol.md §5
-promises per-key order only for a key's messages sent through one node (each node
-delivers the copies it stored; the cluster does not route keys yet), and says nothing of
-a move; a scenario asserting them would assert what dmq does not promise yet.
+**Across nodes** (``ordered_nodes``, the scenario ``test_ordered_nodes.py``):
+``ChaosCluster.register_topic(..., ordered=True)``; ``keyed_producers`` over every node's
+address, producer ``i`` starting on node ``i``, each moving to the next node when its
+connection breaks or goes quiet and resending there what was unanswered
+(``KeyedProducer``); ``consumers_on_every_node``, a ``KeyedConsumer`` per (node, channel,
+instance), each push recorded with its node; ``orderer`` / ``await_orderer`` (the holder
+of ``/dmq/orderer/<topic>``), ``kill_node`` (-9, recorded in ``OrderedRun.node_kills``:
+it ends only the pushes that came through that node) and ``pause_node`` (SIGSTOP). The
+checker's rules are the same; the report adds the pushes per node. Ids order a key's
+commits within one PostgreSQL cluster only: a topic moved (``dmq topic move``) to a
+cluster of a lower id slot stores its later messages under lower ids, so across clusters
+the order is the producer's acks (``_commit_order``).
 
 The counts (``count``), per channel and key: **lost**, an acknowledged send never pushed
 on the channel; **order violations**, a key whose messages were first pushed in another
-order than their producer's acks (and than their ids); **overlaps**, a push of a key's
+order than their producer's acks (and, within one PostgreSQL cluster, than their ids); **overlaps**, a push of a key's
 message while another message of that key was still out on the channel (pushed, not
 acknowledged, its consumer neither killed nor disconnected, the server not killed since);
 **same-id overlaps**, a copy pushed again while the consumer still held the earlier push
-(only a timeout may do that, and the topic's is 30 s, longer than anything is held);
+(only a timeout may do that, and the topic's is longer than anything is held: 30 s here, 4 s
+across nodes, where a paused consumer holds copies 2 s);
 **redeliveries passed**, a copy let go unacknowledged (its consumer killed or cut off, the
 server killed) whose key's next push was another message, not that copy again (a
 redelivery keeps its place at the head of its key); an earlier message of the key coming
@@ -86,6 +83,7 @@ from dmq_client.blocking import BlockingClient, ClientError
 from dmq_client.message import ReceivedMessage
 from dmq_client.wire import Command, Frame
 from dmq_client.wire.properties import Properties, encode_properties
+from dmq_server.db.clusters import SLOT_SHIFT
 from registry import paths
 from registry.placement_lock import PlacementLock
 
@@ -98,7 +96,8 @@ if TYPE_CHECKING:
 __all__ = ["Attempt", "KeyedProducer", "KeyedConsumer", "OrderedTiming", "OrderedRun", "OrderCount",
            "CHANNELS", "KEYS", "MSG_TIMEOUT_MS", "PROBLEMS", "check_order", "key_history", "run", "format_report",
            "keyed_producers", "keyed_consumer", "consumers_on_every_node", "pushes_per_node", "node_index",
-           "node_ids", "orderer", "await_orderer", "kill_node", "pause_node"]
+           "node_ids", "orderer", "await_orderer", "kill_node", "pause_node", "followed", "pause_consumers",
+           "broken_rules"]
 
 CHANNELS = ["billing", "audit"]
 KEYS = 1000
@@ -510,14 +509,47 @@ def _ends(tries: list[Attempt], kills: list[float], node_kills: NodeKills) -> tu
     return ends, early
 
 
+def _cluster_of(message_id: int) -> int:
+    """The id slot of the PostgreSQL cluster that drew ``message_id`` (``db.clusters``)."""
+    return message_id >> SLOT_SHIFT
+
+
+def _rising_per_cluster(ids: list[int]) -> bool:
+    """Whether the ids of each PostgreSQL cluster among ``ids`` come in rising order. Ids
+    order a key's commits within a cluster only: an ordered topic moved to a cluster of a
+    lower slot (``dmq topic move``) stores its later messages under lower ids."""
+    last: dict[int, int] = {}
+    for mid in ids:
+        cluster = _cluster_of(mid)
+        if mid <= last.get(cluster, -1):
+            return False
+        last[cluster] = mid
+    return True
+
+
+def _commit_order(expected: list[int]) -> Callable[[int, int], bool]:
+    """``before(x, y)``: whether message ``x`` of a key was committed before ``y``: by the
+    order its producer was acknowledged in (``expected``) when both are known, else by id
+    (a message stored whose answer was lost; ids order commits within one cluster)."""
+    rank = {mid: i for i, mid in enumerate(expected)}
+
+    def before(x: int, y: int) -> bool:
+        if x in rank and y in rank:
+            return rank[x] < rank[y]
+        return x < y
+
+    return before
+
+
 def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, float]], pushes: list[Attempt],
                kills: list[float], t: Callable[[float], str], node_kills: NodeKills) -> dict[str, list[str]]:
     """One key on one channel: adds its counts to ``c``; returns what it broke."""
     expected = [mid for mid, _ in sent]
     problems: dict[str, list[str]] = {kind: [] for kind in PROBLEMS}
     c.sent += len(expected)
-    if any(a >= b for a, b in zip(expected, expected[1:])):
+    if not _rising_per_cluster(expected):
         problems["order_violations"].append(f"{key}: its producer's acks {expected} are not in id order")
+    before = _commit_order(expected)
     tries = sorted(pushes, key=lambda a: (a.pushed_at, a.message_id))
     first: dict[int, float] = {}
     for a in tries:
@@ -532,8 +564,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
         problems["lost_examples"].append(f"{channel} {key}: ids {missing} acknowledged to its producer, never pushed")
     order = list(first)  # ids in the order first pushed
     known = set(expected)
-    if (any(a >= b for a, b in zip(order, order[1:]))
-            or [m for m in order if m in known] != [m for m in expected if m in first]):
+    if not _rising_per_cluster(order) or [m for m in order if m in known] != [m for m in expected if m in first]:
         problems["order_violations"].append(f"{channel} {key}: first pushed {order}, acknowledged to its "
                                             f"producer in the order {expected}")
     ends, early = _ends(tries, kills, node_kills)
@@ -560,7 +591,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
             continue
         for j in range(i + 1, len(tries)):
             b = tries[j]
-            if b.pushed_at < ends[i] or (b.message_id < a.message_id
+            if b.pushed_at < ends[i] or (before(b.message_id, a.message_id)
                                          and any(p.message_id == b.message_id for p in tries[:j])):
                 continue
             if b.message_id != a.message_id:
@@ -576,7 +607,7 @@ def _check_key(c: OrderCount, channel: str, key: str, sent: list[tuple[int, floa
                     if before in last_end and acked_at[after] < last_end[before])
     seen: set[int] = set()
     for a in tries:
-        if a.message_id in seen and any(mid > a.message_id and at < a.pushed_at for mid, at in sent):
+        if a.message_id in seen and any(before(a.message_id, mid) and at < a.pushed_at for mid, at in sent):
             c.redelivered_ahead += 1
         seen.add(a.message_id)
     return problems
@@ -660,6 +691,49 @@ class OrderedRun:
     history: History | None = None
 
 
+def followed(producers: list[KeyedProducer]) -> Callable[[list[Attempt]], bool]:
+    """A consumer's ``kill_if``: it holds a copy whose key has a later message stored
+    (acknowledged to its producer), which must not go out before that copy comes back."""
+    def test(held: list[Attempt]) -> bool:
+        return any(mid > a.message_id for a in held if a.key is not None
+                   for p in producers for mid, _ in list(p.acked.get(a.key, ())))
+    return test
+
+
+def pause_consumers(paused: list[KeyedConsumer], pause_for: float, run: OrderedRun, since: Callable[[float], str]
+                    ) -> None:
+    """Pause ``paused``, each once it holds a copy, for ``pause_for`` seconds, then resume
+    them; recorded in ``run`` (``since``: a moment as the report writes it)."""
+    for c in paused:
+        c.pause()
+    for c in paused:
+        _await(c.paused.is_set, 15, f"{c.consumer} holding a copy, then paused")
+    paused_at = time.monotonic()
+    time.sleep(pause_for)  # the fault held
+    for c in paused:
+        c.resume()
+    run.faults.append(f"{', '.join(c.consumer for c in paused)} paused at {since(paused_at)} holding "
+                      f"{[c.held_at_pause for c in paused]} copies, resumed at {since(time.monotonic())}")
+    run.notes["held_at_pause"] = sum(c.held_at_pause for c in paused)
+
+
+def broken_rules(orders: dict[str, OrderCount], counts: list[ChannelCount], sent: int) -> dict[str, int]:
+    """Per channel and rule, how often a run broke it (only the rules broken): every
+    acknowledged send counted, none lost, none out of order, no overlap of a key, no copy
+    pushed again while held, no redelivery passed by its key, none delivered again after
+    a durable ack, none unknown."""
+    out: dict[str, int] = {}
+    for o in orders.values():
+        found = {"counted": int(o.sent != sent), "lost": o.lost, "order violations": len(o.order_violations),
+                 "overlaps": len(o.overlaps), "same-id overlaps": len(o.same_id_overlaps),
+                 "redeliveries passed": len(o.passed)}
+        out.update({f"{o.channel} {rule}": n for rule, n in found.items() if n})
+    for c in counts:
+        found = {"lost (checker)": c.lost, "duplicated": c.duplicated, "unexpected": c.unexpected}
+        out.update({f"{c.channel} {rule}": n for rule, n in found.items() if n})
+    return out
+
+
 def _await(condition: Callable[[], bool], timeout: float, what: str) -> float:
     """Poll ``condition`` (records of the run) until it holds; the seconds it took; a
     RuntimeError naming ``what`` past ``timeout``."""
@@ -712,12 +786,7 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
         # a later message stored: that copy must come back before it
         at(timing.kill_consumer_at)
         victim = billing[1]
-
-        def followed(held: list[Attempt]) -> bool:
-            return any(mid > a.message_id for a in held if a.key is not None
-                       for p in producers for mid, _ in list(p.acked.get(a.key, ())))
-
-        victim.kill_if = followed
+        victim.kill_if = followed(producers)
         _await(victim.killed.is_set, 10, f"{victim.consumer} holding a copy with a later message of its key stored, "
                                          f"then killed")
         killed_at = time.monotonic()
@@ -728,18 +797,7 @@ def run(server, dsn: str, topic: str, timing: OrderedTiming = OrderedTiming(), *
 
         # a consumer of each channel paused holding copies
         at(timing.pause_at)
-        paused = [billing[2], audit[1]]
-        for c in paused:
-            c.pause()
-        for c in paused:
-            _await(c.paused.is_set, 10, f"{c.consumer} holding a copy, then paused")
-        paused_at = time.monotonic()
-        time.sleep(timing.pause_for)  # the fault held
-        for c in paused:
-            c.resume()
-        out.faults.append(f"{', '.join(c.consumer for c in paused)} paused at {since(paused_at)} holding "
-                          f"{[c.held_at_pause for c in paused]} copies, resumed at {since(time.monotonic())}")
-        out.notes["held_at_pause"] = sum(c.held_at_pause for c in paused)
+        pause_consumers([billing[2], audit[1]], timing.pause_for, out, since)
 
         # the dmq server killed -9 and started again, while copies are out on each channel
         at(timing.kill_server_at)

@@ -73,3 +73,41 @@ def test_pushes_per_node_and_node_index():
     ids = ["node1", "node2", "node3"]
     assert node_index(ids, "node2") == 1
     assert node_index(ids, None) is None and node_index(ids, "node9") is None
+
+
+# an ordered topic moved from cluster b (id slot 1) to main (slot 0): the key's later
+# messages have lower ids; its commit order is the order its producer was acknowledged in
+B = 1 << 48
+MOVED = {"k": [(B + 5, 0.0), (B + 9, 0.1), (3, 0.2), (4, 0.3)]}
+
+
+def _moved(attempts: list[Attempt]):
+    return check_order(MOVED, attempts, [], ["a"])["a"]
+
+
+def test_across_a_move_first_deliveries_follow_the_acks_not_the_ids():
+    in_order = [_push(B + 5, 1.0, 1.1, node="n1"), _push(B + 9, 1.2, 1.3, node="n1"), _push(3, 1.4, 1.5, node="n1"),
+                _push(4, 1.6, 1.7, node="n1")]
+    assert _moved(in_order).ok()
+    # main's copy pushed before b's last one: lower id, but committed later
+    early = [in_order[0], _push(3, 1.2, 1.3, node="n1"), _push(B + 9, 1.4, 1.5, node="n1"), in_order[3]]
+    c = _moved(early)
+    assert len(c.order_violations) == 1 and not c.ok()
+    # within one cluster ids still order the commits: acks out of id order on b break the premise
+    swapped = {"k": [(B + 9, 0.0), (B + 5, 0.1)]}
+    assert any("not in id order" in v for v in check_order(swapped, [], [], ["a"])["a"].order_violations)
+
+
+def test_across_a_move_a_copy_let_go_comes_back_before_the_next_in_commit_order():
+    # b's B+9 let go unacknowledged (its consumer killed); main's 3 went first: passed
+    passed = [_push(B + 5, 1.0, 1.1, node="n1"), _push(B + 9, 1.2, 1.3, "consumer killed", node="n1"),
+              _push(3, 1.4, 1.5, node="n1", consumer="c1"), _push(B + 9, 1.6, 1.7, node="n1", consumer="c1"),
+              _push(4, 1.8, 1.9, node="n1")]
+    assert len(_moved(passed).passed) == 1
+    # B+5, acked before B+9 was pushed, coming back first is an earlier message coming back (its
+    # ack died with the node): allowed; and B+9 came back with later messages stored
+    back = [_push(B + 5, 1.0, 1.1, node="n1"), _push(B + 9, 1.2, 1.3, "connection lost", node="n1"),
+            _push(B + 5, 1.4, 1.5, node="n2"), _push(B + 9, 1.6, 1.7, node="n2"), _push(3, 1.8, 1.9, node="n2"),
+            _push(4, 2.0, 2.1, node="n2")]
+    c = check_order(MOVED, back, [], ["a"], node_kills={"n1": [1.25]})["a"]
+    assert c.ok() and c.redelivered_ahead == 2
