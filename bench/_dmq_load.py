@@ -64,13 +64,15 @@ RECV_SIZE = 1 << 20
 class SendTemplate:
     """An encoded UP_PRODUCER_SEND split around the bytes that change per message."""
 
-    def __init__(self, topic: str, producer: str, body_size: int, status: str = ""):
-        if body_size < 8:
-            raise ValueError("bodies carry an 8-byte send time; body_size must be >= 8")
-        # ``status``: the messages' properties (docs/protocol.md §4.15), the same for each
+    def __init__(self, topic: str, producer: str, body_size: int, status: str = "", tag: int = 0):
+        if body_size < 8 or (tag and body_size < 9):
+            raise ValueError("bodies carry an 8-byte send time (and a tag byte after it); body_size must be >= 8 (9)")
+        # ``status``: the messages' properties (docs/protocol.md §4.15), the same for each;
+        # ``tag``: the body's 9th byte, which a consumer with cfg["latency_tags"] reads (bench/ordered_nodes.py:
+        # the node a copy was sent to)
         raw = encode(
             Frame(Command.UP_PRODUCER_SEND, session_id=0, topic=topic, producer=producer, status=status,
-                  body=b"\x00" * body_size)
+                  body=(b"\x00" * 8 + bytes([tag])).ljust(body_size, b"\x00")[:body_size])
         )
         body_off = len(raw) - body_size
         self.head = raw[:OFF_SESSION]
@@ -143,13 +145,13 @@ class KeyedSendTemplate(SendTemplate):
     the template's bytes with the chosen key's status bytes in place of the first's.
     """
 
-    def __init__(self, topic: str, producer: str, body_size: int, keys: Sequence[str]):
+    def __init__(self, topic: str, producer: str, body_size: int, keys: Sequence[str], tag: int = 0):
         statuses = [key_status(k).encode() for k in keys]
         if not statuses:
             raise ValueError("a keyed template needs at least one key")
         if len({len(s) for s in statuses}) != 1:
             raise ValueError("keys of a KeyedSendTemplate must encode to statuses of one length")
-        super().__init__(topic, producer, body_size, statuses[0].decode())
+        super().__init__(topic, producer, body_size, statuses[0].decode(), tag)
         # the status is the last thing before the body (docs/protocol.md §2)
         self.statuses = statuses
         self.before_status = self.before_body[: -len(statuses[0])]
@@ -307,7 +309,8 @@ def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
 
     cfg: host, port, topic, n (messages for this producer), window, body_size,
     rate (msgs/s for this producer, 0 = as fast as the window allows),
-    timeout (seconds after start), producer (name).
+    timeout (seconds after start), producer (name); tag (0-255, the body's 9th byte: see
+    the consumer's latency_tags).
     """
     run_worker("producer", _producer, cfg, index, ready_q, start_evt, result_q)
 
@@ -321,13 +324,13 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     keyed: KeyedSendTemplate | PrioritySendTemplates | None = None
     if keys:  # each message carries a key of the run's (docs/benchmarks.md, the ordered scenario)
         names = key_names(keys) + ([hot_key_name(keys)] if hot_share else [])
-        tmpl = keyed = KeyedSendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], names)
+        tmpl = keyed = KeyedSendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], names, cfg.get("tag", 0))
         plan = key_plan(n, keys, cfg.get("key_offset", index), cfg.get("key_stride", 1), hot_share)
     elif cfg.get("priorities") is not None:  # each message its priority (the priority scenario)
         tmpl = keyed = PrioritySendTemplates(cfg["topic"], cfg["producer"], cfg["body_size"])
         plan = cfg["priorities"]
     else:
-        tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""))
+        tmpl = SendTemplate(cfg["topic"], cfg["producer"], cfg["body_size"], cfg.get("status", ""), cfg.get("tag", 0))
     head = tmpl.head
     pack = I64.pack
     u32_from = U32.unpack_from
@@ -448,7 +451,8 @@ def consumer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     not one UP_CONSUMER_ACKS per read), expected (unique messages to wait for, 0 = no target), timeout (seconds after start), phases: list of
     (seconds or None, ack: bool); None = until ``expected`` is reached.
     Records publish->delivery latency from the body's first 8 bytes
-    (producer time.time_ns()) when cfg["latency"].
+    (producer time.time_ns()) when cfg["latency"]; with cfg["latency_tags"] also each
+    latency's body tag (its 9th byte, ``lat_tags``, parallel to ``lat``).
 
     Several consumers of one channel: cfg["shared"], a multiprocessing Value('q') they all
     add their new messages to; each stops once it reaches ``expected`` (the channel's
@@ -471,6 +475,7 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     u32_from = U32.unpack_from
     i64_from = I64.unpack_from
     want_latency = cfg.get("latency", True)
+    lat_tags = array("B") if cfg.get("latency_tags") else None
     expected = cfg.get("expected", 0)
     shared = cfg.get("shared")
     hot_status: bytes | None = cfg.get("hot_status")
@@ -586,6 +591,8 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                                 read_hot += 1
                             if want_latency and end - p >= 8:
                                 lat.append((now_ns - i64_from(buf, p)[0]) / 1e9)
+                                if lat_tags is not None:
+                                    lat_tags.append(buf[p + 8] if end - p > 8 else 0)
                 elif cmd == C_PROTOCOL_ERROR:
                     raise ConnectionError(_status_of(buf, pos, end))
                 pos = end
@@ -636,6 +643,7 @@ def _consumer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         t_last=t_last,
         phases=phase_log,
         lat=lat.tobytes(),
+        lat_tags=lat_tags.tobytes() if lat_tags is not None else b"",
         hot=hot,
         cold=cold,
         reads=reads.tobytes(),

@@ -149,7 +149,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     return predicate()
 
 
-def schema_with_topic(dsn: str, topic: str = "bench", channels: tuple[str, ...] = ("c",)) -> None:
+def schema_with_topic(dsn: str, topic: str = "bench", channels: tuple[str, ...] = ("c",), ordered: bool = False) -> None:
     """dmq's schema on a fresh database, and one reliable topic with its channels: what the
     statement benchmarks (insert_cost.py, ack_cost.py) run against."""
     import registry
@@ -158,6 +158,6 @@ def schema_with_topic(dsn: str, topic: str = "bench", channels: tuple[str, ...] 
 
     migrate(dsn)
     with connect(dsn, autocommit=True) as conn:
-        registry.create_topic(conn, topic)
+        registry.create_topic(conn, topic, ordered=ordered)
         for channel in channels:
             registry.add_channel(conn, topic, channel)

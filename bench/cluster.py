@@ -32,7 +32,7 @@ import tempfile
 import time
 from array import array
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,9 +63,11 @@ def latencies(results: list[dict]) -> array:
 class Cluster:
     """``count`` dmq nodes on one PostgreSQL and one ZooKeeper chroot."""
 
-    def __init__(self, count: int, dsn: str, zk: str, workdir: Path, log_level: str):
+    def __init__(self, count: int, dsn: str, zk: str, workdir: Path, log_level: str,
+                 extra: Sequence[str] = (), name: str = ""):
         self.zk = zk
         self.nodes: list[DmqServer] = []
+        self.node_ids = [f"bench-{name or count}-node{i + 1}" for i in range(count)]
         for i in range(count):
             node_dir = workdir / f"node{i + 1}"
             node_dir.mkdir(parents=True, exist_ok=True)
@@ -75,9 +77,10 @@ class Cluster:
                     node_dir,
                     [
                         "--zk", zk,
-                        "--node-id", f"bench-{count}-node{i + 1}",
+                        "--node-id", self.node_ids[i],
                         "--admin-address", "",
                         "--zk-session-timeout", "10s",
+                        *extra,
                     ],
                     log_level=log_level,
                 )
@@ -141,13 +144,13 @@ class Bench:
             conn.execute("TRUNCATE dmq_cursor, dmq_attempts, dmq_delivery_batch, dmq_message")
             conn.execute("VACUUM ANALYZE")
 
-    def register(self, zk_address: str, topic: str, channels: list[str]) -> None:
+    def register(self, zk_address: str, topic: str, channels: list[str], ordered: bool = False) -> None:
         from registry.zk import ZkRegistry, connect
 
         client = connect(zk_address, timeout=30)
         try:
             registry = ZkRegistry(client)
-            registry.create_topic(topic)
+            registry.create_topic(topic, **({"ordered": True} if ordered else {}))
             for channel in channels:
                 registry.add_channel(topic, channel)
         finally:
@@ -354,17 +357,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    bench = Bench(args)
+def run_bench(bench: Bench) -> int:
+    """Start PostgreSQL and ZooKeeper, run ``bench``, stop them (also on errors), write --json."""
     try:
         bench.start()
         bench.run()
     finally:
         bench.stop()
-    if args.json:
-        Path(args.json).write_text(json.dumps(bench.results, indent=2, default=str))
+    if bench.args.json:
+        Path(bench.args.json).write_text(json.dumps(bench.results, indent=2, default=str))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(Bench(parse_args(argv)))
 
 
 if __name__ == "__main__":

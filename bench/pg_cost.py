@@ -28,6 +28,10 @@ id order, the cursor moving with them.
     python bench/pg_cost.py --tree /tmp/old --tree .  # two builds, the same workload
     python bench/pg_cost.py --batch 20                # small statements: their fixed cost shows
     python bench/pg_cost.py --priority 5              # every message of priority 5 (schema 18's index)
+    python bench/pg_cost.py --ordered --batch 1       # an ordered topic: its commit lock a statement
+
+``--ordered`` makes the topic ordered, so every send statement takes the topic's cross-node
+commit lock (``pg_advisory_xact_lock``, issue 45 across nodes); the ack statement is the same.
 
 ``--priority P`` (1 to 9) gives every send the priority P, so the group commit runs its
 statement for sends with properties, and stores the prefilled messages with it too (the
@@ -53,6 +57,7 @@ import _cost as cost  # noqa: E402
 
 BATCH = int(os.environ.get("DMQ_BENCH_PG_BATCH", "200"))  # --batch, handed to the child
 PRIORITY = int(os.environ.get("DMQ_BENCH_PG_PRIORITY", "0"))  # --priority, handed to the child
+ORDERED = os.environ.get("DMQ_BENCH_PG_ORDERED") == "1"  # --ordered, handed to the child
 PRODUCERS = 4
 PREFILL = 200_000
 SMALL = 10  # batches on the first connection of each statement: PostgreSQL's 5 custom plans and more
@@ -74,7 +79,7 @@ def child(batches: int) -> dict:
     postmaster = None
     try:
         dsn = pg.start()
-        schema_with_topic(dsn)
+        schema_with_topic(dsn, ordered=ORDERED)
         with connect(dsn, autocommit=True) as conn:
             owner = conn.execute("INSERT INTO dmq_owner (node_id) VALUES ('node-1') RETURNING id").fetchone()[0]
             conn.execute(
@@ -182,8 +187,10 @@ def main() -> None:
                         help="sends and acks a statement (two sizes tell a statement's fixed cost from a row's)")
     parser.add_argument("--priority", type=int, default=PRIORITY, choices=range(10), metavar="0-9",
                         help="every message's priority (0: sends without properties)")
+    parser.add_argument("--ordered", action="store_true", help="an ordered topic (its sends take the commit lock)")
     args = parser.parse_args()
     os.environ["DMQ_BENCH_PG_BATCH"] = str(args.batch)
+    os.environ["DMQ_BENCH_PG_ORDERED"] = "1" if args.ordered else "0"
     os.environ["DMQ_BENCH_PG_PRIORITY"] = str(args.priority)
     if shutil.which("valgrind") is None:
         sys.exit("pg_cost.py needs valgrind (apt-get install valgrind, or bash deploy/setup.sh --bench)")
@@ -191,7 +198,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for tree in trees:
             result = cost.run_child("pg_cost", tree, args.batches)
-            print(f"{tree}: PostgreSQL instructions per message (batches of {args.batch}, priority {args.priority}): "
+            print(f"{tree}: PostgreSQL instructions per message (batches of {args.batch}, priority {args.priority}"
+                  f"{', ordered' if args.ordered else ''}): "
                   f"send statement {result['send']:,.0f}, "  # type: ignore[index]
                   f"ack statement {result['ack']:,.0f}", flush=True)
 
