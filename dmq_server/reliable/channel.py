@@ -24,6 +24,7 @@ length.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
@@ -34,6 +35,7 @@ from dmq_server.core.deadlines import Deadlines
 from dmq_server.core.client_memory import RELIABLE_WINDOW, ClientMemory
 from dmq_server.db.messages import BacklogRow
 from dmq_server.reliable.cursor import ChannelCursor
+from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.reliable.key_order import KeyGate
 
 __all__ = [
@@ -118,6 +120,7 @@ class ReliableChannel:
         ordered: bool = False,
         load_ahead: Callable[["ReliableChannel", list[int], int], None] | None = None,
         load_key: Callable[["ReliableChannel", str, int, int], None] | None = None,
+        writes: OwnWrites | None = None,
     ):
         self.topic = topic
         self.name = name
@@ -131,6 +134,8 @@ class ReliableChannel:
         # ``load_key(channel, key, after, limit)``: an ordered topic's copies of one key
         # after that id, oldest first (a key read apart: ``ChannelCursor.skipped``)
         self._load_key = load_key
+        # the store's own writes: a load's copy above their horizon is noted ``early``
+        self._writes = writes
         # ``on_acks(channel, deliveries, acked_ms, consumer)``: the copies one ``ack_held``
         # call acknowledged, once per call (the store makes their durable-ack rows)
         self._on_acks = on_acks
@@ -227,11 +232,14 @@ class ReliableChannel:
         can commit ids out of order), so no later load would find it.
         """
         mid = message.message_id
+        cursor = self.cursor
+        if cursor.early and mid in cursor.early:
+            cursor.early.discard(mid)  # a load read it before this answer came
+            return
         if self.closed or mid in self.known:
             return
         self.message_count += 1
         delivery = Delivery(message)
-        cursor = self.cursor
         if cursor.loading:
             cursor.arrived.append(delivery)
             return
@@ -282,7 +290,8 @@ class ReliableChannel:
         rest = iter(messages)
         cursor = self.cursor
         if not (
-            self.closed or cursor.loading or cursor.backlog or self.ready or self.prioritised_count or self.paused or self.held
+            self.closed or cursor.loading or cursor.backlog or cursor.early or self.ready or self.prioritised_count
+            or self.paused or self.held
             or self.max_attempts is not None or self.keys is not None or (self.gate is not None and not self.gate())
         ):
             if len(self.consumers) == 1:
@@ -565,12 +574,19 @@ class ReliableChannel:
 
     def _sized(self, rows: Iterable[BacklogRow]) -> Iterable[BacklogRow]:
         """``rows`` of a load, read ahead or read with their key, after every one of them
-        sized the next read (new or not): else reads stay at ``LOAD_PROBE`` rows."""
-        if self._memory is None or self.cursor.load_stale:
+        sized the next read (new or not: else reads stay at ``LOAD_PROBE`` rows), and this
+        node's own copies whose commit is not answered yet noted ``early``."""
+        writes = self._writes
+        horizon = writes.horizon() if writes is not None else math.inf
+        if (self._memory is None and horizon == math.inf) or self.cursor.load_stale:
             return rows
         rows = list(rows)
-        for row in rows:
-            self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
+        if self._memory is not None:
+            for row in rows:
+                self._body_size = (self._body_size * 7 + len(row.body)) // 8 if self._body_size else len(row.body)
+        if writes is not None and horizon != math.inf:
+            owner, early = writes.owner, self.cursor.early
+            early.update(row.message_id for row in rows if row.message_id > horizon and row.owner == owner)
         return rows
 
     def _read_a_key(self) -> bool:

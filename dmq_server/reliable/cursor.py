@@ -30,6 +30,10 @@ grow). Its state:
   proposal stays below the lowest of those;
 - ``known``: the ids held (ready, in flight) or awaiting a durable outcome, so a load
   never brings back a copy this node still holds or has just acknowledged;
+- ``early``: this node's own copies a load read before their commit was answered (above
+  ``OwnWrites.horizon``), so the answer's arrival never pushes again a copy the load's
+  went out as, acknowledged and made durable meanwhile (at least once would allow it; a
+  key's order on an ordered topic would not);
 - ``finishing``: the ids acknowledged, or handed to their dead letter, whose statement
   has not committed yet, with their owner: holes in every proposal until then;
 - a load's races: copies committed while it was out (``arrived``), and ids finished
@@ -101,7 +105,8 @@ class ChannelCursor(Generic[CopyT]):
     """The delivery state of one channel on this node (every owner's copies)."""
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
-                 "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after", "loads_only")
+                 "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after", "loads_only",
+                 "early")
 
     def __init__(self) -> None:
         self.position = 0
@@ -118,6 +123,9 @@ class ChannelCursor(Generic[CopyT]):
         self.finishing: dict[int, int] = {}  # id -> owner, until its durable outcome
         self.arrived: list[CopyT] = []  # Deliveries committed while a load was out
         self.dropped: set[int] = set()  # finished while a load was out: keep them out of it
+        # own copies a load read before their commit's answer came: the answer's ``add``
+        # finds them here and hands on nothing (the load's copy went out, or waits)
+        self.early: set[int] = set()
         self.rescan_pending = False  # a takeover during a load: read from the first id after it
         self.load_stale = False  # a lost session during a load: discard its rows
         self.loads_only = False  # an ordered topic's orderer in a cluster: arrivals are read by loads
@@ -385,7 +393,9 @@ class ChannelCursor(Generic[CopyT]):
         self.from_start()
 
     def from_start(self) -> None:
-        """The next load reads from the first id, every priority level too."""
+        """The next load reads from the first id, every priority level too (it notes
+        again what it reads early)."""
+        self.early.clear()
         self.position = 0
         self.backlog = True
         self.urgent = set(LEVELS)

@@ -496,6 +496,7 @@ class ReliableStore:
                 deliver_latency=self.wiring.deliver_latency,
                 memory=self.wiring.memory,
                 ordered=spec.ordered if spec else False,
+                writes=self.writes,
             )
             channel.paused = self.paused
             fence = self.wiring.fence
