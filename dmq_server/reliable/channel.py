@@ -1138,10 +1138,15 @@ class ReliableChannel:
         return None
 
     def touch(self, message_id: int, consumer: Receiver) -> str | None:
-        """Restart the copy's message timeout."""
+        """Restart the copy's message timeout; refused while delivery is paused (this
+        node's ZooKeeper session is in doubt): another node may take the copy over once
+        its timeout has passed (an ordered topic's next orderer waits exactly that), so
+        its consumer must not keep it longer."""
         error = self.owner_error(message_id, consumer)
         if error is not None:
             return error
+        if self.paused:
+            return "delivery paused (this node's cluster session is in doubt)"
         self._reset_deadline(self.in_flight[message_id], self.clock.seconds() + self.msg_timeout)
         return None
 

@@ -84,6 +84,19 @@ def test_a_channel_another_node_delivers_keeps_loads_and_pushes_nothing():
     assert channel.stats()["delivered_by"] == "n2"
 
 
+def test_a_touch_is_refused_while_delivery_is_paused():
+    """A node whose session is in doubt does not extend a copy's timeout: the next orderer
+    pushes the key again once the timeout has passed (its handover wait)."""
+    channel, loads, consumer = _channel("here")
+    channel.loaded([_row(3, OWN)], 100)
+    assert consumer.pushed == [3]
+    assert channel.touch(3, consumer) is None
+    channel.paused = True
+    assert channel.touch(3, consumer) == "delivery paused (this node's cluster session is in doubt)"
+    channel.paused = False
+    assert channel.touch(3, consumer) is None
+
+
 def test_the_orderer_reads_every_copy_from_the_first_id_in_id_order():
     channel, loads, consumer = _channel()
     channel.order_elsewhere(NO_ORDERER)
