@@ -4,6 +4,7 @@
     python bench/ordered_nodes.py                      # 2 pairs, then the idle poll (about 4 minutes)
     python bench/ordered_nodes.py --pairs 3 --drain    # stored first, then drained
     python bench/ordered_nodes.py --idle-seconds 0     # the pairs only
+    python bench/ordered_nodes.py --send-to other --idle-seconds 0   # every send to the non-orderer
 
 Two ``dmq-server --zk`` nodes on one private PostgreSQL and one ZooKeeper (bench/cluster.py's).
 Each pair is an ordered topic's run, then the same on an unordered topic, on fresh topics of
@@ -16,7 +17,10 @@ every copy: those stored on the other node it reads every ``--ordered-poll``. Fi
 delivered+acked msgs/s, CPU a message of each node process and of PostgreSQL (its backends
 and background), pushes per node (the consumers' count, and the channel's ``delivery_count``
 in each node's /stats), publish->delivery p50/p99 of the copies sent to each node (the
-producers tag each body with their node).
+producers tag each body with their node) and their publish->ack, and each node's channel
+(/stats depth, in flight, parked, backlog pending) every 0.2 s. ``--send-to other`` (or
+``orderer``) sends everything to the node that does not order the pair's ordered topic (or to
+the one that does): what the loads of the other node's copies cost, or of the orderer's own.
 
 Then the idle cost of the orderer's poll: the nodes restarted with ``--ordered-poll`` at
 the run's value and at ``--idle-poll`` (1 s) in turn, ``--idle-pairs`` times, each with
@@ -40,7 +44,10 @@ sys.path.insert(0, str(HERE.parent))
 import _dmq_load  # noqa: E402
 from _common import fmt_int, machine_info, percentiles, print_grid  # noqa: E402
 from cluster import Bench, Cluster, run_bench  # noqa: E402
-from reliable import CTX, cpu_line, run_workers, split  # noqa: E402
+from reliable import CTX, Sampler, cpu_line, run_workers, split  # noqa: E402
+
+#: a channel's /stats fields the sampler follows on each node during a run
+SAMPLED = ("depth", "in_flight_count", "parked_count", "backlog_pending")
 
 
 def by_tag(results: list[dict]) -> dict[int, array]:
@@ -55,12 +62,21 @@ def by_tag(results: list[dict]) -> dict[int, array]:
     return out
 
 
-def ack_latencies(producers: list[dict], nodes: int) -> list[array]:
-    """The producers' publish->ack latencies (seconds) by node: producer i sent to node i % nodes."""
+def ack_latencies(producers: list[dict], sent_to: list[int], nodes: int) -> list[array]:
+    """The producers' publish->ack latencies (seconds) by node: producer i sent to node sent_to[i]."""
     out = [array("d") for _ in range(nodes)]
-    for i, r in enumerate(producers):
-        out[i % nodes].frombytes(r["lat"])
+    for node, r in zip(sent_to, producers):
+        out[node].frombytes(r["lat"])
     return out
+
+
+def send_targets(send_to: str, orderer: int, nodes: int) -> list[int]:
+    """The nodes the producers take in turn: ``both`` (every node), ``orderer`` or ``other``
+    (the node that orders the pair's ordered topic, or the one that does not; the unordered
+    run of a pair sends to the same node)."""
+    if send_to == "both":
+        return list(range(nodes))
+    return [orderer] if send_to == "orderer" else [i for i in range(nodes) if i != orderer]
 
 
 def channel_stats(stats: dict | None, topic: str, channel: str) -> dict:
@@ -86,11 +102,42 @@ def per_message_us(cpu: dict[str, float], names: list[str], messages: int) -> di
     return {name: round(cpu[name] / messages * 1e6, 1) for name in names if name in cpu and messages}
 
 
+class ChannelSampler(Sampler):
+    """Each node's channel (``SAMPLED`` of its /stats) every ``every`` s during a run: where
+    the copies wait on the way (stored and not loaded shows in ``backlog_pending``, loaded and
+    not pushed in ``depth``, pushed and not acked in ``in_flight_count``)."""
+
+    def __init__(self, nodes: list, topic: str, channel: str, every: float = 0.2):
+        super().__init__(every)
+        self.nodes, self.topic, self.channel = nodes, topic, channel
+        self.samples: list[list[dict]] = [[] for _ in nodes]
+
+    def _sample(self) -> None:
+        for i, node in enumerate(self.nodes):
+            stats = channel_stats(node.stats(), self.topic, self.channel)
+            self.samples[i].append({k: stats.get(k) for k in SAMPLED})
+
+    def summary(self) -> list[dict[str, object]]:
+        """Per node: each field's mean and max (a flag: the share of samples it was set)."""
+        self.halt()
+        return [sample_summary(samples) for samples in self.samples]
+
+
+def sample_summary(samples: list[dict]) -> dict[str, object]:
+    out: dict[str, object] = {"samples": len(samples)}
+    for field in SAMPLED:
+        values = [float(s[field]) for s in samples if isinstance(s.get(field), (int, float, bool))]
+        if values:
+            out[field] = {"mean": round(sum(values) / len(values), 2), "max": max(values)}
+    return out
+
+
 class OrderedNodes(Bench):
     def __init__(self, args: argparse.Namespace):
         super().__init__(args)
         self.results = {"machine": machine_info(), "args": vars(args), "pairs": [], "idle": []}
         self.clusters = 0
+        self.last_orderer = 0  # the node that ordered the pair's ordered topic (--send-to)
 
     # -- the nodes -------------------------------------------------------------------------
     def cluster(self, poll: str) -> Cluster:
@@ -126,11 +173,15 @@ class OrderedNodes(Bench):
     def keyed(self, cluster: Cluster, topic: str, ordered: bool) -> dict:
         a = self.args
         orderer = self.topic(cluster, topic, ordered)
+        if orderer is not None:
+            self.last_orderer = orderer
         nodes = cluster.nodes
+        targets = send_targets(a.send_to, self.last_orderer, len(nodes))
+        sent_to = [targets[i % len(targets)] for i in range(a.producers)]
         n = a.messages
         producers = []
         for i, count in enumerate(split(n, a.producers)):
-            node = i % len(nodes)
+            node = sent_to[i]
             producers.append((_dmq_load.producer_main, {
                 "host": "127.0.0.1", "port": nodes[node].tcp_port, "topic": topic,
                 "producer": f"bench-{topic}-p{i}", "n": count, "window": a.window, "body_size": a.body_size,
@@ -145,15 +196,19 @@ class OrderedNodes(Bench):
         }) for i in range(a.consumers)]
         probes = self.probes(cluster)
         before = [channel_stats(node.stats(), topic, "c1") for node in nodes]
+        sampler = ChannelSampler(nodes, topic, "c1")
         if a.drain:
             stored = run_workers(producers, {}, result_timeout=a.timeout + 60)
             prods = [stored["results"][i] for i in range(len(producers))]
+            sampler.start()
             run = run_workers(consumers, probes, result_timeout=a.timeout + 60)
             cons = [run["results"][i] for i in range(len(consumers))]
         else:
+            sampler.start()
             run = run_workers(consumers + producers, probes, result_timeout=a.timeout + 60)
             results = [run["results"][i] for i in range(len(run["results"]))]
             cons, prods = results[: len(consumers)], results[len(consumers):]
+        sampled = sampler.summary()
         after = [channel_stats(node.stats(), topic, "c1") for node in nodes]
         delivered = sum(r["unique"] for r in cons)
         last = max((r["t_last"] for r in cons if r["t_last"]), default=run["t0"])
@@ -165,7 +220,7 @@ class OrderedNodes(Bench):
             "ordered": ordered,
             "orderer": None if orderer is None else f"node{orderer + 1}",
             "published": sum(r["acked"] for r in prods),
-            "stored_per_node": [sum(r["acked"] for j, r in enumerate(prods) if j % len(nodes) == i)
+            "stored_per_node": [sum(r["acked"] for j, r in enumerate(prods) if sent_to[j] == i)
                                 for i in range(len(nodes))],
             "delivered_acked": delivered,
             "duplicates": sum(r["duplicates"] for r in cons),
@@ -177,9 +232,10 @@ class OrderedNodes(Bench):
                                         for i in range(len(nodes))],
             "cpu_s": run["cpu"],
             "cpu_us_per_message": per_message_us(run["cpu"], list(probes), delivered),
+            "channel_sampled": sampled,
             "latency_ms_by_node": {f"node{tag}": percentiles(values, (50, 99)) for tag, values in sorted(lat.items())},
             "publish_ack_ms_by_node": {f"node{i + 1}": percentiles(acks, (50, 99)) for i, acks in
-                                       enumerate(ack_latencies(prods, len(nodes)))},
+                                       enumerate(ack_latencies(prods, sent_to, len(nodes)))},
         }
         lat_text = "; ".join(f"sent to {name}: p50 {p['p50']} / p99 {p['p99']} ms ({p['count']:,})"
                              for name, p in res["latency_ms_by_node"].items())
@@ -190,6 +246,10 @@ class OrderedNodes(Bench):
         print(f"  publish->delivery {lat_text}", flush=True)
         print("  publish->ack " + "; ".join(f"sent to {name}: p50 {p['p50']} / p99 {p['p99']} ms"
                                          for name, p in res["publish_ack_ms_by_node"].items()), flush=True)
+        for i, summary in enumerate(sampled):
+            print(f"  node{i + 1}'s channel every 0.2 s ({summary['samples']} samples), mean / max: "
+                  + ", ".join(f"{k} {v['mean']} / {v['max']:g}" for k, v in summary.items() if isinstance(v, dict)),
+                  flush=True)
         print(f"  CPU {cpu_line(run['cpu'], run['wall'])}; a message: "
               + ", ".join(f"{k} {v} us" for k, v in res["cpu_us_per_message"].items()), flush=True)
         return res
@@ -263,7 +323,7 @@ class OrderedNodes(Bench):
                 ])
         print_grid(
             f"2 nodes, {self.args.keys:,} keys, {self.args.producers} producers x window {self.args.window}, "
-            f"{self.args.consumers} consumers, {self.args.messages:,} messages"
+            f"{self.args.consumers} consumers, {self.args.messages:,} messages, sent to {self.args.send_to}"
             f"{', stored first then drained' if self.args.drain else ''}",
             ["pair", "msgs/s", "us a message node1 / node2 / PostgreSQL", "pushes node1 / node2",
              "p50 / p99 ms, sent to node1 ; node2", "orderer", "other processes"],
@@ -291,6 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256, help="unanswered sends per producer")
     p.add_argument("--body-size", type=int, default=200)
     p.add_argument("--credit", type=int, default=1000)
+    p.add_argument("--send-to", choices=("both", "orderer", "other"), default="both",
+                   help="the producers' nodes: both in turn, or only the orderer (other: only the node that is not)")
     p.add_argument("--drain", action="store_true", help="store every message first, then start the consumers")
     p.add_argument("--ordered-poll", default="50ms", help="the nodes' --ordered-poll (default 50ms, the server's)")
     p.add_argument("--idle-poll", default="1s", help="the idle runs' other --ordered-poll")

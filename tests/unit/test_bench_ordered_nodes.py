@@ -69,4 +69,26 @@ def test_a_channel_is_found_in_a_nodes_stats():
 
 def test_publish_acks_are_split_by_the_node_each_producer_sent_to():
     producers = [{"lat": array("d", [float(i)]).tobytes()} for i in range(4)]
-    assert [list(a) for a in ordered_nodes.ack_latencies(producers, 2)] == [[0.0, 2.0], [1.0, 3.0]]
+    split = ordered_nodes.ack_latencies(producers, [0, 1, 0, 1], 2)
+    assert [list(a) for a in split] == [[0.0, 2.0], [1.0, 3.0]]
+    assert [list(a) for a in ordered_nodes.ack_latencies(producers, [1, 1, 1, 1], 2)] == [[], [0.0, 1.0, 2.0, 3.0]]
+
+
+def test_producers_go_to_both_nodes_or_to_the_orderer_or_to_the_other():
+    assert ordered_nodes.send_targets("both", 1, 2) == [0, 1]
+    assert ordered_nodes.send_targets("orderer", 1, 2) == [1]
+    assert ordered_nodes.send_targets("other", 1, 2) == [0]
+    assert ordered_nodes.send_targets("other", 0, 2) == [1]
+
+
+def test_channel_samples_are_summed_up_per_field_and_flags_count_as_shares():
+    samples = [
+        {"depth": 10, "in_flight_count": 4000, "parked_count": 0, "backlog_pending": True},
+        {"depth": 30, "in_flight_count": 2000, "parked_count": 2, "backlog_pending": False},
+        {"depth": None, "in_flight_count": None, "parked_count": None, "backlog_pending": None},  # not served yet
+    ]
+    summary = ordered_nodes.sample_summary(samples)
+    assert summary["samples"] == 3
+    assert summary["depth"] == {"mean": 20.0, "max": 30.0}
+    assert summary["in_flight_count"] == {"mean": 3000.0, "max": 4000.0}
+    assert summary["backlog_pending"] == {"mean": 0.5, "max": 1.0}
