@@ -112,7 +112,7 @@ class Bench:
         from tests.zk.zkserver import Ensemble
 
         print("starting PostgreSQL and ZooKeeper...", flush=True)
-        self.pg = PrivatePostgres(str(self.work / "pg"))
+        self.pg = PrivatePostgres(str(self.work / "pg"), settings=getattr(self.args, "pg_settings", None))
         self.pg.start()
         self.zk = Ensemble(1, base=self.work / "zk").start()
 

@@ -5,6 +5,7 @@
     python bench/ordered_nodes.py --pairs 3 --drain    # stored first, then drained
     python bench/ordered_nodes.py --idle-seconds 0     # the pairs only
     python bench/ordered_nodes.py --send-to other --idle-seconds 0   # every send to the non-orderer
+    python bench/ordered_nodes.py --pg-stat --idle-seconds 0         # and PostgreSQL's busiest statements a run
 
 Two ``dmq-server --zk`` nodes on one private PostgreSQL and one ZooKeeper (bench/cluster.py's).
 Each pair is an ordered topic's run, then the same on an unordered topic, on fresh topics of
@@ -44,7 +45,8 @@ sys.path.insert(0, str(HERE.parent))
 import _dmq_load  # noqa: E402
 from _common import fmt_int, machine_info, percentiles, print_grid  # noqa: E402
 from cluster import Bench, Cluster, run_bench  # noqa: E402
-from reliable import CTX, Sampler, cpu_line, run_workers, split  # noqa: E402
+from reliable import CTX, Sampler, cpu_line, run_workers, split, statement_rows  # noqa: E402
+from reliable import Bench as ReliableBench  # noqa: E402
 
 #: a channel's /stats fields the sampler follows on each node during a run
 SAMPLED = ("depth", "in_flight_count", "parked_count", "backlog_pending")
@@ -139,6 +141,14 @@ class OrderedNodes(Bench):
         self.clusters = 0
         self.last_orderer = 0  # the node that ordered the pair's ordered topic (--send-to)
 
+    # reliable.py's reading of pg_stat_statements (--pg-stat), on this bench's PostgreSQL
+    pg_statements = ReliableBench.pg_statements
+
+    def connect(self):
+        from dmq_server.db.worker import connect
+
+        return connect(self.pg.dsn, autocommit=True)
+
     # -- the nodes -------------------------------------------------------------------------
     def cluster(self, poll: str) -> Cluster:
         """Two fresh nodes (a ZooKeeper chroot of their own) with ``--ordered-poll poll``."""
@@ -197,6 +207,8 @@ class OrderedNodes(Bench):
         probes = self.probes(cluster)
         before = [channel_stats(node.stats(), topic, "c1") for node in nodes]
         sampler = ChannelSampler(nodes, topic, "c1")
+        if a.pg_stat:
+            self.pg_statements(reset=True)
         if a.drain:
             stored = run_workers(producers, {}, result_timeout=a.timeout + 60)
             prods = [stored["results"][i] for i in range(len(producers))]
@@ -209,6 +221,7 @@ class OrderedNodes(Bench):
             results = [run["results"][i] for i in range(len(run["results"]))]
             cons, prods = results[: len(consumers)], results[len(consumers):]
         sampled = sampler.summary()
+        statements = self.pg_statements() if a.pg_stat else None
         after = [channel_stats(node.stats(), topic, "c1") for node in nodes]
         delivered = sum(r["unique"] for r in cons)
         last = max((r["t_last"] for r in cons if r["t_last"]), default=run["t0"])
@@ -233,6 +246,7 @@ class OrderedNodes(Bench):
             "cpu_s": run["cpu"],
             "cpu_us_per_message": per_message_us(run["cpu"], list(probes), delivered),
             "channel_sampled": sampled,
+            "pg_statements": statements,
             "latency_ms_by_node": {f"node{tag}": percentiles(values, (50, 99)) for tag, values in sorted(lat.items())},
             "publish_ack_ms_by_node": {f"node{i + 1}": percentiles(acks, (50, 99)) for i, acks in
                                        enumerate(ack_latencies(prods, sent_to, len(nodes)))},
@@ -250,6 +264,8 @@ class OrderedNodes(Bench):
             print(f"  node{i + 1}'s channel every 0.2 s ({summary['samples']} samples), mean / max: "
                   + ", ".join(f"{k} {v['mean']} / {v['max']:g}" for k, v in summary.items() if isinstance(v, dict)),
                   flush=True)
+        for name, text in statement_rows(statements):
+            print(f"  {name}: {text}", flush=True)
         print(f"  CPU {cpu_line(run['cpu'], run['wall'])}; a message: "
               + ", ".join(f"{k} {v} us" for k, v in res["cpu_us_per_message"].items()), flush=True)
         return res
@@ -358,11 +374,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-poll", default="1s", help="the idle runs' other --ordered-poll")
     p.add_argument("--idle-seconds", type=float, default=30.0, help="each idle run's length; 0: none")
     p.add_argument("--idle-pairs", type=int, default=2)
+    p.add_argument("--pg-stat", action="store_true",
+                   help="load pg_stat_statements and print each run's busiest statements (calls, rows, time)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--keep-logs", action="store_true")
     p.add_argument("--log-level", default="warn")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.pg_settings = {"shared_preload_libraries": "pg_stat_statements"} if args.pg_stat else None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
