@@ -23,7 +23,7 @@ monotonic clock, read *after* the push was read and *before* the ack was written
 recorded interval lies inside the server's own (push sent .. ack received): an overlap of
 recorded intervals is an overlap at the server. Half the consumers ack at once, the others
 after a random hold of up to 80 ms. They are threads of the test: paused, one stops reading
-and acking (what SIGSTOP would do to a process).
+and acking (what SIGSTOP would do to a process); holding, one reads on but acks nothing.
 
 **Faults**, in this order while the load is on: a billing consumer is killed (its
 connection reset, nothing acked) while it holds copies, one of them with a later message of
@@ -228,6 +228,9 @@ class KeyedConsumer(threading.Thread):
         self.kill_if: Callable[[list[Attempt]], bool] | None = None
         self.killed = threading.Event()
         self.pause_wanted = threading.Event()
+        # while set, it reads on (every push recorded when it arrives) but acknowledges
+        # nothing: a slow consumer, not a stopped one
+        self.holding = threading.Event()
         self.paused = threading.Event()
         self.resumed = threading.Event()
         self.held_at_kill = 0
@@ -252,6 +255,11 @@ class KeyedConsumer(threading.Thread):
     def resume(self) -> None:
         self.pause_wanted.clear()
         self.resumed.set()
+
+    def held(self) -> int:
+        """How many pushes it holds now."""
+        with self._lock:
+            return len(self._open)
 
     def holds_past(self, moment: float) -> bool:
         """Whether it holds a push it will not acknowledge before ``moment``."""
@@ -326,8 +334,8 @@ class KeyedConsumer(threading.Thread):
                 held.append((now + self.rng.uniform(0, self.hold), push))
                 push = client.receive(timeout=0) if self.batch else None
             self._acks_due = [at for at, _ in held]
-            if self.kill_if is not None or self.pause_wanted.is_set():
-                continue  # killed or paused holding what it holds now
+            if self.kill_if is not None or self.pause_wanted.is_set() or self.holding.is_set():
+                continue  # killed, paused or holding what it holds now
             now = time.monotonic()
             due = [push for at, push in held if at <= now]
             if not due:

@@ -17,8 +17,12 @@ consumers of both channels on every node, under faults. Two runs:
    ordered cursors to the orderer) and started again after ``kill_other_for`` seconds;
 5. the orderer is frozen with SIGSTOP past its ZooKeeper session (its consumers keep
    their connections: a kill ends nothing of theirs), until another node holds the lock,
-   then woken with SIGCONT while the new orderer waits out the handover. Woken, it must
-   push nothing more (its session is gone; it learns so, and gates the topic).
+   then woken with SIGCONT while the new orderer waits out the handover. A consumer of
+   each channel there holds copies from before the freeze (reading on, acknowledging
+   nothing) until ``held_past_lock`` after the lock moved (3.5-4 s in all, within the
+   message timeout): a new orderer pushing their keys without the wait is an overlap.
+   Woken, the old orderer must push nothing more (its session is gone; it learns so, and
+   gates the topic): no consumer of it reads a push after the SIGCONT.
 
 **move** (``run_move``): the topic starts on PostgreSQL cluster ``b`` (a private
 PostgreSQL, the nodes' ``--pg-cluster``) and is moved to ``main`` (the Patroni cluster,
@@ -71,6 +75,7 @@ class NodesTiming:
     move_at: float = 4.0
     after_move: float = 4.0
     handover: float = 30.0  # the longest wait for a new orderer, and for its first push
+    held_past_lock: float = 0.3  # a frozen orderer's consumers hold copies this long after the lock moved
     drain: float = 60.0
     linger: float = 1.5
 
@@ -212,11 +217,13 @@ def handovers(run: OrderedRun) -> list[dict[str, object]]:
     return found
 
 
-def _handover(t: Traffic, run: OrderedRun, cause: str, old: int, fault_at: float) -> int:
-    """Wait until a node other than ``old`` holds the lock and pushes; record when (from
-    ``fault_at``). Returns the new orderer's index."""
-    new = await_orderer(t.cluster, t.topic, t.timing.handover, other_than=old)
-    locked = time.monotonic()
+def _handover(t: Traffic, run: OrderedRun, cause: str, old: int, fault_at: float,
+              seen: tuple[int, float] | None = None) -> int:
+    """Wait until a node other than ``old`` holds the lock (``seen``: found already, by
+    then) and pushes; record when (from ``fault_at``). Returns the new orderer's index."""
+    if seen is None:
+        seen = (await_orderer(t.cluster, t.topic, t.timing.handover, other_than=old), time.monotonic())
+    new, locked = seen
     ordered._await(lambda: t.first_push(new, locked) is not None, t.timing.handover,
                    f"a push of {t.ids[new]}, the new orderer, after {cause}")
     pushed = t.first_push(new, locked)
@@ -281,22 +288,36 @@ def run_faults(cluster: ChaosCluster, topic: str, timing: NodesTiming = NodesTim
         out.faults.append(f"{t.ids[other]} (not the orderer) killed -9 at {t.since(killed_at)}, serving again at "
                           f"{t.since(time.monotonic())}")
 
-        # 5. the orderer frozen past its ZooKeeper session, woken while the next one waits out the handover
+        # 5. the orderer frozen past its ZooKeeper session, woken while the next one waits
+        # out the handover; a consumer of each channel there holds copies across the
+        # freeze until just after the lock moved (paused; less than the message timeout
+        # in all): the new orderer must not push their keys meanwhile
         old = orderer(cluster, topic)
         assert old is not None, "no orderer"
-        ordered._await(lambda: _holding(t.of(old)), 15, f"a consumer of each channel of {t.ids[old]} holding a "
-                                                        f"copy 40 ms more")
+        holders = [next(c for c in t.of(old, ch) if c.hold > 0 and not c.killed.is_set()) for ch in CHANNELS]
+        for c in holders:
+            c.holding.set()  # reads on (a push is recorded when it arrives), acknowledges nothing
+        ordered._await(lambda: all(c.held() for c in holders), 15,
+                       f"{', '.join(c.consumer for c in holders)} holding copies")
         frozen_at = time.monotonic()
         heal = pause_node(cluster, old)
+        held = [c.held() for c in holders]
         try:
             new = await_orderer(cluster, topic, timing.handover, other_than=old)
+            locked = time.monotonic()
         finally:
             heal()
         woke = time.monotonic()
+        time.sleep(timing.held_past_lock)  # the fault held
+        for c in holders:
+            c.holding.clear()
         out.notes["woken_orderer"] = (t.ids[old], woke)
-        out.faults.append(f"the orderer {t.ids[old]} frozen (SIGSTOP) at {t.since(frozen_at)}, woken (SIGCONT) at "
-                          f"{t.since(woke)}, once {t.ids[new]} held the lock")
-        _handover(t, out, f"{t.ids[old]} frozen", old, frozen_at)
+        out.notes["held_across_freeze"] = sum(held)
+        out.faults.append(f"the orderer {t.ids[old]} frozen (SIGSTOP) at {t.since(frozen_at)} while "
+                          f"{', '.join(c.consumer for c in holders)} held {held} "
+                          f"copies, woken (SIGCONT) at {t.since(woke)}, once {t.ids[new]} held the lock; the "
+                          f"consumers let go at {t.since(time.monotonic())}")
+        _handover(t, out, f"{t.ids[old]} frozen", old, frozen_at, (new, locked))
 
         time.sleep(timing.after)  # the load goes on after the last fault
         t.finish(out)

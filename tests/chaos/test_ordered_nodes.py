@@ -126,6 +126,7 @@ def test_per_key_order_across_nodes_under_kills_and_a_frozen_orderer(cluster):
         played.append(run)
         assert run.sent > 3000 and len(out.sends) > 900, run.text  # the load ran, over (nearly) every key
         assert out.notes["held_at_consumer_kill"] > 0 and out.notes["held_at_pause"] > 1, run.text
+        assert out.notes["held_across_freeze"] > 1, run.text  # copies out at the frozen orderer's consumers
         assert all(n > 0 for n in out.notes["out_at_orderer_kill"].values()), run.text
         # two handovers, each a move of the lock to another node, which then waited out
         # the topic's message timeout before its first push (the killed and the frozen
