@@ -42,7 +42,12 @@ from twisted.logger import Logger
 
 from dmq_server.core.clock import Clock, Timer
 from dmq_server.db.runner import StepRunner
-from dmq_server.db.orderer_steps import Claimed, claim_ordered_cursors_steps, release_ordered_cursors_steps
+from dmq_server.db.orderer_steps import (
+    Claimed,
+    claim_ordered_cursors_steps,
+    reclaim_ordered_cursors_steps,
+    release_ordered_cursors_steps,
+)
 from dmq_server.cluster.takeover import ZkCall
 
 if TYPE_CHECKING:
@@ -218,22 +223,24 @@ class ClusterOrderers:
         else:
             self._deliver(topic)
 
-    async def _claim(self, topic: str) -> set[str]:
+    async def _claim(self, topic: str, again: frozenset[str] = frozenset()) -> set[str]:
         """Hold every cursor of ``topic`` on every cluster that has it; the nodes that held
-        some before. Run on a gain and again at every round while held: a late ack of the
+        some before. Run on a gain and again at every round while held (on the clusters
+        in ``again`` only the second half, ``reclaim_ordered_cursors``): a late ack of the
         previous orderer (a copy it loaded before it learnt of the loss) may open a cursor
         in its own name, whose acks would be refused here until claimed."""
         taken_from: set[str] = set()
         for name, store in sorted(self._stores.items()):
             if topic in store.ordered_topics():
-                claimed: Claimed = await self._workers[name].run_steps(claim_ordered_cursors_steps, topic, self.node_id)
+                steps = reclaim_ordered_cursors_steps if name in again else claim_ordered_cursors_steps
+                claimed: Claimed = await self._workers[name].run_steps(steps, topic, self.node_id)
                 taken_from |= claimed.taken_from - {self.node_id}
         return taken_from
 
     def handover_wait(self, topic: str) -> float:
         """How long a copy the previous orderer pushed may still be at its consumer: the
-        topic's message timeout (a reliable channel's, which a touch renews only while
-        that orderer runs)."""
+        topic's message timeout (a reliable channel's; a touch renews it only while that
+        orderer's session is not in doubt: ``ReliableChannel.touch``)."""
         return max((store.msg_timeout_of(topic) for store in self._stores.values() if topic in store.ordered_topics()),
                    default=0.0)
 
@@ -263,7 +270,7 @@ class ClusterOrderers:
 
     async def _reclaim(self, topic: str, lock: PlacementLock) -> None:
         try:
-            taken_from = await self._claim(topic)
+            taken_from = await self._claim(topic, again=frozenset(self._told.get(topic, ())))
         except Exception as exc:  # again at the next round, or step aside
             failures = self._failures[topic] = self._failures.get(topic, 0) + 1
             log.warn("ordered topic {topic}: claiming its cursors again failed ({failures} in a row): {why}",

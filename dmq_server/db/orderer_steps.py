@@ -20,7 +20,7 @@ import psycopg
 
 from dmq_server.db.steps import Statement, Steps, run_steps
 
-__all__ = ["Claimed", "claim_ordered_cursors_steps", "claim_ordered_cursors", "release_ordered_cursors_steps",
+__all__ = ["Claimed", "claim_ordered_cursors_steps", "reclaim_ordered_cursors_steps", "claim_ordered_cursors", "release_ordered_cursors_steps",
            "release_ordered_cursors"]
 
 
@@ -44,6 +44,15 @@ def claim_ordered_cursors_steps(topic: str, me: str) -> Steps[Claimed]:
     ((opened,),) = yield Statement("open_ordered_cursors", {"topic": topic, "me": me}, count=True)
     previous = yield Statement("claim_ordered_cursors", {"topic": topic, "me": me})
     return Claimed(int(opened) + len(previous), frozenset(h for (h,) in previous if h is not None))
+
+
+def reclaim_ordered_cursors_steps(topic: str, me: str) -> Steps[Claimed]:
+    """The claim's second half alone, run by the orderer every round while it holds the
+    topic: a late ack of the previous orderer may have opened a cursor in that node's
+    name (the first half runs once, on a gain: its join of every incarnation with every
+    channel is the costly part, and it waits on the cursors an ack batch holds)."""
+    previous = yield Statement("claim_ordered_cursors", {"topic": topic, "me": me})
+    return Claimed(len(previous), frozenset(h for (h,) in previous if h is not None))
 
 
 def claim_ordered_cursors(conn: psycopg.Connection, topic: str, me: str) -> Claimed:
