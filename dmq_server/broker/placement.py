@@ -49,19 +49,18 @@ def move_held(spec: TopicSpec) -> str | None:
 
     Ids do not order across clusters (each draws from its own slot), so a key's order
     across a move rests on this: per key, every copy stored on the old cluster goes out
-    before any copy stored on the new one. That is commit order for a key sent through one
-    node (the order docs/protocol.md §5 promises): a producer sends a key's next message
-    only after the previous one's ack, and once the node's view names the new cluster it
-    never stores the topic on the old one again (a stale view's send there is refused,
-    ``E_MOVED``, once the move's fence is written). The new cluster is the newer; the
-    draining ones deliver freely, so the move still finishes (it waits for them to hold
-    nothing, and they wait for nobody).
+    before any copy stored on the new one. That is commit order (docs/protocol.md §5): a
+    producer sends a key's next message only after the previous one's ack, and once the
+    old cluster's row names the new one it stores the topic no more (``E_MOVED``); across
+    nodes a stale view in the move's first moment leaves a gap (docs/operations.md). The
+    new cluster is the newer; the draining ones deliver freely, so the move still finishes
+    (it waits for them to hold nothing, and they wait for nobody).
 
     Older and newer are known only between the topic's cluster and the draining ones:
     ``draining`` is a set (the CLI keeps it sorted by name), so of two draining clusters
     neither is known to be the older, and a topic moved back to a cluster it still drains
-    holds copies there both older and newer than the other's. Neither keeps a key's order:
-    an ordered topic moves once at a time, back included (docs/operations.md).
+    holds copies there both older and newer than the other's. Neither keeps a key's order,
+    so ``dmq topic move`` refuses either while a move drains (admin/cli_clusters.py).
     Unordered topics hold nothing."""
     if spec.ordered and any(c != spec.cluster for c in spec.draining):
         return spec.cluster
