@@ -117,7 +117,8 @@ def test_one_node_delivers_every_nodes_copies_of_an_ordered_topic_in_order(zk, m
     here = a if orderer == a.flags["node_id"] else b
     assert stats_orderers(here)["here"] == ["ledger"]
     other = b if here is a else a
-    assert stats_orderers(other)["elsewhere"] == {"ledger": orderer}
+    # the other node names it at its next round (once a second; CI once read it before one)
+    wait_for(lambda: stats_orderers(other)["elsewhere"] == {"ledger": orderer}, timeout=10)
 
 
 def test_the_orderer_killed_the_other_node_delivers_the_rest_in_order(zk, make_node, pg_dsn):
