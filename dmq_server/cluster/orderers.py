@@ -254,13 +254,17 @@ class ClusterOrderers:
             self._stores[name].order_here(topic)
         self._told[topic] = having
 
-    def _lost(self, topic: str) -> None:
-        """The lock is no longer ours (the session that held it ended): stop at once."""
+    def _not_here(self, topic: str) -> None:
+        """No longer delivered from here, nor waiting to be (a handover's wait cancelled)."""
         self.here.discard(topic)
-        self.lost_count += 1
         waiting = self._waiting.pop(topic, None)
         if waiting is not None and waiting.active():
             waiting.cancel()
+
+    def _lost(self, topic: str) -> None:
+        """The lock is no longer ours (the session that held it ended): stop at once."""
+        self._not_here(topic)
+        self.lost_count += 1
         self._seen.pop(topic, None)
         self._told.pop(topic, None)
         for store in self._stores.values():
@@ -306,10 +310,7 @@ class ClusterOrderers:
         the copies (``release_ordered_cursors``)."""
         if topic not in self.here:
             return
-        self.here.discard(topic)
-        waiting = self._waiting.pop(topic, None)
-        if waiting is not None and waiting.active():
-            waiting.cancel()
+        self._not_here(topic)
         lock = self._locks.get(topic)
         if ordered:
             for store in self._stores.values():
