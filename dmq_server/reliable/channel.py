@@ -241,6 +241,15 @@ class ReliableChannel:
         self.message_count += 1
         delivery = Delivery(message)
         if cursor.loading:
+            if message.priority and self._room_for(message, set_aside=False):
+                # it waits in memory now, not behind the load's answer: the consumers
+                # take the lower copies in memory while the load is out (a copy set
+                # aside now would move the position under the load's rows: that waits
+                # for the answer, ``ChannelCursor.loaded``)
+                cursor.kept_ahead(mid, message.priority)
+                self._enqueue(delivery)
+                self.pump()
+                return
             cursor.arrived.append(delivery)
             return
         if cursor.skipped and message.key in cursor.skipped:
@@ -418,18 +427,20 @@ class ReliableChannel:
             queue.append(delivery)
 
     # -- priority ----------------------------------------------------------------------
-    def _room_for(self, message: ReliableMessage) -> bool:
+    def _room_for(self, message: ReliableMessage, set_aside: bool = True) -> bool:
         """Whether a copy of priority above 0 committed while copies wait in PostgreSQL
         may wait in memory: none of its priority waits there (else it would pass them),
-        and the window has room, made if need be by setting aside waiting copies of
-        lower priorities, the newest first (``ChannelCursor.left_stored``: the reads
-        come back to them)."""
+        and the window has room, made if need be (and ``set_aside``) by setting aside
+        waiting copies of lower priorities, the newest first
+        (``ChannelCursor.left_stored``: the reads come back to them)."""
         priority = message.priority
         if self.keys is not None or priority in self.cursor.urgent:
             return False
         size = len(message.body)
         if self._room(size) and len(self.ready) + self.parked + self.prioritised_count < self.mem_queue_size:
             return True
+        if not set_aside:
+            return False
         memory = self._memory
         while True:
             victim = self._newest_below(priority)
@@ -440,6 +451,10 @@ class ReliableChannel:
                 memory is None or memory.window_room(self.ready_bytes, size)
             ):
                 return True
+
+    def _room_ahead(self, delivery: Delivery) -> bool:
+        """``_room_for`` a copy committed while a load was out (``ChannelCursor.loaded``)."""
+        return self._room_for(delivery.message)
 
     def _newest_below(self, priority: int) -> Delivery | None:
         """The newest waiting copy of the lowest priority below ``priority``, out of its queue."""
@@ -569,7 +584,8 @@ class ReliableChannel:
     def loaded(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Loader callback: rows are BacklogRow-like, in id order (``ChannelCursor.loaded``
         decides which are new and where the copies committed meanwhile go)."""
-        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room)
+        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room,
+                           room_ahead=self._room_ahead)
         self.pump()
 
     def _sized(self, rows: Iterable[BacklogRow]) -> Iterable[BacklogRow]:
@@ -632,7 +648,8 @@ class ReliableChannel:
     def loaded_ahead(self, rows: Iterable[BacklogRow], limit: int) -> None:
         """Read-ahead callback: rows of priority 1 to 9, highest first
         (``ChannelCursor.loaded``)."""
-        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room, ahead=True)
+        self.cursor.loaded(self._sized(rows), limit, self._enqueue_row, self._enqueue, self._window_room,
+                           ahead=True, room_ahead=self._room_ahead)
         self.pump()
 
     def _enqueue_row(self, row: BacklogRow) -> None:

@@ -196,6 +196,7 @@ class ChannelCursor(Generic[CopyT]):
         *,
         ahead: bool = False,
         key: str | None = None,
+        room_ahead: Callable[[CopyT], bool] | None = None,
     ) -> bool:
         """A load's ``rows`` arrived (in id order, at most ``limit``), or with ``ahead`` a
         read-ahead's (highest priority first, then by id). False, with the rows dropped
@@ -203,8 +204,9 @@ class ChannelCursor(Generic[CopyT]):
         Otherwise each row not held nor finished meanwhile goes to ``enqueue_row``; the
         copies committed meanwhile go to ``enqueue`` when at or below the position (no
         later load would find them) or when nothing waits in PostgreSQL and the window
-        has ``room``, else back to the backlog; a takeover met meanwhile starts the next
-        load from the first id.
+        has ``room``, or, of a priority, when ``room_ahead`` keeps it in memory above the
+        position (as ``add`` would have had no load been out), else back to the backlog; a
+        takeover met meanwhile starts the next load from the first id.
 
         A load moves the position to its last row, and leaves out the rows of a key
         skipped meanwhile (they wait for that key's read); a read-ahead leaves the
@@ -263,14 +265,21 @@ class ChannelCursor(Generic[CopyT]):
             self.backlog = False
             self.urgent.clear()
             self.position = max(self.position, *levels)
-        self._settle(enqueue, room)
+        self._settle(enqueue, room, room_ahead)
         return True
 
-    def _settle(self, enqueue: Callable[[CopyT], None], room: Callable[[CopyT], bool]) -> None:
+    def _settle(
+        self,
+        enqueue: Callable[[CopyT], None],
+        room: Callable[[CopyT], bool],
+        room_ahead: Callable[[CopyT], bool] | None,
+    ) -> None:
         """The copies committed while a load was out go to ``enqueue`` when at or below the
-        position or when nothing waits in PostgreSQL and the window has ``room``, else
-        they wait there (``loads_only``: they are left to the loads); a takeover met
-        meanwhile starts the next load from the first id."""
+        position or when nothing waits in PostgreSQL and the window has ``room``; a copy of
+        a priority whose level ``room_ahead`` keeps in memory (it may set aside lower
+        copies for it) waits there above the position (``kept_ahead``); the rest wait in
+        PostgreSQL (``loads_only``: they are left to the loads). A takeover met meanwhile
+        starts the next load from the first id."""
         arrived, self.arrived = self.arrived, []
         for delivery in arrived:
             message = delivery.message
@@ -286,6 +295,9 @@ class ChannelCursor(Generic[CopyT]):
                 enqueue(delivery)
             elif not self.backlog and room(delivery):
                 self.position = mid  # nothing older waits in PostgreSQL (as ``add`` keeps one)
+                enqueue(delivery)
+            elif message.priority and room_ahead is not None and room_ahead(delivery):
+                self.kept_ahead(mid, message.priority)
                 enqueue(delivery)
             else:
                 self.left_stored(mid, message.priority)

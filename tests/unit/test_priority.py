@@ -58,6 +58,17 @@ class Prioritised:
         self.answer_load([])
         self.channel.unsubscribe(consumer)
 
+    def load_out(self, stored: int, credit: int) -> Consumer:
+        """Copies 1 to ``stored`` of priority 0 (those past the window wait in PostgreSQL),
+        then a consumer with ``credit``: a load goes out for the window's free half."""
+        self.empty()
+        for mid in range(1, stored + 1):
+            self.add(mid, 0)
+        consumer = Consumer(credit=credit)
+        self.channel.subscribe(consumer)
+        assert consumer.ids == list(range(1, credit + 1)) and len(self.loads) == 1
+        return consumer
+
     def add(self, mid: int, priority: int = 0, key: str | None = None) -> None:
         self.channel.add(ReliableMessage(mid, "jobs", "p", mid, 0, b"x", priority=priority, key=key))
 
@@ -131,6 +142,47 @@ def test_a_higher_priority_takes_the_place_of_the_newest_lower_one_in_a_full_win
     assert h.loads == [(2, 3)]  # the load reads again from under the copy set aside
     h.answer_load([(3, 0), (4, 0), (5, 7)])
     assert c.ids == [5, 1, 2, 3, 4]  # 5 is known: not pushed twice
+
+
+def test_a_higher_priority_committed_during_a_load_takes_the_place_of_a_lower_one():
+    """A copy of a priority committed while a load is out and the window is full waits
+    for the load's answer, then takes the place of the newest lower copies, as it would
+    have had no load been out (a CI run saw it wait behind a window of them)."""
+    h = Prioritised(mem_queue_size=4)
+    c = h.load_out(6, credit=2)  # 5 and 6 wait in PostgreSQL
+    assert h.loads == [(4, 2)]  # half the window free: a load reads 5, 6
+    h.add(7, 9)
+    h.add(8, 9)  # while the load is out: the window has room for both
+    h.add(9, 7)  # not for this one: it waits for the answer
+    assert {7, 8} <= h.channel.known and 9 not in h.channel.known
+    h.answer_load([(5, 0), (6, 0)])
+    assert 9 in h.channel.known and not {4, 5, 6} & h.channel.known  # set aside, newest first
+    assert h.channel.cursor.position == 3 and h.channel.cursor.ahead[7] == 9
+    for mid in (1, 2, 7, 8, 9):
+        assert h.channel.ack_held([mid], c) == 0
+    assert c.ids == [1, 2, 7, 8, 9, 3]
+    assert [after for after, _ in h.loads] == [3]  # the load reads again from under them
+    h.answer_load([(4, 0), (5, 0), (6, 0), (7, 9)])
+    assert c.ids == [1, 2, 7, 8, 9, 3, 4]  # 7 is known: not pushed twice
+    for mid in (3, 4, 5):
+        assert h.channel.ack_held([mid], c) == 0
+    assert c.ids == [1, 2, 7, 8, 9, 3, 4, 5, 6]
+
+
+def test_a_higher_priority_committed_during_a_load_goes_out_before_it_answers():
+    """While a load is out the consumers keep taking the lower copies in memory; a copy of
+    a priority committed then, with room in the window, waits in memory at once and goes
+    out next, not after the load's answer."""
+    h = Prioritised(mem_queue_size=6)
+    c = h.load_out(8, credit=3)  # 7 and 8 wait in PostgreSQL
+    assert h.loads == [(6, 3)]
+    h.add(9, 9)  # committed while the load is out: there is room
+    assert h.channel.ack_held([1], c) == 0
+    assert c.ids == [1, 2, 3, 9]
+    h.answer_load([(7, 0), (8, 0), (9, 9)])  # 9 is known: not pushed twice
+    for mid in (2, 3, 9, 4, 5):
+        assert h.channel.ack_held([mid], c) == 0
+    assert c.ids == [1, 2, 3, 9, 4, 5, 6, 7, 8]
 
 
 def test_a_copy_of_a_priority_still_waiting_in_postgresql_waits_behind_it():
