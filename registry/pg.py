@@ -42,7 +42,7 @@ __all__ = [
 
 def topic_of_row(r: Sequence[Any]) -> TopicSpec:
     """A topic from a row of ``list_topics`` (its columns, in their order)."""
-    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]))
+    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]), r[10])
 
 
 def list_topics(conn: Any) -> list[TopicSpec]:
@@ -177,7 +177,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
         row = have.get(name)
         settings = (
             spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts, spec.cluster,
-            tuple(spec.draining), spec.ordered,
+            tuple(spec.draining), spec.ordered, spec.version,
         )
         if row is None or settings != (
             row.store,
@@ -188,7 +188,10 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
             row.cluster,
             row.draining,
             row.ordered,
+            row.version,
         ):
+            # (an older version than the row's is refused by the statement itself: the
+            # guard holds for every writer, the CLI's and older code's reads included)
             changes.append((
                 "upsert_topic",
                 {
@@ -201,6 +204,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
                     "cluster": spec.cluster,
                     "draining": list(spec.draining),
                     "ordered": spec.ordered,
+                    "version": spec.version,
                 },
             ))
         channels = set(row.channels) if row is not None else set()

@@ -21,7 +21,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 
 from . import paths
 from .interface import Registry, check_name, check_settings
-from .model import NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
+from .model import ZK_VERSIONS, NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
 
 __all__ = ["ZkRegistry", "connect", "make_client", "when_connected", "COMMAND_RETRY"]
 
@@ -149,13 +149,14 @@ class ZkRegistry(Registry):
         return found
 
     def _read_topic(self, name: str, watch: Any = None) -> TopicSpec | None:
-        """None if the topic vanished while we looked."""
+        """None if the topic vanished while we looked. Its version is the znode's last
+        change (``ZK_VERSIONS`` + mzxid: ``TopicSpec.version``)."""
         try:
-            data, _ = self.client.get(paths.topic(name), watch=watch)
+            data, stat = self.client.get(paths.topic(name), watch=watch)
             channels = self.client.get_children(paths.topic(name), watch=watch)
         except NoNodeError:
             return None
-        return decode_topic(name, data, channels)
+        return decode_topic(name, data, channels, ZK_VERSIONS + stat.mzxid)
 
     def get_topic(self, name: str) -> TopicSpec:
         check_name("topic", name)

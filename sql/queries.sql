@@ -26,23 +26,25 @@ SELECT 1;
 -- Every topic with its settings and channels, for the registry cache and the CLI.
 SELECT t.name, t.store, t.msg_timeout_ms, t.rate_limit, t.ttl_ms, t.max_attempts,
        coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels,
-       t.cluster, t.draining, t.ordered
+       t.cluster, t.draining, t.ordered, t.version
 FROM dmq_topic t LEFT JOIN dmq_channel c ON c.topic = t.name
 GROUP BY t.name
 ORDER BY t.name;
 
 -- name: create_topic
--- Register a topic; returns nothing if it already exists.
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, ordered)
+-- Register a topic; returns nothing if it already exists. Each change of a topic's row in
+-- the registry (without ZooKeeper, this database's) takes a new version (0019).
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, ordered, version)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s, %(cluster)s,
-        %(ordered)s)
+        %(ordered)s, nextval('dmq_topic_version'))
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
 
 -- name: place_topic
 -- Move a topic to another cluster (new sends go there) and set the clusters whose
 -- copies are still being delivered (``dmq topic move``); the old placement is returned.
-UPDATE dmq_topic t SET cluster = %(cluster)s, draining = %(draining)s
+UPDATE dmq_topic t SET cluster = %(cluster)s, draining = %(draining)s,
+    version = greatest(t.version + 1, nextval('dmq_topic_version'))
 FROM (SELECT name, cluster, draining FROM dmq_topic WHERE name = %(name)s FOR UPDATE) AS old
 WHERE t.name = old.name
 RETURNING old.cluster, old.draining;
@@ -58,7 +60,8 @@ FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
 -- applies to the deliveries from then on, copies already waiting included.
 UPDATE dmq_topic
 SET msg_timeout_ms = %(msg_timeout_ms)s, rate_limit = %(rate_limit)s,
-    ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s, ordered = %(ordered)s
+    ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s, ordered = %(ordered)s,
+    version = greatest(version + 1, nextval('dmq_topic_version'))
 WHERE name = %(name)s;
 
 -- name: delete_topic
@@ -846,15 +849,20 @@ VALUES (%(surface)s, %(actor)s, %(operation)s, %(filters)s, %(affected)s);
 SELECT pg_advisory_xact_lock(7361002);
 
 -- name: upsert_topic
--- Register a topic or replace its settings (the registry mirror; ZooKeeper decides).
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining, ordered)
+-- Register a topic or replace its settings (the registry mirror; the registry decides), but
+-- never with an older version than the row holds (0019): a node with a stale view must not
+-- undo a move's fence. Returns nothing when the row was newer and stays.
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining, ordered,
+                       version)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s,
-        %(cluster)s, %(draining)s, %(ordered)s)
+        %(cluster)s, %(draining)s, %(ordered)s, %(version)s)
 ON CONFLICT (name) DO UPDATE
 SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
     max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining,
-    ordered = EXCLUDED.ordered;
+    ordered = EXCLUDED.ordered, version = EXCLUDED.version
+WHERE dmq_topic.version <= EXCLUDED.version
+RETURNING name;
 
 -- name: create_owner
 -- A new incarnation of this node: the owner of the messages it stores from now on.

@@ -19,16 +19,20 @@ a crash and it carries on):
    the new cluster). The row is read, not locked: a lock would cost every batch a
    multixact and a WAL record. The command waits until the old cluster has no copy of
    the topic waiting on any channel and no delayed message, continuously for
-   ``--settle`` (longer than the nodes' registry refresh: a node with a stale view may
-   write the old placement back once before it reads the new one; the command fences
-   again when it sees that).
+   ``--settle`` (longer than the nodes' registry refresh). A node with a stale view
+   cannot write the old placement back over the fence (the row's version: schema 19);
+   the command still fences again if it sees the old placement, as a node of an older
+   version may write it.
 3. **Finish.** The old cluster leaves ``draining``; nodes close its channels of the
    topic (they are empty).
 
 No message is lost (every stored copy stays in a cluster whose channels are delivered
-until it is empty) and none is stored twice: a send is stored on exactly one cluster
-(the fence refuses it on the old one, and its retry carries the same session id to
-the new one). docs/operations.md "Several PostgreSQL clusters" is the operator's guide.
+until it is empty), and a send is stored on one cluster (the fence refuses it on the
+old one, and its retry carries the same session id to the new one), but for a send
+stored on the old cluster just before the fence whose answer was lost: its retry
+through a node already routing to the new one is stored there too (session ids are
+remembered per cluster). docs/operations.md "Several PostgreSQL clusters" is the
+operator's guide.
 """
 
 from __future__ import annotations

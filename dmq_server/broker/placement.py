@@ -51,9 +51,10 @@ def move_held(spec: TopicSpec) -> str | None:
     across a move rests on this: per key, every copy stored on the old cluster goes out
     before any copy stored on the new one. That is commit order (docs/protocol.md §5): a
     producer sends a key's next message only after the previous one's ack, and once the
-    old cluster's row names the new one it stores the topic no more (``E_MOVED``); across
-    nodes a stale view in the move's first moment leaves a gap (docs/operations.md). The
-    new cluster is the newer; the draining ones deliver freely, so the move still finishes
+    old cluster's row names the new one it stores the topic no more (``E_MOVED``). Across
+    nodes, a node routes the topic to the new cluster only once it wrote that row itself
+    (``db.mirror``), and no older view can write it back (the row's version, schema 19).
+    The new cluster is the newer; the draining ones deliver freely, so the move still finishes
     (it waits for them to hold nothing, and they wait for nobody).
 
     Older and newer are known only between the topic's cluster and the draining ones:

@@ -59,6 +59,7 @@ from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.runner import StepRunner
 from dmq_server.db.worker import DbWorker
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
+from dmq_server.db.mirror import note_kept
 from dmq_server.cluster.orderers import ROUND_EVERY, ClusterOrderers
 from dmq_server.cluster.takeover import ClusterStore, Takeover
 
@@ -435,16 +436,23 @@ class ClusterNode:
 
         def mirror(specs: list[TopicSpec]) -> defer.Deferred:
             mirrored = self._admin.run_steps(mirror_topics_steps, specs)
+            mirrored.addCallback(lambda outcome: note_kept("main", outcome))
             other = self._mirror
-            if other is not None:
-                mirrored.addCallback(lambda _: other.mirror(specs))
-            return mirrored.addCallback(lambda _: specs)
+            if other is None:
+                return mirrored.addCallback(lambda _: remember(specs))
+            # routed by what the other clusters were made safe for (db.mirror: an ordered
+            # topic's move away from one out of reach waits); the view is remembered
+            def routable(safe: list[TopicSpec]) -> list[TopicSpec]:
+                remember(specs)
+                return safe
+
+            return mirrored.addCallback(lambda _: other.mirror(specs)).addCallback(routable)
 
         def remember(specs: list[TopicSpec]) -> list[TopicSpec]:
             self._last_specs = specs
             return specs
 
-        return d.addErrback(unreadable).addCallback(mirror).addCallback(remember)
+        return d.addErrback(unreadable).addCallback(mirror)
 
     def _refresh_topics(self) -> None:
         if self._refresh is not None and not self.stopping:

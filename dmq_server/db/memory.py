@@ -114,6 +114,7 @@ class _Topic(TypedDict):  # dmq_topic
     cluster: str
     draining: list[str]
     ordered: bool
+    version: int  # the registry's version of the row (schema 19)
 
 
 class _Owner(TypedDict):  # dmq_owner
@@ -247,6 +248,7 @@ class MemoryDb:
         self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, _Topic] = {}
+        self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
         self.messages: dict[int, _Message] = {}
@@ -400,6 +402,7 @@ class MemoryDb:
             "cluster": cluster,
             "draining": list(draining),
             "ordered": ordered,
+            "version": self._next_topic_version(0),
         }
         for channel in channels:
             self.add_channel(name, channel)
@@ -547,13 +550,14 @@ class MemoryDb:
         return [
             (
                 name, t["store"], t["msg_timeout_ms"], t["rate_limit"], t["ttl_ms"], t["max_attempts"],
-                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"],
+                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"], t["version"],
             )
             for name, t in sorted(self.topics.items())
         ]
 
     def _create_topic(self, p: dict) -> list[tuple]:
         if p["name"] in self.topics:
+            self._topic_versions += 1  # the statement's nextval ran before its conflict
             return []
         self.create_topic(p["name"], store=p["store"], msg_timeout_ms=p["msg_timeout_ms"], rate_limit=p["rate_limit"],
                           ttl_ms=p["ttl_ms"], max_attempts=p["max_attempts"], cluster=p["cluster"],
@@ -566,6 +570,7 @@ class MemoryDb:
             return []
         old = (row["cluster"], list(row["draining"]))
         row["cluster"], row["draining"] = p["cluster"], list(p["draining"])
+        row["version"] = self._next_topic_version(row["version"])
         return [old]
 
     def _lock_topic_settings(self, p: dict) -> list[tuple]:
@@ -582,15 +587,24 @@ class MemoryDb:
         row["msg_timeout_ms"], row["rate_limit"] = p["msg_timeout_ms"], p["rate_limit"]
         row["ttl_ms"], row["max_attempts"] = p["ttl_ms"], p["max_attempts"]
         row["ordered"] = p["ordered"]
+        row["version"] = self._next_topic_version(row["version"])
         return 1
 
-    def _upsert_topic(self, p: dict) -> int:
+    def _next_topic_version(self, version: int) -> int:
+        """``greatest(version + 1, nextval('dmq_topic_version'))``."""
+        self._topic_versions += 1
+        return max(version + 1, self._topic_versions)
+
+    def _upsert_topic(self, p: dict) -> list[tuple]:
+        row = self.topics.get(p["name"])
+        if row is not None and row["version"] > p["version"]:
+            return []  # a newer row stays (a stale view's copy)
         self.topics[p["name"]] = {
             "store": p["store"], "msg_timeout_ms": p["msg_timeout_ms"], "rate_limit": p["rate_limit"],
             "ttl_ms": p["ttl_ms"], "max_attempts": p["max_attempts"], "cluster": p["cluster"],
-            "draining": list(p["draining"]), "ordered": p["ordered"],
+            "draining": list(p["draining"]), "ordered": p["ordered"], "version": p["version"],
         }
-        return 1
+        return [(p["name"],)]
 
     def _delete_topic(self, p: dict) -> list[tuple]:
         """The topic, its channels (and their pauses: cascades), cursors and kept attempts."""

@@ -8,6 +8,7 @@ mirrors ZooKeeper's topics into every database with them, so a ``DbWorker``, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from registry.model import TopicSpec
@@ -15,7 +16,16 @@ from registry.pg import mirror_changes, topic_of_row
 
 from dmq_server.db.steps import Statement, Steps
 
-__all__ = ["list_topics_steps", "mirror_topics_steps"]
+__all__ = ["list_topics_steps", "mirror_topics_steps", "Mirrored"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mirrored:
+    """What a mirror did: whether anything changed, and the topics whose row was newer
+    than the view and stayed (``TopicSpec.version``: the node's read was stale)."""
+
+    changed: bool
+    kept: tuple[str, ...] = ()
 
 
 def list_topics_steps() -> Steps:
@@ -24,14 +34,19 @@ def list_topics_steps() -> Steps:
     return [topic_of_row(r) for r in rows]
 
 
-def mirror_topics_steps(specs: Sequence[TopicSpec]) -> Steps[bool]:
+def mirror_topics_steps(specs: Sequence[TopicSpec]) -> Steps[Mirrored]:
     """Make ``dmq_topic``/``dmq_channel`` equal to ``specs`` (ZooKeeper's view), serialised
     between nodes by an advisory lock (run in a transaction: a ``DbWorker``'s); whether
     anything changed. A topic or channel that disappears takes its undelivered copies with
-    it, as ``dmq topic delete`` does on one node (``registry.pg.mirror_changes``)."""
+    it, as ``dmq topic delete`` does on one node (``registry.pg.mirror_changes``). A topic
+    whose row is newer than the view (``TopicSpec.version``: this node's read is stale)
+    keeps its row (``upsert_topic`` refuses it)."""
     yield Statement("lock_registry_mirror", {})
     current = yield from list_topics_steps()
     changes = mirror_changes(current, specs)
+    kept = []
     for name, params in changes:
-        yield Statement(name, params)
-    return bool(changes)
+        rows = yield Statement(name, params)
+        if name == "upsert_topic" and not rows:
+            kept.append(params["name"])
+    return Mirrored(bool(changes), tuple(kept))

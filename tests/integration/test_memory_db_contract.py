@@ -94,7 +94,7 @@ from dmq_server.db.trace_steps import (
     record_returns_steps,
     sweep_trace_steps,
 )
-from registry.model import TopicSpec
+from registry.model import ZK_VERSIONS, TopicSpec
 from dmq_server.db.worker import connect
 
 NODE = "node-1"
@@ -425,7 +425,8 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
     letters = lambda v: k(v, "d")  # noqa: E731
     # the ids a move draws follow its plan's order: named in the order of the pairs
     moved_view = lambda out: (out[0], [k(x) for x in sorted(out[1], key=lambda x: (x.producer, x.session_id))])  # noqa: E731
-    extra = TopicSpec("extra", msg_timeout_ms=5000, rate_limit=9, channels=("one",))
+    # a read of ZooKeeper: a version above every one the tables' own statements give
+    extra = TopicSpec("extra", msg_timeout_ms=5000, rate_limit=9, channels=("one",), version=ZK_VERSIONS + 10)
     return [
         ("ping", ping_steps, lambda: (), same),
         # the registry: what a node mirrors from ZooKeeper, and the CLI's own statements
@@ -451,10 +452,15 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("the mirror again: nothing changes", mirror_topics_steps,
          lambda: (_specs(extra, TopicSpec("mirrored", channels=("c1",), ordered=True)),), same),
         ("the mirror orders a topic", mirror_topics_steps,
-         lambda: (_specs(dataclasses.replace(extra, ordered=True), TopicSpec("mirrored", channels=("c1",))),), same),
+         lambda: (_specs(dataclasses.replace(extra, ordered=True, version=ZK_VERSIONS + 12),
+                         TopicSpec("mirrored", channels=("c1",))),), same),
         ("the mirrored settings", list_topics_steps, lambda: (), same),
+        ("a stale view: the newer row stays (a move's fence)", mirror_topics_steps,
+         lambda: (_specs(dataclasses.replace(extra, cluster="old", version=ZK_VERSIONS + 11),
+                         TopicSpec("mirrored", channels=("c1",))),), same),
+        ("the settings stayed", list_topics_steps, lambda: (), same),
         ("the mirror drops a topic and a channel", mirror_topics_steps,
-         lambda: (_specs(dataclasses.replace(extra, channels=("two",))),), same),
+         lambda: (_specs(dataclasses.replace(extra, channels=("two",), version=ZK_VERSIONS + 13)),), same),
         ("topics", list_topics_steps, lambda: (), same),
         ("remove a channel", rows_steps, lambda: ("remove_channel", {"topic": "extra", "name": "two"}), same),
         ("remove it again", rows_steps, lambda: ("remove_channel", {"topic": "extra", "name": "two"}), same),

@@ -3,6 +3,7 @@ ZkRegistry operations, the watcher, membership and takeover-lock recipes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from registry import paths
 from registry.membership import NodeMembership
-from registry.model import NodeInfo, RegistryError, TopicSpec
+from registry.model import ZK_VERSIONS, NodeInfo, RegistryError, TopicSpec
 from registry.takeover_lock import TakeoverLock
 from registry.watcher import RegistryWatcher
 from registry.zk import ZkRegistry, connect
@@ -56,6 +57,28 @@ def test_topics_and_channels_round_trip(zk):
     assert [(t.name, t.channels) for t in registry.topics()] == [("orders", ("billing",))]
     registry.delete_topic("orders")  # with its channel
     assert registry.topics() == []
+
+
+def test_a_topics_version_grows_with_each_change_of_its_znode(zk):
+    """``TopicSpec.version`` (schema 19): ZooKeeper's last change of the topic's znode, above
+    every version the PostgreSQL registry gives; a channel added changes the children, not
+    the settings; a topic deleted and created again is newer than before."""
+    registry = ZkRegistry(zk)
+    registry.add_cluster("b")
+    registry.create_topic("orders", ordered=True)
+    created = registry.get_topic("orders").version
+    assert created > ZK_VERSIONS
+    registry.add_channel("orders", "billing")
+    assert registry.get_topic("orders").version == created
+    registry.place_topic("orders", "b", ["main"])
+    placed = registry.get_topic("orders").version
+    assert placed > created
+    registry.update_topic(dataclasses.replace(registry.get_topic("orders"), msg_timeout_ms=9000))
+    updated = registry.get_topic("orders").version
+    assert updated > placed and [t.version for t in registry.topics()] == [updated]
+    registry.delete_topic("orders")
+    registry.create_topic("orders")
+    assert registry.get_topic("orders").version > updated
 
 
 def test_seed_only_creates_a_missing_registry(zk):

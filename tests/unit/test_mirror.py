@@ -1,0 +1,82 @@
+"""The registry's mirror into the other clusters (``dmq_server.db.mirror``), over the
+in-memory double: what a node routes by while a cluster an ordered topic moves away from
+is out of reach, and the version that keeps a stale view from undoing a move's fence.
+
+The same over real PostgreSQL and ZooKeeper: tests/zk/test_clusters_zk.py (a node cut
+from ZooKeeper, a cluster out of reach, during ``dmq topic move``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from twisted.internet.task import Clock
+
+from dmq_server.db.memory import MemoryDb
+from dmq_server.db.mirror import Mirror
+from dmq_server.db.topic_steps import Mirrored, list_topics_steps, mirror_topics_steps
+from registry.model import ZK_VERSIONS, TopicSpec
+
+pytestmark = pytest.mark.unit
+
+V = ZK_VERSIONS + 100
+ON_A = TopicSpec("orders", channels=("billing",), cluster="a", ordered=True, version=V)
+MOVING = dataclasses.replace(ON_A, cluster="b", draining=("a",), version=V + 7)
+PLAIN_ON_A = TopicSpec("events", cluster="a", version=V)
+PLAIN_MOVING = dataclasses.replace(PLAIN_ON_A, cluster="b", draining=("a",), version=V + 8)
+
+
+def _result(d):
+    out = []
+    d.addBoth(out.append)
+    assert out, "the double answers at once"
+    return out[0]
+
+
+def _rows(db: MemoryDb) -> dict[str, TopicSpec]:
+    return {spec.name: spec for spec in _result(db.run_steps(list_topics_steps))}
+
+
+@pytest.fixture
+def clusters():
+    a, b = MemoryDb(name="a", cluster="a"), MemoryDb(name="b", cluster="b")
+    return a, b, Mirror({"a": a, "b": b}, Clock())
+
+
+def test_an_ordered_topic_is_routed_by_its_move_once_the_old_cluster_is_fenced(clusters):
+    a, b, mirror = clusters
+    assert _result(mirror.mirror([ON_A, PLAIN_ON_A])) == [ON_A, PLAIN_ON_A]
+    assert _result(mirror.mirror([MOVING, PLAIN_MOVING])) == [MOVING, PLAIN_MOVING]
+    assert _rows(a)["orders"].cluster == "b" and _rows(a)["orders"].version == V + 7  # the fence
+
+
+def test_a_move_away_from_a_cluster_out_of_reach_waits_for_an_ordered_topic_only(clusters):
+    a, b, mirror = clusters
+    _result(mirror.mirror([ON_A, PLAIN_ON_A]))
+    a.fail_next("lock_registry_mirror", "lost")
+    routed = _result(mirror.mirror([MOVING, PLAIN_MOVING]))
+    # the ordered topic keeps routing to a, not fenced; the other moves (its order is not promised)
+    assert [(s.name, s.cluster) for s in routed] == [("orders", "a"), ("events", "b")]
+    assert _rows(a)["orders"].cluster == "a" and _rows(b)["orders"].cluster == "b"
+    assert _result(mirror.mirror([MOVING, PLAIN_MOVING])) == [MOVING, PLAIN_MOVING]  # a reached: fenced
+    a.fail_next("lock_registry_mirror", "lost")
+    assert _result(mirror.mirror([MOVING, PLAIN_MOVING])) == [MOVING, PLAIN_MOVING]  # fenced once is enough
+
+
+def test_with_no_placement_routed_before_the_topic_stays_on_the_old_cluster(clusters):
+    """A node that starts while the old cluster is out of reach: the topic is routed there
+    alone (its sends fail until it is reached), not to the new one."""
+    a, _, mirror = clusters
+    a.fail_next("lock_registry_mirror", "lost")
+    [routed] = _result(mirror.mirror([MOVING]))
+    assert (routed.cluster, routed.draining, routed.ordered) == ("a", (), True)
+    assert _result(mirror.mirror([MOVING])) == [MOVING]
+
+
+def test_a_stale_view_does_not_put_back_the_placement_a_move_fenced():
+    a = MemoryDb(name="a", cluster="a")
+    assert _result(a.run_steps(mirror_topics_steps, [MOVING])) == Mirrored(True)
+    assert _result(a.run_steps(mirror_topics_steps, [ON_A])) == Mirrored(True, ("orders",))
+    row = _rows(a)["orders"]
+    assert (row.cluster, row.draining, row.version) == ("b", ("a",), V + 7)
+    assert _result(a.run_steps(mirror_topics_steps, [MOVING])) == Mirrored(False)  # the same version: nothing to do
