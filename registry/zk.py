@@ -16,7 +16,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
 
 from . import paths
@@ -241,27 +248,50 @@ class ZkRegistry(Registry):
         self.check_cluster(cluster)
 
         def inner() -> tuple[str, tuple[str, ...]]:
-            try:
-                data, stat = self.client.get(paths.topic(name))
-            except NoNodeError:
-                raise RegistryError(f"no such topic {name!r}") from None
-            spec = decode_topic(name, data, ())
-            new = dataclasses.replace(spec, cluster=cluster, draining=tuple(draining))
-            self.client.set(paths.topic(name), encode_topic(new), version=stat.version)
-            return spec.cluster, spec.draining
+            while True:
+                try:
+                    data, stat = self.client.get(paths.topic(name))
+                except NoNodeError:
+                    raise RegistryError(f"no such topic {name!r}") from None
+                spec = decode_topic(name, data, ())
+                new = dataclasses.replace(spec, cluster=cluster, draining=tuple(draining))
+                try:
+                    self.client.set(paths.topic(name), encode_topic(new), version=stat.version)
+                except BadVersionError:
+                    continue  # its settings changed since the read: keep them
+                except NoNodeError:
+                    raise RegistryError(f"no such topic {name!r}") from None
+                return spec.cluster, spec.draining
 
         return self.client.retry(inner)
 
     def update_topic(self, spec: Any) -> None:
-        """Replace a topic's settings (its channels are left alone)."""
+        """Replace a topic's settings with ``spec``'s (its store, placement and channels are
+        left alone): a compare-and-set on the znode as it is now, so a ``dmq topic move``
+        between the caller's read and this write is kept, not written back over."""
+        import dataclasses
+
         check_name("topic", spec.name)
         check_settings(spec.store, spec.msg_timeout_ms, spec.ordered)
 
         def inner() -> None:
-            try:
-                self.client.set(paths.topic(spec.name), encode_topic(spec))
-            except NoNodeError:
-                raise RegistryError(f"no such topic {spec.name!r}") from None
+            while True:
+                try:
+                    data, stat = self.client.get(paths.topic(spec.name))
+                except NoNodeError:
+                    raise RegistryError(f"no such topic {spec.name!r}") from None
+                now = decode_topic(spec.name, data, ())
+                new = dataclasses.replace(
+                    now, msg_timeout_ms=spec.msg_timeout_ms, rate_limit=spec.rate_limit, ttl_ms=spec.ttl_ms,
+                    max_attempts=spec.max_attempts, ordered=spec.ordered,
+                )
+                try:
+                    self.client.set(paths.topic(spec.name), encode_topic(new), version=stat.version)
+                    return
+                except BadVersionError:
+                    continue  # changed since it was read: apply the settings to the new content
+                except NoNodeError:
+                    raise RegistryError(f"no such topic {spec.name!r}") from None
 
         self.client.retry(inner)
 

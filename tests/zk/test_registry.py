@@ -81,6 +81,19 @@ def test_a_topics_version_grows_with_each_change_of_its_znode(zk):
     assert registry.get_topic("orders").version > updated
 
 
+def test_a_settings_update_keeps_a_move_made_since_its_read(zk):
+    """``dmq topic update`` reads the topic, then writes its settings: a ``dmq topic move``
+    in between is kept (a compare-and-set on the znode), not written back over."""
+    registry = ZkRegistry(zk)
+    registry.add_cluster("b")
+    registry.create_topic("orders", msg_timeout_ms=5000)
+    read = registry.get_topic("orders")
+    registry.place_topic("orders", "b", ["main"])
+    registry.update_topic(dataclasses.replace(read, msg_timeout_ms=9000, ordered=True))
+    now = registry.get_topic("orders")
+    assert (now.cluster, now.draining, now.msg_timeout_ms, now.ordered) == ("b", ("main",), 9000, True)
+
+
 def test_seed_only_creates_a_missing_registry(zk):
     """The first node seeds ZooKeeper from its PostgreSQL registry; once /dmq/topic
     exists (even empty: all topics deleted) nothing is seeded again."""
