@@ -16,7 +16,7 @@ import pytest
 
 from dmq_client import inbox
 
-from .support import REPO, db_rows, run_cli, wait_for
+from .support import REPO, db_rows, http_get, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -183,11 +183,14 @@ def test_sqlalchemy_session_and_connection(app_dsn, kind):
 # -- end to end: a real server, MqClient consumers killed at the two points ---------------
 
 CONSUMER = r"""
-import os, sys, threading
+import logging, os, sys, threading
 import psycopg
 from dmq_client import MqClient, MqConfig, inbox
 
 servers, app_dsn, crash = sys.argv[1:4]
+# the client's own lines (connected, subscribed, lost) go to the test with the others: a CI
+# run once saw the second consumer say "subscribed" and then nothing for 30 s
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="log %(name)s: %(message)s")
 conn = psycopg.connect(app_dsn)
 
 def say(*words):
@@ -227,12 +230,14 @@ class Consumer:
         )
         self.lines: list[str] = []
 
-    def expect(self, line: str) -> None:
+    def expect(self, line: str, context=lambda: "") -> None:
+        """Wait for ``line``; on failure the message adds ``context()`` (the server's view)."""
         deadline = time.monotonic() + WAIT
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             while line not in self.lines:
-                assert sel.select(max(0.0, deadline - time.monotonic())), f"no {line!r}; saw {self.lines}"
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    raise AssertionError(f"no {line!r}; saw {self.lines}{context()}")
                 got = self.proc.stdout.readline()
                 assert got, f"consumer exited ({self.proc.wait()}) before {line!r}; saw {self.lines}"
                 self.lines.append(got.rstrip("\n"))
@@ -285,7 +290,12 @@ def test_a_consumer_killed_around_its_commit_has_each_effect_once(
     assert committed == (1 if crash == "before_ack" else 0)
 
     second = consumers(servers, app_dsn, "none")
-    second.expect(f"{then_says} {message_id}")
+
+    def server_view() -> str:
+        status, body = http_get(server.http + "/stats?format=json")
+        return f"\nthe server's /stats: {body[:3000]!r}\nits log: {server.log()}"
+
+    second.expect(f"{then_says} {message_id}", server_view)
     second.expect(f"acked {message_id}")
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
     second.close()
