@@ -906,15 +906,10 @@ class ReliableChannel:
 
     def poll(self) -> None:
         """The orderer's poll (``--ordered-poll``): the other nodes' commits of the topic are
-        not handed to this node, so a channel with consumers reads whatever was stored since
-        its last load; with a load out, once more after it (``ChannelCursor.poll_pending``:
-        its snapshot may have missed a commit queued behind this node's own, which started
-        it). Nothing on any other channel."""
+        not handed to this node, so a channel with consumers and no load out reads whatever
+        was stored since its last load. Nothing on any other channel."""
         cursor = self.cursor
-        if cursor.loads_only and self.consumers and self.delivered_by is None:
-            if cursor.loading:
-                cursor.poll_pending = True
-                return
+        if cursor.loads_only and self.consumers and not cursor.loading and self.delivered_by is None:
             cursor.backlog = True
             self._maybe_load()
 

@@ -106,7 +106,7 @@ class ChannelCursor(Generic[CopyT]):
 
     __slots__ = ("position", "backlog", "loading", "known", "finishing", "arrived", "dropped",
                  "rescan_pending", "load_stale", "urgent", "ahead", "skipped", "key_after", "loads_only",
-                 "early", "poll_pending")
+                 "early")
 
     def __init__(self) -> None:
         self.position = 0
@@ -129,9 +129,6 @@ class ChannelCursor(Generic[CopyT]):
         self.rescan_pending = False  # a takeover during a load: read from the first id after it
         self.load_stale = False  # a lost session during a load: discard its rows
         self.loads_only = False  # an ordered topic's orderer in a cluster: arrivals are read by loads
-        # the orderer's poll came while a load was out: the load's snapshot may predate
-        # another node's commit, so the backlog stays set for one more load
-        self.poll_pending = False
 
     # -- acknowledgements and their durable outcome --------------------------------------
     def acknowledged(self, deliveries: Sequence[CopyT]) -> None:
@@ -268,9 +265,6 @@ class ChannelCursor(Generic[CopyT]):
             self.backlog = False
             self.urgent.clear()
             self.position = max(self.position, *levels)
-        if self.poll_pending:
-            self.poll_pending = False
-            self.backlog = True
         self._settle(enqueue, room, room_ahead)
         return True
 

@@ -157,23 +157,12 @@ def test_the_poll_reads_only_with_consumers_and_no_load_out():
     consumer = Consumer()
     channel.subscribe(consumer)
     assert loads == [(0, 100)]
+    channel.poll()
+    assert loads == [(0, 100)]  # one out already
     channel.loaded([_row(2, OTHER)], 100)
     assert not channel.backlog
     channel.poll()
     assert loads[-1] == (2, 100) and consumer.pushed == [2]
-
-
-def test_a_poll_during_a_load_reads_once_more_after_it():
-    """The load out may have read before another node's commit the poll is for: its answer
-    (nothing more to read) leaves the backlog set, and the next load goes out at once."""
-    channel, loads, consumer = _channel("here")
-    assert loads == [(0, 100)]
-    channel.poll()
-    assert loads == [(0, 100)]  # one out already: not a second at once
-    channel.loaded([_row(2, OTHER)], 100)
-    assert loads == [(0, 100), (2, 100)] and consumer.pushed == [2]
-    channel.loaded([_row(3, OTHER)], 100)  # no poll meanwhile: the backlog is read
-    assert loads == [(0, 100), (2, 100)] and not channel.backlog and consumer.pushed == [2, 3]
 
 
 def test_the_orderer_proposes_floors_over_every_owner():
