@@ -12,12 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RegistryError", "TopicSpec", "NodeInfo", "encode_topic", "decode_topic", "STORES", "ZK_VERSIONS"]
+__all__ = ["RegistryError", "TopicSpec", "NodeInfo", "encode_topic", "decode_topic", "STORES"]
 
 STORES = ("reliable", "fast")
-# a topic's version read from ZooKeeper is this plus its znode's mzxid: above every version
-# the main cluster's tables gave it (a sequence) before the cluster took ZooKeeper
-ZK_VERSIONS = 1 << 48
 
 
 class RegistryError(Exception):
@@ -41,11 +38,12 @@ class TopicSpec:
     # per channel, at most one copy of a message key in flight at a time (``--ordered``,
     # issue 45 §2); last, with a default, so the positional constructions above keep working
     ordered: bool = False
-    # which read of the registry this is (``ZK_VERSIONS`` plus the znode's mzxid, or the main
-    # cluster's ``dmq_topic.version``): every database's copy of the topic's row is replaced
+    # which read of the registry this is, compared in order: (the creation time in ms of
+    # ZooKeeper's /dmq/topic, the topic znode's mzxid), or without ZooKeeper (0, the main
+    # cluster's ``dmq_topic.version``). Every database's copy of the topic's row is replaced
     # only by one at least as new (schema 19), so a node with a stale view cannot put back a
     # placement a move fenced. Not a setting: two specs alike but for it are equal.
-    version: int = field(default=0, compare=False)
+    version: tuple[int, int] = field(default=(0, 0), compare=False)
 
     @property
     def clusters(self) -> tuple[str, ...]:
@@ -76,7 +74,9 @@ def _optional_int(data: dict, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def decode_topic(name: str, data: bytes, channels: list[str] | tuple[str, ...], version: int = 0) -> TopicSpec:
+def decode_topic(
+    name: str, data: bytes, channels: list[str] | tuple[str, ...], version: tuple[int, int] = (0, 0)
+) -> TopicSpec:
     """A topic from its znode; unreadable or missing fields take the defaults, so a
     topic created by hand (``create /dmq/topic/orders``) is a reliable topic, and one
     written before a setting existed (``ordered``: schema 17) has that setting off."""

@@ -42,7 +42,7 @@ __all__ = [
 
 def topic_of_row(r: Sequence[Any]) -> TopicSpec:
     """A topic from a row of ``list_topics`` (its columns, in their order)."""
-    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]), r[10])
+    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]), (r[10], r[11]))
 
 
 def list_topics(conn: Any) -> list[TopicSpec]:
@@ -204,7 +204,8 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
                     "cluster": spec.cluster,
                     "draining": list(spec.draining),
                     "ordered": spec.ordered,
-                    "version": spec.version,
+                    "registry_epoch": spec.version[0],
+                    "version": spec.version[1],
                 },
             ))
         channels = set(row.channels) if row is not None else set()

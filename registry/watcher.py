@@ -44,11 +44,12 @@ class RegistryWatcher:
 
     def _read_topics(self) -> list[TopicSpec]:
         watch = self._topics_changed
-        if self.client.exists(paths.TOPICS, watch=watch) is None:
+        parent = self.client.exists(paths.TOPICS, watch=watch)
+        if parent is None:
             return []  # told when the first topic appears
         found = []
         for name in sorted(self.client.get_children(paths.TOPICS, watch=watch)):
-            spec = self._registry._read_topic(name, watch=watch)
+            spec = self._registry._read_topic(name, watch=watch, epoch=parent.ctime)
             if spec is not None:
                 found.append(spec)
         return found

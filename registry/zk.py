@@ -28,7 +28,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 
 from . import paths
 from .interface import Registry, check_name, check_settings
-from .model import ZK_VERSIONS, NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
+from .model import NodeInfo, RegistryError, TopicSpec, decode_topic, encode_topic
 
 __all__ = ["ZkRegistry", "connect", "make_client", "when_connected", "COMMAND_RETRY"]
 
@@ -146,24 +146,30 @@ class ZkRegistry(Registry):
     def _read_topics(self) -> list[TopicSpec]:
         found = []
         try:
-            names = self.client.get_children(paths.TOPICS)
+            names, parent = self.client.get_children(paths.TOPICS, include_data=True)
         except NoNodeError:  # nothing registered yet
             return []
         for name in sorted(names):
-            spec = self._read_topic(name)
+            spec = self._read_topic(name, epoch=parent.ctime)
             if spec is not None:
                 found.append(spec)
         return found
 
-    def _read_topic(self, name: str, watch: Any = None) -> TopicSpec | None:
-        """None if the topic vanished while we looked. Its version is the znode's last
-        change (``ZK_VERSIONS`` + mzxid: ``TopicSpec.version``)."""
+    def _read_topic(self, name: str, watch: Any = None, epoch: int | None = None) -> TopicSpec | None:
+        """None if the topic vanished while we looked. Its version (``TopicSpec.version``)
+        is the registry's epoch, the creation time of /dmq/topic (``epoch``, else read),
+        then the znode's last change (mzxid)."""
         try:
+            if epoch is None:
+                parent = self.client.exists(paths.TOPICS)
+                if parent is None:
+                    return None
+                epoch = parent.ctime
             data, stat = self.client.get(paths.topic(name), watch=watch)
             channels = self.client.get_children(paths.topic(name), watch=watch)
         except NoNodeError:
             return None
-        return decode_topic(name, data, channels, ZK_VERSIONS + stat.mzxid)
+        return decode_topic(name, data, channels, (epoch, stat.mzxid))
 
     def get_topic(self, name: str) -> TopicSpec:
         check_name("topic", name)

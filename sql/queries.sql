@@ -26,7 +26,7 @@ SELECT 1;
 -- Every topic with its settings and channels, for the registry cache and the CLI.
 SELECT t.name, t.store, t.msg_timeout_ms, t.rate_limit, t.ttl_ms, t.max_attempts,
        coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels,
-       t.cluster, t.draining, t.ordered, t.version
+       t.cluster, t.draining, t.ordered, t.registry_epoch, t.version
 FROM dmq_topic t LEFT JOIN dmq_channel c ON c.topic = t.name
 GROUP BY t.name
 ORDER BY t.name;
@@ -853,15 +853,15 @@ SELECT pg_advisory_xact_lock(7361002);
 -- never with an older version than the row holds (0019): a node with a stale view must not
 -- undo a move's fence. Returns nothing when the row was newer and stays.
 INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining, ordered,
-                       version)
+                       registry_epoch, version)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s,
-        %(cluster)s, %(draining)s, %(ordered)s, %(version)s)
+        %(cluster)s, %(draining)s, %(ordered)s, %(registry_epoch)s, %(version)s)
 ON CONFLICT (name) DO UPDATE
 SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
     max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining,
-    ordered = EXCLUDED.ordered, version = EXCLUDED.version
-WHERE dmq_topic.version <= EXCLUDED.version
+    ordered = EXCLUDED.ordered, registry_epoch = EXCLUDED.registry_epoch, version = EXCLUDED.version
+WHERE (dmq_topic.registry_epoch, dmq_topic.version) <= (EXCLUDED.registry_epoch, EXCLUDED.version)
 RETURNING name;
 
 -- name: create_owner

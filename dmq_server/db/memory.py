@@ -114,7 +114,8 @@ class _Topic(TypedDict):  # dmq_topic
     cluster: str
     draining: list[str]
     ordered: bool
-    version: int  # the registry's version of the row (schema 19)
+    registry_epoch: int  # the registry's version of the row (schema 19), compared in order
+    version: int
 
 
 class _Owner(TypedDict):  # dmq_owner
@@ -402,6 +403,7 @@ class MemoryDb:
             "cluster": cluster,
             "draining": list(draining),
             "ordered": ordered,
+            "registry_epoch": 0,
             "version": self._next_topic_version(0),
         }
         for channel in channels:
@@ -550,7 +552,8 @@ class MemoryDb:
         return [
             (
                 name, t["store"], t["msg_timeout_ms"], t["rate_limit"], t["ttl_ms"], t["max_attempts"],
-                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"], t["version"],
+                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"], t["registry_epoch"],
+                t["version"],
             )
             for name, t in sorted(self.topics.items())
         ]
@@ -597,12 +600,13 @@ class MemoryDb:
 
     def _upsert_topic(self, p: dict) -> list[tuple]:
         row = self.topics.get(p["name"])
-        if row is not None and row["version"] > p["version"]:
+        if row is not None and (row["registry_epoch"], row["version"]) > (p["registry_epoch"], p["version"]):
             return []  # a newer row stays (a stale view's copy)
         self.topics[p["name"]] = {
             "store": p["store"], "msg_timeout_ms": p["msg_timeout_ms"], "rate_limit": p["rate_limit"],
             "ttl_ms": p["ttl_ms"], "max_attempts": p["max_attempts"], "cluster": p["cluster"],
-            "draining": list(p["draining"]), "ordered": p["ordered"], "version": p["version"],
+            "draining": list(p["draining"]), "ordered": p["ordered"], "registry_epoch": p["registry_epoch"],
+            "version": p["version"],
         }
         return [(p["name"],)]
 

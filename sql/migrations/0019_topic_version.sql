@@ -12,10 +12,14 @@
 -- the registry a node writes replaces a row only if it is at least as new
 -- (upsert_topic), so once the fence is in, nothing older undoes it.
 --
--- The version: with ZooKeeper, 2^48 plus the topic znode's mzxid (the transaction id of its
--- last change: it only grows, and a topic created again is newer than the one deleted);
--- without ZooKeeper, the main cluster's registry statements raise it from this sequence,
--- which stays far below 2^48. 0 for every row there is: the first copy written replaces it.
--- An ADD COLUMN with a constant default rewrites no row.
-ALTER TABLE dmq_topic ADD COLUMN version bigint NOT NULL DEFAULT 0;
+-- The version is a pair, compared in order. With ZooKeeper: the registry's own epoch, the
+-- creation time (ms) of its /dmq/topic znode, so that a ZooKeeper rebuilt from scratch and
+-- seeded again, whose transaction ids start again from 0, is newer than the one it replaces;
+-- then the topic znode's mzxid (the transaction id of its last change: it only grows within
+-- an ensemble, and a topic created again is newer than the one deleted). Without ZooKeeper:
+-- epoch 0 (older than any ZooKeeper's), and a counter the main cluster's registry statements
+-- raise from this sequence. (0, 0) for every row there is: the first copy written replaces it.
+-- ADD COLUMNs with constant defaults rewrite no row.
+ALTER TABLE dmq_topic ADD COLUMN registry_epoch bigint NOT NULL DEFAULT 0,
+                      ADD COLUMN version bigint NOT NULL DEFAULT 0;
 CREATE SEQUENCE dmq_topic_version;

@@ -94,7 +94,7 @@ from dmq_server.db.trace_steps import (
     record_returns_steps,
     sweep_trace_steps,
 )
-from registry.model import ZK_VERSIONS, TopicSpec
+from registry.model import TopicSpec
 from dmq_server.db.worker import connect
 
 NODE = "node-1"
@@ -412,6 +412,9 @@ LETTER_PROPERTIES = Properties("order-7", 5, {"content-type": "application/json"
 LATER = 4_000_000_000_000  # a due time in 2096
 
 
+ZK_EPOCH = 1_764_000_000_000  # a ZooKeeper registry's epoch (/dmq/topic's ctime, ms)
+
+
 def _specs(*extra: TopicSpec) -> list[TopicSpec]:
     return [TopicSpec("orders", channels=("audit", "billing")), TopicSpec("quiet", msg_timeout_ms=30000, rate_limit=5),
             TopicSpec("short", ttl_ms=1, channels=("c",)), *extra]
@@ -426,7 +429,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
     # the ids a move draws follow its plan's order: named in the order of the pairs
     moved_view = lambda out: (out[0], [k(x) for x in sorted(out[1], key=lambda x: (x.producer, x.session_id))])  # noqa: E731
     # a read of ZooKeeper: a version above every one the tables' own statements give
-    extra = TopicSpec("extra", msg_timeout_ms=5000, rate_limit=9, channels=("one",), version=ZK_VERSIONS + 10)
+    extra = TopicSpec("extra", msg_timeout_ms=5000, rate_limit=9, channels=("one",), version=(ZK_EPOCH, 10))
     return [
         ("ping", ping_steps, lambda: (), same),
         # the registry: what a node mirrors from ZooKeeper, and the CLI's own statements
@@ -452,15 +455,15 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("the mirror again: nothing changes", mirror_topics_steps,
          lambda: (_specs(extra, TopicSpec("mirrored", channels=("c1",), ordered=True)),), same),
         ("the mirror orders a topic", mirror_topics_steps,
-         lambda: (_specs(dataclasses.replace(extra, ordered=True, version=ZK_VERSIONS + 12),
+         lambda: (_specs(dataclasses.replace(extra, ordered=True, version=(ZK_EPOCH, 12)),
                          TopicSpec("mirrored", channels=("c1",))),), same),
         ("the mirrored settings", list_topics_steps, lambda: (), same),
         ("a stale view: the newer row stays (a move's fence)", mirror_topics_steps,
-         lambda: (_specs(dataclasses.replace(extra, cluster="old", version=ZK_VERSIONS + 11),
+         lambda: (_specs(dataclasses.replace(extra, cluster="old", version=(ZK_EPOCH, 11)),
                          TopicSpec("mirrored", channels=("c1",))),), same),
         ("the settings stayed", list_topics_steps, lambda: (), same),
         ("the mirror drops a topic and a channel", mirror_topics_steps,
-         lambda: (_specs(dataclasses.replace(extra, channels=("two",), version=ZK_VERSIONS + 13)),), same),
+         lambda: (_specs(dataclasses.replace(extra, channels=("two",), version=(ZK_EPOCH, 13))),), same),
         ("topics", list_topics_steps, lambda: (), same),
         ("remove a channel", rows_steps, lambda: ("remove_channel", {"topic": "extra", "name": "two"}), same),
         ("remove it again", rows_steps, lambda: ("remove_channel", {"topic": "extra", "name": "two"}), same),

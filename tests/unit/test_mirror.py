@@ -15,15 +15,15 @@ from twisted.internet.task import Clock
 from dmq_server.db.memory import MemoryDb
 from dmq_server.db.mirror import Mirror
 from dmq_server.db.topic_steps import Mirrored, list_topics_steps, mirror_topics_steps
-from registry.model import ZK_VERSIONS, TopicSpec
+from registry.model import TopicSpec
 
 pytestmark = pytest.mark.unit
 
-V = ZK_VERSIONS + 100
-ON_A = TopicSpec("orders", channels=("billing",), cluster="a", ordered=True, version=V)
-MOVING = dataclasses.replace(ON_A, cluster="b", draining=("a",), version=V + 7)
-PLAIN_ON_A = TopicSpec("events", cluster="a", version=V)
-PLAIN_MOVING = dataclasses.replace(PLAIN_ON_A, cluster="b", draining=("a",), version=V + 8)
+EPOCH = 1_764_000_000_000  # a ZooKeeper registry's (/dmq/topic's ctime, ms)
+ON_A = TopicSpec("orders", channels=("billing",), cluster="a", ordered=True, version=(EPOCH, 100))
+MOVING = dataclasses.replace(ON_A, cluster="b", draining=("a",), version=(EPOCH, 107))
+PLAIN_ON_A = TopicSpec("events", cluster="a", version=(EPOCH, 100))
+PLAIN_MOVING = dataclasses.replace(PLAIN_ON_A, cluster="b", draining=("a",), version=(EPOCH, 108))
 
 
 def _result(d):
@@ -47,7 +47,7 @@ def test_an_ordered_topic_is_routed_by_its_move_once_the_old_cluster_is_fenced(c
     a, b, mirror = clusters
     assert _result(mirror.mirror([ON_A, PLAIN_ON_A])) == [ON_A, PLAIN_ON_A]
     assert _result(mirror.mirror([MOVING, PLAIN_MOVING])) == [MOVING, PLAIN_MOVING]
-    assert _rows(a)["orders"].cluster == "b" and _rows(a)["orders"].version == V + 7  # the fence
+    assert _rows(a)["orders"].cluster == "b" and _rows(a)["orders"].version == (EPOCH, 107)  # the fence
 
 
 def test_a_move_away_from_a_cluster_out_of_reach_waits_for_an_ordered_topic_only(clusters):
@@ -78,5 +78,18 @@ def test_a_stale_view_does_not_put_back_the_placement_a_move_fenced():
     assert _result(a.run_steps(mirror_topics_steps, [MOVING])) == Mirrored(True)
     assert _result(a.run_steps(mirror_topics_steps, [ON_A])) == Mirrored(True, ("orders",))
     row = _rows(a)["orders"]
-    assert (row.cluster, row.draining, row.version) == ("b", ("a",), V + 7)
+    assert (row.cluster, row.draining, row.version) == ("b", ("a",), (EPOCH, 107))
     assert _result(a.run_steps(mirror_topics_steps, [MOVING])) == Mirrored(False)  # the same version: nothing to do
+
+
+def test_a_registry_rebuilt_from_scratch_is_newer_than_the_one_it_replaces():
+    """A ZooKeeper rebuilt and seeded again counts its transactions from 0, so its topics'
+    mzxids are below the old ones; its epoch (the later creation of /dmq/topic) makes
+    them newer, and a move made there reaches the rows."""
+    a = MemoryDb(name="a", cluster="a")
+    _result(a.run_steps(mirror_topics_steps, [MOVING]))
+    rebuilt = dataclasses.replace(ON_A, cluster="c", draining=("a",), version=(EPOCH + 3_600_000, 5))
+    assert _result(a.run_steps(mirror_topics_steps, [rebuilt])) == Mirrored(True)
+    assert _rows(a)["orders"].cluster == "c"
+    registry_less = dataclasses.replace(ON_A, version=(0, 10**6))  # the tables' own counter: older than any ZooKeeper's
+    assert _result(a.run_steps(mirror_topics_steps, [registry_less])) == Mirrored(True, ("orders",))

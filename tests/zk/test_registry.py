@@ -11,7 +11,7 @@ import pytest
 
 from registry import paths
 from registry.membership import NodeMembership
-from registry.model import ZK_VERSIONS, NodeInfo, RegistryError, TopicSpec
+from registry.model import NodeInfo, RegistryError, TopicSpec
 from registry.takeover_lock import TakeoverLock
 from registry.watcher import RegistryWatcher
 from registry.zk import ZkRegistry, connect
@@ -60,14 +60,15 @@ def test_topics_and_channels_round_trip(zk):
 
 
 def test_a_topics_version_grows_with_each_change_of_its_znode(zk):
-    """``TopicSpec.version`` (schema 19): ZooKeeper's last change of the topic's znode, above
-    every version the PostgreSQL registry gives; a channel added changes the children, not
-    the settings; a topic deleted and created again is newer than before."""
+    """``TopicSpec.version`` (schema 19): the registry's epoch (when /dmq/topic was created),
+    then ZooKeeper's last change of the topic's znode; a channel added changes the children,
+    not the settings; a topic deleted and created again is newer than before."""
     registry = ZkRegistry(zk)
     registry.add_cluster("b")
     registry.create_topic("orders", ordered=True)
     created = registry.get_topic("orders").version
-    assert created > ZK_VERSIONS
+    epoch = zk.exists(paths.TOPICS).ctime
+    assert created[0] == epoch and epoch > 1_700_000_000_000 and created[1] > 0
     registry.add_channel("orders", "billing")
     assert registry.get_topic("orders").version == created
     registry.place_topic("orders", "b", ["main"])
@@ -127,6 +128,7 @@ def test_watcher_reports_topic_and_node_changes(zk):
     registry.create_topic("orders")
     watcher = RegistryWatcher(zk, on_change)
     assert [t.name for t in watcher.read_topics()] == ["orders"]
+    assert watcher.read_topics()[0].version == registry.get_topic("orders").version  # the same epoch and change
     registry.add_channel("orders", "billing")
     wait_event("topics")
     assert watcher.read_topics()[0].channels == ("billing",)
