@@ -164,14 +164,19 @@ def mirror_topics(conn: Any, specs: Sequence[Any]) -> bool:
     return bool(changes)
 
 
-def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+def mirror_changes(
+    current: Sequence[TopicSpec], specs: Sequence[Any], removals: bool = True
+) -> list[tuple[str, dict[str, Any]]]:
     """The statements (query name, parameters) that make the tables holding ``current``
     equal to ``specs``, in the order to run them (the server runs them as steps:
-    ``dmq_server.db.topic_steps``)."""
+    ``dmq_server.db.topic_steps``). Without ``removals`` nothing is deleted: ``specs`` is a
+    view kept from an earlier read, which may predate a topic or channel created since
+    (deleting its rows would drop its cursors, and the channel, registered again, would
+    start after its stored messages)."""
     have = {row.name: row for row in current}
     wanted = {spec.name: spec for spec in specs}
     changes: list[tuple[str, dict[str, Any]]] = []
-    for name in sorted(set(have) - set(wanted)):
+    for name in sorted(set(have) - set(wanted)) if removals else ():
         changes.append(("delete_topic", {"name": name}))
     for name, spec in sorted(wanted.items()):
         row = have.get(name)
@@ -211,7 +216,7 @@ def mirror_changes(current: Sequence[TopicSpec], specs: Sequence[Any]) -> list[t
         channels = set(row.channels) if row is not None else set()
         for channel in sorted(set(spec.channels) - channels):
             changes.append(("add_channel", {"topic": name, "name": channel}))
-        for channel in sorted(channels - set(spec.channels)):
+        for channel in sorted(channels - set(spec.channels)) if removals else ():
             changes.append(("remove_channel", {"topic": name, "name": channel}))
     return changes
 

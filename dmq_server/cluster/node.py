@@ -425,17 +425,19 @@ class ClusterNode:
         """Topics from ZooKeeper (re-arming the watches), mirrored into PostgreSQL first.
 
         While ZooKeeper cannot be read, the last snapshot stands (the node keeps
-        serving what it knew); with none yet, StorageError."""
+        serving what it knew, and mirrors it again without removing anything: a topic or
+        channel created since is not in it); with none yet, StorageError."""
         d = self._zk(self._watching().read_topics)
 
-        def unreadable(failure: Failure) -> list[TopicSpec]:
+        def unreadable(failure: Failure) -> tuple[list[TopicSpec], bool]:
             if self._last_specs is not None:
                 log.warn("ZooKeeper registry unreadable, keeping the last view: {why}", why=failure.getErrorMessage())
-                return self._last_specs
+                return self._last_specs, False
             raise StorageError(f"ZooKeeper registry unreadable: {failure.getErrorMessage()}")
 
-        def mirror(specs: list[TopicSpec]) -> defer.Deferred:
-            mirrored = self._admin.run_steps(mirror_topics_steps, specs)
+        def mirror(read: tuple[list[TopicSpec], bool]) -> defer.Deferred:
+            specs, fresh = read
+            mirrored = self._admin.run_steps(mirror_topics_steps, specs, fresh)
             mirrored.addCallback(lambda outcome: note_kept("main", outcome))
             other = self._mirror
             if other is None:
@@ -446,13 +448,13 @@ class ClusterNode:
                 remember(specs)
                 return safe
 
-            return mirrored.addCallback(lambda _: other.mirror(specs)).addCallback(routable)
+            return mirrored.addCallback(lambda _: other.mirror(specs, fresh)).addCallback(routable)
 
         def remember(specs: list[TopicSpec]) -> list[TopicSpec]:
             self._last_specs = specs
             return specs
 
-        return d.addErrback(unreadable).addCallback(mirror)
+        return d.addCallbacks(lambda specs: (specs, True), unreadable).addCallback(mirror)
 
     def _refresh_topics(self) -> None:
         if self._refresh is not None and not self.stopping:

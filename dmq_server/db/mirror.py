@@ -59,17 +59,18 @@ class Mirror:
         self._routed: dict[str, TopicSpec] = {}  # what mirror() fired with last, by topic
         self._waiting: set[str] = set()  # ordered topics routed as before their move (logged once)
 
-    def mirror(self, specs: Sequence[TopicSpec]) -> Deferred[list[TopicSpec]]:
+    def mirror(self, specs: Sequence[TopicSpec], removals: bool = True) -> Deferred[list[TopicSpec]]:
         """Fires, once every reachable cluster holds ``specs``, with the specs to route
         by: ``specs``, but for an ordered topic drained from a cluster not reached this
-        time, the spec fired with last, or with none, the topic on that cluster alone."""
+        time, the spec fired with last, or with none, the topic on that cluster alone.
+        ``removals``: False for a view kept from an earlier read (``mirror_topics_steps``)."""
         names = list(self.targets)
-        done = [self._one(name, self.targets[name], specs) for name in names]
+        done = [self._one(name, self.targets[name], specs, removals) for name in names]
         return gatherResults(done).addCallback(
             lambda reached: self._routable(specs, {name for name, ok in zip(names, reached) if not ok})
         )
 
-    def _one(self, name: str, worker: StepRunner, specs: Sequence[TopicSpec]) -> Deferred[bool]:
+    def _one(self, name: str, worker: StepRunner, specs: Sequence[TopicSpec], removals: bool) -> Deferred[bool]:
         """Whether ``name`` now holds ``specs`` (or newer rows)."""
         outage = self._outages[name]
 
@@ -83,7 +84,7 @@ class Mirror:
             outage.failed(str(failure.value))
             return False
 
-        return worker.run_steps(mirror_topics_steps, list(specs)).addCallbacks(done, failed)
+        return worker.run_steps(mirror_topics_steps, list(specs), removals).addCallbacks(done, failed)
 
     def _routable(self, specs: Sequence[TopicSpec], missed: set[str]) -> list[TopicSpec]:
         routed, waiting = [], set()

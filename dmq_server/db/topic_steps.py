@@ -34,16 +34,17 @@ def list_topics_steps() -> Steps:
     return [topic_of_row(r) for r in rows]
 
 
-def mirror_topics_steps(specs: Sequence[TopicSpec]) -> Steps[Mirrored]:
+def mirror_topics_steps(specs: Sequence[TopicSpec], removals: bool = True) -> Steps[Mirrored]:
     """Make ``dmq_topic``/``dmq_channel`` equal to ``specs`` (ZooKeeper's view), serialised
     between nodes by an advisory lock (run in a transaction: a ``DbWorker``'s); whether
     anything changed. A topic or channel that disappears takes its undelivered copies with
     it, as ``dmq topic delete`` does on one node (``registry.pg.mirror_changes``). A topic
     whose row is newer than the view (``TopicSpec.version``: this node's read is stale)
-    keeps its row (``upsert_topic`` refuses it)."""
+    keeps its row (``upsert_topic`` refuses it). Without ``removals`` (a view kept while
+    the registry cannot be read) nothing is deleted."""
     yield Statement("lock_registry_mirror", {})
     current = yield from list_topics_steps()
-    changes = mirror_changes(current, specs)
+    changes = mirror_changes(current, specs, removals)
     kept = []
     for name, params in changes:
         rows = yield Statement(name, params)

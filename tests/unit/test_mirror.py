@@ -93,3 +93,17 @@ def test_a_registry_rebuilt_from_scratch_is_newer_than_the_one_it_replaces():
     assert _rows(a)["orders"].cluster == "c"
     registry_less = dataclasses.replace(ON_A, version=(0, 10**6))  # the tables' own counter: older than any ZooKeeper's
     assert _result(a.run_steps(mirror_topics_steps, [registry_less])) == Mirrored(True, ("orders",))
+
+
+def test_a_view_kept_while_the_registry_cannot_be_read_removes_nothing():
+    """A node that cannot read ZooKeeper writes its last view again: a topic and a channel
+    created since are not in it, and stay (removed, their cursors would go, and the
+    channel registered again would start after its stored messages)."""
+    a = MemoryDb(name="a", cluster="a")
+    later = TopicSpec("later", channels=("c1",), version=(EPOCH, 200))
+    grown = dataclasses.replace(ON_A, channels=("billing", "new"))
+    _result(a.run_steps(mirror_topics_steps, [grown, later]))
+    assert _result(a.run_steps(mirror_topics_steps, [ON_A], False)) == Mirrored(False)
+    assert {name: spec.channels for name, spec in _rows(a).items()} == {"later": ("c1",), "orders": ("billing", "new")}
+    _result(a.run_steps(mirror_topics_steps, [ON_A]))  # a fresh read removes
+    assert {name: spec.channels for name, spec in _rows(a).items()} == {"orders": ("billing",)}

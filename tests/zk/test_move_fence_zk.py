@@ -12,6 +12,10 @@ break:
   own that allows it) outlives the cut: nobody takes its incarnation over meanwhile.
 * node X reaches cluster b through the proxy, cut during the second move.
 
+Before the moves, a topic created while Y is cut: Y's refreshes write its view without
+it, and must not remove its rows (a channel registered again would start after its stored
+messages).
+
 The fence: once ``dmq topic move`` wrote cluster b's row, Y's stale view cannot write the
 old placement back (the row's version, schema 19), so every send of a moved topic Y makes
 is refused ``E_MOVED`` until Y reads the move. Out of reach: X does not route an ordered
@@ -39,7 +43,7 @@ from tests.integration.support import REPO, db_rows, http_get, wait_for
 from . import zkserver
 from .helpers import register_topic, wait_served
 
-FENCED, UNREACHED = "fenced", "unreached"
+FENCED, UNREACHED, LATER = "fenced", "unreached", "later"
 SESSION_S = 60
 
 
@@ -78,6 +82,16 @@ def _stored(client: BlockingClient, topic: str, body: bytes, deadline_s: float =
         time.sleep(0.1)
         reply = _send(client, topic, body, session_id)
     return reply.message_id
+
+
+def _start_ids(dsn: str) -> dict[str, int]:
+    """Each topic's channel c1 and where it starts, in a cluster's registry rows."""
+    return dict(db_rows(dsn, "SELECT topic, start_id FROM dmq_channel WHERE name = 'c1'"))
+
+
+def _kept_views(node) -> int:
+    """How many times the node wrote its last view again (ZooKeeper unreadable)."""
+    return node.log_path.read_text(errors="replace").count("keeping the last view")
 
 
 def _placed(dsn: str, topic: str) -> str:
@@ -138,6 +152,16 @@ def test_a_stale_node_cannot_undo_the_fence_nor_a_node_route_past_an_unfenced_cl
                 wait_served(node, topic, "c1")
         proxy.set("zk", "reset")
         wait_for(lambda: _zk_state(y) != "CONNECTED", timeout=30)
+
+        # 0. a topic created while Y is cut is not in Y's view: Y's refreshes write that view
+        # again, and must not remove the topic's rows (nor its channel's start)
+        register_topic(zk, LATER, "c1")
+        wait_served(x, LATER, "c1")
+        started = {dsn: _start_ids(dsn) for dsn in (pg_dsn, b_dsn)}
+        assert all(LATER in ids for ids in started.values())
+        refreshes = _kept_views(y)
+        wait_for(lambda: _kept_views(y) >= refreshes + 2, timeout=30)  # two of Y's refreshes
+        assert {dsn: _start_ids(dsn) for dsn in (pg_dsn, b_dsn)} == started
 
         with x.client() as via_x, y.client() as via_y:
             # 1. the fence: the CLI writes it into b; X reads the move and stores on main
