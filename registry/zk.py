@@ -13,6 +13,7 @@ duplicate, one that appeared during a retry is ours.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
@@ -248,8 +249,6 @@ class ZkRegistry(Registry):
     def place_topic(self, name: str, cluster: str, draining: Any) -> tuple[str, tuple[str, ...]]:
         """Set a topic's cluster and the clusters it drains from; returns the old pair
         (a compare-and-set on the topic's znode version)."""
-        import dataclasses
-
         check_name("topic", name)
         self.check_cluster(cluster)
 
@@ -275,8 +274,6 @@ class ZkRegistry(Registry):
         """Replace a topic's settings with ``spec``'s (its store, placement and channels are
         left alone): a compare-and-set on the znode as it is now, so a ``dmq topic move``
         between the caller's read and this write is kept, not written back over."""
-        import dataclasses
-
         check_name("topic", spec.name)
         check_settings(spec.store, spec.msg_timeout_ms, spec.ordered)
 

@@ -79,7 +79,7 @@ def _stored(client: BlockingClient, topic: str, body: bytes, deadline_s: float =
     deadline = time.monotonic() + deadline_s
     while reply.command != Command.SEND_SUCCESS_ACK:
         assert time.monotonic() < deadline, f"{topic} {body!r} never stored: {reply.status}"
-        time.sleep(0.1)
+        time.sleep(0.1)  # a producer's resend pace, not a wait for an event
         reply = _send(client, topic, body, session_id)
     return reply.message_id
 
@@ -170,11 +170,12 @@ def test_a_stale_node_cannot_undo_the_fence_nor_a_node_route_past_an_unfenced_cl
             assert first >> 48 == 0  # main's ids
             session_id = None
             for _ in range(20):  # Y's view is stale: each try is refused (E_MOVED), and the
-                reply = _send(via_y, FENCED, b"2", session_id)  # refresh that follows writes
-                session_id = reply.session_id  # the view back, which b's row refuses
+                written = _kept_views(y)  # refresh that follows writes the view back, which
+                reply = _send(via_y, FENCED, b"2", session_id)  # b's row refuses
+                session_id = reply.session_id
                 assert reply.command != Command.SEND_SUCCESS_ACK, f"stored on b after the fence: {reply}"
+                wait_for(lambda: _kept_views(y) > written, timeout=10)  # the next try follows a write
                 assert _placed(b_dsn, FENCED) == "main"
-                time.sleep(0.1)  # the pace of the tries: each refresh has time to write
 
             # 2. b out of X's reach: nobody fences it, so X keeps routing the topic to b
             proxy.set("b", "reset")
