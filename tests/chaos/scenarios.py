@@ -11,7 +11,8 @@ seconds more so a wrong redelivery has time to show, and counts (``checker.check
 Two sends in three carry a priority (``load.priority_of``), and the consumers of one
 channel (``STALLS``: audit) stop acknowledging for 2.5 s of every 4, with a credit of 25,
 on nodes whose memory window is ``WINDOW`` copies (``NODE_FLAGS``): that channel's window
-fills on every node in every stall, so copies of a higher priority take the places of
+fills on every node in every stall (the first stall lasts until ``window.WindowWatch`` saw
+it full, and the fault waits for that), so copies of a higher priority take the places of
 lower ones (issue 45 §3) while the faults happen. ``window.WindowWatch`` records how full
 the windows were and the copies it saw set aside (the report's ``window`` note).
 
@@ -414,12 +415,15 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
                 producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0),
                 priorities=True, stalls=stalls)
     window = int(cluster.nodes[0].flags.get("mem_queue_size", "10000"))
-    watch = WindowWatch(cluster.nodes, topic, CHANNELS, window, load.history, stalls.channel if stalls else None)
+    watch = WindowWatch(cluster.nodes, topic, CHANNELS, window, load.history, stalls.channel if stalls else None,
+                        load.window_filled)
     load.start()
     watch.start()
     injected = healed = time.monotonic()
     try:
         time.sleep(timing.before)  # the load's own pace: measured, not waited for
+        if stalls is not None:  # the fault meets a full window: the first stall lasts until it is
+            load.window_filled.wait(stalls.fill_within)
         injected = time.monotonic()
         heal = fault(cluster, load)
         time.sleep(timing.hold)

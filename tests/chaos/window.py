@@ -47,7 +47,7 @@ class WindowFigures(TypedDict):
 
 class WindowWatch(threading.Thread):
     def __init__(self, nodes: list[ServerProcess], topic: str, channels: list[str], window: int,
-                 history: History, stalled: str | None, interval: float = 0.25):
+                 history: History, stalled: str | None, filled: threading.Event, interval: float = 0.25):
         super().__init__(daemon=True, name="chaos-window-watch")
         self.nodes = nodes
         self.topic = topic
@@ -56,6 +56,7 @@ class WindowWatch(threading.Thread):
         self.stalled = stalled
         self.interval = interval
         self.stop = threading.Event()
+        self.filled = filled  # set at the first look that finds the stalled channel's window full
         self.samples: list[tuple[float, str, int, int]] = []  # (when, channel, in memory, in store only)
         self.channels = list(channels)
         self.set_aside: dict[int, int] = {}  # message id -> its priority
@@ -79,7 +80,10 @@ class WindowWatch(threading.Thread):
         now = time.monotonic()
         for topic in json.loads(body)["topics"] or []:
             for c in topic["channels"]:
-                self.samples.append((now, c["channel_name"], c["depth"] - c["backend_depth"], c["backend_depth"]))
+                in_memory = c["depth"] - c["backend_depth"]
+                self.samples.append((now, c["channel_name"], in_memory, c["backend_depth"]))
+                if c["channel_name"] == self.stalled and in_memory >= self.window:
+                    self.filled.set()
 
     def _peek(self, node: ServerProcess, channel: str) -> None:
         ready: dict[int, int] = {}
