@@ -20,7 +20,7 @@ from dmq_client.wire import valid_name
 
 from .model import STORES, NodeInfo, RegistryError
 
-__all__ = ["Registry", "check_name", "check_settings", "ORDERED_FAST"]
+__all__ = ["Registry", "check_name", "check_settings", "ORDERED_FAST", "RETENTION_FAST", "MIN_RETENTION_MS"]
 
 
 def check_name(kind: str, name: str) -> None:
@@ -31,14 +31,24 @@ def check_name(kind: str, name: str) -> None:
         )
 
 
-def check_settings(store: str, msg_timeout_ms: int, ordered: bool = False) -> None:
+def check_settings(store: str, msg_timeout_ms: int, ordered: bool = False, retention_ms: int | None = None) -> None:
     if store not in STORES:
         raise RegistryError(f"invalid store {store!r}: use reliable or fast")
     if msg_timeout_ms <= 0:
         raise RegistryError("message timeout must be positive")
     if ordered and store != "reliable":
         raise RegistryError(ORDERED_FAST)
+    if retention_ms is not None:
+        if store != "reliable":
+            raise RegistryError(RETENTION_FAST)
+        if retention_ms < MIN_RETENTION_MS:
+            raise RegistryError(f"retention must be at least {MIN_RETENTION_MS // 1000}s, not {retention_ms}ms")
 
+
+#: why a fast topic keeps no retention (nsqd's: a message goes once every channel has it)
+RETENTION_FAST = "only a reliable topic keeps its messages for a retention: a fast topic keeps none, as nsqd"
+#: the shortest retention a topic may have (the sweep runs every --sweep-interval)
+MIN_RETENTION_MS = 1000
 
 #: why a fast topic cannot be ordered (its channels deliver as nsqd's do, keys unknown)
 ORDERED_FAST = "only a reliable topic can be ordered: a fast topic delivers as nsqd does, without keys"
@@ -69,9 +79,11 @@ class Registry(abc.ABC):
         ttl_ms: int | None = None,
         max_attempts: int | None = None,
         ordered: bool = False,
+        retention_ms: int | None = None,
     ) -> None:
         """Register a topic; RegistryError if it exists. ``ordered``: each channel has at
-        most one copy of a message key in flight at a time."""
+        most one copy of a message key in flight at a time. ``retention_ms``: how long a
+        message every channel is done with is kept (None: the server's)."""
 
     @abc.abstractmethod
     def delete_topic(self, name: str) -> None:

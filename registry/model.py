@@ -38,6 +38,9 @@ class TopicSpec:
     # per channel, at most one copy of a message key in flight at a time (``--ordered``,
     # issue 45 §2); last, with a default, so the positional constructions above keep working
     ordered: bool = False
+    # how long the topic keeps a message every channel is done with (issue 46: replay from the
+    # store); None: the server's --message-retention
+    retention_ms: int | None = None
     # which read of the registry this is, compared in order: (the creation time in ms of
     # ZooKeeper's /dmq/topic, the topic znode's mzxid), or without ZooKeeper (0, the main
     # cluster's ``dmq_topic.version``). Every database's copy of the topic's row is replaced
@@ -64,6 +67,7 @@ def encode_topic(spec: Any) -> bytes:
             "cluster": spec.cluster,
             "draining": list(spec.draining),
             "ordered": spec.ordered,
+            "retention_ms": spec.retention_ms,
         },
         sort_keys=True,
     ).encode()
@@ -102,6 +106,7 @@ def decode_topic(
         cluster,
         tuple(str(c) for c in draining if isinstance(c, str) and c),
         values.get("ordered") is True,
+        _optional_int(values, "retention_ms"),
         version,
     )
 

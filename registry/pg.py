@@ -42,7 +42,8 @@ __all__ = [
 
 def topic_of_row(r: Sequence[Any]) -> TopicSpec:
     """A topic from a row of ``list_topics`` (its columns, in their order)."""
-    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]), (r[10], r[11]))
+    return TopicSpec(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], tuple(r[8]), bool(r[9]), r[10],
+                     (r[11], r[12]))
 
 
 def list_topics(conn: Any) -> list[TopicSpec]:
@@ -73,9 +74,10 @@ def create_topic(
     max_attempts: int | None = None,
     cluster: str = "main",
     ordered: bool = False,
+    retention_ms: int | None = None,
 ) -> None:
     check_name("topic", name)
-    check_settings(store, msg_timeout_ms, ordered)
+    check_settings(store, msg_timeout_ms, ordered, retention_ms)
     with conn.transaction():
         check_cluster(conn, cluster)
         row = conn.execute(
@@ -89,6 +91,7 @@ def create_topic(
                 "max_attempts": max_attempts,
                 "cluster": cluster,
                 "ordered": ordered,
+                "retention_ms": retention_ms,
             },
         ).fetchone()
     if row is None:
@@ -182,7 +185,7 @@ def mirror_changes(
         row = have.get(name)
         settings = (
             spec.store, spec.msg_timeout_ms, spec.rate_limit, spec.ttl_ms, spec.max_attempts, spec.cluster,
-            tuple(spec.draining), spec.ordered, spec.version,
+            tuple(spec.draining), spec.ordered, spec.retention_ms, spec.version,
         )
         if row is None or settings != (
             row.store,
@@ -193,6 +196,7 @@ def mirror_changes(
             row.cluster,
             row.draining,
             row.ordered,
+            row.retention_ms,
             row.version,
         ):
             # (an older version than the row's is refused by the statement itself: the
@@ -209,6 +213,7 @@ def mirror_changes(
                     "cluster": spec.cluster,
                     "draining": list(spec.draining),
                     "ordered": spec.ordered,
+                    "retention_ms": spec.retention_ms,
                     "registry_epoch": spec.version[0],
                     "version": spec.version[1],
                 },

@@ -207,13 +207,15 @@ class ZkRegistry(Registry):
         max_attempts: int | None = None,
         cluster: str = "main",
         ordered: bool = False,
+        retention_ms: int | None = None,
     ) -> None:
         check_name("topic", name)
         _check_znode("topic", name)
-        check_settings(store, msg_timeout_ms, ordered)
+        check_settings(store, msg_timeout_ms, ordered, retention_ms)
         self.check_cluster(cluster)
         data = encode_topic(
-            TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster, ordered=ordered)
+            TopicSpec(name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster=cluster, ordered=ordered,
+                      retention_ms=retention_ms)
         )
 
         def inner(first: bool) -> None:
@@ -275,7 +277,7 @@ class ZkRegistry(Registry):
         left alone): a compare-and-set on the znode as it is now, so a ``dmq topic move``
         between the caller's read and this write is kept, not written back over."""
         check_name("topic", spec.name)
-        check_settings(spec.store, spec.msg_timeout_ms, spec.ordered)
+        check_settings(spec.store, spec.msg_timeout_ms, spec.ordered, spec.retention_ms)
 
         def inner() -> None:
             while True:
@@ -286,7 +288,7 @@ class ZkRegistry(Registry):
                 now = decode_topic(spec.name, data, ())
                 new = dataclasses.replace(
                     now, msg_timeout_ms=spec.msg_timeout_ms, rate_limit=spec.rate_limit, ttl_ms=spec.ttl_ms,
-                    max_attempts=spec.max_attempts, ordered=spec.ordered,
+                    max_attempts=spec.max_attempts, ordered=spec.ordered, retention_ms=spec.retention_ms,
                 )
                 try:
                     self.client.set(paths.topic(spec.name), encode_topic(new), version=stat.version)

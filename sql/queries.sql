@@ -26,7 +26,7 @@ SELECT 1;
 -- Every topic with its settings and channels, for the registry cache and the CLI.
 SELECT t.name, t.store, t.msg_timeout_ms, t.rate_limit, t.ttl_ms, t.max_attempts,
        coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS channels,
-       t.cluster, t.draining, t.ordered, t.registry_epoch, t.version
+       t.cluster, t.draining, t.ordered, t.retention_ms, t.registry_epoch, t.version
 FROM dmq_topic t LEFT JOIN dmq_channel c ON c.topic = t.name
 GROUP BY t.name
 ORDER BY t.name;
@@ -34,9 +34,10 @@ ORDER BY t.name;
 -- name: create_topic
 -- Register a topic; returns nothing if it already exists. Each change of a topic's row in
 -- the registry (without ZooKeeper, this database's) takes a new version (0019).
-INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, ordered, version)
+INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, ordered, retention_ms,
+                       version)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s, %(cluster)s,
-        %(ordered)s, nextval('dmq_topic_version'))
+        %(ordered)s, %(retention_ms)s, nextval('dmq_topic_version'))
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
 
@@ -52,7 +53,7 @@ RETURNING old.cluster, old.draining;
 -- name: lock_topic_settings
 -- One topic's changeable settings and its store (which decides whether it can be ordered),
 -- the row locked until the update commits.
-SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts, ordered, store
+SELECT msg_timeout_ms, rate_limit, ttl_ms, max_attempts, ordered, retention_ms, store
 FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
 
 -- name: update_topic_settings
@@ -61,7 +62,7 @@ FROM dmq_topic WHERE name = %(name)s FOR UPDATE;
 UPDATE dmq_topic
 SET msg_timeout_ms = %(msg_timeout_ms)s, rate_limit = %(rate_limit)s,
     ttl_ms = %(ttl_ms)s, max_attempts = %(max_attempts)s, ordered = %(ordered)s,
-    version = greatest(version + 1, nextval('dmq_topic_version'))
+    retention_ms = %(retention_ms)s, version = greatest(version + 1, nextval('dmq_topic_version'))
 WHERE name = %(name)s;
 
 -- name: delete_topic
@@ -398,38 +399,100 @@ LIMIT %(limit)s;
 -- window, looked for from `start` (the previous sweep's answer: the walk of the primary key
 -- then passes only the messages that left the window since, not every old one a channel still
 -- holds). With nothing older than the window stored, the two are the same id and the sweep
--- stops here.
-SELECT (SELECT min(id) FROM dmq_message) AS lowest,
+-- stops here. With nothing inside it, the highest id is where the next walk starts.
+SELECT (SELECT min(id) FROM dmq_message) AS lowest, (SELECT max(id) FROM dmq_message) AS highest,
        (SELECT n.id FROM dmq_message n
         WHERE n.id >= %(start)s
           AND n.published_at >= now() - make_interval(secs => %(retention_s)s)
         ORDER BY n.id LIMIT 1) AS first_kept;
 
--- name: sweep_messages
--- Remove messages older than the retention window that every channel of their topic is
--- done with (bounded batch). Ids grow with the publish time (up to the few milliseconds by
--- which two writers' transactions overlap), so the candidates are the ids below the first
--- message still inside the window (sweep_bounds): a walk of the primary key over the old
--- messages only; a message skipped for being published out of order goes at the next sweep.
--- The victims are deleted by id (= ANY of an array): as `id IN (subquery)` the planner joined
--- the whole table against the candidates it expected to be few, a sequential scan of every
--- stored message each --sweep-interval (0.6-0.9 s with 1,000,000 stored; docs/benchmarks.md,
--- session 15).
+-- name: sweep_topics
+-- The topics the retention sweep visits, with their retention (ms; NULL: the server's
+-- --message-retention): every topic with a message stored, found by a loose scan of the
+-- placement index (one descent per distinct hashtext(topic), not a read of every row), and
+-- named either by the registry (each registered topic of a hash present) or, for a hash no
+-- registered topic has, by its first stored row: the rows of a deleted topic, which
+-- delete_topic leaves to the sweep. Registered topics without a message cost nothing.
+WITH RECURSIVE hashes AS (
+    (SELECT hashtext(m.topic) AS h FROM dmq_message m ORDER BY hashtext(m.topic) LIMIT 1)
+    UNION ALL
+    SELECT (SELECT hashtext(m.topic) FROM dmq_message m
+            WHERE hashtext(m.topic) > s.h ORDER BY hashtext(m.topic) LIMIT 1)
+    FROM hashes s WHERE s.h IS NOT NULL
+)
+SELECT t.name, t.retention_ms
+FROM dmq_topic t JOIN hashes s ON s.h = hashtext(t.name)
+UNION
+SELECT f.topic, NULL
+FROM hashes s
+CROSS JOIN LATERAL (SELECT m.topic FROM dmq_message m WHERE hashtext(m.topic) = s.h
+                    ORDER BY hashtext(m.topic), m.owner, m.id LIMIT 1) f
+WHERE s.h IS NOT NULL AND NOT EXISTS (SELECT 1 FROM dmq_topic t WHERE hashtext(t.name) = s.h)
+ORDER BY 1;
+
+-- name: sweep_topic_lock
+-- A topic's sweep, on one node at a time: the others skip it until the transaction ends.
+SELECT pg_try_advisory_xact_lock(7361006, hashtext(%(topic)s::text));
+
+-- name: sweep_topic
+-- One batch of a topic's retention sweep. Per incarnation (each one with rows of the topic,
+-- by a loose scan of the index: also those retired and pruned since), a range of the index from
+-- `after` (where the pass got to) up to `below` (the first id still inside the topic's
+-- retention window, sweep_bounds with its retention), so the messages of other topics,
+-- however many are retained, are never read.
+-- A row at or below the point every channel of the topic is done to (`greatest(start_id,
+-- floor)` of each channel's cursor of that incarnation) goes without a further test; above
+-- it, the copies acknowledged out of order (`done`) or dead-lettered go once no channel waits
+-- for them (the planner tests the cheap comparison first). The publish time is tested again
+-- on each row: below `below` an id may still have been published inside the window (ids are
+-- drawn after the transaction's now()). Returns each deleted id with its publish time (ms).
+WITH RECURSIVE owners AS (
+    (SELECT m.owner FROM dmq_message m WHERE hashtext(m.topic) = hashtext(%(topic)s::text)
+     ORDER BY m.owner LIMIT 1)
+    UNION ALL
+    SELECT (SELECT m.owner FROM dmq_message m
+            WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.owner > o.owner ORDER BY m.owner LIMIT 1)
+    FROM owners o WHERE o.owner IS NOT NULL
+), bounds AS MATERIALIZED (
+    SELECT o.owner,
+           (SELECT min(greatest(c.start_id, coalesce(k.floor, 0)))
+            FROM dmq_channel c
+            LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = o.owner
+            WHERE c.topic = %(topic)s) AS done_to
+    FROM owners o WHERE o.owner IS NOT NULL
+)
 DELETE FROM dmq_message
 WHERE id = ANY (ARRAY(
-    SELECT m.id FROM dmq_message m
-    WHERE m.id < %(below)s
-      AND m.published_at < now() - make_interval(secs => %(retention_s)s)
-      AND NOT EXISTS (
-          SELECT 1 FROM dmq_channel c
-          LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = m.owner
-          WHERE c.topic = m.topic
-            AND m.id > greatest(c.start_id, coalesce(k.floor, 0))
-            AND (m.channel IS NULL OR m.channel = c.name)
-            AND NOT coalesce(k.done @> m.id, false))
-    ORDER BY m.id
+    SELECT v.id FROM bounds b
+    CROSS JOIN LATERAL (
+        SELECT m.id FROM dmq_message m
+        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s AND m.owner = b.owner
+          AND m.id > %(after)s AND m.id < %(below)s
+          AND m.published_at < now() - make_interval(secs => %(retention_s)s)
+          AND (m.id <= coalesce(b.done_to, %(below)s) OR NOT EXISTS (
+                  SELECT 1 FROM dmq_channel c
+                  LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = m.owner
+                  WHERE c.topic = m.topic
+                    AND m.id > greatest(c.start_id, coalesce(k.floor, 0))
+                    AND (m.channel IS NULL OR m.channel = c.name)
+                    AND NOT coalesce(k.done @> m.id, false)))
+        ORDER BY m.id
+        LIMIT %(limit)s
+    ) v
+    ORDER BY v.id
     LIMIT %(limit)s
-));
+))
+RETURNING id, (extract(epoch FROM published_at) * 1000)::bigint AS published_ms;
+
+-- name: note_swept
+-- What the sweep removed of a topic so far: the highest id and the newest publish time (ms).
+-- Nothing the topic kept was published at or before `swept_ms`: the start of what a
+-- channel of the topic can be sought back to (issue 46).
+INSERT INTO dmq_retention (topic, swept_id, swept_ms)
+VALUES (%(topic)s, %(swept_id)s, %(swept_ms)s)
+ON CONFLICT (topic) DO UPDATE
+SET swept_id = greatest(dmq_retention.swept_id, EXCLUDED.swept_id),
+    swept_ms = greatest(dmq_retention.swept_ms, EXCLUDED.swept_ms);
 
 -- name: channel_depths
 -- Stored, unacknowledged copies per channel (`dmq stats`: reads every stored copy at once;
@@ -853,14 +916,14 @@ SELECT pg_advisory_xact_lock(7361002);
 -- never with an older version than the row holds (0019): a node with a stale view must not
 -- undo a move's fence. Returns nothing when the row was newer and stays.
 INSERT INTO dmq_topic (name, store, msg_timeout_ms, rate_limit, ttl_ms, max_attempts, cluster, draining, ordered,
-                       registry_epoch, version)
+                       retention_ms, registry_epoch, version)
 VALUES (%(name)s, %(store)s, %(msg_timeout_ms)s, %(rate_limit)s, %(ttl_ms)s, %(max_attempts)s,
-        %(cluster)s, %(draining)s, %(ordered)s, %(registry_epoch)s, %(version)s)
+        %(cluster)s, %(draining)s, %(ordered)s, %(retention_ms)s, %(registry_epoch)s, %(version)s)
 ON CONFLICT (name) DO UPDATE
 SET store = EXCLUDED.store, msg_timeout_ms = EXCLUDED.msg_timeout_ms,
     rate_limit = EXCLUDED.rate_limit, ttl_ms = EXCLUDED.ttl_ms,
     max_attempts = EXCLUDED.max_attempts, cluster = EXCLUDED.cluster, draining = EXCLUDED.draining,
-    ordered = EXCLUDED.ordered, registry_epoch = EXCLUDED.registry_epoch, version = EXCLUDED.version
+    ordered = EXCLUDED.ordered, retention_ms = EXCLUDED.retention_ms, registry_epoch = EXCLUDED.registry_epoch, version = EXCLUDED.version
 WHERE (dmq_topic.registry_epoch, dmq_topic.version) <= (EXCLUDED.registry_epoch, EXCLUDED.version)
 RETURNING name;
 

@@ -49,6 +49,7 @@ def _topic_dict(row: TopicSpec) -> dict:
         "ttl_ms": row.ttl_ms,
         "max_attempts": row.max_attempts,
         "ordered": row.ordered,
+        "retention_ms": row.retention_ms,
         "channels": list(row.channels),
         "cluster": row.cluster,
         "draining": list(row.draining),
@@ -153,7 +154,7 @@ def _show(value: int | bool | None) -> str:
 
 
 def _limits(args: argparse.Namespace) -> dict:
-    """--rate-limit, --ttl and --max-attempts of `topic create` (omitted: none)."""
+    """--rate-limit, --ttl, --max-attempts and --retention of `topic create` (omitted: none)."""
     limits: dict = {}
     if args.rate_limit is not None:
         if args.rate_limit < 1:
@@ -168,6 +169,8 @@ def _limits(args: argparse.Namespace) -> dict:
         if args.max_attempts < 1:
             raise CliError("--max-attempts must be at least 1", 2)
         limits["max_attempts"] = args.max_attempts
+    if args.retention is not None:
+        limits["retention_ms"] = _duration_ms(args.retention)
     return limits
 
 
@@ -351,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="copies not acknowledged within this become dead letters (expired)")
     create.add_argument("--max-attempts", type=int, default=None, metavar="N",
                         help="deliveries per copy before it becomes a dead letter (default unlimited)")
+    create.add_argument("--retention", default=None, metavar="DURATION",
+                        help="keep a message every channel is done with this long, for `dmq channel seek` "
+                        "(at least 1s; default: the server's --message-retention)")
     create.add_argument("--ordered", action="store_true",
                         help="per channel, at most one copy of a message key in flight at a time: the next "
                         "message of a key waits until the one before is acknowledged or dead-lettered "
@@ -370,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="DURATION|none", help="copies not acknowledged within this become dead letters")
     update.add_argument("--max-attempts", dest="max_attempts", type=_setting("count"), default=_UNSET,
                         metavar="N|none", help="deliveries per copy before it becomes a dead letter")
+    update.add_argument("--retention", dest="retention_ms", type=_setting("duration"), default=_UNSET,
+                        metavar="DURATION|none", help="how long a message every channel is done with is kept")
     update.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=_UNSET,
                         help="--ordered: per channel, at most one copy of a message key in flight at a time; "
                         "--no-ordered: keys no longer wait for each other. Allowed while messages wait: "

@@ -49,7 +49,7 @@ from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_
 from dmq_server.db.delays import delay_stats_steps
 from dmq_server.db.runner import StepRunner
 from dmq_server.db.steps import Steps
-from registry.interface import ORDERED_FAST
+from registry.interface import MIN_RETENTION_MS, ORDERED_FAST, RETENTION_FAST
 
 __all__ = [
     "DeadLetterFilter",
@@ -241,6 +241,7 @@ _TOPIC_SETTING_TEXT = {
     "rate_limit": "rate limit",
     "ttl_ms": "TTL",
     "max_attempts": "max attempts",
+    "retention_ms": "retention",
 }
 
 #: a topic setting's new value: a limit (``None`` removes it), or ``ordered``'s on/off
@@ -258,7 +259,8 @@ def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, To
         raise Invalid(f"topic update: unknown settings {', '.join(unknown)}")
     if not changes:
         raise Invalid(
-            "topic update: nothing to change (give a message timeout, rate limit, TTL, max attempts or ordered)"
+            "topic update: nothing to change (give a message timeout, rate limit, TTL, max attempts, retention or "
+            "ordered)"
         )
     for key, value in changes.items():
         if key == "ordered":
@@ -271,6 +273,11 @@ def merge_topic_settings(current: Mapping[str, object], changes: Mapping[str, To
             raise Invalid("topic update: the message timeout cannot be removed")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise Invalid(f"topic update: the {_TOPIC_SETTING_TEXT[key]} must be at least 1")
+        if key == "retention_ms" and value is not None:
+            if value < MIN_RETENTION_MS:
+                raise Invalid(f"topic update: the retention must be at least {MIN_RETENTION_MS // 1000}s")
+            if current.get("store", "reliable") != "reliable":
+                raise Invalid(f"topic update: {RETENTION_FAST}")
     return {key: changes[key] if key in changes else current[key] for key in TOPIC_SETTINGS}
 
 

@@ -151,7 +151,8 @@ class Options:
     )
     message_retention: float = _opt(
         600.0,
-        "how long a fully acknowledged message is kept (resend idempotency window)",
+        "how long a fully acknowledged message is kept (resend idempotency window), unless its "
+        "topic has a retention of its own (dmq topic create/update --retention)",
         kind="duration",
     )
     channel_state_interval: float = _opt(

@@ -35,7 +35,7 @@ __all__ = [
 
 #: the topic settings an operator may change, in the column order of lock_topic_settings
 #: (whose last column, the store, is not one of them)
-TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "ordered")
+TOPIC_SETTINGS = ("msg_timeout_ms", "rate_limit", "ttl_ms", "max_attempts", "ordered", "retention_ms")
 
 
 def _letter(row: tuple, with_body: bool = False) -> dict:

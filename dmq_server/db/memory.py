@@ -114,6 +114,7 @@ class _Topic(TypedDict):  # dmq_topic
     cluster: str
     draining: list[str]
     ordered: bool
+    retention_ms: int | None  # None: the server's --message-retention
     registry_epoch: int  # the registry's version of the row (schema 19), compared in order
     version: int
 
@@ -249,6 +250,7 @@ class MemoryDb:
         self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, _Topic] = {}
+        self.retention: dict[str, tuple[int, int]] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
         self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
@@ -304,7 +306,10 @@ class MemoryDb:
             "load_backlog": self._load_backlog,
             "load_priority_backlog": self._load_priority_backlog,
             "sweep_bounds": self._sweep_bounds,
-            "sweep_messages": self._sweep_messages,
+            "sweep_topics": self._sweep_topics,
+            "sweep_topic_lock": lambda p: [(True,)],  # one process: nobody else sweeps
+            "sweep_topic": self._sweep_topic,
+            "note_swept": self._note_swept,
             "channel_depths": self._channel_depths,
             "depth_scan_start": self._depth_scan_start,
             "depth_slice_end": self._depth_slice_end,
@@ -393,6 +398,7 @@ class MemoryDb:
         cluster: str = "main",
         draining: tuple[str, ...] = (),
         ordered: bool = False,
+        retention_ms: int | None = None,
     ) -> None:
         self.topics[name] = {
             "store": store,
@@ -403,6 +409,7 @@ class MemoryDb:
             "cluster": cluster,
             "draining": list(draining),
             "ordered": ordered,
+            "retention_ms": retention_ms,
             "registry_epoch": 0,
             "version": self._next_topic_version(0),
         }
@@ -552,8 +559,8 @@ class MemoryDb:
         return [
             (
                 name, t["store"], t["msg_timeout_ms"], t["rate_limit"], t["ttl_ms"], t["max_attempts"],
-                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"], t["registry_epoch"],
-                t["version"],
+                sorted(self.channels.get(name, ())), t["cluster"], t["draining"], t["ordered"], t["retention_ms"],
+                t["registry_epoch"], t["version"],
             )
             for name, t in sorted(self.topics.items())
         ]
@@ -564,7 +571,7 @@ class MemoryDb:
             return []
         self.create_topic(p["name"], store=p["store"], msg_timeout_ms=p["msg_timeout_ms"], rate_limit=p["rate_limit"],
                           ttl_ms=p["ttl_ms"], max_attempts=p["max_attempts"], cluster=p["cluster"],
-                          ordered=p["ordered"])
+                          ordered=p["ordered"], retention_ms=p["retention_ms"])
         return [(p["name"],)]
 
     def _place_topic(self, p: dict) -> list[tuple]:
@@ -581,7 +588,7 @@ class MemoryDb:
         if row is None:
             return []
         return [(row["msg_timeout_ms"], row["rate_limit"], row["ttl_ms"], row["max_attempts"], row["ordered"],
-                 row["store"])]
+                 row["retention_ms"], row["store"])]
 
     def _update_topic_settings(self, p: dict) -> int:
         row = self.topics.get(p["name"])
@@ -589,7 +596,7 @@ class MemoryDb:
             return 0
         row["msg_timeout_ms"], row["rate_limit"] = p["msg_timeout_ms"], p["rate_limit"]
         row["ttl_ms"], row["max_attempts"] = p["ttl_ms"], p["max_attempts"]
-        row["ordered"] = p["ordered"]
+        row["ordered"], row["retention_ms"] = p["ordered"], p["retention_ms"]
         row["version"] = self._next_topic_version(row["version"])
         return 1
 
@@ -605,7 +612,8 @@ class MemoryDb:
         self.topics[p["name"]] = {
             "store": p["store"], "msg_timeout_ms": p["msg_timeout_ms"], "rate_limit": p["rate_limit"],
             "ttl_ms": p["ttl_ms"], "max_attempts": p["max_attempts"], "cluster": p["cluster"],
-            "draining": list(p["draining"]), "ordered": p["ordered"], "registry_epoch": p["registry_epoch"],
+            "draining": list(p["draining"]), "ordered": p["ordered"], "retention_ms": p["retention_ms"],
+            "registry_epoch": p["registry_epoch"],
             "version": p["version"],
         }
         return [(p["name"],)]
@@ -969,25 +977,48 @@ class MemoryDb:
         return sorted(rows)
 
     def _sweep_bounds(self, p: dict) -> list[tuple]:
-        """The lowest stored id and the first (by id) still inside the retention window."""
+        """The lowest and highest stored ids and the first (by id) still inside the
+        retention window."""
         cutoff = self._now_ms() - p["retention_s"] * 1000
         ids = sorted(self.messages)
         kept = [i for i in ids if i >= p["start"] and self.messages[i].published_ms >= cutoff]
-        return [(ids[0] if ids else None, kept[0] if kept else None)]
+        return [(ids[0] if ids else None, ids[-1] if ids else None, kept[0] if kept else None)]
 
-    def _sweep_messages(self, p: dict) -> int:
-        """Messages below ``below``, older than the retention, that every channel of their
-        topic is done with."""
+    def _sweep_topics(self, p: dict) -> list[tuple]:
+        """Every topic with a message stored, with its registered retention (None: the
+        default; also for the rows of a topic no longer registered)."""
+        stored = {m.topic for m in self.messages.values()}
+        return [(name, self.topics[name]["retention_ms"] if name in self.topics else None) for name in sorted(stored)]
+
+    def _note_swept(self, p: dict) -> int:
+        swept_id, swept_ms = self.retention.get(p["topic"], (0, 0))
+        self.retention[p["topic"]] = (max(swept_id, p["swept_id"]), max(swept_ms, p["swept_ms"]))
+        return 1
+
+    def _sweep_topic(self, p: dict) -> list[tuple]:
+        """One topic's messages in (``after``, ``below``), per incarnation, published before
+        its retention, that no channel waits for (those at or below every channel's floor
+        are among them)."""
+        topic = p["topic"]
         cutoff = self._now_ms() - p["retention_s"] * 1000
         pending = {message_id for _, _, message_id in self.deliveries}
-        gone = sorted(
-            m.id for m in self.messages.values()
-            if m.id < p["below"] and m.published_ms < cutoff and m.id not in pending
-        )[: p["limit"]]
-        for message_id in gone:
+        gone: list[int] = []
+        for owner in sorted({m.owner for m in self.messages.values() if m.topic == topic}):
+            gone += sorted(
+                m.id for m in self.messages.values()
+                if m.topic == topic and m.owner == owner and p["after"] < m.id < p["below"]
+                and m.published_ms < cutoff and m.id not in pending
+            )[: p["limit"]]
+        return self._swept(sorted(gone)[: p["limit"]])
+
+    def _swept(self, ids: list[int]) -> list[tuple]:
+        """Delete these messages; their ids and publish times."""
+        rows = []
+        for message_id in ids:
             m = self.messages.pop(message_id)
             del self._pairs[(m.producer, m.session_id)]
-        return len(gone)
+            rows.append((m.id, m.published_ms))
+        return rows
 
     # -- delayed sends ---------------------------------------------------------------
 

@@ -63,8 +63,11 @@ __all__ = [
     "ack_deliveries_steps",
     "load_backlog_steps",
     "load_priority_backlog_steps",
-    "sweep_messages_steps",
-    "sweep_batch_steps",
+    "SweepTarget",
+    "sweep_plan_steps",
+    "sweep_topic_steps",
+    "prune_owners_steps",
+    "sweep_all_steps",
     "run_query_steps",
     "read_channel_state_steps",
     "depth_slice_steps",
@@ -739,23 +742,84 @@ def depth_slice_steps(low: int | None, rows: int) -> Steps:
     return low, high, {(t, c): n for t, c, n, _ in counted}, {(t, c): lowest for t, c, _, lowest in counted}
 
 
-def sweep_batch_steps(retention_s: float, limit: int, start: int = 0) -> Steps[tuple[int, int | None]]:
-    """Drop up to ``limit`` messages older than ``retention_s`` that every channel is
-    done with, then the retired incarnations nothing is left of; returns how many
-    messages went and the first id still inside the window (None: none is), from which
-    the next batch may look (``start``: no message below it is inside the window)."""
-    ((lowest, first_kept),) = yield Statement("sweep_bounds", {"retention_s": retention_s, "start": start})
+@dataclass(frozen=True, slots=True)
+class SweepTarget:
+    """A topic the retention sweep visits: its retention, and the first id (of any topic)
+    still inside that window, below which the topic's batches look (``MAX_ID``: none is)."""
+
+    topic: str
+    retention_s: float
+    below: int
+
+
+def sweep_plan_steps(
+    default_retention_s: float, starts: Mapping[float, int]
+) -> Steps[tuple[list[SweepTarget], dict[float, int]]]:
+    """A retention sweep's pass: the topics with something stored (``sweep_topics``), each
+    with its retention (``default_retention_s`` for a topic without one, and the rows of a
+    deleted topic), and per distinct retention the first id inside its window, looked for
+    from ``starts[retention]`` (the previous pass's answer: the walk then passes only what
+    left the window since). Returns the topics with something older than their window, and
+    the starts for the next pass (of the retentions seen)."""
+    topics = yield Statement("sweep_topics", {})
+    retention = {name: default_retention_s if ms is None else ms / 1000 for name, ms in topics}
+    below: dict[float, int] = {}
+    next_starts: dict[float, int] = {}
+    for r in sorted(set(retention.values())):
+        ((lowest, highest, first_kept),) = yield Statement(
+            "sweep_bounds", {"retention_s": r, "start": starts.get(r, 0)})
+        # with nothing inside the window, nothing up to the highest id is: not walked again
+        # (a row committed later below it is still tested on its publish time by sweep_topic)
+        next_starts[r] = (starts.get(r, 0) if highest is None else highest + 1) if first_kept is None else first_kept
+        if lowest is not None and (first_kept is None or lowest < first_kept):  # something is that old
+            below[r] = MAX_ID if first_kept is None else first_kept
+    targets = [SweepTarget(name, r, below[r]) for name, r in sorted(retention.items()) if r in below]
+    return targets, next_starts
+
+
+def sweep_topic_steps(target: SweepTarget, limit: int, after: int = 0) -> Steps[tuple[int, int] | None]:
+    """One batch of one topic's sweep (``sweep_topic``, ids above ``after``): None when
+    another node is sweeping the topic; else how many went and the highest id deleted
+    (``after`` if none: where the topic's next batch starts). What went is noted in
+    ``dmq_retention`` in the same transaction."""
+    ((mine,),) = yield Statement("sweep_topic_lock", {"topic": target.topic})
+    if not mine:
+        return None
+    rows = yield Statement("sweep_topic", {
+        "topic": target.topic, "retention_s": target.retention_s, "after": after,
+        "below": target.below, "limit": limit,
+    })
+    if not rows:
+        return 0, after
+    highest = max(mid for mid, _ in rows)
+    yield Statement("note_swept", {
+        "topic": target.topic, "swept_id": highest, "swept_ms": max(ms for _, ms in rows),
+    }, count=True)
+    return len(rows), highest
+
+
+def prune_owners_steps() -> Steps[int]:
+    """The end of a sweep's pass: retired incarnations nothing is left of, with their
+    cursors, and attempts of copies that are done."""
+    ((count,),) = yield Statement("prune_owners", {}, count=True)
+    return count
+
+
+def sweep_all_steps(default_retention_s: float, limit: int) -> Steps[int]:
+    """A whole pass in one transaction, each topic's batches until one is not full (tests
+    and tools; the server runs a pass a batch at a time, ``ReliableStore.sweep``): how many
+    messages went."""
+    targets, _ = yield from sweep_plan_steps(default_retention_s, {})
     swept = 0
-    if lowest is not None and (first_kept is None or lowest < first_kept):  # something is old
-        below = MAX_ID if first_kept is None else first_kept
-        ((swept,),) = yield Statement(
-            "sweep_messages", {"retention_s": retention_s, "below": below, "limit": limit}, count=True
-        )
-    yield Statement("prune_owners", {}, count=True)
-    return swept, first_kept
-
-
-def sweep_messages_steps(retention_s: float, limit: int) -> Steps[int]:
-    """One batch of the sweep (``sweep_batch_steps``) from the lowest id: how many went."""
-    swept, _ = yield from sweep_batch_steps(retention_s, limit)
+    for target in targets:
+        after = 0
+        while True:
+            batch = yield from sweep_topic_steps(target, limit, after)
+            if batch is None:
+                break
+            count, after = batch
+            swept += count
+            if count < limit:
+                break
+    yield from prune_owners_steps()
     return swept

@@ -21,6 +21,7 @@ read together to see that no copy is lost or handed out twice.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
@@ -53,7 +54,10 @@ from dmq_server.db.messages import (
     owner_heartbeat_steps,
     retire_silent_owners_steps,
     run_query_steps,
-    sweep_batch_steps,
+    SweepTarget,
+    prune_owners_steps,
+    sweep_plan_steps,
+    sweep_topic_steps,
 )
 from dmq_server.db.outage import Outage
 from dmq_server.db.runner import StepRunner
@@ -132,15 +136,18 @@ class _Unresolved:
 
 
 class _Sweep:
-    """The retention sweep's pass (``ReliableStore.sweep``): batches while they come
-    back full."""
+    """The retention sweep's pass (``ReliableStore.sweep``): the topics with something
+    older than their retention, each one's batches while they come back full."""
 
     def __init__(self) -> None:
         self.batch = SWEEP_BATCH
         self.swept = 0
         self.running = self.stopped = False
         self.call: Timer | None = None
-        self.start_id = 0  # no message below this id is inside the retention window
+        # per retention (s): no message below this id is inside that window
+        self.starts: dict[float, int] = {}
+        self.targets: deque[SweepTarget] = deque()  # this pass's topics still to sweep
+        self.after = 0  # the first of them: the highest id its batches deleted
 
 
 class ReliableStore:
@@ -986,40 +993,64 @@ class ReliableStore:
         d.addCallbacks(answered, failed)
 
     def sweep(self) -> Deferred:
-        """Delete messages every channel has acknowledged, past the retention; fires
-        when the first batch is done. While batches come back full, the next follows
-        after a pause (``SWEEP_DUTY``), until fewer are left: one batch of 10,000 every
-        --sweep-interval removed at most 333 messages a second, fewer than a steady
-        publisher adds, and one statement of 10,000 held a core for 0.4 s in the group
-        commit's way. A pass still going when the timer fires again is left alone."""
-        if self._sweep.call is not None or self._sweep.running:
+        """Delete messages every channel has acknowledged, past their topic's retention
+        (``--retention``, else --message-retention); fires when the pass's plan and its
+        first batch are done. A pass visits the topics with something stored older than
+        their window (``sweep_plan_steps``), one at a time, each by its own index range,
+        so a topic that keeps a week of messages costs the others nothing. While a topic's
+        batches come back full the next follows after a pause (``SWEEP_DUTY``): one batch of
+        10,000 every --sweep-interval removed at most 333 messages a second, fewer than a
+        steady publisher adds, and one statement of 10,000 held a core for 0.4 s in the
+        group commit's way. A pass still going when the timer fires again is left alone."""
+        sweep = self._sweep
+        if sweep.call is not None or sweep.running:
             return succeed(None)
-        return self._sweep_batch()
+        sweep.running = True
+        d = self._workers["admin"].run_steps(sweep_plan_steps, self.options.message_retention, dict(sweep.starts))
+
+        def planned(plan: tuple[list[SweepTarget], dict[float, int]]) -> Deferred:
+            targets, sweep.starts = plan
+            sweep.targets, sweep.after = deque(targets), 0
+            return self._sweep_batch()
+
+        return d.addCallbacks(planned, self._sweep_failed)
 
     def _sweep_batch(self) -> Deferred:
+        """The pass's next batch: of its first topic, or the pass's end (``prune_owners``)."""
         sweep = self._sweep
         sweep.call = None
         sweep.running = True
+        if sweep.stopped:
+            sweep.running = False
+            return succeed(None)
+        if not sweep.targets:
+            pruned = self._workers["admin"].run_steps(prune_owners_steps)
+            return pruned.addCallbacks(lambda _: setattr(sweep, "running", False), self._sweep_failed)
+        target = sweep.targets[0]
         started = self.clock.seconds()
-        d = self._workers["admin"].run_steps(
-            sweep_batch_steps, self.options.message_retention, sweep.batch, sweep.start_id
-        )
+        d = self._workers["admin"].run_steps(sweep_topic_steps, target, sweep.batch, sweep.after)
 
-        def swept(result: tuple[int, int | None]) -> None:
-            count, first_kept = result
-            sweep.running = False
-            sweep.swept += count
-            if first_kept is not None:  # ids grow with time: the window starts here or later
-                sweep.start_id = first_kept
-            if count >= sweep.batch and not sweep.stopped:
-                pause = (self.clock.seconds() - started) * (1 / SWEEP_DUTY - 1)
-                sweep.call = self.clock.callLater(pause, self._continue_sweep)
+        def swept(result: tuple[int, int] | None) -> Deferred | None:
+            if result is not None:  # else another node sweeps the topic now: the next one
+                count, sweep.after = result
+                sweep.swept += count
+                if count >= sweep.batch:  # more of this topic, after a pause
+                    sweep.running = False
+                    if not sweep.stopped:
+                        pause = (self.clock.seconds() - started) * (1 / SWEEP_DUTY - 1)
+                        sweep.call = self.clock.callLater(pause, self._continue_sweep)
+                    return None
+            sweep.targets.popleft()
+            sweep.after = 0
+            return self._sweep_batch()
 
-        def failed(failure: Failure) -> None:
-            sweep.running = False
-            failure.trap(StorageError)  # the next --sweep-interval tries again
+        return d.addCallbacks(swept, self._sweep_failed)
 
-        return d.addCallbacks(swept, failed)
+    def _sweep_failed(self, failure: Failure) -> None:
+        sweep = self._sweep
+        sweep.running = False
+        sweep.targets.clear()
+        failure.trap(StorageError)  # the next --sweep-interval tries again
 
     def _continue_sweep(self) -> None:
         self._sweep_batch().addErrback(lambda f: log.failure("the retention sweep failed", f))

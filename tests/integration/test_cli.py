@@ -24,6 +24,7 @@ def test_topic_and_channel_lifecycle(pg_dsn):
             "ttl_ms": None,
             "max_attempts": None,
             "ordered": False,
+            "retention_ms": None,
             "channels": ["audit", "billing"],
             "cluster": "main",
             "draining": [],

@@ -42,6 +42,15 @@ def test_topic_update_changes_settings_in_place(pg_dsn):
     )
     assert shown["channels"] == ["billing"]
 
+    out = run_cli(pg_dsn, "topic", "update", "orders", "--retention", "7d")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "updated topic orders: retention_ms none -> 604800000"
+    assert _settings(pg_dsn, "orders")["retention_ms"] == 604_800_000
+    run_cli(pg_dsn, "topic", "update", "orders", "--retention", "none").check_returncode()
+    assert _settings(pg_dsn, "orders")["retention_ms"] is None
+    run_cli(pg_dsn, "topic", "create", "kept", "--retention", "1h").check_returncode()
+    assert _settings(pg_dsn, "kept")["retention_ms"] == 3_600_000
+
 
 def test_topic_update_refuses_with_a_reason(pg_dsn):
     """Nothing to change, out-of-range values and bad syntax are usage errors (2); an
@@ -53,6 +62,7 @@ def test_topic_update_refuses_with_a_reason(pg_dsn):
         (("orders", "--max-attempts", "many"), 2, "not a whole number"),
         (("orders", "--ttl", "soon"), 2, "--ttl"),
         (("orders", "--msg-timeout", "none"), 2, "message timeout cannot be removed"),
+        (("orders", "--retention", "500ms"), 2, "retention must be at least 1s"),
         (("nosuch", "--rate-limit", "5"), 1, "no such topic 'nosuch'"),
         (("bad name", "--rate-limit", "5"), 1, "invalid topic name"),
     ]

@@ -78,7 +78,11 @@ from dmq_server.db.messages import (
     read_channel_state_steps,
     depth_slice_steps,
     run_query_steps,
-    sweep_messages_steps,
+    MAX_ID,
+    SweepTarget,
+    sweep_all_steps,
+    sweep_plan_steps,
+    sweep_topic_steps,
 )
 from dmq_server.db.orderer_steps import claim_ordered_cursors_steps, release_ordered_cursors_steps
 from dmq_server.db.schema import migrate, ping_steps
@@ -289,8 +293,12 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
             lambda new_ids: len(new_ids) == 2 and new_ids[0] < new_ids[1],
         ),
         ("depths at the end", depth_slice_steps, lambda: (None, 1000), depth_slice_view),
-        ("nothing old enough to sweep", sweep_messages_steps, lambda: (3600, 100), same),
-        ("sweep what no channel holds", sweep_messages_steps, lambda: (-60, 100), same),
+        ("nothing old enough to sweep", sweep_all_steps, lambda: (3600, 100), same),
+        ("a sweep's plan: every topic stored, each with its retention (issue 46)", sweep_plan_steps,
+         lambda: (-60, {}), lambda out: ([(t.topic, t.retention_s, t.below) for t in out[0]], {r: n > 0 for r, n in out[1].items()})),
+        ("sweep orders: copies acknowledged out of order too (issue 46)", sweep_topic_steps,
+         lambda: (SweepTarget("orders", -60, MAX_ID), 100), lambda out: (out[0], out[1] > 0)),
+        ("sweep what no channel holds", sweep_all_steps, lambda: (-60, 100), same),
         ("swept", find_steps, lambda: ([("p", 1), ("p", 2), ("p", 3), ("a", 9), ("q", 1)],), lambda rows: [(r[1], r[2]) for r in rows]),
         # outbox rows (a relay's producers) are recorded as they are stored, and a recorded
         # one is never stored again, also once its message was swept (schema version 15)
@@ -300,7 +308,13 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
          lambda: ([_msg(OUTBOX, 2, "quiet"), _msg(OUTBOX, 3, "quiet")], "insert_new_outbox_messages", OWNER + 1), same),
         ("a repeat of a recorded outbox row is a resend", insert_messages_steps,
          lambda: ([_msg(OUTBOX, 2, "quiet"), _msg(OUTBOX, 3, "quiet")], NODE, OWNER + 1), same),
-        ("sweep the outbox rows", sweep_messages_steps, lambda: (-60, 100), same),
+        # one topic's sweep (issue 46): quiet has no channel, so every stored row of it is done;
+        # the rows of other topics stay (orders' waiting copies among them)
+        ("sweep one topic (quiet: no channel)", sweep_topic_steps, lambda: (SweepTarget("quiet", -60, MAX_ID), 100),
+         lambda out: (out[0], out[1] > 0)),
+        ("swept only quiet", find_steps, lambda: ([(OUTBOX, 1), (OUTBOX, 3), ("r", 1), ("p", 4), ("a", 9)],),
+         lambda rows: [(r[1], r[2]) for r in rows]),
+        ("sweep the outbox rows", sweep_all_steps, lambda: (-60, 100), same),
         ("a swept outbox row's repeat fails the fast insert (its record)", insert_new_steps,
          lambda: ([_msg(OUTBOX, 1, "quiet"), _msg("r", 3, "quiet")], "insert_new_outbox_messages", OWNER + 1), same),
         ("a repeat of a swept outbox row is not stored", insert_messages_steps,
@@ -433,11 +447,12 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
     return [
         ("ping", ping_steps, lambda: (), same),
         # the registry: what a node mirrors from ZooKeeper, and the CLI's own statements
-        ("create an ordered topic", rows_steps, lambda: ("create_topic", {"name": "extra", "store": "reliable",
-         "msg_timeout_ms": 1000, "rate_limit": None, "ttl_ms": None, "max_attempts": None, "cluster": "main",
-         "ordered": True}), same),
+        ("create an ordered topic kept a week", rows_steps, lambda: ("create_topic", {"name": "extra",
+         "store": "reliable", "msg_timeout_ms": 1000, "rate_limit": None, "ttl_ms": None, "max_attempts": None,
+         "cluster": "main", "ordered": True, "retention_ms": 604_800_000}), same),
         ("create it again", rows_steps, lambda: ("create_topic", {"name": "extra", "store": "reliable", "msg_timeout_ms": 1000,
-         "rate_limit": None, "ttl_ms": None, "max_attempts": None, "cluster": "main", "ordered": False}), same),
+         "rate_limit": None, "ttl_ms": None, "max_attempts": None, "cluster": "main", "ordered": False,
+         "retention_ms": None}), same),
         ("it is listed ordered", list_topics_steps, lambda: (), same),
         ("a channel", rows_steps, lambda: ("add_channel", {"topic": "extra", "name": "one"}), same),
         ("the channel again", rows_steps, lambda: ("add_channel", {"topic": "extra", "name": "one"}), same),
@@ -445,6 +460,8 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("place it", rows_steps, lambda: ("place_topic", {"name": "extra", "cluster": "main", "draining": ["old"]}), same),
         ("place no topic", rows_steps, lambda: ("place_topic", {"name": "nowhere", "cluster": "main", "draining": []}), same),
         ("its settings", update_topic_settings_steps, lambda: ("extra", lambda before: dict(before, rate_limit=7)), same),
+        ("its retention back to the server's", update_topic_settings_steps,
+         lambda: ("extra", lambda before: dict(before, retention_ms=None)), same),
         ("it is no longer ordered", update_topic_settings_steps,
          lambda: ("extra", lambda before: dict(before, ordered=False)), same),
         ("it is ordered again", update_topic_settings_steps,
@@ -575,7 +592,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         # an ordered topic whose copies node-1 and node-2 stored; node-3 is its orderer
         ("an ordered topic", rows_steps, lambda: ("create_topic", {"name": "ledger", "store": "reliable",
          "msg_timeout_ms": 1000, "rate_limit": None, "ttl_ms": None, "max_attempts": None, "cluster": "main",
-         "ordered": True}), same),
+         "ordered": True, "retention_ms": None}), same),
         ("its channel", rows_steps, lambda: ("add_channel", {"topic": "ledger", "name": "c"}), same),
         ("node-2 stores on it", insert_messages_steps,
          lambda: ([_msg("l2", n, topic="ledger") for n in (1, 2, 3, 4)], "node-2", OWNER + 1), same),

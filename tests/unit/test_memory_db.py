@@ -32,7 +32,7 @@ from dmq_server.db.messages import (
     read_channel_state_steps,
     depth_slice_steps,
     run_query_steps,
-    sweep_messages_steps,
+    sweep_all_steps,
 )
 from dmq_server.db.steps import Statement
 from dmq_server.db.topic_steps import list_topics_steps
@@ -150,11 +150,11 @@ def test_pause_empty_and_sweep_count_the_rows_they_change(db):
     assert result(db.run_steps(read_channel_state_steps))[0] == {("orders", "billing")}
     assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 1
     assert result(db.run_steps(empty_channel_steps, "orders", "billing")) == 0
-    assert result(db.run_steps(sweep_messages_steps, 0, 100)) == 0  # audit still holds a copy
+    assert result(db.run_steps(sweep_all_steps, 0, 100)) == 0  # audit still holds a copy
     result(db.run_steps(empty_channel_steps, "orders", "audit"))
-    assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 0  # younger than the retention
+    assert result(db.run_steps(sweep_all_steps, 60, 100)) == 0  # younger than the retention
     db.clock.advance(61)
-    assert result(db.run_steps(sweep_messages_steps, 60, 100)) == 1 and not db.messages
+    assert result(db.run_steps(sweep_all_steps, 60, 100)) == 1 and not db.messages
 
 
 def test_a_retired_incarnation_stores_nothing(db):

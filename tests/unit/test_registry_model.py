@@ -75,6 +75,22 @@ def test_an_ordered_topic_round_trips_and_an_older_znode_is_not_ordered():
         assert not decode_topic("orders", b'{"ordered": ' + odd + b"}", []).ordered
 
 
+def test_a_topics_retention_round_trips_and_is_checked():
+    """``retention_ms`` (issue 46) is kept in the znode's JSON (absent or not a positive
+    whole number: the server's); a fast topic keeps none, and none is shorter than 1 s."""
+    spec = TopicSpec("orders", retention_ms=604_800_000)
+    data = encode_topic(spec)
+    assert json.loads(data)["retention_ms"] == 604_800_000
+    assert decode_topic("orders", data, []).retention_ms == 604_800_000
+    for odd in (b"null", b"0", b"-5", b'"7d"', b"true"):
+        assert decode_topic("orders", b'{"retention_ms": ' + odd + b"}", []).retention_ms is None
+    check_settings("reliable", 1000, retention_ms=1000)
+    with pytest.raises(RegistryError, match="at least 1s, not 999ms"):
+        check_settings("reliable", 1000, retention_ms=999)
+    with pytest.raises(RegistryError, match="only a reliable topic keeps its messages"):
+        check_settings("fast", 1000, retention_ms=60_000)
+
+
 def test_only_a_reliable_topic_can_be_ordered():
     """Both registries check a topic's settings with check_settings: a fast topic
     delivers as nsqd does, so ordered is refused for it with the reason."""
