@@ -193,8 +193,12 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
 -- session wakes with acks queued (or unread in its sockets) for copies another node has
 -- taken over and may not have pushed yet; applied, they would make that node's next push
 -- a delivery after a durable ack (the chaos suite's node-pause counted one). The holder
--- is checked on the row as locked, so a claim and an ack are ordered either way. The
--- statement returns the cursors it did not move; their acks are not logged either. Each acknowledged copy that
+-- is checked on the row as locked, so a claim and an ack are ordered either way. And a
+-- cursor moves only by a proposal of its channel's epoch or a later one (0021): a seek
+-- (`dmq channel seek`) rewrites the cursors with a new epoch, and the acks of copies
+-- pushed before it, applied over it, would take back the replay it asked for; the epoch
+-- too is checked on the row as locked (and on the channel, for a cursor with no row yet).
+-- The statement returns the cursors it did not move; their acks are not logged either. Each acknowledged copy that
 -- was not done before is logged once, with the consumer that acknowledged it and when
 -- that delivery was pushed (the message trace); attempts kept for a copy go with it.
 -- The facts are one dmq_delivery_batch row of parallel arrays (schema version 10): when
@@ -208,28 +212,29 @@ JOIN unnest(%(producers)b::text[], %(session_ids)b::bigint[]) AS u(producer, ses
 -- again (unnesting them every time cost 1-3 us of PostgreSQL CPU per ack, session 17).
 WITH cursors AS (
     SELECT * FROM unnest(%(k_topics)b::text[], %(k_channels)b::text[], %(k_owners)b::integer[],
-                         %(k_floors)b::bigint[])
-             WITH ORDINALITY AS k(topic, channel, owner, floor, n)
+                         %(k_floors)b::bigint[], %(k_epochs)b::bigint[])
+             WITH ORDINALITY AS k(topic, channel, owner, floor, epoch, n)
 ), spans AS (
     SELECT r.n, range_agg(int8range(r.lo, r.hi, '[]')) AS done
     FROM unnest(%(r_cursors)b::bigint[], %(r_lo)b::bigint[], %(r_hi)b::bigint[]) AS r(n, lo, hi)
     GROUP BY r.n
 ), proposed AS (
     SELECT k.topic, k.channel, k.owner, greatest(k.floor, ch.start_id) AS floor,
-           coalesce(s.done, '{}'::int8multirange) AS done
+           coalesce(s.done, '{}'::int8multirange) AS done, k.epoch
     FROM cursors k
-    JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
+    JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel AND k.epoch >= ch.epoch
     LEFT JOIN spans s ON s.n = k.n
 ), saved AS (
-    INSERT INTO dmq_cursor AS c (topic, channel, owner, holder, floor, done)
+    INSERT INTO dmq_cursor AS c (topic, channel, owner, holder, floor, done, epoch)
     SELECT topic, channel, owner, %(holder)s::text, floor,
-           done - int8multirange(int8range(NULL, floor, '(]'))
+           done - int8multirange(int8range(NULL, floor, '(]')), epoch
     FROM proposed
     ON CONFLICT (topic, channel, owner) DO UPDATE
     SET floor = greatest(c.floor, EXCLUDED.floor),
         done = (c.done + EXCLUDED.done)
-               - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]'))
-    WHERE NOT %(fenced)s::boolean OR c.holder = EXCLUDED.holder
+               - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]')),
+        epoch = EXCLUDED.epoch
+    WHERE (NOT %(fenced)s::boolean OR c.holder = EXCLUDED.holder) AND c.epoch <= EXCLUDED.epoch
     RETURNING topic, channel, owner
 ), counted AS MATERIALIZED (
     -- the acks whose attempts were kept (nearly always none), of the cursors moved: read
@@ -290,7 +295,8 @@ WITH cursors AS (
       AND u.message_id > k.floor AND NOT coalesce(k.done @> u.message_id, false)
     HAVING count(*) > 0
 )
--- the cursors of registered channels another node holds (nearly always none)
+-- the cursors of registered channels another node holds, or sought since the proposal's
+-- epoch (nearly always none)
 SELECT k.topic, k.channel, k.owner FROM cursors k
 WHERE NOT EXISTS (SELECT 1 FROM saved s WHERE s.topic = k.topic AND s.channel = k.channel AND s.owner = k.owner)
   AND EXISTS (SELECT 1 FROM dmq_channel ch WHERE ch.topic = k.topic AND ch.name = k.channel)
@@ -709,22 +715,24 @@ ON CONFLICT (topic, channel, message_id) DO UPDATE SET attempts = greatest(a.att
 -- alone: one dead letter per copy). In a cluster (``fenced``) only for cursors the
 -- proposing node still holds, as ack_deliveries:
 -- a node that woke after its copies were taken over must not dead-letter what another
--- node now delivers.
+-- node now delivers. Nor a copy a seek made the channel's to deliver again since it was
+-- pushed (`epochs`: the channel's epoch each copy was pushed in, as ack_deliveries).
 WITH input AS (
     SELECT * FROM unnest(%(topics)b::text[], %(channels)b::text[], %(owners)b::integer[],
-                         %(message_ids)b::bigint[], %(attempts)b::integer[])
-             AS u(topic, channel, owner, message_id, attempts)
+                         %(message_ids)b::bigint[], %(attempts)b::integer[], %(epochs)b::bigint[])
+             AS u(topic, channel, owner, message_id, attempts, epoch)
 ), fresh AS MATERIALIZED (
     SELECT u.*, ch.start_id FROM input u
-    JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel
+    JOIN dmq_channel ch ON ch.topic = u.topic AND ch.name = u.channel AND u.epoch >= ch.epoch
     LEFT JOIN dmq_cursor k ON k.topic = u.topic AND k.channel = u.channel AND k.owner = u.owner
     WHERE u.message_id > coalesce(k.floor, ch.start_id) AND NOT coalesce(k.done @> u.message_id, false)
 ), marked AS (
-    INSERT INTO dmq_cursor AS k (topic, channel, owner, holder, floor, done)
-    SELECT topic, channel, owner, %(holder)s::text, min(start_id), range_agg(int8range(message_id, message_id, '[]'))
+    INSERT INTO dmq_cursor AS k (topic, channel, owner, holder, floor, done, epoch)
+    SELECT topic, channel, owner, %(holder)s::text, min(start_id), range_agg(int8range(message_id, message_id, '[]')),
+           min(epoch)
     FROM fresh GROUP BY topic, channel, owner
     ON CONFLICT (topic, channel, owner) DO UPDATE SET done = k.done + EXCLUDED.done
-    WHERE NOT %(fenced)s::boolean OR k.holder = EXCLUDED.holder
+    WHERE (NOT %(fenced)s::boolean OR k.holder = EXCLUDED.holder) AND k.epoch <= EXCLUDED.epoch
     RETURNING topic, channel, owner
 ), moved AS MATERIALIZED (
     SELECT f.* FROM fresh f JOIN marked k ON k.topic = f.topic AND k.channel = f.channel AND k.owner = f.owner
@@ -1069,6 +1077,11 @@ SELECT holder, count(*) AS copies FROM dmq_pending GROUP BY holder ORDER BY hold
 -- name: channel_pauses
 -- Reliable channels an operator paused (read with the stored depths on a timer).
 SELECT topic, channel FROM dmq_channel_pause;
+
+-- name: channel_epochs
+-- The channels ever sought, with their epoch (read with the pauses on a timer: a node
+-- learns of a seek made elsewhere, and reads the channel again).
+SELECT topic, name, epoch FROM dmq_channel WHERE epoch > 0;
 
 -- name: pause_channel
 INSERT INTO dmq_channel_pause (topic, channel) VALUES (%(topic)s, %(channel)s)

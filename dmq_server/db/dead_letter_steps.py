@@ -58,6 +58,7 @@ class CopyRef:
     message_id: int
     attempts: int = 0
     owner: int = 0  # the incarnation that stored it (its cursor is per owner)
+    epoch: int = 0  # the channel's epoch when it was pushed (exhaust_deliveries: a seek since refuses it)
 
 
 def insert_dead_letters_steps(batch: Sequence[NewDeadLetter], node_id: str = "") -> Steps[list[int]]:
@@ -114,8 +115,10 @@ def exhaust_deliveries_steps(
 ) -> Steps[list[tuple[str, str, int]]]:
     """Copies that used up their attempts -> dead letters, done for their channel;
     [(topic, channel, message_id)] of the copies that were still waiting. ``fenced`` (a
-    cluster): only those of cursors ``holder`` still holds."""
-    found = yield Statement("exhaust_deliveries", dict(_copy_params(rows), holder=holder, fenced=fenced))
+    cluster): only those of cursors ``holder`` still holds; anywhere, only those pushed in
+    their channel's epoch (not sought since)."""
+    found = yield Statement("exhaust_deliveries", dict(_copy_params(rows), epochs=[r.epoch for r in rows],
+                                                       holder=holder, fenced=fenced))
     return [tuple(r) for r in found]
 
 

@@ -250,7 +250,10 @@ class MemoryDb:
         self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, _Topic] = {}
-        self.retention: dict[str, tuple[int, int]] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
+        self.retention: dict[str, tuple[int, int]] = {}
+        # dmq_channel.epoch (schema 21), raised by a seek; every cursor a seek writes takes
+        # it, so the double compares a proposal with the channel's
+        self.channel_epochs: dict[tuple[str, str], int] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
         self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
@@ -350,6 +353,7 @@ class MemoryDb:
             "backends_alive": lambda p: [],  # the double's "connections" end with the failure
             "owner_depths": self._owner_depths,
             "channel_pauses": self._channel_pauses,
+            "channel_epochs": self._channel_epochs,
             "pause_channel": self._pause_channel,
             "unpause_channel": self._unpause_channel,
             "empty_channel": self._empty_channel,
@@ -741,6 +745,7 @@ class MemoryDb:
         lowest and highest, and every ack's cursor among those); else the division by
         zero that fails the statement whole."""
         total = 0
+        proposed = dict(zip(zip(p["k_topics"], p["k_channels"], p["k_owners"]), p["k_epochs"]))
         for topic, channel, owner, low, high, acks in zip(
             p["g_topics"], p["g_channels"], p["g_owners"], p["g_low"], p["g_high"], p["g_acks"]
         ):
@@ -748,6 +753,8 @@ class MemoryDb:
                 continue
             cursor = self.cursors.get((topic, channel, owner))
             if p["fenced"] and cursor is not None and cursor.holder != p["holder"]:
+                continue
+            if self._sought_since(topic, channel, proposed.get((topic, channel, owner), 0)):
                 continue
             floor = cursor.floor if cursor is not None else self.start_ids[(topic, channel)]
             if low <= floor or (cursor is not None and any(lo <= high and low <= hi for lo, hi in cursor.done)):
@@ -766,13 +773,15 @@ class MemoryDb:
         for n, lo, hi in zip(p["r_cursors"], p["r_lo"], p["r_hi"]):
             spans.setdefault(n, []).append((lo, hi))
         taken: set[tuple[str, str, int]] = set()
-        for n, (topic, channel, owner, floor) in enumerate(
-            zip(p["k_topics"], p["k_channels"], p["k_owners"], p["k_floors"]), 1
+        for n, (topic, channel, owner, floor, epoch) in enumerate(
+            zip(p["k_topics"], p["k_channels"], p["k_owners"], p["k_floors"], p["k_epochs"]), 1
         ):
             if channel not in self.channels.get(topic, ()):
                 continue
             held = self.cursors.get((topic, channel, owner))
-            if p["fenced"] and held is not None and held.holder != p["holder"]:
+            if (p["fenced"] and held is not None and held.holder != p["holder"]) or self._sought_since(
+                topic, channel, epoch
+            ):
                 taken.add((topic, channel, owner))
                 continue
             start = self.start_ids[(topic, channel)]
@@ -925,6 +934,9 @@ class MemoryDb:
 
     def _channel_pauses(self, p: dict) -> list[tuple]:
         return sorted(self.pauses)
+
+    def _channel_epochs(self, p: dict) -> list[tuple]:
+        return [(t, c, e) for (t, c), e in sorted(self.channel_epochs.items()) if e > 0]
 
     def _pause_channel(self, p: dict) -> int:
         key = (p["topic"], p["channel"])
@@ -1092,6 +1104,11 @@ class MemoryDb:
         }
         return letter_id
 
+    def _sought_since(self, topic: str, channel: str, epoch: int) -> bool:
+        """A proposal of ``epoch`` comes after a seek of the channel (ack_deliveries,
+        exhaust_deliveries: refused)."""
+        return epoch < self.channel_epochs.get((topic, channel), 0)
+
     def _copies(self, p: dict) -> Iterable[tuple[tuple[str, str, int], int, int]]:
         for topic, channel, owner, message_id, attempts in zip(
             p["topics"], p["channels"], p["owners"], p["message_ids"], p["attempts"]
@@ -1116,8 +1133,8 @@ class MemoryDb:
 
     def _exhaust_deliveries(self, p: dict) -> list[tuple]:
         rows = []
-        for key, owner, attempts in self._copies(p):
-            if not self._waiting(key, owner):
+        for (key, owner, attempts), epoch in zip(self._copies(p), p["epochs"]):
+            if not self._waiting(key, owner) or self._sought_since(key[0], key[1], epoch):
                 continue
             held = self.cursors.get((key[0], key[1], owner))
             if p["fenced"] and held is not None and held.holder != p["holder"]:

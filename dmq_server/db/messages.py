@@ -478,6 +478,7 @@ class AckRow:
     owner: int = 0  # the incarnation that stored the message
     published_ms: int = 0  # when it was stored (the delivery log's published_at)
     counted: bool = False  # its attempts may be kept in dmq_attempts (delivered again, or max_attempts)
+    epoch: int = 0  # the channel's epoch when it was pushed (a seek raises it: ``AckRun.epoch``)
 
 
 @dataclass(slots=True)
@@ -499,23 +500,29 @@ class AckRun:
     first_ms: list[int]
     attempts: list[int]
     delivered_ms: list[int]  # when each acknowledged delivery was pushed
+    # the channel's epoch the copies were pushed in: their acks apply to the cursors of
+    # that epoch only (a seek since wrote them anew, schema 21)
+    epoch: int = 0
 
     def __len__(self) -> int:
         return len(self.message_ids)
 
     def split(self, at: int) -> tuple[AckRun, AckRun]:
         """The first ``at`` acks and the rest, as two runs (a batch's size limit)."""
-        head, tail = (AckRun(self.topic, self.channel, self.consumer, self.acked_ms, self.counts_all,
-                             *(column[part] for column in self.columns()))
-                      for part in (slice(None, at), slice(at, None)))
-        return head, tail
+        def part(cut: slice) -> AckRun:
+            ids, owners, published, first, attempts, delivered = (column[cut] for column in self.columns())
+            return AckRun(self.topic, self.channel, self.consumer, self.acked_ms, self.counts_all,
+                          ids, owners, published, first, attempts, delivered, self.epoch)
+
+        return part(slice(None, at)), part(slice(at, None))
 
     def absorb(self, other: AckRun) -> bool:
         """Take ``other``'s acks after this run's when they share what a run shares (a
         consumer acknowledging one copy a frame: one run for a read's acks, not one each);
         False, with nothing changed, when they do not."""
         if (other.acked_ms != self.acked_ms or other.channel != self.channel or other.topic != self.topic
-                or other.consumer != self.consumer or other.counts_all != self.counts_all):
+                or other.consumer != self.consumer or other.counts_all != self.counts_all
+                or other.epoch != self.epoch):
             return False
         for mine, theirs in zip(self.columns(), other.columns()):
             mine += theirs
@@ -545,20 +552,23 @@ class AckRun:
     def of(cls, row: AckRow) -> AckRun:
         """One ack as a run of one."""
         return cls(row.topic, row.channel, row.consumer, row.acked_ms, row.counted, [row.message_id], [row.owner],
-                   [row.published_ms], [row.first_ms], [row.attempts], [row.delivered_ms])
+                   [row.published_ms], [row.first_ms], [row.attempts], [row.delivered_ms], row.epoch)
 
 
 @dataclass(slots=True)
 class CursorProgress:
     """What the node holding a channel's copies of one owner knows to be done: every
     id up to ``floor``, and the inclusive ``spans`` above it. Merged into the cursor
-    (a floor only rises, spans only add), so a stale or concurrent proposal is safe."""
+    (a floor only rises, spans only add), so a stale or concurrent proposal is safe;
+    but only into a cursor of ``epoch`` or an earlier one (a seek's cursors are not
+    merged into: they are what the seek asked for)."""
 
     topic: str
     channel: str
     owner: int
     floor: int
     spans: list[tuple[int, int]]
+    epoch: int = 0
 
 
 def ack_deliveries_steps(
@@ -567,9 +577,10 @@ def ack_deliveries_steps(
     """Make a batch of acks durable: the cursors move by ``progress``, each ack not done
     before is logged (one dmq_delivery_batch row). One statement, atomic on its own
     (a second only when some ack was done before: see ACK_NEW_DELIVERIES). In a cluster
-    (``fenced``) only cursors ``holder`` still holds move: returns the (topic, channel,
-    owner) of those another node took over, whose acks were neither applied nor logged
-    (empty on one node, and nearly always in a cluster). ``acks``: the server's runs
+    (``fenced``) only cursors ``holder`` still holds move, and anywhere only cursors of the
+    proposal's epoch or an earlier one: returns the (topic, channel, owner) of those
+    another node took over or a seek wrote since, whose acks were neither applied nor
+    logged (nearly always none). ``acks``: the server's runs
     (``AckRun``), or single acks (``AckRow``, each a run of one)."""
     runs = [a if isinstance(a, AckRun) else AckRun.of(a) for a in acks]
     spans = [(n, lo, hi) for n, p in enumerate(progress, 1) for lo, hi in p.spans]
@@ -629,6 +640,7 @@ def ack_deliveries_steps(
         "k_channels": [p.channel for p in progress],
         "k_owners": [p.owner for p in progress],
         "k_floors": [p.floor for p in progress],
+        "k_epochs": [p.epoch for p in progress],
         "r_cursors": [n for n, _, _ in spans],
         "r_lo": [lo for _, lo, _ in spans],
         "r_hi": [hi for _, _, hi in spans],
@@ -713,14 +725,16 @@ def run_query_steps(name: str, params: Params) -> Steps[int]:
 
 
 
-def read_channel_state_steps() -> Steps[tuple[set[tuple[str, str]], set[int]]]:
-    """The channels an operator paused, and the incarnations that were retired (the
-    stored depths are counted apart, a slice at a time: ``depth_slice_steps``)."""
+def read_channel_state_steps() -> Steps[tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]]:
+    """The channels an operator paused, the incarnations that were retired, and the
+    epochs of the channels ever sought (the stored depths are counted apart, a slice at
+    a time: ``depth_slice_steps``)."""
     pause_rows = yield Statement("channel_pauses", {})
     owner_rows = yield Statement("owner_states", {})
+    epoch_rows = yield Statement("channel_epochs", {})
     held = {(t, c) for t, c in pause_rows}
     retired = {int(r[0]) for r in owner_rows if r[2]}
-    return held, retired
+    return held, retired, {(t, c): int(e) for t, c, e in epoch_rows}
 
 
 

@@ -205,6 +205,10 @@ class ReliableChannel:
         # False: an answer of its topic did not name it, and none has since
         # (ReliableStore._confirm_channels)
         self.confirmed = True
+        # the channel's epoch as this node last learned it (a seek raises it: ``reseek``);
+        # every copy pushed carries it to its ack, which moves only cursors of that epoch
+        self.epoch = 0
+        self.seek_count = 0  # seeks this node applied (``reseek``)
         # counters for /stats
         self.message_count = 0
         self.requeue_count = 0
@@ -709,6 +713,25 @@ class ReliableChannel:
         self.deferred.clear()
         self._deadlines.clear()
         self.cursor.forget(held)  # what stays known: acks and dead letters still being made durable
+
+    def reseek(self, epoch: int) -> bool:
+        """A seek (``dmq channel seek``) rewrote the channel's cursors in PostgreSQL with
+        ``epoch``: what this node holds, has read or is finishing describes the cursors as
+        they were, so it drops it all (``forget``, and ``ChannelCursor.reseek`` for what
+        ``forget`` keeps) and reads the channel again from the first id. Acks of the
+        copies it pushed before are refused (their epoch is older), and the copies the
+        seek made the channel's again are pushed again: at least once. False, with
+        nothing changed, when ``epoch`` is not newer than the one it knows."""
+        if epoch <= self.epoch:
+            return False
+        self.epoch = epoch
+        self.seek_count += 1
+        self.forget()
+        self.cursor.reseek()
+        self.stored_count = self.oldest_stored_id = None
+        self._maybe_load()
+        self.pump()
+        return True
 
     # -- consumers --------------------------------------------------------
     def subscribe(self, consumer: Receiver) -> None:

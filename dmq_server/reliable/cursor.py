@@ -397,6 +397,20 @@ class ChannelCursor(Generic[CopyT]):
             self.load_stale = True
         self.restart()
 
+    def reseek(self) -> None:
+        """A seek rewrote the channel's cursors (issue 46; after ``forget``): nothing this
+        node knew of the channel holds any more. Not even what is finishing: a copy whose
+        ack is still being made durable may be the seek's to deliver again (its ack is
+        refused by the epoch), and kept ``known`` it would be skipped by the next load and
+        never pushed again; an outcome that arrives later is ignored by the store (its
+        epoch is older)."""
+        self.known.clear()
+        self.finishing.clear()
+        self.dropped = set()
+        if self.loading:
+            self.load_stale = True
+        self.restart()
+
     def restart(self) -> None:
         """Read again from the first id; copies committed during a load are stored and
         owned here, so that read finds them."""

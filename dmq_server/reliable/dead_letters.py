@@ -105,13 +105,14 @@ class DeadLetterSink:
 
     def on_exhausted(self, channel: ReliableChannel, delivery: Delivery) -> None:
         message = delivery.message
-        self.exhausted.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner))
+        self.exhausted.add(CopyRef(channel.topic, channel.name, message.message_id, delivery.attempts, message.owner,
+                                   channel.epoch))
 
     def _exhausted_done(self, batch: list[CopyRef], rows: list[tuple[str, str, int]]) -> None:
         self.counts["max_attempts"] = self.counts.get("max_attempts", 0) + len(rows)
         for ref in batch:
             ch = self._channel(ref.topic, ref.channel)
-            if ch is not None:
+            if ch is not None and ref.epoch >= ch.epoch:  # (sought since: ``reseek`` forgot it)
                 ch.ack_durable([ref.message_id])  # its row is gone: forget it
 
     # -- expiry ------------------------------------------------------------------

@@ -191,8 +191,12 @@ class ReliableStore:
         # per topic, the channels named by its last answer that names them all (_confirm_channels)
         self._named_last: dict[str, set[str]] = {}
         self._unresolved = _Unresolved()
-        # acks not applied because another node holds their cursor now (_acks_done)
+        # acks not applied because another node holds their cursor now, or a seek wrote it
+        # since their copies were pushed (_acks_done)
         self.acks_fenced = 0
+        # the channels' epochs as last read (those above 0: sought at least once), for a
+        # channel opened after the read (``channel``)
+        self._epochs: dict[tuple[str, str], int] = {}
         self.publish_count = self.delayed_count = 0
         # the committed batch's new messages with their channels' names, until _hand_on
         self._arrived: list[tuple[ReliableMessage, Sequence[str]]] = []
@@ -511,6 +515,7 @@ class ReliableStore:
             # opened after an answer of its topic that did not name it: _confirm_channels
             channel.confirmed = name in self._named_last.get(topic, (name,))
             channel.held = (topic, name) in self._held
+            channel.epoch = self._epochs.get((topic, name), 0)
             self.channels[(topic, name)] = channel
             if spec is not None and spec.ordered:
                 self._place(channel)
@@ -802,6 +807,7 @@ class ReliableStore:
             [d.first_delivered_ms for d in deliveries],
             [d.attempts for d in deliveries],
             [int(d.delivered_at * 1000) for d in deliveries],
+            channel.epoch,
         )])
 
     def _ack_progress(self, batch: list[AckRun]) -> tuple[list[CursorProgress], str, bool]:
@@ -810,20 +816,39 @@ class ReliableStore:
         ``reliable.cursor``); in a cluster the statement moves only the cursors this node
         still holds."""
         progress = []
+        epochs: dict[tuple[str, str], int] = {}  # per channel, the oldest epoch of its runs
+        for run in batch:
+            key = (run.topic, run.channel)
+            epochs[key] = min(run.epoch, epochs.get(key, run.epoch))
         for (topic, name, owner), ids in acks_by_cursor(batch).items():
             channel = self.channels.get((topic, name))
             if channel is None:  # unregistered meanwhile: the acks alone
                 floor, spans = 0, [(x, x) for x in sorted(set(ids))]
             else:
                 floor, spans = channel.progress(owner, ids, self.writes.limit(owner, orderer=channel.cursor.loads_only))
-            progress.append(CursorProgress(topic, name, owner, floor, spans))
+            # a batch with acks of before and after a seek this node learned of (nearly
+            # never: ``reseek`` drops the queued ones) proposes the older epoch: refused,
+            # all of them, and the copies are delivered again (``_acks_done``)
+            progress.append(CursorProgress(topic, name, owner, floor, spans, epochs[(topic, name)]))
         return progress, self.node_id, self.load_owner is not None
 
     def _acks_done(self, runs: list[AckRun], taken: list[tuple[str, str, int]]) -> None:
         """The batch committed: its copies are done, but for cursors another node took
-        over meanwhile (this node's session was lost, ``ack_deliveries``). Their acks were
-        not applied: the new holder delivers those copies, and this node forgets them."""
-        by_channel, refused = split_fenced(runs, taken)
+        over meanwhile (this node's session was lost) or a seek wrote since the copies
+        were pushed (``ack_deliveries``). Their acks were not applied and this node
+        forgets them: the new holder delivers them, or this node again once it has read
+        the channel's new cursors (it reads the channels' state at once to learn of a
+        seek: ``reseek``). The runs of a channel sought since they were pushed are
+        ignored: ``reseek`` dropped all it knew of their copies. A batch that held runs
+        of before and after a seek this node knew of (a failed batch's retry) proposed
+        the older epoch and was refused for the newer runs too: their copies are still
+        this node's, and it reads them again (``rescan``)."""
+        oldest: dict[tuple[str, str], int] = {}
+        for run in runs:
+            key = (run.topic, run.channel)
+            oldest[key] = min(run.epoch, oldest.get(key, run.epoch))
+        current = [r for r in runs if (c := self.channels.get((r.topic, r.channel))) is None or r.epoch >= c.epoch]
+        by_channel, refused = split_fenced(current, taken)
         for key, ids in by_channel.items():
             channel = self.channels.get(key)
             if channel is not None:
@@ -831,10 +856,14 @@ class ReliableStore:
         for (topic, name), ids in refused.items():
             self.acks_fenced += len(ids)
             log.warn("{n} acks on {topic}/{channel} not applied: another node holds their cursor now "
-                     "(it delivers them)", n=len(ids), topic=topic, channel=name)
+                     "(it delivers them), or a seek rewrote it", n=len(ids), topic=topic, channel=name)
             channel = self.channels.get((topic, name))
             if channel is not None:
                 channel.ack_not_durable(ids)
+                if oldest[(topic, name)] < channel.epoch:
+                    channel.rescan()
+        if refused:
+            self.read_channel_state()
 
     def _holder(self, channel: ReliableChannel) -> str | None:
         """Whose copies a channel's loads read: in a cluster, those of this node's
@@ -935,22 +964,40 @@ class ReliableStore:
         return d.addCallback(emptied)
 
     def read_channel_state(self) -> Deferred:
-        """The operators' pauses (set on any node) and the retired incarnations. The
-        stored depths are counted apart, a slice at a time (``self.depths``)."""
+        """The operators' pauses (set on any node), the retired incarnations and the
+        channels' epochs (a seek on any node raises one: the channel reads its copies
+        again, ``ReliableChannel.reseek``). The stored depths are counted apart, a slice
+        at a time (``self.depths``)."""
         d = self._workers["admin"].run_steps(read_channel_state_steps)
 
-        def apply(state: tuple[set[tuple[str, str]], set[int]]) -> None:
-            held, retired = state
+        def apply(state: tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]) -> None:
+            held, retired, epochs = state
             self.writes.retired.update(retired)
             self._held = held
+            self._epochs = epochs
             for key, channel in self.channels.items():
                 was, channel.held = channel.held, key in held
                 if was and not channel.held:
                     channel.pump()
+                self.reseek(channel, epochs.get(key, 0))
 
         d.addCallback(apply)
         d.addErrback(lambda f: f.trap(StorageError))
         return d
+
+    def reseek(self, channel: ReliableChannel, epoch: int) -> None:
+        """The channel learned of a seek (``epoch`` newer than its own): the acks queued
+        for it go (their copies are the seek's to deliver again), and it reads its copies
+        again (``ReliableChannel.reseek``)."""
+        if epoch <= channel.epoch:
+            return
+        dropped = self.acker.discard(lambda run: (run.topic, run.channel) == (channel.topic, channel.name)
+                                     and run.epoch < epoch)
+        channel.reseek(epoch)
+        self.depths.restart()  # a pass in progress counted the copies as they were
+        log.info("{topic}/{channel} was sought (epoch {epoch}): its copies are read again from the store; "
+                 "{dropped} acks of copies pushed before it dropped", topic=channel.topic, channel=channel.name,
+                 epoch=epoch, dropped=dropped)
 
     def _apply_depths(self, depths: dict[tuple[str, str], int], lowest: dict[tuple[str, str], int]) -> None:
         """A complete pass of the depth count: every channel's stored copies and the

@@ -448,6 +448,15 @@ class RetryingBatcher(Generic[ItemT, ResultT]):
         elif self._timer is None:
             self._timer = self.clock.callLater(self.interval, self._flush)
 
+    def discard(self, unwanted: Callable[[ItemT], bool]) -> int:
+        """Take the queued items ``unwanted`` picks off the queue (a batch being sent is
+        not queued: its outcome comes as ever); returns what ``max_batch`` counts of them.
+        The acker's, for a sought channel's acks (``ReliableStore.reseek``)."""
+        kept = [item for item in self._queue if not unwanted(item)]
+        gone = self._queued - self._size(kept)
+        self._queue, self._queued = kept, self._queued - gone
+        return gone
+
     def _take(self) -> list[ItemT]:
         """The next batch off the queue's front: ``max_batch`` items, or runs holding
         that many, the last one split if it holds more."""

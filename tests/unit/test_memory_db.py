@@ -132,7 +132,7 @@ def test_acks_move_the_cursor_and_log_once_and_backlog_reads_what_is_left(db):
     result(db.run_steps(ack_deliveries_steps, [AckRow("orders", "billing", ids[2], 5, 6, 1, owner=OWNER)],
                         [CursorProgress("orders", "billing", OWNER, ids[0], [(ids[2], ids[2])])], "node-1"))
     assert [r.message_id for r in result(db.run_steps(load_backlog_steps, "orders", "billing", 0, 10))] == [ids[1]]
-    held, retired = result(db.run_steps(read_channel_state_steps))
+    held, retired, epochs = result(db.run_steps(read_channel_state_steps))
     assert held == set() and retired == set()
     # the depth count's slices: two messages, then the rest (the pass is complete)
     low, high, first, lowest = result(db.run_steps(depth_slice_steps, None, 2))
