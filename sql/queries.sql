@@ -438,7 +438,11 @@ ORDER BY 1;
 
 -- name: sweep_topic_lock
 -- A topic's sweep, on one node at a time: the others skip it until the transaction ends.
-SELECT pg_try_advisory_xact_lock(7361006, hashtext(%(topic)s::text));
+-- First it waits for a seek of the topic under way (seek_channel holds 7361005
+-- exclusively): no message a seek is making pending again is swept between its count and
+-- its cursors; the DELETE, a later statement, sees what the seek wrote.
+SELECT pg_advisory_xact_lock_shared(7361005, hashtext(%(topic)s::text)) AS waited,
+       pg_try_advisory_xact_lock(7361006, hashtext(%(topic)s::text)) AS mine;
 
 -- name: sweep_topic
 -- One batch of a topic's retention sweep. Per incarnation (each one with rows of the topic,

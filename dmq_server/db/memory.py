@@ -310,7 +310,7 @@ class MemoryDb:
             "load_priority_backlog": self._load_priority_backlog,
             "sweep_bounds": self._sweep_bounds,
             "sweep_topics": self._sweep_topics,
-            "sweep_topic_lock": lambda p: [(True,)],  # one process: nobody else sweeps
+            "sweep_topic_lock": lambda p: [(None, True)],  # one process: nobody else sweeps or seeks
             "sweep_topic": self._sweep_topic,
             "note_swept": self._note_swept,
             "channel_depths": self._channel_depths,

@@ -796,7 +796,7 @@ def sweep_topic_steps(target: SweepTarget, limit: int, after: int = 0) -> Steps[
     another node is sweeping the topic; else how many went and the highest id deleted
     (``after`` if none: where the topic's next batch starts). What went is noted in
     ``dmq_retention`` in the same transaction."""
-    ((mine,),) = yield Statement("sweep_topic_lock", {"topic": target.topic})
+    ((_, mine),) = yield Statement("sweep_topic_lock", {"topic": target.topic})
     if not mine:
         return None
     rows = yield Statement("sweep_topic", {

@@ -154,3 +154,18 @@ def test_a_topic_another_node_is_sweeping_is_skipped(pg_dsn):
         assert run_steps(conn, sweep_topic_steps(target, 100)) is None
         other.rollback()
         assert run_steps(conn, sweep_topic_steps(target, 100)) == (3, ids[-1])
+
+
+def test_a_sweep_waits_for_a_seek_of_the_topic_under_way(pg_dsn):
+    """A seek holds the topic's seek lock (7361005) until it commits: the sweep of the
+    topic waits for it, then sees what it wrote."""
+    with connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn) as seeking:
+        owner, ids = store_billing(conn, 3)
+        registry.delete_topic(conn, "orders")
+        conn.execute("UPDATE dmq_message SET published_at = now() - interval '1 hour'")
+        seeking.execute("SELECT pg_advisory_xact_lock(7361005, hashtext('orders'))")
+        conn.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            run_steps(conn, sweep_topic_steps(SweepTarget("orders", 600, MAX_ID), 100))
+        seeking.rollback()
+        assert run_steps(conn, sweep_topic_steps(SweepTarget("orders", 600, MAX_ID), 100)) == (3, ids[-1])
