@@ -1390,6 +1390,11 @@ ORDER BY p.n;
 -- deliver right after the seek (the dmq_pending rule, ids up to ``top``, the topic's
 -- highest id read), top, the lowest of those ids and its publish time (ms), the new
 -- epoch, and the lowest copy waiting before the seek with its publish time.
+-- The reads of an incarnation's rows bound ``(hashtext(topic), owner, id)`` as a row: only
+-- the topic index takes such bounds as its range, so the planner does not walk the primary
+-- key through other topics' rows instead (it did, filtering, when an incarnation had no row
+-- of the topic: 200,000 rows read for none; with the bounds, a seek over 20,000 copies of a
+-- topic among 400,000 rows took 20 ms, a dry run to the latest 4 ms).
 WITH ch AS MATERIALIZED (
     SELECT c.start_id FROM dmq_channel c WHERE c.topic = %(topic)s AND c.name = %(channel)s
 ), tops AS MATERIALIZED (
@@ -1401,9 +1406,10 @@ WITH ch AS MATERIALIZED (
     SELECT t.owner, t.node_id, f.floor,
            coalesce((SELECT range_agg(int8range(m.id, m.id, '[]')) FROM dmq_message m
                      WHERE %(before_ms)s::bigint IS NOT NULL
-                       AND hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
-                       AND m.owner = t.owner AND m.id > f.floor
-                       AND m.id < coalesce(%(window_hi)s::bigint, 9223372036854775807)
+                       AND (hashtext(m.topic), m.owner, m.id) > (hashtext(%(topic)s::text), t.owner, f.floor)
+                       AND (hashtext(m.topic), m.owner, m.id)
+                           <= (hashtext(%(topic)s::text), t.owner, least(t.top, %(window_hi)s::bigint - 1))
+                       AND m.topic = %(topic)s
                        AND m.published_at < timestamptz 'epoch' + %(before_ms)s::bigint * interval '1 millisecond'),
                     '{}'::int8multirange) AS done
     FROM ch CROSS JOIN tops t
@@ -1415,24 +1421,33 @@ WITH ch AS MATERIALIZED (
                                                         ELSE %(floor)s::bigint END) AS floor
     FROM ch
 ), counted AS MATERIALIZED (
+    -- per incarnation one range of the topic index, (floor, top] (OFFSET 0 keeps the
+    -- subquery apart, so the bounds reach the index instead of a join filtering its rows)
     SELECT count(*) AS copies, min(m.id) AS first
     FROM plan p CROSS JOIN bounds b
-    JOIN dmq_message m ON hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
-                      AND m.owner = p.owner AND m.id > p.floor AND m.id <= b.top
-                      AND (m.channel IS NULL OR m.channel = %(channel)s)
-    WHERE NOT p.done @> m.id
+    CROSS JOIN LATERAL (
+        SELECT m.id FROM dmq_message m
+        WHERE (hashtext(m.topic), m.owner, m.id) > (hashtext(%(topic)s::text), p.owner, p.floor)
+          AND (hashtext(m.topic), m.owner, m.id) <= (hashtext(%(topic)s::text), p.owner, b.top)
+          AND m.topic = %(topic)s
+          AND (m.channel IS NULL OR m.channel = %(channel)s) AND NOT p.done @> m.id
+        OFFSET 0
+    ) m
 ), cursors AS MATERIALIZED (
     -- the cursors as they were, their done ranges read once (load_backlog says why)
     SELECT k.owner, k.floor, k.done + '{}'::int8multirange AS done FROM dmq_cursor k
     WHERE k.topic = %(topic)s AND k.channel = %(channel)s
 ), previous AS MATERIALIZED (
+    -- (the equalities too: with them the index's order is the ids', so LIMIT 1 reads one row)
     SELECT min(w.id) AS id
-    FROM ch CROSS JOIN dmq_owner o
-    LEFT JOIN cursors k ON k.owner = o.id
+    FROM ch CROSS JOIN tops t
+    LEFT JOIN cursors k ON k.owner = t.owner
     CROSS JOIN LATERAL (
         SELECT m.id FROM dmq_message m
-        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s AND m.owner = o.id
-          AND m.id > greatest(ch.start_id, coalesce(k.floor, ch.start_id))
+        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.owner = t.owner AND m.topic = %(topic)s
+          AND (hashtext(m.topic), m.owner, m.id)
+              > (hashtext(%(topic)s::text), t.owner, greatest(ch.start_id, coalesce(k.floor, ch.start_id)))
+          AND (hashtext(m.topic), m.owner, m.id) <= (hashtext(%(topic)s::text), t.owner, t.top)
           AND (m.channel IS NULL OR m.channel = %(channel)s)
           AND NOT coalesce(k.done @> m.id, false)
         ORDER BY m.id LIMIT 1
