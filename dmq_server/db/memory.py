@@ -6,7 +6,8 @@ returning a Deferred, like a ``DbWorker`` or a ``ReactorDb``) and answers each
 PostgreSQL answers the SQL of ``sql/queries.sql``: topics and channels, messages
 unique by (producer, session_id) and owned by an incarnation, a cursor per (topic,
 channel, owner) moved by acks, the delivery log, pauses, depths, the sweep, delayed
-sends and dead letters. ``deliveries`` shows the copies waiting, as the ``dmq_pending``
+sends and dead letters, and seeks (a channel's epoch: ``channel_epochs``; a cursor's:
+``_Cursor.epoch``). ``deliveries`` shows the copies waiting, as the ``dmq_pending``
 view does. A statement
 without a handler fails loudly (``UnknownStatement``), so a test never passes on a
 statement the double silently ignored. ``tests/integration/test_memory_db_contract.py``

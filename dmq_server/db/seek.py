@@ -11,16 +11,17 @@ node's acknowledgement of a copy pushed before the seek cannot undo it.
 A target becomes, per incarnation o, a floor F_o and done ranges D_o above it:
 
 * ``ToId(n)``: F = n - 1 for every incarnation, no done ranges;
-* ``ToLatest()``: F_o = o's highest id of the topic (nothing waits);
+* ``ToLatest()``: F_o = o's highest id of the topic (nothing waits; one without a message of
+  the topic keeps the channel's start);
 * ``ToTime(ms)``: no index on the publish time. A message's ``published_at`` is its insert
   transaction's now(), taken before its id is drawn, so ids follow publish times only up
-  to that wait (``SEEK_SKEW``, S): if id(m) < id(x), published(m) < published(x) + S. So
+  to that wait (``SEEK_SKEW_MS``, S): if id(m) < id(x), published(m) < published(x) + S. So
   with ``lo`` a row published at or before T - S, every id up to lo was published before
   T; with ``hi`` a row published at or after T + S, every id from hi on was published at
   or after T. Both are found by a binary search of the primary key (``seek_bounds_steps``,
-  both searches in one statement a step, ~48 steps); F = lo, and D_o = o's ids in
-  (lo, hi) published before T, read from the topic's index over that window only (at most
-  2 S of the topic's messages).
+  both searches in one statement a step: log2 of the stored ids' span, ~20 steps for a
+  million rows); F = lo, and D_o = o's ids in (lo, hi) published before T, read from the
+  topic's index over that window only (about 2 S of the topic's messages).
 
 An insert that waits longer than S between its now() and its id breaks the exactness (a
 message published before T would be delivered again, or one after T not): S is 30 s.
