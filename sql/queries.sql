@@ -1351,8 +1351,8 @@ LEFT JOIN LATERAL (
     SELECT m.id, m.published_at FROM dmq_owner o
     CROSS JOIN LATERAL (SELECT m.id, m.published_at FROM dmq_message m
                         WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
-                          AND m.owner = o.id
-                        ORDER BY m.id LIMIT 1) m
+                          AND (m.owner, m.id) >= (o.id, 0) AND (m.owner, m.id) <= (o.id, 9223372036854775807)
+                        ORDER BY m.owner, m.id LIMIT 1) m
     ORDER BY m.id LIMIT 1
 ) f ON true;
 
@@ -1390,26 +1390,28 @@ ORDER BY p.n;
 -- deliver right after the seek (the dmq_pending rule, ids up to ``top``, the topic's
 -- highest id read), top, the lowest of those ids and its publish time (ms), the new
 -- epoch, and the lowest copy waiting before the seek with its publish time.
--- The reads of an incarnation's rows bound ``(hashtext(topic), owner, id)`` as a row: only
--- the topic index takes such bounds as its range, so the planner does not walk the primary
--- key through other topics' rows instead (it did, filtering, when an incarnation had no row
--- of the topic: 200,000 rows read for none; with the bounds, a seek over 20,000 copies of a
--- topic among 400,000 rows took 20 ms, a dry run to the latest 4 ms).
+-- The reads of an incarnation's rows bound ``(owner, id)`` as a row, and order by those
+-- columns: only the topic index (hashtext(topic), owner, id) takes such bounds as its range
+-- and gives that order, so the planner does not walk the primary key through other topics'
+-- rows instead (it did, filtering, for an incarnation with no row of the topic: 200,000 rows
+-- read for none). The index stops at a row bound's first column only (the owner: PostgreSQL
+-- 15), so the upper bounds are the incarnation's top, above which nothing is stored; the
+-- done ranges' window, bounded above by an id in the middle, keeps plain bounds.
 WITH ch AS MATERIALIZED (
     SELECT c.start_id FROM dmq_channel c WHERE c.topic = %(topic)s AND c.name = %(channel)s
 ), tops AS MATERIALIZED (
     SELECT o.id AS owner, o.node_id,
-           (SELECT max(m.id) FROM dmq_message m
-            WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s AND m.owner = o.id) AS top
+           (SELECT m.id FROM dmq_message m
+            WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
+              AND (m.owner, m.id) >= (o.id, 0) AND (m.owner, m.id) <= (o.id, 9223372036854775807)
+            ORDER BY m.owner DESC, m.id DESC LIMIT 1) AS top
     FROM ch CROSS JOIN dmq_owner o
 ), plan AS MATERIALIZED (
     SELECT t.owner, t.node_id, f.floor,
            coalesce((SELECT range_agg(int8range(m.id, m.id, '[]')) FROM dmq_message m
                      WHERE %(before_ms)s::bigint IS NOT NULL
-                       AND (hashtext(m.topic), m.owner, m.id) > (hashtext(%(topic)s::text), t.owner, f.floor)
-                       AND (hashtext(m.topic), m.owner, m.id)
-                           <= (hashtext(%(topic)s::text), t.owner, least(t.top, %(window_hi)s::bigint - 1))
-                       AND m.topic = %(topic)s
+                       AND hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
+                       AND m.owner = t.owner AND m.id > f.floor AND m.id <= least(t.top, %(window_hi)s::bigint - 1)
                        AND m.published_at < timestamptz 'epoch' + %(before_ms)s::bigint * interval '1 millisecond'),
                     '{}'::int8multirange) AS done
     FROM ch CROSS JOIN tops t
@@ -1427,9 +1429,8 @@ WITH ch AS MATERIALIZED (
     FROM plan p CROSS JOIN bounds b
     CROSS JOIN LATERAL (
         SELECT m.id FROM dmq_message m
-        WHERE (hashtext(m.topic), m.owner, m.id) > (hashtext(%(topic)s::text), p.owner, p.floor)
-          AND (hashtext(m.topic), m.owner, m.id) <= (hashtext(%(topic)s::text), p.owner, b.top)
-          AND m.topic = %(topic)s
+        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
+          AND (m.owner, m.id) > (p.owner, p.floor) AND (m.owner, m.id) <= (p.owner, b.top)
           AND (m.channel IS NULL OR m.channel = %(channel)s) AND NOT p.done @> m.id
         OFFSET 0
     ) m
@@ -1438,19 +1439,16 @@ WITH ch AS MATERIALIZED (
     SELECT k.owner, k.floor, k.done + '{}'::int8multirange AS done FROM dmq_cursor k
     WHERE k.topic = %(topic)s AND k.channel = %(channel)s
 ), previous AS MATERIALIZED (
-    -- (the equalities too: with them the index's order is the ids', so LIMIT 1 reads one row)
     SELECT min(w.id) AS id
     FROM ch CROSS JOIN tops t
     LEFT JOIN cursors k ON k.owner = t.owner
     CROSS JOIN LATERAL (
         SELECT m.id FROM dmq_message m
-        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.owner = t.owner AND m.topic = %(topic)s
-          AND (hashtext(m.topic), m.owner, m.id)
-              > (hashtext(%(topic)s::text), t.owner, greatest(ch.start_id, coalesce(k.floor, ch.start_id)))
-          AND (hashtext(m.topic), m.owner, m.id) <= (hashtext(%(topic)s::text), t.owner, t.top)
-          AND (m.channel IS NULL OR m.channel = %(channel)s)
-          AND NOT coalesce(k.done @> m.id, false)
-        ORDER BY m.id LIMIT 1
+        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
+          AND (m.owner, m.id) > (t.owner, greatest(ch.start_id, coalesce(k.floor, ch.start_id)))
+          AND (m.owner, m.id) <= (t.owner, t.top)
+          AND (m.channel IS NULL OR m.channel = %(channel)s) AND NOT coalesce(k.done @> m.id, false)
+        ORDER BY m.owner, m.id LIMIT 1
     ) w
 ), bumped AS (
     UPDATE dmq_channel c SET epoch = c.epoch + 1, start_id = least(c.start_id, b.floor)
