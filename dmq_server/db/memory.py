@@ -6,7 +6,8 @@ returning a Deferred, like a ``DbWorker`` or a ``ReactorDb``) and answers each
 PostgreSQL answers the SQL of ``sql/queries.sql``: topics and channels, messages
 unique by (producer, session_id) and owned by an incarnation, a cursor per (topic,
 channel, owner) moved by acks, the delivery log, pauses, depths, the sweep, delayed
-sends and dead letters. ``deliveries`` shows the copies waiting, as the ``dmq_pending``
+sends and dead letters, and seeks (a channel's epoch: ``channel_epochs``; a cursor's:
+``_Cursor.epoch``). ``deliveries`` shows the copies waiting, as the ``dmq_pending``
 view does. A statement
 without a handler fails loudly (``UnknownStatement``), so a test never passes on a
 statement the double silently ignored. ``tests/integration/test_memory_db_contract.py``
@@ -229,6 +230,7 @@ class _Cursor:
     holder: str
     floor: int
     done: list[tuple[int, int]] = field(default_factory=list)
+    epoch: int = 0  # dmq_cursor.epoch (schema 21): the channel's epoch when a seek wrote it
 
     def covers(self, message_id: int) -> bool:
         return message_id <= self.floor or any(lo <= message_id <= hi for lo, hi in self.done)
@@ -257,6 +259,7 @@ class MemoryDb:
         self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
+        self.channel_epochs: dict[tuple[str, str], int] = {}  # dmq_channel.epoch (schema 21; absent: 0)
         self.messages: dict[int, _Message] = {}
         self._pairs: dict[tuple[str, int], int] = {}  # UNIQUE (producer, session_id)
         self.owners: dict[int, _Owner] = {}
@@ -382,6 +385,11 @@ class MemoryDb:
             "raise_id_sequences": self._raise_id_sequences,
             "topic_leftovers": self._topic_leftovers,
             "consumed_states": self._consumed_states,
+            "seek_lock": lambda p: [(None,)],  # one database, one caller at a time
+            "seek_state": self._seek_state,
+            "seek_ends": self._seek_ends,
+            "seek_probe": self._seek_probe,
+            "seek_channel": self._seek_channel,
         }
         unknown = set(self._handlers) - set(STATEMENTS)
         if unknown:  # a handler for a query that sql/queries.sql does not have
@@ -634,6 +642,7 @@ class MemoryDb:
         del self.topics[name]
         for channel in self.channels.pop(name, set()):
             del self.start_ids[(name, channel)]
+            self.channel_epochs.pop((name, channel), None)
             self.pauses.discard((name, channel))
         return [(name,)]
 
@@ -658,6 +667,7 @@ class MemoryDb:
             return []
         self.channels[topic].discard(name)
         del self.start_ids[(topic, name)]
+        self.channel_epochs.pop((topic, name), None)
         self.pauses.discard((topic, name))
         return [(name,)]
 
@@ -1564,6 +1574,75 @@ class MemoryDb:
         self._ids = itertools.count(max(following, p["floor"]))
         return [(p["floor"],)] * 3 if following < p["floor"] else []
 
+    # -- seek (issue 46) ------------------------------------------------------------------
+
+    def _seek_state(self, p: dict) -> list[tuple]:
+        """Registered, ttl, what the sweep removed, now, the topic's lowest id and its time."""
+        topic = p["topic"]
+        row = self.topics.get(topic)
+        swept_id, swept_ms = self.retention.get(topic, (None, None))
+        stored = [mid for mid, m in self.messages.items() if m.topic == topic and m.owner in self.owners]
+        oldest = self.messages[min(stored)] if stored else None
+        return [(p["channel"] in self.channels.get(topic, ()), row["ttl_ms"] if row is not None else None, swept_id,
+                 swept_ms, self._now_ms(), oldest.id if oldest else None, oldest.published_ms if oldest else None)]
+
+    def _seek_ends(self, p: dict) -> list[tuple]:
+        return [(min(self.messages), max(self.messages))] if self.messages else [(None, None)]
+
+    def _seek_probe(self, p: dict) -> list[tuple]:
+        """Per point, the first message at or after it and its publish time in microseconds."""
+        ids = sorted(self.messages)
+        rows: list[tuple] = []
+        for at in p["at"]:
+            found = next((i for i in ids if i >= at), None)
+            rows.append((at, found, None if found is None else self.messages[found].published_ms * 1000))
+        return rows
+
+    def _seek_channel(self, p: dict) -> list[tuple]:
+        """Every incarnation's cursor of the channel written anew (the floors and done ids of
+        the target), the epoch raised, start_id down to the lowest floor, attempts above it
+        dropped; the count, top, first, epoch and previous position (sql: seek_channel)."""
+        topic, channel = p["topic"], p["channel"]
+        if channel not in self.channels.get(topic, ()):
+            return []
+        start = self.start_ids[(topic, channel)]
+        stored = {o: sorted((m for m in self.messages.values() if m.topic == topic and m.owner == o),
+                            key=lambda m: m.id) for o in self.owners}
+        floors = {o: (rows[-1].id if rows else start) if p["latest"] else p["floor"] for o, rows in stored.items()}
+        window_hi = p["window_hi"] if p["window_hi"] is not None else 2**63 - 1
+        done = {o: [m.id for m in rows if p["before_ms"] is not None and floors[o] < m.id < window_hi
+                    and m.published_ms < p["before_ms"]] for o, rows in stored.items()}
+        top = max((rows[-1].id for rows in stored.values() if rows), default=None)
+        lowest = min(floors.values(), default=start if p["latest"] else p["floor"])
+        waiting = sorted(m.id for o, rows in stored.items() for m in rows
+                         if top is not None and floors[o] < m.id <= top and m.channel in (None, channel)
+                         and m.id not in done[o])
+        previous = min((mid for t, c, mid in self.deliveries if (t, c) == (topic, channel)), default=None)
+        epoch = None
+        if not p["dry_run"]:
+            epoch = self.channel_epochs.get((topic, channel), 0) + 1
+            self.channel_epochs[(topic, channel)] = epoch
+            self.start_ids[(topic, channel)] = min(start, lowest)
+            holders = {o: self._seek_holder(topic, channel, o) for o in stored}
+            for o in stored:
+                cursor = self.cursors.setdefault((topic, channel, o), _Cursor(holders[o], 0))
+                cursor.floor, cursor.done, cursor.epoch = floors[o], _spans(done[o]), epoch
+            for key in [k for k in self.attempts if k[:2] == (topic, channel) and k[2] > lowest]:
+                del self.attempts[key]
+        first = waiting[0] if waiting else None
+        return [(len(waiting), top, first, self.messages[first].published_ms if first is not None else None, epoch,
+                 previous, self.messages[previous].published_ms if previous is not None else None)]
+
+    def _seek_holder(self, topic: str, channel: str, owner: int) -> str:
+        """A new cursor's holder: the incarnation's cursor of another channel of the topic,
+        else any cursor of it, else its node."""
+        others = sorted((c, k.holder) for (t, c, o), k in self.cursors.items()
+                        if t == topic and o == owner and c != channel)
+        anywhere = sorted((t, c, k.holder) for (t, c, o), k in self.cursors.items() if o == owner)
+        if others:
+            return others[0][1]
+        return anywhere[0][2] if anywhere else self.owners[owner]["node_id"]
+
     def _topic_leftovers(self, p: dict) -> list[tuple]:
         """Placement, copies waiting, delayed; no transaction of the double outlives its
         statement (``older``: 0); the time now, as PostgreSQL's now()."""
@@ -1573,6 +1652,17 @@ class MemoryDb:
         delayed = sum(1 for r in self.delayed.values() if r["topic"] == name)
         now = datetime.fromtimestamp(self._now_ms() / 1000, timezone.utc)
         return [(row["cluster"] if row is not None else None, pending, delayed, 0, now)]
+
+
+def _spans(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as the inclusive spans of consecutive ones (a multirange's ranges)."""
+    spans: list[tuple[int, int]] = []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1] = (spans[-1][0], i)
+        else:
+            spans.append((i, i))
+    return spans
 
 
 def _fire(d: Deferred[T], outcome: T | Exception) -> None:

@@ -17,6 +17,7 @@ statement that has no handler or that no script here runs.
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from datetime import datetime
 from typing import Any, Callable
@@ -86,6 +87,7 @@ from dmq_server.db.messages import (
 )
 from dmq_server.db.orderer_steps import claim_ordered_cursors_steps, release_ordered_cursors_steps
 from dmq_server.db.schema import migrate, ping_steps
+from dmq_server.db.seek import SeekRefused, SeekTarget, Sought, ToId, ToLatest, ToTime, seek_bounds_steps, seek_channel_steps
 from dmq_server.db.steps import STATEMENTS, Statement, Steps, run_steps
 from dmq_server.db.takeover_steps import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
@@ -194,6 +196,7 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
 
     """(label, steps, arguments (late: they may name ids seen before), view of the answer)."""
     same = lambda v: comparable(v, ids)  # noqa: E731
+    seek_view = lambda v: sought_view(v, ids)  # noqa: E731
     m = ids.real
     return [
         ("topics", list_topics_steps, lambda: (), same),
@@ -348,7 +351,61 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("the dead letters with their properties", list_dead_letters_steps, lambda: (EVERY, 10, 0),
          lambda rows: [(r["reason"], r["producer"], r["session_id"], ids(r["message_id"]), r["key"], r["priority"],
                         r["headers"], list(r["headers"] or ())) for r in rows]),
+        # a seek (issue 46): every cursor of the channel written anew (orders was swept above:
+        # its retained start is where its sweep got to)
+        ("a seek's dry run to the latest", seek_or_refusal_steps, lambda: ("orders", "billing", ToLatest(), True),
+         seek_view),
+        ("k2 delivered three times on both channels", attempts_pair_steps, lambda: ("k", 2, OWNER + 1), same),
+        ("a seek to the id of k2", seek_pair_steps, lambda: ("k", 2, "billing"), seek_view),
+        ("what billing waits for after it", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
+        ("audit is untouched", load_backlog_steps, lambda: ("orders", "audit", 0, 100), same),
+        ("a dry run to k1", seek_pair_steps, lambda: ("k", 1, "billing", True), seek_view),
+        ("a seek to the latest", seek_or_refusal_steps, lambda: ("orders", "billing", ToLatest()), seek_view),
+        ("billing waits for nothing", load_backlog_steps, lambda: ("orders", "billing", 0, 100), same),
+        ("a seek of short's channel to its first id: its expired copy waits again", seek_or_refusal_steps,
+         lambda: ("short", "c", ToId(1)), seek_view),
+        ("a channel registered after the messages", rows_steps, lambda: ("add_channel", {"topic": "orders", "name": "late"}),
+         same),
+        ("it is sought back to k1", seek_pair_steps, lambda: ("k", 1, "late"), seek_view),
+        ("what it waits for", load_backlog_steps, lambda: ("orders", "late", 0, 100), same),
+        ("by holder after the seeks", owner_depths_steps, lambda: (), same),
+        ("a seek before the retained start", seek_or_refusal_steps, lambda: ("orders", "billing", ToTime(0)), same),
+        ("a seek to an id swept", seek_or_refusal_steps, lambda: ("orders", "billing", ToId(1)), same),
+        ("a seek into the future", seek_or_refusal_steps,
+         lambda: ("orders", "billing", ToTime(int(time.time() * 1000) + 60_000)), same),
+        ("a seek of no channel", seek_or_refusal_steps, lambda: ("orders", "nobody", ToLatest()), same),
+        ("the ids around a time before everything", seek_bounds_steps, lambda: (int(time.time() * 1000) - 3_600_000,),
+         lambda b: (ids(b.lo), ids(b.hi))),
     ]
+
+
+def attempts_pair_steps(producer: str, session_id: int, owner: int) -> Steps:
+    """Three attempts kept for the copies on billing and audit of the message stored as the pair."""
+    ((message_id, *_),) = yield Statement("find_messages", {"producers": [producer], "session_ids": [session_id]})
+    return (yield from record_attempts_steps([CopyRef("orders", c, message_id, 3, owner) for c in ("billing", "audit")]))
+
+
+def seek_or_refusal_steps(topic: str, channel: str, target: SeekTarget, dry_run: bool = False) -> Steps:
+    """A seek, or the name of its refusal."""
+    try:
+        return (yield from seek_channel_steps(topic, channel, target, dry_run))
+    except SeekRefused as exc:
+        return type(exc).__name__
+
+
+def seek_pair_steps(producer: str, session_id: int, channel: str, dry_run: bool = False) -> Steps:
+    """A seek of ``channel`` of orders to the id of the message stored as the pair."""
+    ((message_id, *_),) = yield Statement("find_messages", {"producers": [producer], "session_ids": [session_id]})
+    return (yield from seek_or_refusal_steps("orders", channel, ToId(message_id), dry_run))
+
+
+def sought_view(s: Sought | str, ids: Ids) -> Any:
+    """A seek's answer with its ids by order, its times by whether they are set (the
+    target by its kind: its id differs)."""
+    if isinstance(s, str):
+        return s
+    return (type(s.target).__name__, s.count, ids(s.top), ids(s.target_id), s.target_ms is not None, s.epoch,
+            ids(s.previous_id), s.previous_ms is not None)
 
 
 def exhaust_pair_steps(producer: str, session_id: int, topic: str, channel: str, owner: int) -> Steps:
@@ -836,3 +893,94 @@ def test_an_orderer_claims_and_releases_an_ordered_topics_cursors(pg_dsn):
     assert answers["node-1 acks its own copy again"] == []
     assert answers["the orderer's ack of it is fenced"] == [ledger_1]
     assert answers["the orderer keeps the retired incarnation's"] == []
+
+
+def _skewed_seeks(run: Callable[..., Any], set_rows: Callable[[dict[int, int], list[int]], None],
+                  start: int) -> list[tuple[str, Any]]:
+    """Issue 46: two incarnations store 80 messages of orders, published a second apart an
+    hour ago less up to 29.999 s each (ids and times disagree by less than the skew), all
+    acknowledged on billing; then seeks of billing to times drawn at random (a fixed seed),
+    the edges, ids and the latest, each followed by what billing waits for and by whom."""
+    ids = Ids()
+    owners = [run(create_owner_steps, node) for node in ("node-1", "node-2")]
+    stored: dict[int, int] = {}
+    for n in range(80):
+        owner = owners[n % 2]
+        (s,) = run(insert_messages_steps, [_msg("skew", n)], f"node-{owner}", owner)
+        stored[s.message_id] = owner
+    rng = random.Random(46)
+    times = {mid: start + i * 1000 - rng.randint(0, 29_999) for i, mid in enumerate(sorted(stored))}
+    set_rows(times, sorted(stored)[30:50:4])  # and five made audit's alone (replays for one channel)
+    for owner in owners:
+        mine = sorted(mid for mid, o in stored.items() if o == owner)
+        run(ack_deliveries_steps, [AckRow("orders", "billing", mid, 1, 2, 1, owner=owner) for mid in mine],
+            [CursorProgress("orders", "billing", owner, mine[-1], [])], f"node-{owner + 6}")  # (taken over)
+    ordered = sorted(stored)
+    targets: list[tuple[SeekTarget, bool]] = [(ToTime(start - 60_000), False), (ToTime(start + 90_000), False),
+                                              (ToLatest(), True), (ToId(ordered[17]), False), (ToLatest(), False)]
+    targets += [(ToTime(rng.randint(start, start + 80_000)), rng.random() < 0.3) for _ in range(8)]
+    targets += [(ToTime(times[rng.choice(ordered)]), False) for _ in range(4)]
+    answers: list[tuple[str, Any]] = []
+    for target, dry_run in targets:
+        label = f"seek to {type(target).__name__}{' (dry run)' if dry_run else ''}"
+        answers.append((label, sought_view(run(seek_or_refusal_steps, "orders", "billing", target, dry_run), ids)))
+        if isinstance(target, ToTime):
+            bounds = run(seek_bounds_steps, target.ms)
+            answers.append(("its bounds", (ids(bounds.lo), ids(bounds.hi))))
+        waiting = run(peek_channel_steps, "orders", "billing", 0, 1000)
+        answers.append(("billing waits for", [(ids(r["message_id"]), r["owner"], r["published_ms"]) for r in waiting]))
+        answers.append(("by holder", run(owner_depths_steps)))
+    # a channel registered now, sought to the first id: each incarnation's new cursor is held
+    # where its cursor of billing is (node-7, node-8), else where any of its cursors is (a
+    # third's of another topic, by node-9), else by its node (a fourth's, node-4)
+    third, fourth = (run(create_owner_steps, node) for node in ("node-3", "node-4"))
+    for owner in (third, fourth):
+        run(insert_messages_steps, [_msg(f"late{owner}", 1)], f"node-{owner}", owner)
+    run(open_cursor_steps, "short", "c", third, "node-9")
+    # the first's cursor of a topic first in name order, by node-5: its cursor of billing names the holder
+    run(rows_steps, "create_topic", {"name": "aaa", "store": "reliable", "msg_timeout_ms": 1000, "rate_limit": None,
+                                     "ttl_ms": None, "max_attempts": None, "cluster": "main", "ordered": False,
+                                     "retention_ms": None})
+    run(rows_steps, "add_channel", {"topic": "aaa", "name": "x"})
+    run(open_cursor_steps, "aaa", "x", owners[0], "node-5")
+    run(rows_steps, "add_channel", {"topic": "orders", "name": "fresh"})
+    answers.append(("a channel registered now, sought back", sought_view(
+        run(seek_or_refusal_steps, "orders", "fresh", ToId(1)), ids)))
+    answers.append(("its copies by holder", run(owner_depths_steps)))
+    return answers
+
+
+def open_cursor_steps(topic: str, channel: str, owner: int, holder: str) -> Steps:
+    """A cursor of ``owner`` held by ``holder``, opened by an ack statement with no acks (the
+    statement as written: the fast one refuses a batch without acks)."""
+    fast = next(ack_deliveries_steps([], [CursorProgress(topic, channel, owner, 0, [])], holder))
+    return [tuple(row) for row in (yield Statement("ack_deliveries", fast.params))]
+
+
+def test_the_double_seeks_as_postgresql_does_with_skewed_publish_times(pg_dsn):
+    """The seek's statements on both databases, over publish times that disagree with the
+    ids by up to the skew (each set on both: PostgreSQL's by an UPDATE, the double's
+    message rows): the same counts, bounds, copies waiting and holders."""
+    start = int(time.time() * 1000) - 3_600_000  # the first message's time, in both
+    _arrange_pg(pg_dsn)
+    with connect(pg_dsn, autocommit=True) as conn:
+        def set_pg(times: dict[int, int], audit_only: list[int]) -> None:
+            conn.execute("UPDATE dmq_message m SET published_at = timestamptz 'epoch' + u.ms * interval '1 millisecond' "
+                         "FROM unnest(%s::bigint[], %s::bigint[]) AS u(id, ms) WHERE m.id = u.id",
+                         (list(times), list(times.values())))
+            conn.execute("UPDATE dmq_message SET channel = 'audit' WHERE id = ANY(%s)", (audit_only,))
+
+        expected = _skewed_seeks(_pg_runner(conn), set_pg, start)
+    db = _arrange_memory()
+
+    def set_memory(times: dict[int, int], audit_only: list[int]) -> None:
+        for mid, ms in times.items():
+            db.messages[mid].published_ms = ms
+        for mid in audit_only:
+            db.messages[mid].channel = "audit"
+
+    actual = _skewed_seeks(_memory_runner(db), set_memory, start)
+    _compare(expected, actual)
+    # not trivial: seeks to times in the middle leave some waiting and not all
+    counts = [a[1] for label, a in expected if label == "seek to ToTime"]
+    assert any(0 < c < 75 for c in counts) and 75 in counts
