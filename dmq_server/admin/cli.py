@@ -180,6 +180,9 @@ def cmd_channel(args: argparse.Namespace) -> None:
     if args.action in ("pause", "unpause", "empty"):
         _channel_on_server(args)
         return
+    if args.action == "seek":
+        _channel_seek(args)
+        return
     with _registry(args) as reg:
         try:
             if args.action == "add":
@@ -190,6 +193,46 @@ def cmd_channel(args: argparse.Namespace) -> None:
                 print(f"removed channel {args.name} from topic {args.topic}")
         except registry.RegistryError as exc:
             raise CliError(str(exc)) from exc
+
+
+def _channel_seek(args: argparse.Namespace) -> None:
+    """Seek a channel on every cluster (straight to PostgreSQL, no server needed): one
+    transaction each, audited on the main cluster. Running nodes apply it at their next
+    channel-state read (--channel-state-interval, 5 s), or at once when they are told of
+    it otherwise (an ack of theirs refused, the admin API of one of them)."""
+    from dmq_server.admin.cli_operations import _actor
+    from dmq_server.admin.cli_support import open_clusters
+    from dmq_server.admin.seek_request import describe_target, parse_seek, report, summary
+    from dmq_server.core.errors import Invalid
+    from dmq_server.db.admin_steps import log_operation_steps
+    from dmq_server.db.seek import NoSuchChannel, SeekRefused, seek_channel_steps
+    from dmq_server.db.steps import run_steps
+
+    try:
+        target = parse_seek({"to_time": args.to_time, "to_id": args.to_id,
+                             "to_latest": "true" if args.to_latest else None})
+    except Invalid as exc:
+        raise CliError(exc.description, 2) from exc
+    reports = []
+    count = 0
+    with open_clusters(args) as conns:
+        for name, conn in conns.items():
+            try:
+                with conn.transaction():
+                    sought = run_steps(conn, seek_channel_steps(args.topic, args.name, target, args.dry_run))
+            except NoSuchChannel as exc:
+                raise CliError(str(exc), 1) from exc
+            except SeekRefused as exc:
+                raise CliError(f"{args.topic}/{args.name}: {exc}", 1) from exc
+            count += sought.count
+            reports.append(report(name, sought, args.dry_run))
+            if not args.json:
+                print(summary(args.topic, args.name, name, sought, args.dry_run))
+        if not args.dry_run and "main" in conns:
+            run_steps(conns["main"], log_operation_steps(
+                "cli", _actor(), "channel.seek", f"{args.topic}/{args.name} to {describe_target(target)}", count))
+    if args.json:
+        print(json.dumps(reports, indent=2))
 
 
 def _channel_on_server(args: argparse.Namespace) -> None:
@@ -405,6 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = csub.add_parser(action, help=what)
         p.add_argument("topic")
         p.add_argument("name")
+    seek = csub.add_parser("seek", help="deliver a channel's stored messages again from a time or an id "
+                                        "(or skip what waits: --to-latest), on every cluster")
+    seek.add_argument("topic")
+    seek.add_argument("name")
+    to = seek.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-time", metavar="TIME",
+                    help="the messages published at or after TIME: Unix ms, ISO 8601 or a duration ago (1h)")
+    to.add_argument("--to-id", metavar="ID", help="the messages with this id or a higher one")
+    to.add_argument("--to-latest", action="store_true", help="none of those stored now (skip what waits)")
+    seek.add_argument("--dry-run", action="store_true", help="say how many would be delivered again; change nothing")
+    seek.add_argument("--json", action="store_true")
     channel.set_defaults(func=cmd_channel)
 
     stats = sub.add_parser("stats", help="stored and live statistics")

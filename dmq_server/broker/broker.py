@@ -737,6 +737,11 @@ class Broker:
         done = [store.empty_channel(topic, name) for store in self._channel_stores(topic)]
         return _first_error(done).addCallback(sum)
 
+    def read_channel_state(self) -> Deferred:
+        """Every store reads its channels' state now (pauses, epochs), as its timer does:
+        a seek made through this node is applied here at once (``ReliableStore.reseek``)."""
+        return _first_error([store.read_channel_state() for store in self.stores.values()]).addCallback(lambda _: None)
+
     # -- introspection ----------------------------------------------------
     def snapshot(self) -> BrokerSnapshot:
         """What /metrics, /stats, the consoles and the stored-gauge timer show of the

@@ -252,14 +252,13 @@ class MemoryDb:
         self.cluster = cluster  # dmq_cluster_self.name: the group commit stores only topics placed here
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, _Topic] = {}
-        self.retention: dict[str, tuple[int, int]] = {}
-        # dmq_channel.epoch (schema 21), raised by a seek; every cursor a seek writes takes
-        # it, so the double compares a proposal with the channel's
-        self.channel_epochs: dict[tuple[str, str], int] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
+        self.retention: dict[str, tuple[int, int]] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
         self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
-        self.channel_epochs: dict[tuple[str, str], int] = {}  # dmq_channel.epoch (schema 21; absent: 0)
+        # dmq_channel.epoch (schema 21; absent: 0), raised by a seek; every cursor a seek
+        # writes takes it, so the double compares an ack's proposal with the channel's
+        self.channel_epochs: dict[tuple[str, str], int] = {}
         self.messages: dict[int, _Message] = {}
         self._pairs: dict[tuple[str, int], int] = {}  # UNIQUE (producer, session_id)
         self.owners: dict[int, _Owner] = {}

@@ -38,7 +38,7 @@ from dmq_server.db.steps import Statement, Steps
 __all__ = [
     "SEEK_SKEW_MS", "ToId", "ToLatest", "ToTime", "SeekTarget", "SeekBounds", "Sought",
     "SeekRefused", "NoSuchChannel", "BeforeRetainedStart", "SeekInFuture", "PastTimeToLive",
-    "seek_bounds_steps", "seek_channel_steps",
+    "seek_bounds_steps", "seek_channel_steps", "iso_ms",
 ]
 
 #: the longest wait assumed between a message's publish time (its transaction's now()) and
@@ -118,9 +118,9 @@ class BeforeRetainedStart(SeekRefused):
 
     def __init__(self, topic: str, swept_ms: int, swept_id: int, oldest_id: int | None, oldest_ms: int | None) -> None:
         oldest = ("nothing of it is stored now" if oldest_id is None
-                  else f"the oldest retained message (id {oldest_id}) was published at {_iso(oldest_ms)}")
+                  else f"the oldest retained message (id {oldest_id}) was published at {iso_ms(oldest_ms)}")
         super().__init__(
-            f"topic {topic} keeps nothing published at or before {_iso(swept_ms)} (id {swept_id}): {oldest}; "
+            f"topic {topic} keeps nothing published at or before {iso_ms(swept_ms)} (id {swept_id}): {oldest}; "
             "seek to a later time, or re-inject the gap from the archive (--from-archive)")
         self.topic, self.swept_ms, self.swept_id = topic, swept_ms, swept_id
         self.oldest_id, self.oldest_ms = oldest_id, oldest_ms
@@ -128,7 +128,7 @@ class BeforeRetainedStart(SeekRefused):
 
 class SeekInFuture(SeekRefused):
     def __init__(self, ms: int, now_ms: int) -> None:
-        super().__init__(f"cannot seek to {_iso(ms)}: it is after now ({_iso(now_ms)})")
+        super().__init__(f"cannot seek to {iso_ms(ms)}: it is after now ({iso_ms(now_ms)})")
         self.ms, self.now_ms = ms, now_ms
 
 
@@ -138,12 +138,12 @@ class PastTimeToLive(SeekRefused):
 
     def __init__(self, topic: str, ms: int, ttl_ms: int, now_ms: int) -> None:
         super().__init__(
-            f"cannot seek topic {topic} to {_iso(ms)}: its messages expire after {ttl_ms} ms, so nothing "
-            f"published before {_iso(now_ms - ttl_ms)} would be delivered again")
+            f"cannot seek topic {topic} to {iso_ms(ms)}: its messages expire after {ttl_ms} ms, so nothing "
+            f"published before {iso_ms(now_ms - ttl_ms)} would be delivered again")
         self.topic, self.ms, self.ttl_ms = topic, ms, ttl_ms
 
 
-def _iso(ms: int | None) -> str:
+def iso_ms(ms: int | None) -> str:
     """Unix ms as RFC 3339 UTC with milliseconds (no datetime: times before 1970 too)."""
     if ms is None:
         return "unknown"

@@ -24,6 +24,10 @@ POST     /admin/dead-letters             a client reports a send it could not st
                                          (JSON: topic, producer, session_id, body,
                                          body_encoding utf-8|base64, detail, and
                                          the send's key, priority, headers if any)
+POST     /admin/channels/T/C/seek        deliver a channel's stored messages again
+                                         from to_time, to_id, or to_latest=true
+                                         (query parameters); dry_run=true counts
+                                         only; answers each cluster's report
 =======  ==============================  ===========================================
 
 The endpoints for looking inside (message trace, peek, history, nodes, the delay
@@ -48,6 +52,7 @@ from twisted.web.server import Request
 
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
+from dmq_server.admin.seek_request import parse_seek
 from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
 from dmq_server.core.outbox_figures import OutboxJson
 from dmq_server.http import admin_inspect
@@ -74,6 +79,7 @@ _ENDPOINTS = [
     "DELETE /admin/dead-letters/ID",
     "POST /admin/dead-letters",
     "POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty",
+    "POST /admin/channels/TOPIC/CHANNEL/seek",
     *admin_inspect.ENDPOINTS,
 ]
 
@@ -176,6 +182,11 @@ class AdminResource(Resource):
         if len(parts) == 4 and parts[0] == "channels" and method == "POST":
             # POST /admin/channels/TOPIC/CHANNEL/pause|unpause|empty
             _, topic, channel, action = parts
+            if action == "seek":
+                dry_run = params.pop("dry_run", "false").lower() in ("true", "1", "yes")
+                target = parse_seek(params)
+                sought = self.ops.channel_seek(topic, channel, target, dry_run, "http", access.actor)
+                return sought.addCallback(lambda reports: {"clusters": reports})
             d = self.ops.channel_action(action, topic, channel, "http", access.actor)
             return d.addCallback(lambda summary: {"ok": summary})
         raise NotFound(f"no admin endpoint {method} /admin/{'/'.join(parts)}")

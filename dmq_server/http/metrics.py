@@ -167,7 +167,8 @@ class DmqCollector:
             ("dmq_acks_refused", "Acknowledgements refused (unknown, or no longer in flight).",
              acks.get("refused", 0)),
             ("dmq_acks_fenced", "Acknowledgements not applied because another node had taken their "
-             "cursor over (this node's ZooKeeper session was lost): that node delivers the copies again.",
+             "cursor over (this node's ZooKeeper session was lost), or a seek had rewritten it since "
+             "their copies were pushed: the copies are delivered again.",
              acks.get("fenced", 0)),
             ("dmq_rate_limited_publishes", "Publishes refused by a topic's rate limit.",
              broker.get("rate_limited", 0)),
