@@ -1482,6 +1482,7 @@ WITH ch AS MATERIALIZED (
                     p.node_id),
            p.floor, p.done, b.epoch
     FROM plan p CROSS JOIN bumped b
+    ORDER BY p.owner  -- the cursors locked in one order, the owners'
     ON CONFLICT (topic, channel, owner) DO UPDATE
     SET floor = EXCLUDED.floor, done = EXCLUDED.done, epoch = EXCLUDED.epoch
 ), cleared AS (

@@ -379,3 +379,34 @@ def test_a_seek_waits_for_the_topics_sweep(world, pg_dsn):
         sweeper.rollback()
     assert _state(conn, "orders") == before
     assert _seek(conn, "orders", "billing", ToLatest()).epoch == 1
+
+
+def _index_fetches(conn: psycopg.Connection) -> int:
+    """Rows of dmq_message fetched by any index so far (test_sweep's reading of the statistics)."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    return conn.execute("SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = 'dmq_message'"
+                        ).fetchone()[0]
+
+
+def test_a_seek_reads_its_topics_rows_only(pg_dsn):
+    """Each incarnation's rows are read from the topic index, also for an incarnation with
+    no message of the topic (node-2's, which stored only clicks): a dry run to the latest, and
+    a seek to an id near the end, fetch a few rows, where walking the primary key for it
+    through orders (most of the table) would fetch all of them."""
+    with connect(pg_dsn, autocommit=True) as conn:
+        registry.create_topic(conn, "orders")
+        registry.add_channel(conn, "orders", "billing")
+        registry.create_topic(conn, "clicks")
+        busy, quiet = _owners(conn, "node-1", "node-2")
+        conn.execute(
+            "INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
+            "SELECT CASE WHEN mod(g, 10) = 0 THEN 'clicks' ELSE 'orders' END, 'p', g, 'node-1', "
+            "CASE WHEN mod(g, 10) = 0 THEN %s ELSE %s END, 'x' FROM generate_series(1, 50000) g", (quiet, busy))
+        conn.execute("ANALYZE dmq_message")
+        top = conn.execute("SELECT max(id) FROM dmq_message WHERE topic = 'orders'").fetchone()[0]
+        before = _index_fetches(conn)
+        assert _seek(conn, "orders", "billing", ToLatest(), dry_run=True).count == 0
+        assert _seek(conn, "orders", "billing", ToId(top - 49)).count == 45
+        fetched = _index_fetches(conn) - before
+        assert fetched < 500, fetched
+        assert len(_pending(conn, "orders", "billing")) == 45
