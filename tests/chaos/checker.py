@@ -55,6 +55,7 @@ class ChannelCount:
     unexpected: int = 0
     unacknowledged_delivered: int = 0
     wrong_priority: int = 0
+    replayed: int = 0  # pushes a seek asked for (``check``'s ``replayed``): not duplicates
     lost_examples: list[str] = field(default_factory=list)
     duplicated_examples: list[str] = field(default_factory=list)
     wrong_priority_examples: list[str] = field(default_factory=list)
@@ -180,9 +181,13 @@ class History:
         return [f"{when - origin:+9.3f} s  {what}" for when, what in sorted(events)]
 
 
-def check(history: History, examples: int = 5) -> list[ChannelCount]:
-    """The per-channel counts of ``history`` (see the module's docstring)."""
+def check(history: History, examples: int = 5,
+          replayed: dict[str, tuple[float, set[int]]] | None = None) -> list[ChannelCount]:
+    """The per-channel counts of ``history`` (see the module's docstring). ``replayed``:
+    per channel, a seek's start (monotonic) and the message ids it made the channel's to
+    deliver again: their pushes received from then on are counted apart, not as duplicates."""
     h = history.snapshot()
+    replayed = replayed or {}
     out = []
     for channel in h.channels:
         got = h.deliveries[channel]
@@ -199,9 +204,13 @@ def check(history: History, examples: int = 5) -> list[ChannelCount]:
             # a push received after it is a duplicate, one before it a redelivery
             confirmed = [h.confirmed[(channel, mid)] for _, mid in seen if (channel, mid) in h.confirmed]
             confirmed_at = min(confirmed) if confirmed else None
-            dups = sum(1 for received, _ in seen if confirmed_at is not None and received > confirmed_at)
+            since, again = replayed.get(channel, (float("inf"), set()))
+            asked = sum(1 for received, mid in seen if received >= since and mid in again)
+            count.replayed += asked
+            dups = sum(1 for received, mid in seen if confirmed_at is not None and received > confirmed_at
+                       and not (received >= since and mid in again))
             count.duplicated += dups
-            count.redelivered += len(seen) - 1 - dups
+            count.redelivered += max(0, len(seen) - 1 - dups - asked)
             if dups and len(count.duplicated_examples) < examples:
                 count.duplicated_examples.append(key.decode(errors="replace"))
         wrong = h.pushed_priority[channel]

@@ -378,8 +378,87 @@ def _swept(node: Any) -> int:
     return int(scrape_metrics(node.http)[("dmq_swept_messages_total", ())])
 
 
+class SeekUnderLoad:
+    """``dmq channel seek`` of one channel (billing) back to a message acknowledged a second
+    and a half before, under load, with a dmq node killed -9 at the same instant (its copies
+    are taken over, it comes back as a new incarnation). Every message the seek made
+    billing's to deliver again (``REPLAYED``: its ids from the target to the highest the
+    seek read, read from the primary) must be pushed again after the seek began, and
+    billing must end with nothing pending; audit is not touched (its counts as ever).
+    Pushes of those ids from the seek on are counted as asked for, not as duplicates; any
+    other push after a durable ack still is one."""
+
+    CHANNEL = "billing"
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.pivot = self.top = self.count = 0
+        self.replayed: set[int] = set()
+
+    def fault(self, cluster: ChaosCluster, load: Load) -> Heal:
+        """a seek of one channel (billing) back to a message acknowledged 1.5 s before, and a
+        dmq node killed -9 at the same instant; heal: the node restarted"""
+        import json
+        import subprocess
+        import sys
+
+        from tests.integration.support import REPO
+
+        h = load.history.snapshot()
+        now = time.monotonic()
+        acked = sorted((at, mid) for key, (at, mid) in h.acked.items() if at <= now - 1.5 and load.immediate(key))
+        self.pivot = acked[-1][1]
+        self.started = time.monotonic()
+        seek = subprocess.Popen(
+            [sys.executable, "-m", "dmq_server.admin.cli", "--pg-dsn", cluster.direct_dsn, "channel", "seek",
+             load.topic, self.CHANNEL, "--to-id", str(self.pivot), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        )
+        cluster.nodes[1].kill()
+        out, err = seek.communicate(timeout=60)
+        if seek.returncode != 0:
+            raise RuntimeError(f"dmq channel seek failed ({seek.returncode}): {err}")
+        [report] = json.loads(out)
+        self.top, self.count = report["top"], report["count"]
+        load.notes["seek"] = {"pivot": self.pivot, "top": self.top, "count": self.count,
+                              "cli_s": round(time.monotonic() - self.started, 2)}
+
+        def heal() -> None:
+            cluster.restart_node(1)
+
+        return heal
+
+    def after(self, cluster: ChaosCluster, load: Load) -> None:
+        import psycopg
+
+        with psycopg.connect(cluster.direct_dsn, autocommit=True, connect_timeout=5) as conn:
+            self.replayed = {r[0] for r in conn.execute(
+                "SELECT id FROM dmq_message WHERE topic = %s AND id BETWEEN %s AND %s "
+                "AND (channel IS NULL OR channel = %s)", (load.topic, self.pivot, self.top, self.CHANNEL))}
+
+            def pending() -> int:
+                return int(conn.execute("SELECT count(*) FROM dmq_pending WHERE topic = %s AND channel = %s",
+                                        (load.topic, self.CHANNEL)).fetchone()[0])
+
+            deadline = time.monotonic() + 30
+            left = pending()
+            while left and time.monotonic() < deadline:
+                time.sleep(0.2)  # the consumers' own pace: polling the store's answer
+                left = pending()
+        h = load.history.snapshot()
+        again = {mid for seen in h.deliveries[self.CHANNEL].values() for at, mid in seen if at >= self.started}
+        seek = load.notes["seek"]
+        assert isinstance(seek, dict)
+        seek.update(replayed=len(self.replayed), replayed_not_pushed_again=len(self.replayed - again),
+                    billing_pending_at_end=left)
+
+    def expected(self) -> dict[str, tuple[float, set[int]]]:
+        return {self.CHANNEL: (self.started, self.replayed)}
+
+
 _retention_sweep = RetentionSweep()
 _slow_taker = SlowTaker()
+_seek = SeekUnderLoad()
 
 SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[str, Any]]] = {
     "node-kill": (kill_node, None, {}),
@@ -400,6 +479,7 @@ SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[st
     "consumer-kill": (kill_consumers, None, {"hold_acks": 0.5}),
     "clock-jump": (jump_clock, _prepare_faketime, {}),
     "retention-sweep": (_retention_sweep.fault, _retention_sweep.prepare, {"after": _retention_sweep.after}),
+    "seek-node-kill": (_seek.fault, None, {"after": _seek.after, "replayed": _seek.expected}),
 }
 
 
@@ -445,7 +525,7 @@ def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str
         watch.join(10)
         load.stop()
     load.notes["window"] = {"size": window, **watch.figures(injected, healed)}
-    counts = check(load.history)
+    counts = check(load.history, replayed=extra["replayed"]() if "replayed" in extra else None)
     h = load.history
     gap, gap_end = _longest_gap([p.ack_times for p in load.producers], injected - 1.0, healed_done, load_end)
     recovered = max(injected, gap_end)
@@ -529,7 +609,8 @@ def format_report(report: dict[str, Any]) -> str:
     for c in report["channels"]:
         lines.append(
             f"  {c['channel']}: lost {c['lost']}, duplicated {c['duplicated']}, unexpected {c['unexpected']}, "
-            f"redelivered {c['redelivered']}, delivered {c['delivered']} "
+            f"redelivered {c['redelivered']}, " + (f"replayed by a seek {c['replayed']}, " if c["replayed"] else "")
+            + f"delivered {c['delivered']} "
             f"(+{c['unacknowledged_delivered']} unacknowledged sends delivered)"
             + (f" lost e.g. {c['lost_examples']}" if c["lost"] else "")
             + (f" duplicated e.g. {c['duplicated_examples']}" if c["duplicated"] else "")
