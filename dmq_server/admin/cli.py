@@ -209,7 +209,7 @@ def _channel_seek(args: argparse.Namespace) -> None:
     from dmq_server.db.steps import run_steps
 
     try:
-        target = parse_seek({"to_time": args.to_time, "to_id": args.to_id,
+        target = parse_seek({"to_time": args.to_time, "to_id": args.to_id, "by": args.by,
                              "to_latest": "true" if args.to_latest else None})
     except Invalid as exc:
         raise CliError(exc.description, 2) from exc
@@ -456,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--to-time", metavar="TIME",
                     help="the messages published at or after TIME: Unix ms, ISO 8601 or a duration ago (1h)")
     to.add_argument("--to-id", metavar="ID", help="the messages with this id or a higher one")
+    to.add_argument("--by", metavar="-DURATION", help="back from now: --by -1h is --to-time 1h")
     to.add_argument("--to-latest", action="store_true", help="none of those stored now (skip what waits)")
     seek.add_argument("--dry-run", action="store_true", help="say how many would be delivered again; change nothing")
     seek.add_argument("--json", action="store_true")
@@ -480,11 +481,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _signed_values(argv: list[str]) -> list[str]:
+    """``--by -1h`` as ``--by=-1h``: argparse takes a value starting with '-' (not a plain
+    negative number) for an option of its own."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--by" and arg.startswith("-"):
+            out[-1] = f"--by={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dmq_client.pipes import quiet_broken_pipe
 
     with quiet_broken_pipe() as closed:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_signed_values(sys.argv[1:] if argv is None else list(argv)))
         try:
             args.func(args)
         except CliError as exc:

@@ -11,23 +11,24 @@ everything before it is done for the channel, copies waiting included.
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
 from typing import Mapping
 
-from dmq_client.spelling import parse_time_ms
+from dmq_client.spelling import parse_duration, parse_time_ms
 from dmq_server.core.errors import Invalid
 from dmq_server.db.seek import SeekTarget, Sought, ToId, ToLatest, ToTime, iso_ms as _iso
 
 __all__ = ["SEEK_KEYS", "parse_seek", "describe_target", "report", "summary"]
 
 #: the keys that name a target; exactly one is given
-SEEK_KEYS = ("to_time", "to_id", "to_latest")
+SEEK_KEYS = ("to_time", "to_id", "by", "to_latest")
 
 
 def parse_seek(params: Mapping[str, str | None], now_ms: int | None = None) -> SeekTarget:
     """The target named by exactly one of ``SEEK_KEYS``: ``to_time`` (Unix ms, ISO 8601, or
-    a duration ago: ``1h``), ``to_id`` (a message id), ``to_latest`` (true: skip what
-    waits). ``Invalid`` says what is wrong."""
+    a duration ago: ``1h``), ``to_id`` (a message id), ``by`` (a shift back from now:
+    ``-1h``), ``to_latest`` (true: skip what waits). ``Invalid`` says what is wrong."""
     given = {key: value for key, value in params.items() if value not in (None, "", False)}
     unknown = sorted(set(given) - set(SEEK_KEYS))
     if unknown:
@@ -42,6 +43,14 @@ def parse_seek(params: Mapping[str, str | None], now_ms: int | None = None) -> S
             return ToTime(parse_time_ms(text, now_ms))
         except ValueError as exc:
             raise Invalid(f"to_time: {exc}") from None
+    if key == "by":
+        if not text.startswith("-"):
+            raise Invalid(f"by: {text!r} does not go back: a seek by a duration goes back from now (-1h)")
+        try:
+            back_ms = int(parse_duration(text[1:]) * 1000)
+        except ValueError as exc:
+            raise Invalid(f"by: {exc}") from None
+        return ToTime((int(time.time() * 1000) if now_ms is None else now_ms) - back_ms)
     if key == "to_id":
         if not text.isdigit() or int(text) < 1:
             raise Invalid(f"to_id: {text!r} is not a message id (a positive integer)")

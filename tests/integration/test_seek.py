@@ -78,7 +78,7 @@ def test_a_seek_to_a_time_delivers_again_exactly_what_was_published_since(publis
     later = groups[1] + groups[2]
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 45 * 60))
 
-    dry = run_cli(pg_dsn, "channel", "seek", "orders", "billing", "--to-time", when, "--dry-run", "--json")
+    dry = run_cli(pg_dsn, "channel", "seek", "orders", "billing", "--by", "-45m", "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr
     [report] = json.loads(dry.stdout)
     assert (report["count"], report["target_id"], report["top"], report["epoch"]) == (20, later[0], later[-1], None)
@@ -121,6 +121,7 @@ def test_a_seek_through_the_admin_api_to_an_id_and_to_the_latest(published, pg_d
     (("orders", "billing", "--to-time", "2999-01-01T00:00:00Z"), 1, "it is after now"),
     (("orders", "billing", "--to-time", "yesterday-ish"), 2, "to_time:"),
     (("orders", "billing", "--to-id", "0"), 2, "is not a message id"),
+    (("orders", "billing", "--by", "1h"), 2, "does not go back"),
     (("orders", "billing", "--to-id", "5", "--to-latest"), 2, "not allowed with argument"),
 ])
 def test_a_seek_it_cannot_do_is_refused_with_its_reason(pg_dsn, args, code, message):
