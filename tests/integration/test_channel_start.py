@@ -24,6 +24,7 @@ from dmq_server.db.worker import connect
 
 from .support import db_rows, run_cli
 from .test_admin_surfaces import admin_server
+from .test_clusters import two_clusters  # noqa: F401 (a fixture)
 from .test_seek import _receive, publish_aged
 
 pytestmark = pytest.mark.integration
@@ -151,3 +152,21 @@ def sweep_meanwhile(monkeypatch, dsn: str) -> None:
         return real(spec, channel, target, dry_run)
 
     monkeypatch.setattr(channel_start, "start_channel_steps", swept)
+
+
+def test_a_channel_of_a_topic_on_another_cluster_starts_there(two_clusters):
+    """``remote`` is stored on cluster b: the CLI writes the channel's row into b's database
+    itself (a node's mirror need not have come) and seeks it there; main holds none of its
+    messages. A consumer then receives exactly the ids from the start."""
+    server, main_dsn, b_dsn, _ = two_clusters
+    with server.client() as producer:
+        ids = [producer.send("remote", b"%d" % i).message_id for i in range(10)]
+    out = run_cli(main_dsn, "--pg-cluster", f"b={b_dsn}", "channel", "add", "remote", "late", "--start-id", str(ids[4]))
+    assert out.returncode == 0, out.stderr
+    assert "cluster main: sought remote/late to id" in out.stdout and "no message to deliver again" in out.stdout
+    assert f"cluster b: sought remote/late to id {ids[4]}: 6 messages from id {ids[4]}" in out.stdout, out.stdout
+    assert _pending(b_dsn, "late") == ids[4:]
+    with server.client() as consumer:
+        assert consumer.subscribe("remote", "late", credit=50).command == Command.SUBSCRIBE_ACK
+        assert sorted(_receive(consumer, 6)) == ids[4:]
+        assert consumer.receive(timeout=1.5) is None
