@@ -1403,6 +1403,9 @@ ORDER BY p.n;
 -- copies of the cursors a node holds, and a holder that is gone would strand them (a
 -- takeover moves a departed holder's). Attempts kept above the lowest floor go: a replayed
 -- copy starts at 0. With ``dry_run`` nothing is written: the same answer, epoch NULL.
+-- ``fresh``: the channel's row was inserted by this transaction (dmq channel add --start-*),
+-- so no node has read it or pushed a copy of it: its epoch stays (a node that opens it
+-- reads these cursors, and would deliver everything twice if it then learned of a new epoch).
 -- Returns one row, none when the channel is not registered: the copies the channel has to
 -- deliver right after the seek (the dmq_pending rule, ids up to ``top``, the topic's
 -- highest id read), top, the lowest of those ids and its publish time (ms), the new
@@ -1468,7 +1471,8 @@ WITH ch AS MATERIALIZED (
         ORDER BY m.owner, m.id LIMIT 1
     ) w
 ), bumped AS (
-    UPDATE dmq_channel c SET epoch = c.epoch + 1, start_id = least(c.start_id, b.floor)
+    UPDATE dmq_channel c SET epoch = c.epoch + CASE WHEN %(fresh)s::boolean THEN 0 ELSE 1 END,
+                             start_id = least(c.start_id, b.floor)
     FROM bounds b
     WHERE c.topic = %(topic)s AND c.name = %(channel)s AND NOT %(dry_run)s::boolean
     RETURNING c.epoch

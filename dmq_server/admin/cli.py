@@ -183,6 +183,11 @@ def cmd_channel(args: argparse.Namespace) -> None:
     if args.action == "seek":
         _channel_seek(args)
         return
+    if args.action == "add" and (args.start_time is not None or args.start_id is not None):
+        from dmq_server.admin.channel_start import add_started_channel
+
+        add_started_channel(args)
+        return
     with _registry(args) as reg:
         try:
             if args.action == "add":
@@ -448,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = csub.add_parser(action, help=what)
         p.add_argument("topic")
         p.add_argument("name")
+        if action == "add":
+            start = p.add_mutually_exclusive_group()
+            start.add_argument("--start-time", metavar="TIME",
+                               help="first deliver the retained messages published at or after TIME (Unix ms, "
+                                    "ISO 8601 or a duration ago: 1h), on every cluster; default: from now on")
+            start.add_argument("--start-id", metavar="ID", help="first deliver the retained messages from this id on")
+            p.add_argument("--json", action="store_true", help="with a start: the seek's answer per cluster as JSON")
     seek = csub.add_parser("seek", help="deliver a channel's stored messages again from a time or an id "
                                         "(or skip what waits: --to-latest), on every cluster")
     seek.add_argument("topic")

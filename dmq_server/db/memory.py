@@ -1619,7 +1619,7 @@ class MemoryDb:
         previous = min((mid for t, c, mid in self.deliveries if (t, c) == (topic, channel)), default=None)
         epoch = None
         if not p["dry_run"]:
-            epoch = self.channel_epochs.get((topic, channel), 0) + 1
+            epoch = self.channel_epochs.get((topic, channel), 0) + (0 if p.get("fresh") else 1)
             self.channel_epochs[(topic, channel)] = epoch
             self.start_ids[(topic, channel)] = min(start, lowest)
             holders = {o: self._seek_holder(topic, channel, o) for o in stored}

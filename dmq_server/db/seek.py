@@ -33,12 +33,17 @@ import time
 from dataclasses import dataclass
 from typing import Union
 
+import dataclasses
+
+from registry.model import TopicSpec
+
 from dmq_server.db.steps import Statement, Steps
+from dmq_server.db.topic_steps import mirror_topics_steps
 
 __all__ = [
     "SEEK_SKEW_MS", "ToId", "ToLatest", "ToTime", "SeekTarget", "SeekBounds", "Sought",
     "SeekRefused", "NoSuchChannel", "BeforeRetainedStart", "SeekInFuture", "PastTimeToLive",
-    "seek_bounds_steps", "seek_channel_steps", "iso_ms",
+    "seek_bounds_steps", "seek_channel_steps", "start_channel_steps", "iso_ms",
 ]
 
 #: the longest wait assumed between a message's publish time (its transaction's now()) and
@@ -204,19 +209,20 @@ def seek_bounds_steps(ms: int, skew_ms: int = SEEK_SKEW_MS) -> Steps[SeekBounds]
 
 
 def seek_channel_steps(topic: str, channel: str, target: SeekTarget, dry_run: bool = False,
-                       skew_ms: int = SEEK_SKEW_MS) -> Steps[Sought]:
+                       skew_ms: int = SEEK_SKEW_MS, fresh: bool = False) -> Steps[Sought]:
     """Seek ``channel`` of ``topic`` to ``target`` (run in one transaction: a ``DbWorker``'s,
     or ``conn.transaction()``); with ``dry_run`` the same answer, nothing written. Refused
     (``SeekRefused``): a channel not registered, a time after now, a time before a topic's
     time to live reaches, a target where the retention sweep already removed messages
-    (``dmq_retention``: exact, it is the newest row deleted)."""
+    (``dmq_retention``: exact, it is the newest row deleted). ``fresh``: the channel was
+    registered by this transaction, so its epoch stays (``start_channel_steps``)."""
     yield Statement("seek_lock", {"topic": topic})
     ((registered, ttl_ms, swept_id, swept_ms, now_ms, oldest_id, oldest_ms),) = yield Statement(
         "seek_state", {"topic": topic, "channel": channel})
     if not registered:
         raise NoSuchChannel(topic, channel)
     params: dict[str, object] = {"topic": topic, "channel": channel, "dry_run": dry_run, "latest": False,
-                                 "floor": None, "window_hi": None, "before_ms": None}
+                                 "floor": None, "window_hi": None, "before_ms": None, "fresh": fresh}
     if isinstance(target, ToTime):
         if target.ms > now_ms:
             raise SeekInFuture(target.ms, now_ms)
@@ -237,3 +243,22 @@ def seek_channel_steps(topic: str, channel: str, target: SeekTarget, dry_run: bo
         raise NoSuchChannel(topic, channel)
     ((count, top, first_id, first_ms, epoch, previous_id, previous_ms),) = rows
     return Sought(target, int(count), top, first_id, first_ms, epoch, previous_id, previous_ms)
+
+
+def start_channel_steps(spec: TopicSpec, channel: str, target: SeekTarget, dry_run: bool = False) -> Steps[Sought]:
+    """A channel that starts in the past (``dmq channel add T C --start-time``): make this
+    cluster's database hold the topic and ``channel`` as the registry does (``spec``, read
+    from it; the mirror every node runs, idempotent and without removals, so a row a node
+    mirrored first stays), then seek ``channel`` to ``target``, in one transaction.
+
+    Why not wait for a node's mirror: with ZooKeeper a cluster's rows are written only
+    while a node runs, and none may (the CLI needs no server); a mirror that comes after
+    this one finds the rows and changes nothing. When this transaction inserts the
+    channel's row (no node has read it yet), the seek keeps its epoch at 0: a node that
+    opens the channel reads the sought cursors at once, and learning of a new epoch later
+    would make it deliver them all again. Refused as ``seek_channel_steps``."""
+    if channel not in spec.channels:
+        spec = dataclasses.replace(spec, channels=tuple(sorted((*spec.channels, channel))))
+    mirrored = yield from mirror_topics_steps([spec], removals=False)
+    fresh = (spec.name, channel) in mirrored.added
+    return (yield from seek_channel_steps(spec.name, channel, target, dry_run, fresh=fresh))

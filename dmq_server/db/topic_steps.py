@@ -26,6 +26,8 @@ class Mirrored:
 
     changed: bool
     kept: tuple[str, ...] = ()
+    #: the channels (topic, channel) whose row this mirror inserted (none was there)
+    added: tuple[tuple[str, str], ...] = ()
 
 
 def list_topics_steps() -> Steps:
@@ -45,9 +47,11 @@ def mirror_topics_steps(specs: Sequence[TopicSpec], removals: bool = True) -> St
     yield Statement("lock_registry_mirror", {})
     current = yield from list_topics_steps()
     changes = mirror_changes(current, specs, removals)
-    kept = []
+    kept, added = [], []
     for name, params in changes:
         rows = yield Statement(name, params)
         if name == "upsert_topic" and not rows:
             kept.append(params["name"])
-    return Mirrored(bool(changes), tuple(kept))
+        elif name == "add_channel" and rows:
+            added.append((params["topic"], params["name"]))
+    return Mirrored(bool(changes), tuple(kept), tuple(added))

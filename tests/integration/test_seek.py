@@ -41,6 +41,23 @@ def _receive(consumer, count: int) -> list[int]:
     return ids
 
 
+def publish_aged(server, dsn: str, ages_min: tuple[int, ...]) -> list[list[int]]:
+    """Ten messages of orders per age (minutes ago, as their publish time), in that order:
+    their ids, a list per age."""
+    groups = []
+    with server.client() as producer:
+        for n, age in enumerate(ages_min):
+            ids = []
+            for i in range(10):
+                reply = producer.send("orders", b"%d-%d" % (n, i))
+                assert reply.command == Command.SEND_SUCCESS_ACK, reply.status
+                ids.append(reply.message_id)
+            db_rows(dsn, "UPDATE dmq_message SET published_at = now() - make_interval(mins => %s) "
+                         "WHERE id = ANY(%s) RETURNING id", age, ids)
+            groups.append(ids)
+    return groups
+
+
 @pytest.fixture
 def published(make_server, pg_dsn):
     """orders (billing, audit) with 30 messages in three groups of ten, published 60, 30
@@ -51,17 +68,7 @@ def published(make_server, pg_dsn):
         registry.add_channel(conn, "orders", "billing")
         registry.add_channel(conn, "orders", "audit")
     server = admin_server(make_server, channel_state_interval="500ms")
-    groups = []
-    with server.client() as producer:
-        for n, age in enumerate((60, 30, 15)):
-            ids = []
-            for i in range(10):
-                reply = producer.send("orders", b"%d-%d" % (n, i))
-                assert reply.command == Command.SEND_SUCCESS_ACK, reply.status
-                ids.append(reply.message_id)
-            db_rows(pg_dsn, "UPDATE dmq_message SET published_at = now() - make_interval(mins => %s) "
-                            "WHERE id = ANY(%s) RETURNING id", age, ids)
-            groups.append(ids)
+    groups = publish_aged(server, pg_dsn, (60, 30, 15))
     everything = [i for g in groups for i in g]
     with server.client() as audit:
         assert audit.subscribe("orders", "audit", credit=50).command == Command.SUBSCRIBE_ACK
