@@ -385,3 +385,100 @@ def test_the_dead_letter_page_shows_each_letters_key_priority_and_headers(make_s
     assert console.text("#dead-letters tr.sub:not([hidden]) pre.body").startswith(
         "tenant: caf\u00e9\ncontent-type: application/json\n\n{\"payment\": 7}")
     console.shot("dead-letters-properties")
+
+
+def _pending(pg_dsn, channel: str) -> list[int]:
+    from .support import db_rows
+
+    return [r[0] for r in db_rows(pg_dsn, "SELECT message_id FROM dmq_pending WHERE channel = %s ORDER BY 1", channel)]
+
+
+def _seek_with_the_form(console, kind: str, value: str) -> None:
+    """Fill the channel page's seek form (a kind of target and its value) and press Seek."""
+    from selenium.webdriver.support.ui import Select
+
+    Select(console.find("#seek-form select[name='kind']")).select_by_value(kind)
+    field = console.find(f"#seek-form input[name='{kind}']")
+    field.clear()
+    field.send_keys(value)
+    console.click("#seek-form button[data-action='seek']")
+
+
+def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser):
+    """The channel page's seek form (issue 46): ten messages acknowledged on billing, its
+    consumer still connected. Read-only, the Seek button is marked and the server refuses
+    even the dry run; signed in, a seek to the fifth id asks with the dry run's count and
+    first id, and after the confirmation the consumer receives exactly those six again and
+    nothing else; the audit page lists the seek; bad targets show the server's message."""
+    from datetime import datetime, timezone
+
+    from .support import db_rows
+
+    setup_data(pg_dsn)
+    server = make_server(admin_token=TOKEN, channel_state_interval="0.3s")
+    console = Console(browser, server)
+    with server.client() as producer:
+        replies = producer.send_many("orders", [b'{"order": %d}' % i for i in range(10)])
+        assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
+    ordered = sorted(r.message_id for r in replies)
+    with server.client() as billing:
+        assert billing.subscribe("orders", "billing", credit=50).command == Command.SUBSCRIBE_ACK
+        for _ in ordered:
+            push = billing.receive(timeout=15)
+            assert push is not None
+            billing.ack(push)
+        wait_for(lambda: not _pending(pg_dsn, "billing"), timeout=15)
+        target = ordered[4]
+
+        # read-only: the button is there, marked; the server refuses the dry run, nothing moves
+        console.open("#/channel/orders/billing")
+        assert "needs-admin" in console.find("#seek-form button[data-action='seek']").get_attribute("class")
+        _seek_with_the_form(console, "id", str(target))
+        assert "changes need the admin token" in console.status()
+        assert not console.driver.execute_script("return document.getElementById('confirm').open")
+        assert _pending(pg_dsn, "billing") == []
+
+        # signed in: the confirmation gives the dry run's count, then the seek
+        console.sign_in(TOKEN)
+        console.open("#/channel/orders/billing")
+        _seek_with_the_form(console, "id", str(target))
+        [(published_ms,)] = db_rows(pg_dsn, "SELECT (extract(epoch FROM published_at) * 1000)::bigint "
+                                            "FROM dmq_message WHERE id = %s", target)
+        shown = datetime.fromtimestamp(published_ms // 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        assert console.confirm() == (f"6 messages of orders will be delivered again to billing only; "
+                                     f"from id {target} ({shown}.{published_ms % 1000:03d} UTC).")
+        assert console.status() == "sought orders/billing: 6 messages to deliver again, epoch 1"
+        console.shot("channel-seek")
+        again = []
+        for _ in range(6):
+            push = billing.receive(timeout=15)
+            assert push is not None, f"only {again} delivered again"
+            again.append(push.message_id)
+            billing.ack(push)
+        assert sorted(again) == ordered[4:]  # exactly those, each once
+        assert billing.receive(timeout=1.5) is None  # and nothing else
+    assert len(_pending(pg_dsn, "audit")) == 10  # the other channel: untouched
+
+    console.open("#/audit")
+    cells = [c.text for c in console.finds("#audit tbody tr:first-child td")]
+    assert cells[1:] == ["http", cells[2], "channel.seek", f"orders/billing to id {target}", "6"]
+    console.shot("audit-seek")
+
+    # targets the server cannot take: its message, as the other actions show errors; no confirmation
+    def refused(before: str) -> str:
+        return wait_for(lambda: (text := console.text("#status-msg")) != before and text)
+
+    console.open("#/channel/orders/billing")
+    _seek_with_the_form(console, "id", "0")
+    assert (said := console.status()) == "E_INVALID: to_id: '0' is not a message id (a positive integer)"
+    _seek_with_the_form(console, "ago", "a while")
+    assert (said := refused(said)).startswith("E_INVALID: to_time: ")
+    console.driver.execute_script(
+        "const input = document.querySelector(\"#seek-form input[name='time']\");"
+        "document.querySelector(\"#seek-form select[name='kind']\").value = 'time';"
+        "document.querySelector(\"#seek-form select[name='kind']\").dispatchEvent(new Event('change'));"
+        "input.value = '2999-01-01T00:00'; input.dispatchEvent(new Event('input'));"
+        "document.querySelector(\"#seek-form button[data-action='seek']\").click();")
+    assert "after now" in refused(said)  # the datetime-local value, read as local time, sent as Unix ms
+    assert not console.driver.execute_script("return document.getElementById('confirm').open")
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_admin_log WHERE operation = 'channel.seek'") == [(1,)]
