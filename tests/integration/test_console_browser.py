@@ -32,8 +32,22 @@ ARTIFACTS = Path(os.environ.get("DMQ_ARTIFACTS") or REPO / "tmp" / "artifacts") 
 TOKEN = "console-s3cret"
 
 
+#: a browser's time zone far from UTC (+05:45, no daylight saving): a local time read as UTC shows
+BROWSER_ZONE = "Asia/Kathmandu"
+
+
 @pytest.fixture
 def browser():
+    yield from _chromium()
+
+
+@pytest.fixture
+def browser_far_from_utc():
+    """The browser with its clock in ``BROWSER_ZONE`` (chromium reads TZ)."""
+    yield from _chromium({**os.environ, "TZ": BROWSER_ZONE})
+
+
+def _chromium(env=None):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -43,7 +57,7 @@ def browser():
         options.add_argument(flag)
     profile = tempfile.mkdtemp(prefix="dmq-chromium-")
     options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER, env=env))
     driver.set_page_load_timeout(30)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
@@ -404,19 +418,21 @@ def _seek_with_the_form(console, kind: str, value: str) -> None:
     console.click("#seek-form button[data-action='seek']")
 
 
-def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser):
+def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser_far_from_utc):
     """The channel page's seek form (issue 46): ten messages acknowledged on billing, its
     consumer still connected. Read-only, the Seek button is marked and the server refuses
     even the dry run; signed in, a seek to the fifth id asks with the dry run's count and
     first id, and after the confirmation the consumer receives exactly those six again and
-    nothing else; the audit page lists the seek; bad targets show the server's message."""
+    nothing else; the audit page lists the seek; a time in the browser's zone and a duration
+    ago ask with the dry run of the right instant; bad targets show the server's message."""
     from datetime import datetime, timezone
+    from zoneinfo import ZoneInfo
 
     from .support import db_rows
 
     setup_data(pg_dsn)
     server = make_server(admin_token=TOKEN, channel_state_interval="0.3s")
-    console = Console(browser, server)
+    console = Console(browser_far_from_utc, server)
     with server.client() as producer:
         replies = producer.send_many("orders", [b'{"order": %d}' % i for i in range(10)])
         assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
@@ -464,12 +480,51 @@ def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser
     assert cells[1:] == ["http", cells[2], "channel.seek", f"orders/billing to id {target}", "6"]
     console.shot("audit-seek")
 
+    # a time (the browser's local time: a minute before the first message) and a duration ago:
+    # the dry run's count in the confirmation; cancelled, nothing changes
+    def first_published(message_id: int) -> int:
+        return db_rows(pg_dsn, "SELECT (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message "
+                               "WHERE id = %s", message_id)[0][0]
+
+    first_ms = first_published(ordered[0])
+    first = datetime.fromtimestamp(first_ms // 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    local = datetime.fromtimestamp(first_ms / 1000 - 60, tz=ZoneInfo(BROWSER_ZONE)).strftime("%Y-%m-%dT%H:%M:%S")
+    console.open("#/channel/orders/billing")
+    assert console.driver.execute_script("return new Date().getTimezoneOffset()") == -345  # UTC+05:45
+    for kind, value in (("time", local), ("ago", "1h")):
+        if kind == "time":  # a datetime-local input takes its value as the browser's own spelling
+            console.driver.execute_script(
+                "const input = document.querySelector(\"#seek-form input[name='time']\");"
+                "const kind = document.querySelector(\"#seek-form select[name='kind']\");"
+                "kind.value = 'time'; kind.dispatchEvent(new Event('change'));"
+                "input.value = arguments[0]; input.dispatchEvent(new Event('input'));"
+                "document.querySelector(\"#seek-form button[data-action='seek']\").click();", value)
+        else:
+            _seek_with_the_form(console, kind, value)
+        wait_for(lambda: console.driver.execute_script("return document.getElementById('confirm').open"))
+        assert console.text("#confirm-text") == (f"10 messages of orders will be delivered again to billing only; "
+                                                 f"from id {ordered[0]} ({first}.{first_ms % 1000:03d} UTC)."), kind
+        console.click("#confirm-no")
+    wait_for(lambda: not _pending(pg_dsn, "billing"), timeout=15)  # the replay's acks; the dry runs changed nothing
+    assert db_rows(pg_dsn, "SELECT epoch FROM dmq_channel WHERE topic = 'orders' AND name = 'billing'") == [(1,)]
+
     # targets the server cannot take: its message, as the other actions show errors; no confirmation
     def refused(before: str) -> str:
         return wait_for(lambda: (text := console.text("#status-msg")) != before and text)
 
+    # (what the form holds outlives the page's refresh every 5 s)
+    from selenium.webdriver.support.ui import Select
+
     console.open("#/channel/orders/billing")
-    _seek_with_the_form(console, "id", "0")
+    Select(console.find("#seek-form select[name='kind']")).select_by_value("id")
+    console.find("#seek-form input[name='id']").send_keys("0")
+    console.driver.execute_script("document.activeElement.blur(); window.shownForm = document.getElementById('seek-form');")
+    wait_for(lambda: console.driver.execute_script(
+        "return document.getElementById('seek-form') !== window.shownForm && document.getElementById('page').dataset.loaded"), timeout=15)
+    assert console.driver.execute_script(
+        "const form = document.getElementById('seek-form');"
+        "return [form.elements.kind.value, form.elements.id.value, form.querySelector('label[data-kind=id]').hidden];") == ["id", "0", False]
+    console.click("#seek-form button[data-action='seek']")
     assert (said := console.status()) == "E_INVALID: to_id: '0' is not a message id (a positive integer)"
     _seek_with_the_form(console, "ago", "a while")
     assert (said := refused(said)).startswith("E_INVALID: to_time: ")
