@@ -428,6 +428,8 @@ def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser
     from datetime import datetime, timezone
     from zoneinfo import ZoneInfo
 
+    from selenium.webdriver.support.ui import Select
+
     from .support import db_rows
 
     setup_data(pg_dsn)
@@ -508,13 +510,19 @@ def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser
     wait_for(lambda: not _pending(pg_dsn, "billing"), timeout=15)  # the replay's acks; the dry runs changed nothing
     assert db_rows(pg_dsn, "SELECT epoch FROM dmq_channel WHERE topic = 'orders' AND name = 'billing'") == [(1,)]
 
+    # the latest, on audit (its ten copies wait, nobody subscribed): nothing again, what waits is skipped
+    console.open("#/channel/orders/audit")
+    Select(console.find("#seek-form select[name='kind']")).select_by_value("latest")
+    console.click("#seek-form button[data-action='seek']")
+    assert console.confirm() == "No message of orders will be delivered again to audit; the messages waiting in it now are skipped."
+    assert console.status() == "sought orders/audit: 0 messages to deliver again, epoch 1"
+    assert _pending(pg_dsn, "audit") == []
+
     # targets the server cannot take: its message, as the other actions show errors; no confirmation
     def refused(before: str) -> str:
         return wait_for(lambda: (text := console.text("#status-msg")) != before and text)
 
     # (what the form holds outlives the page's refresh every 5 s)
-    from selenium.webdriver.support.ui import Select
-
     console.open("#/channel/orders/billing")
     Select(console.find("#seek-form select[name='kind']")).select_by_value("id")
     console.find("#seek-form input[name='id']").send_keys("0")
@@ -536,4 +544,4 @@ def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser
         "document.querySelector(\"#seek-form button[data-action='seek']\").click();")
     assert "after now" in refused(said)  # the datetime-local value, read as local time, sent as Unix ms
     assert not console.driver.execute_script("return document.getElementById('confirm').open")
-    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_admin_log WHERE operation = 'channel.seek'") == [(1,)]
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_admin_log WHERE operation = 'channel.seek'") == [(2,)]  # the two seeks, no dry run, no refusal
