@@ -32,8 +32,22 @@ ARTIFACTS = Path(os.environ.get("DMQ_ARTIFACTS") or REPO / "tmp" / "artifacts") 
 TOKEN = "console-s3cret"
 
 
+#: a browser's time zone far from UTC (+05:45, no daylight saving): a local time read as UTC shows
+BROWSER_ZONE = "Asia/Kathmandu"
+
+
 @pytest.fixture
 def browser():
+    yield from _chromium()
+
+
+@pytest.fixture
+def browser_far_from_utc():
+    """The browser with its clock in ``BROWSER_ZONE`` (chromium reads TZ)."""
+    yield from _chromium({**os.environ, "TZ": BROWSER_ZONE})
+
+
+def _chromium(env=None):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -43,7 +57,7 @@ def browser():
         options.add_argument(flag)
     profile = tempfile.mkdtemp(prefix="dmq-chromium-")
     options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER, env=env))
     driver.set_page_load_timeout(30)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
@@ -385,3 +399,149 @@ def test_the_dead_letter_page_shows_each_letters_key_priority_and_headers(make_s
     assert console.text("#dead-letters tr.sub:not([hidden]) pre.body").startswith(
         "tenant: caf\u00e9\ncontent-type: application/json\n\n{\"payment\": 7}")
     console.shot("dead-letters-properties")
+
+
+def _pending(pg_dsn, channel: str) -> list[int]:
+    from .support import db_rows
+
+    return [r[0] for r in db_rows(pg_dsn, "SELECT message_id FROM dmq_pending WHERE channel = %s ORDER BY 1", channel)]
+
+
+def _seek_with_the_form(console, kind: str, value: str) -> None:
+    """Fill the channel page's seek form (a kind of target and its value) and press Seek."""
+    from selenium.webdriver.support.ui import Select
+
+    Select(console.find("#seek-form select[name='kind']")).select_by_value(kind)
+    field = console.find(f"#seek-form input[name='{kind}']")
+    field.clear()
+    field.send_keys(value)
+    console.click("#seek-form button[data-action='seek']")
+
+
+def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser_far_from_utc):
+    """The channel page's seek form (issue 46): ten messages acknowledged on billing, its
+    consumer still connected. Read-only, the Seek button is marked and the server refuses
+    even the dry run; signed in, a seek to the fifth id asks with the dry run's count and
+    first id, and after the confirmation the consumer receives exactly those six again and
+    nothing else; the audit page lists the seek; a time in the browser's zone and a duration
+    ago ask with the dry run of the right instant; bad targets show the server's message."""
+    from datetime import datetime, timezone
+    from zoneinfo import ZoneInfo
+
+    from selenium.webdriver.support.ui import Select
+
+    from .support import db_rows
+
+    setup_data(pg_dsn)
+    server = make_server(admin_token=TOKEN, channel_state_interval="0.3s")
+    console = Console(browser_far_from_utc, server)
+    with server.client() as producer:
+        replies = producer.send_many("orders", [b'{"order": %d}' % i for i in range(10)])
+        assert {r.command for r in replies} == {Command.SEND_SUCCESS_ACK}
+    ordered = sorted(r.message_id for r in replies)
+    with server.client() as billing:
+        assert billing.subscribe("orders", "billing", credit=50).command == Command.SUBSCRIBE_ACK
+        for _ in ordered:
+            push = billing.receive(timeout=15)
+            assert push is not None
+            billing.ack(push)
+        wait_for(lambda: not _pending(pg_dsn, "billing"), timeout=15)
+        target = ordered[4]
+
+        # read-only: the button is there, marked; the server refuses the dry run, nothing moves
+        console.open("#/channel/orders/billing")
+        assert "needs-admin" in console.find("#seek-form button[data-action='seek']").get_attribute("class")
+        _seek_with_the_form(console, "id", str(target))
+        assert "changes need the admin token" in console.status()
+        assert not console.driver.execute_script("return document.getElementById('confirm').open")
+        assert _pending(pg_dsn, "billing") == []
+
+        # signed in: the confirmation gives the dry run's count, then the seek
+        console.sign_in(TOKEN)
+        console.open("#/channel/orders/billing")
+        _seek_with_the_form(console, "id", str(target))
+        [(published_ms,)] = db_rows(pg_dsn, "SELECT (extract(epoch FROM published_at) * 1000)::bigint "
+                                            "FROM dmq_message WHERE id = %s", target)
+        shown = datetime.fromtimestamp(published_ms // 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        assert console.confirm() == (f"6 messages of orders will be delivered again to billing only; "
+                                     f"from id {target} ({shown}.{published_ms % 1000:03d} UTC).")
+        assert console.status() == "sought orders/billing: 6 messages to deliver again, epoch 1"
+        console.shot("channel-seek")
+        again = []
+        for _ in range(6):
+            push = billing.receive(timeout=15)
+            assert push is not None, f"only {again} delivered again"
+            again.append(push.message_id)
+            billing.ack(push)
+        assert sorted(again) == ordered[4:]  # exactly those, each once
+        assert billing.receive(timeout=1.5) is None  # and nothing else
+    assert len(_pending(pg_dsn, "audit")) == 10  # the other channel: untouched
+
+    console.open("#/audit")
+    cells = [c.text for c in console.finds("#audit tbody tr:first-child td")]
+    assert cells[1:] == ["http", cells[2], "channel.seek", f"orders/billing to id {target}", "6"]
+    console.shot("audit-seek")
+
+    # a time (the browser's local time: a minute before the first message) and a duration ago:
+    # the dry run's count in the confirmation; cancelled, nothing changes
+    def first_published(message_id: int) -> int:
+        return db_rows(pg_dsn, "SELECT (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message "
+                               "WHERE id = %s", message_id)[0][0]
+
+    first_ms = first_published(ordered[0])
+    first = datetime.fromtimestamp(first_ms // 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    local = datetime.fromtimestamp(first_ms / 1000 - 60, tz=ZoneInfo(BROWSER_ZONE)).strftime("%Y-%m-%dT%H:%M:%S")
+    console.open("#/channel/orders/billing")
+    assert console.driver.execute_script("return new Date().getTimezoneOffset()") == -345  # UTC+05:45
+    for kind, value in (("time", local), ("ago", "1h")):
+        if kind == "time":  # a datetime-local input takes its value as the browser's own spelling
+            console.driver.execute_script(
+                "const input = document.querySelector(\"#seek-form input[name='time']\");"
+                "const kind = document.querySelector(\"#seek-form select[name='kind']\");"
+                "kind.value = 'time'; kind.dispatchEvent(new Event('change'));"
+                "input.value = arguments[0]; input.dispatchEvent(new Event('input'));"
+                "document.querySelector(\"#seek-form button[data-action='seek']\").click();", value)
+        else:
+            _seek_with_the_form(console, kind, value)
+        wait_for(lambda: console.driver.execute_script("return document.getElementById('confirm').open"))
+        assert console.text("#confirm-text") == (f"10 messages of orders will be delivered again to billing only; "
+                                                 f"from id {ordered[0]} ({first}.{first_ms % 1000:03d} UTC)."), kind
+        console.click("#confirm-no")
+    wait_for(lambda: not _pending(pg_dsn, "billing"), timeout=15)  # the replay's acks; the dry runs changed nothing
+    assert db_rows(pg_dsn, "SELECT epoch FROM dmq_channel WHERE topic = 'orders' AND name = 'billing'") == [(1,)]
+
+    # the latest, on audit (its ten copies wait, nobody subscribed): nothing again, what waits is skipped
+    console.open("#/channel/orders/audit")
+    Select(console.find("#seek-form select[name='kind']")).select_by_value("latest")
+    console.click("#seek-form button[data-action='seek']")
+    assert console.confirm() == "No message of orders will be delivered again to audit; the messages waiting in it now are skipped."
+    assert console.status() == "sought orders/audit: 0 messages to deliver again, epoch 1"
+    assert _pending(pg_dsn, "audit") == []
+
+    # targets the server cannot take: its message, as the other actions show errors; no confirmation
+    def refused(before: str) -> str:
+        return wait_for(lambda: (text := console.text("#status-msg")) != before and text)
+
+    # (what the form holds outlives the page's refresh every 5 s)
+    console.open("#/channel/orders/billing")
+    Select(console.find("#seek-form select[name='kind']")).select_by_value("id")
+    console.find("#seek-form input[name='id']").send_keys("0")
+    console.driver.execute_script("document.activeElement.blur(); window.shownForm = document.getElementById('seek-form');")
+    wait_for(lambda: console.driver.execute_script(
+        "return document.getElementById('seek-form') !== window.shownForm && document.getElementById('page').dataset.loaded"), timeout=15)
+    assert console.driver.execute_script(
+        "const form = document.getElementById('seek-form');"
+        "return [form.elements.kind.value, form.elements.id.value, form.querySelector('label[data-kind=id]').hidden];") == ["id", "0", False]
+    console.click("#seek-form button[data-action='seek']")
+    assert (said := console.status()) == "E_INVALID: to_id: '0' is not a message id (a positive integer)"
+    _seek_with_the_form(console, "ago", "a while")
+    assert (said := refused(said)).startswith("E_INVALID: to_time: ")
+    console.driver.execute_script(
+        "const input = document.querySelector(\"#seek-form input[name='time']\");"
+        "document.querySelector(\"#seek-form select[name='kind']\").value = 'time';"
+        "document.querySelector(\"#seek-form select[name='kind']\").dispatchEvent(new Event('change'));"
+        "input.value = '2999-01-01T00:00'; input.dispatchEvent(new Event('input'));"
+        "document.querySelector(\"#seek-form button[data-action='seek']\").click();")
+    assert "after now" in refused(said)  # the datetime-local value, read as local time, sent as Unix ms
+    assert not console.driver.execute_script("return document.getElementById('confirm').open")
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_admin_log WHERE operation = 'channel.seek'") == [(2,)]  # the two seeks, no dry run, no refusal

@@ -131,8 +131,9 @@ function actionButton(label, run, opts) {
     "data-action": (opts && opts.name) || label.toLowerCase(),
     onclick: async (event) => {
       event.preventDefault();
-      if (opts && opts.confirm && !(await confirmed(typeof opts.confirm === "function" ? await opts.confirm() : opts.confirm))) return;
       try {
+        // a confirmation may ask the server first (a seek's dry run): its refusal shows as the action's would
+        if (opts && opts.confirm && !(await confirmed(typeof opts.confirm === "function" ? await opts.confirm() : opts.confirm))) return;
         const message = await run();
         say(message || `${label}: done`);
         render();
@@ -194,6 +195,75 @@ function channelActions(topic, channel, paused) {
       : actionButton("Pause", () => api("POST", path + "pause").then((r) => r.ok), { name: "pause" }),
     actionButton("Empty", () => api("POST", path + "empty").then((r) => r.ok),
       { name: "empty", danger: true, confirm: `Empty ${topic}/${channel}? Every message waiting in it is dropped.` }));
+}
+
+// -- seek: deliver a channel's stored messages again (dmq channel seek, docs/admin.md) -----------
+const SEEK_KINDS = [["time", "a time"], ["ago", "a duration ago"], ["id", "a message id"], ["latest", "the latest: skip what waits"]];
+const AGO = /^(\d+(?:\.\d+)?)(ms|s|m|h|d)$/;  // the server's durations (dmq_client/spelling.py)
+const AGO_MS = { ms: 1, s: 1000, m: 60000, h: 3600000, d: 86400000 };
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+
+// What the form holds, kept across the page's refreshes (the page is rebuilt every few seconds).
+function seekValues(topic, channel) {
+  const key = `${topic}/${channel}`;
+  if (!state.seek || state.seek.key !== key) state.seek = { key, kind: "time", time: "", ago: "", id: "" };
+  return state.seek;
+}
+
+// The target as the API's parameters. A time and a duration ago become Unix ms here, once: the
+// dry run and the seek after it must name the same instant (the server would read "1h" twice,
+// seconds apart). A datetime-local value has no offset, so Date reads it as the browser's local
+// time. Text this does not read goes to the server as typed: its refusal says what is wrong.
+function seekTarget(values) {
+  if (values.kind === "latest") return { to_latest: "true" };
+  if (values.kind === "id") return { to_id: values.id.trim() };
+  if (values.kind === "ago") {
+    const ago = values.ago.trim().toLowerCase().match(AGO);
+    return { to_time: ago ? String(Date.now() - Math.round(Number(ago[1]) * AGO_MS[ago[2]])) : values.ago.trim() };
+  }
+  const ms = values.time ? new Date(values.time).getTime() : NaN;
+  return { to_time: Number.isNaN(ms) ? values.time : String(ms) };
+}
+
+// Every cluster's report summed: how many, and the first of them (the lowest id) with its time.
+function seekTotal(clusters) {
+  const first = clusters.filter((c) => c.count).reduce((a, c) => (a && a.target_id <= c.target_id ? a : c), null);
+  return { count: clusters.reduce((n, c) => n + c.count, 0), first, waited: clusters.some((c) => c.previous_id != null),
+    epochs: [...new Set(clusters.map((c) => c.epoch))].join(", ") };
+}
+
+function seekForm(topic, channel) {
+  const values = seekValues(topic, channel);
+  const path = `channels/${enc(topic)}/${enc(channel)}/seek`;
+  let target = null;  // read once per click, for the dry run and the seek alike
+  const button = actionButton("Seek", async () => {
+    const done = seekTotal((await api("POST", path, target)).clusters);
+    return `sought ${topic}/${channel}: ${plural(done.count, "message")} to deliver again, epoch ${done.epochs}`;
+  }, { name: "seek", danger: true, confirm: async () => {
+    target = seekTarget(values);
+    const dry = seekTotal((await api("POST", path, { ...target, dry_run: "true" })).clusters);
+    if (dry.count) {
+      return `${plural(dry.count, "message")} of ${topic} will be delivered again to ${channel} only; `
+        + `from id ${dry.first.target_id} (${when(dry.first.target_ms)} UTC).`;
+    }
+    return `No message of ${topic} will be delivered again to ${channel}; `
+      + (dry.waited ? "the messages waiting in it now are skipped." : "nothing waits in it now.");
+  } });
+  const field = (kind, label, input) => el("label", { hidden: values.kind !== kind, dataset: { kind } }, label, input);
+  const remember = (name) => (event) => { values[name] = event.target.value; };
+  const form = el("form", { class: "filters", id: "seek-form", onsubmit: (event) => { event.preventDefault(); button.click(); } },
+    el("label", {}, "deliver again from", el("select", { name: "kind", onchange: (event) => {
+      values.kind = event.target.value;
+      for (const label of form.querySelectorAll("label[data-kind]")) label.hidden = label.dataset.kind !== values.kind;
+    } }, SEEK_KINDS.map(([v, t]) => el("option", { value: v, selected: v === values.kind }, t)))),
+    field("time", "time (your local time)", el("input", { type: "datetime-local", step: 1, name: "time", value: values.time, oninput: remember("time") })),
+    field("ago", "how long ago", el("input", { name: "ago", value: values.ago, placeholder: "30m, 2h, 7d", oninput: remember("ago") })),
+    field("id", "message id", el("input", { name: "id", value: values.id, inputmode: "numeric", oninput: remember("id") })),
+    button);
+  return [el("h2", {}, "Seek: deliver stored messages again"),
+    el("p", { class: "muted" }, `Every stored message of ${topic} from the target on waits in ${channel} again (no other channel); `
+      + "what waits before it is skipped. The confirmation gives the count of a dry run; the seek is in the audit log."),
+    form];
 }
 
 async function topicsPage(page) {
@@ -288,6 +358,7 @@ async function channelPage(page, topic, channel, after) {
     el("h1", {}, `${topic} / ${channel}`, info.stats.paused ? el("span", { class: "paused" }, "  paused") : ""),
     channelActions(topic, channel, info.stats.paused),
     figures, charts,
+    seekForm(topic, channel),
     el("h2", {}, "Consumers on this node"), consumers,
     el("h2", {}, "Waiting messages (peek: nothing is consumed)"),
     peek.messages.length
@@ -510,6 +581,9 @@ const ROUTES = [
   [/^#\/audit$/, "audit", (p) => auditPage(p), false],
 ];
 
+// No refresh while a confirmation is open or a person types in one of the page's fields.
+const busy = () => !!document.querySelector("dialog[open]") || !!document.activeElement?.closest("#page input, #page select");
+
 let rendering = null;
 async function render() {
   const hash = location.hash || "#/";
@@ -529,7 +603,7 @@ async function render() {
         page.dataset.loaded = hash;
       }
     }
-    if (refresh && run === rendering) state.timer = setTimeout(() => { if (!document.querySelector("dialog[open]")) render(); else state.timer = setTimeout(render, REFRESH_MS); }, REFRESH_MS);
+    if (refresh && run === rendering) state.timer = setTimeout(function refreshed() { if (!busy()) render(); else state.timer = setTimeout(refreshed, REFRESH_MS); }, REFRESH_MS);
     return;
   }
   fill(page, el("h1", {}, "No such page"), el("p", {}, el("a", { href: "#/" }, "Topics")));
