@@ -311,7 +311,7 @@ ORDER BY k.topic, k.channel, k.owner;
 -- topic's channel leaves out the keys whose copies it reads apart (skip_keys: a key with
 -- more waiting than a share of its window), and reads those one key at a time (only_key).
 WITH ch AS (
-    SELECT start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
+    SELECT start_id, epoch FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
 ), owners AS (
     SELECT o.id FROM dmq_owner o
     WHERE %(holder)s::text IS NULL
@@ -322,7 +322,7 @@ WITH ch AS (
 )
 SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
-       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
+       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers, ch.epoch
 FROM ch CROSS JOIN owners w
 LEFT JOIN LATERAL (
     -- the owner's cursor, its done ranges read once: held as a column, a multirange of
@@ -359,7 +359,7 @@ LIMIT %(limit)s;
 -- beside ``m.priority = l.priority``: the planner uses the partial index only when the
 -- statement's text implies its predicate. Owners as load_backlog's.
 WITH ch AS (
-    SELECT start_id FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
+    SELECT start_id, epoch FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
 ), owners AS (
     SELECT o.id FROM dmq_owner o
     WHERE %(holder)s::text IS NULL
@@ -372,7 +372,7 @@ WITH ch AS (
 )
 SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
-       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers
+       m.body, coalesce(a.attempts, 0), m.owner, m.key, m.priority, m.headers, ch.epoch
 FROM ch CROSS JOIN owners w
 LEFT JOIN LATERAL (
     -- the owner's cursor, its done ranges read once: held as a column, a multirange of

@@ -868,7 +868,7 @@ class MemoryDb:
         for m in found:
             attempts = self.attempts.get((topic, channel, m.id), 0)
             rows.append((m.id, m.producer, m.session_id, m.published_ms, m.body, attempts, m.owner, m.key, m.priority,
-                         m.headers))
+                         m.headers, self.channel_epochs.get((topic, channel), 0)))
         return rows
 
     def _channel_depths(self, p: dict) -> list[tuple]:

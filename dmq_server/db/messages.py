@@ -670,6 +670,7 @@ class BacklogRow:
     status: str = ""  # its properties as its pushes carry them (``stored_status``)
     key: str | None = None  # its key (an ordered topic's channels push one copy of a key at a time)
     priority: int = 0  # 0 to 9, higher first (issue 45 §3: load_priority_backlog_steps loads those above 0)
+    epoch: int = 0  # the channel's epoch the load read its cursors in (a seek raises it)
 
 
 def load_backlog_steps(
@@ -713,7 +714,7 @@ def _backlog_rows(rows: Rows) -> list[BacklogRow]:
     """The rows of load_backlog and load_priority_backlog (one column list)."""
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6],
                        "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]), r[7],
-                       r[8])
+                       r[8], r[10])
             for r in rows]
 
 

@@ -903,6 +903,8 @@ class ReliableStore:
         def loaded(rows: list[BacklogRow]) -> None:
             self._load_outage.recovered()
             if not channel.closed:
+                if rows and rows[0].epoch > channel.epoch:
+                    self._loaded_epoch(channel, rows[0].epoch)
                 answer(rows)
 
         def failed(failure: Failure) -> None:
@@ -984,6 +986,18 @@ class ReliableStore:
         d.addCallback(apply)
         d.addErrback(lambda f: f.trap(StorageError))
         return d
+
+    def _loaded_epoch(self, channel: ReliableChannel, epoch: int) -> None:
+        """A load read the channel's cursors in a newer epoch than this node knows (a seek
+        it has not heard of yet). A channel that has held nothing yet (its first load: no
+        position, nothing known or finishing, nothing pushed) read only the new cursors:
+        it takes the epoch as its own. Any other learns of the seek now (``reseek``: this
+        load's rows are stale, and the channel reads from the first id)."""
+        cursor = channel.cursor
+        if cursor.position == 0 and not cursor.known and not cursor.finishing and channel.delivery_count == 0:
+            channel.epoch = epoch
+        else:
+            self.reseek(channel, epoch)
 
     def reseek(self, channel: ReliableChannel, epoch: int) -> None:
         """The channel learned of a seek (``epoch`` newer than its own): the acks queued

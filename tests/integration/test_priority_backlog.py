@@ -170,7 +170,7 @@ def test_the_load_reads_the_partial_index_by_ranges(pg_dsn):
         for topic in ("t1", "t2", "t3"):
             conn.execute(STATEMENTS["create_topic"], {"name": topic, "store": "reliable", "msg_timeout_ms": 60000,
                                                       "rate_limit": None, "ttl_ms": None, "max_attempts": None,
-                                                      "cluster": "main", "ordered": False})
+                                                      "cluster": "main", "ordered": False, "retention_ms": None})
             conn.execute(STATEMENTS["add_channel"], {"topic": topic, "name": "c"})
             for owner in owners:  # one message in 50 has a priority (1 to 9)
                 conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body, priority) "
@@ -208,7 +208,7 @@ def test_priority_zero_messages_have_no_entry_in_the_index(pg_dsn):
         owner = run_steps(conn, create_owner_steps(NODE))
         conn.execute(STATEMENTS["create_topic"], {"name": "t", "store": "reliable", "msg_timeout_ms": 60000,
                                                   "rate_limit": None, "ttl_ms": None, "max_attempts": None,
-                                                  "cluster": "main", "ordered": False})
+                                                  "cluster": "main", "ordered": False, "retention_ms": None})
         batch = [NewMessage("t", "p", n, 0, b"x", Properties(priority=n % 3) if n % 3 else NO_PROPERTIES)
                  for n in range(30)]
         run_steps(conn, insert_messages_steps(batch, NODE, owner))

@@ -154,3 +154,34 @@ def test_a_seek_learned_while_acks_are_being_made_durable_delivers_their_copies_
     h.settle()
     assert sorted(mid for _, mid in billing.pushed) == ids
     assert _pending(h, "billing") == set(ids)
+
+
+def test_a_channel_first_loaded_after_a_seek_it_has_not_heard_of_takes_its_epoch():
+    """Another node stored the messages and the channel was sought since this node's
+    last channel-state read; the channel's first load here reads the sought cursors and
+    their epoch: it takes the epoch as its own, so its consumer gets each copy once and
+    its acks apply (no refusal, no second reading)."""
+    from dmq_server.db.messages import NewMessage, create_owner_steps, insert_messages_steps
+
+    h = Harness(channel_state_interval=3600.0)
+    store = h.broker.reliable
+    h.db.create_topic("later", ["c"])
+    h.settle(3)  # the registry refresh finds the topic
+    other: list[int] = []
+    h.db.run_steps(create_owner_steps, "node-2").addCallback(other.append)
+    stored: list[int] = []
+    h.db.run_steps(insert_messages_steps, [NewMessage("later", "q", n, 0, b"x") for n in range(4)], "node-2",
+                   other[0]).addCallback(lambda rows: stored.extend(s.message_id for s in rows))
+    h.settle()
+    h.db.channel_epochs[("later", "c")] = 2  # sought: every copy stays pending
+    consumer = Consumer()
+    h.subscribe("later", "c", consumer)
+    h.settle()
+    channel = store.channels[("later", "c")]
+    assert channel.epoch == 2 and channel.seek_count == 0
+    assert sorted(mid for _, mid in consumer.pushed) == sorted(stored)
+    for _, mid in consumer.pushed:
+        assert h.broker.ack("later", "c", mid, consumer) is None
+    h.settle()
+    assert store.acks_fenced == 0 and not {mid for (t, _, mid) in h.db.deliveries if t == "later"}
+    assert sorted(mid for _, mid in consumer.pushed) == sorted(stored)  # each once
