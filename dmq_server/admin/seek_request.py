@@ -17,6 +17,7 @@ from typing import Mapping
 
 from dmq_client.spelling import parse_duration, parse_time_ms
 from dmq_server.core.errors import Invalid
+from dmq_server.db.messages import MAX_ID
 from dmq_server.db.seek import SeekTarget, Sought, ToId, ToLatest, ToTime, iso_ms as _iso
 
 __all__ = ["SEEK_KEYS", "parse_seek", "describe_target", "report", "summary"]
@@ -50,10 +51,13 @@ def parse_seek(params: Mapping[str, str | None], now_ms: int | None = None) -> S
             back_ms = int(parse_duration(text[1:]) * 1000)
         except ValueError as exc:
             raise Invalid(f"by: {exc}") from None
-        return ToTime((int(time.time() * 1000) if now_ms is None else now_ms) - back_ms)
+        ms = (int(time.time() * 1000) if now_ms is None else now_ms) - back_ms
+        if ms < 0:
+            raise Invalid(f"by: {text} goes back before 1970")
+        return ToTime(ms)
     if key == "to_id":
-        if not text.isdigit() or int(text) < 1:
-            raise Invalid(f"to_id: {text!r} is not a message id (a positive integer)")
+        if not text.isdigit() or not 1 <= int(text) <= MAX_ID:
+            raise Invalid(f"to_id: {text!r} is not a message id (a positive integer below 2^63)")
         return ToId(int(text))
     if text.lower() not in ("true", "1", "yes"):
         raise Invalid(f"to_latest: expected true, got {text!r}")
