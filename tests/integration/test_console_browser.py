@@ -533,7 +533,7 @@ def test_an_operator_seeks_a_channel_in_the_console(make_server, pg_dsn, browser
         "const form = document.getElementById('seek-form');"
         "return [form.elements.kind.value, form.elements.id.value, form.querySelector('label[data-kind=id]').hidden];") == ["id", "0", False]
     console.click("#seek-form button[data-action='seek']")
-    assert (said := console.status()) == "E_INVALID: to_id: '0' is not a message id (a positive integer)"
+    assert (said := console.status()) == "E_INVALID: to_id: '0' is not a message id (a positive integer below 2^63)"
     _seek_with_the_form(console, "ago", "a while")
     assert (said := refused(said)).startswith("E_INVALID: to_time: ")
     console.driver.execute_script(
