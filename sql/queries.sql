@@ -402,15 +402,20 @@ LIMIT %(limit)s;
 
 -- name: sweep_bounds
 -- The retention sweep's range: the lowest stored id and the first message still inside the
--- window, looked for from `start` (the previous sweep's answer: the walk of the primary key
--- then passes only the messages that left the window since, not every old one a channel still
--- holds). With nothing older than the window stored, the two are the same id and the sweep
+-- window, looked for from `start` (the previous sweep's answer, or on a first pass a binary
+-- search's: the walk of the primary key then passes only the messages that left the window
+-- since, not every old one a channel or a longer retention still holds). With nothing older than the window stored, the two are the same id and the sweep
 -- stops here. With nothing inside it, the highest id is where the next walk starts.
 SELECT (SELECT min(id) FROM dmq_message) AS lowest, (SELECT max(id) FROM dmq_message) AS highest,
        (SELECT n.id FROM dmq_message n
         WHERE n.id >= %(start)s
           AND n.published_at >= now() - make_interval(secs => %(retention_s)s)
         ORDER BY n.id LIMIT 1) AS first_kept;
+
+-- name: sweep_clock
+-- The transaction's now() in ms since the epoch: where a retention's window starts, for the
+-- search of its first pass (messages.py sweep_start_steps); the same now() sweep_bounds reads.
+SELECT (extract(epoch FROM now()) * 1000)::bigint AS now_ms;
 
 -- name: sweep_topics
 -- The topics the retention sweep visits, with their retention (ms; NULL: the server's

@@ -311,6 +311,7 @@ class MemoryDb:
             "load_backlog": self._load_backlog,
             "load_priority_backlog": self._load_priority_backlog,
             "sweep_bounds": self._sweep_bounds,
+            "sweep_clock": lambda p: [(self._now_ms(),)],
             "sweep_topics": self._sweep_topics,
             "sweep_topic_lock": lambda p: [(None, True)],  # one process: nobody else sweeps or seeks
             "sweep_topic": self._sweep_topic,

@@ -29,6 +29,7 @@ from dmq_client.wire.properties import NO_PROPERTIES, PRIORITY_MAX, Properties, 
 
 from dmq_server.db.arrays import ByteaArray, Int4Array, Int8Array, TextArray, TextRuns
 from dmq_server.db.outbox_ledger import RECORDING
+from dmq_server.db.seek import seek_bounds_steps
 from dmq_server.db.storage_errors import Fenced, Misplaced, StorageError
 from dmq_server.db.steps import Params, Rows, Statement, Steps, add_statement, run_steps
 from dmq_sql import queries
@@ -781,15 +782,30 @@ def sweep_plan_steps(
     below: dict[float, int] = {}
     next_starts: dict[float, int] = {}
     for r in sorted(set(retention.values())):
-        ((lowest, highest, first_kept),) = yield Statement(
-            "sweep_bounds", {"retention_s": r, "start": starts.get(r, 0)})
+        start = starts.get(r)
+        if start is None:
+            start = yield from sweep_start_steps(r)
+        ((lowest, highest, first_kept),) = yield Statement("sweep_bounds", {"retention_s": r, "start": start})
         # with nothing inside the window, nothing up to the highest id is: not walked again
         # (a row committed later below it is still tested on its publish time by sweep_topic)
-        next_starts[r] = (starts.get(r, 0) if highest is None else highest + 1) if first_kept is None else first_kept
+        next_starts[r] = (start if highest is None else highest + 1) if first_kept is None else first_kept
         if lowest is not None and (first_kept is None or lowest < first_kept):  # something is that old
             below[r] = MAX_ID if first_kept is None else first_kept
     targets = [SweepTarget(name, r, below[r]) for name, r in sorted(retention.items()) if r in below]
     return targets, next_starts
+
+
+def sweep_start_steps(retention_s: float) -> Steps[int]:
+    """Where a retention's first walk to its window starts (a pass with no start for it: the
+    server's first, or a retention no topic had before): ``lo`` of a binary search of the
+    primary key for the window's start (``seek_bounds_steps``), a row published so long before
+    it that every id up to it is outside the window; 0 when no row is known to be. Walking
+    from id 0 instead reads every row older than the window, kept by another topic's longer
+    retention or not yet done: 10 million rows a topic keeps for a week were read, one by one,
+    by the first pass of each server start for a topic kept for 10 minutes."""
+    ((now_ms,),) = yield Statement("sweep_clock", {})
+    bounds = yield from seek_bounds_steps(now_ms - round(retention_s * 1000), high=False)
+    return 0 if bounds.lo is None else bounds.lo
 
 
 def sweep_topic_steps(target: SweepTarget, limit: int, after: int = 0) -> Steps[tuple[int, int] | None]:

@@ -177,14 +177,15 @@ class _Search:
             self.bad = mid if upward or found is None else min(found, self.good - 1)
 
 
-def seek_bounds_steps(ms: int, skew_ms: int = SEEK_SKEW_MS) -> Steps[SeekBounds]:
+def seek_bounds_steps(ms: int, skew_ms: int = SEEK_SKEW_MS, high: bool = True) -> Steps[SeekBounds]:
     """The ids around time ``ms`` (``SeekBounds``), by a binary search of the primary key: a
     probe (``seek_probe``) answers the first row at or after a point and its publish time;
     ``lo`` is a row published at or before ms - skew, ``hi`` a row published at or after
     ms + skew, each found near the id where the publish times cross that time. Publish
     times follow ids only roughly (the skew), so neither is the extreme row: what matters
     is each one's own time, tested on its row. Both searches advance in one statement a
-    step (about 48 steps in a cluster's id slot)."""
+    step (about 48 steps in a cluster's id slot). Without ``high`` only ``lo`` is looked for
+    (``hi`` None), as the retention sweep's first pass needs."""
     ((lowest, highest),) = yield Statement("seek_ends", {})
     if lowest is None:
         return SeekBounds(None, None)
@@ -192,7 +193,7 @@ def seek_bounds_steps(ms: int, skew_ms: int = SEEK_SKEW_MS) -> Steps[SeekBounds]
     ((_, low_id, low_us), (_, high_id, high_us)) = yield Statement("seek_probe", {"at": [lowest, highest]})
     # lo: from the lowest row up, if it is early enough; hi: from the highest down, if late enough
     lo = _Search(lowest, highest + 1, low_id) if low_us is not None and low_us <= early_us else None
-    hi = _Search(highest, lowest - 1, high_id) if high_us is not None and high_us >= late_us else None
+    hi = _Search(highest, lowest - 1, high_id) if high and high_us is not None and high_us >= late_us else None
     while True:
         lo_mid = lo.midpoint() if lo is not None else None
         hi_mid = hi.midpoint() if hi is not None else None
