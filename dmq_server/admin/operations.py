@@ -48,7 +48,7 @@ from dmq_server.db.admin_steps import log_operation_steps, stored_stats_steps
 from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import delay_stats_steps
 from dmq_server.db.runner import StepRunner
-from dmq_server.db.seek import NoSuchChannel, SeekRefused, SeekTarget, Sought, seek_channel_steps
+from dmq_server.db.seek import SEEK_SKEW_MS, NoSuchChannel, SeekRefused, SeekTarget, Sought, seek_channel_steps
 from dmq_server.admin.seek_request import describe_seek, report as seek_report, summary as seek_summary
 from dmq_server.db.steps import Steps
 from registry.interface import MIN_RETENTION_MS, ORDERED_FAST, RETENTION_FAST
@@ -688,8 +688,9 @@ class AdminOps:
         count = 0
         for name, db, _ in self._selected(None):
             try:
-                sought = yield db.run_steps(seek_channel_steps, topic, channel, target, dry_run,
-                                            from_archive=from_archive)
+                # (positional: a runner passes no keywords) skew, fresh, from_archive
+                sought = yield db.run_steps(seek_channel_steps, topic, channel, target, dry_run, SEEK_SKEW_MS,
+                                            False, from_archive)
             except NoSuchChannel as exc:
                 raise NotFound(str(exc)) from None
             except SeekRefused as exc:
