@@ -1,4 +1,4 @@
-"""``dmq-pipeline``: the data pipeline's command line (archive, report, replay).
+"""``dmq-pipeline``: the data pipeline's command line (archive, report, replay, reinject).
 
 Every command checks its arguments, the JDBC jar and the database before it
 changes anything or starts Spark, so a bad invocation costs no JVM start and
@@ -18,13 +18,14 @@ from typing import Sequence
 
 from dmq_client.pipes import quiet_broken_pipe
 
-from . import archive, report, replay, ship
+from . import archive, reinject, report, replay, ship
 from .cluster import check_location, check_reachable
 from .database import Database, dsn_host, locate
 from .errors import PipelineError, UsageError
 from .failures import explain, is_spark_error
 from .options import (
     ArchiveSettings,
+    ReinjectSettings,
     ReplaySettings,
     ReportSettings,
     SparkOptions,
@@ -163,6 +164,34 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 1 if result.failures else 0
 
 
+def cmd_reinject(args: argparse.Namespace) -> int:
+    opts = from_args(SparkOptions, args).validate()
+    settings = from_args(ReinjectSettings, args).validate()
+    location = archive.normalize_location(settings.archive)
+    check_location(opts.master, settings.archive, settings.archive_shared, "--archive")
+    _check_cluster(opts)
+    with ExitStack() as stack:
+        db = _open_database(stack, opts)
+        reinject.validate(db, settings)
+        span = reinject.gap(db, settings)
+        spark = stack.enter_context(spark_session(opts, "reinject", _say))
+        result = reinject.run_reinject(spark, db, location, settings, span, _say)
+    where = f"{settings.topic}/{settings.channel}"
+    if args.json:
+        print(json.dumps(result.as_json(), indent=2))
+    elif settings.dry_run:
+        print(f"would re-inject {result.selected:,} archived messages of {settings.topic} published in {span} "
+              f"into {where} (dry run: nothing queued)")
+    else:
+        print(f"re-injected {result.queued:,} archived messages of {settings.topic} published in {span} "
+              f"into {where} in {result.seconds:.1f} s"
+              + (f" ({result.already:,} queued by an earlier run)" if result.already else ""))
+    if result.missing:
+        print(f"note: {result.missing:,} messages of the range were archived without their body (swept "
+              "before archiving was enabled) and cannot be re-injected")
+    return 0
+
+
 def cmd_pack_env(args: argparse.Namespace) -> int:
     out = ship.build_env(args.out)
     if args.json:
@@ -182,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="dmq's data pipeline on PySpark: archive delivered history to Parquet, report on "
-        "deliveries, replay dead letters. Runs on local[*] by default, on a cluster with --master.",
+        "deliveries, replay dead letters, re-inject archived messages into a channel. Runs on local[*] by default, on a cluster with --master.",
         epilog="Exit status: 0 done, 1 job failed (re-run resumes), 2 bad arguments or missing "
         "prerequisite, 3 database unreachable. See docs/pipeline.md.",
     )
@@ -194,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
          "throughput, latency percentiles, attempts, backlog and dead letters per topic and channel"),
         ("replay", ReplaySettings, cmd_replay,
          "republish selected dead letters through a dmq server, once each"),
+        ("reinject", ReinjectSettings, cmd_reinject,
+         "queue a topic's archived messages of a time range again for one channel only (the gap "
+         "of `dmq channel seek --from-archive`), once each"),
     ):
         p = sub.add_parser(name, parents=[common], help=text, description=text)
         add_arguments(p, cls)

@@ -1,8 +1,8 @@
 """Every pipeline setting, in dataclasses with documented defaults.
 
 ``SparkOptions`` holds what every job shares (where the database is, how Spark
-runs and reads); ``ArchiveSettings``, ``ReportSettings`` and ``ReplaySettings``
-hold each job's own. The ``dmq-pipeline`` flags, their ``DMQ_*`` environment
+runs and reads); ``ArchiveSettings``, ``ReportSettings``, ``ReplaySettings`` and
+``ReinjectSettings`` hold each job's own. The ``dmq-pipeline`` flags, their ``DMQ_*`` environment
 variables and their help text are generated from the fields' metadata
 (precedence: flag > environment > default), so a setting cannot exist in one
 place and not the other.
@@ -28,6 +28,7 @@ __all__ = [
     "ArchiveSettings",
     "ReportSettings",
     "ReplaySettings",
+    "ReinjectSettings",
     "TimeRange",
     "add_arguments",
     "from_args",
@@ -200,6 +201,32 @@ class ReplaySettings:
         self.address()
         if self.mark_batch < 1:
             raise UsageError(f"--mark-batch {self.mark_batch}: must be at least 1")
+        return self
+
+
+@dataclass(frozen=True)
+class ReinjectSettings:
+    """``reinject``: a topic's archived messages of a time range, queued again for one channel."""
+
+    archive: str = _opt("", "archive location written by `archive`", env="DMQ_ARCHIVE")
+    topic: str = _opt("", "the topic whose archived messages are re-injected (required)")
+    channel: str = _opt("", "the one channel that receives them (required)")
+    since: str = _opt("", "first publish time re-injected (required): ISO date/time (UTC unless it "
+                      "says), Unix ms, or a duration ago (24h)")
+    until: str = _opt("", "end of the range (exclusive), same forms as --since; empty: the topic's "
+                      "retained start (the retention sweep's newest removed publish time + 1 ms), "
+                      "so exactly what the store no longer holds")
+    batch: int = _opt(1000, "messages queued per transaction", kind="int")
+    archive_shared: bool = _opt(False, _ARCHIVE_SHARED, kind="flag")
+    dry_run: bool = _opt(False, "count what would be re-injected, queue nothing", kind="flag")
+
+    def validate(self) -> "ReinjectSettings":
+        for flag, value in (("--archive", self.archive), ("--topic", self.topic),
+                            ("--channel", self.channel), ("--since", self.since)):
+            if not value:
+                raise UsageError(f"reinject needs {flag}")
+        if self.batch < 1:
+            raise UsageError(f"--batch {self.batch}: must be at least 1")
         return self
 
 

@@ -206,3 +206,42 @@ SELECT coalesce(sum(cardinality(message_ids)), 0) FROM dmq_delivery_batch WHERE 
 -- name: database_time
 -- The database's clock (replay progress compares replayed_at with it).
 SELECT now();
+
+-- name: retained_start
+-- What the retention sweep removed of a topic (schema version 20): nothing the topic still
+-- holds was published at or before swept_ms. `dmq channel seek --from-archive` seeks to
+-- swept_ms + 1 and `reinject` fills [since, swept_ms + 1) from the archive: the same edge.
+SELECT swept_id, swept_ms FROM dmq_retention WHERE topic = %(topic)s;
+
+-- name: reinject_messages
+-- Queue one batch of archived messages (in id order) for one channel of their topic, due
+-- now: move_due then stores each as a message of that channel only. Producer
+-- 'dmq-archive:<channel>' with the original message id as session id: dmq_delay's
+-- UNIQUE (producer, session_id) makes a second run queue nothing while the first run's
+-- rows wait, and the NOT EXISTS (as insert_delayed) while their messages are stored
+-- (move_due's ON CONFLICT on dmq_message closes the race between the two). All in fragment 1
+-- (every server serves it): one worker moves them, in due order (dmq_pipeline.reinject).
+-- Returns how many were queued.
+WITH input AS (
+    SELECT * FROM unnest(%(session_ids)s::bigint[], %(produced_ms)s::bigint[], %(bodies)s::bytea[],
+                         %(keys)s::text[], %(priorities)s::smallint[], %(headers)s::text[])
+             WITH ORDINALITY AS u(session_id, produced_ms, body, key, priority, headers, ord)
+), queued AS (
+    INSERT INTO dmq_delay (fragment, due_ms, topic, channel, producer, session_id, produced_ms,
+                           node_id, body, key, priority, headers)
+    SELECT 1, (extract(epoch FROM now()) * 1000)::bigint,
+           %(topic)s, %(channel)s, %(producer)s, i.session_id, i.produced_ms, 'dmq-pipeline', i.body,
+           i.key, i.priority, i.headers::jsonb
+    FROM input i
+    WHERE NOT EXISTS (SELECT 1 FROM dmq_message m
+                      WHERE m.producer = %(producer)s AND m.session_id = i.session_id)
+    ORDER BY i.ord
+    ON CONFLICT (producer, session_id) DO NOTHING
+    RETURNING id
+)
+SELECT count(*) FROM queued;
+
+-- name: log_reinject
+-- Audit a reinject as the admin surfaces audit theirs (dmq_admin_log, schema version 3).
+INSERT INTO dmq_admin_log (surface, actor, operation, filters, affected)
+VALUES ('pipeline', %(actor)s, 'channel.reinject', %(filters)s, %(affected)s);

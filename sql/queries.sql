@@ -1362,11 +1362,13 @@ SELECT pg_advisory_xact_lock(7361005, hashtext(%(topic)s::text));
 -- What a seek is checked against, one row: whether the channel is registered, the topic's
 -- time to live, what the retention sweep removed of it (swept_id, swept_ms: nothing kept
 -- was published at or before swept_ms), the time now (ms), and the topic's lowest stored id
--- with its publish time (one descent of the topic index per incarnation).
+-- with its publish time (one descent of the topic index per incarnation); and where the
+-- database is archived (dmq-pipeline archive; NULL: never), for a seek --from-archive.
 SELECT EXISTS (SELECT 1 FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s),
        (SELECT ttl_ms FROM dmq_topic WHERE name = %(topic)s),
        r.swept_id, r.swept_ms, (extract(epoch FROM now()) * 1000)::bigint,
-       f.id, (extract(epoch FROM f.published_at) * 1000)::bigint
+       f.id, (extract(epoch FROM f.published_at) * 1000)::bigint,
+       (SELECT location FROM dmq_archive_state)
 FROM (SELECT 1) AS one
 LEFT JOIN dmq_retention r ON r.topic = %(topic)s
 LEFT JOIN LATERAL (

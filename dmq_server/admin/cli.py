@@ -207,7 +207,7 @@ def _channel_seek(args: argparse.Namespace) -> None:
     it otherwise (an ack of theirs refused, the admin API of one of them)."""
     from dmq_server.admin.cli_operations import _actor
     from dmq_server.admin.cli_support import open_clusters
-    from dmq_server.admin.seek_request import describe_target, parse_seek, report, summary
+    from dmq_server.admin.seek_request import describe_seek, parse_seek, report, summary
     from dmq_server.core.errors import Invalid
     from dmq_server.db.admin_steps import log_operation_steps
     from dmq_server.db.seek import NoSuchChannel, SeekRefused, seek_channel_steps
@@ -219,23 +219,26 @@ def _channel_seek(args: argparse.Namespace) -> None:
     except Invalid as exc:
         raise CliError(exc.description, 2) from exc
     reports = []
+    done = []
     count = 0
     with open_clusters(args) as conns:
         for name, conn in conns.items():
             try:
                 with conn.transaction():
-                    sought = run_steps(conn, seek_channel_steps(args.topic, args.name, target, args.dry_run))
+                    sought = run_steps(conn, seek_channel_steps(args.topic, args.name, target, args.dry_run,
+                                                                from_archive=args.from_archive))
             except NoSuchChannel as exc:
                 raise CliError(str(exc), 1) from exc
             except SeekRefused as exc:
                 raise CliError(f"{args.topic}/{args.name}: {exc}", 1) from exc
             count += sought.count
-            reports.append(report(name, sought, args.dry_run))
+            done.append(sought)
+            reports.append(report(name, sought, args.dry_run, args.topic, args.name))
             if not args.json:
                 print(summary(args.topic, args.name, name, sought, args.dry_run))
         if not args.dry_run and "main" in conns:
             run_steps(conns["main"], log_operation_steps(
-                "cli", _actor(), "channel.seek", f"{args.topic}/{args.name} to {describe_target(target)}", count))
+                "cli", _actor(), "channel.seek", describe_seek(args.topic, args.name, target, done), count))
     if args.json:
         print(json.dumps(reports, indent=2))
 
@@ -470,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--to-id", metavar="ID", help="the messages with this id or a higher one")
     to.add_argument("--by", metavar="-DURATION", help="back from now: --by -1h is --to-time 1h")
     to.add_argument("--to-latest", action="store_true", help="none of those stored now (skip what waits)")
+    seek.add_argument("--from-archive", action="store_true",
+                      help="a time before the topic's retained start: seek to that start instead of refusing, and "
+                           "print the `dmq-pipeline reinject` command that queues the gap from the archive")
     seek.add_argument("--dry-run", action="store_true", help="say how many would be delivered again; change nothing")
     seek.add_argument("--json", action="store_true")
     channel.set_defaults(func=cmd_channel)

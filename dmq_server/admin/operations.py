@@ -48,8 +48,8 @@ from dmq_server.db.admin_steps import log_operation_steps, stored_stats_steps
 from dmq_server.db.dead_letter_steps import REASONS, NewDeadLetter, insert_dead_letters_steps
 from dmq_server.db.delays import delay_stats_steps
 from dmq_server.db.runner import StepRunner
-from dmq_server.db.seek import NoSuchChannel, SeekRefused, SeekTarget, Sought, seek_channel_steps
-from dmq_server.admin.seek_request import describe_target, report as seek_report, summary as seek_summary
+from dmq_server.db.seek import SEEK_SKEW_MS, NoSuchChannel, SeekRefused, SeekTarget, Sought, seek_channel_steps
+from dmq_server.admin.seek_request import describe_seek, report as seek_report, summary as seek_summary
 from dmq_server.db.steps import Steps
 from registry.interface import MIN_RETENTION_MS, ORDERED_FAST, RETENTION_FAST
 
@@ -674,30 +674,35 @@ class AdminOps:
 
     @inlineCallbacks
     def channel_seek(self, topic: str, channel: str, target: SeekTarget, dry_run: bool, surface: str,
-                     actor: str) -> Generator[Deferred, object, list[dict[str, object]]]:
+                     actor: str, from_archive: bool = False) -> Generator[Deferred, object, list[dict[str, object]]]:
         """Seek a reliable channel to ``target`` (``dmq channel seek``) on every cluster, in
         turn: one transaction each (``seek_channel_steps``); fires with each cluster's
         report. Refused: ``NotFound`` for a channel not registered, ``Invalid`` for a target
         it cannot take (after now, before the topic's retained start or its time to live).
         A seek that fails on a later cluster leaves the earlier ones sought: run it again
         (a seek is absolute). Audited; this node applies it at once, the others at their
-        next channel-state read."""
+        next channel-state read. ``from_archive``: a time before the retained start seeks to it,
+        each report naming the gap and its ``dmq-pipeline reinject`` command."""
         reports: list[dict[str, object]] = []
+        done: list[Sought] = []
         count = 0
         for name, db, _ in self._selected(None):
             try:
-                sought = yield db.run_steps(seek_channel_steps, topic, channel, target, dry_run)
+                # (positional: a runner passes no keywords) skew, fresh, from_archive
+                sought = yield db.run_steps(seek_channel_steps, topic, channel, target, dry_run, SEEK_SKEW_MS,
+                                            False, from_archive)
             except NoSuchChannel as exc:
                 raise NotFound(str(exc)) from None
             except SeekRefused as exc:
                 raise Invalid(str(exc)) from None
             assert isinstance(sought, Sought)
             count += sought.count
-            reports.append(seek_report(name, sought, dry_run))
+            done.append(sought)
+            reports.append(seek_report(name, sought, dry_run, topic, channel))
             log.info("admin {surface} {actor}: {line}", surface=surface, actor=actor,
                      line=seek_summary(topic, channel, name, sought, dry_run))
         if not dry_run:
-            yield self.audit(surface, actor, "channel.seek", f"{topic}/{channel} to {describe_target(target)}", count)
+            yield self.audit(surface, actor, "channel.seek", describe_seek(topic, channel, target, done), count)
             yield self.broker.read_channel_state()
         return reports
 

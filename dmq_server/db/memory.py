@@ -1577,14 +1577,16 @@ class MemoryDb:
     # -- seek (issue 46) ------------------------------------------------------------------
 
     def _seek_state(self, p: dict) -> list[tuple]:
-        """Registered, ttl, what the sweep removed, now, the topic's lowest id and its time."""
+        """Registered, ttl, what the sweep removed, now, the topic's lowest id and its time, and
+        the archive's location (the double has none: it is the pipeline's)."""
         topic = p["topic"]
         row = self.topics.get(topic)
         swept_id, swept_ms = self.retention.get(topic, (None, None))
         stored = [mid for mid, m in self.messages.items() if m.topic == topic and m.owner in self.owners]
         oldest = self.messages[min(stored)] if stored else None
         return [(p["channel"] in self.channels.get(topic, ()), row["ttl_ms"] if row is not None else None, swept_id,
-                 swept_ms, self._now_ms(), oldest.id if oldest else None, oldest.published_ms if oldest else None)]
+                 swept_ms, self._now_ms(), oldest.id if oldest else None, oldest.published_ms if oldest else None,
+                 None)]
 
     def _seek_ends(self, p: dict) -> list[tuple]:
         return [(min(self.messages), max(self.messages))] if self.messages else [(None, None)]

@@ -25,6 +25,12 @@ A target becomes, per incarnation o, a floor F_o and done ranges D_o above it:
 
 An insert that waits longer than S between its now() and its id breaks the exactness (a
 message published before T would be delivered again, or one after T not): S is 30 s.
+
+``from_archive``: a time before the topic's retained start is not refused; the channel is
+sought to the retained start (swept_ms + 1) and ``Sought.gap`` names what the store no longer
+holds, ``[T, swept_ms + 1)``, with the archive this database is archived to, for
+``dmq-pipeline reinject`` to queue it for the channel from there (docs/pipeline.md). The seek
+cannot run that job itself: the pipeline is another distribution, on Spark.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from dmq_server.db.topic_steps import mirror_topics_steps
 
 __all__ = [
     "SEEK_SKEW_MS", "ToId", "ToLatest", "ToTime", "SeekTarget", "SeekBounds", "Sought",
-    "SeekRefused", "NoSuchChannel", "BeforeRetainedStart", "SeekInFuture", "PastTimeToLive",
+    "ArchiveGap", "SeekRefused", "NoSuchChannel", "BeforeRetainedStart", "NotArchived", "SeekInFuture",
+    "PastTimeToLive",
     "seek_bounds_steps", "seek_channel_steps", "start_channel_steps", "iso_ms",
 ]
 
@@ -88,6 +95,17 @@ class SeekBounds:
 
 
 @dataclass(frozen=True, slots=True)
+class ArchiveGap:
+    """What a seek ``--from-archive`` could not deliver from the store: the messages published
+    in ``[since_ms, until_ms)`` (until_ms: the retained start the channel was sought to), to
+    be re-injected for the channel from the archive at ``location``."""
+
+    since_ms: int
+    until_ms: int
+    location: str
+
+
+@dataclass(frozen=True, slots=True)
 class Sought:
     """What a seek did (or, a dry run, would do).
 
@@ -96,7 +114,8 @@ class Sought:
     ``target_ms``: the first of them (the lowest id) and its publish time, None when there is
     none. ``epoch``: the channel's new epoch, None for a dry run. ``previous_id`` and
     ``previous_ms``: the lowest copy waiting before the seek and its publish time (None: none
-    waited)."""
+    waited). ``gap``: a seek ``--from-archive`` before the retained start, what is left to
+    re-inject from the archive (``target`` is then the retained start); None otherwise."""
 
     target: SeekTarget
     count: int
@@ -106,6 +125,7 @@ class Sought:
     epoch: int | None
     previous_id: int | None
     previous_ms: int | None
+    gap: ArchiveGap | None = None
 
 
 class SeekRefused(ValueError):
@@ -129,6 +149,16 @@ class BeforeRetainedStart(SeekRefused):
             "seek to a later time, or re-inject the gap from the archive (--from-archive)")
         self.topic, self.swept_ms, self.swept_id = topic, swept_ms, swept_id
         self.oldest_id, self.oldest_ms = oldest_id, oldest_ms
+
+
+class NotArchived(SeekRefused):
+    """A seek ``--from-archive`` before the retained start of a database that has no archive."""
+
+    def __init__(self, topic: str, swept_ms: int) -> None:
+        super().__init__(
+            f"topic {topic} keeps nothing published at or before {iso_ms(swept_ms)}, and this database has "
+            "no archive to re-inject it from (`dmq-pipeline archive` was never run on it)")
+        self.topic, self.swept_ms = topic, swept_ms
 
 
 class SeekInFuture(SeekRefused):
@@ -210,18 +240,22 @@ def seek_bounds_steps(ms: int, skew_ms: int = SEEK_SKEW_MS, high: bool = True) -
 
 
 def seek_channel_steps(topic: str, channel: str, target: SeekTarget, dry_run: bool = False,
-                       skew_ms: int = SEEK_SKEW_MS, fresh: bool = False) -> Steps[Sought]:
+                       skew_ms: int = SEEK_SKEW_MS, fresh: bool = False,
+                       from_archive: bool = False) -> Steps[Sought]:
     """Seek ``channel`` of ``topic`` to ``target`` (run in one transaction: a ``DbWorker``'s,
     or ``conn.transaction()``); with ``dry_run`` the same answer, nothing written. Refused
     (``SeekRefused``): a channel not registered, a time after now, a time before a topic's
     time to live reaches, a target where the retention sweep already removed messages
     (``dmq_retention``: exact, it is the newest row deleted). ``fresh``: the channel was
-    registered by this transaction, so its epoch stays (``start_channel_steps``)."""
+    registered by this transaction, so its epoch stays (``start_channel_steps``).
+    ``from_archive``: a time before the retained start seeks to the retained start and
+    returns the gap (``Sought.gap``; refused, ``NotArchived``, without an archive)."""
     yield Statement("seek_lock", {"topic": topic})
-    ((registered, ttl_ms, swept_id, swept_ms, now_ms, oldest_id, oldest_ms),) = yield Statement(
+    ((registered, ttl_ms, swept_id, swept_ms, now_ms, oldest_id, oldest_ms, archive),) = yield Statement(
         "seek_state", {"topic": topic, "channel": channel})
     if not registered:
         raise NoSuchChannel(topic, channel)
+    gap = None
     params: dict[str, object] = {"topic": topic, "channel": channel, "dry_run": dry_run, "latest": False,
                                  "floor": None, "window_hi": None, "before_ms": None, "fresh": fresh}
     if isinstance(target, ToTime):
@@ -230,11 +264,19 @@ def seek_channel_steps(topic: str, channel: str, target: SeekTarget, dry_run: bo
         if ttl_ms is not None and target.ms < now_ms - ttl_ms:
             raise PastTimeToLive(topic, target.ms, ttl_ms, now_ms)
         if swept_ms is not None and target.ms <= swept_ms:
-            raise BeforeRetainedStart(topic, swept_ms, swept_id, oldest_id, oldest_ms)
+            if not from_archive:
+                raise BeforeRetainedStart(topic, swept_ms, swept_id, oldest_id, oldest_ms)
+            if archive is None:
+                raise NotArchived(topic, swept_ms)
+            gap = ArchiveGap(target.ms, swept_ms + 1, archive)
+            target = ToTime(swept_ms + 1)
         bounds = yield from seek_bounds_steps(target.ms, skew_ms)
         params.update(floor=0 if bounds.lo is None else bounds.lo, window_hi=bounds.hi, before_ms=target.ms)
     elif isinstance(target, ToId):
         if swept_id is not None and target.message_id <= swept_id:
+            if from_archive:  # the archive's gap is a range of publish times
+                raise SeekRefused(f"topic {topic} keeps no message at or below id {swept_id}: --from-archive "
+                                  f"takes a time (--to-time, --by), the gap is read by publish time")
             raise BeforeRetainedStart(topic, swept_ms, swept_id, oldest_id, oldest_ms)
         params.update(floor=target.message_id - 1)
     else:
@@ -243,7 +285,7 @@ def seek_channel_steps(topic: str, channel: str, target: SeekTarget, dry_run: bo
     if not rows:  # removed since seek_state read it
         raise NoSuchChannel(topic, channel)
     ((count, top, first_id, first_ms, epoch, previous_id, previous_ms),) = rows
-    return Sought(target, int(count), top, first_id, first_ms, epoch, previous_id, previous_ms)
+    return Sought(target, int(count), top, first_id, first_ms, epoch, previous_id, previous_ms, gap)
 
 
 def start_channel_steps(spec: TopicSpec, channel: str, target: SeekTarget, dry_run: bool = False) -> Steps[Sought]:

@@ -52,7 +52,7 @@ from twisted.web.server import Request
 
 from dmq_server.admin.inspect import Inspector
 from dmq_server.admin.operations import AdminOps, DeadLetterFilter, parse_limit
-from dmq_server.admin.seek_request import parse_seek
+from dmq_server.admin.seek_request import parse_flag, parse_seek
 from dmq_server.core.errors import DmqError, Forbidden, Invalid, NotFound, Refused, Unauthorized, Unavailable, reply_for
 from dmq_server.core.outbox_figures import OutboxJson
 from dmq_server.http import admin_inspect
@@ -184,8 +184,9 @@ class AdminResource(Resource):
             _, topic, channel, action = parts
             if action == "seek":
                 dry_run = params.pop("dry_run", "false").lower() in ("true", "1", "yes")
+                from_archive = parse_flag("from_archive", params.pop("from_archive", None))
                 target = parse_seek(params)
-                sought = self.ops.channel_seek(topic, channel, target, dry_run, "http", access.actor)
+                sought = self.ops.channel_seek(topic, channel, target, dry_run, "http", access.actor, from_archive)
                 return sought.addCallback(lambda reports: {"clusters": reports})
             d = self.ops.channel_action(action, topic, channel, "http", access.actor)
             return d.addCallback(lambda summary: {"ok": summary})

@@ -137,3 +137,26 @@ def test_a_seek_it_cannot_do_is_refused_with_its_reason(pg_dsn, args, code, mess
         registry.add_channel(conn, "orders", "billing")
     out = run_cli(pg_dsn, "channel", "seek", *args)
     assert out.returncode == code and message in out.stderr, (out.returncode, out.stderr)
+
+
+def test_a_seek_from_archive_through_the_admin_api_seeks_to_the_retained_start(published, pg_dsn):
+    """The admin API's from_archive=true: a time before what the sweep removed (noted as the sweep
+    notes it: everything up to the first group's last message) seeks to the retained start and
+    names the gap's reinject command; without an archive it is refused (400)."""
+    server, billing, groups = published
+    swept_ms = db_rows(pg_dsn, "SELECT (extract(epoch FROM published_at) * 1000)::bigint FROM dmq_message "
+                               "WHERE id = %s", groups[0][-1])[0][0]
+    db_rows(pg_dsn, "INSERT INTO dmq_retention VALUES ('orders', %s, %s) RETURNING topic", groups[0][-1], swept_ms)
+    status, answer = http(server, "POST", "/admin/channels/orders/billing/seek?by=-2h&from_archive=true")
+    assert status == 400 and "no archive to re-inject it from" in answer["message"], answer
+    db_rows(pg_dsn, "INSERT INTO dmq_archive_state (location) VALUES ('/srv/dmq-archive') RETURNING location")
+    status, answer = http(server, "POST", "/admin/channels/orders/billing/seek?by=-2h&from_archive=true")
+    assert status == 200, answer
+    [report] = answer["clusters"]
+    assert (report["count"], report["target_id"]) == (20, groups[1][0])
+    assert report["from_archive"]["until_ms"] == swept_ms + 1
+    assert report["from_archive"]["reinject"].startswith(
+        "dmq-pipeline reinject --archive /srv/dmq-archive --topic orders --channel billing --since ")
+    assert sorted(_receive(billing, 20)) == groups[1] + groups[2]
+    [(filters,)] = db_rows(pg_dsn, "SELECT filters FROM dmq_admin_log WHERE operation = 'channel.seek'")
+    assert "from archive" in filters
