@@ -778,6 +778,9 @@ class Broker:
                 lowest[key] = mine if known is None else known if mine is None else min(known, mine)
         return lowest
 
+    def retained(self, topic: str) -> dict[str, int | None]:
+        return self.placement.retained(topic)
+
     def stats(self) -> dict[str, Any]:
         """This node's counters, added up over the clusters (each alone in ``clusters``)."""
         reliable = self.reliable
