@@ -33,7 +33,6 @@ from dmq_server.core.errors import Unavailable
 from dmq_server.core.options import Options
 from dmq_server.db.clusters import slot_of_id
 from dmq_server.db.outage import Outage
-from dmq_server.db.retained import retained_stats
 from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Delivery, Receiver, ReliableChannel
 from dmq_server.reliable.store import Outcome, ReliableStore, StoreWiring
@@ -355,11 +354,9 @@ class Placement:
 
     # -- introspection ------------------------------------------------------------------
     def topic_stats(self, reliable: dict[str, TopicSpec]) -> list[dict[str, Any]]:
-        """Every reliable topic once, with its cluster, channels added up over clusters,
-        and what it retains added up over every cluster holding its rows."""
+        """Every reliable topic once, with its cluster, channels added up over clusters."""
         if not self.several:
-            return [dict(t, cluster="main", draining=[], **self.retained(t["topic_name"]))
-                    for t in self.stores["main"].topic_stats()]
+            return [dict(t, cluster="main", draining=[]) for t in self.stores["main"].topic_stats()]
         per_store = {name: {t["topic_name"]: t for t in store.topic_stats()} for name, store in self.stores.items()}
         topics = []
         for name in sorted(reliable):
@@ -371,15 +368,10 @@ class Placement:
             for part in parts:
                 for channel in part["channels"]:
                     by_channel.setdefault(channel["channel_name"], []).append(channel)
-            topic = dict(parts[0], cluster=spec.cluster, draining=list(spec.draining), **self.retained(name))
+            topic = dict(parts[0], cluster=spec.cluster, draining=list(spec.draining))
             topic["channels"] = [merge_channel_stats(by_channel[c]) for c in sorted(by_channel)]
             topics.append(topic)
         return topics
-
-    def retained(self, topic: str) -> dict[str, int | None]:
-        """What ``topic`` keeps in PostgreSQL, added up over every cluster holding its rows
-        (``db.retained.retained_stats``; a moved topic's old cluster too, until swept)."""
-        return retained_stats(store.retained.get(topic) for store in self.stores.values())
 
     def cluster_stats(self) -> dict[str, dict[str, Any]]:
         """Per cluster: its health and what its writers, acker and stores did."""

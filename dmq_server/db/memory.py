@@ -1027,7 +1027,9 @@ class MemoryDb:
 
     def _uncount_swept(self, p: dict) -> int:
         row = self.retained.get(p["topic"])
-        gone = [n for i, n in zip(p["ids"], p["lengths"]) if row is not None and i <= row[0]]
+        if row is None:
+            return 0
+        gone = [n for i, n in zip(p["ids"], p["lengths"]) if i <= row[0]]
         if not gone:
             return 0
         row[1] -= len(gone)

@@ -37,12 +37,13 @@ to count below T - S either: the point moves there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
+from dmq_server.db.messages import SweepTarget, sweep_plan_steps
 from dmq_server.db.seek import SEEK_SKEW_MS, seek_bounds_steps
 from dmq_server.db.steps import Statement, Steps
 
-__all__ = ["COUNT_BATCH", "Retained", "SettlePoint", "settle_time", "settle_point_steps", "count_plan_steps",
+__all__ = ["COUNT_BATCH", "Retained", "SettlePoint", "settle_time", "settle_point_steps", "sweep_pass_plan_steps", "count_plan_steps",
            "count_topic_steps", "retained_figures_steps", "retained_stats"]
 
 #: rows counted at most by one statement (a statement of 50,000 reads as many heap tuples:
@@ -91,6 +92,17 @@ def settle_point_steps(skew_ms: int = SEEK_SKEW_MS) -> Steps[SettlePoint]:
     if found != bounds.lo:  # swept since the search found it: the next pass finds another
         return SettlePoint(None, None)
     return SettlePoint(bounds.lo, published_us // 1000 - skew_ms)
+
+
+def sweep_pass_plan_steps(
+    default_retention_s: float, starts: Mapping[float, int], skew_ms: int = SEEK_SKEW_MS
+) -> Steps[tuple[list[SweepTarget], dict[float, int], SettlePoint, list[str]]]:
+    """A retention sweep's pass, planned in one transaction: the topics to sweep and the
+    next pass's starts (``sweep_plan_steps``), then the count's point and topics
+    (``count_plan_steps``)."""
+    targets, next_starts = yield from sweep_plan_steps(default_retention_s, starts)
+    point, topics = yield from count_plan_steps(skew_ms)
+    return targets, next_starts, point, topics
 
 
 def count_plan_steps(skew_ms: int = SEEK_SKEW_MS) -> Steps[tuple[SettlePoint, list[str]]]:

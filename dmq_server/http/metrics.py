@@ -10,6 +10,10 @@ join for ever), made of the same stats the
 pool thread. Nothing here touches the publish or delivery path; a scrape costs one
 walk over the topics and channels on the reactor.
 
+Why one long module: every family a scrape yields is built here from the one
+``Snapshot``, on the pool thread; split by family, the snapshot's shape would be read in
+several files and a family could be yielded twice or not at all.
+
 Names follow Prometheus' conventions: the ``dmq_`` prefix, ``_total`` for counters,
 base units. Labels are bounded by what the registry holds (``store``, ``topic``,
 ``channel``) or by fixed sets (``reason``, ``protocol``); never a message id, a client

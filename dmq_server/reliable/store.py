@@ -56,12 +56,11 @@ from dmq_server.db.messages import (
     run_query_steps,
     SweepTarget,
     prune_owners_steps,
-    sweep_plan_steps,
     sweep_topic_steps,
 )
 from dmq_server.db.outage import Outage
-from dmq_server.db.retained import COUNT_BATCH, Retained, SettlePoint, count_plan_steps, count_topic_steps, \
-    retained_figures_steps
+from dmq_server.db.retained import COUNT_BATCH, Retained, SettlePoint, count_topic_steps, retained_figures_steps, \
+    sweep_pass_plan_steps
 from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.confirm import Confirmations
@@ -93,6 +92,9 @@ SWEEP_BATCH = 2_000
 SWEEP_DUTY = 0.25
 
 log = Logger()
+
+#: read_channel_state_steps' answer: the channels paused, the incarnations retired, the epochs
+ChannelState = tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]
 
 
 @dataclass(frozen=True)
@@ -986,11 +988,19 @@ class ReliableStore:
         counted by the sweep's passes, on whichever node). The stored depths are counted
         apart, a slice at a time (``self.depths``)."""
         d = self._workers["admin"].run_steps(read_channel_state_steps)
-        # the topics' retained figures: a small table, one row a topic
-        d.addCallback(lambda state: self._workers["admin"].run_steps(retained_figures_steps).addCallback(
-            lambda retained: (setattr(self._sweep, "retained", retained), state)[1]))
 
-        def apply(state: tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]) -> None:
+        def figures(state: ChannelState) -> Deferred[ChannelState]:
+            """Then the topics' retained figures (a small table, a row a topic)."""
+
+            def keep(retained: dict[str, Retained]) -> ChannelState:
+                self._sweep.retained = retained
+                return state
+
+            return self._workers["admin"].run_steps(retained_figures_steps).addCallback(keep)
+
+        d.addCallback(figures)
+
+        def apply(state: ChannelState) -> None:
             held, retired, epochs = state
             self.writes.retired.update(retired)
             self._held = held
@@ -1085,19 +1095,14 @@ class ReliableStore:
         if sweep.call is not None or sweep.running:
             return succeed(None)
         sweep.running = True
-        d = self._workers["admin"].run_steps(sweep_plan_steps, self.options.message_retention, dict(sweep.starts))
+        d = self._workers["admin"].run_steps(sweep_pass_plan_steps, self.options.message_retention, dict(sweep.starts))
 
-        def planned(plan: tuple[list[SweepTarget], dict[float, int]]) -> Deferred:
-            targets, sweep.starts = plan
-            sweep.targets, sweep.after = deque(targets), 0
-            return self._workers["admin"].run_steps(count_plan_steps)
-
-        def counting(plan: tuple[SettlePoint, list[str]]) -> Deferred:
-            sweep.point, topics = plan
-            sweep.counts = deque(topics)
+        def planned(plan: tuple[list[SweepTarget], dict[float, int], SettlePoint, list[str]]) -> Deferred:
+            targets, sweep.starts, sweep.point, topics = plan
+            sweep.targets, sweep.after, sweep.counts = deque(targets), 0, deque(topics)
             return self._sweep_batch()
 
-        return d.addCallback(planned).addCallbacks(counting, self._sweep_failed)
+        return d.addCallbacks(planned, self._sweep_failed)
 
     def _sweep_batch(self) -> Deferred:
         """The pass's next batch: of its first topic, or the pass's end (``prune_owners``)."""

@@ -53,3 +53,28 @@ def test_the_settle_time_is_a_skew_before_now_or_the_oldest_writer_s_start_if_ea
     assert settle_time(100_000, None, 30_000) == 70_000
     assert settle_time(100_000, 90_000, 30_000) == 70_000  # a writer of 10 s: the skew decides
     assert settle_time(100_000, 20_000, 30_000) == 20_000  # a writer open 80 s holds it back
+
+
+def test_a_node_s_sweep_pass_counts_and_its_channel_state_read_shows_the_figures_in_stats():
+    """Through the broker on the double: three sends of 5, 6 and 7 bytes, settled (published
+    an hour ago); a sweep pass counts them, the next channel-state read brings the figures,
+    and /stats' topic shows them; a fourth send, too young, is not counted yet."""
+    from tests.unit.test_broker import Harness
+
+    h = Harness(message_retention=86400.0)
+    for n, body in enumerate((b"a" * 5, b"b" * 6, b"c" * 7)):
+        h.send("orders", "p", n, body)
+    h.settle()
+    for m in h.db.messages.values():
+        m.published_ms -= 3_600_000
+    h.send("orders", "p", 9, b"young")
+    h.settle()
+    store = h.broker.reliable
+    store.sweep()
+    h.settle()
+    store.read_channel_state()
+    h.settle()
+    (orders,) = [t for t in h.broker.stats()["topics"] if t["topic_name"] == "orders"]
+    assert (orders["retained_messages"], orders["retained_bytes"]) == (3, 18)
+    assert orders["retained_as_of"] is not None and orders["retained_as_of"] < h.clock.seconds() * 1000 - 3_600_000
+    assert h.broker.retained("orders") == {k: orders[k] for k in ("retained_messages", "retained_bytes", "retained_as_of")}
