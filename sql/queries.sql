@@ -460,7 +460,8 @@ SELECT pg_advisory_xact_lock_shared(7361005, hashtext(%(topic)s::text)) AS waite
 -- it, the copies acknowledged out of order (`done`) or dead-lettered go once no channel waits
 -- for them (the planner tests the cheap comparison first). The publish time is tested again
 -- on each row: below `below` an id may still have been published inside the window (ids are
--- drawn after the transaction's now()). Returns each deleted id with its publish time (ms).
+-- drawn after the transaction's now()). Returns each deleted id with its publish time (ms) and
+-- its body's stored length (uncount_swept takes it off the topic's retained figures).
 WITH RECURSIVE owners AS (
     (SELECT m.owner FROM dmq_message m WHERE hashtext(m.topic) = hashtext(%(topic)s::text)
      ORDER BY m.owner LIMIT 1)
@@ -497,7 +498,7 @@ WHERE id = ANY (ARRAY(
     ORDER BY v.id
     LIMIT %(limit)s
 ))
-RETURNING id, (extract(epoch FROM published_at) * 1000)::bigint AS published_ms;
+RETURNING id, (extract(epoch FROM published_at) * 1000)::bigint AS published_ms, octet_length(body) AS bytes;
 
 -- name: note_swept
 -- What the sweep removed of a topic so far: the highest id and the newest publish time (ms).
@@ -508,6 +509,92 @@ VALUES (%(topic)s, %(swept_id)s, %(swept_ms)s)
 ON CONFLICT (topic) DO UPDATE
 SET swept_id = greatest(dmq_retention.swept_id, EXCLUDED.swept_id),
     swept_ms = greatest(dmq_retention.swept_ms, EXCLUDED.swept_ms);
+
+-- name: uncount_swept
+-- The sweep's batch (sweep_topic's rows: ids and body lengths) off the topic's retained
+-- figures, in the delete's transaction: only the rows the count had reached (id <=
+-- counted_to); those above it were never counted.
+UPDATE dmq_retained r
+SET messages = r.messages - d.n, bytes = r.bytes - d.b
+FROM (SELECT count(*) AS n, coalesce(sum(u.len), 0) AS b
+      FROM unnest(%(ids)s::bigint[], %(lengths)s::bigint[]) AS u(id, len)
+      WHERE u.id <= (SELECT counted_to FROM dmq_retained WHERE topic = %(topic)s)) d
+WHERE r.topic = %(topic)s AND d.n > 0;
+
+-- name: count_settle_time
+-- Where the retained count may go up to (db.messages.settle_point_steps): the database's
+-- now and the start of its oldest writing transaction but ours (pg_stat_activity shows it for
+-- sessions of the same role, as the nodes' are; a row that transaction inserts is not
+-- visible yet, and no id below the count's point may still gain a row).
+SELECT (extract(epoch FROM now()) * 1000)::bigint AS now_ms,
+       (SELECT (extract(epoch FROM min(a.xact_start)) * 1000)::bigint
+        FROM pg_stat_activity a
+        WHERE a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid()
+          AND a.datname = current_database()) AS oldest_writer_ms;
+
+-- name: retained_topics
+-- The topics the count visits besides those with a message stored (sweep_topics): those
+-- counted before, so a topic whose rows all went is counted to the new point too (its
+-- figures are exact up to now), and a deleted one's row is dropped.
+SELECT topic FROM dmq_retained ORDER BY topic;
+
+-- name: count_retained
+-- One batch of a topic's retained count, under sweep_topic_lock: the topic's rows with an id in
+-- (counted_to, `upto`] (`upto`: the settled point), per incarnation from the topic's index
+-- (never another topic's rows), at most `limit` of them in id order; added to the figures
+-- with the highest id read as the new counted_to when the batch is full, else `upto` (and
+-- then `counted_ms` with it). octet_length of a bytea reads the length its header records (the
+-- body's length as sent): no body is decompressed or fetched from TOAST. Returns the rows counted and the new counted_to.
+WITH RECURSIVE owners AS (
+    (SELECT m.owner FROM dmq_message m WHERE hashtext(m.topic) = hashtext(%(topic)s::text)
+     ORDER BY m.owner LIMIT 1)
+    UNION ALL
+    SELECT (SELECT m.owner FROM dmq_message m
+            WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.owner > o.owner ORDER BY m.owner LIMIT 1)
+    FROM owners o WHERE o.owner IS NOT NULL
+), prior AS (
+    SELECT coalesce((SELECT counted_to FROM dmq_retained WHERE topic = %(topic)s), 0) AS counted_to
+), picked AS MATERIALIZED (
+    SELECT v.id, v.len FROM owners o
+    CROSS JOIN prior p
+    CROSS JOIN LATERAL (
+        SELECT m.id, octet_length(m.body) AS len FROM dmq_message m
+        WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s AND m.owner = o.owner
+          AND m.id > p.counted_to AND m.id <= %(upto)s
+        ORDER BY m.id
+        LIMIT %(limit)s
+    ) v
+    WHERE o.owner IS NOT NULL
+    ORDER BY v.id
+    LIMIT %(limit)s
+), total AS (
+    SELECT count(*) AS n, coalesce(sum(len), 0) AS b, max(id) AS top FROM picked
+)
+INSERT INTO dmq_retained AS r (topic, counted_to, messages, bytes, counted_ms)
+SELECT %(topic)s, CASE WHEN t.n >= %(limit)s THEN t.top ELSE greatest(p.counted_to, %(upto)s) END, t.n, t.b,
+       CASE WHEN t.n >= %(limit)s THEN NULL ELSE %(counted_ms)s::bigint END
+FROM total t CROSS JOIN prior p
+ON CONFLICT (topic) DO UPDATE
+SET counted_to = greatest(r.counted_to, EXCLUDED.counted_to),
+    messages = r.messages + EXCLUDED.messages,
+    bytes = r.bytes + EXCLUDED.bytes,
+    counted_ms = CASE WHEN EXCLUDED.counted_ms IS NULL THEN r.counted_ms
+                      ELSE greatest(r.counted_ms, EXCLUDED.counted_ms) END
+RETURNING (SELECT n FROM total) AS counted, r.counted_to;
+
+-- name: drop_retained
+-- A deleted topic's figures, once nothing of it is stored (the sweep removed its rows):
+-- only registered topics are reported, and a topic registered again starts from nothing.
+DELETE FROM dmq_retained r
+WHERE r.topic = %(topic)s
+  AND NOT EXISTS (SELECT 1 FROM dmq_topic t WHERE t.name = r.topic)
+  AND NOT EXISTS (SELECT 1 FROM dmq_message m
+                  WHERE hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s);
+
+-- name: retained_figures
+-- Every topic's retained figures on this cluster (the node reads them with the channel
+-- state and adds up the clusters': a moved topic has rows on two).
+SELECT topic, messages, bytes, counted_ms FROM dmq_retained ORDER BY topic;
 
 -- name: channel_depths
 -- Stored, unacknowledged copies per channel (`dmq stats`: reads every stored copy at once;

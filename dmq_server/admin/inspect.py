@@ -152,8 +152,10 @@ class Inspector:
         node (a reliable channel's depth counts what PostgreSQL holds for every node), once
         the registry has been read (``registry_read``). Each channel has ``oldest_age``: how
         long its oldest message has waited, in seconds (None: nothing waits, or not read
-        yet). A fast topic is listed without channels too, as nsqadmin does, with its
-        ``depth``: nsqd keeps what is published to it for its first channel."""
+        yet). A reliable topic has ``retained``: the messages and body bytes PostgreSQL keeps
+        of it (``retained_messages``, ``retained_bytes``, ``retained_as_of``: see
+        ``db.retained``). A fast topic is listed without channels too, as nsqadmin does, with
+        its ``depth``: nsqd keeps what is published to it for its first channel."""
         return registry_read(self.ops.broker, self.ops.clock).addCallback(lambda _: self._overview())
 
     def _overview(self) -> dict[str, Any]:
@@ -164,6 +166,9 @@ class Inspector:
                                                    "cluster": row["cluster"], "draining": row["draining"],
                                                    "settings": settings, "channels": []}
         broker = self.ops.broker
+        for (store, name), entry in topics.items():
+            if store == "reliable":  # what PostgreSQL keeps of it, over every cluster (db.retained)
+                entry["retained"] = broker.retained(name)
         fast_topics = {figures.name: figures for figures in broker.snapshot().fast_topics}
         stored = self._stored()
         ages = stored["oldest_unacked"] if stored is not None else {}

@@ -50,6 +50,7 @@ from dmq_server.core.publish import (
 from dmq_server.db.dead_letter_steps import NewDeadLetter
 from dmq_server.db.storage_errors import StorageError
 from dmq_server.db.outage import Outage
+from dmq_server.db.retained import retained_stats
 from dmq_server.db.runner import StepRunner
 from dmq_server.fast.fast_store import FastStore
 from dmq_server.fast.message import FastClient
@@ -778,6 +779,11 @@ class Broker:
                 lowest[key] = mine if known is None else known if mine is None else min(known, mine)
         return lowest
 
+    def retained(self, topic: str) -> dict[str, int | None]:
+        """What ``topic`` keeps in PostgreSQL, added up over every cluster holding its rows
+        (a moved topic's old cluster too, until they are swept): ``db.retained.retained_stats``."""
+        return retained_stats(store.retained.get(topic) for store in self.placement.stores.values())
+
     def stats(self) -> dict[str, Any]:
         """This node's counters, added up over the clusters (each alone in ``clusters``)."""
         reliable = self.reliable
@@ -801,7 +807,8 @@ class Broker:
             "rate_limited": self.limits.refused,
             "dead_letters": reliable.dead_letters.stats(),
             "trace": reliable.trace.stats(),
-            "topics": self.placement.topic_stats(self.cache.reliable),
+            "topics": [dict(topic, **self.retained(topic["topic_name"]))
+                       for topic in self.placement.topic_stats(self.cache.reliable)],
             "clusters": clusters,
         }
 

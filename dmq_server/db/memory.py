@@ -253,6 +253,8 @@ class MemoryDb:
         # dmq_topic: name -> settings; dmq_channel: topic -> channel names
         self.topics: dict[str, _Topic] = {}
         self.retention: dict[str, tuple[int, int]] = {}  # dmq_retention: topic -> (swept_id, swept_ms)
+        # dmq_retained (schema 22): topic -> [counted_to, messages, bytes, counted_ms]
+        self.retained: dict[str, list] = {}
         self._topic_versions = 0  # the sequence dmq_topic_version
         self.channels: dict[str, set[str]] = {}
         self.start_ids: dict[tuple[str, str], int] = {}  # dmq_channel.start_id
@@ -316,6 +318,13 @@ class MemoryDb:
             "sweep_topic_lock": lambda p: [(None, True)],  # one process: nobody else sweeps or seeks
             "sweep_topic": self._sweep_topic,
             "note_swept": self._note_swept,
+            "uncount_swept": self._uncount_swept,
+            # no other transaction is open in the double: the oldest writer is none
+            "count_settle_time": lambda p: [(self._now_ms(), None)],
+            "retained_topics": lambda p: [(t,) for t in sorted(self.retained)],
+            "count_retained": self._count_retained,
+            "drop_retained": self._drop_retained,
+            "retained_figures": lambda p: [(t, r[1], r[2], r[3]) for t, r in sorted(self.retained.items())],
             "channel_depths": self._channel_depths,
             "depth_scan_start": self._depth_scan_start,
             "depth_slice_end": self._depth_slice_end,
@@ -1017,6 +1026,38 @@ class MemoryDb:
         self.retention[p["topic"]] = (max(swept_id, p["swept_id"]), max(swept_ms, p["swept_ms"]))
         return 1
 
+    def _uncount_swept(self, p: dict) -> int:
+        row = self.retained.get(p["topic"])
+        if row is None:
+            return 0
+        gone = [n for i, n in zip(p["ids"], p["lengths"]) if i <= row[0]]
+        if not gone:
+            return 0
+        row[1] -= len(gone)
+        row[2] -= sum(gone)
+        return 1
+
+    def _count_retained(self, p: dict) -> list[tuple]:
+        """The topic's rows in (counted_to, upto], at most ``limit``, added to its figures."""
+        topic, limit = p["topic"], p["limit"]
+        row = self.retained.get(topic, [0, 0, 0, None])
+        picked = sorted(i for i, m in self.messages.items() if m.topic == topic and row[0] < i <= p["upto"])[:limit]
+        full = len(picked) >= limit
+        row[0] = max(row[0], picked[-1] if full else p["upto"])
+        row[1] += len(picked)
+        row[2] += sum(len(self.messages[i].body) for i in picked)
+        if not full and p["counted_ms"] is not None:
+            row[3] = p["counted_ms"] if row[3] is None else max(row[3], p["counted_ms"])
+        self.retained[topic] = row
+        return [(len(picked), row[0])]
+
+    def _drop_retained(self, p: dict) -> int:
+        topic = p["topic"]
+        if topic in self.topics or topic not in self.retained or any(m.topic == topic for m in self.messages.values()):
+            return 0
+        del self.retained[topic]
+        return 1
+
     def _sweep_topic(self, p: dict) -> list[tuple]:
         """One topic's messages in (``after``, ``below``), per incarnation, published before
         its retention, that no channel waits for (those at or below every channel's floor
@@ -1034,12 +1075,12 @@ class MemoryDb:
         return self._swept(sorted(gone)[: p["limit"]])
 
     def _swept(self, ids: list[int]) -> list[tuple]:
-        """Delete these messages; their ids and publish times."""
+        """Delete these messages; their ids, publish times and body lengths."""
         rows = []
         for message_id in ids:
             m = self.messages.pop(message_id)
             del self._pairs[(m.producer, m.session_id)]
-            rows.append((m.id, m.published_ms))
+            rows.append((m.id, m.published_ms, len(m.body)))
         return rows
 
     # -- delayed sends ---------------------------------------------------------------

@@ -822,9 +822,13 @@ def sweep_topic_steps(target: SweepTarget, limit: int, after: int = 0) -> Steps[
     })
     if not rows:
         return 0, after
-    highest = max(mid for mid, _ in rows)
+    highest = max(mid for mid, _, _ in rows)
     yield Statement("note_swept", {
-        "topic": target.topic, "swept_id": highest, "swept_ms": max(ms for _, ms in rows),
+        "topic": target.topic, "swept_id": highest, "swept_ms": max(ms for _, ms, _ in rows),
+    }, count=True)
+    # the topic's retained figures (db.retained) lose the rows they had counted
+    yield Statement("uncount_swept", {
+        "topic": target.topic, "ids": [mid for mid, _, _ in rows], "lengths": [n for _, _, n in rows],
     }, count=True)
     return len(rows), highest
 

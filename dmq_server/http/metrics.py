@@ -10,6 +10,10 @@ join for ever), made of the same stats the
 pool thread. Nothing here touches the publish or delivery path; a scrape costs one
 walk over the topics and channels on the reactor.
 
+Why one long module: every family a scrape yields is built here from the one
+``Snapshot``, on the pool thread; split by family, the snapshot's shape would be read in
+several files and a family could be yielded twice or not at all.
+
 Names follow Prometheus' conventions: the ``dmq_`` prefix, ``_total`` for counters,
 base units. Labels are bounded by what the registry holds (``store``, ``topic``,
 ``channel``) or by fixed sets (``reason``, ``protocol``); never a message id, a client
@@ -208,6 +212,7 @@ class DmqCollector:
         yield consumers
         yield paused
         yield from _deliveries(snap)
+        yield from _retained(snap)
         yield from _clusters(snap)
         yield from _stored(snap)
         yield from _db_pool(snap)
@@ -247,6 +252,31 @@ def _deliveries(snap: Snapshot) -> Iterator[Metric]:
     yield returned
     yield CounterMetricFamily("dmq_trace_dropped", "Returned deliveries not written to the message trace "
                               "(its queue was full during a database outage).", value=trace.get("dropped", 0))
+
+
+def _retained(snap: Snapshot) -> Iterator[Metric]:
+    """What each reliable topic keeps in PostgreSQL, added up over the clusters holding its
+    rows, as the retention sweep's count found it (``db.retained``): exact for every message
+    published before ``dmq_topic_retained_as_of_seconds``, younger ones not counted yet."""
+    messages = GaugeMetricFamily("dmq_topic_retained_messages", "Messages the reliable topic keeps in PostgreSQL "
+                                 "(counted by the retention sweep, up to dmq_topic_retained_as_of_seconds).",
+                                 labels=["topic"])
+    size = GaugeMetricFamily("dmq_topic_retained_bytes", "Body bytes of the messages the reliable topic keeps "
+                             "in PostgreSQL (their lengths as sent; TOAST compression not subtracted).", labels=["topic"])
+    as_of = GaugeMetricFamily("dmq_topic_retained_as_of_seconds", "Unix time before which every message of "
+                              "the topic is counted in dmq_topic_retained_messages (absent: not counted yet).",
+                              labels=["topic"])
+    for topic in snap.broker.get("topics", []):
+        if "retained_messages" not in topic:
+            continue
+        labels = [topic["topic_name"]]
+        messages.add_metric(labels, topic["retained_messages"])
+        size.add_metric(labels, topic["retained_bytes"])
+        if topic.get("retained_as_of") is not None:
+            as_of.add_metric(labels, topic["retained_as_of"] / 1000)
+    yield messages
+    yield size
+    yield as_of
 
 
 def _stored(snap: Snapshot) -> Iterator[Metric]:

@@ -17,7 +17,8 @@ __all__ = ["consumer_stats", "reliable_topic_stats", "memory_stats", "text_stats
 
 
 def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str | None, include_clients: bool) -> dict:
-    """A reliable topic in nsqd's TopicStats shape (plus ``store``)."""
+    """A reliable topic in nsqd's TopicStats shape (plus ``store``, ``cluster`` and the
+    ``retained_*`` figures)."""
     channels = []
     for cname in sorted(row.channels):
         if channel is not None and cname != channel:
@@ -53,6 +54,8 @@ def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str |
         "e2e_processing_latency": {"count": 0, "percentiles": None},
         "store": "reliable",
         "cluster": getattr(row, "cluster", "main"),  # the PostgreSQL cluster it is placed on
+        # what PostgreSQL keeps of it, counted by the retention sweep (db.retained)
+        **broker.retained(name),
     }
 
 

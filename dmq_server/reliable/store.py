@@ -56,10 +56,11 @@ from dmq_server.db.messages import (
     run_query_steps,
     SweepTarget,
     prune_owners_steps,
-    sweep_plan_steps,
     sweep_topic_steps,
 )
 from dmq_server.db.outage import Outage
+from dmq_server.db.retained import COUNT_BATCH, Retained, SettlePoint, count_topic_steps, retained_figures_steps, \
+    sweep_pass_plan_steps
 from dmq_server.db.runner import StepRunner
 from dmq_server.reliable.channel import Receiver
 from dmq_server.reliable.confirm import Confirmations
@@ -91,6 +92,9 @@ SWEEP_BATCH = 2_000
 SWEEP_DUTY = 0.25
 
 log = Logger()
+
+#: read_channel_state_steps' answer: the channels paused, the incarnations retired, the epochs
+ChannelState = tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ class _Unresolved:
 
 class _Sweep:
     """The retention sweep's pass (``ReliableStore.sweep``): the topics with something
-    older than their retention, each one's batches while they come back full."""
+    older than their retention, each one's batches while they come back full; then each
+    topic's retained count, a batch at a time the same way."""
 
     def __init__(self) -> None:
         self.batch = SWEEP_BATCH
@@ -148,6 +153,11 @@ class _Sweep:
         self.starts: dict[float, int] = {}
         self.targets: deque[SweepTarget] = deque()  # this pass's topics still to sweep
         self.after = 0  # the first of them: the highest id its batches deleted
+        # then the topics whose retained figures it counts (db.retained), up to ``point``
+        self.point: SettlePoint | None = None
+        self.counts: deque[str] = deque()
+        # per topic, its figures on this cluster as the channel state last read them
+        self.retained: dict[str, Retained] = {}
 
 
 class ReliableStore:
@@ -267,6 +277,12 @@ class ReliableStore:
     def swept_count(self) -> int:
         """Messages the retention sweep deleted, since start."""
         return self._sweep.swept
+
+    @property
+    def retained(self) -> dict[str, Retained]:
+        """Per topic, the messages and body bytes this cluster keeps (``db.retained``), as
+        the last channel-state read found them."""
+        return self._sweep.retained
 
     @property
     def incarnation(self) -> int:
@@ -968,11 +984,23 @@ class ReliableStore:
     def read_channel_state(self) -> Deferred:
         """The operators' pauses (set on any node), the retired incarnations and the
         channels' epochs (a seek on any node raises one: the channel reads its copies
-        again, ``ReliableChannel.reseek``). The stored depths are counted apart, a slice
-        at a time (``self.depths``)."""
+        again, ``ReliableChannel.reseek``); then the topics' retained figures (``retained``:
+        counted by the sweep's passes, on whichever node). The stored depths are counted
+        apart, a slice at a time (``self.depths``)."""
         d = self._workers["admin"].run_steps(read_channel_state_steps)
 
-        def apply(state: tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]) -> None:
+        def figures(state: ChannelState) -> Deferred[ChannelState]:
+            """Then the topics' retained figures (a small table, a row a topic)."""
+
+            def keep(retained: dict[str, Retained]) -> ChannelState:
+                self._sweep.retained = retained
+                return state
+
+            return self._workers["admin"].run_steps(retained_figures_steps).addCallback(keep)
+
+        d.addCallback(figures)
+
+        def apply(state: ChannelState) -> None:
             held, retired, epochs = state
             self.writes.retired.update(retired)
             self._held = held
@@ -1067,11 +1095,11 @@ class ReliableStore:
         if sweep.call is not None or sweep.running:
             return succeed(None)
         sweep.running = True
-        d = self._workers["admin"].run_steps(sweep_plan_steps, self.options.message_retention, dict(sweep.starts))
+        d = self._workers["admin"].run_steps(sweep_pass_plan_steps, self.options.message_retention, dict(sweep.starts))
 
-        def planned(plan: tuple[list[SweepTarget], dict[float, int]]) -> Deferred:
-            targets, sweep.starts = plan
-            sweep.targets, sweep.after = deque(targets), 0
+        def planned(plan: tuple[list[SweepTarget], dict[float, int], SettlePoint, list[str]]) -> Deferred:
+            targets, sweep.starts, sweep.point, topics = plan
+            sweep.targets, sweep.after, sweep.counts = deque(targets), 0, deque(topics)
             return self._sweep_batch()
 
         return d.addCallbacks(planned, self._sweep_failed)
@@ -1084,6 +1112,8 @@ class ReliableStore:
         if sweep.stopped:
             sweep.running = False
             return succeed(None)
+        if not sweep.targets and sweep.counts and sweep.point is not None:
+            return self._count_batch()
         if not sweep.targets:
             pruned = self._workers["admin"].run_steps(prune_owners_steps)
             return pruned.addCallbacks(lambda _: setattr(sweep, "running", False), self._sweep_failed)
@@ -1107,10 +1137,31 @@ class ReliableStore:
 
         return d.addCallbacks(swept, self._sweep_failed)
 
+    def _count_batch(self) -> Deferred:
+        """The next batch of the pass's count (``db.retained``): of its first topic while
+        they come back full (after the sweep's pause), then the next topic's."""
+        sweep = self._sweep
+        assert sweep.point is not None
+        started = self.clock.seconds()
+        d = self._workers["admin"].run_steps(count_topic_steps, sweep.counts[0], sweep.point, COUNT_BATCH)
+
+        def counted(count: int | None) -> Deferred | None:
+            if count is not None and count >= COUNT_BATCH:  # more of this topic, after a pause
+                sweep.running = False
+                if not sweep.stopped:
+                    pause = (self.clock.seconds() - started) * (1 / SWEEP_DUTY - 1)
+                    sweep.call = self.clock.callLater(pause, self._continue_sweep)
+                return None
+            sweep.counts.popleft()  # done, or another node sweeps or counts it now
+            return self._sweep_batch()
+
+        return d.addCallbacks(counted, self._sweep_failed)
+
     def _sweep_failed(self, failure: Failure) -> None:
         sweep = self._sweep
         sweep.running = False
         sweep.targets.clear()
+        sweep.counts.clear()
         failure.trap(StorageError)  # the next --sweep-interval tries again
 
     def _continue_sweep(self) -> None:

@@ -88,6 +88,7 @@ from dmq_server.db.messages import (
 from dmq_server.db.orderer_steps import claim_ordered_cursors_steps, release_ordered_cursors_steps
 from dmq_server.db.schema import migrate, ping_steps
 from dmq_server.db.seek import SeekRefused, SeekTarget, Sought, ToId, ToLatest, ToTime, seek_bounds_steps, seek_channel_steps
+from dmq_server.db.retained import SettlePoint, count_plan_steps, count_topic_steps, retained_figures_steps
 from dmq_server.db.steps import STATEMENTS, Statement, Steps, run_steps
 from dmq_server.db.takeover_steps import claim_owners_steps, owner_depths_steps, takeover_candidates_steps
 from dmq_server.db.topic_steps import list_topics_steps, mirror_topics_steps
@@ -299,9 +300,19 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("nothing old enough to sweep", sweep_all_steps, lambda: (3600, 100), same),
         ("a sweep's plan: every topic stored, each with its retention (issue 46)", sweep_plan_steps,
          lambda: (-60, {}), lambda out: ([(t.topic, t.retention_s, t.below) for t in out[0]], {r: n > 0 for r, n in out[1].items()})),
+        # the retained figures (schema 22): a count's plan, a full batch, the rest, a topic
+        # neither registered nor stored (its figures go at once)
+        ("a count's plan: the topics stored and counted (issue 46)", count_plan_steps, lambda: (-60_000,),
+         lambda out: (out[0].upto is not None, out[1])),
+        ("count orders: a full batch", count_topic_steps, lambda: ("orders", SettlePoint(MAX_ID, 1), 2), same),
+        ("count orders: the rest", count_topic_steps, lambda: ("orders", SettlePoint(MAX_ID, 1), 100), same),
+        ("count a topic neither registered nor stored", count_topic_steps,
+         lambda: ("ghost", SettlePoint(None, 5), 100), same),
+        ("the retained figures", retained_figures_steps, lambda: (), same),
         ("sweep orders: copies acknowledged out of order too (issue 46)", sweep_topic_steps,
          lambda: (SweepTarget("orders", -60, MAX_ID), 100), lambda out: (out[0], out[1] > 0)),
         ("sweep what no channel holds", sweep_all_steps, lambda: (-60, 100), same),
+        ("the retained figures less what the sweeps removed", retained_figures_steps, lambda: (), same),
         ("swept", find_steps, lambda: ([("p", 1), ("p", 2), ("p", 3), ("a", 9), ("q", 1)],), lambda rows: [(r[1], r[2]) for r in rows]),
         # outbox rows (a relay's producers) are recorded as they are stored, and a recorded
         # one is never stored again, also once its message was swept (schema version 15)

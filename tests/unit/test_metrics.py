@@ -31,11 +31,14 @@ SNAPSHOT = Snapshot(
         "swept": 11,
         "dead_letters": {"recorded_since_start": {"max_attempts": 2, "expired": 1}, "pending": 0},
         "topics": [
-            {"topic_name": "orders", "channels": [
+            {"topic_name": "orders", "retained_messages": 1500, "retained_bytes": 96000,
+             "retained_as_of": 1_700_000_000_250, "channels": [
                 _reliable_channel("billing", message_count=120, ack_count=90, depth=20, in_flight_count=10,
                                   requeue_count=4, timeout_count=1, clients=2),
                 _reliable_channel("audit", message_count=120, paused=True),
             ]},
+            {"topic_name": "fresh", "retained_messages": 0, "retained_bytes": 0, "retained_as_of": None,
+             "channels": []},
         ],
     },
     fast_topics=[
@@ -195,3 +198,16 @@ def test_history_keeps_a_bounded_window_per_channel_and_forgets_channels_that_we
     history.sample()
     assert [c["channel"] for c in history.export()["channels"]] == ["billing"]
     assert history.export(topic="nothing")["channels"] == []
+
+
+def test_each_reliable_topic_s_retained_messages_and_bytes_are_gauges_with_their_as_of_time():
+    """The retained figures of /stats' topics (db.retained) become per-topic gauges; a topic
+    not counted yet shows 0 and no as-of time (absent, not 0: 1970 would read as stale)."""
+    s = scrape(SNAPSHOT)
+    orders, fresh = (("topic", "orders"),), (("topic", "fresh"),)
+    assert (s[("dmq_topic_retained_messages", orders)], s[("dmq_topic_retained_bytes", orders)]) == (1500, 96000)
+    assert s[("dmq_topic_retained_as_of_seconds", orders)] == 1_700_000_000.25
+    assert (s[("dmq_topic_retained_messages", fresh)], s[("dmq_topic_retained_bytes", fresh)]) == (0, 0)
+    assert ("dmq_topic_retained_as_of_seconds", fresh) not in s
+    assert not any(name.startswith("dmq_topic_retained") and dict(labels).get("topic") == "clicks"
+                   for name, labels in s)  # a fast topic keeps nothing in PostgreSQL

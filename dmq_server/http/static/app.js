@@ -81,6 +81,14 @@ function rates(times, counts) {
 
 const fmt = (n) => (n == null ? "–" : Number(n).toLocaleString("en-US", { maximumFractionDigits: 1 }));
 const when = (ms) => (ms ? new Date(ms).toISOString().replace("T", " ").replace("Z", "") : "–");
+// a byte count in binary units (1,536 -> "1.5 KiB")
+const bytes = (n) => {
+  if (n == null) return "–";
+  const units = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  for (; Math.abs(n) >= 1024 && i < units.length - 1; i++) n /= 1024;
+  return `${fmt(n)} ${units[i]}`;
+};
 function age(seconds) {
   if (seconds == null) return "–";
   if (seconds < 90) return `${Math.round(seconds)} s`;
@@ -283,12 +291,17 @@ async function topicsPage(page) {
   // the PostgreSQL cluster of a reliable topic, when there are several (docs/operations.md)
   const where = (topic) => (topic.cluster && topic.cluster !== "main") || (topic.draining || []).length
     ? `${topic.store} on ${topic.cluster}${(topic.draining || []).map((d) => `, draining ${d}`).join("")}` : topic.store;
+  // what PostgreSQL keeps of a reliable topic (counted by the retention sweep, up to retained_as_of)
+  const kept = (topic) => topic.retained
+    ? el("div", { class: "muted retained", title: topic.retained.retained_as_of == null ? "not counted yet"
+        : `every message published before ${when(topic.retained.retained_as_of)} counted; younger ones not yet` },
+      `keeps ${fmt(topic.retained.retained_messages)} messages, ${bytes(topic.retained.retained_bytes)}`) : "";
   // an ordered topic (dmq topic create --ordered): a channel has one copy of a key in flight at a time
   const ordered = (topic) => (topic.settings || {}).ordered
     ? el("span", { class: "ordered", title: "per channel, at most one copy of a message key in flight at a time" }, " ordered") : "";
   for (const topic of overview.topics) {
     if (!topic.channels.length) {  // a fast topic keeps what it gets for its first channel (nsqd)
-      rows.push(el("tr", { dataset: { topic: topic.topic, store: topic.store } }, el("td", {}, topic.topic), el("td", {}, where(topic), ordered(topic)),
+      rows.push(el("tr", { dataset: { topic: topic.topic, store: topic.store } }, el("td", {}, topic.topic), el("td", {}, where(topic), ordered(topic), kept(topic)),
         topic.store === "fast"
           ? [el("td", { class: "muted" }, "no channel"), el("td", { class: "num depth" }, fmt(topic.depth)),
             el("td", { colspan: 9, class: "muted" }, "messages wait in the topic for its first channel")]
@@ -301,7 +314,7 @@ async function topicsPage(page) {
       const ackRate = h ? rates(h.t, h.ack_count) : [];
       rows.push(el("tr", { dataset: { topic: topic.topic, channel: c.channel_name, store: topic.store } },
         el("td", {}, topic.topic),
-        el("td", {}, where(topic), ordered(topic)),
+        el("td", {}, where(topic), ordered(topic), kept(topic)),
         el("td", {}, topic.store === "reliable"
           ? el("a", { href: `#/channel/${enc(topic.topic)}/${enc(c.channel_name)}` }, c.channel_name) : c.channel_name),
         el("td", { class: "num depth" }, fmt(c.depth)),
