@@ -2,9 +2,9 @@
 -- (issue 46: /stats, /metrics, the console), without counting millions of rows on a request.
 --
 -- The retention sweep counts each topic incrementally, under the topic's sweep lock
--- (db.messages.count_topic_steps): `messages` and `bytes` (octet_length of the stored
+-- (db.retained.count_topic_steps): `messages` and `bytes` (octet_length of the stored
 -- bodies) are exact for the topic's rows with id <= `counted_to`, an id below which no row
--- can still be committed (db.messages.settle_point_steps); every message published before
+-- can still be committed (db.retained.settle_point_steps); every message published before
 -- `counted_ms` (ms since the epoch) has such an id. The sweep's delete subtracts exactly
 -- the rows it removes at or below `counted_to`, in its own transaction. NULL `counted_ms`:
 -- the first count has not reached a settled point yet.
