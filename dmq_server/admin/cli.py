@@ -21,7 +21,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dmq_server.admin.cli_support import CliError, connect_cluster, open_database as _database, open_registry as _registry
 from dmq_server.core.errors import Refused
@@ -221,7 +221,9 @@ def _channel_seek(args: argparse.Namespace) -> None:
     reports = []
     done = []
     count = 0
+    strays: list[str] = []
     with open_clusters(args) as conns:
+        spec = _seek_spec(args)
         for name, conn in conns.items():
             try:
                 with conn.transaction():
@@ -234,13 +236,61 @@ def _channel_seek(args: argparse.Namespace) -> None:
             count += sought.count
             done.append(sought)
             reports.append(report(name, sought, args.dry_run, args.topic, args.name))
+            if spec is not None and sought.count and name not in spec.clusters:
+                strays.append(name)
+                reports[-1]["drains_again"] = True
             if not args.json:
                 print(summary(args.topic, args.name, name, sought, args.dry_run))
+        if strays and spec is not None:
+            _drain_again(args, conns, spec, strays)
         if not args.dry_run and "main" in conns:
             run_steps(conns["main"], log_operation_steps(
                 "cli", _actor(), "channel.seek", describe_seek(args.topic, args.name, target, done), count))
     if args.json:
         print(json.dumps(reports, indent=2))
+
+
+def _seek_spec(args: argparse.Namespace) -> Any:
+    """The topic's registered settings, for its placement (None: not registered, which the
+    seek itself then refuses with its own message)."""
+    import registry
+
+    with _registry(args) as reg:
+        try:
+            return reg.get_topic(args.topic)
+        except registry.RegistryError:
+            return None
+
+
+def _drain_again(args: argparse.Namespace, conns: dict[str, Any], spec: Any, strays: list[str]) -> None:
+    """A seek made messages pending on clusters the topic was moved away from (``dmq topic
+    move`` finished: nodes deliver its copies only from its cluster and those draining):
+    the topic drains them again, as after a move, so a node delivers the replay from there;
+    ``dmq topic move T --cluster C`` finishes it (an ordered topic's new messages wait for
+    it, to keep each key's order). A dry run only says so."""
+    from registry.pg import mirror_topics
+
+    listed = ", ".join(strays)
+    how = (f"`dmq topic move {spec.name} --cluster {spec.cluster}` finishes it once they are delivered"
+           + ("; until then the topic's new messages wait (it is ordered)" if spec.ordered else ""))
+    if args.dry_run:
+        print(f"topic {spec.name} would drain {listed} again (it was moved to {spec.cluster}); {how}",
+              file=sys.stderr if args.json else sys.stdout)
+        return
+    import registry
+
+    with _registry(args) as reg:
+        try:
+            now = reg.get_topic(spec.name)
+            reg.place_topic(spec.name, now.cluster, tuple(sorted(set(now.draining) | set(strays))))
+            topics = reg.topics()
+        except registry.RegistryError as exc:
+            raise CliError(f"{spec.name}: sought, but it could not drain {listed} again ({exc}): the messages "
+                           "made pending there wait until it does; run the seek again (it is absolute)", 1) from exc
+    for conn in conns.values():
+        mirror_topics(conn, topics)  # the placement, as every node mirrors it
+    print(f"topic {spec.name} drains {listed} again for the replay (it was moved to {spec.cluster}); {how}",
+          file=sys.stderr if args.json else sys.stdout)
 
 
 def _channel_on_server(args: argparse.Namespace) -> None:

@@ -686,6 +686,7 @@ class AdminOps:
         reports: list[dict[str, object]] = []
         done: list[Sought] = []
         count = 0
+        yield from self._seek_strays(topic, channel, target, from_archive)
         for name, db, _ in self._selected(None):
             try:
                 # (positional: a runner passes no keywords) skew, fresh, from_archive
@@ -705,6 +706,31 @@ class AdminOps:
             yield self.audit(surface, actor, "channel.seek", describe_seek(topic, channel, target, done), count)
             yield self.broker.read_channel_state()
         return reports
+
+    def _seek_strays(self, topic: str, channel: str, target: SeekTarget,
+                     from_archive: bool) -> Generator[Deferred, object, None]:
+        """Refuse, before anything is written, a seek that would make messages pending on a
+        cluster the topic was moved away from: nodes deliver its copies only from its cluster
+        and those still draining, and a server does not change a topic's placement; the CLI
+        does (it has the topic drain that cluster again, as after a move)."""
+        spec = self.broker.topics.get(topic) if self.broker is not None else None
+        if spec is None:
+            return
+        for name, db, _ in self._selected(None):
+            if name in spec.clusters:
+                continue
+            try:
+                sought = yield db.run_steps(seek_channel_steps, topic, channel, target, True, SEEK_SKEW_MS,
+                                            False, from_archive)
+            except SeekRefused:
+                continue  # the seek itself says why
+            assert isinstance(sought, Sought)
+            if sought.count:
+                raise Invalid(
+                    f"cluster {name} keeps {sought.count} message{'s' if sought.count != 1 else ''} of topic {topic} "
+                    f"from before its move to {spec.cluster}, and no node delivers the topic from {name} now: "
+                    f"seek with the CLI (`dmq channel seek {topic} {channel} ...`), which has the topic drain "
+                    f"{name} again for the replay")
 
     def dlq_report(self, params: Mapping[str, object], surface: str, actor: str) -> Deferred:
         """Record a client's report of a send it could not store; fires with the id."""

@@ -8,6 +8,7 @@ private PostgreSQL of its own, so it can be stopped while the main one serves on
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -200,3 +201,56 @@ def test_an_ordered_topic_moves_one_step_at_a_time(two_clusters):
     assert out.returncode == 0, out.stderr
     out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "main", "--no-wait")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_seek_of_a_moved_topic_replays_its_messages_on_both_clusters(two_clusters):
+    """``local`` keeps ten messages on main, is moved to b (the move finished: main drained,
+    nodes deliver the topic from b only), and stores ten more there; all acknowledged. A
+    seek of c1 back over all of them moves its cursors on both clusters (the dry run counts
+    ten on each and says main would drain again), and has the topic drain main again, so
+    the consumer receives the twenty again, each once, c2 none; the move command finishes
+    the drain as after a move."""
+    server, main_dsn, b_dsn, _ = two_clusters
+    with server.client() as producer:
+        before = [producer.send("local", b"m%d" % i).message_id for i in range(10)]
+    for channel in ("c1", "c2"):
+        assert sorted(drain(server, "local", channel, 10)) == before
+    wait_for(lambda: db_rows(main_dsn, "SELECT count(*) FROM dmq_pending WHERE topic = 'local'") == [(0,)])
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--settle", "1")
+    assert out.returncode == 0 and "cluster main drained" in out.stdout, (out.stdout, out.stderr)
+    wait_for(lambda: {t["topic_name"]: (t["cluster"], t["draining"]) for t in stats(server)["topics"]}["local"]
+             == ("b", []))
+    with server.client() as producer:
+        after = [producer.send("local", b"b%d" % i).message_id for i in range(10)]
+    assert all(mid >> 48 == 1 for mid in after)
+    for channel in ("c1", "c2"):
+        assert sorted(drain(server, "local", channel, 10)) == after
+    for dsn in (main_dsn, b_dsn):
+        wait_for(lambda: db_rows(dsn, "SELECT count(*) FROM dmq_pending WHERE topic = 'local'") == [(0,)])
+
+    dry = cli(main_dsn, b_dsn, "channel", "seek", "local", "c1", "--to-time", "1h", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert {c["cluster"]: c["count"] for c in json.loads(dry.stdout)} == {"main": 10, "b": 10}
+    assert "topic local would drain main again (it was moved to b)" in dry.stderr, dry.stderr
+    assert "cluster: b\n" in cli(main_dsn, b_dsn, "topic", "list").stdout  # a dry run changes nothing
+    # a server does not change a topic's placement: its admin API refuses, writing nothing
+    request = urllib.request.Request(server.http + "/admin/channels/local/c1/seek?to_time=1h", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 400
+    message = json.load(refused.value)["message"]
+    assert message.startswith("cluster main keeps 10 messages of topic local from before its move to b, "
+                              "and no node delivers the topic from main now: seek with the CLI"), message
+    assert db_rows(b_dsn, "SELECT count(*) FROM dmq_pending WHERE topic = 'local'") == [(0,)]
+    out = cli(main_dsn, b_dsn, "channel", "seek", "local", "c1", "--to-time", "1h")
+    assert out.returncode == 0, out.stderr
+    assert ("topic local drains main again for the replay (it was moved to b); `dmq topic move local --cluster b` "
+            "finishes it once they are delivered") in out.stdout, out.stdout
+    assert sorted(drain(server, "local", "c1", 20)) == sorted(before + after)
+    with server.client(timeout=10) as consumer:
+        consumer.subscribe("local", "c1", credit=100)
+        assert consumer.receive(timeout=1.5) is None  # each once
+    for dsn in (main_dsn, b_dsn):
+        assert db_rows(dsn, "SELECT count(*) FROM dmq_pending WHERE topic = 'local' AND channel = 'c2'") == [(0,)]
+    out = cli(main_dsn, b_dsn, "topic", "move", "local", "--cluster", "b", "--settle", "1")
+    assert out.returncode == 0 and "cluster main drained" in out.stdout, (out.stdout, out.stderr)
