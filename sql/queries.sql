@@ -859,15 +859,24 @@ RETURNING topic, channel, message_id;
 -- name: open_ttl_cursors
 -- Make sure every (channel, owner) of a topic with a time to live has a cursor row, so
 -- that the expiry can lock it (a node delivering these copies is the owner's own node
--- until a takeover names another).
+-- until a takeover names another). Whether an owner stored a message of the topic above
+-- the channel's start is one probe of the placement index per (channel, owner): its next
+-- entry after (hash, owner, start), in the index's own order, which only that index gives
+-- (as in claim_owners and open_ordered_cursors). An EXISTS became a semi join the planner
+-- answered by hashing all of dmq_message each expiry pass (3 M retained rows: a backend
+-- busy four fifths of the time, with no topic having a time to live), and a LIMIT 1 of
+-- the owner's rows a walk of the table for an owner with none. Another topic of the same
+-- hash counts as stored: a cursor row too many, at the channel's start, is harmless.
 INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
 SELECT c.topic, c.name, o.id, o.node_id, c.start_id
 FROM dmq_channel c
 JOIN dmq_topic t ON t.name = c.topic AND t.ttl_ms IS NOT NULL
 CROSS JOIN dmq_owner o
-WHERE EXISTS (SELECT 1 FROM dmq_message m
-              WHERE hashtext(m.topic) = hashtext(c.topic) AND m.topic = c.topic AND m.owner = o.id
-                AND (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id))
+CROSS JOIN LATERAL (SELECT hashtext(m.topic) AS h, m.owner FROM dmq_message m
+                    WHERE (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id)
+                    ORDER BY hashtext(m.topic), m.owner, m.id
+                    LIMIT 1) AS stored
+WHERE stored.h = hashtext(c.topic) AND stored.owner = o.id
 ON CONFLICT (topic, channel, owner) DO NOTHING;
 
 -- name: expire_deliveries
@@ -1095,9 +1104,11 @@ WITH retired AS (
     SELECT c.topic, c.name, o.id, %(me)s, c.start_id
     FROM dmq_channel c JOIN dmq_topic t ON t.name = c.topic AND NOT t.ordered
     CROSS JOIN unnest(%(owners)s::integer[]) AS o(id)
-    WHERE EXISTS (SELECT 1 FROM dmq_message m
-                  WHERE hashtext(m.topic) = hashtext(c.topic) AND m.topic = c.topic AND m.owner = o.id
-                    AND (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id))
+    CROSS JOIN LATERAL (SELECT hashtext(m.topic) AS h, m.owner FROM dmq_message m
+                        WHERE (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id)
+                        ORDER BY hashtext(m.topic), m.owner, m.id
+                        LIMIT 1) AS stored
+    WHERE stored.h = hashtext(c.topic) AND stored.owner = o.id
     ON CONFLICT (topic, channel, owner) DO NOTHING
     RETURNING topic, channel
 ), moved AS (
@@ -1121,10 +1132,11 @@ GROUP BY topic, channel ORDER BY topic, channel;
 INSERT INTO dmq_cursor (topic, channel, owner, holder, floor)
 SELECT c.topic, c.name, o.id, %(me)s, c.start_id
 FROM dmq_channel c CROSS JOIN dmq_owner o
-WHERE c.topic = %(topic)s
-  AND EXISTS (SELECT 1 FROM dmq_message m
-              WHERE hashtext(m.topic) = hashtext(c.topic) AND m.topic = c.topic AND m.owner = o.id
-                AND (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id))
+CROSS JOIN LATERAL (SELECT hashtext(m.topic) AS h, m.owner FROM dmq_message m
+                    WHERE (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id)
+                    ORDER BY hashtext(m.topic), m.owner, m.id
+                    LIMIT 1) AS stored
+WHERE c.topic = %(topic)s AND stored.h = hashtext(c.topic) AND stored.owner = o.id
 ON CONFLICT (topic, channel, owner) DO NOTHING;
 
 -- name: claim_ordered_cursors
