@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from psycopg import sql
+
 import pytest
 
 import registry
@@ -88,8 +90,7 @@ def test_every_statement_reading_a_topic_of_an_owner_uses_the_placement_index(pg
             # the hash leads each probe (alone, or with the owner and the id bound as a row
             # comparison; or the next entry after them, in the index's order): not a walk of
             # every topic's entries of an owner
-            assert all(c.lstrip("(").startswith(("hashtext(topic) = ", "ROW(hashtext(topic), owner, id) "))
-                       and ("(hashtext(topic) = " in c or c.startswith("(ROW(hashtext(topic), owner, id) > ROW(hashtext("))
+            assert all(c.lstrip("(").startswith(("hashtext(topic) = ", "ROW(hashtext(topic), owner, id) > ROW("))
                        for c in conditions), f"{name}:\n{plan}"
             # the primary key only finds one id, it does not walk the table
             assert all(c.startswith("(id = ") for c in _conditions(plan, "dmq_message_pkey")), f"{name}:\n{plan}"
@@ -132,6 +133,68 @@ def test_a_topic_that_is_most_of_the_table_is_still_read_by_its_owners_range(pg_
                 "EXPLAIN " + STATEMENTS[name], {key: params[key] for key in names}).fetchall())
             assert all(c.startswith("(id = ") for c in _conditions(plan, "dmq_message_pkey")), f"{name}:\n{plan}"
             assert "Seq Scan on dmq_message " not in plan, f"{name}:\n{plan}"
+
+
+def _generic_plan(conn, name: str, params: dict) -> str:
+    """``name``'s generic plan (what a server's prepared statement runs from its sixth
+    execution on) for ``params``: PREPARE'd with $n, EXPLAIN EXECUTE'd."""
+    order: list[str] = []
+
+    def number(match: re.Match) -> str:
+        if match.group(1) not in order:
+            order.append(match.group(1))
+        return f"${order.index(match.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)[sb]", number, STATEMENTS[name])
+
+    def sql_type(value: object) -> str:
+        if isinstance(value, bool):
+            return "boolean"
+        if isinstance(value, list):
+            return "bigint[]" if all(isinstance(v, int) for v in value) else "text[]"
+        return {int: "bigint", float: "double precision"}.get(type(value), "text")
+
+    conn.execute("DEALLOCATE ALL")
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    conn.execute(f"PREPARE probe ({', '.join(sql_type(params[key]) for key in order)}) AS {text}")
+    try:
+        # (literals: a utility statement takes no parameters)
+        args = sql.SQL(", ").join(sql.SQL("{}::" + sql_type(params[key])).format(sql.Literal(params[key]))
+                                  for key in order)
+        return "\n".join(r[0] for r in conn.execute(
+            sql.SQL("EXPLAIN EXECUTE probe({})").format(args)).fetchall())
+    finally:
+        conn.execute("RESET plan_cache_mode")
+
+
+def test_a_new_incarnation_reads_a_topic_by_its_range_in_a_generic_plan(pg_dsn):
+    """A second run on a database: the first incarnation stored 500,000 messages of t2, then
+    300,000 of t1, all acknowledged, the second none yet. Each reading statement's generic
+    plan reads the placement index's ranges only. (With the statistics of a benchmark's
+    second round, the load's generic plan walked the primary key from the first id,
+    filtering on everything: 0.6 s a load, e2e at 4,000 msgs/s against 40,000; these rows
+    do not bring that plan back with the text it had: the test keeps the property.)"""
+    with connect(pg_dsn, autocommit=True) as conn:
+        first, second = (run_steps(conn, create_owner_steps(f"node-{n}")) for n in (1, 2))
+        for topic, count in (("t2", 500_000), ("t1", 300_000)):
+            registry.create_topic(conn, topic, ttl_ms=60000)
+            registry.add_channel(conn, topic, "c")
+            conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
+                         "SELECT %s, %s, n, 'node-1', %s, 'x' FROM generate_series(1, %s) AS n", (topic, topic, first, count))
+        (top,) = conn.execute("SELECT max(id) FROM dmq_message").fetchone()
+        conn.execute("INSERT INTO dmq_cursor (topic, channel, owner, holder, floor) VALUES ('t1', 'c', %s, '', %s)",
+                     (first, top))
+        conn.execute("VACUUM ANALYZE dmq_message")
+        params = dict(PARAMS, after=top, below=top, upto=top, retention_s=0, counted_ms=0, owner=second,
+                      levels=list(range(9, 0, -1)), afters=[0] * 9)
+        for name in ("load_backlog", "load_priority_backlog", "sweep_topic", "count_retained", "expire_deliveries"):
+            plan = _generic_plan(conn, name, params)
+            assert all(c.startswith("(id = ") for c in _conditions(plan, "dmq_message_pkey")), f"{name}:\n{plan}"
+            assert "Seq Scan on dmq_message " not in plan, f"{name}:\n{plan}"
+            # each probe of the placement index led by the topic's hash (an owner's range, or the
+            # loose scan of the owners)
+            assert all(c.lstrip("(").startswith(("hashtext(topic) = ", "ROW(hashtext(topic), owner, id) > ROW("))
+                       for c in _conditions(plan, INDEX)), f"{name}:\n{plan}"
 
 
 def _conditions(plan: str, index: str) -> list[str]:
