@@ -616,14 +616,29 @@ SELECT topic, channel, count(*) AS depth
 FROM dmq_pending GROUP BY topic, channel ORDER BY topic, channel;
 
 -- name: depth_scan_start
--- Where a pass of the server's depth count begins (reliable/depths.py): the lowest floor
--- of any (channel, incarnation). Below it every copy is done, so the acknowledged messages
--- that retention keeps there are not walked. Small tables only: no probe of dmq_message,
--- whose plan could walk the primary key through other topics' messages.
-SELECT coalesce(min(greatest(c.start_id, coalesce(k.floor, c.start_id))), 0)
+-- Where a pass of the server's depth count begins (reliable/depths.py): the lowest point
+-- below which a (channel, incarnation) waits for nothing. Below it every copy is done, so
+-- the acknowledged messages that retention keeps there are not walked. With a cursor, its
+-- floor (at least the channel's start); without one, just below the incarnation's first
+-- message of the topic above the channel's start, found by one probe of the placement
+-- index in its own order (its next entry: the primary key cannot give that order, so the
+-- planner cannot walk it), and nothing when there is none: each server start is a new
+-- incarnation with no cursor, and taking the channel's start for it walked every message
+-- a topic kept since (10 M: a twentieth of a backend, the count's duty, for good). Nothing waiting
+-- anywhere: from the highest id.
+SELECT coalesce(min(s.start), (SELECT max(id) FROM dmq_message), 0)
 FROM dmq_channel c
 CROSS JOIN dmq_owner o
-LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = o.id;
+LEFT JOIN dmq_cursor k ON k.topic = c.topic AND k.channel = c.name AND k.owner = o.id
+LEFT JOIN LATERAL (
+    SELECT hashtext(m.topic) AS h, m.owner, m.id FROM dmq_message m
+    WHERE k.owner IS NULL AND (hashtext(m.topic), m.owner, m.id) > (hashtext(c.topic), o.id, c.start_id)
+    ORDER BY hashtext(m.topic), m.owner, m.id LIMIT 1
+) f ON true
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN k.owner IS NOT NULL THEN greatest(c.start_id, k.floor)
+                WHEN f.h = hashtext(c.topic) AND f.owner = o.id THEN f.id - 1 END AS start
+) s;
 
 -- name: depth_slice_end
 -- The last id of the next slice: the `rows`-th stored message above `low` (none: the

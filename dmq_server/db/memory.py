@@ -888,10 +888,21 @@ class MemoryDb:
         return [(t, c, n) for (t, c), n in sorted(depths.items())]
 
     def _depth_scan_start(self, p: dict) -> list[tuple]:
-        floors = [self.start_ids.get((t, c), 0) if (t, c, o) not in self.cursors else
-                  max(self.start_ids.get((t, c), 0), self.cursors[(t, c, o)].floor)
-                  for t, c in self.start_ids for o in self.owners]
-        return [(min(floors, default=0),)]
+        """Per (channel, incarnation): its cursor's floor (at least the channel's start), or
+        without a cursor just below the incarnation's first message of the topic above the
+        start (none: it waits for nothing); the lowest, else the highest id stored."""
+        starts = []
+        for t, c in self.start_ids:
+            start = self.start_ids[(t, c)]
+            for o in self.owners:
+                if (t, c, o) in self.cursors:
+                    starts.append(max(start, self.cursors[(t, c, o)].floor))
+                    continue
+                first = min((mid for mid, m in self.messages.items()
+                             if m.topic == t and m.owner == o and mid > start), default=None)
+                if first is not None:
+                    starts.append(first - 1)
+        return [(min(starts, default=max(self.messages, default=0)),)]
 
     def _depth_slice_end(self, p: dict) -> list[tuple]:
         above = sorted(mid for mid in self.messages if mid > p["low"])

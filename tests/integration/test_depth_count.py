@@ -17,7 +17,7 @@ from dmq_server.db.messages import (
     depth_slice_steps,
     insert_messages_steps,
 )
-from dmq_server.db.steps import run_steps
+from dmq_server.db.steps import STATEMENTS, run_steps
 from dmq_server.db.worker import connect
 
 from .test_delivery_log import _ack
@@ -102,3 +102,12 @@ def test_a_pass_starts_at_the_lowest_floor(pg_dsn):
         run_steps(conn, ack_deliveries_steps(acks, [CursorProgress("orders", "billing", owner, ids[19], [])], ""))
         low, high, counts, lowest = run_steps(conn, depth_slice_steps(None, 3))
         assert counts == {} and lowest == {}
+        # later incarnations (each server start is one) have no cursor of billing: one with
+        # no message of orders waits for nothing, and the pass still starts at the floor, not
+        # at the channel's start below every retained message; one with messages from its
+        # first one on
+        run_steps(conn, create_owner_steps("node-2"))
+        assert conn.execute(STATEMENTS["depth_scan_start"]).fetchone() == (ids[19],)
+        third = run_steps(conn, create_owner_steps("node-3"))
+        [stored] = run_steps(conn, insert_messages_steps([NewMessage("orders", "p3", 1, 0, b"x")], "node-3", third))
+        assert conn.execute(STATEMENTS["depth_scan_start"]).fetchone() == (stored.message_id - 1,)
