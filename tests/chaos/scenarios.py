@@ -447,9 +447,14 @@ class SeekUnderLoad:
                 left = pending()
         h = load.history.snapshot()
         again = {mid for seen in h.deliveries[self.CHANNEL].values() for at, mid in seen if at >= self.started}
+        # ids of the range that may have committed after the seek's snapshot (a send in flight
+        # below its top: the seek did not count it, billing gets it as a new message): those
+        # acknowledged to their producer only after the seek began, or never
+        acked_at = {mid: at for at, mid in h.acked.values()}
+        late = {mid for mid in self.replayed if acked_at.get(mid, self.started) >= self.started}
         seek = load.notes["seek"]
         assert isinstance(seek, dict)
-        seek.update(replayed=len(self.replayed), replayed_not_pushed_again=len(self.replayed - again),
+        seek.update(replayed=len(self.replayed), late=len(late), replayed_not_pushed_again=len(self.replayed - again),
                     billing_pending_at_end=left)
 
     def expected(self) -> dict[str, tuple[float, set[int]]]:

@@ -93,7 +93,9 @@ def _check(name: str, report: dict, text: str) -> None:
         # again after it began, the count the seek gave is what it made pending, and
         # billing ended with nothing pending (no ack of before the seek undid it)
         billing = next(c for c in report["channels"] if c["channel"] == "billing")
-        assert seek["count"] > 100 and seek["replayed"] == seek["count"], text
+        # (the range read afterwards may hold sends that committed after the seek's snapshot:
+        # in flight below its top; CI at 60bab48 had one, 909 against the seek's 908)
+        assert seek["count"] > 100 and seek["replayed"] - seek["late"] <= seek["count"] <= seek["replayed"], text
         assert seek["replayed_not_pushed_again"] == 0, text
         assert seek["billing_pending_at_end"] == 0, text
         assert billing["replayed"] >= seek["count"], text
