@@ -7,7 +7,9 @@ A run records, with timestamps on one monotonic clock:
 * every send *acknowledged* (``SEND_SUCCESS_ACK``) and its message id,
 * every *delivery* per channel (push received) and whether the consumer acked it,
 * when each ack was *confirmed*: seen durable in the store (its delivery row gone
-  from the primary; the confirmer in ``load.py`` looks).
+  from the primary; the confirmer in ``load.py`` looks); after a seek made acknowledged
+  ids pending again (``replay_acks_from``), the acks sent from then on are confirmed
+  again, apart: a push of a replayed id after its replay's ack was durable is a duplicate.
 
 ``check`` turns that into per-channel counts:
 
@@ -84,6 +86,10 @@ class History:
         self.delivery_times: list[float] = []
         self.consumer_acks: dict[tuple[str, int], float] = {}  # (channel, message id) -> when acked
         self.confirmed: dict[tuple[str, int], float] = {}  # (channel, message id) -> seen durable at
+        # a seek's replay (replay_acks_from): the acks sent from ``replay_from`` on, confirmed
+        # again: (channel, message id) -> seen durable at
+        self.replay_from: float | None = None
+        self.reconfirmed: dict[tuple[str, int], float] = {}
         # which node pushed each delivery and took each ack (the consumer's connection), for
         # the timeline of a failed run: (channel, key) -> [(when, message id, node)] and
         # (channel, message id) -> [(when, node)]
@@ -119,15 +125,34 @@ class History:
             self.consumer_acks.setdefault((channel, message_id), now)
             self.acked_by.setdefault((channel, message_id), []).append((now, node))
 
+    def replay_acks_from(self, when: float) -> None:
+        """A seek made ids acknowledged before pending again, and it committed before
+        ``when``: acks sent from then on are confirmed again (``reconfirmed``), so that a
+        push after the replay's own ack was durable counts as a duplicate. An ack sent
+        earlier may be of a copy pushed before the seek, which its epoch fence refuses."""
+        with self._lock:
+            self.replay_from = when
+
+    def _acked_since_replay(self, item: tuple[str, int], until: float) -> bool:
+        start = self.replay_from
+        return start is not None and any(start <= at <= until for at, _ in self.acked_by.get(item, ()))
+
     def unconfirmed(self) -> list[tuple[str, int]]:
         """Acks sent whose durability has not been seen yet (for the confirmer)."""
         with self._lock:
-            return [k for k in self.consumer_acks if k not in self.confirmed]
+            return [k for k in self.consumer_acks
+                    if k not in self.confirmed
+                    or (k not in self.reconfirmed and self._acked_since_replay(k, float("inf")))]
 
-    def confirm(self, items: list[tuple[str, int]], now: float) -> None:
+    def confirm(self, items: list[tuple[str, int]], now: float, asked: float | None = None) -> None:
+        """``items`` seen durable at ``now`` by a look at the store begun at ``asked``
+        (after every ack it confirms was sent): only acks sent by ``asked`` count for a
+        replay's confirmation."""
         with self._lock:
             for item in items:
                 self.confirmed.setdefault(item, now)
+                if asked is not None and item not in self.reconfirmed and self._acked_since_replay(item, asked):
+                    self.reconfirmed[item] = now
 
     # -- reading -----------------------------------------------------------------------
     def missing(self) -> dict[str, int]:
@@ -154,6 +179,8 @@ class History:
             copy.delivery_times = list(self.delivery_times)
             copy.consumer_acks = dict(self.consumer_acks)
             copy.confirmed = dict(self.confirmed)
+            copy.replay_from = self.replay_from
+            copy.reconfirmed = dict(self.reconfirmed)
             copy.pushed_by = {k: list(v) for k, v in self.pushed_by.items()}
             copy.acked_by = {k: list(v) for k, v in self.acked_by.items()}
         return copy
@@ -178,6 +205,8 @@ class History:
                 events.append((when, f"ack of id {mid} sent to node {node + 1}"))
             if (channel, mid) in h.confirmed:
                 events.append((h.confirmed[(channel, mid)], f"ack of id {mid} seen durable"))
+            if (channel, mid) in h.reconfirmed:
+                events.append((h.reconfirmed[(channel, mid)], f"ack of id {mid}'s replay seen durable"))
         return [f"{when - origin:+9.3f} s  {what}" for when, what in sorted(events)]
 
 
@@ -185,7 +214,9 @@ def check(history: History, examples: int = 5,
           replayed: dict[str, tuple[float, set[int]]] | None = None) -> list[ChannelCount]:
     """The per-channel counts of ``history`` (see the module's docstring). ``replayed``:
     per channel, a seek's start (monotonic) and the message ids it made the channel's to
-    deliver again: their pushes received from then on are counted apart, not as duplicates."""
+    deliver again: their pushes received from then on are counted apart, not as duplicates,
+    until an ack of the replay is seen durable (``History.reconfirmed``): a push after that
+    is one."""
     h = history.snapshot()
     replayed = replayed or {}
     out = []
@@ -205,10 +236,12 @@ def check(history: History, examples: int = 5,
             confirmed = [h.confirmed[(channel, mid)] for _, mid in seen if (channel, mid) in h.confirmed]
             confirmed_at = min(confirmed) if confirmed else None
             since, again = replayed.get(channel, (float("inf"), set()))
-            asked = sum(1 for received, mid in seen if received >= since and mid in again)
+            replay_done = min((h.reconfirmed[(channel, mid)] for _, mid in seen
+                               if mid in again and (channel, mid) in h.reconfirmed), default=float("inf"))
+            asked = sum(1 for received, mid in seen if since <= received <= replay_done and mid in again)
             count.replayed += asked
             dups = sum(1 for received, mid in seen if confirmed_at is not None and received > confirmed_at
-                       and not (received >= since and mid in again))
+                       and not (since <= received <= replay_done and mid in again))
             count.duplicated += dups
             count.redelivered += max(0, len(seen) - 1 - dups - asked)
             if dups and len(count.duplicated_examples) < examples:

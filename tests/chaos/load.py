@@ -297,6 +297,7 @@ class Confirmer(threading.Thread):
     def once(self, conn=None):
         import psycopg
 
+        asked = time.monotonic()
         pending = self.history.unconfirmed()
         if not pending:
             return conn
@@ -312,7 +313,7 @@ class Confirmer(threading.Thread):
                     " AND message_id = ANY(%s)", (self.topic, channel, ids)).fetchall()
                 still = {r[0] for r in rows}
                 # taken after the answer: a push received later came after the ack was durable
-                self.history.confirm([(channel, m) for m in ids if m not in still], time.monotonic())
+                self.history.confirm([(channel, m) for m in ids if m not in still], time.monotonic(), asked)
         except Exception:  # the store is down or failing over: look again later
             self.failures += 1
             if conn is not None:

@@ -91,8 +91,8 @@ class _ClusterShare:
     def unconfirmed(self) -> list[tuple[str, int]]:
         return [(ch, mid) for ch, mid in self.history.unconfirmed() if mid >> SLOT_SHIFT == self.slot]
 
-    def confirm(self, items: list[tuple[str, int]], now: float) -> None:
-        self.history.confirm(items, now)
+    def confirm(self, items: list[tuple[str, int]], now: float, asked: float | None = None) -> None:
+        self.history.confirm(items, now, asked)
 
 
 class Traffic:

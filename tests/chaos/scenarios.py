@@ -385,8 +385,9 @@ class SeekUnderLoad:
     billing's to deliver again (``REPLAYED``: its ids from the target to the highest the
     seek read, read from the primary) must be pushed again after the seek began, and
     billing must end with nothing pending; audit is not touched (its counts as ever).
-    Pushes of those ids from the seek on are counted as asked for, not as duplicates; any
-    other push after a durable ack still is one."""
+    Pushes of those ids from the seek on are counted as asked for, not as duplicates, until
+    an ack of the replayed copy is seen durable; any other push after a durable ack still is
+    one."""
 
     CHANNEL = "billing"
 
@@ -419,6 +420,7 @@ class SeekUnderLoad:
         if seek.returncode != 0:
             raise RuntimeError(f"dmq channel seek failed ({seek.returncode}): {err}")
         [report] = json.loads(out)
+        load.history.replay_acks_from(time.monotonic())  # the seek has committed
         self.top, self.count = report["top"], report["count"]
         load.notes["seek"] = {"pivot": self.pivot, "top": self.top, "count": self.count,
                               "cli_s": round(time.monotonic() - self.started, 2)}

@@ -39,6 +39,35 @@ def test_a_redelivery_before_the_ack_is_durable_is_allowed_after_it_is_a_duplica
     assert not count.ok()
 
 
+def test_a_seeks_replay_is_asked_for_until_its_own_ack_is_durable_then_a_push_is_a_duplicate():
+    h = History(["a"])
+    for key, mid in ((b"p/1", 1), (b"p/2", 2), (b"p/3", 3)):
+        h.attempt(key)
+        h.ack(key, mid, now=1.0)
+        h.deliver("a", key, mid, now=2.0)
+        h.consumer_ack("a", mid, now=2.1)
+    h.confirm([("a", 1), ("a", 2), ("a", 3)], now=3.0, asked=2.9)
+    assert h.unconfirmed() == []
+    # a seek began at 4.0 (ids 1 and 2 replayed) and had committed by 4.5
+    h.replay_acks_from(4.5)
+    h.consumer_ack("a", 1, now=4.2)  # a late ack of the copy pushed before: not the replay's
+    assert h.unconfirmed() == []
+    for key, mid in ((b"p/1", 1), (b"p/2", 2)):
+        h.deliver("a", key, mid, now=5.0)
+        h.consumer_ack("a", mid, now=5.1)
+    assert sorted(h.unconfirmed()) == [("a", 1), ("a", 2)]
+    h.confirm([("a", 1)], now=5.3, asked=5.0)  # looked before id 1's replay ack was sent
+    h.confirm([("a", 1), ("a", 2)], now=6.0, asked=5.9)
+    assert h.unconfirmed() == []
+    h.deliver("a", b"p/1", 1, now=5.5)  # again while the replay's ack was not yet durable
+    h.deliver("a", b"p/2", 2, now=6.5)  # again after it: a broken promise
+    h.deliver("a", b"p/3", 3, now=5.0)  # not replayed, pushed after its durable ack
+    (count,) = check(h, replayed={"a": (4.0, {1, 2})})
+    assert (count.replayed, count.redelivered, count.duplicated) == (3, 0, 2)
+    assert sorted(count.duplicated_examples) == ["p/2", "p/3"]
+    assert "ack of id 2's replay seen durable" in "\n".join(h.timeline("a", b"p/2"))
+
+
 def test_a_delivery_nobody_sent_is_unexpected_and_an_unacknowledged_one_is_counted_apart():
     h = History(["a"])
     h.attempt(b"p/1")  # answered SEND_SERVER_ERROR, stored all the same
