@@ -1532,8 +1532,10 @@ ORDER BY p.n;
 
 -- name: seek_channel
 -- Seek a channel (db.seek.seek_channel_steps, under seek_lock): every incarnation's cursor
--- of the channel is written anew, not merged: every id up to its floor F_o is done, and the
--- ids of ``done`` above it; the channel's epoch rises (a node's acknowledgement of a copy
+-- of the channel is written anew up to what this statement read (its top): every id up to
+-- its floor F_o is done, and the ids of ``done`` above it; above the top the cursor keeps
+-- what it has (messages committed after the snapshot, acknowledged meanwhile, are not the
+-- seek's); the channel's epoch rises (a node's acknowledgement of a copy
 -- pushed before is refused by it) and its start_id comes down to the lowest floor, so what
 -- was stored before the channel was registered is its own too. The floors: each
 -- incarnation's highest id of the topic (``latest``: nothing waits; one without rows keeps
@@ -1570,7 +1572,7 @@ WITH ch AS MATERIALIZED (
             ORDER BY m.owner DESC, m.id DESC LIMIT 1) AS top
     FROM ch CROSS JOIN dmq_owner o
 ), plan AS MATERIALIZED (
-    SELECT t.owner, t.node_id, f.floor,
+    SELECT t.owner, t.node_id, f.floor, greatest(coalesce(t.top, 0), f.floor) AS kept,
            coalesce((SELECT range_agg(int8range(m.id, m.id, '[]')) FROM dmq_message m
                      WHERE %(before_ms)s::bigint IS NOT NULL
                        AND hashtext(m.topic) = hashtext(%(topic)s::text) AND m.topic = %(topic)s
@@ -1634,7 +1636,15 @@ WITH ch AS MATERIALIZED (
     FROM plan p CROSS JOIN bumped b
     ORDER BY p.owner  -- the cursors locked in one order, the owners'
     ON CONFLICT (topic, channel, owner) DO UPDATE
-    SET floor = EXCLUDED.floor, done = EXCLUDED.done, epoch = EXCLUDED.epoch
+    -- what is acknowledged above the incarnation's top (and floor) stays so: those messages
+    -- committed after this statement's snapshot (it neither counted nor read them), and an
+    -- ack of one may have been made durable since (k: the cursor's row as it is now, locked)
+    SET floor = EXCLUDED.floor, epoch = EXCLUDED.epoch,
+        done = EXCLUDED.done
+               + k.done * int8multirange(int8range((SELECT p.kept FROM plan p WHERE p.owner = k.owner), NULL, '(]'))
+               + CASE WHEN k.floor > (SELECT p.kept FROM plan p WHERE p.owner = k.owner)
+                      THEN int8multirange(int8range((SELECT p.kept FROM plan p WHERE p.owner = k.owner), k.floor, '(]'))
+                      ELSE '{}'::int8multirange END
 ), cleared AS (
     DELETE FROM dmq_attempts a
     WHERE a.topic = %(topic)s AND a.channel = %(channel)s AND a.message_id > (SELECT floor FROM bounds)

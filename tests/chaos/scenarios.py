@@ -456,7 +456,9 @@ class SeekUnderLoad:
         late = {mid for mid in self.replayed if acked_at.get(mid, self.started) >= self.started}
         seek = load.notes["seek"]
         assert isinstance(seek, dict)
-        seek.update(replayed=len(self.replayed), late=len(late), replayed_not_pushed_again=len(self.replayed - again),
+        # (a late one acknowledged before the seek wrote its cursor keeps its ack: not again)
+        seek.update(replayed=len(self.replayed), late=len(late),
+                    replayed_not_pushed_again=len(self.replayed - late - again),
                     billing_pending_at_end=left)
 
     def expected(self) -> dict[str, tuple[float, set[int]]]:

@@ -6,6 +6,7 @@ and publish times disagree by up to the skew."""
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -40,6 +41,8 @@ from dmq_server.db.seek import (
 )
 from dmq_server.db.steps import run_steps
 from dmq_server.db.worker import connect
+
+from .support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -410,3 +413,40 @@ def test_a_seek_reads_its_topics_rows_only(pg_dsn):
         fetched = _index_fetches(conn) - before
         assert fetched < 500, fetched
         assert len(_pending(conn, "orders", "billing")) == 45
+
+
+def test_an_ack_made_durable_after_the_seeks_snapshot_above_its_top_stays(world, pg_dsn):
+    """A message stored and acknowledged while a seek runs, above what the seek read: the
+    seek's statement took its snapshot before the message committed, then waited for the
+    cursor's row, which the ack's transaction held. The seek counted and replays what it
+    read; the late message's ack stays (the chaos tier's seek-node-kill saw four such
+    messages pushed again after their acks were durable: the cursor was written over)."""
+    conn, stored = world
+    ordered = sorted(stored.times)
+    owner = stored.owners[ordered[-1]]
+    with connect(pg_dsn) as sender, connect(pg_dsn) as acker, connect(pg_dsn, autocommit=True) as seeker:
+        # the late message: its id drawn and its row written, not committed yet
+        (late,) = run_steps(sender, insert_messages_steps([NewMessage("orders", "late", 1, 0, b"x")],
+                                                          f"node-{owner}", owner))
+        # its ack's transaction, holding the cursor's row
+        acker.execute("UPDATE dmq_cursor SET done = done + int8multirange(int8range(%(id)s, %(id)s, '[]')) "
+                      "WHERE topic = 'orders' AND channel = 'billing' AND owner = %(owner)s",
+                      {"id": late.message_id, "owner": owner})
+        pid = seeker.execute("SELECT pg_backend_pid()").fetchone()[0]
+        result: dict[str, Sought] = {}
+
+        def seek() -> None:
+            result["sought"] = _seek(seeker, "orders", "billing", ToId(ordered[100]))
+
+        thread = threading.Thread(target=seek)
+        thread.start()
+        # the seek waits for the cursor's row: its snapshot is taken (the late message unseen)
+        wait_for(lambda: conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                      (pid,)).fetchone()[0] == "Lock", timeout=30)
+        sender.commit()
+        acker.commit()
+        thread.join(30)
+    sought = result["sought"]
+    assert (sought.count, sought.top) == (20, ordered[-1])
+    assert _pending(conn, "orders", "billing") == stored.from_id(ordered[100])
+    assert _pending(conn, "orders", "audit") == {late.message_id}
