@@ -118,6 +118,9 @@ class MqConfig:
         None, "secret sent with UP_AUTH on every connection (servers with --auth-file or --auth-http-address); "
         "\"\" = authenticate by the client certificate"
     )
+    tracer_provider: Any = _opt(
+        None, "with the otel extra: the OpenTelemetry TracerProvider of the send and process spans; None = the global one"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import CancelledError, Future
 from typing import Any, Callable
 
+from . import otel
 from .acks import AckSender
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
@@ -259,15 +260,21 @@ class Consumer:
                 acks.flush()
                 return
             sub, message, key = entry
+            traced = otel.start_process(message, self.config.tracer_provider) if otel.ENABLED else None
             try:
                 sub.deliver(message)
-            except Exception:
+            except Exception as exc:
+                if traced is not None:
+                    otel.end_process(*traced, exc)
+                    traced = None
                 log.exception("handler of %s/%s raised on %r; it will be redelivered", sub.topic, sub.channel, message)
                 if not message.acked:
                     self.dedup.forget(key)
             else:
                 if sub.auto_ack:
                     message.ack()
+            if traced is not None:
+                otel.end_process(*traced)
             if acks.full():
                 acks.flush()
 

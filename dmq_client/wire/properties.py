@@ -55,6 +55,7 @@ __all__ = [
     "RESERVED_HEADERS",
     "encode_properties",
     "decode_properties",
+    "trace_id",
 ]
 
 KEY_MAX_BYTES = 255
@@ -205,6 +206,17 @@ def _check_headers(headers: Mapping[str, object]) -> None:
         for name, value in zip(headers, texts):
             if _CONTROL_RE.search(value):
                 raise PropertiesError(f"header {name!r} holds a control character")
+
+
+def trace_id(headers: Mapping[str, str] | None) -> str | None:
+    """The trace id (32 lowercase hex digits) a message's ``traceparent`` names, None for
+    none: what an operator looks up in the tracing backend (the trace, peek and delay views
+    show it). A stored traceparent passed ``_check_reserved``; any other text gives None."""
+    value = (headers or {}).get("traceparent")
+    match = _TRACEPARENT_RE.fullmatch(value) if isinstance(value, str) else None
+    if match is None or match.group(1) == "ff" or set(match.group(2)) == {"0"}:
+        return None
+    return match.group(2)
 
 
 def _check_reserved(name: str, value: str) -> None:

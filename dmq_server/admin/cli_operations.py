@@ -114,7 +114,9 @@ def _properties_lines(r: Mapping[str, object]) -> list[str]:
     if r["key"] is None and not r["priority"] and not headers:
         return []
     key = r["key"] if r["key"] is not None else "-"
-    return [f"  key {key}, priority {r['priority']}"] + [f"  header {name}: {value}" for name, value in headers.items()]
+    traced = [f"  trace id {r['trace_id']}"] if r.get("trace_id") else []
+    return ([f"  key {key}, priority {r['priority']}"] + traced
+            + [f"  header {name}: {value}" for name, value in headers.items()])
 
 
 def _print_letters(rows: list[dict], as_json: bool) -> None:

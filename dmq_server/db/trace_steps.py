@@ -14,6 +14,7 @@ import base64
 from dataclasses import dataclass
 from typing import Sequence, TypedDict
 
+from dmq_client.wire.properties import trace_id
 from dmq_server.db.steps import Statement, Steps
 
 __all__ = [
@@ -111,12 +112,15 @@ class MessageProperties(TypedDict):
     key: str | None
     priority: int
     headers: dict[str, str] | None
+    trace_id: str | None
 
 
 def properties_of_row(key: str | None, priority: int, headers: dict[str, str] | None) -> MessageProperties:
     """The three columns schema 16 added (``headers`` is jsonb, read as a dict), as JSON
-    fields: an operator looking at a message sees what its consumers get with it."""
-    return {"key": key, "priority": priority, "headers": headers}
+    fields: an operator looking at a message sees what its consumers get with it; and the
+    trace id its ``traceparent`` names (dmq_client.otel puts it there), to look up in the
+    tracing backend."""
+    return {"key": key, "priority": priority, "headers": headers, "trace_id": trace_id(headers)}
 
 
 def find_message_steps(producer: str, session_id: int) -> Steps:

@@ -49,7 +49,8 @@ def served(make_server, topic, monkeypatch):
 def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
-                               "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py"}
+                               "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
+                               "tracing.py"}
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
@@ -150,6 +151,18 @@ def test_the_properties_example_gets_its_key_priority_and_headers_back(served, c
     assert "Status.SUCCESS" in out and "order-7 5 application/json" in out
     assert db_rows(pg_dsn, "SELECT key, priority, headers FROM dmq_message") == [
         ("order-7", 5, {"content-type": "application/json", "tenant": "acme"})]
+
+
+def test_the_tracing_example_makes_one_trace_across_the_broker(served, capsys, pg_dsn):
+    """The spans the example prints are one trace: the request's, the send's, the
+    handler's process span and its own work; the stored message carries the trace."""
+    module = load("tracing.py")
+    out = capsys.readouterr().out
+    assert "['POST /orders', 'bill order', 'process orders', 'send orders']" in out
+    spans = module["exporter"].get_finished_spans()
+    assert len({span.context.trace_id for span in spans}) == 1
+    ((headers,),) = db_rows(pg_dsn, "SELECT headers FROM dmq_message")
+    assert headers["traceparent"].split("-")[1] == f"{spans[0].context.trace_id:032x}"
 
 
 def test_confirmation_examples_report_the_channel_that_consumed(served, capsys):

@@ -292,7 +292,8 @@ def test_the_trace_peek_and_delay_views_show_a_messages_properties_as_text(make_
     setup_data(pg_dsn)
     server = make_server(delay_poll_interval="100ms")
     console = Console(browser, server)
-    headers = {"tenant": "caf\u00e9", "x-note": MARKUP}
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = {"tenant": "caf\u00e9", "x-note": MARKUP, "traceparent": traceparent}
     with server.client() as producer:
         sent = producer.send("orders", b'{"order": 7}', key="order-7", priority=5, headers=headers)
         plain = producer.send("orders", b"plain")
@@ -305,17 +306,20 @@ def test_the_trace_peek_and_delay_views_show_a_messages_properties_as_text(make_
     console.open(f"#/trace/{sent.message_id}")
     shown = _properties_shown(console, "#trace-facts")
     assert (shown["facts"]["key"], shown["facts"]["priority"]) == ("order-7", "5")
-    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["x-note", MARKUP]]
+    # the trace id its traceparent names (dmq_client.otel), to look up in the tracing backend
+    assert shown["facts"]["trace id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["traceparent", traceparent], ["x-note", MARKUP]]
     assert (shown["scripts"], shown["bold"], shown["pwned"]) == (0, 0, None)
     console.shot("trace-properties")
     console.open(f"#/trace/{plain.message_id}")
     shown = _properties_shown(console, "#trace-facts")
     assert (shown["facts"]["key"], shown["facts"]["priority"], shown["facts"]["headers"]) == ("\u2013", "0", "\u2013")
+    assert "trace id" not in shown["facts"]
     # peek: the waiting copies of audit (nobody subscribed), each row with its properties
     console.open("#/channel/orders/audit")
     shown = _properties_shown(console, f"#peek tr[data-message-id='{sent.message_id}']")
     assert (shown["key"], shown["priority"]) == ("order-7", "5")
-    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["x-note", MARKUP]]
+    assert sorted(shown["headers"]) == [["tenant", "caf\u00e9"], ["traceparent", traceparent], ["x-note", MARKUP]]
     assert (shown["scripts"], shown["bold"], shown["pwned"]) == (0, 0, None)
     shown = _properties_shown(console, f"#peek tr[data-message-id='{plain.message_id}']")
     assert (shown["key"], shown["priority"], shown["headers"]) == ("\u2013", "0", [])

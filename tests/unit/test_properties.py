@@ -19,6 +19,7 @@ from dmq_client.wire.properties import (
     PropertiesError,
     decode_properties,
     encode_properties,
+    trace_id,
 )
 
 pytestmark = pytest.mark.unit
@@ -122,3 +123,19 @@ def test_a_client_skips_fields_a_newer_server_sends_and_the_server_refuses_them(
     assert decode_properties(status, strict=False) == Properties(key="k")
     with pytest.raises(PropertiesError, match="unknown property field 'expires'"):
         decode_properties(status)
+
+
+@pytest.mark.parametrize("headers, expected", [
+    ({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}, "4bf92f3577b34da6a3ce929d0e0e4736"),
+    ({"traceparent": "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", "x": "y"},
+     "4bf92f3577b34da6a3ce929d0e0e4736"),
+    ({"traceparent": "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}, None),  # version ff: invalid
+    ({"traceparent": "00-00000000000000000000000000000000-00f067aa0ba902b7-01"}, None),  # all-zero trace id
+    ({"traceparent": "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"}, None),  # upper case
+    ({"traceparent": "garbage"}, None),
+    ({"tenant": "acme"}, None),
+    ({}, None),
+    (None, None),
+])
+def test_the_trace_id_a_traceparent_names(headers, expected):
+    assert trace_id(headers) == expected

@@ -106,7 +106,8 @@ function headersList(headers) {
     ? el("dl", { class: "headers" }, entries.map(([name, value]) => [el("dt", {}, name), el("dd", {}, value)]))
     : "–";
 }
-const propertyFacts = (m) => [["key", m.key ?? "–"], ["priority", m.priority], ["headers", headersList(m.headers)]];
+const propertyFacts = (m) => [["key", m.key ?? "–"], ["priority", m.priority],
+  ...(m.trace_id ? [["trace id", m.trace_id]] : []), ["headers", headersList(m.headers)]];
 const propertyCells = (m) => [el("td", { class: "key" }, m.key ?? "–"), el("td", { class: "num priority" }, String(m.priority)),
   el("td", { class: "headers" }, headersList(m.headers))];
 const factRows = (facts) => facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v instanceof Node ? v : String(v))]);

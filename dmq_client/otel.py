@@ -1,0 +1,116 @@
+"""OpenTelemetry through messages: a send carries its trace, a consumer continues it.
+
+With the ``otel`` extra installed (``pip install dmq-client[otel]``: opentelemetry-api)
+and a tracer provider configured by the application, each send is a PRODUCER span
+``send <topic>`` whose context goes into the message's headers as W3C trace context
+(``traceparent``, ``tracestate``), and each message a handler processes is a CONSUMER span
+``process <topic>`` whose parent is that context: one trace from the producer's request to
+the consumer's work, across the broker. The attributes follow OpenTelemetry's messaging
+semantic conventions (``messaging.system``, ``messaging.destination.name``,
+``messaging.operation.type``/``.name``, ``messaging.message.id``,
+``messaging.consumer.group.name`` for the channel, ``messaging.message.body.size``).
+
+Why headers: they are the one part of a message that every hop keeps as it was (the
+broker stores them with the message, a dead letter and its replay keep them, NSQ
+clients never see them), and W3C trace context is what every tracer reads. A message
+that already carries ``traceparent`` (a resend, a relay of another system's message)
+keeps it: the send span is then the current trace's, the message stays in its own.
+
+No cost when the extra is absent: ``ENABLED`` is False, the clients test it once per
+message and call nothing here. Installed but with no provider set, the API's tracer
+makes spans that record nothing and whose context is invalid, and nothing is injected
+(a message gains no headers, so it needs no ``PROPS`` server).
+
+The functions take and return the client's own types; both clients (``MqClient`` and
+``dmq_client.aio``) call them, so the conventions live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+try:  # the otel extra
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind, Status as SpanStatus, StatusCode
+except ImportError:  # pragma: no cover - exercised by the packaging test's bare install
+    ENABLED = False
+else:
+    ENABLED = True
+
+if TYPE_CHECKING:
+    from .message import Message, ReceivedMessage, SendResult
+
+__all__ = ["ENABLED", "SYSTEM", "TRACE_HEADERS", "start_send", "end_send", "start_process", "end_process"]
+
+#: ``messaging.system``: dmq is not one of the conventions' listed systems; its own name
+SYSTEM = "dmq"
+#: the headers W3C trace context uses (lowercase: dmq's header names are)
+TRACE_HEADERS = ("traceparent", "tracestate")
+_TRACER = "dmq_client"
+
+
+def _tracer(provider: Any) -> Any:
+    return trace.get_tracer(_TRACER, tracer_provider=provider)
+
+
+def start_send(message: "Message", provider: Any = None) -> tuple["Message", Any]:
+    """The send span of ``message`` (started, not current; ``provider`` None: the global
+    tracer provider, ``MqConfig.tracer_provider``) and the message to send: the
+    same one with the span's context in its headers, or unchanged when it already carries
+    ``traceparent`` or the span records nothing."""
+    span = _tracer(provider).start_span(
+        f"send {message.topic}", kind=SpanKind.PRODUCER,
+        attributes={"messaging.system": SYSTEM, "messaging.destination.name": message.topic,
+                    "messaging.operation.type": "send", "messaging.operation.name": "send",
+                    "messaging.message.body.size": len(message.body)})
+    headers = message.headers or {}
+    if "traceparent" in headers or not span.get_span_context().is_valid:
+        return message, span
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    added = {name: value for name, value in carrier.items() if name in TRACE_HEADERS}
+    if not added:
+        return message, span
+    return dataclasses.replace(message, headers={**headers, **added}), span
+
+
+def end_send(span: Any, result: "SendResult | None", error: BaseException | None = None) -> None:
+    """End the send span with the send's outcome: its message id when stored, an error
+    status with the reason otherwise."""
+    if result is not None:
+        if result.message_id:
+            span.set_attribute("messaging.message.id", str(result.message_id))
+        if not result.ok:
+            span.set_status(SpanStatus(StatusCode.ERROR, f"{result.status.value}: {result.description}"[:200]))
+    elif error is not None:
+        span.record_exception(error)
+        span.set_status(SpanStatus(StatusCode.ERROR, type(error).__name__))
+    span.end()
+
+
+def start_process(message: "ReceivedMessage", provider: Any = None) -> tuple[Any, object]:
+    """The process span of a received message, made current, and the token that
+    ``end_process`` detaches: its parent is the trace context the message's headers
+    carry (none: a new trace)."""
+    parent = propagate.extract({name: message.headers[name] for name in TRACE_HEADERS if name in message.headers})
+    span = _tracer(provider).start_span(
+        f"process {message.topic}", context=parent, kind=SpanKind.CONSUMER,
+        attributes={"messaging.system": SYSTEM, "messaging.destination.name": message.topic,
+                    "messaging.consumer.group.name": message.channel,
+                    "messaging.operation.type": "process", "messaging.operation.name": "process",
+                    "messaging.message.id": str(message.message_id),
+                    "messaging.message.body.size": len(message.body)})
+    token = otel_context.attach(trace.set_span_in_context(span))
+    return span, token
+
+
+def end_process(span: Any, token: object, error: BaseException | None = None) -> None:
+    """End the process span (an error status when the handler raised) and restore the
+    context that was current before it."""
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(SpanStatus(StatusCode.ERROR, type(error).__name__))
+    span.end()
+    otel_context.detach(token)  # type: ignore[arg-type]
