@@ -40,7 +40,8 @@ __all__ = ["Consumer", "SubscribeError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-_REFUSALS = {
+#: the reason a ``SubscribeError`` names for each refusing reply (the asyncio client's too)
+REFUSALS = {
     Command.SUBSCRIBE_NO_TOPIC_ACK: "no_topic",
     Command.SUBSCRIBE_NO_CLIENT_ID_ACK: "no_channel",
     Command.SUBSCRIBE_SERVER_ERROR: "server_error",
@@ -151,7 +152,7 @@ class Consumer:
             if reply.command == Command.SUBSCRIBE_ACK:
                 accepted.append(conn)
             elif refusal is None:
-                refusal = SubscribeError(topic, channel, _REFUSALS[reply.command], reply.status, conn.name)
+                refusal = SubscribeError(topic, channel, REFUSALS[reply.command], reply.status, conn.name)
         if refusal is not None:
             with self._lock:
                 self.subscriptions.pop((topic, channel), None)
@@ -190,7 +191,7 @@ class Consumer:
                 if sub is not None:
                     sub.error = None
             else:
-                error = SubscribeError(frame.topic, frame.channel, _REFUSALS[frame.command], frame.status, conn.name)
+                error = SubscribeError(frame.topic, frame.channel, REFUSALS[frame.command], frame.status, conn.name)
                 log.error("%s", error)
                 if sub is not None:
                     sub.error = error

@@ -61,6 +61,9 @@ class Status(str, enum.Enum):
     """The bounded send queue had no room; refused at once, never written."""
     CLIENT_CLOSED = "client_closed"
     """The client was closing or closed before the message got an answer."""
+    CANCELLED = "cancelled"
+    """The asyncio client's caller cancelled the send before it was written; never written,
+    so certainly not stored (``dmq_client.aio``: reported to ``on_cancelled``)."""
 
     @property
     def ok(self) -> bool:

@@ -111,7 +111,7 @@ def test_send_and_consume_with_auto_ack(make_server, topic, pg_dsn):
         assert all(r.message_id and r.server == f"127.0.0.1:{server.tcp_port}" for r in results)
         inbox.wait()
         # the server listed the batch ack frame, so the acks went in it (docs/protocol.md §4.1)
-        assert client.stats()["features"] == {f"127.0.0.1:{server.tcp_port}": ["ACKS", "CONFIRM", "PROPS"]}
+        assert client.stats()["features"] == {f"127.0.0.1:{server.tcp_port}": ["ACKS", "CONFIRM", "PROPS", "REQUEUE"]}
         assert sorted(m.body for m in inbox.messages) == [b"hello 0", b"hello 1", b"hello 2"]
         assert {m.message_id for m in inbox.messages} == {r.message_id for r in results}
         # acks are written after on_message returns and made durable in batches
