@@ -34,7 +34,7 @@ from .connection import ConnectionUnavailable, ServerConnection
 from .dedup import Admit, DedupWindow
 from .message import ReceivedMessage
 from .routing import ServerPool
-from .wire import Command, Frame, encode, features, valid_name
+from .wire import FEATURE_REQUEUE, Command, Frame, encode, features, valid_name
 
 __all__ = ["Consumer", "SubscribeError", "Subscription"]
 
@@ -232,6 +232,7 @@ class Consumer:
                     server=conn.name,
                     acker=self._ack,
                     properties=ReceivedMessage.properties_of(frame.status),
+                    requeuer=self._requeue,
                 )
                 sub.received += 1
                 self._queue.put((sub, message, key))
@@ -279,6 +280,27 @@ class Consumer:
         self.acks.add(message.server, message.topic, message.channel, message.message_id)
         if not getattr(self._in_handler, "active", False) or not self.config.ack_wait:
             self.acks.flush()
+
+    def _requeue(self, message: ReceivedMessage, delay_ms: int) -> None:
+        """Write UP_CONSUMER_REQUEUE to the server that pushed the message, after the acks
+        held for it (the order the server sees is the handler's). The copy's redelivery is
+        forgotten by the duplicate suppression first: it is wanted, and the server may push
+        it again before its answer."""
+        conn = self.pool.get(message.server)
+        if conn is None or FEATURE_REQUEUE not in conn.features:
+            raise RuntimeError(f"server {message.server} does not accept requeues (no {FEATURE_REQUEUE} feature)")
+        self.dedup.forget(self.dedup.key(message.producer, message.session_id, message.channel))
+        self.acks.flush()
+        if not self._write(conn, Frame(Command.UP_CONSUMER_REQUEUE, topic=message.topic, channel=message.channel,
+                                       message_id=message.message_id, credit=delay_ms)):
+            log.info("requeue of %r not written: connection lost (the server delivers it again)", message)
+
+    def requeue_replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
+        """REQUEUE_ACK frames: a refusal is logged (``requeue`` does not wait for them)."""
+        for frame in frames:
+            if frame.status:
+                log.warning("requeue of %s/%s message %d refused by %s: %s", frame.topic, frame.channel,
+                            frame.message_id, conn.name, frame.status)
 
     def _write(self, conn: ServerConnection, frame: Frame) -> bool:
         try:

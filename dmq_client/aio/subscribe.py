@@ -81,7 +81,7 @@ class AioMessage(ReceivedMessage):
                                           message_id=self.message_id)))
             await self._link.drain()
 
-    async def requeue(self, delay: float = 0.0) -> None:
+    async def requeue(self, delay: float = 0.0) -> None:  # type: ignore[override]  # awaited here
         """Give the message back, to be delivered again (to any consumer of the channel)
         ``delay`` seconds from now; returns once the server confirmed it, else raises
         ``RequeueError`` (the message then stays with this consumer: ack or requeue it

@@ -229,6 +229,8 @@ def test_unanswered_sends_move_at_once_when_their_server_dies(make_server, topic
 
     async def run():
         async with Client(fast_config(a, b, resend_interval=30.0)) as client:
+            # both connected, so the topic's server is the one it keeps (routing.affinity)
+            await until(lambda: all(link.routable for link in client.links.values()))
             home = (await client.send(Message(topic, b"first"))).server
             victim = a if home.endswith(f":{a.tcp_port}") else b
             freeze(victim)
