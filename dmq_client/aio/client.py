@@ -90,8 +90,9 @@ class Client:
     async def wait_connected(self, timeout: float) -> bool:
         """True once any server is connected and ready, False after ``timeout`` seconds."""
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._ready.wait()
+        except TimeoutError:
             return False
         return True
 

@@ -80,6 +80,8 @@ class ServerLink:
         self.features: frozenset[str] = frozenset()
         self.server_interval: float | None = None  # from SERVER_HEARTBEAT
         self.last_error = ""
+        self._closed = False
+        self._dropped = ""  # why the heartbeat task dropped the connection
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_read = 0.0
@@ -104,6 +106,7 @@ class ServerLink:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dmq-link-{self.name}")
 
     async def close(self) -> None:
+        self._closed = True
         self.state = LinkState.CLOSED
         writer, self._writer = self._writer, None
         if writer is not None:
@@ -151,12 +154,15 @@ class ServerLink:
     # -- the connection's life ----------------------------------------------------
     async def _run(self) -> None:
         backoff = self.config.reconnect_backoff
-        while self.state is not LinkState.CLOSED:
+        while not self._closed:
             try:
-                reader, frames = await asyncio.wait_for(self._connect(), self.config.connect_timeout)
+                # asyncio.timeout, not wait_for: wait_for of 3.11 can swallow a cancellation
+                # that comes as the connection completes, and close() would wait for ever
+                async with asyncio.timeout(self.config.connect_timeout):
+                    reader, frames = await self._connect()
                 backoff = self.config.reconnect_backoff
                 reason = await self._serve(reader, frames)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reason = "no SERVER_HEALTH greeting within connect_timeout"
             except (OSError, EOFError, _Lost, FrameError) as exc:
                 reason = str(exc) or type(exc).__name__
@@ -167,7 +173,7 @@ class ServerLink:
                 writer, self._writer = self._writer, None
                 if writer is not None:
                     writer.close()
-            if self.state is LinkState.CLOSED:
+            if self._closed:
                 break
             was = self.state
             self.state = LinkState.DOWN
@@ -216,7 +222,10 @@ class ServerLink:
                     return reader, frames[i + 1:]
 
     def _greeted(self, health: Frame) -> None:
+        if self._closed:
+            raise _Lost("the client is closing")
         self.generation += 1
+        self._dropped = ""
         self.server_interval = None
         self.features = features(health.body.decode("ascii", "replace"))
         now = time.monotonic()
@@ -234,7 +243,7 @@ class ServerLink:
             while True:
                 data = await reader.read(65536)
                 if not data:
-                    return "closed by the server"
+                    return self._dropped or "closed by the server"
                 self._last_read = time.monotonic()
                 self._handle(self._decoder.feed(data))
         finally:
@@ -284,7 +293,8 @@ class ServerLink:
             if writer is None:
                 return
             if now - self._last_read > silence:
-                log.warning("dmq server %s: silent for %.1fs, dropping the connection", self.name, now - self._last_read)
+                self._dropped = f"the server was silent for {now - self._last_read:.1f}s"
+                log.warning("dmq server %s: %s, dropping the connection", self.name, self._dropped)
                 writer.transport.abort()
                 return
             if now - self._last_write >= interval:

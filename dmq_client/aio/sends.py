@@ -159,8 +159,9 @@ class Sends:
                 return None
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):  # not wait_for: it may swallow a cancellation
+                    await self._changed.wait()
+            except TimeoutError:
                 pass
             link = self.pick(topic)
         return link

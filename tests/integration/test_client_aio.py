@@ -21,7 +21,7 @@ import pytest
 
 from dmq_client import Message, Status, SubscribeError
 from dmq_client.aio import Client, RequeueError
-from dmq_client.wire import Command, Frame, FrameDecoder, encode
+from dmq_client.wire import MAGIC, Command, Frame, FrameDecoder, encode
 
 from .support import db_rows, free_port
 from .test_client import fast_config
@@ -221,6 +221,19 @@ def test_sends_fail_over_when_their_server_stops(make_server, topic):
     assert {r.server for r in results} == {f"127.0.0.1:{other.tcp_port}"}
 
 
+async def hang_home_server(client: Client, servers, topic: str, count: int):
+    """Send one message to learn the topic's server (both connected first, so it is the one
+    the topic keeps: ``routing.affinity``), freeze that server, and start ``count`` sends
+    that are written to it and stay unanswered. Returns the frozen server and the sends."""
+    await until(lambda: all(link.routable for link in client.links.values()))
+    home = (await client.send(Message(topic, b"first"))).server
+    (victim,) = [s for s in servers if home.endswith(f":{s.tcp_port}")]
+    freeze(victim)
+    sends = [asyncio.ensure_future(client.send(Message(topic, b"m %d" % i))) for i in range(count)]
+    await until(lambda: len(client.sends.pending) == count)
+    return victim, sends
+
+
 def test_unanswered_sends_move_at_once_when_their_server_dies(make_server, topic, pg_dsn):
     """The topic's server hangs with sends written and unanswered, then is killed: they are
     written to the other server at once (the resend interval is 30 s) and each is stored
@@ -229,13 +242,7 @@ def test_unanswered_sends_move_at_once_when_their_server_dies(make_server, topic
 
     async def run():
         async with Client(fast_config(a, b, resend_interval=30.0)) as client:
-            # both connected, so the topic's server is the one it keeps (routing.affinity)
-            await until(lambda: all(link.routable for link in client.links.values()))
-            home = (await client.send(Message(topic, b"first"))).server
-            victim = a if home.endswith(f":{a.tcp_port}") else b
-            freeze(victim)
-            sends = [asyncio.ensure_future(client.send(Message(topic, b"m %d" % i))) for i in range(50)]
-            await until(lambda: len(client.sends.pending) == 50)
+            victim, sends = await hang_home_server(client, (a, b), topic, 50)
             started = time.monotonic()
             await asyncio.to_thread(victim.kill)
             results = await asyncio.gather(*sends)
@@ -246,6 +253,29 @@ def test_unanswered_sends_move_at_once_when_their_server_dies(make_server, topic
     assert Counter(r.status for r in results) == {Status.SUCCESS: 50}
     assert Counter(r.attempts for r in results) == {2: 50}
     assert db_rows(pg_dsn, "SELECT count(*), count(DISTINCT session_id) FROM dmq_message") == [(51, 51)]
+
+
+def test_sends_written_to_a_server_that_then_shuts_down_are_each_stored_once(make_server, topic, pg_dsn):
+    """The topic's server hangs with sends written, then is asked to stop (SIGTERM) and
+    resumes: it announces SERVER_REBOOT, answers what it had begun and refuses the rest
+    E_SHUTTING_DOWN; the client moves those to the other server at once (the resend
+    interval is 30 s). Every send succeeds and each message is stored once."""
+    a, b = make_server(), make_server()
+
+    async def run():
+        async with Client(fast_config(a, b, resend_interval=30.0)) as client:
+            victim, sends = await hang_home_server(client, (a, b), topic, 200)
+            victim.proc.send_signal(signal.SIGTERM)
+            victim.proc.send_signal(signal.SIGCONT)
+            results = await asyncio.wait_for(asyncio.gather(*sends), WAIT)
+            await asyncio.to_thread(victim.proc.wait, WAIT)
+            return results
+
+    results = asyncio.run(run())
+    assert Counter(r.status for r in results) == {Status.SUCCESS: 200}
+    # at most the first write and the one at SERVER_REBOOT (or E_SHUTTING_DOWN): no 30 s resend
+    assert max(r.attempts for r in results) <= 2
+    assert db_rows(pg_dsn, "SELECT count(*), count(DISTINCT session_id) FROM dmq_message") == [(201, 201)]
 
 
 def test_a_restarted_server_is_used_again_and_the_subscription_renewed(make_server, topic):
@@ -268,6 +298,42 @@ def test_a_restarted_server_is_used_again_and_the_subscription_renewed(make_serv
             return [first.body, second.body]
 
     assert asyncio.run(run()) == [b"before", b"after"]
+
+
+def test_heartbeats_while_idle_and_a_silent_server_is_dropped_and_reconnected():
+    """A fake server (real sockets, no dmq-server) greets, announces a 200 ms heartbeat
+    interval and then says nothing: the idle client sends UP_HEARTBEAT (every
+    ``heartbeat_interval``, at most half the server's), drops the connection after two of
+    the server's intervals of silence, and connects again."""
+    connections: list[float] = []
+    heartbeats: list[float] = []
+
+    async def run():
+        second = asyncio.Event()
+
+        async def serve(reader, writer):
+            connections.append(time.monotonic())
+            if len(connections) == 2:
+                second.set()
+            assert await reader.readexactly(4) == MAGIC
+            writer.write(encode(Frame(Command.SERVER_HEALTH, status="OK"))
+                         + encode(Frame(Command.SERVER_HEARTBEAT, credit=200)))
+            decoder = FrameDecoder()
+            while data := await reader.read(65536):
+                heartbeats.extend(time.monotonic() for f in decoder.feed(data) if f.command == Command.UP_HEARTBEAT)
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with Client(servers=f"127.0.0.1:{port}", heartbeat_interval=0.05, reconnect_backoff=0.05,
+                          close_timeout=0):
+            await asyncio.wait_for(second.wait(), WAIT)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(run())
+    assert 0.4 <= connections[1] - connections[0] < 5  # 2 x 200 ms of silence, then a reconnect
+    assert len([t for t in heartbeats if t < connections[1]]) >= 3  # about every 50 ms while idle
 
 
 def test_a_refused_subscription_is_raised_from_the_iteration(make_server, topic):

@@ -21,6 +21,7 @@ class FakeLink:
         self.state = LinkState.READY
         self.written: list[Frame] = []
         self._decoder = FrameDecoder()
+        self.sends: Sends
 
     def write(self, data: bytes) -> bool:
         if self.state is LinkState.DOWN:
@@ -33,6 +34,7 @@ class FakeLink:
 
     def mark_rebooting(self) -> None:
         self.state = LinkState.REBOOTING
+        self.sends.link_leaving(self)  # as ServerLink does, through the client
 
     def mark_unhealthy(self, detail: str) -> None:
         self.state = LinkState.UNHEALTHY
@@ -51,6 +53,8 @@ def make(*names: str, on_cancelled=None, **settings):
     links = {f"{n}:1": FakeLink(f"{n}:1") for n in names}
     clock = Clock()
     sends = Sends(config, "p-1", links, on_cancelled, clock=clock)  # type: ignore[arg-type]
+    for link in links.values():
+        link.sends = sends
     return sends, links, clock
 
 
@@ -115,6 +119,29 @@ def test_a_lost_server_moves_its_sends_at_once_and_a_late_connection_gets_the_re
 
     result = asyncio.run(run())
     assert result.ok and result.duplicate and result.attempts == 3 and result.message_id == 77
+
+
+def test_a_send_refused_as_the_server_shuts_down_goes_to_the_other_server():
+    """SEND_SERVER_ERROR E_SHUTTING_DOWN is no result: the server is marked rebooting and
+    its unanswered sends are written to the other server at once, where they are answered."""
+
+    async def run():
+        sends, links, clock = make("a", "b")
+        tasks = [asyncio.ensure_future(sends.send(Message("orders", b"%d" % i))) for i in range(3)]
+        await turn()
+        (home,) = [link for link in links.values() if link.written]
+        (other,) = [link for link in links.values() if link is not home]
+        refused = home.written[0]
+        sends.replies(home, [Frame(Command.SEND_SERVER_ERROR, session_id=refused.session_id, topic="orders",
+                                   producer="p-1", status="E_SHUTTING_DOWN server is shutting down")])
+        assert home.state is LinkState.REBOOTING
+        assert [f.command for f in other.written] == [Command.UP_PRODUCER_RESEND] * 3
+        assert not any(task.done() for task in tasks)
+        sends.replies(other, [answer(other, frame, message_id=i) for i, frame in enumerate(other.written)])
+        return await asyncio.gather(*tasks), other
+
+    results, other = asyncio.run(run())
+    assert [(r.status, r.server, r.attempts) for r in results] == [(Status.SUCCESS, other.name, 2)] * 3
 
 
 def test_sends_beyond_max_in_flight_wait_and_a_cancelled_waiter_is_reported_not_sent():
