@@ -17,7 +17,7 @@ from ..config import MqConfig
 from ..dedup import DedupWindow
 from ..message import Message, SendResult
 from ..session import default_producer_id
-from ..wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame
+from ..wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, valid_name
 from .link import LinkState, ServerLink
 from .sends import Sends
 from .subscribe import Subscription
@@ -123,6 +123,9 @@ class Client:
         most unacknowledged messages each server pushes (``default_credit`` if None)."""
         if self.sends is None or self.closed:
             raise RuntimeError("the client is not started or is closed")
+        for what, name in (("topic", topic), ("channel", channel)):
+            if not isinstance(name, str) or not valid_name(name):
+                raise ValueError(f"invalid {what} name {name!r}")
         if (topic, channel) in self.subscriptions:
             raise ValueError(f"already subscribed to {topic}/{channel}")
         credit = self.config.default_credit if credit is None else credit

@@ -337,10 +337,14 @@ def test_heartbeats_while_idle_and_a_silent_server_is_dropped_and_reconnected():
 
 
 def test_a_refused_subscription_is_raised_from_the_iteration(make_server, topic):
+    """A channel not registered on the topic: the server's refusal comes out of ``async for``
+    as SubscribeError (reason no_channel); an invalid name is a ValueError at once."""
     server = make_server()
 
     async def run():
         async with Client(fast_config(server)) as client:
+            with pytest.raises(ValueError):  # refused at once, nothing written
+                client.subscribe(topic, "bad name")
             with pytest.raises(SubscribeError) as refused:
                 async for _ in client.subscribe(topic, "nobody"):
                     pass
