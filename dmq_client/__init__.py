@@ -7,6 +7,7 @@ threads for subscriptions, duplicate suppression, heartbeats, reconnects and
 failover between servers. Configure it with ``MqConfig``; ``docs/client.md``
 is the guide.
 
+``dmq_client.aio.Client`` is the asyncio client (no threads, the same results).
 ``dmq_client.blocking.BlockingClient`` is the small synchronous client for
 scripts, tests and benchmarks; ``dmq_client.wire`` is the sans-IO protocol
 codec shared with the server; ``dmq_client.diskqueue`` is the

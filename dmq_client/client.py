@@ -317,6 +317,7 @@ class _Dispatch:
         pushes: list[Frame] = []
         subs: list[Frame] = []
         consumed: list[Frame] = []
+        requeues: list[Frame] = []
         for frame in frames:
             command = frame.command
             if command in SEND_REPLIES:
@@ -327,6 +328,8 @@ class _Dispatch:
                 subs.append(frame)
             elif command == Command.SEND_CONSUMED_ACK:
                 consumed.append(frame)
+            elif command == Command.REQUEUE_ACK:
+                requeues.append(frame)
             else:
                 log.warning("unexpected %s from %s; ignored", command.name, conn.name)
         if replies:
@@ -337,6 +340,8 @@ class _Dispatch:
             self.consumer.subscribe_replies(conn, subs)
         if pushes:
             self.consumer.pushes(conn, pushes)
+        if requeues:
+            self.consumer.requeue_replies(conn, requeues)
 
     def connection_lost(self, conn: ServerConnection, reason: str) -> None:
         self.pool.changed()

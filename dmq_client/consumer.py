@@ -35,13 +35,14 @@ from .connection import ConnectionUnavailable, ServerConnection
 from .dedup import Admit, DedupWindow
 from .message import ReceivedMessage
 from .routing import ServerPool
-from .wire import Command, Frame, encode, features, valid_name
+from .wire import FEATURE_REQUEUE, Command, Frame, encode, features, valid_name
 
 __all__ = ["Consumer", "SubscribeError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-_REFUSALS = {
+#: the reason a ``SubscribeError`` names for each refusing reply (the asyncio client's too)
+REFUSALS = {
     Command.SUBSCRIBE_NO_TOPIC_ACK: "no_topic",
     Command.SUBSCRIBE_NO_CLIENT_ID_ACK: "no_channel",
     Command.SUBSCRIBE_SERVER_ERROR: "server_error",
@@ -152,7 +153,7 @@ class Consumer:
             if reply.command == Command.SUBSCRIBE_ACK:
                 accepted.append(conn)
             elif refusal is None:
-                refusal = SubscribeError(topic, channel, _REFUSALS[reply.command], reply.status, conn.name)
+                refusal = SubscribeError(topic, channel, REFUSALS[reply.command], reply.status, conn.name)
         if refusal is not None:
             with self._lock:
                 self.subscriptions.pop((topic, channel), None)
@@ -191,7 +192,7 @@ class Consumer:
                 if sub is not None:
                     sub.error = None
             else:
-                error = SubscribeError(frame.topic, frame.channel, _REFUSALS[frame.command], frame.status, conn.name)
+                error = SubscribeError(frame.topic, frame.channel, REFUSALS[frame.command], frame.status, conn.name)
                 log.error("%s", error)
                 if sub is not None:
                     sub.error = error
@@ -232,6 +233,7 @@ class Consumer:
                     server=conn.name,
                     acker=self._ack,
                     properties=ReceivedMessage.properties_of(frame.status),
+                    requeuer=self._requeue,
                 )
                 sub.received += 1
                 self._queue.put((sub, message, key))
@@ -285,6 +287,27 @@ class Consumer:
         self.acks.add(message.server, message.topic, message.channel, message.message_id)
         if not getattr(self._in_handler, "active", False) or not self.config.ack_wait:
             self.acks.flush()
+
+    def _requeue(self, message: ReceivedMessage, delay_ms: int) -> None:
+        """Write UP_CONSUMER_REQUEUE to the server that pushed the message, after the acks
+        held for it (the order the server sees is the handler's). The copy's redelivery is
+        forgotten by the duplicate suppression first: it is wanted, and the server may push
+        it again before its answer."""
+        conn = self.pool.get(message.server)
+        if conn is None or FEATURE_REQUEUE not in conn.features:
+            raise RuntimeError(f"server {message.server} does not accept requeues (no {FEATURE_REQUEUE} feature)")
+        self.dedup.forget(self.dedup.key(message.producer, message.session_id, message.channel))
+        self.acks.flush()
+        if not self._write(conn, Frame(Command.UP_CONSUMER_REQUEUE, topic=message.topic, channel=message.channel,
+                                       message_id=message.message_id, credit=delay_ms)):
+            log.info("requeue of %r not written: connection lost (the server delivers it again)", message)
+
+    def requeue_replies(self, conn: ServerConnection, frames: list[Frame]) -> None:
+        """REQUEUE_ACK frames: a refusal is logged (``requeue`` does not wait for them)."""
+        for frame in frames:
+            if frame.status:
+                log.warning("requeue of %s/%s message %d refused by %s: %s", frame.topic, frame.channel,
+                            frame.message_id, conn.name, frame.status)
 
     def _write(self, conn: ServerConnection, frame: Frame) -> bool:
         try:

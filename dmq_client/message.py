@@ -61,6 +61,9 @@ class Status(str, enum.Enum):
     """The bounded send queue had no room; refused at once, never written."""
     CLIENT_CLOSED = "client_closed"
     """The client was closing or closed before the message got an answer."""
+    CANCELLED = "cancelled"
+    """The asyncio client's caller cancelled the send before it was written; never written,
+    so certainly not stored (``dmq_client.aio``: reported to ``on_cancelled``)."""
 
     @property
     def ok(self) -> bool:
@@ -223,6 +226,7 @@ class ReceivedMessage:
         "headers",
         "_acker",
         "_acked",
+        "_requeuer",
     )
 
     def __init__(
@@ -239,6 +243,7 @@ class ReceivedMessage:
         server: str,
         acker: Callable[["ReceivedMessage"], Any],
         properties: Properties = NO_PROPERTIES,
+        requeuer: Callable[["ReceivedMessage", int], Any] | None = None,
     ):
         self.topic = topic
         self.channel = channel
@@ -254,6 +259,7 @@ class ReceivedMessage:
         self.headers = dict(properties.headers)
         self._acker = acker
         self._acked = False
+        self._requeuer = requeuer
 
     @property
     def acked(self) -> bool:
@@ -264,6 +270,24 @@ class ReceivedMessage:
         if not self._acked:
             self._acked = True
             self._acker(self)
+
+    def requeue(self, delay: float = 0.0) -> None:
+        """Give the message back to its channel, to be delivered again (``attempts`` + 1, to
+        any consumer) ``delay`` seconds from now (docs/protocol.md §4.16), instead of
+        acknowledging it; ``acked`` is then true, so auto-ack leaves it alone. The frame is
+        written and not waited for: a server's refusal (the copy timed out meanwhile, a delay
+        above its ``--max-req-timeout``) is logged, and the copy then comes back after its
+        timeout as any unacknowledged one (the asyncio client's ``requeue`` waits for the
+        answer and raises). ``ValueError`` for a negative delay or one past the frame's
+        field; ``RuntimeError`` where the server does not list ``REQUEUE``."""
+        delay_ms = round(delay * 1000)
+        if not 0 <= delay_ms <= 0xFFFFFFFF:
+            raise ValueError(f"delay must be 0..{0xFFFFFFFF / 1000} seconds, not {delay!r}")
+        if self._requeuer is None:
+            raise RuntimeError("this message cannot be requeued")
+        if not self._acked:
+            self._requeuer(self, delay_ms)
+            self._acked = True
 
     def text(self, encoding: str = "utf-8") -> str:
         return self.body.decode(encoding)

@@ -54,24 +54,18 @@ from .connection import ConnectionUnavailable, ServerConnection
 from .future import SendFuture
 from .message import TRANSIENT, Message, SendResult, Status
 from .notify import NotifyRunner
+from .outgoing import REPLY_STATUS, check_message, send_frame
 from .pending import PendingSend
 from .resend import ResendMap
 from .routing import ServerPool
 from .send_queue import MemorySendQueue, Put, SendQueue
-from .session import SESSION_ID_MAX, SessionIdGenerator, default_producer_id
-from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, PropertiesError, encode, parse_consumed, valid_name
+from .session import SessionIdGenerator, default_producer_id
+from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, parse_consumed
 
 __all__ = ["Producer"]
 
 log = logging.getLogger(__name__)
 
-_REPLY_STATUS = {
-    Command.SEND_SUCCESS_ACK: Status.SUCCESS,
-    Command.SEND_NO_TOPIC_ACK: Status.NO_TOPIC,
-    Command.SEND_SERVER_ERROR: Status.SERVER_ERROR,
-    Command.SEND_EXCEED_LIMIT_ACK: Status.RATE_LIMIT_EXCEEDED,
-    Command.SEND_INVALID_ACK: Status.INVALID_MESSAGE,
-}
 _SHUTTING_DOWN = "E_SHUTTING_DOWN"
 _SEND = Command.UP_PRODUCER_SEND
 _RESEND = Command.UP_PRODUCER_RESEND
@@ -174,25 +168,7 @@ class Producer:
 
     def _check(self, message: Message) -> str:
         """Why the message cannot be sent, or ''."""
-        if not isinstance(message.topic, str) or not valid_name(message.topic):
-            return f"E_BAD_TOPIC topic name {message.topic!r} is not valid"
-        if not isinstance(message.body, bytes):
-            return f"E_BAD_BODY body must be bytes or str, not {type(message.body).__name__}"
-        if len(message.body) > self.config.max_body_size:
-            return f"E_BAD_BODY body of {len(message.body)} bytes exceeds max_body_size {self.config.max_body_size}"
-        sid = message.session_id
-        if sid is not None and (not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid <= SESSION_ID_MAX):
-            return f"E_INVALID session id {sid!r} is not an integer in 0..{SESSION_ID_MAX}"
-        if message.msg_type == MessageType.DELAY:
-            if not isinstance(message.due_ms, int) or message.due_ms <= 0:
-                return f"E_INVALID a DELAY message needs a due time, not {message.due_ms!r}"
-        elif message.msg_type != MessageType.RELIABLE:
-            return f"E_INVALID unknown message type {message.msg_type!r}"
-        try:
-            message.status()
-        except PropertiesError as exc:
-            return exc.status()
-        return ""
+        return check_message(message, self.config.max_body_size)
 
     @staticmethod
     def _check_confirm(item: PendingSend) -> str:
@@ -201,21 +177,7 @@ class Producer:
         return ""
 
     def _frame(self, item: PendingSend, command: Command) -> bytes:
-        m = item.message
-        return encode(
-            Frame(
-                command,
-                session_id=item.session_id,
-                topic=m.topic,
-                producer=item.producer,
-                msg_type=m.msg_type,
-                due_ms=m.due_ms,
-                timestamp_ms=item.timestamp_ms,
-                credit=item.confirm_ms,  # 0: no confirmation asked (§4.14)
-                status=m.status(),  # the properties, '' for none (checked by ``_check``)
-                body=m.body,
-            )
-        )
+        return send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms, item.confirm_ms)
 
     # -- results ----------------------------------------------------------------
     def _finish(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> None:
@@ -495,7 +457,7 @@ class Producer:
         done: list[PendingSend] = []
         for item in self.resends.pop_many(answered):
             frame = answered[item.key]
-            status = _REPLY_STATUS[frame.command]
+            status = REPLY_STATUS[frame.command]
             if status is Status.SERVER_ERROR and frame.status.startswith("E_STORAGE"):
                 conn.mark_unhealthy(frame.status)
             done += self._settle(

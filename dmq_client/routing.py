@@ -23,7 +23,14 @@ from typing import Iterable
 
 from .connection import ConnState, ServerConnection
 
-__all__ = ["ServerPool"]
+__all__ = ["ServerPool", "affinity"]
+
+
+def affinity(topic: str, server: str) -> int:
+    """The rendezvous score of ``server`` for ``topic``: the usable server with the highest
+    wins the topic. Both clients use it, so a process running ``MqClient`` and the asyncio
+    client sends one topic to the same server."""
+    return zlib.crc32(topic.encode(), zlib.crc32(server.encode()))
 
 
 class ServerPool:
@@ -90,11 +97,10 @@ class ServerPool:
     def _best(self, topic: str, state: ConnState, exclude: Iterable[str]) -> ServerConnection | None:
         best = None
         best_score = -1
-        key = topic.encode()
         for conn in list(self._conns.values()):
             if conn.state is not state or conn.name in exclude:
                 continue
-            score = zlib.crc32(key, zlib.crc32(conn.name.encode()))
+            score = affinity(topic, conn.name)
             if score > best_score:
                 best, best_score = conn, score
         return best

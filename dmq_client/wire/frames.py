@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "MAGIC",
     "CONFIRM_MAX_MS",
+    "REQUEUE_MAX_MS",
     "Command",
     "MessageType",
     "Frame",
@@ -40,6 +41,10 @@ STATUS_MAX_LENGTH = 4096
 #: The longest a producer may ask the server to watch for its message's consumption
 #: (a send's ``credit``, ms): a day, so a forgotten confirmation holds memory that long at most.
 CONFIRM_MAX_MS = 86_400_000
+#: The longest delay an UP_CONSUMER_REQUEUE can carry in its u32 ``credit`` field (ms, about
+#: 49 days). The server's own bound, ``--max-req-timeout`` (an hour by default, the one NSQ's
+#: REQ has), is lower; a client checks against this one and the server answers the rest.
+REQUEUE_MAX_MS = 0xFFFFFFFF
 
 _NAME_RE = re.compile(r"^[.a-zA-Z0-9_-]+(#ephemeral)?$")
 
@@ -68,6 +73,7 @@ class Command(enum.IntEnum):
     UP_HEARTBEAT = 6
     UP_AUTH = 7
     UP_CONSUMER_ACKS = 8
+    UP_CONSUMER_REQUEUE = 9
     # server -> client
     SUBSCRIBE_ACK = 32
     SEND_SUCCESS_ACK = 33
@@ -86,6 +92,7 @@ class Command(enum.IntEnum):
     PROTOCOL_ERROR = 46
     AUTH_ACK = 47
     SEND_CONSUMED_ACK = 48
+    REQUEUE_ACK = 49
 
 
 #: What a server accepts beyond the first set of version 1, as it lists them, space
@@ -96,7 +103,8 @@ class Command(enum.IntEnum):
 FEATURE_ACKS = "ACKS"  # UP_CONSUMER_ACKS (§4.13)
 FEATURE_CONFIRM = "CONFIRM"  # a send's credit asks for SEND_CONSUMED_ACK (§4.14)
 FEATURE_PROPS = "PROPS"  # a send's status carries its key, priority and headers (wire.properties)
-SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM} {FEATURE_PROPS}"
+FEATURE_REQUEUE = "REQUEUE"  # UP_CONSUMER_REQUEUE and its REQUEUE_ACK (§4.16)
+SERVER_FEATURES = f"{FEATURE_ACKS} {FEATURE_CONFIRM} {FEATURE_PROPS} {FEATURE_REQUEUE}"
 
 
 def features(status: str) -> frozenset[str]:

@@ -721,6 +721,20 @@ class Broker:
             return self.reliable.ack_many(topic, channel, message_ids, consumer)
         return sum(1 for mid in message_ids if self.ack(topic, channel, mid, consumer) is not None)
 
+    def requeue(self, topic: str, channel: str, message_id: int, consumer: Receiver, delay: float) -> str | None:
+        """Give ``consumer``'s copy back, ready again after ``delay`` seconds (a dmq
+        consumer's ``UP_CONSUMER_REQUEUE``, NSQ's REQ); None, or why not. The copy's
+        cluster is the one that drew its id, as for ``ack``."""
+        if not self.placement.several:
+            return self.reliable.requeue(topic, channel, message_id, consumer, delay)
+        store = self.placement.store_of_id(message_id)
+        if store is None:
+            return "ID not in flight"
+        error = store.requeue(topic, channel, message_id, consumer, delay)
+        if error is None:
+            self.placement.acked(topic, channel)  # the consumer's credit is free for the other clusters too
+        return error
+
     # -- operators: pause, empty (nsqd's channel admin on reliable channels) ----------
     def _channel_stores(self, topic: str) -> list[ReliableStore]:
         spec = self.cache.reliable.get(topic)

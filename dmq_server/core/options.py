@@ -239,7 +239,7 @@ class Options:
         900.0, "longest message timeout an NSQ client may ask for (IDENTIFY, TOUCH)", kind="duration"
     )
     max_req_timeout: float = _opt(
-        3600.0, "longest delay of an NSQ REQ or DPUB (and /pub?defer)", kind="duration"
+        3600.0, "longest delay of an NSQ REQ or DPUB (and /pub?defer), and of a dmq UP_CONSUMER_REQUEUE", kind="duration"
     )
     max_body_size: int = _opt(5242880, "largest body of an NSQ MPUB or /mpub, in bytes", kind="int")
     max_rdy_count: int = _opt(2500, "largest RDY count an NSQ client may send", kind="int")

@@ -417,6 +417,8 @@ class DmqConnection:
             self._ack_many(frame)
         elif command == Command.UP_CONSUMER_ACK:
             self._ack(frame)
+        elif command == Command.UP_CONSUMER_REQUEUE:
+            self._requeue(frame)
         elif command == Command.UP_SUBSCRIBE:
             self._subscribe(frame)
         elif command == Command.UP_CREDIT:
@@ -453,6 +455,24 @@ class DmqConnection:
             refused = self.broker.ack_many(frame.topic, frame.channel, ids, sub)
             if refused:
                 self.broker.count_refused_acks(refused)
+
+    def _requeue(self, frame: Frame) -> None:
+        """Give a copy pushed to *this* connection's subscription back, ready again
+        ``credit`` ms from now (NSQ's REQ with a delay). Unlike an ack, the consumer
+        waits to hear whether it happened: a refused requeue (the copy timed out and went
+        to another consumer, a delay above ``--max-req-timeout``) leaves that copy where
+        it is, and the consumer must know its message was not put back as asked. Nothing
+        here is fatal: the connection and its other copies go on."""
+        max_ms = int(self.broker.options.max_req_timeout * 1000)
+        if frame.credit > max_ms:
+            error = f"E_INVALID requeue delay {frame.credit} ms is above {max_ms}"
+        elif (sub := self.subscriptions.get((frame.topic, frame.channel))) is None:
+            error = f"E_REQUEUE_FAILED no subscription to {frame.topic}/{frame.channel} on this connection"
+        else:
+            reason = self.broker.requeue(frame.topic, frame.channel, frame.message_id, sub, frame.credit / 1000)
+            error = "" if reason is None else f"E_REQUEUE_FAILED {reason}"
+        self.write(Frame(Command.REQUEUE_ACK, message_id=frame.message_id, topic=frame.topic,
+                         channel=frame.channel, credit=frame.credit, status=error))
 
     def _send(self, frame: Frame) -> None:
         if self.auth is not None:  # without an authorizer every send may go (once per message: no call)

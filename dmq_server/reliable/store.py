@@ -779,6 +779,14 @@ class ReliableStore:
             return error
         return None if channel.ack(message_id) else "ID not in flight"
 
+    def requeue(self, topic: str, name: str, message_id: int, consumer: Receiver, delay: float) -> str | None:
+        """Give ``consumer``'s copy back after ``delay`` seconds; None, or why not (as
+        ``ack``: only the holder may)."""
+        channel = self.channels.get((topic, name))
+        if channel is None:
+            return "ID not in flight"
+        return channel.requeue(message_id, consumer, delay)
+
     def ack_each(self, topic: str, name: str, message_ids: Sequence[int], consumer: Receiver) -> list[str | None]:
         """``ack`` of each id in order, each answered as ``ack`` answers it alone (an id
         ``consumer`` does not hold, or one acknowledged earlier in the list, refused with

@@ -111,7 +111,7 @@ def test_send_and_consume_with_auto_ack(make_server, topic, pg_dsn):
         assert all(r.message_id and r.server == f"127.0.0.1:{server.tcp_port}" for r in results)
         inbox.wait()
         # the server listed the batch ack frame, so the acks went in it (docs/protocol.md §4.1)
-        assert client.stats()["features"] == {f"127.0.0.1:{server.tcp_port}": ["ACKS", "CONFIRM", "PROPS"]}
+        assert client.stats()["features"] == {f"127.0.0.1:{server.tcp_port}": ["ACKS", "CONFIRM", "PROPS", "REQUEUE"]}
         assert sorted(m.body for m in inbox.messages) == [b"hello 0", b"hello 1", b"hello 2"]
         assert {m.message_id for m in inbox.messages} == {r.message_id for r in results}
         # acks are written after on_message returns and made durable in batches
@@ -461,6 +461,33 @@ def test_manual_ack_holds_the_message_until_acked(make_server, pg_dsn):
         inbox.messages[0].ack()
         wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
     assert len(inbox.messages) == 1
+
+
+def test_a_handler_requeues_with_a_delay_and_gets_the_message_again(make_server, pg_dsn):
+    """``message.requeue(delay)`` in a handler (auto-ack on): the message is not acked, comes
+    back no sooner than the delay with attempts 2, and its second handling acks it."""
+    _register(pg_dsn, "jobs", "workers")
+    server = make_server()
+    requeued_at: list[float] = []
+
+    class Later(Inbox):
+        def on_message(self, message) -> None:
+            super().on_message(message)
+            if message.attempts == 1:
+                message.requeue(delay=0.4)
+                requeued_at.append(time.monotonic())
+            else:
+                self.second = time.monotonic()
+                self.done.set()
+
+    inbox = Later(expected=99)
+    with MqClient(fast_config(server)) as client:
+        client.subscribe("jobs", "workers", inbox)
+        assert client.send(Message("jobs", b"later")).result(WAIT).ok
+        inbox.wait()
+        assert [m.attempts for m in inbox.messages] == [1, 2]
+        assert inbox.second - requeued_at[0] >= 0.35
+        wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
 
 
 def test_handler_failure_gets_the_message_again(make_server, pg_dsn):

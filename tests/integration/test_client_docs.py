@@ -50,7 +50,17 @@ def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
                                "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
-                               "tracing.py"}
+                               "tracing.py", "asyncio_quickstart.py"}
+
+
+def test_asyncio_quickstart_sends_then_receives_and_acks(served, pg_dsn):
+    """The asyncio example sends with the asyncio client, receives the message through
+    ``async for`` and acks it, so nothing stays pending."""
+    import asyncio
+
+    module = load("asyncio_quickstart.py")
+    assert asyncio.run(module["main"]()) == [b'{"id": 1}']
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):

@@ -153,6 +153,7 @@ def test_the_client_wheel_is_light_and_works_alone(dists, tmp_path):
     # every requirement is optional (the zk extra), none of the server's is unconditional
     assert all("extra ==" in r for r in requires), requires
     assert {n.split("/")[0] for n in names if not n.startswith("dmq_client-")} == {"dmq_client", "registry"}
+    assert "dmq_client/py.typed" in names  # PEP 561: type checkers read dmq_client's annotations
 
     venv = tmp_path / "venv"
     _venv(venv, "--no-deps", "--no-index", str(wheel))
@@ -162,7 +163,7 @@ def test_the_client_wheel_is_light_and_works_alone(dists, tmp_path):
         "from dmq_client import MqClient, MqConfig, Message\n"
         "from dmq_client.blocking import BlockingClient\n"
         "from dmq_client.wire import Command, encode\n"
-        "import dmq_client.discovery, registry.paths\n"
+        "import dmq_client.discovery, dmq_client.aio, registry.paths\n"
         f"loaded = sorted(m for m in {SERVER_DEPS!r} if m in sys.modules)\n"
         "print(MqClient.__name__, BlockingClient.__name__, Command.SEND_SUCCESS_ACK.name, loaded)\n"
     )

@@ -33,7 +33,16 @@ from dmq_client.wire.codec import (
     encode,
     frame_overhead,
 )
-from dmq_client.wire.frames import NAME_MAX_LENGTH, STATUS_MAX_LENGTH
+from dmq_client.wire.frames import (
+    DOWNSTREAM,
+    FEATURE_REQUEUE,
+    NAME_MAX_LENGTH,
+    REQUEUE_MAX_MS,
+    SERVER_FEATURES,
+    STATUS_MAX_LENGTH,
+    UPSTREAM,
+    features,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -485,7 +494,7 @@ def test_encode_refuses_names_longer_than_the_layout(field):
     assert info.value.code == "E_INVALID"
 
 
-@pytest.mark.parametrize("command", [0, 9, 31, 49, 255, 256, -1])
+@pytest.mark.parametrize("command", [0, 10, 31, 50, 255, 256, -1])
 def test_encode_refuses_unknown_commands(command):
     """encode only emits command codes the decoder accepts."""
     with pytest.raises(FrameError) as info:
@@ -762,3 +771,36 @@ def test_unpack_ids_refuses_a_body_that_is_not_whole_ids(size):
     with pytest.raises(FrameError) as caught:
         unpack_ids(b"\x01" * size)
     assert caught.value.code == "E_BAD_FRAME" and str(size) in caught.value.message
+
+
+# --------------------------------------------------------------------------- requeue (§4.16)
+
+
+def test_requeue_frame_has_these_bytes_and_round_trips():
+    """UP_CONSUMER_REQUEUE is command 9 and carries its delay in ``credit`` (u32 ms);
+    REQUEUE_ACK is 49 and echoes the request with a status. Pinned byte for byte so
+    docs/protocol.md §4.16 cannot drift."""
+    frame = Frame(Command.UP_CONSUMER_REQUEUE, message_id=7, topic="t", channel="c", credit=1500)
+    raw = encode(frame)
+    assert raw[4] == 9 and Command.UP_CONSUMER_REQUEUE in UPSTREAM
+    assert raw[8:12] == (1500).to_bytes(4, "big")
+    assert raw[20:28] == (7).to_bytes(8, "big")
+    assert FrameDecoder().feed(raw) == [frame]
+    ack = Frame(Command.REQUEUE_ACK, message_id=7, topic="t", channel="c", credit=1500,
+                status="E_REQUEUE_FAILED ID not in flight")
+    assert encode(ack)[4] == 49 and Command.REQUEUE_ACK in DOWNSTREAM
+    assert FrameDecoder().feed(encode(ack)) == [ack]
+
+
+@pytest.mark.parametrize("delay_ms", [-1, REQUEUE_MAX_MS + 1, 1.5])
+def test_requeue_delay_outside_the_field_is_refused_by_encode(delay_ms):
+    """A delay the u32 field cannot hold (negative, above 2**32-1 ms, not an integer)
+    is E_INVALID naming the field, never a wrapped or truncated delay."""
+    with pytest.raises(FrameError) as info:
+        encode(Frame(Command.UP_CONSUMER_REQUEUE, message_id=1, topic="t", channel="c", credit=delay_ms))
+    assert info.value.code == "E_INVALID" and "credit" in info.value.message
+
+
+def test_servers_list_the_requeue_feature():
+    """A client uses UP_CONSUMER_REQUEUE only where the server listed REQUEUE (§4.1)."""
+    assert FEATURE_REQUEUE in features(SERVER_FEATURES)

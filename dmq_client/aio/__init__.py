@@ -1,0 +1,16 @@
+"""The asyncio dmq client: ``async with Client(...)``, ``await client.send(message)``,
+``async for message in client.subscribe(topic, channel, credit=N)``, ``await message.ack()``
+and ``await message.requeue(delay=seconds)``.
+
+It speaks the protocol through the same sans-IO codec as everything else
+(``dmq_client.wire``) over asyncio streams, with no threads, and gives ``MqClient``'s
+results (``SendResult``, ``Status``) and guarantees; ``docs/client.md`` ("asyncio") is the
+guide. Modules: ``client`` (the ``Client``), ``link`` (one server connection), ``sends``
+(unanswered sends, resends, failover, backpressure, cancellation), ``subscribe``
+(subscriptions and the received message).
+"""
+
+from .client import Client
+from .subscribe import AioMessage, RequeueError, Subscription
+
+__all__ = ["AioMessage", "Client", "RequeueError", "Subscription"]

@@ -1,0 +1,191 @@
+"""``Client``: the asyncio client, one object over a connection per configured server.
+
+Settings are ``MqConfig``'s (the same names, defaults and checks as ``MqClient``), given as
+keyword arguments or as a config; the few that belong to ``MqClient``'s threads and queues
+(``send_queue_size``, ``send_batch_size``, ``handler_threads``, ``ack_wait``) are not used,
+and the two it does not offer yet are refused at construction: ``zk`` (ZooKeeper discovery:
+give the servers) and ``journal_path`` (the producer journal: use ``MqClient``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from ..config import MqConfig
+from ..dedup import DedupWindow
+from ..message import Message, SendResult
+from ..session import default_producer_id
+from ..wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, valid_name
+from .link import LinkState, ServerLink
+from .sends import Sends
+from .subscribe import Subscription
+
+__all__ = ["Client"]
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """The asyncio dmq client::
+
+        async with Client(servers=["127.0.0.1:4150"]) as client:
+            result = await client.send(Message("orders", b"..."))
+            async for message in client.subscribe("orders", "billing", credit=100):
+                ...
+                await message.ack()
+
+    ``send`` returns ``MqClient``'s ``SendResult`` with the same ``Status`` values, and keeps
+    its guarantees: resends under the same session id when no answer came, failover between
+    the servers (at once on a lost connection or a ``SERVER_REBOOT``), TLS, ``UP_AUTH``,
+    heartbeats. It waits while ``max_in_flight`` sends are unanswered. A cancelled ``send``
+    is never half done: see ``dmq_client.aio.sends`` and ``on_cancelled``, which gets the
+    one result of every send whose caller was cancelled (``Status.CANCELLED`` if it was
+    never written, else its real outcome once known). Leaving ``async with`` (``close()``)
+    waits up to ``close_timeout`` for unanswered sends and answers the rest
+    ``CLIENT_CLOSED``.
+    """
+
+    def __init__(self, config: MqConfig | None = None, *,
+                 on_cancelled: Callable[[SendResult], object] | None = None, **settings: Any):
+        if config is None:
+            config = MqConfig(**settings)
+        elif settings:
+            config = config.replace(**settings)
+        if config.zk:
+            raise ValueError("zk: ZooKeeper discovery is not in the asyncio client yet; give servers=")
+        if config.journal_path is not None:
+            raise ValueError("journal_path: the producer journal is not in the asyncio client yet; use MqClient")
+        self.config = config
+        self.producer_id = config.producer_id or default_producer_id()
+        self.on_cancelled = on_cancelled
+        self.links: dict[str, ServerLink] = {}
+        self.sends: Sends | None = None
+        self.subscriptions: dict[tuple[str, str], Subscription] = {}
+        self.dedup = DedupWindow(config.dedup_max_entries, config.dedup_max_age)
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    # -- life ----------------------------------------------------------------------------
+    async def __aenter__(self) -> "Client":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start connecting to every server (it does not wait for them: a send waits up
+        to ``route_wait`` for a server, ``wait_connected`` as long as you say)."""
+        if self.sends is not None:
+            return
+        for name in self.config.servers:
+            self.links[name] = ServerLink(name, self.config, self)
+        self.sends = Sends(self.config, self.producer_id, self.links, self.on_cancelled)
+        self.sends.start()
+        for link in self.links.values():
+            link.start()
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """True once any server is connected and ready, False after ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._ready.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Drain: new sends get CLIENT_CLOSED; unanswered ones get ``close_timeout`` to be
+        answered, then CLIENT_CLOSED; subscriptions end; the connections close."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.sends is not None:
+            await self.sends.close(self.config.close_timeout)
+        for sub in list(self.subscriptions.values()):
+            sub.end()
+        self.subscriptions.clear()
+        await asyncio.gather(*(link.close() for link in self.links.values()))
+
+    # -- producing -------------------------------------------------------------------------
+    async def send(self, message: Message) -> SendResult:
+        """Send one message; returns its ``SendResult`` (never raises for the outcome:
+        ``result.raise_for_status()`` does)."""
+        if self.sends is None:
+            raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
+        return await self.sends.send(message)
+
+    # -- consuming ---------------------------------------------------------------------------
+    def subscribe(self, topic: str, channel: str, credit: int | None = None) -> Subscription:
+        """Subscribe on every server; iterate the result with ``async for``. ``credit``: the
+        most unacknowledged messages each server pushes (``default_credit`` if None)."""
+        if self.sends is None or self.closed:
+            raise RuntimeError("the client is not started or is closed")
+        for what, name in (("topic", topic), ("channel", channel)):
+            if not isinstance(name, str) or not valid_name(name):
+                raise ValueError(f"invalid {what} name {name!r}")
+        if (topic, channel) in self.subscriptions:
+            raise ValueError(f"already subscribed to {topic}/{channel}")
+        credit = self.config.default_credit if credit is None else credit
+        if not isinstance(credit, int) or credit < 1:
+            raise ValueError(f"credit must be a positive integer, not {credit!r}")
+        sub = Subscription(self, topic, channel, credit, self.dedup)
+        self.subscriptions[(topic, channel)] = sub
+        for link in self.links.values():
+            if link.routable:  # the others subscribe when (re)connected: link_ready
+                sub.subscribe_on(link)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        """Forget the subscription; the servers' subscriptions end with their connections
+        (the protocol has no unsubscribe), so pushes for it are acked by nobody and come
+        back to the channel's other consumers after their timeout."""
+        if self.subscriptions.get((sub.topic, sub.channel)) is sub:
+            del self.subscriptions[(sub.topic, sub.channel)]
+
+    # -- LinkOwner: what the connections report -------------------------------------------------
+    def link_ready(self, link: ServerLink) -> None:
+        self._ready.set()
+        assert self.sends is not None
+        self.sends.link_ready(link)
+        for sub in self.subscriptions.values():
+            sub.subscribe_on(link)
+
+    def link_leaving(self, link: ServerLink) -> None:
+        assert self.sends is not None
+        self.sends.link_leaving(link)
+        self._ready_again()
+
+    def link_lost(self, link: ServerLink, reason: str) -> None:
+        self.link_leaving(link)
+        for sub in self.subscriptions.values():
+            sub.link_lost(link)
+
+    def _ready_again(self) -> None:
+        if not any(other.state is LinkState.READY for other in self.links.values()):
+            self._ready.clear()
+
+    def link_frames(self, link: ServerLink, frames: list[Frame]) -> None:
+        replies = []
+        for frame in frames:
+            command = frame.command
+            if command in SEND_REPLIES:
+                replies.append(frame)
+                continue
+            sub = self.subscriptions.get((frame.topic, frame.channel))
+            if command == Command.CONSUMER_PUSH:
+                if sub is not None:
+                    sub.pushed(link, frame)
+            elif command == Command.REQUEUE_ACK:
+                if sub is not None:
+                    sub.requeue_answered(link, frame)
+            elif command in SUBSCRIBE_REPLIES:
+                if sub is not None:
+                    sub.answered(link, frame)
+            elif command != Command.SEND_CONSUMED_ACK:
+                log.debug("dmq server %s: ignored %s", link.name, command.name)
+        if replies:
+            assert self.sends is not None
+            self.sends.replies(link, replies)

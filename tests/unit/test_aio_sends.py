@@ -1,0 +1,187 @@
+"""The asyncio client's sends (``dmq_client.aio.sends``) over fake links, with an injected
+clock: resends on time and OUT_OF_RETRY after the tries, failover at once without using up
+a try, the in-flight bound, and the two kinds of cancellation. No sockets; each test runs
+its coroutine with ``asyncio.run``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dmq_client import Message, MqConfig, Status
+from dmq_client.aio.link import LinkState
+from dmq_client.aio.sends import Sends
+from dmq_client.wire import Command, Frame, FrameDecoder
+
+
+class FakeLink:
+    """What ``Sends`` uses of a ``ServerLink``: its name, state, writes and drain."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.state = LinkState.READY
+        self.written: list[Frame] = []
+        self._decoder = FrameDecoder()
+        self.sends: Sends
+
+    def write(self, data: bytes) -> bool:
+        if self.state is LinkState.DOWN:
+            return False
+        self.written += self._decoder.feed(data)
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+    def mark_rebooting(self) -> None:
+        self.state = LinkState.REBOOTING
+        self.sends.link_leaving(self)  # as ServerLink does, through the client
+
+    def mark_unhealthy(self, detail: str) -> None:
+        self.state = LinkState.UNHEALTHY
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(*names: str, on_cancelled=None, **settings):
+    config = MqConfig(servers=",".join(f"{n}:1" for n in names), resend_interval=1.0, resend_tries=2, **settings)
+    links = {f"{n}:1": FakeLink(f"{n}:1") for n in names}
+    clock = Clock()
+    sends = Sends(config, "p-1", links, on_cancelled, clock=clock)  # type: ignore[arg-type]
+    for link in links.values():
+        link.sends = sends
+    return sends, links, clock
+
+
+async def turn() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def answer(link: FakeLink, frame: Frame, message_id: int = 77, status: str = "") -> Frame:
+    return Frame(Command.SEND_SUCCESS_ACK, session_id=frame.session_id, message_id=message_id, topic=frame.topic,
+                 producer=frame.producer, status=status)
+
+
+def test_an_unanswered_send_is_resent_on_time_then_out_of_retry():
+    """Written once, resent after each ``resend_interval`` as UP_PRODUCER_RESEND under the
+    same session id, and OUT_OF_RETRY one interval after the last of ``resend_tries``."""
+
+    async def run():
+        sends, links, clock = make("a")
+        (link,) = links.values()
+        task = asyncio.ensure_future(sends.send(Message("orders", b"x")))
+        await turn()
+        clock.now += 0.9
+        sends.check_resends(clock.now)
+        assert [f.command for f in link.written] == [Command.UP_PRODUCER_SEND]
+        for _ in range(2):
+            clock.now += 1.0
+            sends.check_resends(clock.now)
+        assert [f.command for f in link.written] == [Command.UP_PRODUCER_SEND] + [Command.UP_PRODUCER_RESEND] * 2
+        assert len({f.session_id for f in link.written}) == 1
+        assert not task.done()
+        clock.now += 1.0
+        sends.check_resends(clock.now)
+        return await task
+
+    result = asyncio.run(run())
+    assert result.status is Status.OUT_OF_RETRY and result.attempts == 3
+
+
+def test_a_lost_server_moves_its_sends_at_once_and_a_late_connection_gets_the_rest():
+    """``link_leaving`` writes the unanswered sends to the other server as resends, using up
+    no try; with no other server they wait and go to the first that is ready."""
+
+    async def run():
+        sends, links, clock = make("a", "b")
+        task = asyncio.ensure_future(sends.send(Message("orders", b"x")))
+        await turn()
+        (home,) = [link for link in links.values() if link.written]
+        (other,) = [link for link in links.values() if link is not home]
+        home.state = LinkState.DOWN
+        sends.link_leaving(home)
+        assert [f.command for f in other.written] == [Command.UP_PRODUCER_RESEND]
+        other.state = LinkState.DOWN
+        sends.link_leaving(other)  # nowhere to go: it waits
+        home.state = LinkState.READY
+        sends.link_ready(home)
+        assert [f.command for f in home.written] == [Command.UP_PRODUCER_SEND, Command.UP_PRODUCER_RESEND]
+        (pending,) = sends.pending.values()
+        assert pending.tries == 0
+        sends.replies(home, [answer(home, home.written[-1], status="duplicate")])
+        return await task
+
+    result = asyncio.run(run())
+    assert result.ok and result.duplicate and result.attempts == 3 and result.message_id == 77
+
+
+def test_a_send_refused_as_the_server_shuts_down_goes_to_the_other_server():
+    """SEND_SERVER_ERROR E_SHUTTING_DOWN is no result: the server is marked rebooting and
+    its unanswered sends are written to the other server at once, where they are answered."""
+
+    async def run():
+        sends, links, clock = make("a", "b")
+        tasks = [asyncio.ensure_future(sends.send(Message("orders", b"%d" % i))) for i in range(3)]
+        await turn()
+        (home,) = [link for link in links.values() if link.written]
+        (other,) = [link for link in links.values() if link is not home]
+        refused = home.written[0]
+        sends.replies(home, [Frame(Command.SEND_SERVER_ERROR, session_id=refused.session_id, topic="orders",
+                                   producer="p-1", status="E_SHUTTING_DOWN server is shutting down")])
+        assert home.state is LinkState.REBOOTING
+        assert [f.command for f in other.written] == [Command.UP_PRODUCER_RESEND] * 3
+        assert not any(task.done() for task in tasks)
+        sends.replies(other, [answer(other, frame, message_id=i) for i, frame in enumerate(other.written)])
+        return await asyncio.gather(*tasks), other
+
+    results, other = asyncio.run(run())
+    assert [(r.status, r.server, r.attempts) for r in results] == [(Status.SUCCESS, other.name, 2)] * 3
+
+
+def test_sends_beyond_max_in_flight_wait_and_a_cancelled_waiter_is_reported_not_sent():
+    """With ``max_in_flight`` 1 the second send is not written while the first is
+    unanswered; cancelled there, it is reported CANCELLED (never written). A send cancelled
+    after its write is answered all the same, and that answer goes to ``on_cancelled``."""
+    reports = []
+
+    async def run():
+        sends, links, clock = make("a", on_cancelled=reports.append, max_in_flight=1)
+        (link,) = links.values()
+        first = asyncio.ensure_future(sends.send(Message("orders", b"1")))
+        second = asyncio.ensure_future(sends.send(Message("orders", b"2")))
+        await turn()
+        assert len(link.written) == 1 and not second.done()
+        second.cancel()
+        first.cancel()  # written: it goes on
+        await turn()
+        assert [r.status for r in reports] == [Status.CANCELLED]
+        sends.replies(link, [answer(link, link.written[0])])
+        third = asyncio.ensure_future(sends.send(Message("orders", b"3")))
+        await turn()
+        assert [f.body for f in link.written] == [b"1", b"3"]  # its room was given back
+        await sends.close(0)
+        assert (await third).status is Status.CLIENT_CLOSED
+
+    asyncio.run(run())
+    assert [(r.status, r.message.body) for r in reports] == [(Status.CANCELLED, b"2"), (Status.SUCCESS, b"1")]
+    assert reports[1].message_id == 77
+
+
+def test_closing_answers_every_unanswered_send_client_closed():
+    async def run():
+        sends, links, clock = make("a")
+        tasks = [asyncio.ensure_future(sends.send(Message("orders", b"%d" % i))) for i in range(3)]
+        await turn()
+        await sends.close(0)
+        late = await sends.send(Message("orders", b"late"))
+        return await asyncio.gather(*tasks), late
+
+    results, late = asyncio.run(run())
+    assert [r.status for r in results] == [Status.CLIENT_CLOSED] * 3
+    assert late.status is Status.CLIENT_CLOSED
