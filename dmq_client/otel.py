@@ -28,7 +28,8 @@ The functions take and return the client's own types; both clients (``MqClient``
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 try:  # the otel extra
     from opentelemetry import context as otel_context
@@ -42,7 +43,8 @@ else:
 if TYPE_CHECKING:
     from .message import Message, ReceivedMessage, SendResult
 
-__all__ = ["ENABLED", "SYSTEM", "TRACE_HEADERS", "start_send", "end_send", "start_process", "end_process"]
+__all__ = ["ENABLED", "SYSTEM", "TRACE_HEADERS", "start_send", "end_send", "start_process", "end_process",
+           "processing"]
 
 #: ``messaging.system``: dmq is not one of the conventions' listed systems; its own name
 SYSTEM = "dmq"
@@ -114,3 +116,21 @@ def end_process(span: Any, token: object, error: BaseException | None = None) ->
         span.set_status(SpanStatus(StatusCode.ERROR, type(error).__name__))
     span.end()
     otel_context.detach(token)  # type: ignore[arg-type]
+
+
+@contextmanager
+def processing(message: "ReceivedMessage", provider: Any = None) -> Iterator[Any]:
+    """The process span of ``message`` as a ``with`` block, current inside it (an error
+    status when the block raises): for consumers that are not handlers, such as
+    ``dmq_client.aio``'s ``async for``, where the client cannot wrap the work. Without the
+    extra, an empty block (None)."""
+    if not ENABLED:
+        yield None
+        return
+    span, token = start_process(message, provider)
+    try:
+        yield span
+    except BaseException as exc:
+        end_process(span, token, exc)
+        raise
+    end_process(span, token)

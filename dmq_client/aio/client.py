@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any, Callable
 
+from .. import otel
 from ..config import MqConfig
 from ..dedup import DedupWindow
 from ..message import Message, SendResult
@@ -115,7 +116,17 @@ class Client:
         ``result.raise_for_status()`` does)."""
         if self.sends is None:
             raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
-        return await self.sends.send(message)
+        if not (otel.ENABLED and isinstance(message, Message)):
+            return await self.sends.send(message)
+        # the send's span, its context in the message's headers (dmq_client.otel)
+        message, span = otel.start_send(message, self.config.tracer_provider)
+        try:
+            result = await self.sends.send(message)
+        except BaseException as exc:  # cancelled: the span says so (on_cancelled gets the outcome)
+            otel.end_send(span, None, exc)
+            raise
+        otel.end_send(span, result)
+        return result
 
     # -- consuming ---------------------------------------------------------------------------
     def subscribe(self, topic: str, channel: str, credit: int | None = None) -> Subscription:

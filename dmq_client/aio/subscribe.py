@@ -17,8 +17,9 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
+from .. import otel
 from ..consumer import REFUSALS, SubscribeError
 from ..dedup import Admit, DedupWindow
 from ..message import ReceivedMessage
@@ -80,6 +81,12 @@ class AioMessage(ReceivedMessage):
             self._link.write(encode(Frame(Command.UP_CONSUMER_ACK, topic=self.topic, channel=self.channel,
                                           message_id=self.message_id)))
             await self._link.drain()
+
+    def processing(self) -> ContextManager[Any]:
+        """With the otel extra, the message's process span, current inside the ``with``
+        block (the trace its producer's send began, continued; an error when the block
+        raises): ``with message.processing(): ...``. Without it, an empty block."""
+        return otel.processing(self, self._subscription.client.config.tracer_provider)
 
     async def requeue(self, delay: float = 0.0) -> None:  # type: ignore[override]  # awaited here
         """Give the message back, to be delivered again (to any consumer of the channel)

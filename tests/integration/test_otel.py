@@ -157,3 +157,50 @@ def test_the_client_imports_and_sends_without_opentelemetry(make_server, topic):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["success", "None"]
+
+
+def test_the_asyncio_client_traces_its_sends_and_a_consumers_processing(make_server, topic, traced):
+    """dmq_client.aio: ``await client.send`` is the send span (its context in the message),
+    ``with message.processing():`` inside ``async for`` the process span under it, current
+    for the work done there; a block that raises ends it as an error."""
+    import asyncio
+
+    from dmq_client.aio import Client
+
+    provider, exporter = traced
+    server = make_server()
+    tracer = provider.get_tracer("app")
+
+    async def main() -> tuple[object, list[bytes]]:
+        async with Client(servers=(f"127.0.0.1:{server.tcp_port}",), tracer_provider=provider) as client:
+            sub = client.subscribe(topic, "billing", credit=10)
+            with tracer.start_as_current_span("POST /orders") as request:
+                for body in (b"good", b"bad"):
+                    assert (await client.send(Message(topic, body))).ok
+            seen = []
+            async for message in sub:
+                try:
+                    with message.processing():
+                        with tracer.start_as_current_span("bill order"):
+                            if message.body == b"bad":
+                                raise ValueError("no stock")
+                except ValueError:
+                    pass
+                await message.ack()
+                seen.append(message.body)
+                if len(seen) == 2:
+                    break
+            return request.get_span_context(), seen
+
+    root, seen = asyncio.run(main())
+    assert sorted(seen) == [b"bad", b"good"]
+    spans = exporter.get_finished_spans()
+    sends = [s for s in spans if s.name == f"send {topic}"]
+    processed = [s for s in spans if s.name == f"process {topic}"]
+    bills = [s for s in spans if s.name == "bill order"]
+    assert len(sends) == len(processed) == len(bills) == 2
+    assert {s.context.trace_id for s in spans} == {root.trace_id}
+    assert all(s.parent.span_id == root.span_id and s.kind is SpanKind.PRODUCER for s in sends)
+    assert {p.parent.span_id for p in processed} == {s.context.span_id for s in sends}
+    assert {b.parent.span_id for b in bills} == {p.context.span_id for p in processed}
+    assert sorted(p.status.status_code.name for p in processed) == ["ERROR", "UNSET"]
