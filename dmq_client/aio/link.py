@@ -34,6 +34,8 @@ __all__ = ["LinkOwner", "LinkState", "ServerLink"]
 
 log = logging.getLogger(__name__)
 
+#: seconds close() waits for the socket to close (a TLS goodbye) before cutting it
+CLOSE_WAIT = 1.0
 _HEARTBEAT = encode(Frame(Command.UP_HEARTBEAT))
 _OWN = frozenset({Command.SERVER_HEARTBEAT, Command.SERVER_HEALTH, Command.SERVER_REBOOT, Command.PROTOCOL_ERROR})
 
@@ -106,11 +108,19 @@ class ServerLink:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dmq-link-{self.name}")
 
     async def close(self) -> None:
+        """End the connection for good: the socket is closed when this returns (a TLS
+        connection's goodbye gets a second; a peer that does not answer it is cut), so
+        a loop closed next leaves no transport behind."""
         self._closed = True
         self.state = LinkState.CLOSED
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+            try:
+                async with asyncio.timeout(CLOSE_WAIT):
+                    await writer.wait_closed()
+            except (TimeoutError, OSError, ConnectionError, ssl.SSLError):
+                writer.transport.abort()
         if self._task is not None:
             self._task.cancel()
             try:

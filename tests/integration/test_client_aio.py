@@ -168,11 +168,13 @@ class ReplyEater:
                     client_writer.write(encode(frame))
 
         tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            task.cancel()
-        server_writer.close()
-        client_writer.close()
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelled too (the loop ending under it): no socket left open
+            for task in tasks:
+                task.cancel()
+            server_writer.close()
+            client_writer.close()
 
     async def close(self) -> None:
         self.server.close()

@@ -50,7 +50,21 @@ def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
                                "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
-                               "tracing.py", "asyncio_quickstart.py"}
+                               "tracing.py", "asyncio_quickstart.py",
+                               "fastapi_app.py"}
+
+
+def test_the_fastapi_app_answers_202_once_the_message_is_stored(served, pg_dsn):
+    """A request through FastAPI's own test client (the app's lifespan runs, so the asyncio
+    client starts and closes with it): 202 with the stored message's id and key."""
+    from fastapi.testclient import TestClient
+
+    module = load("fastapi_app.py")
+    with TestClient(module["app"]) as http:
+        reply = http.post("/orders/7")
+    assert reply.status_code == 202
+    assert db_rows(pg_dsn, "SELECT id, key, body FROM dmq_message") == [
+        (reply.json()["message_id"], "order-7", b'{"id": 7}')]
 
 
 def test_asyncio_quickstart_sends_then_receives_and_acks(served, pg_dsn):
