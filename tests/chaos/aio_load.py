@@ -26,6 +26,11 @@ What differs is what the client does by itself, which is what is under test:
   the client's duplicate suppression, as an application has it; odd ones turn it off (a
   window of a microsecond) so that they are handed every push the nodes make, as the
   threaded consumers record them: a push after a durable ack cannot hide in the client.
+  A delivery is recorded when the iteration hands the message out (the client's queue is
+  between the socket and it; the acks go from a task of their own, so it stays short), and
+  an ack when ``ack()`` returned, also when the client wrote nothing because the connection
+  the copy came on was gone (the node gives that copy again; the confirmer sees the ack
+  durable only once some ack of the copy is).
 
 Every wait is bounded and everything stops by itself; sockets go to loopback addresses only.
 """
@@ -44,7 +49,7 @@ from dmq_client.aio.link import LinkState, ServerLink
 from dmq_client.routing import affinity
 
 from .checker import History
-from .load import Addresses, Load, Stalls, priority_of
+from .load import Addresses, Load, SendPlan, Stalls
 
 __all__ = ["AioLoad", "AioProducer", "AioConsumer", "topic_served_by"]
 
@@ -117,40 +122,18 @@ class _Stall:
         return self._stalled
 
 
-class AioProducer:
+class AioProducer(SendPlan):
     def __init__(self, name: str, servers: list[str], topic: str, history: History, *, rate: float = 150.0,
                  window: int = 16, delay_every: int = 10, body_size: int = 200, priorities: bool = False):
+        self._plan(name, topic, history, rate=rate, window=window, delay_every=delay_every, body_size=body_size,
+                   priorities=priorities)
         self.name = f"chaos-{name}"
-        self.producer = f"chaos-{name}-{time.monotonic_ns() % 10**9}"
         self.servers = servers
-        self.topic = topic
-        self.history = history
-        self.rate = rate
-        self.window = window
-        self.delay_every = delay_every
-        self.priorities = priorities
-        self.pad = b"." * max(0, body_size - 40)
         self.stopping = asyncio.Event()  # no new sends; finish what is outstanding
-        self.ack_times: list[float] = []
-        self.errors: dict[str, int] = {}
-        self.resends = 0  # sends made again after a result other than SUCCESS
         self.written_again = 0  # acknowledged after more than one write (the client's resends, failovers)
         self.answered_duplicate = 0  # acknowledged as a resend of a message already stored
         self.acked_by: dict[str, int] = {}  # server -> sends acknowledged by it
-        self.failure: BaseException | None = None
         self.client: _Client | None = None
-
-    def key(self, session_id: int) -> bytes:
-        return f"{self.producer}/{session_id}".encode()
-
-    def delayed(self, session_id: int) -> bool:
-        return bool(self.delay_every) and session_id % self.delay_every == 0
-
-    def priority(self, session_id: int) -> int:
-        return priority_of(session_id) if self.priorities else 0
-
-    def _error(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
 
     async def run(self, ready_within: float) -> None:
         try:
@@ -197,7 +180,7 @@ class AioProducer:
         key = self.key(sid)
         priority = self.priority(sid)
         self.history.attempt(key, priority)
-        body = key + b" " + self.pad
+        body = self.body(sid)
         if self.delayed(sid):
             message = Message.delayed(self.topic, body, delay=1.0, session_id=sid, priority=priority)
         else:

@@ -16,7 +16,7 @@ import uuid
 
 from . import conftest, scenarios
 from .aio_load import AioLoad, topic_served_by
-from .test_scenarios import SHORT, _keep_failure
+from .test_scenarios import SHORT, failure_kept
 
 KILLED = 1  # the node scenarios.kill_node kills
 
@@ -26,15 +26,14 @@ def test_asyncio_clients_lose_no_acknowledged_message_under_node_kill(chaos_clus
     reaches both channels, none is pushed again after its ack was durable, nothing unknown
     appears, and the producers are served again (by the restarted node) while the load is on."""
     name = "node-kill-aio"
-    text = ""
-    try:
+    with failure_kept(chaos_cluster, name) as story:
         topic = topic_served_by(chaos_cluster.client_addresses(), KILLED, f"chaos_node_kill_aio_{uuid.uuid4().hex[:6]}")
         report = scenarios.run(chaos_cluster, "node-kill", SHORT, make_load=AioLoad, topic=topic)
         report["scenario"] = name
-        text = scenarios.format_report(report)
+        story.text = text = scenarios.format_report(report)
         conftest.REPORTS.append(text)
         if not report["ok"]:
-            text += "\n" + scenarios.diagnose(chaos_cluster, report)
+            story.text = text = text + "\n" + scenarios.diagnose(chaos_cluster, report)
         assert report["acked"] > 500, text  # the load ran: there was something to lose
         for channel in report["channels"]:
             assert channel["lost"] == 0, text
@@ -49,10 +48,3 @@ def test_asyncio_clients_lose_no_acknowledged_message_under_node_kill(chaos_clus
         # the killed node served the producers, and others did while it was down: they failed over
         assert aio["acked_by"].get(killed, 0) > 100 and sum(aio["acked_by"].values()) > aio["acked_by"][killed], text
         assert report["notes"]["window"][scenarios.STALLS.channel]["full"] > 0, text  # the stalls filled a window
-    except BaseException:
-        kept = _keep_failure(chaos_cluster, name, text)
-        print(chaos_cluster.logs())
-        print(f"the whole failure is kept in {kept}")
-        raise
-    finally:
-        chaos_cluster.restore()
