@@ -132,7 +132,7 @@ class AioProducer(SendPlan):
         self.stopping = asyncio.Event()  # no new sends; finish what is outstanding
         self.written_again = 0  # acknowledged after more than one write (the client's resends, failovers)
         self.answered_duplicate = 0  # acknowledged as a resend of a message already stored
-        self.acked_by: dict[str, int] = {}  # server -> sends acknowledged by it
+        self.acked_by: dict[str, list[float]] = {}  # server -> when it acknowledged each send
         self.client: _Client | None = None
 
     async def run(self, ready_within: float) -> None:
@@ -195,7 +195,7 @@ class AioProducer(SendPlan):
                 self.written_again += result.attempts > 1
                 self.answered_duplicate += bool(result.duplicate)
                 server = result.server or "?"
-                self.acked_by[server] = self.acked_by.get(server, 0) + 1
+                self.acked_by.setdefault(server, []).append(now)
                 return
             self._error(result.status.name)
             if result.status is Status.INVALID_MESSAGE and "already stored" in result.description:
@@ -381,16 +381,25 @@ class AioLoad(Load):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def figures(self) -> dict[str, Any]:
-        """What the clients did: the sends each node acknowledged (node 1..n), those
-        acknowledged after more than one write and as already stored, and the pushes the
-        suppressing consumers' clients kept from them."""
-        by_node: dict[str, int] = {}
+        """What the clients did: per node (1..n), the sends it acknowledged, the longest
+        time without one while others were acknowledged (a node down, or not the topic's
+        server) and how many it acknowledged after that gap; the sends acknowledged after
+        more than one write and as already stored; the pushes the suppressing consumers'
+        clients kept from them."""
+        times: dict[str, list[float]] = {}
         for p in self.producers:
-            for server, n in p.acked_by.items():
+            for server, acked in p.acked_by.items():
                 name = f"node{self.servers.index(server) + 1}" if server in self.servers else server
-                by_node[name] = by_node.get(name, 0) + n
+                times.setdefault(name, []).extend(acked)
+        end = max((t for acked in times.values() for t in acked), default=0.0)
+        by_node = {}
+        for name, acked in sorted(times.items()):
+            acked.sort()
+            gaps = [(b - a, i + 1) for i, (a, b) in enumerate(zip(acked, [*acked[1:], end]))]
+            gap, after = max(gaps)
+            by_node[name] = {"acked": len(acked), "longest_gap_s": round(gap, 2), "acked_after_it": len(acked) - after}
         return {
-            "acked_by": dict(sorted(by_node.items())),
+            "by_node": by_node,
             "acked_after_more_writes": sum(p.written_again for p in self.producers),
             "acked_as_already_stored": sum(p.answered_duplicate for p in self.producers),
             "pushes_suppressed": sum(c.client.dedup.suppressed for c in self.consumers
