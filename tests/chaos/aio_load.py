@@ -58,9 +58,10 @@ T = TypeVar("T")
 # sent again under the same session id: not stored, or not known to be
 AGAIN = (Status.NO_TOPIC, Status.SOCKET_ERROR, Status.SERVER_ERROR, Status.OUT_OF_RETRY, Status.CLIENT_CLOSED,
          Status.RATE_LIMIT_EXCEEDED)
-# the client's settings: a node that comes back is used again within a second, and a send
-# whose answer never comes (a connection that stays up) is written again after 2 s
+# the clients' settings: a node that comes back is used again within a second
 CLIENT = {"reconnect_backoff": 0.1, "reconnect_backoff_max": 0.5, "connect_timeout": 3.0}
+# and the producers': a send whose answer never comes (on a connection that stays up) is
+# written again after 2 s, for a minute before OUT_OF_RETRY
 PRODUCER = {**CLIENT, "resend_interval": 2.0, "resend_check_interval": 0.25, "resend_tries": 30,
             "close_timeout": 2.0}
 
@@ -291,7 +292,6 @@ class AioLoad(Load):
         self.consumers: list[AioConsumer] = []  # type: ignore[assignment]
         self.add_consumers(consumers, start=False)
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._subscribed: list[asyncio.Event] = []
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
