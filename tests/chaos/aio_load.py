@@ -86,6 +86,10 @@ class _Client(Client):
         super().__init__(**settings)
         self.all_ready = asyncio.Event()
 
+    async def __aenter__(self) -> "_Client":
+        await self.start()
+        return self
+
     def link_ready(self, link: ServerLink) -> None:
         super().link_ready(link)
         if all(other.state is LinkState.READY for other in self.links.values()):
@@ -407,4 +411,5 @@ class AioLoad(Load):
         }
 
     def failures(self) -> list[str]:
-        return [f"{t.name}: {t.failure!r}" for t in (*self.producers, *self.consumers) if t.failure]
+        roles: list[AioProducer | AioConsumer] = [*self.producers, *self.consumers]
+        return [f"{t.name}: {t.failure!r}" for t in roles if t.failure]
