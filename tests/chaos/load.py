@@ -42,7 +42,7 @@ from dmq_client.wire.properties import Properties, encode_properties
 
 from .checker import History
 
-__all__ = ["Producer", "Consumer", "Confirmer", "Load", "Stalls", "priority_of"]
+__all__ = ["SendPlan", "Producer", "Consumer", "Confirmer", "Load", "Stalls", "priority_of"]
 
 Addresses = Callable[[], list[tuple[str, int]]]
 RETRYABLE = (Command.SEND_SERVER_ERROR, Command.SEND_NO_TOPIC_ACK)
@@ -55,13 +55,15 @@ def priority_of(session_id: int) -> int:
     return 0 if session_id % 3 == 0 else 1 + (session_id // 3 + 4 * (session_id % 3)) % 9
 
 
-class Producer(threading.Thread):
-    def __init__(self, name: str, addresses: Addresses, topic: str, history: History, *,
-                 rate: float = 150.0, window: int = 16, delay_every: int = 10, body_size: int = 200,
-                 priorities: bool = False):
-        super().__init__(daemon=True, name=f"chaos-{name}")
+class SendPlan:
+    """What a producer of the load sends and counts, threaded (``Producer``) or asyncio
+    (``aio_load.AioProducer``): its producer id, each send's body (its first word, the key
+    the checker counts by, is ``<producer>/<session id>``), which sends are delayed and
+    their priority; the times of its acknowledgements and its errors."""
+
+    def _plan(self, name: str, topic: str, history: History, *, rate: float, window: int,
+              delay_every: int, body_size: int, priorities: bool) -> None:
         self.producer = f"chaos-{name}-{time.monotonic_ns() % 10**9}"
-        self.addresses = addresses
         self.topic = topic
         self.history = history
         self.rate = rate
@@ -69,16 +71,16 @@ class Producer(threading.Thread):
         self.delay_every = delay_every
         self.priorities = priorities
         self.pad = b"." * max(0, body_size - 40)
-        self.stopping = threading.Event()  # no new sends; finish what is outstanding
-        self.halt = threading.Event()  # give up at once
         self.ack_times: list[float] = []
         self.errors: dict[str, int] = {}
         self.resends = 0
         self.failure: BaseException | None = None
-        self._next = 0  # which address to try
 
     def key(self, session_id: int) -> bytes:
         return f"{self.producer}/{session_id}".encode()
+
+    def body(self, session_id: int) -> bytes:
+        return self.key(session_id) + b" " + self.pad
 
     def delayed(self, session_id: int) -> bool:
         """Sent as a delayed message: acknowledged with a dmq_delay id, stored in
@@ -89,14 +91,27 @@ class Producer(threading.Thread):
         """The priority its send carries (``priority_of``), 0 without ``priorities``."""
         return priority_of(session_id) if self.priorities else 0
 
+    def _error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+class Producer(SendPlan, threading.Thread):
+    def __init__(self, name: str, addresses: Addresses, topic: str, history: History, *,
+                 rate: float = 150.0, window: int = 16, delay_every: int = 10, body_size: int = 200,
+                 priorities: bool = False):
+        super().__init__(daemon=True, name=f"chaos-{name}")
+        self._plan(name, topic, history, rate=rate, window=window, delay_every=delay_every, body_size=body_size,
+                   priorities=priorities)
+        self.addresses = addresses
+        self.stopping = threading.Event()  # no new sends; finish what is outstanding
+        self.halt = threading.Event()  # give up at once
+        self._next = 0  # which address to try
+
     def run(self) -> None:
         try:
             self._run()
         except BaseException as exc:  # reported by the scenario, never swallowed
             self.failure = exc
-
-    def _error(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
 
     def _frame(self, sid: int, resend: bool) -> Frame:
         delayed = self.delayed(sid)
@@ -108,7 +123,7 @@ class Producer(threading.Thread):
             msg_type=MessageType.DELAY if delayed else MessageType.RELIABLE,
             due_ms=now_ms + 1000 if delayed else 0,
             status=encode_properties(Properties(priority=priority)) if priority else "",
-            body=self.key(sid) + b" " + self.pad,
+            body=self.body(sid),
         )
 
     def _make(self, made: int, due: int, todo: deque[tuple[int, bool]]) -> int:

@@ -493,16 +493,19 @@ SCENARIOS: dict[str, tuple[Fault, Callable[[ChaosCluster], None] | None, dict[st
 
 
 # -- one run ----------------------------------------------------------------------------
-def run(cluster: ChaosCluster, name: str, timing: Timing = Timing()) -> dict[str, Any]:
+def run(cluster: ChaosCluster, name: str, timing: Timing = Timing(), *,
+        make_load: Callable[..., Load] = Load, topic: str | None = None) -> dict[str, Any]:
+    """``make_load``: ``Load`` or a load of its interface (``aio_load.AioLoad``: asyncio
+    clients); ``topic``: the topic's name (a fresh one by default)."""
     fault, prepare, extra = SCENARIOS[name]
     if prepare is not None:
         prepare(cluster)
-    topic = f"chaos_{name.replace('-', '_')}_{uuid.uuid4().hex[:6]}"
+    topic = topic or f"chaos_{name.replace('-', '_')}_{uuid.uuid4().hex[:6]}"
     cluster.register_topic(topic, CHANNELS, **extra.get("topic", {}))
     stalls = extra.get("stalls", STALLS)
-    load = Load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn,
-                producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0),
-                priorities=True, stalls=stalls)
+    load = make_load(cluster.client_addresses, topic, CHANNELS, cluster.direct_dsn,
+                     producers=timing.producers, rate=timing.rate, hold=extra.get("hold_acks", 0.0),
+                     priorities=True, stalls=stalls)
     window = int(cluster.nodes[0].flags.get("mem_queue_size", "10000"))
     watch = WindowWatch(cluster.nodes, topic, CHANNELS, window, load.history, stalls.channel if stalls else None,
                         load.window_filled)

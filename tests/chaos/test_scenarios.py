@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,21 +46,13 @@ def test_no_acknowledged_message_is_lost(chaos_cluster, name):
     """Under the fault, every send acknowledged to a producer reaches both channels,
     nothing is delivered again once its ack was durable, nothing unknown appears, and
     the cluster serves producers again by itself."""
-    text = ""
-    try:
+    with failure_kept(chaos_cluster, name) as story:
         report = scenarios.run(chaos_cluster, name, SHORT)
-        text = scenarios.format_report(report)
+        story.text = text = scenarios.format_report(report)
         conftest.REPORTS.append(text)
         if not report["ok"]:
-            text += "\n" + scenarios.diagnose(chaos_cluster, report)
+            story.text = text = text + "\n" + scenarios.diagnose(chaos_cluster, report)
         _check(name, report, text)
-    except BaseException:
-        kept = _keep_failure(chaos_cluster, name, text)
-        print(chaos_cluster.logs())
-        print(f"the whole failure is kept in {kept}")
-        raise
-    finally:
-        chaos_cluster.restore()
 
 
 def _check(name: str, report: dict, text: str) -> None:
@@ -107,6 +102,30 @@ def _check(name: str, report: dict, text: str) -> None:
         assert notes["audit_old_held_missing_at_heal"] == 0, text
         assert notes["audit_old_held_stored_at_end"] == 0, text
         assert notes["swept_by_nodes"] > notes["audit_old_held_at_heal"], text
+
+
+@dataclass
+class Story:
+    """What a scenario's test knows to tell of a failure: its report so far."""
+
+    text: str = ""
+
+
+@contextmanager
+def failure_kept(cluster, name: str) -> Iterator[Story]:
+    """Around one scenario's test: a failure (an assertion, or the run itself) is written
+    whole to its file (``_keep_failure``, with the ``Story`` the test filled in) and the
+    cluster's log tails printed; the cluster is restored either way."""
+    story = Story()
+    try:
+        yield story
+    except BaseException:
+        kept = _keep_failure(cluster, name, story.text)
+        print(cluster.logs())
+        print(f"the whole failure is kept in {kept}")
+        raise
+    finally:
+        cluster.restore()
 
 
 def _keep_failure(cluster, name: str, text: str) -> Path:
