@@ -10,6 +10,7 @@ give the servers) and ``journal_path`` (the producer journal: use ``MqClient``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -114,14 +115,29 @@ class Client:
     async def send(self, message: Message) -> SendResult:
         """Send one message; returns its ``SendResult`` (never raises for the outcome:
         ``result.raise_for_status()`` does)."""
+        return await self._send(message, resend=False)
+
+    async def resend(self, result: SendResult) -> SendResult:
+        """Send a failed message again, idempotently (``MqClient.resend``'s): under the first
+        send's session id, as ``UP_PRODUCER_RESEND``, so the server stores it at most once and
+        answers a stored one with its message id (``duplicate``). The safe retry of any status,
+        ``OUT_OF_RETRY`` and ``CLIENT_CLOSED`` included; a plain second ``send`` with that
+        session id is refused once the first was stored."""
+        if result.producer and result.producer != self.producer_id:
+            raise ValueError(f"the result was sent by producer {result.producer!r}, this client is "
+                             f"{self.producer_id!r}: resend it with a client of that producer id")
+        return await self._send(dataclasses.replace(result.message, session_id=result.session_id), resend=True)
+
+    async def _send(self, message: Message, resend: bool) -> SendResult:
         if self.sends is None:
             raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
         if not (otel.ENABLED and isinstance(message, Message)):
-            return await self.sends.send(message)
-        # the send's span, its context in the message's headers (dmq_client.otel)
+            return await self.sends.send(message, resend)
+        # the send's span, its context in the message's headers (dmq_client.otel; a resend's
+        # message keeps the first send's)
         message, span = otel.start_send(message, self.config.tracer_provider)
         try:
-            result = await self.sends.send(message)
+            result = await self.sends.send(message, resend)
         except BaseException as exc:  # cancelled: the span says so (on_cancelled gets the outcome)
             otel.end_send(span, None, exc)
             raise

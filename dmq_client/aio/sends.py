@@ -85,7 +85,9 @@ class Sends:
         self._resender = asyncio.get_running_loop().create_task(self._resend_loop(), name="dmq-resend")
 
     # -- the caller's side ------------------------------------------------------------
-    async def send(self, message: Message) -> SendResult:
+    async def send(self, message: Message, resend: bool = False) -> SendResult:
+        """``resend``: the message (with its session id) may have been stored by an earlier
+        send: its first write is ``UP_PRODUCER_RESEND`` too, answered with the stored id."""
         if not isinstance(message, Message):
             raise TypeError(f"send() takes a dmq_client.Message, not {type(message).__name__}")
         if self.closing:
@@ -113,7 +115,7 @@ class Sends:
                 return self._result(message, session_id, Status.SOCKET_ERROR,
                                     f"no server connection within route_wait ({self.config.route_wait}s)")
             self.pending[session_id] = item  # before the write: a fast answer finds it
-            self._write(item, link, Command.UP_PRODUCER_SEND)
+            self._write(item, link, Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND)
             await link.drain()
             return await asyncio.shield(item.future)
         except asyncio.CancelledError:

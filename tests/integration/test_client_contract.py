@@ -59,6 +59,7 @@ class Facade:
     """What the contract asks of a client."""
 
     def send(self, message: Message) -> Any: ...
+    def resend(self, result: Any) -> Any: ...
     def receive(self, topic: str, channel: str, count: int) -> list[bytes]: ...
     def close(self) -> None: ...
 
@@ -70,6 +71,9 @@ class Threaded(Facade):
 
     def send(self, message: Message) -> Any:
         return self.client.send(message).result(WAIT)
+
+    def resend(self, result: Any) -> Any:
+        return self.client.resend(result).result(WAIT)
 
     def receive(self, topic: str, channel: str, count: int) -> list[bytes]:
         got: list[bytes] = []
@@ -98,6 +102,9 @@ class Asyncio(Facade):
 
     def send(self, message: Message) -> Any:
         return self.loop.call(self.client.send(message))
+
+    def resend(self, result: Any) -> Any:
+        return self.loop.call(self.client.resend(result))
 
     def receive(self, topic: str, channel: str, count: int) -> list[bytes]:
         async def take() -> list[bytes]:
@@ -174,6 +181,20 @@ def test_a_send_whose_answer_is_lost_is_stored_once(make_server, topic, pg_dsn, 
     (eaten,) = proxy.eaten
     assert (eaten.session_id, eaten.message_id) == (result.session_id, result.message_id)
     assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message WHERE session_id = %s", result.session_id) == [(1,)]
+
+
+def test_a_resend_of_a_stored_message_is_answered_with_its_id(make_server, topic, pg_dsn, connect):
+    """``resend(result)``, the safe retry of any status: a stored message is answered as a
+    duplicate with its first id and stored once; a plain second send of that session id
+    is refused, naming the resend."""
+    server = make_server()
+    client = connect(fast_config(server))
+    first = client.send(Message(topic, b"x", session_id=12345))
+    again = client.resend(first)
+    assert first.ok and again.ok and again.duplicate and again.message_id == first.message_id
+    plain = client.send(Message(topic, b"x", session_id=12345))
+    assert plain.status is Status.INVALID_MESSAGE and "UP_PRODUCER_RESEND" in plain.description
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_message WHERE session_id = 12345") == [(1,)]
 
 
 @pytest.mark.parametrize("how", ["kill -9", "SERVER_REBOOT"])
