@@ -32,7 +32,7 @@ from . import otel
 from .acks import AckSender
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
-from .dedup import Admit, DedupWindow
+from .dedup import Admit, DedupWindow, Key
 from .message import ReceivedMessage
 from .routing import ServerPool
 from .wire import FEATURE_REQUEUE, Command, Frame, encode, features, valid_name
@@ -96,9 +96,9 @@ class Consumer:
         self.dedup = DedupWindow(config.dedup_max_entries, config.dedup_max_age)
         self.subscriptions: dict[tuple[str, str], Subscription] = {}
         self._lock = threading.Lock()
-        self._waiters: dict[int, tuple[str, Future]] = {}
+        self._waiters: dict[int, tuple[str, Future[Frame]]] = {}
         self._ids = itertools.count(1)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Subscription, ReceivedMessage, Key] | None] = queue.SimpleQueue()
         self.acks = AckSender(pool.get, clock, max_wait=config.ack_wait)
         self._in_handler = threading.local()
         self._closing = False
@@ -162,9 +162,9 @@ class Consumer:
             raise refusal
         return sub
 
-    def _send_subscribe(self, conn: ServerConnection, sub: Subscription) -> Future | None:
+    def _send_subscribe(self, conn: ServerConnection, sub: Subscription) -> Future[Frame] | None:
         sid = next(self._ids)
-        future: Future = Future()
+        future: Future[Frame] = Future()
         with self._lock:
             self._waiters[sid] = (conn.name, future)
         frame = Frame(Command.UP_SUBSCRIBE, session_id=sid, topic=sub.topic, channel=sub.channel, credit=sub.credit)

@@ -13,11 +13,12 @@ still unacked, or acked) are suppressed by ``(producer, session id, channel)`` a
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager, Final
 
 from .. import otel
 from ..consumer import REFUSALS, SubscribeError
@@ -33,7 +34,16 @@ __all__ = ["AioMessage", "RequeueError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-_END = object()
+
+
+class _End(enum.Enum):
+    """The queue's end marker: an enum member, so that ``item is _END`` tells the type
+    checker the item is not a message or an error."""
+
+    END = enum.auto()
+
+
+_END: Final = _End.END
 _correlation = itertools.count(1)
 
 
@@ -133,7 +143,7 @@ class Subscription:
         self.channel = channel
         self.credit = credit
         self.dedup = dedup
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue: asyncio.Queue[AioMessage | SubscribeError | _End] = asyncio.Queue()
         self.closed = False
         self._subscribed: dict[str, int] = {}  # per link: the connection (generation) subscribed on
         # per link: requeues written, oldest first, awaiting REQUEUE_ACK (the server answers in order)
