@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the otel extra: imported by the type checker only
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["MqConfig", "parse_server"]
 
@@ -118,7 +121,7 @@ class MqConfig:
         None, "secret sent with UP_AUTH on every connection (servers with --auth-file or --auth-http-address); "
         "\"\" = authenticate by the client certificate"
     )
-    tracer_provider: Any = _opt(
+    tracer_provider: TracerProvider | None = _opt(
         None, "with the otel extra: the OpenTelemetry TracerProvider of the send and process spans; None = the global one"
     )
 

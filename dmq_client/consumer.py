@@ -78,7 +78,7 @@ class Subscription:
         self.handler = handler
         self.auto_ack = auto_ack
         self.credit = credit
-        self.deliver: Callable[[ReceivedMessage], Any] = on_message
+        self.deliver: Callable[[ReceivedMessage], object] = on_message
         self.error: SubscribeError | None = None  # the last refusal, e.g. after a resubscribe
         self.received = 0
         self.suppressed = 0

@@ -705,8 +705,10 @@ class DiskQueue:
         parts = [self._rbuf[start:]]
         need = n - len(parts[0])
         self._rbuf, self._rbuf_off = b"", 0
+        fd = self._read_fd
+        assert fd is not None  # the reader opened its file before it reads
         while need > 0:
-            chunk = os.read(self._read_fd, max(need, _READ_CHUNK))  # type: ignore[arg-type]
+            chunk = os.read(fd, max(need, _READ_CHUNK))
             if not chunk:
                 break
             if len(chunk) > need:

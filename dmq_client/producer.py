@@ -58,7 +58,7 @@ from .outgoing import REPLY_STATUS, check_message, send_frame
 from .pending import PendingSend
 from .resend import ResendMap
 from .routing import ServerPool
-from .send_queue import MemorySendQueue, Put, SendQueue
+from .send_queue import MemorySendQueue, Put, RetryingSendQueue, SendQueue
 from .session import SessionIdGenerator, default_producer_id
 from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, parse_consumed
 
@@ -103,7 +103,10 @@ class Producer:
         if getattr(send_queue, "keeps_unfinished", False):
             self._kept = " (kept in the producer journal: sent again when it is next opened)"
         # a journal retries its transient failures (module docstring, step 6)
-        self._retrying = bool(getattr(send_queue, "retries_unfinished", False))
+        self._retry_queue: RetryingSendQueue | None = (
+            send_queue if getattr(send_queue, "retries_unfinished", False)
+            and isinstance(send_queue, RetryingSendQueue) else None)
+        self._retrying = self._retry_queue is not None
         self._pen: list[tuple[float, int, PendingSend]] = []  # heap of (due, order, item)
         self._pen_order = itertools.count()
         self._pen_lock = threading.Lock()
@@ -235,7 +238,7 @@ class Producer:
             if give_up is not None and now - item.failing_since >= give_up:
                 item.given_up = True
                 return None
-            if not self.queue.hold(item):  # type: ignore[attr-defined]
+            if self._retry_queue is None or not self._retry_queue.hold(item):
                 return None
             item.failures += 1
             backoff = self.config.journal_retry_backoff * 2 ** min(item.failures - 1, 30)
@@ -247,6 +250,9 @@ class Producer:
     def release_retries(self, now: float) -> int:
         """Move the sends whose retry backoff is over back to the send queue, as resends
         (the resend runner calls this; tests call it with an injected clock)."""
+        retry_queue = self._retry_queue
+        if retry_queue is None:  # nothing is ever held: the pen stays empty
+            return 0
         with self._pen_lock:
             pen = self._pen
             due: list[PendingSend] = []
@@ -257,7 +263,7 @@ class Producer:
                     item.resends = 0  # a fresh resend schedule for the new write
                     item.resend = True  # it may have been written (and stored) already
                 # under the pen's lock, so close() cannot miss an item between pen and queue
-                self.queue.requeue(due)  # type: ignore[attr-defined]
+                retry_queue.requeue(due)
         return len(due)
 
     @property
@@ -270,8 +276,8 @@ class Producer:
             self._pen_closed = True
             items = [item for _, _, item in self._pen]
             self._pen.clear()
-            if items:
-                self.queue.unhold(len(items))  # type: ignore[attr-defined]
+            if items and self._retry_queue is not None:  # only a retrying queue held them
+                self._retry_queue.unhold(len(items))
         return items
 
     def _delivered(self, item: PendingSend | ConsumedNote) -> None:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, ContextManager, Final
+from typing import TYPE_CHECKING, ContextManager, Final, NoReturn
 
 from .. import otel
 from ..consumer import REFUSALS, SubscribeError
@@ -28,6 +28,9 @@ from ..wire import FEATURE_REQUEUE, REQUEUE_MAX_MS, SUBSCRIBE_REPLIES, Command, 
 from ..wire.properties import NO_PROPERTIES, Properties
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from .client import Client
     from .link import ServerLink
 
 __all__ = ["AioMessage", "RequeueError", "Subscription"]
@@ -92,7 +95,7 @@ class AioMessage(ReceivedMessage):
                                           message_id=self.message_id)))
             await self._link.drain()
 
-    def processing(self) -> ContextManager[Any]:
+    def processing(self) -> ContextManager[Span | None]:
         """With the otel extra, the message's process span, current inside the ``with``
         block (the trace its producer's send began, continued; an error when the block
         raises): ``with message.processing(): ...``. Without it, an empty block."""
@@ -128,7 +131,7 @@ class AioMessage(ReceivedMessage):
         self._settled = True
 
 
-def _no_acker(message: ReceivedMessage) -> Any:
+def _no_acker(message: ReceivedMessage) -> NoReturn:
     raise TypeError("await the asyncio message's ack()")
 
 
@@ -137,7 +140,7 @@ class Subscription:
     ends when the client closes or ``close()`` is called; a server's refusal
     (``SubscribeError``) is raised from it."""
 
-    def __init__(self, client: Any, topic: str, channel: str, credit: int, dedup: DedupWindow):
+    def __init__(self, client: Client, topic: str, channel: str, credit: int, dedup: DedupWindow):
         self.client = client
         self.topic = topic
         self.channel = channel
