@@ -28,10 +28,11 @@ from typing import Any, Callable
 from .config import MqConfig
 from .connection import ConnState, ServerConnection
 from .confirm import CONFIRM_TIMEOUT, Consumed, confirm_deadline_ms
-from .consumer import Consumer, Subscription
+from .consumer import Consumer, Handler, Subscription
 from .future import SendFuture
 from . import otel
 from .message import Message, SendResult
+from .pending import SendCallback
 from .producer import Producer
 from .routing import ServerPool
 from .send_queue import SendQueue
@@ -110,7 +111,7 @@ class MqClient:
     def send(
         self,
         message: Message,
-        callback: Any = None,
+        callback: SendCallback | None = None,
         *,
         confirm: str | None = None,
         confirm_timeout: float = CONFIRM_TIMEOUT,
@@ -141,7 +142,7 @@ class MqClient:
     def resend(
         self,
         result: SendResult,
-        callback: Any = None,
+        callback: SendCallback | None = None,
         *,
         confirm: str | None = None,
         confirm_timeout: float = CONFIRM_TIMEOUT,
@@ -183,7 +184,7 @@ class MqClient:
         self,
         topic: str,
         channel: str,
-        handler: Any,
+        handler: Handler,
         *,
         auto_ack: bool = True,
         credit: int | None = None,

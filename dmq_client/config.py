@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the otel extra: imported by the type checker only
     from opentelemetry.trace import TracerProvider
 
+    from .pending import SendCallback
+
 __all__ = ["MqConfig", "parse_server"]
 
 
@@ -98,7 +100,7 @@ class MqConfig:
     journal_give_up_after: float | None = _opt(
         None, "with the journal: after failing this long, report the failure and forget the message; None = never"
     )
-    recovered_callback: Any = _opt(
+    recovered_callback: SendCallback | None = _opt(
         None, "gets the results of messages recovered from the journal at start; None = they are only logged"
     )
     zk: str = _opt(

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import Any, Callable
+from typing import Callable, Protocol, TypeAlias
 
 from . import otel
 from .acks import AckSender
@@ -37,7 +37,7 @@ from .message import ReceivedMessage
 from .routing import ServerPool
 from .wire import FEATURE_REQUEUE, Command, Frame, encode, features, valid_name
 
-__all__ = ["Consumer", "SubscribeError", "Subscription"]
+__all__ = ["Consumer", "Handler", "MessageHandler", "SubscribeError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,21 @@ class SubscribeError(Exception):
         self.server = server
 
 
+class MessageHandler(Protocol):
+    """A handler object: ``on_message(message)`` is called for each message, on a
+    handler thread."""
+
+    def on_message(self, message: ReceivedMessage) -> object: ...
+
+
+#: What ``MqClient.subscribe`` takes: an object with ``on_message(message)``, or a callable.
+Handler: TypeAlias = Callable[[ReceivedMessage], object] | MessageHandler
+
+
 class Subscription:
     """One ``(topic, channel)`` this client consumes, with its handler."""
 
-    def __init__(self, topic: str, channel: str, handler: Any, auto_ack: bool, credit: int):
+    def __init__(self, topic: str, channel: str, handler: Handler, auto_ack: bool, credit: int):
         on_message = getattr(handler, "on_message", None)
         if on_message is None:
             if not callable(handler):
@@ -119,7 +130,7 @@ class Consumer:
         self,
         topic: str,
         channel: str,
-        handler: Any,
+        handler: Handler,
         *,
         auto_ack: bool = True,
         credit: int | None = None,

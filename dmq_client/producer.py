@@ -55,7 +55,7 @@ from .future import SendFuture
 from .message import TRANSIENT, Message, SendResult, Status
 from .notify import NotifyRunner
 from .outgoing import REPLY_STATUS, check_message, send_frame
-from .pending import PendingSend
+from .pending import PendingSend, SendCallback
 from .resend import ResendMap
 from .routing import ServerPool
 from .send_queue import MemorySendQueue, Put, RetryingSendQueue, SendQueue
@@ -134,8 +134,8 @@ class Producer:
 
     # -- the caller's side ----------------------------------------------------
     def send(
-        self, message: Message, callback: Any = None, *, resend: bool = False, producer: str | None = None,
-        confirm_ms: int = 0, on_consumed: Callable[[Consumed], object] | None = None,
+        self, message: Message, callback: SendCallback | None = None, *, resend: bool = False,
+        producer: str | None = None, confirm_ms: int = 0, on_consumed: Callable[[Consumed], object] | None = None,
     ) -> "SendFuture[SendResult]":
         """``producer``: the id to send under (``client.resend`` of a recovered message
         passes the id it was first sent with); the client's own by default. ``confirm_ms``:

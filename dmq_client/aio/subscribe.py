@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, ContextManager, Final, NoReturn
+from typing import TYPE_CHECKING, ContextManager, Final, NoReturn, Protocol
 
 from .. import otel
 from ..consumer import REFUSALS, SubscribeError
@@ -30,7 +30,7 @@ from ..wire.properties import NO_PROPERTIES, Properties
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from .client import Client
+    from ..config import MqConfig
     from .link import ServerLink
 
 __all__ = ["AioMessage", "RequeueError", "Subscription"]
@@ -135,12 +135,21 @@ def _no_acker(message: ReceivedMessage) -> NoReturn:
     raise TypeError("await the asyncio message's ack()")
 
 
+class _Owner(Protocol):
+    """What a subscription needs of its client (``aio.Client``, which imports this
+    module): its settings, and to forget the subscription when it closes."""
+
+    config: MqConfig
+
+    def _unsubscribe(self, sub: Subscription) -> None: ...
+
+
 class Subscription:
     """``async for message in client.subscribe(topic, channel, credit=N)``. The iteration
     ends when the client closes or ``close()`` is called; a server's refusal
     (``SubscribeError``) is raised from it."""
 
-    def __init__(self, client: Client, topic: str, channel: str, credit: int, dedup: DedupWindow):
+    def __init__(self, client: _Owner, topic: str, channel: str, credit: int, dedup: DedupWindow):
         self.client = client
         self.topic = topic
         self.channel = channel
