@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import MqConfig
 from .connection import ConnState, ServerConnection
@@ -37,6 +37,9 @@ from .producer import Producer
 from .routing import ServerPool
 from .send_queue import SendQueue
 from .wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame
+
+if TYPE_CHECKING:
+    from .discovery import ZkDiscovery  # at run time imported only with config.zk (below)
 
 __all__ = ["MqClient"]
 
@@ -80,7 +83,7 @@ class MqClient:
         listener = _Dispatch(self._producer, self._consumer, self.pool)
         self._listener = listener
         addresses = self.config.addresses
-        self.discovery: Any = None  # dmq_client.discovery.ZkDiscovery with config.zk
+        self.discovery: ZkDiscovery | None = None  # with config.zk
         if self.config.zk:
             from .discovery import ZkDiscovery  # imports kazoo: only when configured
 

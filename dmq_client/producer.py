@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from .config import MqConfig
 from .confirm import GRACE, ConfirmingSend, Consumed, ConsumedNote, ConsumeStatus, Watching
@@ -183,16 +183,18 @@ class Producer:
         return send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms, item.confirm_ms)
 
     # -- results ----------------------------------------------------------------
-    def _finish(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> None:
-        done = self._settle(item, status, description, **fields)
+    def _finish(self, item: PendingSend, status: Status, description: str = "") -> None:
+        done = self._settle(item, status, description)
         if done:
             self.notify.put_many(done)
 
-    def _settle(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> list[PendingSend]:
+    def _settle(self, item: PendingSend, status: Status, description: str = "", *, message_id: int | None = None,
+                server: str | None = None, duplicate: bool = False) -> list[PendingSend]:
         """Give ``item`` its result, unless a transient failure of a journaled send is to
         be retried instead. Returns the items whose results are to be delivered: the
         item and its followers (resends of the same message that shared its write), or
-        nothing (already settled by a competing path, or retried later)."""
+        nothing (already settled by a competing path, or retried later). ``server``:
+        where the answer came from (the server it was last written to by default)."""
         if status in TRANSIENT and self._retrying:
             verdict = self._retry_later(item)
             if verdict is _PENNED:
@@ -202,10 +204,11 @@ class Producer:
                 description = f"the client closed before the message was stored ({description}){self._kept}"
         if not item.settle():
             return []
-        fields.setdefault("server", item.server)
+        if server is None:
+            server = item.server
         item.result = SendResult(
-            status, item.message, item.session_id, description=description,
-            attempts=item.attempts, producer=item.producer, **fields,
+            status, item.message, item.session_id, message_id=message_id, description=description, server=server,
+            duplicate=duplicate, attempts=item.attempts, producer=item.producer,
         )
         if not item.followers:
             return [item]
@@ -216,9 +219,9 @@ class Producer:
             if follower.settle():
                 follower.given_up = item.given_up
                 follower.result = SendResult(
-                    status, follower.message, follower.session_id, description=description,
-                    attempts=follower.attempts, producer=follower.producer,
-                    **{**fields, "duplicate": status is Status.SUCCESS},
+                    status, follower.message, follower.session_id, message_id=message_id, description=description,
+                    server=server, duplicate=status is Status.SUCCESS, attempts=follower.attempts,
+                    producer=follower.producer,
                 )
                 done.append(follower)
         return done
