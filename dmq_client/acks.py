@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 from .connection import ConnectionUnavailable
 from .wire import FEATURE_ACKS, Command, Frame, FrameError, encode, pack_ids
@@ -41,11 +41,19 @@ MAX_WAIT = 0.005
 Key = tuple[str, str, str]  # server, topic, channel
 
 
+class AckConnection(Protocol):
+    """What the sender needs of a server's connection (``ServerConnection``): a
+    ``write`` that raises ``ConnectionUnavailable`` when the connection is gone. Its
+    ``features``, when it has them, say whether the server takes a batch frame."""
+
+    def write(self, data: bytes) -> None: ...
+
+
 class AckSender:
     """Held acks by (server, topic, channel). Thread-safe: handlers add, any thread
     flushes; ``start`` runs the thread that sends what waited ``max_wait``."""
 
-    def __init__(self, connection_of: Callable[[str], object | None], clock: Callable[[], float],
+    def __init__(self, connection_of: Callable[[str], AckConnection | None], clock: Callable[[], float],
                  max_ids: int = MAX_IDS, max_wait: float = MAX_WAIT):
         """``connection_of(server)`` is the live connection to a server (or None);
         ``clock`` (monotonic seconds) dates the oldest held ack."""
@@ -121,7 +129,7 @@ class AckSender:
                 batched = FEATURE_ACKS in getattr(conn, "features", ())
                 encoded, count = self._encode(server, groups, batched)
                 if encoded:
-                    conn.write(b"".join(encoded))  # type: ignore[attr-defined]
+                    conn.write(b"".join(encoded))
             except ConnectionUnavailable as exc:
                 log.debug("acks to %s not sent (%s); the server will redeliver those copies", server, exc)
                 continue

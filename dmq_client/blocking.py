@@ -17,7 +17,7 @@ import json
 import socket
 import time
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .confirm import confirm_deadline_ms
 from .session import default_producer_id
@@ -65,7 +65,7 @@ class BlockingClient:
         # collected, and a long host name made the old form exceed the server's 64 characters
         self.producer = producer or default_producer_id()
         self.timeout = timeout
-        self.identity: dict | None = None
+        self.identity: dict[str, object] | None = None
         self._decoder = FrameDecoder()
         self._pushes: deque[Frame] = deque()
         self._replies: deque[Frame] = deque()
@@ -94,7 +94,7 @@ class BlockingClient:
             sock.close()
             raise
 
-    def authenticate(self, secret: str, timeout: float | None = None) -> dict:
+    def authenticate(self, secret: str, timeout: float | None = None) -> dict[str, object]:
         """UP_AUTH; the server's answer (identity, identity_url, permission_count)."""
         self.write(Frame(Command.UP_AUTH, body=secret.encode()))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -153,7 +153,7 @@ class BlockingClient:
                 return None
         return self._other.popleft()
 
-    def _await_reply(self, match, timeout: float | None) -> Frame:
+    def _await_reply(self, match: Callable[[Frame], bool], timeout: float | None) -> Frame:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             for i, frame in enumerate(self._replies):
@@ -260,14 +260,14 @@ class BlockingClient:
             self.write(frame)
         while pending:
             self._collect(pending, replies)
-        return replies  # type: ignore[return-value]
+        return [reply for reply in replies if reply is not None]  # every one is filled by now
 
     def next_send_reply(self, timeout: float | None = None) -> Frame:
         """The next SEND_* reply, whichever send it answers (for callers that pipeline
         sends themselves and match replies by session id)."""
         return self._await_reply(lambda f: f.command in SEND_REPLIES, timeout)
 
-    def _collect(self, pending: dict[int, int], replies: list) -> None:
+    def _collect(self, pending: dict[int, int], replies: list[Frame | None]) -> None:
         reply = self._await_reply(lambda f: f.command in SEND_REPLIES and f.session_id in pending, None)
         replies[pending.pop(reply.session_id)] = reply
 

@@ -23,19 +23,23 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import MqConfig
 from .connection import ConnState, ServerConnection
 from .confirm import CONFIRM_TIMEOUT, Consumed, confirm_deadline_ms
-from .consumer import Consumer, Subscription
+from .consumer import Consumer, Handler, Subscription
 from .future import SendFuture
 from . import otel
 from .message import Message, SendResult
+from .pending import SendCallback
 from .producer import Producer
 from .routing import ServerPool
 from .send_queue import SendQueue
 from .wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame
+
+if TYPE_CHECKING:
+    from .discovery import ZkDiscovery  # at run time imported only with config.zk (below)
 
 __all__ = ["MqClient"]
 
@@ -79,7 +83,7 @@ class MqClient:
         listener = _Dispatch(self._producer, self._consumer, self.pool)
         self._listener = listener
         addresses = self.config.addresses
-        self.discovery: Any = None  # dmq_client.discovery.ZkDiscovery with config.zk
+        self.discovery: ZkDiscovery | None = None  # with config.zk
         if self.config.zk:
             from .discovery import ZkDiscovery  # imports kazoo: only when configured
 
@@ -110,7 +114,7 @@ class MqClient:
     def send(
         self,
         message: Message,
-        callback: Any = None,
+        callback: SendCallback | None = None,
         *,
         confirm: str | None = None,
         confirm_timeout: float = CONFIRM_TIMEOUT,
@@ -141,7 +145,7 @@ class MqClient:
     def resend(
         self,
         result: SendResult,
-        callback: Any = None,
+        callback: SendCallback | None = None,
         *,
         confirm: str | None = None,
         confirm_timeout: float = CONFIRM_TIMEOUT,
@@ -183,7 +187,7 @@ class MqClient:
         self,
         topic: str,
         channel: str,
-        handler: Any,
+        handler: Handler,
         *,
         auto_ack: bool = True,
         credit: int | None = None,

@@ -14,7 +14,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the otel extra: imported by the type checker only
+    from opentelemetry.trace import TracerProvider
+
+    from .pending import SendCallback
 
 __all__ = ["MqConfig", "parse_server"]
 
@@ -95,7 +100,7 @@ class MqConfig:
     journal_give_up_after: float | None = _opt(
         None, "with the journal: after failing this long, report the failure and forget the message; None = never"
     )
-    recovered_callback: Any = _opt(
+    recovered_callback: SendCallback | None = _opt(
         None, "gets the results of messages recovered from the journal at start; None = they are only logged"
     )
     zk: str = _opt(
@@ -118,7 +123,7 @@ class MqConfig:
         None, "secret sent with UP_AUTH on every connection (servers with --auth-file or --auth-http-address); "
         "\"\" = authenticate by the client certificate"
     )
-    tracer_provider: Any = _opt(
+    tracer_provider: TracerProvider | None = _opt(
         None, "with the otel extra: the OpenTelemetry TracerProvider of the send and process spans; None = the global one"
     )
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from .future import SendFuture
 from .message import Message, SendResult
-from .pending import PendingSend
+from .pending import PendingSend, SendCallback
 from .wire import CONFIRM_MAX_MS, ConsumedReport
 from .wire.confirm import CONSUMED, DEAD_LETTERED, DEADLINE
 
@@ -118,7 +118,8 @@ class ConfirmingSend(PendingSend):
 
     __slots__ = ("confirm_ms", "on_consumed", "consumed")
 
-    def __init__(self, message: Message, session_id: int, producer: str, timestamp_ms: int, callback: object,
+    def __init__(self, message: Message, session_id: int, producer: str, timestamp_ms: int,
+                 callback: SendCallback | None,
                  *, resend: bool, confirm_ms: int, on_consumed: Callable[[Consumed], object] | None) -> None:
         future = ConfirmFuture()
         super().__init__(message, session_id, producer, timestamp_ms, callback, future, resend)

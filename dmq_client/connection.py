@@ -101,7 +101,7 @@ class ServerConnection:
         self.generation = 0  # bumped per established connection
         self.server_interval: float | None = None  # from SERVER_HEARTBEAT
         self.health_detail = ""
-        self.identity: dict | None = None  # the server's AUTH_ACK (identity, permission_count)
+        self.identity: dict[str, object] | None = None  # the server's AUTH_ACK (identity, permission_count)
         # what this server accepts beyond version 1's first set, as its SERVER_HEALTH
         # greeting and SUBSCRIBE_ACK listed them (wire.features); none until then, on each connection
         self.features: frozenset[str] = frozenset()

@@ -26,18 +26,18 @@ import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import Any, Callable
+from typing import Callable, Protocol, TypeAlias
 
 from . import otel
 from .acks import AckSender
 from .config import MqConfig
 from .connection import ConnectionUnavailable, ServerConnection
-from .dedup import Admit, DedupWindow
+from .dedup import Admit, DedupWindow, Key
 from .message import ReceivedMessage
 from .routing import ServerPool
 from .wire import FEATURE_REQUEUE, Command, Frame, encode, features, valid_name
 
-__all__ = ["Consumer", "SubscribeError", "Subscription"]
+__all__ = ["Consumer", "Handler", "MessageHandler", "SubscribeError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,21 @@ class SubscribeError(Exception):
         self.server = server
 
 
+class MessageHandler(Protocol):
+    """A handler object: ``on_message(message)`` is called for each message, on a
+    handler thread."""
+
+    def on_message(self, message: ReceivedMessage) -> object: ...
+
+
+#: What ``MqClient.subscribe`` takes: an object with ``on_message(message)``, or a callable.
+Handler: TypeAlias = Callable[[ReceivedMessage], object] | MessageHandler
+
+
 class Subscription:
     """One ``(topic, channel)`` this client consumes, with its handler."""
 
-    def __init__(self, topic: str, channel: str, handler: Any, auto_ack: bool, credit: int):
+    def __init__(self, topic: str, channel: str, handler: Handler, auto_ack: bool, credit: int):
         on_message = getattr(handler, "on_message", None)
         if on_message is None:
             if not callable(handler):
@@ -78,7 +89,7 @@ class Subscription:
         self.handler = handler
         self.auto_ack = auto_ack
         self.credit = credit
-        self.deliver: Callable[[ReceivedMessage], Any] = on_message
+        self.deliver: Callable[[ReceivedMessage], object] = on_message
         self.error: SubscribeError | None = None  # the last refusal, e.g. after a resubscribe
         self.received = 0
         self.suppressed = 0
@@ -96,9 +107,9 @@ class Consumer:
         self.dedup = DedupWindow(config.dedup_max_entries, config.dedup_max_age)
         self.subscriptions: dict[tuple[str, str], Subscription] = {}
         self._lock = threading.Lock()
-        self._waiters: dict[int, tuple[str, Future]] = {}
+        self._waiters: dict[int, tuple[str, Future[Frame]]] = {}
         self._ids = itertools.count(1)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Subscription, ReceivedMessage, Key] | None] = queue.SimpleQueue()
         self.acks = AckSender(pool.get, clock, max_wait=config.ack_wait)
         self._in_handler = threading.local()
         self._closing = False
@@ -119,7 +130,7 @@ class Consumer:
         self,
         topic: str,
         channel: str,
-        handler: Any,
+        handler: Handler,
         *,
         auto_ack: bool = True,
         credit: int | None = None,
@@ -162,9 +173,9 @@ class Consumer:
             raise refusal
         return sub
 
-    def _send_subscribe(self, conn: ServerConnection, sub: Subscription) -> Future | None:
+    def _send_subscribe(self, conn: ServerConnection, sub: Subscription) -> Future[Frame] | None:
         sid = next(self._ids)
-        future: Future = Future()
+        future: Future[Frame] = Future()
         with self._lock:
             self._waiters[sid] = (conn.name, future)
         frame = Frame(Command.UP_SUBSCRIBE, session_id=sid, topic=sub.topic, channel=sub.channel, credit=sub.credit)

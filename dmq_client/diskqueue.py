@@ -165,11 +165,30 @@ class DiskQueue:
         self._next_tick = clock() + sync_timeout
 
     # -- public API -----------------------------------------------------------------------
-    read_file_num = property(lambda self: self._read_file_num, doc="File the reader is in.")
-    read_pos = property(lambda self: self._read_pos, doc="Offset of the next unread record.")
-    write_file_num = property(lambda self: self._write_file_num, doc="File the writer is in.")
-    write_pos = property(lambda self: self._write_pos, doc="Offset the next record goes to.")
-    closed = property(lambda self: self._closed)
+    @property
+    def read_file_num(self) -> int:
+        """File the reader is in."""
+        return self._read_file_num
+
+    @property
+    def read_pos(self) -> int:
+        """Offset of the next unread record."""
+        return self._read_pos
+
+    @property
+    def write_file_num(self) -> int:
+        """File the writer is in."""
+        return self._write_file_num
+
+    @property
+    def write_pos(self) -> int:
+        """Offset the next record goes to."""
+        return self._write_pos
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran."""
+        return self._closed
 
     def put(self, data: bytes) -> None:
         """Append one record. Raises DiskQueueError on a bad size, a closed queue or an IO error."""
@@ -686,8 +705,10 @@ class DiskQueue:
         parts = [self._rbuf[start:]]
         need = n - len(parts[0])
         self._rbuf, self._rbuf_off = b"", 0
+        fd = self._read_fd
+        assert fd is not None  # the reader opened its file before it reads
         while need > 0:
-            chunk = os.read(self._read_fd, max(need, _READ_CHUNK))  # type: ignore[arg-type]
+            chunk = os.read(fd, max(need, _READ_CHUNK))
             if not chunk:
                 break
             if len(chunk) > need:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 __all__ = ["SendFuture"]
 
@@ -34,7 +34,7 @@ class SendFuture(Generic[T]):
     def __init__(self) -> None:
         self._result: T | None = None
         self._waiter: threading.Event | None = None
-        self._callbacks: list[Callable[["SendFuture[T]"], Any]] | None = None
+        self._callbacks: list[Callable[["SendFuture[T]"], object]] | None = None
 
     def done(self) -> bool:
         return self._result is not None
@@ -62,14 +62,16 @@ class SendFuture(Generic[T]):
             waiter = self._waiter
         if not waiter.wait(timeout):
             raise TimeoutError(f"no result within {timeout}s")
-        return self._result  # type: ignore[return-value]
+        result = self._result
+        assert result is not None  # set before the waiter is
+        return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Always None once done: failures are results with a status, not exceptions."""
         self.result(timeout)
         return None
 
-    def add_done_callback(self, fn: Callable[["SendFuture[T]"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[["SendFuture[T]"], object]) -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if it already is)."""
         with _lock:
             if self._result is None:

@@ -101,15 +101,18 @@ import threading
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .diskqueue import DiskQueue, DiskQueueError
 from .message import FINAL, Message, SendResult, Status
 from .notify import call_callback
-from .pending import PendingSend
+from .pending import PendingSend, SendCallback
 from .send_queue import MemorySendQueue, Put
 from .session import default_producer_id
 from .wire import NO_PROPERTIES, MessageType, decode_properties
+
+if TYPE_CHECKING:
+    from .config import MqConfig
 
 __all__ = ["JournalError", "JournalRecord", "JournalSendQueue", "decode_record", "encode_record"]
 
@@ -197,7 +200,7 @@ class _RecoveredCallback:
 
     __slots__ = ("user", "path")
 
-    def __init__(self, user: Any, path: str):
+    def __init__(self, user: SendCallback | None, path: str):
         self.user = user
         self.path = path
 
@@ -241,7 +244,7 @@ class JournalSendQueue(MemorySendQueue):
         sync_every: int = 1,
         sync_interval: float = 1.0,
         producer_id: str = "",
-        recovered_callback: Any = None,
+        recovered_callback: SendCallback | None = None,
         max_body_size: int = 65536,
         file_bytes: int = FILE_BYTES,
         ticker: bool = True,
@@ -311,8 +314,10 @@ class JournalSendQueue(MemorySendQueue):
             self._ticker.start()
 
     @classmethod
-    def from_config(cls, config: Any) -> "JournalSendQueue":
-        """The journal ``MqConfig`` describes (``journal_path`` must be set)."""
+    def from_config(cls, config: MqConfig) -> "JournalSendQueue":
+        """The journal ``MqConfig`` describes (``journal_path`` must be set: ValueError if not)."""
+        if config.journal_path is None:
+            raise ValueError("MqConfig.journal_path is not set: there is no journal to open")
         return cls(
             config.journal_path,
             capacity=config.send_queue_size,

@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable
+from typing import Callable
 
 from .wire import MessageType
 from .wire.properties import NO_PROPERTIES, Properties, PropertiesError, decode_properties, encode_properties
@@ -160,7 +160,8 @@ class Message:
         elif isinstance(due, datetime):
             due_s = due.timestamp()
         else:
-            due_s = float(due)  # type: ignore[arg-type]
+            assert due is not None  # exactly one of the two, checked above
+            due_s = float(due)
         data = body.encode("utf-8") if isinstance(body, str) else body
         return cls(topic, data, session_id=session_id, msg_type=MessageType.DELAY, due_ms=int(due_s * 1000),
                    key=key, priority=priority, headers=headers)
@@ -241,9 +242,9 @@ class ReceivedMessage:
         timestamp_ms: int,
         attempts: int,
         server: str,
-        acker: Callable[["ReceivedMessage"], Any],
+        acker: Callable[["ReceivedMessage"], object],
         properties: Properties = NO_PROPERTIES,
-        requeuer: Callable[["ReceivedMessage", int], Any] | None = None,
+        requeuer: Callable[["ReceivedMessage", int], object] | None = None,
     ):
         self.topic = topic
         self.channel = channel

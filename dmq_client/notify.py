@@ -35,8 +35,10 @@ def call_callback(callback: object, result: object) -> None:
     on_result = getattr(callback, "on_result", None)
     if on_result is not None:
         on_result(result)
-    else:
-        callback(result)  # type: ignore[operator]
+    elif callable(callback):
+        callback(result)
+    else:  # what calling it would raise
+        raise TypeError(f"{type(callback).__name__!r} object is not callable")
 
 
 class NotifyRunner:
@@ -109,7 +111,11 @@ class NotifyRunner:
                 call_callback(item.callback, result)
             except Exception:
                 log.exception("send callback raised for %r", item)
-        item.future.set_result(result)  # type: ignore[arg-type]
+        if isinstance(item, ConsumedNote):
+            item.future.set_result(item.result)
+        else:
+            assert item.result is not None  # the producer sets it before the item comes here
+            item.future.set_result(item.result)
         try:
             self._delivered(item)
         except Exception:

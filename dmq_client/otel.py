@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 try:  # the otel extra
     from opentelemetry import context as otel_context
@@ -41,6 +41,11 @@ else:
     ENABLED = True
 
 if TYPE_CHECKING:
+    from contextvars import Token
+
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span, Tracer, TracerProvider
+
     from .message import Message, ReceivedMessage, SendResult
 
 __all__ = ["ENABLED", "SYSTEM", "TRACE_HEADERS", "start_send", "end_send", "start_process", "end_process",
@@ -53,11 +58,11 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 _TRACER = "dmq_client"
 
 
-def _tracer(provider: Any) -> Any:
+def _tracer(provider: TracerProvider | None) -> Tracer:
     return trace.get_tracer(_TRACER, tracer_provider=provider)
 
 
-def start_send(message: "Message", provider: Any = None) -> tuple["Message", Any]:
+def start_send(message: "Message", provider: TracerProvider | None = None) -> tuple["Message", Span]:
     """The send span of ``message`` (started, not current; ``provider`` None: the global
     tracer provider, ``MqConfig.tracer_provider``) and the message to send: the
     same one with the span's context in its headers, or unchanged when it already carries
@@ -78,7 +83,7 @@ def start_send(message: "Message", provider: Any = None) -> tuple["Message", Any
     return dataclasses.replace(message, headers={**headers, **added}), span
 
 
-def end_send(span: Any, result: "SendResult | None", error: BaseException | None = None) -> None:
+def end_send(span: Span, result: "SendResult | None", error: BaseException | None = None) -> None:
     """End the send span with the send's outcome: its message id when stored, an error
     status with the reason otherwise."""
     if result is not None:
@@ -92,7 +97,7 @@ def end_send(span: Any, result: "SendResult | None", error: BaseException | None
     span.end()
 
 
-def start_process(message: "ReceivedMessage", provider: Any = None) -> tuple[Any, object]:
+def start_process(message: "ReceivedMessage", provider: TracerProvider | None = None) -> tuple[Span, Token[Context]]:
     """The process span of a received message, made current, and the token that
     ``end_process`` detaches: its parent is the trace context the message's headers
     carry (none: a new trace)."""
@@ -108,18 +113,18 @@ def start_process(message: "ReceivedMessage", provider: Any = None) -> tuple[Any
     return span, token
 
 
-def end_process(span: Any, token: object, error: BaseException | None = None) -> None:
+def end_process(span: Span, token: Token[Context], error: BaseException | None = None) -> None:
     """End the process span (an error status when the handler raised) and restore the
     context that was current before it."""
     if error is not None:
         span.record_exception(error)
         span.set_status(SpanStatus(StatusCode.ERROR, type(error).__name__))
     span.end()
-    otel_context.detach(token)  # type: ignore[arg-type]
+    otel_context.detach(token)
 
 
 @contextmanager
-def processing(message: "ReceivedMessage", provider: Any = None) -> Iterator[Any]:
+def processing(message: "ReceivedMessage", provider: TracerProvider | None = None) -> Iterator[Span | None]:
     """The process span of ``message`` as a ``with`` block, current inside it (an error
     status when the block raises): for consumers that are not handlers, such as
     ``dmq_client.aio``'s ``async for``, where the client cannot wrap the work. Without the

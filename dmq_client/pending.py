@@ -9,12 +9,23 @@ receive its single ``SendResult``.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Callable, Protocol, TypeAlias
 
 from .future import SendFuture
 from .message import Message, SendResult
 
-__all__ = ["PendingSend"]
+__all__ = ["PendingSend", "ResultHandler", "SendCallback"]
+
+
+class ResultHandler(Protocol):
+    """A send callback object: ``on_result(result)`` gets the send's ``SendResult``."""
+
+    def on_result(self, result: SendResult) -> object: ...
+
+
+#: What ``MqClient.send(message, callback)`` calls with the send's result (on the notify
+#: thread): an object with ``on_result(result)``, or a callable.
+SendCallback: TypeAlias = Callable[[SendResult], object] | ResultHandler
 
 
 class PendingSend:
@@ -49,7 +60,7 @@ class PendingSend:
         session_id: int,
         producer: str,
         timestamp_ms: int,
-        callback: Any = None,
+        callback: SendCallback | None = None,
         future: "SendFuture[SendResult] | None" = None,
         resend: bool = False,
     ):

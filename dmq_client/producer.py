@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from .config import MqConfig
 from .confirm import GRACE, ConfirmingSend, Consumed, ConsumedNote, ConsumeStatus, Watching
@@ -55,10 +55,10 @@ from .future import SendFuture
 from .message import TRANSIENT, Message, SendResult, Status
 from .notify import NotifyRunner
 from .outgoing import REPLY_STATUS, check_message, send_frame
-from .pending import PendingSend
+from .pending import PendingSend, SendCallback
 from .resend import ResendMap
 from .routing import ServerPool
-from .send_queue import MemorySendQueue, Put, SendQueue
+from .send_queue import MemorySendQueue, Put, RetryingSendQueue, SendQueue
 from .session import SessionIdGenerator, default_producer_id
 from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, parse_consumed
 
@@ -103,7 +103,10 @@ class Producer:
         if getattr(send_queue, "keeps_unfinished", False):
             self._kept = " (kept in the producer journal: sent again when it is next opened)"
         # a journal retries its transient failures (module docstring, step 6)
-        self._retrying = bool(getattr(send_queue, "retries_unfinished", False))
+        self._retry_queue: RetryingSendQueue | None = (
+            send_queue if getattr(send_queue, "retries_unfinished", False)
+            and isinstance(send_queue, RetryingSendQueue) else None)
+        self._retrying = self._retry_queue is not None
         self._pen: list[tuple[float, int, PendingSend]] = []  # heap of (due, order, item)
         self._pen_order = itertools.count()
         self._pen_lock = threading.Lock()
@@ -131,8 +134,8 @@ class Producer:
 
     # -- the caller's side ----------------------------------------------------
     def send(
-        self, message: Message, callback: Any = None, *, resend: bool = False, producer: str | None = None,
-        confirm_ms: int = 0, on_consumed: Callable[[Consumed], object] | None = None,
+        self, message: Message, callback: SendCallback | None = None, *, resend: bool = False,
+        producer: str | None = None, confirm_ms: int = 0, on_consumed: Callable[[Consumed], object] | None = None,
     ) -> "SendFuture[SendResult]":
         """``producer``: the id to send under (``client.resend`` of a recovered message
         passes the id it was first sent with); the client's own by default. ``confirm_ms``:
@@ -180,16 +183,18 @@ class Producer:
         return send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms, item.confirm_ms)
 
     # -- results ----------------------------------------------------------------
-    def _finish(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> None:
-        done = self._settle(item, status, description, **fields)
+    def _finish(self, item: PendingSend, status: Status, description: str = "") -> None:
+        done = self._settle(item, status, description)
         if done:
             self.notify.put_many(done)
 
-    def _settle(self, item: PendingSend, status: Status, description: str = "", **fields: Any) -> list[PendingSend]:
+    def _settle(self, item: PendingSend, status: Status, description: str = "", *, message_id: int | None = None,
+                server: str | None = None, duplicate: bool = False) -> list[PendingSend]:
         """Give ``item`` its result, unless a transient failure of a journaled send is to
         be retried instead. Returns the items whose results are to be delivered: the
         item and its followers (resends of the same message that shared its write), or
-        nothing (already settled by a competing path, or retried later)."""
+        nothing (already settled by a competing path, or retried later). ``server``:
+        where the answer came from (the server it was last written to by default)."""
         if status in TRANSIENT and self._retrying:
             verdict = self._retry_later(item)
             if verdict is _PENNED:
@@ -199,10 +204,11 @@ class Producer:
                 description = f"the client closed before the message was stored ({description}){self._kept}"
         if not item.settle():
             return []
-        fields.setdefault("server", item.server)
+        if server is None:
+            server = item.server
         item.result = SendResult(
-            status, item.message, item.session_id, description=description,
-            attempts=item.attempts, producer=item.producer, **fields,
+            status, item.message, item.session_id, message_id=message_id, description=description, server=server,
+            duplicate=duplicate, attempts=item.attempts, producer=item.producer,
         )
         if not item.followers:
             return [item]
@@ -213,9 +219,9 @@ class Producer:
             if follower.settle():
                 follower.given_up = item.given_up
                 follower.result = SendResult(
-                    status, follower.message, follower.session_id, description=description,
-                    attempts=follower.attempts, producer=follower.producer,
-                    **{**fields, "duplicate": status is Status.SUCCESS},
+                    status, follower.message, follower.session_id, message_id=message_id, description=description,
+                    server=server, duplicate=status is Status.SUCCESS, attempts=follower.attempts,
+                    producer=follower.producer,
                 )
                 done.append(follower)
         return done
@@ -235,7 +241,7 @@ class Producer:
             if give_up is not None and now - item.failing_since >= give_up:
                 item.given_up = True
                 return None
-            if not self.queue.hold(item):  # type: ignore[attr-defined]
+            if self._retry_queue is None or not self._retry_queue.hold(item):
                 return None
             item.failures += 1
             backoff = self.config.journal_retry_backoff * 2 ** min(item.failures - 1, 30)
@@ -247,6 +253,9 @@ class Producer:
     def release_retries(self, now: float) -> int:
         """Move the sends whose retry backoff is over back to the send queue, as resends
         (the resend runner calls this; tests call it with an injected clock)."""
+        retry_queue = self._retry_queue
+        if retry_queue is None:  # nothing is ever held: the pen stays empty
+            return 0
         with self._pen_lock:
             pen = self._pen
             due: list[PendingSend] = []
@@ -257,7 +266,7 @@ class Producer:
                     item.resends = 0  # a fresh resend schedule for the new write
                     item.resend = True  # it may have been written (and stored) already
                 # under the pen's lock, so close() cannot miss an item between pen and queue
-                self.queue.requeue(due)  # type: ignore[attr-defined]
+                retry_queue.requeue(due)
         return len(due)
 
     @property
@@ -270,8 +279,8 @@ class Producer:
             self._pen_closed = True
             items = [item for _, _, item in self._pen]
             self._pen.clear()
-            if items:
-                self.queue.unhold(len(items))  # type: ignore[attr-defined]
+            if items and self._retry_queue is not None:  # only a retrying queue held them
+                self._retry_queue.unhold(len(items))
         return items
 
     def _delivered(self, item: PendingSend | ConsumedNote) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .connection import ConnState, ServerConnection
 
@@ -41,7 +41,7 @@ class ServerPool:
         self._cache: dict[str, tuple[int, ServerConnection | None]] = {}
         self._closed = False
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ServerConnection]:
         return iter(list(self._conns.values()))
 
     def __len__(self) -> int:

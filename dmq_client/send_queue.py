@@ -14,11 +14,11 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from .pending import PendingSend
 
-__all__ = ["Put", "SendQueue", "MemorySendQueue"]
+__all__ = ["Put", "SendQueue", "RetryingSendQueue", "MemorySendQueue"]
 
 
 class Put(enum.Enum):
@@ -50,6 +50,23 @@ class SendQueue(Protocol):
         """Remove and return every item still queued (used when closing)."""
 
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class RetryingSendQueue(SendQueue, Protocol):
+    """A send queue that retries its transient failures (the producer journal, which
+    says so with ``retries_unfinished``): the producer holds such sends aside in its
+    retry pen and hands them back when their backoff is over."""
+
+    def hold(self, item: PendingSend) -> bool:
+        """Keep ``item`` counted while the producer holds it; False: it was never stored
+        here (it gets its failure instead)."""
+
+    def requeue(self, items: list[PendingSend]) -> None:
+        """Held items whose retry is due: back to the queue, ahead of new sends."""
+
+    def unhold(self, n: int) -> None:
+        """``n`` held items were given their result instead (the client closed)."""
 
 
 class MemorySendQueue:

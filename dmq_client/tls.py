@@ -111,8 +111,8 @@ class TlsSocket:
     def settimeout(self, timeout: float | None) -> None:
         self.raw.settimeout(timeout)
 
-    def setsockopt(self, *args) -> None:
-        self.raw.setsockopt(*args)
+    def setsockopt(self, level: int, option: int, value: int, /) -> None:
+        self.raw.setsockopt(level, option, value)
 
     def fileno(self) -> int:
         return self.raw.fileno()

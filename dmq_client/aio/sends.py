@@ -219,15 +219,16 @@ class Sends:
             self._settle(item, status, "" if ok else frame.status, server=link.name,
                          message_id=frame.message_id if ok else None, duplicate=ok and frame.status == "duplicate")
 
-    def _settle(self, item: _Pending, status: Status, description: str = "", **fields: object) -> None:
+    def _settle(self, item: _Pending, status: Status, description: str = "", *, server: str | None = None,
+                message_id: int | None = None, duplicate: bool = False) -> None:
         if item.future.done():
             return
         if self.pending.get(item.session_id) is item:
             del self.pending[item.session_id]
         self._room.release()
-        fields.setdefault("server", item.server)
-        result = SendResult(status, item.message, item.session_id, description=description, attempts=item.attempts,
-                            producer=self.producer_id, **fields)  # type: ignore[arg-type]
+        result = SendResult(status, item.message, item.session_id, message_id=message_id, description=description,
+                            server=item.server if server is None else server, duplicate=duplicate,
+                            attempts=item.attempts, producer=self.producer_id)
         item.future.set_result(result)
         if item.detached:
             self._report(result)

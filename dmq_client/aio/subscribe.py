@@ -13,11 +13,12 @@ still unacked, or acked) are suppressed by ``(producer, session id, channel)`` a
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, ContextManager, Final, NoReturn, Protocol
 
 from .. import otel
 from ..consumer import REFUSALS, SubscribeError
@@ -27,13 +28,25 @@ from ..wire import FEATURE_REQUEUE, REQUEUE_MAX_MS, SUBSCRIBE_REPLIES, Command, 
 from ..wire.properties import NO_PROPERTIES, Properties
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from ..config import MqConfig
     from .link import ServerLink
 
 __all__ = ["AioMessage", "RequeueError", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-_END = object()
+
+
+class _End(enum.Enum):
+    """The queue's end marker: an enum member, so that ``item is _END`` tells the type
+    checker the item is not a message or an error."""
+
+    END = enum.auto()
+
+
+_END: Final = _End.END
 _correlation = itertools.count(1)
 
 
@@ -82,7 +95,7 @@ class AioMessage(ReceivedMessage):
                                           message_id=self.message_id)))
             await self._link.drain()
 
-    def processing(self) -> ContextManager[Any]:
+    def processing(self) -> ContextManager[Span | None]:
         """With the otel extra, the message's process span, current inside the ``with``
         block (the trace its producer's send began, continued; an error when the block
         raises): ``with message.processing(): ...``. Without it, an empty block."""
@@ -118,8 +131,17 @@ class AioMessage(ReceivedMessage):
         self._settled = True
 
 
-def _no_acker(message: ReceivedMessage) -> Any:
+def _no_acker(message: ReceivedMessage) -> NoReturn:
     raise TypeError("await the asyncio message's ack()")
+
+
+class _Owner(Protocol):
+    """What a subscription needs of its client (``aio.Client``, which imports this
+    module): its settings, and to forget the subscription when it closes."""
+
+    config: MqConfig
+
+    def _unsubscribe(self, sub: Subscription) -> None: ...
 
 
 class Subscription:
@@ -127,13 +149,13 @@ class Subscription:
     ends when the client closes or ``close()`` is called; a server's refusal
     (``SubscribeError``) is raised from it."""
 
-    def __init__(self, client: Any, topic: str, channel: str, credit: int, dedup: DedupWindow):
+    def __init__(self, client: _Owner, topic: str, channel: str, credit: int, dedup: DedupWindow):
         self.client = client
         self.topic = topic
         self.channel = channel
         self.credit = credit
         self.dedup = dedup
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue: asyncio.Queue[AioMessage | SubscribeError | _End] = asyncio.Queue()
         self.closed = False
         self._subscribed: dict[str, int] = {}  # per link: the connection (generation) subscribed on
         # per link: requeues written, oldest first, awaiting REQUEUE_ACK (the server answers in order)

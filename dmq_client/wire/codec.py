@@ -102,7 +102,7 @@ def pack_ids(ids: list[int]) -> bytes:
     return packed.tobytes()
 
 
-def unpack_ids(body: bytes) -> array:
+def unpack_ids(body: bytes) -> array[int]:
     """The ids of an UP_CONSUMER_ACKS body (``pack_ids``'s inverse). Raises FrameError
     (E_BAD_FRAME) when the body is not 1..MAX_ACK_IDS whole 8-byte ids: the sender is
     broken, and no id of such a frame can be trusted."""
@@ -220,7 +220,8 @@ def encode(frame: Frame) -> bytes:
 _LEN1 = [bytes((n,)) for n in range(256)]
 
 
-def _remember(cache: dict, key: tuple, value: bytes, limit: int) -> None:
+def _remember(cache: dict[tuple[str, str, str], bytes], key: tuple[str, str, str], value: bytes,
+              limit: int) -> None:
     """Keep ``value``; a cache at ``limit`` starts over (peers with ever new names only
     cost a rebuild)."""
     if len(cache) >= limit:
