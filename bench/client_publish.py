@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Publish throughput through ``MqClient`` against the raw pipelined socket client.
+"""Publish throughput through ``MqClient`` and the asyncio client against the raw pipelined socket client.
 
     python bench/client_publish.py                 # 20,000 messages x 3 rounds each
     python bench/client_publish.py --messages 50000 --rounds 5 --window 256 --size 100
@@ -13,6 +13,9 @@ Starts a private PostgreSQL (the server's embedded one) and a dmq-server on
 * client: ``MqClient.send`` of the same messages, with ``max_in_flight`` =
   ``--window`` (the same pipelining), timed from the first send to the last
   result delivered to its callback.
+* aio, aio-uvloop: ``dmq_client.aio.Client`` on asyncio's default loop and on uvloop,
+  ``--window`` tasks each awaiting its sends one after another (``max_in_flight`` =
+  ``--window``: the same pipelining), timed from the first send to the last answer.
 
 For each it prints acknowledged messages per second and the benchmark
 process's CPU time per message (all its threads: for ``client`` that is the
@@ -153,6 +156,45 @@ def run_client(port: int, count: int, body: bytes, window: int) -> tuple[float, 
     return count / wall, cpu / count * 1e6
 
 
+def run_aio(port: int, count: int, body: bytes, window: int, uvloop: bool = False) -> tuple[float, float]:
+    import asyncio
+
+    from dmq_client.aio import Client
+
+    async def run() -> tuple[float, float, int]:
+        async with Client(servers=(f"127.0.0.1:{port}",), max_in_flight=window,
+                          max_body_size=len(body) + 1) as client:
+            await client.wait_connected(10)
+            for _ in range(200):  # warm up
+                await client.send(Message(TOPIC, body))
+            failed = 0
+
+            async def sender(n: int) -> None:
+                nonlocal failed
+                for _ in range(n):
+                    if not (await client.send(Message(TOPIC, body))).ok:
+                        failed += 1
+
+            shares = [count // window + (1 if i < count % window else 0) for i in range(window)]
+            cpu, wall = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(sender(n) for n in shares))
+            return time.perf_counter() - wall, time.process_time() - cpu, failed
+
+    if uvloop:
+        import uvloop as uv
+
+        wall, cpu, failed = uv.run(run())
+    else:
+        wall, cpu, failed = asyncio.run(run())
+    if failed:
+        raise RuntimeError(f"aio: {failed} sends not acknowledged")
+    return count / wall, cpu / count * 1e6
+
+
+def run_aio_uvloop(port: int, count: int, body: bytes, window: int) -> tuple[float, float]:
+    return run_aio(port, count, body, window, uvloop=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=20000, help="messages per round (default 20000)")
@@ -167,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dmq-server on 127.0.0.1:{stack.tcp_port}; {args.messages} x {args.size} B messages, "
               f"window {args.window}, {args.rounds} rounds, {os.cpu_count()} CPUs")
         print(f"{'round':>5}  {'kind':<6} {'msgs/s':>10} {'cpu us/msg':>11}")
-        raw, client = [], []
+        raw: list[tuple[float, float]] = []
+        client: list[tuple[float, float]] = []
+        aio: list[tuple[float, float]] = []
+        aio_uv: list[tuple[float, float]] = []
+        kinds = (("raw", run_raw, raw), ("client", run_client, client), ("aio", run_aio, aio),
+                 ("aio-uv", run_aio_uvloop, aio_uv))
         for n in range(1, args.rounds + 1):
-            for kind, fn, into in (("raw", run_raw, raw), ("client", run_client, client)):
+            for kind, fn, into in kinds:
                 rate, cpu = fn(stack.tcp_port, args.messages, body, args.window)
                 into.append((rate, cpu))
                 print(f"{n:>5}  {kind:<6} {rate:>10,.0f} {cpu:>11.1f}")
@@ -178,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"raw client   {best_raw[0]:>10,.0f} msgs/s  (best of {args.rounds}; {best_raw[1]:.1f} us CPU/msg)")
         print(f"MqClient     {best_client[0]:>10,.0f} msgs/s  (best of {args.rounds}; {best_client[1]:.1f} us CPU/msg)")
-        print(f"ratio        {ratio:>10.2f}  (target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'})")
-        print(f"client CPU   {min(c for _, c in client):>10.1f} us per message (benchmark process, all threads)")
+        for label, runs in (("aio", aio), ("aio uvloop", aio_uv)):
+            best = max(runs)
+            print(f"{label:<12} {best[0]:>10,.0f} msgs/s  (best of {args.rounds}; {best[1]:.1f} us CPU/msg; "
+                  f"{best[0] / best_client[0]:.2f} of MqClient's)")
+        print(f"ratio        {ratio:>10.2f}  (MqClient/raw, target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'})")
+        for label, runs in (("MqClient", client), ("aio", aio), ("aio uvloop", aio_uv)):
+            print(f"{label + ' CPU':<16} {min(c for _, c in runs):>6.1f} us per message (least of {args.rounds}; "
+                  "benchmark process, all threads)")
         return 0
     finally:
         stack.close()
