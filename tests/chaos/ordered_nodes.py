@@ -324,7 +324,12 @@ def run_faults(cluster: ChaosCluster, topic: str, timing: NodesTiming = NodesTim
     finally:
         t.stop()
     name, woke = out.notes.pop("woken_orderer")
-    out.notes["pushed_by_woken_orderer"] = sum(1 for a in out.attempts if a.node == name and a.pushed_at > woke)
+    late = sorted((a for a in out.attempts if a.node == name and a.pushed_at > woke), key=lambda a: a.pushed_at)
+    out.notes["pushed_by_woken_orderer"] = len(late)
+    if late:  # which copies, to whom, how long after the wake (a failure says what to look for)
+        out.notes["woken_orderer_pushes"] = [
+            f"{a.channel} id {a.message_id} key {a.key} to {a.consumer} +{a.pushed_at - woke:.3f}s (attempt {a.attempts})"
+            for a in late[:10]]
     out.notes["acks_fenced"] = _acks_fenced(cluster)
     return out
 
