@@ -193,6 +193,9 @@ class ReliableStore:
         self.alone = True  # no ZooKeeper (set by ``start``)
         self.paused = False
         self._held: set[tuple[str, str]] = set()  # channels an operator paused
+        # pauses and unpauses made here: a state read that began before one of them
+        # read the old pauses and must not undo it (``read_channel_state``)
+        self._held_changes = 0
         self._checking_held = False
         # in a cluster, the ordered topics whose orderer is known (``order_here``,
         # ``order_elsewhere``): None, this node; else that node's id (or NO_ORDERER). An
@@ -962,6 +965,7 @@ class ReliableStore:
 
         def stored(_: object) -> None:
             (self._held.add if paused else self._held.discard)((topic, name))
+            self._held_changes += 1
             channel.held = paused
             if not paused:
                 channel.pump()
@@ -994,7 +998,11 @@ class ReliableStore:
         channels' epochs (a seek on any node raises one: the channel reads its copies
         again, ``ReliableChannel.reseek``); then the topics' retained figures (``retained``:
         counted by the sweep's passes, on whichever node). The stored depths are counted
-        apart, a slice at a time (``self.depths``)."""
+        apart, a slice at a time (``self.depths``).
+
+        A pause or unpause made here while the read was out (``pause_channel``) is newer
+        than the pauses it read: they are left as they are until the next read."""
+        changes = self._held_changes
         d = self._workers["admin"].run_steps(read_channel_state_steps)
 
         def figures(state: ChannelState) -> Deferred[ChannelState]:
@@ -1011,6 +1019,8 @@ class ReliableStore:
         def apply(state: ChannelState) -> None:
             held, retired, epochs = state
             self.writes.retired.update(retired)
+            if changes != self._held_changes:
+                held = self._held
             self._held = held
             self._epochs = epochs
             for key, channel in self.channels.items():

@@ -340,6 +340,32 @@ def test_pause_empty_and_channel_state_go_through_the_store(h):
     assert billing.pushed == [] and h.broker.channels[("orders", "billing")].stored_count == 0
 
 
+def test_an_unpause_made_while_the_channel_state_read_is_out_is_not_undone_by_it():
+    """The periodic read of every node's pauses began before the operator's unpause here
+    and answers after it: what it read is older than the unpause (the CI failure of
+    test_the_same_channel_operations_on_the_cli_the_console_and_the_admin_api)."""
+    h = Harness(db_delay=0.05)
+    billing = Consumer()
+    h.subscribe("orders", "billing", billing)
+    h.broker.pause_channel("orders", "billing")
+    h.settle()
+    h.send("orders", "p", 1)
+    h.settle()
+    assert billing.pushed == []
+    channel = h.broker.channels[("orders", "billing")]
+    applied: list[bool] = []
+    h.broker.reliable.read_channel_state().addCallback(applied.append)  # reads the pause now, applies it later
+    unpaused = h.broker.pause_channel("orders", "billing", paused=False)
+    h.clock.advance(0.06)
+    assert unpaused.called and not applied and channel.held is False
+    h.settle()
+    assert applied and channel.held is False
+    assert [mid for _, mid in billing.pushed] == [h.acknowledged[("p", 1)]]
+    h.broker.reliable.read_channel_state()  # the next read sees the unpause stored
+    h.settle()
+    assert channel.held is False and ("orders", "billing") not in h.db.pauses
+
+
 def test_a_delayed_send_is_stored_in_the_delay_table_once(h):
     billing = Consumer()
     h.subscribe("orders", "billing", billing)
