@@ -13,7 +13,7 @@ import pytest
 
 from dmq_client.wire import Command
 
-from .support import http_get, run_cli, wait_for
+from .support import db_rows, http_get, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,11 @@ def test_a_postgresql_outage_is_logged_once_when_it_starts_and_once_when_it_ends
         wait_for(lambda: producer.send("orders", b"after").command == Command.SEND_SUCCESS_ACK, timeout=30)
         push = wait_for(lambda: consumer.receive(timeout=1), timeout=30)
         consumer.ack(push)
-    time.sleep(1.0)  # let every component retry once more after the end (each must stay quiet)
+    # every ack is made durable once PostgreSQL is back (the acker retries with a pause
+    # of up to 5 s), each component retries once more after the end and stays quiet
+    wait_for(lambda: db_rows(dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=30)
+    time.sleep(1.0)
+    server.stop()  # while PostgreSQL is up: nothing is left to make durable
     records = json_lines(server)
     outage = [r for r in records if r.get("dependency") == "PostgreSQL" and r["level"] != "debug"]
     assert [r["level"] for r in outage] == ["warn", "info"], [r["message"] for r in records]
