@@ -114,7 +114,7 @@ from .wire import NO_PROPERTIES, MessageType, decode_properties
 if TYPE_CHECKING:
     from .config import MqConfig
 
-__all__ = ["JournalError", "JournalRecord", "JournalSendQueue", "decode_record", "encode_record"]
+__all__ = ["KEPT", "JournalError", "JournalRecord", "JournalSendQueue", "decode_record", "encode_record"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ _FLAG_RESEND = 1
 FILE_BYTES = 16 * 1024 * 1024
 _QUEUE_RE = re.compile(r"^journal-(\d+)\.diskqueue\.(?:meta|\d+)\.dat$")
 _NEVER = 2**31 - 1  # the disk queue's own sync triggers: never (the journal syncs explicitly)
+#: added to a CLIENT_CLOSED result's description when the journal keeps the message
+KEPT = " (kept in the producer journal: sent again when it is next opened)"
 
 
 class JournalError(Exception):
@@ -330,29 +332,52 @@ class JournalSendQueue(MemorySendQueue):
 
     # -- the SendQueue protocol (get_batch, close, drain, len: MemorySendQueue's) ------------
     def put(self, item: PendingSend) -> Put:
+        put, ticket = self._append(item, queued=True)
+        if put is Put.ACCEPTED and ticket - self._synced >= self.sync_every:
+            self._sync_upto(ticket)
+        return put
+
+    def keep(self, items: list[PendingSend]) -> list[Put]:
+        """Journal ``items`` as ``put`` would, but without queueing them: for a client that
+        writes its sends itself (the asyncio client, from a worker thread: see
+        ``dmq_client.aio.journal``). They are made as durable as ``sync_every`` asks by one
+        sync for all of them (group commit within the batch), and forgotten by ``task_done``
+        as put items are. Returns each item's ``Put``."""
+        answers = []
+        last = 0
+        for item in items:
+            put, ticket = self._append(item, queued=False)
+            answers.append(put)
+            if put is Put.ACCEPTED:
+                last = ticket
+        if last and last - self._synced >= self.sync_every:
+            self._sync_upto(last)
+        return answers
+
+    def _append(self, item: PendingSend, queued: bool) -> tuple[Put, int]:
+        """Write ``item``'s record (not synced yet); with ``queued`` also queue it for the
+        send runner. Returns the answer and the put's ticket for ``_sync_upto``."""
         with self._cond:
             if self._closed:
-                return Put.CLOSED
+                return Put.CLOSED, 0
             if len(self._items) + self._held >= self.capacity:
-                return Put.FULL
+                return Put.FULL, 0
             seq = self._next_seq
             try:
                 self._dq.put(encode_record(seq, item))
             except (DiskQueueError, UnicodeError, struct.error) as exc:
                 self.last_error = f"E_JOURNAL the producer journal could not store the message: {exc}"
                 log.error("journal %s: put failed: %s", self.path, exc)
-                return Put.FAILED
+                return Put.FAILED, 0
             self._next_seq = seq + 1
             self._written += 1
-            ticket = self._written
             self._order.append(seq)
             self._seq_of[item] = seq
-            self._items.append(item)
-            if len(self._items) == 1:
-                self._cond.notify()
-        if ticket - self._synced >= self.sync_every:
-            self._sync_upto(ticket)
-        return Put.ACCEPTED
+            if queued:
+                self._items.append(item)
+                if len(self._items) == 1:
+                    self._cond.notify()
+            return Put.ACCEPTED, self._written
 
     def task_done(self, item: PendingSend) -> None:
         result = item.result

@@ -101,7 +101,9 @@ class Producer:
         self.next_session_id = SessionIdGenerator(wall_clock)
         self._kept = ""  # added to CLIENT_CLOSED descriptions when the queue keeps those messages
         if getattr(send_queue, "keeps_unfinished", False):
-            self._kept = " (kept in the producer journal: sent again when it is next opened)"
+            from .journal import KEPT
+
+            self._kept = KEPT
         # a journal retries its transient failures (module docstring, step 6)
         self._retry_queue: RetryingSendQueue | None = (
             send_queue if getattr(send_queue, "retries_unfinished", False)

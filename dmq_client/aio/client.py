@@ -2,9 +2,13 @@
 
 Settings are ``MqConfig``'s (the same names, defaults and checks as ``MqClient``), given as
 keyword arguments or as a config; the few that belong to ``MqClient``'s threads and queues
-(``send_queue_size``, ``send_batch_size``, ``handler_threads``, ``ack_wait``) are not used,
-and the two it does not offer yet are refused at construction: ``zk`` (ZooKeeper discovery:
-give the servers) and ``journal_path`` (the producer journal: use ``MqClient``).
+(``send_queue_size``, ``send_batch_size``, ``handler_threads``, ``ack_wait``) are not used.
+
+With ``zk`` the servers are discovered in the cluster registry by ``dmq_client.discovery``
+(``MqClient``'s: kazoo and its threads), and ``servers`` is ignored: the discovery thread's
+news reaches the loop through ``call_soon_threadsafe`` (``_servers_changed``), and its
+blocking calls (connecting, the first read, closing) run in a worker thread. With
+``journal_path`` sends go through the producer journal (``dmq_client.aio.journal``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import otel
 from ..config import MqConfig
@@ -23,6 +27,10 @@ from ..wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, valid_name
 from .link import LinkState, ServerLink
 from .sends import Sends
 from .subscribe import Subscription
+
+if TYPE_CHECKING:
+    from ..discovery import ZkDiscovery  # imported at run time only with config.zk (kazoo)
+    from .journal import AioJournal
 
 __all__ = ["Client"]
 
@@ -47,6 +55,14 @@ class Client:
     never written, else its real outcome once known). Leaving ``async with`` (``close()``)
     waits up to ``close_timeout`` for unanswered sends and answers the rest
     ``CLIENT_CLOSED``.
+
+    With ``zk`` the servers are the live nodes of the cluster registry (``servers`` is
+    ignored): the client connects to nodes that join, and lets go of nodes that leave, whose
+    unanswered sends fail over at once. With ``journal_path`` every send is journaled on
+    disk before it is written and forgotten once stored (or refused for good); transient
+    failures are retried rather than reported, and what a crashed process left unanswered
+    is sent again by the next client opening the journal, under its first producer and
+    session ids (``flush()`` waits for those too). See ``dmq_client.aio.sends``.
     """
 
     def __init__(self, config: MqConfig | None = None, *,
@@ -55,10 +71,6 @@ class Client:
             config = MqConfig(**settings)
         elif settings:
             config = config.replace(**settings)
-        if config.zk:
-            raise ValueError("zk: ZooKeeper discovery is not in the asyncio client yet; give servers=")
-        if config.journal_path is not None:
-            raise ValueError("journal_path: the producer journal is not in the asyncio client yet; use MqClient")
         self.config = config
         self.producer_id = config.producer_id or default_producer_id()
         self.on_cancelled = on_cancelled
@@ -68,6 +80,10 @@ class Client:
         self.dedup = DedupWindow(config.dedup_max_entries, config.dedup_max_age)
         self._ready = asyncio.Event()
         self.closed = False
+        self.discovery: ZkDiscovery | None = None  # with config.zk
+        self.journal: AioJournal | None = None  # with config.journal_path
+        self._generations: dict[str, int] = {}  # of links that left: one that rejoins counts on
+        self._leaving: set[asyncio.Task[None]] = set()  # links of departed nodes, closing
 
     # -- life ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Client":
@@ -82,12 +98,23 @@ class Client:
         to ``route_wait`` for a server, ``wait_connected`` as long as you say)."""
         if self.sends is not None:
             return
-        for name in self.config.servers:
+        servers = list(self.config.servers)
+        if self.config.zk:
+            servers = await self._discover()
+        if self.config.journal_path is not None:
+            from .journal import AioJournal
+
+            self.journal = await AioJournal.open(self.config, self.producer_id)
+        for name in servers:
             self.links[name] = ServerLink(name, self.config, self)
-        self.sends = Sends(self.config, self.producer_id, self.links, self.on_cancelled)
+        self.sends = Sends(self.config, self.producer_id, self.links, self.on_cancelled, journal=self.journal)
         self.sends.start()
+        if self.journal is not None:
+            self.sends.recover(self.journal.recovered)
         for link in self.links.values():
             link.start()
+        if self.discovery is not None:
+            self.discovery.watch()  # changes from now on: _servers_changed
 
     async def wait_connected(self, timeout: float) -> bool:
         """True once any server is connected and ready, False after ``timeout`` seconds."""
@@ -104,12 +131,16 @@ class Client:
         if self.closed:
             return
         self.closed = True
+        if self.discovery is not None:
+            await asyncio.to_thread(self.discovery.close)
         if self.sends is not None:
             await self.sends.close(self.config.close_timeout)
         for sub in list(self.subscriptions.values()):
             sub.end()
         self.subscriptions.clear()
-        await asyncio.gather(*(link.close() for link in self.links.values()))
+        await asyncio.gather(*(link.close() for link in self.links.values()), *self._leaving)
+        if self.journal is not None:
+            await self.journal.close()  # synced: what was not stored is kept for the next client
 
     # -- producing -------------------------------------------------------------------------
     async def send(self, message: Message) -> SendResult:
@@ -119,25 +150,31 @@ class Client:
 
     async def resend(self, result: SendResult) -> SendResult:
         """Send a failed message again, idempotently (``MqClient.resend``'s): under the first
-        send's session id, as ``UP_PRODUCER_RESEND``, so the server stores it at most once and
-        answers a stored one with its message id (``duplicate``). The safe retry of any status,
-        ``OUT_OF_RETRY`` and ``CLIENT_CLOSED`` included; a plain second ``send`` with that
-        session id is refused once the first was stored."""
-        if result.producer and result.producer != self.producer_id:
-            raise ValueError(f"the result was sent by producer {result.producer!r}, this client is "
-                             f"{self.producer_id!r}: resend it with a client of that producer id")
-        return await self._send(dataclasses.replace(result.message, session_id=result.session_id), resend=True)
+        send's producer and session id (``result.producer``: a message recovered from the
+        journal keeps its original id), as ``UP_PRODUCER_RESEND``, so the server stores it at
+        most once and answers a stored one with its message id (``duplicate``). The safe retry
+        of any status, ``OUT_OF_RETRY`` and ``CLIENT_CLOSED`` included; a plain second ``send``
+        with that session id is refused once the first was stored."""
+        return await self._send(dataclasses.replace(result.message, session_id=result.session_id), resend=True,
+                                producer=result.producer or None)
 
-    async def _send(self, message: Message, resend: bool) -> SendResult:
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every send so far has its result, a journal's recovered sends too;
+        False if ``timeout`` seconds passed first."""
+        if self.sends is None:
+            return True
+        return await self.sends.wait_idle(timeout)
+
+    async def _send(self, message: Message, resend: bool, producer: str | None = None) -> SendResult:
         if self.sends is None:
             raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
         if not (otel.ENABLED and isinstance(message, Message)):
-            return await self.sends.send(message, resend)
+            return await self.sends.send(message, resend, producer)
         # the send's span, its context in the message's headers (dmq_client.otel; a resend's
         # message keeps the first send's)
         message, span = otel.start_send(message, self.config.tracer_provider)
         try:
-            result = await self.sends.send(message, resend)
+            result = await self.sends.send(message, resend, producer)
         except BaseException as exc:  # cancelled: the span says so (on_cancelled gets the outcome)
             otel.end_send(span, None, exc)
             raise
@@ -216,3 +253,54 @@ class Client:
         if replies:
             assert self.sends is not None
             self.sends.replies(link, replies)
+
+    # -- ZooKeeper discovery (config.zk) ----------------------------------------------------
+    async def _discover(self) -> list[str]:
+        """Connect to ZooKeeper and read the live nodes once (in a worker thread: kazoo
+        blocks), waiting up to ``connect_timeout``; none if it did not answer in time (the
+        discovery thread keeps trying, and its news connects the client later)."""
+        from ..discovery import ZkDiscovery
+
+        loop = asyncio.get_running_loop()
+
+        def on_servers(addresses: list[tuple[str, int]]) -> None:  # the discovery thread
+            try:
+                loop.call_soon_threadsafe(self._servers_changed, addresses)
+            except RuntimeError:  # the loop is closed: the client is gone
+                pass
+
+        self.discovery = discovery = ZkDiscovery(
+            self.config.zk, on_servers,
+            session_timeout=self.config.zk_session_timeout, refresh_interval=self.config.zk_refresh_interval,
+        )
+        try:
+            addresses = await asyncio.to_thread(discovery.start, self.config.connect_timeout)
+        except BaseException:
+            self.discovery = None
+            loop.run_in_executor(None, discovery.close)  # not awaited: a cancelled start returns now
+            raise
+        return [f"{host}:{port}" for host, port in addresses]
+
+    def _servers_changed(self, addresses: list[tuple[str, int]]) -> None:
+        """On the loop: connect to nodes that joined, let go of those that left (their
+        unanswered sends fail over at once, as on a lost connection). An empty list changes
+        nothing: a registry momentarily without nodes must not cut every connection."""
+        if not addresses or self.closed or self.sends is None:
+            return
+        wanted = {f"{host}:{port}" for host, port in addresses}
+        for name in sorted(wanted - self.links.keys()):
+            link = ServerLink(name, self.config, self)
+            # a node back at an address it left: its connections count on from the old ones,
+            # so subscriptions (which remember the connection they subscribed on) renew
+            link.generation = self._generations.pop(name, 0)
+            self.links[name] = link
+            log.info("dmq server %s joined the cluster; connecting", name)
+            link.start()
+        for name in [name for name in self.links if name not in wanted]:
+            link = self.links.pop(name)
+            self._generations[name] = link.generation
+            log.info("dmq server %s left the cluster; disconnecting", name)
+            self.link_lost(link, "the node left the cluster")
+            closing = asyncio.get_running_loop().create_task(link.close(), name=f"dmq-leave-{name}")
+            self._leaving.add(closing)
+            closing.add_done_callback(self._leaving.discard)
