@@ -1,7 +1,9 @@
 """The asyncio client's sends (``dmq_client.aio.sends``) over fake links, with an injected
 clock: resends on time and OUT_OF_RETRY after the tries, failover at once without using up
-a try, the in-flight bound, and the two kinds of cancellation. No sockets; each test runs
-its coroutine with ``asyncio.run``."""
+a try, the in-flight bound, and the two kinds of cancellation; with the producer journal (a
+real one in the test's directory): written only once on disk, transient failures retried,
+cancellation and close, recovered records. No sockets; each test runs its coroutine with
+``asyncio.run``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import asyncio
 
 from dmq_client import Message, MqConfig, Status
 from dmq_client.aio.link import LinkState
+from dmq_client.journal import KEPT, JournalSendQueue
+from dmq_client.pending import PendingSend
 from dmq_client.aio.sends import Sends
 from dmq_client.wire import Command, Frame, FrameDecoder
 
@@ -185,3 +189,128 @@ def test_closing_answers_every_unanswered_send_client_closed():
     results, late = asyncio.run(run())
     assert [r.status for r in results] == [Status.CLIENT_CLOSED] * 3
     assert late.status is Status.CLIENT_CLOSED
+
+
+# -- the producer journal (dmq_client.aio.journal) ----------------------------------------------
+
+
+async def journaled(tmp_path, *names: str, on_cancelled=None, **settings):
+    """``make`` with the producer journal in ``tmp_path`` (opened as the client opens it)."""
+    from dmq_client.aio.journal import AioJournal
+
+    sends, links, clock = make(*names, on_cancelled=on_cancelled, journal_path=str(tmp_path / "journal"),
+                               journal_retry_backoff=2.0, **settings)
+    sends.journal = await AioJournal.open(sends.config, "p-1")
+    sends.kept = KEPT
+    return sends, links, clock
+
+
+def reopened(tmp_path) -> int:
+    """How many unfinished records the journal holds now (a new client would send them)."""
+    with JournalSendQueue(tmp_path / "journal", ticker=False) as queue:
+        return queue.recovered
+
+
+def test_a_journaled_send_is_written_once_on_disk_and_a_transient_failure_is_retried_not_reported(tmp_path):
+    """The frame is written only once the journal holds the record; SEND_SERVER_ERROR is no
+    result but a retry after ``journal_retry_backoff`` (as a resend, under the same session
+    id); the SUCCESS that follows is the caller's result and the journal forgets the message."""
+
+    async def run():
+        sends, links, clock = await journaled(tmp_path, "a")
+        (link,) = links.values()
+        task = asyncio.ensure_future(sends.send(Message("orders", b"x")))
+        await asyncio.sleep(0)
+        assert link.written == [] and len(sends._journaling) == 1  # handed to the journal's thread
+        await sends.journal.idle()
+        (first,) = link.written  # once on disk
+        assert sends.journal.queue.journaled == 1
+        sends.replies(link, [Frame(Command.SEND_SERVER_ERROR, session_id=first.session_id, topic="orders",
+                                   producer="p-1", status="E_STORAGE the database is down")])
+        await turn()
+        assert not task.done() and sends.retried == 1
+        clock.now += 1.9
+        sends.check_resends(clock.now)
+        assert len(link.written) == 1  # its backoff is not over
+        clock.now += 0.2
+        link.state = LinkState.READY  # the storage failure made it UNHEALTHY: still usable
+        sends.check_resends(clock.now)
+        assert [(f.command, f.session_id) for f in link.written] == [
+            (Command.UP_PRODUCER_SEND, first.session_id), (Command.UP_PRODUCER_RESEND, first.session_id)]
+        sends.replies(link, [answer(link, link.written[-1])])
+        result = await task
+        await sends.close(0)
+        await sends.journal.close()
+        return result
+
+    result = asyncio.run(run())
+    assert result.ok and result.attempts == 2
+    assert reopened(tmp_path) == 0
+
+
+def test_a_journaled_send_cancelled_after_its_record_is_sent_all_the_same_and_close_keeps_the_rest(tmp_path):
+    """Cancelled while waiting for room: CANCELLED, nothing journaled. Cancelled once its
+    record was handed to the journal: not withdrawn; written, answered, and that answer goes
+    to ``on_cancelled``. A send unanswered at close is CLIENT_CLOSED, kept in the journal:
+    the next open recovers it (and only it)."""
+    reports = []
+
+    async def run():
+        sends, links, clock = await journaled(tmp_path, "a", on_cancelled=reports.append, max_in_flight=2)
+        (link,) = links.values()
+        tasks = [asyncio.ensure_future(sends.send(Message("orders", b"%d" % i))) for i in range(3)]
+        await asyncio.sleep(0)
+        tasks[2].cancel()  # waiting for room
+        tasks[0].cancel()  # handed to the journal, not written yet
+        await sends.journal.idle()
+        await turn()
+        assert [f.body for f in link.written] == [b"0", b"1"]
+        sends.replies(link, [answer(link, link.written[0], message_id=5)])
+        await sends.close(0)
+        closed = await tasks[1]
+        await sends.journal.close()
+        return closed
+
+    closed = asyncio.run(run())
+    assert [(r.status, r.message.body) for r in reports] == [(Status.CANCELLED, b"2"), (Status.SUCCESS, b"0")]
+    assert closed.status is Status.CLIENT_CLOSED and closed.description.endswith(KEPT)
+    assert reopened(tmp_path) == 1
+
+
+def test_recovered_records_are_sent_first_under_their_own_producer_and_reported_to_recovered_callback(tmp_path):
+    """What a crashed producer left in the journal goes out as resends under that producer's
+    id and session ids when the first server is ready, before a new send; its result goes to
+    ``recovered_callback``, and the journal then holds nothing."""
+    old = JournalSendQueue(tmp_path / "journal", ticker=False, producer_id="crashed-1")
+    for i in range(2):
+        old.put(PendingSend(Message("orders", b"old %d" % i), 9000 + i, "crashed-1", 1_700_000_000_000))
+    old.abandon()  # as kill -9 leaves it
+    recovered = []
+
+    async def run():
+        sends, links, clock = await journaled(tmp_path, "a", recovered_callback=recovered.append)
+        sends.recover(sends.journal.recovered)
+        (link,) = links.values()
+        link.state = LinkState.DOWN
+        new = asyncio.ensure_future(sends.send(Message("orders", b"new")))
+        await turn()
+        await sends.journal.idle()
+        link.state = LinkState.READY
+        sends.link_ready(link)
+        assert [(f.command, f.producer, f.session_id, f.body) for f in link.written] == [
+            (Command.UP_PRODUCER_RESEND, "crashed-1", 9000, b"old 0"),
+            (Command.UP_PRODUCER_RESEND, "crashed-1", 9001, b"old 1"),
+            (Command.UP_PRODUCER_SEND, "p-1", link.written[2].session_id, b"new")]
+        sends.replies(link, [answer(link, frame, message_id=i, status="duplicate" if i == 0 else "")
+                             for i, frame in enumerate(link.written)])
+        assert await sends.wait_idle(1.0)
+        result = await new
+        await sends.close(0)
+        await sends.journal.close()
+        return result
+
+    result = asyncio.run(run())
+    assert result.ok and result.producer == "p-1"
+    assert [(r.status, r.producer, r.session_id, r.duplicate) for r in recovered] == [
+        (Status.SUCCESS, "crashed-1", 9000, True), (Status.SUCCESS, "crashed-1", 9001, False)]
+    assert reopened(tmp_path) == 0
