@@ -6,7 +6,8 @@ is stopped or frozen, says so on stdout, and is killed with SIGKILL: no shutdown
 code runs. A second producer process opens the same journal, replays the N
 messages, and a real consumer must receive each of them exactly once, with the
 database holding each once. Every wait is on a line from the child, a future, an
-event or a database condition, with a deadline; never a sleep.
+event or a database condition, with a deadline; never a sleep. ``AIO_PRODUCER`` is the
+same for the asyncio client (``dmq_client.aio.Client``), which shares the journal.
 """
 
 from __future__ import annotations
@@ -404,3 +405,123 @@ def test_close_while_the_server_is_down_keeps_the_messages_for_the_next_client(
         assert all_in.wait(WAIT)
     assert sorted((r.session_id, r.status) for r in replayed) == sorted((r.session_id, Status.SUCCESS) for r in closed)
     assert db_rows(pg_dsn, "SELECT body FROM dmq_message ORDER BY body") == [(f"kept {i}".encode(),) for i in range(5)]
+
+
+AIO_PRODUCER = r'''
+"""An asyncio producer process (dmq_client.aio.Client with journal_path) for
+tests/integration/test_client_journal.py.
+
+send ACKED N:  start the client, print READY; on "go" send ACKED messages one by one and
+               print ACKED with their (session id, message id); on the next "go" (the server
+               is frozen now) start N concurrent sends and print ACCEPTED with their session
+               ids once every one is written and unanswered; then wait (the test kills it).
+recover:       start the client on the same journal: the recovered sends go out again and
+               their results reach recovered_callback; flush, close, print RESULTS.
+"""
+import asyncio
+import json
+import sys
+import time
+
+from dmq_client import Message
+from dmq_client.aio import Client
+
+servers, journal, action = sys.argv[1], sys.argv[2], sys.argv[3]
+settings = dict(servers=servers, journal_path=journal, resend_interval=600.0, connect_timeout=5.0,
+                reconnect_backoff=0.05, reconnect_backoff_max=0.2, close_timeout=10.0,
+                journal_retry_backoff=0.05, journal_retry_backoff_max=0.2)
+
+
+async def line() -> str:
+    return (await asyncio.to_thread(sys.stdin.readline)).strip()
+
+
+async def send(acked: int, count: int) -> None:
+    client = Client(**settings)
+    await client.start()
+    assert await client.wait_connected(30)
+    print("READY", client.producer_id, flush=True)
+    assert await line() == "go"
+    answered = [await client.send(Message("orders", f"acked {i}")) for i in range(acked)]
+    assert all(r.ok for r in answered), [r.status for r in answered]
+    print("ACKED", json.dumps([[r.session_id, r.message_id] for r in answered]), flush=True)
+    assert await line() == "go"
+    tasks = [asyncio.ensure_future(client.send(Message("orders", f"order {i}"))) for i in range(count)]
+    deadline = time.monotonic() + 60
+    while not (len(client.sends.pending) == count and all(i.attempts for i in client.sends.pending.values())):
+        assert time.monotonic() < deadline, len(client.sends.pending)
+        await asyncio.sleep(0.01)
+    assert not any(t.done() for t in tasks)
+    print("ACCEPTED", json.dumps(sorted(sid for _, sid in client.sends.pending)), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+
+
+async def recover() -> None:
+    results = []
+    async with Client(**settings, recovered_callback=results.append) as client:
+        assert await client.flush(120)
+    print("RESULTS", json.dumps({
+        "producer": client.producer_id,
+        "results": [[r.status.value, r.session_id, r.message.body.decode(), r.duplicate, r.message_id, r.producer]
+                    for r in results],
+    }), flush=True)
+
+
+asyncio.run(send(int(sys.argv[4]), int(sys.argv[5])) if action == "send" else recover())
+'''
+
+
+def test_kill_9_of_an_asyncio_producer_with_unanswered_journaled_sends_loses_nothing_and_stores_each_once(
+    make_server, topic, pg_dsn, tmp_path, children
+):
+    """The asyncio client with ``journal_path``, in a process of its own: some sends are
+    answered, then the server is frozen and N more are written and left unanswered, and the
+    process is killed with SIGKILL. Once the server runs again a second asyncio producer
+    opens the journal and sends what was unanswered again, under the first producer id and
+    session ids: every unanswered send comes back SUCCESS (a duplicate where the frozen server
+    had read it), an answered one only if its finish was not synced yet (then a duplicate
+    of the id it was answered with), and PostgreSQL holds every message once."""
+    from .test_client_aio import freeze
+
+    acked_count = 20
+    script = tmp_path / "aio_journal_producer.py"
+    script.write_text(AIO_PRODUCER)
+    journal = tmp_path / "journal"
+    server = make_server()
+    servers = f"127.0.0.1:{server.tcp_port}"
+    first = Child(script, tmp_path / "producer-1.log", servers, str(journal), "send", str(acked_count), str(COUNT))
+    children.append(first)
+    producer_id = first.expect("READY")
+    first.tell("go")
+    acked = dict(json.loads(first.expect("ACKED")))
+    freeze(server)
+    first.tell("go")
+    unanswered = set(json.loads(first.expect("ACCEPTED")))
+    assert len(unanswered) == COUNT and not unanswered & set(acked)
+    first.kill9()
+
+    server.proc.send_signal(signal.SIGCONT)
+    second = Child(script, tmp_path / "producer-2.log", servers, str(journal), "recover")
+    children.append(second)
+    report = json.loads(second.expect("RESULTS", timeout=WAIT * 2))
+    assert second.finish() == 0
+
+    results = {sid: (status, body, duplicate, message_id, producer)
+               for status, sid, body, duplicate, message_id, producer in report["results"]}
+    assert len(results) == len(report["results"])  # one result each
+    assert report["producer"] != producer_id
+    assert unanswered <= set(results) <= unanswered | set(acked)
+    assert {status for status, *_ in results.values()} == {Status.SUCCESS.value}
+    assert {producer for *_, producer in results.values()} == {producer_id}
+    for sid in set(results) & set(acked):  # replayed: answered as the stored copy
+        assert results[sid][2:4] == (True, acked[sid])
+    stored = db_rows(pg_dsn, "SELECT producer, session_id, body, id FROM dmq_message")
+    assert Counter((p, sid) for p, sid, _, _ in stored) == Counter(
+        {(producer_id, sid): 1 for sid in unanswered | set(acked)})
+    ids = {sid: message_id for _, sid, _, message_id in stored}
+    assert {sid: ids[sid] for sid in acked} == acked
+    assert {sid: r[3] for sid, r in results.items()} == {sid: ids[sid] for sid in results}
+    assert sorted(bytes(body).decode() for *_, body, _ in stored) == sorted(
+        [f"acked {i}" for i in range(acked_count)] + [f"order {i}" for i in range(COUNT)])
+    with JournalSendQueue(journal, ticker=False) as reopened:
+        assert reopened.recovered == 0
