@@ -51,7 +51,7 @@ def test_every_marked_example_is_covered():
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
                                "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
                                "tracing.py", "asyncio_quickstart.py",
-                               "fastapi_app.py"}
+                               "fastapi_app.py", "asyncio_journal.py"}
 
 
 def test_the_fastapi_app_answers_202_once_the_message_is_stored(served, pg_dsn):
@@ -75,6 +75,28 @@ def test_asyncio_quickstart_sends_then_receives_and_acks(served, pg_dsn):
     module = load("asyncio_quickstart.py")
     assert asyncio.run(module["main"]()) == [b'{"id": 1}']
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
+
+
+def test_the_asyncio_journal_example_publishes_through_the_journal(served, pg_dsn, tmp_path, monkeypatch):
+    """The asyncio journal example stores every order and leaves nothing in the journal; a
+    record a crashed predecessor left there is sent first and reported to ``recovered``."""
+    import asyncio
+
+    from dmq_client.pending import PendingSend
+
+    journal = tmp_path / "journal"
+    monkeypatch.setenv("ORDERS_JOURNAL", str(journal))
+    crashed = JournalSendQueue(journal, ticker=False, producer_id="crashed-1")
+    crashed.put(PendingSend(Message("orders", b"left over"), 4242, "crashed-1", 1_700_000_000_000))
+    crashed.abandon()  # as kill -9 leaves it
+    module = load("asyncio_journal.py")
+    reported = []
+    module["recovered"] = reported.append
+    ids = asyncio.run(module["publish"]([b"a", b"b"]))
+    assert [r.session_id for r in reported] == [4242] and reported[0].ok
+    assert sorted(db_rows(pg_dsn, "SELECT id FROM dmq_message")) == sorted([(i,) for i in ids + [reported[0].message_id]])
+    with JournalSendQueue(journal, ticker=False) as reopened:
+        assert reopened.recovered == 0
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
