@@ -3,11 +3,13 @@
 and ``await message.requeue(delay=seconds)``.
 
 It speaks the protocol through the same sans-IO codec as everything else
-(``dmq_client.wire``) over asyncio streams, with no threads, and gives ``MqClient``'s
+(``dmq_client.wire``) over asyncio streams, with no threads (but for the blocking calls of ZooKeeper discovery
+and of the producer journal, which run in worker threads), and gives ``MqClient``'s
 results (``SendResult``, ``Status``) and guarantees; ``docs/client.md`` ("asyncio") is the
-guide. Modules: ``client`` (the ``Client``), ``link`` (one server connection), ``sends``
-(unanswered sends, resends, failover, backpressure, cancellation), ``subscribe``
-(subscriptions and the received message).
+guide. Modules: ``client`` (the ``Client``; ZooKeeper discovery), ``link`` (one server
+connection), ``sends`` (unanswered sends, resends, failover, backpressure, cancellation),
+``journal`` (the producer journal's disk IO off the loop), ``subscribe`` (subscriptions and
+the received message).
 """
 
 from .client import Client

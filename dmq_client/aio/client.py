@@ -98,13 +98,13 @@ class Client:
         to ``route_wait`` for a server, ``wait_connected`` as long as you say)."""
         if self.sends is not None:
             return
-        servers = list(self.config.servers)
-        if self.config.zk:
-            servers = await self._discover()
-        if self.config.journal_path is not None:
+        if self.config.journal_path is not None:  # first: a journal in use fails the start at once
             from .journal import AioJournal
 
             self.journal = await AioJournal.open(self.config, self.producer_id)
+        servers = list(self.config.servers)
+        if self.config.zk:
+            servers = await self._discover()
         for name in servers:
             self.links[name] = ServerLink(name, self.config, self)
         self.sends = Sends(self.config, self.producer_id, self.links, self.on_cancelled, journal=self.journal)

@@ -314,3 +314,28 @@ def test_recovered_records_are_sent_first_under_their_own_producer_and_reported_
     assert [(r.status, r.producer, r.session_id, r.duplicate) for r in recovered] == [
         (Status.SUCCESS, "crashed-1", 9000, True), (Status.SUCCESS, "crashed-1", 9001, False)]
     assert reopened(tmp_path) == 0
+
+
+def test_a_journaled_send_failing_past_journal_give_up_after_is_reported_and_forgotten(tmp_path):
+    """``journal_give_up_after``: the transient failure that comes once the send has been
+    failing that long is its result, and the journal forgets the message."""
+
+    async def run():
+        sends, links, clock = await journaled(tmp_path, "a", journal_give_up_after=5.0)
+        (link,) = links.values()
+        task = asyncio.ensure_future(sends.send(Message("orders", b"x")))
+        await turn()
+        await sends.journal.idle()
+        for _ in range(2):  # failing at 0 s (retried), then at 5 s: given up
+            sends.replies(link, [Frame(Command.SEND_SERVER_ERROR, session_id=link.written[-1].session_id,
+                                       topic="orders", producer="p-1", status="E_RATE the database is busy")])
+            clock.now += 5.0
+            sends.check_resends(clock.now)
+        await turn()
+        assert task.done()
+        await sends.journal.close()
+        return task.result(), len(link.written)
+
+    result, writes = asyncio.run(run())
+    assert (result.status, writes) == (Status.SERVER_ERROR, 2)
+    assert reopened(tmp_path) == 0
