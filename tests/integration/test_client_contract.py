@@ -20,6 +20,8 @@ import uvloop
 
 from dmq_client import Message, MqClient, MqConfig, Status
 from dmq_client.aio import Client
+from dmq_client.journal import JournalSendQueue
+from dmq_client.pending import PendingSend
 
 from .support import db_rows, free_port
 from .test_client import fast_config
@@ -230,3 +232,28 @@ def test_tls_with_an_auth_secret_and_a_wrong_one(make_server, certs, topic, tmp_
     assert client.receive(topic, "billing", 1) == [b"secured"]
     refused = connect(MqConfig(auth_secret="wrong", **base)).send(Message(topic, b"refused"))
     assert refused.status is Status.SOCKET_ERROR
+
+
+def test_a_journal_left_by_a_crashed_producer_is_sent_once_and_emptied(make_server, topic, pg_dsn, connect,
+                                                                      tmp_path):
+    """The producer journal is one format for every client: records a crashed producer left
+    (written and abandoned as ``kill -9`` leaves them) are sent first, under that producer's
+    id and session ids, reported to ``recovered_callback``, and stored once; the client's own
+    send goes through the journal too, and a clean close leaves nothing to replay."""
+    journal = tmp_path / "journal"
+    crashed = JournalSendQueue(journal, ticker=False, producer_id="crashed-1")
+    for i in range(5):
+        crashed.put(PendingSend(Message(topic, b"left %d" % i), 7000 + i, "crashed-1", 1_700_000_000_000))
+    crashed.abandon()
+    recovered: list[Any] = []
+    server = make_server()
+    client = connect(fast_config(server, journal_path=str(journal), recovered_callback=recovered.append))
+    new = client.send(Message(topic, b"new"))
+    client.close()
+    assert new.ok and new.producer != "crashed-1"
+    assert sorted((r.session_id, r.status, r.producer) for r in recovered) == [
+        (7000 + i, Status.SUCCESS, "crashed-1") for i in range(5)]
+    stored = db_rows(pg_dsn, "SELECT producer, session_id FROM dmq_message")
+    assert Counter(stored) == Counter([("crashed-1", 7000 + i) for i in range(5)] + [(new.producer, new.session_id)])
+    with JournalSendQueue(journal, ticker=False) as reopened:
+        assert reopened.recovered == 0
