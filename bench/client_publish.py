@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Publish throughput through ``MqClient`` and the asyncio client against the raw pipelined socket client.
+"""Publish and end-to-end rates of dmq's clients, and of nats-py and aio-pika to their own servers, in one run.
 
     python bench/client_publish.py                 # 20,000 messages x 3 rounds each
     python bench/client_publish.py --messages 50000 --rounds 5 --window 256 --size 100
+    python bench/client_publish.py --skip-nats --skip-rabbit --skip-e2e   # dmq's publish only
 
 Starts a private PostgreSQL (the server's embedded one) and a dmq-server on
-127.0.0.1, registers topic ``bench`` with channel ``c``, then alternates:
+127.0.0.1 (topics ``bench`` and ``e2e``, each with channel ``c``), a private
+JetStream twice (``_nats.py``: as it ships, and with ``sync_interval: always``
+when the binary has it) and a private RabbitMQ (``_rabbit.py``), then
+alternates, in each round:
 
 * raw: ``BlockingClient.send_many`` — one socket, frames written with at most
   ``--window`` unanswered, replies matched by session id. The ceiling a
@@ -13,15 +17,27 @@ Starts a private PostgreSQL (the server's embedded one) and a dmq-server on
 * client: ``MqClient.send`` of the same messages, with ``max_in_flight`` =
   ``--window`` (the same pipelining), timed from the first send to the last
   result delivered to its callback.
-* aio, aio-uvloop: ``dmq_client.aio.Client`` on asyncio's default loop and on uvloop,
+* aio, aio-uv: ``dmq_client.aio.Client`` on asyncio's default loop and on uvloop,
   ``--window`` tasks each awaiting its sends one after another (``max_in_flight`` =
   ``--window``: the same pipelining), timed from the first send to the last answer.
+* aio-e2e: one asyncio client publishing as ``aio`` to ``e2e`` while another,
+  in the same process and loop, iterates a subscription to ``e2e/c`` with credit
+  ``--window`` and awaits ``ack()`` of each message; timed from the first send
+  to the last ack.
+* nats, nats-fsync (and their -e2e): nats-py's ``js.publish`` by the same
+  ``--window`` tasks to a fresh file-backed stream; end to end, a durable push
+  consumer with explicit acks and ``max_ack_pending`` = ``--window``.
+* rabbit (and rabbit-e2e): aio-pika publishing persistent messages to a durable
+  queue on a channel with publisher confirms, the same tasks; end to end, a
+  consumer with prefetch ``--window`` and a manual ack each.
 
-For each it prints acknowledged messages per second and the benchmark
+``_aio_peers.py`` drives every asyncio run alike. For each it prints
+acknowledged (or acked end-to-end) messages per second and the benchmark
 process's CPU time per message (all its threads: for ``client`` that is the
-caller, send runner, reader and notify runner). The result is the best round
-of each (the machine may be shared), the client/raw ratio (target >= 0.80)
-and the client's CPU microseconds per message.
+caller, send runner, reader and notify runner; the asyncio runs have one). The
+summary takes the best round's rate and the least CPU of each (the machine may
+be shared), each against the asyncio client's, and the MqClient/raw ratio
+(target >= 0.80). What each server's answer promises differs: ``DURABILITY``.
 """
 
 from __future__ import annotations
