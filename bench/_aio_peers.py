@@ -116,9 +116,9 @@ async def measure_e2e(send_one: SendOne, messages: AsyncIterator[Any], count: in
     return wall, cpu
 
 
-async def _reached(tally: Tally, consumer: "asyncio.Future[None]", timeout: float) -> None:
-    waiting = asyncio.ensure_future(tally.reached.wait())
-    done, _ = await asyncio.wait({waiting, consumer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+async def _reached(tally: Tally, consumer: "asyncio.Future[Any]", timeout: float) -> None:
+    waiting: asyncio.Future[Any] = asyncio.ensure_future(tally.reached.wait())
+    done, _ = await asyncio.wait((waiting, consumer), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if waiting not in done:
         waiting.cancel()
         if consumer in done:
