@@ -11,6 +11,7 @@ guide. Modules: ``client`` (the ``Client``), ``link`` (one server connection), `
 """
 
 from .client import Client
+from .confirms import Confirmation
 from .subscribe import AioMessage, RequeueError, Subscription
 
-__all__ = ["AioMessage", "Client", "RequeueError", "Subscription"]
+__all__ = ["AioMessage", "Client", "Confirmation", "RequeueError", "Subscription"]
