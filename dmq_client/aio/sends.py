@@ -274,12 +274,13 @@ class Sends:
         while True:
             await asyncio.sleep(self.config.resend_check_interval)
             self.check_resends(self.clock())
-            self.confirms.expired(self.clock())
 
     def check_resends(self, now: float) -> None:
         """Resend what has waited ``resend_interval`` without an answer; OUT_OF_RETRY after
         ``resend_tries`` resends. A send with no server to go to uses up its try all the
-        same, so OUT_OF_RETRY comes on time when no server is reachable."""
+        same, so OUT_OF_RETRY comes on time when no server is reachable. Confirmations
+        not answered ``GRACE`` after their deadline are given up (``LOST``)."""
+        self.confirms.expired(now)
         interval = self.config.resend_interval
         for item in list(self.pending.values()):
             if now - item.written_at < interval:
