@@ -175,7 +175,7 @@ class Subscription:
         # per link: the acks held until the end of this loop turn, with the connection they are for
         self._held: dict[str, tuple[ServerLink, int, list[int]]] = {}
         self._flushing: asyncio.Handle | None = None
-        self.ack_frames = 0  # UP_CONSUMER_ACK(S) frames written, in all
+        self.ack_frames_written = 0  # UP_CONSUMER_ACK(S) frames written, in all
 
     def __aiter__(self) -> "Subscription":
         return self
@@ -284,7 +284,7 @@ class Subscription:
                 log.error("acks for %s/%s on %s not sent: %s", self.topic, self.channel, link.name, exc)
                 continue
             if link.write(b"".join(frames)):
-                self.ack_frames += len(frames)
+                self.ack_frames_written += len(frames)
 
     # -- the message's side -------------------------------------------------------------
     def _key(self, message: ReceivedMessage) -> tuple[str, int, str]:

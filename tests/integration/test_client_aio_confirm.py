@@ -110,13 +110,13 @@ def test_acks_made_together_go_as_one_frame_and_before_a_later_requeue(make_serv
             messages = [await anext(subscription) for _ in range(count)]
             for message in messages[:-1]:
                 await message.ack()
-            assert subscription.ack_frames == 0, "an ack was written before the turn ended"
+            assert subscription.ack_frames_written == 0, "an ack was written before the turn ended"
             await messages[-1].requeue(delay=0)
-            assert subscription.ack_frames == 1, "the held acks did not go, in one frame, before the requeue"
+            assert subscription.ack_frames_written == 1, "the held acks did not go, in one frame, before the requeue"
             again = await anext(subscription)
             assert (again.message_id, again.attempts) == (messages[-1].message_id, 2)
             await again.ack()
-            await until(lambda: subscription.ack_frames == 2)
+            await until(lambda: subscription.ack_frames_written == 2)
 
     asyncio.run(run())
     no_pending(pg_dsn)
