@@ -6,11 +6,14 @@ It speaks the protocol through the same sans-IO codec as everything else
 (``dmq_client.wire``) over asyncio streams, with no threads, and gives ``MqClient``'s
 results (``SendResult``, ``Status``) and guarantees; ``docs/client.md`` ("asyncio") is the
 guide. Modules: ``client`` (the ``Client``), ``link`` (one server connection), ``sends``
-(unanswered sends, resends, failover, backpressure, cancellation), ``subscribe``
-(subscriptions and the received message).
+(unanswered sends, resends, failover, backpressure, cancellation), ``confirms``
+(confirmation when consumed: ``send(..., confirm="consumed")``), ``subscribe``
+(subscriptions, the received message, acks batched per loop turn). The inbox's asyncio form
+is ``dmq_client.inbox.atransaction``.
 """
 
 from .client import Client
+from .confirms import Confirmation
 from .subscribe import AioMessage, RequeueError, Subscription
 
-__all__ = ["AioMessage", "Client", "RequeueError", "Subscription"]
+__all__ = ["AioMessage", "Client", "Confirmation", "RequeueError", "Subscription"]

@@ -50,7 +50,7 @@ def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
                                "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
-                               "tracing.py", "asyncio_quickstart.py",
+                               "tracing.py", "asyncio_quickstart.py", "asyncio_confirm.py",
                                "fastapi_app.py"}
 
 
@@ -75,6 +75,16 @@ def test_asyncio_quickstart_sends_then_receives_and_acks(served, pg_dsn):
     module = load("asyncio_quickstart.py")
     assert asyncio.run(module["main"]()) == [b'{"id": 1}']
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
+
+
+def test_the_asyncio_confirmation_resolves_consumed_once_acked(served, pg_dsn):
+    """The asyncio confirmation example: stored, then acked by its own subscription, and
+    the awaited outcome is CONSUMED by the one channel."""
+    import asyncio
+
+    module = load("asyncio_confirm.py")
+    assert asyncio.run(module["main"]()) == "acknowledged by ('billing',)"
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):
