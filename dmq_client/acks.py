@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 from .connection import ConnectionUnavailable
 from .wire import FEATURE_ACKS, Command, Frame, FrameError, encode, pack_ids
 
-__all__ = ["AckSender"]
+__all__ = ["AckSender", "ack_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,20 @@ MAX_IDS = 256
 MAX_WAIT = 0.005
 
 Key = tuple[str, str, str]  # server, topic, channel
+
+
+def ack_frames(topic: str, channel: str, ids: list[int], batched: bool, max_ids: int = MAX_IDS) -> list[bytes]:
+    """The frames acknowledging ``ids`` on one channel: ``UP_CONSUMER_ACKS`` of up to
+    ``max_ids`` each, or (``batched`` False: the server did not list ``ACKS``) an
+    ``UP_CONSUMER_ACK`` per id. Raises ``FrameError`` for a name or id the codec refuses.
+    The asyncio client (``dmq_client.aio.subscribe``) writes the same frames."""
+    if batched:
+        return [
+            encode(Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel,
+                         body=pack_ids(ids[start : start + max_ids])))
+            for start in range(0, len(ids), max_ids)
+        ]
+    return [encode(Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=mid)) for mid in ids]
 
 
 class AckConnection(Protocol):
@@ -143,17 +157,7 @@ class AckSender:
         count = 0
         for topic, channel, ids in groups:
             try:
-                if batched:
-                    frames = [
-                        encode(Frame(Command.UP_CONSUMER_ACKS, topic=topic, channel=channel,
-                                     body=pack_ids(ids[start : start + self.max_ids])))
-                        for start in range(0, len(ids), self.max_ids)
-                    ]
-                else:
-                    frames = [
-                        encode(Frame(Command.UP_CONSUMER_ACK, topic=topic, channel=channel, message_id=mid))
-                        for mid in ids
-                    ]
+                frames = ack_frames(topic, channel, ids, batched, self.max_ids)
             except FrameError as exc:  # not from a decoded push; never kills a handler thread
                 log.error("acks for %s/%s on %s not sent: %s", topic, channel, server, exc)
                 continue

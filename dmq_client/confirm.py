@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generic, Protocol, TypeVar
 
 from .future import SendFuture
 from .message import Message, SendResult
@@ -34,7 +34,7 @@ from .pending import PendingSend, SendCallback
 from .wire import CONFIRM_MAX_MS, ConsumedReport
 from .wire.confirm import CONSUMED, DEAD_LETTERED, DEADLINE
 
-__all__ = ["CONFIRM_TIMEOUT", "confirm_deadline_ms", "ConfirmFuture", "ConfirmingSend", "Consumed", "ConsumedNote", "ConsumeStatus", "GRACE", "Watching"]
+__all__ = ["CONFIRM_TIMEOUT", "confirm_deadline_ms", "ConfirmFuture", "ConfirmingSend", "Consumed", "ConsumedNote", "ConsumeStatus", "GRACE", "Keyed", "Watching"]
 
 #: Seconds after its deadline that a confirmation the server has not answered is given up.
 GRACE = 10.0
@@ -146,27 +146,39 @@ class ConsumedNote:
         self.future = item.consumed
 
 
-class Watching:
+class Keyed(Protocol):
+    """What ``Watching`` holds: a send known by ``(producer, session_id)``."""
+
+    @property
+    def key(self) -> tuple[str, int]: ...
+
+
+W = TypeVar("W", bound=Keyed)
+
+
+class Watching(Generic[W]):
     """The sends answered SUCCESS whose ``SEND_CONSUMED_ACK`` is awaited, by
-    ``(producer, session_id)``, with the server that watches them and when to give up."""
+    ``(producer, session_id)``, with the server that watches them and when to give up.
+    ``MqClient`` keeps its ``ConfirmingSend``s here, the asyncio client its own watches
+    (``dmq_client.aio.confirms``): the table and its bounds are the same."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[tuple[str, int], list[tuple[ConfirmingSend, str, float]]] = {}
+        self._items: dict[tuple[str, int], list[tuple[W, str, float]]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item: ConfirmingSend, server: str, give_up_at: float) -> None:
+    def add(self, item: W, server: str, give_up_at: float) -> None:
         with self._lock:
             self._items.setdefault(item.key, []).append((item, server, give_up_at))
 
-    def pop(self, key: tuple[str, int]) -> list[ConfirmingSend]:
+    def pop(self, key: tuple[str, int]) -> list[W]:
         with self._lock:
             return [item for item, _, _ in self._items.pop(key, ())]
 
-    def _take(self, keep: Callable[[str, float], bool]) -> list[ConfirmingSend]:
-        taken = []
+    def _take(self, keep: Callable[[str, float], bool]) -> list[W]:
+        taken: list[W] = []
         with self._lock:
             for key in list(self._items):
                 entries = self._items[key]
@@ -178,13 +190,13 @@ class Watching:
                     del self._items[key]
         return taken
 
-    def on_server(self, server: str) -> list[ConfirmingSend]:
+    def on_server(self, server: str) -> list[W]:
         """Remove and return those ``server`` watches (its connection was lost)."""
         return self._take(lambda name, _: name != server)
 
-    def expired(self, now: float) -> list[ConfirmingSend]:
+    def expired(self, now: float) -> list[W]:
         """Remove and return those not answered by ``GRACE`` after their deadline."""
         return self._take(lambda _, give_up_at: give_up_at > now)
 
-    def drain(self) -> list[ConfirmingSend]:
+    def drain(self) -> list[W]:
         return self._take(lambda _, __: False)

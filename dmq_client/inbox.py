@@ -18,6 +18,14 @@ is acknowledged. A redelivery that arrives while the first transaction is still 
 waits on the record's key until that one commits (then False) or rolls back (then True):
 PostgreSQL's unique index does the arbitration.
 
+``atransaction`` is the same for asyncio, on psycopg's ``AsyncConnection`` or SQLAlchemy's
+``AsyncSession`` or ``AsyncConnection`` (SQLAlchemy's asyncio needs its ``asyncio`` extra,
+greenlet), acknowledging with the asyncio client's awaitable ``ack()`` after the commit::
+
+    async with inbox.atransaction(aconn, message) as fresh:
+        if fresh:
+            await aconn.execute("INSERT INTO payments ...")
+
 The key is (channel, message id). ``channel`` defaults to ``"<topic>/<channel>"``, since a
 channel's name is unique only within its topic. Records are kept until an operator prunes
 them (``dmq outbox prune-inbox --older-than 7d``): see docs/client.md for the bound.
@@ -25,12 +33,13 @@ them (``dmq outbox prune-inbox --older-than 7d``): see docs/client.md for the bo
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+import inspect
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from .outbox import DEFAULT_SCHEMA, check_schema, driver_of
 
-__all__ = ["transaction", "inbox_key"]
+__all__ = ["atransaction", "transaction", "inbox_key"]
 
 
 def inbox_key(message: Any, channel: str | None = None) -> tuple[str, str]:
@@ -59,8 +68,33 @@ def transaction(conn: Any, message: Any, *, channel: str | None = None,
     it: ``ack=client.ack`` for a blocking client's push. The transaction must be this
     helper's own: a connection already inside one is refused, since the ack must wait for a
     real commit, not a savepoint's release."""
+    driver, ack, statement, params = _prepare(conn, message, channel, ack, schema, asynchronous=False)
+    with conn.transaction() if driver == "psycopg" else conn.begin():
+        yield conn.execute(statement, params).rowcount == 1
+    ack(message)
+
+
+@asynccontextmanager
+async def atransaction(conn: Any, message: Any, *, channel: str | None = None,
+                       ack: Callable[[Any], Any] | None = None, schema: str = DEFAULT_SCHEMA) -> AsyncIterator[bool]:
+    """``transaction`` for asyncio: ``conn`` is a psycopg 3 ``AsyncConnection`` or a
+    SQLAlchemy 2 ``AsyncSession`` or ``AsyncConnection``; ``message`` an ``AioMessage`` of
+    ``dmq_client.aio`` (its ``ack()`` is awaited after the commit) or anything with the
+    fields and an ``ack`` callable, whose result is awaited when it is awaitable."""
+    driver, ack, statement, params = _prepare(conn, message, channel, ack, schema, asynchronous=True)
+    async with conn.transaction() if driver == "psycopg" else conn.begin():
+        yield (await conn.execute(statement, params)).rowcount == 1
+    done = ack(message)
+    if inspect.isawaitable(done):
+        await done
+
+
+def _prepare(conn: Any, message: Any, channel: str | None, ack: Callable[[Any], Any] | None, schema: str,
+             *, asynchronous: bool) -> tuple[str, Callable[[Any], Any], Any, Any]:
+    """What both forms check and run: the driver, the ack, and the record's statement
+    and parameters in the driver's style."""
     check_schema(schema)
-    driver = driver_of(conn)
+    driver = driver_of(conn, asynchronous=asynchronous)
     key = inbox_key(message, channel)
     if ack is None:
         ack = getattr(type(message), "ack", None)
@@ -72,17 +106,13 @@ def transaction(conn: Any, message: Any, *, channel: str | None = None,
             raise TypeError("inbox.transaction needs a psycopg 3 Connection, not a cursor")
         if conn.info.transaction_status.name != "IDLE":
             raise ValueError(_OPEN)
-        with conn.transaction():
-            yield conn.execute(record + "(%s, %s) ON CONFLICT DO NOTHING", key).rowcount == 1
-    else:
-        from sqlalchemy import text  # the caller's object is SQLAlchemy's: it is imported already
+        return driver, ack, record + "(%s, %s) ON CONFLICT DO NOTHING", key
+    from sqlalchemy import text  # the caller's object is SQLAlchemy's: it is imported already
 
-        if conn.in_transaction():
-            raise ValueError(_OPEN)
-        with conn.begin():
-            params = {"channel": key[0], "message_id": key[1]}
-            yield conn.execute(text(record + "(:channel, :message_id) ON CONFLICT DO NOTHING"), params).rowcount == 1
-    ack(message)
+    if conn.in_transaction():
+        raise ValueError(_OPEN)
+    params = {"channel": key[0], "message_id": key[1]}
+    return driver, ack, text(record + "(:channel, :message_id) ON CONFLICT DO NOTHING"), params
 
 
 _OPEN = ("inbox.transaction begins the transaction itself (the ack waits for its commit): "

@@ -42,15 +42,21 @@ def check_schema(schema: str) -> str:
     return schema
 
 
-def driver_of(conn: Any) -> str:
+def driver_of(conn: Any, *, asynchronous: bool = False) -> str:
     """``"psycopg"`` or ``"sqlalchemy"``: which library ``conn`` belongs to, by its class's
     module (so neither is imported to find out); TypeError for anything else, async
-    objects included (their execute must be awaited)."""
+    objects included (their execute must be awaited), or, ``asynchronous``, only async
+    ones (psycopg's ``AsyncConnection``, SQLAlchemy's ``AsyncSession`` or ``AsyncConnection``:
+    ``inbox.atransaction``)."""
     module = type(conn).__module__
     name = type(conn).__name__
-    if name.startswith("Async"):
+    if name.startswith("Async") and not asynchronous:
         raise TypeError(f"{name} is asynchronous: call outbox.send through its run_sync, or with a "
                         "synchronous connection")
+    if asynchronous:
+        if not name.startswith("Async"):
+            raise TypeError(f"{name} is not asynchronous: use inbox.transaction with it")
+        name = name[len("Async"):]
     if module.split(".")[0] == "psycopg" and hasattr(conn, "execute"):
         return "psycopg"
     if module.split(".")[0] == "sqlalchemy" and name in ("Session", "Connection"):

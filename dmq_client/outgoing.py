@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from .message import Message, Status
 from .session import SESSION_ID_MAX
-from .wire import Command, Frame, MessageType, PropertiesError, encode, valid_name
+from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, PropertiesError, encode, valid_name
 
-__all__ = ["REPLY_STATUS", "check_message", "send_frame"]
+__all__ = ["REPLY_STATUS", "check_confirm", "check_message", "check_server", "send_frame"]
 
 #: The status of a send each server answer gives it.
 REPLY_STATUS = {
@@ -45,6 +45,27 @@ def check_message(message: Message, max_body_size: int) -> str:
         message.status()
     except PropertiesError as exc:
         return exc.status()
+    return ""
+
+
+def check_confirm(message: Message, confirm_ms: int) -> str:
+    """Why the message's consumption cannot be confirmed (``confirm_ms`` > 0), or ''."""
+    if confirm_ms and message.msg_type == MessageType.DELAY:
+        return "E_INVALID a delayed message's consumption cannot be confirmed"
+    return ""
+
+
+def check_server(message: Message, confirm_ms: int, server: str, server_features: frozenset[str]) -> str:
+    """Why the message must not be written to ``server`` (whose greeting listed
+    ``server_features``), or '': an older server would store it without what the caller
+    counts on (a confirmation, the key, priority or headers)."""
+    if confirm_ms and FEATURE_CONFIRM not in server_features:
+        return (f"E_UNSUPPORTED server {server} cannot confirm consumption (its SERVER_HEALTH does "
+                f"not list {FEATURE_CONFIRM}): upgrade it, or send without confirm; not sent")
+    if FEATURE_PROPS not in server_features and message.properties:
+        return (f"E_UNSUPPORTED server {server} does not keep a message's key, priority or headers "
+                f"(its SERVER_HEALTH does not list {FEATURE_PROPS}): upgrade it, or send without them; "
+                "not sent")
     return ""
 
 

@@ -54,13 +54,13 @@ from .connection import ConnectionUnavailable, ServerConnection
 from .future import SendFuture
 from .message import TRANSIENT, Message, SendResult, Status
 from .notify import NotifyRunner
-from .outgoing import REPLY_STATUS, check_message, send_frame
+from .outgoing import REPLY_STATUS, check_confirm, check_message, check_server, send_frame
 from .pending import PendingSend, SendCallback
 from .resend import ResendMap
 from .routing import ServerPool
 from .send_queue import MemorySendQueue, Put, RetryingSendQueue, SendQueue
 from .session import SessionIdGenerator, default_producer_id
-from .wire import FEATURE_CONFIRM, FEATURE_PROPS, Command, Frame, MessageType, parse_consumed
+from .wire import Command, Frame, parse_consumed
 
 __all__ = ["Producer"]
 
@@ -116,7 +116,7 @@ class Producer:
         self.retried = 0  # transient failures turned into a later retry
         self.resends = ResendMap(config.max_in_flight, config.resend_interval, config.resend_tries)
         self.notify = NotifyRunner(self._delivered)
-        self.watching = Watching()  # sends whose SEND_CONSUMED_ACK is awaited (dmq_client.confirm)
+        self.watching: Watching[ConfirmingSend] = Watching()  # sends whose SEND_CONSUMED_ACK is awaited (dmq_client.confirm)
         self._outstanding = len(self.queue)  # a journal's recovered messages are outstanding
         self._idle = threading.Condition(threading.Lock())
         self._closing = False
@@ -156,7 +156,7 @@ class Producer:
                                callback, resend=resend)
         with self._idle:
             self._outstanding += 1
-        problem = self._check(message) or self._check_confirm(item)
+        problem = self._check(message) or check_confirm(message, item.confirm_ms)
         if problem:
             self._finish(item, Status.INVALID_MESSAGE, problem)
             return item.future
@@ -174,12 +174,6 @@ class Producer:
     def _check(self, message: Message) -> str:
         """Why the message cannot be sent, or ''."""
         return check_message(message, self.config.max_body_size)
-
-    @staticmethod
-    def _check_confirm(item: PendingSend) -> str:
-        if item.confirm_ms and item.message.msg_type == MessageType.DELAY:
-            return "E_INVALID a delayed message's consumption cannot be confirmed"
-        return ""
 
     def _frame(self, item: PendingSend, command: Command) -> bytes:
         return send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms, item.confirm_ms)
@@ -353,16 +347,9 @@ class Producer:
                         f"no usable connection to any of {len(self.pool)} servers within {self.config.route_wait}s",
                     )
                 continue
-            if item.confirm_ms and FEATURE_CONFIRM not in conn.features:
-                self._finish(item, Status.INVALID_MESSAGE,
-                             f"E_UNSUPPORTED server {conn.name} cannot confirm consumption (its SERVER_HEALTH does "
-                             f"not list {FEATURE_CONFIRM}): upgrade it, or send without confirm; not sent")
-                continue
-            if FEATURE_PROPS not in conn.features and item.message.properties:
-                self._finish(item, Status.INVALID_MESSAGE,
-                             f"E_UNSUPPORTED server {conn.name} does not keep a message's key, priority or headers "
-                             f"(its SERVER_HEALTH does not list {FEATURE_PROPS}): upgrade it, or send without them; "
-                             "not sent")
+            problem = check_server(item.message, item.confirm_ms, conn.name, conn.features)
+            if problem:
+                self._finish(item, Status.INVALID_MESSAGE, problem)
                 continue
             groups[conn].append(item)
         for conn, items in groups.items():

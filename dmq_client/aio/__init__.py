@@ -8,11 +8,14 @@ and of the producer journal, which run in worker threads), and gives ``MqClient`
 results (``SendResult``, ``Status``) and guarantees; ``docs/client.md`` ("asyncio") is the
 guide. Modules: ``client`` (the ``Client``; ZooKeeper discovery), ``link`` (one server
 connection), ``sends`` (unanswered sends, resends, failover, backpressure, cancellation),
-``journal`` (the producer journal's disk IO off the loop), ``subscribe`` (subscriptions and
-the received message).
+``journal`` (the producer journal's disk IO off the loop), ``confirms`` (confirmation when
+consumed: ``send(..., confirm="consumed")``), ``subscribe`` (subscriptions, the received
+message, acks batched per loop turn). The inbox's asyncio form is
+``dmq_client.inbox.atransaction``.
 """
 
 from .client import Client
+from .confirms import Confirmation
 from .subscribe import AioMessage, RequeueError, Subscription
 
-__all__ = ["AioMessage", "Client", "RequeueError", "Subscription"]
+__all__ = ["AioMessage", "Client", "Confirmation", "RequeueError", "Subscription"]

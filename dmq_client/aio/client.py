@@ -16,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from .. import otel
 from ..config import MqConfig
+from ..confirm import CONFIRM_TIMEOUT, Consumed, confirm_deadline_ms
 from ..dedup import DedupWindow
 from ..message import Message, SendResult
 from ..session import default_producer_id
 from ..wire import SEND_REPLIES, SUBSCRIBE_REPLIES, Command, Frame, valid_name
+from .confirms import Confirmation
 from .link import LinkState, ServerLink
 from .sends import Sends
 from .subscribe import Subscription
@@ -143,20 +145,44 @@ class Client:
             await self.journal.close()  # synced: what was not stored is kept for the next client
 
     # -- producing -------------------------------------------------------------------------
-    async def send(self, message: Message) -> SendResult:
-        """Send one message; returns its ``SendResult`` (never raises for the outcome:
-        ``result.raise_for_status()`` does)."""
-        return await self._send(message, resend=False)
+    @overload
+    async def send(self, message: Message, *, confirm: None = None,
+                   confirm_timeout: float = CONFIRM_TIMEOUT) -> SendResult: ...
+    @overload
+    async def send(self, message: Message, *, confirm: Literal["consumed"],
+                   confirm_timeout: float = CONFIRM_TIMEOUT) -> Confirmation: ...
 
-    async def resend(self, result: SendResult) -> SendResult:
+    async def send(self, message: Message, *, confirm: str | None = None,
+                   confirm_timeout: float = CONFIRM_TIMEOUT) -> SendResult | Confirmation:
+        """Send one message; returns its ``SendResult`` (never raises for the outcome:
+        ``result.raise_for_status()`` does).
+
+        ``confirm="consumed"`` asks the server to tell when every channel of the topic is
+        done with the message, within ``confirm_timeout`` seconds (up to a day), as
+        ``MqClient.send``'s: it returns a ``Confirmation``, ``result, consumed = await
+        client.send(...)``, and ``await consumed`` gives the ``Consumed`` outcome (see
+        ``dmq_client.aio.confirms``)."""
+        return await self._confirming(message, False, confirm, confirm_timeout)
+
+    @overload
+    async def resend(self, result: SendResult, *, confirm: None = None,
+                     confirm_timeout: float = CONFIRM_TIMEOUT) -> SendResult: ...
+    @overload
+    async def resend(self, result: SendResult, *, confirm: Literal["consumed"],
+                     confirm_timeout: float = CONFIRM_TIMEOUT) -> Confirmation: ...
+
+    async def resend(self, result: SendResult, *, confirm: str | None = None,
+                     confirm_timeout: float = CONFIRM_TIMEOUT) -> SendResult | Confirmation:
         """Send a failed message again, idempotently (``MqClient.resend``'s): under the first
         send's producer and session id (``result.producer``: a message recovered from the
         journal keeps its original id), as ``UP_PRODUCER_RESEND``, so the server stores it at
         most once and answers a stored one with its message id (``duplicate``). The safe retry
         of any status, ``OUT_OF_RETRY`` and ``CLIENT_CLOSED`` included; a plain second ``send``
-        with that session id is refused once the first was stored."""
-        return await self._send(dataclasses.replace(result.message, session_id=result.session_id), resend=True,
-                                producer=result.producer or None)
+        with that session id is refused once the first was stored. ``confirm="consumed"``: as
+        ``send``'s (after a ``LOST`` confirmation, the resend is answered as a duplicate and
+        watched by the server it reached)."""
+        message = dataclasses.replace(result.message, session_id=result.session_id)
+        return await self._confirming(message, True, confirm, confirm_timeout, result.producer or None)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every send so far has its result, a journal's recovered sends too;
@@ -165,16 +191,25 @@ class Client:
             return True
         return await self.sends.wait_idle(timeout)
 
-    async def _send(self, message: Message, resend: bool, producer: str | None = None) -> SendResult:
+    async def _confirming(self, message: Message, resend: bool, confirm: str | None,
+                          confirm_timeout: float, producer: str | None = None) -> SendResult | Confirmation:
+        if confirm is None:
+            return await self._send(message, resend, producer=producer)
+        confirm_ms = confirm_deadline_ms(confirm, confirm_timeout)
+        consumed: asyncio.Future[Consumed] = asyncio.get_running_loop().create_future()
+        return Confirmation(await self._send(message, resend, confirm_ms, consumed, producer), consumed)
+
+    async def _send(self, message: Message, resend: bool, confirm_ms: int = 0,
+                    consumed: asyncio.Future[Consumed] | None = None, producer: str | None = None) -> SendResult:
         if self.sends is None:
             raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
         if not (otel.ENABLED and isinstance(message, Message)):
-            return await self.sends.send(message, resend, producer)
+            return await self.sends.send(message, resend, producer, confirm_ms=confirm_ms, consumed=consumed)
         # the send's span, its context in the message's headers (dmq_client.otel; a resend's
         # message keeps the first send's)
         message, span = otel.start_send(message, self.config.tracer_provider)
         try:
-            result = await self.sends.send(message, resend, producer)
+            result = await self.sends.send(message, resend, producer, confirm_ms=confirm_ms, consumed=consumed)
         except BaseException as exc:  # cancelled: the span says so (on_cancelled gets the outcome)
             otel.end_send(span, None, exc)
             raise
@@ -224,6 +259,8 @@ class Client:
 
     def link_lost(self, link: ServerLink, reason: str) -> None:
         self.link_leaving(link)
+        assert self.sends is not None
+        self.sends.link_lost(link)
         for sub in self.subscriptions.values():
             sub.link_lost(link)
 
@@ -235,8 +272,8 @@ class Client:
         replies = []
         for frame in frames:
             command = frame.command
-            if command in SEND_REPLIES:
-                replies.append(frame)
+            if command in SEND_REPLIES or command == Command.SEND_CONSUMED_ACK:
+                replies.append(frame)  # in order: a send's SUCCESS before its consumption
                 continue
             sub = self.subscriptions.get((frame.topic, frame.channel))
             if command == Command.CONSUMER_PUSH:
@@ -248,7 +285,7 @@ class Client:
             elif command in SUBSCRIBE_REPLIES:
                 if sub is not None:
                     sub.answered(link, frame)
-            elif command != Command.SEND_CONSUMED_ACK:
+            else:
                 log.debug("dmq server %s: ignored %s", link.name, command.name)
         if replies:
             assert self.sends is not None

@@ -20,6 +20,10 @@
   with its message id, OUT_OF_RETRY, CLIENT_CLOSED, …) goes to ``on_cancelled``. So every
   cancelled send is either stored exactly once or reported as not sent, and each is reported
   once.
+* **Confirmation when consumed** (``confirm_ms``): the frame asks the server to report the
+  message's consumption; its SUCCESS hands the send's ``consumed`` future to ``Confirms``
+  (``dmq_client.aio.confirms``), any other result resolves it ``NOT_SENT``. A server whose
+  greeting does not list ``CONFIRM`` is not written to (``E_UNSUPPORTED``), as in ``MqClient``.
 * **Closing** waits up to ``close_timeout`` for every unanswered send, then settles the rest
   ``CLIENT_CLOSED`` (their callers, or ``on_cancelled``, get that result): none is left
   without an answer.
@@ -61,14 +65,16 @@ from typing import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ..config import MqConfig
+from ..confirm import Consumed
 from ..message import TRANSIENT, Message, SendResult, Status
 from ..notify import call_callback
-from ..outgoing import REPLY_STATUS, check_message, send_frame
+from ..outgoing import REPLY_STATUS, check_confirm, check_message, check_server, send_frame
 from ..pending import PendingSend
 from ..routing import affinity
 from ..send_queue import Put
 from ..session import SessionIdGenerator
 from ..wire import SEND_REPLIES, Command, Frame
+from .confirms import Confirms
 from .link import LinkState, ServerLink
 
 if TYPE_CHECKING:
@@ -89,12 +95,15 @@ class _Pending:
 
     __slots__ = ("message", "producer", "session_id", "timestamp_ms", "future", "command", "attempts", "tries",
                  "server", "written_at", "detached", "accepted", "room", "record", "retry_at", "failures",
-                 "failing_since")
+                 "failing_since", "confirm_ms", "consumed")
 
     def __init__(self, message: Message, producer: str, session_id: int, timestamp_ms: int,
-                 future: "asyncio.Future[SendResult]", command: Command = Command.UP_PRODUCER_SEND):
+                 future: "asyncio.Future[SendResult]", command: Command = Command.UP_PRODUCER_SEND,
+                 confirm_ms: int = 0, consumed: "asyncio.Future[Consumed] | None" = None):
         self.message = message
         self.producer = producer
+        self.confirm_ms = confirm_ms  # > 0: the server reports its consumption to ``consumed``
+        self.consumed = consumed
         self.session_id = session_id
         self.timestamp_ms = timestamp_ms
         self.future = future
@@ -141,6 +150,7 @@ class Sends:
         self._changed = asyncio.Event()  # a link became usable, or the client is closing
         self.closing = False
         self._resender: asyncio.Task[None] | None = None
+        self.confirms = Confirms(producer_id)
 
     def start(self) -> None:
         self._resender = asyncio.get_running_loop().create_task(self._resend_loop(), name="dmq-resend")
@@ -170,16 +180,25 @@ class Sends:
             log.exception("recovered_callback raised for send %s", result.session_id)
 
     # -- the caller's side ------------------------------------------------------------
-    async def send(self, message: Message, resend: bool = False, producer: str | None = None) -> SendResult:
+    async def send(self, message: Message, resend: bool = False, producer: str | None = None, *,
+                   confirm_ms: int = 0, consumed: "asyncio.Future[Consumed] | None" = None) -> SendResult:
         """``resend``: the message (with its session id) may have been stored by an earlier
         send: its first write is ``UP_PRODUCER_RESEND`` too, answered with the stored id.
         ``producer``: the id it was first sent under (a result of a journal's recovered
-        send keeps its own); this client's by default."""
+        send keeps its own); this client's by default. ``confirm_ms`` > 0: ask for its
+        consumption within that many ms, reported to ``consumed``."""
+        result = await self._send(message, resend, producer, confirm_ms, consumed)
+        if consumed is not None and not result.ok:  # refused before it had a _Pending
+            self.confirms.settled(consumed, result, confirm_ms, self.clock())
+        return result
+
+    async def _send(self, message: Message, resend: bool, producer: str | None, confirm_ms: int,
+                    consumed: "asyncio.Future[Consumed] | None") -> SendResult:
         if not isinstance(message, Message):
             raise TypeError(f"send() takes a dmq_client.Message, not {type(message).__name__}")
         if self.closing:
             return self._result(message, None, Status.CLIENT_CLOSED, "the client is closed")
-        problem = check_message(message, self.config.max_body_size)
+        problem = check_message(message, self.config.max_body_size) or check_confirm(message, confirm_ms)
         if problem:
             return self._result(message, message.session_id, Status.INVALID_MESSAGE, problem)
         session_id = self.next_session_id() if message.session_id is None else message.session_id
@@ -189,7 +208,7 @@ class Sends:
                                 f"E_INVALID session id {session_id} is already awaiting its answer", producer)
         item = _Pending(message, producer, session_id, int(self.wall_clock() * 1000),
                         asyncio.get_running_loop().create_future(),
-                        Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND)
+                        Command.UP_PRODUCER_RESEND if resend else Command.UP_PRODUCER_SEND, confirm_ms, consumed)
         try:
             await self._room.acquire()  # backpressure: max_in_flight written and unanswered
             item.room = True
@@ -210,6 +229,10 @@ class Sends:
                     return self._result(message, session_id, Status.CLIENT_CLOSED, "the client is closed", producer)
                 return self._result(message, session_id, Status.SOCKET_ERROR,
                                     f"no server connection within route_wait ({self.config.route_wait}s)", producer)
+            problem = check_server(message, confirm_ms, link.name, link.features)
+            if problem:
+                self._room.release()
+                return self._result(message, session_id, Status.INVALID_MESSAGE, problem, producer)
             self.pending[item.key] = item  # before the write: a fast answer finds it
             self._write(item, link, item.command)
             await link.drain()
@@ -245,6 +268,11 @@ class Sends:
                 self._settle(item, Status.CLIENT_CLOSED, "the client is closed")
             else:
                 self._settle(item, Status.QUEUE_FULL, why or "E_JOURNAL the producer journal could not store the message")
+            return
+        link = self.pick(item.message.topic)
+        problem = "" if link is None else check_server(item.message, item.confirm_ms, link.name, link.features)
+        if problem:  # refused for good: the journal forgets it
+            self._settle(item, Status.INVALID_MESSAGE, problem)
             return
         self.pending[item.key] = item
         item.written_at = self.clock()
@@ -309,7 +337,8 @@ class Sends:
         item.attempts += 1
         item.accepted = True
         item.written_at = self.clock()
-        if link.write(send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms)):
+        frame = send_frame(item.message, command, item.session_id, item.producer, item.timestamp_ms, item.confirm_ms)
+        if link.write(frame):
             item.server = link.name
         else:  # lost between the pick and the write: the next connection takes it
             item.server = None
@@ -339,8 +368,17 @@ class Sends:
             log.info("failing over %d unanswered sends from %s", len(moved), link.name)
             self._move(moved, exclude=(link.name,))
 
+    def link_lost(self, link: ServerLink) -> None:
+        """The connection is gone, and the confirmations its server was watching with it."""
+        self.confirms.lost(link.name)
+
     def replies(self, link: ServerLink, frames: list[Frame]) -> None:
+        """SEND_* replies and SEND_CONSUMED_ACKs, in the order read (a send's SUCCESS
+        registers what a SEND_CONSUMED_ACK after it answers)."""
         for frame in frames:
+            if frame.command == Command.SEND_CONSUMED_ACK:
+                self.confirms.reports([frame])
+                continue
             if frame.command not in SEND_REPLIES:
                 continue
             # the server echoes the producer; a reply without one is for this client's own
@@ -373,6 +411,8 @@ class Sends:
                             server=item.server if server is None else server, duplicate=duplicate,
                             attempts=item.attempts, producer=item.producer)
         item.future.set_result(result)
+        if item.consumed is not None:
+            self.confirms.settled(item.consumed, result, item.confirm_ms, self.clock())
         if item.detached:
             self._report(result)
         if record is not None and self.journal is not None:
@@ -388,7 +428,9 @@ class Sends:
     def check_resends(self, now: float) -> None:
         """Resend what has waited ``resend_interval`` without an answer; OUT_OF_RETRY after
         ``resend_tries`` resends. A send with no server to go to uses up its try all the
-        same, so OUT_OF_RETRY comes on time when no server is reachable."""
+        same, so OUT_OF_RETRY comes on time when no server is reachable. Confirmations
+        not answered ``GRACE`` after their deadline are given up (``LOST``)."""
+        self.confirms.expired(now)
         interval = self.config.resend_interval
         for item in list(self.pending.values()):
             if item.retry_at:  # in the retry pen (journal): out once its backoff is over
@@ -443,3 +485,4 @@ class Sends:
             self._settle(item, Status.CLIENT_CLOSED,
                          ("the client closed before the server answered; the message may or may not be stored"
                           if item.attempts else "the client closed before the message was written") + kept)
+        self.confirms.close()

@@ -8,6 +8,16 @@ whatever the consumer's pace (the bound is the server's, by protocol, not a clie
 buffer that could drop). Duplicate pushes (a redelivery of a copy already handed out and
 still unacked, or acked) are suppressed by ``(producer, session id, channel)`` as in
 ``MqClient`` (``dmq_client.dedup``).
+
+Acks are batched as ``MqClient``'s (``dmq_client.acks``): ``await message.ack()`` holds the
+id, and what was held in one turn of the event loop (or ``acks.MAX_IDS`` of them) goes to
+each server as one ``UP_CONSUMER_ACKS`` frame per channel (an ``UP_CONSUMER_ACK`` per id to a
+server that does not list ``ACKS``), in one write, at the end of that turn: a consumer
+acking the messages it was handed together (``async for`` hands out what is queued without
+waiting) makes one frame of them, not one each. A requeue first writes the acks held for its
+server, so the server reads acks and requeues in the order they were made. An ack held for a
+connection that closed before the turn ended is dropped, as an ack written to it would have
+been: the server delivers that copy again, and the duplicate suppression acks it.
 """
 
 from __future__ import annotations
@@ -21,10 +31,11 @@ from collections import deque
 from typing import TYPE_CHECKING, ContextManager, Final, NoReturn, Protocol
 
 from .. import otel
+from ..acks import MAX_IDS, ack_frames
 from ..consumer import REFUSALS, SubscribeError
 from ..dedup import Admit, DedupWindow
 from ..message import ReceivedMessage
-from ..wire import FEATURE_REQUEUE, REQUEUE_MAX_MS, SUBSCRIBE_REPLIES, Command, Frame, encode
+from ..wire import FEATURE_ACKS, FEATURE_REQUEUE, REQUEUE_MAX_MS, SUBSCRIBE_REPLIES, Command, Frame, FrameError, encode
 from ..wire.properties import NO_PROPERTIES, Properties
 
 if TYPE_CHECKING:
@@ -36,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["AioMessage", "RequeueError", "Subscription"]
 
 log = logging.getLogger(__name__)
-
 
 
 class _End(enum.Enum):
@@ -83,16 +93,17 @@ class AioMessage(ReceivedMessage):
         self._settled = False
 
     async def ack(self) -> None:  # type: ignore[override]  # awaited here; MqClient's is a call
-        """Acknowledge to the server that pushed it (idempotent; a no-op once the
-        connection it came on is gone: the server delivers the copy again, and the
-        duplicate suppression of this client acks that copy by itself)."""
+        """Acknowledge to the server that pushed it: written at the end of this turn of the
+        event loop with the other acks made in it (see the module's docstring); it waits
+        only while the server is not reading. Idempotent; a no-op once the connection it
+        came on is gone: the server delivers the copy again, and the duplicate
+        suppression of this client acks that copy by itself."""
         if self._settled:
             return
         self._settled = self._acked = True
         self._subscription.acked(self)
         if self._generation == self._link.generation:
-            self._link.write(encode(Frame(Command.UP_CONSUMER_ACK, topic=self.topic, channel=self.channel,
-                                          message_id=self.message_id)))
+            self._subscription.hold_ack(self._link, self._generation, self.message_id)
             await self._link.drain()
 
     def processing(self) -> ContextManager[Span | None]:
@@ -118,6 +129,7 @@ class AioMessage(ReceivedMessage):
                                "the server delivers it again")
         if FEATURE_REQUEUE not in link.features:
             raise RequeueError(f"E_UNSUPPORTED server {link.name} does not list {FEATURE_REQUEUE}")
+        self._subscription.flush_acks(link.name)  # the acks made before it go before it
         answer = self._subscription.await_requeue(link, self.message_id)
         # forgotten before the write: the server may push the copy again (a delay of 0)
         # before its REQUEUE_ACK, and that push must not be taken for a duplicate
@@ -160,6 +172,10 @@ class Subscription:
         self._subscribed: dict[str, int] = {}  # per link: the connection (generation) subscribed on
         # per link: requeues written, oldest first, awaiting REQUEUE_ACK (the server answers in order)
         self._requeues: dict[str, deque[tuple[int, asyncio.Future[str]]]] = {}
+        # per link: the acks held until the end of this loop turn, with the connection they are for
+        self._held: dict[str, tuple[ServerLink, int, list[int]]] = {}
+        self._flushing: asyncio.Handle | None = None
+        self.ack_frames_written = 0  # UP_CONSUMER_ACK(S) frames written, in all
 
     def __aiter__(self) -> "Subscription":
         return self
@@ -182,6 +198,7 @@ class Subscription:
         self.end()
 
     def end(self) -> None:
+        self.flush_acks()
         if not self.closed:
             self.closed = True
             self.queue.put_nowait(_END)
@@ -214,8 +231,7 @@ class Subscription:
         if admit is Admit.NEW:
             self.queue.put_nowait(message)
         elif admit is Admit.DUPLICATE_ACKED:  # the first copy was acked: ack this one too
-            link.write(encode(Frame(Command.UP_CONSUMER_ACK, topic=frame.topic, channel=frame.channel,
-                                    message_id=frame.message_id)))
+            self.hold_ack(link, link.generation, frame.message_id)
 
     def requeue_answered(self, link: "ServerLink", frame: Frame) -> None:
         waiting = self._requeues.get(link.name)
@@ -227,9 +243,48 @@ class Subscription:
                 return
 
     def link_lost(self, link: "ServerLink") -> None:
+        self._held.pop(link.name, None)  # the server gives those copies back
         for _, future in self._requeues.pop(link.name, ()):
             if not future.done():
                 future.set_result("E_CONNECTION_LOST the connection closed before the server answered the requeue")
+
+    # -- acks ---------------------------------------------------------------------------
+    def hold_ack(self, link: "ServerLink", generation: int, message_id: int) -> None:
+        """Hold an ack for the connection ``generation`` of ``link``, to be written at the
+        end of this loop turn (at once when ``MAX_IDS`` are held for it)."""
+        held = self._held.get(link.name)
+        if held is None or held[1] != generation:  # those of an older connection are void
+            held = self._held[link.name] = (link, generation, [])
+        held[2].append(message_id)
+        if len(held[2]) >= MAX_IDS:
+            self.flush_acks(link.name)
+        elif self._flushing is None:
+            self._flushing = asyncio.get_running_loop().call_soon(self.flush_acks)
+
+    def flush_acks(self, name: str | None = None) -> None:
+        """Write the acks held for the link ``name`` (for every link when None), one write
+        per link; those for a connection since lost are dropped."""
+        if name is None:
+            if self._flushing is not None:
+                self._flushing.cancel()
+                self._flushing = None
+            names = list(self._held)
+        else:
+            names = [name]
+        for each in names:
+            held = self._held.pop(each, None)
+            if held is None:
+                continue
+            link, generation, ids = held
+            if generation != link.generation:
+                continue
+            try:
+                frames = ack_frames(self.topic, self.channel, ids, FEATURE_ACKS in link.features)
+            except FrameError as exc:  # not from a decoded push; never raised into the loop
+                log.error("acks for %s/%s on %s not sent: %s", self.topic, self.channel, link.name, exc)
+                continue
+            if link.write(b"".join(frames)):
+                self.ack_frames_written += len(frames)
 
     # -- the message's side -------------------------------------------------------------
     def _key(self, message: ReceivedMessage) -> tuple[str, int, str]:

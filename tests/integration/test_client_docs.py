@@ -50,7 +50,7 @@ def test_every_marked_example_is_covered():
     """Every marked example on the page has a test here (a new one needs one too)."""
     assert set(examples()) == {"quickstart.py", "publisher_app.py", "worker.py", "callbacks.py",
                                "journal_producer.py", "confirm_consumed.py", "confirm_blocking.py", "properties.py",
-                               "tracing.py", "asyncio_quickstart.py",
+                               "tracing.py", "asyncio_quickstart.py", "asyncio_confirm.py",
                                "fastapi_app.py", "asyncio_journal.py"}
 
 
@@ -97,6 +97,16 @@ def test_the_asyncio_journal_example_publishes_through_the_journal(served, pg_ds
     assert sorted(db_rows(pg_dsn, "SELECT id FROM dmq_message")) == sorted([(i,) for i in ids + [reported[0].message_id]])
     with JournalSendQueue(journal, ticker=False) as reopened:
         assert reopened.recovered == 0
+
+
+def test_the_asyncio_confirmation_resolves_consumed_once_acked(served, pg_dsn):
+    """The asyncio confirmation example: stored, then acked by its own subscription, and
+    the awaited outcome is CONSUMED by the one channel."""
+    import asyncio
+
+    module = load("asyncio_confirm.py")
+    assert asyncio.run(module["main"]()) == "acknowledged by ('billing',)"
+    assert db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)]
 
 
 def test_quickstart_sends_and_prints_success(served, capsys):

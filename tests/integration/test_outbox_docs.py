@@ -56,7 +56,7 @@ def app_dsn(pg_empty_dsn, monkeypatch):
 
 def test_every_marked_example_is_covered():
     assert set(examples()) == {"install.sh", "grants.sql", "send_psycopg.py", "send_sqlalchemy.py",
-                               "inbox_worker.py", "inbox_blocking.py", "prune.sh"}
+                               "inbox_worker.py", "inbox_blocking.py", "inbox_asyncio.py", "prune.sh"}
 
 
 def test_the_grants_on_the_page_are_the_ones_install_prints_and_suffice(app_dsn):
@@ -141,6 +141,17 @@ def test_the_blocking_consumer_skips_a_message_already_recorded(app_dsn, served,
     load("inbox_blocking.py")["consume"](2)
     wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
     assert db_rows(app_dsn, "SELECT order_id FROM payments") == [(8,)]
+
+
+def test_the_asyncio_consumer_skips_a_message_already_recorded(app_dsn, served, pg_dsn):
+    """The asyncio example (``inbox.atransaction``) pays a new order, and for one whose
+    record exists (its ack was lost) only acks, after the commit."""
+    import asyncio
+
+    two_orders_the_first_handled_before(served, app_dsn, 5, 6)
+    asyncio.run(load("inbox_asyncio.py")["consume"](2))
+    wait_for(lambda: db_rows(pg_dsn, "SELECT count(*) FROM dmq_pending") == [(0,)], timeout=WAIT)
+    assert db_rows(app_dsn, "SELECT order_id FROM payments") == [(6,)]
 
 
 def test_prune_keeps_recent_records(app_dsn):

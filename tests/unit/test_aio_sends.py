@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
-from dmq_client import Message, MqConfig, Status
+from dmq_client import ConsumeStatus, Message, MqConfig, Status
 from dmq_client.aio.link import LinkState
+from dmq_client.aio.sends import Sends
+from dmq_client.confirm import GRACE
 from dmq_client.journal import KEPT, JournalSendQueue
 from dmq_client.pending import PendingSend
-from dmq_client.aio.sends import Sends
-from dmq_client.wire import Command, Frame, FrameDecoder
+from dmq_client.wire import SERVER_FEATURES, Command, Frame, FrameDecoder
+from dmq_client.wire.confirm import CONSUMED, consumed_status
 
 
 class FakeLink:
@@ -26,6 +28,7 @@ class FakeLink:
         self.written: list[Frame] = []
         self._decoder = FrameDecoder()
         self.sends: Sends
+        self.features = frozenset(SERVER_FEATURES.split())
 
     def write(self, data: bytes) -> bool:
         if self.state is LinkState.DOWN:
@@ -339,3 +342,58 @@ def test_a_journaled_send_failing_past_journal_give_up_after_is_reported_and_for
     result, writes = asyncio.run(run())
     assert (result.status, writes) == (Status.SERVER_ERROR, 2)
     assert reopened(tmp_path) == 0
+
+
+def test_confirmations_resolve_from_the_server_a_lost_link_or_the_bound_and_none_is_kept():
+    """A confirmed send's frame carries its deadline (ms); answered SUCCESS it is watched:
+    its SEND_CONSUMED_ACK resolves it CONSUMED; another's link lost resolves it LOST; a
+    third never answered is LOST once ``GRACE`` after its deadline passed, not before; a
+    send answered with an error is NOT_SENT; a server without CONFIRM is not written to.
+    Afterwards the table is empty."""
+
+    async def run():
+        sends, links, clock = make("a")
+        (link,) = links.values()
+        futures = [asyncio.get_running_loop().create_future() for _ in range(4)]
+        tasks = [asyncio.ensure_future(sends.send(Message("orders", b"x%d" % i), confirm_ms=2000, consumed=f))
+                 for i, f in enumerate(futures)]
+        await turn()
+        assert [f.credit for f in link.written] == [2000] * 4
+        first, second, third, fourth = link.written
+        sends.replies(link, [answer(link, first, 1), answer(link, second, 2), answer(link, third, 3),
+                             Frame(Command.SEND_INVALID_ACK, session_id=fourth.session_id, producer="p-1",
+                                   status="E_INVALID no")])
+        results = await asyncio.gather(*tasks)
+        assert [r.status for r in results] == [Status.SUCCESS] * 3 + [Status.INVALID_MESSAGE]
+        assert futures[3].result().status is ConsumeStatus.NOT_SENT
+        assert len(sends.confirms) == 3
+        sends.replies(link, [Frame(Command.SEND_CONSUMED_ACK, session_id=first.session_id, message_id=1,
+                                   topic="orders", producer="p-1", status=consumed_status(CONSUMED, ["billing"]))])
+        consumed = futures[0].result()
+        assert (consumed.status, consumed.acked, consumed.message_id) == (ConsumeStatus.CONSUMED, ("billing",), 1)
+        clock.now += 2.0 + GRACE - 0.1
+        sends.check_resends(clock.now)
+        assert not futures[1].done() and not futures[2].done()
+        clock.now += 0.2
+        sends.check_resends(clock.now)
+        lost = futures[1].result()
+        assert lost.status is ConsumeStatus.LOST and lost.message_id == 2 and "deadline" in lost.description
+        assert futures[2].result().status is ConsumeStatus.LOST
+        assert len(sends.confirms) == 0
+
+        late = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(sends.send(Message("orders", b"y"), confirm_ms=60000, consumed=late))
+        await turn()
+        sends.replies(link, [answer(link, link.written[-1], 5)])
+        await task
+        sends.link_lost(link)  # as the client reports a lost connection
+        assert late.result().status is ConsumeStatus.LOST and "was lost" in late.result().description
+
+        link.features = frozenset()
+        older = asyncio.get_running_loop().create_future()
+        refused = await sends.send(Message("orders", b"z"), confirm_ms=1000, consumed=older)
+        assert refused.status is Status.INVALID_MESSAGE and "CONFIRM" in refused.description
+        assert older.result().status is ConsumeStatus.NOT_SENT
+        assert len(sends.confirms) == 0
+
+    asyncio.run(run())
