@@ -4,13 +4,13 @@ Each test runs its coroutine with ``asyncio.run`` (the project has no pytest asy
 plugin). Waits are on the client's own futures and results, or ``until`` (a condition
 polled with a deadline, as ``support.wait_for``), never a sleep standing in for an event.
 Times are shortened through the settings (resends a fraction of a second apart) so the
-failure paths run in seconds.
+failure paths run in seconds. What both clients must do alike (failover on kill -9 and
+SERVER_REBOOT, TLS with authentication, the journal) is in ``test_client_contract.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import signal
 import time
@@ -204,25 +204,6 @@ def test_a_send_whose_answer_is_lost_is_resent_and_stored_once(make_server, topi
     assert stored(pg_dsn, result.session_id) == 1
 
 
-def test_sends_fail_over_when_their_server_stops(make_server, topic):
-    """Two servers on one store; the topic's server is stopped gracefully (SERVER_REBOOT):
-    every later send succeeds on the other one."""
-    a, b = make_server(), make_server()
-
-    async def run():
-        async with Client(fast_config(a, b)) as client:
-            home = await client.send(Message(topic, b"first"))
-            assert home.ok
-            stopped, other = (a, b) if home.server.endswith(f":{a.tcp_port}") else (b, a)
-            await asyncio.to_thread(stopped.terminate)
-            results = [await client.send(Message(topic, b"after %d" % i)) for i in range(30)]
-            return results, other
-
-    results, other = asyncio.run(run())
-    assert all(r.ok for r in results)
-    assert {r.server for r in results} == {f"127.0.0.1:{other.tcp_port}"}
-
-
 async def hang_home_server(client: Client, servers, topic: str, count: int):
     """Send one message to learn the topic's server (both connected first, so it is the one
     the topic keeps: ``routing.affinity``), freeze that server, and start ``count`` sends
@@ -356,35 +337,6 @@ def test_a_refused_subscription_is_raised_from_the_iteration(make_server, topic)
 
 
 # -- TLS and authentication ---------------------------------------------------------------------
-
-
-def test_tls_with_an_auth_secret(make_server, certs, topic, tmp_path):
-    """tls=True with the test CA and an auth secret: sent, stored and received over the TLS
-    port; with a wrong secret no connection becomes ready, so a send is SOCKET_ERROR and
-    nothing is stored."""
-    auth = tmp_path / "auth.json"
-    everything = {"identity": "orders-app", "ttl": 3600,
-                  "authorizations": [{"topic": ".*", "channels": [".*"], "permissions": ["publish", "subscribe"]}]}
-    auth.write_text(json.dumps({"secrets": {"s3cret": everything}, "common_names": {}}))
-    tls_port = free_port()
-    server = make_server(tls_address=f"127.0.0.1:{tls_port}", auth_file=str(auth), **certs.server_flags())
-    base = dict(servers=f"127.0.0.1:{tls_port}", tls=True, tls_ca_file=str(certs.ca_file), route_wait=2.0)
-
-    async def run():
-        async with Client(auth_secret="s3cret", **base) as client:
-            sent = await client.send(Message(topic, b"secured"))
-            async for message in client.subscribe(topic, "billing"):
-                await message.ack()
-                received = message.body
-                break
-        async with Client(auth_secret="wrong", **base) as client:
-            refused = await client.send(Message(topic, b"refused"))
-        return sent, received, refused
-
-    sent, received, refused = asyncio.run(run())
-    assert sent.ok and received == b"secured"
-    assert refused.status is Status.SOCKET_ERROR
-    assert server.proc.poll() is None
 
 
 # -- backpressure, cancellation, closing ----------------------------------------------------------
