@@ -135,7 +135,7 @@ class MqClient:
         if self.discovery is not None:
             self.discovery.use_topic(message.topic)
         confirm_ms = 0 if confirm is None else confirm_deadline_ms(confirm, confirm_timeout)
-        if otel.ENABLED and isinstance(message, Message):  # the send's span, its context in the headers
+        if isinstance(message, Message) and otel.sending(self.config.tracer_provider):  # its span, in its headers
             message, span = otel.start_send(message, self.config.tracer_provider)
             future = self._producer.send(message, callback, confirm_ms=confirm_ms, on_consumed=on_consumed)
             future.add_done_callback(lambda f: otel.end_send(span, f.result()))
@@ -169,7 +169,7 @@ class MqClient:
         # the same message (its properties too) under the first send's session id
         retry = dataclasses.replace(result.message, session_id=result.session_id)
         confirm_ms = 0 if confirm is None else confirm_deadline_ms(confirm, confirm_timeout)
-        if otel.ENABLED:  # a span of its own; the message keeps the first send's trace context
+        if otel.sending(self.config.tracer_provider):  # a span of its own; the message keeps its trace context
             retry, span = otel.start_send(retry, self.config.tracer_provider)
             future = self._producer.send(retry, callback, resend=True, producer=result.producer or None,
                                          confirm_ms=confirm_ms, on_consumed=on_consumed)

@@ -273,7 +273,8 @@ class Consumer:
                 acks.flush()
                 return
             sub, message, key = entry
-            traced = otel.start_process(message, self.config.tracer_provider) if otel.ENABLED else None
+            provider = self.config.tracer_provider
+            traced = otel.start_process(message, provider) if otel.processing_of(message, provider) else None
             try:
                 sub.deliver(message)
             except Exception as exc:

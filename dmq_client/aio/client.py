@@ -203,7 +203,7 @@ class Client:
                     consumed: asyncio.Future[Consumed] | None = None, producer: str | None = None) -> SendResult:
         if self.sends is None:
             raise RuntimeError("the client is not started: use `async with Client(...)` or `await client.start()`")
-        if not (otel.ENABLED and isinstance(message, Message)):
+        if not (isinstance(message, Message) and otel.sending(self.config.tracer_provider)):
             return await self.sends.send(message, resend, producer, confirm_ms=confirm_ms, consumed=consumed)
         # the send's span, its context in the message's headers (dmq_client.otel; a resend's
         # message keeps the first send's)

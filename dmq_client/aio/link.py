@@ -10,6 +10,15 @@ jitter so a fleet of clients does not reconnect in step). A second task sends
 server has been silent for two of its heartbeat intervals (a frozen or partitioned server
 looks exactly like that).
 
+**Writes of one loop turn go together.** ``write`` keeps the bytes and the first write of a
+turn asks the loop (``call_soon``) to hand them to the transport as one ``bytes`` when the
+turn's other callbacks ran: a window of concurrent sends (each task writing its frame in
+the same turn, as the answers of one read wake them) costs one ``send`` system call, not
+one each (it was the largest single cost of the asyncio client's publish,
+bench/client_publish.py). Bytes kept for a connection that is lost before the turn ends
+are dropped, as bytes written to it would have been; they are never written to the next
+connection (the owner moves what was unanswered: ``link_lost``).
+
 The link interprets only the frames about itself (greeting, health, reboot, heartbeat,
 protocol error); every other frame goes to its owner (``LinkOwner``), in the order read, on
 the event loop. Bytes become frames through ``dmq_client.wire``'s ``FrameDecoder`` and frames
@@ -88,6 +97,9 @@ class ServerLink:
         self._task: asyncio.Task[None] | None = None
         self._last_read = 0.0
         self._last_write = 0.0
+        # this turn's bytes, for the connection ``_writer`` was when they were written
+        self._out: list[bytes] = []
+        self._out_for: asyncio.StreamWriter | None = None
         self._decoder = FrameDecoder()
         self._context: ssl.SSLContext | None = None
         if config.tls:
@@ -113,6 +125,7 @@ class ServerLink:
         a loop closed next leaves no transport behind."""
         self._closed = True
         self.state = LinkState.CLOSED
+        self._flush()  # what this turn wrote goes before the goodbye
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
@@ -129,19 +142,39 @@ class ServerLink:
                 pass
 
     def write(self, data: bytes) -> bool:
-        """Queue ``data`` on the connection; False when there is none. A write to a
-        connection that then fails is not an error here: the reader notices the loss and
-        the owner moves what was unanswered (``link_lost``)."""
+        """Queue ``data`` on the connection, written with the rest of this loop turn's
+        bytes when the turn ends (see the module); False when there is no connection. A
+        write to a connection that then fails is not an error here: the reader notices
+        the loss and the owner moves what was unanswered (``link_lost``)."""
         writer = self._writer
         if writer is None or writer.is_closing():
             return False
-        writer.write(data)
-        self._last_write = time.monotonic()
+        out = self._out
+        if not out or self._out_for is not writer:
+            if out:  # kept for a connection since replaced: never written to this one
+                out.clear()
+            self._out_for = writer
+            asyncio.get_running_loop().call_soon(self._flush)
+        out.append(data)
         return True
+
+    def _flush(self) -> None:
+        """Hand this turn's bytes to the connection they were written for, if it is still
+        the link's (and open)."""
+        out, writer = self._out, self._out_for
+        if not out:
+            return
+        self._out, self._out_for = [], None
+        if writer is not self._writer or writer is None or writer.is_closing():
+            return
+        writer.write(out[0] if len(out) == 1 else b"".join(out))
+        self._last_write = time.monotonic()
 
     async def drain(self) -> None:
         """Wait while the server is not reading (TCP flow control); never raises: a
-        failed connection is the reader's to report."""
+        failed connection is the reader's to report. This turn's bytes are handed to the
+        connection first, so that the wait counts them."""
+        self._flush()
         writer = self._writer
         if writer is not None:
             try:
