@@ -9,8 +9,8 @@ and every ack it sends, with the node of the connection), so ``checker.check`` c
 
 What differs is what the client does by itself, which is what is under test:
 
-* ``AioProducer``: one ``Client`` per producer given every node's address (no ZooKeeper
-  discovery in the asyncio client yet), paced sends (one in ten a DELAY due a second
+* ``AioProducer``: one ``Client`` per producer given every node's address (as a service
+  without ZooKeeper configures it), paced sends (one in ten a DELAY due a second
   later, two in three with a priority, as ``Producer``), each awaited in a task of its
   own, at most ``window`` unanswered in the client (``max_in_flight``: its backpressure)
   and twice that awaiting. Resends under the same session id, failover when a node dies
@@ -18,8 +18,8 @@ What differs is what the client does by itself, which is what is under test:
   reports not stored (``NO_TOPIC``, ``SOCKET_ERROR``, the outcome-unknown ones) is sent
   again under its session id; if an earlier try was stored after all, the server refuses
   it as already stored and the send stays unacknowledged (the checker counts it
-  "unacknowledged delivered"; the asyncio client has no ``resend(result)``, which would
-  write ``UP_PRODUCER_RESEND`` and be answered with the stored id).
+  "unacknowledged delivered"; ``Client.resend(result)`` would write ``UP_PRODUCER_RESEND``
+  and be answered with the stored id: the load keeps the plain send, the harder case).
 * ``AioConsumer``: one ``Client`` per consumer, subscribed on every node by the client
   itself (``async for message in client.subscribe(...)``), acknowledging with ``await
   message.ack()`` (after ``hold`` seconds; never while ``stalled``). Even instances keep
@@ -30,7 +30,11 @@ What differs is what the client does by itself, which is what is under test:
   between the socket and it; the acks go from a task of their own, so it stays short), and
   an ack when ``ack()`` returned, also when the client wrote nothing because the connection
   the copy came on was gone (the node gives that copy again; the confirmer sees the ack
-  durable only once some ack of the copy is).
+  durable only once some ack of the copy is). One first push in ``REQUEUE_EVERY`` (by id)
+  is given back instead, ``await message.requeue(REQUEUE_DELAY)``, while the load runs:
+  ``Requeues`` counts that each comes back to some consumer of its channel after the
+  requeue (kill -9 included: a requeue written to a node that dies is answered by nobody,
+  and the copy must come back by the takeover), and the drain waits for them.
 
 Every wait is bounded and everything stops by itself; sockets go to loopback addresses only.
 """
@@ -44,7 +48,7 @@ from collections import deque
 from typing import Any, Coroutine, TypeVar
 
 from dmq_client import Message, SendResult, Status
-from dmq_client.aio import AioMessage, Client
+from dmq_client.aio import AioMessage, Client, RequeueError
 from dmq_client.aio.link import LinkState, ServerLink
 from dmq_client.routing import affinity
 
@@ -64,6 +68,29 @@ CLIENT = {"reconnect_backoff": 0.1, "reconnect_backoff_max": 0.5, "connect_timeo
 # written again after 2 s, for a minute before OUT_OF_RETRY
 PRODUCER = {**CLIENT, "resend_interval": 2.0, "resend_check_interval": 0.25, "resend_tries": 30,
             "close_timeout": 2.0}
+# a consumer gives back one first push in REQUEUE_EVERY (by message id), due again after
+# REQUEUE_DELAY seconds
+REQUEUE_EVERY = 20
+REQUEUE_DELAY = 0.2
+
+
+class Requeues:
+    """The copies consumers gave back (``made``) and their pushes after that (``seen``),
+    per channel: each must come back. Used on the load's event loop only."""
+
+    def __init__(self) -> None:
+        self.open = True  # consumers requeue while the load runs
+        self.made: dict[tuple[str, int], float] = {}  # (channel, id) -> when it was given back
+        self.returned: set[tuple[str, int]] = set()
+        self.refused = 0  # requeues whose connection went before the answer (RequeueError)
+
+    def seen(self, channel: str, message_id: int, at: float) -> None:
+        made = self.made.get((channel, message_id))
+        if made is not None and at >= made:
+            self.returned.add((channel, message_id))
+
+    def outstanding(self) -> list[tuple[str, int]]:
+        return sorted(set(self.made) - self.returned)
 
 
 def topic_served_by(addresses: list[tuple[str, int]], node: int, prefix: str) -> str:
@@ -213,8 +240,10 @@ class AioProducer(SendPlan):
 
 class AioConsumer:
     def __init__(self, name: str, servers: list[str], topic: str, channel: str, history: History, *,
-                 loop: asyncio.AbstractEventLoop, credit: int = 200, hold: float = 0.0, instance: int = 0):
+                 loop: asyncio.AbstractEventLoop, credit: int = 200, hold: float = 0.0, instance: int = 0,
+                 requeues: Requeues | None = None):
         self.name = f"chaos-{name}"
+        self.requeues = requeues
         self.servers = servers
         self.topic = topic
         self.channel = channel
@@ -245,6 +274,8 @@ class AioConsumer:
                         key = message.body.split(b" ", 1)[0]
                         self.history.deliver(message.channel, key, message.message_id, now, self._node(message),
                                              message.priority)
+                        if self.requeues is not None:
+                            self.requeues.seen(message.channel, message.message_id, now)
                         self.held.append((now + self.hold, message))
                         self._more.set()
                 finally:
@@ -271,6 +302,15 @@ class AioConsumer:
                 await asyncio.sleep(due - time.monotonic())  # the hold: the scenario's pace
                 continue
             self.held.popleft()
+            requeues = self.requeues
+            if (requeues is not None and requeues.open and message.attempts == 1
+                    and message.message_id % REQUEUE_EVERY == 0):
+                requeues.made[(message.channel, message.message_id)] = time.monotonic()
+                try:
+                    await message.requeue(REQUEUE_DELAY)
+                except RequeueError:  # its connection went first: the node's successor gives it back
+                    requeues.refused += 1
+                continue
             await message.ack()
             self.history.consumer_ack(message.channel, message.message_id, time.monotonic(), self._node(message))
             self.acks_sent += 1
@@ -294,6 +334,7 @@ class AioLoad(Load):
             AioProducer(f"aio-p{i}", self.servers, topic, self.history, rate=rate, priorities=priorities)
             for i in range(producers)]
         self.consumers: list[AioConsumer] = []  # type: ignore[assignment]
+        self.requeues = Requeues()
         self.add_consumers(consumers, start=False)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -312,7 +353,8 @@ class AioLoad(Load):
                 self.instances[ch] += 1
                 credit = self.stalls.credit if self.stalls is not None and ch == self.stalls.channel else 200
                 consumer = AioConsumer(f"aio-c-{ch}-{instance}", self.servers, self.topic, ch, self.history,
-                                       loop=self.loop, credit=credit, hold=self.hold, instance=instance)
+                                       loop=self.loop, credit=credit, hold=self.hold, instance=instance,
+                                       requeues=self.requeues)
                 self.consumers.append(consumer)
                 if start:
                     self.loop.call_soon_threadsafe(self._spawn, consumer)
@@ -342,6 +384,21 @@ class AioLoad(Load):
     def stop_producing(self, timeout: float = 60.0) -> None:
         self._end_stalls()
         self._call(self._stop_producing(timeout), timeout + 20)
+        self.loop.call_soon_threadsafe(setattr, self.requeues, "open", False)
+
+    def wait_delivered(self, timeout: float) -> bool:
+        """``Load``'s wait, then until every copy given back came back (False at the deadline)."""
+        deadline = time.monotonic() + timeout
+        if not super().wait_delivered(timeout):
+            return False
+        while self._call(self._outstanding(), 5):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    async def _outstanding(self) -> list[tuple[str, int]]:
+        return self.requeues.outstanding()
 
     async def _stop_producing(self, timeout: float) -> None:
         """No new sends; each producer's client gets ``timeout`` seconds to have every one
@@ -408,6 +465,9 @@ class AioLoad(Load):
             "acked_as_already_stored": sum(p.answered_duplicate for p in self.producers),
             "pushes_suppressed": sum(c.client.dedup.suppressed for c in self.consumers
                                      if c.client is not None and c.suppress),
+            "requeued": len(self.requeues.made),
+            "requeues_refused": self.requeues.refused,
+            "requeued_not_back": self.requeues.outstanding()[:20],
         }
 
     def failures(self) -> list[str]:

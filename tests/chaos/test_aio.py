@@ -25,7 +25,8 @@ def test_asyncio_clients_lose_no_acknowledged_message_under_node_kill(chaos_clus
     """Under kill -9 of the node the asyncio producers send to, every acknowledged send
     reaches both channels, none is pushed again after its ack was durable, nothing unknown
     appears, the producers fail over to the other nodes and come back to the restarted one
-    while the load is on."""
+    while the load is on; every copy a consumer gave back (``requeue`` with a delay), on the
+    killed node too, comes back."""
     name = "node-kill-aio"
     with failure_kept(chaos_cluster, name) as story:
         topic = topic_served_by(chaos_cluster.client_addresses(), KILLED, f"chaos_node_kill_aio_{uuid.uuid4().hex[:6]}")
@@ -51,3 +52,6 @@ def test_asyncio_clients_lose_no_acknowledged_message_under_node_kill(chaos_clus
         assert killed["acked"] > 100 and sum(n["acked"] for n in by_node.values()) > killed["acked"], text
         assert killed["longest_gap_s"] >= SHORT.hold and killed["acked_after_it"] > 100, text
         assert report["notes"]["window"][scenarios.STALLS.channel]["full"] > 0, text  # the stalls filled a window
+        aio = report["notes"]["aio"]
+        # copies given back (REQUEUE with a delay) came back, kill -9 or not
+        assert aio["requeued"] > 20 and aio["requeued_not_back"] == [], text
