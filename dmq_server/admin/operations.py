@@ -30,7 +30,7 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Collection, Generator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Collection, Generator, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
@@ -38,7 +38,6 @@ from twisted.python.failure import Failure
 
 from dmq_client.spelling import parse_time_ms
 from dmq_client.wire.properties import Properties, PropertiesError
-from dmq_server.broker.interfaces import BrokerPort
 from dmq_server.core.clock import Clock
 from dmq_server.core.errors import Forbidden, Invalid, NotFound, Unauthorized
 from dmq_server.core.options import Options
@@ -52,6 +51,9 @@ from dmq_server.db.seek import SEEK_SKEW_MS, NoSuchChannel, SeekRefused, SeekTar
 from dmq_server.admin.seek_request import describe_seek, report as seek_report, summary as seek_summary
 from dmq_server.db.steps import Steps
 from registry.interface import MIN_RETENTION_MS, ORDERED_FAST, RETENTION_FAST
+
+if TYPE_CHECKING:  # the CLI imports this module: not the broker (and its stores) at run time
+    from dmq_server.broker.interfaces import BrokerPort
 
 __all__ = [
     "DeadLetterFilter",
