@@ -60,7 +60,11 @@ def _pending(dsn: str, channel: str) -> int:
 
 def test_a_seeks_gap_is_reinjected_from_the_archive_into_that_channel_only(
         spark, make_server, topic, pg_dsn, db, opts, tmp_path, capsys):
-    server = make_server()
+    # the node learns of the CLI's seek at its next channel state read: a copy it pushes
+    # before that is pushed again after it (the seek's epoch fences its ack), which the
+    # count below would take for a duplicate (a CI run: the default 5 s read came after
+    # billing subscribed). Read every 0.2 s: the reinject's Spark job alone takes longer.
+    server = make_server(channel_state_interval="0.2s")
     early = {b"early-%d" % i: (None, 0, None) for i in range(4)}
     gap = {b"gap-0": ("k-0", 7, {"content-type": "text/plain", "n": "0"}),
            b"gap-1": ("k-1", 0, None),
