@@ -60,9 +60,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Callable, Iterable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..config import MqConfig
 from ..confirm import Consumed
