@@ -147,6 +147,7 @@ class ChannelGroup:
     timeout_count = property(lambda self: self._total("timeout_count"))
     waiting = property(lambda self: self._total("waiting"))
     held = property(lambda self: any(c.held for c in self.members.values()))
+    epoch = property(lambda self: min((c.epoch for c in self.members.values()), default=0))  # every member's
 
     @property
     def in_flight(self) -> dict[int, Delivery]:

@@ -41,6 +41,9 @@ def reliable_topic_stats(broker: BrokerPort, name: str, row: Any, channel: str |
                 "clients": clients,
                 "paused": ch.held,
                 "e2e_processing_latency": {"count": 0, "percentiles": None},
+                # the seeks this node has applied (each raises the channel's epoch): an
+                # operator, or a test, sees that a node has taken a seek in
+                "epoch": ch.epoch,
             }
         )
     return {

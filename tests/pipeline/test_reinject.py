@@ -24,7 +24,7 @@ from dmq_pipeline import archive, cli, reinject
 from dmq_pipeline.options import ArchiveSettings
 
 from .conftest import consume
-from tests.integration.support import db_rows, run_cli, wait_for
+from tests.integration.support import db_rows, http_get, run_cli, wait_for
 
 
 def _db_now_ms(dsn: str) -> int:
@@ -58,12 +58,18 @@ def _pending(dsn: str, channel: str) -> int:
     return db_rows(dsn, "SELECT count(*) FROM dmq_pending WHERE channel = %s", channel)[0][0]
 
 
+def _epoch(server, channel: str) -> int:
+    stats = json.loads(http_get(server.http + "/stats?format=json&topic=orders")[1])
+    (topic,) = stats["topics"]
+    return next(c["epoch"] for c in topic["channels"] if c["channel_name"] == channel)
+
+
 def test_a_seeks_gap_is_reinjected_from_the_archive_into_that_channel_only(
         spark, make_server, topic, pg_dsn, db, opts, tmp_path, capsys):
     # the node learns of the CLI's seek at its next channel state read: a copy it pushes
     # before that is pushed again after it (the seek's epoch fences its ack), which the
     # count below would take for a duplicate (a CI run: the default 5 s read came after
-    # billing subscribed). Read every 0.2 s: the reinject's Spark job alone takes longer.
+    # billing subscribed). So billing subscribes once /stats shows the seek's epoch.
     server = make_server(channel_state_interval="0.2s")
     early = {b"early-%d" % i: (None, 0, None) for i in range(4)}
     gap = {b"gap-0": ("k-0", 7, {"content-type": "text/plain", "n": "0"}),
@@ -127,6 +133,8 @@ def test_a_seeks_gap_is_reinjected_from_the_archive_into_that_channel_only(
     assert (second["selected"], second["queued"], second["already_queued"]) == (len(gap), 0, len(gap))
     assert db_rows(pg_dsn, "SELECT operation, affected FROM dmq_admin_log WHERE operation = 'channel.reinject' "
                            "ORDER BY id") == [("channel.reinject", len(gap)), ("channel.reinject", 0)]
+
+    wait_for(lambda: _epoch(server, "billing") == 1, timeout=20)  # this node applied the seek
 
     # the server's delay workers move the gap into billing; billing receives it and the kept group
     got = {}
