@@ -68,11 +68,6 @@ def move_held(spec: TopicSpec) -> str | None:
     return None
 
 
-def _holding() -> bool:
-    """The gate of a channel held for a move (``move_held``): no push round goes."""
-    return False
-
-
 class ChannelGroup:
     """One (topic, channel) over the clusters holding its copies: what an adapter holds
     as its subscription's channel when there is more than one cluster. Its members are
@@ -199,9 +194,8 @@ class Placement:
         self.by_slot = {slots[name]: store for name, store in self.stores.items()}
         self.slot_of = dict(slots)
         self.groups: dict[tuple[str, str], ChannelGroup] = {}
-        # the channels held for an ordered topic's move (``move_held``), with the gate
-        # each had before (given back when the hold ends)
-        self.move_holds: dict[tuple[str, str], tuple[ReliableChannel, Callable[[], bool] | None]] = {}
+        # the channels held for an ordered topic's move (``move_held``)
+        self.move_holds: dict[tuple[str, str], ReliableChannel] = {}
         self._unknown_warned: set[str] = set()
 
     @property
@@ -288,13 +282,12 @@ class Placement:
         go pushes what it has at once (a key's next copy first, in id order)."""
         wanted = {(spec.name, name): channel for spec in reliable.values() for name in spec.channels
                   if (channel := self._move_held_channel(spec, name)) is not None}
-        for key, (channel, gate) in list(self.move_holds.items()):
+        for key, channel in list(self.move_holds.items()):
             if wanted.get(key) is not channel:
                 del self.move_holds[key]
-                channel.gate = gate
                 log.info("channel {topic}/{channel}: no older cluster drains any more, its pushes go on",
                          topic=key[0], channel=key[1])
-                channel.pump()
+                channel.hold_for_move(False)
         for key, channel in wanted.items():
             self._hold(key, channel)
 
@@ -304,10 +297,10 @@ class Placement:
         return None if store is None else store.channels.get((spec.name, name))
 
     def _hold(self, key: tuple[str, str], channel: ReliableChannel) -> None:
-        if key in self.move_holds and self.move_holds[key][0] is channel:
+        if self.move_holds.get(key) is channel:
             return
-        self.move_holds[key] = (channel, channel.gate)
-        channel.gate = _holding
+        self.move_holds[key] = channel
+        channel.hold_for_move(True)
         log.info("channel {topic}/{channel} holds its pushes until the older cluster is drained "
                  "(an ordered topic's move)", topic=key[0], channel=key[1])
 

@@ -15,9 +15,7 @@ from typing import Sequence
 import psycopg
 
 from dmq_server.db.storage_errors import Fenced, Misplaced
-from dmq_client.wire.properties import NO_PROPERTIES, Properties
-
-from dmq_server.db.messages import OUTBOX_PRODUCERS, send_columns, stored_status, with_outbox_record, with_properties
+from dmq_server.db.messages import OUTBOX_PRODUCERS, SendFields, send_columns, stored_status, with_outbox_record, with_properties
 from dmq_server.db.outbox_ledger import RECORDING
 from dmq_server.db.steps import Statement, Steps, add_statement, run_steps
 from dmq_server.db.trace_steps import body_preview, properties_of_row
@@ -42,17 +40,38 @@ __all__ = [
 
 @dataclass(slots=True)
 class NewDelayed:
-    """A validated delayed send waiting for its group commit."""
+    """A delayed send waiting for its group commit: the send as it came (the broker's
+    ``core.publish.Send``, or a ``messages.NewMessage`` of tests and tools: not copied
+    field by field), when it is due and the delay fragment whose worker moves it. It is
+    a ``SendFields`` itself, so ``send_columns`` reads it as any stored send."""
 
-    topic: str
-    producer: str
-    session_id: int
-    produced_ms: int
+    send: SendFields
     due_ms: int
     fragment: int
-    body: bytes = field(repr=False)
-    properties: Properties = NO_PROPERTIES  # kept with the row, and with the message it becomes
-    status: str = ""  # the properties' wire text ("" for none), what the statement stores
+
+    @property
+    def topic(self) -> str:
+        return self.send.topic
+
+    @property
+    def producer(self) -> str:
+        return self.send.producer
+
+    @property
+    def session_id(self) -> int:
+        return self.send.session_id
+
+    @property
+    def produced_ms(self) -> int:
+        return self.send.produced_ms
+
+    @property
+    def body(self) -> bytes:
+        return self.send.body
+
+    @property
+    def status(self) -> str:
+        return self.send.status
 
 
 @dataclass(slots=True)

@@ -100,6 +100,11 @@ class Receiver(Protocol):
         """Send these copies (counted in ``in_flight`` already), in order."""
 
 
+def _held_for_move() -> bool:
+    """The gate of a channel held for a move (``ReliableChannel.hold_for_move``)."""
+    return False
+
+
 class ReliableChannel:
     def __init__(
         self,
@@ -121,6 +126,11 @@ class ReliableChannel:
         load_ahead: Callable[["ReliableChannel", list[int], int], None] | None = None,
         load_key: Callable[["ReliableChannel", str, int, int], None] | None = None,
         writes: OwnWrites | None = None,
+        gate: Callable[[], bool] | None = None,
+        paused: bool = False,
+        held: bool = False,
+        confirmed: bool = True,
+        epoch: int = 0,
     ):
         self.topic = topic
         self.name = name
@@ -188,13 +198,15 @@ class ReliableChannel:
         # cluster (dmq_server.cluster.node): no pushes or loads while paused; a load that
         # was out during forget() is stale, one out during rescan() is followed by a
         # scan from the start
-        self.paused = False
+        self.paused = paused
         # an operator's pause (nsqd's channel pause; HTTP /channel/pause, the CLI): copies
         # still arrive and wait in PostgreSQL, none is pushed until unpaused
-        self.held = False
+        self.held = held
         # cluster: asked before each push round; False holds pushes (a node that stood
-        # still must learn whether its copies were taken over before it pushes any)
-        self.gate: Callable[[], bool] | None = None
+        # still must learn whether its copies were taken over before it pushes any).
+        # ``hold_for_move`` puts a gate that holds everything in its place, and back
+        self.gate = gate
+        self._fence_gate = gate
         # an ordered topic's channel in a cluster is delivered by one node, the topic's
         # orderer (cluster.orderers): None here means this node delivers it (as every
         # unordered channel), else the node that does (or NO_ORDERER). While another does,
@@ -204,10 +216,10 @@ class ReliableChannel:
         self.delivered_by: str | None = None
         # False: an answer of its topic did not name it, and none has since
         # (ReliableStore._confirm_channels)
-        self.confirmed = True
+        self.confirmed = confirmed
         # the channel's epoch as this node last learned it (a seek raises it: ``reseek``);
         # every copy pushed carries it to its ack, which moves only cursors of that epoch
-        self.epoch = 0
+        self.epoch = epoch
         self.seek_count = 0  # seeks this node applied (``reseek``)
         # counters for /stats
         self.message_count = 0
@@ -870,6 +882,16 @@ class ReliableChannel:
             if following is not None:
                 self.parked -= 1
                 self.ready.appendleft(following)
+
+    def hold_for_move(self, held: bool) -> None:
+        """An ordered topic's move holds this channel's pushes while an older cluster
+        drains (``broker.placement.move_held``): its gate holds every push round, and when
+        let go it is the cluster node's gate again and pushes what waits, a key's next copy
+        first. The gate is swapped, not asked once more per round: pushes cost nothing
+        extra while no move holds them."""
+        self.gate = _held_for_move if held else self._fence_gate
+        if not held:
+            self.pump()
 
     def set_ordered(self, ordered: bool) -> None:
         """The topic's ``ordered`` setting changed (``dmq topic update``): from now on one

@@ -527,14 +527,13 @@ class ReliableStore:
                 memory=self.wiring.memory,
                 ordered=spec.ordered if spec else False,
                 writes=self.writes,
+                gate=fence.may_deliver if (fence := self.wiring.fence) is not None else None,
+                paused=self.paused,
+                held=(topic, name) in self._held,
+                # opened after an answer of its topic that did not name it: _confirm_channels
+                confirmed=name in self._named_last.get(topic, (name,)),
+                epoch=self._epochs.get((topic, name), 0),
             )
-            channel.paused = self.paused
-            fence = self.wiring.fence
-            channel.gate = fence.may_deliver if fence is not None else None
-            # opened after an answer of its topic that did not name it: _confirm_channels
-            channel.confirmed = name in self._named_last.get(topic, (name,))
-            channel.held = (topic, name) in self._held
-            channel.epoch = self._epochs.get((topic, name), 0)
             self.channels[(topic, name)] = channel
             if spec is not None and spec.ordered:
                 self._place(channel)
@@ -733,8 +732,7 @@ class ReliableStore:
                 return
             done(Published(stored.message_id, stored.duplicate))
 
-        item = NewDelayed(send.topic, send.producer, send.session_id, send.produced_ms, due_ms, fragment, send.body,
-                          send.properties, send.status)
+        item = NewDelayed(send, due_ms, fragment)
         self.delay_writer.submit_cb(item, committed)
 
     def _refused(self, failure: BaseException, done: Callable[[Outcome], None]) -> None:

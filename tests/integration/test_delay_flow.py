@@ -17,6 +17,7 @@ from twisted.internet.defer import fail, succeed
 
 from dmq_client.wire import SEND_REPLIES, Command, MessageType
 from dmq_server.db.delays import NewDelayed, insert_delayed
+from dmq_server.db.messages import NewMessage
 from dmq_server.reliable.delay import DelayWorker
 from dmq_server.reliable.horizon import OwnWrites
 from dmq_server.db.schema import migrate
@@ -178,9 +179,9 @@ def test_due_time_precision_on_an_injected_clock_with_real_sql(pg_dsn, topic, ow
             stored = insert_delayed(
                 conn,
                 [
-                    NewDelayed(topic, "p", 1, 0, base + 500, 2, b"a"),
-                    NewDelayed(topic, "p", 2, 0, base + 750, 3, b"b"),
-                    NewDelayed(topic, "p", 3, 0, base + 2600, 6, b"c"),  # another worker's
+                    NewDelayed(NewMessage(topic, "p", 1, 0, b"a"), base + 500, 2),
+                    NewDelayed(NewMessage(topic, "p", 2, 0, b"b"), base + 750, 3),
+                    NewDelayed(NewMessage(topic, "p", 3, 0, b"c"), base + 2600, 6),  # another worker's
                 ],
                 "n1",
             )

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import psycopg
 
 import registry
-from dmq_client.wire.properties import NO_PROPERTIES, Properties, encode_properties
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.dead_letter_steps import (
     CopyRef,
     NewDeadLetter,
@@ -618,24 +618,25 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("the audit log, limited", list_admin_log_steps, lambda: (2**62, 1), lambda rows: [r["operation"] for r in rows]),
         # delayed sends
         ("delays", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"due"),
-            NewDelayed("orders", "dp", 2, 1_700_000_000_000, LATER, 2, b"later"),
-            NewDelayed("quiet", "dp", 3, 0, LONG_AGO, 3, b"orphan"),
-            NewDelayed("orders", "dp", 4, 0, LATER + 1, 9, b"overflow"),
-            NewDelayed("orders", "dp", 5, 0, LONG_AGO, 1, b"with properties", PROPS, encode_properties(PROPS)),
+            NewDelayed(NewMessage("orders", "dp", 1, 0, b"due"), LONG_AGO, 1),
+            NewDelayed(NewMessage("orders", "dp", 2, 1_700_000_000_000, b"later"), LATER, 2),
+            NewDelayed(NewMessage("quiet", "dp", 3, 0, b"orphan"), LONG_AGO, 3),
+            NewDelayed(NewMessage("orders", "dp", 4, 0, b"overflow"), LATER + 1, 9),
+            NewDelayed(NewMessage("orders", "dp", 5, 0, b"with properties", PROPS), LONG_AGO, 1),
         ], NODE), lambda out: [k(dataclasses.replace(s, message_id=k.y(s.message_id))) for s in out]),
         ("a resent delay and a stored pair", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"due"), NewDelayed("orders", "p", 1, 0, LONG_AGO, 1, b"x"),
+            NewDelayed(NewMessage("orders", "dp", 1, 0, b"due"), LONG_AGO, 1),
+            NewDelayed(NewMessage("orders", "p", 1, 0, b"x"), LONG_AGO, 1),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         ("a delayed outbox row", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", OUTBOX + ":delayed", 1, 0, LATER + 2, 1, b"ob"),
+            NewDelayed(NewMessage("orders", OUTBOX + ":delayed", 1, 0, b"ob"), LATER + 2, 1),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         ("its repeat beside a new one", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", OUTBOX + ":delayed", 1, 0, LATER + 2, 1, b"ob"),
-            NewDelayed("orders", OUTBOX + ":delayed", 2, 0, LATER + 2, 1, b"ob2"),
+            NewDelayed(NewMessage("orders", OUTBOX + ":delayed", 1, 0, b"ob"), LATER + 2, 1),
+            NewDelayed(NewMessage("orders", OUTBOX + ":delayed", 2, 0, b"ob2"), LATER + 2, 1),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         ("a delayed outbox row with properties", insert_delayed_steps, lambda: ([
-            NewDelayed("orders", OUTBOX + ":delayed", 3, 0, LATER + 2, 1, b"ob3", PROPS, encode_properties(PROPS)),
+            NewDelayed(NewMessage("orders", OUTBOX + ":delayed", 3, 0, b"ob3", PROPS), LATER + 2, 1),
         ], NODE), lambda out: [(s.duplicate, s.kind, s.due_ms) for s in out]),
         # (a replay's fragment follows its dead letter's id, which differs: one fragment, 1)
         ("peek", peek_delayed_steps, lambda: ((1, 2, 3, 4), 8, LATER, 10), same),

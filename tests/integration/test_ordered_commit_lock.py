@@ -233,7 +233,7 @@ def test_a_batch_holds_the_lock_of_each_ordered_topic(pg_dsn, nodes):
 
 def _delay(dsn: str, topic: str, fragment: int) -> None:
     with connect(dsn, autocommit=True) as conn:
-        run_steps(conn, insert_delayed_steps([NewDelayed(topic, f"d-{topic}", 1, 0, LONG_AGO, fragment, b"late")],
+        run_steps(conn, insert_delayed_steps([NewDelayed(NewMessage(topic, f"d-{topic}", 1, 0, b"late"), LONG_AGO, fragment)],
                                              "node-2"))
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from dmq_client.wire.properties import NO_PROPERTIES, Properties, encode_properties
+from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.dead_letter_steps import CopyRef, record_attempts_steps
 from dmq_server.db.delays import NewDelayed, insert_delayed_steps, move_due_steps
 from dmq_server.db.messages import (
@@ -107,8 +107,8 @@ def scenario(run: Callable[..., Any]) -> dict[str, list]:
     out["a channel registered later"] = load("late", NONE_YET)
     # a delayed message keeps its priority as it is moved into the flow
     six = Properties("d1", 6)
-    run(insert_delayed_steps, [NewDelayed("orders", "dp", 1, 0, LONG_AGO, 1, b"d1", six, encode_properties(six)),
-                               NewDelayed("orders", "dp", 2, 0, LONG_AGO, 1, b"d2")], NODE)
+    run(insert_delayed_steps, [NewDelayed(NewMessage("orders", "dp", 1, 0, b"d1", six), LONG_AGO, 1),
+                               NewDelayed(NewMessage("orders", "dp", 2, 0, b"d2"), LONG_AGO, 1)], NODE)
     _, moved = run(move_due_steps, (1,), 1, LONG_AGO, 10, NODE, owners[0])
     names.update({m.message_id: m.body.decode() for m in moved})
     out["moved"] = sorted((m.body.decode(), m.key, m.priority) for m in moved)

@@ -25,7 +25,7 @@ from dmq_server.db.delays import (
     move_due_steps,
 )
 from dmq_server.db.memory import MemoryDb
-from dmq_server.db.messages import create_owner_steps, retire_silent_owners_steps
+from dmq_server.db.messages import NewMessage, create_owner_steps, retire_silent_owners_steps
 from dmq_server.reliable.delay import DelayWorker
 from dmq_server.reliable.horizon import OwnWrites
 from tests.unit.test_memory_db import result
@@ -53,7 +53,7 @@ def db(clock) -> MemoryDb:
 
 def store(db: MemoryDb, *items: tuple[str, int, int, int]) -> list[Any]:
     """(topic, session id, due in ms from T0, fragment) -> StoredDelay."""
-    batch = [NewDelayed(topic, "p", sid, 0, BASE + due, fragment, f"b{sid}".encode()) for topic, sid, due, fragment in items]
+    batch = [NewDelayed(NewMessage(topic, "p", sid, 0, f"b{sid}".encode()), BASE + due, fragment) for topic, sid, due, fragment in items]
     return result(db.run_steps(insert_delayed_steps, batch, "n1"))
 
 

@@ -49,8 +49,8 @@ def test_only_a_batch_with_outbox_rows_runs_the_recording_statement() -> None:
     mixed = plain + [NewMessage("orders", RELAYED, 7, 0, b"z")]
     assert _first(insert_messages_steps(plain, "n", 1)).name == "insert_new_messages"
     assert _first(insert_messages_steps(mixed, "n", 1)).name == "insert_new_outbox_messages"
-    assert _first(insert_delayed_steps([NewDelayed("orders", "p", 1, 0, 5, 1, b"x")], "n")).name == "insert_delayed"
-    delayed = [NewDelayed("orders", "p", 1, 0, 5, 1, b"x"), NewDelayed("orders", OWN_DELAYED, 42, 0, 5, 1, b"y")]
+    assert _first(insert_delayed_steps([NewDelayed(NewMessage("orders", "p", 1, 0, b"x"), 5, 1)], "n")).name == "insert_delayed"
+    delayed = [NewDelayed(NewMessage("orders", "p", 1, 0, b"x"), 5, 1), NewDelayed(NewMessage("orders", OWN_DELAYED, 42, 0, b"y"), 5, 1)]
     assert _first(insert_delayed_steps(delayed, "n")).name == "insert_outbox_delayed"
 
 
