@@ -14,9 +14,18 @@ dependency share a ``Dependency``, so that:
 
 A component that failed during the outage and works again later logs nothing more. A
 failure after the end is a new outage.
+
+The end of an outage also wakes the components still waiting to retry (those given a
+``wake``): one that backed off to its longest wait (the durable acks: 5 s) would
+otherwise stay idle for up to that long after PostgreSQL answers another component
+again, with acknowledgements held in memory and copies redelivered meanwhile. A woken
+component retries at once, on its own clock, in a reactor turn of its own (never
+inside the call that saw the dependency work).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from twisted.logger import Logger
 
@@ -34,6 +43,8 @@ class Dependency:
         self.name = name
         self.since: float | None = None  # when the current outage started
         self.failures = 0
+        # the components whose last attempt failed and that retry on a timer (``Outage.wake``)
+        self.waiting: set[Outage] = set()
 
     def failed(self, what: str, why: object, now: float, first: bool = True) -> None:
         """``first``: the component's first failure since it last worked (its retries
@@ -57,6 +68,8 @@ class Dependency:
         )
         self.since = None
         self.failures = 0
+        for outage in list(self.waiting):
+            outage.woken()
 
 
 #: the database every component of a node uses; one per process, as the log is
@@ -66,12 +79,16 @@ POSTGRESQL = Dependency("PostgreSQL")
 class Outage:
     """The failing/working state of one component, as the log sees it."""
 
-    def __init__(self, what: str, clock: Clock, dependency: Dependency | None = None):
+    def __init__(self, what: str, clock: Clock, dependency: Dependency | None = None,
+                 wake: Callable[[], None] | None = None):
         self.what = what
         self.clock = clock
         self.dependency = dependency or POSTGRESQL
         self.since: float | None = None  # when this component's failures started
         self.failures = 0
+        # retry now: called when the dependency works again for another component while
+        # this one waits (``Dependency.recovered``); None: it is not woken
+        self.wake = wake
 
     @property
     def ongoing(self) -> bool:
@@ -84,9 +101,23 @@ class Outage:
         if first:
             self.since = now
         self.dependency.failed(self.what, why, now, first)
+        if self.wake is not None:
+            self.dependency.waiting.add(self)
 
     def recovered(self) -> None:
+        self.dependency.waiting.discard(self)
         if self.since is not None:
             self.dependency.recovered(self.what, self.clock.seconds())
             self.since = None
             self.failures = 0
+
+    def woken(self) -> None:
+        """The dependency works again: retry in a turn of its own (once: the component
+        is listed again if that attempt fails)."""
+        self.dependency.waiting.discard(self)
+        if self.wake is not None:
+            self.clock.callLater(0, self.wake)
+
+    def close(self) -> None:
+        """The component stopped: nothing to wake."""
+        self.dependency.waiting.discard(self)

@@ -417,7 +417,7 @@ class RetryingBatcher(Generic[ItemT, ResultT]):
         self._busy = False
         self._retry = 0.0
         self._idle: list[Deferred[None]] = []
-        self._outage = Outage(name, clock)
+        self._outage = Outage(name, clock, wake=self._wake)
         self.done = 0
         # what max_batch counts, per committed batch (the acker's: /metrics dmq_ack_batch_size)
         self.batch_sizes = Buckets(BATCH_SIZES)
@@ -517,6 +517,14 @@ class RetryingBatcher(Generic[ItemT, ResultT]):
         self._timer = None
         self._flush()
 
+    def _wake(self) -> None:
+        """PostgreSQL works again for another component: a retry waiting on its backoff
+        goes now (nothing happens if none waits)."""
+        timer = self._timer
+        if self._retry and timer is not None and timer.active():
+            timer.cancel()
+            self._retry_now()
+
     def drain(self) -> Deferred[None]:
         if not self._queue and not self._busy:
             return succeed(None)
@@ -530,6 +538,7 @@ class RetryingBatcher(Generic[ItemT, ResultT]):
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
+        self._outage.close()
 
 
 class AckBatcher(RetryingBatcher[AckRun, list[tuple[str, str, int]]]):

@@ -965,3 +965,33 @@ def test_a_refused_serial_batch_stays_serial_in_its_parts() -> None:
     (half,) = _in_flight(workers)
     half.commit(stored_for(half))
     assert [session_ids(c) for c in _in_flight(workers)] == [[3, 4]]
+
+
+def test_a_batcher_waiting_out_its_backoff_retries_once_another_component_reaches_postgresql() -> None:
+    """The durable acks backed off to their longest wait (5 s) during an outage; when
+    another component's statement works again, the acks retry in the next turn instead
+    of up to 5 s later (acks held in memory, copies redelivered meanwhile). A batcher
+    that stopped is not woken, and one with nothing to retry stays idle."""
+    clock = Clock()
+    workers = FakeDbWorker(), FakeDbWorker(), FakeDbWorker()
+    waiting, other, stopped = (AckBatcher(w, clock, max_batch=10, flush_interval=0.05, on_done=lambda r, ok: None)
+                               for w in workers)
+    for acker in (waiting, other, stopped):
+        acker.add(ack_row(1))
+    clock.advance(0.05)
+    for _ in range(7):  # 0.1, 0.2, ... capped at 5 s
+        for worker in workers:
+            worker.last.fail(StorageError("connection refused"))
+        clock.advance(5.0)
+    workers[0].last.fail(StorageError("connection refused"))  # waits 5 s again
+    workers[2].last.fail(StorageError("connection refused"))
+    stopped.stop()
+    calls = [len(w.calls) for w in workers]
+    workers[1].last.commit([])  # PostgreSQL answers the other batcher: the outage is over
+    assert len(workers[0].calls) == calls[0], "woken inside the call that saw PostgreSQL work"
+    clock.advance(0)
+    assert [len(w.calls) for w in workers] == [calls[0] + 1, calls[1], calls[2]]
+    assert ack_ids(workers[0].last) == [1]
+    workers[0].last.commit([])
+    clock.advance(10.0)  # the cancelled backoff does not retry a second time
+    assert len(workers[0].calls) == calls[0] + 1 and waiting.pending == 0
