@@ -712,13 +712,19 @@ class NsqConnection:
         if self._pub_bodies:
             if topic == self._pub_topic:
                 self._pub_bodies.append(body)
+                self.parser.take_pubs(self._pub_bodies)
                 return
             self._flush_pubs()
             if self._stopped or self.closed:
                 return  # the run failed: nothing after it runs (nsqd)
         if self._reading:
+            # the PUBs of the same line that follow whole in this read join the run
+            # without being parsed, checked and dispatched one by one: the same line
+            # passes the same checks (the topic's name, TLS, the authorizer's answer: one
+            # that expires while this read is taken in covers the rest of the read)
             self._pub_topic = topic
             self._pub_bodies.append(body)
+            self.parser.take_pubs(self._pub_bodies)
             return
         self._publish(topic, [body], 0, "PUB", each=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dmq_server.core.nsq_errors import CloseSilently, FatalClientError
@@ -309,8 +309,18 @@ def _commands(parser: CommandParser, take_fins: bool, out: list) -> None:
             out.extend(((b"FIN", message_id), None, None) for message_id in ids)
 
 
-def _parse_in_pieces(stream: bytes, cuts: list[int], max_line: int, take_fins: bool) -> tuple[list, str]:
-    parser = CommandParser(max_line=max_line)
+def _commands_taking_pubs(parser: CommandParser, out: list) -> None:
+    while (cmd := parser.next_command()) is not None:
+        out.append((tuple(cmd.params), cmd.body, cmd.bodies))
+        if cmd.params[0] == b"PUB":
+            bodies: list[bytes] = []
+            parser.take_pubs(bodies)
+            out.extend((tuple(cmd.params), body, None) for body in bodies)
+
+
+def _parse_in_pieces(stream: bytes, cuts: list[int], max_line: int, take_fins: bool,
+                     take_pubs: bool = False, max_msg_size: int = 1024 * 1024) -> tuple[list, str]:
+    parser = CommandParser(max_line=max_line, max_msg_size=max_msg_size)
     out: list = []
     pos = i = 0
     try:
@@ -318,7 +328,10 @@ def _parse_in_pieces(stream: bytes, cuts: list[int], max_line: int, take_fins: b
             step = cuts[i % len(cuts)]
             parser.receive_data(stream[pos : pos + step])
             pos, i = pos + step, i + 1
-            _commands(parser, take_fins, out)
+            if take_pubs:
+                _commands_taking_pubs(parser, out)
+            else:
+                _commands(parser, take_fins, out)
     except (FatalClientError, CloseSilently) as exc:
         return out, f"{type(exc).__name__} {exc}"
     return out, f"{parser.buffered()} left"
@@ -355,3 +368,57 @@ def test_take_fins_takes_only_whole_plain_fins():
     short.receive_data(b"FIN " + a + b"\n")
     short.take_fins(ids)
     assert ids == [a, b, b] and short.buffered() == 21
+
+
+_A_PUB = encode_command(b"PUB", b"t", body=b"a")
+_PUB_LIKE = st.one_of(
+    st.binary(min_size=1, max_size=30).map(lambda body: encode_command(b"PUB", b"t", body=body)),
+    st.binary(min_size=1, max_size=30).map(lambda body: encode_command(b"PUB", b"u", body=body)),
+    st.binary(min_size=1, max_size=30).map(lambda body: b"PUB t\r\n" + struct.pack(">i", len(body)) + body),
+    st.binary(min_size=1, max_size=30).map(lambda body: b"PUB t extra\n" + struct.pack(">i", len(body)) + body),
+    st.just(b"PUB t\n" + struct.pack(">i", 0)),
+    st.just(b"PUB t\n" + struct.pack(">i", -3)),
+    st.just(b"PUB t\n" + struct.pack(">i", 40) + b"x" * 40),  # above max_msg_size 32
+    st.sampled_from([b"NOP\n", b"RDY 1\n", b"FIN 0123456789abcdef\n"]),
+    st.binary(min_size=1, max_size=30).map(lambda body: encode_command(b"DPUB", b"t", b"10", body=body)),
+    st.binary(min_size=1, max_size=30).map(lambda body: encode_command(b"MPUB", b"t", body=mpub_body([body]))),
+)
+
+
+@given(
+    st.lists(_PUB_LIKE, max_size=20),
+    st.lists(st.integers(min_value=1, max_value=200), min_size=1, max_size=6),
+    st.sampled_from([32, 1024 * 1024]),
+)
+@example([_A_PUB, b"PUB t\n" + struct.pack(">i", 0)], [200], 32)
+@example([_A_PUB, b"PUB t\n" + struct.pack(">i", 40) + b"x" * 40], [200], 32)
+@example([_A_PUB, _A_PUB, b"PUB t\n" + struct.pack(">i", 2) + b"x"], [200], 32)
+@settings(max_examples=400)
+def test_a_run_of_pubs_taken_at_once_reads_as_the_steps_would(lines, cuts, max_msg_size):
+    """``take_pubs`` after each PUB the steps read gives the same commands, bodies and
+    errors, in the same order, as the steps alone, cut anywhere: another topic, the
+    same topic spelt with a carriage return or an extra parameter, a size of zero,
+    below zero or above ``max_msg_size``, a body not all here, and other commands stop
+    the run and are read (or refused) by the steps."""
+    stream = b"".join(lines)
+    taking = _parse_in_pieces(stream, cuts, 16 * 1024, False, True, max_msg_size)
+    assert taking == _parse_in_pieces(stream, cuts, 16 * 1024, False, False, max_msg_size)
+
+
+def test_take_pubs_takes_only_whole_pubs_of_the_same_line():
+    parser = CommandParser()
+    parser.receive_data(encode_command(b"PUB", b"t", body=b"a") + encode_command(b"PUB", b"t", body=b"bb")
+                        + encode_command(b"PUB", b"u", body=b"c") + encode_command(b"PUB", b"u", body=b"dd")[:-1])
+    bodies: list[bytes] = []
+    parser.take_pubs(bodies)  # nothing read yet: nothing to follow
+    assert bodies == []
+    first = parser.next_command()
+    assert first.params == [b"PUB", b"t"] and first.body == b"a"
+    parser.take_pubs(bodies)
+    assert bodies == [b"bb"]
+    parser.take_pubs(bodies)  # once only, right after the PUB the steps gave
+    assert bodies == [b"bb"]
+    second = parser.next_command()
+    assert second.params == [b"PUB", b"u"] and second.body == b"c"
+    parser.take_pubs(bodies)  # the next body is not all here: left for the steps
+    assert bodies == [b"bb"] and parser.buffered() == len(encode_command(b"PUB", b"u", body=b"dd")) - 1
