@@ -239,15 +239,44 @@ class FastChannel:
                 self.window.add(-size)
                 self._deliver(msgs, client)
             return
-        take = self._next_message
-        while room:
-            msg = take()
-            if msg is None:
-                break
-            msgs.append(msg)
-            room -= 1
+        if not memory:  # all on disk: decoded in one loop (what _next_message would give)
+            self._take_from_disk(room, msgs)
+        else:
+            take = self._next_message
+            while room:
+                msg = take()
+                if msg is None:
+                    break
+                msgs.append(msg)
+                room -= 1
         if msgs:
             self._deliver(msgs, client)
+
+    def _take_from_disk(self, room: int, msgs: list[FastMessage]) -> None:
+        """Up to ``room`` messages from the disk queue, appended to ``msgs``: the loop of
+        ``_next_message`` while the memory queue is empty (nothing arrives in it
+        meanwhile), without a call and its tests a message."""
+        ahead, decode = self._ahead, FastMessage.decode
+        taken = False
+        while room:
+            if not ahead:
+                ahead.extend(self.backend.read_many(self._read_ahead))
+                if not ahead:
+                    self._backend_has_data = False
+                    self._disk_turn = True
+                    return
+                self._size_read_ahead(ahead)
+            data = ahead.popleft()
+            try:
+                msgs.append(decode(data))
+            except ValueError as exc:
+                log.error("CHANNEL({topic}:{channel}): failed to decode message - {why}",
+                          topic=self.topic_name, channel=self.name, why=exc)
+                continue
+            taken = True
+            room -= 1
+        if taken:
+            self._disk_turn = False
 
     def _next_message(self) -> FastMessage | None:
         memory = self.memory
