@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
+from twisted.logger import globalLogPublisher
 
 from dmq_server.fast import metadata
 from dmq_server.fast.fast_store import FastStore
@@ -132,6 +133,32 @@ def test_memory_overflow_goes_to_the_backend_and_comes_back():
     ch.add_client(client)
     ch.pump()
     assert sorted(m.body for m in client.received) == [b"m%d" % i for i in range(5)]
+
+
+@pytest.mark.parametrize("in_memory", [0, 2])
+def test_a_record_on_disk_that_does_not_decode_is_logged_and_skipped(in_memory):
+    """A torn or foreign record in a channel's disk queue is logged and passed over; the
+    records after it are delivered, in order, whether the memory queue is empty (a RDY
+    window taken from disk in one loop) or memory and disk take turns."""
+    store, clock, backends = make_store(mem_queue_size=in_memory)
+    ch = store.get_topic("t").get_channel("c")
+    publish(store, "t", *[b"m%d" % i for i in range(in_memory)], b"d0", b"d1", b"d2")
+    backend = backends["t:c"]
+    assert len(backend.items) == 3 and len(ch.memory) == in_memory
+    backend.items.insert(1, b"short")  # below the 26-byte header
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        client = FakeClient(10)
+        ch.add_client(client)
+        ch.pump()
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert sorted(m.body for m in client.received if m.body.startswith(b"m")) == [b"m%d" % i for i in range(in_memory)]
+    assert [m.body for m in client.received if m.body.startswith(b"d")] == [b"d0", b"d1", b"d2"]
+    assert [str(e["why"]) for e in events if "failed to decode" in e.get("log_format", "")] == [
+        "invalid message buffer size (5)"]
+    assert ch.depth() == 0 and not backend.items
 
 
 def test_topic_overflow_before_a_channel_exists():
