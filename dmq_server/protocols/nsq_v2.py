@@ -85,6 +85,8 @@ STATE_INIT, STATE_SUBSCRIBED, STATE_CLOSING = 0, 3, 4
 #: most bytes inflated from a deflate stream at a time: a small packet can inflate to
 #: gigabytes, so the stream is inflated in steps, each parsed before the next
 INFLATE_STEP = 65536
+#: the frame of an OK response, written as many times over as a run of PUBs has OKs
+_OK_FRAME = response(OK)
 
 
 
@@ -803,6 +805,15 @@ class NsqConnection:
         """Answers known now, each in turn (behind earlier ones still awaited); a fast
         run's one outcome is counted and framed once. Nothing after a fatal one."""
         replies = self.replies
+        count = len(outcomes)
+        if count > 1 and not len(replies) and not (self._stopped or self.closed):
+            first = outcomes[0]
+            if isinstance(first, Published) and outcomes.count(first) == count:
+                # a fast run's: every PUB answered OK, nothing awaited before them, so
+                # the OKs are one write of the same frame, not a reply each
+                self._publish_reply(topic, first, name)
+                replies.reply(_OK_FRAME * count)
+                return
         last: Published | BaseException | None = None
         reply: bytes | NsqError = OK
         for outcome in outcomes:
