@@ -137,6 +137,13 @@ class Options:
         "one starts only once 64 sends wait)",
         kind="int",
     )
+    commit_interval: float = _opt(
+        0.0015,
+        "shortest time between the starts of two group commits while fewer than 64 sends "
+        "wait: fewer, fuller commits at moderate rates (a send waits at most this less the "
+        "commit's round trip; a send to an idle writer never waits; 0: no wait)",
+        kind="duration",
+    )
     db_io: str = _opt(
         "reactor",
         "how the send group commit and the acker reach PostgreSQL: reactor (non-blocking "
@@ -496,6 +503,7 @@ class Options:
             ("mem_queue_size", self.mem_queue_size >= 1, "must be at least 1 (reliable channels push from this memory window; see docs/nsq.md)"),
             ("commit_batch_size", self.commit_batch_size >= 1, "must be at least 1"),
             ("commit_writers", self.commit_writers >= 1, "must be at least 1"),
+            ("commit_interval", 0 <= self.commit_interval <= 1, "must be 0..1s"),
             ("db_io", self.db_io in DB_IO, "must be one of " + ", ".join(DB_IO)),
             ("ack_batch_size", 1 <= self.ack_batch_size <= 1 << 20,
              "must be 1..1048576 (one dmq_delivery_batch row holds at most 2^20 facts)"),

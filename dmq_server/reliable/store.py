@@ -218,6 +218,7 @@ class ReliableStore:
         self.writer: GroupCommitWriter[Send, StoredMessage] = GroupCommitWriter(
             writers, node_id, options.commit_batch_size, self._writer_health,
             on_unknown=self._unknown_sends, clock=clock, writes=self.writes, on_batch=self._hand_on,
+            interval=options.commit_interval,
         )
         self.acker = AckBatcher(
             workers["acker"], clock, options.ack_batch_size, options.ack_flush_interval, self._acks_done,

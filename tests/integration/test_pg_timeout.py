@@ -70,3 +70,27 @@ def test_a_statement_unanswered_past_the_timeout_fails_and_the_next_one_reconnec
 
     waited = on_reactor(scenario)
     assert 0.9 < waited < 5
+
+
+def test_a_run_gets_its_whole_timeout_from_a_timer_an_earlier_run_armed(proxy):
+    """The reactor's connection keeps one deadline timer across runs: armed by a quick
+    run, it fires 0.4 s into a later one that hangs, and waits on for that run's own
+    deadline instead of failing it early."""
+    from twisted.internet.task import deferLater
+
+    async def scenario(reactor):
+        db, select = _reactor_db(reactor, proxy.dsn)
+        db.start()
+        try:
+            assert await select() == 42  # the timer fires 1 s after this run started
+            await deferLater(reactor, 0.6)
+            proxy.set("pg", "blackhole")
+            started = time.monotonic()
+            with pytest.raises(StorageError, match="no answer from PostgreSQL in 1s"):
+                await select()
+            return time.monotonic() - started
+        finally:
+            db.stop()
+
+    waited = on_reactor(scenario)
+    assert 0.9 < waited < 5

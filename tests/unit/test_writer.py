@@ -520,6 +520,84 @@ def test_sends_too_few_for_their_own_transaction_go_with_the_next_commit() -> No
     assert session_ids(batch) == [2, 3, 4]
 
 
+def make_spaced(interval: float = 0.002, parallel_min: int = 4) -> tuple[GroupCommitWriter, list[FakeDbWorker], Clock]:
+    clock = Clock()
+    workers = [FakeDbWorker() for _ in range(2)]
+    writer = GroupCommitWriter(workers, "node-1", 100, clock=clock, parallel_min=parallel_min, interval=interval)
+    return writer, workers, clock
+
+
+def calls(workers: list[FakeDbWorker]) -> list[Call]:
+    return [c for w in workers for c in w.calls]
+
+
+def first_committed(interval: float, after: float = 0.0, parallel_min: int = 4) -> tuple[
+        GroupCommitWriter, list[FakeDbWorker], Clock, Deferred]:
+    """Send 1 alone in a transaction, send 2 waiting behind it; the transaction committed
+    ``after`` seconds after it started. Returns send 2's Deferred too."""
+    writer, workers, clock = make_spaced(interval=interval, parallel_min=parallel_min)
+    writer.submit(new_message(1))
+    second = writer.submit(new_message(2))
+    (call,) = calls(workers)
+    clock.advance(after)
+    call.commit(stored_for(call))
+    return writer, workers, clock, second
+
+
+def test_a_send_to_an_idle_writer_does_not_wait_for_the_interval() -> None:
+    """The commit interval holds only sends that arrived during a commit: a lone send (a
+    producer that waits for each answer) starts its transaction at once."""
+    writer, workers, clock = make_spaced()
+    first = Outcome(writer.submit(new_message(1)))
+    (call,) = calls(workers)
+    call.commit(stored_for(call))
+    assert first.fired and clock.getDelayedCalls() == []
+    writer.submit(new_message(2))
+    assert [session_ids(c) for c in calls(workers)] == [[1], [2]]
+
+
+def test_sends_that_arrived_during_a_commit_start_an_interval_after_it_started() -> None:
+    """A commit answered 0.5 ms after its start leaves the sends that came meanwhile
+    waiting until 2 ms after that start; the sends arriving then join them."""
+    writer, workers, clock, _ = first_committed(interval=0.002, after=0.0005)
+    assert len(calls(workers)) == 1 and writer.pending == 1
+    clock.advance(0.001)
+    writer.submit(new_message(3))
+    assert len(calls(workers)) == 1
+    clock.advance(0.0005)
+    assert [session_ids(c) for c in calls(workers)] == [[1], [2, 3]] and writer.pending == 0
+
+
+def test_a_commit_slower_than_the_interval_is_followed_at_once() -> None:
+    """The interval only spaces fast commits: after one that took longer, the waiting
+    sends start at once."""
+    writer, workers, clock, _ = first_committed(interval=0.002, after=0.003)
+    assert [session_ids(c) for c in calls(workers)] == [[1], [2]] and clock.getDelayedCalls() == []
+
+
+def test_enough_sends_end_the_wait_at_once() -> None:
+    """``parallel_min`` waiting sends are a transaction's worth: they start without waiting
+    out the interval, and its timer goes."""
+    writer, workers, clock, _ = first_committed(interval=0.002, parallel_min=4)
+    for sid in (3, 4):
+        writer.submit(new_message(sid))
+    assert len(calls(workers)) == 1
+    writer.submit(new_message(5))
+    assert [session_ids(c) for c in calls(workers)] == [[1], [2, 3, 4, 5]]
+    assert clock.getDelayedCalls() == []
+
+
+def test_closing_ends_the_wait() -> None:
+    """A shutdown does not wait out the interval: the held sends start at once and
+    ``close`` fires when they are answered."""
+    writer, workers, clock, pending = first_committed(interval=0.5)
+    second = Outcome(pending)
+    closed = Outcome(writer.close())
+    assert [session_ids(c) for c in calls(workers)] == [[1], [2]] and clock.getDelayedCalls() == []
+    calls(workers)[1].commit(stored_for(calls(workers)[1]))
+    assert second.fired and closed.fired
+
+
 def test_several_workers_run_batches_concurrently() -> None:
     """With two writer connections, two transactions run at once; sends arriving while
     both are busy wait and go together to whichever worker frees up first."""
