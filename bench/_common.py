@@ -445,3 +445,20 @@ def run_worker(role: str, body: Any, cfg: dict, index: int, ready_q: Any, start_
             pass
     result["cpu_s"] = time.process_time()
     result_q.put(result)
+
+
+def interruptible(run: Any) -> int:
+    """``run()``'s exit status, with SIGTERM turned into KeyboardInterrupt, so that a
+    benchmark stopped either way leaves through its ``finally`` blocks and stops what it
+    started (130 then, as a shell reports Ctrl-C)."""
+    import signal
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything started has been stopped")
+        return 130

@@ -175,26 +175,28 @@ def run_workers(
     return {"t0": t0, "t_done": t_done, "wall": t_done - t0, "results": results, "cpu": cpu}
 
 
-def latencies(results: list[dict]) -> array:
+def latencies(results: list[dict], key: str = "lat") -> array:
     out = array("d")
     for r in results:
-        out.frombytes(r["lat"])
+        out.frombytes(r[key])
     return out
 
 
-def timeline(results: list[dict], t0: float) -> list[dict]:
-    """Per-second publish->ack percentiles (by ack time since the common start)."""
+def timeline(results: list[dict], t0: float, key: str = "lat", points: Sequence[float] = (50, 99)) -> list[dict]:
+    """Per-second publish->ack percentiles (by ack time since the common start) of each
+    producer's ``key`` latencies (``lat_sched``: from the time each send was due)."""
     buckets: dict[int, list[float]] = {}
     for r in results:
-        lat = array("d", r["lat"])
+        lat = array("d", r[key])
         at = array("d", r["ack_at"])
         shift = r["t_start"] - t0
         for latency, when in zip(lat, at):
             buckets.setdefault(int(when + shift), []).append(latency)
     out = []
     for second in sorted(buckets):
-        p = percentiles(buckets[second], (50, 99))
-        out.append({"second": second, "acks": p["count"], "p50": p["p50"], "p99": p["p99"], "max": p["max"]})
+        p = percentiles(buckets[second], points)
+        out.append({"second": second, "acks": p["count"], **{k: v for k, v in p.items() if k[0] == "p"},
+                    "max": p["max"]})
     return out
 
 
