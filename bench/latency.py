@@ -479,7 +479,7 @@ def print_summary(rows: list[dict], rounds: dict) -> None:
             if res is None:
                 continue
             if "error" in res:
-                grid.append([name, NAMES[broker], "error", "", "", "", "", "", res["error"][:40]])
+                grid.append([name, NAMES[broker], "error", "", "", "", "", "", res["error"][:40], ""])
                 continue
             lat = res["latency_from_due_ms"]
             cpu = res["cpu_us_per_message"]
@@ -489,11 +489,14 @@ def print_summary(rows: list[dict], rounds: dict) -> None:
             grid.append([name, NAMES[broker], fmt_int(achieved) + behind, ms(lat["p50"]), ms(lat["p99"]),
                          ms(lat["p99_9"]), ms(p99(res, "latency_from_send_ms")),
                          per_message_line(cpu).replace(" us", " µs"),
-                         f"{rq['wait_ms_per_s']} ms/s" if rq else ""])
+                         f"{rq['wait_ms_per_s']} ms/s" if rq else "",
+                         f"{100 * res['cpu_s'].get('other processes', 0.0) / max(res['elapsed_s'], 0.001):.0f} %"])
     print_grid("latency at the offered rate (ms from the due time; p99 from the write beside it; behind: "
                "achieved < 95 % of offered, the backlog's wait is in the latency from the due time)",
                ["placement", "broker", "achieved msgs/s", "p50", "p99", "p99.9", "p99 (write)", "CPU a message",
-                "reactor run-queue wait"], grid)
+                "reactor run-queue wait", "others' CPU"], grid)
+    print("  others' CPU: what processes other than the broker, PostgreSQL and the load generators ran, in % of a "
+          "core: another job on the machine (a round beside one is not a clean measurement), or kernel threads working for the broker (the file system journal, writeback)\n", flush=True)
     print_grid("issue 48's targets (p99 from the due time)", ["target", "dmq p99 ms", "peers' p99 ms", "verdict"],
                [[r["target"], ms(r["value"]),
                  ", ".join(f"{k} {ms(v)}" for k, v in r.get("peers", {}).items()), verdict(r["met"])] for r in rows])
