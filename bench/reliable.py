@@ -75,6 +75,7 @@ from _common import (  # noqa: E402
     print_table,
     pg_background_cpu_seconds,
     tree_cpu_seconds,
+    wait_for_idle,
     writeback_text,
 )
 from _pg import PrivatePostgres  # noqa: E402
@@ -1861,23 +1862,7 @@ class Bench:
 
     def wait_for_quiet(self, name: str) -> None:
         """--wait-idle: on a shared machine, start a scenario when nothing else is running."""
-        limit = self.args.wait_idle
-        if not limit:
-            return
-        t0 = time.monotonic()
-        while True:
-            before = machine_busy_seconds()[0]
-            time.sleep(2.0)
-            busy = (machine_busy_seconds()[0] - before) / 2.0  # cores busy
-            if busy < 0.15:
-                waited = time.monotonic() - t0
-                if waited > 3:
-                    print(f"  (waited {waited:.0f} s for the machine to be idle before {name})", flush=True)
-                return
-            if time.monotonic() - t0 > limit:
-                print(f"  (machine still busy ({100 * busy:.0f}% of a core) after {limit:g} s; running {name} anyway)",
-                      flush=True)
-                return
+        wait_for_idle(self.args.wait_idle, name)
 
     def _guarded(self, name: str, fn: Callable[[], dict]) -> None:
         self.wait_for_quiet(name)
