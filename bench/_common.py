@@ -445,3 +445,41 @@ def run_worker(role: str, body: Any, cfg: dict, index: int, ready_q: Any, start_
             pass
     result["cpu_s"] = time.process_time()
     result_q.put(result)
+
+
+def interruptible(run: Any) -> int:
+    """``run()``'s exit status, with SIGTERM turned into KeyboardInterrupt, so that a
+    benchmark stopped either way leaves through its ``finally`` blocks and stops what it
+    started (130 then, as a shell reports Ctrl-C)."""
+    import signal
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything started has been stopped")
+        return 130
+
+
+def wait_for_idle(limit: float, name: str) -> None:
+    """On a shared machine, return once less than 0.15 of a core is busy over 2 s, or after
+    ``limit`` seconds (0: at once), saying which: a benchmark beside another job measures both."""
+    if not limit:
+        return
+    t0 = time.monotonic()
+    while True:
+        before = machine_busy_seconds()[0]
+        time.sleep(2.0)
+        busy = (machine_busy_seconds()[0] - before) / 2.0  # cores busy
+        if busy < 0.15:
+            waited = time.monotonic() - t0
+            if waited > 3:
+                print(f"  (waited {waited:.0f} s for the machine to be idle before {name})", flush=True)
+            return
+        if time.monotonic() - t0 > limit:
+            print(f"  (machine still busy ({100 * busy:.0f}% of a core) after {limit:g} s; running {name} anyway)",
+                  flush=True)
+            return

@@ -308,7 +308,9 @@ def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q:
     """One producer connection.
 
     cfg: host, port, topic, n (messages for this producer), window, body_size,
-    rate (msgs/s for this producer, 0 = as fast as the window allows),
+    rate (msgs/s for this producer, 0 = as fast as the window allows; paced, the result's
+    ``lat_sched`` holds each reply's latency from the time its send was due, parallel to
+    ``lat``, from the time it was written),
     timeout (seconds after start), producer (name); tag (0-255, the body's 9th byte: see
     the consumer's latency_tags).
     """
@@ -345,6 +347,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
 
     sent_at = array("d", bytes(8 * n))
     lat = array("d")
+    lat_sched = array("d")  # paced: from the time each send was due (p_start + seq / rate)
     ack_at = array("d")  # seconds after this producer's start, parallel to lat
     sid0 = 1  # session ids 1..n (must be >= 0)
     next_seq = 0
@@ -416,6 +419,8 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                 seq = i64_from(buf, pos + OFF_SESSION)[0] - sid0
                 lat.append(now - sent_at[seq])
                 ack_at.append(now - p_start)
+                if rate:
+                    lat_sched.append(now - p_start - seq / rate)
                 acked += 1
             elif cmd in SEND_FAILURES:
                 failed += 1
@@ -437,6 +442,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         t_start=t_start,
         t_end=t_end,
         lat=lat.tobytes(),
+        lat_sched=lat_sched.tobytes(),
         ack_at=ack_at.tobytes(),
     )
 

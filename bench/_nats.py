@@ -203,12 +203,15 @@ def _run_loop(coro: Any) -> None:
 
 
 def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
-    """cfg: url, subject, n, window, body_size, timeout."""
+    """cfg: url, subject, n, window, body_size, timeout; rate (msgs/s, 0 = as fast as the window
+    allows: paced, message k is due at start + k / rate and ``lat_sched`` holds each PubAck's
+    latency from that time, parallel to ``lat``, from its publish)."""
     run_worker("producer", lambda *a: _run_loop(_producer(*a)), cfg, index, ready_q, start_evt, result_q)
 
 
 async def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict) -> None:
     n, window, subject = cfg["n"], cfg["window"], cfg["subject"]
+    rate = float(cfg.get("rate") or 0.0)
     filler = b"\x00" * (cfg["body_size"] - 8)
     perf = time.perf_counter
     nc = await _connect(cfg["url"])
@@ -216,21 +219,38 @@ async def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result:
     plen = len(prefix)
     sent_at = array("d", bytes(8 * n))
     lat = array("d")
-    st = {"next": 0, "acked": 0, "failed": 0, "first_error": None}
+    lat_sched = array("d")
+    ack_at = array("d")  # seconds after this producer's start, parallel to lat
+    st = {"next": 0, "acked": 0, "failed": 0, "first_error": None, "p_start": 0.0}
     done = asyncio.Event()
+    window_free = asyncio.Event()  # paced: a PubAck came while the window was full
     publish = nc.publish
 
     async def publish_more() -> None:
-        k = min(n - st["next"], window - (st["next"] - st["acked"] - st["failed"]))
+        t = perf()
+        last = min(n, int((t - st["p_start"]) * rate) + 1) if rate else n  # sends due by now
+        k = min(last - st["next"], window - (st["next"] - st["acked"] - st["failed"]))
         if k <= 0:
             return
         body = time.time_ns().to_bytes(8, "big", signed=True) + filler
-        t = perf()
         base = st["next"]
         st["next"] += k
         for seq in range(base, base + k):
             sent_at[seq] = t
             await publish(subject, body, reply=prefix + str(seq))
+
+    async def paced() -> None:
+        while st["next"] < n:
+            await publish_more()
+            if st["next"] >= n:
+                return
+            if st["next"] - st["acked"] - st["failed"] >= window:
+                window_free.clear()
+                await window_free.wait()
+                continue
+            delay = st["p_start"] + st["next"] / rate - perf()
+            if delay > 0:
+                await asyncio.sleep(delay)
 
     async def on_ack(msg: Any) -> None:
         now = perf()
@@ -238,13 +258,19 @@ async def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result:
         # a PubAck is {"stream":"…","seq":N}; an error {"error":{…}}; no stream: a 503 status, no data
         if data and b'"error"' not in data:
             st["acked"] += 1
-            lat.append(now - sent_at[int(msg.subject[plen:])])
+            seq = int(msg.subject[plen:])
+            lat.append(now - sent_at[seq])
+            ack_at.append(now - st["p_start"])
+            if rate:
+                lat_sched.append(now - st["p_start"] - seq / rate)
         else:
             st["failed"] += 1
             if st["first_error"] is None:
                 st["first_error"] = (data.decode(errors="replace") or f"status {msg.headers}")[:200]
         if st["acked"] + st["failed"] >= n:
             done.set()
+        elif rate:
+            window_free.set()
         else:
             await publish_more()
 
@@ -254,15 +280,19 @@ async def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result:
     if not start_evt.wait(120):
         raise RuntimeError("start signal never came")
     t_start = time.time()
-    await publish_more()
+    st["p_start"] = perf()
+    pacer = asyncio.ensure_future(paced() if rate else publish_more())
     try:
         await asyncio.wait_for(done.wait(), cfg["timeout"])
     except asyncio.TimeoutError:
         raise TimeoutError(f"only {st['acked'] + st['failed']} of {n} PubAcks within {cfg['timeout']}s") from None
+    finally:
+        pacer.cancel()
     t_end = time.time()
     await nc.close()
     result.update(sent=st["next"], acked=st["acked"], failed=st["failed"], first_error=st["first_error"],
-                  t_start=t_start, t_end=t_end, lat=lat.tobytes())
+                  t_start=t_start, t_end=t_end, lat=lat.tobytes(), lat_sched=lat_sched.tobytes(),
+                  ack_at=ack_at.tobytes())
 
 
 # ---------------------------------------------------------------- consumer

@@ -244,7 +244,9 @@ def delete_queue(port: int, queue: str) -> None:
 
 
 def producer_main(cfg: dict, index: int, ready_q: Any, start_evt: Any, result_q: Any) -> None:
-    """cfg: port, queue, n, window, body_size, timeout."""
+    """cfg: port, queue, n, window, body_size, timeout; rate (msgs/s, 0 = as fast as the window
+    allows: paced, message k is due at start + k / rate and ``lat_sched`` holds each confirm's
+    latency from that time, parallel to ``lat``, from its publish)."""
     run_worker("producer", _producer, cfg, index, ready_q, start_evt, result_q)
 
 
@@ -253,13 +255,17 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     from pika.spec import Basic
 
     n, window, queue = cfg["n"], cfg["window"], cfg["queue"]
+    rate = float(cfg.get("rate") or 0.0)
     filler = b"\x00" * (cfg["body_size"] - 8)
     props = pika.BasicProperties(delivery_mode=2)
     perf = time.perf_counter
     sent_at = array("d", bytes(8 * (n + 1)))  # by delivery tag (1..n)
     confirmed = bytearray(n + 2)
     lat = array("d")
-    st = {"next": 0, "low": 1, "acked": 0, "nacked": 0, "t_start": 0.0, "t_end": 0.0, "error": None}
+    lat_sched = array("d")
+    ack_at = array("d")  # seconds after this producer's start, parallel to lat
+    st = {"next": 0, "low": 1, "acked": 0, "nacked": 0, "t_start": 0.0, "t_end": 0.0, "error": None,
+          "p_start": 0.0, "timer": False}
     holder: dict = {}
 
     def fail(why: str) -> None:
@@ -269,17 +275,24 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
     def publish_more() -> None:
         ch = holder["ch"]
         done = st["acked"] + st["nacked"]
-        k = min(n - st["next"], window - (st["next"] - done))
-        if k <= 0:
-            return
-        ns = time.time_ns().to_bytes(8, "big", signed=True)
-        body = ns + filler
         t = perf()
-        base = st["next"]
-        for i in range(1, k + 1):
-            sent_at[base + i] = t
-            ch.basic_publish("", queue, body, props)
-        st["next"] += k
+        last = min(n, int((t - st["p_start"]) * rate) + 1) if rate else n  # sends due by now
+        k = min(last - st["next"], window - (st["next"] - done))
+        if k > 0:
+            body = time.time_ns().to_bytes(8, "big", signed=True) + filler
+            base = st["next"]
+            for i in range(1, k + 1):
+                sent_at[base + i] = t
+                ch.basic_publish("", queue, body, props)
+            st["next"] += k
+        # paced: wake when the next send is due (a confirm wakes a full window)
+        if rate and not st["timer"] and st["next"] < n and st["next"] - done < window:
+            st["timer"] = True
+            holder["conn"].ioloop.call_later(max(0.0, st["p_start"] + st["next"] / rate - perf()), on_due)
+
+    def on_due() -> None:
+        st["timer"] = False
+        publish_more()
 
     def on_confirm(frame: Any) -> None:
         method = frame.method
@@ -293,6 +306,9 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
                 if is_ack:
                     st["acked"] += 1
                     lat.append(now - sent_at[t])
+                    ack_at.append(now - st["p_start"])
+                    if rate:
+                        lat_sched.append(now - st["p_start"] - (t - 1) / rate)
                 else:
                     st["nacked"] += 1
         low = st["low"]
@@ -311,6 +327,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
             fail("start signal never came")
             return
         st["t_start"] = time.time()
+        st["p_start"] = perf()
         holder["conn"].ioloop.call_later(cfg["timeout"], lambda: fail(f"timed out after {cfg['timeout']}s"))
         publish_more()
 
@@ -342,7 +359,7 @@ def _producer(cfg: dict, index: int, ready_q: Any, start_evt: Any, result: dict)
         raise RuntimeError(st["error"])
     result.update(
         sent=st["next"], acked=st["acked"], failed=st["nacked"], t_start=st["t_start"], t_end=st["t_end"],
-        lat=lat.tobytes(),
+        lat=lat.tobytes(), lat_sched=lat_sched.tobytes(), ack_at=ack_at.tobytes(),
     )
 
 

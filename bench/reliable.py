@@ -75,6 +75,7 @@ from _common import (  # noqa: E402
     print_table,
     pg_background_cpu_seconds,
     tree_cpu_seconds,
+    wait_for_idle,
     writeback_text,
 )
 from _pg import PrivatePostgres  # noqa: E402
@@ -175,26 +176,28 @@ def run_workers(
     return {"t0": t0, "t_done": t_done, "wall": t_done - t0, "results": results, "cpu": cpu}
 
 
-def latencies(results: list[dict]) -> array:
+def latencies(results: list[dict], key: str = "lat") -> array:
     out = array("d")
     for r in results:
-        out.frombytes(r["lat"])
+        out.frombytes(r[key])
     return out
 
 
-def timeline(results: list[dict], t0: float) -> list[dict]:
-    """Per-second publish->ack percentiles (by ack time since the common start)."""
+def timeline(results: list[dict], t0: float, key: str = "lat", points: Sequence[float] = (50, 99)) -> list[dict]:
+    """Per-second publish->ack percentiles (by ack time since the common start) of each
+    producer's ``key`` latencies (``lat_sched``: from the time each send was due)."""
     buckets: dict[int, list[float]] = {}
     for r in results:
-        lat = array("d", r["lat"])
+        lat = array("d", r[key])
         at = array("d", r["ack_at"])
         shift = r["t_start"] - t0
         for latency, when in zip(lat, at):
             buckets.setdefault(int(when + shift), []).append(latency)
     out = []
     for second in sorted(buckets):
-        p = percentiles(buckets[second], (50, 99))
-        out.append({"second": second, "acks": p["count"], "p50": p["p50"], "p99": p["p99"], "max": p["max"]})
+        p = percentiles(buckets[second], points)
+        out.append({"second": second, "acks": p["count"], **{k: v for k, v in p.items() if k[0] == "p"},
+                    "max": p["max"]})
     return out
 
 
@@ -1859,23 +1862,7 @@ class Bench:
 
     def wait_for_quiet(self, name: str) -> None:
         """--wait-idle: on a shared machine, start a scenario when nothing else is running."""
-        limit = self.args.wait_idle
-        if not limit:
-            return
-        t0 = time.monotonic()
-        while True:
-            before = machine_busy_seconds()[0]
-            time.sleep(2.0)
-            busy = (machine_busy_seconds()[0] - before) / 2.0  # cores busy
-            if busy < 0.15:
-                waited = time.monotonic() - t0
-                if waited > 3:
-                    print(f"  (waited {waited:.0f} s for the machine to be idle before {name})", flush=True)
-                return
-            if time.monotonic() - t0 > limit:
-                print(f"  (machine still busy ({100 * busy:.0f}% of a core) after {limit:g} s; running {name} anyway)",
-                      flush=True)
-                return
+        wait_for_idle(self.args.wait_idle, name)
 
     def _guarded(self, name: str, fn: Callable[[], dict]) -> None:
         self.wait_for_quiet(name)

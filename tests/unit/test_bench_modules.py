@@ -15,7 +15,7 @@ from tests.bench_modules import BENCH, import_bench
 
 
 def test_after_every_bench_import_nsq_is_still_pynsq():
-    for name in ("channel_cost", "message_cost", "nsq_cost", "nsq_backlog_cost", "_nsq_load", "reliable"):
+    for name in ("channel_cost", "message_cost", "nsq_cost", "nsq_backlog_cost", "_nsq_load", "reliable", "latency"):
         import_bench(name)
         spec = importlib.util.find_spec("nsq")
         assert spec is not None and spec.origin is not None
