@@ -103,7 +103,7 @@ SELECT name FROM gone;
 -- division cost ~2,200 instructions a row (bench/pg_cost.py). Both read back as the same
 -- milliseconds for every allowed value (beyond the year 2255 both are a few microseconds
 -- off; tests/integration/test_store_insert.py). Every row's published_at is the
--- transaction's now(), so its milliseconds are computed once (``stamp``), not per row
+-- transaction's now(), so its milliseconds are computed once (an InitPlan), not per row
 -- (~2,700 instructions a row).
 -- What is done once a batch stays out of the rows' way (bench/pg_cost.py, session 25:
 -- 71,000 -> 58,000 instructions a row): the batch's topics come as their own short array
@@ -126,33 +126,31 @@ SELECT name FROM gone;
 -- runs can own some of these rows without being named: the server has it read them from
 -- the store once an answer names it (ReliableStore._confirm_channels).
 -- A batch that holds outbox rows runs insert_outbox_messages instead: this statement with
--- the record of those rows added (db.messages, from sql/outbox/ledger.sql's parts).
+-- the record of those rows added (db.messages, from sql/outbox/ledger.sql's parts), the
+-- gate made a CTE (``gate``) that the record and the rows both read.
 -- An ordered topic's commits are serialised across nodes (issue 45): the statement takes
 -- the transaction advisory lock (7361004, hashtext(topic)) of each ordered topic of the
 -- batch before it draws an id, and holds it until its commit is visible. So the visible
 -- ids of an ordered topic are always a prefix of those it will ever have: a node that
 -- loads every owner's copies of it (the topic's orderer) never passes a lower id that
--- another node has drawn but not committed yet. The locks are taken by the insert's
--- one-time filter (an InitPlan, run before any row draws its id), in ``placed``'s order,
--- the topics' names (move_due takes them in the same order), so two batches with
--- several ordered topics do not deadlock on them (only two pairs of names that share a
--- hash, locked in crossed orders, could: PostgreSQL would fail one of the batches).
--- A batch of unordered topics pays the read of t.ordered and one scan of ``placed``:
--- 15,300 PostgreSQL instructions a statement (bench/pg_cost.py --batch 1: 325,600 ->
--- 340,900; a separate CTE of the locks, sorted by hash, cost 38,700, a Sort alone ~12,000).
-WITH owner AS MATERIALIZED (
-    SELECT id FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE
-), stamp AS MATERIALIZED (
-    SELECT (extract(epoch FROM now()) * 1000)::bigint AS published_ms
-), placed AS MATERIALIZED (
-    -- read, not locked (a lock would cost every batch a multixact and WAL): a move waits
-    -- instead until every transaction that began before its fence has ended (topic_leftovers)
-    -- in name order: the order the ordered topics are locked in (the primary key's
-    -- order, so no sort as long as it is read by that index)
-    SELECT t.name, t.ordered FROM dmq_topic t
-    WHERE t.name = ANY(%(batch_topics)b::text[]) AND t.cluster = (SELECT s.name FROM dmq_cluster_self s)
-    ORDER BY t.name
-), ins AS (
+-- another node has drawn but not committed yet. The locks are taken in the topics' name
+-- order (move_due takes them in the same order), so two batches with several ordered
+-- topics do not deadlock on them (only two pairs of names that share a hash, locked in
+-- crossed orders, could: PostgreSQL would fail one of the batches).
+-- The gate of the rows, evaluated once (an InitPlan) at the first row, before that row
+-- draws its id: the owner share-locked, then the batch's topics placed here read (the
+-- ordered ones locked), and the answer is the batch's topics NOT placed here, NULL when
+-- the owner is retired; a row is stored if its topic is not among them. Until issue 48
+-- the owner, the placed topics and now()'s milliseconds were CTEs and the rows were
+-- joined to the placed topics by a hash join; a plan's every node is set up on every
+-- execution (ExecutorStart was a third of a one-send statement), used or not. As the
+-- gate: 340,100 -> 323,000 PostgreSQL instructions a statement of one send
+-- (bench/pg_cost.py --batch 1), 76,200 -> 73,600 a message at --batch 10, 48,300 ->
+-- 47,400 at --batch 200. Looking each topic of batch_topics up in turn (a SubPlan, in a
+-- sorted array's order: no Sort) cost 305,200 at one topic, but ~14,000 more a topic
+-- than one scan of dmq_topic for all (20 topics in a batch of 20: 79,900 -> 93,800 a
+-- message).
+WITH ins AS (
     INSERT INTO dmq_message (topic, producer, session_id, produced_at, node_id, owner, body)
     SELECT topic, producer, session_id,
            CASE WHEN produced_ms BETWEEN 1 AND 253402300799999
@@ -162,14 +160,23 @@ WITH owner AS MATERIALIZED (
                  unnest(%(session_ids)b::bigint[]) AS session_id,
                  unnest(%(produced_ms)b::bigint[]) AS produced_ms, unnest(%(bodies)b::bytea[]) AS body
          ) AS input
-    WHERE EXISTS (SELECT FROM owner) AND topic IN (SELECT name FROM placed)
-      -- the ordered topics' locks: no row matches, so every row of placed is read
-      AND NOT EXISTS (SELECT FROM placed
-                      WHERE CASE WHEN ordered THEN pg_advisory_xact_lock(7361004, hashtext(name)) IS NULL END)
+    WHERE topic <> ALL(CASE WHEN EXISTS (SELECT FROM dmq_owner WHERE id = %(owner)s::integer AND retired_at IS NULL FOR SHARE)
+        -- the batch's topics not placed here (nearly always none: a row passes at a glance)
+        THEN ARRAY(SELECT b.name FROM unnest(%(batch_topics)b::text[]) AS b(name)
+                   WHERE b.name <> ALL(ARRAY(
+                       -- placement read, not locked (a lock would cost every batch a multixact
+                       -- and WAL): a move waits instead until every transaction that began before
+                       -- its fence has ended (topic_leftovers). A volatile function of the select
+                       -- list runs after the sort: the ordered topics locked in name order.
+                       SELECT p.name FROM (
+                           SELECT t.name, CASE WHEN t.ordered THEN pg_advisory_xact_lock(7361004, hashtext(t.name)) END
+                           FROM dmq_topic t
+                           WHERE t.name = ANY(%(batch_topics)b::text[]) AND t.cluster = (SELECT s.name FROM dmq_cluster_self s)
+                           ORDER BY t.name) AS p))) END)
     ON CONFLICT (producer, session_id) DO NOTHING
     RETURNING id, topic, producer, session_id
 )
-SELECT id, producer, session_id, (SELECT published_ms FROM stamp), topic, NULL::text, NULL::bigint
+SELECT id, producer, session_id, (SELECT (extract(epoch FROM now()) * 1000)::bigint), topic, NULL::text, NULL::bigint
 FROM ins
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, c.topic, c.name, c.start_id

@@ -137,13 +137,28 @@ def _without_comments(sql: str) -> str:
 # A batch holding outbox rows records them as it stores them (insert_outbox_messages: the
 # record first, and only the rows recorded now stored). The first try is
 # insert_new_messages recording the outbox rows it stored (record_new_stored): a pair stored
-# or recorded before is a unique violation, and insert_outbox_messages runs instead.
+# or recorded before is a unique violation, and insert_outbox_messages runs instead. The
+# record stores only what the rows would, so the rows' gate (the owner, the placed topics,
+# the ordered ones locked) becomes a CTE that both read: evaluated once, as the rows' is.
+_GATE = re.compile(r"\n    WHERE topic <> ALL\((CASE WHEN EXISTS .*? END)\)\n    ON CONFLICT", re.S)
+_FIRST_CTE = "WITH ins AS ("
+_GATED = "WHERE topic <> ALL((SELECT misplaced FROM gate)::text[])"
+
+
+def with_gate_cte(statement: str) -> str:
+    """insert_messages with its rows' gate as the CTE ``gate`` (one row: ``misplaced``)."""
+    gates = _GATE.findall(statement)
+    if len(gates) != 1 or statement.count(_FIRST_CTE) != 1:
+        raise RuntimeError(f"sql/queries.sql: insert_messages must start {_FIRST_CTE!r} and gate its rows once")
+    statement = _GATE.sub(lambda _: f"\n    {_GATED}\n    ON CONFLICT", statement)
+    return statement.replace(_FIRST_CTE, f"WITH gate AS MATERIALIZED (\n    SELECT {gates[0]} AS misplaced\n), ins AS (")
+
+
 INSERT_OUTBOX_MESSAGES = with_outbox_record(
-    queries["insert_messages"], "), ins AS (",
-    "WHERE EXISTS (SELECT FROM owner) AND topic IN (SELECT name FROM placed)",
+    with_gate_cte(queries["insert_messages"]), "), ins AS (", _GATED,
     RECORDING["record_stored"], RECORDING["stored_if_recorded"])
 add_statement("insert_outbox_messages", INSERT_OUTBOX_MESSAGES)
-_ANSWER = "\n)\nSELECT id, producer, session_id, (SELECT published_ms FROM stamp)"
+_ANSWER = "\n)\nSELECT id, producer, session_id, (SELECT (extract(epoch FROM now()) * 1000)::bigint)"
 if INSERT_NEW_MESSAGES.count(_ANSWER) != 1:
     raise RuntimeError(f"sql/queries.sql: insert_messages must end its CTEs with {_ANSWER!r} once")
 INSERT_NEW_OUTBOX_MESSAGES = INSERT_NEW_MESSAGES.replace(
