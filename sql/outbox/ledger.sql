@@ -12,9 +12,8 @@
 -- 'outbox:…' but not '…:delayed': a delayed one was recorded when it entered dmq_delay,
 -- and its move into dmq_message is not a relay), those placed here while the owner is
 -- not retired (``gate``: the batch's topics not placed here, NULL when the owner is
--- retired; a row not stored records nothing),
--- recorded unless recorded before. The
--- rows go in the batch's order (sorted by pair: one lock order for concurrent writers).
+-- retired; a row not stored records nothing), recorded unless recorded before. The rows
+-- go in the batch's order (sorted by pair: one lock order for concurrent writers).
 INSERT INTO dmq_outbox_relayed (session_id, producer)
 SELECT session_id, producer
 FROM (SELECT unnest(%(topics)b::text[]) AS topic, unnest(%(producers)b::text[]) AS producer,
