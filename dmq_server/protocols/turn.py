@@ -16,10 +16,15 @@ their copies. If the process stands still before the turn ends (SIGSTOP, a pause
 long stall) past its ZooKeeper session, another node takes the copies over, pushes them
 again and may see them acknowledged for good; the held pushes would then reach their
 consumer after a durable ack (the chaos suite's node-pause counted one in about 25 runs:
-the woken node's turn end ran before anything told it). So a buffer with a ``guard``
-asks it, when its bytes are older than ``STALL`` seconds at the flush, whether this node
-may still push (the cluster's delivery gate, which finds the gap itself and pauses
-until ZooKeeper answers). If not, ``on_stale`` decides: a connection holding copies in
+the woken node's turn end ran before anything told it). A push is decided before its
+bytes are held (the channel asks its gate, then hands the copies over): a stop between
+the two holds bytes decided before it (the ordered-nodes chaos test saw the woken
+orderer push one such copy 10 ms after SIGCONT). So the bytes' age counts from the last
+turn end, not from their own arrival here: whatever this turn decided came after it.
+A buffer with a ``guard`` asks it, when that age is over ``STALL`` seconds at the
+flush, whether this node may still push (the cluster's delivery gate, which finds the
+gap itself and pauses until ZooKeeper answers); after an idle spell the guard is asked
+once, at the first turn's end, and answers yes. If not, ``on_stale`` decides: a connection holding copies in
 flight closes (True: the bytes are dropped; its copies go back, its client connects
 again, and a send answer among the bytes is lost with it: its client resends,
 idempotent by session id); one holding none (a producer) gets its answers (False). Bytes
@@ -51,11 +56,13 @@ class _TurnEnd:
     batches (the steady scenario's five messages a commit, to four connections) a call
     per connection was 3 % of dmq-server's samples."""
 
-    __slots__ = ("_clock", "_held", "__weakref__")
+    __slots__ = ("_clock", "_held", "ended", "__weakref__")
 
     def __init__(self, clock: Clock):
         self._clock = weakref.ref(clock)  # a strong one would keep its entry in _TURN_ENDS forever
         self._held: list[TurnBuffer] = []
+        #: when the last turn end ran: what a turn decides, it decides after this
+        self.ended = clock.seconds()
 
     def hold(self, buffer: TurnBuffer) -> None:
         held = self._held
@@ -66,6 +73,9 @@ class _TurnEnd:
 
     def _run(self) -> None:
         held, self._held = self._held, []
+        clock = self._clock()
+        if clock is not None:
+            self.ended = clock.seconds()
         for buffer in held:
             try:
                 buffer.flush()
@@ -98,7 +108,7 @@ class TurnBuffer:
         self._clock = clock
         self._guard = guard  # None: no node can take this one's copies over (no cluster)
         self._on_stale = on_stale
-        self._since = 0.0  # when the held bytes began (read only with a guard)
+        self._since = 0.0  # the turn end before the held bytes were decided (read only with a guard)
 
     def __bool__(self) -> bool:
         return bool(self._out)
@@ -117,9 +127,9 @@ class TurnBuffer:
         out += parts
 
     def _held(self) -> None:
-        self._turn_end.hold(self)
-        if self._guard is not None:
-            self._since = self._clock.seconds()
+        turn_end = self._turn_end
+        turn_end.hold(self)
+        self._since = turn_end.ended
 
     def flush(self) -> None:
         out = self._out

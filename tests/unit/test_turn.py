@@ -117,3 +117,37 @@ def test_a_turn_of_normal_length_does_not_ask_the_gate():
     clock.advance(turn.STALL / 2)
     clock.advance(0)
     assert written == [b"push"] and stale == []
+
+
+def test_a_push_decided_before_a_stall_and_held_after_it_does_not_leave():
+    """The stop may fall between a channel's gate check and its copies reaching the
+    buffer: the bytes arrive after the stall but were decided before it (the woken
+    orderer of the ordered-nodes chaos test pushed one copy 10 ms after SIGCONT). Their
+    age counts from the last turn end."""
+    clock, may_push = Clock(), [True]
+    buffer, written, stale = _guarded(clock, may_push)
+    buffer.add(b"earlier")
+    clock.advance(0)  # a turn ends
+    assert written == [b"earlier"]
+    clock.advance(4.0)  # frozen after the gate said yes, before the push was held
+    may_push[0] = False  # the gate, asked now, finds the gap
+    buffer.add(b"decided before the stall")
+    clock.advance(0)
+    assert written == [b"earlier"] and stale == [4.0]
+
+
+def test_after_an_idle_spell_the_gate_is_asked_once_and_a_yes_sends():
+    clock, asked = Clock(), []
+
+    def may_push() -> bool:
+        asked.append(clock.seconds())
+        return True
+
+    written: list[bytes] = []
+    buffer = TurnBuffer(clock, written.append, may_push, lambda: True)
+    clock.advance(30.0)  # nothing to write for a while
+    buffer.add(b"one")
+    clock.advance(0)
+    buffer.add(b"two")  # the next turn: its last turn end is recent
+    clock.advance(0)
+    assert written == [b"one", b"two"] and asked == [30.0]
