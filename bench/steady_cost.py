@@ -4,9 +4,9 @@ without sockets or PostgreSQL: paced producers, each send in a read of its own.
 At 5,000 msgs/s from four paced producers nearly every read holds one send, and a group
 commit holds the ten or so that arrived while the one before it was in flight; the run
 work of the full-load scenarios (a read's sends admitted together, a commit's answers
-encoded together) then has runs of one. The steady scenario measures dmq-server at
-110-125 µs a message there against 19-27 µs under full load (docs/benchmarks.md): this
-is the path that figure is made of, in a form that counts instructions.
+encoded together) then has runs of one. dmq-server's CPU a message in the steady
+scenario is several times its full-load figure (docs/benchmarks.md, the targets table):
+this is the path that figure is made of, in a form that counts instructions.
 
 Four producer connections (real ``DmqConnection``s on string transports) send in turn,
 one ``UP_PRODUCER_SEND`` a read, the reactor turn ended after each (``clock.advance(0)``:
