@@ -613,12 +613,15 @@ class Broker:
 
     # -- subscribing ------------------------------------------------------
     def may_push(self) -> bool:
-        """Whether this node may push reliable copies now: always alone; in a cluster,
-        not while its ZooKeeper session is in doubt or lost, or after it stood still,
-        until ZooKeeper confirms it (the cluster node's delivery gate). Asked by the wire
-        protocols before bytes held since before a stall leave (``protocols.turn``)."""
+        """Whether pushes decided a while ago may still leave: always alone; in a
+        cluster, not after the node stood still (a gap in its time) until ZooKeeper
+        confirms its session: other nodes may have taken their copies over meanwhile.
+        Asked by the wire protocols before bytes that may have been decided before a
+        stall leave (``protocols.turn``). A node paused with its session merely in doubt
+        answers yes: it held the copies when it decided (a fast topic's consumers, which
+        no other node serves, are not cut off either)."""
         fence = self._fence
-        return fence is None or fence.may_deliver()
+        return fence is None or not fence.stood_still()
 
     def subscribe(self, topic: str, channel: str, consumer: Receiver) -> Deferred:
         """Deferred firing with the reliable channel once the consumer is attached."""

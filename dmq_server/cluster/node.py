@@ -260,6 +260,17 @@ class ClusterNode:
         main = self._stores.get("main")
         return main is None or not main.paused
 
+    def stood_still(self) -> bool:
+        """Asked before bytes that may have been decided before a stall leave
+        (``protocols.turn``, through ``Broker.may_push``): whether this node stood still
+        (a gap found here or by the scan) and ZooKeeper has not confirmed its session
+        since. Not whether it may deliver: a pause for a session in doubt stops new
+        pushes, not those decided while the node held their copies."""
+        last = self._last_scan
+        if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
+            self.check_gap()
+        return bool(self._gap_check)
+
     def check_gap(self) -> None:
         """Run before each of the broker's scans (its ``before_scan``).
 

@@ -22,13 +22,16 @@ the two holds bytes decided before it (the ordered-nodes chaos test saw the woke
 orderer push one such copy 10 ms after SIGCONT). So the bytes' age counts from the last
 turn end, not from their own arrival here: whatever this turn decided came after it.
 A buffer with a ``guard`` asks it, when that age is over ``STALL`` seconds at the
-flush, whether this node may still push (the cluster's delivery gate, which finds the
-gap itself and pauses until ZooKeeper answers); after an idle spell the guard is asked
-once, at the first turn's end, and answers yes. If not, ``on_stale`` decides: a connection holding copies in
-flight closes (True: the bytes are dropped; its copies go back, its client connects
-again, and a send answer among the bytes is lost with it: its client resends,
-idempotent by session id); one holding none (a producer) gets its answers (False). Bytes
-already in the kernel left before the stall: nothing in user space can call them back.
+flush, whether bytes decided that long ago may still leave (``Broker.may_push``: not
+after the node stood still, until ZooKeeper confirms its session; the cluster node finds
+the gap itself). After an idle spell the guard is asked once, at the first turn's end,
+and answers yes, also while the node is paused with its session merely in doubt (its
+fast topics' consumers are not cut off). If not, ``on_stale`` decides: a connection
+holding copies in flight closes (True: the bytes are dropped; its copies go back, its
+client connects again, and a send answer among the bytes is lost with it: its client
+resends, idempotent by session id); one holding none (a producer) gets its answers
+(False). Bytes already in the kernel left before the stall: nothing in user space can
+call them back.
 """
 
 from __future__ import annotations

@@ -101,10 +101,15 @@ ChannelState = tuple[set[tuple[str, str]], set[int], dict[tuple[str, str], int]]
 class Fence:
     """A cluster node's hold on a store (``cluster.node``): load only the copies of the
     owners whose cursors ``owner`` (the node id) holds, and push only while
-    ``may_deliver()`` says so (not while the node's ZooKeeper session is in doubt)."""
+    ``may_deliver()`` says so (not while the node's ZooKeeper session is in doubt).
+    ``stood_still()``: whether the node stood still (a gap in its time) and ZooKeeper has
+    not yet confirmed its session since: pushes decided before such a gap must not leave
+    (``protocols.turn``), while those decided before a pause for a session merely in doubt
+    may (the node held their copies when it decided)."""
 
     owner: str
     may_deliver: Callable[[], bool]
+    stood_still: Callable[[], bool] = lambda: False
 
 
 @dataclass(frozen=True)

@@ -482,13 +482,11 @@ def test_a_copy_that_cannot_be_pushed_fails_no_other_of_its_run() -> None:
         (Command.CONSUMER_PUSH, 1, "billing"), (Command.CONSUMER_PUSH, 3, "billing")]
 
 
-def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node_may_not_push():
-    """A push queued for the end of its reactor turn, then a stall (SIGSTOP) past the node's
-    ZooKeeper session: the woken node's gate is closed (another node may hold the copy and
-    have seen it acknowledged), so the consumer's connection closes without the push and
-    the copy goes back; a producer's answers in such a turn still go out."""
-    gate = [True]
-    server = Server(fence=Fence("node-1", lambda: gate[0]))  # a cluster node's gate
+def _a_copy_out_on_a_cluster_node():
+    """A server fenced as a cluster node's (its delivery gate ``gate[0]``, whether it stood
+    still ``stood[0]``), a producer, and a consumer holding the one copy it was pushed."""
+    gate, stood = [True], [False]
+    server = Server(fence=Fence("node-1", lambda: gate[0], lambda: stood[0]))
     producer, consumer = server.connect(), server.connect()
     producer.received(), consumer.received()
     consumer.send(Frame(Command.UP_SUBSCRIBE, session_id=9, topic="orders", channel="billing", credit=10))
@@ -496,13 +494,40 @@ def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node
     consumer.received()
     producer.send(send_frame(1))
     server.settle()
-    [push] = [f for f in consumer.received() if f.command == Command.CONSUMER_PUSH]  # before: as usual
+    assert [f.command for f in consumer.received()] == [Command.CONSUMER_PUSH]  # held, not acked
     producer.received()
+    return server, producer, consumer, gate, stood
+
+
+def test_pushes_held_while_the_process_stood_still_are_not_written_once_the_node_may_not_push():
+    """A push queued for the end of its reactor turn, then a stall (SIGSTOP) past the node's
+    ZooKeeper session: the woken node's gate is closed (another node may hold the copy and
+    have seen it acknowledged), so the consumer's connection closes without the push and
+    the copy goes back; a producer's answers in such a turn still go out."""
+    server, producer, consumer, gate, stood = _a_copy_out_on_a_cluster_node()
     channel = server.broker.channels[("orders", "billing")]
     channel.add(ReliableMessage(77, "orders", "p", 2, 1_700_000_000_000, b"late"))  # queued for the turn's end
     producer.conn.queue_write(b"answer")  # a producer's bytes of the same turn
-    gate[0] = False  # what the gate answers on waking: ZooKeeper has not confirmed the session
+    gate[0], stood[0] = False, True  # on waking the node finds the gap: ZooKeeper has not confirmed it
     server.clock.advance(4.0)
     assert consumer.received() == [] and consumer.conn.closed and consumer.transport.disconnecting
     assert producer.transport.value() == b"answer" and not producer.conn.closed
     assert 77 in channel.known and 77 not in channel.in_flight  # back, for whoever holds it
+
+
+def test_a_turn_after_an_idle_spell_is_written_while_the_node_is_merely_paused():
+    """A turn's bytes are aged from the last turn end (a stop may fall between a push's
+    decision and its bytes), so after an idle spell they look old. A node paused with its
+    session in doubt, that did not stand still, writes them: a consumer holding a copy is
+    not cut off for it."""
+    server, producer, consumer, gate, stood = _a_copy_out_on_a_cluster_node()
+    gate[0] = False  # ZooKeeper's connection lost: the session in doubt, nothing new pushed
+    server.clock.advance(10.0)  # quiet
+    consumer.conn.queue_write(b"bytes of this turn")
+    server.clock.advance(0)
+    assert consumer.transport.value() == b"bytes of this turn" and not consumer.conn.closed
+    stood[0] = True  # had it stood still, the same bytes would not leave
+    server.clock.advance(10.0)
+    consumer.conn.queue_write(b"after a stall")
+    server.clock.advance(0)
+    assert consumer.conn.closed and consumer.transport.value() == b"bytes of this turn"

@@ -147,11 +147,13 @@ def env():
     scanner = TimerService(0.1, store.scan)  # the broker's scanner, as it calls the fast store
     scanner.clock = clock
     scanner.startService()
-    gate = [True]  # the cluster node's delivery gate (Broker.may_push asks it)
-    broker = FakeBroker(clock, store, Fence("node-1", lambda: gate[0]))
+    gate = [True]  # the cluster node's delivery gate (a channel asks it before it pushes)
+    stood = [False]  # whether the node stood still, unconfirmed (Broker.may_push asks it)
+    broker = FakeBroker(clock, store, Fence("node-1", lambda: gate[0], lambda: stood[0]))
     options = SimpleNamespace(heartbeat_interval=30.0, msg_timeout=60.0, max_msg_size=1024)
     ctx = NsqContext(broker, options, clock)
-    return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, gate=gate, peer=lambda: Peer(ctx))
+    return SimpleNamespace(clock=clock, store=store, broker=broker, ctx=ctx, gate=gate, stood=stood,
+                           peer=lambda: Peer(ctx))
 
 
 OK = (FRAME_RESPONSE, b"OK")
@@ -797,7 +799,21 @@ def test_a_reliable_message_held_while_the_process_stood_still_is_not_written_on
     c = env.peer().send(b"SUB orders billing\nRDY 5\n")
     assert c.frames() == [OK]
     ch.add(ReliableMessage(5, "orders", "p", 1, 0, b"late"))  # queued for the turn's end
-    env.gate[0] = False
+    env.gate[0], env.stood[0] = False, True  # on waking the node finds the gap in its time
     env.clock.advance(4.0)
     assert c.frames() == [] and c.closed
     assert len(ch.ready) == 1 and not ch.in_flight
+
+
+def test_a_fast_topics_consumer_is_served_after_an_idle_spell_while_the_node_is_paused(env):
+    """Paused with its ZooKeeper session in doubt (not stood still), the node still serves
+    a fast topic, which no other node takes over: after an idle spell, the first push's
+    turn is old by the last turn end's clock, and it goes (the consumer is not cut off)."""
+    c = env.peer().send(b"SUB fast ch\nRDY 5\n")
+    assert c.frames() == [OK]
+    env.gate[0] = False  # the session in doubt: reliable pushes stop
+    env.clock.advance(10.0)  # nothing to write meanwhile
+    env.peer().send(encode_command(b"PUB", b"fast", body=b"after a quiet spell"))
+    env.clock.advance(0)
+    frames = c.frames()
+    assert len(frames) == 1 and frames[0][1].endswith(b"after a quiet spell") and not c.closed

@@ -44,6 +44,9 @@ class StandInNode:
     def check_gap(self) -> None:
         pass
 
+    def stood_still(self) -> bool:
+        return False
+
     def attach(self, stores: Mapping[str, ClusterStore], refresh: Callable[[bool], defer.Deferred],
                fast_topics: Callable[[], dict[str, tuple[str, ...]]]) -> None:
         self.attached = stores
