@@ -459,12 +459,12 @@ class ChannelCursor(Generic[CopyT]):
         if limit is None:
             return 0, [(x, x) for x in points]
         position = 0 if (self.rescan_pending or self.load_stale) else self.position
-        bound = min(limit, position)
+        ceiling = min(limit, position)  # a float: limit may be infinite
         if self.skipped:
-            bound = min(bound, min(self.skipped.values()) - 1)
+            ceiling = min(ceiling, min(self.skipped.values()) - 1)
         if lowest_ready is not None:
-            bound = min(bound, lowest_ready - 1)
-        bound = int(bound)
+            ceiling = min(ceiling, lowest_ready - 1)
+        bound = int(ceiling)
         done = set(points)
         holes = [mid for mid, d in in_flight.items() if mid <= bound and d.message.owner == owner]
         holes += [mid for mid, o in self.finishing.items() if o == owner and mid <= bound and mid not in done]
