@@ -435,7 +435,8 @@ class DmqServer:
         broker = self.broker = Broker(
             options.replace(registry_refresh=options.zk_refresh), self.reactor, self.workers, self.node_id,
             cluster.fetch_topics, fast=self.fast_store, clusters=self.cluster_workers, slots=self.slots,
-            alone=False, memory=self.client_memory, fence=Fence(self.node_id, cluster.may_deliver, cluster.stood_still),
+            alone=False, memory=self.client_memory,
+            fence=Fence(self.node_id, cluster.may_deliver, cluster.stood_still),
             before_scan=cluster.check_gap,
         )
         broker.health_listeners.append(self._health_changed)
