@@ -254,9 +254,7 @@ class ClusterNode:
         here before the overdue scan would find it: an ack read on waking pumps at once),
         delivery pauses until ZooKeeper confirms the session, so nothing held from before
         the gap is pushed while other nodes may have taken it over."""
-        last = self._last_scan
-        if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
-            self.check_gap()
+        self._check_gap_if_due()
         main = self._stores.get("main")
         return main is None or not main.paused
 
@@ -266,10 +264,15 @@ class ClusterNode:
         (a gap found here or by the scan) and ZooKeeper has not confirmed its session
         since. Not whether it may deliver: a pause for a session in doubt stops new
         pushes, not those decided while the node held their copies."""
+        self._check_gap_if_due()
+        return bool(self._gap_check)
+
+    def _check_gap_if_due(self) -> None:
+        """``check_gap`` now if the last scan is older than a third of the session timeout
+        (asked between scans: the first push or flush after waking may come before the scan)."""
         last = self._last_scan
         if last is not None and self.reactor.seconds() - last > self.options.zk_session_timeout / 3:
             self.check_gap()
-        return bool(self._gap_check)
 
     def check_gap(self) -> None:
         """Run before each of the broker's scans (its ``before_scan``).
