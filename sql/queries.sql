@@ -371,14 +371,22 @@ LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND 
 ORDER BY m.id
 LIMIT %(limit)s;
 
--- name: load_priority_backlog
--- A channel's stored, unacknowledged copies of a priority above 0, highest priority first,
--- then oldest first, with their properties: per owner and per level of ``levels`` (the
--- priorities 9 to 1), one range of dmq_message_priority_idx above the larger of that
--- level's ``afters`` bound (what the channel loaded of the level before), the channel's
--- start and the owner's floor, skipping what is done. ``m.priority > 0`` is written out
--- beside ``m.priority = l.priority``: the planner uses the partial index only when the
--- statement's text implies its predicate. Owners as load_backlog's.
+-- name: load_priority_level
+-- A channel's stored, unacknowledged copies of one priority above 0 (``priority``), oldest
+-- first, with their properties: per owner, one range of dmq_message_priority_idx above the
+-- larger of ``after`` (what the channel loaded of the level before), the channel's start and
+-- the owner's floor, skipping what is done; owners as load_backlog's. A read-ahead runs it
+-- for each level, highest first, asking each only for what the levels above left of its
+-- limit (load_priority_backlog_steps): one statement over the nine levels read up to the
+-- limit of each before sorting them, 5,000 rows of 45,000 read, 220-316 ms a call in the
+-- priority drains against 24-44 ms this way (docs/benchmarks.md "Priority").
+-- The level is a row comparison over (priority, id) and a bound on priority, not an
+-- equality: written as an equality, the placement index (hashtext(topic), owner, id) gives
+-- the same order and the planner, with statistics older than the topic, takes it and
+-- filters the level; ordered by (priority, id), only this index gives the order. Both
+-- bounds follow equalities on the index's first two columns, so the scan starts at the
+-- level's bound and stops at its end. ``m.priority > 0`` is written out: the planner uses
+-- the partial index only when the statement's text implies its predicate.
 WITH ch AS (
     SELECT start_id, epoch FROM dmq_channel WHERE topic = %(topic)s AND name = %(channel)s
 ), owners AS (
@@ -388,8 +396,6 @@ WITH ch AS (
        OR EXISTS (SELECT 1 FROM dmq_cursor k
                   WHERE k.topic = %(topic)s AND k.channel = %(channel)s AND k.owner = o.id
                     AND k.holder = %(holder)s::text)
-), l AS (
-    SELECT * FROM unnest(%(levels)s::smallint[], %(afters)s::bigint[]) AS l(priority, after)
 )
 SELECT m.id, m.producer, m.session_id,
        (extract(epoch FROM m.published_at) * 1000)::bigint AS published_ms,
@@ -405,21 +411,19 @@ LEFT JOIN LATERAL (
     WHERE c.topic = %(topic)s AND c.channel = %(channel)s AND c.owner = w.id
     OFFSET 0
 ) k ON true
-CROSS JOIN l
 CROSS JOIN LATERAL (
     SELECT m.id, m.producer, m.session_id, m.published_at, m.body, m.owner, m.key, m.priority, m.headers
     FROM dmq_message m
-    WHERE (hashtext(m.topic), m.owner, m.priority, m.id)
-          > (hashtext(%(topic)s), w.id, l.priority, greatest(l.after, ch.start_id, coalesce(k.floor, 0)))
-      AND (hashtext(m.topic), m.owner, m.priority, m.id) <= (hashtext(%(topic)s), w.id, l.priority, 9223372036854775807)
-      AND m.priority > 0 AND m.topic = %(topic)s
+    WHERE hashtext(m.topic) = hashtext(%(topic)s) AND m.owner = w.id
+      AND (m.priority, m.id) > (%(priority)s::smallint, greatest(%(after)s::bigint, ch.start_id, coalesce(k.floor, 0)))
+      AND m.priority <= %(priority)s::smallint AND m.priority > 0 AND m.topic = %(topic)s
       AND (m.channel IS NULL OR m.channel = %(channel)s)
       AND NOT coalesce(k.done @> m.id, false)
-    ORDER BY hashtext(m.topic), m.owner, m.priority, m.id
+    ORDER BY m.priority, m.id
     LIMIT %(limit)s
 ) m
 LEFT JOIN dmq_attempts a ON a.topic = %(topic)s AND a.channel = %(channel)s AND a.message_id = m.id
-ORDER BY m.priority DESC, m.id
+ORDER BY m.id
 LIMIT %(limit)s;
 
 -- name: sweep_bounds

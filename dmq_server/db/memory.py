@@ -311,7 +311,7 @@ class MemoryDb:
             "ack_deliveries": self._ack_deliveries,
             "ack_new_deliveries": self._ack_new_deliveries,
             "load_backlog": self._load_backlog,
-            "load_priority_backlog": self._load_priority_backlog,
+            "load_priority_level": self._load_priority_level,
             "sweep_bounds": self._sweep_bounds,
             "sweep_clock": lambda p: [(self._now_ms(),)],
             "sweep_topics": self._sweep_topics,
@@ -848,16 +848,15 @@ class MemoryDb:
         return self._backlog(p, lambda m: m.id > p["after"] and (m.key is None or m.key not in skip)
                              and (only is None or m.key == only))
 
-    def _load_priority_backlog(self, p: dict) -> list[tuple]:
-        # of each level, the copies after its bound; priority 0 has none (the index's predicate)
-        after = {level: bound for level, bound in zip(p["levels"], p["afters"]) if level > 0}
-        return self._backlog(p, lambda m: m.priority in after and m.id > after[m.priority], by_priority=True)
+    def _load_priority_level(self, p: dict) -> list[tuple]:
+        # one level's copies after its bound; priority 0 has none (the index's predicate)
+        level, after = p["priority"], p["after"]
+        return self._backlog(p, lambda m: m.priority == level > 0 and m.id > after)
 
-    def _backlog(self, p: dict, wanted: Callable[[_Message], bool], by_priority: bool = False) -> list[tuple]:
+    def _backlog(self, p: dict, wanted: Callable[[_Message], bool]) -> list[tuple]:
         """The load statements' rows: the channel's waiting copies ``wanted`` of the
         owners its node loads (all without a holder; else its own and those of the
-        cursors it holds), the first ``limit`` in id order (``by_priority``: highest
-        priority first, then id order)."""
+        cursors it holds), the first ``limit`` in id order."""
         topic, channel, holder = p["topic"], p["channel"], p["holder"]
         if channel not in self.channels.get(topic, ()):
             return []
@@ -872,7 +871,7 @@ class MemoryDb:
             (m for m in self.messages.values()
              if m.topic == topic and wanted(m) and loads(m.owner)
              and channel in self._channels_of(m) and not self._done(topic, channel, m)),
-            key=lambda m: (-m.priority if by_priority else 0, m.id),
+            key=lambda m: m.id,
         )[: p["limit"]]
         rows = []
         for m in found:

@@ -705,8 +705,10 @@ def load_backlog_steps(
     return _backlog_rows((yield Statement("load_backlog", params)))
 
 
-#: the levels load_priority_backlog reads, highest first (priority 0 has no entry in its index)
+#: the levels a read-ahead reads, highest first (priority 0 has no entry in their index)
 _LEVELS = tuple(range(PRIORITY_MAX, 0, -1))
+#: a level's bound above every id (bigint's largest: ChannelCursor's NOTHING_AHEAD)
+_NO_ID_ABOVE = 2**63 - 1
 
 
 def load_priority_backlog_steps(
@@ -716,18 +718,33 @@ def load_priority_backlog_steps(
     oldest first: of each level p (1 to 9) only the copies after ``afters[p - 1]`` (what
     the channel loaded of that level before), at most ``limit`` in all. Owners as
     ``load_backlog_steps``'s. The index it reads holds only such messages (schema 18),
-    so a channel finds them without walking the copies of priority 0 stored before."""
+    so a channel finds them without walking the copies of priority 0 stored before.
+
+    One statement a level, highest first, each asked for what the levels above left of
+    the limit: a load stops where its limit is reached instead of reading up to the limit
+    of every level and sorting them (sql/queries.sql ``load_priority_level``). A level
+    bounded above every id is not asked. The statements run one after another, each with
+    its own snapshot: a copy committed meanwhile is one committed after the load, as with
+    any load (the cursor's own-write horizon)."""
     if len(afters) != PRIORITY_MAX:
         raise ValueError(f"load_priority_backlog: {len(afters)} bounds, one a priority 1 to {PRIORITY_MAX} expected")
-    params: Params = {
-        "topic": topic, "channel": channel, "limit": limit, "holder": holder, "owner": owner,
-        "levels": list(_LEVELS), "afters": [afters[p - 1] for p in _LEVELS],
-    }
-    return _backlog_rows((yield Statement("load_priority_backlog", params)))
+    rows: list[BacklogRow] = []
+    for level in _LEVELS:
+        after = afters[level - 1]
+        if after >= _NO_ID_ABOVE:
+            continue
+        params: Params = {
+            "topic": topic, "channel": channel, "limit": limit - len(rows), "holder": holder, "owner": owner,
+            "priority": level, "after": after,
+        }
+        rows += _backlog_rows((yield Statement("load_priority_level", params)))
+        if len(rows) >= limit:
+            break
+    return rows
 
 
 def _backlog_rows(rows: Rows) -> list[BacklogRow]:
-    """The rows of load_backlog and load_priority_backlog (one column list)."""
+    """The rows of load_backlog and load_priority_level (one column list)."""
     return [BacklogRow(r[0], r[1], r[2], r[3], bytes(r[4]), r[5], r[6],
                        "" if r[7] is None and not r[8] and r[9] is None else stored_status(r[7], r[8], r[9]), r[7],
                        r[8], r[10])

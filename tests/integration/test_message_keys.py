@@ -189,8 +189,8 @@ def test_a_new_incarnation_reads_a_topic_by_its_range_in_a_generic_plan(pg_dsn):
                      (first, top))
         conn.execute("VACUUM ANALYZE dmq_message")
         params = dict(PARAMS, after=top, below=top, upto=top, retention_s=0, counted_ms=0, owner=second,
-                      levels=list(range(9, 0, -1)), afters=[0] * 9)
-        for name in ("load_backlog", "load_priority_backlog", "sweep_topic", "count_retained", "expire_deliveries"):
+                      priority=5)
+        for name in ("load_backlog", "load_priority_level", "sweep_topic", "count_retained", "expire_deliveries"):
             plan = _generic_plan(conn, name, params)
             assert all(c.startswith("(id = ") for c in _conditions(plan, "dmq_message_pkey")), f"{name}:\n{plan}"
             assert "Seq Scan on dmq_message " not in plan, f"{name}:\n{plan}"
@@ -198,6 +198,9 @@ def test_a_new_incarnation_reads_a_topic_by_its_range_in_a_generic_plan(pg_dsn):
             # loose scan of the owners)
             assert all(c.lstrip("(").startswith(("hashtext(topic) = ", "ROW(hashtext(topic), owner, id) > ROW("))
                        for c in _conditions(plan, INDEX)), f"{name}:\n{plan}"
+            # and a level's read, an owner's range of that level
+            assert all(c.startswith("((hashtext(topic) = hashtext($1)) AND (owner = ")
+                       for c in _conditions(plan, "dmq_message_priority_idx")), f"{name}:\n{plan}"
 
 
 def test_a_topic_newer_than_the_statistics_is_loaded_by_an_ordered_scan(pg_dsn):

@@ -162,9 +162,11 @@ def test_a_replayed_dead_letter_and_a_delayed_message_keep_their_priority(pg_dsn
 
 
 def test_the_load_reads_the_partial_index_by_ranges(pg_dsn):
-    """Every owner's and level's range is an index range of dmq_message_priority_idx led by
-    the topic's hash, the owner, the level and the id bound: the priority-0 copies (most of
-    the table) and other topics' messages are not walked, nor is the placement index."""
+    """Each level's read is, for every owner, an index range of dmq_message_priority_idx led
+    by the topic's hash and the owner, from the level's id bound to the level's end: the
+    priority-0 copies (most of the table), other levels and other topics' messages are not
+    walked, nor is the placement index. With statistics taken before the topic's messages
+    were stored too (a new topic's first backlog), where the planner expects one row."""
     with connect(pg_dsn, autocommit=True) as conn:
         owners = [run_steps(conn, create_owner_steps(f"node-{n}")) for n in (1, 2)]
         for topic in ("t1", "t2", "t3"):
@@ -172,29 +174,75 @@ def test_the_load_reads_the_partial_index_by_ranges(pg_dsn):
                                                       "rate_limit": None, "ttl_ms": None, "max_attempts": None,
                                                       "cluster": "main", "ordered": False, "retention_ms": None})
             conn.execute(STATEMENTS["add_channel"], {"topic": topic, "name": "c"})
+            if topic == "t1":
+                conn.execute("ANALYZE")  # stale for t1: taken before its messages
             for owner in owners:  # one message in 50 has a priority (1 to 9)
                 conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body, priority) "
                              "SELECT %s, %s, i, 'node', %s, 'x', "
                              "CASE WHEN i %% 50 = 0 THEN 1 + i / 50 %% 9 ELSE 0 END "
                              "FROM generate_series(1, 20000) AS i", (topic, f"p-{topic}-{owner}", owner))
-        conn.execute("ANALYZE")
-        params = {"topic": "t1", "channel": "c", "limit": 100, "holder": None, "owner": 0,
-                  "levels": list(range(9, 0, -1)), "afters": [0] * 9}
-        assert set(re.findall(r"%\((\w+)\)s", STATEMENTS["load_priority_backlog"])) == set(params)
-        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + STATEMENTS["load_priority_backlog"], params))
-        # (an ordered scan of each range, or a bitmap of it sorted: which one is the estimate's)
-        assert f"Index Scan using {INDEX} on dmq_message" in plan or f"Bitmap Index Scan on {INDEX}" in plan, plan
-        (condition,) = {line.split("Index Cond: ", 1)[1] for line in _after(plan, INDEX) if "Index Cond: " in line}
-        # the level's range of the index: row comparisons over its columns, from the id bound to the
-        # level's end (no equality: only this index gives the statement's order)
-        assert re.match(r"\(\(ROW\(hashtext\(topic\), owner, priority, id\) > ROW\(-?\d+, o\.id, l\.priority, "
-                        r"GREATEST\(l\.after, .*\) AND \(ROW\(hashtext\(topic\), owner, priority, id\) <= "
-                        r"ROW\(-?\d+, o\.id, l\.priority, '9223372036854775807'::bigint\)\)\)$", condition), plan
-        assert "Seq Scan on dmq_message" not in plan and "dmq_message_topic_owner_idx" not in plan, plan
-        assert "dmq_message_pkey" not in plan, plan
+        params = {"topic": "t1", "channel": "c", "limit": 100, "holder": None, "owner": 0, "priority": 7, "after": 0}
+        assert set(re.findall(r"%\((\w+)\)s", STATEMENTS["load_priority_level"])) == set(params)
+        for statistics in ("stale", "fresh"):
+            if statistics == "fresh":
+                conn.execute("ANALYZE")
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + STATEMENTS["load_priority_level"], params))
+            # (an ordered scan of each range, or a bitmap of it sorted: which one is the estimate's)
+            assert f"Index Scan using {INDEX} on dmq_message" in plan or f"Bitmap Index Scan on {INDEX}" in plan, plan
+            (condition,) = {line.split("Index Cond: ", 1)[1] for line in _after(plan, INDEX) if "Index Cond: " in line}
+            # the owner's range of the level: equalities on the hash and the owner, then the level's
+            # id bound as a row comparison and the level's end (no equality on the level: only
+            # this index gives the statement's order)
+            assert re.match(r"\(\(hashtext\(topic\) = -?\d+\) AND \(owner = o\.id\) AND \(ROW\(priority, id\) > "
+                            r"ROW\('7'::smallint, GREATEST\('0'::bigint, .*\)\) AND \(priority <= '7'::smallint\)\)$",
+                            condition), f"{statistics}:\n{plan}"
+            assert "Seq Scan on dmq_message" not in plan and "dmq_message_topic_owner_idx" not in plan, plan
+            assert "dmq_message_pkey" not in plan, plan
         # and it answers: the top level's copies of t1 first, both owners' in id order
         rows = run_steps(conn, load_priority_backlog_steps("t1", "c", [0] * 9, 5))
         assert [r.priority for r in rows] == [9] * 5 and [r.message_id for r in rows] == sorted(r.message_id for r in rows)
+
+
+def _asking(conn, steps) -> tuple[list[tuple[int, int]], list]:
+    """Run a read-ahead's steps on ``conn``: the (level, limit) each statement asked, and
+    the rows the steps returned."""
+    asked, answer = [], None
+    try:
+        while True:
+            statement = steps.send(answer)
+            assert statement.name == "load_priority_level"
+            asked.append((statement.params["priority"], statement.params["limit"]))
+            answer = conn.execute(STATEMENTS[statement.name], statement.params).fetchall()
+    except StopIteration as done:
+        return asked, done.value
+
+
+def test_a_read_ahead_stops_at_its_limit(pg_dsn):
+    """A read-ahead asks the levels highest first, each for what the levels above left of
+    its limit, and no level once the limit is reached (one statement over the nine levels
+    read up to the limit of each and sorted them: 45,000 rows read for 5,000 in the
+    priority drains). A level bounded above every id is not asked."""
+    with connect(pg_dsn, autocommit=True) as conn:
+        owner = run_steps(conn, create_owner_steps("node-1"))
+        conn.execute(STATEMENTS["create_topic"], {"name": "t1", "store": "reliable", "msg_timeout_ms": 60000,
+                                                  "rate_limit": None, "ttl_ms": None, "max_attempts": None,
+                                                  "cluster": "main", "ordered": False, "retention_ms": None})
+        conn.execute(STATEMENTS["add_channel"], {"topic": "t1", "name": "c"})
+        # 30 copies of level 9, 20 of level 8, 10 of level 5, their ids interleaved
+        conn.execute("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body, priority) "
+                     "SELECT 't1', 'p', i, 'node', %s, 'x', (ARRAY[9, 9, 9, 8, 8, 5])[1 + i %% 6] "
+                     "FROM generate_series(0, 59) AS i", (owner,))
+        asked, rows = _asking(conn, load_priority_backlog_steps("t1", "c", [0] * 9, 45))
+        assert asked == [(9, 45), (8, 15)]  # filled: nothing below level 8 asked
+        assert [r.priority for r in rows] == [9] * 30 + [8] * 15
+        assert all(a.message_id < b.message_id for a, b in zip(rows[:29], rows[1:30]))
+        assert all(a.message_id < b.message_id for a, b in zip(rows[30:], rows[31:]))
+        after = [0] * 9
+        after[9 - 1] = 2**63 - 1  # level 9 has nothing left to read
+        after[8 - 1] = rows[-1].message_id  # level 8 read up to its 15th copy
+        asked, rows = _asking(conn, load_priority_backlog_steps("t1", "c", after, 100))
+        assert asked == [(8, 100), (7, 95), (6, 95), (5, 95), (4, 85), (3, 85), (2, 85), (1, 85)]
+        assert [r.priority for r in rows] == [8] * 5 + [5] * 10
 
 
 def _after(plan: str, index: str) -> list[str]:

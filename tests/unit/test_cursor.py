@@ -295,7 +295,7 @@ class World:
         self.channel.loaded_key([self.row(m) for m in rows[:limit]], limit, key)
 
     def answer_ahead(self) -> None:
-        """The read-ahead as load_priority_backlog answers it: per level above its bound,
+        """The read-ahead as load_priority_backlog_steps answers it: per level above its bound,
         highest level first, then by id."""
         afters, limit = self.ahead_request
         self.ahead_request = None

@@ -95,7 +95,7 @@ def test_the_same_pair_twice_in_one_batch_is_stored_once(db):
 
 
 def test_the_priority_backlog_is_highest_first_then_id_each_level_after_its_bound(db):
-    """The double's load_priority_backlog (the same scenario on PostgreSQL and the double:
+    """The double's read-ahead, a level at a time (the same scenario on PostgreSQL and the double:
     tests/integration/test_priority_backlog.py); a load needs one bound a level, 1 to 9."""
     priorities = [0, 3, 9, 3, 0, 9, 1]
     batch = [NewMessage("orders", "p", n, 0, b"x", Properties(priority=p) if p else NO_PROPERTIES)
