@@ -119,6 +119,7 @@ class ClusterNode:
         self._suspended_pause = False
         self._last_scan: float | None = None  # reactor time of the broker's last scan
         self._gap_check: str = ""  # "", "asking" (ZooKeeper asked), "again" (ask at the next scan)
+        self._stalls = 0  # gaps found: an answer to a question asked before the last one resumes nothing
         self._registering: defer.Deferred | None = None
         self._start_lock: TakeoverLock | None = None  # the takeover lock held from the incarnation's start
         self._last_specs: list[TopicSpec] | None = None
@@ -292,14 +293,21 @@ class ClusterNode:
         if not self.registered or self.stopping or self.membership is None:
             return
         gap = now - last if last is not None else 0.0
-        if self._gap_check == "asking" or (gap <= self.options.zk_session_timeout / 3 and not self._gap_check):
-            return
-        if not self._gap_check:
+        if gap > self.options.zk_session_timeout / 3:
             log.warn("node {node} stood still {gap:.1f}s: pausing delivery until ZooKeeper confirms its session",
                      node=self.node_id, gap=gap)
-            self._pause()
+            self._pause()  # paused already or not: a gap needs its own answer
+            self._stalls += 1
+        elif not self._gap_check:
+            return
+        if self._gap_check != "asking":  # (an answer on its way asks again if a gap came after its question)
+            self._ask_session()
+
+    def _ask_session(self) -> None:
+        """Ask ZooKeeper whether this node's znode is still its session's; resume on a yes
+        unless the node stood still again after the question (then ask again)."""
         self._gap_check = "asking"
-        asked_under = self._registration
+        asked_under, stalls = self._registration, self._stalls
 
         def answered(ok: bool) -> None:
             self._gap_check = ""
@@ -307,6 +315,8 @@ class ClusterNode:
                 return
             if not ok:
                 self._evicted()
+            elif self._stalls != stalls:
+                self._ask_session()
             elif self.zk_state == "CONNECTED":
                 log.info("node {node}: session confirmed, delivering again", node=self.node_id)
                 self._resume()
@@ -316,6 +326,7 @@ class ClusterNode:
             # what is held); ask again at the next scan meanwhile
             self._gap_check = "again"
 
+        assert self.membership is not None
         self._zk(self.membership.heartbeat).addCallbacks(answered, unanswered)
 
     @defer.inlineCallbacks
@@ -557,6 +568,8 @@ class ClusterNode:
             else:
                 if self._suspended_pause:
                     log.info("ZooKeeper connection back, same session: delivering again")
+                if self._gap_check == "again":  # the session kazoo kept is the one asked about
+                    self._gap_check = ""
                 self._resume()
                 self._read_nodes()
                 self._refresh_topics()
