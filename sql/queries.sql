@@ -378,8 +378,9 @@ LIMIT %(limit)s;
 -- the owner's floor, skipping what is done; owners as load_backlog's. A read-ahead runs it
 -- for each level, highest first, asking each only for what the levels above left of its
 -- limit (load_priority_backlog_steps): one statement over the nine levels read up to the
--- limit of each before sorting them, 5,000 rows of 45,000 read, 220-316 ms a call in the
--- priority drains against 24-44 ms this way (docs/benchmarks.md "Priority").
+-- limit of each before sorting them (5,000 rows wanted, up to 45,000 read), 337-361 ms a
+-- call in the priority drains against 15-41 ms a level this way (docs/benchmarks.md
+-- "Priority").
 -- The level is a row comparison over (priority, id) and a bound on priority, not an
 -- equality: written as an equality, the placement index (hashtext(topic), owner, id) gives
 -- the same order and the planner, with statistics older than the topic, takes it and
