@@ -64,6 +64,7 @@ __all__ = [
     "ack_deliveries_steps",
     "load_backlog_steps",
     "load_priority_backlog_steps",
+    "NOTHING_AHEAD",
     "SweepTarget",
     "sweep_plan_steps",
     "sweep_topic_steps",
@@ -707,8 +708,9 @@ def load_backlog_steps(
 
 #: the levels a read-ahead reads, highest first (priority 0 has no entry in their index)
 _LEVELS = tuple(range(PRIORITY_MAX, 0, -1))
-#: a level's bound above every id (bigint's largest: ChannelCursor's NOTHING_AHEAD)
-_NO_ID_ABOVE = 2**63 - 1
+#: above every message id (bigint's largest): the bound ``ChannelCursor.lookahead_from`` gives
+#: a level with nothing to read; a read-ahead does not ask that level
+NOTHING_AHEAD = 2**63 - 1
 
 
 def load_priority_backlog_steps(
@@ -731,7 +733,7 @@ def load_priority_backlog_steps(
     rows: list[BacklogRow] = []
     for level in _LEVELS:
         after = afters[level - 1]
-        if after >= _NO_ID_ABOVE:
+        if after >= NOTHING_AHEAD:
             continue
         params: Params = {
             "topic": topic, "channel": channel, "limit": limit - len(rows), "holder": holder, "owner": owner,

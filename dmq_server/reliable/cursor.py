@@ -68,7 +68,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Callable, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-from dmq_server.db.messages import AckRun, BacklogRow
+from dmq_server.db.messages import NOTHING_AHEAD, AckRun, BacklogRow
 
 __all__ = ["ChannelCursor", "Copy", "LEVELS", "NOTHING_AHEAD", "acks_by_cursor", "split_fenced"]
 
@@ -97,8 +97,6 @@ CopyT = TypeVar("CopyT", bound=Copy)
 
 #: the priorities read ahead of the position (0, every message without one, is read in id order)
 LEVELS = range(1, 10)
-#: above every message id: a level the read-ahead has nothing to read of
-NOTHING_AHEAD = 2**63 - 1
 
 
 class ChannelCursor(Generic[CopyT]):

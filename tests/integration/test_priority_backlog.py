@@ -21,6 +21,7 @@ from dmq_client.wire.properties import NO_PROPERTIES, Properties
 from dmq_server.db.dead_letter_steps import CopyRef, record_attempts_steps
 from dmq_server.db.delays import NewDelayed, insert_delayed_steps, move_due_steps
 from dmq_server.db.messages import (
+    NOTHING_AHEAD,
     AckRow,
     BacklogRow,
     CursorProgress,
@@ -238,7 +239,7 @@ def test_a_read_ahead_stops_at_its_limit(pg_dsn):
         assert all(a.message_id < b.message_id for a, b in zip(rows[:29], rows[1:30]))
         assert all(a.message_id < b.message_id for a, b in zip(rows[30:], rows[31:]))
         after = [0] * 9
-        after[9 - 1] = 2**63 - 1  # level 9 has nothing left to read
+        after[9 - 1] = NOTHING_AHEAD  # level 9 has nothing left to read
         after[8 - 1] = rows[-1].message_id  # level 8 read up to its 15th copy
         asked, rows = _asking(conn, load_priority_backlog_steps("t1", "c", after, 100))
         assert asked == [(8, 100), (7, 95), (6, 95), (5, 95), (4, 85), (3, 85), (2, 85), (1, 85)]
