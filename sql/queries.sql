@@ -378,7 +378,7 @@ LIMIT %(limit)s;
 -- the owner's floor, skipping what is done; owners as load_backlog's. A read-ahead runs it
 -- for each level, highest first, asking each only for what the levels above left of its
 -- limit (load_priority_backlog_steps): one statement over the nine levels read up to the
--- limit of each before sorting them (5,000 rows wanted, up to 45,000 read), 337-361 ms a
+-- limit of each before sorting them (5,000 rows wanted, up to 45,000 read), 249-766 ms a
 -- call in the priority drains against 15-41 ms a level this way (docs/benchmarks.md
 -- "Priority").
 -- The level is a row comparison over (priority, id) and a bound on priority, not an
