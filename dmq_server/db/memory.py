@@ -1286,18 +1286,20 @@ class MemoryDb:
 
     def _expire_deliveries(self, p: dict) -> list[tuple]:
         """Copies older than their topic's time to live -> dead letters, done for their
-        channel: only those of cursors that exist (open_ttl_cursors makes them)."""
+        channel: only those of cursors that exist (open_ttl_cursors makes them), and of
+        each cursor's first ``limit`` waiting copies in id order, as the statement."""
         expired = []
         for (topic, channel, owner), cursor in self.cursors.items():
             ttl = self._ttl_ms(topic)
             if ttl is None or channel not in self.channels.get(topic, ()):
                 continue
             floor = max(cursor.floor, self.start_ids[(topic, channel)])
-            old = sorted(
+            waiting = sorted(
                 m.id for m in self.messages.values()
                 if m.topic == topic and m.owner == owner and m.id > floor and m.channel in (None, channel)
-                and m.published_ms < p["now_ms"] - ttl and not cursor.covers(m.id)
+                and not cursor.covers(m.id)
             )[: p["limit"]]
+            old = [i for i in waiting if self.messages[i].published_ms < p["now_ms"] - ttl]
             expired += [(message_id, topic, channel, owner, ttl) for message_id in old]
         expired.sort()
         rows = []

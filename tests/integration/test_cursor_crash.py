@@ -125,6 +125,17 @@ class NsqConsumer(Consumer):
             sock.close()
 
 
+def kill_under_load(server, producers: list[Producer], consumers: list[Consumer]) -> set[int]:
+    """SIGKILL the server while the threads run, then stop them: the ids the producers
+    heard acknowledged."""
+    server.kill()
+    for t in producers + consumers:
+        t.stop.set()
+    for t in producers + consumers:
+        t.join(30)
+    return set().union(*(p.acked for p in producers))
+
+
 def _durable(pg_dsn: str) -> dict[str, set[int]]:
     rows = db_rows(pg_dsn, "SELECT channel, message_id FROM dmq_delivery_log")
     out: dict[str, set[int]] = {c: set() for c in CHANNELS}
@@ -159,13 +170,7 @@ def test_kill_9_at_random_moments_loses_nothing_and_repeats_no_durable_ack(
         target = len(acked) + rng.randint(800, 2500)
         wait_for(lambda: len(acked | set().union(*(p.acked for p in producers))) >= target, timeout=90)
         time.sleep(rng.random() * 0.5)  # a random moment in the load
-        server.kill()
-        for t in producers + consumers:
-            t.stop.set()
-        for t in producers + consumers:
-            t.join(30)
-        for p in producers:
-            acked |= p.acked
+        acked |= kill_under_load(server, producers, consumers)
         for c in consumers:
             seen = set(c.delivered)
             again_after_durable[c.channel] |= seen & durable_before[c.channel]

@@ -25,6 +25,7 @@ from dmq_server.db.messages import (
     empty_channel_steps,
     load_backlog_steps,
 )
+from dmq_server.db.dead_letter_steps import expire_deliveries_steps
 from dmq_server.db.schema import migrate
 from dmq_server.db.steps import STATEMENTS, run_steps
 from dmq_server.db.worker import connect
@@ -228,6 +229,53 @@ def test_a_topic_newer_than_the_statistics_is_loaded_by_an_ordered_scan(pg_dsn):
         # (the priority read-ahead's plan under stale statistics: test_priority_backlog.py)
         rows = run_steps(conn, load_backlog_steps("t1", "c", 0, 16))
         assert [r.message_id for r in rows] == sorted(r.message_id for r in rows) and len(rows) == 16
+
+
+@pytest.mark.parametrize("analyzed", ["before the fill", "after the fill"])
+def test_an_expiry_pass_reads_a_channel_only_up_to_its_limit(pg_dsn, analyzed):
+    """A topic with a time to live and 20,000 copies waiting, none expired yet, beside
+    another topic's 20,000 (stored before it and analyzed, or interleaved with it): a pass
+    reads the cursor's first ``limit`` copies in id order from the placement index and
+    stops there. (With the time to live
+    tested in the scan, a pass that found nothing read every waiting copy: 126-146 ms a
+    pass at 200,000. With the range's equalities beside its row comparisons and fresh
+    statistics, the planner walked the primary key from the floor through the other
+    topic's ids; with the limit as a constant, it read the whole range by a bitmap heap
+    scan and sorted it.) Once they are past the time to live, a pass takes the first
+    ``limit`` of them, in id order."""
+    limit = 500
+    with connect(pg_dsn, autocommit=True) as conn:
+        owner = run_steps(conn, create_owner_steps("node-1"))
+        registry.create_topic(conn, "t1", ttl_ms=3_600_000)
+        registry.create_topic(conn, "t2")
+        for topic in ("t1", "t2"):
+            registry.add_channel(conn, topic, "c")
+        fill = ("INSERT INTO dmq_message (topic, producer, session_id, node_id, owner, body) "
+                "SELECT %s, %s, n, 'node-1', %s, convert_to(repeat('x', 200), 'UTF8') FROM generate_series(%s::int, %s::int) AS n")
+        if analyzed == "before the fill":  # t2's rows known to the statistics, t1's not
+            conn.execute(fill, ("t2", "t2", owner, 1, 20000))
+            conn.execute("ANALYZE")
+            conn.execute(fill, ("t1", "t1", owner, 1, 20000))
+        else:  # the two topics' ids interleaved: the primary key from t1's floor passes t2's too
+            conn.execute(fill.replace("SELECT %s,", "SELECT CASE WHEN n %% 2 = 0 THEN %s ELSE 't2' END,"),
+                         ("t1", "p", owner, 1, 40000))
+            conn.execute("ANALYZE")
+        (now_ms,) = conn.execute("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetchone()
+        assert run_steps(conn, expire_deliveries_steps(now_ms, limit)) == []  # (and its cursor opened)
+        conn.execute("BEGIN")
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN (ANALYZE) " + STATEMENTS["expire_deliveries"], {"now_ms": now_ms, "limit": limit}).fetchall())
+        conn.execute("ROLLBACK")
+        scans = [line for line in plan.splitlines() if " on dmq_message " in line]
+        assert len(scans) == 1 and f"Index Scan using {INDEX} on dmq_message" in scans[0], plan
+        read = int(re.search(r"actual time=\S+ rows=(\d+) ", scans[0]).group(1))
+        assert read == limit, plan
+        later = now_ms + 3_600_000 + 1
+        rows = run_steps(conn, expire_deliveries_steps(later, limit))
+        first = [i for (i,) in conn.execute(
+            "SELECT id FROM dmq_message WHERE topic = 't1' ORDER BY id LIMIT %s", (limit,)).fetchall()]
+        assert [(t, c) for t, c, _ in rows] == [("t1", "c")] * limit
+        assert [i for _, _, i in rows] == first
 
 
 def _conditions(plan: str, index: str) -> list[str]:
