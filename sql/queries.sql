@@ -225,12 +225,26 @@ WITH cursors AS (
     SELECT r.n, range_agg(int8range(r.lo, r.hi, '[]')) AS done
     FROM unnest(%(r_cursors)b::bigint[], %(r_lo)b::bigint[], %(r_hi)b::bigint[]) AS r(n, lo, hi)
     GROUP BY r.n
-), proposed AS (
+), proposed AS MATERIALIZED (
+    -- each cursor of the batch with its row as it is now, locked before it is merged into
+    -- (``had``): a transaction that changed the row after this statement's snapshot was
+    -- taken (an expiry pass, which dead-letters copies and marks them done, or waits
+    -- holding the row) has committed when the lock is granted, and the lock reads the
+    -- version it left. Read from the snapshot, the cursor did not show the expiry's mark
+    -- and the copy was logged as acknowledged besides (test_ack_expiry_race.py). A row
+    -- the snapshot does not hold is not locked here: the sweep commits the rows it opens
+    -- before it expires anything (reliable.dead_letters).
     SELECT k.topic, k.channel, k.owner, greatest(k.floor, ch.start_id) AS floor,
-           coalesce(s.done, '{}'::int8multirange) AS done, k.epoch
+           coalesce(s.done, '{}'::int8multirange) AS done, k.epoch, had.floor AS had_floor, had.done AS had_done
     FROM cursors k
     JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel AND k.epoch >= ch.epoch
     LEFT JOIN spans s ON s.n = k.n
+    LEFT JOIN LATERAL (
+        -- its done ranges copied once (load_backlog says why)
+        SELECT c.floor, c.done + '{}'::int8multirange AS done FROM dmq_cursor c
+        WHERE c.topic = k.topic AND c.channel = k.channel AND c.owner = k.owner
+        FOR UPDATE
+    ) had ON true
 ), saved AS (
     INSERT INTO dmq_cursor AS c (topic, channel, owner, holder, floor, done, epoch)
     SELECT topic, channel, owner, %(holder)s::text, floor,
@@ -254,18 +268,18 @@ WITH cursors AS (
     DELETE FROM dmq_attempts a USING counted u
     WHERE a.topic = u.topic AND a.channel = u.channel AND a.message_id = u.message_id
 ), before AS MATERIALIZED (
-    -- each cursor the batch moved as it was before this statement (its own changes are
-    -- not visible here), with its acks' lowest and highest id and their number; a channel
-    -- no longer registered, or a cursor held by another node, has no row, so its acks are
-    -- not logged
-    SELECT k.topic, k.channel, k.owner, coalesce(c.floor, ch.start_id) AS floor,
-           c.done + '{}'::int8multirange AS done, k.low, k.high, k.acks  -- read once (load_backlog says why)
+    -- each cursor the batch moved as it was before this statement (as locked: its own
+    -- changes are not visible here), with its acks' lowest and highest id and their
+    -- number; a channel no longer registered, or a cursor held by another node, has no
+    -- row, so its acks are not logged
+    SELECT k.topic, k.channel, k.owner, coalesce(p.had_floor, ch.start_id) AS floor,
+           p.had_done AS done, k.low, k.high, k.acks
     FROM unnest(%(g_topics)b::text[], %(g_channels)b::text[], %(g_owners)b::integer[],
                 %(g_low)b::bigint[], %(g_high)b::bigint[], %(g_acks)b::bigint[])
          AS k(topic, channel, owner, low, high, acks)
     JOIN saved s ON s.topic = k.topic AND s.channel = k.channel AND s.owner = k.owner
     JOIN dmq_channel ch ON ch.topic = k.topic AND ch.name = k.channel
-    LEFT JOIN dmq_cursor c ON c.topic = k.topic AND c.channel = k.channel AND c.owner = k.owner
+    JOIN proposed p ON p.topic = k.topic AND p.channel = k.channel AND p.owner = k.owner
 ), batch AS MATERIALIZED (
     -- every ack is new when every ack's channel is registered and, per cursor, none lies
     -- at or below the floor or among the done ranges: decided per cursor, not per ack

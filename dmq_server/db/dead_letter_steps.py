@@ -27,6 +27,7 @@ __all__ = [
     "record_attempts_steps",
     "exhaust_deliveries_steps",
     "expire_deliveries_steps",
+    "open_ttl_cursors_steps",
 ]
 
 REASONS = ("rate_limited", "storage_failure", "expired", "max_attempts", "client_reported", "operator")
@@ -122,10 +123,21 @@ def exhaust_deliveries_steps(
     return [tuple(r) for r in found]
 
 
+def open_ttl_cursors_steps() -> Steps[int]:
+    """A cursor row for every (channel, owner) of a topic with a time to live that stored
+    a copy for it: what ``expire_deliveries_steps`` locks. Run and committed first, in a
+    transaction of its own: an ack statement that began before a row existed cannot lock
+    it (its snapshot has none), so a row opened and a copy expired in one transaction
+    could have that copy logged as acknowledged too (sql/queries.sql, ack_deliveries).
+    The number of rows opened."""
+    ((opened,),) = yield Statement("open_ttl_cursors", {}, count=True)
+    return opened
+
+
 def expire_deliveries_steps(now_ms: int, limit: int) -> Steps[list[tuple[str, str, int]]]:
     """Up to ``limit`` copies past their topic's time to live -> dead letters;
-    [(topic, channel, message_id)]. Every cursor it may need exists first, so that it
-    can be locked (two nodes, or an ack batch, never take the same copy)."""
-    yield Statement("open_ttl_cursors", {}, count=True)
+    [(topic, channel, message_id)]. Only copies of cursor rows that exist
+    (``open_ttl_cursors_steps``, committed before), each locked (two nodes, or an ack
+    batch, never take the same copy)."""
     found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit})
     return [tuple(r) for r in found]

@@ -30,6 +30,7 @@ from dmq_server.db.dead_letter_steps import (
     exhaust_deliveries_steps,
     expire_deliveries_steps,
     insert_dead_letters_steps,
+    open_ttl_cursors_steps,
     record_attempts_steps,
 )
 from dmq_server.db.outage import Outage
@@ -117,12 +118,15 @@ class DeadLetterSink:
 
     # -- expiry ------------------------------------------------------------------
     def sweep_expired(self) -> Deferred[int]:
-        """Move one batch of expired copies to dead letters; again at once while full."""
+        """Move one batch of expired copies to dead letters; again at once while full.
+        The cursors to lock are opened and committed first, in a transaction of their
+        own (``open_ttl_cursors_steps`` says why)."""
         if self._sweeping:
             return succeed(0)
         self._sweeping = True
         now_ms = int(self.clock.seconds() * 1000)
-        d = self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch)
+        d = self.db.run_steps(open_ttl_cursors_steps).addCallback(
+            lambda _: self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch))
 
         def swept(rows: list[tuple[str, str, int]]) -> int | Deferred[int]:
             self._sweeping = False

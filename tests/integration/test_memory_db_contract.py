@@ -48,7 +48,7 @@ from dmq_server.db.admin_steps import (
 )
 from dmq_server.db.confirm_steps import consumed_states_steps
 from dmq_server.db.clusters import ClusterMismatch, assign_slots_steps, claim_cluster_steps
-from dmq_server.db.dead_letter_steps import expire_deliveries_steps
+from dmq_server.db.dead_letter_steps import expire_deliveries_steps, open_ttl_cursors_steps
 from dmq_server.db.delays import (
     NewDelayed,
     cancel_delayed_steps,
@@ -357,6 +357,7 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
          lambda rows: [(t, c, ids(i)) for t, c, i in rows]),
         ("a message with properties on a topic with a time to live", insert_messages_steps,
          lambda: ([_msg("t", 1, topic="short", props=PROPS)], NODE, OWNER + 1), same),
+        ("its cursors opened", open_ttl_cursors_steps, lambda: (), same),
         ("it expires", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10),
          lambda rows: [(t, c, ids(i)) for t, c, i in rows]),
         ("the dead letters with their properties", list_dead_letters_steps, lambda: (EVERY, 10, 0),
@@ -581,6 +582,7 @@ def operators_script(k: Kinds) -> list[tuple[str, Callable[..., Steps], Callable
         ("stats", stored_stats_steps, lambda: (), same),
         ("sweep old returns", sweep_trace_steps, lambda: (60, 100), same),
         # the expiry of a topic with a time to live
+        ("open the cursors to expire", open_ttl_cursors_steps, lambda: (), same),
         ("expire", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10),
          lambda rows: [(t, c, k.m(i)) for t, c, i in rows]),
         ("expire again", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10), same),
@@ -1020,6 +1022,7 @@ def _skewed_expiry(run: Callable[..., Any], set_times: Callable[[dict[int, int]]
     answers: list[tuple[str, Any]] = []
     passes: list[tuple[int, list[str]]] = []
     for now in [*range(start + 1_000, start + 21_000, 700), *[start + 60_000] * 8]:
+        answers.append(("cursors opened", run(open_ttl_cursors_steps)))  # as the sweep: committed first
         rows = run(expire_deliveries_steps, now, LIMIT)
         passes.append((now, [ids(i) for _, _, i in rows]))
         answers.append((f"expire at start + {now - start} ms", [(t, c, ids(i)) for t, c, i in rows]))

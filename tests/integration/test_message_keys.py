@@ -25,7 +25,7 @@ from dmq_server.db.messages import (
     empty_channel_steps,
     load_backlog_steps,
 )
-from dmq_server.db.dead_letter_steps import expire_deliveries_steps
+from dmq_server.db.dead_letter_steps import expire_deliveries_steps, open_ttl_cursors_steps
 from dmq_server.db.schema import migrate
 from dmq_server.db.steps import STATEMENTS, run_steps
 from dmq_server.db.worker import connect
@@ -261,7 +261,8 @@ def test_an_expiry_pass_reads_a_channel_only_up_to_its_limit(pg_dsn, analyzed):
                          ("t1", "p", owner, 1, 40000))
             conn.execute("ANALYZE")
         (now_ms,) = conn.execute("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetchone()
-        assert run_steps(conn, expire_deliveries_steps(now_ms, limit)) == []  # (and its cursor opened)
+        assert run_steps(conn, open_ttl_cursors_steps()) == 1
+        assert run_steps(conn, expire_deliveries_steps(now_ms, limit)) == []
         conn.execute("BEGIN")
         plan = "\n".join(r[0] for r in conn.execute(
             "EXPLAIN (ANALYZE) " + STATEMENTS["expire_deliveries"], {"now_ms": now_ms, "limit": limit}).fetchall())
