@@ -932,7 +932,9 @@ ON CONFLICT (topic, channel, owner) DO NOTHING;
 -- Copies not acknowledged within their topic's time to live -> dead letters, with the
 -- message's key, priority and headers, done for their channel (bounded batch; the cursors
 -- are locked SKIP LOCKED, so two nodes sweeping at once, or an ack batch under way, split
--- the work instead of doing it twice).
+-- the work instead of doing it twice). In a cluster (``fenced``) a node takes only the
+-- cursors it holds: the holder has the copies in memory and drops those it expired; a
+-- copy another node expired it would go on pushing.
 -- A cursor's scan takes its first waiting copies in id order, up to the limit, and the
 -- time to live is tested on those, not in the scan: with the test in the scan, a pass that
 -- found nothing expired read every waiting copy of the channel (126-146 ms a pass with
@@ -959,6 +961,7 @@ WITH locked AS MATERIALIZED (
     FROM dmq_cursor k
     JOIN dmq_topic t ON t.name = k.topic AND t.ttl_ms IS NOT NULL
     JOIN dmq_channel c ON c.topic = k.topic AND c.name = k.channel
+    WHERE NOT %(fenced)s::boolean OR k.holder = %(holder)s::text
     FOR UPDATE OF k SKIP LOCKED
 ), expired AS MATERIALIZED (
     SELECT l.topic, l.channel, l.owner, l.ttl_ms, m.id AS message_id, m.producer, m.session_id,

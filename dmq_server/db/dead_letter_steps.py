@@ -134,10 +134,14 @@ def open_ttl_cursors_steps() -> Steps[int]:
     return opened
 
 
-def expire_deliveries_steps(now_ms: int, limit: int) -> Steps[list[tuple[str, str, int]]]:
+def expire_deliveries_steps(
+    now_ms: int, limit: int, holder: str = "", fenced: bool = False
+) -> Steps[list[tuple[str, str, int]]]:
     """Up to ``limit`` copies past their topic's time to live -> dead letters;
     [(topic, channel, message_id)]. Only copies of cursor rows that exist
     (``open_ttl_cursors_steps``, committed before), each locked (two nodes, or an ack
-    batch, never take the same copy)."""
-    found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit})
+    batch, never take the same copy); ``fenced`` (a cluster): only those of cursors
+    ``holder`` holds."""
+    found = yield Statement("expire_deliveries", {"now_ms": now_ms, "limit": limit, "holder": holder,
+                                                  "fenced": fenced})
     return [tuple(r) for r in found]

@@ -1286,12 +1286,15 @@ class MemoryDb:
 
     def _expire_deliveries(self, p: dict) -> list[tuple]:
         """Copies older than their topic's time to live -> dead letters, done for their
-        channel: only those of cursors that exist (open_ttl_cursors makes them), and of
-        each cursor's first ``limit`` waiting copies in id order, as the statement."""
+        channel: only those of cursors that exist (open_ttl_cursors makes them), held by
+        ``holder`` if ``fenced``, and of each cursor's first ``limit`` waiting copies in id
+        order, as the statement."""
         expired = []
         for (topic, channel, owner), cursor in self.cursors.items():
             ttl = self._ttl_ms(topic)
             if ttl is None or channel not in self.channels.get(topic, ()):
+                continue
+            if p["fenced"] and cursor.holder != p["holder"]:
                 continue
             floor = max(cursor.floor, self.start_ids[(topic, channel)])
             waiting = sorted(

@@ -86,6 +86,7 @@ class DeadLetterSink:
             # the holder named by a cursor this opens; in a cluster, only cursors it holds
             args=lambda batch: (node_id, fenced()),
         )
+        self._fenced = fenced
         self._sweeping = False
         self.counts: dict[str, int] = {}
 
@@ -120,13 +121,16 @@ class DeadLetterSink:
     def sweep_expired(self) -> Deferred[int]:
         """Move one batch of expired copies to dead letters; again at once while full.
         The cursors to lock are opened and committed first, in a transaction of their
-        own (``open_ttl_cursors_steps`` says why)."""
+        own (``open_ttl_cursors_steps`` says why). In a cluster only the copies of
+        cursors this node holds: the node that holds a copy in memory is the one that
+        must drop it (``_drop``), or it would go on pushing a dead letter."""
         if self._sweeping:
             return succeed(0)
         self._sweeping = True
         now_ms = int(self.clock.seconds() * 1000)
         d = self.db.run_steps(open_ttl_cursors_steps).addCallback(
-            lambda _: self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch))
+            lambda _: self.db.run_steps(expire_deliveries_steps, now_ms, self.expiry_batch, self.node_id,
+                                        self._fenced()))
 
         def swept(rows: list[tuple[str, str, int]]) -> int | Deferred[int]:
             self._sweeping = False

@@ -358,6 +358,9 @@ def script(ids: Ids) -> list[tuple[str, Callable[..., Steps], Callable[[], tuple
         ("a message with properties on a topic with a time to live", insert_messages_steps,
          lambda: ([_msg("t", 1, topic="short", props=PROPS)], NODE, OWNER + 1), same),
         ("its cursors opened", open_ttl_cursors_steps, lambda: (), same),
+        # in a cluster a node expires only the copies of cursors it holds
+        ("a node holding none of its cursors expires nothing", expire_deliveries_steps,
+         lambda: (int(time.time() * 1000) + 60_000, 10, "node-9", True), same),
         ("it expires", expire_deliveries_steps, lambda: (int(time.time() * 1000) + 60_000, 10),
          lambda rows: [(t, c, ids(i)) for t, c, i in rows]),
         ("the dead letters with their properties", list_dead_letters_steps, lambda: (EVERY, 10, 0),
@@ -873,6 +876,7 @@ def test_exhausted_and_expired_copies_keep_their_properties(pg_dsn):
     with connect(pg_dsn, autocommit=True) as conn:
         answers = dict(run_script(lambda steps_fn, *args: run_steps(conn, steps_fn(*args))))
     assert len(answers["a copy with properties exhausted"]) == 1 and len(answers["it expires"]) == 1
+    assert answers["a node holding none of its cursors expires nothing"] == []
     kept = [r for r in answers["the dead letters with their properties"] if r[1] in ("k", "t")]
     assert [(r[0], r[1], r[4], r[5], r[6], r[7]) for r in kept] == [
         (reason, producer, PROPS.key, PROPS.priority, dict(PROPS.headers), ["tenant", "content-type"])

@@ -44,7 +44,7 @@ BY_TOPIC = ("load_backlog", "open_ttl_cursors", "expire_deliveries", "claim_owne
 
 PARAMS = {"topic": "t1", "channel": "c", "after": 0, "limit": 100, "holder": None, "owner": 1, "now_ms": 0,
           "owners": [1], "me": "node-2", "dead": "node-1", "live": ["node-2"], "name": "t1", "fenced_at": None,
-          "id": 1, "skip_keys": [], "only_key": None}
+          "id": 1, "skip_keys": [], "only_key": None, "fenced": False}
 
 
 def _fill(conn, owners: list[int], per_topic: int, others: int | None = None, schema_11: bool = False) -> None:
@@ -265,7 +265,8 @@ def test_an_expiry_pass_reads_a_channel_only_up_to_its_limit(pg_dsn, analyzed):
         assert run_steps(conn, expire_deliveries_steps(now_ms, limit)) == []
         conn.execute("BEGIN")
         plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN (ANALYZE) " + STATEMENTS["expire_deliveries"], {"now_ms": now_ms, "limit": limit}).fetchall())
+            "EXPLAIN (ANALYZE) " + STATEMENTS["expire_deliveries"],
+            {"now_ms": now_ms, "limit": limit, "holder": "", "fenced": False}).fetchall())
         conn.execute("ROLLBACK")
         scans = [line for line in plan.splitlines() if " on dmq_message " in line]
         assert len(scans) == 1 and f"Index Scan using {INDEX} on dmq_message" in scans[0], plan
