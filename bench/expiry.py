@@ -12,7 +12,11 @@ time to live and one pass expires them: that pass's time is a batch's work.
     python bench/expiry.py --tree /tmp/old --tree .   # two builds, alternated
 
 A tree's figures: the median and the largest of ``--passes`` passes that found nothing to
-expire, in ms, and the pass that expired a batch.
+expire, in ms, and the pass that expired a batch. ``--done-ranges R``: the channel's cursor
+holds R done ranges first (every other one of its first 2R copies acknowledged, as consumers
+acking out of order leave it), stored out of line as a large multirange is.
+
+    python bench/expiry.py --waiting 40000 --done-ranges 20000 --passes 3
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def child(waiting: int) -> dict:
     from dmq_server.db.worker import connect
 
     passes = int(os.environ.get("DMQ_BENCH_EXPIRY_PASSES", "10"))
+    done_ranges = int(os.environ.get("DMQ_BENCH_EXPIRY_DONE_RANGES", "0"))
     # a transaction of its own since 3199285; before, the expiry's steps opened the cursors
     opening = getattr(dead_letter_steps, "open_ttl_cursors_steps", None)
     out: dict = {}
@@ -69,6 +74,13 @@ def child(waiting: int) -> dict:
                 else:
                     conn.execute(fill, (owner, 1, 2 * waiting))
                     conn.execute("VACUUM ANALYZE")
+                if done_ranges:  # every other one of the first copies acknowledged: that many ranges
+                    conn.execute(
+                        "INSERT INTO dmq_cursor (topic, channel, owner, holder, floor, done) "
+                        "SELECT 'short', 'c', %s, 'node-1', 0, range_agg(int8range(id, id, '[]')) "
+                        "FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM dmq_message "
+                        "      WHERE topic = 'short' ORDER BY id LIMIT %s) f WHERE n %% 2 = 1",
+                        (owner, 2 * done_ranges))
                 (now_ms,) = conn.execute("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetchone()
             with connect(dsn) as conn:  # as the server's worker: each pass a transaction
                 times = []
@@ -83,7 +95,9 @@ def child(waiting: int) -> dict:
                     assert not found, "nothing is past the time to live yet"
                 with conn.transaction():
                     conn.execute("UPDATE dmq_message SET published_at = now() - interval '2 hours' WHERE id IN "
-                                 "(SELECT id FROM dmq_message WHERE topic = 'short' ORDER BY id LIMIT %s)", (BATCH,))
+                                 "(SELECT m.id FROM dmq_message m LEFT JOIN dmq_cursor k ON k.topic = m.topic "
+                                 " WHERE m.topic = 'short' AND NOT coalesce(k.done @> m.id, false) "
+                                 " ORDER BY m.id LIMIT %s)", (BATCH,))
                 started = time.perf_counter()
                 with conn.transaction():
                     found = run_steps(conn, expire_deliveries_steps(now_ms, BATCH))
@@ -101,11 +115,14 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=200_000, help="copies waiting on the topic with a time to live")
     parser.add_argument("--passes", type=int, default=10, help="passes that find nothing, timed")
     parser.add_argument("--rounds", type=int, default=1, help="runs per tree, alternated")
+    parser.add_argument("--done-ranges", type=int, default=0,
+                        help="the channel's cursor holds this many done ranges (acks out of order) before the passes")
     args = parser.parse_args()
     os.environ["DMQ_BENCH_EXPIRY_PASSES"] = str(args.passes)
+    os.environ["DMQ_BENCH_EXPIRY_DONE_RANGES"] = str(args.done_ranges)
     trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]
-    print(f"expiry passes, {args.waiting:,} copies waiting, none past the time to live; a batch of {BATCH:,}",
-          flush=True)
+    print(f"expiry passes, {args.waiting:,} copies waiting, none past the time to live; a batch of {BATCH:,}; "
+          f"{args.done_ranges:,} done ranges", flush=True)
     for _ in range(args.rounds):
         for tree in trees:
             result = cost.run_child("expiry", tree, args.waiting)
