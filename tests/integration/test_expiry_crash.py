@@ -1,7 +1,8 @@
 """kill -9 while the expiry sweeps a topic with a time to live and a backlog, counted.
 
 Three producers publish to a topic whose copies expire after 1.5 s; channel ``a`` has two
-consumers that acknowledge a random half of what they are pushed, channel ``b`` none, so
+consumers that hold up to 40 copies and acknowledge a random half of them at a time (the
+rest later, or never if a kill comes first), channel ``b`` none, so
 its backlog grows and its copies expire in batches while the server is killed with SIGKILL
 at a random moment, three times. Each copy a pass reads is its channel's oldest waiting
 (issue 48: a pass reads at most a batch of a channel's copies, and tests the time to live
