@@ -232,8 +232,9 @@ WITH cursors AS (
     -- holding the row) has committed when the lock is granted, and the lock reads the
     -- version it left. Read from the snapshot, the cursor did not show the expiry's mark
     -- and the copy was logged as acknowledged besides (test_ack_expiry_race.py). A row
-    -- the snapshot does not hold is not locked here: the sweep commits the rows it opens
-    -- before it expires anything (reliable.dead_letters).
+    -- the snapshot does not hold is not found here at all: one the sweep opened after this
+    -- statement began (and may have expired copies in since) is met only by the upsert
+    -- below, and `batch` then fails the statement, to be run again (see there).
     SELECT k.topic, k.channel, k.owner, greatest(k.floor, ch.start_id) AS floor,
            coalesce(s.done, '{}'::int8multirange) AS done, k.epoch, had.floor AS had_floor, had.done AS had_done
     FROM cursors k
@@ -256,7 +257,10 @@ WITH cursors AS (
                - int8multirange(int8range(NULL, greatest(c.floor, EXCLUDED.floor), '(]')),
         epoch = EXCLUDED.epoch
     WHERE (NOT %(fenced)s::boolean OR c.holder = EXCLUDED.holder) AND c.epoch <= EXCLUDED.epoch
-    RETURNING topic, channel, owner
+    -- whether the row was there (merged into) or is new: a row version written by this
+    -- upsert's update carries the updating transaction in xmax, one it inserted carries 0
+    -- (PostgreSQL 15 has no RETURNING old)
+    RETURNING topic, channel, owner, c.xmax <> '0'::xid AS found
 ), counted AS MATERIALIZED (
     -- the acks whose attempts were kept (nearly always none), of the cursors moved: read
     -- first, so that the DELETE looks up only their keys
@@ -273,7 +277,7 @@ WITH cursors AS (
     -- number; a channel no longer registered, or a cursor held by another node, has no
     -- row, so its acks are not logged
     SELECT k.topic, k.channel, k.owner, coalesce(p.had_floor, ch.start_id) AS floor,
-           p.had_done AS done, k.low, k.high, k.acks
+           p.had_done AS done, k.low, k.high, k.acks, s.found AND p.had_floor IS NULL AS unseen
     FROM unnest(%(g_topics)b::text[], %(g_channels)b::text[], %(g_owners)b::integer[],
                 %(g_low)b::bigint[], %(g_high)b::bigint[], %(g_acks)b::bigint[])
          AS k(topic, channel, owner, low, high, acks)
@@ -283,8 +287,17 @@ WITH cursors AS (
 ), batch AS MATERIALIZED (
     -- every ack is new when every ack's channel is registered and, per cursor, none lies
     -- at or below the floor or among the done ranges: decided per cursor, not per ack
+    -- A cursor with acks whose row was there when the upsert merged into it but not in
+    -- this statement's snapshot (`proposed` found none, `unseen`): the sweep opened it
+    -- after the statement began and may have expired copies of it since, so what was done
+    -- before is unknown here, and an ack of a copy the sweep dead-lettered would be logged
+    -- too. The statement fails whole by a division by zero (nothing applied, nothing
+    -- logged) and ack_deliveries_steps runs it again, with a snapshot that holds the row.
+    -- The guard is the first term, so it is always evaluated, and in the one aggregate
+    -- over `before` (a subquery of its own cost ~50,000 instructions a statement).
     SELECT nextval('dmq_delivery_batch_id_seq') AS id,
-           coalesce((SELECT sum(acks) = cardinality(%(message_ids)b::bigint[])
+           coalesce((SELECT 1 / (NOT coalesce(bool_or(unseen), false))::integer = 1
+                            AND sum(acks) = cardinality(%(message_ids)b::bigint[])
                             AND bool_and(low > floor AND NOT coalesce(done && int8range(low, high, '[]'), false))
                      FROM before), false) AS all_new
 ), logged AS (

@@ -127,9 +127,10 @@ def open_ttl_cursors_steps() -> Steps[int]:
     """A cursor row for every (channel, owner) of a topic with a time to live that stored
     a copy for it: what ``expire_deliveries_steps`` locks. Run and committed first, in a
     transaction of its own: an ack statement that began before a row existed cannot lock
-    it (its snapshot has none), so a row opened and a copy expired in one transaction
-    could have that copy logged as acknowledged too (sql/queries.sql, ack_deliveries).
-    The number of rows opened."""
+    it (its snapshot has none) and meets it only in its upsert, which fails the statement
+    to run it again (sql/queries.sql, ack_deliveries' ``batch``); committed before the
+    expiry, the rows are there for every ack statement that begins after, and only one
+    already under way takes that second run. The number of rows opened."""
     ((opened,),) = yield Statement("open_ttl_cursors", {}, count=True)
     return opened
 

@@ -670,8 +670,16 @@ def ack_deliveries_steps(
     }
     try:
         taken = yield Statement("ack_new_deliveries", params, may_fail=True)
-    except psycopg.errors.DivisionByZero:  # a repeat among the acks: nothing was applied
-        taken = yield Statement("ack_deliveries", params)
+    except psycopg.errors.DivisionByZero:
+        # a repeat among the acks, or a cursor row the sweep opened after the statement
+        # began (ack_deliveries' `batch` says why): nothing was applied. The statement as
+        # written takes a new snapshot, which holds that row
+        try:
+            taken = yield Statement("ack_deliveries", params, may_fail=True)
+        except psycopg.errors.DivisionByZero:
+            # another cursor of the batch opened in between (the sweep opens a channel's
+            # rows once); failed again, the batch is sent again by the acker
+            taken = yield Statement("ack_deliveries", params)
     return [tuple(row) for row in taken]
 
 

@@ -9,6 +9,8 @@ time, as the statement did before runs.
 
 from __future__ import annotations
 
+import psycopg
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +97,29 @@ def test_a_split_keeps_the_shared_values_and_each_acks_own() -> None:
     assert AckRun.of(AckRow("t", "c", 8, 0, 9, 1)).counted() == []
     assert AckRun.of(AckRow("t", "c", 8, 0, 9, 2, counted=True)).counted() == [0]
     assert AckRun.of(AckRow("t", "c", 8, 0, 9, 1, counted=True)).counted() == [0]
+
+
+def test_a_failed_ack_statement_runs_again_as_written_then_fails_the_batch():
+    """The first try leaves out the rebuild of the log's row and fails on a repeat among
+    the acks, or on a cursor row the sweep opened after the statement began (both by a
+    division by zero, nothing applied); the statement as written runs then, with a new
+    snapshot. Failing again (another cursor opened in between), it runs once more, and a
+    third failure is the batch's, which the acker sends again."""
+    def steps():
+        return ack_deliveries_steps([AckRow("t", "c", 7, 0, 1, 1, owner=1)], [], "node-1")
+
+    once = steps()
+    assert next(once).name == "ack_new_deliveries"
+    retry = once.throw(psycopg.errors.DivisionByZero("division by zero"))
+    assert (retry.name, retry.may_fail) == ("ack_deliveries", True)
+    with pytest.raises(StopIteration) as stop:
+        once.send([("t", "other", 1)])
+    assert stop.value.value == [("t", "other", 1)]
+
+    twice = steps()
+    next(twice)
+    twice.throw(psycopg.errors.DivisionByZero("division by zero"))
+    last = twice.throw(psycopg.errors.DivisionByZero("division by zero"))
+    assert (last.name, last.may_fail) == ("ack_deliveries", False)
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        twice.throw(psycopg.errors.DivisionByZero("division by zero"))
