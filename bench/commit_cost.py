@@ -12,13 +12,17 @@ statements prepared as the reactor's connections prepare them:
   sends of 200 bytes;
 
 each with ``synchronous_commit`` on (dmq's setting: the commit waits for the WAL flush)
-and off (what is left without the flush). Printed per transaction: the backend's CPU
+and off (what is left without the flush). Back to back by default; with ``--interval S``
+each transaction starts S after the one before started, as the group commit paces them
+at a moderate rate (``--commit-interval``, 1.5 ms): a backend that sleeps between
+transactions costs more a transaction than one kept busy. Printed per transaction: the backend's CPU
 (from /proc, user and system: the WAL write and ``fdatasync`` run in the backend when the
 commit waits for them) and the wall time of the round trip, the best of ``--rounds``
 alternated rounds. Per message: the CPU divided by the batch.
 
     python bench/commit_cost.py
     python bench/commit_cost.py --transactions 2000 --rounds 5
+    python bench/commit_cost.py --interval 0.0015      # paced as the steady scenario's commits
 """
 
 from __future__ import annotations
@@ -43,19 +47,29 @@ from dmq_server.db.worker import connect  # noqa: E402
 CASES = [("select 1", "select 1", 0), *((f"insert_new_messages, {n}", INSERT_NEW_MESSAGES, n) for n in (1, 10, 100))]
 
 
-def measure(dsn: str, sql: str, batch: int, transactions: int, sync: str, first: int) -> tuple[float, float]:
-    """(backend CPU µs, wall µs) per transaction of ``sql`` run ``transactions`` times
-    after ten untimed ones (the statement prepared, its plan settled)."""
+def measure(dsn: str, sql: str, batch: int, transactions: int, sync: str, first: int,
+            interval: float = 0.0) -> tuple[float, float]:
+    """(backend CPU µs, wall µs of the round trip) per transaction of ``sql`` run
+    ``transactions`` times after ten untimed ones (the statement prepared, its plan
+    settled); with ``interval``, each started that long after the one before started."""
     params = [batch_params(first + i, batch) if batch else None for i in range(transactions + 10)]
     with connect(dsn, autocommit=True) as conn:
         conn.execute(f"SET synchronous_commit = {sync}")
         backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
         for p in params[:10]:
             conn.execute(sql, p, prepare=True)
-        cpu0, t0 = cpu_seconds(backend), time.perf_counter()
+        cpu0 = cpu_seconds(backend)
+        wall = 0.0
+        due = time.perf_counter()
         for p in params[10:]:
+            if interval:
+                due += interval
+            t0 = time.perf_counter()
             conn.execute(sql, p, prepare=True).fetchall()
-        wall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            wall += t1 - t0
+            if interval and due > t1:
+                time.sleep(due - t1)
         cpu = cpu_seconds(backend) - cpu0
     return 1e6 * cpu / transactions, 1e6 * wall / transactions
 
@@ -64,9 +78,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transactions", type=int, default=1500, help="timed transactions per case and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interval", type=float, default=0.0, metavar="SECONDS",
+                        help="start each transaction this long after the one before started (0: back to back)")
     args = parser.parse_args()
-    if args.transactions < 100 or args.rounds < 1:
-        parser.error("--transactions must be at least 100 (the CPU is read in 10 ms ticks), --rounds at least 1")
+    if args.transactions < 100 or args.rounds < 1 or not 0 <= args.interval < 1:
+        parser.error("--transactions must be at least 100 (the CPU is read in 10 ms ticks), --rounds at least 1, "
+                     "--interval in [0, 1)")
     pg = PrivatePostgres(tempfile.mkdtemp(prefix="dmq-bench-commit-"))
     best: dict[tuple[str, str], tuple[float, float]] = {}
     try:
@@ -79,18 +96,20 @@ def main() -> int:
         for _ in range(args.rounds):  # alternated, so that a slower minute falls on every case alike
             for name, sql, batch in CASES:
                 for sync in ("on", "off"):
-                    cpu, wall = measure(dsn, sql, batch, args.transactions, sync, first)
+                    cpu, wall = measure(dsn, sql, batch, args.transactions, sync, first, args.interval)
                     first += args.transactions + 10
                     old = best.get((name, sync))
                     best[(name, sync)] = (min(cpu, old[0]), min(wall, old[1])) if old else (cpu, wall)
     finally:
         pg.stop()
-    report(best, args.transactions, args.rounds)
+    report(best, args.transactions, args.rounds, args.interval)
     return 0
 
 
-def report(best: dict[tuple[str, str], tuple[float, float]], transactions: int, rounds: int) -> None:
-    print(f"{transactions:,} transactions per case and round, best of {rounds} rounds, one connection")
+def report(best: dict[tuple[str, str], tuple[float, float]], transactions: int, rounds: int,
+           interval: float = 0.0) -> None:
+    paced = f", each started {interval * 1e3:g} ms after the one before" if interval else ", back to back"
+    print(f"{transactions:,} transactions per case and round{paced}, best of {rounds} rounds, one connection")
     print(f"{'statement, sends':28s} {'sync commit':>11s} {'backend us/tx':>14s} {'us/message':>11s} {'wall us/tx':>11s}")
     for name, _, batch in CASES:
         for sync in ("on", "off"):
