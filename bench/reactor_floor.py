@@ -157,12 +157,14 @@ def serve(port_q: Any, loop: str, interval: float) -> None:
         _selectors_server(port_q)
 
 
-def client(port: int, rate: float, seconds: float, start: Any, out: Any) -> None:
+def client(port: int, rate: float, seconds: float, ready: Any, start: Any, out: Any) -> None:
     """One paced producer: message k written when due (start + k / rate); answers read
-    as they come, without blocking the schedule. Reports (sent, answered)."""
+    as they come, without blocking the schedule. Says when it is connected; reports
+    (sent, answered)."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setblocking(False)
+    ready.put(True)
     start.wait()
     sent = answered = 0
     t0 = time.perf_counter()
@@ -206,16 +208,17 @@ def cpu_ticks(pid: int) -> tuple[int, int]:
 
 def one_round(loop: str, rate: float, seconds: float, interval: float) -> dict:
     ctx = mp.get_context("spawn")  # each loop in a fresh interpreter: no reactor left installed
-    port_q, out, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    port_q, ready, out, start = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     server = ctx.Process(target=serve, args=(port_q, loop, interval), daemon=True)
     server.start()
     try:
         port = port_q.get(timeout=30)
-        clients = [ctx.Process(target=client, args=(port, rate / CLIENTS, seconds, start, out), daemon=True)
+        clients = [ctx.Process(target=client, args=(port, rate / CLIENTS, seconds, ready, start, out), daemon=True)
                    for _ in range(CLIENTS)]
         for c in clients:
             c.start()
-        time.sleep(1.0)  # connected, the server idle again
+        for _ in clients:
+            ready.get(timeout=30)  # connected: the accepts are in the baseline, not the figure
         user0, sys0 = cpu_ticks(server.pid)
         start.set()
         results = [out.get(timeout=seconds + 60) for _ in clients]
