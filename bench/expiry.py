@@ -122,6 +122,11 @@ def main() -> None:
     parser.add_argument("--done-ranges", type=int, default=0,
                         help="the channel's cursor holds this many done ranges (acks out of order) before the passes")
     args = parser.parse_args()
+    if args.passes < 1 or args.rounds < 1 or args.done_ranges < 0:
+        parser.error("--passes and --rounds must be at least 1, --done-ranges at least 0")
+    if 2 * args.done_ranges > args.waiting or args.waiting - args.done_ranges < BATCH:
+        parser.error(f"--done-ranges R takes every other one of the first 2R waiting copies, and the batch pass "
+                     f"needs {BATCH:,} left: --waiting must be at least 2R and at least R + {BATCH:,}")
     os.environ["DMQ_BENCH_EXPIRY_PASSES"] = str(args.passes)
     os.environ["DMQ_BENCH_EXPIRY_DONE_RANGES"] = str(args.done_ranges)
     trees = [str(Path(t).resolve()) for t in (args.tree or [HERE.parent])]

@@ -54,6 +54,20 @@ ANSWER = b"a" * 16
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+class WholeSends:
+    """The sends a connection's reads complete: TCP may split a write or join two, so a
+    read owes an answer for each send it finishes, none for a part."""
+
+    __slots__ = ("partial",)
+
+    def __init__(self) -> None:
+        self.partial = 0
+
+    def completed(self, data: bytes) -> int:
+        count, self.partial = divmod(self.partial + len(data), len(SEND))
+        return count
+
+
 def _twisted_server(port_q: Any, loop: str, interval: float) -> None:
     if loop == "twisted-uvloop":
         import asyncio
@@ -79,9 +93,12 @@ def _twisted_server(port_q: Any, loop: str, interval: float) -> None:
     class Answer(Protocol):
         def connectionMade(self) -> None:
             self.transport.setTcpNoDelay(True)
+            self.sends = WholeSends()
 
         def dataReceived(self, data: bytes) -> None:
-            count = len(data) // len(SEND) or 1  # a read of two sends (rare at this rate) owes two
+            count = self.sends.completed(data)
+            if not count:
+                return
             if gathered:
                 owed[self] = owed.get(self, 0) + count
             else:
@@ -107,10 +124,13 @@ def _uvloop_server(port_q: Any) -> None:
     class Answer(asyncio.Protocol):
         def connection_made(self, transport: Any) -> None:
             self.transport = transport
+            self.sends = WholeSends()
             transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def data_received(self, data: bytes) -> None:
-            self.transport.write(ANSWER * (len(data) // len(SEND) or 1))
+            count = self.sends.completed(data)
+            if count:
+                self.transport.write(ANSWER * count)
 
     async def serve() -> None:
         server = await asyncio.get_running_loop().create_server(Answer, "127.0.0.1", 0)
@@ -137,14 +157,14 @@ def _selectors_server(port_q: Any) -> None:
                 conn, _ = listener.accept()
                 conn.setblocking(False)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                selector.register(conn, selectors.EVENT_READ)
+                selector.register(conn, selectors.EVENT_READ, WholeSends())
                 continue
             data = sock.recv(65536)
             if not data:
                 selector.unregister(sock)
                 sock.close()
-            else:
-                sock.send(ANSWER * (len(data) // len(SEND) or 1))
+            elif count := key.data.completed(data):
+                sock.send(ANSWER * count)
 
 
 def serve(port_q: Any, loop: str, interval: float) -> None:
@@ -170,10 +190,12 @@ def client(port: int, rate: float, seconds: float, ready: Any, start: Any, out: 
     t0 = time.perf_counter()
     end = t0 + seconds
 
-    def read_answers(wait: float) -> int:
+    def read_answers(wait: float, expected: int | None = None) -> int:
+        """Answer bytes read until ``wait`` has passed (or, with ``expected``, as soon as
+        that many have come)."""
         got = 0
         deadline = time.perf_counter() + wait
-        while True:
+        while expected is None or got < expected:
             try:
                 chunk = sock.recv(65536)
             except BlockingIOError:
@@ -184,6 +206,7 @@ def client(port: int, rate: float, seconds: float, ready: Any, start: Any, out: 
             if not chunk:
                 return got
             got += len(chunk)
+        return got
 
     while True:
         due = t0 + sent / rate
@@ -194,7 +217,8 @@ def client(port: int, rate: float, seconds: float, ready: Any, start: Any, out: 
             answered += read_answers(wait)
         sock.sendall(SEND)
         sent += 1
-    answered += read_answers(0.5)  # the last answers (a gathered loop holds them an interval)
+    # the last answers (a gathered loop holds them an interval; a loaded machine longer)
+    answered += read_answers(30.0, expected=sent * len(ANSWER) - answered)
     sock.close()
     out.put((sent, answered // len(ANSWER)))
 
